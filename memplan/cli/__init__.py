@@ -1,0 +1,1 @@
+"""The command line: typer commands, thin over the library."""

@@ -1,0 +1,1 @@
+"""The analytic cost model: pure functions of the specs, standard library only."""

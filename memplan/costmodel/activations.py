@@ -1,0 +1,150 @@
+"""Activation bytes one rank holds for one micro-batch, term by term.
+
+Each function returns bytes for one micro-batch of ``b`` sequences of ``s`` tokens on this
+rank (``s`` is already divided by context parallelism). Notation as in Korthikanti et al.
+2022 (arXiv 2205.05198): h hidden, a heads, t tensor-parallel size, d bytes per activation
+element; q = a * head_dim and kv = kv_heads * head_dim generalise their 3h for GQA, and f the
+FFN size their 4h. The runtime profiles (``runtimes.py``) compose these terms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.specs.model import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What activation sizes depend on, resolved for one rank."""
+
+    model: ModelSpec
+    b: int  # micro-batch (sequences)
+    s: int  # tokens per sequence on this rank (seq_len / cp)
+    span: int  # keys each query attends to (the full sequence)
+    t: int  # tensor-parallel size
+    sp: bool  # sequence parallel: the non-TP regions are sharded by t too
+    d: int  # bytes per activation element (compute dtype)
+    eager: bool  # eager attention (s x s scores kept) or flash
+    dropout: bool  # dropout masks (1 byte per element) kept
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+    @property
+    def rep(self) -> int:
+        """Divisor of the regions outside TP (norms, residuals): t with SP, else 1."""
+        return self.t if self.sp else 1
+
+
+def korthikanti_replicated(x: Shape) -> int:
+    """Norm inputs 2dh, QKV input dh, MLP input dh, two dropout masks 2h: 10sbh at d=2.
+
+    Korthikanti Sec. 4.1: the part not split by TP (split by t under sequence parallelism).
+    """
+    h = x.model.hidden_size
+    masks = 2 * h if x.dropout else 0
+    return x.tokens * (4 * x.d * h + masks) // x.rep
+
+
+def korthikanti_parallel(x: Shape) -> int:
+    """Q, K, V, projection input, MLP internals, split by t: 24sbh/t for MHA with f = 4h.
+
+    Q d*q, K and V d*kv each, projection input d*q; MLP plain: activation input and fc2 input
+    2df; gated (SwiGLU): fc1 output (gate and up) 2df plus fc2 input df.
+    """
+    m = x.model
+    mlp = (3 if m.mlp == "gated" else 2) * m.ffn_size
+    return x.tokens * x.d * (2 * m.q_size + 2 * m.kv_size + mlp) // x.t
+
+
+def korthikanti_attention_core(x: Shape) -> int:
+    """Eager: softmax output d*a*s, dropout mask a*s and output d*a*s per token, split by t (5as
+    at d=2). Flash: only the fp32 log-sum-exp, 4 bytes per head per token (Dao 2022).
+    """
+    a = x.model.num_attention_heads
+    if not x.eager:
+        return x.tokens * 4 * a // x.t
+    per_score = x.d + (x.d + 1 if x.dropout else 0)
+    return x.tokens * a * x.span * per_score // x.t
+
+
+def layer_input(x: Shape) -> int:
+    """What a fully recomputed layer keeps: its input, d*h per token (2sbh in Table 2)."""
+    return x.tokens * x.d * x.model.hidden_size // x.rep
+
+
+def hf_rmsnorm(x: Shape) -> int:
+    """LlamaRMSNorm (transformers): upcast to fp32, x * rsqrt(mean(x^2) + eps), cast, * weight.
+
+    Saved for backward: fp32 input (pow, mul) 4h, normalised value cast back (weight mul) dh,
+    output (next matmul) dh, rsqrt 4 per token. In fp32 the upcast is the input itself, so the
+    norm keeps its input (4h), the normalised value 4h and the output 4h. Measured exactly
+    with MemTracker (docs/cost-model.md).
+    """
+    h = x.model.hidden_size
+    per_token = 4 * h + 2 * x.d * h + 4
+    return x.tokens * per_token // x.rep
+
+
+def hf_sdpa_attention(x: Shape) -> int:
+    """transformers' Llama attention with SDPA (flash / memory-efficient backend).
+
+    Kept: RoPE'd q (d*q) and k (d*kv) and v (d*kv) for SDPA, the output (d*q, the same storage
+    o_proj keeps) and the log-sum-exp (4 bytes x heads). GQA goes to SDPA unrepeated. The
+    pre-RoPE q and k are freed: q*cos and rotate_half(q)*sin save only cos and sin.
+    """
+    m = x.model
+    per_token = x.d * (2 * m.q_size + 2 * m.kv_size) + 4 * m.num_attention_heads
+    return x.tokens * per_token // x.t
+
+
+def hf_eager_attention(x: Shape) -> int:
+    """transformers' ``eager_attention_forward``: scores materialised.
+
+    Kept: RoPE'd q, k, v; K and V repeated to all heads (``repeat_kv``) when GQA; the fp32
+    softmax output (4 a s per token) and, below fp32, its cast to d; the transposed output d*q.
+    """
+    m = x.model
+    a = m.num_attention_heads
+    qkv = m.q_size + 2 * m.kv_size
+    repeated = 2 * m.q_size if m.kv_heads < a else 0
+    probs = a * x.span * (4 + (x.d if x.d < 4 else 0))
+    per_token = x.d * (qkv + repeated + m.q_size) + probs
+    return x.tokens * per_token // x.t
+
+
+def hf_mlp(x: Shape) -> int:
+    """LlamaMLP down(act(gate(x)) * up(x)): gate out, act out, up out and product, 4df per token."""
+    m = x.model
+    per_token = (4 if m.mlp == "gated" else 2) * x.d * m.ffn_size
+    return x.tokens * per_token // x.t
+
+
+def moe_extra(x: Shape, ep: int) -> int:
+    """Extra activations of an MoE layer over a dense one (token-choice top-k routing).
+
+    Router logits and probabilities in fp32 (2 * 4E per token), tokens dispatched to experts
+    (d*h per routed copy), expert MLPs on top_k copies of each token (balanced routing:
+    each EP rank receives tokens * top_k / ep * ep), shared experts on every token; the dense
+    MLP term of the layer is replaced, so it is subtracted by the caller.
+    """
+    m = x.model
+    moe = m.moe
+    assert moe is not None
+    routed = x.tokens * moe.top_k
+    expert_mlp = (4 if m.mlp == "gated" else 2) * x.d * moe.expert_ffn_size
+    shared = moe.num_shared_experts * (4 if m.mlp == "gated" else 2) * x.d * moe.shared_ffn_size
+    router = x.tokens * 8 * moe.num_experts
+    return router + routed * (x.d * m.hidden_size + expert_mlp // x.t) + x.tokens * shared // x.t
+
+
+def logits(x: Shape, vocab: int) -> int:
+    """The LM head's output b*s*V/t in the compute dtype."""
+    return x.tokens * x.d * vocab // x.t
+
+
+def fp32_logits(x: Shape, vocab: int) -> int:
+    """One fp32 tensor of b*s*V/t: the upcast for the loss, log_softmax's output or its gradient."""
+    return x.tokens * 4 * vocab // x.t

@@ -1,0 +1,318 @@
+"""Per-rank memory of a training step or an inference batch: the peak over phases.
+
+A steady-state training step peaks in one of three phases (DESIGN.md, "Phases"):
+
+- forward end: model states, every in-flight micro-batch's saved activations, the logits and
+  the loss's tensors, and what the loop still holds from the previous step;
+- backward start: the same minus the forward-only transients, plus the loss gradients (and,
+  with recomputation, one layer's activations rebuilt); backward end: gradients complete;
+- optimizer step: parameters, gradients, states and the step's temporaries.
+
+Pipeline stages differ, so the first and the last stage are both evaluated and the report
+is for the one with the higher peak (the most-loaded rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memplan.costmodel import activations as A
+from memplan.costmodel import overhead as O
+from memplan.costmodel.layout import StageLayout, stage_layout
+from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, state_bytes_per_param
+from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
+from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
+from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.workload import InferenceWorkload, TrainingWorkload
+
+ZERO3_PREFETCH_LAYERS = 2  # FSDP / ZeRO-3: the current layer and the one prefetched
+
+
+@dataclass(frozen=True, slots=True)
+class _States:
+    params: int
+    grads: int
+    optimizer: int
+    optimizer_temp: int
+    cpu: int
+    nvme: int
+
+
+def gradient_accumulation(workload: TrainingWorkload, plan: Plan) -> int:
+    """Micro-batches per step on one rank: global_batch / (micro_batch x dp)."""
+    if workload.global_batch is None:
+        return 1
+    return max(1, workload.global_batch // (workload.micro_batch * plan.dp))
+
+
+def inflight_layers(plan: Plan, stage: int, accumulation: int, layers: int) -> float:
+    """Layers' worth of one micro-batch's activations held at once on pipeline rank ``stage``.
+
+    No pipeline: one micro-batch. 1F1B (Narayanan et al. 2021): rank i holds min(p - i, m)
+    micro-batches of its L/p layers. Interleaved (Megatron-LM schedules.py warm-up): rank i
+    holds min(2(p - i - 1) + (v - 1)p + 1, m v) chunks of L/(p v) layers, which for rank 0
+    is L(1 + (p - 1)/(p v)) (Korthikanti et al. 2022, Sec. 4.2.3). GPipe: all m micro-batches.
+    """
+    p, m = plan.pp, accumulation
+    if p == 1:
+        return layers
+    if plan.pp_schedule == "gpipe":
+        return m * layers
+    if plan.pp_schedule == "1f1b":
+        return min(p - stage, m) * layers
+    v = plan.virtual_stages
+    chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+    return chunks * layers / v
+
+
+def inflight_microbatches(plan: Plan, stage: int, accumulation: int) -> int:
+    """Micro-batches whose forward has run but not their backward, on pipeline rank ``stage``."""
+    if plan.pp == 1:
+        return 1
+    if plan.pp_schedule == "gpipe":
+        return accumulation
+    return min(plan.pp - stage, accumulation)
+
+
+def model_states(layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float) -> _States:
+    """Bytes of params, grads and optimizer states on one rank (ZeRO, Rajbhandari et al. 2020).
+
+    Dense params shard over the dp x cp ranks, routed experts over dp x cp / ep. Stage 1
+    shards optimizer states (with fp32 master weights), 2 also gradients, 3 also params.
+    Offloaded states move to CPU or NVMe with their shard.
+    """
+    group = plan.dp * plan.cp
+    shard = layout.dense_params / group + layout.expert_params / (group // plan.ep)
+    full = layout.params
+    params_n = shard if plan.zero >= 3 else full
+    grads_n = shard if plan.zero >= 2 else full
+    opt_n = shard if plan.zero >= 1 else full
+    opt_bytes = int(opt_n * state_bytes_per_param(plan.optimizer, policy, factored))
+    params_bytes = int(params_n * policy.param_bytes)
+    cpu = nvme = 0
+    if plan.offload_optimizer != "none":
+        # ZeRO-Offload keeps fp32 gradients beside the states on the host
+        host = opt_bytes + (int(opt_n * 4) if policy.master_bytes else 0)
+        cpu, nvme = (host, 0) if plan.offload_optimizer == "cpu" else (int(opt_n * 4), opt_bytes)
+        opt_bytes = 0
+    if plan.offload_params != "none":
+        cpu, nvme = (cpu + params_bytes, nvme) if plan.offload_params == "cpu" else (cpu, nvme + params_bytes)
+        params_bytes = 0
+    temp = 0 if plan.offload_optimizer != "none" else int(opt_n * foreach_temp_bytes_per_param(plan.optimizer, policy))
+    return _States(params_bytes, int(grads_n * policy.grad_bytes), opt_bytes, temp, cpu, nvme)
+
+
+def _shape(model: ModelSpec, workload: TrainingWorkload, plan: Plan, policy: PrecisionPolicy, rt: RuntimeProfile) -> A.Shape:
+    s = workload.seq_len // plan.cp
+    return A.Shape(
+        model=model, b=workload.micro_batch, s=s, span=s, t=plan.tp, sp=plan.sequence_parallel and plan.tp > 1,
+        d=policy.compute_bytes, eager=plan.attention == "eager", dropout=rt.dropout,
+    )
+
+
+def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, plan: Plan, moe_fraction: float, ep: int) -> int:
+    """One layer, one micro-batch, stored under the plan's recomputation policy (no full)."""
+    if plan.recompute == "selective":
+        # Korthikanti Sec. 5: recompute the attention core (scores, softmax, dropout)
+        x = replace(x, eager=False)
+    per_layer = rt.layer(x)
+    if moe_fraction and x.model.moe is not None:
+        dense_mlp = A.hf_mlp(x)
+        per_layer += int(moe_fraction * (A.moe_extra(x, ep) - dense_mlp))
+    return per_layer
+
+
+def layer_temp(x: A.Shape) -> int:
+    """Gradient temporaries of a layer's backward at its peak: the gradient of the layer's
+    output (b*s*h) and of the MLP's activation (b*s*f/t), in d (measured with MemTracker
+    on transformers' Llama)."""
+    ffn = x.model.moe.expert_ffn_size if x.model.moe else x.model.ffn_size
+    return x.tokens * x.d * (ffn // x.t + x.model.hidden_size // x.rep)
+
+
+def _moe_fraction(model: ModelSpec, layout: StageLayout, plan: Plan) -> float:
+    if model.moe is None or layout.layers == 0:
+        return 0.0
+    from memplan.costmodel.layout import stage_layer_indices
+
+    indices = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, layout.stage)
+    return sum(model.is_moe_layer(i) for i in indices) / len(indices)
+
+
+def _stage_phases(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, stage: int, accumulation: int
+) -> tuple[dict[str, dict[str, int]], _States, int, int]:
+    """Breakdowns of each phase for one pipeline stage, plus states, per-layer and total activations."""
+    policy = POLICIES[plan.precision]
+    layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
+    factored = 1 / model.hidden_size + 1 / model.ffn_size
+    st = model_states(layout, plan, policy, factored)
+    x = _shape(model, workload, plan, policy, rt)
+    full_layer = layer_activation_bytes(x, rt, plan, _moe_fraction(model, layout, plan), plan.ep)
+    layers = layout.layers
+    recomputed = 0
+    if plan.recompute == "full":
+        recomputed = layers if plan.recompute_layers is None else min(plan.recompute_layers, layers)
+    stored = (layers - recomputed) * full_layer + recomputed * A.layer_input(x)
+    per_layer = A.layer_input(x) if recomputed else full_layer
+    mbs = inflight_microbatches(plan, stage, accumulation)
+    layer_acts = int(stored * inflight_layers(plan, stage, accumulation, layers) / layers) if layers else 0
+    embed = rt.embedding(x) * mbs if layout.is_first else 0
+    head = rt.head(x) * mbs if layout.is_last else 0
+    loss_fwd = rt.loss_forward(x) if layout.is_last else 0
+    loss_bwd = rt.loss_backward(x) if layout.is_last else 0
+    retained = rt.retained(x, layers, plan.recompute == "full") if layout.is_last else 0
+
+    # communication buffers
+    gathered = 0
+    rs_buffer = 0
+    sharded = plan.dp * plan.cp > 1
+    if plan.zero >= 3 and sharded:
+        unit = max(layout.largest_layer_params, -(-model.vocab_size // plan.tp) * model.hidden_size)
+        gathered = ZERO3_PREFETCH_LAYERS * unit * min(policy.param_bytes, policy.compute_bytes)
+        rs_buffer = layout.largest_layer_params * policy.grad_bytes
+    elif plan.zero == 2 and sharded:
+        rs_buffer = layout.largest_layer_params * policy.grad_bytes
+    ddp_copy = st.grads if plan.zero == 0 and plan.dp * plan.cp > 1 and rt.ddp_grad_copy else 0
+    p2p = 2 * x.tokens * x.d * model.hidden_size // x.rep if plan.pp > 1 else 0
+    # gradients exist during forward / early backward only if kept across steps or accumulated
+    grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1) else 0
+    master_grads = 0
+    if rt.master_grads_fp32 and policy.master_bytes and plan.offload_optimizer == "none":
+        opt_n = st.optimizer / max(state_bytes_per_param(plan.optimizer, policy, factored), 1e-9)
+        master_grads = int(opt_n * 4)
+
+    base = {"parameters": st.params, "optimizer_states": st.optimizer}
+    fwd = {
+        **base, "gradients": grads_in_step, "activations": layer_acts + embed, "logits_and_loss": head + loss_fwd,
+        "comm_buffers": gathered + p2p + ddp_copy, "retained_outputs": retained,
+    }
+    bwd_start = {  # the loss's gradients appear; every activation is still saved
+        **base, "gradients": grads_in_step, "activations": layer_acts + embed,
+        "logits_and_loss": head + loss_bwd, "comm_buffers": gathered + rs_buffer + p2p + ddp_copy,
+    }
+    # the last layer's backward: the other in-flight micro-batches' activations, this
+    # layer's (rebuilt when recomputed) and one b*s*f gradient temporary (the MLP's),
+    # gradients nearly complete; the loop may still hold the logits
+    others = layer_acts - stored if layers else 0
+    bwd_end = {
+        **base, "gradients": st.grads, "activations": others + full_layer + embed + layer_temp(x),
+        "logits_and_loss": retained, "comm_buffers": gathered + rs_buffer + p2p + ddp_copy,
+    }
+    opt = {
+        **base, "gradients": st.grads, "optimizer_temp": st.optimizer_temp + master_grads,
+        "comm_buffers": ddp_copy, "retained_outputs": retained,
+    }
+    bwd = bwd_start if sum(bwd_start.values()) >= sum(bwd_end.values()) else bwd_end
+    phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
+    total_acts = layer_acts + embed + head
+    return phases, st, per_layer, total_acts
+
+
+def estimate_training(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str = "memplan") -> MemoryReport:
+    """Peak per-rank memory of a steady-state training step, over phases and pipeline stages."""
+    rt = RUNTIMES[runtime]
+    accumulation = gradient_accumulation(workload, plan)
+    stages = sorted({0, plan.pp - 1})
+    best = None
+    stage_peaks: dict[int, int] = {}
+    for stage in stages:
+        phases, st, per_layer, total_acts = _stage_phases(model, workload, plan, rt, stage, accumulation)
+        totals = {name: sum(b.values()) for name, b in phases.items()}
+        peak_phase = max(totals, key=lambda name: totals[name])
+        stage_peaks[stage] = totals[peak_phase]
+        if best is None or totals[peak_phase] > best[0]:
+            best = (totals[peak_phase], stage, peak_phase, phases, st, per_layer, total_acts, totals)
+    assert best is not None
+    allocated, stage, phase, phases, st, per_layer, total_acts, totals = best
+    overhead = O.fixed_overhead_bytes(O.communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep))
+    breakdown = {k: v for k, v in phases[phase].items() if v}
+    return MemoryReport.model_construct(
+        model_states=ModelStates.model_construct(parameters=st.params, gradients=st.grads, optimizer_states=st.optimizer),
+        activations=Activations.model_construct(per_layer=per_layer, total=total_acts),
+        kv_cache=0,
+        peak=Peak.model_construct(
+            allocated=allocated,
+            reserved=O.reserved_bytes(allocated, overhead),
+            phase=phase,
+            rank=stage * plan.tp * plan.cp * plan.dp,
+            stage=stage,
+            rank_role=_role(stage, plan.pp),
+            breakdown=breakdown,
+        ),
+        offload=Offload.model_construct(cpu=st.cpu, nvme=st.nvme),
+        phases=totals,
+        stage_peaks=stage_peaks,
+        overhead=overhead,
+        gradient_accumulation=accumulation,
+    )
+
+
+def _role(stage: int, pp: int) -> str:
+    if pp == 1:
+        return "every rank (no pipeline)"
+    return "first pipeline stage" if stage == 0 else "last pipeline stage"
+
+
+def kv_cache_bytes(model: ModelSpec, workload: InferenceWorkload, layers: int, tp: int) -> int:
+    """2 (K and V) x layers x batch x context x kv_heads/tp x head_dim x kv bytes.
+
+    With a paged cache (vLLM, Kwon et al. 2023) each sequence's context is rounded up to
+    whole blocks. KV heads are split by TP (replicated when fewer than tp).
+    """
+    context = workload.context
+    if workload.block_size:
+        context = -(-context // workload.block_size) * workload.block_size
+    kv_heads = max(model.kv_heads // tp, 1)
+    return 2 * layers * workload.batch * context * kv_heads * model.head_size * KV_BYTES[workload.kv_dtype]
+
+
+def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan) -> MemoryReport:
+    """Serving memory: weights in the compute dtype, the KV cache for the whole context, and
+    the prefill's working set (one layer's temporaries for the prompt, last-token logits)."""
+    policy = POLICIES[plan.precision]
+    best = None
+    stage_peaks: dict[int, int] = {}
+    for stage in sorted({0, plan.pp - 1}):
+        layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
+        weights = layout.params * (1 if policy.fp8_matmuls else policy.compute_bytes)
+        kv = kv_cache_bytes(model, workload, layout.layers, plan.tp)
+        d, t = policy.compute_bytes, plan.tp
+        tokens = workload.batch * workload.prompt_tokens
+        ffn = model.moe.expert_ffn_size if model.moe else model.ffn_size
+        work = tokens * d * (2 * model.hidden_size + (2 * model.q_size + 2 * model.kv_size + 3 * ffn) // t)
+        if layout.is_last:
+            work += workload.batch * 4 * model.vocab_size // t
+        allocated = weights + kv + work
+        stage_peaks[stage] = allocated
+        if best is None or allocated > best[0]:
+            best = (allocated, stage, weights, kv, work)
+    assert best is not None
+    allocated, stage, weights, kv, work = best
+    overhead = O.fixed_overhead_bytes(O.communicators(1, plan.tp, plan.pp, 1, plan.ep))
+    return MemoryReport.model_construct(
+        model_states=ModelStates.model_construct(parameters=weights, gradients=0, optimizer_states=0),
+        activations=Activations.model_construct(per_layer=work, total=work),
+        kv_cache=kv,
+        peak=Peak.model_construct(
+            allocated=allocated, reserved=O.reserved_bytes(allocated, overhead), phase="prefill",
+            rank=stage * plan.tp, stage=stage, rank_role=_role(stage, plan.pp),
+            breakdown={k: v for k, v in {"parameters": weights, "kv_cache": kv, "activations": work}.items() if v},
+        ),
+        offload=Offload.model_construct(cpu=0, nvme=0),
+        phases={"prefill": allocated},
+        stage_peaks=stage_peaks,
+        overhead=overhead,
+        gradient_accumulation=1,
+    )
+
+
+def estimate_memory(
+    model: ModelSpec, workload: TrainingWorkload | InferenceWorkload, plan: Plan, runtime: str = "memplan"
+) -> MemoryReport:
+    """Per-rank memory of one configuration: training step or inference batch."""
+    if isinstance(workload, InferenceWorkload):
+        return estimate_inference(model, workload, plan)
+    return estimate_training(model, workload, plan, runtime)

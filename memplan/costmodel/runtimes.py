@@ -1,0 +1,176 @@
+"""Runtime profiles: how one training code holds activations, by name.
+
+The same model trained by different code keeps different tensors (eager vs flash attention,
+fp32 norm upcasts, fp32 logits for the loss, outputs the loop keeps alive). A profile is the
+set of functions the memory model asks, each for one micro-batch on one rank:
+
+- ``layer``: what one transformer layer saves for backward (no recomputation);
+- ``head``: what the last stage saves after the final norm: logits and the loss's tensors;
+- ``loss_forward`` / ``loss_backward``: transients on top, at the end of the forward and at
+  the start of the backward;
+- ``retained``: what the training loop keeps across steps (transformers' returned outputs);
+- ``grads_persistent``: gradients stay allocated across steps (contiguous grad buffers)
+  instead of ``zero_grad(set_to_none=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from memplan.costmodel import activations as A
+from memplan.costmodel.activations import Shape
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeProfile:
+    name: str
+    description: str
+    layer: Callable[[Shape], int]
+    head: Callable[[Shape], int]
+    loss_forward: Callable[[Shape], int]
+    loss_backward: Callable[[Shape], int]
+    embedding: Callable[[Shape], int]
+    retained: Callable[[Shape, int, bool], int]
+    grads_persistent: bool
+    master_grads_fp32: bool  # the optimizer step builds fp32 grads for the master weights
+    dropout: bool  # dropout masks kept (1 byte per element)
+    ddp_grad_copy: bool  # DDP buckets hold a second copy of the grads (no gradient_as_bucket_view)
+
+
+def _vocab(x: Shape) -> int:
+    return x.model.vocab_size
+
+
+# --- megatron: Korthikanti et al. 2022, Sec. 4 -------------------------------------------
+
+
+def megatron_layer(x: Shape) -> int:
+    """Table 2: sbh(34 + 5as/h) generalised (GQA, SwiGLU, flash), with TP / SP splits."""
+    return A.korthikanti_replicated(x) + A.korthikanti_parallel(x) + A.korthikanti_attention_core(x)
+
+
+def megatron_head(x: Shape) -> int:
+    """Sec. 4.3: final norm input and output-layer input (2 x dh, split by t with SP),
+    logits b*s*V/t in d and the cross-entropy's fp32 softmax 4sbV/t."""
+    norm = 2 * x.tokens * x.d * x.model.hidden_size // x.rep
+    return norm + A.logits(x, _vocab(x)) + A.fp32_logits(x, _vocab(x))
+
+
+def megatron_loss_backward(x: Shape) -> int:
+    """The vocab-parallel cross-entropy writes its fp32 gradient into the saved softmax; the
+    cast of that gradient to the compute dtype for the output layer's backward is extra."""
+    return A.logits(x, _vocab(x))
+
+
+def megatron_embedding(x: Shape) -> int:
+    """Embedding dropout mask, 1 byte per element (Sec. 4.3), split by t with SP."""
+    return x.tokens * x.model.hidden_size // x.rep if x.dropout else 0
+
+
+def _nothing(x: Shape) -> int:
+    return 0
+
+
+def _nothing_retained(x: Shape, layers: int, recompute: bool) -> int:
+    return 0
+
+
+MEGATRON = RuntimeProfile(
+    name="megatron",
+    description="Megatron-LM: Korthikanti et al. 2022 per-layer activations, dropout masks, "
+    "fp32 vocab-parallel cross-entropy, contiguous fp32-free grad buffers",
+    layer=megatron_layer,
+    head=megatron_head,
+    loss_forward=_nothing,
+    loss_backward=megatron_loss_backward,
+    embedding=megatron_embedding,
+    retained=_nothing_retained,
+    grads_persistent=True,
+    master_grads_fp32=True,
+    dropout=True,
+    ddp_grad_copy=False,
+)
+
+
+# --- hf: a transformers training step of the Llama family -------------------------------
+
+
+def hf_layer(x: Shape) -> int:
+    """LlamaDecoderLayer: two RMSNorms, attention (SDPA or eager), gated MLP.
+
+    The residual stream needs no extra term: in fp32 each norm keeps its input (the layer
+    input, then the mid-layer residual); below fp32 the norms keep fp32 copies and the bf16
+    residuals are freed once added.
+    """
+    attention = A.hf_eager_attention(x) if x.eager else A.hf_sdpa_attention(x)
+    return 2 * A.hf_rmsnorm(x) + attention + A.hf_mlp(x)
+
+
+def hf_head(x: Shape) -> int:
+    """Final norm, logits (kept by the returned outputs) in d, the fp32 log_softmax output
+    that cross_entropy saves, and the shifted int64 labels (2 x 8 bytes per token)."""
+    labels = 16 * x.tokens
+    return A.hf_rmsnorm(x) + A.logits(x, _vocab(x)) + A.fp32_logits(x, _vocab(x)) + labels
+
+
+def hf_loss_forward(x: Shape) -> int:
+    """``ForCausalLMLoss`` upcasts the logits (``logits.float()``): a fp32 copy while
+    log_softmax runs (none when the logits are already fp32)."""
+    return A.fp32_logits(x, _vocab(x)) if x.d < 4 else 0
+
+
+def hf_loss_backward(x: Shape) -> int:
+    """nll_loss's gradient and log_softmax's gradient, both fp32 b*s*V, beside the saved
+    log_softmax output (measured: +2 x 4bsV at the start of the backward)."""
+    return 2 * A.fp32_logits(x, _vocab(x))
+
+
+def hf_embedding(x: Shape) -> int:
+    """RoPE cos and sin (1, s, head_dim) in d, shared by all layers, and int64 position ids."""
+    return 2 * x.s * x.model.head_size * x.d + 8 * x.s
+
+
+def hf_retained(x: Shape, layers: int, recompute: bool) -> int:
+    """The loop ``out = model(...); out.loss.backward(); opt.step()`` keeps ``out`` until
+    the next forward returns: logits in d and, unless gradient checkpointing turned
+    ``use_cache`` off, the DynamicCache of every layer's RoPE'd keys and values."""
+    cache = 0 if recompute else layers * 2 * x.tokens * x.d * x.model.kv_size // x.t
+    return A.logits(x, _vocab(x)) + cache
+
+
+HF = RuntimeProfile(
+    name="hf",
+    description="transformers Llama-family step: model(input_ids, labels), loss.backward(), "
+    "AdamW(foreach=True).step(), zero_grad(set_to_none=True); SDPA or eager attention",
+    layer=hf_layer,
+    head=hf_head,
+    loss_forward=hf_loss_forward,
+    loss_backward=hf_loss_backward,
+    embedding=hf_embedding,
+    retained=hf_retained,
+    grads_persistent=False,
+    master_grads_fp32=False,
+    dropout=False,
+    ddp_grad_copy=True,
+)
+
+# --- memplan: the bundled trainer --------------------------------------------------------
+
+MEMPLAN = RuntimeProfile(
+    name="memplan",
+    description="memplan's bundled trainer: the transformers Llama layer accounting (fp32 "
+    "RMSNorm, flash attention, fp32 loss) without outputs kept across steps",
+    layer=hf_layer,
+    head=hf_head,
+    loss_forward=hf_loss_forward,
+    loss_backward=hf_loss_backward,
+    embedding=hf_embedding,
+    retained=_nothing_retained,
+    grads_persistent=False,
+    master_grads_fp32=True,
+    dropout=False,
+    ddp_grad_copy=False,
+)
+
+RUNTIMES: dict[str, RuntimeProfile] = {p.name: p for p in (MEGATRON, HF, MEMPLAN)}

@@ -1,0 +1,68 @@
+"""GPU profiles and the cluster they sit in."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from memplan.units import parse_bytes, parse_quantity
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
+"""An int of bytes; YAML may say ``80GiB`` or ``141GB``."""
+BytesPerSecond = Annotated[float, BeforeValidator(lambda v: parse_quantity(v, "B")), Field(gt=0)]
+FlopsPerSecond = Annotated[float, BeforeValidator(lambda v: parse_quantity(v, "FLOPS")), Field(gt=0)]
+
+ComputeDtype = Literal["fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp4"]
+
+
+class GPUSpec(BaseModel):
+    """One accelerator: capacity, dense peak throughput, memory and link bandwidths.
+
+    Bandwidths are per direction (NVLink's marketed figure is both directions added).
+    Every figure carries its source in ``sources``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Profile name, e.g. 'h100-sxm'.")
+    display_name: str = Field(description="Marketing name of the part.")
+    vendor: Literal["nvidia", "amd"]
+    memory_bytes: Bytes = Field(description="Device memory usable by the framework, bytes.")
+    hbm_bytes_per_s: BytesPerSecond = Field(description="Memory bandwidth, bytes/s.")
+    peak_flops: dict[ComputeDtype, FlopsPerSecond] = Field(
+        description="Dense (no structured sparsity) peak FLOP/s per compute dtype."
+    )
+    nvlink_bytes_per_s: BytesPerSecond | None = Field(
+        None, description="GPU-to-GPU link bandwidth per direction (NVLink / Infinity Fabric); None if PCIe only."
+    )
+    pcie_bytes_per_s: BytesPerSecond = Field(description="Host link bandwidth per direction, bytes/s.")
+    sources: dict[str, str] = Field(description="Where each figure comes from, keyed by field name.")
+
+    @model_validator(mode="after")
+    def _every_figure_has_a_source(self) -> GPUSpec:
+        figures = ["memory_bytes", "hbm_bytes_per_s", "peak_flops", "pcie_bytes_per_s"]
+        if self.nvlink_bytes_per_s is not None:
+            figures.append("nvlink_bytes_per_s")
+        missing = [f for f in figures if f not in self.sources]
+        if missing:
+            raise ValueError(f"sources: no source given for {', '.join(missing)}")
+        return self
+
+
+class ClusterSpec(BaseModel):
+    """How many GPUs, how they are grouped into nodes, and what the nodes offer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpus_per_node: int = Field(8, gt=0, le=1024, description="GPUs in one node (the NVLink domain).")
+    nodes: int = Field(1, gt=0, le=1_000_000, description="Number of nodes.")
+    inter_node_bytes_per_s: BytesPerSecond = Field(
+        50e9, description="Network bandwidth per GPU across nodes, per direction (400 Gb/s IB = 50 GB/s)."
+    )
+    cpu_memory_bytes: Bytes = Field(2 * 2**40, description="Host memory per node, bytes.")
+    nvme_bytes: Bytes = Field(8 * 10**12, description="Local NVMe capacity per node, bytes.")
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes

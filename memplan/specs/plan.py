@@ -1,0 +1,70 @@
+"""A parallel training plan: degrees, ZeRO, offload, recomputation, precision, optimizer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_MAX_DEGREE = 1_000_000
+
+Offload = Literal["none", "cpu", "nvme"]
+Recompute = Literal["none", "selective", "full"]
+PrecisionName = Literal["fp32", "bf16-mixed", "bf16-master", "fp16-master", "bf16", "fp8"]
+OptimizerName = Literal["adamw", "sgd", "adafactor", "adamw-8bit"]
+AttentionImpl = Literal["flash", "eager"]
+PipelineSchedule = Literal["1f1b", "interleaved", "gpipe"]
+
+
+class Plan(BaseModel):
+    """How one training job is laid out on the GPUs. World size = dp x tp x pp x cp.
+
+    Expert parallelism (ep) splits the experts over ranks of the data x context parallel group,
+    as Megatron-LM does, so it does not add to the world size.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dp: int = Field(1, gt=0, le=_MAX_DEGREE, description="Data-parallel degree.")
+    tp: int = Field(1, gt=0, le=_MAX_DEGREE, description="Tensor-parallel degree.")
+    sequence_parallel: bool = Field(False, description="Shard norms/dropout activations over TP ranks (Megatron SP).")
+    pp: int = Field(1, gt=0, le=_MAX_DEGREE, description="Pipeline-parallel degree (stages).")
+    pp_schedule: PipelineSchedule = "1f1b"
+    virtual_stages: int = Field(1, gt=0, le=1024, description="Model chunks per pipeline rank (interleaved).")
+    cp: int = Field(1, gt=0, le=_MAX_DEGREE, description="Context-parallel degree (sequence split over ranks).")
+    ep: int = Field(1, gt=0, le=_MAX_DEGREE, description="Expert-parallel degree (within dp x cp).")
+    zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer states, 2 + grads, 3 + params.")
+    offload_optimizer: Offload = Field("none", description="Where optimizer states (and master weights) live.")
+    offload_params: Offload = Field("none", description="Where parameters live between uses (ZeRO-3 only).")
+    recompute: Recompute = Field("none", description="Activation recomputation policy.")
+    recompute_layers: int | None = Field(
+        None, gt=0, le=100_000, description="With full recompute: layers per stage recomputed (default: all)."
+    )
+    precision: PrecisionName = "bf16-master"
+    optimizer: OptimizerName = "adamw"
+    attention: AttentionImpl = Field("flash", description="flash: no s x s scores kept; eager: scores materialised.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Plan:
+        if self.pp_schedule == "interleaved" and self.virtual_stages < 2:
+            raise ValueError("virtual_stages: the interleaved schedule needs virtual_stages >= 2")
+        if self.pp_schedule != "interleaved" and self.virtual_stages != 1:
+            raise ValueError(f"virtual_stages: {self.virtual_stages} needs pp_schedule: interleaved")
+        if self.offload_params != "none" and self.zero != 3:
+            raise ValueError(f"offload_params: offloading parameters needs zero: 3 (got zero: {self.zero})")
+        if self.offload_optimizer != "none" and self.zero == 0:
+            raise ValueError("offload_optimizer: offloading optimizer states needs zero >= 1")
+        if self.recompute_layers is not None and self.recompute != "full":
+            raise ValueError("recompute_layers: only meaningful with recompute: full")
+        if self.ep > 1 and (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep: {self.ep} does not divide dp x cp = {self.dp * self.cp}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def stages(self) -> int:
+        """Model chunks in the whole pipeline: pp x virtual stages."""
+        return self.pp * self.virtual_stages

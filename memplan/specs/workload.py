@@ -1,0 +1,48 @@
+"""What the GPUs do: a training step or an inference (prefill + decode) batch."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_MAX_TOKENS = 100_000_000  # longer than any context window in use
+
+
+class TrainingWorkload(BaseModel):
+    """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens.
+
+    Gradient accumulation is derived: global_batch / (micro_batch x data-parallel degree).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["training"] = "training"
+    seq_len: int = Field(2048, gt=0, le=_MAX_TOKENS, description="Tokens per sequence.")
+    micro_batch: int = Field(1, gt=0, le=1_000_000, description="Sequences per forward/backward on one rank.")
+    global_batch: int | None = Field(
+        None, gt=0, le=100_000_000, description="Sequences per optimizer step (default: micro_batch x dp)."
+    )
+
+
+class InferenceWorkload(BaseModel):
+    """Serving a batch: a prompt prefilled, then tokens generated with a KV cache."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["inference"] = "inference"
+    batch: int = Field(1, gt=0, le=1_000_000, description="Concurrent sequences.")
+    prompt_tokens: int = Field(2048, gt=0, le=_MAX_TOKENS)
+    generated_tokens: int = Field(256, ge=0, le=_MAX_TOKENS)
+    kv_dtype: Literal["fp32", "bf16", "fp16", "fp8", "int8"] = Field("bf16", description="KV-cache element type.")
+    block_size: int | None = Field(
+        None, gt=0, le=1_000_000, description="Paged KV cache block size in tokens (vLLM uses 16); None: contiguous."
+    )
+
+    @property
+    def context(self) -> int:
+        """Tokens held per sequence at the end: prompt + generated."""
+        return self.prompt_tokens + self.generated_tokens
+
+
+Workload = Annotated[TrainingWorkload | InferenceWorkload, Field(discriminator="kind")]
