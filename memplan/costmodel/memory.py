@@ -115,9 +115,12 @@ def _shape(model: ModelSpec, workload: TrainingWorkload, plan: Plan, policy: Pre
 def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, plan: Plan, moe_fraction: float, ep: int) -> int:
     """One layer, one micro-batch, stored under the plan's recomputation policy (no full)."""
     if plan.recompute == "selective":
-        # Korthikanti Sec. 5: recompute the attention core (scores, softmax, dropout)
+        # Korthikanti Sec. 5: the attention core (scores, softmax, dropout; with flash its
+        # log-sum-exp) is recomputed, so none of it is stored
         x = replace(x, eager=False)
-    per_layer = rt.layer(x)
+        per_layer = rt.layer(x) - A.korthikanti_attention_core(x)
+    else:
+        per_layer = rt.layer(x)
     if moe_fraction and x.model.moe is not None:
         dense_mlp = A.hf_mlp(x)
         per_layer += int(moe_fraction * (A.moe_extra(x, ep) - dense_mlp))

@@ -73,3 +73,47 @@ def measure_peak(case: Case, steps: int = 3) -> int:
             opt.zero_grad(set_to_none=True)
             tracker.reset_mod_stats()
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+# Tiny Llama / Mistral / Qwen2 configurations: fp32 and bf16, GQA and MHA, tied and untied,
+# with and without gradient checkpointing, vocabulary- and layer-dominated shapes.
+CASES = [
+    Case("llama-fp32-mha"),
+    Case("llama-bf16-mha", dtype="bfloat16"),
+    Case("llama-fp32-gqa", kv_heads=2),
+    Case("llama-bf16-gqa-ckpt", kv_heads=2, dtype="bfloat16", checkpointing=True),
+    Case("llama-fp32-ckpt", checkpointing=True),
+    Case("llama-fp32-tied", tied=True),
+    Case("llama-bf16-tied-ckpt", tied=True, dtype="bfloat16", checkpointing=True),
+    Case("llama-fp32-eager", attention="eager", kv_heads=2),
+    Case("layers-fp32", layers=8, vocab=512, batch=4, seq=192, hidden=192, heads=6, kv_heads=2, ffn=512),
+    Case("layers-bf16", layers=8, vocab=512, batch=4, seq=192, hidden=192, heads=6, kv_heads=2, ffn=512,
+         dtype="bfloat16"),
+    Case("layers-fp32-ckpt", layers=8, vocab=512, batch=4, seq=192, hidden=192, heads=6, kv_heads=2, ffn=512,
+         checkpointing=True),
+    Case("vocab-fp32", vocab=32000, hidden=128, heads=4, kv_heads=4, ffn=344, batch=4, seq=256),
+    Case("vocab-bf16-tied", vocab=32000, hidden=128, heads=4, kv_heads=2, ffn=344, batch=4, seq=256,
+         dtype="bfloat16", tied=True),
+    Case("params-fp32", layers=4, hidden=512, heads=8, kv_heads=8, ffn=1376, batch=1, seq=32),
+    Case("mistral-bf16-gqa", arch="mistral", kv_heads=2, dtype="bfloat16"),
+    Case("mistral-fp32-ckpt", arch="mistral", kv_heads=2, checkpointing=True, layers=4, batch=4),
+    Case("qwen2-fp32-gqa", arch="qwen2", kv_heads=2),
+    Case("qwen2-bf16-tied", arch="qwen2", kv_heads=2, tied=True, dtype="bfloat16"),
+]
+
+
+def predict_peak(case: Case) -> tuple[int, str]:
+    """memplan's ``--runtime hf`` peak.allocated for a case, from its config.json as it is."""
+    from memplan.costmodel.memory import estimate_training
+    from memplan.specs.loader import model_from_data
+    from memplan.specs.plan import Plan
+    from memplan.specs.workload import TrainingWorkload
+
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = Plan(
+        precision="fp32" if case.dtype == "float32" else "bf16",
+        recompute="full" if case.checkpointing else "none",
+        attention="eager" if case.attention == "eager" else "flash",
+    )
+    report = estimate_training(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan, runtime="hf")
+    return report.peak.allocated, report.peak.phase

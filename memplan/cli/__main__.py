@@ -1,0 +1,3 @@
+from memplan.cli.app import main
+
+main()
