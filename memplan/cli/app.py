@@ -9,11 +9,17 @@ from __future__ import annotations
 import os
 import sys
 
-import click
 import typer
 
 from memplan.cli import estimate, profiles
 from memplan.errors import MemplanError
+
+try:  # typer >= 0.20 vendors click as typer._click and no longer depends on click
+    from typer._click import exceptions as _cx
+except ImportError:  # older typer: click itself
+    from click import exceptions as _cx
+
+CLI = "command line"
 
 app = typer.Typer(
     name="memplan",
@@ -22,13 +28,40 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+_NO_ARGS = getattr(_cx, "NoArgsIsHelpError", ())  # click < 8.2 has none
 app.command("estimate")(estimate.estimate)
 app.command("profiles")(profiles.profiles)
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"memplan: error: {message}", file=sys.stderr)
+    one_line = " ".join(str(message).split())
+    print(f"memplan: error: {one_line}", file=sys.stderr)
     return code
+
+
+def _usage_message(err: Exception) -> str:
+    """A click/typer usage error as ``command line: --flag: reason``."""
+    param = getattr(err, "param", None)
+    if isinstance(err, _cx.MissingParameter) and param is not None:
+        what = "argument" if getattr(param, "param_type_name", "") == "argument" else "option"
+        return f"{CLI}: {_param_name(param)}: missing {what}"
+    if isinstance(err, _cx.BadParameter) and param is not None:
+        reason = str(getattr(err, "message", err)).removeprefix("Value error, ")
+        return f"{CLI}: {_param_name(param)}: {reason}"
+    option = getattr(err, "option_name", None)
+    if option and isinstance(err, _cx.NoSuchOption):
+        return f"{CLI}: {option}: no such option" + (
+            f" (did you mean {', '.join(sorted(err.possibilities))}?)" if err.possibilities else "")
+    if option:
+        return f"{CLI}: {option}: {getattr(err, 'message', err)}"
+    return f"{CLI}: {err.format_message()}"
+
+
+def _param_name(param: object) -> str:
+    opts = [o for o in getattr(param, "opts", []) if o.startswith("--")]
+    if opts:
+        return max(opts, key=len)
+    return str(getattr(param, "name", None) or "argument").upper()
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -36,27 +69,31 @@ def run(argv: list[str] | None = None) -> int:
     debug = os.environ.get("MEMPLAN_DEBUG") == "1"
     command = typer.main.get_command(app)
     try:
-        command.main(args=argv, prog_name="memplan", standalone_mode=False)
+        rv = command.main(args=argv, prog_name="memplan", standalone_mode=False)
     except MemplanError as err:
         if debug:
             raise
         return _fail(str(err), 2)
-    except click.exceptions.NoArgsIsHelpError as err:
-        print(err.ctx.get_help() if err.ctx else "", file=sys.stderr)
+    except _NO_ARGS as err:
+        # the help was rendered when the error was built (typer's rich help prints it right away)
+        help_text = err.format_message()
+        if help_text:
+            print(help_text, file=sys.stderr)
         return 2
-    except click.UsageError as err:
+    except _cx.UsageError as err:
         if debug:
             raise
-        return _fail(" ".join(err.format_message().split()), 2)
-    except click.exceptions.Exit as err:
+        return _fail(_usage_message(err), 2)
+    except typer.Exit as err:
         return err.exit_code
-    except click.exceptions.Abort:
+    except typer.Abort:
         return _fail("aborted", 130)
     except Exception as err:  # a bug, not a user mistake: still one line unless debugging
         if debug:
             raise
         return _fail(f"internal error: {err.__class__.__name__}: {err} (MEMPLAN_DEBUG=1 shows the traceback)", 1)
-    return 0
+    # standalone_mode=False: an Exit raised inside a command comes back as its exit code
+    return rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
 
 
 def main() -> None:

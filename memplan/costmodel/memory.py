@@ -112,9 +112,9 @@ def _shape(model: ModelSpec, workload: TrainingWorkload, plan: Plan, policy: Pre
     )
 
 
-def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, plan: Plan, moe_fraction: float, ep: int) -> int:
-    """One layer, one micro-batch, stored under the plan's recomputation policy (no full)."""
-    if plan.recompute == "selective":
+def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, recompute: str, moe_fraction: float, ep: int) -> int:
+    """One layer, one micro-batch, stored under a recomputation policy (none or selective)."""
+    if recompute == "selective":
         # Korthikanti Sec. 5: the attention core (scores, softmax, dropout; with flash its
         # log-sum-exp) is recomputed, so none of it is stored
         x = replace(x, eager=False)
@@ -153,7 +153,10 @@ def _stage_phases(
     factored = 1 / model.hidden_size + 1 / model.ffn_size
     st = model_states(layout, plan, policy, factored)
     x = _shape(model, workload, plan, policy, rt)
-    full_layer = layer_activation_bytes(x, rt, plan, _moe_fraction(model, layout, plan), plan.ep)
+    moe_fraction = _moe_fraction(model, layout, plan)
+    full_layer = layer_activation_bytes(x, rt, plan.recompute, moe_fraction, plan.ep)
+    # in its backward a layer has everything back, recomputed parts included
+    live_layer = layer_activation_bytes(x, rt, "none", moe_fraction, plan.ep)
     layers = layout.layers
     recomputed = 0
     if plan.recompute == "full":
@@ -173,8 +176,12 @@ def _stage_phases(
     rs_buffer = 0
     sharded = plan.dp * plan.cp > 1
     if plan.zero >= 3 and sharded:
-        unit = max(layout.largest_layer_params, -(-model.vocab_size // plan.tp) * model.hidden_size)
-        gathered = ZERO3_PREFETCH_LAYERS * unit * min(policy.param_bytes, policy.compute_bytes)
+        # the current layer and the prefetched one; on the first / last stage the gathered
+        # embedding or LM head with one prefetched layer, whichever is larger
+        layer = layout.largest_layer_params
+        vocab = -(-model.vocab_size // plan.tp) * model.hidden_size if layout.is_first or layout.is_last else 0
+        unsharded = max(ZERO3_PREFETCH_LAYERS * layer, vocab + layer)
+        gathered = unsharded * min(policy.param_bytes, policy.compute_bytes)
         rs_buffer = layout.largest_layer_params * policy.grad_bytes
     elif plan.zero == 2 and sharded:
         rs_buffer = layout.largest_layer_params * policy.grad_bytes
@@ -194,14 +201,14 @@ def _stage_phases(
     }
     bwd_start = {  # the loss's gradients appear; every activation is still saved
         **base, "gradients": grads_in_step, "activations": layer_acts + embed,
-        "logits_and_loss": head + loss_bwd, "comm_buffers": gathered + rs_buffer + p2p + ddp_copy,
-    }
+        "logits_and_loss": head + loss_bwd, "comm_buffers": gathered + p2p + ddp_copy,
+    }  # no reduce-scatter buffer yet: no layer has produced gradients
     # the last layer's backward: the other in-flight micro-batches' activations, this
     # layer's (rebuilt when recomputed) and one b*s*f gradient temporary (the MLP's),
     # gradients nearly complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
     bwd_end = {
-        **base, "gradients": st.grads, "activations": others + full_layer + embed + layer_temp(x),
+        **base, "gradients": st.grads, "activations": others + live_layer + embed + layer_temp(x),
         "logits_and_loss": retained, "comm_buffers": gathered + rs_buffer + p2p + ddp_copy,
     }
     opt = {

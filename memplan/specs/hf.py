@@ -207,6 +207,54 @@ _MODEL_TYPES = {
 }
 
 
+# Where each ModelSpec field comes from in a config.json, so that an error names the key the
+# user wrote (num_hidden_layers) rather than memplan's name for it (num_layers).
+_LLAMA_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "num_kv_heads": "num_key_value_heads",
+    "ffn_size": "intermediate_size",
+    "activation": "hidden_act",
+    "tied_embeddings": "tie_word_embeddings",
+}
+_QWEN_MOE_KEYS = {
+    **_LLAMA_KEYS,
+    "moe.num_experts": "num_experts",
+    "moe.top_k": "num_experts_per_tok",
+    "moe.expert_ffn_size": "moe_intermediate_size",
+    "moe.shared_expert_ffn_size": "shared_expert_intermediate_size",
+    "moe.layer_freq": "decoder_sparse_step",
+    "moe.dense_layers": "mlp_only_layers",
+}
+_HF_KEYS: dict[str, dict[str, str]] = {
+    "LlamaForCausalLM": _LLAMA_KEYS,
+    "MistralForCausalLM": _LLAMA_KEYS,
+    "Qwen2ForCausalLM": _LLAMA_KEYS,
+    "MixtralForCausalLM": {
+        **_LLAMA_KEYS,
+        "moe.num_experts": "num_local_experts",
+        "moe.top_k": "num_experts_per_tok",
+        "moe.expert_ffn_size": "intermediate_size",
+    },
+    "Qwen2MoeForCausalLM": _QWEN_MOE_KEYS,
+    "Qwen3MoeForCausalLM": _QWEN_MOE_KEYS,
+    "GPT2LMHeadModel": {
+        "hidden_size": "n_embd",
+        "num_layers": "n_layer",
+        "num_attention_heads": "n_head",
+        "ffn_size": "n_inner",
+        "activation": "activation_function",
+        "tied_embeddings": "tie_word_embeddings",
+        "max_position_embeddings": "n_positions",
+    },
+    "GPTNeoXForCausalLM": _LLAMA_KEYS,
+}
+
+
+def hf_key(architecture: str, field: str) -> str:
+    """The config.json key a ModelSpec field (dotted path) is read from; the field itself if none differs."""
+    return _HF_KEYS.get(architecture, {}).get(field, field)
+
+
 def is_hf_config(data: Config) -> bool:
     """A dict looks like a config.json when it names architectures or a model_type."""
     return "architectures" in data or "model_type" in data
@@ -215,6 +263,8 @@ def is_hf_config(data: Config) -> bool:
 def hf_architecture(cfg: Config) -> str:
     """The transformers class a config.json names (``architectures[0]``, else from model_type)."""
     archs = cfg.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
     if archs:
         return str(archs[0])
     model_type = cfg.get("model_type", "")

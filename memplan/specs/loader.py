@@ -6,6 +6,7 @@ Every failure becomes a :class:`MemplanError` naming the file, the field path an
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,10 +16,11 @@ from pydantic import BaseModel, ValidationError
 
 from memplan.errors import MemplanError
 from memplan.specs.hardware import GPUSpec
-from memplan.specs.hf import READERS, hf_architecture, hf_model_fields, is_hf_config
+from memplan.specs.hf import READERS, hf_architecture, hf_key, hf_model_fields, is_hf_config
 from memplan.specs.model import ModelSpec
 
 M = TypeVar("M", bound=BaseModel)
+_FIELD_PREFIX = re.compile(r"^(?P<field>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*): ")
 
 
 def _profiles_dir(kind: str) -> Path:
@@ -33,9 +35,16 @@ def profile_names(kind: str) -> list[str]:
 def validation_error(exc: ValidationError, source: str, prefix: str = "") -> MemplanError:
     """The first pydantic error as one MemplanError: source, dotted field path, message."""
     err = exc.errors()[0]
-    loc = ".".join(str(part) for part in err["loc"] if part not in ("function-after",))
-    field = ".".join(p for p in (prefix, loc) if p) or None
+    # drop pydantic's own tags ("[key]" for a bad dict key, "function-after[...]") from the path
+    loc = ".".join(str(part) for part in err["loc"] if not str(part).startswith(("function-", "[")))
     msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error":
+        # a model validator names the field it blames as a prefix: "offload_params: needs zero: 3"
+        named = _FIELD_PREFIX.match(msg)
+        if named:
+            loc = ".".join(p for p in (loc, named["field"]) if p)
+            msg = msg[named.end():]
+    field = ".".join(p for p in (prefix, loc) if p) or None
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
     elif err["type"] == "missing":
@@ -88,13 +97,18 @@ def model_from_data(data: Any, source: str, default_name: str) -> ModelSpec:
                                field="architectures")
         try:
             fields = hf_model_fields(data)
+            fields.setdefault("name", data.get("_name_or_path") or default_name)
+            fields["source"] = source
+            return validate(ModelSpec, fields, source)
         except KeyError as exc:
             raise MemplanError(f"required field for {arch} is missing", source=source, field=str(exc.args[0])) from None
-        except (TypeError, ValueError) as exc:
-            raise MemplanError(f"unreadable value ({exc})", source=source) from None
-        fields.setdefault("name", data.get("_name_or_path") or default_name)
-        fields["source"] = source
-        return validate(ModelSpec, fields, source)
+        except ValidationError as exc:  # a reader builds the MoESpec itself
+            err = validation_error(exc, source, "moe")
+            raise MemplanError(err.reason, source=source, field=hf_key(arch, err.field or "")) from None
+        except MemplanError as err:
+            raise MemplanError(err.reason, source=source, field=err.field and hf_key(arch, err.field)) from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise MemplanError(f"unreadable value ({' '.join(str(exc).split())})", source=source) from None
     if isinstance(data, dict):
         data = {"name": default_name, **data}
     return validate(ModelSpec, data, source)
@@ -103,8 +117,10 @@ def model_from_data(data: Any, source: str, default_name: str) -> ModelSpec:
 def load_model(ref: str) -> ModelSpec:
     """A model from a bundled profile name, a memplan YAML file or a HF config.json."""
     path = Path(ref)
-    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
-        name = path.parent.name if path.name == "config.json" else path.stem
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face model folder
+        path = path / "config.json"
+    if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
+        name = path.resolve().parent.name if path.name == "config.json" else path.stem
         return model_from_data(read_data(path), str(path), name)
     profile = _profiles_dir("models") / f"{ref}.yaml"
     if profile.exists():
@@ -119,6 +135,6 @@ def load_gpu(ref: str) -> GPUSpec:
     if not (path.suffix in (".yaml", ".yml", ".json") or path.exists()):
         path = _profiles_dir("gpus") / f"{ref.lower()}.yaml"
         if not path.exists():
-            raise MemplanError(f"unknown GPU (bundled: {', '.join(profile_names('gpus'))})", source="--gpu",
-                               field=None) from None
+            # no source: the caller knows whether the name came from --gpu or a plan file
+            raise MemplanError(f"unknown GPU {ref!r} (bundled: {', '.join(profile_names('gpus'))})") from None
     return validate(GPUSpec, read_data(path), str(path))

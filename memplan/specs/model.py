@@ -28,10 +28,12 @@ class MoESpec(BaseModel):
         (), description="Layer indices that keep a dense MLP (Qwen mlp_only_layers, DeepSeek first_k_dense)."
     )
 
+    # A validator's message starts with the field it blames ("top_k: ..."); the loader turns that
+    # prefix into the field path of the error.
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
         if self.top_k > self.num_experts:
-            raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+            raise ValueError(f"top_k: top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
         return self
 
     @property
@@ -70,11 +72,12 @@ class ModelSpec(BaseModel):
     def _check(self) -> ModelSpec:
         if self.num_attention_heads % self.kv_heads:
             raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of num_kv_heads ({self.kv_heads})"
+                f"num_kv_heads: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_kv_heads ({self.kv_heads})"
             )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"hidden_size: hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                 f"({self.num_attention_heads}); give head_dim"
             )
         if self.moe is not None:

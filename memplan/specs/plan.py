@@ -49,7 +49,7 @@ class Plan(BaseModel):
         if self.pp_schedule == "interleaved" and self.virtual_stages < 2:
             raise ValueError("virtual_stages: the interleaved schedule needs virtual_stages >= 2")
         if self.pp_schedule != "interleaved" and self.virtual_stages != 1:
-            raise ValueError(f"virtual_stages: {self.virtual_stages} needs pp_schedule: interleaved")
+            raise ValueError(f"virtual_stages: virtual_stages={self.virtual_stages} needs pp_schedule: interleaved")
         if self.offload_params != "none" and self.zero != 3:
             raise ValueError(f"offload_params: offloading parameters needs zero: 3 (got zero: {self.zero})")
         if self.offload_optimizer != "none" and self.zero == 0:
@@ -57,7 +57,7 @@ class Plan(BaseModel):
         if self.recompute_layers is not None and self.recompute != "full":
             raise ValueError("recompute_layers: only meaningful with recompute: full")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
-            raise ValueError(f"ep: {self.ep} does not divide dp x cp = {self.dp * self.cp}")
+            raise ValueError(f"ep: ep={self.ep} does not divide dp x cp = {self.dp * self.cp}")
         return self
 
     @property

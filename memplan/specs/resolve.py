@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from memplan.errors import MemplanError
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import PlanFile, RuntimeName, check_compatible
-from memplan.specs.loader import load_gpu, load_model, read_data, validate
+from memplan.specs.loader import load_gpu, load_model, read_data, validate, validation_error
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
@@ -41,12 +43,13 @@ def _flag(field: str) -> str:
 
 
 def _validate_section(cls: type, data: dict, flags: set[str], source: str, prefix: str) -> Any:
-    """Validate one section; blame the flag when the faulty field came from the command line."""
+    """Validate one section; blame the flag when the faulty field came from the command line, or
+    when there is no plan file (then the flag is what sets it)."""
     try:
         return validate(cls, data, source, prefix)
     except MemplanError as err:
         name = (err.field or "").split(".")[-1]
-        if name in flags:
+        if name and (name in flags or source == CLI):
             raise MemplanError(err.reason, source=CLI, field=_flag(name)) from None
         raise
 
@@ -60,32 +63,61 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
         pf = validate(PlanFile, read_data(Path(plan_path)), plan_path)
     model = load_model(model_ref)
 
+    def blame(name: str) -> tuple[str, str]:
+        """Where a top-level value (gpus, nodes, gpu) came from: its flag, else the plan file."""
+        return (CLI, _flag(name)) if name in flags or not plan_path else (plan_path, name)
+
+    # --gpus / --nodes go through the same checks as the plan file's gpus / nodes
+    sizes = _validate_section(PlanFile, {k: flags[k] for k in ("gpus", "nodes") if k in flags}, set(flags), CLI, "")
+    gpus = sizes.gpus if sizes.gpus is not None else pf.gpus
+    nodes_given = sizes.nodes if sizes.nodes is not None else pf.nodes
+
     plan_data = {**(pf.plan or {}), **{k: v for k, v in flags.items() if k in PLAN_FIELDS}}
-    gpus = flags.get("gpus", pf.gpus)
-    nodes = flags.get("nodes", pf.nodes) or 1
     if gpus is not None and "dp" not in plan_data:
-        per_replica = (plan_data.get("tp", 1) or 1) * (plan_data.get("pp", 1) or 1) * (plan_data.get("cp", 1) or 1)
-        if not isinstance(per_replica, int) or per_replica <= 0 or gpus % per_replica:
-            raise MemplanError(f"{gpus} GPUs is not a multiple of tp x pp x cp = {per_replica}", source=CLI,
-                               field="--gpus")
+        degrees = {k: plan_data[k] for k in ("tp", "pp", "cp") if k in plan_data}
+        partial = _validate_section(Plan, degrees, set(flags), source, "plan")
+        per_replica = partial.tp * partial.pp * partial.cp
+        if gpus % per_replica:
+            where, field = blame("gpus")
+            raise MemplanError(f"{gpus} GPUs is not a multiple of tp x pp x cp = {per_replica}", source=where,
+                               field=field)
         plan_data["dp"] = gpus // per_replica
     plan = _validate_section(Plan, plan_data, set(flags), source, "plan")
     if gpus is not None and plan.world_size != gpus:
-        raise MemplanError(f"dp x tp x pp x cp = {plan.world_size} but --gpus is {gpus}", source=CLI, field="--gpus")
+        where, field = blame("gpus")
+        raise MemplanError(f"dp x tp x pp x cp = {plan.world_size} but gpus is {gpus}", source=where, field=field)
     world = gpus or plan.world_size
+    if nodes_given is None:  # whole 8-GPU nodes when the GPUs fill them, else one node
+        nodes = world // 8 if world > 8 and world % 8 == 0 else 1
+    else:
+        nodes = nodes_given
     if world % nodes:
-        raise MemplanError(f"{world} GPUs do not split evenly over {nodes} nodes", source=CLI, field="--nodes")
+        where, field = blame("nodes")
+        raise MemplanError(f"{world} GPUs do not split evenly over {nodes} nodes", source=where, field=field)
 
     workload = _workload(pf, flags, inference, source)
-    gpu = load_gpu(flags.get("gpu") or pf.gpu or "h100-sxm")
-    cluster = ClusterSpec(gpus_per_node=max(world // nodes, 1), nodes=nodes)
+    gpu_ref = flags.get("gpu") or pf.gpu or "h100-sxm"
+    try:
+        gpu = load_gpu(gpu_ref)
+    except MemplanError as err:
+        if err.source:
+            raise
+        where, field = blame("gpu")
+        raise MemplanError(err.reason, source=where, field=field) from None
+    try:
+        cluster = ClusterSpec(gpus_per_node=world // nodes, nodes=nodes)
+    except ValidationError as exc:
+        where, field = blame("nodes" if nodes_given is not None else "gpus")
+        reason = validation_error(exc, where).reason
+        raise MemplanError(f"{world // nodes} GPUs per node: {reason} (give --nodes)", source=where,
+                           field=field) from None
     try:
         check_compatible(model, workload, plan)
     except MemplanError as err:
         name = (err.field or "").split(".")[-1]
-        blame = CLI if name in flags or name == "dp" or not plan_path else plan_path
-        field = _flag(name) if blame == CLI else err.field
-        raise MemplanError(err.reason, source=blame, field=field) from None
+        blamed = CLI if name in flags or not plan_path else plan_path
+        field = _flag(name) if blamed == CLI else err.field
+        raise MemplanError(err.reason, source=blamed, field=field) from None
     runtime = flags.get("runtime") or pf.runtime or "memplan"
     if runtime not in ("memplan", "hf", "megatron"):
         raise MemplanError(f"unknown runtime {runtime!r} (memplan, hf, megatron)", source=CLI, field="--runtime")
@@ -100,12 +132,27 @@ def _workload(pf: PlanFile, flags: dict[str, Any], inference: bool, source: str)
     unknown = sorted(set(base) - TRAINING_FIELDS - INFERENCE_FIELDS)
     if unknown:
         raise MemplanError("unknown field", source=source, field=f"workload.{unknown[0]}")
-    if inference or kind == "inference":
+    own, other = (INFERENCE_FIELDS, TRAINING_FIELDS) if kind == "inference" else (TRAINING_FIELDS, INFERENCE_FIELDS)
+    misplaced = sorted(set(base) & other - own)
+    if misplaced:
+        raise MemplanError(f"not a field of {kind} workloads", source=source, field=f"workload.{misplaced[0]}")
+    serving = inference or kind == "inference"
+    # a flag of the other kind of workload would be ignored without a word: refuse it
+    wrong = sorted(set(flags) & (TRAINING_FIELDS if serving else INFERENCE_FIELDS | {"context"}))
+    if wrong:
+        needs = "training (drop --inference)" if serving else "--inference"
+        raise MemplanError(f"only applies with {needs}", source=CLI, field=_flag(wrong[0]))
+    if serving:
         if "context" in flags:
             flags = {**flags, "prompt_tokens": flags["context"], "generated_tokens": 0}
         data = {k: v for k, v in base.items() if k in INFERENCE_FIELDS}
         data.update({k: v for k, v in flags.items() if k in INFERENCE_FIELDS})
-        return _validate_section(InferenceWorkload, data, set(flags), source, "workload")
+        try:
+            return _validate_section(InferenceWorkload, data, set(flags), source, "workload")
+        except MemplanError as err:
+            if "context" in flags and err.field == "--prompt-tokens":  # --context set prompt_tokens
+                raise MemplanError(err.reason, source=CLI, field="--context") from None
+            raise
     data = {k: v for k, v in base.items() if k in TRAINING_FIELDS}
     data.update({k: v for k, v in flags.items() if k in TRAINING_FIELDS})
     return _validate_section(TrainingWorkload, data, set(flags), source, "workload")

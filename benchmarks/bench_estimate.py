@@ -1,0 +1,65 @@
+"""Speed of the estimate path (a benchmark, not a timed test).
+
+Targets (issue: memplan estimate): a cold ``memplan estimate`` within 0.3 s on a CI machine;
+the in-process model at >= 20,000 plan evaluations per second (the tuner evaluates millions).
+
+    python benchmarks/bench_estimate.py [--runs 10] [--seconds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+
+def cold_cli_seconds(runs: int) -> list[float]:
+    """Wall time of a fresh ``memplan estimate`` process (interpreter start included)."""
+    exe = shutil.which("memplan")
+    cmd = [exe] if exe else [sys.executable, "-m", "memplan.cli"]
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run([*cmd, "estimate", "llama3-8b", "--gpus", "8", "--zero", "3"], check=True,
+                       stdout=subprocess.DEVNULL)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def evaluations_per_second(seconds: float) -> tuple[float, int]:
+    """Plans of Llama-3-70B evaluated per second in-process, over a grid of 768 plans."""
+    from memplan.costmodel.memory import estimate_memory
+    from memplan.specs.loader import load_model
+    from memplan.specs.plan import Plan
+    from memplan.specs.workload import TrainingWorkload
+
+    model = load_model("llama3-70b")
+    workload = TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=512)
+    plans = [Plan(dp=dp, tp=tp, pp=pp, zero=z, recompute=r)
+             for dp in (1, 2, 4, 8) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8)
+             for z in range(4) for r in ("none", "selective", "full")]
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for plan in plans:
+            estimate_memory(model, workload, plan, "memplan")
+        count += len(plans)
+    return count / (time.perf_counter() - start), len(plans)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    args = parser.parse_args()
+    cold = cold_cli_seconds(args.runs)
+    rate, grid = evaluations_per_second(args.seconds)
+    print(f"cold memplan estimate: median {statistics.median(cold):.3f} s, max {max(cold):.3f} s "
+          f"over {args.runs} runs (target <= 0.3 s)")
+    print(f"in-process: {rate:,.0f} plan evaluations/s over a {grid}-plan grid (target >= 20,000)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,507 @@
+"""Bad input through the real command (a subprocess, as a user runs it).
+
+Every user mistake must end the same way: exit code 2, nothing on stdout, exactly one line on
+stderr, ``memplan: error: SOURCE: FIELD: reason``, no traceback. ``MEMPLAN_DEBUG=1`` is the one
+way to get the traceback.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from memplan.cli.app import run
+
+PREFIX = "memplan: error: "
+CLI = "command line"
+DROP = object()  # a value that removes the key from a model mapping
+
+SMALL_MODEL = {
+    "name": "small",
+    "hidden_size": 768,
+    "num_layers": 12,
+    "num_attention_heads": 12,
+    "num_kv_heads": 4,
+    "ffn_size": 2048,
+    "vocab_size": 32000,
+}
+HF_LLAMA = json.loads((Path(__file__).parents[1] / "data" / "hf" / "llama3-8b.json").read_text())
+HF_MIXTRAL = json.loads((Path(__file__).parents[1] / "data" / "hf" / "mixtral-8x7b.json").read_text())
+
+
+def _env(debug: bool = False) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
+    env["COLUMNS"] = "200"
+    if debug:
+        env["MEMPLAN_DEBUG"] = "1"
+    return env
+
+
+def memplan(*args: object, cwd: Path, debug: bool = False) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "memplan.cli", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, env=_env(debug), timeout=60,
+    )
+
+
+def error_line(proc: subprocess.CompletedProcess[str], source: object, field: str | None = None,
+               *reason_parts: str) -> str:
+    """Check the one-line error contract; return the text after ``memplan: error: ``."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout == "", proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.endswith("\n") and proc.stderr.count("\n") == 1, f"not one line: {proc.stderr!r}"
+    line = proc.stderr.rstrip("\n")
+    assert line.startswith(PREFIX), line
+    message = line[len(PREFIX):]
+    head = f"{source}: {field}: " if field else f"{source}: "
+    assert message.startswith(head), f"expected {head!r} at the start of {message!r}"
+    reason = message[len(head):]
+    assert reason.strip(), f"no reason in {message!r}"
+    assert "internal error" not in reason
+    for part in reason_parts:
+        assert part in reason, f"{part!r} not in {reason!r}"
+    return message
+
+
+def write_model(tmp_path: Path, filename: str = "model.yaml", **changes: object) -> Path:
+    data = {**SMALL_MODEL, **changes}
+    data = {k: v for k, v in data.items() if v is not DROP}
+    path = tmp_path / filename
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def write_json(tmp_path: Path, data: dict, name: str = "config.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# where the model comes from
+
+
+def test_missing_model_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    proc = memplan("estimate", missing, cwd=tmp_path)
+    error_line(proc, missing, None, "no such file")
+
+
+def test_missing_model_file_relative_name_is_shown_as_given(tmp_path):
+    proc = memplan("estimate", "models/nope.json", cwd=tmp_path)
+    error_line(proc, "models/nope.json", None, "no such file")
+
+
+def test_unknown_profile_name(tmp_path):
+    proc = memplan("estimate", "llama9-8b", cwd=tmp_path)
+    message = error_line(proc, "llama9-8b", None, "bundled")
+    assert "llama3-8b" in message  # the bundled names are listed
+
+
+def test_model_argument_missing(tmp_path):
+    error_line(memplan("estimate", cwd=tmp_path), CLI, "MODEL", "missing")
+
+
+# ---------------------------------------------------------------------------------------------
+# malformed files
+
+
+def test_malformed_yaml_model_file(tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_text("name: small\nhidden_size: [768,\nnum_layers: 12\n")
+    error_line(memplan("estimate", path, cwd=tmp_path), path, None, "malformed YAML", "line")
+
+
+def test_malformed_yaml_plan_file(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("plan:\n  tp: 2\n   pp: 2\n")
+    error_line(memplan("estimate", "llama3-8b", "--plan", path, cwd=tmp_path), path, None, "malformed YAML", "line")
+
+
+def test_malformed_json_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,,}')
+    error_line(memplan("estimate", path, cwd=tmp_path), path, None, "malformed JSON", "line 1")
+
+
+def test_model_file_that_is_not_a_mapping(tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_text("- hidden_size\n- 768\n")
+    error_line(memplan("estimate", path, cwd=tmp_path), path, None, "expected a mapping")
+
+
+def test_model_path_is_a_directory_without_config(tmp_path):
+    folder = tmp_path / "weights.json"
+    folder.mkdir()
+    error_line(memplan("estimate", folder, cwd=tmp_path), folder, None, "cannot read")
+
+
+# ---------------------------------------------------------------------------------------------
+# model fields
+
+
+def test_unknown_field_in_model_yaml(tmp_path):
+    path = write_model(tmp_path, hiden_size=768)
+    error_line(memplan("estimate", path, cwd=tmp_path), path, "hiden_size", "unknown field")
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_layers", "num_attention_heads", "ffn_size", "vocab_size"])
+def test_missing_required_model_field(tmp_path, field):
+    path = write_model(tmp_path, **{field: DROP})
+    error_line(memplan("estimate", path, cwd=tmp_path), path, field, "required")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("hidden_size", 0, "greater than 0"),
+        ("num_layers", -1, "greater than 0"),
+        ("num_attention_heads", 0, "greater than 0"),
+        ("num_kv_heads", -4, "greater than 0"),
+        ("vocab_size", 10**12, "less than or equal"),
+        ("hidden_size", 10**9, "less than or equal"),
+        ("num_layers", 10**6, "less than or equal"),
+        ("hidden_size", "abc", "valid integer"),
+        ("num_layers", 12.5, "integer"),
+        ("num_layers", [12], "integer"),
+        ("mlp", "swiglu", "'gated'"),
+        ("norm", "batchnorm", "'rmsnorm'"),
+        ("tied_embeddings", "sometimes", "boolean"),
+    ],
+)
+def test_bad_model_value(tmp_path, field, value, reason):
+    path = write_model(tmp_path, **{field: value})
+    error_line(memplan("estimate", path, cwd=tmp_path), path, field, reason)
+
+
+def test_heads_not_divisible_by_kv_heads(tmp_path):
+    path = write_model(tmp_path, num_attention_heads=12, num_kv_heads=5)
+    error_line(memplan("estimate", path, cwd=tmp_path), path, "num_kv_heads", "not a multiple")
+
+
+def test_hidden_not_divisible_by_heads(tmp_path):
+    path = write_model(tmp_path, hidden_size=770)
+    error_line(memplan("estimate", path, cwd=tmp_path), path, "hidden_size", "head_dim")
+
+
+def test_moe_top_k_above_num_experts(tmp_path):
+    path = write_model(tmp_path, moe={"num_experts": 4, "top_k": 8, "expert_ffn_size": 1024})
+    error_line(memplan("estimate", path, cwd=tmp_path), path, "moe.top_k", "exceeds num_experts")
+
+
+def test_moe_unknown_field(tmp_path):
+    path = write_model(tmp_path, moe={"num_experts": 4, "top_k": 2, "expert_ffn_size": 1024, "experts": 4})
+    error_line(memplan("estimate", path, cwd=tmp_path), path, "moe.experts", "unknown field")
+
+
+def test_moe_dense_layer_out_of_range(tmp_path):
+    path = write_model(tmp_path, moe={"num_experts": 4, "top_k": 2, "expert_ffn_size": 1024, "dense_layers": [40]})
+    error_line(memplan("estimate", path, cwd=tmp_path), path, "moe.dense_layers", "outside")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face config.json
+
+
+def test_unsupported_hf_architecture(tmp_path):
+    path = write_json(tmp_path, {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 768,
+                                 "num_hidden_layers": 12, "num_attention_heads": 12, "vocab_size": 30522})
+    message = error_line(memplan("estimate", path, cwd=tmp_path), path, "architectures", "unsupported",
+                         "BertForMaskedLM")
+    assert "LlamaForCausalLM" in message  # what is supported
+
+
+def test_unknown_hf_model_type(tmp_path):
+    path = write_json(tmp_path, {"model_type": "bert", "hidden_size": 768})
+    error_line(memplan("estimate", path, cwd=tmp_path), path, "model_type", "bert")
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"])
+def test_hf_config_missing_required_field(tmp_path, key):
+    cfg = {k: v for k, v in HF_LLAMA.items() if k != key}
+    path = write_json(tmp_path, cfg)
+    error_line(memplan("estimate", path, cwd=tmp_path), path, key, "LlamaForCausalLM", "missing")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reason"),
+    [
+        ("num_hidden_layers", 0, "greater than 0"),  # the error names the config.json key, not num_layers
+        ("hidden_size", "big", "integer"),
+        ("num_key_value_heads", 5, "not a multiple"),
+        ("vocab_size", 10**12, "less than or equal"),
+    ],
+)
+def test_hf_config_bad_value_names_the_config_key(tmp_path, key, value, reason):
+    path = write_json(tmp_path, {**HF_LLAMA, key: value})
+    error_line(memplan("estimate", path, cwd=tmp_path), path, key, reason)
+
+
+def test_hf_moe_top_k_above_num_experts(tmp_path):
+    path = write_json(tmp_path, {**HF_MIXTRAL, "num_local_experts": 4, "num_experts_per_tok": 8})
+    error_line(memplan("estimate", path, cwd=tmp_path), path, "num_experts_per_tok", "exceeds num_experts")
+
+
+# ---------------------------------------------------------------------------------------------
+# impossible plans from flags: the error names the flag
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "reason"),
+    [
+        (["llama3-8b", "--tp", "3"], "--tp", "num_attention_heads=32"),
+        (["{small}", "--tp", "6"], "--tp", "num_kv_heads=4"),  # 12 heads split by 6, 4 KV heads not
+        (["llama3-8b", "--pp", "5"], "--pp", "num_layers=32"),
+        (["llama3-8b", "--pp", "4", "--pp-schedule", "interleaved", "--virtual-stages", "3"], "--pp", "num_layers"),
+        (["llama3-8b", "--gpus", "8", "--global-batch", "12", "--micro-batch", "1"], "--global-batch", "1 x 8"),
+        (["llama3-8b", "--offload-params", "cpu", "--zero", "2"], "--offload-params", "zero: 3"),
+        (["llama3-8b", "--offload-params", "nvme"], "--offload-params", "zero: 3"),
+        (["llama3-8b", "--offload-optimizer", "cpu", "--zero", "0"], "--offload-optimizer", "zero >= 1"),
+        (["llama3-8b", "--virtual-stages", "2"], "--virtual-stages", "interleaved"),
+        (["llama3-8b", "--pp", "2", "--pp-schedule", "interleaved"], "--virtual-stages", ">= 2"),
+        (["llama3-8b", "--gpus", "16", "--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
+          "--global-batch", "24"], "--global-batch", "divisible by pp=2"),
+        (["llama3-8b", "--ep", "2"], "--ep", "ep=2"),
+        (["llama3-8b", "--gpus", "8", "--ep", "2"], "--ep", "no experts"),
+        (["mixtral-8x7b", "--gpus", "8", "--ep", "3"], "--ep", "ep=3"),
+        (["mixtral-8x7b", "--gpus", "48", "--ep", "16"], "--ep", "num_experts=8"),
+        (["llama3-8b", "--cp", "3", "--seq-len", "4096"], "--cp", "seq_len=4096"),
+        (["llama3-8b", "--sequence-parallel", "--tp", "8", "--seq-len", "4100"], "--sequence-parallel", "tp=8"),
+        (["llama3-8b", "--recompute-layers", "4"], "--recompute-layers", "recompute: full"),
+        (["llama3-8b", "--gpus", "8", "--tp", "3"], "--gpus", "tp x pp x cp = 3"),
+        (["llama3-8b", "--gpus", "8", "--dp", "2"], "--gpus", "= 2"),
+        (["llama3-8b", "--gpus", "8", "--nodes", "3"], "--nodes", "3 nodes"),
+        (["llama3-8b", "--gpus", "2050", "--tp", "2"], "--gpus", "--nodes"),
+        (["llama3-8b", "--batch", "8"], "--batch", "--inference"),
+        (["llama3-8b", "--context", "4096"], "--context", "--inference"),
+        (["llama3-8b", "--inference", "--seq-len", "4096"], "--seq-len", "training"),
+        (["llama3-8b", "--inference", "--context", "0"], "--context", "greater than 0"),
+    ],
+)
+def test_impossible_plan_from_flags(tmp_path, args, flag, reason):
+    small = write_model(tmp_path, "small.yaml")
+    argv = [a.format(small=small) for a in args]
+    error_line(memplan("estimate", *argv, cwd=tmp_path), CLI, flag, reason)
+
+
+# ---------------------------------------------------------------------------------------------
+# impossible plans and bad fields from a plan file: the error names the file and the field path
+
+
+@pytest.mark.parametrize(
+    ("plan", "field", "reason"),
+    [
+        ({"plan": {"tp": 3}}, "plan.tp", "num_attention_heads"),
+        ({"plan": {"pp": 5}}, "plan.pp", "num_layers"),
+        ({"plan": {"zero": 2, "offload_params": "cpu"}}, "plan.offload_params", "zero: 3"),
+        ({"plan": {"zero": 0, "offload_optimizer": "cpu"}}, "plan.offload_optimizer", "zero >= 1"),
+        ({"plan": {"virtual_stages": 2}}, "plan.virtual_stages", "interleaved"),
+        ({"gpus": 8, "plan": {"ep": 2}}, "plan.ep", "no experts"),
+        ({"plan": {"cp": 3}, "workload": {"seq_len": 4096}}, "plan.cp", "seq_len"),
+        ({"gpus": 8, "workload": {"global_batch": 12}}, "workload.global_batch", "micro_batch x dp"),
+        ({"gpus": 8, "plan": {"tp": 3}}, "gpus", "tp x pp x cp = 3"),
+        ({"gpus": 8, "nodes": 3}, "nodes", "3 nodes"),
+        ({"gpus": 0}, "gpus", "greater than 0"),
+        ({"plan": {"tp": 0}}, "plan.tp", "greater than 0"),
+        ({"plan": {"tp": "two"}}, "plan.tp", "integer"),
+        ({"gpus": 8, "plan": {"tp": "two"}}, "plan.tp", "integer"),
+        ({"plan": {"zero": 4}}, "plan.zero", "less than or equal to 3"),
+        ({"plan": {"precision": "fp7"}}, "plan.precision", "'bf16-master'"),
+        ({"plan": {"recompute": "sometimes"}}, "plan.recompute", "'selective'"),
+        ({"plan": {"tp": 1, "tensor_parallel": 2}}, "plan.tensor_parallel", "unknown field"),
+        ({"plna": {"tp": 1}}, "plna", "unknown field"),
+        ({"plan": "tp=2"}, "plan", "dictionary"),
+        ({"workload": {"kind": "finetune"}}, "workload.kind", "unknown kind"),
+        ({"workload": {"seq_length": 4096}}, "workload.seq_length", "unknown field"),
+        ({"workload": {"kind": "inference", "seq_len": 4096}}, "workload.seq_len", "inference"),
+        ({"workload": {"seq_len": 0}}, "workload.seq_len", "greater than 0"),
+        ({"gpu": "h900"}, "gpu", "unknown GPU"),
+        ({"runtime": "deepspeed"}, "runtime", "'memplan'"),
+    ],
+)
+def test_bad_plan_file(tmp_path, plan, field, reason):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    error_line(memplan("estimate", "llama3-8b", "--plan", path, cwd=tmp_path), path, field, reason)
+
+
+def test_plan_file_that_is_not_a_mapping(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("- tp: 2\n")
+    error_line(memplan("estimate", "llama3-8b", "--plan", path, cwd=tmp_path), path, None, "expected a mapping")
+
+
+def test_missing_plan_file(tmp_path):
+    path = tmp_path / "plan.yaml"
+    error_line(memplan("estimate", "llama3-8b", "--plan", path, cwd=tmp_path), path, None, "no such file")
+
+
+def test_flag_error_blames_the_flag_not_the_plan_file(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump({"plan": {"zero": 1}}))
+    proc = memplan("estimate", "llama3-8b", "--plan", path, "--tp", "3", cwd=tmp_path)
+    error_line(proc, CLI, "--tp", "num_attention_heads")
+
+
+# ---------------------------------------------------------------------------------------------
+# bad flag values
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "reason"),
+    [
+        (["--tp", "abc"], "--tp", "integer"),
+        (["--tp", "0"], "--tp", "greater than 0"),
+        (["--tp", "-2"], "--tp", "greater than 0"),
+        (["--pp", "1.5"], "--pp", "integer"),
+        (["--zero", "4"], "--zero", "less than or equal to 3"),
+        (["--precision", "fp7"], "--precision", "'bf16-master'"),
+        (["--recompute", "sometimes"], "--recompute", "'selective'"),
+        (["--optimizer", "lion"], "--optimizer", "'adamw'"),
+        (["--attention", "sparse"], "--attention", "'flash'"),
+        (["--pp-schedule", "zb"], "--pp-schedule", "'1f1b'"),
+        (["--offload-optimizer", "disk", "--zero", "1"], "--offload-optimizer", "'cpu'"),
+        (["--runtime", "deepspeed"], "--runtime", "memplan"),
+        (["--format", "xml"], "--format", "xml"),
+        (["--gpus", "0"], "--gpus", "greater than 0"),
+        (["--gpus", "-8"], "--gpus", "greater than 0"),
+        (["--nodes", "0"], "--nodes", "greater than 0"),
+        (["--seq-len", "0"], "--seq-len", "greater than 0"),
+        (["--seq-len", "1000000000"], "--seq-len", "less than or equal"),
+        (["--micro-batch", "0"], "--micro-batch", "greater than 0"),
+        (["--global-batch", "0"], "--global-batch", "greater than 0"),
+        (["--inference", "--kv-dtype", "fp7"], "--kv-dtype", "'bf16'"),
+        (["--inference", "--batch", "0"], "--batch", "greater than 0"),
+        (["--inference", "--block-size", "0"], "--block-size", "greater than 0"),
+        (["--bogus"], "--bogus", "no such option"),
+        (["--tp"], "--tp", "requires an argument"),
+    ],
+)
+def test_bad_flag_value(tmp_path, args, flag, reason):
+    error_line(memplan("estimate", "llama3-8b", *args, cwd=tmp_path), CLI, flag, reason)
+
+
+def test_profiles_bad_format(tmp_path):
+    error_line(memplan("profiles", "--format", "xml", cwd=tmp_path), CLI, "--format", "xml")
+
+
+def test_unknown_command(tmp_path):
+    error_line(memplan("estmate", "llama3-8b", cwd=tmp_path), CLI, None, "estmate")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs
+
+
+def test_unknown_gpu(tmp_path):
+    message = error_line(memplan("estimate", "llama3-8b", "--gpu", "h900", cwd=tmp_path), CLI, "--gpu",
+                         "unknown GPU", "h900")
+    assert "h100-sxm" in message  # the bundled names are listed
+
+
+def _gpu_yaml(**changes: object) -> dict:
+    data = {
+        "name": "tiny",
+        "display_name": "Tiny GPU",
+        "vendor": "nvidia",
+        "memory_bytes": "16GiB",
+        "hbm_bytes_per_s": "1TB/s",
+        "peak_flops": {"bf16": "100TFLOPS"},
+        "pcie_bytes_per_s": "32GB/s",
+        "sources": {"memory_bytes": "datasheet", "hbm_bytes_per_s": "datasheet", "peak_flops": "datasheet",
+                    "pcie_bytes_per_s": "datasheet"},
+    }
+    data.update(changes)
+    return data
+
+
+def test_gpu_yaml_missing_a_source(tmp_path):
+    data = _gpu_yaml()
+    del data["sources"]["hbm_bytes_per_s"]
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    error_line(memplan("estimate", "llama3-8b", "--gpu", path, cwd=tmp_path), path, "sources", "hbm_bytes_per_s")
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "reason"),
+    [
+        ({"memory_bytes": "16XB"}, "memory_bytes", "16XB"),
+        ({"memory_bytes": "989TFLOPS"}, "memory_bytes", "FLOPS"),
+        ({"memory_bytes": 0}, "memory_bytes", "greater than 0"),
+        ({"vendor": "intel"}, "vendor", "'nvidia'"),
+        ({"peak_flops": {"bf17": "1TFLOPS"}}, "peak_flops.bf17", "'bf16'"),
+        ({"hbm_bytes": "1TB/s"}, "hbm_bytes", "unknown field"),
+    ],
+)
+def test_bad_gpu_yaml(tmp_path, changes, field, reason):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(_gpu_yaml(**changes)))
+    error_line(memplan("estimate", "llama3-8b", "--gpu", path, cwd=tmp_path), path, field, reason)
+
+
+def test_missing_gpu_file(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    error_line(memplan("estimate", "llama3-8b", "--gpu", path, cwd=tmp_path), path, None, "no such file")
+
+
+# ---------------------------------------------------------------------------------------------
+# MEMPLAN_DEBUG
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    proc = memplan("estimate", "llama3-8b", "--tp", "3", cwd=tmp_path, debug=True)
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr
+    assert "MemplanError" in proc.stderr
+
+
+def test_debug_shows_the_traceback_of_a_bad_flag(tmp_path):
+    proc = memplan("estimate", "llama3-8b", "--tp", "abc", cwd=tmp_path, debug=True)
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# fuzz: any model mapping gives a result or one clean error, never a crash
+
+
+def _run_in_process(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = run(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+_values = st.one_of(
+    st.integers(min_value=-5, max_value=10**13),
+    st.sampled_from([0, 1, 2, 3, 7, 8, 64, 4096, "abc", "", None, True, 1.5, [], {}]),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(sorted(SMALL_MODEL) + ["head_dim", "moe", "extra"]), _values,
+                               max_size=3),
+       tp=st.sampled_from(["1", "2", "3", "4", "0"]))
+def test_fuzzed_model_files_fail_cleanly(tmp_path, monkeypatch, changes, tp):
+    monkeypatch.delenv("MEMPLAN_DEBUG", raising=False)
+    path = write_model(tmp_path, "fuzz.yaml", **changes)
+    code, out, err = _run_in_process(["estimate", str(path), "--tp", tp, "--format", "json"])
+    if code == 0:
+        assert json.loads(out)["model"]["parameters"] > 0
+        assert err == ""
+        return
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith(PREFIX), err
+    assert "internal error" not in err
