@@ -1,0 +1,381 @@
+"""Happy paths of the ``memplan`` command, in-process through ``memplan.cli.app.run``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memplan.cli.app import run
+
+ROOT = Path(__file__).parents[2]
+HF_DIR = ROOT / "tests" / "data" / "hf"
+MODEL_PROFILES = sorted(p.stem for p in (ROOT / "profiles" / "models").glob("*.yaml"))
+GPU_PROFILES = sorted(p.stem for p in (ROOT / "profiles" / "gpus").glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("MEMPLAN_DEBUG", raising=False)
+
+
+def memplan(capsys, *args: object) -> str:
+    """Run the command; it must succeed and print nothing on stderr. Returns stdout."""
+    code = run([str(a) for a in args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert err == ""
+    return out
+
+
+def estimate_json(capsys, *args: object) -> dict:
+    return json.loads(memplan(capsys, "estimate", *args, "--format", "json"))
+
+
+def _walk(value, path=""):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _walk(v, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+# ---------------------------------------------------------------------------------------------
+# estimate --format json: the contract
+
+
+def test_json_contract(capsys):
+    d = estimate_json(capsys, "llama3-8b", "--gpus", "8", "--zero", "3")
+
+    assert d["model"]["name"] == "llama3-8b"
+    assert d["model"]["parameters"] == 8_030_261_248
+    for key in ("dp", "tp", "pp", "cp", "ep", "zero", "recompute", "precision", "optimizer", "attention",
+                "micro_batch", "seq_len", "global_batch", "world_size", "runtime", "offload_optimizer",
+                "offload_params", "pp_schedule", "virtual_stages", "sequence_parallel", "gradient_accumulation"):
+        assert key in d["plan"], key
+    assert (d["plan"]["dp"], d["plan"]["tp"], d["plan"]["pp"], d["plan"]["cp"], d["plan"]["ep"]) == (8, 1, 1, 1, 1)
+    assert d["plan"]["zero"] == 3 and d["plan"]["world_size"] == 8
+    assert d["gpu"]["name"] == "h100-sxm"
+    assert isinstance(d["gpu"]["memory_bytes"], int) and d["gpu"]["memory_bytes"] > 0
+
+    mem = d["memory"]
+    assert set(mem["model_states"]) >= {"parameters", "gradients", "optimizer_states"}
+    assert set(mem["activations"]) >= {"per_layer", "total"}
+    assert "kv_cache" in mem
+    assert set(mem["peak"]) >= {"allocated", "reserved", "phase", "rank", "breakdown"}
+    assert set(mem["offload"]) >= {"cpu", "nvme"}
+    assert isinstance(d["fits"], bool)
+
+    peak = mem["peak"]
+    assert sum(peak["breakdown"].values()) == peak["allocated"]
+    assert peak["reserved"] >= peak["allocated"] > 0
+    assert d["fits"] == (peak["reserved"] <= d["gpu"]["memory_bytes"])
+    assert d["headroom_bytes"] == d["gpu"]["memory_bytes"] - peak["reserved"]
+    # ZeRO-3 over 8 ranks: each holds an eighth of the bf16 parameters
+    assert mem["model_states"]["parameters"] == pytest.approx(2 * 8_030_261_248 / 8, rel=0.01)
+
+
+def _sizes(d: dict):
+    yield from _walk(d["memory"], "memory")
+    for key in ("model.parameters", "model.active_parameters", "gpu.memory_bytes", "headroom_bytes"):
+        section, _, name = key.rpartition(".")
+        yield key, (d[section] if section else d)[name]
+    for i, s in enumerate(d["suggestions"]):
+        yield f"suggestions[{i}].reserved_bytes", s["reserved_bytes"]
+        yield f"suggestions[{i}].saved_bytes", s["saved_bytes"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["llama3-8b", "--gpus", "8", "--zero", "3"],
+        ["llama3-70b", "--gpus", "8", "--zero", "0"],
+        ["mixtral-8x7b", "--gpus", "16", "--ep", "8", "--zero", "1", "--recompute", "full"],
+        ["llama3-8b", "--inference", "--batch", "4", "--context", "8192"],
+        ["qwen3-30b-a3b", "--gpus", "8", "--zero", "3", "--offload-params", "cpu", "--offload-optimizer", "nvme"],
+    ],
+)
+def test_every_size_is_an_int(capsys, args):
+    d = estimate_json(capsys, *args)
+    for path, value in _sizes(d):
+        if path.endswith(".phase") or path.endswith(".rank_role"):
+            continue
+        assert isinstance(value, int) and not isinstance(value, bool), (path, value)
+    peak = d["memory"]["peak"]
+    assert sum(peak["breakdown"].values()) == peak["allocated"]
+    assert peak["reserved"] >= peak["allocated"]
+
+
+def test_offload_is_reported(capsys):
+    d = estimate_json(capsys, "llama3-8b", "--gpus", "8", "--zero", "3", "--offload-params", "cpu",
+                      "--offload-optimizer", "nvme")
+    assert d["memory"]["offload"]["cpu"] > 0
+    assert d["memory"]["offload"]["nvme"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# table output
+
+
+def test_table_says_whether_it_fits_and_the_phase(capsys):
+    d = estimate_json(capsys, "llama3-8b", "--gpus", "8", "--zero", "3")
+    out = memplan(capsys, "estimate", "llama3-8b", "--gpus", "8", "--zero", "3")
+    assert d["fits"] is True
+    assert "fits" in out and "does not fit" not in out
+    assert f"{d['memory']['peak']['phase']} phase" in out
+    assert "llama3-8b" in out and "8 x h100-sxm" in out
+
+
+def test_table_does_not_fit(capsys):
+    out = memplan(capsys, "estimate", "llama3-70b", "--gpus", "8", "--zero", "0")
+    assert "does not fit" in out
+    assert "phase" in out
+    assert "Changes that would help" in out
+    assert "ZeRO stage 3" in out
+
+
+def test_table_inference_shows_kv_cache(capsys):
+    out = memplan(capsys, "estimate", "llama3-8b", "--inference", "--batch", "8", "--context", "4096")
+    assert "KV cache" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# suggestions
+
+
+def _check_ranked(d: dict) -> list[dict]:
+    suggestions = d["suggestions"]
+    assert suggestions, "a plan that does not fit should come with suggestions"
+    fits = [s["fits"] for s in suggestions]
+    assert fits == sorted(fits, reverse=True), "the changes that fit come first"
+    for group in (True, False):
+        saved = [s["saved_bytes"] for s in suggestions if s["fits"] is group]
+        assert saved == sorted(saved, reverse=True), f"fits={group}: not ranked by bytes saved"
+    reserved = d["memory"]["peak"]["reserved"]
+    capacity = d["gpu"]["memory_bytes"]
+    for s in suggestions:
+        assert s["saved_bytes"] == reserved - s["reserved_bytes"]
+        assert s["saved_bytes"] > 0
+        assert s["fits"] == (s["reserved_bytes"] <= capacity)
+        assert s["change"]
+    return suggestions
+
+
+def test_plan_that_does_not_fit_lists_ranked_suggestions(capsys):
+    d = estimate_json(capsys, "llama3-70b", "--gpus", "8", "--zero", "0")
+    assert d["fits"] is False
+    assert d["headroom_bytes"] < 0
+    _check_ranked(d)
+
+
+def test_suggestions_that_fit_come_first(capsys):
+    d = estimate_json(capsys, "llama3-8b", "--gpus", "8", "--zero", "0")
+    assert d["fits"] is False
+    suggestions = _check_ranked(d)
+    assert suggestions[0]["fits"] is True
+    assert not suggestions[-1]["fits"] or all(s["fits"] for s in suggestions)
+
+
+def test_plan_that_fits_has_no_suggestions(capsys):
+    d = estimate_json(capsys, "llama3-8b", "--gpus", "8", "--zero", "3")
+    assert d["fits"] is True
+    assert d["suggestions"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# inference
+
+
+def test_inference_kv_cache(capsys):
+    d = estimate_json(capsys, "llama3-8b", "--inference", "--batch", "8", "--context", "4096")
+    layers, kv_heads, head_dim, bf16 = 32, 8, 128, 2
+    assert d["memory"]["kv_cache"] > 0
+    assert d["memory"]["kv_cache"] == 2 * layers * 8 * 4096 * kv_heads * head_dim * bf16
+    assert d["plan"]["batch"] == 8
+    assert d["plan"]["prompt_tokens"] + d["plan"]["generated_tokens"] == 4096
+
+
+def test_inference_kv_cache_scales_with_dtype(capsys):
+    bf16 = estimate_json(capsys, "llama3-8b", "--inference", "--batch", "8", "--context", "4096")
+    fp8 = estimate_json(capsys, "llama3-8b", "--inference", "--batch", "8", "--context", "4096", "--kv-dtype", "fp8")
+    assert fp8["memory"]["kv_cache"] * 2 == bf16["memory"]["kv_cache"]
+
+
+def test_training_has_no_kv_cache(capsys):
+    assert estimate_json(capsys, "llama3-8b")["memory"]["kv_cache"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# models from files
+
+
+@pytest.mark.parametrize(
+    "name", [p.stem for p in sorted(HF_DIR.glob("*.json")) if p.stem in MODEL_PROFILES]
+)
+def test_hf_config_gives_the_same_parameters_as_the_profile(capsys, name):
+    from_hf = estimate_json(capsys, HF_DIR / f"{name}.json")
+    from_profile = estimate_json(capsys, name)
+    assert from_hf["model"]["parameters"] == from_profile["model"]["parameters"]
+    assert from_hf["model"]["active_parameters"] == from_profile["model"]["active_parameters"]
+
+
+def test_hf_config_llama3_8b(capsys):
+    d = estimate_json(capsys, HF_DIR / "llama3-8b.json", "--gpus", "8", "--zero", "3")
+    assert d["model"]["parameters"] == 8_030_261_248
+    assert d["model"]["name"] == "llama3-8b"
+
+
+def test_hf_model_folder(capsys, tmp_path):
+    folder = tmp_path / "Meta-Llama-3-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text((HF_DIR / "llama3-8b.json").read_text())
+    d = estimate_json(capsys, folder)
+    assert d["model"]["parameters"] == 8_030_261_248
+    assert d["model"]["name"] == "Meta-Llama-3-8B"
+
+
+def test_memplan_model_yaml(capsys, tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text((ROOT / "profiles" / "models" / "llama3-8b.yaml").read_text().replace("name: llama3-8b", ""))
+    d = estimate_json(capsys, path)
+    assert d["model"]["name"] == "mine"
+    assert d["model"]["parameters"] == 8_030_261_248
+
+
+# ---------------------------------------------------------------------------------------------
+# plan files
+
+
+PLAN_FILE = {
+    "gpu": "h200",
+    "gpus": 8,
+    "runtime": "megatron",
+    "plan": {"tp": 2, "zero": 1, "recompute": "selective", "precision": "bf16-master", "optimizer": "adamw"},
+    "workload": {"kind": "training", "seq_len": 4096, "micro_batch": 2, "global_batch": 64},
+}
+
+
+def _write_plan(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_plan_file(capsys, tmp_path):
+    d = estimate_json(capsys, "llama3-8b", "--plan", _write_plan(tmp_path, PLAN_FILE))
+    plan = d["plan"]
+    assert (plan["dp"], plan["tp"], plan["zero"], plan["recompute"]) == (4, 2, 1, "selective")
+    assert (plan["seq_len"], plan["micro_batch"], plan["global_batch"]) == (4096, 2, 64)
+    assert plan["gradient_accumulation"] == 64 // (2 * 4)
+    assert plan["runtime"] == "megatron"
+    assert plan["world_size"] == 8
+    assert d["gpu"]["name"] == "h200"
+
+
+def test_flags_override_the_plan_file(capsys, tmp_path):
+    path = _write_plan(tmp_path, PLAN_FILE)
+    d = estimate_json(capsys, "llama3-8b", "--plan", path, "--tp", "4", "--seq-len", "8192", "--gpu", "h100-sxm",
+                      "--runtime", "hf")
+    plan = d["plan"]
+    assert (plan["dp"], plan["tp"]) == (2, 4)  # dp re-derived from the file's 8 GPUs
+    assert plan["seq_len"] == 8192
+    assert plan["zero"] == 1 and plan["micro_batch"] == 2  # untouched fields stay as in the file
+    assert plan["runtime"] == "hf"
+    assert d["gpu"]["name"] == "h100-sxm"
+
+
+def test_a_flag_can_fix_a_bad_plan_file_value(capsys, tmp_path):
+    path = _write_plan(tmp_path, {"plan": {"tp": 3}})
+    d = estimate_json(capsys, "llama3-8b", "--plan", path, "--tp", "2")
+    assert d["plan"]["tp"] == 2
+
+
+def test_inference_plan_file(capsys, tmp_path):
+    path = _write_plan(tmp_path, {"workload": {"kind": "inference", "batch": 8, "prompt_tokens": 4000,
+                                               "generated_tokens": 96}})
+    d = estimate_json(capsys, "llama3-8b", "--plan", path)
+    assert d["plan"]["kind"] == "inference"
+    assert d["memory"]["kv_cache"] == 2 * 32 * 8 * 4096 * 8 * 128 * 2
+
+
+def test_gpu_yaml_file(capsys, tmp_path):
+    path = tmp_path / "my-gpu.yaml"
+    path.write_text((ROOT / "profiles" / "gpus" / "h200.yaml").read_text())
+    d = estimate_json(capsys, "llama3-8b", "--gpu", path)
+    assert d["gpu"]["name"] == "h200"
+
+
+# ---------------------------------------------------------------------------------------------
+# cluster shape
+
+
+def test_default_is_one_gpu(capsys):
+    plan = estimate_json(capsys, "llama3-8b")["plan"]
+    assert (plan["world_size"], plan["dp"], plan["nodes"]) == (1, 1, 1)
+
+
+def test_gpus_fill_eight_gpu_nodes(capsys):
+    plan = estimate_json(capsys, "llama3-8b", "--gpus", "16", "--tp", "2")["plan"]
+    assert (plan["world_size"], plan["dp"], plan["nodes"], plan["gpus_per_node"]) == (16, 8, 2, 8)
+    plan = estimate_json(capsys, "llama3-8b", "--gpus", "16", "--nodes", "4")["plan"]
+    assert (plan["nodes"], plan["gpus_per_node"]) == (4, 4)
+    plan = estimate_json(capsys, "llama3-8b", "--gpus", "6")["plan"]  # not whole 8-GPU nodes: one node
+    assert (plan["nodes"], plan["gpus_per_node"]) == (1, 6)
+
+
+def test_many_gpus_without_nodes(capsys):
+    plan = estimate_json(capsys, "llama3-70b", "--gpus", "2048", "--tp", "8", "--pp", "8", "--zero", "1")["plan"]
+    assert (plan["world_size"], plan["dp"], plan["nodes"], plan["gpus_per_node"]) == (2048, 32, 256, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# profiles and help
+
+
+def test_profiles_table_lists_everything(capsys):
+    out = memplan(capsys, "profiles")
+    for name in MODEL_PROFILES + GPU_PROFILES:
+        assert name in out, name
+
+
+def test_profiles_json(capsys):
+    data = json.loads(memplan(capsys, "profiles", "--format", "json"))
+    assert sorted(m["name"] for m in data["models"]) == MODEL_PROFILES
+    assert sorted(g["name"] for g in data["gpus"]) == GPU_PROFILES
+    for m in data["models"]:
+        assert isinstance(m["parameters"], int) and m["parameters"] > 0
+    for g in data["gpus"]:
+        assert isinstance(g["memory_bytes"], int) and g["memory_bytes"] > 0
+
+
+def test_every_bundled_model_estimates(capsys):
+    for name in MODEL_PROFILES:
+        d = estimate_json(capsys, name, "--gpus", "8", "--zero", "3")
+        assert d["model"]["name"] == name
+
+
+@pytest.mark.parametrize("args", [["--help"], ["estimate", "--help"], ["profiles", "--help"]])
+def test_help(capsys, args):
+    out = memplan(capsys, *args)
+    assert "Usage" in out
+
+
+def test_no_arguments_prints_help_and_exits_2(capsys):
+    assert run([]) == 2
+    out, err = capsys.readouterr()
+    assert "Usage" in out + err
+
+
+def test_python_dash_m_memplan_cli_help():
+    proc = subprocess.run([sys.executable, "-m", "memplan.cli", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "estimate" in proc.stdout and "profiles" in proc.stdout

@@ -1,0 +1,38 @@
+"""``memplan estimate`` must not pull in the heavy optional stacks (torch, triton, optuna).
+
+Checked in a fresh interpreter: the test process itself may have imported any of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+HEAVY = ("torch", "triton", "optuna")
+
+SCRIPT = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    import memplan.cli.app
+    after_import = sorted(m for m in {heavy!r} if m in sys.modules)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = memplan.cli.app.run(["estimate", "llama3-8b", "--format", "json"])
+    json.loads(out.getvalue())
+    after_run = sorted(m for m in {heavy!r} if m in sys.modules)
+    print(json.dumps({{"code": code, "err": err.getvalue(), "after_import": after_import, "after_run": after_run}}))
+    """
+).format(heavy=HEAVY)
+
+
+def test_estimate_does_not_import_heavy_modules():
+    env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["code"] == 0, result["err"]
+    assert result["after_import"] == [], f"import memplan.cli.app pulled in {result['after_import']}"
+    assert result["after_run"] == [], f"memplan estimate pulled in {result['after_run']}"
