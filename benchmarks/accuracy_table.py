@@ -1,6 +1,6 @@
 """Print the HF accuracy table for docs/accuracy.md: memplan ``--runtime hf`` vs MemTracker.
 
-    python benchmarks/accuracy_table.py > /tmp/table.md
+python benchmarks/accuracy_table.py > /tmp/table.md
 """
 
 from __future__ import annotations
@@ -24,11 +24,15 @@ def main() -> None:
     from hf_steps import CASES, measure_peak, predict_peak
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"Measured {date.today().isoformat()} at commit {commit} on {platform.processor() or platform.machine()} "
-          f"CPU, Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}.")
+    print(
+        f"Measured {date.today().isoformat()} at commit {commit} on {platform.processor() or platform.machine()} "
+        f"CPU, Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}."
+    )
     print()
-    print("| case | arch | dtype | attention | ckpt | tied | b x s | layers | h | V | predicted (B) | measured (B) "
-          "| error | phase |")
+    print(
+        "| case | arch | dtype | attention | ckpt | tied | b x s | layers | h | V | predicted (B) | measured (B) "
+        "| error | phase |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---:|---:|---:|---|")
     worst = 0.0
     for case in CASES:
@@ -36,9 +40,11 @@ def main() -> None:
         measured = measure_peak(case)
         error = 100 * (predicted - measured) / measured
         worst = max(worst, abs(error))
-        print(f"| {case.name} | {case.arch} | {case.dtype} | {case.attention} | {'yes' if case.checkpointing else 'no'} "
-              f"| {'yes' if case.tied else 'no'} | {case.batch} x {case.seq} | {case.layers} | {case.hidden} "
-              f"| {case.vocab} | {predicted:,} | {measured:,} | {error:+.3f}% | {phase} |")
+        print(
+            f"| {case.name} | {case.arch} | {case.dtype} | {case.attention} | {'yes' if case.checkpointing else 'no'} "
+            f"| {'yes' if case.tied else 'no'} | {case.batch} x {case.seq} | {case.layers} | {case.hidden} "
+            f"| {case.vocab} | {predicted:,} | {measured:,} | {error:+.3f}% | {phase} |"
+        )
     print()
     print(f"Worst absolute error: {worst:.3f}% over {len(CASES)} cases (bound: 3%).")
 

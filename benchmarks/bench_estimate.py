@@ -23,8 +23,9 @@ def cold_cli_seconds(runs: int) -> list[float]:
     times = []
     for _ in range(runs):
         start = time.perf_counter()
-        subprocess.run([*cmd, "estimate", "llama3-8b", "--gpus", "8", "--zero", "3"], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [*cmd, "estimate", "llama3-8b", "--gpus", "8", "--zero", "3"], check=True, stdout=subprocess.DEVNULL
+        )
         times.append(time.perf_counter() - start)
     return times
 
@@ -38,9 +39,14 @@ def evaluations_per_second(seconds: float) -> tuple[float, int]:
 
     model = load_model("llama3-70b")
     workload = TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=512)
-    plans = [Plan(dp=dp, tp=tp, pp=pp, zero=z, recompute=r)
-             for dp in (1, 2, 4, 8) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8)
-             for z in range(4) for r in ("none", "selective", "full")]
+    plans = [
+        Plan(dp=dp, tp=tp, pp=pp, zero=z, recompute=r)
+        for dp in (1, 2, 4, 8)
+        for tp in (1, 2, 4, 8)
+        for pp in (1, 2, 4, 8)
+        for z in range(4)
+        for r in ("none", "selective", "full")
+    ]
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         for plan in plans:
@@ -56,8 +62,10 @@ def main() -> None:
     args = parser.parse_args()
     cold = cold_cli_seconds(args.runs)
     rate, grid = evaluations_per_second(args.seconds)
-    print(f"cold memplan estimate: median {statistics.median(cold):.3f} s, max {max(cold):.3f} s "
-          f"over {args.runs} runs (target <= 0.3 s)")
+    print(
+        f"cold memplan estimate: median {statistics.median(cold):.3f} s, max {max(cold):.3f} s "
+        f"over {args.runs} runs (target <= 0.3 s)"
+    )
     print(f"in-process: {rate:,.0f} plan evaluations/s over a {grid}-plan grid (target >= 20,000)")
 
 

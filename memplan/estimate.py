@@ -40,8 +40,12 @@ def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
     """Every plan field, resolved, with the workload, runtime and derived degrees beside it."""
     plan = job.plan.model_dump()
     plan.update(job.workload.model_dump())
-    plan.update(runtime=job.runtime, world_size=job.plan.world_size, gpus_per_node=job.cluster.gpus_per_node,
-                nodes=job.cluster.nodes)
+    plan.update(
+        runtime=job.runtime,
+        world_size=job.plan.world_size,
+        gpus_per_node=job.cluster.gpus_per_node,
+        nodes=job.cluster.nodes,
+    )
     if isinstance(job.workload, TrainingWorkload):
         plan["gradient_accumulation"] = accumulation
         plan["global_batch"] = job.workload.global_batch or job.workload.micro_batch * job.plan.dp
@@ -56,11 +60,16 @@ def estimate(job: Job, with_suggestions: bool = True) -> EstimateResult:
     suggestions = []
     if with_suggestions and not fits:
         found = suggest(job.model, job.workload, job.plan, job.runtime, capacity, report.peak.reserved)
-        suggestions = [SuggestionOut(change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits)
-                       for s in found]
+        suggestions = [
+            SuggestionOut(change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits) for s in found
+        ]
     return EstimateResult(
-        model={"name": job.model.name, "parameters": total_params(job.model),
-               "active_parameters": active_params(job.model), "architecture": job.model.architecture},
+        model={
+            "name": job.model.name,
+            "parameters": total_params(job.model),
+            "active_parameters": active_params(job.model),
+            "architecture": job.model.architecture,
+        },
         plan=resolved_plan(job, report.gradient_accumulation),
         gpu={"name": job.gpu.name, "memory_bytes": capacity, "display_name": job.gpu.display_name},
         memory=report,

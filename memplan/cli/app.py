@@ -51,7 +51,8 @@ def _usage_message(err: Exception) -> str:
     option = getattr(err, "option_name", None)
     if option and isinstance(err, _cx.NoSuchOption):
         return f"{CLI}: {option}: no such option" + (
-            f" (did you mean {', '.join(sorted(err.possibilities))}?)" if err.possibilities else "")
+            f" (did you mean {', '.join(sorted(err.possibilities))}?)" if err.possibilities else ""
+        )
     if option:
         return f"{CLI}: {option}: {getattr(err, 'message', err)}"
     return f"{CLI}: {err.format_message()}"

@@ -8,7 +8,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from memplan.estimate import EstimateResult, estimate as run_estimate
+from memplan.estimate import EstimateResult
+from memplan.estimate import estimate as run_estimate
 from memplan.specs.resolve import resolve_job
 from memplan.units import format_bytes
 
@@ -21,31 +22,48 @@ HW = "Hardware"
 def estimate(
     model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
     plan: Annotated[str | None, Opt("--plan", help="Plan YAML (flags override it).")] = None,
-    dp: Annotated[int | None, Opt(help="Data-parallel degree (default: GPUs / (tp x pp x cp)).", rich_help_panel=PLAN)] = None,
+    dp: Annotated[
+        int | None, Opt(help="Data-parallel degree (default: GPUs / (tp x pp x cp)).", rich_help_panel=PLAN)
+    ] = None,
     tp: Annotated[int | None, Opt(help="Tensor-parallel degree.", rich_help_panel=PLAN)] = None,
-    sequence_parallel: Annotated[bool | None, Opt("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel=PLAN)] = None,
+    sequence_parallel: Annotated[
+        bool | None,
+        Opt("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel=PLAN),
+    ] = None,
     pp: Annotated[int | None, Opt(help="Pipeline stages.", rich_help_panel=PLAN)] = None,
     pp_schedule: Annotated[str | None, Opt(help="1f1b, interleaved or gpipe.", rich_help_panel=PLAN)] = None,
-    virtual_stages: Annotated[int | None, Opt(help="Model chunks per rank (interleaved).", rich_help_panel=PLAN)] = None,
+    virtual_stages: Annotated[
+        int | None, Opt(help="Model chunks per rank (interleaved).", rich_help_panel=PLAN)
+    ] = None,
     cp: Annotated[int | None, Opt(help="Context-parallel degree.", rich_help_panel=PLAN)] = None,
     ep: Annotated[int | None, Opt(help="Expert-parallel degree.", rich_help_panel=PLAN)] = None,
     zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.", rich_help_panel=PLAN)] = None,
     recompute: Annotated[str | None, Opt(help="none, selective or full.", rich_help_panel=PLAN)] = None,
-    recompute_layers: Annotated[int | None, Opt(help="Layers per stage recomputed with full.", rich_help_panel=PLAN)] = None,
-    precision: Annotated[str | None, Opt(help="fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8.", rich_help_panel=PLAN)] = None,
+    recompute_layers: Annotated[
+        int | None, Opt(help="Layers per stage recomputed with full.", rich_help_panel=PLAN)
+    ] = None,
+    precision: Annotated[
+        str | None, Opt(help="fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8.", rich_help_panel=PLAN)
+    ] = None,
     optimizer: Annotated[str | None, Opt(help="adamw, sgd, adafactor, adamw-8bit.", rich_help_panel=PLAN)] = None,
     offload_optimizer: Annotated[str | None, Opt(help="none, cpu or nvme.", rich_help_panel=PLAN)] = None,
     offload_params: Annotated[str | None, Opt(help="none, cpu or nvme (ZeRO-3).", rich_help_panel=PLAN)] = None,
     attention: Annotated[str | None, Opt(help="flash or eager.", rich_help_panel=PLAN)] = None,
-    runtime: Annotated[str | None, Opt(help="Activation accounting: memplan, hf or megatron.", rich_help_panel=PLAN)] = None,
+    runtime: Annotated[
+        str | None, Opt(help="Activation accounting: memplan, hf or megatron.", rich_help_panel=PLAN)
+    ] = None,
     micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
     global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,
     seq_len: Annotated[int | None, Opt(help="Tokens per sequence.", rich_help_panel=WORK)] = None,
-    inference: Annotated[bool, Opt("--inference", help="Serving memory (KV cache) instead of training.", rich_help_panel=WORK)] = False,
+    inference: Annotated[
+        bool, Opt("--inference", help="Serving memory (KV cache) instead of training.", rich_help_panel=WORK)
+    ] = False,
     batch: Annotated[int | None, Opt(help="Inference: concurrent sequences.", rich_help_panel=WORK)] = None,
     context: Annotated[int | None, Opt(help="Inference: tokens held per sequence.", rich_help_panel=WORK)] = None,
     kv_dtype: Annotated[str | None, Opt(help="Inference: fp32, bf16, fp16, fp8, int8.", rich_help_panel=WORK)] = None,
-    block_size: Annotated[int | None, Opt(help="Inference: paged KV block size in tokens.", rich_help_panel=WORK)] = None,
+    block_size: Annotated[
+        int | None, Opt(help="Inference: paged KV block size in tokens.", rich_help_panel=WORK)
+    ] = None,
     gpu: Annotated[str | None, Opt(help="GPU profile name or YAML (default h100-sxm).", rich_help_panel=HW)] = None,
     gpus: Annotated[int | None, Opt(help="Total GPUs.", rich_help_panel=HW)] = None,
     nodes: Annotated[int | None, Opt(help="Nodes.", rich_help_panel=HW)] = None,
@@ -53,12 +71,33 @@ def estimate(
 ) -> None:
     """Per-GPU memory of one configuration at the peak of a step, on the most-loaded rank."""
     overrides = dict(
-        dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp, pp_schedule=pp_schedule,
-        virtual_stages=virtual_stages, cp=cp, ep=ep, zero=zero, recompute=recompute,
-        recompute_layers=recompute_layers, precision=precision, optimizer=optimizer,
-        offload_optimizer=offload_optimizer, offload_params=offload_params, attention=attention, runtime=runtime,
-        micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len, batch=batch, context=context,
-        kv_dtype=kv_dtype, block_size=block_size, gpu=gpu, gpus=gpus, nodes=nodes,
+        dp=dp,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        pp=pp,
+        pp_schedule=pp_schedule,
+        virtual_stages=virtual_stages,
+        cp=cp,
+        ep=ep,
+        zero=zero,
+        recompute=recompute,
+        recompute_layers=recompute_layers,
+        precision=precision,
+        optimizer=optimizer,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+        attention=attention,
+        runtime=runtime,
+        micro_batch=micro_batch,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        batch=batch,
+        context=context,
+        kv_dtype=kv_dtype,
+        block_size=block_size,
+        gpu=gpu,
+        gpus=gpus,
+        nodes=nodes,
     )
     job = resolve_job(model, plan, overrides, inference=inference)
     result = run_estimate(job)
@@ -76,9 +115,11 @@ def render(result: EstimateResult, console: Console) -> None:
     """The human table: breakdown at the peak, model states, fit and suggestions."""
     mem, plan, peak = result.memory, result.plan, result.memory.peak
     degrees = " ".join(f"{k}={plan[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if k in plan)
-    console.print(f"[bold]{result.model['name']}[/] ({result.model['parameters'] / 1e9:,.2f} B params) on "
-                  f"{plan['world_size']} x {result.gpu['name']}  {degrees}  zero={plan['zero']} "
-                  f"recompute={plan['recompute']} precision={plan['precision']} runtime={plan['runtime']}")
+    console.print(
+        f"[bold]{result.model['name']}[/] ({result.model['parameters'] / 1e9:,.2f} B params) on "
+        f"{plan['world_size']} x {result.gpu['name']}  {degrees}  zero={plan['zero']} "
+        f"recompute={plan['recompute']} precision={plan['precision']} runtime={plan['runtime']}"
+    )
     table = Table(title=f"Peak: {peak.phase} phase, rank {peak.rank} ({peak.rank_role})")
     table.add_column("component")
     table.add_column("bytes", justify="right")
@@ -91,17 +132,22 @@ def render(result: EstimateResult, console: Console) -> None:
     table.add_row("[bold]peak reserved[/]", _gib(peak.reserved), "")
     console.print(table)
     states = mem.model_states
-    console.print(f"model states per rank: params {_gib(states.parameters)}, grads {_gib(states.gradients)}, "
-                  f"optimizer {_gib(states.optimizer_states)}; activations per layer {_gib(mem.activations.per_layer)}"
-                  + (f"; KV cache {_gib(mem.kv_cache)}" if mem.kv_cache else ""))
+    console.print(
+        f"model states per rank: params {_gib(states.parameters)}, grads {_gib(states.gradients)}, "
+        f"optimizer {_gib(states.optimizer_states)}; activations per layer {_gib(mem.activations.per_layer)}"
+        + (f"; KV cache {_gib(mem.kv_cache)}" if mem.kv_cache else "")
+    )
     if mem.offload.cpu or mem.offload.nvme:
         console.print(f"offloaded per rank: CPU {_gib(mem.offload.cpu)}, NVMe {_gib(mem.offload.nvme)}")
     capacity = result.gpu["memory_bytes"]
     if result.fits:
-        console.print(f"[green]fits[/]: {_gib(peak.reserved)} of {_gib(capacity)}, headroom {_gib(result.headroom_bytes)}")
+        console.print(
+            f"[green]fits[/]: {_gib(peak.reserved)} of {_gib(capacity)}, headroom {_gib(result.headroom_bytes)}"
+        )
         return
-    console.print(f"[red]does not fit[/]: {_gib(peak.reserved)} of {_gib(capacity)} "
-                  f"({_gib(-result.headroom_bytes)} over)")
+    console.print(
+        f"[red]does not fit[/]: {_gib(peak.reserved)} of {_gib(capacity)} ({_gib(-result.headroom_bytes)} over)"
+    )
     if result.suggestions:
         table = Table(title="Changes that would help (ranked by memory saved)")
         for col in ("change", "peak reserved", "saved", "fits"):

@@ -33,14 +33,16 @@ def profiles(
         table.add_column(col, justify="right" if col not in ("name", "architecture") else "left")
     for m in models:
         experts = f"{m.moe.num_experts} (top {m.moe.top_k})" if m.moe else "-"
-        table.add_row(m.name, m.architecture, f"{total_params(m) / 1e9:,.2f} B", str(m.num_layers),
-                      str(m.hidden_size), experts)
+        table.add_row(
+            m.name, m.architecture, f"{total_params(m) / 1e9:,.2f} B", str(m.num_layers), str(m.hidden_size), experts
+        )
     console.print(table)
     table = Table(title="GPUs")
     for col in ("name", "part", "memory", "bf16 dense"):
         table.add_column(col)
     for g in gpus:
         bf16 = g.peak_flops.get("bf16")
-        table.add_row(g.name, g.display_name, format_bytes(g.memory_bytes),
-                      f"{bf16 / 1e12:,.0f} TFLOP/s" if bf16 else "-")
+        table.add_row(
+            g.name, g.display_name, format_bytes(g.memory_bytes), f"{bf16 / 1e12:,.0f} TFLOP/s" if bf16 else "-"
+        )
     console.print(table)

@@ -104,11 +104,20 @@ def model_states(layout: StageLayout, plan: Plan, policy: PrecisionPolicy, facto
     return _States(params_bytes, int(grads_n * policy.grad_bytes), opt_bytes, temp, cpu, nvme)
 
 
-def _shape(model: ModelSpec, workload: TrainingWorkload, plan: Plan, policy: PrecisionPolicy, rt: RuntimeProfile) -> A.Shape:
+def _shape(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, policy: PrecisionPolicy, rt: RuntimeProfile
+) -> A.Shape:
     s = workload.seq_len // plan.cp
     return A.Shape(
-        model=model, b=workload.micro_batch, s=s, span=s, t=plan.tp, sp=plan.sequence_parallel and plan.tp > 1,
-        d=policy.compute_bytes, eager=plan.attention == "eager", dropout=rt.dropout,
+        model=model,
+        b=workload.micro_batch,
+        s=s,
+        span=s,
+        t=plan.tp,
+        sp=plan.sequence_parallel and plan.tp > 1,
+        d=policy.compute_bytes,
+        eager=plan.attention == "eager",
+        dropout=rt.dropout,
     )
 
 
@@ -196,24 +205,37 @@ def _stage_phases(
 
     base = {"parameters": st.params, "optimizer_states": st.optimizer}
     fwd = {
-        **base, "gradients": grads_in_step, "activations": layer_acts + embed, "logits_and_loss": head + loss_fwd,
-        "comm_buffers": gathered + p2p + ddp_copy, "retained_outputs": retained,
+        **base,
+        "gradients": grads_in_step,
+        "activations": layer_acts + embed,
+        "logits_and_loss": head + loss_fwd,
+        "comm_buffers": gathered + p2p + ddp_copy,
+        "retained_outputs": retained,
     }
     bwd_start = {  # the loss's gradients appear; every activation is still saved
-        **base, "gradients": grads_in_step, "activations": layer_acts + embed,
-        "logits_and_loss": head + loss_bwd, "comm_buffers": gathered + p2p + ddp_copy,
+        **base,
+        "gradients": grads_in_step,
+        "activations": layer_acts + embed,
+        "logits_and_loss": head + loss_bwd,
+        "comm_buffers": gathered + p2p + ddp_copy,
     }  # no reduce-scatter buffer yet: no layer has produced gradients
     # the last layer's backward: the other in-flight micro-batches' activations, this
     # layer's (rebuilt when recomputed) and one b*s*f gradient temporary (the MLP's),
     # gradients nearly complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
     bwd_end = {
-        **base, "gradients": st.grads, "activations": others + live_layer + embed + layer_temp(x),
-        "logits_and_loss": retained, "comm_buffers": gathered + rs_buffer + p2p + ddp_copy,
+        **base,
+        "gradients": st.grads,
+        "activations": others + live_layer + embed + layer_temp(x),
+        "logits_and_loss": retained,
+        "comm_buffers": gathered + rs_buffer + p2p + ddp_copy,
     }
     opt = {
-        **base, "gradients": st.grads, "optimizer_temp": st.optimizer_temp + master_grads,
-        "comm_buffers": ddp_copy, "retained_outputs": retained,
+        **base,
+        "gradients": st.grads,
+        "optimizer_temp": st.optimizer_temp + master_grads,
+        "comm_buffers": ddp_copy,
+        "retained_outputs": retained,
     }
     bwd = bwd_start if sum(bwd_start.values()) >= sum(bwd_end.values()) else bwd_end
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
@@ -221,7 +243,9 @@ def _stage_phases(
     return phases, st, per_layer, total_acts
 
 
-def estimate_training(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str = "memplan") -> MemoryReport:
+def estimate_training(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str = "memplan"
+) -> MemoryReport:
     """Peak per-rank memory of a steady-state training step, over phases and pipeline stages."""
     rt = RUNTIMES[runtime]
     accumulation = gradient_accumulation(workload, plan)
@@ -240,7 +264,9 @@ def estimate_training(model: ModelSpec, workload: TrainingWorkload, plan: Plan, 
     overhead = O.fixed_overhead_bytes(O.communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep))
     breakdown = {k: v for k, v in phases[phase].items() if v}
     return MemoryReport.model_construct(
-        model_states=ModelStates.model_construct(parameters=st.params, gradients=st.grads, optimizer_states=st.optimizer),
+        model_states=ModelStates.model_construct(
+            parameters=st.params, gradients=st.grads, optimizer_states=st.optimizer
+        ),
         activations=Activations.model_construct(per_layer=per_layer, total=total_acts),
         kv_cache=0,
         peak=Peak.model_construct(
@@ -307,8 +333,12 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
         activations=Activations.model_construct(per_layer=work, total=work),
         kv_cache=kv,
         peak=Peak.model_construct(
-            allocated=allocated, reserved=O.reserved_bytes(allocated, overhead), phase="prefill",
-            rank=stage * plan.tp, stage=stage, rank_role=_role(stage, plan.pp),
+            allocated=allocated,
+            reserved=O.reserved_bytes(allocated, overhead),
+            phase="prefill",
+            rank=stage * plan.tp,
+            stage=stage,
+            rank_role=_role(stage, plan.pp),
             breakdown={k: v for k, v in {"parameters": weights, "kv_cache": kv, "activations": work}.items() if v},
         ),
         offload=Offload.model_construct(cpu=0, nvme=0),

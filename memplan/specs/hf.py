@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from memplan.specs.model import ModelSpec, MoESpec
+from memplan.specs.model import MoESpec
 
 Config = dict[str, Any]
 

@@ -25,7 +25,9 @@ class PlanFile(BaseModel):
     gpus: int | None = Field(None, gt=0, le=10_000_000, description="Total GPUs.")
     nodes: int | None = Field(None, gt=0, le=1_000_000)
     runtime: RuntimeName | None = None
-    workload: dict | None = Field(None, description="Training or inference workload fields (kind: training | inference).")
+    workload: dict | None = Field(
+        None, description="Training or inference workload fields (kind: training | inference)."
+    )
     plan: dict | None = Field(None, description="Plan fields (see memplan.specs.plan.Plan).")
 
 
@@ -34,15 +36,19 @@ def check_compatible(model: ModelSpec, workload: TrainingWorkload | InferenceWor
     run this model: TP must divide attention and KV heads, PP x virtual stages the layers,
     CP the sequence, EP the experts, and the global batch must split into micro-batches."""
     if model.num_attention_heads % plan.tp:
-        raise MemplanError(f"tp={plan.tp} does not divide num_attention_heads={model.num_attention_heads} "
-                           f"of {model.name}", field="plan.tp")
+        raise MemplanError(
+            f"tp={plan.tp} does not divide num_attention_heads={model.num_attention_heads} of {model.name}",
+            field="plan.tp",
+        )
     if model.kv_heads % plan.tp and plan.tp % model.kv_heads:
-        raise MemplanError(f"tp={plan.tp} does not divide num_kv_heads={model.kv_heads} of {model.name}",
-                           field="plan.tp")
+        raise MemplanError(
+            f"tp={plan.tp} does not divide num_kv_heads={model.kv_heads} of {model.name}", field="plan.tp"
+        )
     if model.num_layers % plan.stages:
         what = "pp x virtual_stages" if plan.virtual_stages > 1 else "pp"
-        raise MemplanError(f"{what}={plan.stages} does not divide num_layers={model.num_layers} of {model.name}",
-                           field="plan.pp")
+        raise MemplanError(
+            f"{what}={plan.stages} does not divide num_layers={model.num_layers} of {model.name}", field="plan.pp"
+        )
     if plan.ep > 1:
         if model.moe is None:
             raise MemplanError(f"ep={plan.ep} but {model.name} has no experts", field="plan.ep")
@@ -52,13 +58,19 @@ def check_compatible(model: ModelSpec, workload: TrainingWorkload | InferenceWor
         if workload.seq_len % plan.cp:
             raise MemplanError(f"cp={plan.cp} does not divide seq_len={workload.seq_len}", field="plan.cp")
         if plan.sequence_parallel and workload.seq_len // plan.cp % plan.tp:
-            raise MemplanError(f"sequence parallel needs seq_len/cp divisible by tp={plan.tp}",
-                               field="plan.sequence_parallel")
+            raise MemplanError(
+                f"sequence parallel needs seq_len/cp divisible by tp={plan.tp}", field="plan.sequence_parallel"
+            )
         if workload.global_batch is not None and workload.global_batch % (workload.micro_batch * plan.dp):
-            raise MemplanError(f"global_batch={workload.global_batch} is not divisible by micro_batch x dp = "
-                               f"{workload.micro_batch} x {plan.dp}", field="workload.global_batch")
+            raise MemplanError(
+                f"global_batch={workload.global_batch} is not divisible by micro_batch x dp = "
+                f"{workload.micro_batch} x {plan.dp}",
+                field="workload.global_batch",
+            )
         if plan.pp_schedule == "interleaved" and workload.global_batch is not None:
             accumulation = workload.global_batch // (workload.micro_batch * plan.dp)
             if accumulation % plan.pp:
-                raise MemplanError(f"the interleaved schedule needs micro-batches per step ({accumulation}) "
-                                   f"divisible by pp={plan.pp}", field="workload.global_batch")
+                raise MemplanError(
+                    f"the interleaved schedule needs micro-batches per step ({accumulation}) divisible by pp={plan.pp}",
+                    field="workload.global_batch",
+                )

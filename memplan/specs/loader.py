@@ -43,7 +43,7 @@ def validation_error(exc: ValidationError, source: str, prefix: str = "") -> Mem
         named = _FIELD_PREFIX.match(msg)
         if named:
             loc = ".".join(p for p in (loc, named["field"]) if p)
-            msg = msg[named.end():]
+            msg = msg[named.end() :]
     field = ".".join(p for p in (prefix, loc) if p) or None
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
@@ -55,7 +55,9 @@ def validation_error(exc: ValidationError, source: str, prefix: str = "") -> Mem
 def validate(cls: type[M], data: Any, source: str, prefix: str = "") -> M:
     """``cls.model_validate(data)`` with errors turned into a MemplanError."""
     if not isinstance(data, dict):
-        raise MemplanError(f"expected a mapping of fields, got {type(data).__name__}", source=source, field=prefix or None)
+        raise MemplanError(
+            f"expected a mapping of fields, got {type(data).__name__}", source=source, field=prefix or None
+        )
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
@@ -76,7 +78,9 @@ def read_data(path: Path) -> Any:
             return json.loads(text)
         return yaml.safe_load(text)
     except json.JSONDecodeError as exc:
-        raise MemplanError(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
+        raise MemplanError(
+            f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
@@ -93,8 +97,9 @@ def model_from_data(data: Any, source: str, default_name: str) -> ModelSpec:
             raise MemplanError(f"unknown {exc.args[0]}", source=source, field="model_type") from None
         if arch not in READERS:
             supported = ", ".join(READERS)
-            raise MemplanError(f"unsupported architecture {arch!r} (supported: {supported})", source=source,
-                               field="architectures")
+            raise MemplanError(
+                f"unsupported architecture {arch!r} (supported: {supported})", source=source, field="architectures"
+            )
         try:
             fields = hf_model_fields(data)
             fields.setdefault("name", data.get("_name_or_path") or default_name)
@@ -125,8 +130,9 @@ def load_model(ref: str) -> ModelSpec:
     profile = _profiles_dir("models") / f"{ref}.yaml"
     if profile.exists():
         return model_from_data(read_data(profile), ref, ref)
-    raise MemplanError(f"no such file or bundled model profile (bundled: {', '.join(profile_names('models'))})",
-                       source=ref)
+    raise MemplanError(
+        f"no such file or bundled model profile (bundled: {', '.join(profile_names('models'))})", source=ref
+    )
 
 
 def load_gpu(ref: str) -> GPUSpec:

@@ -21,7 +21,9 @@ class MoESpec(BaseModel):
     shared_expert_ffn_size: int | None = Field(
         None, gt=0, le=_MAX_DIM, description="Intermediate size of each shared expert (default: expert_ffn_size)."
     )
-    shared_expert_gate: bool = Field(False, description="A sigmoid gate (hidden -> 1) on the shared expert (Qwen2-MoE).")
+    shared_expert_gate: bool = Field(
+        False, description="A sigmoid gate (hidden -> 1) on the shared expert (Qwen2-MoE)."
+    )
     router_bias: bool = Field(False, description="The router linear has a bias.")
     layer_freq: int = Field(1, gt=0, description="Every layer_freq-th layer is MoE (Qwen2-MoE decoder_sparse_step).")
     dense_layers: tuple[int, ...] = Field(
@@ -51,7 +53,9 @@ class ModelSpec(BaseModel):
     hidden_size: int = Field(gt=0, le=_MAX_DIM)
     num_layers: int = Field(gt=0, le=10_000)
     num_attention_heads: int = Field(gt=0, le=10_000)
-    num_kv_heads: int | None = Field(None, gt=0, le=10_000, description="KV heads (GQA / MQA); default: attention heads.")
+    num_kv_heads: int | None = Field(
+        None, gt=0, le=10_000, description="KV heads (GQA / MQA); default: attention heads."
+    )
     head_dim: int | None = Field(None, gt=0, le=100_000, description="Default: hidden_size / attention heads.")
     ffn_size: int = Field(gt=0, le=_MAX_DIM, description="Dense MLP intermediate size.")
     mlp: Literal["gated", "plain"] = Field("gated", description="gated: SwiGLU (3 matrices); plain: up/down (2).")

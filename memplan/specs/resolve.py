@@ -79,8 +79,9 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
         per_replica = partial.tp * partial.pp * partial.cp
         if gpus % per_replica:
             where, field = blame("gpus")
-            raise MemplanError(f"{gpus} GPUs is not a multiple of tp x pp x cp = {per_replica}", source=where,
-                               field=field)
+            raise MemplanError(
+                f"{gpus} GPUs is not a multiple of tp x pp x cp = {per_replica}", source=where, field=field
+            )
         plan_data["dp"] = gpus // per_replica
     plan = _validate_section(Plan, plan_data, set(flags), source, "plan")
     if gpus is not None and plan.world_size != gpus:
@@ -109,8 +110,9 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
     except ValidationError as exc:
         where, field = blame("nodes" if nodes_given is not None else "gpus")
         reason = validation_error(exc, where).reason
-        raise MemplanError(f"{world // nodes} GPUs per node: {reason} (give --nodes)", source=where,
-                           field=field) from None
+        raise MemplanError(
+            f"{world // nodes} GPUs per node: {reason} (give --nodes)", source=where, field=field
+        ) from None
     try:
         check_compatible(model, workload, plan)
     except MemplanError as err:
@@ -124,7 +126,9 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
     return Job(model, workload, plan, gpu, cluster, runtime)
 
 
-def _workload(pf: PlanFile, flags: dict[str, Any], inference: bool, source: str) -> TrainingWorkload | InferenceWorkload:
+def _workload(
+    pf: PlanFile, flags: dict[str, Any], inference: bool, source: str
+) -> TrainingWorkload | InferenceWorkload:
     base = dict(pf.workload or {})
     kind = base.pop("kind", "training")
     if kind not in ("training", "inference"):

@@ -21,7 +21,9 @@ def test_hf_peak_within_3_percent(case: Case):
     predicted, phase = predict_peak(case)
     measured = measure_peak(case)
     error = (predicted - measured) / measured
-    assert abs(error) <= 0.03, f"{case.name}: predicted {predicted:,} measured {measured:,} ({100 * error:+.2f}%, {phase})"
+    assert abs(error) <= 0.03, (
+        f"{case.name}: predicted {predicted:,} measured {measured:,} ({100 * error:+.2f}%, {phase})"
+    )
 
 
 def test_measurement_sees_what_it_should():

@@ -50,12 +50,17 @@ def _env(debug: bool = False) -> dict[str, str]:
 def memplan(*args: object, cwd: Path, debug: bool = False) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "memplan.cli", *map(str, args)],
-        capture_output=True, text=True, cwd=cwd, env=_env(debug), timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=_env(debug),
+        timeout=60,
     )
 
 
-def error_line(proc: subprocess.CompletedProcess[str], source: object, field: str | None = None,
-               *reason_parts: str) -> str:
+def error_line(
+    proc: subprocess.CompletedProcess[str], source: object, field: str | None = None, *reason_parts: str
+) -> str:
     """Check the one-line error contract; return the text after ``memplan: error: ``."""
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stdout == "", proc.stdout
@@ -63,10 +68,10 @@ def error_line(proc: subprocess.CompletedProcess[str], source: object, field: st
     assert proc.stderr.endswith("\n") and proc.stderr.count("\n") == 1, f"not one line: {proc.stderr!r}"
     line = proc.stderr.rstrip("\n")
     assert line.startswith(PREFIX), line
-    message = line[len(PREFIX):]
+    message = line[len(PREFIX) :]
     head = f"{source}: {field}: " if field else f"{source}: "
     assert message.startswith(head), f"expected {head!r} at the start of {message!r}"
-    reason = message[len(head):]
+    reason = message[len(head) :]
     assert reason.strip(), f"no reason in {message!r}"
     assert "internal error" not in reason
     for part in reason_parts:
@@ -215,10 +220,20 @@ def test_moe_dense_layer_out_of_range(tmp_path):
 
 
 def test_unsupported_hf_architecture(tmp_path):
-    path = write_json(tmp_path, {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 768,
-                                 "num_hidden_layers": 12, "num_attention_heads": 12, "vocab_size": 30522})
-    message = error_line(memplan("estimate", path, cwd=tmp_path), path, "architectures", "unsupported",
-                         "BertForMaskedLM")
+    path = write_json(
+        tmp_path,
+        {
+            "architectures": ["BertForMaskedLM"],
+            "model_type": "bert",
+            "hidden_size": 768,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "vocab_size": 30522,
+        },
+    )
+    message = error_line(
+        memplan("estimate", path, cwd=tmp_path), path, "architectures", "unsupported", "BertForMaskedLM"
+    )
     assert "LlamaForCausalLM" in message  # what is supported
 
 
@@ -270,8 +285,23 @@ def test_hf_moe_top_k_above_num_experts(tmp_path):
         (["llama3-8b", "--offload-optimizer", "cpu", "--zero", "0"], "--offload-optimizer", "zero >= 1"),
         (["llama3-8b", "--virtual-stages", "2"], "--virtual-stages", "interleaved"),
         (["llama3-8b", "--pp", "2", "--pp-schedule", "interleaved"], "--virtual-stages", ">= 2"),
-        (["llama3-8b", "--gpus", "16", "--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
-          "--global-batch", "24"], "--global-batch", "divisible by pp=2"),
+        (
+            [
+                "llama3-8b",
+                "--gpus",
+                "16",
+                "--pp",
+                "2",
+                "--pp-schedule",
+                "interleaved",
+                "--virtual-stages",
+                "2",
+                "--global-batch",
+                "24",
+            ],
+            "--global-batch",
+            "divisible by pp=2",
+        ),
         (["llama3-8b", "--ep", "2"], "--ep", "ep=2"),
         (["llama3-8b", "--gpus", "8", "--ep", "2"], "--ep", "no experts"),
         (["mixtral-8x7b", "--gpus", "8", "--ep", "3"], "--ep", "ep=3"),
@@ -405,8 +435,9 @@ def test_unknown_command(tmp_path):
 
 
 def test_unknown_gpu(tmp_path):
-    message = error_line(memplan("estimate", "llama3-8b", "--gpu", "h900", cwd=tmp_path), CLI, "--gpu",
-                         "unknown GPU", "h900")
+    message = error_line(
+        memplan("estimate", "llama3-8b", "--gpu", "h900", cwd=tmp_path), CLI, "--gpu", "unknown GPU", "h900"
+    )
     assert "h100-sxm" in message  # the bundled names are listed
 
 
@@ -419,8 +450,12 @@ def _gpu_yaml(**changes: object) -> dict:
         "hbm_bytes_per_s": "1TB/s",
         "peak_flops": {"bf16": "100TFLOPS"},
         "pcie_bytes_per_s": "32GB/s",
-        "sources": {"memory_bytes": "datasheet", "hbm_bytes_per_s": "datasheet", "peak_flops": "datasheet",
-                    "pcie_bytes_per_s": "datasheet"},
+        "sources": {
+            "memory_bytes": "datasheet",
+            "hbm_bytes_per_s": "datasheet",
+            "peak_flops": "datasheet",
+            "pcie_bytes_per_s": "datasheet",
+        },
     }
     data.update(changes)
     return data
@@ -491,9 +526,10 @@ _values = st.one_of(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(changes=st.dictionaries(st.sampled_from(sorted(SMALL_MODEL) + ["head_dim", "moe", "extra"]), _values,
-                               max_size=3),
-       tp=st.sampled_from(["1", "2", "3", "4", "0"]))
+@given(
+    changes=st.dictionaries(st.sampled_from(sorted(SMALL_MODEL) + ["head_dim", "moe", "extra"]), _values, max_size=3),
+    tp=st.sampled_from(["1", "2", "3", "4", "0"]),
+)
 def test_fuzzed_model_files_fail_cleanly(tmp_path, monkeypatch, changes, tp):
     monkeypatch.delenv("MEMPLAN_DEBUG", raising=False)
     path = write_model(tmp_path, "fuzz.yaml", **changes)

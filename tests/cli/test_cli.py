@@ -57,9 +57,29 @@ def test_json_contract(capsys):
 
     assert d["model"]["name"] == "llama3-8b"
     assert d["model"]["parameters"] == 8_030_261_248
-    for key in ("dp", "tp", "pp", "cp", "ep", "zero", "recompute", "precision", "optimizer", "attention",
-                "micro_batch", "seq_len", "global_batch", "world_size", "runtime", "offload_optimizer",
-                "offload_params", "pp_schedule", "virtual_stages", "sequence_parallel", "gradient_accumulation"):
+    for key in (
+        "dp",
+        "tp",
+        "pp",
+        "cp",
+        "ep",
+        "zero",
+        "recompute",
+        "precision",
+        "optimizer",
+        "attention",
+        "micro_batch",
+        "seq_len",
+        "global_batch",
+        "world_size",
+        "runtime",
+        "offload_optimizer",
+        "offload_params",
+        "pp_schedule",
+        "virtual_stages",
+        "sequence_parallel",
+        "gradient_accumulation",
+    ):
         assert key in d["plan"], key
     assert (d["plan"]["dp"], d["plan"]["tp"], d["plan"]["pp"], d["plan"]["cp"], d["plan"]["ep"]) == (8, 1, 1, 1, 1)
     assert d["plan"]["zero"] == 3 and d["plan"]["world_size"] == 8
@@ -115,8 +135,9 @@ def test_every_size_is_an_int(capsys, args):
 
 
 def test_offload_is_reported(capsys):
-    d = estimate_json(capsys, "llama3-8b", "--gpus", "8", "--zero", "3", "--offload-params", "cpu",
-                      "--offload-optimizer", "nvme")
+    d = estimate_json(
+        capsys, "llama3-8b", "--gpus", "8", "--zero", "3", "--offload-params", "cpu", "--offload-optimizer", "nvme"
+    )
     assert d["memory"]["offload"]["cpu"] > 0
     assert d["memory"]["offload"]["nvme"] > 0
 
@@ -217,9 +238,7 @@ def test_training_has_no_kv_cache(capsys):
 # models from files
 
 
-@pytest.mark.parametrize(
-    "name", [p.stem for p in sorted(HF_DIR.glob("*.json")) if p.stem in MODEL_PROFILES]
-)
+@pytest.mark.parametrize("name", [p.stem for p in sorted(HF_DIR.glob("*.json")) if p.stem in MODEL_PROFILES])
 def test_hf_config_gives_the_same_parameters_as_the_profile(capsys, name):
     from_hf = estimate_json(capsys, HF_DIR / f"{name}.json")
     from_profile = estimate_json(capsys, name)
@@ -282,8 +301,9 @@ def test_plan_file(capsys, tmp_path):
 
 def test_flags_override_the_plan_file(capsys, tmp_path):
     path = _write_plan(tmp_path, PLAN_FILE)
-    d = estimate_json(capsys, "llama3-8b", "--plan", path, "--tp", "4", "--seq-len", "8192", "--gpu", "h100-sxm",
-                      "--runtime", "hf")
+    d = estimate_json(
+        capsys, "llama3-8b", "--plan", path, "--tp", "4", "--seq-len", "8192", "--gpu", "h100-sxm", "--runtime", "hf"
+    )
     plan = d["plan"]
     assert (plan["dp"], plan["tp"]) == (2, 4)  # dp re-derived from the file's 8 GPUs
     assert plan["seq_len"] == 8192
@@ -299,8 +319,9 @@ def test_a_flag_can_fix_a_bad_plan_file_value(capsys, tmp_path):
 
 
 def test_inference_plan_file(capsys, tmp_path):
-    path = _write_plan(tmp_path, {"workload": {"kind": "inference", "batch": 8, "prompt_tokens": 4000,
-                                               "generated_tokens": 96}})
+    path = _write_plan(
+        tmp_path, {"workload": {"kind": "inference", "batch": 8, "prompt_tokens": 4000, "generated_tokens": 96}}
+    )
     d = estimate_json(capsys, "llama3-8b", "--plan", path)
     assert d["plan"]["kind"] == "inference"
     assert d["memory"]["kv_cache"] == 2 * 32 * 8 * 4096 * 8 * 128 * 2
@@ -375,7 +396,6 @@ def test_no_arguments_prints_help_and_exits_2(capsys):
 
 
 def test_python_dash_m_memplan_cli_help():
-    proc = subprocess.run([sys.executable, "-m", "memplan.cli", "--help"], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "memplan.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "estimate" in proc.stdout and "profiles" in proc.stdout

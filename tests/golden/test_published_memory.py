@@ -97,7 +97,9 @@ def test_pipeline_first_stage_holds_L_layers():
     p, v = 8, 3  # 96 layers = 8 stages x 3 chunks x 4 layers
     one_f_one_b = estimate_training(model, workload, Plan(attention="eager", tp=8, pp=p), runtime="megatron")
     interleaved = estimate_training(
-        model, workload, Plan(attention="eager", tp=8, pp=p, pp_schedule="interleaved", virtual_stages=v),
+        model,
+        workload,
+        Plan(attention="eager", tp=8, pp=p, pp_schedule="interleaved", virtual_stages=v),
         runtime="megatron",
     )
     assert one_f_one_b.peak.stage == 0

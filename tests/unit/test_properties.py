@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from memplan.costmodel.layout import stage_layout
 from memplan.costmodel.memory import _shape, estimate_memory, model_states
-from memplan.costmodel.runtimes import RUNTIMES
 from memplan.costmodel.precision import POLICIES
+from memplan.costmodel.runtimes import RUNTIMES
 from memplan.errors import MemplanError
 from memplan.specs.job import check_compatible
 from memplan.specs.loader import load_model
@@ -45,7 +45,11 @@ def jobs(draw):
     seq = draw(st.sampled_from([512, 1024, 2048, 4096]))
     zero = draw(st.integers(0, 3))
     plan = Plan(
-        dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=draw(st.booleans()) and tp > 1,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero=zero,
+        sequence_parallel=draw(st.booleans()) and tp > 1,
         recompute=draw(st.sampled_from(RECOMPUTE_ORDER)),
         precision=draw(st.sampled_from(["fp32", "bf16-mixed", "bf16-master", "bf16", "fp8"])),
         optimizer=draw(st.sampled_from(["adamw", "sgd", "adamw-8bit", "adafactor"])),
@@ -126,8 +130,9 @@ def test_more_pipeline_stages_never_use_more(job):
     accumulation = workload.global_batch // (workload.micro_batch * plan.dp)
     extra_microbatches = min(more.pp, accumulation) - min(plan.pp, accumulation)
     shape = _shape(m, workload, more, POLICIES[more.precision], RUNTIMES[runtime])
-    allowance = (m.num_layers // more.pp * bigger.activations.per_layer
-                 + extra_microbatches * RUNTIMES[runtime].embedding(shape))
+    allowance = m.num_layers // more.pp * bigger.activations.per_layer + extra_microbatches * RUNTIMES[
+        runtime
+    ].embedding(shape)
     assert bigger.peak.allocated <= allocated(m, workload, plan, runtime) + allowance
 
 
@@ -149,8 +154,9 @@ def test_grows_with_batch_and_sequence(job, factor):
     step, which holds no activations, is the peak)."""
     m, workload, plan, runtime = job
     base = estimate_memory(m, workload, plan, runtime)
-    bigger_batch = workload.model_copy(update={"micro_batch": workload.micro_batch * factor,
-                                               "global_batch": workload.global_batch * factor})
+    bigger_batch = workload.model_copy(
+        update={"micro_batch": workload.micro_batch * factor, "global_batch": workload.global_batch * factor}
+    )
     longer = workload.model_copy(update={"seq_len": workload.seq_len * factor})
     for bigger in (bigger_batch, longer):
         report = estimate_memory(m, bigger, plan, runtime)
@@ -178,6 +184,8 @@ def test_inference_grows_with_batch_and_context(name, batch, context, factor):
     base = InferenceWorkload(batch=batch, prompt_tokens=context, generated_tokens=0)
     report = estimate_memory(m, base, plan)
     assert sum(report.peak.breakdown.values()) == report.peak.allocated
-    for bigger in (base.model_copy(update={"batch": batch * factor}),
-                   base.model_copy(update={"prompt_tokens": context * factor})):
+    for bigger in (
+        base.model_copy(update={"batch": batch * factor}),
+        base.model_copy(update={"prompt_tokens": context * factor}),
+    ):
         assert estimate_memory(m, bigger, plan).peak.allocated > report.peak.allocated
