@@ -115,14 +115,21 @@ def hf_eager_attention(x: Shape) -> int:
     return x.tokens * per_token // x.t
 
 
-def hf_mlp(x: Shape) -> int:
-    """LlamaMLP down(act(gate(x)) * up(x)): gate out, act out, up out and product, 4df per token."""
+def mlp(x: Shape, gated_tensors: int, ffn: int | None = None) -> int:
+    """A dense MLP's saved f-wide tensors, split by t: ``gated_tensors`` of them when gated
+    (transformers' LlamaMLP keeps gate out, act out, up out and their product: 4; Megatron's
+    fused SwiGLU keeps fc1's output, 2 wide, and fc2's input: 3), two when plain."""
     m = x.model
-    per_token = (4 if m.mlp == "gated" else 2) * x.d * m.ffn_size
+    per_token = (gated_tensors if m.mlp == "gated" else 2) * x.d * (ffn or m.ffn_size)
     return x.tokens * per_token // x.t
 
 
-def moe_extra(x: Shape, ep: int) -> int:
+def hf_mlp(x: Shape) -> int:
+    """LlamaMLP down(act(gate(x)) * up(x)): gate out, act out, up out and product, 4df per token."""
+    return mlp(x, 4)
+
+
+def moe_extra(x: Shape, ep: int, gated_tensors: int) -> int:
     """Extra activations of an MoE layer over a dense one (token-choice top-k routing).
 
     Router logits and probabilities in fp32 (2 * 4E per token), tokens dispatched to experts
@@ -133,9 +140,10 @@ def moe_extra(x: Shape, ep: int) -> int:
     m = x.model
     moe = m.moe
     assert moe is not None
+    tensors = gated_tensors if m.mlp == "gated" else 2
     routed = x.tokens * moe.top_k
-    expert_mlp = (4 if m.mlp == "gated" else 2) * x.d * moe.expert_ffn_size
-    shared = moe.num_shared_experts * (4 if m.mlp == "gated" else 2) * x.d * moe.shared_ffn_size
+    expert_mlp = tensors * x.d * moe.expert_ffn_size
+    shared = moe.num_shared_experts * tensors * x.d * moe.shared_ffn_size
     router = x.tokens * 8 * moe.num_experts
     return router + routed * (x.d * m.hidden_size + expert_mlp // x.t) + x.tokens * shared // x.t
 

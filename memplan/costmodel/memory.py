@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from memplan.costmodel import activations as A
 from memplan.costmodel import overhead as O
-from memplan.costmodel.layout import StageLayout, stage_layout
+from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout
 from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, state_bytes_per_param
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
@@ -38,6 +38,7 @@ class _States:
     optimizer_temp: int
     cpu: int
     nvme: int
+    optimizer_elements: float  # parameters whose optimizer state this rank holds
 
 
 def gradient_accumulation(workload: TrainingWorkload, plan: Plan) -> int:
@@ -101,7 +102,7 @@ def model_states(layout: StageLayout, plan: Plan, policy: PrecisionPolicy, facto
         cpu, nvme = (cpu + params_bytes, nvme) if plan.offload_params == "cpu" else (cpu, nvme + params_bytes)
         params_bytes = 0
     temp = 0 if plan.offload_optimizer != "none" else int(opt_n * foreach_temp_bytes_per_param(plan.optimizer, policy))
-    return _States(params_bytes, int(grads_n * policy.grad_bytes), opt_bytes, temp, cpu, nvme)
+    return _States(params_bytes, int(grads_n * policy.grad_bytes), opt_bytes, temp, cpu, nvme, opt_n)
 
 
 def _shape(
@@ -131,8 +132,8 @@ def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, recompute: str, moe_f
     else:
         per_layer = rt.layer(x)
     if moe_fraction and x.model.moe is not None:
-        dense_mlp = A.hf_mlp(x)
-        per_layer += int(moe_fraction * (A.moe_extra(x, ep) - dense_mlp))
+        # the MoE block replaces the dense MLP the runtime's layer term counted
+        per_layer += int(moe_fraction * (A.moe_extra(x, ep, rt.mlp_tensors) - A.mlp(x, rt.mlp_tensors)))
     return per_layer
 
 
@@ -147,8 +148,6 @@ def layer_temp(x: A.Shape) -> int:
 def _moe_fraction(model: ModelSpec, layout: StageLayout, plan: Plan) -> float:
     if model.moe is None or layout.layers == 0:
         return 0.0
-    from memplan.costmodel.layout import stage_layer_indices
-
     indices = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, layout.stage)
     return sum(model.is_moe_layer(i) for i in indices) / len(indices)
 
@@ -200,8 +199,7 @@ def _stage_phases(
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1) else 0
     master_grads = 0
     if rt.master_grads_fp32 and policy.master_bytes and plan.offload_optimizer == "none":
-        opt_n = st.optimizer / max(state_bytes_per_param(plan.optimizer, policy, factored), 1e-9)
-        master_grads = int(opt_n * 4)
+        master_grads = int(st.optimizer_elements * 4)  # fp32 gradients for the master weights
 
     base = {"parameters": st.params, "optimizer_states": st.optimizer}
     fwd = {
@@ -220,8 +218,8 @@ def _stage_phases(
         "comm_buffers": gathered + p2p + ddp_copy,
     }  # no reduce-scatter buffer yet: no layer has produced gradients
     # the last layer's backward: the other in-flight micro-batches' activations, this
-    # layer's (rebuilt when recomputed) and one b*s*f gradient temporary (the MLP's),
-    # gradients nearly complete; the loop may still hold the logits
+    # layer's (rebuilt when recomputed) and its gradient temporaries, gradients nearly
+    # complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
     bwd_end = {
         **base,
@@ -249,7 +247,7 @@ def estimate_training(
     """Peak per-rank memory of a steady-state training step, over phases and pipeline stages."""
     rt = RUNTIMES[runtime]
     accumulation = gradient_accumulation(workload, plan)
-    stages = sorted({0, plan.pp - 1})
+    stages = _stages_to_examine(model, plan)
     best = None
     stage_peaks: dict[int, int] = {}
     for stage in stages:
@@ -286,10 +284,20 @@ def estimate_training(
     )
 
 
+def _stages_to_examine(model: ModelSpec, plan: Plan) -> list[int]:
+    """The first stage holds the most activations and the embedding, the last the head and
+    logits; middle stages hold less of both and the same layers, unless an MoE model mixes
+    dense and MoE layers unevenly, when every stage is examined."""
+    uneven = model.moe is not None and (model.moe.dense_layers or model.moe.layer_freq > 1)
+    return list(range(plan.pp)) if uneven else sorted({0, plan.pp - 1})
+
+
 def _role(stage: int, pp: int) -> str:
     if pp == 1:
         return "every rank (no pipeline)"
-    return "first pipeline stage" if stage == 0 else "last pipeline stage"
+    if stage in (0, pp - 1):
+        return "first pipeline stage" if stage == 0 else "last pipeline stage"
+    return f"pipeline stage {stage}"
 
 
 def kv_cache_bytes(model: ModelSpec, workload: InferenceWorkload, layers: int, tp: int) -> int:

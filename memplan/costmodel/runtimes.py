@@ -16,7 +16,7 @@ set of functions the memory model asks, each for one micro-batch on one rank:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memplan.costmodel import activations as A
 from memplan.costmodel.activations import Shape
@@ -36,6 +36,7 @@ class RuntimeProfile:
     master_grads_fp32: bool  # the optimizer step builds fp32 grads for the master weights
     dropout: bool  # dropout masks kept (1 byte per element)
     ddp_grad_copy: bool  # DDP buckets hold a second copy of the grads (no gradient_as_bucket_view)
+    mlp_tensors: int  # f-wide tensors a gated MLP saves (MoE experts use the same count)
 
 
 def _vocab(x: Shape) -> int:
@@ -90,6 +91,7 @@ MEGATRON = RuntimeProfile(
     master_grads_fp32=True,
     dropout=True,
     ddp_grad_copy=False,
+    mlp_tensors=3,
 )
 
 
@@ -153,23 +155,18 @@ HF = RuntimeProfile(
     master_grads_fp32=False,
     dropout=False,
     ddp_grad_copy=True,
+    mlp_tensors=4,
 )
 
 # --- memplan: the bundled trainer --------------------------------------------------------
 
-MEMPLAN = RuntimeProfile(
+MEMPLAN = replace(
+    HF,
     name="memplan",
     description="memplan's bundled trainer: the transformers Llama layer accounting (fp32 "
     "RMSNorm, flash attention, fp32 loss) without outputs kept across steps",
-    layer=hf_layer,
-    head=hf_head,
-    loss_forward=hf_loss_forward,
-    loss_backward=hf_loss_backward,
-    embedding=hf_embedding,
     retained=_nothing_retained,
-    grads_persistent=False,
     master_grads_fp32=True,
-    dropout=False,
     ddp_grad_copy=False,
 )
 

@@ -1,0 +1,137 @@
+"""Unit tests of the cost model's small functions: each checks a formula on numbers worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.costmodel import params as P
+from memplan.costmodel.layout import stage_layer_indices, stage_layout
+from memplan.costmodel.memory import (
+    estimate_memory,
+    gradient_accumulation,
+    inflight_layers,
+    kv_cache_bytes,
+)
+from memplan.costmodel.overhead import SEGMENT_BYTES, communicators, fixed_overhead_bytes, reserved_bytes
+from memplan.specs.loader import load_model
+from memplan.specs.plan import Plan
+from memplan.specs.workload import InferenceWorkload, TrainingWorkload
+from memplan.units import format_bytes, parse_bytes, parse_quantity
+
+
+def test_units_keep_gib_and_gb_apart():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("141GB") == 141 * 10**9
+    assert parse_bytes("81559MiB") == 81559 * 2**20
+    assert parse_quantity("3.35TB/s") == pytest.approx(3.35e12)
+    assert parse_quantity("989.4TFLOPS", "FLOPS") == pytest.approx(989.4e12)
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    for bad in ("eighty", "80 parsecs", "1e3 FLOPS"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b", "gpt3-175b"])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_stages_hold_every_parameter_once(name: str, pp: int):
+    """With TP = EP = 1 and untied embeddings, the stages' params add up to the model's."""
+    model = load_model(name)
+    total = sum(stage_layout(model, 1, 1, pp, 1, s).params for s in range(pp))
+    extra = model.vocab_size * model.hidden_size if model.tied_embeddings else 0  # last stage's copy
+    assert total == P.total_params(model) + extra
+
+
+def test_tensor_and_expert_parallel_shard_what_they_should():
+    model = load_model("mixtral-8x7b")
+    full = stage_layout(model, 1, 1, 1, 1, 0)
+    sharded = stage_layout(model, 2, 4, 1, 1, 0)
+    assert sharded.expert_params == full.expert_params // 8
+    assert sharded.dense_params < full.dense_params / 2 + 32 * 2 * model.hidden_size + model.hidden_size
+
+
+def test_interleaved_layer_assignment():
+    # 16 layers, 2 stages, 2 chunks: stage 0 holds chunks 0 and 2
+    assert stage_layer_indices(16, 2, 2, 0) == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert stage_layer_indices(16, 2, 2, 1) == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def test_inflight_layers_by_schedule():
+    L_stage, p, m = 4, 8, 32
+    assert inflight_layers(Plan(pp=p), 0, m, L_stage) == p * L_stage  # 1F1B: L layers on stage 0
+    assert inflight_layers(Plan(pp=p), p - 1, m, L_stage) == L_stage  # last stage: one micro-batch
+    assert inflight_layers(Plan(pp=p, pp_schedule="gpipe"), 3, m, L_stage) == m * L_stage
+    v = 2
+    inter = inflight_layers(Plan(pp=p, pp_schedule="interleaved", virtual_stages=v), 0, m, L_stage)
+    assert inter == pytest.approx(p * L_stage * (1 + (p - 1) / (p * v)))  # Korthikanti 4.2.3
+    assert inflight_layers(Plan(pp=p), 0, 2, L_stage) == 2 * L_stage  # fewer micro-batches than stages
+
+
+def test_gradient_accumulation_is_derived():
+    assert gradient_accumulation(TrainingWorkload(micro_batch=2, global_batch=64), Plan(dp=8)) == 4
+    assert gradient_accumulation(TrainingWorkload(micro_batch=2), Plan(dp=8)) == 1
+
+
+def test_kv_cache_formula_and_paging():
+    model = load_model("llama3-8b")  # 32 layers, 8 KV heads x 128
+    work = InferenceWorkload(batch=4, prompt_tokens=1000, generated_tokens=0, kv_dtype="bf16")
+    assert kv_cache_bytes(model, work, 32, 1) == 2 * 32 * 4 * 1000 * 8 * 128 * 2
+    paged = work.model_copy(update={"block_size": 16})
+    assert kv_cache_bytes(model, paged, 32, 1) == 2 * 32 * 4 * 1008 * 8 * 128 * 2
+    assert kv_cache_bytes(model, work, 32, 8) == kv_cache_bytes(model, work, 32, 1) // 8
+    assert kv_cache_bytes(model, work, 32, 16) == kv_cache_bytes(model, work, 32, 8)  # replicated KV heads
+
+
+def test_offload_moves_states_off_the_gpu():
+    model = load_model("llama3-8b")
+    work = TrainingWorkload(seq_len=2048, micro_batch=1)
+    on_gpu = estimate_memory(model, work, Plan(dp=8, zero=3))
+    off = estimate_memory(model, work, Plan(dp=8, zero=3, offload_optimizer="cpu", offload_params="cpu"))
+    assert off.model_states.optimizer_states == 0 and off.model_states.parameters == 0
+    assert off.offload.cpu >= on_gpu.model_states.optimizer_states + on_gpu.model_states.parameters
+    nvme = estimate_memory(model, work, Plan(dp=8, zero=3, offload_optimizer="nvme"))
+    assert nvme.offload.nvme == on_gpu.model_states.optimizer_states
+    assert off.peak.allocated < on_gpu.peak.allocated
+
+
+def test_reserved_adds_slack_segments_and_overhead():
+    assert communicators(8, 1, 1, 1, 1) == 1
+    assert communicators(8, 8, 4, 1, 1) == 3
+    overhead = fixed_overhead_bytes(2)
+    reserved = reserved_bytes(10 * 2**30, overhead)
+    assert reserved % SEGMENT_BYTES == overhead % SEGMENT_BYTES
+    assert reserved - overhead >= 10 * 2**30 * 1.07
+
+
+def test_first_and_last_stage_differ_and_the_report_names_the_peak():
+    model = load_model("llama3-8b")
+    work = TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=64)
+    report = estimate_memory(model, work, Plan(dp=2, pp=4, tp=2, zero=1))
+    assert set(report.stage_peaks) == {0, 3}
+    assert report.peak.allocated == max(report.stage_peaks.values())
+    assert report.peak.rank == report.peak.stage * 2 * 2  # tp x dp ranks per stage
+    assert "pipeline stage" in report.peak.rank_role
+
+
+def test_logits_are_a_term_of_their_own():
+    """Llama-3's 128k vocabulary: at 8,192 tokens the fp32 logits alone are about 4 GB."""
+    model = load_model("llama3-8b")
+    report = estimate_memory(model, TrainingWorkload(seq_len=8192, micro_batch=1), Plan(), "hf")
+    assert report.peak.breakdown["logits_and_loss"] > 4 * 8192 * model.vocab_size
+
+
+def test_eager_attention_holds_the_scores_and_flash_does_not():
+    model = load_model("llama3-8b")
+    work = TrainingWorkload(seq_len=4096, micro_batch=1)
+    eager = estimate_memory(model, work, Plan(attention="eager"), "megatron").activations.per_layer
+    flash = estimate_memory(model, work, Plan(attention="flash"), "megatron").activations.per_layer
+    a, s, d = model.num_attention_heads, 4096, 2
+    assert eager - flash == s * a * s * (2 * d + 1) - s * 4 * a
+
+
+def test_zero_stages_shard_the_right_states():
+    model = load_model("llama3-8b")
+    work = TrainingWorkload(seq_len=1024, micro_batch=1)
+    states = [estimate_memory(model, work, Plan(dp=8, zero=z)).model_states for z in range(4)]
+    assert states[1].optimizer_states == states[0].optimizer_states // 8
+    assert states[2].gradients == pytest.approx(states[1].gradients / 8, rel=1e-6)
+    assert states[3].parameters == pytest.approx(states[2].parameters / 8, rel=1e-6)
