@@ -30,7 +30,7 @@ def main() -> None:
     )
     print()
     print(
-        "| case | arch | dtype | attention | ckpt | tied | b x s | layers | h | V | predicted (B) | measured (B) "
+        "| case | arch | precision | attention | ckpt | tied | b x s | layers | h | V | predicted (B) | measured (B) "
         "| error | phase |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---:|---:|---:|---|")
@@ -41,7 +41,8 @@ def main() -> None:
         error = 100 * (predicted - measured) / measured
         worst = max(worst, abs(error))
         print(
-            f"| {case.name} | {case.arch} | {case.dtype} | {case.attention} | {'yes' if case.checkpointing else 'no'} "
+            f"| {case.name} | {case.arch} | {case.precision} | {case.attention} "
+            f"| {'yes' if case.checkpointing else 'no'} "
             f"| {'yes' if case.tied else 'no'} | {case.batch} x {case.seq} | {case.layers} | {case.hidden} "
             f"| {case.vocab} | {predicted:,} | {measured:,} | {error:+.3f}% | {phase} |"
         )

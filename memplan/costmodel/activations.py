@@ -27,6 +27,7 @@ class Shape:
     d: int  # bytes per activation element (compute dtype)
     eager: bool  # eager attention (s x s scores kept) or flash
     dropout: bool  # dropout masks (1 byte per element) kept
+    autocast: bool = False  # fp32 model under torch.autocast: fp32 residual stream, d-wide matmuls
 
     @property
     def tokens(self) -> int:
@@ -84,8 +85,20 @@ def hf_rmsnorm(x: Shape) -> int:
     with MemTracker (docs/cost-model.md).
     """
     h = x.model.hidden_size
-    per_token = 4 * h + 2 * x.d * h + 4
-    return x.tokens * per_token // x.rep
+    if x.autocast:
+        # fp32 residual stream: the norm keeps its input and the normalised value (4h each);
+        # its output is freed once each matmul has cast its own copy
+        return x.tokens * (8 * h + 4) // x.rep
+    return x.tokens * (4 * h + 2 * x.d * h + 4) // x.rep
+
+
+def autocast_input_casts(x: Shape, matmuls: int) -> int:
+    """Under autocast each matmul casts its fp32 input to d itself (no cache for activations)
+    and keeps the copy for its backward: ``matmuls`` x d*h per token (3 for q/k/v, 2 for
+    gate/up, 1 for the LM head). Measured with MemTracker, transformers 5.23."""
+    if not x.autocast:
+        return 0
+    return matmuls * x.tokens * x.d * x.model.hidden_size // x.rep
 
 
 def hf_sdpa_attention(x: Shape) -> int:
@@ -97,6 +110,10 @@ def hf_sdpa_attention(x: Shape) -> int:
     """
     m = x.model
     per_token = x.d * (2 * m.q_size + 2 * m.kv_size) + 4 * m.num_attention_heads
+    if x.autocast:
+        # cos / sin are fp32, so RoPE promotes k to fp32: the DynamicCache keeps that k, and a
+        # second kv-sized fp32 tensor stays too (measured on two shapes; not yet identified)
+        per_token += 2 * 4 * m.kv_size
     return x.tokens * per_token // x.t
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from memplan.costmodel import activations as A
 from memplan.costmodel import overhead as O
+from memplan.costmodel import params as P
 from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout
 from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, state_bytes_per_param
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
@@ -119,7 +120,28 @@ def _shape(
         d=policy.compute_bytes,
         eager=plan.attention == "eager",
         dropout=rt.dropout,
+        autocast=rt.autocast and policy.param_bytes > policy.compute_bytes,
     )
+
+
+def autocast_weight_copies(model: ModelSpec, layout: StageLayout, plan: Plan, d: int) -> int:
+    """torch.autocast caches a d-byte copy of every weight a matmul uses (the linear layers
+    and the LM head, not the embedding lookup or the norms) until the autocast region ends,
+    and each matmul keeps its copy for its backward: alive from the forward until the
+    layer's backward (measured: q_proj holds input cast + weight copy + output)."""
+    norms = layout.layers * 2 * P.norm_params(model)
+    linear = layout.params - norms
+    if layout.is_first:
+        linear -= (
+            P.embedding_params(model)
+            - model.vocab_size * model.hidden_size
+            + -(-model.vocab_size // plan.tp) * model.hidden_size
+        )
+    if layout.is_last:
+        linear -= P.norm_params(model)
+        if model.tied_embeddings and plan.pp == 1:
+            linear += -(-model.vocab_size // plan.tp) * model.hidden_size  # the head uses the embedding
+    return linear * d
 
 
 def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, recompute: str, moe_fraction: float, ep: int) -> int:
@@ -201,10 +223,12 @@ def _stage_phases(
     if rt.master_grads_fp32 and policy.master_bytes and plan.offload_optimizer == "none":
         master_grads = int(st.optimizer_elements * 4)  # fp32 gradients for the master weights
 
+    weight_copies = autocast_weight_copies(model, layout, plan, x.d) if x.autocast else 0
     base = {"parameters": st.params, "optimizer_states": st.optimizer}
     fwd = {
         **base,
         "gradients": grads_in_step,
+        "autocast_weights": weight_copies,
         "activations": layer_acts + embed,
         "logits_and_loss": head + loss_fwd,
         "comm_buffers": gathered + p2p + ddp_copy,
@@ -213,6 +237,7 @@ def _stage_phases(
     bwd_start = {  # the loss's gradients appear; every activation is still saved
         **base,
         "gradients": grads_in_step,
+        "autocast_weights": weight_copies,
         "activations": layer_acts + embed,
         "logits_and_loss": head + loss_bwd,
         "comm_buffers": gathered + p2p + ddp_copy,

@@ -37,6 +37,7 @@ class RuntimeProfile:
     dropout: bool  # dropout masks kept (1 byte per element)
     ddp_grad_copy: bool  # DDP buckets hold a second copy of the grads (no gradient_as_bucket_view)
     mlp_tensors: int  # f-wide tensors a gated MLP saves (MoE experts use the same count)
+    autocast: bool  # bf16-mixed runs under torch.autocast (weight-cast cache, fp32 residuals)
 
 
 def _vocab(x: Shape) -> int:
@@ -92,6 +93,7 @@ MEGATRON = RuntimeProfile(
     dropout=True,
     ddp_grad_copy=False,
     mlp_tensors=3,
+    autocast=False,
 )
 
 
@@ -106,14 +108,16 @@ def hf_layer(x: Shape) -> int:
     residuals are freed once added.
     """
     attention = A.hf_eager_attention(x) if x.eager else A.hf_sdpa_attention(x)
-    return 2 * A.hf_rmsnorm(x) + attention + A.hf_mlp(x)
+    casts = A.autocast_input_casts(x, 3 + 2)  # q, k, v and gate, up
+    return 2 * A.hf_rmsnorm(x) + attention + A.hf_mlp(x) + casts
 
 
 def hf_head(x: Shape) -> int:
     """Final norm, logits (kept by the returned outputs) in d, the fp32 log_softmax output
     that cross_entropy saves, and the shifted int64 labels (2 x 8 bytes per token)."""
     labels = 16 * x.tokens
-    return A.hf_rmsnorm(x) + A.logits(x, _vocab(x)) + A.fp32_logits(x, _vocab(x)) + labels
+    casts = A.autocast_input_casts(x, 1)
+    return A.hf_rmsnorm(x) + casts + A.logits(x, _vocab(x)) + A.fp32_logits(x, _vocab(x)) + labels
 
 
 def hf_loss_forward(x: Shape) -> int:
@@ -129,8 +133,10 @@ def hf_loss_backward(x: Shape) -> int:
 
 
 def hf_embedding(x: Shape) -> int:
-    """RoPE cos and sin (1, s, head_dim) in d, shared by all layers, and int64 position ids."""
-    return 2 * x.s * x.model.head_size * x.d + 8 * x.s
+    """RoPE cos and sin (1, s, head_dim) in the residual dtype, shared by all layers, and
+    int64 position ids."""
+    d = 4 if x.autocast else x.d
+    return 2 * x.s * x.model.head_size * d + 8 * x.s
 
 
 def hf_retained(x: Shape, layers: int, recompute: bool) -> int:
@@ -156,6 +162,7 @@ HF = RuntimeProfile(
     dropout=False,
     ddp_grad_copy=True,
     mlp_tensors=4,
+    autocast=True,
 )
 
 # --- memplan: the bundled trainer --------------------------------------------------------

@@ -37,6 +37,13 @@ class Case:
     dtype: str = "float32"
     checkpointing: bool = False
     attention: str = "sdpa"
+    autocast: bool = False  # fp32 model, forward under torch.autocast(bfloat16): bf16-mixed
+
+    @property
+    def precision(self) -> str:
+        if self.autocast:
+            return "bf16-mixed"
+        return "fp32" if self.dtype == "float32" else "bf16"
 
     def hf_config(self) -> dict:
         """The config.json transformers would write for this case."""
@@ -72,7 +79,8 @@ def measure_peak(case: Case, steps: int = 3) -> int:
     tracker.track_external(model, opt)
     with tracker:
         for _ in range(steps):
-            out = model(input_ids=ids, labels=ids)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
+                out = model(input_ids=ids, labels=ids)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -150,6 +158,45 @@ CASES = [
     Case("mistral-fp32-ckpt", arch="mistral", kv_heads=2, checkpointing=True, layers=4, batch=4),
     Case("qwen2-fp32-gqa", arch="qwen2", kv_heads=2),
     Case("qwen2-bf16-tied", arch="qwen2", kv_heads=2, tied=True, dtype="bfloat16"),
+    # bf16-mixed: what the transformers Trainer's bf16=True does (autocast over an fp32 model)
+    Case("autocast-base", autocast=True),
+    Case("autocast-vocab", vocab=32000, hidden=128, heads=4, kv_heads=4, ffn=344, batch=4, seq=256, autocast=True),
+    Case(
+        "autocast-layers-gqa",
+        layers=8,
+        vocab=512,
+        batch=4,
+        seq=192,
+        hidden=192,
+        heads=6,
+        kv_heads=2,
+        ffn=512,
+        autocast=True,
+    ),
+    Case(
+        "autocast-layers-gqa4",
+        layers=6,
+        batch=4,
+        seq=160,
+        hidden=256,
+        heads=8,
+        kv_heads=2,
+        ffn=704,
+        vocab=1024,
+        autocast=True,
+    ),
+    Case(
+        "autocast-layers-mha",
+        layers=6,
+        batch=4,
+        seq=160,
+        hidden=256,
+        heads=4,
+        kv_heads=4,
+        ffn=704,
+        vocab=1024,
+        autocast=True,
+    ),
 ]
 
 
@@ -162,7 +209,7 @@ def predict_peak(case: Case) -> tuple[int, str]:
 
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = Plan(
-        precision="fp32" if case.dtype == "float32" else "bf16",
+        precision=case.precision,
         recompute="full" if case.checkpointing else "none",
         attention="eager" if case.attention == "eager" else "flash",
     )
