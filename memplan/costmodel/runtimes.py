@@ -143,7 +143,10 @@ def hf_retained(x: Shape, layers: int, recompute: bool) -> int:
     """The loop ``out = model(...); out.loss.backward(); opt.step()`` keeps ``out`` until
     the next forward returns: logits in d and, unless gradient checkpointing turned
     ``use_cache`` off, the DynamicCache of every layer's RoPE'd keys and values."""
-    cache = 0 if recompute else layers * 2 * x.tokens * x.d * x.model.kv_size // x.t
+    # under autocast RoPE promotes the keys to fp32 (cos / sin are fp32) and the cache keeps
+    # keys and values in fp32 (measured)
+    element = 4 if x.autocast else x.d
+    cache = 0 if recompute else layers * 2 * x.tokens * element * x.model.kv_size // x.t
     return A.logits(x, _vocab(x)) + cache
 
 
