@@ -28,6 +28,7 @@ class StageLayout:
     dense_params: int
     expert_params: int
     largest_layer_params: int
+    layer_params: int = 0  # the transformer layers' own params (no embedding, head, final norm)
 
     @property
     def params(self) -> int:
@@ -51,6 +52,11 @@ def _layer_split(model: ModelSpec, index: int, tp: int, ep: int) -> tuple[int, i
     return norms + (sharded + P.mlp_params(model, model.ffn_size)) // tp, 0
 
 
+def vocab_shard_params(model: ModelSpec, tp: int) -> int:
+    """One TP rank's slice of a V x h matrix (embedding or LM head), vocabulary padded to t."""
+    return -(-model.vocab_size // tp) * model.hidden_size
+
+
 @lru_cache(maxsize=65536)
 def stage_layout(model: ModelSpec, tp: int, ep: int, pp: int, virtual_stages: int, stage: int) -> StageLayout:
     """Per-rank parameter counts of one pipeline stage (embedding on the first, head on the last)."""
@@ -58,8 +64,9 @@ def stage_layout(model: ModelSpec, tp: int, ep: int, pp: int, virtual_stages: in
     splits = [_layer_split(model, i, tp, ep) for i in indices]
     dense = sum(d for d, _ in splits)
     expert = sum(e for _, e in splits)
+    layers = dense + expert
     is_first, is_last = stage == 0, stage == pp - 1
-    vocab_shard = -(-model.vocab_size // tp) * model.hidden_size
+    vocab_shard = vocab_shard_params(model, tp)
     if is_first:
         dense += vocab_shard + P.embedding_params(model) - model.vocab_size * model.hidden_size
     if is_last:
@@ -67,4 +74,4 @@ def stage_layout(model: ModelSpec, tp: int, ep: int, pp: int, virtual_stages: in
         if not model.tied_embeddings or pp > 1:
             dense += vocab_shard
     largest = max((d + e for d, e in splits), default=0)
-    return StageLayout(stage, is_first, is_last, len(indices), dense, expert, largest)
+    return StageLayout(stage, is_first, is_last, len(indices), dense, expert, largest, layers)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from memplan.costmodel import activations as A
 from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
-from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout
+from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout, vocab_shard_params
 from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, state_bytes_per_param
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
@@ -125,22 +125,14 @@ def _shape(
 
 
 def autocast_weight_copies(model: ModelSpec, layout: StageLayout, plan: Plan, d: int) -> int:
-    """torch.autocast caches a d-byte copy of every weight a matmul uses (the linear layers
-    and the LM head, not the embedding lookup or the norms) until the autocast region ends,
-    and each matmul keeps its copy for its backward: alive from the forward until the
-    layer's backward (measured: q_proj holds input cast + weight copy + output)."""
-    norms = layout.layers * 2 * P.norm_params(model)
-    linear = layout.params - norms
-    if layout.is_first:
-        linear -= (
-            P.embedding_params(model)
-            - model.vocab_size * model.hidden_size
-            + -(-model.vocab_size // plan.tp) * model.hidden_size
-        )
+    """torch.autocast caches a d-byte copy of every weight a matmul uses (the layers' linear
+    weights and, on the last stage, the LM head's V x h / t, tied or not; not the embedding
+    lookup or the norms) until the autocast region ends, and each matmul keeps its copy for
+    its backward: alive from the forward until the layer's backward (measured: q_proj holds
+    input cast + weight copy + output)."""
+    linear = layout.layer_params - layout.layers * 2 * P.norm_params(model)
     if layout.is_last:
-        linear -= P.norm_params(model)
-        if model.tied_embeddings and plan.pp == 1:
-            linear += -(-model.vocab_size // plan.tp) * model.hidden_size  # the head uses the embedding
+        linear += vocab_shard_params(model, plan.tp)
     return linear * d
 
 
@@ -209,7 +201,7 @@ def _stage_phases(
         # the current layer and the prefetched one; on the first / last stage the gathered
         # embedding or LM head with one prefetched layer, whichever is larger
         layer = layout.largest_layer_params
-        vocab = -(-model.vocab_size // plan.tp) * model.hidden_size if layout.is_first or layout.is_last else 0
+        vocab = vocab_shard_params(model, plan.tp) if layout.is_first or layout.is_last else 0
         unsharded = max(ZERO3_PREFETCH_LAYERS * layer, vocab + layer)
         gathered = unsharded * min(policy.param_bytes, policy.compute_bytes)
         rs_buffer = layout.largest_layer_params * policy.grad_bytes

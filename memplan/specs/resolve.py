@@ -42,16 +42,21 @@ def _flag(field: str) -> str:
     return "--" + field.split(".")[-1].replace("_", "-")
 
 
+def _blame_flag(err: MemplanError, flags: set[str], from_file: bool) -> MemplanError:
+    """The same error against the flag when a flag set the faulty field, or when there is no
+    plan file (then only a flag can set it); else unchanged (the plan file and field path)."""
+    name = (err.field or "").split(".")[-1]
+    if name and (name in flags or not from_file):
+        return MemplanError(err.reason, source=CLI, field=_flag(name))
+    return err
+
+
 def _validate_section(cls: type, data: dict, flags: set[str], source: str, prefix: str) -> Any:
-    """Validate one section; blame the flag when the faulty field came from the command line, or
-    when there is no plan file (then the flag is what sets it)."""
+    """Validate one section, blaming the flag or the plan file (see :func:`_blame_flag`)."""
     try:
         return validate(cls, data, source, prefix)
     except MemplanError as err:
-        name = (err.field or "").split(".")[-1]
-        if name and (name in flags or source == CLI):
-            raise MemplanError(err.reason, source=CLI, field=_flag(name)) from None
-        raise
+        raise _blame_flag(err, flags, source != CLI) from None
 
 
 def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any], inference: bool = False) -> Job:
@@ -67,8 +72,9 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
         """Where a top-level value (gpus, nodes, gpu) came from: its flag, else the plan file."""
         return (CLI, _flag(name)) if name in flags or not plan_path else (plan_path, name)
 
-    # --gpus / --nodes go through the same checks as the plan file's gpus / nodes
-    sizes = _validate_section(PlanFile, {k: flags[k] for k in ("gpus", "nodes") if k in flags}, set(flags), CLI, "")
+    # --gpus / --nodes / --runtime go through the same checks as the plan file's fields
+    top = {k: flags[k] for k in ("gpus", "nodes", "runtime") if k in flags}
+    sizes = _validate_section(PlanFile, top, set(flags), CLI, "")
     gpus = sizes.gpus if sizes.gpus is not None else pf.gpus
     nodes_given = sizes.nodes if sizes.nodes is not None else pf.nodes
 
@@ -116,13 +122,8 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
     try:
         check_compatible(model, workload, plan)
     except MemplanError as err:
-        name = (err.field or "").split(".")[-1]
-        blamed = CLI if name in flags or not plan_path else plan_path
-        field = _flag(name) if blamed == CLI else err.field
-        raise MemplanError(err.reason, source=blamed, field=field) from None
-    runtime = flags.get("runtime") or pf.runtime or "memplan"
-    if runtime not in ("memplan", "hf", "megatron"):
-        raise MemplanError(f"unknown runtime {runtime!r} (memplan, hf, megatron)", source=CLI, field="--runtime")
+        raise _blame_flag(err.located(plan_path or CLI), set(flags), bool(plan_path)) from None
+    runtime = sizes.runtime or pf.runtime or "memplan"
     return Job(model, workload, plan, gpu, cluster, runtime)
 
 
