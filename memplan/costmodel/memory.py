@@ -120,8 +120,43 @@ def _shape(
         d=policy.compute_bytes,
         eager=plan.attention == "eager",
         dropout=rt.dropout,
-        autocast=rt.autocast and policy.param_bytes > policy.compute_bytes,
+        autocast=rt.autocast and policy.param_bytes > policy.compute_bytes and not _fsdp2(rt, plan),
     )
+
+
+def _fsdp2(rt: RuntimeProfile, plan: Plan) -> bool:
+    """ZeRO-2/3 run by FSDP2 over more than one rank (its mixed precision casts the params)."""
+    return rt.pytorch_parallel and plan.zero >= 2 and plan.dp * plan.cp > 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Fsdp2:
+    """FSDP2's parameter bytes at each moment of the step, on top of the sharded params."""
+
+    forward: int
+    backward_start: int
+    backward_end: int
+
+
+def fsdp2_unsharded(model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy) -> _Fsdp2:
+    """Unsharded (all-gathered) parameters FSDP2 holds, in the mixed-precision param dtype.
+
+    One FSDP group per layer, one for the embedding, one for the final norm and LM head (the
+    root's with tied embeddings), which is never resharded between forward and backward
+    (torch/distributed/fsdp/_fully_shard). ZeRO-2 (``reshard_after_forward=False``): every
+    group stays unsharded from its forward to its backward. ZeRO-3: at the end of the forward
+    only the head group; in the last layer's backward that layer, the prefetched next group
+    (the embedding on the first stage) and the head group until the root's final callback.
+    Measured with FSDPMemTracker (docs/cost-model.md).
+    """
+    unsharded = min(policy.param_bytes, policy.compute_bytes)
+    head = P.norm_params(model) + vocab_shard_params(model, plan.tp) if layout.is_last else 0
+    if plan.zero == 2:
+        return _Fsdp2(layout.params * unsharded, layout.params * unsharded, layout.params * unsharded)
+    layer = layout.largest_layer_params
+    embed = vocab_shard_params(model, plan.tp) if layout.is_first and not (layout.is_last and model.tied_embeddings) else 0
+    prefetched = embed if layout.is_first else layer
+    return _Fsdp2(head * unsharded, head * unsharded, (head + layer + prefetched) * unsharded)
 
 
 def autocast_weight_copies(model: ModelSpec, layout: StageLayout, plan: Plan, d: int) -> int:
@@ -207,14 +242,28 @@ def _stage_phases(
         rs_buffer = layout.largest_layer_params * policy.grad_bytes
     elif plan.zero == 2 and sharded:
         rs_buffer = layout.largest_layer_params * policy.grad_bytes
+    fsdp2 = _fsdp2(rt, plan)
+    if fsdp2:
+        # FSDP2 keeps the sharded params as the parameters and gathers the rest per group
+        shard = int(st.optimizer_elements * policy.param_bytes) if plan.offload_params == "none" else 0
+        st = replace(st, params=shard)
+        unsharded = fsdp2_unsharded(model, layout, plan, policy)
+        gathered = rs_buffer = 0
+    else:
+        unsharded = _Fsdp2(0, 0, 0)
     ddp_copy = st.grads if plan.zero == 0 and plan.dp * plan.cp > 1 and rt.ddp_grad_copy else 0
+    ddp_buckets = rt.pytorch_parallel and plan.zero < 2 and plan.dp * plan.cp > 1  # gradient_as_bucket_view
     p2p = 2 * x.tokens * x.d * model.hidden_size // x.rep if plan.pp > 1 else 0
     # gradients exist during forward / early backward only if kept across steps or accumulated
-    grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1) else 0
+    grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
     master_grads = 0
     if rt.master_grads_fp32 and policy.master_bytes and plan.offload_optimizer == "none":
         master_grads = int(st.optimizer_elements * 4)  # fp32 gradients for the master weights
 
+    grads_full = st.grads
+    if rt.pytorch_parallel and plan.tp > 1 and layout.is_first and not fsdp2:
+        # DTensor's embedding backward under RowwiseParallel yields a replicated V x h grad
+        grads_full += (model.vocab_size * model.hidden_size - vocab_shard_params(model, plan.tp)) * policy.grad_bytes
     weight_copies = autocast_weight_copies(model, layout, plan, x.d) if x.autocast else 0
     base = {"parameters": st.params, "optimizer_states": st.optimizer}
     fwd = {
@@ -224,6 +273,7 @@ def _stage_phases(
         "activations": layer_acts + embed,
         "logits_and_loss": head + loss_fwd,
         "comm_buffers": gathered + p2p + ddp_copy,
+        "gathered_params": unsharded.forward,
         "retained_outputs": retained,
     }
     bwd_start = {  # the loss's gradients appear; every activation is still saved
@@ -233,6 +283,7 @@ def _stage_phases(
         "activations": layer_acts + embed,
         "logits_and_loss": head + loss_bwd,
         "comm_buffers": gathered + p2p + ddp_copy,
+        "gathered_params": unsharded.backward_start,
     }  # no reduce-scatter buffer yet: no layer has produced gradients
     # the last layer's backward: the other in-flight micro-batches' activations, this
     # layer's (rebuilt when recomputed) and its gradient temporaries, gradients nearly
@@ -240,14 +291,15 @@ def _stage_phases(
     others = layer_acts - stored if layers else 0
     bwd_end = {
         **base,
-        "gradients": st.grads,
+        "gradients": grads_full,
         "activations": others + live_layer + embed + layer_temp(x),
         "logits_and_loss": retained,
         "comm_buffers": gathered + rs_buffer + p2p + ddp_copy,
+        "gathered_params": unsharded.backward_end,
     }
     opt = {
         **base,
-        "gradients": st.grads,
+        "gradients": grads_full,
         "optimizer_temp": st.optimizer_temp + master_grads,
         "comm_buffers": ddp_copy,
         "retained_outputs": retained,

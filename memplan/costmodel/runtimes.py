@@ -38,6 +38,9 @@ class RuntimeProfile:
     ddp_grad_copy: bool  # DDP buckets hold a second copy of the grads (no gradient_as_bucket_view)
     mlp_tensors: int  # f-wide tensors a gated MLP saves (MoE experts use the same count)
     autocast: bool  # bf16-mixed runs under torch.autocast (weight-cast cache, fp32 residuals)
+    # PyTorch-native parallelism: ZeRO-2/3 by FSDP2, DDP grads as persistent bucket views,
+    # DTensor TP (gathered SP inputs saved in full, replicated embedding grad, loss_parallel)
+    pytorch_parallel: bool = False
 
 
 def _vocab(x: Shape) -> int:
@@ -170,11 +173,61 @@ HF = RuntimeProfile(
 
 # --- memplan: the bundled trainer --------------------------------------------------------
 
+
+
+def memplan_head(x: Shape) -> int:
+    """Final norm and the fp32 log_softmax output cross_entropy saves; the logits themselves
+    are freed inside the loss (nothing returns them), and the labels are one int64 tensor."""
+    casts = A.autocast_input_casts(x, 1)
+    return A.hf_rmsnorm(x) + casts + _sp_gathered(x) + A.fp32_logits(x, _vocab(x)) + 8 * x.tokens
+
+
+def memplan_layer(x: Shape) -> int:
+    """The hf layer; under sequence parallelism DTensor all-gathers each norm's output before
+    the column-parallel matmuls, which save the gathered (full-sequence) copy: d*h per token
+    instead of d*h/t for each of the two norms (measured, docs/cost-model.md)."""
+    return hf_layer(x) + 2 * _sp_gathered(x)
+
+
+def _sp_gathered(x: Shape) -> int:
+    """Extra bytes of one all-gathered norm output kept in full under SP: d*h*(1 - 1/t)."""
+    if not x.sp:
+        return 0
+    return x.tokens * x.d * x.model.hidden_size - x.tokens * x.d * x.model.hidden_size // x.t
+
+
+def memplan_loss_forward(x: Shape) -> int:
+    """While log_softmax runs, the logits (in d) are alive beside its fp32 output, and below
+    fp32 their fp32 upcast too; both are freed when the loss returns. Vocab-parallel
+    (``loss_parallel``) log_softmax keeps one more fp32 b*s*V/t temporary."""
+    upcast = A.fp32_logits(x, _vocab(x)) if x.d < 4 else 0
+    parallel = A.fp32_logits(x, _vocab(x)) if x.t > 1 else 0
+    return A.logits(x, _vocab(x)) + upcast + parallel
+
+
+def memplan_loss_backward(x: Shape) -> int:
+    """hf's two fp32 gradients, and one more fp32 b*s*V/t in the vocab-parallel backward."""
+    parallel = A.fp32_logits(x, _vocab(x)) if x.t > 1 else 0
+    return hf_loss_backward(x) + parallel
+
+
+def memplan_embedding(x: Shape) -> int:
+    """The int64 token ids and RoPE's cos and sin (s, head_dim) in the residual dtype."""
+    d = 4 if x.autocast else x.d
+    return 8 * x.tokens + 2 * x.s * x.model.head_size * d
+
+
 MEMPLAN = replace(
     HF,
     name="memplan",
     description="memplan's bundled trainer: the transformers Llama layer accounting (fp32 "
     "RMSNorm, flash attention, fp32 loss) without outputs kept across steps",
+    layer=memplan_layer,
+    head=memplan_head,
+    loss_forward=memplan_loss_forward,
+    loss_backward=memplan_loss_backward,
+    embedding=memplan_embedding,
+    pytorch_parallel=True,
     retained=_nothing_retained,
     master_grads_fp32=True,
     ddp_grad_copy=False,

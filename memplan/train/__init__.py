@@ -1,0 +1,1 @@
+"""The bundled sharded trainer (needs the ``train`` extra: torch). Import submodules lazily."""

@@ -1,0 +1,181 @@
+"""Pipeline stages: which layers a rank holds, the schedules' orders, and an in-process replay.
+
+Under rank simulation there is no neighbour to send activations to: the fake process group
+cannot answer ``torch.distributed.pipelining``'s shape exchange (``recv_object_list``). So
+the simulated rank replays its stage's schedule in-process: it runs its chunks' forwards and
+backwards in the order the schedule gives this rank, with received activations and gradients
+that are real tensors of the right shape (synthetic values). The replay keeps the tensors
+``torch.distributed.pipelining`` keeps (stage.py, torch 2.13), so its memory is that stage's:
+
+- a receive buffer per micro-batch for activations (every chunk but the first) and for
+  gradients (every chunk but the last), allocated once and reused each step;
+- each in-flight micro-batch's stage output (``fwd_cache``) until its backward;
+- the gradient of each received activation, accumulated into the buffer's ``.grad`` and
+  cleared at the start of the next step (``clear_runtime_states``);
+- with FSDP2, gradient sync and resharding are off for every micro-batch's backward and the
+  reduce-scatter runs once after the last (``backward_maybe_with_nosync`` and
+  ``perform_reduce_grad``): unsharded parameters and gradients stay for the backward.
+
+The last chunk computes the loss inside the stage, so no logits outlive their micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+Action = tuple[str, int, int]  # ("F" | "B", local chunk index, micro-batch)
+
+
+def chunk_layers(num_layers: int, pp: int, virtual_stages: int, stage: int) -> list[tuple[int, list[int]]]:
+    """(global chunk index, layer ids) of each chunk on pipeline rank ``stage``: chunk
+    c * pp + stage holds layers [k L / (p v), (k + 1) L / (p v))."""
+    per = num_layers // (pp * virtual_stages)
+    out = []
+    for c in range(virtual_stages):
+        k = c * pp + stage
+        out.append((k, list(range(k * per, (k + 1) * per))))
+    return out
+
+
+def schedule_actions(schedule: str, pp: int, virtual_stages: int, stage: int, microbatches: int) -> list[Action]:
+    """This rank's forward / backward order.
+
+    GPipe: all forwards, then all backwards. 1F1B (Narayanan et al. 2021): min(p - s - 1, m)
+    warm-up forwards, then one forward one backward, then the remaining backwards.
+    Interleaved (Megatron-LM's schedule): virtual micro-batch k runs chunk (k // p) mod v
+    forward and chunk v - 1 - (k // p) mod v backward, micro-batch (k // (p v)) p + k mod p,
+    after min(2 (p - s - 1) + (v - 1) p, m v) warm-up forwards.
+    """
+    p, v, m = pp, virtual_stages, microbatches
+    if schedule == "gpipe":
+        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+    if schedule == "1f1b":
+        warm = min(p - stage - 1, m)
+        actions: list[Action] = [("F", 0, i) for i in range(warm)]
+        f, b = warm, 0
+        while f < m:
+            actions += [("F", 0, f), ("B", 0, b)]
+            f, b = f + 1, b + 1
+        actions += [("B", 0, i) for i in range(b, m)]
+        return actions
+
+    def micro(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    total = m * v
+    warm = min(2 * (p - stage - 1) + (v - 1) * p, total)
+    actions = [("F", (k // p) % v, micro(k)) for k in range(warm)]
+    for k in range(warm, total):
+        j = k - warm
+        actions += [("F", (k // p) % v, micro(k)), ("B", v - 1 - (j // p) % v, micro(j))]
+    for j in range(total - warm, total):
+        actions.append(("B", v - 1 - (j // p) % v, micro(j)))
+    return actions
+
+
+def max_inflight(actions: list[Action]) -> int:
+    """Most chunk forwards whose backward has not yet run (the schedule's memory depth)."""
+    live = peak = 0
+    for kind, _, _ in actions:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+class StageReplay:
+    """Runs one pipeline rank's chunks through a schedule without neighbours."""
+
+    def __init__(
+        self,
+        chunks: list[tuple[int, nn.Module]],
+        num_chunks: int,
+        actions: list[Action],
+        microbatches: int,
+        activation: tuple[tuple[int, ...], torch.dtype],
+        device: torch.device,
+    ) -> None:
+        self.chunks = chunks
+        self.num_chunks = num_chunks
+        self.actions = actions
+        self.m = microbatches
+        self.shape, self.dtype = activation
+        self.device = device
+        self.recv_act: dict[int, list[torch.Tensor]] = {}
+        self.recv_grad: dict[int, list[torch.Tensor]] = {}
+
+    def _first(self, c: int) -> bool:
+        return self.chunks[c][0] == 0
+
+    def _last(self, c: int) -> bool:
+        return self.chunks[c][0] == self.num_chunks - 1
+
+    def _buffers(self) -> None:
+        if self.recv_act or self.recv_grad:
+            return
+        for c in range(len(self.chunks)):
+            if not self._first(c):
+                self.recv_act[c] = [
+                    torch.zeros(self.shape, dtype=self.dtype, device=self.device).requires_grad_() for _ in range(self.m)
+                ]
+            if not self._last(c):
+                self.recv_grad[c] = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.m)]
+
+    def step(
+        self,
+        batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+        on_phase: Callable[[str], None],
+    ) -> None:
+        self._buffers()
+        for bufs in self.recv_act.values():  # clear_runtime_states
+            for buf in bufs:
+                buf.grad = None
+        fsdp = [m for _, m in self.chunks if _is_fsdp(m)]
+        for module in fsdp:
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+            module.set_requires_gradient_sync(False)
+        cache: dict[tuple[int, int], torch.Tensor] = {}
+        for kind, c, i in self.actions:
+            module = self.chunks[c][1]
+            if kind == "F":
+                on_phase("forward")
+                ids, labels = batch(i)
+                x = ids if self._first(c) else self.recv_act[c][i]
+                if self._last(c):
+                    cache[(c, i)] = loss_of(module, x, labels) / self.m
+                else:
+                    cache[(c, i)] = module(x)
+            else:
+                on_phase("backward")
+                out = cache.pop((c, i))
+                if self._last(c):
+                    out.backward()
+                else:
+                    torch.autograd.backward(out, grad_tensors=self.recv_grad[c][i])
+                del out
+        for module in fsdp:
+            _reduce_grads(module)
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _reduce_grads(module: nn.Module) -> None:
+    """What ``PipelineStage.perform_reduce_grad`` does for FSDP2 after the last backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)
+    for sub in state._state_ctx.all_states:
+        for group in sub._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()

@@ -1,0 +1,316 @@
+"""Run one rank of a plan for a few steps and measure it: the heart of ``memplan validate``.
+
+One process runs one rank. Under rank simulation the process group is PyTorch's fake one at
+the plan's world size (collectives allocate their buffers but move nothing), so one device
+holds exactly what that rank of the real job holds. Otherwise the process joins a real group
+set up by torchrun's environment (gloo on CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from memplan.specs.plan import Plan
+from memplan.train import parallel as par
+from memplan.train.model import TrainerUnsupported, Transformer, check_model, loss_fn
+from memplan.train.pipeline import StageReplay, chunk_layers, schedule_actions
+from memplan.train.tracker import PhaseMeter
+from memplan.validate.record import OutOfMemory, PhaseRecord, RunRecord
+from memplan.validate.spec import RunSpec
+
+Progress = Callable[[int, int], None]
+
+
+class SimulatedOutOfMemory(RuntimeError):
+    """The tracked bytes went over ``--memory-limit`` (a device of that capacity would OOM)."""
+
+    def __init__(self, requested: int, limit: int) -> None:
+        super().__init__(f"out of memory: {requested} bytes allocated exceeds the {limit}-byte limit")
+        self.requested = requested
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    with contextlib.suppress(ImportError):
+        import triton
+
+        out["triton"] = triton.__version__
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+    return out
+
+
+def check_workload(spec: RunSpec) -> None:
+    plan, model = spec.plan, spec.model
+    if model.num_layers % plan.stages:
+        raise TrainerUnsupported(
+            f"pp: {model.num_layers} layers do not split evenly into pp x virtual_stages = {plan.stages} chunks"
+        )
+    if plan.sequence_parallel and plan.tp > 1 and spec.workload.seq_len % plan.tp:
+        raise TrainerUnsupported(f"seq_len: sequence parallel needs seq_len divisible by tp={plan.tp}")
+    for name, heads in (("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.kv_heads)):
+        if heads % plan.tp:
+            raise TrainerUnsupported(f"tp: {name} ({heads}) is not divisible by tp={plan.tp}")
+    if model.ffn_size % plan.tp or model.vocab_size % plan.tp:
+        raise TrainerUnsupported(f"tp: ffn_size and vocab_size must be divisible by tp={plan.tp}")
+    if plan.pp_schedule == "interleaved" and spec.accumulation % plan.pp:
+        raise TrainerUnsupported(
+            f"global_batch: the interleaved schedule needs micro-batches ({spec.accumulation}) divisible by pp={plan.pp}"
+        )
+    if plan.offload_params != "none" and plan.pp > 1:
+        raise TrainerUnsupported("offload_params: CPU offload with pipeline parallel is not implemented by the trainer")
+
+
+def _init_process_group(spec: RunSpec, device: torch.device) -> tuple[int, bool]:
+    """Returns (rank, simulated)."""
+    world = spec.plan.world_size
+    if spec.simulate or world == 1:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=spec.rank, world_size=world, store=FakeStore())
+        return spec.rank, world > 1
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=_dt.timedelta(seconds=spec.collective_timeout_s))
+    return dist.get_rank(), False
+
+
+def _device(spec: RunSpec) -> torch.device:
+    if spec.device == "cuda":
+        import os
+
+        index = int(os.environ.get("LOCAL_RANK", "0")) if not spec.simulate else 0
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _build_chunks(spec: RunSpec, meshes: par.Meshes, stage: int, device: torch.device) -> list[tuple[int, torch.nn.Module]]:
+    plan, model = spec.plan, spec.model
+    dtype = par.param_dtype(plan)
+    n_chunks = plan.stages
+    out = []
+    for k, layer_ids in chunk_layers(model.num_layers, plan.pp, plan.virtual_stages, stage):
+        with torch.device("meta"):
+            chunk = Transformer(
+                model, layer_ids, first=k == 0, last=k == n_chunks - 1, attention_impl=plan.attention
+            ).to(dtype)
+        if plan.tp > 1:
+            par.apply_tp(chunk, meshes.tp, plan.sequence_parallel)
+        par.apply_recompute(chunk, plan)
+        if par.uses_fsdp(plan):
+            par.apply_fsdp(chunk, plan, meshes.dp)
+        chunk.to_empty(device=torch.device("cpu") if plan.offload_params == "cpu" else device)
+        chunk.init_weights(spec.seed + k)
+        if plan.zero < 2 and plan.dp > 1:
+            chunk = par.apply_ddp(chunk, meshes.dp)
+        out.append((k, chunk))
+    return out
+
+
+def _train(spec: RunSpec, device: torch.device, rank: int, progress: Progress | None) -> dict:
+    plan = spec.plan
+    meshes = par.build_meshes(plan, device.type)
+    stage = rank // (plan.dp * plan.tp)
+    chunks = _build_chunks(spec, meshes, stage, device)
+    params = [p for _, m in chunks for p in m.parameters()]
+    container = torch.nn.ModuleList([m for _, m in chunks])
+    optimizer = par.build_optimizer_from(params, plan, meshes.dp.get_group() if plan.dp > 1 else None)
+    fsdp = par.uses_fsdp(plan) and len(chunks) == 1
+    meter = PhaseMeter(chunks[0][1] if fsdp else container, optimizer, device, fsdp, plan.offload_params == "cpu")
+    if spec.memory_limit:
+        meter.limit = spec.memory_limit
+    _ACTIVE.append(meter)
+    b, s, vocab = spec.workload.micro_batch, spec.workload.seq_len, spec.model.vocab_size
+    gen = torch.Generator(device="cpu").manual_seed(spec.seed)
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if par.uses_autocast(plan) else contextlib.nullcontext()
+    )
+
+    def loss_context():  # noqa: ANN202
+        if plan.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, vocab, (b, s), generator=gen).to(device)
+        labels = torch.randint(0, vocab, (b, s), generator=gen).to(device)
+        return ids, labels
+
+    def loss_of(module: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with autocast:
+            logits = module(x)
+        return loss_fn(logits, labels)
+
+    m = spec.accumulation
+    replay = None
+    if plan.pp > 1:
+        actions = schedule_actions(plan.pp_schedule, plan.pp, plan.virtual_stages, stage, m)
+        s_local = s // plan.tp if plan.sequence_parallel and plan.tp > 1 else s
+        dtype = par.compute_dtype(plan) if not par.uses_autocast(plan) else torch.float32
+        replay = StageReplay(chunks, plan.stages, actions, m, ((b, s_local, spec.model.hidden_size), dtype), device)
+    model = chunks[0][1]
+    times: list[float] = []
+    total_steps = spec.warmup + spec.steps
+    with meter, loss_context():
+        for step in range(total_steps):
+            measured = step >= spec.warmup
+
+            def phase(name: str | None, measured: bool = measured) -> None:
+                meter.set_phase(name, measured)
+
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            if replay is not None:
+                replay.step(batch, loss_of, phase)
+            else:
+                for i in range(m):
+                    sync = contextlib.nullcontext()
+                    if i < m - 1 and hasattr(model, "no_sync"):
+                        sync = model.no_sync()
+                    with sync:
+                        phase("forward")
+                        ids, labels = batch(i)
+                        loss = loss_of(model, ids, labels) / m
+                        phase("backward")
+                        loss.backward()
+                        del loss
+            phase("optimizer")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            phase(None)
+            meter.end_step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if measured:
+                times.append(time.perf_counter() - start)
+            if progress is not None:
+                progress(step + 1, total_steps)
+    return {"meter": meter, "times": times, "stage": stage}
+
+
+_REQUESTED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+_UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _requested_bytes(message: str) -> int | None:
+    match = _REQUESTED.search(message)
+    return int(float(match.group(1)) * _UNIT[match.group(2)]) if match else None
+
+
+def _phases(meter: PhaseMeter) -> dict[str, PhaseRecord]:
+    return {
+        name: PhaseRecord(allocated=p.allocated, reserved=p.reserved, categories=p.categories)
+        for name, p in meter.peaks.items()
+    }
+
+
+def _nvml_used(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    except Exception:  # noqa: BLE001 - NVML is optional; the record says None
+        return None
+
+
+def run(spec: RunSpec, progress: Progress | None = None) -> RunRecord:
+    """Build, run and measure one rank; every outcome is a record, never an exception."""
+    started = _now()
+    device = torch.device(spec.device)
+    fields: dict = dict(
+        model=spec.model.model_dump(mode="json"),
+        workload=spec.workload.model_dump(mode="json"),
+        plan=spec.plan.model_dump(mode="json"),
+        device=spec.device,
+        device_name=torch.cuda.get_device_name() if spec.device == "cuda" else platform.processor() or "cpu",
+        versions=versions(),
+        simulated=spec.simulate and spec.plan.world_size > 1,
+        world_size=spec.plan.world_size,
+        rank=spec.rank,
+        stage=spec.rank // (spec.plan.dp * spec.plan.tp),
+        steps=spec.steps,
+        warmup=spec.warmup,
+        started=started,
+    )
+    meter_holder: dict = {}
+    try:
+        check_model(spec.model)
+        par.check_plan(spec.plan)
+        check_workload(spec)
+        device = _device(spec)
+        rank, simulated = _init_process_group(spec, device)
+        fields.update(rank=rank, simulated=simulated, stage=rank // (spec.plan.dp * spec.plan.tp))
+        out = _train(spec, device, rank, progress)
+        meter_holder["meter"] = out["meter"]
+    except TrainerUnsupported as err:
+        return RunRecord(status="unsupported", reason=str(err), finished=_now(), **fields)
+    except (torch.OutOfMemoryError, SimulatedOutOfMemory) as err:
+        meter = _current_meter()
+        message = str(err).splitlines()[0]
+        requested = err.requested if isinstance(err, SimulatedOutOfMemory) else _requested_bytes(str(err))
+        peaks = _phases(meter) if meter else {}
+        peak = max((p.allocated for p in peaks.values()), default=0)
+        oom = OutOfMemory(
+            phase=(meter.label if meter else None) or "setup", requested_bytes=requested, peak_bytes=peak, message=message
+        )
+        return RunRecord(status="oom", reason=message, oom=oom, phases=peaks, finished=_now(), **fields)
+    except Exception as err:  # noqa: BLE001 - recorded, not raised: nothing measured is lost
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        return RunRecord(status="error", reason=reason, finished=_now(), **fields)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    meter = meter_holder["meter"]
+    phases = _phases(meter)
+    peak_phase = max(phases, key=lambda k: phases[k].allocated) if phases else None
+    times = out["times"]
+    step_time = statistics.median(times) if times else None
+    tokens = spec.workload.micro_batch * spec.workload.seq_len * spec.accumulation
+    tokens_per_s = tokens / step_time if step_time else None
+    mfu = None
+    if step_time and spec.peak_flops and not fields["simulated"]:
+        mfu = spec.flops_per_step / step_time / spec.peak_flops
+    return RunRecord(
+        status="ok",
+        phases=phases,
+        peak_allocated=phases[peak_phase].allocated if peak_phase else None,
+        peak_reserved=phases[peak_phase].reserved if peak_phase else None,
+        peak_phase=peak_phase,
+        nvml_used_bytes=_nvml_used(device),
+        step_times_s=times,
+        step_time_s=step_time,
+        tokens_per_s=tokens_per_s,
+        mfu=mfu,
+        finished=_now(),
+        **fields,
+    )
+
+
+_ACTIVE: list[PhaseMeter] = []
+
+
+def _current_meter() -> PhaseMeter | None:
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+__all__ = ["Plan", "run", "versions"]

@@ -1,0 +1,135 @@
+"""Per-phase memory measurement: MemTracker on CPU, the caching allocator's stats on CUDA.
+
+``PhaseMeter.phase`` names the phase the step is in (``forward``, ``backward``,
+``optimizer``; ``None`` outside the measured steps). On CPU a MemTracker subclass
+(FSDPMemTracker under FSDP2) sees every tensor storage the step allocates and keeps, per
+phase, the highest total and the per-category bytes at that moment. On CUDA the peak
+counters are reset at each phase change and read at the next (``max_memory_allocated`` /
+``max_memory_reserved``).
+
+With CPU offload on a CPU-only machine there is one device for both sides, so the bytes of
+what FSDP2 keeps on the host (sharded parameters and gradients, optimizer states and the
+optimizer step's tensors) are subtracted from the totals: what remains is what an
+accelerator would hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+HOST_CATEGORIES = ("Sharded Param", "Sharded Grad", "OptState")
+
+
+@dataclass
+class PhasePeak:
+    allocated: int = 0
+    reserved: int | None = None
+    categories: dict[str, int] = field(default_factory=dict)
+
+
+def _category(key: object) -> str:
+    return str(getattr(key, "value", key))
+
+
+def _tracker_class(base: type) -> type:
+    class _PhaseTracker(base):  # type: ignore[misc, valid-type]
+        meter: PhaseMeter
+
+        def _update_peak_stats(self, peak_state) -> None:  # noqa: ANN001
+            super()._update_peak_stats(peak_state)
+            self.meter._observe(self._curr_mem_snap)
+
+    return _PhaseTracker
+
+
+class PhaseMeter:
+    """Context manager measuring per-phase peaks of one rank's training steps."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, fsdp: bool,
+                 offloaded: bool) -> None:
+        self.device = device
+        self.offloaded = offloaded
+        self.phase: str | None = None
+        self.limit: int | None = None  # simulated device capacity (bytes)
+        self.label: str | None = None  # the phase the step is in, measured or not
+        self.peaks: dict[str, PhasePeak] = {}
+        self._tracker = None
+        if device.type == "cpu":
+            if fsdp:
+                from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+                self._tracker = _tracker_class(FSDPMemTracker)(model, optimizer)
+            else:
+                from torch.distributed._tools.mem_tracker import MemTracker
+
+                self._tracker = _tracker_class(MemTracker)()
+                self._tracker.track_external(model, optimizer)
+            self._tracker.meter = self
+
+    # -- CPU: called by the tracker on every allocation -----------------------------------
+    def _observe(self, snap: dict) -> None:
+        if self.phase is None and self.limit is None:
+            return
+        dev = snap.get(self.device)
+        if not dev:
+            return
+        cats = {_category(k): v for k, v in dev.items()}
+        total = cats.get("Total", 0)
+        if self.offloaded:
+            total -= sum(cats.get(c, 0) for c in HOST_CATEGORIES)
+        if self.limit is not None and total > self.limit:
+            from memplan.train.runner import SimulatedOutOfMemory
+
+            raise SimulatedOutOfMemory(total, self.limit)
+        if self.phase is None:
+            return
+        peak = self.peaks.setdefault(self.phase, PhasePeak())
+        if total > peak.allocated:
+            peak.allocated = total
+            peak.categories = {k: v for k, v in cats.items() if k != "Total" and v}
+
+    # -- phase changes -------------------------------------------------------------------
+    def set_phase(self, phase: str | None, record: bool = True) -> None:
+        """Enter ``phase``; its peak is recorded only when ``record`` (the measured steps)."""
+        if self.device.type == "cuda":
+            self._close_cuda_phase()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.label = phase
+        self.phase = phase if record else None
+
+    def _close_cuda_phase(self) -> None:
+        if self.phase is None:
+            return
+        torch.cuda.synchronize(self.device)
+        peak = self.peaks.setdefault(self.phase, PhasePeak())
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        peak.allocated = max(peak.allocated, allocated)
+        peak.reserved = max(peak.reserved or 0, reserved)
+
+    def end_step(self) -> None:
+        """MemTracker keeps per-module stats of one iteration only."""
+        if self._tracker is not None:
+            self._tracker.reset_mod_stats()
+
+    def __enter__(self) -> PhaseMeter:
+        if self._tracker is not None:
+            self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.set_phase(None)
+        if self._tracker is not None:
+            self._tracker.__exit__(*exc)
+
+    def current_bytes(self) -> int:
+        """Bytes allocated now (for out-of-memory reports)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        if self._tracker is None:
+            return 0
+        snap = self._tracker._curr_mem_snap.get(self.device, {})
+        return int(sum(v for k, v in snap.items() if _category(k) == "Total"))

@@ -1,0 +1,1 @@
+"""memplan validate: run a plan with the bundled trainer and compare with the estimate."""
