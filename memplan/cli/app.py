@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from memplan.cli import estimate, profiles
+from memplan.cli import estimate, profiles, validate
 from memplan.errors import MemplanError
 
 try:  # typer >= 0.20 vendors click as typer._click and no longer depends on click
@@ -31,6 +31,7 @@ app = typer.Typer(
 _NO_ARGS = getattr(_cx, "NoArgsIsHelpError", ())  # click < 8.2 has none
 app.command("estimate")(estimate.estimate)
 app.command("profiles")(profiles.profiles)
+app.command("validate")(validate.validate)
 
 
 def _fail(message: str, code: int) -> int:

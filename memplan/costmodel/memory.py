@@ -154,7 +154,9 @@ def fsdp2_unsharded(model: ModelSpec, layout: StageLayout, plan: Plan, policy: P
     if plan.zero == 2:
         return _Fsdp2(layout.params * unsharded, layout.params * unsharded, layout.params * unsharded)
     layer = layout.largest_layer_params
-    embed = vocab_shard_params(model, plan.tp) if layout.is_first and not (layout.is_last and model.tied_embeddings) else 0
+    embed = (
+        vocab_shard_params(model, plan.tp) if layout.is_first and not (layout.is_last and model.tied_embeddings) else 0
+    )
     prefetched = embed if layout.is_first else layer
     return _Fsdp2(head * unsharded, head * unsharded, (head + layer + prefetched) * unsharded)
 
@@ -194,6 +196,47 @@ def layer_temp(x: A.Shape) -> int:
     return x.tokens * x.d * (ffn // x.t + x.model.hidden_size // x.rep)
 
 
+def _backward_before_last_forward(plan: Plan, stage: int, accumulation: int, layers: int) -> bool:
+    """Whether the schedule runs a backward on this rank before its last forward (GPipe never;
+    1F1B and interleaved when there are more chunk-micro-batches than fit in flight)."""
+    if plan.pp_schedule == "gpipe" or not layers:
+        return False
+    inflight = round(inflight_layers(plan, stage, accumulation, layers) * plan.virtual_stages / layers)
+    return accumulation * plan.virtual_stages > inflight
+
+
+def pipeline_buffers(x: A.Shape, plan: Plan, stage: int, accumulation: int, layers: int) -> tuple[int, int, int, int]:
+    """torch.distributed.pipelining's stage buffers at forward end, backward start, backward
+    end and the optimizer step (torch/distributed/pipelining/stage.py, torch 2.13).
+
+    One activation of b*s*h/(t if SP) in the stage's dtype is A. Each chunk but the global
+    first keeps m receive buffers (allocated once), each chunk but the last m gradient receive
+    buffers; a chunk's output waits in ``fwd_cache`` until its backward (in-flight
+    micro-batches of non-last chunks); each received activation's gradient accumulates in its
+    buffer's ``.grad`` until the next step clears it.
+    """
+    element = 4 if x.autocast else x.d
+    a = x.tokens * element * x.model.hidden_size // x.rep
+    m, v = accumulation, plan.virtual_stages
+    chunks = [c * plan.pp + stage for c in range(v)]
+    not_first = sum(k != 0 for k in chunks)
+    not_last = sum(k != plan.stages - 1 for k in chunks)
+    persistent = m * (not_first + not_last) * a
+    inflight = round(inflight_layers(plan, stage, accumulation, layers) * v / layers) if layers else 0
+    outputs = inflight * not_last // v * a
+    if x.d == 4 and not x.autocast:
+        # in fp32 the first norm saves its input, which is the receive buffer itself: the
+        # layer accounting already counts the in-flight micro-batches' buffers
+        outputs -= inflight * not_first // v * a
+    grads_end = m * not_first * a
+    # the forward peak is the schedule's last forward: the backwards done before it (none
+    # for GPipe) have left their input gradients, non-first chunks' only
+    done = 0 if plan.pp_schedule == "gpipe" else max(m * v - inflight, 0)
+    grads_fwd = done * not_first * a // v
+    fwd = persistent + outputs + grads_fwd
+    return fwd, fwd, persistent + max(grads_end - a, 0), persistent + grads_end
+
+
 def _moe_fraction(model: ModelSpec, layout: StageLayout, plan: Plan) -> float:
     if model.moe is None or layout.layers == 0:
         return 0.0
@@ -223,6 +266,11 @@ def _stage_phases(
     mbs = inflight_microbatches(plan, stage, accumulation)
     layer_acts = int(stored * inflight_layers(plan, stage, accumulation, layers) / layers) if layers else 0
     embed = rt.embedding(x) * mbs if layout.is_first else 0
+    if rt.per_chunk is not None and layers:
+        # chunk-micro-batches in flight on this rank
+        embed += rt.per_chunk(x) * round(
+            inflight_layers(plan, stage, accumulation, layers) * plan.virtual_stages / layers
+        )
     head = rt.head(x) * mbs if layout.is_last else 0
     loss_fwd = rt.loss_forward(x) if layout.is_last else 0
     loss_bwd = rt.loss_backward(x) if layout.is_last else 0
@@ -249,13 +297,28 @@ def _stage_phases(
         st = replace(st, params=shard)
         unsharded = fsdp2_unsharded(model, layout, plan, policy)
         gathered = rs_buffer = 0
+        if plan.offload_params != "none":
+            st = replace(st, grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
     else:
         unsharded = _Fsdp2(0, 0, 0)
     ddp_copy = st.grads if plan.zero == 0 and plan.dp * plan.cp > 1 and rt.ddp_grad_copy else 0
     ddp_buckets = rt.pytorch_parallel and plan.zero < 2 and plan.dp * plan.cp > 1  # gradient_as_bucket_view
     p2p = 2 * x.tokens * x.d * model.hidden_size // x.rep if plan.pp > 1 else 0
+    p2p_fwd = p2p_bwd_start = p2p_bwd_end = p2p_opt = p2p
+    if rt.pytorch_parallel and plan.pp > 1:
+        p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt = pipeline_buffers(x, plan, stage, accumulation, layers)
     # gradients exist during forward / early backward only if kept across steps or accumulated
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
+    if (
+        plan.pp > 1
+        and not (rt.grads_persistent or ddp_buckets)
+        and not _backward_before_last_forward(plan, stage, accumulation, layers)
+    ):
+        grads_in_step = 0  # every forward runs before the first backward creates a gradient
+    if ddp_buckets and accumulation > 1:
+        # under no_sync the accumulated grads are plain tensors beside the buckets; the last
+        # micro-batch's reduction copies them in and re-points .grad at the buckets
+        ddp_copy = st.grads
     master_grads = 0
     if rt.master_grads_fp32 and policy.master_bytes and plan.offload_optimizer == "none":
         master_grads = int(st.optimizer_elements * 4)  # fp32 gradients for the master weights
@@ -272,7 +335,7 @@ def _stage_phases(
         "autocast_weights": weight_copies,
         "activations": layer_acts + embed,
         "logits_and_loss": head + loss_fwd,
-        "comm_buffers": gathered + p2p + ddp_copy,
+        "comm_buffers": gathered + p2p_fwd + ddp_copy,
         "gathered_params": unsharded.forward,
         "retained_outputs": retained,
     }
@@ -282,7 +345,7 @@ def _stage_phases(
         "autocast_weights": weight_copies,
         "activations": layer_acts + embed,
         "logits_and_loss": head + loss_bwd,
-        "comm_buffers": gathered + p2p + ddp_copy,
+        "comm_buffers": gathered + p2p_bwd_start + ddp_copy,
         "gathered_params": unsharded.backward_start,
     }  # no reduce-scatter buffer yet: no layer has produced gradients
     # the last layer's backward: the other in-flight micro-batches' activations, this
@@ -294,14 +357,14 @@ def _stage_phases(
         "gradients": grads_full,
         "activations": others + live_layer + embed + layer_temp(x),
         "logits_and_loss": retained,
-        "comm_buffers": gathered + rs_buffer + p2p + ddp_copy,
+        "comm_buffers": gathered + rs_buffer + p2p_bwd_end + ddp_copy,
         "gathered_params": unsharded.backward_end,
     }
     opt = {
         **base,
         "gradients": grads_full,
         "optimizer_temp": st.optimizer_temp + master_grads,
-        "comm_buffers": ddp_copy,
+        "comm_buffers": (0 if ddp_buckets else ddp_copy) + p2p_opt,
         "retained_outputs": retained,
     }
     bwd = bwd_start if sum(bwd_start.values()) >= sum(bwd_end.values()) else bwd_end

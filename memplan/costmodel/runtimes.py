@@ -41,6 +41,8 @@ class RuntimeProfile:
     # PyTorch-native parallelism: ZeRO-2/3 by FSDP2, DDP grads as persistent bucket views,
     # DTensor TP (gathered SP inputs saved in full, replicated embedding grad, loss_parallel)
     pytorch_parallel: bool = False
+    # what every model chunk's forward keeps once per micro-batch (None: counted in embedding)
+    per_chunk: Callable[[Shape], int] | None = None
 
 
 def _vocab(x: Shape) -> int:
@@ -174,7 +176,6 @@ HF = RuntimeProfile(
 # --- memplan: the bundled trainer --------------------------------------------------------
 
 
-
 def memplan_head(x: Shape) -> int:
     """Final norm and the fp32 log_softmax output cross_entropy saves; the logits themselves
     are freed inside the loss (nothing returns them), and the labels are one int64 tensor."""
@@ -212,9 +213,15 @@ def memplan_loss_backward(x: Shape) -> int:
 
 
 def memplan_embedding(x: Shape) -> int:
-    """The int64 token ids and RoPE's cos and sin (s, head_dim) in the residual dtype."""
+    """The int64 token ids (first stage)."""
+    return 8 * x.tokens
+
+
+def rope_tables(x: Shape) -> int:
+    """RoPE's cos and sin (s, head_dim) in the residual dtype, built by every model chunk's
+    forward and saved by its layers."""
     d = 4 if x.autocast else x.d
-    return 8 * x.tokens + 2 * x.s * x.model.head_size * d
+    return 2 * x.s * x.model.head_size * d
 
 
 MEMPLAN = replace(
@@ -227,6 +234,7 @@ MEMPLAN = replace(
     loss_forward=memplan_loss_forward,
     loss_backward=memplan_loss_backward,
     embedding=memplan_embedding,
+    per_chunk=rope_tables,
     pytorch_parallel=True,
     retained=_nothing_retained,
     master_grads_fp32=True,

@@ -17,28 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan.specs.model import ModelSpec
-
-
-class TrainerUnsupported(ValueError):
-    """The model or plan is valid but the bundled trainer cannot run it (one-line reason)."""
-
-
-def check_model(spec: ModelSpec) -> None:
-    """The trainer builds Llama-family decoders only: say which field is outside that."""
-    if spec.moe is not None:
-        raise TrainerUnsupported("moe: the bundled trainer builds dense models only (MoE is estimate-only)")
-    checks = {
-        "norm": (spec.norm, "rmsnorm"),
-        "position_embedding": (spec.position_embedding, "rope"),
-        "mlp": (spec.mlp, "gated"),
-        "activation": (spec.activation, "silu"),
-    }
-    for field, (value, wanted) in checks.items():
-        if value != wanted:
-            raise TrainerUnsupported(f"{field}: the bundled trainer builds {wanted} models (got {value})")
-    for field in ("attn_out_bias", "mlp_bias", "qk_norm"):
-        if getattr(spec, field):
-            raise TrainerUnsupported(f"{field}: not supported by the bundled trainer")
+from memplan.validate.support import TrainerUnsupported, check_model  # noqa: F401 (re-exported)
 
 
 class RMSNorm(nn.Module):

@@ -20,7 +20,6 @@ else by ``torch.autocast``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -28,33 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from memplan.specs.plan import Plan
-from memplan.train.model import Block, TrainerUnsupported, Transformer
-
-def check_plan(plan: Plan) -> None:
-    """Reject, with a one-line reason, what the trainer cannot apply faithfully."""
-    if plan.cp > 1:
-        raise TrainerUnsupported("cp: context parallelism is not implemented by the bundled trainer")
-    if plan.ep > 1:
-        raise TrainerUnsupported("ep: expert parallelism needs an MoE model; the bundled trainer builds dense ones")
-    if plan.precision in ("fp8", "fp16-master"):
-        raise TrainerUnsupported(f"precision: {plan.precision} is not implemented by the bundled trainer")
-    if plan.optimizer != "adamw":
-        raise TrainerUnsupported(f"optimizer: the bundled trainer runs adamw (got {plan.optimizer})")
-    if plan.tp > 1 and plan.dp > 1 and plan.zero < 2:
-        raise TrainerUnsupported(
-            f"zero: DDP does not compose with tensor parallel (DTensor) parameters; use zero 2 or 3 "
-            f"with tp={plan.tp}"
-        )
-    if "nvme" in (plan.offload_params, plan.offload_optimizer):
-        raise TrainerUnsupported("offload: NVMe offload is DeepSpeed's; the trainer offloads to CPU only")
-    offload = (plan.offload_params, plan.offload_optimizer)
-    if offload != ("none", "none") and offload != ("cpu", "cpu"):
-        raise TrainerUnsupported(
-            "offload_params: FSDP2's CPUOffloadPolicy offloads parameters, gradients and the optimizer "
-            "step together; set offload_params and offload_optimizer both to cpu"
-        )
-    if plan.pp > 1 and plan.dp > 1 and plan.zero in (0, 1):
-        raise TrainerUnsupported("zero: with pipeline parallel the trainer shards data parallel with FSDP2; use zero 2 or 3")
+from memplan.train.model import Block, Transformer
+from memplan.validate.support import check_plan  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -215,6 +189,11 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return ddp
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (foreach copy has no DTensor sharding rule), else the tensor."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW on fp32 master copies of 16-bit parameters (mixed-precision Adam, ZeRO Sec. 3.1).
 
@@ -260,11 +239,13 @@ class MasterAdamW(torch.optim.Optimizer):
                 maximize=False,
             )
             del grads
-            torch._foreach_copy_(params, masters)
+            torch._foreach_copy_([_local(p) for p in params], [_local(m) for m in masters])
         return None
 
 
-def build_optimizer_from(params: list[nn.Parameter], plan: Plan, dp_group: dist.ProcessGroup | None) -> torch.optim.Optimizer:
+def build_optimizer_from(
+    params: list[nn.Parameter], plan: Plan, dp_group: dist.ProcessGroup | None
+) -> torch.optim.Optimizer:
     """AdamW (foreach), or MasterAdamW for bf16-master; ZeRO-1 partitions it over dp."""
     cls = MasterAdamW if plan.precision == "bf16-master" else torch.optim.AdamW
     kwargs = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)

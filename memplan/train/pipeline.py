@@ -118,14 +118,17 @@ class StageReplay:
         for c in range(len(self.chunks)):
             if not self._first(c):
                 self.recv_act[c] = [
-                    torch.zeros(self.shape, dtype=self.dtype, device=self.device).requires_grad_() for _ in range(self.m)
+                    torch.zeros(self.shape, dtype=self.dtype, device=self.device).requires_grad_()
+                    for _ in range(self.m)
                 ]
             if not self._last(c):
-                self.recv_grad[c] = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.m)]
+                self.recv_grad[c] = [
+                    torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.m)
+                ]
 
     def step(
         self,
-        batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        batch: Callable[[int, bool, bool], tuple[torch.Tensor | None, torch.Tensor | None]],
         loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
         on_phase: Callable[[str], None],
     ) -> None:
@@ -143,7 +146,7 @@ class StageReplay:
             module = self.chunks[c][1]
             if kind == "F":
                 on_phase("forward")
-                ids, labels = batch(i)
+                ids, labels = batch(i, self._first(c), self._last(c))
                 x = ids if self._first(c) else self.recv_act[c][i]
                 if self._last(c):
                     cache[(c, i)] = loss_of(module, x, labels) / self.m

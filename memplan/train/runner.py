@@ -21,11 +21,12 @@ import torch.distributed as dist
 
 from memplan.specs.plan import Plan
 from memplan.train import parallel as par
-from memplan.train.model import TrainerUnsupported, Transformer, check_model, loss_fn
+from memplan.train.model import Transformer, loss_fn
 from memplan.train.pipeline import StageReplay, chunk_layers, schedule_actions
 from memplan.train.tracker import PhaseMeter
 from memplan.validate.record import OutOfMemory, PhaseRecord, RunRecord
 from memplan.validate.spec import RunSpec
+from memplan.validate.support import TrainerUnsupported, check_model, check_workload
 
 Progress = Callable[[int, int], None]
 
@@ -53,27 +54,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def check_workload(spec: RunSpec) -> None:
-    plan, model = spec.plan, spec.model
-    if model.num_layers % plan.stages:
-        raise TrainerUnsupported(
-            f"pp: {model.num_layers} layers do not split evenly into pp x virtual_stages = {plan.stages} chunks"
-        )
-    if plan.sequence_parallel and plan.tp > 1 and spec.workload.seq_len % plan.tp:
-        raise TrainerUnsupported(f"seq_len: sequence parallel needs seq_len divisible by tp={plan.tp}")
-    for name, heads in (("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.kv_heads)):
-        if heads % plan.tp:
-            raise TrainerUnsupported(f"tp: {name} ({heads}) is not divisible by tp={plan.tp}")
-    if model.ffn_size % plan.tp or model.vocab_size % plan.tp:
-        raise TrainerUnsupported(f"tp: ffn_size and vocab_size must be divisible by tp={plan.tp}")
-    if plan.pp_schedule == "interleaved" and spec.accumulation % plan.pp:
-        raise TrainerUnsupported(
-            f"global_batch: the interleaved schedule needs micro-batches ({spec.accumulation}) divisible by pp={plan.pp}"
-        )
-    if plan.offload_params != "none" and plan.pp > 1:
-        raise TrainerUnsupported("offload_params: CPU offload with pipeline parallel is not implemented by the trainer")
-
-
 def _init_process_group(spec: RunSpec, device: torch.device) -> tuple[int, bool]:
     """Returns (rank, simulated)."""
     world = spec.plan.world_size
@@ -97,7 +77,9 @@ def _device(spec: RunSpec) -> torch.device:
     return torch.device("cpu")
 
 
-def _build_chunks(spec: RunSpec, meshes: par.Meshes, stage: int, device: torch.device) -> list[tuple[int, torch.nn.Module]]:
+def _build_chunks(
+    spec: RunSpec, meshes: par.Meshes, stage: int, device: torch.device
+) -> list[tuple[int, torch.nn.Module]]:
     plan, model = spec.plan, spec.model
     dtype = par.param_dtype(plan)
     n_chunks = plan.stages
@@ -146,10 +128,11 @@ def _train(spec: RunSpec, device: torch.device, rank: int, progress: Progress | 
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.randint(0, vocab, (b, s), generator=gen).to(device)
-        labels = torch.randint(0, vocab, (b, s), generator=gen).to(device)
-        return ids, labels
+    def batch(i: int, ids: bool = True, labels: bool = True) -> tuple:
+        """Synthetic token ids (first chunk) and pre-shifted labels (last chunk)."""
+        x = torch.randint(0, vocab, (b, s), generator=gen).to(device) if ids else None
+        y = torch.randint(0, vocab, (b, s), generator=gen).to(device) if labels else None
+        return x, y
 
     def loss_of(module: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with autocast:
@@ -271,7 +254,10 @@ def run(spec: RunSpec, progress: Progress | None = None) -> RunRecord:
         peaks = _phases(meter) if meter else {}
         peak = max((p.allocated for p in peaks.values()), default=0)
         oom = OutOfMemory(
-            phase=(meter.label if meter else None) or "setup", requested_bytes=requested, peak_bytes=peak, message=message
+            phase=(meter.label if meter else None) or "setup",
+            requested_bytes=requested,
+            peak_bytes=peak,
+            message=message,
         )
         return RunRecord(status="oom", reason=message, oom=oom, phases=peaks, finished=_now(), **fields)
     except Exception as err:  # noqa: BLE001 - recorded, not raised: nothing measured is lost

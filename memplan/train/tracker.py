@@ -38,6 +38,16 @@ def _tracker_class(base: type) -> type:
     class _PhaseTracker(base):  # type: ignore[misc, valid-type]
         meter: PhaseMeter
 
+        def _pre_fw_hook(self, module, inputs) -> None:  # noqa: ANN001
+            # a top-level module called again in one step is the next micro-batch (gradient
+            # accumulation, pipeline schedules): restart its per-module stats instead of
+            # refusing (MemTracker tracks one call per iteration); totals are unaffected
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
         def _update_peak_stats(self, peak_state) -> None:  # noqa: ANN001
             super()._update_peak_stats(peak_state)
             self.meter._observe(self._curr_mem_snap)
@@ -48,8 +58,9 @@ def _tracker_class(base: type) -> type:
 class PhaseMeter:
     """Context manager measuring per-phase peaks of one rank's training steps."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, fsdp: bool,
-                 offloaded: bool) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, fsdp: bool, offloaded: bool
+    ) -> None:
         self.device = device
         self.offloaded = offloaded
         self.phase: str | None = None

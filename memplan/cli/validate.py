@@ -1,0 +1,214 @@
+"""``memplan validate``: run a plan with the bundled trainer, print measured against predicted."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from memplan.errors import MemplanError
+from memplan.estimate import estimate as run_estimate
+from memplan.specs.resolve import CLI, resolve_job
+from memplan.units import format_bytes, parse_bytes
+from memplan.validate.compare import Validation, compare
+from memplan.validate.launch import launch
+from memplan.validate.record import RunRecord
+from memplan.validate.spec import RunSpec
+from memplan.validate.support import TrainerUnsupported, check_model, check_plan, check_workload
+
+Opt = typer.Option
+PLAN = "Plan"
+WORK = "Workload"
+RUN = "Run"
+
+
+def _device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - the train extra brings torch
+        raise MemplanError(
+            "validate needs the train extra: pip install 'memplan[train]'", source=CLI, field="--device"
+        ) from None
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def validate(
+    model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
+    plan: Annotated[str | None, Opt("--plan", help="Plan YAML (flags override it).")] = None,
+    dp: Annotated[int | None, Opt(help="Data-parallel degree.", rich_help_panel=PLAN)] = None,
+    tp: Annotated[int | None, Opt(help="Tensor-parallel degree.", rich_help_panel=PLAN)] = None,
+    sequence_parallel: Annotated[
+        bool | None, Opt("--sequence-parallel/--no-sequence-parallel", rich_help_panel=PLAN)
+    ] = None,
+    pp: Annotated[int | None, Opt(help="Pipeline stages.", rich_help_panel=PLAN)] = None,
+    pp_schedule: Annotated[str | None, Opt(help="1f1b, interleaved or gpipe.", rich_help_panel=PLAN)] = None,
+    virtual_stages: Annotated[int | None, Opt(help="Chunks per rank (interleaved).", rich_help_panel=PLAN)] = None,
+    zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.", rich_help_panel=PLAN)] = None,
+    recompute: Annotated[str | None, Opt(help="none, selective or full.", rich_help_panel=PLAN)] = None,
+    recompute_layers: Annotated[int | None, Opt(help="Layers per stage recomputed.", rich_help_panel=PLAN)] = None,
+    precision: Annotated[str | None, Opt(help="fp32, bf16-mixed, bf16-master, bf16.", rich_help_panel=PLAN)] = None,
+    offload_optimizer: Annotated[str | None, Opt(help="none or cpu.", rich_help_panel=PLAN)] = None,
+    offload_params: Annotated[str | None, Opt(help="none or cpu (ZeRO-3).", rich_help_panel=PLAN)] = None,
+    attention: Annotated[str | None, Opt(help="flash or eager.", rich_help_panel=PLAN)] = None,
+    micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
+    global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,
+    seq_len: Annotated[int | None, Opt(help="Tokens per sequence.", rich_help_panel=WORK)] = None,
+    steps: Annotated[int, Opt(help="Measured steps after one warm-up step.", min=1, rich_help_panel=RUN)] = 2,
+    simulate_ranks: Annotated[
+        bool,
+        Opt(
+            "--simulate-ranks/--real-ranks",
+            help="Run the most-loaded rank alone under the fake process group (memory real, time not), "
+            "or every rank as a real process under torchrun.",
+            rich_help_panel=RUN,
+        ),
+    ] = True,
+    device: Annotated[Literal["auto", "cpu", "cuda"], Opt(help="Where to run.", rich_help_panel=RUN)] = "auto",
+    memory_limit: Annotated[
+        str | None, Opt(help="Simulated device capacity on CPU, e.g. 2GiB (an OOM beyond it).", rich_help_panel=RUN)
+    ] = None,
+    timeout: Annotated[float, Opt(help="Seconds before every rank is ended.", min=1, rich_help_panel=RUN)] = 600,
+    out: Annotated[Path | None, Opt("--out", help="Where to write the run record JSON.", rich_help_panel=RUN)] = None,
+    format: Annotated[Literal["table", "json"], Opt("--format", help="table or json.")] = "table",
+) -> None:
+    """Run a plan for a few steps with the bundled trainer; measured against predicted memory."""
+    overrides = dict(
+        dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp, pp_schedule=pp_schedule,
+        virtual_stages=virtual_stages, zero=zero, recompute=recompute, recompute_layers=recompute_layers,
+        precision=precision, offload_optimizer=offload_optimizer, offload_params=offload_params,
+        attention=attention, micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len,
+        runtime="memplan",
+    )  # fmt: skip
+    job = resolve_job(model, plan, overrides, inference=False)
+    limit = None
+    if memory_limit:
+        try:
+            limit = parse_bytes(memory_limit)
+        except ValueError as err:
+            raise MemplanError(str(err), source=CLI, field="--memory-limit") from None
+        if limit <= 0:
+            raise MemplanError("must be a positive size, e.g. 2GiB", source=CLI, field="--memory-limit")
+    result = run_estimate(job, with_suggestions=False)
+    report = result.memory
+    spec = RunSpec(
+        model=job.model,
+        workload=job.workload,
+        plan=job.plan,
+        steps=steps,
+        device=_device(device),
+        simulate=simulate_ranks,
+        rank=report.peak.rank,
+        memory_limit=limit,
+    )
+    try:
+        check_model(spec.model)
+        check_plan(spec.plan)
+        check_workload(spec)
+    except TrainerUnsupported as err:
+        raise MemplanError(err.reason, source=plan or CLI, field=err.field) from None
+    record, path = _run(spec, timeout, out, show=format == "table")
+    validation = compare(report, record, str(path) if path else None)
+    if format == "json":
+        typer.echo(validation.model_dump_json(indent=2))
+    else:
+        render(validation, Console())
+    if record.status != "ok":
+        raise typer.Exit(1)
+
+
+def _run(spec: RunSpec, timeout: float, out: Path | None, show: bool) -> tuple[RunRecord, Path | None]:
+    """Launch, with a progress bar on stderr; the record is copied to ``--out`` at once."""
+    console = Console(stderr=True)
+    total = spec.steps + spec.warmup
+    with tempfile.TemporaryDirectory(prefix="memplan-validate-") as tmp:
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+            TimeElapsedColumn(), console=console, disable=not show, transient=True,
+        ) as bar:  # fmt: skip
+            task = bar.add_task("validating", total=total)
+            result = launch(spec, Path(tmp), timeout, progress=lambda s, t: bar.update(task, completed=s))
+        record = _pick(spec, result)
+        path = out
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(record.model_dump_json(indent=2))
+    return record, path
+
+
+def _pick(spec: RunSpec, result) -> RunRecord:  # noqa: ANN001
+    """The most-loaded rank's record, or a failure record naming the ranks that never reported."""
+    if spec.rank in result.records and not result.missing:
+        return result.records[spec.rank]
+    failed = [r for r in result.records.values() if r.status != "ok"]
+    if failed and not result.timed_out:
+        return failed[0]
+    what = "timed out" if result.timed_out else f"exited with code {result.returncode}"
+    last = [ln for ln in result.stderr_tail.strip().splitlines() if ln.strip()][-1:] or [""]
+    reason = f"ranks {result.missing} {what} without a record" + (f": {last[0][:300]}" if last[0] else "")
+    base = next(iter(result.records.values()), None)
+    return RunRecord(
+        status="timeout" if result.timed_out else "error",
+        reason=reason,
+        model=spec.model.model_dump(mode="json"),
+        workload=spec.workload.model_dump(mode="json"),
+        plan=spec.plan.model_dump(mode="json"),
+        device=spec.device,
+        device_name=base.device_name if base else spec.device,
+        versions=base.versions if base else {},
+        simulated=spec.simulate,
+        world_size=spec.plan.world_size,
+        rank=spec.rank,
+        stage=spec.rank // (spec.plan.dp * spec.plan.tp),
+        steps=spec.steps,
+        warmup=spec.warmup,
+        started="",
+        finished="",
+    )
+
+
+def _b(n: int | None) -> str:
+    return "-" if n is None else format_bytes(n, "MiB")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.2f}%"
+
+
+def render(v: Validation, console: Console) -> None:
+    where = f"rank {v.rank} (stage {v.stage}) of {v.world_size}" + (", simulated" if v.simulated else "")
+    console.print(f"[bold]validate[/] on {v.device} ({v.device_name}), {where}: status [bold]{v.status}[/]")
+    if v.reason:
+        console.print(f"reason: {v.reason}")
+    oom = v.record.get("oom")
+    if oom:
+        console.print(
+            f"[red]out of memory[/] in {oom['phase']}: requested {_b(oom['requested_bytes'])}, "
+            f"peak so far {_b(oom['peak_bytes'])}"
+        )
+    table = Table(title="Peak allocated: predicted (--runtime memplan) vs measured")
+    for col in ("", "predicted", "measured", "error"):
+        table.add_column(col, justify="right" if col else "left")
+    table.add_row("[bold]peak[/]", _b(v.predicted_bytes), _b(v.measured_bytes), _pct(v.error_pct))
+    if v.measured_reserved_bytes:
+        table.add_row("peak reserved", _b(v.predicted_reserved_bytes), _b(v.measured_reserved_bytes),
+                      _pct(v.reserved_error_pct))  # fmt: skip
+    table.add_section()
+    for name, row in v.phases.items():
+        table.add_row(f"phase {name}", _b(row.predicted_bytes), _b(row.measured_bytes), _pct(row.error_pct))
+    table.add_section()
+    for name, row in v.components.items():
+        table.add_row(name.replace("_", " "), _b(row.predicted_bytes), _b(row.measured_bytes), _pct(row.error_pct))
+    console.print(table)
+    if v.step_time_s is not None:
+        note = " (simulated rank: not the real job's step time)" if v.simulated else ""
+        tps = f", {v.tokens_per_s:,.0f} tokens/s" if v.tokens_per_s else ""
+        console.print(f"step time {v.step_time_s * 1000:.1f} ms (median){tps}{note}")
+    if v.record_path:
+        console.print(f"record: {v.record_path}")

@@ -1,0 +1,115 @@
+"""Start the ranks of a validation run, watch them, and end them all on failure or timeout.
+
+Rank simulation starts one worker process. A real multi-rank run starts them under torchrun
+(``python -m torch.distributed.run --nproc-per-node N``; across nodes, the same command on
+each node with ``--nnodes``, ``--node-rank`` and ``--rdzv-endpoint``). The launcher reads
+the workers' progress lines; if a rank exits with an error, or nothing finishes within the
+timeout, it kills the whole process group and reports which ranks had not written a record.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from memplan.validate.record import RunRecord
+from memplan.validate.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    records: dict[int, RunRecord]
+    missing: list[int]  # ranks that wrote no record (died or hung)
+    timed_out: bool
+    returncode: int | None
+    stderr_tail: str
+
+
+def worker_command(spec: RunSpec, spec_path: Path, out_dir: Path, nproc: int) -> list[str]:
+    worker = ["-m", "memplan.train.worker", str(spec_path), str(out_dir)]
+    if spec.simulate or nproc == 1:
+        return [sys.executable, *worker]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        *worker,
+    ]
+
+
+def launch(
+    spec: RunSpec,
+    workdir: Path,
+    timeout_s: float,
+    progress: Callable[[int, int], None] | None = None,
+    nproc: int | None = None,
+) -> LaunchResult:
+    """Run the spec's ranks as child processes; never raises for what happens inside them."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(spec.model_dump_json())
+    out_dir = workdir / "records"
+    ranks = [spec.rank] if spec.simulate else list(range(nproc or spec.plan.world_size))
+    cmd = worker_command(spec, spec_path, out_dir, len(ranks))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    err_path = workdir / "stderr.log"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        while True:
+            try:
+                line = lines.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line.startswith("progress") and progress is not None:
+                _, step, total = line.split()
+                progress(int(step), int(total))
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+        if timed_out:
+            _kill(proc)
+        try:
+            returncode = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            returncode = proc.wait()
+    records = {}
+    for rank in ranks:
+        path = out_dir / f"rank{rank}.json"
+        if path.exists():
+            records[rank] = RunRecord.model_validate_json(path.read_text())
+    missing = [r for r in ranks if r not in records]
+    tail = err_path.read_text()[-4000:] if err_path.exists() else ""
+    return LaunchResult(records, missing, timed_out, returncode, tail)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """End the worker and everything it started (torchrun's ranks share its session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

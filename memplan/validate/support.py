@@ -1,0 +1,91 @@
+"""What the bundled trainer can run, checked before anything is launched (no torch import).
+
+Each refusal is a ``TrainerUnsupported`` whose message starts with the field it blames
+(``"tp: ..."``), so the CLI can print it as a one-line error.
+"""
+
+from __future__ import annotations
+
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.validate.spec import RunSpec
+
+
+class TrainerUnsupported(ValueError):
+    """The model or plan is valid but the bundled trainer cannot run it (one-line reason)."""
+
+    @property
+    def field(self) -> str:
+        return str(self).split(":", 1)[0]
+
+    @property
+    def reason(self) -> str:
+        return str(self).split(":", 1)[1].strip()
+
+
+def check_model(spec: ModelSpec) -> None:
+    """The trainer builds Llama-family decoders only: say which field is outside that."""
+    if spec.moe is not None:
+        raise TrainerUnsupported("moe: the bundled trainer builds dense models only (MoE is estimate-only)")
+    checks = {
+        "norm": (spec.norm, "rmsnorm"),
+        "position_embedding": (spec.position_embedding, "rope"),
+        "mlp": (spec.mlp, "gated"),
+        "activation": (spec.activation, "silu"),
+    }
+    for field, (value, wanted) in checks.items():
+        if value != wanted:
+            raise TrainerUnsupported(f"{field}: the bundled trainer builds {wanted} models (got {value})")
+    for field in ("attn_out_bias", "mlp_bias", "qk_norm"):
+        if getattr(spec, field):
+            raise TrainerUnsupported(f"{field}: not supported by the bundled trainer")
+
+
+def check_plan(plan: Plan) -> None:
+    """Reject, with a one-line reason, what the trainer cannot apply faithfully."""
+    if plan.cp > 1:
+        raise TrainerUnsupported("cp: context parallelism is not implemented by the bundled trainer")
+    if plan.ep > 1:
+        raise TrainerUnsupported("ep: expert parallelism needs an MoE model; the bundled trainer builds dense ones")
+    if plan.precision in ("fp8", "fp16-master"):
+        raise TrainerUnsupported(f"precision: {plan.precision} is not implemented by the bundled trainer")
+    if plan.optimizer != "adamw":
+        raise TrainerUnsupported(f"optimizer: the bundled trainer runs adamw (got {plan.optimizer})")
+    if plan.tp > 1 and plan.dp > 1 and plan.zero < 2:
+        raise TrainerUnsupported(
+            f"zero: DDP does not compose with tensor parallel (DTensor) parameters; use zero 2 or 3 with tp={plan.tp}"
+        )
+    if "nvme" in (plan.offload_params, plan.offload_optimizer):
+        raise TrainerUnsupported("offload: NVMe offload is DeepSpeed's; the trainer offloads to CPU only")
+    offload = (plan.offload_params, plan.offload_optimizer)
+    if offload != ("none", "none") and offload != ("cpu", "cpu"):
+        raise TrainerUnsupported(
+            "offload_params: FSDP2's CPUOffloadPolicy offloads parameters, gradients and the optimizer "
+            "step together; set offload_params and offload_optimizer both to cpu"
+        )
+    if plan.pp > 1 and plan.dp > 1 and plan.zero in (0, 1):
+        raise TrainerUnsupported(
+            "zero: with pipeline parallel the trainer shards data parallel with FSDP2; use zero 2 or 3"
+        )
+
+
+def check_workload(spec: RunSpec) -> None:
+    plan, model = spec.plan, spec.model
+    if model.num_layers % plan.stages:
+        raise TrainerUnsupported(
+            f"pp: {model.num_layers} layers do not split evenly into pp x virtual_stages = {plan.stages} chunks"
+        )
+    if plan.sequence_parallel and plan.tp > 1 and spec.workload.seq_len % plan.tp:
+        raise TrainerUnsupported(f"seq_len: sequence parallel needs seq_len divisible by tp={plan.tp}")
+    for name, heads in (("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.kv_heads)):
+        if heads % plan.tp:
+            raise TrainerUnsupported(f"tp: {name} ({heads}) is not divisible by tp={plan.tp}")
+    if model.ffn_size % plan.tp or model.vocab_size % plan.tp:
+        raise TrainerUnsupported(f"tp: ffn_size and vocab_size must be divisible by tp={plan.tp}")
+    if plan.pp_schedule == "interleaved" and spec.accumulation % plan.pp:
+        raise TrainerUnsupported(
+            f"global_batch: the interleaved schedule needs micro-batches ({spec.accumulation}) "
+            f"divisible by pp={plan.pp}"
+        )
+    if plan.offload_params != "none" and plan.pp > 1:
+        raise TrainerUnsupported("offload_params: CPU offload with pipeline parallel is not implemented by the trainer")

@@ -1,0 +1,75 @@
+# ruff: noqa: E501 (one case per line: a table)
+"""Plans of tiny Llama models run by the bundled trainer on CPU under rank simulation.
+
+Each case is measured by ``memplan.train.runner.run`` (MemTracker / FSDPMemTracker, the
+steady-state peak over the measured steps) and predicted by ``--runtime memplan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memplan.costmodel.memory import estimate_training
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
+from memplan.validate.spec import RunSpec
+
+TINY = ModelSpec(
+    name="tiny-gqa", hidden_size=192, num_layers=4, num_attention_heads=6, num_kv_heads=2, ffn_size=512, vocab_size=3000
+)
+WIDE = ModelSpec(
+    name="tiny-tp4", hidden_size=256, num_layers=2, num_attention_heads=8, num_kv_heads=4, ffn_size=512,
+    vocab_size=4096,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    plan: dict = field(default_factory=dict)
+    model: ModelSpec = TINY
+    micro_batch: int = 2
+    seq_len: int = 160
+    global_batch: int | None = None
+
+    def workload(self) -> TrainingWorkload:
+        return TrainingWorkload(seq_len=self.seq_len, micro_batch=self.micro_batch, global_batch=self.global_batch)
+
+    def spec(self, steps: int = 2) -> tuple[RunSpec, int]:
+        """The run of the most-loaded rank, and memplan's predicted peak.allocated for it."""
+        plan = Plan(**self.plan)
+        report = estimate_training(self.model, self.workload(), plan, "memplan")
+        spec = RunSpec(model=self.model, workload=self.workload(), plan=plan, rank=report.peak.rank, steps=steps)
+        return spec, report.peak.allocated
+
+
+CASES = [
+    Case("single-fp32", dict(precision="fp32")),
+    Case("single-bf16", dict(precision="bf16")),
+    Case("single-bf16-master", dict(precision="bf16-master")),
+    Case("single-bf16-mixed-autocast", dict(precision="bf16-mixed")),
+    Case("recompute-full-fp32", dict(precision="fp32", recompute="full")),
+    Case("recompute-selective-bf16", dict(precision="bf16", recompute="selective")),
+    Case("ddp4-fp32", dict(precision="fp32", dp=4)),
+    Case("ddp2-bf16-accum4", dict(precision="bf16", dp=2), global_batch=16),
+    Case("zero1-dp4-fp32", dict(precision="fp32", dp=4, zero=1)),
+    Case("zero1-dp2-bf16-master", dict(precision="bf16-master", dp=2, zero=1), global_batch=16),
+    Case("zero2-dp4-fp32", dict(precision="fp32", dp=4, zero=2)),
+    Case("zero2-dp2-bf16-master", dict(precision="bf16-master", dp=2, zero=2), global_batch=16),
+    Case("zero3-dp4-fp32", dict(precision="fp32", dp=4, zero=3)),
+    Case("zero3-dp4-bf16-mixed", dict(precision="bf16-mixed", dp=4, zero=3)),
+    Case("zero3-dp4-cpu-offload", dict(precision="fp32", dp=4, zero=3, offload_params="cpu", offload_optimizer="cpu")),
+    Case("tp2-fp32", dict(precision="fp32", tp=2)),
+    Case("tp2-bf16", dict(precision="bf16", tp=2)),
+    Case("tp2-sp-fp32", dict(precision="fp32", tp=2, sequence_parallel=True)),
+    Case("tp2-sp-dp2-zero3-bf16-mixed", dict(precision="bf16-mixed", tp=2, sequence_parallel=True, dp=2, zero=3)),
+    Case("tp2-sp-dp2-zero2-full-bf16", dict(precision="bf16", tp=2, sequence_parallel=True, dp=2, zero=2, recompute="full")),
+    Case("pp2-1f1b-fp32", dict(precision="fp32", pp=2), global_batch=8),
+    Case("pp2-interleaved-fp32", dict(precision="fp32", pp=2, pp_schedule="interleaved", virtual_stages=2), global_batch=8),
+    Case("pp2-gpipe-bf16", dict(precision="bf16", pp=2, pp_schedule="gpipe"), global_batch=8),
+    Case("pp4-1f1b-bf16", dict(precision="bf16", pp=4), global_batch=8),
+    Case("pp4-full-bf16", dict(precision="bf16", pp=4, recompute="full"), global_batch=8),
+    Case("3d-pp4-tp2-sp-dp2-zero2-bf16", dict(precision="bf16", pp=4, tp=2, sequence_parallel=True, dp=2, zero=2), global_batch=4),
+    Case("2d-dp16-tp4-sp-zero3-world64", dict(precision="bf16-mixed", dp=16, tp=4, sequence_parallel=True, zero=3), model=WIDE, micro_batch=1),
+]  # fmt: skip
