@@ -16,7 +16,7 @@ from memplan.estimate import estimate as run_estimate
 from memplan.specs.resolve import CLI, resolve_job
 from memplan.units import format_bytes, parse_bytes
 from memplan.validate.compare import Validation, compare
-from memplan.validate.launch import launch
+from memplan.validate.launch import LaunchResult, launch
 from memplan.validate.record import RunRecord
 from memplan.validate.spec import RunSpec
 from memplan.validate.support import TrainerUnsupported, check_model, check_plan, check_workload
@@ -142,7 +142,7 @@ def _run(spec: RunSpec, timeout: float, out: Path | None, show: bool) -> tuple[R
     return record, path
 
 
-def _pick(spec: RunSpec, result) -> RunRecord:  # noqa: ANN001
+def _pick(spec: RunSpec, result: LaunchResult) -> RunRecord:
     """The most-loaded rank's record, or a failure record naming the ranks that never reported."""
     if spec.rank in result.records and not result.missing:
         return result.records[spec.rank]
@@ -156,20 +156,11 @@ def _pick(spec: RunSpec, result) -> RunRecord:  # noqa: ANN001
     return RunRecord(
         status="timeout" if result.timed_out else "error",
         reason=reason,
-        model=spec.model.model_dump(mode="json"),
-        workload=spec.workload.model_dump(mode="json"),
-        plan=spec.plan.model_dump(mode="json"),
-        device=spec.device,
         device_name=base.device_name if base else spec.device,
         versions=base.versions if base else {},
-        simulated=spec.simulate,
-        world_size=spec.plan.world_size,
-        rank=spec.rank,
-        stage=spec.rank // (spec.plan.dp * spec.plan.tp),
-        steps=spec.steps,
-        warmup=spec.warmup,
         started="",
         finished="",
+        **spec.record_fields(simulated=spec.simulate),
     )
 
 

@@ -279,28 +279,26 @@ def _stage_phases(
     # communication buffers
     gathered = 0
     rs_buffer = 0
+    unsharded = _Fsdp2(0, 0, 0)
     sharded = plan.dp * plan.cp > 1
-    if plan.zero >= 3 and sharded:
-        # the current layer and the prefetched one; on the first / last stage the gathered
-        # embedding or LM head with one prefetched layer, whichever is larger
-        layer = layout.largest_layer_params
-        vocab = vocab_shard_params(model, plan.tp) if layout.is_first or layout.is_last else 0
-        unsharded = max(ZERO3_PREFETCH_LAYERS * layer, vocab + layer)
-        gathered = unsharded * min(policy.param_bytes, policy.compute_bytes)
-        rs_buffer = layout.largest_layer_params * policy.grad_bytes
-    elif plan.zero == 2 and sharded:
-        rs_buffer = layout.largest_layer_params * policy.grad_bytes
     fsdp2 = _fsdp2(rt, plan)
     if fsdp2:
         # FSDP2 keeps the sharded params as the parameters and gathers the rest per group
         shard = int(st.optimizer_elements * policy.param_bytes) if plan.offload_params == "none" else 0
         st = replace(st, params=shard)
         unsharded = fsdp2_unsharded(model, layout, plan, policy)
-        gathered = rs_buffer = 0
         if plan.offload_params != "none":
             st = replace(st, grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
-    else:
-        unsharded = _Fsdp2(0, 0, 0)
+    elif plan.zero >= 3 and sharded:
+        # the current layer and the prefetched one; on the first / last stage the gathered
+        # embedding or LM head with one prefetched layer, whichever is larger
+        layer = layout.largest_layer_params
+        vocab = vocab_shard_params(model, plan.tp) if layout.is_first or layout.is_last else 0
+        gathered_n = max(ZERO3_PREFETCH_LAYERS * layer, vocab + layer)
+        gathered = gathered_n * min(policy.param_bytes, policy.compute_bytes)
+        rs_buffer = layout.largest_layer_params * policy.grad_bytes
+    elif plan.zero == 2 and sharded:
+        rs_buffer = layout.largest_layer_params * policy.grad_bytes
     ddp_copy = st.grads if plan.zero == 0 and plan.dp * plan.cp > 1 and rt.ddp_grad_copy else 0
     ddp_buckets = rt.pytorch_parallel and plan.zero < 2 and plan.dp * plan.cp > 1  # gradient_as_bucket_view
     p2p = 2 * x.tokens * x.d * model.hidden_size // x.rep if plan.pp > 1 else 0

@@ -38,10 +38,6 @@ class Meshes:
     dp: DeviceMesh
     tp: DeviceMesh
 
-    @property
-    def dp_tp(self) -> DeviceMesh:
-        return self.world["dp", "tp"]
-
 
 def build_meshes(plan: Plan, device_type: str) -> Meshes:
     """One (pp, dp, tp) mesh over the world; rank = stage x dp x tp + dp_rank x tp + tp_rank."""

@@ -76,15 +76,6 @@ def schedule_actions(schedule: str, pp: int, virtual_stages: int, stage: int, mi
     return actions
 
 
-def max_inflight(actions: list[Action]) -> int:
-    """Most chunk forwards whose backward has not yet run (the schedule's memory depth)."""
-    live = peak = 0
-    for kind, _, _ in actions:
-        live += 1 if kind == "F" else -1
-        peak = max(peak, live)
-    return peak
-
-
 class StageReplay:
     """Runs one pipeline rank's chunks through a schedule without neighbours."""
 

@@ -19,7 +19,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from memplan.specs.plan import Plan
 from memplan.train import parallel as par
 from memplan.train.model import Transformer, loss_fn
 from memplan.train.pipeline import StageReplay, chunk_layers, schedule_actions
@@ -102,19 +101,21 @@ def _build_chunks(
     return out
 
 
-def _train(spec: RunSpec, device: torch.device, rank: int, progress: Progress | None) -> dict:
+def _train(spec: RunSpec, device: torch.device, rank: int, progress: Progress | None, box: dict) -> list[float]:
+    """Run warm-up and measured steps; the meter goes into ``box`` as soon as it exists, so
+    an out-of-memory error still finds the peaks measured so far. Returns the step times."""
     plan = spec.plan
     meshes = par.build_meshes(plan, device.type)
-    stage = rank // (plan.dp * plan.tp)
+    stage = spec.stage_of(rank)
     chunks = _build_chunks(spec, meshes, stage, device)
     params = [p for _, m in chunks for p in m.parameters()]
     container = torch.nn.ModuleList([m for _, m in chunks])
     optimizer = par.build_optimizer_from(params, plan, meshes.dp.get_group() if plan.dp > 1 else None)
     fsdp = par.uses_fsdp(plan) and len(chunks) == 1
-    meter = PhaseMeter(chunks[0][1] if fsdp else container, optimizer, device, fsdp, plan.offload_params == "cpu")
-    if spec.memory_limit:
-        meter.limit = spec.memory_limit
-    _ACTIVE.append(meter)
+    meter = PhaseMeter(
+        chunks[0][1] if fsdp else container, optimizer, device, fsdp, plan.offload_params == "cpu", spec.memory_limit
+    )
+    box["meter"] = meter
     b, s, vocab = spec.workload.micro_batch, spec.workload.seq_len, spec.model.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(spec.seed)
     autocast = (
@@ -184,7 +185,7 @@ def _train(spec: RunSpec, device: torch.device, rank: int, progress: Progress | 
                 times.append(time.perf_counter() - start)
             if progress is not None:
                 progress(step + 1, total_steps)
-    return {"meter": meter, "times": times, "stage": stage}
+    return times
 
 
 _REQUESTED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
@@ -221,34 +222,24 @@ def run(spec: RunSpec, progress: Progress | None = None) -> RunRecord:
     started = _now()
     device = torch.device(spec.device)
     fields: dict = dict(
-        model=spec.model.model_dump(mode="json"),
-        workload=spec.workload.model_dump(mode="json"),
-        plan=spec.plan.model_dump(mode="json"),
-        device=spec.device,
+        spec.record_fields(),
         device_name=torch.cuda.get_device_name() if spec.device == "cuda" else platform.processor() or "cpu",
         versions=versions(),
-        simulated=spec.simulate and spec.plan.world_size > 1,
-        world_size=spec.plan.world_size,
-        rank=spec.rank,
-        stage=spec.rank // (spec.plan.dp * spec.plan.tp),
-        steps=spec.steps,
-        warmup=spec.warmup,
         started=started,
     )
-    meter_holder: dict = {}
+    box: dict = {}
     try:
         check_model(spec.model)
         par.check_plan(spec.plan)
         check_workload(spec)
         device = _device(spec)
         rank, simulated = _init_process_group(spec, device)
-        fields.update(rank=rank, simulated=simulated, stage=rank // (spec.plan.dp * spec.plan.tp))
-        out = _train(spec, device, rank, progress)
-        meter_holder["meter"] = out["meter"]
+        fields.update(spec.record_fields(rank, simulated))
+        times = _train(spec, device, rank, progress, box)
     except TrainerUnsupported as err:
         return RunRecord(status="unsupported", reason=str(err), finished=_now(), **fields)
     except (torch.OutOfMemoryError, SimulatedOutOfMemory) as err:
-        meter = _current_meter()
+        meter = box.get("meter")
         message = str(err).splitlines()[0]
         requested = err.requested if isinstance(err, SimulatedOutOfMemory) else _requested_bytes(str(err))
         peaks = _phases(meter) if meter else {}
@@ -266,10 +257,8 @@ def run(spec: RunSpec, progress: Progress | None = None) -> RunRecord:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    meter = meter_holder["meter"]
-    phases = _phases(meter)
+    phases = _phases(box["meter"])
     peak_phase = max(phases, key=lambda k: phases[k].allocated) if phases else None
-    times = out["times"]
     step_time = statistics.median(times) if times else None
     tokens = spec.workload.micro_batch * spec.workload.seq_len * spec.accumulation
     tokens_per_s = tokens / step_time if step_time else None
@@ -290,13 +279,3 @@ def run(spec: RunSpec, progress: Progress | None = None) -> RunRecord:
         finished=_now(),
         **fields,
     )
-
-
-_ACTIVE: list[PhaseMeter] = []
-
-
-def _current_meter() -> PhaseMeter | None:
-    return _ACTIVE[-1] if _ACTIVE else None
-
-
-__all__ = ["Plan", "run", "versions"]

@@ -59,12 +59,18 @@ class PhaseMeter:
     """Context manager measuring per-phase peaks of one rank's training steps."""
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, fsdp: bool, offloaded: bool
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        fsdp: bool,
+        offloaded: bool,
+        limit: int | None = None,
     ) -> None:
         self.device = device
         self.offloaded = offloaded
         self.phase: str | None = None
-        self.limit: int | None = None  # simulated device capacity (bytes)
+        self.limit = limit  # simulated device capacity (bytes)
         self.label: str | None = None  # the phase the step is in, measured or not
         self.peaks: dict[str, PhasePeak] = {}
         self._tracker = None

@@ -53,14 +53,13 @@ def launch(
     workdir: Path,
     timeout_s: float,
     progress: Callable[[int, int], None] | None = None,
-    nproc: int | None = None,
 ) -> LaunchResult:
     """Run the spec's ranks as child processes; never raises for what happens inside them."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
     spec_path.write_text(spec.model_dump_json())
     out_dir = workdir / "records"
-    ranks = [spec.rank] if spec.simulate else list(range(nproc or spec.plan.world_size))
+    ranks = [spec.rank] if spec.simulate else list(range(spec.plan.world_size))
     cmd = worker_command(spec, spec_path, out_dir, len(ranks))
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     err_path = workdir / "stderr.log"

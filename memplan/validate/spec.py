@@ -32,3 +32,23 @@ class RunSpec(BaseModel):
     @property
     def accumulation(self) -> int:
         return gradient_accumulation(self.workload, self.plan)
+
+    def stage_of(self, rank: int) -> int:
+        """Pipeline stage of a global rank in the (pp, dp, tp) mesh."""
+        return rank // (self.plan.dp * self.plan.tp)
+
+    def record_fields(self, rank: int | None = None, simulated: bool | None = None) -> dict:
+        """What every RunRecord of this run says about the run itself, whatever its outcome."""
+        rank = self.rank if rank is None else rank
+        return dict(
+            model=self.model.model_dump(mode="json"),
+            workload=self.workload.model_dump(mode="json"),
+            plan=self.plan.model_dump(mode="json"),
+            device=self.device,
+            simulated=self.simulate and self.plan.world_size > 1 if simulated is None else simulated,
+            world_size=self.plan.world_size,
+            rank=rank,
+            stage=self.stage_of(rank),
+            steps=self.steps,
+            warmup=self.warmup,
+        )
