@@ -173,6 +173,25 @@ def autocast_weight_copies(model: ModelSpec, layout: StageLayout, plan: Plan, d:
     return linear * d
 
 
+def embedding_grad_pending(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, rt: RuntimeProfile
+) -> int:
+    """Gradient bytes of the input embedding on the first stage, which its backward creates
+    after every layer's: V h / t (V h under DTensor TP, whose embedding backward yields a
+    replicated gradient). Zero when the LM head shares the matrix on this stage (its
+    backward made the gradient first) and under FSDP2 without pipelining, whose sharded
+    gradients the estimate does not follow per group."""
+    if not layout.is_first or (layout.is_last and model.tied_embeddings):
+        return 0
+    fsdp2 = _fsdp2(rt, plan)
+    if fsdp2 and plan.pp == 1:
+        return 0
+    elements = vocab_shard_params(model, plan.tp)
+    if rt.pytorch_parallel and plan.tp > 1 and not fsdp2:
+        elements = model.vocab_size * model.hidden_size
+    return elements * policy.grad_bytes
+
+
 def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, recompute: str, moe_fraction: float, ep: int) -> int:
     """One layer, one micro-batch, stored under a recomputation policy (none or selective)."""
     if recompute == "selective":
@@ -313,6 +332,14 @@ def _stage_phases(
         and not _backward_before_last_forward(plan, stage, accumulation, layers)
     ):
         grads_in_step = 0  # every forward runs before the first backward creates a gradient
+    grads_full = st.grads
+    if fsdp2 and plan.pp > 1:
+        # pipelining runs every micro-batch's backward without gradient sync or resharding
+        # and reduce-scatters once after the last (stage.py backward_maybe_with_nosync):
+        # each group's unsharded gradients stay, accumulated in the reduce dtype
+        # (FSDPParam.to_accumulated_grad_if_needed), from its first backward to the step end
+        grads_full = layout.params * policy.grad_bytes
+        grads_in_step = grads_full if _backward_before_last_forward(plan, stage, accumulation, layers) else 0
     if ddp_buckets and accumulation > 1:
         # under no_sync the accumulated grads are plain tensors beside the buckets; the last
         # micro-batch's reduction copies them in and re-points .grad at the buckets
@@ -321,9 +348,10 @@ def _stage_phases(
     if rt.master_grads_fp32 and policy.master_bytes and plan.offload_optimizer == "none":
         master_grads = int(st.optimizer_elements * 4)  # fp32 gradients for the master weights
 
-    grads_full = st.grads
-    if rt.pytorch_parallel and plan.tp > 1 and layout.is_first and not fsdp2:
+    tied_here = layout.is_first and layout.is_last and model.tied_embeddings
+    if rt.pytorch_parallel and plan.tp > 1 and layout.is_first and not fsdp2 and not tied_here:
         # DTensor's embedding backward under RowwiseParallel yields a replicated V x h grad
+        # (tied, it is summed into the LM head's vocab-sharded one)
         grads_full += (model.vocab_size * model.hidden_size - vocab_shard_params(model, plan.tp)) * policy.grad_bytes
     weight_copies = autocast_weight_copies(model, layout, plan, x.d) if x.autocast else 0
     base = {"parameters": st.params, "optimizer_states": st.optimizer}
@@ -350,22 +378,53 @@ def _stage_phases(
     # layer's (rebuilt when recomputed) and its gradient temporaries, gradients nearly
     # complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
+    end_grads, end_acts = grads_full, others + live_layer + embed + layer_temp(x)
+    pending = embedding_grad_pending(model, layout, plan, policy, rt) if not grads_in_step and layers else 0
+    if pending:
+        # the first backward on this rank reaches its last layer before the embedding's
+        # backward, with every in-flight micro-batch's activations still kept; later
+        # backwards have the embedding's gradient and one micro-batch fewer in flight
+        second = grads_full + end_acts - stored if mbs > 1 else 0
+        if grads_full - pending + end_acts >= second:
+            end_grads = grads_full - pending
+        else:
+            end_acts -= stored
     bwd_end = {
         **base,
-        "gradients": grads_full,
-        "activations": others + live_layer + embed + layer_temp(x),
+        "gradients": end_grads,
+        "activations": end_acts,
         "logits_and_loss": retained,
         "comm_buffers": gathered + rs_buffer + p2p_bwd_end + ddp_copy,
         "gathered_params": unsharded.backward_end,
     }
     opt = {
         **base,
-        "gradients": grads_full,
+        "gradients": st.grads if fsdp2 else grads_full,
         "optimizer_temp": st.optimizer_temp + master_grads,
         "comm_buffers": (0 if ddp_buckets else ddp_copy) + p2p_opt,
         "retained_outputs": retained,
     }
-    bwd = bwd_start if sum(bwd_start.values()) >= sum(bwd_end.values()) else bwd_end
+    candidates = [bwd_start, bwd_end]
+    if rt.pytorch_parallel and tied_here:
+        # the embedding's backward of a tied model: the LM head's gradient of the shared
+        # matrix waits in autograd's input buffer, the embedding's own arrives, and the two
+        # are summed; every other gradient exists, no activation is left
+        tied = vocab_shard_params(model, plan.tp)
+        own = model.vocab_size * model.hidden_size if plan.tp > 1 else tied  # DTensor: replicated
+        bytes_ = min(policy.param_bytes, policy.compute_bytes) if fsdp2 else policy.grad_bytes
+        share = tied * st.grads // layout.params if layout.params else 0
+        candidates.append(
+            {
+                **base,
+                "gradients": grads_full - share,
+                "optimizer_temp": (tied + 2 * own) * bytes_,
+                # FSDP2: only the root group (embedding and norm) is unsharded, and the
+                # last layer group's reduce-scatter input is still alive
+                "comm_buffers": layout.largest_layer_params * policy.grad_bytes if fsdp2 else 0,
+                "gathered_params": (tied + P.norm_params(model)) * bytes_ if fsdp2 else 0,
+            }
+        )
+    bwd = max(candidates, key=lambda phase: sum(phase.values()))
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     total_acts = layer_acts + embed + head
     return phases, st, per_layer, total_acts

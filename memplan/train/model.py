@@ -183,8 +183,13 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(spec, attention_impl) for i in ids})
         self.norm = RMSNorm(spec.hidden_size) if last else None
         self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if last else None
-        if spec.tied_embeddings and first and last:
-            assert self.output is not None and self.tok_embeddings is not None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """The LM head shares the embedding matrix (tied models, on a stage holding both).
+        Called again wherever a parameter is replaced: ``to_empty`` off the meta device and
+        DTensor TP give each module a copy of its own."""
+        if self.spec.tied_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

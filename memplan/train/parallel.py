@@ -86,6 +86,9 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
             root["norm"] = SequenceParallel()
         root["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, mesh, root)
+    # each module got its own DTensor copy of a tied matrix; both are vocab-sharded (Shard(0)
+    # of V x h), so they can share one again
+    model.tie_weights()
     if sequence_parallel:
         model.sp_degree = mesh.size()
     for block in model.layers.values():

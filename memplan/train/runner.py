@@ -53,6 +53,21 @@ def versions() -> dict[str, str]:
     return out
 
 
+def _forget_dtensor_caches() -> None:
+    """Drop DTensor's caches of sharding plans when a run's process groups go away.
+
+    A ``DeviceMesh`` compares equal to any mesh of the same layout, world and dim names, so a
+    later run in the same process (rank simulation runs one plan after another) would reuse a
+    cached redistribute plan that names the destroyed groups ("Could not resolve the process
+    group registered under the name ...")."""
+    from torch.distributed.tensor import _redistribute as redistribute
+    from torch.distributed.tensor import debug
+
+    debug._clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
+    redistribute.clear_redistribute_planner_cache()
+    redistribute._gen_transform_infos.cache_clear()
+
+
 def _init_process_group(spec: RunSpec, device: torch.device) -> tuple[int, bool]:
     """Returns (rank, simulated)."""
     world = spec.plan.world_size
@@ -94,6 +109,8 @@ def _build_chunks(
         if par.uses_fsdp(plan):
             par.apply_fsdp(chunk, plan, meshes.dp)
         chunk.to_empty(device=torch.device("cpu") if plan.offload_params == "cpu" else device)
+        if not par.uses_fsdp(plan):  # FSDP2 keeps one sharded parameter for a tied pair
+            chunk.tie_weights()
         chunk.init_weights(spec.seed + k)
         if plan.zero < 2 and plan.dp > 1:
             chunk = par.apply_ddp(chunk, meshes.dp)
@@ -251,12 +268,13 @@ def run(spec: RunSpec, progress: Progress | None = None) -> RunRecord:
             message=message,
         )
         return RunRecord(status="oom", reason=message, oom=oom, phases=peaks, finished=_now(), **fields)
-    except Exception as err:  # noqa: BLE001 - recorded, not raised: nothing measured is lost
+    except Exception as err:  # noqa: BLE001 - recorded
         reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         return RunRecord(status="error", reason=reason, finished=_now(), **fields)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _forget_dtensor_caches()
     phases = _phases(box["meter"])
     peak_phase = max(phases, key=lambda k: phases[k].allocated) if phases else None
     step_time = statistics.median(times) if times else None

@@ -83,7 +83,13 @@ def test_higher_zero_stage_never_uses_more(job):
     # cannot, so that step is asserted from four ranks.
     if plan.zero == 2 and plan.dp * plan.cp < 4:
         return
-    assert allocated(m, workload, higher, runtime) <= allocated(m, workload, plan, runtime)
+    slack = 0
+    if runtime == "memplan" and plan.pp > 1 and plan.zero == 1 and plan.dp * plan.cp > 1:
+        # under pipelining FSDP2 (memplan's ZeRO-2) reduce-scatters only after the last
+        # micro-batch, so its gradients stay unsharded like ZeRO-1's, and its sharded params
+        # sit beside the unsharded ones (measured, docs/cost-model.md): at most those shards more
+        slack = estimate_memory(m, workload, higher, runtime).peak.breakdown["parameters"]
+    assert allocated(m, workload, higher, runtime) <= allocated(m, workload, plan, runtime) + slack
 
 
 @settings(max_examples=300, deadline=None)
@@ -133,6 +139,11 @@ def test_more_pipeline_stages_never_use_more(job):
     allowance = m.num_layers // more.pp * bigger.activations.per_layer + extra_microbatches * RUNTIMES[
         runtime
     ].embedding(shape)
+    if runtime == "memplan" and plan.pp == 1 and plan.zero >= 2 and plan.dp * plan.cp > 1:
+        # FSDP2 under torch.distributed.pipelining reduce-scatters only after the last
+        # micro-batch: the stage's gradients stay unsharded through the backward (measured,
+        # docs/cost-model.md), which FSDP2 without pipelining never holds at once
+        allowance += bigger.peak.breakdown.get("gradients", 0)
     assert bigger.peak.allocated <= allocated(m, workload, plan, runtime) + allowance
 
 

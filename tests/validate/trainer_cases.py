@@ -22,6 +22,7 @@ WIDE = ModelSpec(
     name="tiny-tp4", hidden_size=256, num_layers=2, num_attention_heads=8, num_kv_heads=4, ffn_size=512,
     vocab_size=4096,
 )  # fmt: skip
+TIED = WIDE.model_copy(update=dict(name="tiny-tied", tied_embeddings=True))
 
 
 @dataclass(frozen=True)
@@ -72,4 +73,13 @@ CASES = [
     Case("pp4-full-bf16", dict(precision="bf16", pp=4, recompute="full"), global_batch=8),
     Case("3d-pp4-tp2-sp-dp2-zero2-bf16", dict(precision="bf16", pp=4, tp=2, sequence_parallel=True, dp=2, zero=2), global_batch=4),
     Case("2d-dp16-tp4-sp-zero3-world64", dict(precision="bf16-mixed", dp=16, tp=4, sequence_parallel=True, zero=3), model=WIDE, micro_batch=1),
+    Case("pp4-fp32-4-microbatches", dict(precision="fp32", pp=4), global_batch=8),
+    Case("pp2-dp2-zero3-bf16-mixed-4-microbatches", dict(precision="bf16-mixed", pp=2, dp=2, zero=3), global_batch=16),
+    Case("pp2-interleaved-dp2-zero2-bf16", dict(precision="bf16", pp=2, dp=2, zero=2, pp_schedule="interleaved", virtual_stages=2), global_batch=16),
+    Case("3d-pp4-tp2-sp-dp2-zero2-bf16-2-microbatches", dict(precision="bf16", pp=4, tp=2, sequence_parallel=True, dp=2, zero=2), global_batch=8),
+    Case("3d-pp2-tp2-dp4-zero2-bf16", dict(precision="bf16", pp=2, tp=2, dp=4, zero=2), global_batch=16),
+    Case("tied-single-bf16", dict(precision="bf16"), model=TIED),
+    Case("tied-tp2-fp32", dict(precision="fp32", tp=2), model=TIED, micro_batch=1),
+    Case("tied-dp2-zero3-bf16-mixed", dict(precision="bf16-mixed", dp=2, zero=3), model=TIED, micro_batch=1),
+    Case("tied-dp2-tp2-zero3-fp32", dict(precision="fp32", dp=2, tp=2, zero=3), model=TIED, micro_batch=1),
 ]  # fmt: skip
