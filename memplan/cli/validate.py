@@ -11,8 +11,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from memplan.costmodel.flops import rank_flops_per_step
 from memplan.errors import MemplanError
 from memplan.estimate import estimate as run_estimate
+from memplan.specs.hardware import GPUSpec
 from memplan.specs.resolve import CLI, resolve_job
 from memplan.units import format_bytes, parse_bytes
 from memplan.validate.compare import Validation, compare
@@ -37,6 +39,11 @@ def _device(requested: str) -> str:
             "validate needs the train extra: pip install 'memplan[train]'", source=CLI, field="--device"
         ) from None
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _peak_flops(gpu: GPUSpec, precision: str) -> float | None:
+    """The dense peak of the dtype the matmuls run in: fp32 for fp32 plans, bf16 otherwise."""
+    return gpu.peak_flops.get("fp32" if precision == "fp32" else "bf16")
 
 
 def validate(
@@ -71,6 +78,10 @@ def validate(
         ),
     ] = True,
     device: Annotated[Literal["auto", "cpu", "cuda"], Opt(help="Where to run.", rich_help_panel=RUN)] = "auto",
+    gpu: Annotated[
+        str | None,
+        Opt(help="GPU profile for the prediction's capacity and MFU's peak (default h100-sxm).", rich_help_panel=RUN),
+    ] = None,
     memory_limit: Annotated[
         str | None, Opt(help="Simulated device capacity on CPU, e.g. 2GiB (an OOM beyond it).", rich_help_panel=RUN)
     ] = None,
@@ -84,7 +95,7 @@ def validate(
         virtual_stages=virtual_stages, zero=zero, recompute=recompute, recompute_layers=recompute_layers,
         precision=precision, offload_optimizer=offload_optimizer, offload_params=offload_params,
         attention=attention, micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len,
-        runtime="memplan",
+        gpu=gpu, runtime="memplan",
     )  # fmt: skip
     job = resolve_job(model, plan, overrides, inference=False)
     limit = None
@@ -97,15 +108,23 @@ def validate(
             raise MemplanError("must be a positive size, e.g. 2GiB", source=CLI, field="--memory-limit")
     result = run_estimate(job, with_suggestions=False)
     report = result.memory
+    where = _device(device)
     spec = RunSpec(
         model=job.model,
         workload=job.workload,
         plan=job.plan,
         steps=steps,
-        device=_device(device),
+        device=where,
         simulate=simulate_ranks,
         rank=report.peak.rank,
         memory_limit=limit,
+        peak_flops=_peak_flops(job.gpu, job.plan.precision) if where == "cuda" else None,
+        flops_per_step=rank_flops_per_step(
+            job.model,
+            job.workload.seq_len,
+            job.workload.micro_batch * job.workload.seq_len * report.gradient_accumulation,
+            job.plan,
+        ),
     )
     try:
         check_model(spec.model)
@@ -200,6 +219,7 @@ def render(v: Validation, console: Console) -> None:
     if v.step_time_s is not None:
         note = " (simulated rank: not the real job's step time)" if v.simulated else ""
         tps = f", {v.tokens_per_s:,.0f} tokens/s" if v.tokens_per_s else ""
-        console.print(f"step time {v.step_time_s * 1000:.1f} ms (median){tps}{note}")
+        mfu = f", MFU {100 * v.mfu:.1f}%" if v.mfu is not None else ""
+        console.print(f"step time {v.step_time_s * 1000:.1f} ms (median){tps}{mfu}{note}")
     if v.record_path:
         console.print(f"record: {v.record_path}")

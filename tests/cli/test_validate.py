@@ -47,6 +47,7 @@ def test_json_contract_and_record(tiny: Path, tmp_path: Path):
     assert set(data["phases"]) == {"forward", "backward", "optimizer"}
     record = json.loads(out.read_text())
     assert record["peak_allocated"] == data["measured_bytes"] and record["versions"]["torch"]
+    assert data["mfu"] is None  # a CPU has no peak FLOP/s, and a simulated rank's time is not the job's
 
 
 def test_table_output(tiny: Path):
@@ -75,6 +76,7 @@ def test_out_of_memory_is_a_result(tiny: Path):
         (["--precision", "fp8"], "precision"),
         (["--memory-limit", "lots"], "--memory-limit"),
         (["--dp", "2", "--zero", "3", "--offload-params", "cpu"], "offload_params"),
+        (["--gpu", "no-such-gpu"], "--gpu"),
     ],
 )
 def test_plans_the_trainer_cannot_apply(tiny: Path, flags: list[str], field: str | None):
