@@ -10,6 +10,7 @@ from memplan.costmodel.advice import suggest
 from memplan.costmodel.memory import estimate_memory
 from memplan.costmodel.params import active_params, total_params
 from memplan.costmodel.report import MemoryReport
+from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
 from memplan.specs.resolve import Job
 from memplan.specs.workload import TrainingWorkload
 
@@ -34,6 +35,7 @@ class EstimateResult(BaseModel):
     fits: bool
     headroom_bytes: int
     suggestions: list[SuggestionOut]
+    time: TimeReport | None = None  # training only: the step-time model (docs/cost-model.md)
 
 
 def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
@@ -52,9 +54,12 @@ def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
     return plan
 
 
-def estimate(job: Job, with_suggestions: bool = True) -> EstimateResult:
+def estimate(job: Job, with_suggestions: bool = True, efficiency: Efficiency | None = None) -> EstimateResult:
     """Estimate one job; when it does not fit, rank single changes that would help."""
     report = estimate_memory(job.model, job.workload, job.plan, job.runtime)
+    time = None
+    if isinstance(job.workload, TrainingWorkload):
+        time = estimate_time(job.model, job.workload, job.plan, job.gpu, job.cluster, job.runtime, efficiency)
     capacity = job.gpu.memory_bytes
     fits = report.peak.reserved <= capacity
     suggestions = []
@@ -76,4 +81,5 @@ def estimate(job: Job, with_suggestions: bool = True) -> EstimateResult:
         fits=fits,
         headroom_bytes=capacity - report.peak.reserved,
         suggestions=suggestions,
+        time=time,
     )

@@ -139,6 +139,15 @@ def render(result: EstimateResult, console: Console) -> None:
     )
     if mem.offload.cpu or mem.offload.nvme:
         console.print(f"offloaded per rank: CPU {_gib(mem.offload.cpu)}, NVMe {_gib(mem.offload.nvme)}")
+    if result.time is not None:
+        t = result.time
+        console.print(
+            f"step time {t.step_time_s:.3f} s (predicted), {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+            f"MFU {100 * t.mfu:.1f}% (HFU {100 * t.hfu:.1f}%); "
+            + ", ".join(
+                f"{k.replace('_', ' ')} {v:.3f} s" for k, v in sorted(t.breakdown.items(), key=lambda kv: -kv[1])
+            )
+        )
     capacity = result.gpu["memory_bytes"]
     if result.fits:
         console.print(

@@ -1,0 +1,373 @@
+"""Step time of a training plan on the slowest pipeline stage.
+
+The step is the micro-batches' compute (matmuls at an achievable fraction of the GPU's dense
+peak, FlashAttention at its own fraction, memory-bound element-wise work at HBM bandwidth),
+plus the communication that is not hidden behind compute, plus the pipeline bubble and the
+optimizer step. Collectives follow the alpha-beta model of ring algorithms (Thakur et al.
+2005; Patarasuk & Yuan 2009): a ring all-reduce of B bytes over n ranks takes
+2 (n - 1) (alpha + B / (n bw)), an all-gather or a reduce-scatter half that. Each group runs
+over NVLink when it fits in a node, else over the inter-node network (Megatron's rank order:
+TP innermost, then CP, EP, DP, PP outermost).
+
+Every constant below is an assumption with its source; a calibration per GPU profile
+(measured / predicted step time from ``memplan tune --validate``) scales the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from memplan.costmodel import params as P
+from memplan.costmodel.flops import training_flops_per_token
+from memplan.costmodel.layout import stage_layer_indices
+from memplan.costmodel.memory import gradient_accumulation
+from memplan.costmodel.precision import POLICIES
+from memplan.specs.hardware import ClusterSpec, GPUSpec
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
+
+
+class Efficiency(BaseModel):
+    """Fractions of peak that real kernels reach; ``calibration`` scales the whole step."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    matmul: float = Field(0.75, gt=0, le=1, description="Large bf16 GEMMs: ~740 of 989 TFLOP/s on H100 SXM (cuBLAS).")
+    attention: float = Field(
+        0.45,
+        gt=0,
+        le=1,
+        description="FlashAttention-2 fwd + bwd: 35-50% of peak on H100 (FA2, FA3 papers).",
+    )
+    hbm: float = Field(0.8, gt=0, le=1, description="Element-wise kernels reach ~80% of HBM bandwidth.")
+    network: float = Field(0.8, gt=0, le=1, description="NCCL bus bandwidth over link bandwidth for large messages.")
+    alpha_intra_s: float = Field(5e-6, ge=0, description="Latency per ring step inside a node (NVLink).")
+    alpha_inter_s: float = Field(15e-6, ge=0, description="Latency per ring step across nodes (InfiniBand).")
+    dp_overlap: float = Field(
+        0.9,
+        ge=0,
+        le=1,
+        description="Share of the compute that DP traffic hides behind.",
+    )
+    host_adam_params_per_s: float = Field(
+        1e9, gt=0, description="CPU Adam updates per second per GPU (ZeRO-Offload's AVX CPU-Adam, ~1e9 params/s)."
+    )
+    calibration: float = Field(1.0, gt=0, description="Measured / predicted step time for this GPU profile.")
+
+
+class TimeReport(BaseModel):
+    """Predicted step of the slowest rank. ``breakdown`` (seconds) sums to ``step_time_s``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step_time_s: float
+    tokens_per_s: float = Field(description="Whole job, all data-parallel replicas.")
+    tokens_per_s_per_gpu: float
+    mfu: float = Field(description="Model FLOPs (PaLM App. B, no recomputation) / time / dense peak.")
+    hfu: float = Field(description="Hardware FLOPs (with recomputation) / time / dense peak.")
+    flops_per_step: float = Field(description="Model FLOPs of one step, whole job.")
+    peak_flops: float = Field(description="Dense peak FLOP/s per GPU of the compute dtype.")
+    breakdown: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    bytes_per_s: float
+    alpha_s: float
+
+
+def group_link(gpu: GPUSpec, cluster: ClusterSpec, stride: int, size: int, eff: Efficiency) -> Link:
+    """The slowest link of a group of ``size`` ranks ``stride`` apart: NVLink (or PCIe) when
+    the group's span fits in one node, the per-GPU network otherwise."""
+    if stride * size <= cluster.gpus_per_node:
+        bw = gpu.nvlink_bytes_per_s or gpu.pcie_bytes_per_s
+        return Link(bw * eff.network, eff.alpha_intra_s)
+    return Link(cluster.inter_node_bytes_per_s * eff.network, eff.alpha_inter_s)
+
+
+def all_gather_s(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather (or reduce-scatter) of ``nbytes`` in total: (n - 1) (alpha + B / (n bw))."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * (link.alpha_s + nbytes / n / link.bytes_per_s)
+
+
+def all_reduce_s(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce: a reduce-scatter then an all-gather, 2 (n - 1) (alpha + B / (n bw))."""
+    return 2 * all_gather_s(nbytes, n, link)
+
+
+def all_to_all_s(nbytes: float, n: int, link: Link) -> float:
+    """All-to-all of ``nbytes`` per rank: each rank sends (n - 1)/n of it, pairwise."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * link.alpha_s + nbytes * (n - 1) / n / link.bytes_per_s
+
+
+def layer_matmul_params(model: ModelSpec, index: int) -> float:
+    """Parameters of layer ``index`` a token is multiplied by (routed experts: top_k of them)."""
+    count = P.layer_params(model, index) - 2 * P.norm_params(model)
+    if model.is_moe_layer(index):
+        moe = model.moe
+        assert moe is not None
+        count -= (moe.num_experts - moe.top_k) * P.mlp_params(model, moe.expert_ffn_size)
+    return count
+
+
+def stage_flops_per_token(model: ModelSpec, plan: Plan, stage: int, seq_len: int, causal: bool) -> tuple[float, float]:
+    """(matmul, attention) FLOPs of one token's forward and backward on pipeline ``stage``
+    (all its chunks), before the split over TP and CP: 6 x params per layer (the LM head's
+    V h on the last stage), 12 q s per layer for attention, halved when causal blocks are
+    skipped."""
+    layers = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
+    matmul = 6.0 * sum(layer_matmul_params(model, i) for i in layers)
+    if stage == plan.pp - 1:
+        matmul += 6.0 * model.vocab_size * model.hidden_size
+    attention = 12.0 * len(layers) * model.q_size * seq_len / (2 if causal else 1)
+    return matmul, attention
+
+
+def recompute_fraction(plan: Plan, layers: int) -> tuple[float, float]:
+    """Extra forward work as a share of the (matmul, attention) step: full recomputation
+    runs a recomputed layer's forward again (a third of its forward and backward); selective
+    runs the attention core again (a third of the attention)."""
+    if plan.recompute == "full":
+        share = 1.0 if plan.recompute_layers is None else min(plan.recompute_layers, layers) / max(layers, 1)
+        return share / 3, share / 3
+    if plan.recompute == "selective":
+        return 0.0, 1 / 3
+    return 0.0, 0.0
+
+
+def elementwise_bytes_per_token(model: ModelSpec, plan: Plan, layers: int, d: int, fused: bool) -> float:
+    """HBM traffic of one token's memory-bound kernels on a stage, forward and backward
+    (backward ~2x forward), in bytes.
+
+    Per layer and element, forward: eager PyTorch (transformers, torchtitan without compile,
+    memplan's trainer) runs RMSNorm as an fp32 upcast, square, mean, scale, downcast and
+    weight multiply (4 d + 28 bytes), RoPE through fp32 (2 d + 16 on q and k), SwiGLU as
+    silu then multiply (5 d on f) and two residual adds (3 d on h); fused kernels (Megatron /
+    Transformer Engine) read and write each tensor once: 2 d, 2 d, 3 d, 3 d. TP splits q, k
+    and f; sequence parallelism also the h-wide terms."""
+    h, t = model.hidden_size, plan.tp
+    f = model.moe.expert_ffn_size * model.moe.top_k if model.moe else model.ffn_size
+    qk = (model.q_size + model.kv_size) / t
+    norm, rope, glu, add = (2 * d, 2 * d, 3 * d, 3 * d) if fused else (4 * d + 28, 2 * d + 16, 5 * d, 3 * d)
+    wide = (2 * norm + 2 * add) * h / (t if plan.sequence_parallel else 1)
+    forward = wide + rope * qk + glu * f / t
+    return 3.0 * forward * layers
+
+
+def loss_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
+    """The last stage's logits: the log-softmax reads and writes b s V / t in fp32, its
+    backward once more (~4 passes of 4 bytes)."""
+    return 4 * 4 * model.vocab_size / plan.tp
+
+
+def _dp_group(plan: Plan) -> tuple[int, int]:
+    """(stride, size) of the gradient-reduction group: dp x cp ranks, tp apart (Megatron's
+    order tp-cp-dp-pp; CP ranks reduce gradients with their data-parallel peers)."""
+    return plan.tp, plan.dp * plan.cp
+
+
+def estimate_time(
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    gpu: GPUSpec,
+    cluster: ClusterSpec,
+    runtime: str = "memplan",
+    eff: Efficiency | None = None,
+) -> TimeReport:
+    """Step time, tokens/s, MFU and HFU of a training plan (see the module docstring).
+    ``runtime`` picks fused (``megatron``) or eager element-wise kernels."""
+    eff = eff or Efficiency()
+    policy = POLICIES[plan.precision]
+    d = policy.compute_bytes
+    dtype = "fp8" if policy.fp8_matmuls else ("fp32" if d == 4 else "bf16")
+    peak = gpu.peak_flops.get(dtype) or gpu.peak_flops.get("bf16") or next(iter(gpu.peak_flops.values()))
+    m = gradient_accumulation(workload, plan)
+    s = workload.seq_len
+    tokens_mb = workload.micro_batch * s / plan.cp  # tokens one rank holds per micro-batch
+    tp_link = group_link(gpu, cluster, 1, plan.tp, eff)
+    cp_link = group_link(gpu, cluster, plan.tp, plan.cp, eff)
+    ep_link = group_link(gpu, cluster, plan.tp * plan.cp, plan.ep, eff)
+    dp_stride, dp_size = _dp_group(plan)
+    dp_link = group_link(gpu, cluster, dp_stride, dp_size, eff)
+    pp_link = group_link(gpu, cluster, plan.tp * plan.cp * plan.dp, 2, eff)
+
+    slowest: dict[str, float] | None = None
+    for stage in sorted({0, plan.pp - 1}):
+        parts = _stage_micro_batch(
+            model, plan, stage, s, tokens_mb, d, peak, gpu, eff, tp_link, cp_link, ep_link, runtime == "megatron"
+        )
+        if slowest is None or sum(parts.values()) > sum(slowest.values()):
+            slowest = parts
+    assert slowest is not None
+    per_mb = sum(slowest.values())
+    breakdown = {k: v * m for k, v in slowest.items()}
+
+    # pipeline: (p - 1) / v micro-batch slots of bubble (1F1B, interleaved), the same for GPipe
+    # (Narayanan et al. 2021), and the fill / drain sends that nothing hides
+    if plan.pp > 1:
+        breakdown["pp_bubble"] = (plan.pp - 1) / plan.virtual_stages * per_mb
+        act = tokens_mb * model.hidden_size * d / (plan.tp if plan.sequence_parallel else 1)
+        breakdown["pp_p2p"] = 2 * (plan.pp - 1) * (pp_link.alpha_s + act / pp_link.bytes_per_s)
+    breakdown.update(_data_parallel(model, plan, policy, m, per_mb, dp_size, dp_link, gpu.pcie_bytes_per_s, eff))
+    breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff))
+    step = sum(breakdown.values()) * eff.calibration
+    breakdown = {k: v * eff.calibration for k, v in breakdown.items() if v}
+
+    job_tokens = workload.micro_batch * s * m * plan.dp
+    model_flops = job_tokens * training_flops_per_token(model, s)
+    hardware_flops = model_flops + job_tokens * _recompute_flops_per_token(model, plan, s)
+    world = plan.world_size
+    return TimeReport(
+        step_time_s=step,
+        tokens_per_s=job_tokens / step,
+        tokens_per_s_per_gpu=job_tokens / step / world,
+        mfu=model_flops / step / world / peak,
+        hfu=hardware_flops / step / world / peak,
+        flops_per_step=model_flops,
+        peak_flops=peak,
+        breakdown=breakdown,
+    )
+
+
+def _recompute_flops_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> float:
+    """Model FLOPs recomputation adds per token (PaLM's HFU numerator minus MFU's)."""
+    matmul_share, attention_share = recompute_fraction(plan, model.num_layers // plan.pp)
+    total = training_flops_per_token(model, seq_len)
+    attention = 12.0 * model.num_layers * model.q_size * seq_len
+    return matmul_share * (total - attention) + attention_share * attention
+
+
+def _stage_micro_batch(
+    model: ModelSpec,
+    plan: Plan,
+    stage: int,
+    s: int,
+    tokens_mb: float,
+    d: int,
+    peak: float,
+    gpu: GPUSpec,
+    eff: Efficiency,
+    tp_link: Link,
+    cp_link: Link,
+    ep_link: Link,
+    fused: bool,
+) -> dict[str, float]:
+    """Seconds of one micro-batch's forward and backward on one rank of ``stage``."""
+    layers = len(stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage))
+    matmul, attention = stage_flops_per_token(model, plan, stage, s, causal=True)
+    extra_mm, extra_attn = recompute_fraction(plan, layers)
+    last = stage == plan.pp - 1
+    head = 6.0 * model.vocab_size * model.hidden_size if last else 0.0
+    # attention under CP: each rank's queries against the whole sequence, so its FLOPs are
+    # the full-sequence count split over cp like the tokens
+    compute = (
+        tokens_mb
+        / plan.tp
+        * (
+            (matmul + extra_mm * (matmul - head)) / (peak * eff.matmul)
+            + attention * (1 + extra_attn) / (peak * eff.attention)
+        )
+    )
+    traffic = elementwise_bytes_per_token(model, plan, layers, d, fused)
+    memory = tokens_mb * traffic / (gpu.hbm_bytes_per_s * eff.hbm)
+    if last:
+        memory += tokens_mb * loss_bytes_per_token(model, plan) / (gpu.hbm_bytes_per_s * eff.hbm)
+    parts = {"compute": compute, "memory_bound": memory}
+    # TP (Megatron, Korthikanti Sec. 4.2.2): per layer, forward 2 all-reduces of b s h (with SP
+    # 2 all-gathers + 2 reduce-scatters, the same bytes), backward the same; recomputation repeats
+    # the forward's; not overlapped
+    if plan.tp > 1:
+        act = tokens_mb * model.hidden_size * d
+        per_layer = 2 * all_reduce_s(act, plan.tp, tp_link)
+        repeats = 2 + (1 if plan.recompute == "full" else 0)
+        parts["tp_comm"] = layers * per_layer * repeats
+    # CP (ring attention): each layer passes K and V around the ring (cp - 1 hops) forward, and
+    # K, V, dK, dV backward; hidden behind the attention compute when it is longer
+    if plan.cp > 1:
+        kv = 2 * tokens_mb * model.kv_size / min(plan.tp, model.kv_heads) * d  # K and V, TP-split heads
+        ring = 3 * (plan.cp - 1) * (cp_link.alpha_s + kv / cp_link.bytes_per_s) * layers
+        attn_time = tokens_mb / plan.tp * attention / (peak * eff.attention)
+        parts["cp_comm"] = max(0.0, ring - attn_time)
+    # EP: dispatch and combine all-to-alls per MoE layer, forward and backward
+    if plan.ep > 1 and model.moe is not None:
+        moe_layers = sum(
+            model.is_moe_layer(i) for i in stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
+        )
+        routed = tokens_mb * model.moe.top_k * model.hidden_size * d
+        parts["ep_comm"] = 4 * moe_layers * all_to_all_s(routed, plan.ep, ep_link)
+    return parts
+
+
+def _data_parallel(
+    model: ModelSpec,
+    plan: Plan,
+    policy,  # noqa: ANN001 - PrecisionPolicy
+    m: int,
+    per_mb: float,
+    n: int,
+    link: Link,
+    pcie_bytes_per_s: float,
+    eff: Efficiency,
+) -> dict[str, float]:
+    """Exposed gradient reduction and parameter gathers on the data-parallel group.
+
+    ZeRO-0/1: one all-reduce of the gradients per step, after the last micro-batch. ZeRO-2:
+    a reduce-scatter of the gradients, and an all-gather of the updated parameters before
+    the next forward (FSDP2 ``reshard_after_forward=False``; Megatron's distributed
+    optimizer). ZeRO-3: the reduce-scatter, and every micro-batch all-gathers the parameters
+    for its forward and again for its backward. The reduction hides behind the last
+    micro-batch's backward (two thirds of its compute), a gather behind its pass (a third
+    for the forward, two for the backward), each up to ``dp_overlap``; one layer's share
+    never hides."""
+    if n <= 1:
+        return {}
+    stage_params = P.total_params(model) / plan.pp / plan.tp
+    grads = stage_params * policy.grad_bytes
+    gathered = stage_params * min(policy.param_bytes, policy.compute_bytes)
+    layers = max(1, model.num_layers // plan.pp)
+
+    def exposed(seconds: float, window: float) -> float:
+        return max(seconds / layers, seconds - eff.dp_overlap * window)
+
+    if plan.zero <= 1:
+        return {"dp_comm": exposed(all_reduce_s(grads, n, link), per_mb * 2 / 3)}
+    comm = exposed(all_gather_s(grads, n, link), per_mb * 2 / 3)
+    gather = all_gather_s(gathered, n, link)
+    if plan.zero == 2:
+        comm += exposed(gather, per_mb / 3)
+    else:
+        comm += m * (exposed(gather, per_mb / 3) + exposed(gather, per_mb * 2 / 3))
+    out = {"dp_comm": comm}
+    if plan.offload_params != "none":
+        # the parameter shards cross PCIe for every forward and backward (ZeRO-Infinity)
+        out["offload"] = 2 * m * stage_params / n * policy.param_bytes / pcie_bytes_per_s
+    return out
+
+
+def _optimizer(
+    model: ModelSpec,
+    plan: Plan,
+    policy,  # noqa: ANN001 - PrecisionPolicy
+    n: int,
+    gpu: GPUSpec,
+    eff: Efficiency,
+) -> dict[str, float]:
+    """The optimizer step on the params this rank updates: memory-bound on the GPU, or on
+    the host (CPU Adam) with gradients down and parameters up over PCIe. Adam reads and
+    writes the param, reads the gradient, reads and writes two fp32 states and, with master
+    weights, the fp32 master."""
+    shards = n if plan.zero >= 1 else 1
+    owned = P.total_params(model) / plan.pp / plan.tp / shards
+    if plan.offload_optimizer != "none":
+        pcie = owned * (policy.grad_bytes + policy.param_bytes) / gpu.pcie_bytes_per_s
+        return {"optimizer": owned / eff.host_adam_params_per_s, "offload": pcie}
+    per_param = 2 * policy.param_bytes + policy.grad_bytes + 2 * 2 * 4 + (2 * 4 if policy.master_bytes else 0)
+    return {"optimizer": owned * per_param / (gpu.hbm_bytes_per_s * eff.hbm)}

@@ -1,0 +1,114 @@
+"""The step-time model: alpha-beta collectives, links, and how the step moves with the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.costmodel.time import (
+    Efficiency,
+    Link,
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    estimate_time,
+    group_link,
+)
+from memplan.specs.hardware import ClusterSpec
+from memplan.specs.loader import load_gpu, load_model
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
+
+H100 = load_gpu("h100-sxm")
+EIGHT = ClusterSpec(gpus_per_node=8, nodes=1)
+LLAMA8 = load_model("llama3-8b")
+WORK = TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=64)
+
+
+def _time(plan: Plan, workload: TrainingWorkload = WORK, cluster: ClusterSpec = EIGHT, **kw):
+    return estimate_time(LLAMA8, workload, plan, H100, cluster, **kw)
+
+
+def test_ring_collectives_follow_alpha_beta():
+    link = Link(bytes_per_s=100e9, alpha_s=1e-5)
+    # all-gather of 8 GB over 8 ranks: 7 steps of (alpha + 1 GB / 100 GB/s)
+    assert all_gather_s(8e9, 8, link) == pytest.approx(7 * (1e-5 + 0.01))
+    assert all_reduce_s(8e9, 8, link) == pytest.approx(2 * all_gather_s(8e9, 8, link))
+    assert all_to_all_s(8e9, 8, link) == pytest.approx(7 * 1e-5 + 8e9 * 7 / 8 / 100e9)
+    assert all_reduce_s(8e9, 1, link) == 0.0
+
+
+def test_groups_inside_a_node_use_nvlink_and_across_nodes_the_network():
+    cluster = ClusterSpec(gpus_per_node=8, nodes=4, inter_node_bytes_per_s=50e9)
+    eff = Efficiency()
+    assert group_link(H100, cluster, 1, 8, eff).bytes_per_s == pytest.approx(H100.nvlink_bytes_per_s * eff.network)
+    assert group_link(H100, cluster, 8, 4, eff).bytes_per_s == pytest.approx(50e9 * eff.network)
+    assert group_link(H100, cluster, 2, 8, eff).alpha_s == eff.alpha_inter_s  # spans 16 GPUs
+
+
+def test_breakdown_sums_to_the_step_and_mfu_is_consistent():
+    report = _time(Plan(dp=8, zero=3))
+    assert sum(report.breakdown.values()) == pytest.approx(report.step_time_s)
+    tokens = 64 * 4096
+    assert report.tokens_per_s == pytest.approx(tokens / report.step_time_s)
+    assert report.mfu == pytest.approx(report.flops_per_step / report.step_time_s / 8 / H100.peak_flops["bf16"])
+    assert 0 < report.mfu < Efficiency().matmul  # never above what the matmuls reach
+
+
+def test_recomputation_costs_time_and_counts_in_hfu_only():
+    none, selective, full = (_time(Plan(dp=8, zero=3, recompute=r)) for r in ("none", "selective", "full"))
+    assert none.step_time_s < selective.step_time_s < full.step_time_s
+    assert none.hfu == pytest.approx(none.mfu)
+    assert full.hfu / full.mfu == pytest.approx(4 / 3, rel=0.01)  # the forward again: 4 passes of 3
+    assert none.flops_per_step == full.flops_per_step
+
+
+def test_pipeline_bubble_shrinks_with_more_microbatches_and_virtual_stages():
+    small = _time(Plan(pp=4, dp=2), TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=8))
+    big = _time(Plan(pp=4, dp=2), TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=64))
+    inter = _time(Plan(pp=4, dp=2, pp_schedule="interleaved", virtual_stages=2),
+                  TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=64))  # fmt: skip
+    share = [r.breakdown["pp_bubble"] / r.step_time_s for r in (small, big, inter)]
+    assert share[0] > share[1] > share[2]
+    per_mb = big.breakdown["compute"] / 32  # 64 / dp 2 micro-batches of compute
+    assert big.breakdown["pp_bubble"] >= 3 * per_mb  # (p - 1) micro-batch slots at least
+
+
+def test_tensor_parallel_comm_is_exposed_and_grows_across_nodes():
+    inside = _time(Plan(tp=8))
+    across = _time(Plan(tp=16), cluster=ClusterSpec(gpus_per_node=8, nodes=2))
+    assert inside.breakdown["tp_comm"] > 0
+    assert across.breakdown["tp_comm"] > inside.breakdown["tp_comm"]
+
+
+def test_zero3_gathers_cost_more_than_zero1_across_slow_networks():
+    slow = ClusterSpec(gpus_per_node=8, nodes=16, inter_node_bytes_per_s=1e9)
+    work = TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=512)
+    assert _time(Plan(dp=128, zero=3), work, slow).step_time_s > _time(Plan(dp=128, zero=1), work, slow).step_time_s
+
+
+def test_offload_adds_pcie_and_host_optimizer_time():
+    on_gpu = _time(Plan(dp=8, zero=3))
+    offloaded = _time(Plan(dp=8, zero=3, offload_optimizer="cpu"))
+    assert offloaded.breakdown["offload"] > 0 and offloaded.step_time_s > on_gpu.step_time_s
+
+
+def test_calibration_scales_the_step():
+    base = _time(Plan(dp=8, zero=3))
+    slower = _time(Plan(dp=8, zero=3), eff=Efficiency(calibration=1.25))
+    assert slower.step_time_s == pytest.approx(1.25 * base.step_time_s)
+    assert slower.mfu == pytest.approx(base.mfu / 1.25)
+
+
+def test_fused_kernels_move_less_memory_than_eager():
+    assert _time(Plan(dp=8), runtime="megatron").breakdown["memory_bound"] < _time(Plan(dp=8)).breakdown[
+        "memory_bound"
+    ]
+
+
+def test_moe_expert_parallel_pays_all_to_all():
+    mixtral = load_model("mixtral-8x7b")
+    work = TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=64)
+    report = estimate_time(mixtral, work, Plan(dp=8, ep=8, zero=3), H100, EIGHT)
+    assert report.breakdown["ep_comm"] > 0
+    # only the active experts count: MFU from 12.9B active params, not 46.7B
+    assert report.flops_per_step < 64 * 4096 * 6 * 20e9
