@@ -133,7 +133,8 @@ def validate(
     except TrainerUnsupported as err:
         raise MemplanError(err.reason, source=plan or CLI, field=err.field) from None
     record, path = _run(spec, timeout, out, show=format == "table")
-    validation = compare(report, record, str(path) if path else None)
+    predicted_time = result.time.step_time_s if result.time is not None else None
+    validation = compare(report, record, str(path) if path else None, predicted_time)
     if format == "json":
         typer.echo(validation.model_dump_json(indent=2))
     else:
@@ -221,5 +222,8 @@ def render(v: Validation, console: Console) -> None:
         tps = f", {v.tokens_per_s:,.0f} tokens/s" if v.tokens_per_s else ""
         mfu = f", MFU {100 * v.mfu:.1f}%" if v.mfu is not None else ""
         console.print(f"step time {v.step_time_s * 1000:.1f} ms (median){tps}{mfu}{note}")
+    if v.predicted_step_time_s is not None:
+        predicted = v.predicted_step_time_s * 1000
+        console.print(f"predicted step time of the whole job on the --gpu profile: {predicted:.1f} ms")
     if v.record_path:
         console.print(f"record: {v.record_path}")

@@ -68,7 +68,9 @@ def _row(predicted: int, measured: int | None) -> Row:
     return Row(predicted_bytes=predicted, measured_bytes=measured, error_pct=error_pct(predicted, measured))
 
 
-def compare(report: MemoryReport, record: RunRecord, record_path: str | None) -> Validation:
+def compare(
+    report: MemoryReport, record: RunRecord, record_path: str | None, predicted_step_time_s: float | None = None
+) -> Validation:
     measured = record.peak_allocated
     phases = {name: _row(report.phases.get(name, 0), rec.allocated) for name, rec in record.phases.items()}
     components: dict[str, Row] = {}
@@ -99,6 +101,7 @@ def compare(report: MemoryReport, record: RunRecord, record_path: str | None) ->
         phases=phases,
         components=components,
         step_time_s=record.step_time_s,
+        predicted_step_time_s=predicted_step_time_s,
         tokens_per_s=record.tokens_per_s,
         mfu=record.mfu,
         simulated=record.simulated,

@@ -48,6 +48,7 @@ def test_json_contract_and_record(tiny: Path, tmp_path: Path):
     record = json.loads(out.read_text())
     assert record["peak_allocated"] == data["measured_bytes"] and record["versions"]["torch"]
     assert data["mfu"] is None  # a CPU has no peak FLOP/s, and a simulated rank's time is not the job's
+    assert data["predicted_step_time_s"] > 0  # the time model's prediction for the --gpu profile
 
 
 def test_table_output(tiny: Path):
