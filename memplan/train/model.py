@@ -88,6 +88,7 @@ _ATTENTION_OPS = (
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
+    "flash_attention_forward",  # memplan.kernels (saves out and lse, like SDPA)
     "bmm",
     "_softmax",
 )

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 )
 def test_ruff_check_and_format():
     ruff = str(Path(sys.executable).parent / "ruff") if (Path(sys.executable).parent / "ruff").exists() else "ruff"
-    paths = ["memplan", "tests", "benchmarks", "profiles"]
+    paths = ["memplan", "kernels", "tests", "benchmarks", "profiles"]
     check = subprocess.run([ruff, "check", *paths], cwd=ROOT, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
     fmt = subprocess.run([ruff, "format", "--check", *paths], cwd=ROOT, capture_output=True, text=True)
