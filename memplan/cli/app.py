@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from memplan.cli import estimate, profiles, validate
+from memplan.cli import check, estimate, export, profiles, validate
 from memplan.errors import MemplanError
 
 try:  # typer >= 0.20 vendors click as typer._click and no longer depends on click
@@ -32,6 +32,8 @@ _NO_ARGS = getattr(_cx, "NoArgsIsHelpError", ())  # click < 8.2 has none
 app.command("estimate")(estimate.estimate)
 app.command("profiles")(profiles.profiles)
 app.command("validate")(validate.validate)
+app.command("export")(export.export)
+app.command("check")(check.check)
 
 
 def _fail(message: str, code: int) -> int:

@@ -18,7 +18,7 @@ from memplan.specs.hardware import GPUSpec
 from memplan.specs.resolve import CLI, resolve_job
 from memplan.units import format_bytes, parse_bytes
 from memplan.validate.compare import Validation, compare
-from memplan.validate.launch import LaunchResult, launch
+from memplan.validate.launch import launch, pick_record
 from memplan.validate.record import RunRecord
 from memplan.validate.spec import RunSpec
 from memplan.validate.support import TrainerUnsupported, check_model, check_plan, check_workload
@@ -154,34 +154,12 @@ def _run(spec: RunSpec, timeout: float, out: Path | None, show: bool) -> tuple[R
         ) as bar:  # fmt: skip
             task = bar.add_task("validating", total=total)
             result = launch(spec, Path(tmp), timeout, progress=lambda s, t: bar.update(task, completed=s))
-        record = _pick(spec, result)
+        record = pick_record(spec, result)
         path = out
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(record.model_dump_json(indent=2))
     return record, path
-
-
-def _pick(spec: RunSpec, result: LaunchResult) -> RunRecord:
-    """The most-loaded rank's record, or a failure record naming the ranks that never reported."""
-    if spec.rank in result.records and not result.missing:
-        return result.records[spec.rank]
-    failed = [r for r in result.records.values() if r.status != "ok"]
-    if failed and not result.timed_out:
-        return failed[0]
-    what = "timed out" if result.timed_out else f"exited with code {result.returncode}"
-    last = [ln for ln in result.stderr_tail.strip().splitlines() if ln.strip()][-1:] or [""]
-    reason = f"ranks {result.missing} {what} without a record" + (f": {last[0][:300]}" if last[0] else "")
-    base = next(iter(result.records.values()), None)
-    return RunRecord(
-        status="timeout" if result.timed_out else "error",
-        reason=reason,
-        device_name=base.device_name if base else spec.device,
-        versions=base.versions if base else {},
-        started="",
-        finished="",
-        **spec.record_fields(simulated=spec.simulate),
-    )
 
 
 def _b(n: int | None) -> str:

@@ -106,6 +106,28 @@ def launch(
     return LaunchResult(records, missing, timed_out, returncode, tail)
 
 
+def pick_record(spec: RunSpec, result: LaunchResult) -> RunRecord:
+    """The most-loaded rank's record, or a failure record naming the ranks that never reported."""
+    if spec.rank in result.records and not result.missing:
+        return result.records[spec.rank]
+    failed = [r for r in result.records.values() if r.status != "ok"]
+    if failed and not result.timed_out:
+        return failed[0]
+    what = "timed out" if result.timed_out else f"exited with code {result.returncode}"
+    last = [ln for ln in result.stderr_tail.strip().splitlines() if ln.strip()][-1:] or [""]
+    reason = f"ranks {result.missing} {what} without a record" + (f": {last[0][:300]}" if last[0] else "")
+    base = next(iter(result.records.values()), None)
+    return RunRecord(
+        status="timeout" if result.timed_out else "error",
+        reason=reason,
+        device_name=base.device_name if base else spec.device,
+        versions=base.versions if base else {},
+        started="",
+        finished="",
+        **spec.record_fields(simulated=spec.simulate),
+    )
+
+
 def _kill(proc: subprocess.Popen) -> None:
     """End the worker and everything it started (torchrun's ranks share its session)."""
     try:

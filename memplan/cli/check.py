@@ -1,0 +1,117 @@
+"""``memplan check``: memory budgets for CI (exit 0 within budget, 1 over or regressed, 2 bad input)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from memplan.check import CheckReport, load_baseline, load_budgets, new_baseline, resolve_entries
+from memplan.check import check as run_check
+from memplan.check.evaluate import Measurement, Resolved
+from memplan.check.render import MARK, junit_xml, markdown
+from memplan.errors import MemplanError
+from memplan.specs.resolve import CLI
+from memplan.units import format_bytes
+
+Opt = typer.Option
+OUT = "Output"
+RUN = "Measure"
+
+
+def _device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - the train extra brings torch
+        needs = "--measure needs the train extra: pip install 'memplan[train]'"
+        raise MemplanError(needs, source=CLI, field="--measure") from None
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check(
+    budgets: Annotated[Path, typer.Argument(help="Budgets YAML: entries of model, workload, plan, GPU and budget.")],
+    baseline: Annotated[
+        Path | None, Opt("--baseline", help="JSON of the last accepted numbers; a regression beyond threshold fails.")
+    ] = None,
+    update_baseline: Annotated[
+        bool, Opt("--update-baseline", help="Accept this run's numbers: write them to --baseline (no regression test).")
+    ] = False,
+    junit: Annotated[Path | None, Opt("--junit", help="Write JUnit XML here.", rich_help_panel=OUT)] = None,
+    summary: Annotated[
+        Path | None, Opt("--markdown", help="Write the Markdown summary here (a PR comment).", rich_help_panel=OUT)
+    ] = None,
+    format: Annotated[
+        Literal["table", "json", "markdown"], Opt("--format", help="table, json or markdown.", rich_help_panel=OUT)
+    ] = "table",
+    measure: Annotated[
+        bool, Opt("--measure", help="Measure with the bundled trainer (memplan validate) instead of estimating.")
+    ] = False,
+    device: Annotated[Literal["auto", "cpu", "cuda"], Opt(help="--measure: device.", rich_help_panel=RUN)] = "auto",
+    timeout: Annotated[float, Opt(help="--measure: seconds per entry.", min=1, rich_help_panel=RUN)] = 600,
+) -> None:
+    """Estimate (or measure) each budgets entry; fail when one exceeds its budget or regresses."""
+    if update_baseline and baseline is None:
+        raise MemplanError("needs --baseline FILE to write", source=CLI, field="--update-baseline")
+    spec = load_budgets(budgets)
+    resolved = resolve_entries(spec, budgets)
+    previous = None
+    if baseline is not None and not update_baseline:
+        previous = load_baseline(baseline)
+    measurer = None
+    if measure:
+        from memplan.check.measure import measure as run_measure
+
+        where = _device(device)
+
+        def measurer(r: Resolved) -> Measurement:
+            return run_measure(r, where, timeout)
+
+    report = run_check(spec, resolved, str(budgets), previous, measurer)
+    if update_baseline and baseline is not None:
+        baseline.parent.mkdir(parents=True, exist_ok=True)
+        baseline.write_text(new_baseline(report).model_dump_json(indent=2) + "\n")
+    if junit is not None:
+        junit.parent.mkdir(parents=True, exist_ok=True)
+        junit.write_text(junit_xml(report), encoding="utf-8")
+    if summary is not None:
+        summary.parent.mkdir(parents=True, exist_ok=True)
+        summary.write_text(markdown(report), encoding="utf-8")
+    if format == "json":
+        typer.echo(json.dumps({**report.model_dump(), "passed": report.passed}, indent=2))
+    elif format == "markdown":
+        typer.echo(markdown(report), nl=False)
+    else:
+        render(report, Console())
+    raise typer.Exit(report.exit_code)
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else format_bytes(n, "GiB")
+
+
+def render(report: CheckReport, console: Console) -> None:
+    table = Table(title=f"memplan check {report.source} (regression threshold {report.threshold})")
+    for col in ("entry", "model", "GPUs", "metric", "peak", "budget", "headroom", "baseline", "status"):
+        table.add_column(col, justify="right" if col in ("peak", "budget", "headroom", "baseline") else "left")
+    for e in report.entries:
+        metric = e.metric + (" (measured)" if e.measured else "")
+        table.add_row(
+            e.name, e.model, f"{e.gpus} x {e.gpu}", metric, _gib(e.value_bytes), _gib(e.limit_bytes),
+            _gib(e.headroom_bytes), _gib(e.baseline_bytes), MARK[e.status],
+        )  # fmt: skip
+    console.print(table)
+    for e in report.entries:
+        if e.status != "pass":
+            console.print(f"[bold]{e.name}[/]: {e.reason}")
+    counts = report.counts()
+    verdict = "[green]passed[/]" if report.passed else "[red]failed[/]"
+    console.print(
+        f"{verdict}: {counts['pass']} pass, {counts['over-budget']} over budget, {counts['regressed']} regressed, "
+        f"{counts['error']} not evaluated"
+    )

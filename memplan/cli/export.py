@@ -1,0 +1,155 @@
+"""``memplan export``: a plan as a DeepSpeed / Accelerate / torchtitan / Megatron-LM / FSDP2 config."""
+
+from __future__ import annotations
+
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from memplan.errors import MemplanError
+from memplan.export import render
+from memplan.specs.job import PlanFile
+from memplan.specs.loader import read_data, validate
+from memplan.specs.resolve import CLI, resolve_job
+
+Opt = typer.Option
+PLAN = "Plan"
+WORK = "Workload"
+HW = "Hardware"
+OUT = "Export"
+
+
+class Target(StrEnum):
+    deepspeed = "deepspeed"
+    accelerate = "accelerate"
+    torchtitan = "torchtitan"
+    megatron = "megatron"
+    fsdp2 = "fsdp2"
+
+
+class TorchtitanForm(StrEnum):
+    python = "python"
+    toml = "toml"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def locate(err: MemplanError, model_ref: str, plan_path: str | None, flags: set[str]) -> MemplanError:
+    """An exporter's error (field ``plan.x``, ``workload.x``, ``model...`` or ``--option``) against
+    where the value came from: its flag, else the plan file, else the model reference."""
+    field = err.field or ""
+    if err.source or field.startswith("--"):
+        return err.located(CLI)
+    if field == "model" or field.startswith("model."):
+        return MemplanError(err.reason, source=model_ref, field=field.removeprefix("model.") if "." in field else None)
+    name = field.split(".")[-1]
+    if name in flags or not plan_path:
+        return MemplanError(err.reason, source=CLI, field=_flag(name))
+    return err.located(plan_path)
+
+
+def _model_ref(model: str | None, plan_path: str | None) -> str:
+    """--model, else the plan file's ``model`` (a path relative to the plan file when one is there)."""
+    if model:
+        return model
+    if plan_path:
+        pf = validate(PlanFile, read_data(Path(plan_path)), plan_path)
+        if pf.model:
+            beside = Path(plan_path).parent / pf.model
+            return str(beside) if beside.exists() else pf.model
+        raise MemplanError("no model to export: give one here or with --model", source=plan_path, field="model")
+    raise MemplanError("give a plan file with a model, or --model", source=CLI, field="--model")
+
+
+def export(
+    plan: Annotated[
+        str | None, typer.Argument(help="Plan YAML (model, gpu, gpus, nodes, runtime, workload, plan sections).")
+    ] = None,
+    to: Annotated[Target | None, Opt("--to", help="deepspeed, accelerate, torchtitan, megatron or fsdp2.")] = None,
+    output: Annotated[Path | None, Opt("-o", "--output", help="Write here instead of stdout.")] = None,
+    model: Annotated[
+        str | None, Opt("--model", help="Model profile, YAML or config.json (default: the plan file's model).")
+    ] = None,
+    torchtitan_form: Annotated[
+        TorchtitanForm | None,
+        Opt(help="torchtitan: python (Trainer.Config function) or toml (legacy job file).", rich_help_panel=OUT),
+    ] = None,
+    torchtitan_model: Annotated[
+        str | None, Opt(help="torchtitan: model NAME:FLAVOR when the shape is not a known one.", rich_help_panel=OUT)
+    ] = None,
+    gradient_clipping: Annotated[
+        float | None,
+        Opt(help="Max gradient norm (deepspeed, torchtitan, megatron; default 1.0).", rich_help_panel=OUT),
+    ] = None,
+    nvme_path: Annotated[str | None, Opt(help="deepspeed: NVMe mount for nvme offload.", rich_help_panel=OUT)] = None,
+    dp: Annotated[
+        int | None, Opt(help="Data-parallel degree (default: GPUs / (tp x pp x cp)).", rich_help_panel=PLAN)
+    ] = None,
+    tp: Annotated[int | None, Opt(help="Tensor-parallel degree.", rich_help_panel=PLAN)] = None,
+    sequence_parallel: Annotated[
+        bool | None,
+        Opt("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel=PLAN),
+    ] = None,
+    pp: Annotated[int | None, Opt(help="Pipeline stages.", rich_help_panel=PLAN)] = None,
+    pp_schedule: Annotated[str | None, Opt(help="1f1b, interleaved or gpipe.", rich_help_panel=PLAN)] = None,
+    virtual_stages: Annotated[int | None, Opt(help="Chunks per rank (interleaved).", rich_help_panel=PLAN)] = None,
+    cp: Annotated[int | None, Opt(help="Context-parallel degree.", rich_help_panel=PLAN)] = None,
+    ep: Annotated[int | None, Opt(help="Expert-parallel degree.", rich_help_panel=PLAN)] = None,
+    zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.", rich_help_panel=PLAN)] = None,
+    recompute: Annotated[str | None, Opt(help="none, selective or full.", rich_help_panel=PLAN)] = None,
+    recompute_layers: Annotated[
+        int | None, Opt(help="Layers per stage recomputed with full.", rich_help_panel=PLAN)
+    ] = None,
+    precision: Annotated[
+        str | None, Opt(help="fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8.", rich_help_panel=PLAN)
+    ] = None,
+    optimizer: Annotated[str | None, Opt(help="adamw, sgd, adafactor, adamw-8bit.", rich_help_panel=PLAN)] = None,
+    offload_optimizer: Annotated[str | None, Opt(help="none, cpu or nvme.", rich_help_panel=PLAN)] = None,
+    offload_params: Annotated[str | None, Opt(help="none, cpu or nvme (ZeRO-3).", rich_help_panel=PLAN)] = None,
+    attention: Annotated[str | None, Opt(help="flash or eager.", rich_help_panel=PLAN)] = None,
+    runtime: Annotated[str | None, Opt(help="memplan, hf or megatron (for the header).", rich_help_panel=PLAN)] = None,
+    micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
+    global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,
+    seq_len: Annotated[int | None, Opt(help="Tokens per sequence.", rich_help_panel=WORK)] = None,
+    gpu: Annotated[str | None, Opt(help="GPU profile name or YAML (default h100-sxm).", rich_help_panel=HW)] = None,
+    gpus: Annotated[int | None, Opt(help="Total GPUs.", rich_help_panel=HW)] = None,
+    nodes: Annotated[int | None, Opt(help="Nodes.", rich_help_panel=HW)] = None,
+) -> None:
+    """Write a plan as a real trainer's configuration; refuse what the target cannot express."""
+    if to is None:
+        targets = ", ".join(t.value for t in Target)
+        raise MemplanError(f"missing option ({targets})", source=CLI, field="--to")
+    overrides: dict[str, Any] = dict(
+        dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp, pp_schedule=pp_schedule,
+        virtual_stages=virtual_stages, cp=cp, ep=ep, zero=zero, recompute=recompute,
+        recompute_layers=recompute_layers, precision=precision, optimizer=optimizer,
+        offload_optimizer=offload_optimizer, offload_params=offload_params, attention=attention, runtime=runtime,
+        micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len, gpu=gpu, gpus=gpus, nodes=nodes,
+    )  # fmt: skip
+    ref = _model_ref(model, plan)
+    job = resolve_job(ref, plan, overrides)
+    opts = dict(
+        form=torchtitan_form.value if torchtitan_form else None,
+        model=torchtitan_model,
+        gradient_clipping=gradient_clipping,
+        nvme_path=nvme_path,
+    )
+    flags = {k for k, v in overrides.items() if v is not None}
+    try:
+        result = render(job, to.value, **opts)
+    except MemplanError as err:
+        if err.field in ("--form", "--model"):  # the exporter's option names, as the CLI spells them
+            err = MemplanError(err.reason, field="--torchtitan-" + err.field.removeprefix("--"))
+        raise locate(err, ref, plan, flags) from None
+    if output is None:
+        sys.stdout.write(result.text)
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(result.text)
+    for note in result.notes:
+        print(f"memplan: note: {note}", file=sys.stderr)

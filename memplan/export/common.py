@@ -1,0 +1,179 @@
+"""What every exporter shares: the flat view of a job, refusals, the header, the layer sizes.
+
+An exporter writes what its target's own keys carry and, for what the target sets in the
+training code instead, a note. What the target cannot express at all is refused with a
+:class:`MemplanError` naming the plan field and what would be lost; a config that silently
+means a different plan is never written.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from memplan.costmodel.layout import stage_layout
+from memplan.costmodel.memory import ZERO3_PREFETCH_LAYERS, gradient_accumulation
+from memplan.errors import MemplanError
+from memplan.specs.resolve import Job
+from memplan.specs.workload import TrainingWorkload
+
+# plan and workload fields an exporter may carry, in memplan's names
+WORKLOAD_FIELDS = ("seq_len", "micro_batch", "global_batch")
+CLUSTER_FIELDS = ("gpus", "nodes")
+# max gradient norm when none is given: Llama 2's (Touvron et al. 2023, Sec. 2.2) and torchtitan's
+# default; clipping does not change the memory estimate
+GRADIENT_CLIPPING = 1.0
+
+
+class Exported(BaseModel):
+    """One target's configuration text, and what the user must still set in code."""
+
+    model_config = ConfigDict(frozen=True)
+
+    target: str
+    text: str
+    suffix: str  # file extension the text is written with: ".json", ".yaml", ".toml", ".py", ".sh"
+    notes: tuple[str, ...] = ()
+
+
+def training(job: Job, target: str) -> TrainingWorkload:
+    """The job's training workload; inference has no trainer configuration to export."""
+    if not isinstance(job.workload, TrainingWorkload):
+        raise MemplanError(
+            f"{target} configurations describe training; this is an inference workload", field="workload.kind"
+        )
+    return job.workload
+
+
+def fields(job: Job) -> dict[str, Any]:
+    """The plan as one flat mapping in memplan's names: every Plan field, the resolved batch
+    sizes (global_batch = micro_batch x dp x accumulation), world size and nodes.
+
+    Values that change nothing are put in their one form, so that a target that cannot say them
+    loses nothing: sequence parallel without TP is off, a pipeline schedule without a pipeline is
+    1f1b, and recomputing every layer of a stage is ``recompute_layers`` None.
+    """
+    work = training(job, "export")
+    plan = job.plan
+    accumulation = gradient_accumulation(work, plan)
+    layers = plan.recompute_layers
+    if layers is not None and layers >= job.model.num_layers // plan.pp:
+        layers = None
+    return {
+        **plan.model_dump(),
+        "sequence_parallel": plan.sequence_parallel and plan.tp > 1,
+        "pp_schedule": plan.pp_schedule if plan.pp > 1 else "1f1b",
+        "recompute_layers": layers,
+        "seq_len": work.seq_len,
+        "micro_batch": work.micro_batch,
+        "global_batch": work.global_batch or work.micro_batch * plan.dp,
+        "gradient_accumulation": accumulation,
+        "gpus": plan.world_size,
+        "nodes": job.cluster.nodes,
+    }
+
+
+def refuse(field: str, target: str, what: str, lost: str) -> MemplanError:
+    """The error for a plan value the target cannot express: the field, and what would be lost."""
+    path = field if "." in field else f"plan.{field}"
+    return MemplanError(f"{target} cannot express {what}: {lost}", field=path)
+
+
+def header(job: Job, target: str) -> list[str]:
+    """Comment lines naming the plan an export came from (no dates or versions: goldens stay stable)."""
+    p = job.plan
+    f = fields(job)
+    degrees = f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}"
+    if p.sequence_parallel:
+        degrees += " sp"
+    if p.pp > 1:
+        degrees += f" pp_schedule={p.pp_schedule}" + (
+            f" virtual_stages={p.virtual_stages}" if p.virtual_stages > 1 else ""
+        )
+    recompute = p.recompute + (f"({p.recompute_layers} layers)" if p.recompute_layers else "")
+    offload = ""
+    if (p.offload_optimizer, p.offload_params) != ("none", "none"):
+        offload = f" offload_optimizer={p.offload_optimizer} offload_params={p.offload_params}"
+    return [
+        f"memplan export --to {target}: {job.model.name} on {p.world_size} x {job.gpu.name}"
+        f", {job.cluster.nodes} node(s)",
+        f"plan: {degrees} zero={p.zero}",
+        f"recompute={recompute} precision={p.precision} optimizer={p.optimizer} attention={p.attention}{offload}",
+        f"workload: seq_len={f['seq_len']} micro_batch={f['micro_batch']} global_batch={f['global_batch']}"
+        f" (gradient accumulation {f['gradient_accumulation']}); runtime={job.runtime}",
+    ]
+
+
+def py_literal(value: Any) -> str:
+    """A Python literal as ruff format writes it (double-quoted strings), for generated modules."""
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def comment_block(lines: list[str], prefix: str = "# ", width: int = 110) -> str:
+    """Comment lines, long ones wrapped (generated Python stays within ruff's line length)."""
+    out = []
+    for line in lines:
+        wrapped = textwrap.wrap(line, width=width, subsequent_indent="  ", break_on_hyphens=False) or [""]
+        out.extend(f"{prefix}{part}".rstrip() + "\n" for part in wrapped)
+    return "".join(out)
+
+
+def preamble(job: Job, target: str, notes: tuple[str, ...]) -> list[str]:
+    """The header lines and, under them, what the training code must still set."""
+    lines = header(job, target)
+    if notes:
+        lines += ["set in the training code:", *(f"- {note}" for note in notes)]
+    return lines
+
+
+def layer_elements(job: Job) -> int:
+    """Parameters (elements) of the largest transformer layer on one rank (after TP / EP sharding).
+
+    This is the unit of the ZeRO buffers the estimate assumes (memory.py): one layer's unsharded
+    gradients in the reduce buffer, and under ZeRO-3 ``ZERO3_PREFETCH_LAYERS`` layers gathered.
+    """
+    p = job.plan
+    return stage_layout(job.model, p.tp, p.ep, p.pp, p.virtual_stages, 0).largest_layer_params
+
+
+def zero3_live_elements(job: Job) -> int:
+    """Parameters the estimate holds gathered at once under ZeRO-3 (memory.py): the current and the
+    prefetched layer, or the gathered embedding / LM head with one layer, whichever is larger."""
+    from memplan.costmodel.layout import vocab_shard_params
+
+    layer = layer_elements(job)
+    return max(ZERO3_PREFETCH_LAYERS * layer, vocab_shard_params(job.model, job.plan.tp) + layer)
+
+
+def layers_per_chunk(job: Job) -> int:
+    """Transformer layers in one pipeline chunk: L / (pp x virtual_stages) (Megatron's even split)."""
+    return job.model.num_layers // job.plan.stages
+
+
+# the decoder-layer class of each architecture in transformers (the unit FSDP wraps and checkpoints)
+HF_LAYER_CLASS = {
+    "llama": "LlamaDecoderLayer",
+    "mistral": "MistralDecoderLayer",
+    "qwen2": "Qwen2DecoderLayer",
+    "mixtral": "MixtralDecoderLayer",
+    "qwen2-moe": "Qwen2MoeDecoderLayer",
+    "qwen3-moe": "Qwen3MoeDecoderLayer",
+    "gpt2": "GPT2Block",
+    "gpt-neox": "GPTNeoXLayer",
+}
+
+
+def hf_layer_class(job: Job, target: str) -> str:
+    """The transformers decoder-layer class of the job's model (modeling_<arch>.py in transformers)."""
+    name = HF_LAYER_CLASS.get(job.model.architecture)
+    if name is None:
+        known = ", ".join(sorted(HF_LAYER_CLASS))
+        raise MemplanError(
+            f"{target} wraps transformers decoder layers; no layer class is known for architecture "
+            f"{job.model.architecture!r} (known: {known})",
+            field="model.architecture",
+        )
+    return name
