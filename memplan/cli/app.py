@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from memplan.cli import check, estimate, export, profiles, validate
+from memplan.cli import check, estimate, export, profiles, tune, validate
 from memplan.errors import MemplanError
 
 try:  # typer >= 0.20 vendors click as typer._click and no longer depends on click
@@ -34,6 +34,7 @@ app.command("profiles")(profiles.profiles)
 app.command("validate")(validate.validate)
 app.command("export")(export.export)
 app.command("check")(check.check)
+app.command("tune")(tune.tune)
 
 
 def _fail(message: str, code: int) -> int:

@@ -1,0 +1,392 @@
+"""``memplan tune``: the fastest plan that fits, found by an Optuna study (or every plan),
+optionally validated by real runs.
+
+Optuna (``memplan.search.study`` and ``memplan.search.tune``) is imported only when the
+command runs, so that ``import memplan.cli`` stays light; torch only in ``--validate``'s runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import typing
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from memplan.costmodel.time import Efficiency
+from memplan.errors import MemplanError
+from memplan.search.calibration import calibration_path, load_calibration
+from memplan.search.evaluate import Context
+from memplan.search.space import SpaceOptions, global_batch_range
+from memplan.search.tuning import DEFAULT_STORAGE, Hooks, TuneRequest, TuneResult, plan_yaml
+from memplan.search.validation import ValidationSettings
+from memplan.specs.hardware import ClusterSpec, GPUSpec
+from memplan.specs.loader import load_gpu, load_model
+from memplan.specs.plan import OptimizerName, PrecisionName
+from memplan.units import format_bytes, parse_bytes
+
+Opt = typer.Option
+CLI = "command line"
+SPACE = "Search space"
+SEARCH = "Search"
+VALIDATE = "Validation"
+
+
+def parse_global_batch(text: str | None) -> tuple[int, ...] | None:
+    """``512`` -> (512,); ``256-1024`` -> its ends and the powers of two between them."""
+    if text is None:
+        return None
+    low, sep, high = text.partition("-")
+    try:
+        lo, hi = int(low), int(high) if sep else int(low)
+    except ValueError:
+        raise MemplanError(
+            f"{text!r} is not a number or a range like 256-1024", source=CLI, field="--global-batch"
+        ) from None
+    if lo <= 0 or hi < lo:
+        raise MemplanError(f"{text!r}: needs 0 < low <= high", source=CLI, field="--global-batch")
+    return global_batch_range(lo, hi) if sep else (lo,)
+
+
+def parse_margin(text: str, capacity: int) -> int:
+    """``5%`` of the capacity, or a size (``2GiB``), in bytes."""
+    try:
+        margin = round(float(text[:-1]) / 100 * capacity) if text.endswith("%") else parse_bytes(text)
+    except ValueError:
+        raise MemplanError(
+            f"{text!r} is neither a percentage (5%) nor a size (2GiB)", source=CLI, field="--margin"
+        ) from None
+    if not 0 <= margin < capacity:
+        raise MemplanError(f"{text!r} must leave part of the GPU's capacity", source=CLI, field="--margin")
+    return margin
+
+
+def parse_precisions(text: str) -> tuple[str, ...]:
+    allowed = typing.get_args(PrecisionName)
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    bad = [p for p in names if p not in allowed]
+    if bad or not names:
+        raise MemplanError(
+            f"unknown precision {bad[0] if bad else text!r} (allowed: {', '.join(allowed)})",
+            source=CLI,
+            field="--precision",
+        )
+    return names
+
+
+def _gpu(ref: str) -> GPUSpec:
+    try:
+        return load_gpu(ref)
+    except MemplanError as err:
+        if err.source:
+            raise
+        raise MemplanError(err.reason, source=CLI, field="--gpu") from None
+
+
+def _cluster(gpus: int, nodes: int | None) -> ClusterSpec:
+    """Whole 8-GPU nodes when the GPUs fill them, else one node (as ``memplan estimate``)."""
+    if nodes is None:
+        nodes = gpus // 8 if gpus > 8 and gpus % 8 == 0 else 1
+    if gpus % nodes:
+        raise MemplanError(f"{gpus} GPUs do not split evenly over {nodes} nodes", source=CLI, field="--nodes")
+    try:
+        return ClusterSpec(gpus_per_node=gpus // nodes, nodes=nodes)
+    except ValidationError:
+        raise MemplanError(
+            f"{gpus // nodes} GPUs per node is too many (give --nodes)", source=CLI, field="--nodes"
+        ) from None
+
+
+def tune(
+    model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
+    gpus: Annotated[int, Opt(help="Total GPUs; every plan uses all of them.", min=1)],
+    nodes: Annotated[int | None, Opt(help="Nodes (default: whole 8-GPU nodes).", min=1)] = None,
+    gpu: Annotated[str, Opt(help="GPU profile name or YAML.")] = "h100-sxm",
+    seq_len: Annotated[int, Opt(help="Tokens per sequence.", min=1, rich_help_panel=SPACE)] = 2048,
+    global_batch: Annotated[
+        str | None,
+        Opt(help="Sequences per step, or a range such as 256-1024 (default: no accumulation).", rich_help_panel=SPACE),
+    ] = None,
+    micro_batch: Annotated[
+        int | None, Opt(help="A fixed micro-batch (default: searched).", min=1, rich_help_panel=SPACE)
+    ] = None,
+    max_micro_batch: Annotated[int, Opt(help="Largest micro-batch tried.", min=1, rich_help_panel=SPACE)] = 16,
+    precision: Annotated[
+        str, Opt(help="Precisions allowed, comma-separated (e.g. bf16-mixed,bf16).", rich_help_panel=SPACE)
+    ] = "bf16-mixed",
+    optimizer: Annotated[OptimizerName, Opt(help="Optimizer.", rich_help_panel=SPACE)] = "adamw",
+    allow_offload: Annotated[
+        bool,
+        Opt("--allow-offload", help="Also try CPU offload of optimizer states (and params).", rich_help_panel=SPACE),
+    ] = False,
+    max_cp: Annotated[
+        int | None,
+        Opt(help="Largest context-parallel degree (default: 8 from seq 16384, else 1).", min=1, rich_help_panel=SPACE),
+    ] = None,
+    sequence_parallel: Annotated[
+        bool,
+        Opt("--sequence-parallel/--no-sequence-parallel", help="Sequence parallelism with TP.", rich_help_panel=SPACE),
+    ] = True,
+    runtime: Annotated[
+        Literal["memplan", "hf", "megatron"], Opt(help="Activation accounting.", rich_help_panel=SPACE)
+    ] = "memplan",
+    margin: Annotated[
+        str, Opt(help="Memory kept free: a share of capacity (5%) or a size (2GiB).", rich_help_panel=SEARCH)
+    ] = "5%",
+    objective: Annotated[
+        Literal["throughput", "memory", "pareto"],
+        Opt(help="Fastest plan, smallest plan, or the Pareto front of both.", rich_help_panel=SEARCH),
+    ] = "throughput",
+    trials: Annotated[int, Opt(help="Trials this run adds to the study.", min=1, rich_help_panel=SEARCH)] = 300,
+    exhaustive: Annotated[
+        bool, Opt("--exhaustive", help="Predict every valid plan instead (no study).", rich_help_panel=SEARCH)
+    ] = False,
+    seed: Annotated[int, Opt(help="Sampler seed (give each worker its own).", rich_help_panel=SEARCH)] = 0,
+    study: Annotated[
+        str | None, Opt(help="Study name: resumes or joins it (default: a new study).", rich_help_panel=SEARCH)
+    ] = None,
+    storage: Annotated[
+        str, Opt(help="Optuna storage URL (sqlite:///FILE, postgresql://...).", rich_help_panel=SEARCH)
+    ] = DEFAULT_STORAGE,
+    calibration: Annotated[
+        bool,
+        Opt(
+            "--calibration/--no-calibration", help="Apply the GPU profile's stored calibration.", rich_help_panel=SEARCH
+        ),
+    ] = True,
+    validate: Annotated[
+        int, Opt("--validate", help="Run the best K plans with the bundled trainer.", min=0, rich_help_panel=VALIDATE)
+    ] = 0,
+    validate_steps: Annotated[int, Opt(help="Measured steps per run.", min=1, rich_help_panel=VALIDATE)] = 2,
+    validate_timeout: Annotated[
+        float, Opt(help="Seconds before a run is ended.", min=1, rich_help_panel=VALIDATE)
+    ] = 600,
+    validate_device: Annotated[
+        Literal["auto", "cpu", "cuda"],
+        Opt(help="Where runs go (auto: CUDA when NVML sees GPUs).", rich_help_panel=VALIDATE),
+    ] = "auto",
+    memory_limit: Annotated[
+        str | None, Opt(help="Simulated device capacity for CPU runs, e.g. 2GiB.", rich_help_panel=VALIDATE)
+    ] = None,
+    top: Annotated[int, Opt(help="Plans shown.", min=1)] = 10,
+    out: Annotated[Path, Opt("--out", help="Where the recommended plan YAML goes.")] = Path("best-plan.yaml"),
+    format: Annotated[Literal["table", "json"], Opt("--format", help="table or json.")] = "table",
+) -> None:
+    """Search the parallel plans for the fastest one that fits; write it as a plan YAML."""
+    spec = load_model(model)
+    card = _gpu(gpu)
+    cluster = _cluster(gpus, nodes)
+    limit = None
+    if memory_limit is not None:
+        try:
+            limit = parse_bytes(memory_limit)
+        except ValueError as err:
+            raise MemplanError(str(err), source=CLI, field="--memory-limit") from None
+        if limit <= 0:
+            raise MemplanError("must be a positive size, e.g. 2GiB", source=CLI, field="--memory-limit")
+    options = SpaceOptions(
+        gpus=gpus,
+        gpus_per_node=cluster.gpus_per_node,
+        seq_len=seq_len,
+        global_batches=parse_global_batch(global_batch),
+        micro_batch=micro_batch,
+        max_micro_batch=max_micro_batch,
+        precisions=parse_precisions(precision),
+        allow_offload=allow_offload,
+        max_cp=max_cp,
+        sequence_parallel=sequence_parallel,
+        optimizer=optimizer,
+    )
+    cal_path = calibration_path()
+    profile = load_calibration(cal_path).profiles.get(card.name) if calibration else None
+    ctx = Context(
+        model=spec,
+        gpu=card,
+        cluster=cluster,
+        runtime=runtime,
+        margin_bytes=parse_margin(margin, card.memory_bytes),
+        efficiency=Efficiency(calibration=(profile and profile.step_time_ratio) or 1.0),
+        peak_ratio=(profile and profile.peak_ratio) or 1.0,
+    )
+    settings = ValidationSettings(
+        steps=validate_steps, timeout_s=validate_timeout, device=validate_device, memory_limit=limit
+    )
+    request = TuneRequest(
+        model_ref=model, gpu_ref=gpu, ctx=ctx, options=options, objective=objective, trials=trials,
+        exhaustive=exhaustive, seed=seed, study=study, storage=storage, top=top, validate=validate,
+        validation=settings, calibration_path=cal_path,
+    )  # fmt: skip
+    result = _run(request, show=format == "table")
+    if result.recommended is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # a model file is named relative to the plan file (as memplan export reads it)
+        ref = os.path.relpath(Path(model).resolve(), out.parent.resolve()) if Path(model).is_file() else model
+        out.write_text(plan_yaml(result, request, ref))
+        result = result.model_copy(update={"plan_path": str(out)})
+    if format == "json":
+        typer.echo(result.model_dump_json(indent=2))
+    else:
+        render(result, Console(), model)
+    err = Console(stderr=True)
+    if result.interrupted:
+        if result.study:
+            err.print(
+                f"interrupted: {result.trials} trials are saved in study {result.study!r} ({result.storage}); "
+                f"resume with the same options and --study {result.study} --storage {result.storage}",
+                soft_wrap=True,
+            )
+        else:
+            err.print("interrupted")
+        raise typer.Exit(130)
+    if result.recommended is None:
+        raise typer.Exit(1)
+
+
+def _run(request: TuneRequest, show: bool) -> TuneResult:
+    """The search with a progress bar on stderr. The first Ctrl-C stops a study after the
+    running trial (the study keeps every finished one), or the validation after the running
+    run; a second Ctrl-C, or one during an exhaustive search (nothing to keep), aborts."""
+    import warnings
+
+    import optuna
+
+    from memplan.search.tune import tune as run_tune
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    console = Console(stderr=True)
+    stop = {"requested": False, "phase": ""}
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if stop["requested"] or stop["phase"] == "evaluating":
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        console.print("stopping after the current trial or run (Ctrl-C again to abort)")
+
+    # a live bar only on a terminal (a pipe or a log gets no redraws), started with the first task
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, disable=not (show and console.is_terminal), transient=True,
+    )  # fmt: skip
+    task = {"id": None}
+
+    def started(what: str, total: int) -> None:
+        stop["phase"] = what
+        if task["id"] is None:
+            progress.start()
+        else:
+            progress.remove_task(task["id"])
+        task["id"] = progress.add_task(what, total=total)
+
+    hooks = Hooks(
+        started=started,
+        advanced=lambda n: progress.update(task["id"], completed=n),
+        step=lambda s, t: progress.update(task["id"], completed=s),
+        should_stop=lambda: stop["requested"],
+    )
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        return run_tune(request, hooks)
+    finally:
+        progress.stop()
+        signal.signal(signal.SIGINT, previous)
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:,.1f}"
+
+
+def render(result: TuneResult, console: Console, model_ref: str) -> None:
+    """The header, the table of the best plans, the recommendation or what would make one fit."""
+    where = f"{result.gpus} x {result.gpu} ({result.nodes} node{'s' if result.nodes > 1 else ''})"
+    how = (
+        f"every plan predicted ({result.evaluated:,})"
+        if result.exhaustive
+        else f"{result.trials_run} trials run, {result.evaluated:,} distinct plans in study {result.study!r} "
+        f"({result.trials} trials, {result.storage})"
+    )
+    console.print(
+        f"[bold]{result.model}[/] on {where}: {result.space_size:,} valid plans, {how}; objective {result.objective}; "
+        f"fits = peak reserved <= {format_bytes(result.limit_bytes)} ({format_bytes(result.capacity_bytes)} "
+        f"less {format_bytes(result.margin_bytes)} margin)",
+        soft_wrap=True,
+    )
+    if result.calibration:
+        c = result.calibration
+        console.print(
+            f"calibration of {result.gpu}: step time x{c['step_time_ratio']:.3f}, peak x{c['peak_ratio']:.3f}"
+        )
+    if result.top:
+        console.print(_table(result))
+    if result.recommended is not None:
+        r = result.recommended
+        console.print(f"[green]recommended[/]: {r.evaluation.candidate.describe()}", soft_wrap=True)
+        if result.plan_path:
+            console.print(f"written to {result.plan_path}; check it with: memplan estimate {model_ref} --plan "
+                          f"{result.plan_path}", soft_wrap=True)  # fmt: skip
+    if result.calibration_written:
+        w = result.calibration_written
+        step = f"step time x{w['step_time_ratio']:.3f}" if w["step_time_ratio"] else "step time not measured"
+        console.print(f"calibration of {w['gpu']} updated in {w['path']}: {step}, peak x{w['peak_ratio']:.3f}")
+    if result.closest is not None:
+        c = result.closest
+        console.print(
+            f"[red]nothing fits[/]: the closest plan, {c.candidate.describe()}, peaks at "
+            f"{format_bytes(c.peak_reserved_bytes)} reserved ({format_bytes(c.peak_reserved_bytes - c.limit_bytes)} "
+            "over)",
+            soft_wrap=True,
+        )
+        if result.fixes:
+            table = Table(title="What would make it fit")
+            for col in ("change", "peak reserved GiB", "limit GiB"):
+                table.add_column(col, justify="left" if col == "change" else "right")
+            for f in result.fixes:
+                table.add_row(f.change, _gib(f.peak_reserved_bytes), _gib(f.limit_bytes))
+            console.print(table)
+        else:
+            console.print("no single change, up to 8x the GPUs or a bundled GPU with more memory would make it fit")
+
+
+def _table(result: TuneResult) -> Table:
+    plans = result.top
+    evs = [r.evaluation for r in plans]
+    show = {
+        "cp": any(e.plan.cp > 1 for e in evs),
+        "ep": any(e.plan.ep > 1 for e in evs),
+        "global batch": len({e.workload.global_batch for e in evs}) > 1,
+        "precision": len({e.plan.precision for e in evs}) > 1,
+        "offload": any(e.plan.offload_optimizer != "none" for e in evs),
+        "validated": any(r.validation for r in plans),
+        "trial": not result.exhaustive,
+    }
+    title = "Pareto front (tokens/s vs peak memory)" if result.objective == "pareto" else "Best plans"
+    table = Table(title=title)
+    cols = ["#", "trial", "dp", "tp", "pp", "cp", "ep", "zero", "recompute", "micro-batch", "global batch",
+            "precision", "offload", "peak GiB", "headroom GiB", "tokens/s", "MFU"]  # fmt: skip
+    cols = [c for c in cols if show.get(c, True)]
+    if show["validated"]:
+        cols += ["run", "measured peak GiB", "measured tokens/s"]
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("recompute", "precision", "offload", "run") else "right")
+    for r in plans:
+        e, p, v = r.evaluation, r.evaluation.plan, r.validation
+        pp = f"{p.pp}" + (f"x{p.virtual_stages}" if p.pp_schedule == "interleaved" else "")
+        row = {
+            "#": str(r.rank), "trial": "-" if r.trial is None else str(r.trial), "dp": str(p.dp), "tp": str(p.tp),
+            "pp": pp, "cp": str(p.cp), "ep": str(p.ep), "zero": str(p.zero), "recompute": p.recompute,
+            "micro-batch": str(e.workload.micro_batch), "global batch": str(e.workload.global_batch),
+            "precision": p.precision, "offload": e.candidate.coordinates["offload"],
+            "peak GiB": _gib(e.peak_reserved_bytes), "headroom GiB": _gib(e.headroom_bytes),
+            "tokens/s": f"{e.tokens_per_s:,.0f}", "MFU": f"{100 * e.mfu:.1f}%",
+            "run": "-" if v is None else (v.status + (" (sim.)" if v.simulated else "")),
+            "measured peak GiB": "-" if v is None else _gib(v.measured_peak_bytes),
+            "measured tokens/s": "-" if v is None or not v.measured_tokens_per_s else f"{v.measured_tokens_per_s:,.0f}",
+        }  # fmt: skip
+        table.add_row(*(row[c] for c in cols))
+    return table

@@ -1,0 +1,162 @@
+"""One plan's predicted memory and speed, and how plans compare under each objective.
+
+A plan fits when its peak reserved memory (``estimate_memory``, the most-loaded rank) stays
+under the card's capacity less a safety margin; its speed is ``estimate_time``'s step of the
+slowest pipeline stage. A calibration (measured / predicted, from ``memplan tune
+--validate``) scales the step time through ``Efficiency.calibration`` and the allocated peak
+by its own ratio (the reserved peak keeps the allocator's slack and fixed overhead on top).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from memplan.costmodel import overhead as O
+from memplan.costmodel.memory import estimate_memory
+from memplan.costmodel.report import MemoryReport
+from memplan.costmodel.time import Efficiency, estimate_time
+from memplan.search.space import Candidate
+from memplan.specs.hardware import ClusterSpec, GPUSpec
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
+
+Objective = Literal["throughput", "memory", "pareto"]
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every evaluation of one search shares."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    cluster: ClusterSpec
+    runtime: str = "memplan"
+    margin_bytes: int = 0
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    peak_ratio: float = 1.0  # measured / predicted allocated peak (calibration)
+
+    @property
+    def limit_bytes(self) -> int:
+        """The most a plan's reserved peak may reach: capacity less the margin."""
+        return self.gpu.memory_bytes - self.margin_bytes
+
+
+class Evaluation(BaseModel):
+    """A plan's prediction. ``headroom_bytes`` is capacity minus peak reserved; ``fits`` also
+    keeps the margin free."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    plan: Plan
+    workload: TrainingWorkload
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    peak_phase: str
+    peak_rank: int
+    capacity_bytes: int
+    limit_bytes: int
+    fits: bool
+    headroom_bytes: int
+    gradient_accumulation: int
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+
+    @property
+    def candidate(self) -> Candidate:
+        return Candidate(self.plan, self.workload)
+
+    @property
+    def constraint(self) -> float:
+        """Optuna's feasibility value (<= 0 feasible): GiB over the limit."""
+        return (self.peak_reserved_bytes - self.limit_bytes) / GiB
+
+
+def peak_bytes(report: MemoryReport, peak_ratio: float) -> tuple[int, int]:
+    """(allocated, reserved) peak, the allocated one scaled by a calibration ratio."""
+    if peak_ratio == 1.0:
+        return report.peak.allocated, report.peak.reserved
+    allocated = round(report.peak.allocated * peak_ratio)
+    return allocated, O.reserved_bytes(allocated, report.overhead)
+
+
+def peak_reserved(candidate: Candidate, ctx: Context) -> int:
+    """The reserved peak alone (no step time): scans for what comes closest to fitting."""
+    report = estimate_memory(ctx.model, candidate.workload, candidate.plan, ctx.runtime)
+    return peak_bytes(report, ctx.peak_ratio)[1]
+
+
+def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
+    """Predicted peak memory, fit and speed of one plan."""
+    plan, workload = candidate.plan, candidate.workload
+    report = estimate_memory(ctx.model, workload, plan, ctx.runtime)
+    allocated, reserved = peak_bytes(report, ctx.peak_ratio)
+    speed = estimate_time(ctx.model, workload, plan, ctx.gpu, ctx.cluster, runtime=ctx.runtime, eff=ctx.efficiency)
+    return Evaluation(
+        plan=plan,
+        workload=workload,
+        peak_allocated_bytes=allocated,
+        peak_reserved_bytes=reserved,
+        peak_phase=report.peak.phase,
+        peak_rank=report.peak.rank,
+        capacity_bytes=ctx.gpu.memory_bytes,
+        limit_bytes=ctx.limit_bytes,
+        fits=reserved <= ctx.limit_bytes,
+        headroom_bytes=ctx.gpu.memory_bytes - reserved,
+        gradient_accumulation=report.gradient_accumulation,
+        step_time_s=speed.step_time_s,
+        tokens_per_s=speed.tokens_per_s,
+        tokens_per_s_per_gpu=speed.tokens_per_s_per_gpu,
+        mfu=speed.mfu,
+    )
+
+
+def evaluate_all(
+    candidates: Iterable[Candidate], ctx: Context, progress: Callable[[int], None] | None = None
+) -> list[Evaluation]:
+    """Every candidate evaluated (the exhaustive search); ``progress(n)`` every 256 plans."""
+    out = []
+    for i, candidate in enumerate(candidates, 1):
+        out.append(evaluate(candidate, ctx))
+        if progress is not None and i % 256 == 0:
+            progress(i)
+    if progress is not None:
+        progress(len(out))
+    return out
+
+
+def score(ev: Evaluation, objective: Objective) -> tuple:
+    """Sort key, best first: fitting plans before the others; among fitting ones the fastest
+    (throughput, pareto) or the smallest (memory), ties to the other figure; among the rest the
+    closest to fitting."""
+    if not ev.fits:
+        return (1, ev.peak_reserved_bytes, -ev.tokens_per_s)
+    if objective == "memory":
+        return (0, ev.peak_reserved_bytes, -ev.tokens_per_s)
+    return (0, -ev.tokens_per_s, ev.peak_reserved_bytes)
+
+
+def rank(evaluations: Iterable[Evaluation], objective: Objective) -> list[Evaluation]:
+    return sorted(evaluations, key=lambda ev: score(ev, objective))
+
+
+def pareto_front(evaluations: Iterable[Evaluation]) -> list[Evaluation]:
+    """Fitting plans that no other fitting plan beats on both tokens/s and peak reserved,
+    fastest first."""
+    front: list[Evaluation] = []
+    for ev in sorted((e for e in evaluations if e.fits), key=lambda e: (-e.tokens_per_s, e.peak_reserved_bytes)):
+        if not front or ev.peak_reserved_bytes < front[-1].peak_reserved_bytes:
+            front.append(ev)
+    return front
+
+
+def closest(evaluations: Iterable[Evaluation]) -> Evaluation | None:
+    """The plan with the lowest peak reserved memory (what comes nearest to fitting)."""
+    return min(evaluations, key=lambda ev: (ev.peak_reserved_bytes, -ev.tokens_per_s), default=None)

@@ -1,0 +1,219 @@
+"""``memplan tune`` as a library call: search the plans, validate the best, recommend one.
+
+The search is exhaustive (every valid plan predicted) or an Optuna study (``study``). With
+``validate`` > 0 the best plans are run (``validation``), each run recorded as a trial of the
+study, the list re-ranked by measured throughput where a real run measured it, and the
+measured / predicted ratios added to the calibration of the GPU profile.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from memplan.errors import MemplanError
+from memplan.search import study as S
+from memplan.search.advice import lowest_peak, what_would_fit
+from memplan.search.calibration import load_calibration, save_calibration, with_runs
+from memplan.search.evaluate import Context, Evaluation, evaluate, evaluate_all, pareto_front, rank
+from memplan.search.seeds import seeds
+from memplan.search.space import Space, enumerate_space
+from memplan.search.tuning import Hooks, RankedPlan, TuneRequest, TuneResult
+from memplan.search.validation import Outcome, detect_gpus, run_spec, validate_plan
+
+CLI = "command line"
+MAX_EXHAUSTIVE = 100_000  # ~40 s at ~2,500 plans/s (estimate_time dominates)
+
+
+def study_name(req: TuneRequest) -> str:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{req.ctx.model.name}-{req.options.gpus}x{req.ctx.gpu.name}-{stamp}"
+
+
+def _space(req: TuneRequest) -> Space:
+    space = enumerate_space(req.ctx.model, req.options)
+    if not len(space):
+        o = req.options
+        batch = f", global batch {', '.join(map(str, o.global_batches))}" if o.global_batches else ""
+        raise MemplanError(
+            f"no valid plan of {req.ctx.model.name} on {o.gpus} GPUs ({o.gpus_per_node} per node) with seq_len "
+            f"{o.seq_len}{batch}: TP, PP, CP and the batch must split evenly",
+            source=CLI,
+            field="--gpus",
+        )
+    if req.exhaustive and len(space) > MAX_EXHAUSTIVE:
+        raise MemplanError(
+            f"the space has {len(space):,} plans, more than {MAX_EXHAUSTIVE:,} (~40 s); drop --exhaustive "
+            "or narrow it (--micro-batch, fewer --precision values, no --allow-offload)",
+            source=CLI,
+            field="--exhaustive",
+        )
+    return space
+
+
+def _open(req: TuneRequest, name: str):  # noqa: ANN202 - optuna.Study
+    storage = S.open_storage(req.storage)
+    sampler = S.make_sampler(req.objective, req.seed)
+    return S.open_study(name, storage, sampler, S.signature(req.ctx, req.options, req.objective))
+
+
+@dataclass
+class _Search:
+    """What the search left: the study (None when exhaustive), the plans it predicted and the
+    first trial of each."""
+
+    study: Any
+    name: str
+    evaluations: list[Evaluation]
+    trials_of: dict[tuple, int] = field(default_factory=dict)
+    ran: int = 0
+
+
+def _search(req: TuneRequest, space: Space, hooks: Hooks) -> _Search:
+    name = req.study or study_name(req)
+    if req.exhaustive:
+        hooks.started("evaluating", len(space))
+        return _Search(None, name, evaluate_all(space.candidates, req.ctx, progress=hooks.advanced))
+    study = _open(req, name)
+    objective = S.SearchObjective(space, req.ctx, req.objective)
+    if not study.get_trials(deepcopy=False):  # a new study: known-good plans first
+        S.enqueue_seeds(study, space, seeds(space, objective.evaluate, req.objective))
+    hooks.started("searching", req.trials)
+    done = 0
+
+    def advanced(_trial: object) -> None:
+        nonlocal done
+        done += 1
+        hooks.advanced(done)
+
+    ran = S.optimize(study, objective, req.trials, on_trial=advanced, should_stop=hooks.should_stop)
+    trials_of = S.searched(study)  # every worker's trials, predicted again with this context
+    evaluations = [objective.evaluate(space.index[key]) for key in trials_of if key in space.index]
+    return _Search(study, name, evaluations, trials_of, ran)
+
+
+def _fitting(
+    req: TuneRequest, space: Space, evaluations: list[Evaluation]
+) -> tuple[list[Evaluation], Evaluation | None]:
+    """The fitting plans best first (the Pareto front for ``pareto``); when none, the plan of
+    the whole space closest to fitting (memory model only)."""
+    ranked = pareto_front(evaluations) if req.objective == "pareto" else rank(evaluations, req.objective)
+    fitting = [ev for ev in ranked if ev.fits]
+    if fitting:
+        return fitting, None
+    closest = _closest(space, req.ctx)
+    return ([closest], None) if closest.fits else ([], closest)  # fits: the study missed it
+
+
+def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
+    """Search, validate the best ``req.validate`` plans, rank, recommend (see the module)."""
+    hooks = hooks or Hooks()
+    space = _space(req)
+    found = _search(req, space, hooks)
+    fitting, closest = _fitting(req, space, found.evaluations)
+    top = [
+        RankedPlan(rank=i, trial=found.trials_of.get(ev.candidate.key), evaluation=ev)
+        for i, ev in enumerate(fitting[: max(req.top, req.validate)], 1)
+    ]
+    study, written = found.study, None
+    if req.validate and top and not hooks.should_stop():
+        study = study or _open(req, found.name)
+        top, written = _validate(req, space, study, top, hooks)
+    return TuneResult(
+        model=req.ctx.model.name,
+        gpu=req.ctx.gpu.name,
+        gpus=req.options.gpus,
+        nodes=req.ctx.cluster.nodes,
+        runtime=req.ctx.runtime,
+        objective=req.objective,
+        capacity_bytes=req.ctx.gpu.memory_bytes,
+        margin_bytes=req.ctx.margin_bytes,
+        limit_bytes=req.ctx.limit_bytes,
+        space_size=len(space),
+        evaluated=len(found.evaluations),
+        exhaustive=req.exhaustive,
+        study=found.name if study is not None else None,
+        storage=req.storage if study is not None else None,
+        trials=len(study.get_trials(deepcopy=False)) if study is not None else 0,
+        trials_run=found.ran,
+        interrupted=hooks.should_stop(),
+        calibration=_calibration_used(req.ctx),
+        top=top,
+        recommended=next((r for r in top if not (r.validation and r.validation.status == "oom")), None),
+        closest=closest,
+        fixes=what_would_fit(closest, req.options, req.ctx) if closest is not None else [],
+        calibration_written=written,
+    )
+
+
+def _closest(space: Space, ctx: Context) -> Evaluation:
+    best = lowest_peak(space.candidates, ctx)
+    assert best is not None  # the space is never empty here
+    return evaluate(best[0], ctx)
+
+
+def _calibration_used(ctx: Context) -> dict[str, float] | None:
+    if ctx.efficiency.calibration == 1.0 and ctx.peak_ratio == 1.0:
+        return None
+    return {"step_time_ratio": ctx.efficiency.calibration, "peak_ratio": ctx.peak_ratio}
+
+
+def uncalibrated(ctx: Context) -> Context:
+    """What a validation run is compared with: the bundled trainer's accounting (``memplan``
+    runtime, as ``memplan validate``), without calibration (the ratios calibrate the model)."""
+    efficiency = ctx.efficiency.model_copy(update={"calibration": 1.0})
+    return replace(ctx, runtime="memplan", efficiency=efficiency, peak_ratio=1.0)
+
+
+def _validate(
+    req: TuneRequest, space: Space, study, top: list[RankedPlan], hooks: Hooks
+) -> tuple[list[RankedPlan], dict | None]:
+    """Run the best ``req.validate`` plans, record each as a trial, re-rank, calibrate."""
+    gpus = detect_gpus() if req.validation.device != "cpu" else 0
+    raw_ctx = uncalibrated(req.ctx)
+    done: list[RankedPlan] = []
+    for i, r in enumerate(top[: req.validate]):
+        if hooks.should_stop():
+            break
+        hooks.started(f"validating {i + 1}/{min(req.validate, len(top))}", req.validation.steps + 1)
+        raw = evaluate(r.evaluation.candidate, raw_ctx)
+        spec = run_spec(req.ctx.model, raw, req.ctx.gpu, req.validation, gpus)
+        outcome = validate_plan(spec, raw, req.validation.timeout_s, progress=hooks.step)
+        attrs = {"validated_trial": r.trial, **outcome.model_dump(mode="json")}
+        number = S.record_validation(study, space, r.evaluation, req.objective, attrs, failed=outcome.failed)
+        done.append(r.model_copy(update={"validation": outcome, "validation_trial": number}))
+    ranked = rerank([*done, *top[len(done) :]])
+    return ranked, _calibrate(req, [d.validation for d in done if d.validation])
+
+
+def rerank(plans: list[RankedPlan]) -> list[RankedPlan]:
+    """Plans measured by a real run first, by measured tokens/s; then the rest as predicted;
+    plans whose run ran out of memory last."""
+
+    def measured(r: RankedPlan) -> float | None:
+        return r.validation.measured_tokens_per_s if r.validation else None
+
+    real = sorted((r for r in plans if measured(r)), key=lambda r: -(measured(r) or 0.0))
+    oom = [r for r in plans if r.validation and r.validation.status == "oom"]
+    rest = [r for r in plans if not measured(r) and r not in oom]
+    return [r.model_copy(update={"rank": i}) for i, r in enumerate([*real, *rest, *oom], 1)]
+
+
+def _calibrate(req: TuneRequest, outcomes: list[Outcome]) -> dict | None:
+    times = [o.step_time_ratio for o in outcomes if o.step_time_ratio]
+    peaks = [o.peak_ratio for o in outcomes if o.peak_ratio]
+    if req.calibration_path is None or not (times or peaks):
+        return None
+    now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    cal = with_runs(load_calibration(req.calibration_path), req.ctx.gpu.name, times, peaks, now)
+    save_calibration(cal, req.calibration_path)
+    profile = cal.profiles[req.ctx.gpu.name]
+    return {
+        "path": str(req.calibration_path),
+        "gpu": req.ctx.gpu.name,
+        "step_time_ratios": times,
+        "peak_ratios": peaks,
+        "step_time_ratio": profile.step_time_ratio,
+        "peak_ratio": profile.peak_ratio,
+    }

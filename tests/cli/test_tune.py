@@ -1,0 +1,279 @@
+"""``memplan tune`` end to end: output contracts, the plan file round trip, bad input, nothing
+fitting, a study shared by two workers, Ctrl-C and resume, validation runs on CPU."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from memplan.cli.app import run
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+LLAMA8B = ["llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "128"]
+TINY = """name: tiny
+hidden_size: 128
+num_layers: 2
+num_attention_heads: 4
+num_kv_heads: 2
+ffn_size: 256
+vocab_size: 1000
+"""
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Each test in its own folder (the default study database and plan file land there)
+    with its own calibration file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEMPLAN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("MEMPLAN_DEBUG", raising=False)
+
+
+def memplan(*args: str) -> tuple[int, str, str]:
+    """The CLI in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = run([*args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "memplan.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def load(storage: str, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def test_json_contract_and_plan_file_round_trip(tmp_path: Path):
+    code, out, err = memplan("tune", *LLAMA8B, "--trials", "25", "--study", "t", "--format", "json", "--out", "p.yaml")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["study"] == "t" and data["storage"] == "sqlite:///memplan-tune.db"
+    assert data["trials"] == data["trials_run"] == 25 and data["space_size"] == 645
+    assert data["recommended"] == data["top"][0] and data["plan_path"] == "p.yaml"
+    assert data["closest"] is None and data["fixes"] == [] and data["interrupted"] is False
+    best = data["recommended"]["evaluation"]
+    assert best["fits"] and best["peak_reserved_bytes"] <= data["limit_bytes"]
+    tokens = [r["evaluation"]["tokens_per_s"] for r in data["top"]]
+    assert tokens == sorted(tokens, reverse=True) and len(tokens) == 10
+    plan_file = yaml.safe_load(Path("p.yaml").read_text())
+    assert plan_file["plan"]["dp"] == best["plan"]["dp"] and plan_file["gpus"] == 8
+    code, out, err = memplan("estimate", "llama3-8b", "--plan", "p.yaml", "--format", "json")
+    assert code == 0, err
+    estimate = json.loads(out)
+    assert estimate["memory"]["peak"]["reserved"] == best["peak_reserved_bytes"]
+    assert {k: estimate["plan"][k] for k in best["plan"]} == best["plan"]
+    assert estimate["plan"]["global_batch"] == 128 and estimate["plan"]["seq_len"] == 8192
+
+
+def test_table_and_exhaustive():
+    code, out, err = memplan("tune", *LLAMA8B, "--exhaustive")
+    assert code == 0, err
+    assert "Best plans" in out and "every plan predicted (645)" in out and "recommended" in out
+    code, out, _ = memplan("tune", *LLAMA8B, "--exhaustive", "--format", "json", "--top", "3")
+    data = json.loads(out)
+    assert data["exhaustive"] and data["study"] is None and data["trials"] == 0 and len(data["top"]) == 3
+    assert not Path("memplan-tune.db").exists()  # an exhaustive search needs no study
+    tokens = [r["evaluation"]["tokens_per_s"] for r in data["top"]]
+    assert tokens == sorted(tokens, reverse=True)
+
+
+def test_pareto_front():
+    code, out, err = memplan("tune", *LLAMA8B, "--objective", "pareto", "--trials", "25", "--format", "json")
+    assert code == 0, err
+    front = [r["evaluation"] for r in json.loads(out)["top"]]
+    assert len(front) >= 2
+    for a, b in zip(front, front[1:], strict=False):  # faster and bigger, then slower and smaller
+        assert a["tokens_per_s"] > b["tokens_per_s"] and a["peak_reserved_bytes"] > b["peak_reserved_bytes"]
+
+
+def test_nothing_fits_names_the_closest_plan_and_fixes():
+    args = ["tune", "llama3-70b", "--gpus", "8", "--gpu", "a100-40gb", "--seq-len", "8192", "--global-batch", "64"]
+    code, out, err = memplan(*args, "--trials", "10", "--format", "json")
+    assert code == 1 and "Traceback" not in err
+    data = json.loads(out)
+    assert data["recommended"] is None and data["top"] == [] and data["plan_path"] is None
+    closest = data["closest"]
+    assert not closest["fits"] and closest["peak_reserved_bytes"] > data["limit_bytes"]
+    kinds = {f["kind"] for f in data["fixes"]}
+    assert "gpus" in kinds and all(f["peak_reserved_bytes"] <= f["limit_bytes"] for f in data["fixes"])
+    assert not Path("best-plan.yaml").exists()
+    code, out, _ = memplan(*args, "--trials", "5")
+    assert code == 1 and "nothing fits" in out and "What would make it fit" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--storage", "nosuch://db"], "--storage"),
+        (["--storage", "sqlite:////no/such/dir/t.db"], "--storage"),
+        (["--global-batch", "lots"], "--global-batch"),
+        (["--global-batch", "512-256"], "--global-batch"),
+        (["--margin", "100%"], "--margin"),
+        (["--precision", "bf16-mixed,fp9"], "--precision"),
+        (["--nodes", "3"], "--nodes"),
+        (["--gpu", "no-such-gpu"], "--gpu"),
+        (["--memory-limit", "lots"], "--memory-limit"),
+        (["--objective", "speed"], "--objective"),
+    ],
+)
+def test_bad_input_is_one_line(flags: list[str], field: str):
+    code, out, err = memplan("tune", *LLAMA8B, "--trials", "2", *flags)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"memplan: error: command line: {field}:"), err
+
+
+def test_no_valid_plan_is_bad_input():
+    code, _, err = memplan("tune", "llama3-8b", "--gpus", "3", "--global-batch", "128", "--trials", "2")
+    assert code == 2 and err.startswith("memplan: error: command line: --gpus: no valid plan")
+
+
+def test_resuming_with_other_options_is_refused():
+    assert memplan("tune", *LLAMA8B, "--trials", "3", "--study", "r")[0] == 0
+    code, _, err = memplan("tune", *LLAMA8B, "--trials", "3", "--study", "r", "--margin", "2GiB")
+    assert code == 2 and "--study" in err and "margin_bytes" in err
+    code, out, _ = memplan("tune", *LLAMA8B, "--trials", "4", "--study", "r", "--format", "json")
+    assert code == 0 and json.loads(out)["trials"] == 7  # the same options resume it
+
+
+def test_calibration_is_applied(tmp_path: Path):
+    home = tmp_path / "home"
+    home.mkdir()
+    profile = {"step_time_ratios": [2.0], "peak_ratios": [1.0], "updated": "t"}
+    (home / "calibration.json").write_text(json.dumps({"version": 1, "profiles": {"h100-sxm": profile}}))
+    common = ["tune", *LLAMA8B, "--exhaustive", "--format", "json", "--top", "1"]
+    calibrated = json.loads(memplan(*common)[1])
+    plain = json.loads(memplan(*common, "--no-calibration")[1])
+    assert calibrated["calibration"] == {"step_time_ratio": 2.0, "peak_ratio": 1.0} and plain["calibration"] is None
+    a, b = calibrated["recommended"]["evaluation"], plain["recommended"]["evaluation"]
+    assert a["plan"] == b["plan"] and a["tokens_per_s"] == pytest.approx(b["tokens_per_s"] / 2)
+
+
+def test_two_workers_share_one_study(tmp_path: Path):
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    common = ["tune", *LLAMA8B, "--trials", "15", "--study", "shared", "--storage", storage, "--format", "json"]
+    workers = [spawn(*common, "--seed", str(seed)) for seed in (0, 1)]
+    results = [w.communicate(timeout=120) for w in workers]
+    for w, (out, err) in zip(workers, results, strict=True):
+        assert w.returncode == 0, err
+        assert json.loads(out)["trials_run"] == 15
+    trials = load(storage, "shared").get_trials(deepcopy=False)
+    assert len(trials) == 30  # none lost
+    assert sorted(t.number for t in trials) == list(range(30))  # none duplicated
+    assert {t.state for t in trials} == {TrialState.COMPLETE}
+
+
+def test_ctrl_c_keeps_the_study_and_resume_adds_trials(tmp_path: Path):
+    storage = f"sqlite:///{tmp_path / 'c.db'}"
+    common = ["tune", *LLAMA8B, "--study", "c", "--storage", storage]
+    proc = spawn(*common, "--trials", "100000")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        try:
+            if len(load(storage, "c").get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) >= 5:
+                break
+        except KeyError:  # the study is not created yet
+            continue
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "--study c" in err and "Traceback" not in err
+    assert "recommended" in out  # the best plan so far is still shown
+    trials = load(storage, "c").get_trials(deepcopy=False)
+    assert len(trials) >= 5 and {t.state for t in trials} == {TrialState.COMPLETE}  # nothing left running
+    code, out, err = memplan(*common, "--trials", "5", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["trials"] == len(trials) + 5
+    assert sorted(t.number for t in load(storage, "c").trials) == list(range(len(trials) + 5))
+
+
+@pytest.fixture()
+def tiny(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY)
+    return path
+
+
+TINY_TUNE = ["--gpus", "2", "--seq-len", "64", "--global-batch", "8", "--validate-device", "cpu", "--trials", "12"]
+
+
+def test_validate_top_plans_on_cpu(tiny: Path, tmp_path: Path):
+    pytest.importorskip("torch")
+    storage = f"sqlite:///{tmp_path / 'v.db'}"
+    code, out, err = memplan("tune", str(tiny), *TINY_TUNE, "--validate", "2", "--study", "v", "--storage", storage,
+                             "--format", "json")  # fmt: skip
+    assert code == 0, err
+    data = json.loads(out)
+    validated = [r for r in data["top"] if r["validation"]]
+    assert len(validated) == 2
+    for r in validated:
+        v = r["validation"]
+        assert v["status"] == "ok" and v["device"] == "cpu" and v["simulated"] is True
+        assert v["measured_peak_bytes"] > 0 and v["measured_step_time_s"] > 0
+        assert v["peak_ratio"] == pytest.approx(v["measured_peak_bytes"] / v["predicted_peak_bytes"])
+        assert abs(v["peak_ratio"] - 1) < 0.05  # the trainer's memory model (docs/accuracy.md: within 2%)
+        assert v["step_time_ratio"] is None and v["measured_tokens_per_s"] is None  # simulated: no real time
+    trials = {t.number: t for t in load(storage, "v").trials}
+    for r in validated:
+        t = trials[r["validation_trial"]]
+        assert t.state == TrialState.COMPLETE and t.user_attrs["kind"] == "validation"
+        assert t.user_attrs["measured_peak_bytes"] == r["validation"]["measured_peak_bytes"]
+        assert t.user_attrs["measured_step_time_s"] == r["validation"]["measured_step_time_s"]
+        assert t.user_attrs["validated_trial"] == r["trial"]
+    written = data["calibration_written"]
+    assert written["gpu"] == "h100-sxm" and len(written["peak_ratios"]) == 2 and written["step_time_ratios"] == []
+    stored = json.loads((tmp_path / "home" / "calibration.json").read_text())
+    assert stored["profiles"]["h100-sxm"]["peak_ratios"] == written["peak_ratios"]
+    # the plan file runs under memplan validate as it is
+    check = subprocess.run([sys.executable, "-m", "memplan.cli", "validate", str(tiny), "--plan", "best-plan.yaml",
+                            "--steps", "1", "--device", "cpu", "--format", "json"], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout)["status"] == "ok"
+
+
+def test_failed_validation_runs_are_failed_trials(tiny: Path, tmp_path: Path):
+    pytest.importorskip("torch")
+    storage = f"sqlite:///{tmp_path / 'f.db'}"
+    code, out, err = memplan("tune", str(tiny), *TINY_TUNE, "--validate", "2", "--memory-limit", "4MiB",
+                             "--study", "f", "--storage", storage, "--format", "json")  # fmt: skip
+    assert code == 0, err  # the search goes on: the next plan is recommended
+    data = json.loads(out)
+    failed = [r for r in data["top"] if r["validation"]]
+    assert len(failed) == 2 and all(r["validation"]["status"] == "oom" for r in failed)
+    assert data["top"][-2:] == failed  # out of memory: ranked last
+    assert data["recommended"]["validation"] is None and data["recommended"]["rank"] == 1
+    trials = {t.number: t for t in load(storage, "f").trials}
+    for r in failed:
+        t = trials[r["validation_trial"]]
+        assert t.state == TrialState.FAIL and "out of memory" in t.user_attrs["reason"]
+    assert data["calibration_written"] is None
+
+
+def test_a_hung_run_is_a_failed_trial(tiny: Path, tmp_path: Path):
+    pytest.importorskip("torch")
+    storage = f"sqlite:///{tmp_path / 'h.db'}"
+    code, out, err = memplan("tune", str(tiny), *TINY_TUNE, "--validate", "1", "--validate-timeout", "1",
+                             "--study", "h", "--storage", storage, "--format", "json")  # fmt: skip
+    assert code == 0, err
+    run = next(r for r in json.loads(out)["top"] if r["validation"])
+    assert run["validation"]["status"] == "timeout" and "timed out" in run["validation"]["reason"]
+    trial = load(storage, "h").trials[run["validation_trial"]]
+    assert trial.state == TrialState.FAIL and trial.user_attrs["status"] == "timeout"
