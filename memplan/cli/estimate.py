@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from memplan.costmodel.time import Efficiency
 from memplan.estimate import EstimateResult
 from memplan.estimate import estimate as run_estimate
 from memplan.specs.resolve import resolve_job
@@ -67,6 +68,13 @@ def estimate(
     gpu: Annotated[str | None, Opt(help="GPU profile name or YAML (default h100-sxm).", rich_help_panel=HW)] = None,
     gpus: Annotated[int | None, Opt(help="Total GPUs.", rich_help_panel=HW)] = None,
     nodes: Annotated[int | None, Opt(help="Nodes.", rich_help_panel=HW)] = None,
+    calibration: Annotated[
+        bool,
+        Opt(
+            "--calibration/--no-calibration",
+            help="Scale the step time by the GPU profile's measured/predicted ratio (memplan tune --validate).",
+        ),
+    ] = True,
     format: Annotated[Literal["table", "json"], Opt("--format", help="table or json.")] = "table",
 ) -> None:
     """Per-GPU memory of one configuration at the peak of a step, on the most-loaded rank."""
@@ -100,11 +108,20 @@ def estimate(
         nodes=nodes,
     )
     job = resolve_job(model, plan, overrides, inference=inference)
-    result = run_estimate(job)
+    result = run_estimate(job, efficiency=_efficiency(job.gpu.name) if calibration else None)
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
         render(result, Console())
+
+
+def _efficiency(gpu: str) -> Efficiency | None:
+    """The time model's defaults scaled by this GPU profile's stored calibration, if any."""
+    from memplan.search.calibration import calibration_path, load_calibration
+
+    profile = load_calibration(calibration_path()).profiles.get(gpu)
+    ratio = profile.step_time_ratio if profile is not None else None
+    return Efficiency(calibration=ratio) if ratio else None
 
 
 def _gib(n: int) -> str:

@@ -176,9 +176,22 @@ def tune(
     ] = None,
     top: Annotated[int, Opt(help="Plans shown.", min=1)] = 10,
     out: Annotated[Path, Opt("--out", help="Where the recommended plan YAML goes.")] = Path("best-plan.yaml"),
+    export: Annotated[
+        str | None,
+        Opt(
+            "--export",
+            help="Also write the recommended plan for a trainer: deepspeed, accelerate, torchtitan, megatron or "
+            "fsdp2 (beside --out, with the target's suffix).",
+        ),
+    ] = None,
     format: Annotated[Literal["table", "json"], Opt("--format", help="table or json.")] = "table",
 ) -> None:
     """Search the parallel plans for the fastest one that fits; write it as a plan YAML."""
+    if export is not None:
+        from memplan.export import TARGETS
+
+        if export not in TARGETS:
+            raise MemplanError(f"unknown target {export!r} ({', '.join(TARGETS)})", source=CLI, field="--export")
     spec = load_model(model)
     card = _gpu(gpu)
     cluster = _cluster(gpus, nodes)
@@ -233,6 +246,8 @@ def tune(
         typer.echo(result.model_dump_json(indent=2))
     else:
         render(result, Console(), model)
+    if export is not None and result.recommended is not None:
+        _export(model, out, export)
     err = Console(stderr=True)
     if result.interrupted:
         if result.study:
@@ -246,6 +261,27 @@ def tune(
         raise typer.Exit(130)
     if result.recommended is None:
         raise typer.Exit(1)
+
+
+def _export(model: str, plan_path: Path, target: str) -> Path:
+    """The recommended plan, read back from its YAML as ``memplan export`` reads it, written
+    for ``target`` beside it; the notes on what the trainer must do go to stderr."""
+    from memplan.export import render
+    from memplan.specs.resolve import resolve_job
+
+    job = resolve_job(model, str(plan_path), {})
+    try:
+        exported = render(job, target)
+    except MemplanError as err:
+        # the searched plan uses something the target cannot express: say so, keep the YAML
+        raise MemplanError(f"{err.reason} (the plan YAML is in {plan_path})", source=CLI, field="--export") from None
+    path = plan_path.with_name(f"{plan_path.stem}-{target}{exported.suffix}")
+    path.write_text(exported.text)
+    err_console = Console(stderr=True)
+    err_console.print(f"wrote {path}", soft_wrap=True)
+    for note in exported.notes:
+        err_console.print(f"memplan: note: {note}", soft_wrap=True, highlight=False)
+    return path
 
 
 def _run(request: TuneRequest, show: bool) -> TuneResult:

@@ -180,7 +180,8 @@ def embedding_grad_pending(
     after every layer's: V h / t (V h under DTensor TP, whose embedding backward yields a
     replicated gradient). Zero when the LM head shares the matrix on this stage (its
     backward made the gradient first) and under FSDP2 without pipelining, whose sharded
-    gradients the estimate does not follow per group."""
+    gradients the estimate does not follow per group. Measured on the bundled trainer only
+    (the ``memplan`` runtime)."""
     if not layout.is_first or (layout.is_last and model.tied_embeddings):
         return 0
     fsdp2 = _fsdp2(rt, plan)
@@ -379,7 +380,9 @@ def _stage_phases(
     # complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
     end_grads, end_acts = grads_full, others + live_layer + embed + layer_temp(x)
-    pending = embedding_grad_pending(model, layout, plan, policy, rt) if not grads_in_step and layers else 0
+    pending = 0
+    if rt.pytorch_parallel and not grads_in_step and layers:
+        pending = min(embedding_grad_pending(model, layout, plan, policy, rt), grads_full)
     if pending:
         # the first backward on this rank reaches its last layer before the embedding's
         # backward, with every in-flight micro-batch's activations still kept; later

@@ -6,6 +6,8 @@ published counts (Llama-2-7B 6,738,415,616; Llama-3-8B 8,030,261,248; ...).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from memplan.specs.model import ModelSpec
 
 
@@ -53,6 +55,7 @@ def moe_params(model: ModelSpec) -> tuple[int, int]:
     return experts, shared + router + gate
 
 
+@lru_cache(maxsize=4096)
 def layer_params(model: ModelSpec, index: int) -> int:
     """All parameters of transformer layer ``index``: attention, MLP or MoE, two norms."""
     count = attention_params(model) + 2 * norm_params(model)
@@ -75,6 +78,7 @@ def head_params(model: ModelSpec) -> int:
     return norm_params(model) + head
 
 
+@lru_cache(maxsize=4096)
 def total_params(model: ModelSpec) -> int:
     """Every parameter of the model, counted once (tied weights once)."""
     layers = sum(layer_params(model, i) for i in range(model.num_layers))
@@ -88,6 +92,7 @@ def expert_params(model: ModelSpec) -> int:
     return model.num_moe_layers * moe_params(model)[0]
 
 
+@lru_cache(maxsize=4096)
 def active_params(model: ModelSpec) -> int:
     """Parameters one token passes through: routed experts count top_k / num_experts."""
     if model.moe is None:

@@ -70,6 +70,7 @@ class TimeReport(BaseModel):
     hfu: float = Field(description="Hardware FLOPs (with recomputation) / time / dense peak.")
     flops_per_step: float = Field(description="Model FLOPs of one step, whole job.")
     peak_flops: float = Field(description="Dense peak FLOP/s per GPU of the compute dtype.")
+    calibration: float = Field(1.0, description="Measured / predicted step time applied (1: uncalibrated).")
     breakdown: dict[str, float]
 
 
@@ -233,6 +234,7 @@ def estimate_time(
         hfu=hardware_flops / step / world / peak,
         flops_per_step=model_flops,
         peak_flops=peak,
+        calibration=eff.calibration,
         breakdown=breakdown,
     )
 

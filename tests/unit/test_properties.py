@@ -161,8 +161,9 @@ def test_more_recomputation_never_uses_more(job):
 @settings(max_examples=300, deadline=None)
 @given(jobs(), st.sampled_from([2, 4]))
 def test_grows_with_batch_and_sequence(job, factor):
-    """Per-layer activations strictly grow; the peak never shrinks (it stays put when the optimizer
-    step, which holds no activations, is the peak)."""
+    """Per-layer activations strictly grow; the peak never shrinks. It stays put when the peak
+    moment holds no activations: the optimizer step, or the embedding backward of a tied model
+    (its gradients and their sum, measured on the bundled trainer)."""
     m, workload, plan, runtime = job
     base = estimate_memory(m, workload, plan, runtime)
     bigger_batch = workload.model_copy(
@@ -173,7 +174,8 @@ def test_grows_with_batch_and_sequence(job, factor):
         report = estimate_memory(m, bigger, plan, runtime)
         assert report.activations.per_layer > base.activations.per_layer
         assert report.peak.allocated >= base.peak.allocated
-        if base.peak.phase != "optimizer":
+        holds_activations = any(base.peak.breakdown.get(k, 0) for k in ("activations", "logits_and_loss"))
+        if holds_activations:
             assert report.peak.allocated > base.peak.allocated
 
 
