@@ -14,6 +14,7 @@ from memplan.check import CheckReport, load_baseline, load_budgets, new_baseline
 from memplan.check import check as run_check
 from memplan.check.evaluate import Measurement, Resolved
 from memplan.check.render import MARK, junit_xml, markdown
+from memplan.cli.common import auto_device
 from memplan.errors import MemplanError
 from memplan.specs.resolve import CLI
 from memplan.units import format_bytes
@@ -21,17 +22,6 @@ from memplan.units import format_bytes
 Opt = typer.Option
 OUT = "Output"
 RUN = "Measure"
-
-
-def _device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - the train extra brings torch
-        needs = "--measure needs the train extra: pip install 'memplan[train]'"
-        raise MemplanError(needs, source=CLI, field="--measure") from None
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check(
@@ -67,7 +57,7 @@ def check(
     if measure:
         from memplan.check.measure import measure as run_measure
 
-        where = _device(device)
+        where = auto_device(device, "--measure", "--measure")
 
         def measurer(r: Resolved) -> Measurement:
             return run_measure(r, where, timeout)

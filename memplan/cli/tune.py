@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from memplan.cli.common import memory_limit_bytes
 from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
@@ -195,14 +196,7 @@ def tune(
     spec = load_model(model)
     card = _gpu(gpu)
     cluster = _cluster(gpus, nodes)
-    limit = None
-    if memory_limit is not None:
-        try:
-            limit = parse_bytes(memory_limit)
-        except ValueError as err:
-            raise MemplanError(str(err), source=CLI, field="--memory-limit") from None
-        if limit <= 0:
-            raise MemplanError("must be a positive size, e.g. 2GiB", source=CLI, field="--memory-limit")
+    limit = memory_limit_bytes(memory_limit)
     options = SpaceOptions(
         gpus=gpus,
         gpus_per_node=cluster.gpus_per_node,

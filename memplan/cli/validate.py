@@ -11,12 +11,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from memplan.cli.common import auto_device, memory_limit_bytes
 from memplan.costmodel.flops import rank_flops_per_step
+from memplan.costmodel.time import matmul_peak_flops
 from memplan.errors import MemplanError
 from memplan.estimate import estimate as run_estimate
-from memplan.specs.hardware import GPUSpec
 from memplan.specs.resolve import CLI, resolve_job
-from memplan.units import format_bytes, parse_bytes
+from memplan.units import format_bytes
 from memplan.validate.compare import Validation, compare
 from memplan.validate.launch import launch, pick_record
 from memplan.validate.record import RunRecord
@@ -27,23 +28,6 @@ Opt = typer.Option
 PLAN = "Plan"
 WORK = "Workload"
 RUN = "Run"
-
-
-def _device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - the train extra brings torch
-        raise MemplanError(
-            "validate needs the train extra: pip install 'memplan[train]'", source=CLI, field="--device"
-        ) from None
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _peak_flops(gpu: GPUSpec, precision: str) -> float | None:
-    """The dense peak of the dtype the matmuls run in: fp32 for fp32 plans, bf16 otherwise."""
-    return gpu.peak_flops.get("fp32" if precision == "fp32" else "bf16")
 
 
 def validate(
@@ -98,17 +82,10 @@ def validate(
         gpu=gpu, runtime="memplan",
     )  # fmt: skip
     job = resolve_job(model, plan, overrides, inference=False)
-    limit = None
-    if memory_limit:
-        try:
-            limit = parse_bytes(memory_limit)
-        except ValueError as err:
-            raise MemplanError(str(err), source=CLI, field="--memory-limit") from None
-        if limit <= 0:
-            raise MemplanError("must be a positive size, e.g. 2GiB", source=CLI, field="--memory-limit")
+    limit = memory_limit_bytes(memory_limit or None)
     result = run_estimate(job, with_suggestions=False)
     report = result.memory
-    where = _device(device)
+    where = auto_device(device, "validate", "--device")
     spec = RunSpec(
         model=job.model,
         workload=job.workload,
@@ -118,7 +95,7 @@ def validate(
         simulate=simulate_ranks,
         rank=report.peak.rank,
         memory_limit=limit,
-        peak_flops=_peak_flops(job.gpu, job.plan.precision) if where == "cuda" else None,
+        peak_flops=matmul_peak_flops(job.gpu, job.plan.precision) if where == "cuda" else None,
         flops_per_step=rank_flops_per_step(
             job.model,
             job.workload.seq_len,

@@ -20,10 +20,11 @@ def matmul_params(model: ModelSpec) -> int:
     return P.active_params(model) - P.embedding_params(model) + head
 
 
-def attention_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False) -> float:
+def attention_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False, layers: int | None = None) -> float:
     """12 L H Q T (PaLM App. B): QK^T and AV, 2 FLOPs per multiply-add, forward and twice
-    that in backward. ``causal`` halves it, for kernels that skip the masked blocks."""
-    flops = 12 * model.num_layers * model.q_size * seq_len
+    that in backward, over ``layers`` (default all). ``causal`` halves it, for kernels that
+    skip the masked blocks."""
+    flops = 12 * (model.num_layers if layers is None else layers) * model.q_size * seq_len
     return flops / 2 if causal else float(flops)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from memplan.costmodel import params as P
-from memplan.costmodel.flops import training_flops_per_token
+from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.layout import stage_layer_indices
 from memplan.costmodel.memory import gradient_accumulation
 from memplan.costmodel.precision import POLICIES
@@ -127,7 +127,7 @@ def stage_flops_per_token(model: ModelSpec, plan: Plan, stage: int, seq_len: int
     matmul = 6.0 * sum(layer_matmul_params(model, i) for i in layers)
     if stage == plan.pp - 1:
         matmul += 6.0 * model.vocab_size * model.hidden_size
-    attention = 12.0 * len(layers) * model.q_size * seq_len / (2 if causal else 1)
+    attention = attention_flops_per_token(model, seq_len, causal, len(layers))
     return matmul, attention
 
 
@@ -168,6 +168,14 @@ def loss_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
     return 4 * 4 * model.vocab_size / plan.tp
 
 
+def matmul_peak_flops(gpu: GPUSpec, precision: str) -> float:
+    """The dense peak of the dtype the matmuls run in (fp8, fp32, else bf16), MFU's denominator;
+    bf16's, or the profile's first figure, where the profile lacks that dtype."""
+    policy = POLICIES[precision]
+    dtype = "fp8" if policy.fp8_matmuls else ("fp32" if policy.compute_bytes == 4 else "bf16")
+    return gpu.peak_flops.get(dtype) or gpu.peak_flops.get("bf16") or next(iter(gpu.peak_flops.values()))
+
+
 def _dp_group(plan: Plan) -> tuple[int, int]:
     """(stride, size) of the gradient-reduction group: dp x cp ranks, tp apart (Megatron's
     order tp-cp-dp-pp; CP ranks reduce gradients with their data-parallel peers)."""
@@ -188,8 +196,7 @@ def estimate_time(
     eff = eff or Efficiency()
     policy = POLICIES[plan.precision]
     d = policy.compute_bytes
-    dtype = "fp8" if policy.fp8_matmuls else ("fp32" if d == 4 else "bf16")
-    peak = gpu.peak_flops.get(dtype) or gpu.peak_flops.get("bf16") or next(iter(gpu.peak_flops.values()))
+    peak = matmul_peak_flops(gpu, plan.precision)
     m = gradient_accumulation(workload, plan)
     s = workload.seq_len
     tokens_mb = workload.micro_batch * s / plan.cp  # tokens one rank holds per micro-batch
@@ -243,7 +250,7 @@ def _recompute_flops_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> fl
     """Model FLOPs recomputation adds per token (PaLM's HFU numerator minus MFU's)."""
     matmul_share, attention_share = recompute_fraction(plan, model.num_layers // plan.pp)
     total = training_flops_per_token(model, seq_len)
-    attention = 12.0 * model.num_layers * model.q_size * seq_len
+    attention = attention_flops_per_token(model, seq_len)
     return matmul_share * (total - attention) + attention_share * attention
 
 
@@ -263,7 +270,8 @@ def _stage_micro_batch(
     fused: bool,
 ) -> dict[str, float]:
     """Seconds of one micro-batch's forward and backward on one rank of ``stage``."""
-    layers = len(stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage))
+    indices = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
+    layers = len(indices)
     matmul, attention = stage_flops_per_token(model, plan, stage, s, causal=True)
     extra_mm, extra_attn = recompute_fraction(plan, layers)
     last = stage == plan.pp - 1
@@ -300,9 +308,7 @@ def _stage_micro_batch(
         parts["cp_comm"] = max(0.0, ring - attn_time)
     # EP: dispatch and combine all-to-alls per MoE layer, forward and backward
     if plan.ep > 1 and model.moe is not None:
-        moe_layers = sum(
-            model.is_moe_layer(i) for i in stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
-        )
+        moe_layers = sum(model.is_moe_layer(i) for i in indices)
         routed = tokens_mb * model.moe.top_k * model.hidden_size * d
         parts["ep_comm"] = 4 * moe_layers * all_to_all_s(routed, plan.ep, ep_link)
     return parts

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from memplan.costmodel.layout import stage_layout
 from memplan.costmodel.memory import ZERO3_PREFETCH_LAYERS, gradient_accumulation
 from memplan.errors import MemplanError
+from memplan.specs.plan import Plan
 from memplan.specs.resolve import Job
 from memplan.specs.workload import TrainingWorkload
 
@@ -80,6 +81,15 @@ def refuse(field: str, target: str, what: str, lost: str) -> MemplanError:
     """The error for a plan value the target cannot express: the field, and what would be lost."""
     path = field if "." in field else f"plan.{field}"
     return MemplanError(f"{target} cannot express {what}: {lost}", field=path)
+
+
+def refuse_split_offload(p: Plan, target: str, how: str) -> None:
+    """Targets whose one switch offloads parameters, gradients and the optimizer step to CPU
+    together (``how``) cannot express NVMe or only one of the two."""
+    if "nvme" in (p.offload_params, p.offload_optimizer) or p.offload_params != p.offload_optimizer:
+        field = "offload_params" if p.offload_params != "cpu" else "offload_optimizer"
+        what = f"offload_params={p.offload_params}, offload_optimizer={p.offload_optimizer}"
+        raise refuse(field, target, what, f"{how} moves parameters, gradients and the optimizer step to CPU together")
 
 
 def header(job: Job, target: str) -> list[str]:

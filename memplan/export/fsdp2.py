@@ -23,7 +23,7 @@ import ast
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.export.common import Exported, comment_block, fields, preamble, py_literal, refuse
+from memplan.export.common import Exported, comment_block, fields, preamble, py_literal, refuse, refuse_split_offload
 from memplan.specs.resolve import Job
 
 TARGET = "fsdp2"
@@ -222,14 +222,7 @@ def _check(job: Job) -> None:
         raise refuse(
             "zero", TARGET, f"zero={p.zero} with tp={p.tp}", "DDP does not take DTensor parameters; use zero 2 or 3"
         )
-    if "nvme" in (p.offload_params, p.offload_optimizer) or p.offload_params != p.offload_optimizer:
-        field = "offload_params" if p.offload_params != "cpu" else "offload_optimizer"
-        raise refuse(
-            field,
-            TARGET,
-            f"offload_params={p.offload_params}, offload_optimizer={p.offload_optimizer}",
-            "FSDP2's CPUOffloadPolicy moves parameters, gradients and the optimizer step to CPU together",
-        )
+    refuse_split_offload(p, TARGET, "FSDP2's CPUOffloadPolicy")
 
 
 def constants(job: Job) -> dict[str, Any]:

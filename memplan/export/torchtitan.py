@@ -36,6 +36,7 @@ from memplan.export.common import (
     preamble,
     py_literal,
     refuse,
+    refuse_split_offload,
 )
 from memplan.specs.resolve import Job
 
@@ -151,14 +152,7 @@ def _check(job: Job, form: Form) -> None:
         )
     if p.optimizer != "adamw":
         raise refuse("optimizer", TARGET, f"optimizer {p.optimizer}", "torchtitan's optimizer container builds AdamW")
-    if "nvme" in (p.offload_params, p.offload_optimizer) or p.offload_params != p.offload_optimizer:
-        field = "offload_params" if p.offload_params != "cpu" else "offload_optimizer"
-        raise refuse(
-            field,
-            TARGET,
-            f"offload_params={p.offload_params}, offload_optimizer={p.offload_optimizer}",
-            "enable_cpu_offload moves parameters, gradients and the optimizer step to CPU together",
-        )
+    refuse_split_offload(p, TARGET, "enable_cpu_offload")
     if p.ep > 1 and p.tp > 1 and form == "python":
         raise refuse(
             "ep",
