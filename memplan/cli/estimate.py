@@ -11,6 +11,7 @@ from rich.table import Table
 from memplan.costmodel.time import Efficiency
 from memplan.estimate import EstimateResult
 from memplan.estimate import estimate as run_estimate
+from memplan.specs.hardware import GPUSpec
 from memplan.specs.resolve import resolve_job
 from memplan.units import format_bytes
 
@@ -108,20 +109,20 @@ def estimate(
         nodes=nodes,
     )
     job = resolve_job(model, plan, overrides, inference=inference)
-    result = run_estimate(job, efficiency=_efficiency(job.gpu.name) if calibration else None)
+    result = run_estimate(job, efficiency=_efficiency(job.gpu) if calibration else None)
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
         render(result, Console())
 
 
-def _efficiency(gpu: str) -> Efficiency | None:
-    """The time model's defaults scaled by this GPU profile's stored calibration, if any."""
+def _efficiency(gpu: GPUSpec) -> Efficiency | None:
+    """The GPU profile's efficiencies scaled by its stored calibration, if any."""
     from memplan.search.calibration import calibration_path, load_calibration
 
-    profile = load_calibration(calibration_path()).profiles.get(gpu)
+    profile = load_calibration(calibration_path()).profiles.get(gpu.name)
     ratio = profile.step_time_ratio if profile is not None else None
-    return Efficiency(calibration=ratio) if ratio else None
+    return Efficiency.for_gpu(gpu, calibration=ratio) if ratio else None
 
 
 def _gib(n: int) -> str:

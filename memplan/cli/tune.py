@@ -218,7 +218,7 @@ def tune(
         cluster=cluster,
         runtime=runtime,
         margin_bytes=parse_margin(margin, card.memory_bytes),
-        efficiency=Efficiency(calibration=(profile and profile.step_time_ratio) or 1.0),
+        efficiency=Efficiency.for_gpu(card, calibration=(profile and profile.step_time_ratio) or 1.0),
         peak_ratio=(profile and profile.peak_ratio) or 1.0,
     )
     settings = ValidationSettings(

@@ -57,6 +57,15 @@ class Efficiency(BaseModel):
     )
     calibration: float = Field(1.0, gt=0, description="Measured / predicted step time for this GPU profile.")
 
+    @classmethod
+    def for_gpu(cls, gpu: GPUSpec, calibration: float = 1.0) -> Efficiency:
+        """The defaults, with the matmul and attention fractions the GPU profile measured
+        (its ``efficiency`` block) where it has them."""
+        measured = gpu.efficiency
+        if measured is None:
+            return cls(calibration=calibration)
+        return cls(matmul=measured.matmul, attention=measured.attention, calibration=calibration)
+
 
 class TimeReport(BaseModel):
     """Predicted step of the slowest rank. ``breakdown`` (seconds) sums to ``step_time_s``."""
@@ -81,12 +90,21 @@ class Link:
 
 
 def group_link(gpu: GPUSpec, cluster: ClusterSpec, stride: int, size: int, eff: Efficiency) -> Link:
-    """The slowest link of a group of ``size`` ranks ``stride`` apart: NVLink (or PCIe) when
-    the group's span fits in one node, the per-GPU network otherwise."""
+    """The bottleneck bandwidth of a ring over a group of ``size`` ranks ``stride`` apart.
+
+    Inside one node: NVLink (or PCIe). Across nodes: NCCL splits a collective over several
+    rings (channels) and, on rail-optimised clusters (one NIC per GPU), each ring leaves a
+    node through a different GPU's NIC, so the data a node must send and receive is spread
+    over the NICs of the group's ranks on that node: the ring runs at (ranks per node) x
+    (per-GPU network bandwidth), capped by NVLink, which every byte also crosses inside the
+    node. A group one rank per node (e.g. data parallelism across nodes under TP = 8) gets
+    one NIC. (NCCL's ring topology, docs "NCCL_ALGO"/"NCCL_CROSS_NIC"; nccl-tests multi-node
+    busbw is about the node's total NIC bandwidth, e.g. ~400 GB/s on 8 x 400 Gb/s H100 nodes.)"""
+    intra = gpu.nvlink_bytes_per_s or gpu.pcie_bytes_per_s
     if stride * size <= cluster.gpus_per_node:
-        bw = gpu.nvlink_bytes_per_s or gpu.pcie_bytes_per_s
-        return Link(bw * eff.network, eff.alpha_intra_s)
-    return Link(cluster.inter_node_bytes_per_s * eff.network, eff.alpha_inter_s)
+        return Link(intra * eff.network, eff.alpha_intra_s)
+    per_node = max(1, min(size, cluster.gpus_per_node // stride))
+    return Link(min(per_node * cluster.inter_node_bytes_per_s, intra) * eff.network, eff.alpha_inter_s)
 
 
 def all_gather_s(nbytes: float, n: int, link: Link) -> float:
@@ -147,18 +165,27 @@ def elementwise_bytes_per_token(model: ModelSpec, plan: Plan, layers: int, d: in
     """HBM traffic of one token's memory-bound kernels on a stage, forward and backward
     (backward ~2x forward), in bytes.
 
-    Per layer and element, forward: eager PyTorch (transformers, torchtitan without compile,
-    memplan's trainer) runs RMSNorm as an fp32 upcast, square, mean, scale, downcast and
-    weight multiply (4 d + 28 bytes), RoPE through fp32 (2 d + 16 on q and k), SwiGLU as
-    silu then multiply (5 d on f) and two residual adds (3 d on h); fused kernels (Megatron /
-    Transformer Engine) read and write each tensor once: 2 d, 2 d, 3 d, 3 d. TP splits q, k
+    Per layer and element, forward, eager PyTorch (transformers, torchtitan without compile,
+    memplan's trainer): RMSNorm runs as an fp32 upcast, square, mean, scale, downcast and
+    weight multiply (4 d + 28 bytes), but LayerNorm is one ATen kernel (``native_layer_norm``:
+    read and write, 2 d); RoPE goes through fp32 (2 d + 16 on q and k; none for learned or
+    ALiBi positions); SwiGLU is silu then multiply (5 d on f), a plain MLP's activation one
+    kernel (2 d on f); two residual adds (3 d on h). Fused kernels (Megatron / Transformer
+    Engine) read and write each tensor once: 2 d, 2 d, 3 d (2 d plain), 3 d. TP splits q, k
     and f; sequence parallelism also the h-wide terms."""
     h, t = model.hidden_size, plan.tp
     f = model.moe.expert_ffn_size * model.moe.top_k if model.moe else model.ffn_size
     qk = (model.q_size + model.kv_size) / t
-    norm, rope, glu, add = (2 * d, 2 * d, 3 * d, 3 * d) if fused else (4 * d + 28, 2 * d + 16, 5 * d, 3 * d)
+    gated = model.mlp == "gated"
+    if fused:
+        norm, rope, act, add = 2 * d, 2 * d, (3 * d if gated else 2 * d), 3 * d
+    else:
+        norm = 4 * d + 28 if model.norm == "rmsnorm" else 2 * d
+        rope, act, add = 2 * d + 16, (5 * d if gated else 2 * d), 3 * d
+    if model.position_embedding != "rope":
+        rope = 0
     wide = (2 * norm + 2 * add) * h / (t if plan.sequence_parallel else 1)
-    forward = wide + rope * qk + glu * f / t
+    forward = wide + rope * qk + act * f / t
     return 3.0 * forward * layers
 
 
@@ -193,7 +220,7 @@ def estimate_time(
 ) -> TimeReport:
     """Step time, tokens/s, MFU and HFU of a training plan (see the module docstring).
     ``runtime`` picks fused (``megatron``) or eager element-wise kernels."""
-    eff = eff or Efficiency()
+    eff = eff or Efficiency.for_gpu(gpu)
     policy = POLICIES[plan.precision]
     d = policy.compute_bytes
     peak = matmul_peak_flops(gpu, plan.precision)

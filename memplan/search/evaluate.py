@@ -10,7 +10,7 @@ by its own ratio (the reserved peak keeps the allocator's slack and fixed overhe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -38,8 +38,13 @@ class Context:
     cluster: ClusterSpec
     runtime: str = "memplan"
     margin_bytes: int = 0
-    efficiency: Efficiency = field(default_factory=Efficiency)
+    efficiency: Efficiency | None = None  # None: the GPU profile's (Efficiency.for_gpu)
     peak_ratio: float = 1.0  # measured / predicted allocated peak (calibration)
+
+    @property
+    def time_efficiency(self) -> Efficiency:
+        """The step-time model's efficiencies: as given, else the GPU profile's."""
+        return self.efficiency or Efficiency.for_gpu(self.gpu)
 
     @property
     def limit_bytes(self) -> int:
@@ -98,7 +103,7 @@ def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
     plan, workload = candidate.plan, candidate.workload
     report = estimate_memory(ctx.model, workload, plan, ctx.runtime)
     allocated, reserved = peak_bytes(report, ctx.peak_ratio)
-    speed = estimate_time(ctx.model, workload, plan, ctx.gpu, ctx.cluster, runtime=ctx.runtime, eff=ctx.efficiency)
+    speed = estimate_time(ctx.model, workload, plan, ctx.gpu, ctx.cluster, runtime=ctx.runtime, eff=ctx.time_efficiency)
     return Evaluation(
         plan=plan,
         workload=workload,

@@ -154,15 +154,16 @@ def _closest(space: Space, ctx: Context) -> Evaluation:
 
 
 def _calibration_used(ctx: Context) -> dict[str, float] | None:
-    if ctx.efficiency.calibration == 1.0 and ctx.peak_ratio == 1.0:
+    ratio = ctx.time_efficiency.calibration
+    if ratio == 1.0 and ctx.peak_ratio == 1.0:
         return None
-    return {"step_time_ratio": ctx.efficiency.calibration, "peak_ratio": ctx.peak_ratio}
+    return {"step_time_ratio": ratio, "peak_ratio": ctx.peak_ratio}
 
 
 def uncalibrated(ctx: Context) -> Context:
     """What a validation run is compared with: the bundled trainer's accounting (``memplan``
     runtime, as ``memplan validate``), without calibration (the ratios calibrate the model)."""
-    efficiency = ctx.efficiency.model_copy(update={"calibration": 1.0})
+    efficiency = ctx.time_efficiency.model_copy(update={"calibration": 1.0})
     return replace(ctx, runtime="memplan", efficiency=efficiency, peak_ratio=1.0)
 
 

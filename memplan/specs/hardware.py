@@ -16,6 +16,16 @@ FlopsPerSecond = Annotated[float, BeforeValidator(lambda v: parse_quantity(v, "F
 ComputeDtype = Literal["fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp4"]
 
 
+class KernelEfficiency(BaseModel):
+    """Fractions of the dense peak that a training step's kernels reach on this part, where
+    published measurements exist (``sources['efficiency']`` says which)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    matmul: float = Field(gt=0, le=1, description="Matmul throughput inside training steps / dense peak.")
+    attention: float = Field(gt=0, le=1, description="FlashAttention forward + backward throughput / dense peak.")
+
+
 class GPUSpec(BaseModel):
     """One accelerator: capacity, dense peak throughput, memory and link bandwidths.
 
@@ -37,6 +47,9 @@ class GPUSpec(BaseModel):
         None, description="GPU-to-GPU link bandwidth per direction (NVLink / Infinity Fabric); None if PCIe only."
     )
     pcie_bytes_per_s: BytesPerSecond = Field(description="Host link bandwidth per direction, bytes/s.")
+    efficiency: KernelEfficiency | None = Field(
+        None, description="Measured kernel efficiencies for the step-time model; None: the model's defaults."
+    )
     sources: dict[str, str] = Field(description="Where each figure comes from, keyed by field name.")
 
     @model_validator(mode="after")
@@ -44,6 +57,8 @@ class GPUSpec(BaseModel):
         figures = ["memory_bytes", "hbm_bytes_per_s", "peak_flops", "pcie_bytes_per_s"]
         if self.nvlink_bytes_per_s is not None:
             figures.append("nvlink_bytes_per_s")
+        if self.efficiency is not None:
+            figures.append("efficiency")
         missing = [f for f in figures if f not in self.sources]
         if missing:
             raise ValueError(f"sources: no source given for {', '.join(missing)}")

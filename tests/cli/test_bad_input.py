@@ -478,6 +478,9 @@ def test_gpu_yaml_missing_a_source(tmp_path):
         ({"vendor": "intel"}, "vendor", "'nvidia'"),
         ({"peak_flops": {"bf17": "1TFLOPS"}}, "peak_flops.bf17", "'bf16'"),
         ({"hbm_bytes": "1TB/s"}, "hbm_bytes", "unknown field"),
+        ({"efficiency": {"matmul": 1.5, "attention": 0.3}}, "efficiency.matmul", "less than or equal to 1"),
+        ({"efficiency": {"matmul": 0.5}}, "efficiency.attention", "required"),
+        ({"efficiency": {"matmul": 0.5, "attention": 0.3}}, "sources", "efficiency"),  # no source for it
     ],
 )
 def test_bad_gpu_yaml(tmp_path, changes, field, reason):

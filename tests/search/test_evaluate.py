@@ -27,7 +27,7 @@ def test_figures_are_the_models(case):
     ctx, space, evs = case
     for ev in evs[::37]:
         mem = estimate_memory(ctx.model, ev.workload, ev.plan, "memplan")
-        speed = estimate_time(ctx.model, ev.workload, ev.plan, ctx.gpu, ctx.cluster, eff=Efficiency())
+        speed = estimate_time(ctx.model, ev.workload, ev.plan, ctx.gpu, ctx.cluster)
         assert ev.peak_allocated_bytes == mem.peak.allocated and ev.peak_reserved_bytes == mem.peak.reserved
         assert ev.step_time_s == speed.step_time_s and ev.tokens_per_s == speed.tokens_per_s and ev.mfu == speed.mfu
         assert ev.peak_rank == mem.peak.rank and ev.gradient_accumulation == mem.gradient_accumulation
@@ -48,8 +48,8 @@ def test_calibration_scales_time_and_allocated_peak(case):
     ctx, space, _ = case
     c = space.candidates[40]
     base = evaluate(c, ctx)
-    calibrated = evaluate(c, Context(ctx.model, ctx.gpu, ctx.cluster, efficiency=Efficiency(calibration=1.25),
-                                     peak_ratio=1.1))  # fmt: skip
+    eff = Efficiency.for_gpu(ctx.gpu, calibration=1.25)
+    calibrated = evaluate(c, Context(ctx.model, ctx.gpu, ctx.cluster, efficiency=eff, peak_ratio=1.1))
     assert calibrated.step_time_s == pytest.approx(1.25 * base.step_time_s)
     assert calibrated.tokens_per_s == pytest.approx(base.tokens_per_s / 1.25)
     assert calibrated.peak_allocated_bytes == round(1.1 * base.peak_allocated_bytes)

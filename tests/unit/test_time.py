@@ -45,6 +45,21 @@ def test_groups_inside_a_node_use_nvlink_and_across_nodes_the_network():
     assert group_link(H100, cluster, 2, 8, eff).alpha_s == eff.alpha_inter_s  # spans 16 GPUs
 
 
+def test_a_ring_across_nodes_uses_the_nics_of_its_ranks_on_each_node():
+    """NCCL's rings leave a node through different GPUs' NICs: a group with 4 ranks per node
+    (stride 2) moves data at 4 NICs' bandwidth, one with a rank per node at one NIC's, and no
+    group beyond NVLink's bandwidth."""
+    cluster = ClusterSpec(gpus_per_node=8, nodes=4, inter_node_bytes_per_s=50e9)
+    eff = Efficiency()
+    assert group_link(H100, cluster, 2, 16, eff).bytes_per_s == pytest.approx(4 * 50e9 * eff.network)
+    assert group_link(H100, cluster, 8, 4, eff).bytes_per_s == pytest.approx(50e9 * eff.network)
+    assert group_link(H100, cluster, 16, 2, eff).bytes_per_s == pytest.approx(50e9 * eff.network)
+    capped = group_link(H100, cluster, 1, 32, eff).bytes_per_s  # 8 x 50 GB/s is below NVLink's 450
+    assert capped == pytest.approx(8 * 50e9 * eff.network)
+    fast = ClusterSpec(gpus_per_node=8, nodes=4, inter_node_bytes_per_s=100e9)
+    assert group_link(H100, fast, 1, 32, eff).bytes_per_s == pytest.approx(H100.nvlink_bytes_per_s * eff.network)
+
+
 def test_breakdown_sums_to_the_step_and_mfu_is_consistent():
     report = _time(Plan(dp=8, zero=3))
     assert sum(report.breakdown.values()) == pytest.approx(report.step_time_s)
@@ -94,7 +109,7 @@ def test_offload_adds_pcie_and_host_optimizer_time():
 
 def test_calibration_scales_the_step():
     base = _time(Plan(dp=8, zero=3))
-    slower = _time(Plan(dp=8, zero=3), eff=Efficiency(calibration=1.25))
+    slower = _time(Plan(dp=8, zero=3), eff=Efficiency.for_gpu(H100, calibration=1.25))
     assert slower.step_time_s == pytest.approx(1.25 * base.step_time_s)
     assert slower.mfu == pytest.approx(base.mfu / 1.25)
 

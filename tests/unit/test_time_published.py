@@ -1,0 +1,80 @@
+"""The step-time model's fitted efficiencies and the published runs (benchmarks/time_vs_published.py).
+
+The A100 and H100 profiles' ``efficiency.matmul`` is fitted on llm-foundry's published MPT
+runs; these tests recompute the fit, so a change to the time model that moves it shows up
+here rather than silently in docs/accuracy.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from memplan.costmodel.time import Efficiency, elementwise_bytes_per_token, estimate_time
+from memplan.specs.hardware import ClusterSpec
+from memplan.specs.loader import load_gpu, load_model
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "time_vs_published.py"
+
+
+@pytest.fixture(scope="module")
+def published():
+    spec = importlib.util.spec_from_file_location("time_vs_published", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("gpu", ["a100-80gb", "h100-sxm"])
+def test_the_profiles_matmul_efficiency_is_the_fit(published, gpu):
+    assert load_gpu(gpu).efficiency.matmul == pytest.approx(published.fit_matmul(gpu), abs=0.005)
+
+
+@pytest.mark.parametrize("gpu", ["a100-80gb", "h100-sxm"])
+def test_fit_sets_are_large_models_and_predicted_within_15_pct_at_the_median(published, gpu):
+    rows = published.fit_rows(gpu)
+    assert len(rows) >= 15
+    assert all(r.spec.hidden_size >= 4096 and r.attention_share <= 0.2 for r in rows)
+    errors = [abs(published.predict(r)["error_pct"]) for r in rows]
+    assert statistics.median(errors) <= 15
+
+
+def test_every_published_table_row_is_read(published):
+    rows = published.llm_foundry_rows()
+    assert sum(r.gpu == "h100-sxm" for r in rows) == 52
+    assert sum(r.gpu == "a100-80gb" for r in rows) == 61
+
+
+def test_estimate_time_uses_the_gpu_profiles_efficiencies():
+    model, plan = load_model("llama3-8b"), Plan(dp=8, zero=3)
+    work = TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=8)
+    gpu = load_gpu("h100-sxm")
+    default = estimate_time(model, work, plan, gpu, ClusterSpec())
+    explicit = estimate_time(model, work, plan, gpu, ClusterSpec(), eff=Efficiency.for_gpu(gpu))
+    generic = estimate_time(model, work, plan, gpu, ClusterSpec(), eff=Efficiency())
+    assert default.step_time_s == explicit.step_time_s
+    assert default.step_time_s > generic.step_time_s  # 0.50 of peak is below the generic 0.75
+    b200 = load_gpu("b200")  # no published fit: the generic defaults
+    assert Efficiency.for_gpu(b200) == Efficiency()
+
+
+def test_elementwise_traffic_follows_the_architecture():
+    """LayerNorm is one kernel in eager PyTorch, RMSNorm five; a plain MLP's activation reads
+    and writes once, SwiGLU's silu-then-multiply more; learned positions have no RoPE."""
+    llama, gpt = load_model("llama3-8b"), load_model("gpt3-175b")
+    plan = Plan()
+    rms = elementwise_bytes_per_token(llama, plan, 1, 2, fused=False)
+    as_layernorm = elementwise_bytes_per_token(llama.model_copy(update={"norm": "layernorm"}), plan, 1, 2, False)
+    assert as_layernorm < rms
+    no_rope = elementwise_bytes_per_token(llama.model_copy(update={"position_embedding": "learned"}), plan, 1, 2, False)
+    assert no_rope < rms
+    h, f = gpt.hidden_size, gpt.ffn_size
+    # GPT: 2 LayerNorms (2 d), 2 adds (3 d), GELU (2 d on f); no RoPE; x 3 for the backward
+    assert elementwise_bytes_per_token(gpt, plan, 1, 2, fused=False) == pytest.approx(3 * ((2 * 4 + 2 * 6) * h + 4 * f))
