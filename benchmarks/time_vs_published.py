@@ -26,7 +26,7 @@ from pathlib import Path
 
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.time import Efficiency, estimate_time
-from memplan.specs.hardware import ClusterSpec, GPUSpec
+from memplan.specs.hardware import ClusterSpec
 from memplan.specs.loader import load_gpu, load_model
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -39,6 +39,8 @@ TORCHTITAN_A100 = "torchtitan docs/performance.md (Llama 3 on 64 A100 80GB)"
 MT_NLG = "Smith et al. 2022 (MT-NLG 530B), Sec. 2.4: 60.1 / 50.2 / 44.4 s per iteration"
 FIT_MAX_ATTENTION_SHARE = 0.2
 FIT_MIN_HIDDEN = 4096
+gpu_profile = cache(load_gpu)  # each profile read once, however many rows use it
+model_profile = cache(load_model)
 
 # MPT sizes (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml): d_model, n_heads, n_layers
 MPT_SIZES = {
@@ -62,7 +64,7 @@ def mpt(size: str, seq_len: int) -> ModelSpec:
 
 def mt_nlg() -> ModelSpec:
     """MT-NLG 530B: GPT-3's layout at h 20480, 105 layers, 128 heads, V 50272 (Smith et al. 2022)."""
-    return load_model("gpt3-175b").model_copy(
+    return model_profile("gpt3-175b").model_copy(
         update=dict(
             name="mt-nlg-530b", hidden_size=20480, num_layers=105, num_attention_heads=128, num_kv_heads=128,
             head_dim=160, ffn_size=81920, vocab_size=50272,
@@ -73,7 +75,7 @@ def mt_nlg() -> ModelSpec:
 @dataclass(frozen=True)
 class Row:
     name: str
-    model: str | ModelSpec
+    model: ModelSpec
     gpu: str
     gpus: int
     plan: dict
@@ -87,19 +89,16 @@ class Row:
     note: str = field(default="", compare=False)
 
     @property
-    def spec(self) -> ModelSpec:
-        return self.model if isinstance(self.model, ModelSpec) else load_model(self.model)
-
-    @property
     def attention_share(self) -> float:
         """Attention's share of the step's model FLOPs (causal)."""
-        model = self.spec
+        model = self.model
         return attention_flops_per_token(model, self.seq_len, True) / training_flops_per_token(
             model, self.seq_len, True
         )
 
 
-def llm_foundry_rows() -> list[Row]:
+@cache
+def llm_foundry_rows() -> tuple[Row, ...]:
     """Every bf16 row of llm-foundry's A100 80GB and H100 80GB tables (benchmarks/published)."""
     rows = []
     with open(HERE / "published" / "llm_foundry_mpt.csv") as f:
@@ -112,11 +111,11 @@ def llm_foundry_rows() -> list[Row]:
         network = 25e9 if r["gpu"].startswith("a100") else 50e9
         rows.append(Row(name, mpt(r["size"], seq), r["gpu"], gpus, plan, seq, mbs, mbs * ga * gpus,
                         float(r["tokens_per_s_per_gpu"]), "memplan", LLM_FOUNDRY, network))  # fmt: skip
-    return rows
+    return tuple(rows)
 
 
 def in_fit_set(row: Row) -> bool:
-    return row.spec.hidden_size >= FIT_MIN_HIDDEN and row.attention_share <= FIT_MAX_ATTENTION_SHARE
+    return row.model.hidden_size >= FIT_MIN_HIDDEN and row.attention_share <= FIT_MAX_ATTENTION_SHARE
 
 
 def fit_rows(gpu: str) -> list[Row]:
@@ -131,16 +130,17 @@ def _mt_nlg_row(gpus: int, seconds: float) -> Row:
                "megatron", MT_NLG, inter_node_bytes_per_s=25e9)  # fmt: skip
 
 
+LLAMA3_8B, LLAMA3_70B = model_profile("llama3-8b"), model_profile("llama3-70b")
 SELECTIVE = dict(zero=3, recompute="selective", precision="bf16-mixed")
 H100_500W = "H100 at 500 W with 96 GB HBM2e: its peak is unknown; predicted as H100 SXM"
 TEST_ROWS = [
-    Row("Llama 3.1 8B FSDP, 8 H100 (500 W)", "llama3-8b", "h100-sxm", 8, dict(dp=8, **SELECTIVE), 8192, 2, 16,
+    Row("Llama 3.1 8B FSDP, 8 H100 (500 W)", LLAMA3_8B, "h100-sxm", 8, dict(dp=8, **SELECTIVE), 8192, 2, 16,
         5762, "memplan", TORCHTITAN_H100, note=H100_500W),
-    Row("Llama 3.1 8B FSDP, 128 H100 (500 W)", "llama3-8b", "h100-sxm", 128, dict(dp=128, **SELECTIVE), 8192, 2, 256,
+    Row("Llama 3.1 8B FSDP, 128 H100 (500 W)", LLAMA3_8B, "h100-sxm", 128, dict(dp=128, **SELECTIVE), 8192, 2, 256,
         5605, "memplan", TORCHTITAN_H100, note=H100_500W),
-    Row("Llama 3 8B FSDP, 64 A100", "llama3-8b", "a100-80gb", 64, dict(dp=64, **SELECTIVE), 8192, 1, 64, 2973,
+    Row("Llama 3 8B FSDP, 64 A100", LLAMA3_8B, "a100-80gb", 64, dict(dp=64, **SELECTIVE), 8192, 1, 64, 2973,
         "memplan", TORCHTITAN_A100),
-    Row("Llama 3 70B FSDP, 64 A100", "llama3-70b", "a100-80gb", 64,
+    Row("Llama 3 70B FSDP, 64 A100", LLAMA3_70B, "a100-80gb", 64,
         dict(dp=64, zero=3, recompute="full", precision="bf16-mixed"), 8192, 1, 64, 331, "memplan", TORCHTITAN_A100),
     _mt_nlg_row(2240, 60.1),
     _mt_nlg_row(2800, 50.2),
@@ -148,14 +148,13 @@ TEST_ROWS = [
 ]  # fmt: skip
 
 
-def predict(row: Row, eff: Efficiency | None = None, gpu: GPUSpec | None = None) -> dict:
+def predict(row: Row, eff: Efficiency | None = None) -> dict:
     """The row predicted with ``eff`` (default: the GPU profile's efficiencies, no calibration)."""
     cluster = ClusterSpec(
         gpus_per_node=8, nodes=max(1, row.gpus // 8), inter_node_bytes_per_s=row.inter_node_bytes_per_s
     )
     workload = TrainingWorkload(seq_len=row.seq_len, micro_batch=row.micro_batch, global_batch=row.global_batch)
-    card = gpu or load_gpu(row.gpu)
-    report = estimate_time(row.spec, workload, Plan(**row.plan), card, cluster, row.runtime, eff)
+    report = estimate_time(row.model, workload, Plan(**row.plan), gpu_profile(row.gpu), cluster, row.runtime, eff)
     predicted, published = report.tokens_per_s_per_gpu, row.published_tokens_per_s_per_gpu
     return {
         "run": row.name,
@@ -172,22 +171,21 @@ def predict(row: Row, eff: Efficiency | None = None, gpu: GPUSpec | None = None)
     }
 
 
-def _median_log_error(rows: list[Row], eff: Efficiency, gpu: GPUSpec) -> float:
+def _median_log_error(rows: list[Row], eff: Efficiency) -> float:
     errors = [math.log(p["predicted_tokens_per_s_per_gpu"] / p["published_tokens_per_s_per_gpu"])
-              for p in (predict(r, eff, gpu) for r in rows)]  # fmt: skip
+              for p in (predict(r, eff) for r in rows)]  # fmt: skip
     return statistics.median(errors)
 
 
 def fit_matmul(gpu_name: str) -> float:
     """The matmul efficiency that puts the median log error of the GPU's fit rows at zero,
     with the profile's attention efficiency held (bisection: throughput rises with it)."""
-    gpu = load_gpu(gpu_name)
     rows = fit_rows(gpu_name)
-    attention = Efficiency.for_gpu(gpu).attention
+    attention = Efficiency.for_gpu(gpu_profile(gpu_name)).attention
     lo, hi = 0.2, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        if _median_log_error(rows, Efficiency(matmul=mid, attention=attention), gpu) > 0:
+        if _median_log_error(rows, Efficiency(matmul=mid, attention=attention)) > 0:
             hi = mid
         else:
             lo = mid
@@ -213,7 +211,7 @@ def main() -> None:
     fitted = {g: round(fit_matmul(g), 4) for g in gpus} if args.fit else {}
     fit = {g: [predict(r) for r in fit_rows(g)] for g in gpus}
     rest = [r for r in llm_foundry_rows() if not in_fit_set(r)]
-    small = [predict(r) for r in rest if r.spec.hidden_size < FIT_MIN_HIDDEN and r.attention_share <= 0.2]
+    small = [predict(r) for r in rest if r.attention_share <= FIT_MAX_ATTENTION_SHARE]  # so: under 7B
     heavy = [predict(r) for r in rest if r.attention_share > FIT_MAX_ATTENTION_SHARE]
     test = [predict(r) for r in TEST_ROWS]
     if args.format == "json":
@@ -225,7 +223,7 @@ def main() -> None:
     for g in gpus:
         line = f"fit set {g}: {summary(fit[g])}"
         if fitted:
-            line += f"; fitted matmul {fitted[g]} (profile {Efficiency.for_gpu(load_gpu(g)).matmul})"
+            line += f"; fitted matmul {fitted[g]} (profile {Efficiency.for_gpu(gpu_profile(g)).matmul})"
         print(line)
     print(f"llm-foundry models under 7B (not fitted): {summary(small)}")
     print(f"llm-foundry attention-heavy rows (not fitted): {summary(heavy)}")

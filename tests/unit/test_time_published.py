@@ -41,7 +41,7 @@ def test_the_profiles_matmul_efficiency_is_the_fit(published, gpu):
 def test_fit_sets_are_large_models_and_predicted_within_15_pct_at_the_median(published, gpu):
     rows = published.fit_rows(gpu)
     assert len(rows) >= 15
-    assert all(r.spec.hidden_size >= 4096 and r.attention_share <= 0.2 for r in rows)
+    assert all(r.model.hidden_size >= 4096 and r.attention_share <= 0.2 for r in rows)
     errors = [abs(published.predict(r)["error_pct"]) for r in rows]
     assert statistics.median(errors) <= 15
 
