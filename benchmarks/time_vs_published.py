@@ -7,7 +7,7 @@ Two sets of published runs, kept apart:
   plans for) whose attention is at most a fifth of the step's FLOPs. Each GPU
   profile's ``efficiency.matmul`` is the value that puts the median error of its rows at
   zero (``--fit`` recomputes it; the profile stores it rounded to two places);
-* the **test set**: runs by other groups on other software (torchtitan, MT-NLG), predicted
+* the **test set**: runs by other groups on other software (torchtitan, Megatron-LM, MT-NLG), predicted
   with the profiles as they are. The issue's target (within 15%) is judged on these.
 
     python benchmarks/time_vs_published.py [--fit] [--format json]
@@ -36,6 +36,8 @@ HERE = Path(__file__).parent
 LLM_FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (MPT, FSDP, 2023)"
 TORCHTITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TORCHTITAN_A100 = "torchtitan docs/performance.md (Llama 3 on 64 A100 80GB)"
+MEGATRON_T1 = "Narayanan et al. 2021 (arXiv 2104.04473), Table 1"
+MEGATRON_T2 = "Narayanan et al. 2021 (arXiv 2104.04473), Table 2 (PTD-P)"
 MT_NLG = "Smith et al. 2022 (MT-NLG 530B), Sec. 2.4: 60.1 / 50.2 / 44.4 s per iteration"
 FIT_MAX_ATTENTION_SHARE = 0.2
 FIT_MIN_HIDDEN = 4096
@@ -125,13 +127,63 @@ def fit_rows(gpu: str) -> list[Row]:
 
 def _mt_nlg_row(gpus: int, seconds: float) -> Row:
     tokens = 1920 * 2048 / seconds / gpus
-    plan = dict(tp=8, pp=35, dp=gpus // 280, zero=1, recompute="full", precision="bf16-mixed")
+    # 2021: Megatron's fused scale-mask-softmax on materialised scores, attention dropout
+    plan = dict(tp=8, pp=35, dp=gpus // 280, zero=1, recompute="full", precision="bf16-mixed", attention="eager")
     return Row(f"MT-NLG 530B, {gpus} A100 40GB", mt_nlg(), "a100-40gb", gpus, plan, 2048, 1, 1920, tokens,
                "megatron", MT_NLG, inter_node_bytes_per_s=25e9)  # fmt: skip
 
 
+def megatron_gpt(hidden: int, layers: int, heads: int) -> ModelSpec:
+    """Narayanan et al. 2021's GPT models: GPT-3's layout at V 51,200, s 2048, f = 4h."""
+    return model_profile("gpt3-175b").model_copy(
+        update=dict(
+            name=f"gpt-h{hidden}-l{layers}", hidden_size=hidden, num_layers=layers, num_attention_heads=heads,
+            num_kv_heads=heads, head_dim=hidden // heads, ffn_size=4 * hidden, vocab_size=51200,
+        )
+    )  # fmt: skip
+
+
+def megatron_tokens_per_s(teraflops: float, hidden: int, layers: int, seq: int = 2048, vocab: int = 51200) -> float:
+    """Tokens/s per GPU from Narayanan et al.'s achieved teraFLOP/s, by their Eq. 3: an
+    iteration of B sequences costs 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs (with full
+    recomputation), so one token 96 l h^2 (1 + s / 6h + V / 16lh)."""
+    per_token = 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return teraflops * 1e12 / per_token
+
+
+def _megatron_row(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+                  teraflops: float, micro_batch: int, source: str, note: str) -> Row:  # fmt: skip
+    """One PTD-P run on Selene (DGX A100 80GB, 8 x 200 Gb/s HDR InfiniBand per node): fp16
+    with fp32 master weights, full recomputation, 1F1B, 2021 eager attention (fused softmax,
+    dropout), no distributed optimizer."""
+    plan = dict(tp=tp, pp=pp, dp=gpus // (tp * pp), zero=0, recompute="full", precision="fp16-master",
+                attention="eager")  # fmt: skip
+    return Row(f"Megatron GPT {params}, {gpus} A100 (t{tp} p{pp})", megatron_gpt(hidden, layers, heads), "a100-80gb",
+               gpus, plan, 2048, micro_batch, batch, megatron_tokens_per_s(teraflops, hidden, layers), "megatron",
+               source, inter_node_bytes_per_s=25e9, note=note)  # fmt: skip
+
+
+# Table 1 (weak scaling): params, heads, hidden, layers, t, p, GPUs, batch, teraFLOP/s per GPU
+MEGATRON_TABLE_1 = [
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137), ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142), ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
+    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138), ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148), ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163), ("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]  # fmt: skip
+# Table 2 (PTD-P rows; micro-batch 1): the same model on more GPUs at a fixed batch
+MEGATRON_TABLE_2 = [
+    ("174.6B", 96, 12288, 96, 8, 12, 384, 1536, 153), ("174.6B", 96, 12288, 96, 8, 12, 768, 1536, 149),
+    ("174.6B", 96, 12288, 96, 8, 12, 1536, 1536, 141), ("529.6B", 128, 20480, 105, 8, 35, 560, 2240, 171),
+    ("529.6B", 128, 20480, 105, 8, 35, 1120, 2240, 167), ("529.6B", 128, 20480, 105, 8, 35, 2240, 2240, 159),
+]  # fmt: skip
+MICRO_BATCH_UNPUBLISHED = "micro-batch not published for Table 1: 1 assumed"
+MEGATRON_ROWS = [_megatron_row(*r, 1, MEGATRON_T1, MICRO_BATCH_UNPUBLISHED) for r in MEGATRON_TABLE_1] + [
+    _megatron_row(*r, 1, MEGATRON_T2, "") for r in MEGATRON_TABLE_2
+]
+
 LLAMA3_8B, LLAMA3_70B = model_profile("llama3-8b"), model_profile("llama3-70b")
-SELECTIVE = dict(zero=3, recompute="selective", precision="bf16-mixed")
+SELECTIVE = dict(zero=3, recompute="selective-op", precision="bf16-mixed")  # torchtitan: selective_ac_option "op"
 H100_500W = "H100 at 500 W with 96 GB HBM2e: its peak is unknown; predicted as H100 SXM"
 TEST_ROWS = [
     Row("Llama 3.1 8B FSDP, 8 H100 (500 W)", LLAMA3_8B, "h100-sxm", 8, dict(dp=8, **SELECTIVE), 8192, 2, 16,
@@ -145,6 +197,7 @@ TEST_ROWS = [
     _mt_nlg_row(2240, 60.1),
     _mt_nlg_row(2800, 50.2),
     _mt_nlg_row(3360, 44.4),
+    *MEGATRON_ROWS,
 ]  # fmt: skip
 
 

@@ -101,7 +101,7 @@ def export(
     cp: Annotated[int | None, Opt(help="Context-parallel degree.", rich_help_panel=PLAN)] = None,
     ep: Annotated[int | None, Opt(help="Expert-parallel degree.", rich_help_panel=PLAN)] = None,
     zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.", rich_help_panel=PLAN)] = None,
-    recompute: Annotated[str | None, Opt(help="none, selective or full.", rich_help_panel=PLAN)] = None,
+    recompute: Annotated[str | None, Opt(help="none, selective, selective-op or full.", rich_help_panel=PLAN)] = None,
     recompute_layers: Annotated[
         int | None, Opt(help="Layers per stage recomputed with full.", rich_help_panel=PLAN)
     ] = None,

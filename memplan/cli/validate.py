@@ -42,7 +42,7 @@ def validate(
     pp_schedule: Annotated[str | None, Opt(help="1f1b, interleaved or gpipe.", rich_help_panel=PLAN)] = None,
     virtual_stages: Annotated[int | None, Opt(help="Chunks per rank (interleaved).", rich_help_panel=PLAN)] = None,
     zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.", rich_help_panel=PLAN)] = None,
-    recompute: Annotated[str | None, Opt(help="none, selective or full.", rich_help_panel=PLAN)] = None,
+    recompute: Annotated[str | None, Opt(help="none, selective, selective-op or full.", rich_help_panel=PLAN)] = None,
     recompute_layers: Annotated[int | None, Opt(help="Layers per stage recomputed.", rich_help_panel=PLAN)] = None,
     precision: Annotated[str | None, Opt(help="fp32, bf16-mixed, bf16-master, bf16.", rich_help_panel=PLAN)] = None,
     offload_optimizer: Annotated[str | None, Opt(help="none or cpu.", rich_help_panel=PLAN)] = None,

@@ -76,6 +76,54 @@ def layer_input(x: Shape) -> int:
     return x.tokens * x.d * x.model.hidden_size // x.rep
 
 
+def layer_matmul_widths(model: ModelSpec) -> list[tuple[int, int]]:
+    """(in, out) widths of a dense layer's matmuls in execution order: q, k, v, the attention
+    output projection, then gate, up, down (gated MLP, torchtitan's and memplan's
+    ``w2(silu(w1(x)) * w3(x))``) or fc1, fc2 (plain MLP)."""
+    h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_size
+    mlp = [(h, f), (h, f), (f, h)] if model.mlp == "gated" else [(h, f), (f, h)]
+    return [(h, q), (h, kv), (h, kv), (q, h), *mlp]
+
+
+def op_sac_layer(x: Shape, attention_saved: bool = True) -> int:
+    """What a layer keeps under per-op selective recomputation (torchtitan's ``op`` SAC,
+    ``torchtitan/distributed/activation_checkpoint.py``): the checkpoint keeps the layer's
+    input, and the save list the outputs of every odd-numbered matmul (1st, 3rd, ...: q, v,
+    gate and down for a gated MLP; q, v and fc1 for a plain one), of the attention kernel
+    (its output d*q and fp32 log-sum-exp) and of the sequence-parallel reduce-scatters
+    (d*h/t after each of the two row-parallel matmuls). Everything else (norms, RoPE, k, the
+    output projection, up, the activation) is recomputed in the backward.
+
+    A column-parallel matmul's output is split by t; a row-parallel one (the output projection,
+    down / fc2) leaves each rank a full-width partial sum, d*h per token. Under autocast the
+    residual stream, and so the kept input, is fp32; the matmul outputs are in d.
+    ``attention_saved`` is False for eager attention, whose batched matmuls and softmax are
+    not on the save list (recomputed)."""
+    m = x.model
+    element = 4 if x.autocast else x.d
+    kept = x.tokens * element * m.hidden_size // x.rep + op_sac_mlp(x)
+    for _, out in layer_matmul_widths(m)[:4:2]:  # q and v (the 1st and 3rd)
+        kept += x.tokens * x.d * out // x.t
+    if attention_saved:
+        kept += x.tokens * (x.d * m.q_size + 4 * m.num_attention_heads) // x.t
+    if x.sp:
+        kept += 2 * x.tokens * x.d * m.hidden_size // x.t
+    return kept
+
+
+def op_sac_mlp(x: Shape) -> int:
+    """The dense MLP's part of :func:`op_sac_layer`: its odd-numbered matmuls (the layer's
+    5th and 7th) keep their outputs, gate d*f/t and down d*h (a row-parallel partial sum,
+    full width); a plain MLP's fc1 d*f/t (its fc2 is the 6th, recomputed)."""
+    m = x.model
+    widths = layer_matmul_widths(m)
+    kept = 0
+    for i in range(4, len(widths), 2):
+        out = widths[i][1]
+        kept += x.tokens * x.d * out // (1 if i == len(widths) - 1 else x.t)
+    return kept
+
+
 def hf_rmsnorm(x: Shape) -> int:
     """LlamaRMSNorm (transformers): upcast to fp32, x * rsqrt(mean(x^2) + eps), cast, * weight.
 

@@ -35,6 +35,8 @@ def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> l
         out.append(("flash attention", {"attention": "flash"}, {}))
     if training and plan.recompute == "none":
         out.append(("selective recomputation", {"recompute": "selective"}, {}))
+    if training and plan.recompute in ("none", "selective"):
+        out.append(("per-op selective recomputation", {"recompute": "selective-op"}, {}))
     if training and plan.recompute != "full":
         out.append(("full recomputation", {"recompute": "full", "recompute_layers": None}, {}))
     if training and workload.micro_batch > 1:

@@ -194,7 +194,16 @@ def embedding_grad_pending(
 
 
 def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, recompute: str, moe_fraction: float, ep: int) -> int:
-    """One layer, one micro-batch, stored under a recomputation policy (none or selective)."""
+    """One layer, one micro-batch, stored under a recomputation policy (none, selective or
+    selective-op; a fully recomputed layer keeps only its input)."""
+    if recompute == "selective-op":
+        per_layer = A.op_sac_layer(x, attention_saved=not x.eager)
+        if moe_fraction and x.model.moe is not None:
+            # the MoE block replaces the dense MLP; its own tensors are counted as kept
+            # (conservative: routed matmuls are not plain mm ops, and which of their outputs
+            # the policy saves is not modelled)
+            per_layer += int(moe_fraction * (A.moe_extra(x, ep, rt.mlp_tensors) - A.op_sac_mlp(x)))
+        return per_layer
     if recompute == "selective":
         # Korthikanti Sec. 5: the attention core (scores, softmax, dropout; with flash its
         # log-sum-exp) is recomputed, so none of it is stored

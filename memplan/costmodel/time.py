@@ -1,7 +1,8 @@
 """Step time of a training plan on the slowest pipeline stage.
 
 The step is the micro-batches' compute (matmuls at an achievable fraction of the GPU's dense
-peak, FlashAttention at its own fraction, memory-bound element-wise work at HBM bandwidth),
+peak, FlashAttention at its own fraction or eager attention's full score matmuls at the matmul
+one, memory-bound element-wise work and eager attention's softmax at HBM bandwidth),
 plus the communication that is not hidden behind compute, plus the pipeline bubble and the
 optimizer step. Collectives follow the alpha-beta model of ring algorithms (Thakur et al.
 2005; Patarasuk & Yuan 2009): a ring all-reduce of B bytes over n ranks takes
@@ -20,10 +21,12 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from memplan.costmodel import params as P
+from memplan.costmodel.activations import layer_matmul_widths
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.layout import stage_layer_indices
 from memplan.costmodel.memory import gradient_accumulation
 from memplan.costmodel.precision import POLICIES
+from memplan.costmodel.runtimes import RUNTIMES
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -149,16 +152,39 @@ def stage_flops_per_token(model: ModelSpec, plan: Plan, stage: int, seq_len: int
     return matmul, attention
 
 
-def recompute_fraction(plan: Plan, layers: int) -> tuple[float, float]:
-    """Extra forward work as a share of the (matmul, attention) step: full recomputation
-    runs a recomputed layer's forward again (a third of its forward and backward); selective
-    runs the attention core again (a third of the attention)."""
+@dataclass(frozen=True, slots=True)
+class Recomputation:
+    """Extra forward work recomputation adds, as shares of the step's (forward and backward)
+    layer matmuls, attention and element-wise traffic, and extra TP collective rounds per
+    layer beyond the forward's and the backward's."""
+
+    matmul: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    tp_rounds: float = 0.0
+
+
+def recompute_fraction(plan: Plan, layers: int, model: ModelSpec | None = None) -> Recomputation:
+    """Full recomputation runs a recomputed layer's forward again: a third of its forward and
+    backward, collectives included. Selective (Korthikanti Sec. 5) runs the attention core
+    again: a third of the attention. Selective-op (torchtitan's per-op SAC) runs the even-
+    numbered matmuls again (k, the output projection, up / fc2: for Llama 3 8B 37% of the
+    layer's forward matmul FLOPs, so 12% of the step's), every element-wise kernel, eager
+    attention (not on the save list; flash attention's output is saved) and the forward's
+    collectives but the saved reduce-scatters (SP: the two all-gathers; else the two
+    all-reduces)."""
     if plan.recompute == "full":
         share = 1.0 if plan.recompute_layers is None else min(plan.recompute_layers, layers) / max(layers, 1)
-        return share / 3, share / 3
+        return Recomputation(share / 3, share / 3, share / 3, share)
     if plan.recompute == "selective":
-        return 0.0, 1 / 3
-    return 0.0, 0.0
+        return Recomputation(attention=1 / 3)
+    if plan.recompute == "selective-op":
+        assert model is not None, "selective-op needs the model's matmul widths"
+        widths = [i * o for i, o in layer_matmul_widths(model)]
+        redone = sum(w for k, w in enumerate(widths) if k % 2 == 1) / sum(widths)
+        attention = 1 / 3 if plan.attention == "eager" else 0.0
+        return Recomputation(redone / 3, attention, 1 / 3, 0.5 if plan.sequence_parallel else 1.0)
+    return Recomputation()
 
 
 def elementwise_bytes_per_token(model: ModelSpec, plan: Plan, layers: int, d: int, fused: bool) -> float:
@@ -187,6 +213,28 @@ def elementwise_bytes_per_token(model: ModelSpec, plan: Plan, layers: int, d: in
     wide = (2 * norm + 2 * add) * h / (t if plan.sequence_parallel else 1)
     forward = wide + rope * qk + act * f / t
     return 3.0 * forward * layers
+
+
+def eager_score_bytes_per_token(
+    model: ModelSpec, plan: Plan, seq_len: int, layers: int, d: int, fused: bool, dropout: bool
+) -> float:
+    """HBM traffic of eager attention's memory-bound kernels on the a x s x s scores, per
+    token on a stage, forward and backward (backward ~2x forward), in bytes.
+
+    Eager attention materialises each query's scores against all ``seq_len`` keys (the causal
+    mask is applied to them, nothing is skipped): a s / t score elements per token and layer.
+    Per element, forward: a fused scale-mask-softmax (Megatron's ``FusedScaleMaskSoftmax``)
+    reads and writes it once, 2 d; unfused PyTorch (transformers' and memplan's eager path)
+    scales (2 d), masks (2 d), takes an fp32 softmax (d + 4) and casts back (4 + d): 6 d + 8.
+    Attention dropout adds a read, a write and a 1-byte mask: 2 d + 1. The two batched
+    matmuls around them are counted as FLOPs, at the matmul efficiency."""
+    if plan.attention != "eager":
+        return 0.0
+    per_element = 2 * d if fused else 6 * d + 8
+    if dropout:
+        per_element += 2 * d + 1
+    scores = model.num_attention_heads * seq_len / plan.tp
+    return 3.0 * per_element * scores * layers
 
 
 def loss_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
@@ -237,7 +285,20 @@ def estimate_time(
     slowest: dict[str, float] | None = None
     for stage in sorted({0, plan.pp - 1}):
         parts = _stage_micro_batch(
-            model, plan, stage, s, tokens_mb, d, peak, gpu, eff, tp_link, cp_link, ep_link, runtime == "megatron"
+            model,
+            plan,
+            stage,
+            s,
+            tokens_mb,
+            d,
+            peak,
+            gpu,
+            eff,
+            tp_link,
+            cp_link,
+            ep_link,
+            runtime == "megatron",
+            RUNTIMES[runtime].dropout,
         )
         if slowest is None or sum(parts.values()) > sum(slowest.values()):
             slowest = parts
@@ -275,10 +336,10 @@ def estimate_time(
 
 def _recompute_flops_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> float:
     """Model FLOPs recomputation adds per token (PaLM's HFU numerator minus MFU's)."""
-    matmul_share, attention_share = recompute_fraction(plan, model.num_layers // plan.pp)
-    total = training_flops_per_token(model, seq_len)
+    extra = recompute_fraction(plan, model.num_layers // plan.pp, model)
     attention = attention_flops_per_token(model, seq_len)
-    return matmul_share * (total - attention) + attention_share * attention
+    layers = training_flops_per_token(model, seq_len) - attention - 6.0 * model.vocab_size * model.hidden_size
+    return extra.matmul * layers + extra.attention * attention
 
 
 def _stage_micro_batch(
@@ -295,12 +356,16 @@ def _stage_micro_batch(
     cp_link: Link,
     ep_link: Link,
     fused: bool,
+    dropout: bool,
 ) -> dict[str, float]:
     """Seconds of one micro-batch's forward and backward on one rank of ``stage``."""
     indices = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
     layers = len(indices)
-    matmul, attention = stage_flops_per_token(model, plan, stage, s, causal=True)
-    extra_mm, extra_attn = recompute_fraction(plan, layers)
+    # flash kernels skip the masked blocks; eager attention computes every score (two batched
+    # matmuls, at the matmul efficiency) and runs its softmax over them in HBM
+    eager = plan.attention == "eager"
+    matmul, attention = stage_flops_per_token(model, plan, stage, s, causal=not eager)
+    extra = recompute_fraction(plan, layers, model)
     last = stage == plan.pp - 1
     head = 6.0 * model.vocab_size * model.hidden_size if last else 0.0
     # attention under CP: each rank's queries against the whole sequence, so its FLOPs are
@@ -309,11 +374,12 @@ def _stage_micro_batch(
         tokens_mb
         / plan.tp
         * (
-            (matmul + extra_mm * (matmul - head)) / (peak * eff.matmul)
-            + attention * (1 + extra_attn) / (peak * eff.attention)
+            (matmul + extra.matmul * (matmul - head)) / (peak * eff.matmul)
+            + attention * (1 + extra.attention) / (peak * (eff.matmul if eager else eff.attention))
         )
     )
-    traffic = elementwise_bytes_per_token(model, plan, layers, d, fused)
+    traffic = (1 + extra.elementwise) * elementwise_bytes_per_token(model, plan, layers, d, fused)
+    traffic += (1 + extra.attention) * eager_score_bytes_per_token(model, plan, s, layers, d, fused, dropout)
     memory = tokens_mb * traffic / (gpu.hbm_bytes_per_s * eff.hbm)
     if last:
         memory += tokens_mb * loss_bytes_per_token(model, plan) / (gpu.hbm_bytes_per_s * eff.hbm)
@@ -324,8 +390,7 @@ def _stage_micro_batch(
     if plan.tp > 1:
         act = tokens_mb * model.hidden_size * d
         per_layer = 2 * all_reduce_s(act, plan.tp, tp_link)
-        repeats = 2 + (1 if plan.recompute == "full" else 0)
-        parts["tp_comm"] = layers * per_layer * repeats
+        parts["tp_comm"] = layers * per_layer * (2 + extra.tp_rounds)
     # CP (ring attention): each layer passes K and V around the ring (cp - 1 hops) forward, and
     # K, V, dK, dV backward; hidden behind the attention compute when it is longer
     if plan.cp > 1:

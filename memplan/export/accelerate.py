@@ -57,8 +57,8 @@ def _check(job: Job) -> None:
             "Accelerate's FSDP keeps fp32 sharded parameters: fp32 (mixed_precision no) or bf16-mixed (bf16)",
         ),
         "recompute": (
-            p.recompute == "selective",
-            "recompute selective",
+            p.recompute in ("selective", "selective-op"),
+            f"recompute {p.recompute}",
             "fsdp_activation_checkpointing recomputes whole decoder layers; use none or full",
         ),
     }

@@ -79,11 +79,11 @@ def _check(job: Job) -> None:
             "precision bf16 with zero 0",
             "bf16 without fp32 master weights (bf16_master_weights_and_grads) needs ZeRO stage >= 1",
         )
-    if p.recompute == "selective":
+    if p.recompute in ("selective", "selective-op"):
         raise refuse(
             "recompute",
             TARGET,
-            "recompute selective",
+            f"recompute {p.recompute}",
             "HF models checkpoint whole decoder layers (gradient_checkpointing_enable); use none or full",
         )
     if p.recompute_layers is not None and p.recompute_layers < layers_per_chunk(job):

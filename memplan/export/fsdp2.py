@@ -188,8 +188,8 @@ def _check(job: Job) -> None:
             "its TP plan for transformers layers keeps activations replicated; use torchtitan",
         ),
         "recompute": (
-            p.recompute == "selective",
-            "recompute selective",
+            p.recompute in ("selective", "selective-op"),
+            f"recompute {p.recompute}",
             "it checkpoints whole layers; use none or full",
         ),
         "precision": (

@@ -187,6 +187,14 @@ def parallel_args(job: Job) -> list[Arg]:
         ("--global-batch-size", f["global_batch"]),
         ("--seq-length", f["seq_len"]),
     ]
+    if p.recompute == "selective-op":
+        raise refuse(
+            "recompute",
+            TARGET,
+            "recompute selective-op",
+            "Megatron-LM's selective granularity recomputes the attention core (recompute selective), "
+            "not every second matmul",
+        )
     if p.recompute == "selective":
         args.append(("--recompute-granularity", "selective"))
     elif p.recompute == "full":

@@ -15,9 +15,10 @@ Mapping (parallelize_llama's order: TP, activation checkpointing, FSDP):
 - precision: bf16-mixed = fp32 ``dtype`` with ``mixed_precision_param`` bfloat16 (applied by FSDP, or
   autocast under DDP / one device); bf16 = ``dtype`` bfloat16 (no fp32 copy); fp32 = both float32;
 - ``enable_cpu_offload``: FSDP2's CPUOffloadPolicy (parameters, gradients, optimizer step together).
+- recompute selective-op: ``mode`` selective (per-op SAC; the legacy TOML adds ``selective_ac_option`` op).
 Not expressible: ZeRO-1, fp32 master weights (bf16-master, fp16-master), fp8 as estimated,
-selective recomputation as estimated (torchtitan's selective mode is per-op SAC or layer-wise),
-eager attention, optimizers other than AdamW, NVMe offload.
+Korthikanti's selective recomputation (the attention core; torchtitan's selective mode is per-op
+SAC or layer-wise), eager attention, optimizers other than AdamW, NVMe offload.
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ def _check(job: Job, form: Form) -> None:
             "recompute",
             TARGET,
             "recompute selective",
-            "torchtitan's selective mode is per-op SAC (or every n-th layer), not the attention-core "
-            "recomputation the estimate assumes",
+            "torchtitan's selective mode is per-op SAC (recompute selective-op) or every n-th layer, not "
+            "the attention-core recomputation",
         )
     if p.recompute_layers is not None and p.recompute_layers < job.model.num_layers // p.pp:
         per_rank = job.model.num_layers // p.pp
@@ -209,6 +210,9 @@ def sections(job: Job, form: Form, gradient_clipping: float) -> dict[str, dict[s
     if form == "toml" and p.ep > 1:
         par["expert_tensor_parallel_degree"] = p.tp  # memplan: expert tensor parallelism = tp
     ac: dict[str, Any] = {"mode": "none" if p.recompute == "none" else "full"}
+    if p.recompute == "selective-op":
+        # per-op SAC: the current configs' only selective mode; the legacy TOML names it "op"
+        ac = {"mode": "selective"} if form == "python" else {"mode": "selective", "selective_ac_option": "op"}
     if p.recompute_layers is not None and p.recompute_layers < job.model.num_layers // p.pp:
         # legacy layer-wise SAC: every n-th block of the stage is checkpointed (n = layers / count)
         ac = {"mode": "selective", "selective_ac_option": str(job.model.num_layers // p.pp // p.recompute_layers)}
@@ -303,7 +307,9 @@ def _from_sections(
     if replicate > 1:
         zero = 0
     recompute, layers = {"none": ("none", None), "full": ("full", None)}.get(ac["mode"], ("full", None))
-    if ac["mode"] == "selective":  # the legacy layer-wise option written for a partial full recompute
+    if ac["mode"] == "selective" and ac.get("selective_ac_option", "op") == "op":
+        recompute = "selective-op"
+    elif ac["mode"] == "selective":  # the legacy layer-wise option written for a partial full recompute
         layers = num_layers // pp // int(ac["selective_ac_option"])
     dtype, param = training["dtype"], training["mixed_precision_param"]
     precision = "bf16" if dtype == "bfloat16" else ("fp32" if param == "float32" else "bf16-mixed")

@@ -20,7 +20,7 @@ World size = dp x tp x pp x cp, every GPU used. One plan per combination of:
 - ``zero``: 0-3 (0 only when dp x cp = 1: nothing to shard over);
 - ``offload`` (only when allowed): optimizer states to CPU (ZeRO >= 1), or optimizer states
   and parameters (ZeRO-3, FSDP2's CPUOffloadPolicy);
-- ``recompute``: none, selective, full;
+- ``recompute``: none, selective, selective-op, full;
 - ``precision``: the allowed ones (default bf16-mixed only).
 
 Sequence parallelism is on whenever tp > 1 (it only saves memory and costs no extra
@@ -45,7 +45,7 @@ from memplan.specs.workload import TrainingWorkload
 
 CP_FROM_SEQ_LEN = 16384  # context parallelism is offered from this sequence length up
 CP_MAX = 8
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "selective-op", "full")
 Offload = Literal["none", "optimizer", "optimizer+params"]
 # the order Optuna samples the dimensions in, and the order of a plan's coordinates
 DIMENSIONS = (

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 _MAX_DEGREE = 1_000_000
 
 Offload = Literal["none", "cpu", "nvme"]
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "selective-op", "full"]
 PrecisionName = Literal["fp32", "bf16-mixed", "bf16-master", "fp16-master", "bf16", "fp8"]
 OptimizerName = Literal["adamw", "sgd", "adafactor", "adamw-8bit"]
 AttentionImpl = Literal["flash", "eager"]
@@ -36,7 +36,11 @@ class Plan(BaseModel):
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer states, 2 + grads, 3 + params.")
     offload_optimizer: Offload = Field("none", description="Where optimizer states (and master weights) live.")
     offload_params: Offload = Field("none", description="Where parameters live between uses (ZeRO-3 only).")
-    recompute: Recompute = Field("none", description="Activation recomputation policy.")
+    recompute: Recompute = Field(
+        "none",
+        description="Activation recomputation: none; selective (the attention core, Korthikanti et al.); "
+        "selective-op (torchtitan's per-op SAC: every second matmul recomputed); full (whole layers).",
+    )
     recompute_layers: int | None = Field(
         None, gt=0, le=100_000, description="With full recompute: layers per stage recomputed (default: all)."
     )

@@ -124,9 +124,62 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, x, cos, sin, use_reentrant=False)
 
 
+# per-op selective recomputation (torchtitan's ``op`` SAC): the matmuls alternate, the rest
+# of the save list is kept, everything else is recomputed
+_OP_SAC_MATMULS = frozenset({"mm", "addmm"})
+_OP_SAC_SAVED = frozenset(
+    {
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "flash_attention_forward",  # memplan.kernels
+        "reduce_scatter_tensor",
+    }
+)
+
+
+def op_sac_policy(counts: dict[str, int]):  # noqa: ANN201 - a torch.utils.checkpoint policy
+    """torchtitan's per-op policy: save the outputs of the attention kernels, the reduce-
+    scatters and every odd-numbered matmul of the layer (counted separately in the forward
+    and in the recompute, so both runs agree); recompute everything else. memplan counts
+    ``addmm`` (a linear with bias) as a matmul too; torchtitan's models have no biases."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx, op, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        name = str(getattr(op, "__name__", op)).split(".")[0]
+        if name in _OP_SAC_MATMULS:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            odd = counts[key] % 2 == 1
+            return CheckpointPolicy.MUST_SAVE if odd else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if name in _OP_SAC_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+class OpCheckpointed(Checkpointed):
+    """A block under per-op selective checkpointing (:func:`op_sac_policy`)."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from collections import defaultdict
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        def context():  # noqa: ANN202 - fresh counts for each forward and its recompute
+            return create_selective_checkpoint_contexts(op_sac_policy(defaultdict(int)))
+
+        return checkpoint(self.block, x, cos, sin, use_reentrant=False, context_fn=context)
+
+
 def apply_recompute(model: Transformer, plan: Plan) -> None:
     """full: wrap the stage's layers (all, or the first ``recompute_layers``) in checkpoint;
-    selective: recompute each layer's attention core under a save-list policy."""
+    selective: recompute each layer's attention core under a save-list policy;
+    selective-op: each layer under the per-op policy."""
+    if plan.recompute == "selective-op":
+        for key in list(model.layers.keys()):
+            model.layers[key] = OpCheckpointed(model.layers[key])
+        return
     if plan.recompute == "selective":
         for block in model.layers.values():
             block.attention.recompute_core = True

@@ -64,7 +64,7 @@ def test_json_contract_and_plan_file_round_trip(tmp_path: Path):
     assert code == 0, err
     data = json.loads(out)
     assert data["study"] == "t" and data["storage"] == "sqlite:///memplan-tune.db"
-    assert data["trials"] == data["trials_run"] == 25 and data["space_size"] == 645
+    assert data["trials"] == data["trials_run"] == 25 and data["space_size"] == 860
     assert data["recommended"] == data["top"][0] and data["plan_path"] == "p.yaml"
     assert data["closest"] is None and data["fixes"] == [] and data["interrupted"] is False
     best = data["recommended"]["evaluation"]
@@ -84,7 +84,7 @@ def test_json_contract_and_plan_file_round_trip(tmp_path: Path):
 def test_table_and_exhaustive():
     code, out, err = memplan("tune", *LLAMA8B, "--exhaustive")
     assert code == 0, err
-    assert "Best plans" in out and "every plan predicted (645)" in out and "recommended" in out
+    assert "Best plans" in out and "every plan predicted (860)" in out and "recommended" in out
     code, out, _ = memplan("tune", *LLAMA8B, "--exhaustive", "--format", "json", "--top", "3")
     data = json.loads(out)
     assert data["exhaustive"] and data["study"] is None and data["trials"] == 0 and len(data["top"]) == 3

@@ -188,6 +188,7 @@ VALUES = {
 }  # fmt: skip
 TORCHTITAN_PLANS = [
     (L8, dict(gpus=8, zero=3, precision="bf16-mixed", recompute="full")),
+    (L8, dict(gpus=8, zero=3, precision="bf16-mixed", recompute="selective-op")),
     (L8, dict(gpus=8, zero=0, precision="fp32")),
     (
         "llama3-70b",

@@ -38,6 +38,7 @@ CASES = [
         for model, flags in [
             (L8, dict(gpus=8, zero=3, precision="bf16-mixed", recompute="full", **TRAIN)),
             (L8, dict(gpus=8, zero=0, precision="fp32", **TRAIN)),
+            (L8, dict(gpus=8, zero=3, precision="bf16-mixed", recompute="selective-op", **TRAIN)),
             (L8, dict(gpus=16, tp=2, sequence_parallel=True, zero=2, precision="bf16")),
             (L8, dict(gpus=16, cp=2, zero=3, precision="bf16-mixed", seq_len=8192)),
             (L8, dict(gpus=8, zero=3, precision="bf16-mixed", offload_params="cpu", offload_optimizer="cpu")),

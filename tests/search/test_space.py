@@ -24,12 +24,12 @@ def tiny(layers: int = 2) -> ModelSpec:
 
 
 def test_hand_counted_small_space():
-    # tp=1 pp=1 dp=2: micro-batch {1, 2} x ZeRO 0-3 x 3 recompute = 24; tp=1 pp=2 dp=1: micro-batch
-    # {1, 2, 4} x ZeRO 0 x 3 = 9 (2 layers: no interleaving); tp=2 dp=1: 9. Total 42.
+    # tp=1 pp=1 dp=2: micro-batch {1, 2} x ZeRO 0-3 x 4 recompute = 32; tp=1 pp=2 dp=1: micro-batch
+    # {1, 2, 4} x ZeRO 0 x 4 = 12 (2 layers: no interleaving); tp=2 dp=1: 12. Total 56.
     options = SpaceOptions(gpus=2, gpus_per_node=2, seq_len=64, global_batches=(4,), max_micro_batch=4)
-    assert len(enumerate_space(tiny(2), options)) == 42
+    assert len(enumerate_space(tiny(2), options)) == 56
     # 4 layers: pp=2 also runs interleaved (2 x 2 chunks) where 4 / micro-batch is even (1, 2)
-    assert len(enumerate_space(tiny(4), options)) == 42 + 2 * 3
+    assert len(enumerate_space(tiny(4), options)) == 56 + 2 * 4
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_dimensions_covered_for_llama3_70b():
     assert set(values["pp"]) == {1, 2, 4, 8, 16}  # divisors of 80 layers that divide 64 GPUs
     assert set(values["schedule"]) == {"1f1b", "interleaved"}
     assert set(values["zero"]) == {0, 1, 2, 3}
-    assert set(values["recompute"]) == {"none", "selective", "full"}
+    assert set(values["recompute"]) == {"none", "selective", "selective-op", "full"}
     assert set(values["micro_batch"]) == {1, 2, 4, 8, 16}
     assert values["cp"] == (1,) and values["offload"] == ("none",) and values["precision"] == ("bf16-mixed",)
     assert set(space.choices) == {"tp", "pp", "schedule", "zero", "recompute", "micro_batch"}

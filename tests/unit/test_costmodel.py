@@ -141,3 +141,26 @@ def test_zero_stages_shard_the_right_states():
     fsdp = [estimate_memory(model, work, Plan(dp=8, zero=z)) for z in (2, 3)]
     assert fsdp[0].model_states.parameters == fsdp[1].model_states.parameters
     assert fsdp[0].peak.breakdown["gathered_params"] > fsdp[1].peak.breakdown.get("gathered_params", 0)
+
+
+def test_selective_op_keeps_the_input_odd_matmuls_attention_and_reduce_scatters():
+    """Per-op SAC on a gated GQA layer: input d h, q d q/t, v d kv/t, gate d f/t, down d h (a
+    row-parallel partial sum, full width), attention output d q/t and log-sum-exp 4 a/t;
+    under SP the input is split by t and the two reduce-scatter outputs d h/t are kept."""
+    from memplan.costmodel import activations as A
+    from memplan.costmodel.memory import layer_activation_bytes
+    from memplan.costmodel.runtimes import RUNTIMES
+
+    m = load_model("llama3-8b")
+    h, q, kv, f, a = m.hidden_size, m.q_size, m.kv_size, m.ffn_size, m.num_attention_heads
+    tokens, d, t = 2 * 4096, 2, 4
+    x = A.Shape(model=m, b=2, s=4096, span=4096, t=t, sp=False, d=d, eager=False, dropout=False)
+    per_token = d * h + d * (q + kv + f) // t + d * h + (d * q + 4 * a) // t
+    assert A.op_sac_layer(x) == tokens * per_token
+    sp = A.Shape(model=m, b=2, s=4096, span=4096, t=t, sp=True, d=d, eager=False, dropout=False)
+    assert A.op_sac_layer(sp) == A.op_sac_layer(x) - tokens * d * h + tokens * d * h // t + 2 * tokens * d * h // t
+    rt = RUNTIMES["memplan"]
+    none = layer_activation_bytes(x, rt, "none", 0.0, 1)
+    selective = layer_activation_bytes(x, rt, "selective", 0.0, 1)
+    op = layer_activation_bytes(x, rt, "selective-op", 0.0, 1)
+    assert op < selective < none

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from memplan.costmodel.flops import training_flops_per_token
 from memplan.costmodel.time import (
     Efficiency,
     Link,
@@ -12,6 +13,7 @@ from memplan.costmodel.time import (
     all_to_all_s,
     estimate_time,
     group_link,
+    recompute_fraction,
 )
 from memplan.specs.hardware import ClusterSpec
 from memplan.specs.loader import load_gpu, load_model
@@ -73,7 +75,11 @@ def test_recomputation_costs_time_and_counts_in_hfu_only():
     none, selective, full = (_time(Plan(dp=8, zero=3, recompute=r)) for r in ("none", "selective", "full"))
     assert none.step_time_s < selective.step_time_s < full.step_time_s
     assert none.hfu == pytest.approx(none.mfu)
-    assert full.hfu / full.mfu == pytest.approx(4 / 3, rel=0.01)  # the forward again: 4 passes of 3
+    # the layers' forward again (4 passes of 3); the LM head is outside the checkpointed layers
+    model = load_model("llama3-8b")
+    total = training_flops_per_token(model, 4096)
+    head = 6 * model.vocab_size * model.hidden_size
+    assert full.hfu / full.mfu == pytest.approx(1 + (total - head) / 3 / total, rel=1e-6)
     assert none.flops_per_step == full.flops_per_step
 
 
@@ -126,3 +132,25 @@ def test_moe_expert_parallel_pays_all_to_all():
     assert report.breakdown["ep_comm"] > 0
     # only the active experts count: MFU from 12.9B active params, not 46.7B
     assert report.flops_per_step < 64 * 4096 * 6 * 20e9
+
+
+def test_selective_op_recomputes_every_second_matmul_and_the_elementwise_kernels():
+    """torchtitan's per-op SAC on Llama 3 8B: k, the output projection and up are recomputed,
+    (h kv + q h + h f) / (2 h q + 2 h kv + 3 h f) of the layer's forward matmuls, a third of
+    that over forward and backward; every element-wise kernel runs again; flash attention
+    does not (its output is saved); SP re-gathers (half a round of collectives), no SP
+    re-reduces (one round)."""
+    m = LLAMA8
+    h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.ffn_size
+    extra = recompute_fraction(Plan(recompute="selective-op"), m.num_layers, m)
+    share = (h * kv + q * h + h * f) / (2 * h * q + 2 * h * kv + 3 * h * f)
+    assert extra.matmul == pytest.approx(share / 3)
+    assert extra.matmul == pytest.approx(0.122, abs=0.001)
+    assert (extra.attention, extra.elementwise, extra.tp_rounds) == (0.0, pytest.approx(1 / 3), 1.0)
+    assert recompute_fraction(Plan(recompute="selective-op", tp=2, sequence_parallel=True), 32, m).tp_rounds == 0.5
+    assert recompute_fraction(Plan(recompute="selective-op", attention="eager"), 32, m).attention == pytest.approx(
+        1 / 3
+    )
+    none, op, full = (_time(Plan(dp=8, zero=3, recompute=r)) for r in ("none", "selective-op", "full"))
+    assert none.step_time_s < op.step_time_s < full.step_time_s
+    assert op.hfu > op.mfu and op.flops_per_step == none.flops_per_step

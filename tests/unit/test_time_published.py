@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from memplan.costmodel.time import Efficiency, elementwise_bytes_per_token, estimate_time
+from memplan.costmodel.time import Efficiency, eager_score_bytes_per_token, elementwise_bytes_per_token, estimate_time
 from memplan.specs.hardware import ClusterSpec
 from memplan.specs.loader import load_gpu, load_model
 from memplan.specs.plan import Plan
@@ -78,3 +78,39 @@ def test_elementwise_traffic_follows_the_architecture():
     h, f = gpt.hidden_size, gpt.ffn_size
     # GPT: 2 LayerNorms (2 d), 2 adds (3 d), GELU (2 d on f); no RoPE; x 3 for the backward
     assert elementwise_bytes_per_token(gpt, plan, 1, 2, fused=False) == pytest.approx(3 * ((2 * 4 + 2 * 6) * h + 4 * f))
+
+
+def test_eager_attention_computes_every_score_and_pays_for_the_softmax_in_hbm():
+    """Eager attention runs the full s x s matmuls (no causal skipping) and its softmax over
+    materialised scores: 3 x (fused 2 d, unfused 6 d + 8, dropout + 2 d + 1) bytes per
+    score element, a s / t elements per token and layer."""
+    gpt = load_model("gpt3-175b")
+    a, s = gpt.num_attention_heads, 2048
+    eager = Plan(tp=8, attention="eager")
+    assert eager_score_bytes_per_token(gpt, Plan(tp=8), s, 1, 2, True, True) == 0  # flash: nothing
+    assert eager_score_bytes_per_token(gpt, eager, s, 1, 2, True, False) == pytest.approx(3 * 4 * a * s / 8)
+    assert eager_score_bytes_per_token(gpt, eager, s, 1, 2, True, True) == pytest.approx(3 * 9 * a * s / 8)
+    assert eager_score_bytes_per_token(gpt, eager, s, 2, 2, False, False) == pytest.approx(2 * 3 * 20 * a * s / 8)
+    work = TrainingWorkload(seq_len=s, micro_batch=1, global_batch=64)
+    gpu, cluster = load_gpu("a100-80gb"), ClusterSpec(nodes=8)
+    flash = estimate_time(gpt, work, Plan(tp=8, pp=8), gpu, cluster, "megatron")
+    slow = estimate_time(gpt, work, Plan(tp=8, pp=8, attention="eager"), gpu, cluster, "megatron")
+    assert slow.step_time_s > flash.step_time_s
+    assert slow.mfu < flash.mfu and slow.flops_per_step == flash.flops_per_step  # same model FLOPs
+
+
+def test_megatron_throughput_converts_by_their_equation_3(published):
+    """1T on 3072 GPUs at 163 teraFLOP/s: 96 l h^2 (1 + s/6h + V/16lh) FLOPs per token."""
+    per_token = 96 * 128 * 25600**2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600))
+    assert published.megatron_tokens_per_s(163, 25600, 128) == pytest.approx(163e12 / per_token)
+    assert published.megatron_tokens_per_s(163, 25600, 128) == pytest.approx(19.96, abs=0.01)
+
+
+def test_megatron_published_runs_are_predicted_within_15_pct(published):
+    """Narayanan et al. 2021, Tables 1 and 2 (PTD-P): 16 runs from 1.7B on 32 A100s to 1T on
+    3072, predicted with the A100 profile as it is (its matmul efficiency is fitted on other
+    software, llm-foundry)."""
+    rows = published.MEGATRON_ROWS
+    assert len(rows) == 16
+    errors = {r.name: published.predict(r)["error_pct"] for r in rows}
+    assert all(abs(e) <= 15 for e in errors.values()), errors

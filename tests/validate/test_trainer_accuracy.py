@@ -18,7 +18,7 @@ def test_suite_covers_the_issue():
     plans = [c.plan for c in CASES]
     assert {p.get("zero", 0) for p in plans} == {0, 1, 2, 3}
     assert {p.get("precision") for p in plans} >= {"fp32", "bf16-mixed", "bf16-master", "bf16"}
-    assert {p.get("recompute", "none") for p in plans} == {"none", "selective", "full"}
+    assert {p.get("recompute", "none") for p in plans} == {"none", "selective", "selective-op", "full"}
     assert {p.get("pp_schedule", "1f1b") for p in plans if p.get("pp", 1) > 1} >= {"1f1b", "interleaved"}
     assert max(Case(c.name, c.plan, c.model).spec()[0].plan.world_size for c in CASES) == 64
 
