@@ -64,14 +64,19 @@ def mpt(size: str, seq_len: int) -> ModelSpec:
     )  # fmt: skip
 
 
-def mt_nlg() -> ModelSpec:
-    """MT-NLG 530B: GPT-3's layout at h 20480, 105 layers, 128 heads, V 50272 (Smith et al. 2022)."""
+def megatron_gpt(hidden: int, layers: int, heads: int, vocab: int = 51200, name: str | None = None) -> ModelSpec:
+    """Narayanan et al. 2021's GPT models: GPT-3's layout at V 51,200, s 2048, f = 4h."""
     return model_profile("gpt3-175b").model_copy(
         update=dict(
-            name="mt-nlg-530b", hidden_size=20480, num_layers=105, num_attention_heads=128, num_kv_heads=128,
-            head_dim=160, ffn_size=81920, vocab_size=50272,
+            name=name or f"gpt-h{hidden}-l{layers}", hidden_size=hidden, num_layers=layers, num_attention_heads=heads,
+            num_kv_heads=heads, head_dim=hidden // heads, ffn_size=4 * hidden, vocab_size=vocab,
         )
     )  # fmt: skip
+
+
+def mt_nlg() -> ModelSpec:
+    """MT-NLG 530B: GPT-3's layout at h 20480, 105 layers, 128 heads, V 50272 (Smith et al. 2022)."""
+    return megatron_gpt(20480, 105, 128, vocab=50272, name="mt-nlg-530b")
 
 
 @dataclass(frozen=True)
@@ -131,16 +136,6 @@ def _mt_nlg_row(gpus: int, seconds: float) -> Row:
     plan = dict(tp=8, pp=35, dp=gpus // 280, zero=1, recompute="full", precision="bf16-mixed", attention="eager")
     return Row(f"MT-NLG 530B, {gpus} A100 40GB", mt_nlg(), "a100-40gb", gpus, plan, 2048, 1, 1920, tokens,
                "megatron", MT_NLG, inter_node_bytes_per_s=25e9)  # fmt: skip
-
-
-def megatron_gpt(hidden: int, layers: int, heads: int) -> ModelSpec:
-    """Narayanan et al. 2021's GPT models: GPT-3's layout at V 51,200, s 2048, f = 4h."""
-    return model_profile("gpt3-175b").model_copy(
-        update=dict(
-            name=f"gpt-h{hidden}-l{layers}", hidden_size=hidden, num_layers=layers, num_attention_heads=heads,
-            num_kv_heads=heads, head_dim=hidden // heads, ffn_size=4 * hidden, vocab_size=51200,
-        )
-    )  # fmt: skip
 
 
 def megatron_tokens_per_s(teraflops: float, hidden: int, layers: int, seq: int = 2048, vocab: int = 51200) -> float:

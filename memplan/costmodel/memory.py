@@ -234,6 +234,13 @@ def _backward_before_last_forward(plan: Plan, stage: int, accumulation: int, lay
     return accumulation * plan.virtual_stages > inflight
 
 
+def pipeline_activation_bytes(x: A.Shape) -> int:
+    """One activation torch.distributed.pipelining sends between stages: b*s*h/(t if SP) in
+    the residual dtype (fp32 under autocast)."""
+    element = 4 if x.autocast else x.d
+    return x.tokens * element * x.model.hidden_size // x.rep
+
+
 def pipeline_buffers(x: A.Shape, plan: Plan, stage: int, accumulation: int, layers: int) -> tuple[int, int, int, int]:
     """torch.distributed.pipelining's stage buffers at forward end, backward start, backward
     end and the optimizer step (torch/distributed/pipelining/stage.py, torch 2.13).
@@ -244,8 +251,7 @@ def pipeline_buffers(x: A.Shape, plan: Plan, stage: int, accumulation: int, laye
     micro-batches of non-last chunks); each received activation's gradient accumulates in its
     buffer's ``.grad`` until the next step clears it.
     """
-    element = 4 if x.autocast else x.d
-    a = x.tokens * element * x.model.hidden_size // x.rep
+    a = pipeline_activation_bytes(x)
     m, v = accumulation, plan.virtual_stages
     chunks = [c * plan.pp + stage for c in range(v)]
     not_first = sum(k != 0 for k in chunks)

@@ -83,15 +83,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> t
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
-_ATTENTION_OPS = (
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "flash_attention_forward",  # memplan.kernels (saves out and lse, like SDPA)
-    "bmm",
-    "_softmax",
+FLASH_ATTENTION_OPS = frozenset(
+    {
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "flash_attention_forward",  # memplan.kernels (saves out and lse, like SDPA)
+    }
 )
+_ATTENTION_OPS = FLASH_ATTENTION_OPS | {"bmm", "_softmax"}
+
+
+def op_name(op) -> str:  # noqa: ANN001 - an OpOverload as a checkpoint policy receives it
+    """``aten.mm.default`` -> ``mm``: the packet name a save list matches on."""
+    return str(getattr(op, "__name__", op)).split(".")[0]
 
 
 def _selective_policy(ctx, op, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
@@ -99,7 +105,7 @@ def _selective_policy(ctx, op, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
     core computes is saved (SDPA's output and log-sum-exp; eager scores and softmax)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    name = str(getattr(op, "__name__", op)).split(".")[0]
+    name = op_name(op)
     return CheckpointPolicy.PREFER_RECOMPUTE if name in _ATTENTION_OPS else CheckpointPolicy.MUST_SAVE
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from memplan.specs.plan import Plan
-from memplan.train.model import Block, Transformer
+from memplan.train.model import FLASH_ATTENTION_OPS, Block, Transformer, op_name
 from memplan.validate.support import check_plan  # noqa: F401 (re-exported)
 
 
@@ -127,16 +127,7 @@ class Checkpointed(nn.Module):
 # per-op selective recomputation (torchtitan's ``op`` SAC): the matmuls alternate, the rest
 # of the save list is kept, everything else is recomputed
 _OP_SAC_MATMULS = frozenset({"mm", "addmm"})
-_OP_SAC_SAVED = frozenset(
-    {
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "flash_attention_forward",  # memplan.kernels
-        "reduce_scatter_tensor",
-    }
-)
+_OP_SAC_SAVED = FLASH_ATTENTION_OPS | {"reduce_scatter_tensor"}
 
 
 def op_sac_policy(counts: dict[str, int]):  # noqa: ANN201 - a torch.utils.checkpoint policy
@@ -147,7 +138,7 @@ def op_sac_policy(counts: dict[str, int]):  # noqa: ANN201 - a torch.utils.check
     from torch.utils.checkpoint import CheckpointPolicy
 
     def policy(ctx, op, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        name = str(getattr(op, "__name__", op)).split(".")[0]
+        name = op_name(op)
         if name in _OP_SAC_MATMULS:
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.costmodel.layout import stage_layout
-from memplan.costmodel.memory import _shape, estimate_memory, model_states
+from memplan.costmodel.memory import _shape, estimate_memory, model_states, pipeline_activation_bytes
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.runtimes import RUNTIMES
 from memplan.errors import MemplanError
@@ -148,8 +148,7 @@ def test_more_pipeline_stages_never_use_more(job):
         # torch.distributed.pipelining keeps each in-flight micro-batch's stage output in its
         # fwd_cache until that micro-batch's backward (measured, ``pipeline_buffers``): one
         # b s h activation more per extra micro-batch in flight on the first stage
-        element = 4 if shape.autocast else shape.d
-        allowance += extra_microbatches * shape.tokens * element * m.hidden_size // shape.rep
+        allowance += extra_microbatches * pipeline_activation_bytes(shape)
     assert bigger.peak.allocated <= allocated(m, workload, plan, runtime) + allowance
 
 
