@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
 import time
 import uuid
@@ -47,12 +48,17 @@ SIGNATURE_ATTR = "memplan_search"
 # optuna >= 5 records constraints on the trial; older versions read them through constraints_func
 _TRIAL_CONSTRAINTS = hasattr(optuna.trial.Trial, "set_constraint")
 _SQLITE_TIMEOUT_S = 60  # concurrent workers on one SQLite file wait this long for its lock
-_OPEN_ATTEMPTS = 3
-_RACE_ERRORS = ("OperationalError", "IntegrityError")  # two workers creating the tables of one new file
+_OPEN_ATTEMPTS = 5
+# SQLAlchemy's default driver per dialect, named when it is missing
+_DRIVERS = {"postgresql": "psycopg[binary]", "mysql": "mysqlclient"}
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """An RDB storage for ``url``; a URL that cannot be opened is a one-line MemplanError."""
+    """An RDB storage for ``url``; a URL that cannot be opened is a one-line MemplanError.
+
+    Opening is retried a few times when the error is one that a concurrent worker creating the
+    same new database causes (``_lost_creation_race``): the winner's tables are there next time.
+    """
     sqlite = url.startswith("sqlite:")
     kwargs: dict[str, Any] = {"engine_kwargs": {"connect_args": {"timeout": _SQLITE_TIMEOUT_S}}} if sqlite else {}
     for attempt in range(_OPEN_ATTEMPTS):
@@ -60,16 +66,41 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             storage = optuna.storages.RDBStorage(url, **kwargs)
             break
         except Exception as err:  # noqa: BLE001 - sqlalchemy's URL, driver and connection errors alike
-            # workers creating one new SQLite file at once can race on its tables: try again
-            if sqlite and type(err).__name__ in _RACE_ERRORS and attempt + 1 < _OPEN_ATTEMPTS:
-                time.sleep(0.2 * (attempt + 1))
+            if _lost_creation_race(err) and attempt + 1 < _OPEN_ATTEMPTS:
+                time.sleep(random.uniform(0.1, 0.3) * (attempt + 1))
                 continue
-            reason = re.sub(r"\s*\(Background on this error at: [^)]*\)", "", " ".join(str(err).split()))
-            reason = reason or type(err).__name__
-            raise MemplanError(f"cannot open storage {url!r}: {reason[:300]}", source=CLI, field="--storage") from None
+            raise MemplanError(
+                f"cannot open storage {url!r}: {_storage_error(url, err)}", source=CLI, field="--storage"
+            ) from None
     if sqlite:
         _sqlite_for_workers(storage.engine)
     return storage
+
+
+def _lost_creation_race(err: Exception) -> bool:
+    """Whether ``err`` is what a worker gets when another creates the same new database first.
+
+    Workers opening one new database at once race to create its tables, enum types and version
+    row: the loser gets a duplicate key (IntegrityError: SQLite's version row, PostgreSQL's
+    ``pg_type`` entry), an object that "already exists" (ProgrammingError / OperationalError),
+    or SQLite's "database is locked". A bad URL, a refused connection or a wrong password is none
+    of these and is reported at once.
+    """
+    kind, text = type(err).__name__, str(err).lower()
+    return kind == "IntegrityError" or (
+        kind in ("OperationalError", "ProgrammingError") and ("already exists" in text or "locked" in text)
+    )
+
+
+def _storage_error(url: str, err: Exception) -> str:
+    """One line for why ``url`` could not be opened; a missing database driver is named."""
+    if isinstance(err, ImportError) and isinstance(err.__cause__, ModuleNotFoundError):
+        scheme = url.split(":", 1)[0]
+        hint = _DRIVERS.get(scheme)  # only a URL without "+driver" uses the dialect's default
+        install = f"; pip install {hint!r}" if hint else ""
+        return f"its database driver is not installed (no module named {err.__cause__.name!r}{install})"
+    reason = re.sub(r"\s*\(Background on this error at: [^)]*\)", "", " ".join(str(err).split()))
+    return (reason or type(err).__name__)[:300]
 
 
 def _sqlite_for_workers(engine: sqlalchemy.engine.Engine) -> None:

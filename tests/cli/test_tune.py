@@ -165,8 +165,11 @@ def test_calibration_is_applied(tmp_path: Path):
     assert a["plan"] == b["plan"] and a["tokens_per_s"] == pytest.approx(b["tokens_per_s"] / 2)
 
 
-def test_two_workers_share_one_study(tmp_path: Path):
-    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_two_workers_share_one_study(backend: str, tmp_path: Path, request: pytest.FixtureRequest):
+    """Two workers start at once on a new database: both create it (the loser of that race
+    retries), each runs its 15 trials, and the study holds 30 distinct, complete trials."""
+    storage = f"sqlite:///{tmp_path / 'shared.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
     common = ["tune", *LLAMA8B, "--trials", "15", "--study", "shared", "--storage", storage, "--format", "json"]
     workers = [spawn(*common, "--seed", str(seed)) for seed in (0, 1)]
     results = [w.communicate(timeout=120) for w in workers]
