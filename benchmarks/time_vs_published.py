@@ -26,7 +26,7 @@ from pathlib import Path
 
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.time import Efficiency, estimate_time
-from memplan.specs.hardware import ClusterSpec
+from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.loader import load_gpu, load_model
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -94,6 +94,13 @@ class Row:
     source: str
     inter_node_bytes_per_s: float = 50e9  # 400 Gb/s per GPU
     note: str = field(default="", compare=False)
+    # the GPU's figures as the source states them, where its parts differ from the profile's
+    hardware: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def gpu_spec(self) -> GPUSpec:
+        profile = gpu_profile(self.gpu)
+        return profile.model_validate({**profile.model_dump(), **self.hardware}) if self.hardware else profile
 
     @property
     def attention_share(self) -> float:
@@ -131,10 +138,12 @@ def fit_rows(gpu: str) -> list[Row]:
 
 
 def _mt_nlg_row(gpus: int, seconds: float) -> Row:
+    """One MT-NLG run on Selene: "Each cluster node has 8 NVIDIA 80-GB A100 GPUs" and eight
+    200 Gb/s HDR InfiniBand HCAs (Smith et al. 2022, Sec. 2.4)."""
     tokens = 1920 * 2048 / seconds / gpus
     # 2021: Megatron's fused scale-mask-softmax on materialised scores, attention dropout
     plan = dict(tp=8, pp=35, dp=gpus // 280, zero=1, recompute="full", precision="bf16-mixed", attention="eager")
-    return Row(f"MT-NLG 530B, {gpus} A100 40GB", mt_nlg(), "a100-40gb", gpus, plan, 2048, 1, 1920, tokens,
+    return Row(f"MT-NLG 530B, {gpus} A100 80GB", mt_nlg(), "a100-80gb", gpus, plan, 2048, 1, 1920, tokens,
                "megatron", MT_NLG, inter_node_bytes_per_s=25e9)  # fmt: skip
 
 
@@ -179,12 +188,15 @@ MEGATRON_ROWS = [_megatron_row(*r, 1, MEGATRON_T1, MICRO_BATCH_UNPUBLISHED) for 
 
 LLAMA3_8B, LLAMA3_70B = model_profile("llama3-8b"), model_profile("llama3-70b")
 SELECTIVE = dict(zero=3, recompute="selective-op", precision="bf16-mixed")  # torchtitan: selective_ac_option "op"
-H100_500W = "H100 at 500 W with 96 GB HBM2e: its peak is unknown; predicted as H100 SXM"
+# torchtitan's H100s (Grand Teton): "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 500 W;
+# their tensor peak "is between SXM and NVL, and we don't know its exact value": the SXM's is kept
+GRAND_TETON_H100 = {"hbm_bytes_per_s": 2.4e12}
+H100_500W = "H100 SXM at 500 W with HBM2e at 2.4 TB/s (the source's figure); its peak is unknown: the SXM's is used"
 TEST_ROWS = [
     Row("Llama 3.1 8B FSDP, 8 H100 (500 W)", LLAMA3_8B, "h100-sxm", 8, dict(dp=8, **SELECTIVE), 8192, 2, 16,
-        5762, "memplan", TORCHTITAN_H100, note=H100_500W),
+        5762, "memplan", TORCHTITAN_H100, note=H100_500W, hardware=GRAND_TETON_H100),
     Row("Llama 3.1 8B FSDP, 128 H100 (500 W)", LLAMA3_8B, "h100-sxm", 128, dict(dp=128, **SELECTIVE), 8192, 2, 256,
-        5605, "memplan", TORCHTITAN_H100, note=H100_500W),
+        5605, "memplan", TORCHTITAN_H100, note=H100_500W, hardware=GRAND_TETON_H100),
     Row("Llama 3 8B FSDP, 64 A100", LLAMA3_8B, "a100-80gb", 64, dict(dp=64, **SELECTIVE), 8192, 1, 64, 2973,
         "memplan", TORCHTITAN_A100),
     Row("Llama 3 70B FSDP, 64 A100", LLAMA3_70B, "a100-80gb", 64,
@@ -202,7 +214,7 @@ def predict(row: Row, eff: Efficiency | None = None) -> dict:
         gpus_per_node=8, nodes=max(1, row.gpus // 8), inter_node_bytes_per_s=row.inter_node_bytes_per_s
     )
     workload = TrainingWorkload(seq_len=row.seq_len, micro_batch=row.micro_batch, global_batch=row.global_batch)
-    report = estimate_time(row.model, workload, Plan(**row.plan), gpu_profile(row.gpu), cluster, row.runtime, eff)
+    report = estimate_time(row.model, workload, Plan(**row.plan), row.gpu_spec, cluster, row.runtime, eff)
     predicted, published = report.tokens_per_s_per_gpu, row.published_tokens_per_s_per_gpu
     return {
         "run": row.name,

@@ -132,8 +132,10 @@ _OP_SAC_SAVED = FLASH_ATTENTION_OPS | {"reduce_scatter_tensor"}
 
 def op_sac_policy(counts: dict[str, int]):  # noqa: ANN201 - a torch.utils.checkpoint policy
     """torchtitan's per-op policy: save the outputs of the attention kernels, the reduce-
-    scatters and every odd-numbered matmul of the layer (counted separately in the forward
-    and in the recompute, so both runs agree); recompute everything else. memplan counts
+    scatters and every odd-numbered matmul of the layer; recompute everything else. Matmuls
+    are counted separately in the forward and in the recompute, so that a torch that asks the
+    policy again in the recompute (``ctx.is_recompute``) gets the same answers; torch 2.13
+    replays the forward's decisions without asking. memplan counts
     ``addmm`` (a linear with bias) as a matmul too; torchtitan's models have no biases."""
     from torch.utils.checkpoint import CheckpointPolicy
 

@@ -185,6 +185,65 @@ def test_saved_for_backward_is_inputs_out_and_lse():
     assert all(t.numel() < b * hq * s * s for t in saved), "an s x s tensor was saved"
 
 
+# recomputation: the trainer's save lists name the kernel's op as the dispatcher sees it
+# ---------------------------------------------------------------------------------------------
+
+
+def _kernel_ops_in_backward(policy, q, k, v):
+    """Attention between two matmuls, checkpointed under one of the trainer's save-list
+    policies; returns the gradients and how often each memplan op ran during the backward."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from memplan.train.model import op_name
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ran = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ran[op_name(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    w = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device).requires_grad_()
+
+    def block(q, k, v, w):
+        return mk.flash_attention(q @ w, k, v, causal=True, backend="triton") @ w
+
+    out = checkpoint(
+        block, q, k, v, w, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy)
+    )
+    with CountOps() as counted:
+        out.sum().backward()
+    return [t.grad for t in (q, k, v, w)], counted.ran
+
+
+@needs_kernels
+@pytest.mark.parametrize(("recompute", "forwards_again"), [("selective-op", 0), ("selective", 1)])
+def test_recompute_policies_name_the_kernel_op(recompute, forwards_again):
+    """The trainer's save lists match the kernel's op by the name the dispatcher gives it:
+    selective-op saves the kernel's output (its forward does not run again in the backward),
+    selective recomputes it (once). Both give the gradients of the plain run."""
+    from collections import defaultdict
+
+    from memplan.train.model import _selective_policy
+    from memplan.train.parallel import op_sac_policy
+
+    policy = op_sac_policy(defaultdict(int)) if recompute == "selective-op" else _selective_policy
+    q, k, v = make_qkv(1, 4, 2, 40, 16, torch.float32)
+    grads, ran = _kernel_ops_in_backward(policy, q, k, v)
+    assert ran["flash_attention_forward"] == forwards_again and ran["flash_attention_backward"] == 1
+    for t in (q, k, v):
+        t.grad = None
+    w = torch.eye(16).requires_grad_()
+    (mk.flash_attention(q @ w, k, v, causal=True, backend="triton") @ w).sum().backward()
+    for got, want in zip(grads, [q.grad, k.grad, v.grad, w.grad], strict=True):
+        torch.testing.assert_close(got, want)
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input: ValueError before any launch, the same on every backend
 # ---------------------------------------------------------------------------------------------
