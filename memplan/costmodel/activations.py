@@ -149,18 +149,22 @@ def autocast_input_casts(x: Shape, matmuls: int) -> int:
     return matmuls * x.tokens * x.d * x.model.hidden_size // x.rep
 
 
-def hf_sdpa_attention(x: Shape) -> int:
+def hf_sdpa_attention(x: Shape, dynamic_cache: bool = True) -> int:
     """transformers' Llama attention with SDPA (flash / memory-efficient backend).
 
     Kept: RoPE'd q (d*q) and k (d*kv) and v (d*kv) for SDPA, the output (d*q, the same storage
     o_proj keeps) and the log-sum-exp (4 bytes x heads). GQA goes to SDPA unrepeated. The
     pre-RoPE q and k are freed: q*cos and rotate_half(q)*sin save only cos and sin.
+
+    Under autocast transformers' DynamicCache adds 2 x 4kv (``dynamic_cache``): cos / sin are
+    fp32, so RoPE promotes the keys to fp32, and the cache keeps keys and values in fp32 beside
+    the bf16 copies SDPA saves (measured on two shapes). The bundled trainer has no cache: its
+    fp32 RoPE'd keys are freed once SDPA has cast them (measured: the trainer's autocast runs
+    were over-predicted by exactly 8kv per token and layer with it, 512 B for tiny-gqa).
     """
     m = x.model
     per_token = x.d * (2 * m.q_size + 2 * m.kv_size) + 4 * m.num_attention_heads
-    if x.autocast:
-        # cos / sin are fp32, so RoPE promotes k to fp32, and the DynamicCache keeps keys and
-        # values in fp32 beside the bf16 copies SDPA saves (measured on two shapes)
+    if x.autocast and dynamic_cache:
         per_token += 2 * 4 * m.kv_size
     return x.tokens * per_token // x.t
 

@@ -105,14 +105,15 @@ MEGATRON = RuntimeProfile(
 # --- hf: a transformers training step of the Llama family -------------------------------
 
 
-def hf_layer(x: Shape) -> int:
+def hf_layer(x: Shape, dynamic_cache: bool = True) -> int:
     """LlamaDecoderLayer: two RMSNorms, attention (SDPA or eager), gated MLP.
 
     The residual stream needs no extra term: in fp32 each norm keeps its input (the layer
     input, then the mid-layer residual); below fp32 the norms keep fp32 copies and the bf16
-    residuals are freed once added.
+    residuals are freed once added. ``dynamic_cache``: transformers' key/value cache, which the
+    bundled trainer does not have (:func:`activations.hf_sdpa_attention`).
     """
-    attention = A.hf_eager_attention(x) if x.eager else A.hf_sdpa_attention(x)
+    attention = A.hf_eager_attention(x) if x.eager else A.hf_sdpa_attention(x, dynamic_cache)
     casts = A.autocast_input_casts(x, 3 + 2)  # q, k, v and gate, up
     return 2 * A.hf_rmsnorm(x) + attention + A.hf_mlp(x) + casts
 
@@ -186,8 +187,9 @@ def memplan_head(x: Shape) -> int:
 def memplan_layer(x: Shape) -> int:
     """The hf layer; under sequence parallelism DTensor all-gathers each norm's output before
     the column-parallel matmuls, which save the gathered (full-sequence) copy: d*h per token
-    instead of d*h/t for each of the two norms (measured, docs/cost-model.md)."""
-    return hf_layer(x) + 2 * _sp_gathered(x)
+    instead of d*h/t for each of the two norms (measured, docs/cost-model.md). No
+    DynamicCache: under autocast the fp32 RoPE'd keys are freed once SDPA has cast them."""
+    return hf_layer(x, dynamic_cache=False) + 2 * _sp_gathered(x)
 
 
 def _sp_gathered(x: Shape) -> int:

@@ -3,7 +3,7 @@
 The written module holds the plan as constants and the code that applies it, in torchtitan's
 order (``parallelize_llama``: TP, then activation checkpointing, then data parallel), with the
 same FSDP2 grouping as memplan's trainer (``memplan/train/parallel.py``: each decoder layer, the
-embedding, [final norm, LM head] never resharded, the root), which is what the ``memplan`` runtime
+embedding, [final norm, LM head] and the root, neither resharded), which is what the ``memplan`` runtime
 estimates:
 
 - TP (``torch.distributed.tensor.parallel``): q/k/v, gate/up column-wise, o/down row-wise, the
@@ -102,7 +102,7 @@ def apply_recompute(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh) -> None:
-    """FSDP2 per decoder layer, the embedding, [norm, lm_head] (never resharded) and the root."""
+    """FSDP2 per decoder layer, the embedding, [norm, lm_head] and the root (neither resharded)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy()
@@ -118,7 +118,8 @@ def apply_fsdp(model: nn.Module, dp_mesh) -> None:
         fully_shard(layer, reshard_after_forward=reshard, **kw)
     if not tied:
         fully_shard([model.model.norm, model.lm_head], reshard_after_forward=False, **kw)
-    fully_shard(model, reshard_after_forward=reshard, **kw)
+    # the root keeps its parameters (the tied embedding and LM head) for the backward: FSDP2's default for a root
+    fully_shard(model, reshard_after_forward=False, **kw)
 
 
 def apply_plan(model: nn.Module, mesh) -> nn.Module:

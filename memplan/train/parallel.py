@@ -207,7 +207,11 @@ def apply_fsdp(model: Transformer, plan: Plan, mesh: DeviceMesh) -> None:
         assert model.norm is not None
         # the head runs last in the forward and first in the backward: never resharded between
         fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
-    fully_shard(model, reshard_after_forward=reshard, **kw)
+    # the root (with tied embeddings it holds the embedding, the final norm and the LM head)
+    # is not resharded after the forward either: FSDP2's own default for a root, whose
+    # parameters the backward needs at once. Resharding it cost a re-all-gather at the start
+    # of the backward, with the all-gather buffer and the unsharded copy alive together
+    fully_shard(model, reshard_after_forward=False, **kw)
 
 
 def _allreduce_mean(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:

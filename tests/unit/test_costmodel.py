@@ -164,3 +164,19 @@ def test_selective_op_keeps_the_input_odd_matmuls_attention_and_reduce_scatters(
     selective = layer_activation_bytes(x, rt, "selective", 0.0, 1)
     op = layer_activation_bytes(x, rt, "selective-op", 0.0, 1)
     assert op < selective < none
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_autocast_dynamic_cache_is_counted_for_transformers_only(t: int):
+    """Under autocast transformers' DynamicCache keeps fp32 keys and values (2 x 4kv per token
+    and layer, split by t); the bundled trainer has no cache, and its fp32 RoPE'd keys are
+    freed once SDPA has cast them (measured: exactly 8kv bytes per token and layer)."""
+    from memplan.costmodel import activations as A
+    from memplan.costmodel.runtimes import RUNTIMES
+
+    m = load_model("llama3-8b")
+    x = A.Shape(model=m, b=2, s=1024, span=1024, t=t, sp=False, d=2, eager=False, dropout=False, autocast=True)
+    cache = x.tokens * 2 * 4 * m.kv_size // t
+    assert RUNTIMES["hf"].layer(x) - RUNTIMES["memplan"].layer(x) == cache
+    plain = A.Shape(model=m, b=2, s=1024, span=1024, t=t, sp=False, d=2, eager=False, dropout=False)
+    assert RUNTIMES["hf"].layer(plain) == RUNTIMES["memplan"].layer(plain)  # no autocast: no fp32 copies

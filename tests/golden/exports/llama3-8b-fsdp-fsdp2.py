@@ -76,7 +76,7 @@ def apply_recompute(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh) -> None:
-    """FSDP2 per decoder layer, the embedding, [norm, lm_head] (never resharded) and the root."""
+    """FSDP2 per decoder layer, the embedding, [norm, lm_head] and the root (neither resharded)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy()
@@ -92,7 +92,8 @@ def apply_fsdp(model: nn.Module, dp_mesh) -> None:
         fully_shard(layer, reshard_after_forward=reshard, **kw)
     if not tied:
         fully_shard([model.model.norm, model.lm_head], reshard_after_forward=False, **kw)
-    fully_shard(model, reshard_after_forward=reshard, **kw)
+    # the root keeps its parameters (the tied embedding and LM head) for the backward: FSDP2's default for a root
+    fully_shard(model, reshard_after_forward=False, **kw)
 
 
 def apply_plan(model: nn.Module, mesh) -> nn.Module:
