@@ -425,17 +425,21 @@ def _stage_phases(
     candidates = [bwd_start, bwd_end]
     if rt.pytorch_parallel and tied_here:
         # the embedding's backward of a tied model: the LM head's gradient of the shared
-        # matrix waits in autograd's input buffer, the embedding's own arrives, and the two
-        # are summed; every other gradient exists, no activation is left
+        # matrix (V h / t) waits in autograd's input buffer, the embedding's own arrives, and
+        # the two are summed (V h / t); every other gradient exists, no activation is left.
+        # Under DTensor TP the embedding's gradient is replicated (V h) and redistributing it
+        # to the head's vocab-sharded placement copies its shard (V h / t) before the sum:
+        # measured 5 V h / t at t = 2 and 7 V h / t at t = 4 (docs/cost-model.md)
         tied = vocab_shard_params(model, plan.tp)
         own = model.vocab_size * model.hidden_size if plan.tp > 1 else tied  # DTensor: replicated
+        summing = tied + own + (tied if plan.tp > 1 else 0) + tied
         bytes_ = min(policy.param_bytes, policy.compute_bytes) if fsdp2 else policy.grad_bytes
         share = tied * st.grads // layout.params if layout.params else 0
         candidates.append(
             {
                 **base,
                 "gradients": grads_full - share,
-                "optimizer_temp": (tied + 2 * own) * bytes_,
+                "optimizer_temp": summing * bytes_,
                 # FSDP2: only the root group (embedding and norm) is unsharded, and the
                 # last layer group's reduce-scatter input is still alive
                 "comm_buffers": layout.largest_layer_params * policy.grad_bytes if fsdp2 else 0,

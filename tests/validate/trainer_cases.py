@@ -87,4 +87,6 @@ CASES = [
     Case("tied-dp2-zero3-bf16-mixed", dict(precision="bf16-mixed", dp=2, zero=3), model=TIED, micro_batch=1),
     Case("tied-dp2-tp2-zero3-fp32", dict(precision="fp32", dp=2, tp=2, zero=3), model=TIED, micro_batch=1),
     Case("tied-dp2-tp2-zero3-bf16", dict(precision="bf16", dp=2, tp=2, zero=3), model=TIED, micro_batch=1),
+    Case("tied-tp4-fp32", dict(precision="fp32", tp=4), model=TIED, micro_batch=1),
+    Case("tied-dp16-tp4-sp-zero3-bf16-mixed-world64", dict(precision="bf16-mixed", dp=16, tp=4, sequence_parallel=True, zero=3), model=TIED, micro_batch=1),
 ]  # fmt: skip
