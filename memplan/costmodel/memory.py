@@ -432,7 +432,8 @@ def _stage_phases(
         # measured 5 V h / t at t = 2 and 7 V h / t at t = 4 (docs/cost-model.md)
         tied = vocab_shard_params(model, plan.tp)
         own = model.vocab_size * model.hidden_size if plan.tp > 1 else tied  # DTensor: replicated
-        summing = tied + own + (tied if plan.tp > 1 else 0) + tied
+        shard_copy = tied if plan.tp > 1 else 0  # DTensor's redistribution of the replicated gradient
+        summing = tied + own + shard_copy + tied  # head's gradient, embedding's, the copy, the sum
         bytes_ = min(policy.param_bytes, policy.compute_bytes) if fsdp2 else policy.grad_bytes
         share = tied * st.grads // layout.params if layout.params else 0
         candidates.append(
