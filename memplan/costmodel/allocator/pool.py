@@ -1,0 +1,131 @@
+"""``Block`` and ``BlockPool``: the allocator's free lists, as in ``CUDACachingAllocator.cpp``.
+
+A segment (one cudaMalloc, or one expandable segment's address range) is a doubly linked list
+of blocks in address order; free blocks also sit in their pool, a set ordered by
+(stream, size, address) (``BlockComparatorSize``), so a lower bound on (stream, size) is the
+best fit. Here the set is a sorted list of keys searched with :mod:`bisect`: pools hold
+hundreds to a few thousand free blocks, where inserting into a list beats a tree in Python.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """``Block``: a piece of a segment, allocated or free (``eq=False``: blocks compare by identity)."""
+
+    size: int
+    stream: int
+    addr: int
+    small: bool  # which pool: small (<= 1 MiB requests) or large
+    segment: int  # id of the segment (cudaMalloc or expandable segment) it belongs to
+    requested: int = 0  # the size asked for, before rounding
+    allocated: bool = False
+    mapped: bool = True  # False: unmapped address space of an expandable segment
+    expandable: bool = False
+    event_count: int = 0  # streams (record_stream) whose work must finish before the free completes
+    gc_count_base: int = 0  # pool's get_free_block count when it was cached (garbage collection)
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
+
+    def is_split(self) -> bool:
+        """``Block::is_split``: part of a segment that holds other blocks too."""
+        return self.prev is not None or self.next is not None
+
+    def free_to_merge(self) -> bool:
+        """What ``try_merge_blocks`` asks of a neighbour: free, no pending stream uses."""
+        return not self.allocated and self.event_count == 0
+
+
+@dataclass(slots=True)
+class BlockPool:
+    """``BlockPool``: the free, mapped blocks of one pool (small or large) over all streams,
+    and the unmapped ranges of its expandable segments (ordered by stream, address)."""
+
+    small: bool
+    keys: list[tuple[int, int, int]] = field(default_factory=list)  # (stream, size, addr), sorted
+    blocks: list[Block] = field(default_factory=list)  # the block of each key, same order
+    unmapped: list[tuple[int, int]] = field(default_factory=list)  # (stream, addr), sorted
+    unmapped_blocks: list[Block] = field(default_factory=list)
+    get_free_blocks_call_count: int = 0
+
+    def insert(self, block: Block) -> None:
+        """``insert_into_blocks``: cache a free block, noting the call count for garbage collection."""
+        block.gc_count_base = self.get_free_blocks_call_count
+        key = (block.stream, block.size, block.addr)
+        i = bisect_left(self.keys, key)
+        self.keys.insert(i, key)
+        self.blocks.insert(i, block)
+
+    def remove(self, block: Block) -> None:
+        i = bisect_left(self.keys, (block.stream, block.size, block.addr))
+        if i == len(self.keys) or self.blocks[i] is not block:
+            raise KeyError(f"block at {block.addr:#x} is not in the pool")
+        del self.keys[i]
+        del self.blocks[i]
+
+    def lower_bound(self, stream: int, size: int) -> int:
+        """Index of the first free block of ``stream`` with at least ``size`` bytes (len if none)."""
+        return bisect_left(self.keys, (stream, size))
+
+    def insert_unmapped(self, block: Block) -> None:
+        key = (block.stream, block.addr)
+        i = bisect_left(self.unmapped, key)
+        self.unmapped.insert(i, key)
+        self.unmapped_blocks.insert(i, block)
+
+    def remove_unmapped(self, block: Block) -> None:
+        i = bisect_left(self.unmapped, (block.stream, block.addr))
+        if i == len(self.unmapped) or self.unmapped_blocks[i] is not block:
+            raise KeyError(f"unmapped block at {block.addr:#x} is not in the pool")
+        del self.unmapped[i]
+        del self.unmapped_blocks[i]
+
+    def unmapped_of(self, stream: int) -> list[Block]:
+        """The unmapped ranges of ``stream``'s expandable segments, lowest address first."""
+        i = bisect_left(self.unmapped, (stream,))
+        j = bisect_left(self.unmapped, (stream + 1,))
+        return self.unmapped_blocks[i:j]
+
+    def cached_bytes(self) -> int:
+        return sum(key[1] for key in self.keys)
+
+    def largest(self) -> int:
+        return max((key[1] for key in self.keys), default=0)
+
+
+def splice_after(block: Block, remaining: Block) -> None:
+    """Put the new ``block`` in front of ``remaining`` in its segment's list (``alloc_found_block``)."""
+    block.prev = remaining.prev
+    if block.prev is not None:
+        block.prev.next = block
+    block.next = remaining
+    remaining.prev = block
+
+
+def merge_into(dst: Block, src: Block | None, pool: BlockPool) -> int:
+    """``try_merge_blocks``: absorb free neighbour ``src`` into ``dst``; the bytes absorbed (0 if none).
+
+    ``src`` must be free with no pending stream uses, and mapped exactly when ``dst`` is; it leaves
+    its pool (or the unmapped set).
+    """
+    if src is None or not src.free_to_merge() or src.mapped != dst.mapped:
+        return 0
+    if src.mapped:
+        pool.remove(src)
+    else:
+        pool.remove_unmapped(src)
+    if dst.prev is src:
+        dst.addr = src.addr
+        dst.prev = src.prev
+        if dst.prev is not None:
+            dst.prev.next = dst
+    else:
+        dst.next = src.next
+        if dst.next is not None:
+            dst.next.prev = dst
+    dst.size += src.size
+    return src.size
