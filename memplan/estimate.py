@@ -8,8 +8,10 @@ from pydantic import BaseModel, ConfigDict
 
 from memplan.costmodel.advice import suggest
 from memplan.costmodel.memory import estimate_memory
+from memplan.costmodel.overhead import fast_reserved_bytes
 from memplan.costmodel.params import active_params, total_params
-from memplan.costmodel.report import MemoryReport
+from memplan.costmodel.report import MemoryReport, ReservedDetail
+from memplan.costmodel.reserve import plan_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
 from memplan.specs.resolve import Job
 from memplan.specs.workload import TrainingWorkload
@@ -33,6 +35,7 @@ class EstimateResult(BaseModel):
     gpu: dict[str, Any]
     memory: MemoryReport
     fits: bool
+    fits_reason: str = ""  # why (the allocator's verdict; fragmentation named as such)
     headroom_bytes: int
     suggestions: list[SuggestionOut]
     time: TimeReport | None = None  # training only: the step-time model (docs/cost-model.md)
@@ -54,17 +57,47 @@ def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
     return plan
 
 
+def _allocator_verdict(job: Job, report: MemoryReport, limit: int) -> tuple[MemoryReport, bool, str]:
+    """Training: the run replayed through the caching allocator model decides reserved and
+    fits. Inference (no step timeline yet): the fast form against the same limit."""
+    if not isinstance(job.workload, TrainingWorkload):
+        fits = report.peak.reserved <= limit
+        word = "fits" if fits else "does not fit"
+        return (
+            report,
+            fits,
+            f"{word}: {report.peak.reserved / 2**30:.2f} GiB reserved (fast form) of {limit / 2**30:.2f} GiB",
+        )
+    v = plan_verdict(job.model, job.workload, job.plan, job.runtime, job.allocator, limit)
+    detail = ReservedDetail(
+        allocator="expandable" if job.allocator.expandable_segments else "default",
+        segments=v.replay.segments,
+        cached_free=v.replay.cached_free,
+        largest_free=v.replay.largest_free,
+        reserved_by_stream=v.replay.reserved_by_stream,
+        limit=limit,
+        failed_request=v.failure.size if v.failure else None,
+        failed_tensor=f"{v.failure.category} ({v.failure.tag})" if v.failure else None,
+        fits_with_expandable_segments=v.expandable_fits,
+    )
+    peak = report.peak.model_copy(update={"reserved": v.reserved, "reserved_detail": detail})
+    return report.model_copy(update={"peak": peak}), v.fits, v.reason
+
+
 def estimate(job: Job, with_suggestions: bool = True, efficiency: Efficiency | None = None) -> EstimateResult:
     """Estimate one job; when it does not fit, rank single changes that would help."""
     report = estimate_memory(job.model, job.workload, job.plan, job.runtime)
     time = None
     if isinstance(job.workload, TrainingWorkload):
         time = estimate_time(job.model, job.workload, job.plan, job.gpu, job.cluster, job.runtime, efficiency)
-    capacity = job.gpu.memory_bytes
-    fits = report.peak.reserved <= capacity
+    capacity = job.gpu.capacity_bytes
+    limit = capacity - report.overhead
+    report, fits, reason = _allocator_verdict(job, report, limit)
     suggestions = []
     if with_suggestions and not fits:
-        found = suggest(job.model, job.workload, job.plan, job.runtime, capacity, report.peak.reserved)
+        # single changes are screened with the fast form, compared with the same form of this plan
+        current = fast_reserved_bytes(report.peak.allocated)
+        found = suggest(job.model, job.workload, job.plan, job.runtime, limit, current)
         suggestions = [
             SuggestionOut(change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits) for s in found
         ]
@@ -76,10 +109,16 @@ def estimate(job: Job, with_suggestions: bool = True, efficiency: Efficiency | N
             "architecture": job.model.architecture,
         },
         plan=resolved_plan(job, report.gradient_accumulation),
-        gpu={"name": job.gpu.name, "memory_bytes": capacity, "display_name": job.gpu.display_name},
+        gpu={
+            "name": job.gpu.name,
+            "memory_bytes": job.gpu.memory_bytes,
+            "capacity_bytes": capacity,
+            "display_name": job.gpu.display_name,
+        },
         memory=report,
         fits=fits,
-        headroom_bytes=capacity - report.peak.reserved,
+        fits_reason=reason,
+        headroom_bytes=limit - report.peak.reserved,
         suggestions=suggestions,
         time=time,
     )

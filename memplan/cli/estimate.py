@@ -67,6 +67,14 @@ def estimate(
         int | None, Opt(help="Inference: paged KV block size in tokens.", rich_help_panel=WORK)
     ] = None,
     gpu: Annotated[str | None, Opt(help="GPU profile name or YAML (default h100-sxm).", rich_help_panel=HW)] = None,
+    allocator: Annotated[
+        str | None,
+        Opt(
+            help="CUDA caching allocator: default or expandable (expandable_segments:True). "
+            "Default: what PYTORCH_CUDA_ALLOC_CONF says, else PyTorch's default.",
+            rich_help_panel=HW,
+        ),
+    ] = None,
     gpus: Annotated[int | None, Opt(help="Total GPUs.", rich_help_panel=HW)] = None,
     nodes: Annotated[int | None, Opt(help="Nodes.", rich_help_panel=HW)] = None,
     calibration: Annotated[
@@ -105,6 +113,7 @@ def estimate(
         kv_dtype=kv_dtype,
         block_size=block_size,
         gpu=gpu,
+        allocator=allocator,
         gpus=gpus,
         nodes=nodes,
     )
@@ -146,9 +155,17 @@ def render(result: EstimateResult, console: Console) -> None:
         table.add_row(name.replace("_", " "), _gib(value), f"{100 * value / max(peak.allocated, 1):.1f}%")
     table.add_section()
     table.add_row("[bold]peak allocated[/]", _gib(peak.allocated), "")
-    table.add_row("allocator slack + fixed overhead", _gib(peak.reserved - peak.allocated), "")
+    table.add_row("cached by the allocator", _gib(peak.reserved - peak.allocated), "")
     table.add_row("[bold]peak reserved[/]", _gib(peak.reserved), "")
+    table.add_row("outside the allocator (CUDA context, NCCL, workspaces)", _gib(mem.overhead), "")
     console.print(table)
+    detail = peak.reserved_detail
+    if detail is not None:
+        streams = ", ".join(f"{k} {_gib(v)}" for k, v in detail.reserved_by_stream.items())
+        console.print(
+            f"allocator ({detail.allocator}): {detail.segments} segments; at its reserved peak {streams}; "
+            f"{_gib(detail.cached_free)} cached but free, largest free block {_gib(detail.largest_free)}"
+        )
     states = mem.model_states
     console.print(
         f"model states per rank: params {_gib(states.parameters)}, grads {_gib(states.gradients)}, "
@@ -166,15 +183,20 @@ def render(result: EstimateResult, console: Console) -> None:
                 f"{k.replace('_', ' ')} {v:.3f} s" for k, v in sorted(t.breakdown.items(), key=lambda kv: -kv[1])
             )
         )
-    capacity = result.gpu["memory_bytes"]
+    capacity = result.gpu["capacity_bytes"]
+    limit = capacity - mem.overhead
     if result.fits:
         console.print(
-            f"[green]fits[/]: {_gib(peak.reserved)} of {_gib(capacity)}, headroom {_gib(result.headroom_bytes)}"
+            f"[green]fits[/]: {_gib(peak.reserved)} reserved of {_gib(limit)} the allocator can use "
+            f"({_gib(capacity)} less {_gib(mem.overhead)} outside it), headroom {_gib(result.headroom_bytes)}"
         )
         return
     console.print(
-        f"[red]does not fit[/]: {_gib(peak.reserved)} of {_gib(capacity)} ({_gib(-result.headroom_bytes)} over)"
+        f"[red]does not fit[/]: {_gib(peak.reserved)} reserved of {_gib(limit)} the allocator can use "
+        f"({_gib(-result.headroom_bytes)} over)"
     )
+    if result.fits_reason:
+        console.print(result.fits_reason)
     if result.suggestions:
         table = Table(title="Changes that would help (ranked by memory saved)")
         for col in ("change", "peak reserved", "saved", "fits"):

@@ -30,6 +30,7 @@ from memplan.search.validation import ValidationSettings
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.loader import load_gpu, load_model
 from memplan.specs.plan import OptimizerName, PrecisionName
+from memplan.specs.resolve import resolve_allocator
 from memplan.units import format_bytes, parse_bytes
 
 Opt = typer.Option
@@ -137,6 +138,13 @@ def tune(
     runtime: Annotated[
         Literal["memplan", "hf", "megatron"], Opt(help="Activation accounting.", rich_help_panel=SPACE)
     ] = "memplan",
+    allocator: Annotated[
+        Literal["default", "expandable"] | None,
+        Opt(
+            help="CUDA caching allocator the plans run under (default: PYTORCH_CUDA_ALLOC_CONF, else PyTorch's).",
+            rich_help_panel=SPACE,
+        ),
+    ] = None,
     margin: Annotated[
         str, Opt(help="Memory kept free: a share of capacity (5%) or a size (2GiB).", rich_help_panel=SEARCH)
     ] = "5%",
@@ -220,6 +228,7 @@ def tune(
         margin_bytes=parse_margin(margin, card.memory_bytes),
         efficiency=Efficiency.for_gpu(card, calibration=(profile and profile.step_time_ratio) or 1.0),
         peak_ratio=(profile and profile.peak_ratio) or 1.0,
+        allocator=resolve_allocator(allocator),
     )
     settings = ValidationSettings(
         steps=validate_steps, timeout_s=validate_timeout, device=validate_device, memory_limit=limit

@@ -24,6 +24,8 @@ from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, state_byte
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
 from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
+from memplan.costmodel.timeline.events import Moment
+from memplan.costmodel.timeline.step import Granularity
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
@@ -279,9 +281,45 @@ def _moe_fraction(model: ModelSpec, layout: StageLayout, plan: Plan) -> float:
     return sum(model.is_moe_layer(i) for i in indices) / len(indices)
 
 
+@dataclass(frozen=True, slots=True)
+class StageMoments:
+    """One pipeline stage's step: each phase's breakdown, the moments of the step the
+    timeline reaches (``backward_start`` beside the chosen ``backward``), and the sizes of
+    the tensors each category is made of."""
+
+    phases: dict[str, dict[str, int]]
+    moments: dict[str, dict[str, int]]
+    granularity: Granularity
+    build_grads: int  # gradient buffers allocated with the model (DDP buckets, contiguous buffers)
+    states: _States
+    per_layer: int
+    total_acts: int
+
+
+def _granularity(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, x: A.Shape, fsdp: bool
+) -> Granularity:
+    """One layer's weights (matmuls split by t, norms replicated; sharded over dp x cp under
+    ZeRO-3), one hidden-width activation and one fp32 logits tensor, in bytes."""
+    widths = [i * o // plan.tp for i, o in A.layer_matmul_widths(model)]
+    norms = [P.norm_params(model)] * 2
+    weights = [n * policy.param_bytes for n in [norms[0], *widths[:4], norms[1], *widths[4:]]]
+    if plan.zero >= 3 and plan.dp * plan.cp > 1:
+        weights = [max(w // (plan.dp * plan.cp), 1) for w in weights]
+    units = round(inflight_layers(plan, layout.stage, 1, layout.layers)) if layout.layers else 0
+    return Granularity(
+        layer_params=tuple(weights),
+        hidden=max(A.layer_input(x), 1),
+        logits=max(A.fp32_logits(x, model.vocab_size), 1),
+        layers=max(units, layout.layers),
+        fsdp=fsdp,
+        gather=layout.largest_layer_params * min(policy.param_bytes, policy.compute_bytes) if fsdp else 0,
+    )
+
+
 def _stage_phases(
     model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, stage: int, accumulation: int
-) -> tuple[dict[str, dict[str, int]], _States, int, int]:
+) -> StageMoments:
     """Breakdowns of each phase for one pipeline stage, plus states, per-layer and total activations."""
     policy = POLICIES[plan.precision]
     layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
@@ -450,7 +488,10 @@ def _stage_phases(
     bwd = max(candidates, key=lambda phase: sum(phase.values()))
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     total_acts = layer_acts + embed + head
-    return phases, st, per_layer, total_acts
+    moments = {Moment.FORWARD: fwd, Moment.BACKWARD_START: bwd_start, Moment.BACKWARD: bwd, Moment.OPTIMIZER: opt}
+    build_grads = st.grads if (rt.grads_persistent or ddp_buckets) else 0
+    granularity = _granularity(model, layout, plan, policy, x, fsdp2)
+    return StageMoments(phases, moments, granularity, build_grads, st, per_layer, total_acts)
 
 
 def estimate_training(
@@ -463,7 +504,8 @@ def estimate_training(
     best = None
     stage_peaks: dict[int, int] = {}
     for stage in stages:
-        phases, st, per_layer, total_acts = _stage_phases(model, workload, plan, rt, stage, accumulation)
+        sm = _stage_phases(model, workload, plan, rt, stage, accumulation)
+        phases, st, per_layer, total_acts = sm.phases, sm.states, sm.per_layer, sm.total_acts
         totals = {name: sum(b.values()) for name, b in phases.items()}
         peak_phase = max(totals, key=lambda name: totals[name])
         stage_peaks[stage] = totals[peak_phase]
@@ -481,7 +523,7 @@ def estimate_training(
         kv_cache=0,
         peak=Peak.model_construct(
             allocated=allocated,
-            reserved=O.reserved_bytes(allocated, overhead),
+            reserved=O.fast_reserved_bytes(allocated),
             phase=phase,
             rank=stage * plan.tp * plan.cp * plan.dp,
             stage=stage,
@@ -554,7 +596,7 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
         kv_cache=kv,
         peak=Peak.model_construct(
             allocated=allocated,
-            reserved=O.reserved_bytes(allocated, overhead),
+            reserved=O.fast_reserved_bytes(allocated),
             phase="prefill",
             rank=stage * plan.tp,
             stage=stage,
@@ -576,3 +618,14 @@ def estimate_memory(
     if isinstance(workload, InferenceWorkload):
         return estimate_inference(model, workload, plan)
     return estimate_training(model, workload, plan, runtime)
+
+
+def stage_moments(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str = "memplan", stage: int | None = None
+) -> StageMoments:
+    """The step of pipeline stage ``stage`` (default: the most-loaded one) as moments."""
+    rt = RUNTIMES[runtime]
+    accumulation = gradient_accumulation(workload, plan)
+    if stage is None:
+        stage = estimate_training(model, workload, plan, runtime).peak.stage
+    return _stage_phases(model, workload, plan, rt, stage, accumulation)

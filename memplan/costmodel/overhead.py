@@ -1,4 +1,9 @@
-"""What ``peak.reserved`` adds to ``peak.allocated``: allocator slack and fixed overhead.
+"""Memory outside the caching allocator, and the search's fast form of reserved memory.
+
+``peak.reserved`` is what the allocator model holds when it replays the step
+(``reserve.py``); the fixed overhead (CUDA context, workspaces, NCCL) lives outside it and is
+subtracted from the capacity PyTorch sees. ``fast_reserved_bytes`` is the screen the search
+applies to thousands of plans before the plans it reports are replayed.
 
 Figures from ../shared/reference/published-figures.md ("Terms that estimators often miss"):
 CUDA context 0.3-0.5 GB, each NCCL communicator about 0.5 GB, cuBLASLt workspace 32 MiB on
@@ -26,8 +31,9 @@ def fixed_overhead_bytes(n_communicators: int) -> int:
     return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + n_communicators * NCCL_COMMUNICATOR_BYTES
 
 
-def reserved_bytes(allocated: int, overhead: int) -> int:
-    """allocated x (1 + slack), rounded up to 2 MiB segments, plus the fixed overhead."""
+def fast_reserved_bytes(allocated: int) -> int:
+    """The search's screen: allocated x (1 + slack), rounded up to 2 MiB segments. Plans
+    that are reported are replayed through the allocator model instead (``reserve.py``)."""
     with_slack = int(allocated * (1 + ALLOCATOR_SLACK))
     segments = -(-with_slack // SEGMENT_BYTES)
-    return segments * SEGMENT_BYTES + overhead
+    return segments * SEGMENT_BYTES

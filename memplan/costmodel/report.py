@@ -29,11 +29,31 @@ class Activations(_Frozen):
     total: int
 
 
+class ReservedDetail(_Frozen):
+    """The caching allocator's state when its replay of the run reserved the most.
+
+    ``limit`` is what the allocator may use: the capacity PyTorch sees less the memory outside
+    it (``MemoryReport.overhead``). ``failed_request`` is the allocation that could not be
+    served within it (None when every one was)."""
+
+    allocator: Literal["default", "expandable"]
+    segments: int
+    cached_free: int  # reserved, in no allocated block
+    largest_free: int
+    reserved_by_stream: dict[str, int]
+    limit: int
+    failed_request: int | None = None
+    failed_tensor: str | None = None
+    fits_with_expandable_segments: bool | None = None
+
+
 class Peak(_Frozen):
     """The highest point of a steady-state step on the most-loaded rank.
 
-    ``allocated`` compares with ``torch.cuda.max_memory_allocated``; ``reserved`` adds the
-    caching allocator's slack and the fixed overhead (CUDA context, NCCL, workspaces).
+    ``allocated`` compares with ``torch.cuda.max_memory_allocated``; ``reserved`` with
+    ``torch.cuda.max_memory_reserved``: the caching allocator's segments (replayed, with
+    ``reserved_detail``, or the search's fast form). The fixed overhead outside the allocator
+    (CUDA context, NCCL, workspaces) is ``MemoryReport.overhead``.
     ``breakdown`` sums to ``allocated``.
     """
 
@@ -44,6 +64,7 @@ class Peak(_Frozen):
     stage: int
     rank_role: str
     breakdown: dict[str, int]
+    reserved_detail: ReservedDetail | None = None  # full replay (estimate); None: the search's fast form
 
 
 class Offload(_Frozen):

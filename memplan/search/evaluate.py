@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from memplan.costmodel import overhead as O
+from memplan.costmodel.allocator import AllocatorConfig
 from memplan.costmodel.memory import estimate_memory
 from memplan.costmodel.report import MemoryReport
 from memplan.costmodel.time import Efficiency, estimate_time
@@ -40,6 +41,7 @@ class Context:
     margin_bytes: int = 0
     efficiency: Efficiency | None = None  # None: the GPU profile's (Efficiency.for_gpu)
     peak_ratio: float = 1.0  # measured / predicted allocated peak (calibration)
+    allocator: AllocatorConfig = AllocatorConfig()  # the caching allocator the plans run under
 
     @property
     def time_efficiency(self) -> Efficiency:
@@ -48,13 +50,14 @@ class Context:
 
     @property
     def limit_bytes(self) -> int:
-        """The most a plan's reserved peak may reach: capacity less the margin."""
-        return self.gpu.memory_bytes - self.margin_bytes
+        """The most a plan's reserved peak and the memory outside the allocator may reach:
+        the capacity PyTorch sees less the margin."""
+        return self.gpu.capacity_bytes - self.margin_bytes
 
 
 class Evaluation(BaseModel):
-    """A plan's prediction. ``headroom_bytes`` is capacity minus peak reserved; ``fits`` also
-    keeps the margin free."""
+    """A plan's prediction. ``headroom_bytes`` is the capacity PyTorch sees less the memory
+    outside the allocator and the peak reserved; ``fits`` also keeps the margin free."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -66,6 +69,7 @@ class Evaluation(BaseModel):
     peak_rank: int
     capacity_bytes: int
     limit_bytes: int
+    overhead_bytes: int = 0  # outside the allocator (CUDA context, NCCL, workspaces)
     fits: bool
     headroom_bytes: int
     gradient_accumulation: int
@@ -81,7 +85,7 @@ class Evaluation(BaseModel):
     @property
     def constraint(self) -> float:
         """Optuna's feasibility value (<= 0 feasible): GiB over the limit."""
-        return (self.peak_reserved_bytes - self.limit_bytes) / GiB
+        return (self.peak_reserved_bytes + self.overhead_bytes - self.limit_bytes) / GiB
 
 
 def peak_bytes(report: MemoryReport, peak_ratio: float) -> tuple[int, int]:
@@ -89,7 +93,7 @@ def peak_bytes(report: MemoryReport, peak_ratio: float) -> tuple[int, int]:
     if peak_ratio == 1.0:
         return report.peak.allocated, report.peak.reserved
     allocated = round(report.peak.allocated * peak_ratio)
-    return allocated, O.reserved_bytes(allocated, report.overhead)
+    return allocated, O.fast_reserved_bytes(allocated)
 
 
 def peak_reserved(candidate: Candidate, ctx: Context) -> int:
@@ -111,15 +115,33 @@ def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
         peak_reserved_bytes=reserved,
         peak_phase=report.peak.phase,
         peak_rank=report.peak.rank,
-        capacity_bytes=ctx.gpu.memory_bytes,
+        capacity_bytes=ctx.gpu.capacity_bytes,
         limit_bytes=ctx.limit_bytes,
-        fits=reserved <= ctx.limit_bytes,
-        headroom_bytes=ctx.gpu.memory_bytes - reserved,
+        overhead_bytes=report.overhead,
+        fits=reserved + report.overhead <= ctx.limit_bytes,
+        headroom_bytes=ctx.gpu.capacity_bytes - report.overhead - reserved,
         gradient_accumulation=report.gradient_accumulation,
         step_time_s=speed.step_time_s,
         tokens_per_s=speed.tokens_per_s,
         tokens_per_s_per_gpu=speed.tokens_per_s_per_gpu,
         mfu=speed.mfu,
+    )
+
+
+def replayed(ev: Evaluation, ctx: Context) -> Evaluation:
+    """``ev`` with the allocator's verdict: its run replayed through the caching allocator
+    model (``reserve.plan_verdict``) instead of the search's fast form. For the plans a search
+    reports; a plan the replay cannot serve within the limit no longer fits."""
+    from memplan.costmodel.reserve import plan_verdict
+
+    limit = ctx.limit_bytes - ev.overhead_bytes
+    v = plan_verdict(ctx.model, ev.workload, ev.plan, ctx.runtime, ctx.allocator, limit)
+    return ev.model_copy(
+        update={
+            "peak_reserved_bytes": v.reserved,
+            "fits": v.fits,
+            "headroom_bytes": ctx.gpu.capacity_bytes - ev.overhead_bytes - v.reserved,
+        }
     )
 
 

@@ -16,7 +16,7 @@ from memplan.errors import MemplanError
 from memplan.search import study as S
 from memplan.search.advice import lowest_peak, what_would_fit
 from memplan.search.calibration import load_calibration, save_calibration, with_runs
-from memplan.search.evaluate import Context, Evaluation, evaluate, evaluate_all, pareto_front, rank
+from memplan.search.evaluate import Context, Evaluation, evaluate, evaluate_all, pareto_front, rank, replayed
 from memplan.search.seeds import seeds
 from memplan.search.space import Space, enumerate_space
 from memplan.search.tuning import Hooks, RankedPlan, TuneRequest, TuneResult
@@ -99,11 +99,30 @@ def _fitting(
     """The fitting plans best first (the Pareto front for ``pareto``); when none, the plan of
     the whole space closest to fitting (memory model only)."""
     ranked = pareto_front(evaluations) if req.objective == "pareto" else rank(evaluations, req.objective)
-    fitting = [ev for ev in ranked if ev.fits]
+    fitting = _replay_until(ranked, max(req.top, req.validate), req.ctx)
     if fitting:
         return fitting, None
     closest = _closest(space, req.ctx)
     return ([closest], None) if closest.fits else ([], closest)  # fits: the study missed it
+
+
+REPLAY_BUDGET = 4  # replays per reported plan before the search stops looking further down
+
+
+def _replay_until(ranked: list[Evaluation], wanted: int, ctx: Context) -> list[Evaluation]:
+    """The first ``wanted`` plans, best first, that still fit when their runs are replayed
+    through the caching allocator model (the fast form only screens them); at most
+    ``REPLAY_BUDGET x wanted`` replays."""
+    out: list[Evaluation] = []
+    tries = 0
+    for ev in ranked:
+        if len(out) == wanted or tries == REPLAY_BUDGET * wanted:
+            break
+        if ev.fits:
+            tries += 1
+            if (ev := replayed(ev, ctx)).fits:
+                out.append(ev)
+    return out
 
 
 def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
@@ -127,7 +146,7 @@ def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
         nodes=req.ctx.cluster.nodes,
         runtime=req.ctx.runtime,
         objective=req.objective,
-        capacity_bytes=req.ctx.gpu.memory_bytes,
+        capacity_bytes=req.ctx.gpu.capacity_bytes,
         margin_bytes=req.ctx.margin_bytes,
         limit_bytes=req.ctx.limit_bytes,
         space_size=len(space),

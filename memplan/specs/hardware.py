@@ -39,6 +39,10 @@ class GPUSpec(BaseModel):
     display_name: str = Field(description="Marketing name of the part.")
     vendor: Literal["nvidia", "amd"]
     memory_bytes: Bytes = Field(description="Device memory usable by the framework, bytes.")
+    torch_capacity_bytes: Bytes | None = Field(
+        None,
+        description="Device memory PyTorch sees (torch.cuda.mem_get_info total), bytes; None: memory_bytes.",
+    )
     hbm_bytes_per_s: BytesPerSecond = Field(description="Memory bandwidth, bytes/s.")
     peak_flops: dict[ComputeDtype, FlopsPerSecond] = Field(
         description="Dense (no structured sparsity) peak FLOP/s per compute dtype."
@@ -59,10 +63,18 @@ class GPUSpec(BaseModel):
             figures.append("nvlink_bytes_per_s")
         if self.efficiency is not None:
             figures.append("efficiency")
+        if self.torch_capacity_bytes is not None:
+            figures.append("torch_capacity_bytes")
         missing = [f for f in figures if f not in self.sources]
         if missing:
             raise ValueError(f"sources: no source given for {', '.join(missing)}")
         return self
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What the caching allocator and everything outside it share: the total PyTorch
+        reports (``torch.cuda.mem_get_info``), else the profile's memory."""
+        return self.torch_capacity_bytes or self.memory_bytes
 
 
 class ClusterSpec(BaseModel):

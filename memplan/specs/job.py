@@ -13,6 +13,7 @@ from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
 RuntimeName = Literal["memplan", "hf", "megatron"]
+AllocatorName = Literal["default", "expandable"]
 
 
 class PlanFile(BaseModel):
@@ -25,6 +26,9 @@ class PlanFile(BaseModel):
     gpus: int | None = Field(None, gt=0, le=10_000_000, description="Total GPUs.")
     nodes: int | None = Field(None, gt=0, le=1_000_000)
     runtime: RuntimeName | None = None
+    allocator: AllocatorName | None = Field(
+        None, description="PyTorch's CUDA caching allocator mode: default or expandable (expandable_segments:True)."
+    )
     workload: dict | None = Field(
         None, description="Training or inference workload fields (kind: training | inference)."
     )

@@ -6,12 +6,14 @@ Precedence: command-line flags, then the plan file, then defaults. Errors name t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from memplan.costmodel.allocator import AllocatorConfig, parse_alloc_conf
 from memplan.errors import MemplanError
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import PlanFile, RuntimeName, check_compatible
@@ -36,6 +38,21 @@ class Job:
     gpu: GPUSpec
     cluster: ClusterSpec
     runtime: RuntimeName
+    allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def resolve_allocator(name: str | None, environ: dict[str, str] | None = None) -> AllocatorConfig:
+    """The caching allocator's settings: ``PYTORCH_CUDA_ALLOC_CONF`` as PyTorch would parse it
+    (a value PyTorch rejects is an error naming the variable), with ``name`` (``default`` or
+    ``expandable``, from ``--allocator`` or the plan file) setting expandable segments."""
+    env = os.environ if environ is None else environ
+    config = parse_alloc_conf(env.get(ALLOC_CONF, ""), source=ALLOC_CONF)
+    if name is None:
+        return config
+    return replace(config, expandable_segments=name == "expandable")
 
 
 def _flag(field: str) -> str:
@@ -73,7 +90,7 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
         return (CLI, _flag(name)) if name in flags or not plan_path else (plan_path, name)
 
     # --gpus / --nodes / --runtime go through the same checks as the plan file's fields
-    top = {k: flags[k] for k in ("gpus", "nodes", "runtime") if k in flags}
+    top = {k: flags[k] for k in ("gpus", "nodes", "runtime", "allocator") if k in flags}
     sizes = _validate_section(PlanFile, top, set(flags), CLI, "")
     gpus = sizes.gpus if sizes.gpus is not None else pf.gpus
     nodes_given = sizes.nodes if sizes.nodes is not None else pf.nodes
@@ -124,7 +141,8 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
     except MemplanError as err:
         raise _blame_flag(err.located(plan_path or CLI), set(flags), bool(plan_path)) from None
     runtime = sizes.runtime or pf.runtime or "memplan"
-    return Job(model, workload, plan, gpu, cluster, runtime)
+    allocator = resolve_allocator(sizes.allocator or pf.allocator)
+    return Job(model, workload, plan, gpu, cluster, runtime, allocator)
 
 
 def _workload(

@@ -12,7 +12,7 @@ from memplan.costmodel.memory import (
     inflight_layers,
     kv_cache_bytes,
 )
-from memplan.costmodel.overhead import SEGMENT_BYTES, communicators, fixed_overhead_bytes, reserved_bytes
+from memplan.costmodel.overhead import SEGMENT_BYTES, communicators, fast_reserved_bytes
 from memplan.specs.loader import load_model
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
@@ -93,13 +93,12 @@ def test_offload_moves_states_off_the_gpu():
     assert off.peak.allocated < on_gpu.peak.allocated
 
 
-def test_reserved_adds_slack_segments_and_overhead():
+def test_fast_reserved_adds_slack_in_segments_and_no_overhead():
     assert communicators(8, 1, 1, 1, 1) == 1
     assert communicators(8, 8, 4, 1, 1) == 3
-    overhead = fixed_overhead_bytes(2)
-    reserved = reserved_bytes(10 * 2**30, overhead)
-    assert reserved % SEGMENT_BYTES == overhead % SEGMENT_BYTES
-    assert reserved - overhead >= 10 * 2**30 * 1.07
+    reserved = fast_reserved_bytes(10 * 2**30)
+    assert reserved % SEGMENT_BYTES == 0
+    assert 10 * 2**30 * 1.07 <= reserved < 10 * 2**30 * 1.07 + SEGMENT_BYTES
 
 
 def test_first_and_last_stage_differ_and_the_report_names_the_peak():

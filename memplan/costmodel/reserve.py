@@ -1,0 +1,142 @@
+"""Reserved memory and "fits": one rank's run replayed through the caching allocator model.
+
+The one entry point for ``peak.reserved`` (estimate, advice, search, check, validate). The
+run (``timeline.step.build_run``: build, a first step, steady steps) is fed to
+``allocator.CachingAllocator`` allocation by allocation, on the streams the tensors use. The
+allocator's ``max_reserved`` is the prediction of ``torch.cuda.max_memory_reserved``; the
+plan fits when every request is served within the capacity PyTorch sees less the memory
+outside the allocator (CUDA context, NCCL, workspaces: ``overhead.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator
+from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline
+
+STREAM_IDS = {Stream.COMPUTE: 0, Stream.ALL_GATHER: 1, Stream.REDUCE_SCATTER: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """The request the allocator could not serve: its tensor and the allocator's state then."""
+
+    size: int
+    category: str
+    tag: str
+    stream: str
+    reserved: int
+    allocated: int
+    cached_free: int
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """The allocator after (or at the failure of) a run. ``reserved_by_stream`` and the
+    cached figures are taken when reserved memory peaked."""
+
+    max_reserved: int
+    max_allocated: int
+    segments: int
+    cached_free: int
+    largest_free: int
+    reserved_by_stream: dict[str, int]
+    failure: Failure | None
+
+
+def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | None = None) -> Replay:
+    """Every allocation and free of ``timeline`` through the allocator; stops at an OOM."""
+    alloc = CachingAllocator(config, capacity_bytes=capacity_bytes)
+    names = {v: k.value for k, v in STREAM_IDS.items()}
+    blocks = {}
+    failure = None
+    at_peak = alloc.stats()
+    for e in timeline.events:
+        if e.op == ALLOC:
+            try:
+                blocks[e.tensor] = alloc.malloc(e.size, STREAM_IDS[e.stream])
+            except AllocatorOOM as oom:
+                failure = Failure(
+                    e.size, str(e.category), e.tag, e.stream.value, oom.reserved, oom.allocated, oom.cached_free
+                )
+                break
+            if alloc.reserved > at_peak.reserved:
+                at_peak = alloc.stats()
+        elif e.op == FREE:
+            alloc.free(blocks.pop(e.tensor))
+    final = alloc.stats()
+    return Replay(
+        max_reserved=final.max_reserved,
+        max_allocated=final.max_allocated,
+        segments=at_peak.segments,
+        cached_free=at_peak.cached_free,
+        largest_free=at_peak.largest_free,
+        reserved_by_stream={names.get(s, str(s)): b for s, b in at_peak.reserved_by_stream},
+        failure=failure,
+    )
+
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether the allocator serves a run within ``limit_bytes``, and what it reserves."""
+
+    reserved: int  # the replay's peak reserved (without a limit when the limited one failed)
+    fits: bool
+    reason: str
+    replay: Replay  # the replay without a limit: what the run reserves when nothing stops it
+    failure: Failure | None  # the request that failed within the limit
+    expandable_fits: bool | None  # default allocator failed: does expandable_segments fit?
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def verdict(timeline: Timeline, config: AllocatorConfig, limit_bytes: int) -> Verdict:
+    """Replay ``timeline`` without a limit (what it reserves) and within ``limit_bytes`` (the
+    capacity PyTorch sees less what lives outside the allocator): it fits when the allocator
+    serves every request. A default-allocator failure is replayed with expandable segments
+    to tell fragmentation from a plan that is too large."""
+    free = replay(timeline, config)
+    if free.max_reserved <= limit_bytes:
+        reason = f"fits: the allocator's replay reserves {_gib(free.max_reserved)} of {_gib(limit_bytes)} available"
+        return Verdict(free.max_reserved, True, reason, free, None, None)
+    bounded = replay(timeline, config, capacity_bytes=limit_bytes)
+    if bounded.failure is None:
+        reason = (
+            f"fits: the allocator frees cached blocks to stay within {_gib(limit_bytes)} "
+            f"(unbounded it would reserve {_gib(free.max_reserved)})"
+        )
+        return Verdict(bounded.max_reserved, True, reason, free, None, None)
+    fail = bounded.failure
+    what = f"the {_gib(fail.size)} {fail.category} allocation ({fail.tag})"
+    if free.max_allocated > limit_bytes:
+        reason = f"does not fit: {_gib(free.max_allocated)} allocated at the peak, {_gib(limit_bytes)} available"
+        return Verdict(free.max_reserved, False, reason, free, fail, None)
+    expandable = None
+    if not config.expandable_segments:
+        expandable = replay(timeline, replace(config, expandable_segments=True), limit_bytes).failure is None
+    if expandable:
+        reason = (
+            f"fits with expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); with the default "
+            f"allocator {what} fails, {_gib(fail.cached_free)} reserved but free (fragmentation)"
+        )
+    else:
+        reason = (
+            f"does not fit: {what} fails with {_gib(fail.reserved)} reserved, "
+            f"{_gib(fail.cached_free)} of it free but fragmented"
+        )
+    return Verdict(free.max_reserved, False, reason, free, fail, expandable)
+
+
+def plan_verdict(model, workload, plan, runtime: str, config: AllocatorConfig, limit_bytes: int) -> Verdict:
+    """The most-loaded stage's run (build, first step, steady steps) replayed: see :func:`verdict`."""
+    from memplan.costmodel.memory import stage_moments
+    from memplan.costmodel.timeline.step import build_run
+
+    sm = stage_moments(model, workload, plan, runtime)
+    return verdict(build_run(sm.moments, sm.granularity, sm.build_grads), config, limit_bytes)

@@ -1,0 +1,137 @@
+"""A step as a sequence of tensor allocations and frees, with named moments.
+
+Categories are the breakdown keys memplan reports (``parameters``, ``activations``, ...),
+close to PyTorch MemTracker's ``Parameter`` / ``Gradient`` / ``Activation`` / ``Temp`` /
+``Optstate``. Moments name the points of the step that the phase model evaluates
+(DESIGN.md, "Phases"); a mark records them in the sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Category(StrEnum):
+    PARAMETERS = "parameters"
+    GATHERED = "gathered_params"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATES = "optimizer_states"
+    OPTIMIZER_TEMP = "optimizer_temp"
+    ACTIVATIONS = "activations"
+    LOGITS = "logits_and_loss"
+    AUTOCAST = "autocast_weights"
+    COMM = "comm_buffers"
+    RETAINED = "retained_outputs"
+
+
+class Moment(StrEnum):
+    """Where the phase model evaluates a step; ``backward`` is the larger of its candidates."""
+
+    FORWARD = "forward"
+    BACKWARD_START = "backward_start"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class Stream(StrEnum):
+    """The CUDA streams a step allocates on: compute, and FSDP2's collectives' own."""
+
+    COMPUTE = "compute"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+ALLOC, FREE, MARK = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One allocation, free or mark. ``tensor`` ids an allocation; a free names the same id."""
+
+    op: int
+    tensor: int
+    size: int
+    category: Category | None
+    stream: Stream
+    tag: str
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The events of one rank, in order. Build with :class:`Builder`."""
+
+    events: tuple[Event, ...]
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events)
+
+    def peak(self) -> tuple[int, int]:
+        """(peak live bytes, index of the event that reaches it first)."""
+        live = best = where = 0
+        for i, e in enumerate(self.events):
+            if e.op == ALLOC:
+                live += e.size
+                if live > best:
+                    best, where = live, i
+            elif e.op == FREE:
+                live -= e.size
+        return best, where
+
+    def live_by_category(self, upto: int) -> dict[str, int]:
+        """Bytes live per category just after event ``upto`` (zero categories left out)."""
+        out: dict[str, int] = {}
+        for e in self.events[: upto + 1]:
+            if e.op == MARK:
+                continue
+            assert e.category is not None
+            out[e.category] = out.get(e.category, 0) + (e.size if e.op == ALLOC else -e.size)
+        return {k: v for k, v in out.items() if v}
+
+    def largest_live(self, upto: int, n: int = 5) -> list[Event]:
+        """The ``n`` largest tensors live just after event ``upto``."""
+        live: dict[int, Event] = {}
+        for e in self.events[: upto + 1]:
+            if e.op == ALLOC:
+                live[e.tensor] = e
+            elif e.op == FREE:
+                live.pop(e.tensor, None)
+        return sorted(live.values(), key=lambda e: -e.size)[:n]
+
+    def marks(self) -> dict[str, int]:
+        """Index of each moment's (last) mark."""
+        return {e.tag: i for i, e in enumerate(self.events) if e.op == MARK}
+
+
+@dataclass
+class Builder:
+    """Appends events; tracks what is live per category so callers free by category."""
+
+    events: list[Event] = field(default_factory=list)
+    live: dict[int, Event] = field(default_factory=dict)
+    _next: int = 0
+
+    def alloc(self, size: int, category: Category, tag: str, stream: Stream = Stream.COMPUTE) -> int:
+        """A new tensor of ``size`` bytes (nothing is recorded for an empty one); its id."""
+        tensor = self._next
+        self._next += 1
+        if size > 0:
+            event = Event(ALLOC, tensor, size, category, stream, tag)
+            self.events.append(event)
+            self.live[tensor] = event
+        return tensor
+
+    def free(self, tensor: int) -> None:
+        event = self.live.pop(tensor, None)
+        if event is not None:
+            self.events.append(Event(FREE, tensor, event.size, event.category, event.stream, event.tag))
+
+    def mark(self, moment: str) -> None:
+        self.events.append(Event(MARK, -1, 0, None, Stream.COMPUTE, moment))
+
+    def live_bytes(self, category: Category) -> int:
+        return sum(e.size for e in self.live.values() if e.category == category)
+
+    def build(self) -> Timeline:
+        return Timeline(tuple(self.events))
