@@ -544,3 +544,44 @@ def test_fuzzed_model_files_fail_cleanly(tmp_path, monkeypatch, changes, tp):
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith(PREFIX), err
     assert "internal error" not in err
+
+
+# --- the caching allocator: --allocator, PYTORCH_CUDA_ALLOC_CONF, trace files ----------------
+
+
+def test_unknown_allocator_flag(tmp_path):
+    proc = memplan("estimate", "llama3-8b", "--allocator", "bogus", cwd=tmp_path)
+    error_line(proc, "command line", "--allocator", "'default' or 'expandable'")
+
+
+def test_unknown_allocator_in_a_plan_file(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("allocator: fancy\n")
+    proc = memplan("estimate", "llama3-8b", "--plan", plan, cwd=tmp_path)
+    error_line(proc, plan, "allocator", "'default' or 'expandable'")
+
+
+@pytest.mark.parametrize(
+    ("conf", "field", "reason"),
+    [
+        ("expandable_segments:maybe", "expandable_segments", "True or False"),
+        ("no_such_key:1", "no_such_key", "unrecognized"),
+        ("garbage_collection_threshold:1.5", "garbage_collection_threshold", ""),
+        ("max_split_size_mb:1", "max_split_size_mb", ""),
+    ],
+)
+def test_alloc_conf_pytorch_would_reject(tmp_path, monkeypatch, conf, field, reason):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    proc = memplan("estimate", "llama3-8b", cwd=tmp_path)
+    error_line(proc, "PYTORCH_CUDA_ALLOC_CONF", field, reason)
+
+
+def test_trace_file_that_is_not_one(tmp_path):
+    from memplan.costmodel.allocator import load_snapshot
+    from memplan.errors import MemplanError
+
+    bad = tmp_path / "trace.pkl"
+    bad.write_bytes(b"not a pickle at all")
+    with pytest.raises(MemplanError) as err:
+        load_snapshot(bad)
+    assert err.value.source == str(bad) and str(err.value).count("\n") == 0
