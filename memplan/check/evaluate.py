@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from memplan.check.spec import Baseline, BaselineEntry, BudgetsFile, Entry, Metric
+from memplan.costmodel.overhead import communicators, fixed_overhead_bytes
 from memplan.errors import MemplanError
 from memplan.estimate import estimate
 from memplan.specs.loader import read_data, validate
@@ -26,7 +27,7 @@ from memplan.specs.resolve import CLI, INFERENCE_FIELDS, TRAINING_FIELDS, Job, r
 from memplan.units import format_bytes
 
 Status = Literal["pass", "over-budget", "regressed", "error"]
-TOP_FIELDS = ("gpu", "gpus", "nodes", "runtime")
+TOP_FIELDS = ("gpu", "gpus", "nodes", "runtime", "allocator")
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
@@ -103,24 +104,27 @@ def _locate(err: MemplanError, entry: Entry, model_ref: str, source: str, prefix
     return MemplanError(err.reason, source=source, field=field)
 
 
-def resolve_entries(budgets: BudgetsFile, path: Path) -> list[Resolved]:
-    """Every entry as a job with its limit; the first mistake raises, located in the file."""
+def resolve_entries(budgets: BudgetsFile, path: Path, allocator: str | None = None) -> list[Resolved]:
+    """Every entry as a job with its limit; the first mistake raises, located in the file.
+    ``allocator`` (``--allocator``) applies to entries that do not name one."""
     source, out = str(path), []
     for i, entry in enumerate(budgets.entries):
         prefix = f"entries[{i}]"
         ref = _model_ref(entry, path.parent)
         try:
             overrides, inference = _overrides(entry, source)
+            overrides["allocator"] = overrides["allocator"] or allocator
         except MemplanError as err:
             raise MemplanError(err.reason, source=source, field=f"{prefix}.{err.field}") from None
         try:
             job = resolve_job(ref, None, overrides, inference=inference)
         except MemplanError as err:
             raise _locate(err, entry, ref, source, prefix) from None
-        limit = entry.budget.limit(job.gpu.memory_bytes)
+        usable = allocator_capacity(job)
+        limit = entry.budget.limit(usable)
         if limit <= 0:
             raise MemplanError(
-                f"the headroom leaves no memory on {job.gpu.name} ({format_bytes(job.gpu.memory_bytes)})",
+                f"the headroom leaves no memory on {job.gpu.name} ({format_bytes(usable)} for the allocator)",
                 source=source,
                 field=f"{prefix}.budget.headroom",
             )
@@ -187,6 +191,13 @@ class CheckReport(BaseModel):
         return out
 
 
+def allocator_capacity(job: Job) -> int:
+    """What the caching allocator may use on the job's GPU: the capacity PyTorch sees less the
+    memory outside it (CUDA context, workspaces, one NCCL communicator per parallel group)."""
+    p = job.plan
+    return job.gpu.capacity_bytes - fixed_overhead_bytes(communicators(p.dp, p.tp, p.pp, p.cp, p.ep))
+
+
 def plan_summary(job: Job) -> str:
     p = job.plan
     parts = [f"{k}={getattr(p, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(p, k) > 1 or k == "dp"]
@@ -249,7 +260,7 @@ def judge(
         measured=measured,
         value_bytes=value,
         limit_bytes=r.limit_bytes,
-        capacity_bytes=job.gpu.memory_bytes,
+        capacity_bytes=allocator_capacity(job),
         budget=r.entry.budget.describe(),
         headroom_bytes=None if value is None else r.limit_bytes - value,
         baseline_bytes=base.bytes if base else None,

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from memplan.specs.job import RuntimeName
+from memplan.specs.job import AllocatorName, RuntimeName
 from memplan.units import parse_quantity
 
 Metric = Literal["reserved", "allocated"]
@@ -101,6 +101,9 @@ class Entry(BaseModel):
     gpus: int | None = Field(None, gt=0, le=10_000_000)
     nodes: int | None = Field(None, gt=0, le=1_000_000)
     runtime: RuntimeName | None = None
+    allocator: AllocatorName | None = Field(
+        None, description="CUDA caching allocator: default or expandable (else memplan check --allocator)."
+    )
     workload: dict | None = Field(None, description="Training or inference workload fields, as in a plan file.")
     plan: dict | None = Field(None, description="Plan fields, as in a plan file.")
     budget: Annotated[Budget, BeforeValidator(parse_budget)] = Field(

@@ -42,6 +42,12 @@ def check(
     measure: Annotated[
         bool, Opt("--measure", help="Measure with the bundled trainer (memplan validate) instead of estimating.")
     ] = False,
+    allocator: Annotated[
+        Literal["default", "expandable"] | None,
+        Opt(
+            help="CUDA caching allocator for entries that name none (default: PYTORCH_CUDA_ALLOC_CONF, else PyTorch's)."
+        ),
+    ] = None,
     device: Annotated[Literal["auto", "cpu", "cuda"], Opt(help="--measure: device.", rich_help_panel=RUN)] = "auto",
     timeout: Annotated[float, Opt(help="--measure: seconds per entry.", min=1, rich_help_panel=RUN)] = 600,
 ) -> None:
@@ -49,7 +55,7 @@ def check(
     if update_baseline and baseline is None:
         raise MemplanError("needs --baseline FILE to write", source=CLI, field="--update-baseline")
     spec = load_budgets(budgets)
-    resolved = resolve_entries(spec, budgets)
+    resolved = resolve_entries(spec, budgets, allocator)
     previous = None
     if baseline is not None and not update_baseline:
         previous = load_baseline(baseline)

@@ -16,7 +16,7 @@ from memplan.costmodel.flops import rank_flops_per_step
 from memplan.costmodel.time import matmul_peak_flops
 from memplan.errors import MemplanError
 from memplan.estimate import estimate as run_estimate
-from memplan.specs.resolve import CLI, resolve_job
+from memplan.specs.resolve import CLI, alloc_conf_text, resolve_job
 from memplan.units import format_bytes
 from memplan.validate.compare import Validation, compare
 from memplan.validate.launch import launch, pick_record
@@ -66,6 +66,13 @@ def validate(
         str | None,
         Opt(help="GPU profile for the prediction's capacity and MFU's peak (default h100-sxm).", rich_help_panel=RUN),
     ] = None,
+    allocator: Annotated[
+        Literal["default", "expandable"] | None,
+        Opt(
+            help="CUDA caching allocator: the runs set PYTORCH_CUDA_ALLOC_CONF to match (default: the environment's).",
+            rich_help_panel=RUN,
+        ),
+    ] = None,
     memory_limit: Annotated[
         str | None, Opt(help="Simulated device capacity on CPU, e.g. 2GiB (an OOM beyond it).", rich_help_panel=RUN)
     ] = None,
@@ -79,7 +86,7 @@ def validate(
         virtual_stages=virtual_stages, zero=zero, recompute=recompute, recompute_layers=recompute_layers,
         precision=precision, offload_optimizer=offload_optimizer, offload_params=offload_params,
         attention=attention, micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len,
-        gpu=gpu, runtime="memplan",
+        gpu=gpu, runtime="memplan", allocator=allocator,
     )  # fmt: skip
     job = resolve_job(model, plan, overrides, inference=False)
     limit = memory_limit_bytes(memory_limit or None)
@@ -95,6 +102,7 @@ def validate(
         simulate=simulate_ranks,
         rank=report.peak.rank,
         memory_limit=limit,
+        alloc_conf=alloc_conf_text(allocator),
         peak_flops=matmul_peak_flops(job.gpu, job.plan.precision) if where == "cuda" else None,
         flops_per_step=rank_flops_per_step(
             job.model,

@@ -59,7 +59,19 @@ def render(job: Job, target: str, **opts: Any) -> Exported:
         raise MemplanError(f"does not apply to --to {target}", field=flag)
     training(job, target)
     exporter: Callable[..., Exported] = module.export
-    return exporter(job, **given)
+    return with_allocator_note(exporter(job, **given), job)
+
+
+def with_allocator_note(exported: Exported, job: Job) -> Exported:
+    """A plan predicted under expandable segments fits only when its ranks run with them: no
+    target's config file carries PYTORCH_CUDA_ALLOC_CONF, so the export says to set it."""
+    if not job.allocator.expandable_segments:
+        return exported
+    note = (
+        "memory was predicted with PyTorch's expandable segments: launch every rank with "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in its environment"
+    )
+    return exported.model_copy(update={"notes": (*exported.notes, note)})
 
 
 def export(job: Job, target: str, **opts: Any) -> str:

@@ -146,6 +146,7 @@ def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
         nodes=req.ctx.cluster.nodes,
         runtime=req.ctx.runtime,
         objective=req.objective,
+        allocator="expandable" if req.ctx.allocator.expandable_segments else "default",
         capacity_bytes=req.ctx.gpu.capacity_bytes,
         margin_bytes=req.ctx.margin_bytes,
         limit_bytes=req.ctx.limit_bytes,

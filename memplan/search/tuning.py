@@ -69,6 +69,7 @@ class TuneResult(BaseModel):
     nodes: int
     runtime: str
     objective: str
+    allocator: str = "default"  # the CUDA caching allocator the plans were judged under
     capacity_bytes: int
     margin_bytes: int
     limit_bytes: int
@@ -114,6 +115,7 @@ def plan_yaml(result: TuneResult, req: TuneRequest, model_ref: str | None = None
         "gpus": result.gpus,
         "nodes": result.nodes,
         "runtime": result.runtime,
+        "allocator": result.allocator,
         "workload": workload,
         "plan": best.plan.model_dump(exclude_none=True),
     }

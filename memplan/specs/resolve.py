@@ -44,6 +44,17 @@ class Job:
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
+def alloc_conf_text(name: str | None, environ: dict[str, str] | None = None) -> str:
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` a run under allocator ``name`` sets: the environment's
+    settings with ``expandable_segments`` as ``name`` says (unchanged when ``name`` is None)."""
+    env = os.environ if environ is None else environ
+    text = env.get(ALLOC_CONF, "")
+    if name is None:
+        return text
+    kept = [part for part in text.split(",") if part.strip() and part.split(":")[0].strip() != "expandable_segments"]
+    return ",".join([*kept, f"expandable_segments:{name == 'expandable'}"])
+
+
 def resolve_allocator(name: str | None, environ: dict[str, str] | None = None) -> AllocatorConfig:
     """The caching allocator's settings: ``PYTORCH_CUDA_ALLOC_CONF`` as PyTorch would parse it
     (a value PyTorch rejects is an error naming the variable), with ``name`` (``default`` or

@@ -48,6 +48,15 @@ def worker_command(spec: RunSpec, spec_path: Path, out_dir: Path, nproc: int) ->
     ]
 
 
+def worker_env(spec: RunSpec) -> dict[str, str]:
+    """The ranks' environment: this one's, unbuffered, one OpenMP thread unless set, and the
+    caching allocator's settings the plan was predicted under."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if spec.alloc_conf is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = spec.alloc_conf
+    return env
+
+
 def launch(
     spec: RunSpec,
     workdir: Path,
@@ -61,7 +70,7 @@ def launch(
     out_dir = workdir / "records"
     ranks = [spec.rank] if spec.simulate else list(range(spec.plan.world_size))
     cmd = worker_command(spec, spec_path, out_dir, len(ranks))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = worker_env(spec)
     err_path = workdir / "stderr.log"
     with open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)

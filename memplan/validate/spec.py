@@ -28,6 +28,9 @@ class RunSpec(BaseModel):
     collective_timeout_s: int = Field(300, gt=0)
     peak_flops: float | None = Field(None, description="The device's dense peak FLOP/s, for MFU.")
     flops_per_step: float = Field(0.0, ge=0, description="Model FLOPs of one step on this rank, for MFU.")
+    alloc_conf: str | None = Field(
+        None, description="PYTORCH_CUDA_ALLOC_CONF the ranks run with (None: the environment's)."
+    )
 
     @property
     def accumulation(self) -> int:

@@ -251,3 +251,18 @@ def test_the_workflow_runs_the_example(tmp_path):
     assert "--update-baseline" in commands
     triggers = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` as true
     assert set(triggers) == {"pull_request", "push"}
+
+
+def test_entries_are_judged_under_their_allocator(tmp_path, capsys, monkeypatch):
+    """An entry's allocator, else --allocator, else PYTORCH_CUDA_ALLOC_CONF; the fits budget is
+    the capacity PyTorch sees less what lives outside the allocator."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    path = budgets(tmp_path, FSDP, dict(FSDP, name="expandable", allocator="expandable"))
+    code, report = check_json(capsys, path)
+    assert code == 0
+    default, expandable = report["entries"]
+    assert default["capacity_bytes"] < 80 * 2**30 - 2**30  # 79.18 GiB less context, cuBLAS and NCCL
+    assert default["limit_bytes"] == default["capacity_bytes"] - int(default["capacity_bytes"] * 0.1)
+    assert expandable["value_bytes"] != default["value_bytes"]  # another allocator, another replay
+    code, flagged = check_json(capsys, budgets(tmp_path, FSDP), "--allocator", "expandable")
+    assert flagged["entries"][0]["value_bytes"] == expandable["value_bytes"]

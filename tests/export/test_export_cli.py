@@ -151,3 +151,13 @@ def test_the_error_contract_holds_in_a_real_process(tmp_path):
         "or bf16 / fp16 / fp8 parameters with fp32 main weights (--bf16, --fp16, --fp8-format); it has no autocast "
         "mode and no 16-bit-only optimizer states\n"
     )
+
+
+@pytest.mark.parametrize("target", ["deepspeed", "accelerate", "torchtitan", "fsdp2"])
+def test_a_plan_chosen_under_expandable_segments_says_what_to_set(tmp_path, capsys, monkeypatch, target):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    code, _, err = memplan(capsys, "export", plan_file(tmp_path, allocator="expandable"), "--to", target)
+    assert code == 0, err
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in err
+    code, _, err = memplan(capsys, "export", plan_file(tmp_path, allocator="default"), "--to", target)
+    assert code == 0 and "PYTORCH_CUDA_ALLOC_CONF" not in err

@@ -88,3 +88,24 @@ def test_pareto_front_is_not_dominated(case):
     # every fitting plan is dominated by (or equal to) a plan on the front
     for ev in fitting:
         assert any(f.tokens_per_s >= ev.tokens_per_s and f.peak_reserved_bytes <= ev.peak_reserved_bytes for f in front)
+
+
+def test_a_plan_whose_replay_does_not_fit_is_never_recommended(case):
+    """The fast form screens; the allocator's replay decides. Under a calibration that halves
+    the allocated peak the screen keeps plans the replay (of the model's own timeline) cannot
+    serve: the search's reported plans leave them out."""
+    from dataclasses import replace as dc_replace
+
+    from memplan.search.evaluate import replayed
+    from memplan.search.tune import _replay_until
+
+    ctx, space, _ = case
+    optimistic = dc_replace(ctx, peak_ratio=0.5)
+    ranked = rank(evaluate_all(space.candidates, optimistic), "throughput")
+    screened = [ev for ev in ranked if ev.fits]
+    dropped = [ev for ev in screened[:8] if not replayed(ev, optimistic).fits]
+    assert dropped, "the screen should keep some plan the replay refuses"
+    reported = _replay_until(ranked, 3, optimistic)
+    assert reported and not {ev.candidate.key for ev in dropped} & {r.candidate.key for r in reported}
+    for r in reported:
+        assert r.fits and r.peak_reserved_bytes + r.overhead_bytes <= optimistic.limit_bytes

@@ -167,3 +167,21 @@ def test_the_allocator_comes_from_the_flag_else_pytorch_cuda_alloc_conf():
     with pytest.raises(MemplanError) as err:
         resolve_allocator(None, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:maybe"})
     assert err.value.source == "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def test_runs_set_the_allocator_the_plan_was_predicted_under(monkeypatch):
+    from memplan.specs.resolve import alloc_conf_text
+    from memplan.validate.launch import worker_env
+    from memplan.validate.spec import RunSpec
+
+    assert alloc_conf_text(None, {}) == ""
+    assert alloc_conf_text("expandable", {}) == "expandable_segments:True"
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:False"}
+    assert alloc_conf_text("expandable", env) == "max_split_size_mb:512,expandable_segments:True"
+    assert alloc_conf_text(None, env) == env["PYTORCH_CUDA_ALLOC_CONF"]
+    model = load_model("llama3-8b")
+    spec = RunSpec(model=model, workload=TrainingWorkload(seq_len=64, micro_batch=1), plan=Plan())
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
+    assert worker_env(spec)["PYTORCH_CUDA_ALLOC_CONF"] == "garbage_collection_threshold:0.6"
+    expandable = spec.model_copy(update={"alloc_conf": "expandable_segments:True"})
+    assert worker_env(expandable)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
