@@ -122,6 +122,7 @@ class CachingAllocator(ExpandableSegments):
         if not fits_oversize_rules(block.size, size, self.config):
             return None
         del keys[i], blocks[i]
+        pool.free_bytes -= block.size
         return block
 
     def _alloc_block(

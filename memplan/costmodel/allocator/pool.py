@@ -51,6 +51,7 @@ class BlockPool:
     unmapped: list[tuple[int, int]] = field(default_factory=list)  # (stream, addr), sorted
     unmapped_blocks: list[Block] = field(default_factory=list)
     get_free_blocks_call_count: int = 0
+    free_bytes: int = 0  # sum of the cached blocks' sizes, kept as blocks come and go
 
     def insert(self, block: Block) -> None:
         """``insert_into_blocks``: cache a free block, noting the call count for garbage collection."""
@@ -59,6 +60,7 @@ class BlockPool:
         i = bisect_left(self.keys, key)
         self.keys.insert(i, key)
         self.blocks.insert(i, block)
+        self.free_bytes += block.size
 
     def remove(self, block: Block) -> None:
         i = bisect_left(self.keys, (block.stream, block.size, block.addr))
@@ -66,6 +68,7 @@ class BlockPool:
             raise KeyError(f"block at {block.addr:#x} is not in the pool")
         del self.keys[i]
         del self.blocks[i]
+        self.free_bytes -= block.size
 
     def lower_bound(self, stream: int, size: int) -> int:
         """Index of the first free block of ``stream`` with at least ``size`` bytes (len if none)."""
@@ -91,10 +94,17 @@ class BlockPool:
         return self.unmapped_blocks[i:j]
 
     def cached_bytes(self) -> int:
-        return sum(key[1] for key in self.keys)
+        return self.free_bytes
 
     def largest(self) -> int:
-        return max((key[1] for key in self.keys), default=0)
+        """The largest cached block: the last key of each stream's run (keys sort by stream, size)."""
+        best, i = 0, 0
+        while i < len(self.keys):
+            stream = self.keys[i][0]
+            j = bisect_left(self.keys, (stream + 1,))
+            best = max(best, self.keys[j - 1][1])
+            i = j
+        return best
 
 
 def splice_after(block: Block, remaining: Block) -> None:
