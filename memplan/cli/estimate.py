@@ -163,7 +163,7 @@ def render(result: EstimateResult, console: Console) -> None:
     if detail is not None:
         streams = ", ".join(f"{k} {_gib(v)}" for k, v in detail.reserved_by_stream.items())
         console.print(
-            f"allocator ({detail.allocator}): {detail.segments} segments; at its reserved peak {streams}; "
+            f"allocator ({detail.allocator}): at the allocated peak {detail.segments} segments, reserved {streams}; "
             f"{_gib(detail.cached_free)} cached but free, largest free block {_gib(detail.largest_free)}"
         )
     states = mem.model_states

@@ -30,7 +30,8 @@ class Activations(_Frozen):
 
 
 class ReservedDetail(_Frozen):
-    """The caching allocator's state when its replay of the run reserved the most.
+    """The caching allocator's state at the allocated peak of its replay of the run (what was
+    cached but free there is the fragmentation the peak paid for).
 
     ``limit`` is what the allocator may use: the capacity PyTorch sees less the memory outside
     it (``MemoryReport.overhead``). ``failed_request`` is the allocation that could not be

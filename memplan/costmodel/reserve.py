@@ -13,9 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator
+from memplan.costmodel.memory import stage_moments
 from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline
+from memplan.costmodel.timeline.step import build_run
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
 
 STREAM_IDS = {Stream.COMPUTE: 0, Stream.ALL_GATHER: 1, Stream.REDUCE_SCATTER: 2}
+GiB = 2**30
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +39,9 @@ class Failure:
 
 @dataclass(frozen=True, slots=True)
 class Replay:
-    """The allocator after (or at the failure of) a run. ``reserved_by_stream`` and the
-    cached figures are taken when reserved memory peaked."""
+    """The allocator after (or at the failure of) a run. ``segments``, ``reserved_by_stream``
+    and the cached figures are taken at the allocated peak: what was cached but free there is
+    the fragmentation the peak paid for."""
 
     max_reserved: int
     max_allocated: int
@@ -61,7 +68,7 @@ def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | No
                     e.size, str(e.category), e.tag, e.stream.value, oom.reserved, oom.allocated, oom.cached_free
                 )
                 break
-            if alloc.reserved > at_peak.reserved:
+            if alloc.allocated > at_peak.allocated:
                 at_peak = alloc.stats()
         elif e.op == FREE:
             alloc.free(blocks.pop(e.tensor))
@@ -75,9 +82,6 @@ def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | No
         reserved_by_stream={names.get(s, str(s)): b for s, b in at_peak.reserved_by_stream},
         failure=failure,
     )
-
-
-GiB = 2**30
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +137,14 @@ def verdict(timeline: Timeline, config: AllocatorConfig, limit_bytes: int) -> Ve
     return Verdict(free.max_reserved, False, reason, free, fail, expandable)
 
 
-def plan_verdict(model, workload, plan, runtime: str, config: AllocatorConfig, limit_bytes: int) -> Verdict:
+def plan_verdict(
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    runtime: str,
+    config: AllocatorConfig,
+    limit_bytes: int,
+) -> Verdict:
     """The most-loaded stage's run (build, first step, steady steps) replayed: see :func:`verdict`."""
-    from memplan.costmodel.memory import stage_moments
-    from memplan.costmodel.timeline.step import build_run
-
     sm = stage_moments(model, workload, plan, runtime)
     return verdict(build_run(sm.moments, sm.granularity, sm.build_grads), config, limit_bytes)
