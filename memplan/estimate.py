@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from memplan.costmodel.advice import suggest
+from memplan.costmodel.advice import Suggestion, suggest
 from memplan.costmodel.memory import estimate_memory
 from memplan.costmodel.overhead import fast_reserved_bytes
 from memplan.costmodel.params import active_params, total_params
@@ -79,9 +79,23 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int) -> tuple[Memo
         failed_request=v.failure.size if v.failure else None,
         failed_tensor=f"{v.failure.category} ({v.failure.tag})" if v.failure else None,
         fits_with_expandable_segments=v.expandable_fits,
+        expandable_reserved=v.expandable_reserved,
     )
     peak = report.peak.model_copy(update={"reserved": v.reserved, "reserved_detail": detail})
     return report.model_copy(update={"peak": peak}), v.fits, v.reason
+
+
+def _allocator_suggestion(report: MemoryReport) -> list[Suggestion]:
+    """PyTorch's expandable segments, when the default allocator's replay failed: what the same
+    run reserves with them (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)."""
+    detail = report.peak.reserved_detail
+    if detail is None or detail.expandable_reserved is None:
+        return []
+    saved = report.peak.reserved - detail.expandable_reserved
+    if saved <= 0:
+        return []
+    change = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    return [Suggestion(change, detail.expandable_reserved, saved, bool(detail.fits_with_expandable_segments))]
 
 
 def estimate(job: Job, with_suggestions: bool = True, efficiency: Efficiency | None = None) -> EstimateResult:
@@ -98,6 +112,7 @@ def estimate(job: Job, with_suggestions: bool = True, efficiency: Efficiency | N
         # single changes are screened with the fast form, compared with the same form of this plan
         current = fast_reserved_bytes(report.peak.allocated)
         found = suggest(job.model, job.workload, job.plan, job.runtime, limit, current)
+        found = sorted([*_allocator_suggestion(report), *found], key=lambda s: (not s.fits, -s.saved))
         suggestions = [
             SuggestionOut(change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits) for s in found
         ]

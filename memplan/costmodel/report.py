@@ -46,6 +46,7 @@ class ReservedDetail(_Frozen):
     failed_request: int | None = None
     failed_tensor: str | None = None
     fits_with_expandable_segments: bool | None = None
+    expandable_reserved: int | None = None  # the default allocator failed: the same run with expandable segments
 
 
 class Peak(_Frozen):

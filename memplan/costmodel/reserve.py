@@ -94,6 +94,7 @@ class Verdict:
     replay: Replay  # the replay without a limit: what the run reserves when nothing stops it
     failure: Failure | None  # the request that failed within the limit
     expandable_fits: bool | None  # default allocator failed: does expandable_segments fit?
+    expandable_reserved: int | None = None  # default allocator failed: what expandable segments reserve
 
 
 def _gib(n: int) -> str:
@@ -121,9 +122,11 @@ def verdict(timeline: Timeline, config: AllocatorConfig, limit_bytes: int) -> Ve
     if free.max_allocated > limit_bytes:
         reason = f"does not fit: {_gib(free.max_allocated)} allocated at the peak, {_gib(limit_bytes)} available"
         return Verdict(free.max_reserved, False, reason, free, fail, None)
-    expandable = None
+    expandable = expandable_reserved = None
     if not config.expandable_segments:
-        expandable = replay(timeline, replace(config, expandable_segments=True), limit_bytes).failure is None
+        other = replace(config, expandable_segments=True)
+        expandable = replay(timeline, other, limit_bytes).failure is None
+        expandable_reserved = replay(timeline, other).max_reserved
     if expandable:
         reason = (
             f"fits with expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); with the default "
@@ -134,7 +137,7 @@ def verdict(timeline: Timeline, config: AllocatorConfig, limit_bytes: int) -> Ve
             f"does not fit: {what} fails with {_gib(fail.reserved)} reserved, "
             f"{_gib(fail.cached_free)} of it free but fragmented"
         )
-    return Verdict(free.max_reserved, False, reason, free, fail, expandable)
+    return Verdict(free.max_reserved, False, reason, free, fail, expandable, expandable_reserved)
 
 
 def plan_verdict(

@@ -185,3 +185,32 @@ def test_runs_set_the_allocator_the_plan_was_predicted_under(monkeypatch):
     assert worker_env(spec)["PYTORCH_CUDA_ALLOC_CONF"] == "garbage_collection_threshold:0.6"
     expandable = spec.model_copy(update={"alloc_conf": "expandable_segments:True"})
     assert worker_env(expandable)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def _fragmenting_run():
+    """25 tensors of 4 MiB (five 20 MiB segments of the default allocator, five 20 MiB pages of
+    one expandable segment), the two at the end of the first segment and the two at the start
+    of the second freed, then one of 12 MiB. The default allocator has two 8 MiB holes in two
+    segments, neither empty; expandable segments have one 16 MiB run across a page boundary."""
+    from memplan.costmodel.timeline.events import Builder
+
+    b = Builder()
+    ids = [b.alloc(4 * 2**20, Category.ACTIVATIONS, f"a{i}") for i in range(25)]
+    for tensor in ids[3:7]:
+        b.free(tensor)
+    b.alloc(12 * 2**20, Category.LOGITS, "wide")
+    return b.build()
+
+
+def test_fragmentation_is_reported_as_such_with_what_expandable_segments_reserve():
+    run, limit = _fragmenting_run(), 100 * 2**20
+    v = verdict(run, AllocatorConfig(), limit)
+    assert not v.fits and v.failure is not None and v.failure.size == 12 * 2**20 and v.failure.tag == "wide"
+    assert v.failure.cached_free == 16 * 2**20  # reserved but free: the two holes
+    assert v.expandable_fits is True and v.expandable_reserved == 100 * 2**20
+    assert v.reason.startswith("fits with expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+    assert "fragmentation" in v.reason
+    assert verdict(run, AllocatorConfig(expandable_segments=True), limit).fits
+    # more than the device: no allocator can help, and the verdict says so
+    too_big = verdict(run, AllocatorConfig(), 90 * 2**20)
+    assert not too_big.fits and too_big.reason.startswith("does not fit")
