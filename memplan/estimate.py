@@ -11,7 +11,7 @@ from memplan.costmodel.memory import estimate_memory
 from memplan.costmodel.overhead import fast_reserved_bytes
 from memplan.costmodel.params import active_params, total_params
 from memplan.costmodel.report import MemoryReport, ReservedDetail
-from memplan.costmodel.reserve import plan_verdict
+from memplan.costmodel.reserve import plan_verdict, serving_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
 from memplan.specs.resolve import Job
 from memplan.specs.workload import TrainingWorkload
@@ -58,17 +58,12 @@ def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
 
 
 def _allocator_verdict(job: Job, report: MemoryReport, limit: int) -> tuple[MemoryReport, bool, str]:
-    """Training: the run replayed through the caching allocator model decides reserved and
-    fits. Inference (no step timeline yet): the fast form against the same limit."""
-    if not isinstance(job.workload, TrainingWorkload):
-        fits = report.peak.reserved <= limit
-        word = "fits" if fits else "does not fit"
-        return (
-            report,
-            fits,
-            f"{word}: {report.peak.reserved / 2**30:.2f} GiB reserved (fast form) of {limit / 2**30:.2f} GiB",
-        )
-    v = plan_verdict(job.model, job.workload, job.plan, job.runtime, job.allocator, limit)
+    """The run (training: build, a first step, steady steps; serving: weights, KV cache,
+    prefills) replayed through the caching allocator model decides reserved and fits."""
+    if isinstance(job.workload, TrainingWorkload):
+        v = plan_verdict(job.model, job.workload, job.plan, job.runtime, job.allocator, limit)
+    else:
+        v = serving_verdict(job.model, job.workload, job.plan, job.allocator, limit)
     detail = ReservedDetail(
         allocator="expandable" if job.allocator.expandable_segments else "default",
         segments=v.replay.segments,

@@ -24,8 +24,8 @@ from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, state_byte
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
 from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
-from memplan.costmodel.timeline.events import Moment
-from memplan.costmodel.timeline.step import Granularity
+from memplan.costmodel.timeline.events import Moment, Timeline
+from memplan.costmodel.timeline.step import Granularity, build_serving_run, pieces
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
@@ -618,6 +618,29 @@ def estimate_memory(
     if isinstance(workload, InferenceWorkload):
         return estimate_inference(model, workload, plan)
     return estimate_training(model, workload, plan, runtime)
+
+
+def serving_run(model: ModelSpec, workload: InferenceWorkload, plan: Plan) -> Timeline:
+    """The most-loaded stage's serving run (``timeline.step.build_serving_run``) with the
+    tensors ``estimate_inference`` sums: each weight in the compute dtype (split by t), a key
+    and a value cache tensor per layer, and the prefill's working set cut into hidden-, q-,
+    kv- and ffn-wide tensors of the prompt."""
+    report = estimate_inference(model, workload, plan)
+    stage = report.peak.stage
+    layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
+    policy = POLICIES[plan.precision]
+    element = 1 if policy.fp8_matmuls else policy.compute_bytes
+    widths = [i * o // plan.tp for i, o in A.layer_matmul_widths(model)]
+    layer = [P.norm_params(model), *widths[:4], P.norm_params(model), *widths[4:]]
+    weights = pieces(report.model_states.parameters, [n * element for n in layer if n])
+    kv = report.kv_cache // max(2 * layout.layers, 1)
+    kv_tensors = [kv] * (2 * layout.layers) if kv else []
+    tokens, d, t = workload.batch * workload.prompt_tokens, policy.compute_bytes, plan.tp
+    ffn = model.moe.expert_ffn_size if model.moe else model.ffn_size
+    wide = [model.hidden_size, model.hidden_size, model.q_size // t, model.kv_size // t, model.kv_size // t]
+    wide += [model.q_size // t, ffn // t, ffn // t, ffn // t]
+    work = pieces(report.activations.total, [tokens * d * w for w in wide if w])
+    return build_serving_run(weights, kv_tensors, work, layout.layers)
 
 
 def stage_moments(

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator
-from memplan.costmodel.memory import stage_moments
+from memplan.costmodel.memory import serving_run, stage_moments
 from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline
 from memplan.costmodel.timeline.step import build_run
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
-from memplan.specs.workload import TrainingWorkload
+from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
 STREAM_IDS = {Stream.COMPUTE: 0, Stream.ALL_GATHER: 1, Stream.REDUCE_SCATTER: 2}
 GiB = 2**30
@@ -151,3 +151,10 @@ def plan_verdict(
     """The most-loaded stage's run (build, first step, steady steps) replayed: see :func:`verdict`."""
     sm = stage_moments(model, workload, plan, runtime)
     return verdict(build_run(sm.moments, sm.granularity, sm.build_grads), config, limit_bytes)
+
+
+def serving_verdict(
+    model: ModelSpec, workload: InferenceWorkload, plan: Plan, config: AllocatorConfig, limit_bytes: int
+) -> Verdict:
+    """The most-loaded stage's serving run (weights, KV cache, prefills) replayed: see :func:`verdict`."""
+    return verdict(serving_run(model, workload, plan), config, limit_bytes)

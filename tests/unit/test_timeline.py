@@ -214,3 +214,24 @@ def test_fragmentation_is_reported_as_such_with_what_expandable_segments_reserve
     # more than the device: no allocator can help, and the verdict says so
     too_big = verdict(run, AllocatorConfig(), 90 * 2**20)
     assert not too_big.fits and too_big.reason.startswith("does not fit")
+
+
+@pytest.mark.parametrize(
+    ("name", "plan", "work"),
+    [
+        ("llama3-8b", dict(), dict(batch=32, prompt_tokens=8192, generated_tokens=0)),
+        ("llama3-70b", dict(tp=4, pp=2), dict(batch=8, prompt_tokens=4096, generated_tokens=512, kv_dtype="fp8")),
+        ("mixtral-8x7b", dict(tp=2, ep=1), dict(batch=4, prompt_tokens=2048, generated_tokens=256, block_size=16)),
+    ],
+)
+def test_serving_run_peaks_at_weights_cache_and_one_layers_working_set(name, plan, work):
+    from memplan.costmodel.memory import estimate_inference, serving_run
+    from memplan.specs.workload import InferenceWorkload
+
+    model, p, w = load_model(name), Plan(**plan), InferenceWorkload(**work)
+    report = estimate_inference(model, w, p)
+    run = serving_run(model, w, p)
+    assert run.peak()[0] == report.peak.allocated
+    kv = [e for e in run.events if e.op == ALLOC and e.category == Category.KV_CACHE]
+    assert sum(e.size for e in kv) == report.kv_cache and len({e.size for e in kv}) == 1  # a K and a V per layer
+    assert replay(run, AllocatorConfig()).max_reserved >= report.peak.allocated

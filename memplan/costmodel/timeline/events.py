@@ -25,6 +25,7 @@ class Category(StrEnum):
     AUTOCAST = "autocast_weights"
     COMM = "comm_buffers"
     RETAINED = "retained_outputs"
+    KV_CACHE = "kv_cache"
 
 
 class Moment(StrEnum):

@@ -210,6 +210,28 @@ def build_run(
     return run.b.build()
 
 
+def build_serving_run(
+    weights: Sequence[int], kv_tensors: Sequence[int], work: Sequence[int], layers: int, batches: int = 2
+) -> Timeline:
+    """Serving: the weights (one tensor each), the KV cache (a key and a value tensor per layer,
+    for the whole context), then ``batches`` prefills, each layer's working set ``work``
+    allocated and freed in turn (the last stage's last-token logits in it). Peaks at weights +
+    cache + one layer's working set, as ``memory.estimate_inference``."""
+    b = Builder()
+    for size in weights:
+        b.alloc(size, Category.PARAMETERS, "weight")
+    for size in kv_tensors:
+        b.alloc(size, Category.KV_CACHE, "kv_cache")
+    b.mark("build")
+    for batch in range(batches):
+        for _ in range(max(layers, 1)):
+            tensors = [b.alloc(size, Category.ACTIVATIONS, "prefill") for size in work]
+            for tensor in reversed(tensors):
+                b.free(tensor)
+        b.mark(f"step{batch}")
+    return b.build()
+
+
 def steady_step_range(timeline: Timeline) -> tuple[int, int]:
     """Event indices (start, end] of the last step."""
     marks = [i for i, e in enumerate(timeline.events) if e.op == 2 and e.tag.startswith(("step", "build"))]
