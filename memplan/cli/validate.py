@@ -102,7 +102,7 @@ def validate(
         simulate=simulate_ranks,
         rank=report.peak.rank,
         memory_limit=limit,
-        alloc_conf=alloc_conf_text(allocator),
+        alloc_conf=alloc_conf_text("expandable" if job.allocator.expandable_segments else "default"),
         peak_flops=matmul_peak_flops(job.gpu, job.plan.precision) if where == "cuda" else None,
         flops_per_step=rank_flops_per_step(
             job.model,
