@@ -30,7 +30,7 @@ from memplan.search.validation import ValidationSettings
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.loader import load_gpu, load_model
 from memplan.specs.plan import OptimizerName, PrecisionName
-from memplan.specs.resolve import resolve_allocator
+from memplan.specs.resolve import alloc_conf_text, resolve_allocator
 from memplan.units import format_bytes, parse_bytes
 
 Opt = typer.Option
@@ -231,7 +231,11 @@ def tune(
         allocator=resolve_allocator(allocator),
     )
     settings = ValidationSettings(
-        steps=validate_steps, timeout_s=validate_timeout, device=validate_device, memory_limit=limit
+        steps=validate_steps,
+        timeout_s=validate_timeout,
+        device=validate_device,
+        memory_limit=limit,
+        alloc_conf=alloc_conf_text("expandable" if ctx.allocator.expandable_segments else "default"),
     )
     request = TuneRequest(
         model_ref=model, gpu_ref=gpu, ctx=ctx, options=options, objective=objective, trials=trials,

@@ -33,6 +33,7 @@ class ValidationSettings:
     timeout_s: float = 600
     device: Literal["auto", "cpu", "cuda"] = "auto"
     memory_limit: int | None = None  # simulated device capacity on CPU
+    alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF the runs set (the allocator the plans were judged under)
 
 
 class Outcome(BaseModel):
@@ -94,6 +95,7 @@ def run_spec(model: ModelSpec, predicted: Evaluation, gpu: GPUSpec, settings: Va
         memory_limit=settings.memory_limit if device == "cpu" else None,
         peak_flops=gpu.peak_flops.get("fp32" if plan.precision == "fp32" else "bf16") if device == "cuda" else None,
         flops_per_step=rank_flops_per_step(model, workload.seq_len, tokens, plan),
+        alloc_conf=settings.alloc_conf,
     )
 
 

@@ -33,6 +33,9 @@ def test_where_a_run_goes(plans, device: str, gpus: int, expect_device: str, exp
     assert spec.rank == evs[0].peak_rank and spec.plan == evs[0].plan and spec.workload == evs[0].workload
     assert (spec.memory_limit is not None) == (expect_device == "cpu")  # a simulated capacity is a CPU thing
     assert (spec.peak_flops is not None) == (expect_device == "cuda")
+    assert spec.alloc_conf is None  # no allocator asked for: the environment's
+    expandable = ValidationSettings(device=device, alloc_conf="expandable_segments:True")
+    assert run_spec(ctx.model, evs[0], ctx.gpu, expandable, gpus).alloc_conf == "expandable_segments:True"
 
 
 def _outcome(status: str, tokens: float | None = None) -> Outcome:
