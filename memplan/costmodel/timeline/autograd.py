@@ -1,0 +1,353 @@
+"""A byte-level autograd: tensors as reference-counted allocations, ops as graph nodes.
+
+The bundled trainer's memory over a step is decided by PyTorch's reference counting: a tensor
+is freed when its last reference goes, and autograd's references are the saved tensors of
+the graph's nodes and the gradients in flight. This module replays those rules on sizes only,
+so that the trainer's forward written as ops (``trainer_model.py``) yields the allocation and
+free order the CUDA caching allocator sees (tests/data/gpu-traces):
+
+- a :class:`Tensor` is freed at its last reference (Python's, a node's saved slot, a gradient
+  buffer, a checkpoint's storage); views hold their base (a gradient view is not reused);
+- the backward runs nodes in decreasing sequence number among ready ones (the autograd
+  engine's ready queue, ``torch/csrc/autograd/engine.cpp``); ``AccumulateGrad`` runs first;
+- a node's apply allocates its gradients, reductions to broadcast inputs follow
+  (``validate_outputs``), then the incoming gradients and saved tensors are released;
+- a second gradient into one input buffer is added in place when the held one (or the new
+  one) is a plain tensor (not a view, not a DTensor) with no other reference
+  (``InputBuffer::accumulate``), else out of place;
+- non-reentrant checkpointing (``torch.utils.checkpoint``) keeps no saved tensors in the
+  forward; the first unpack in the backward re-runs the region's forward, stopping right
+  after its last saved tensor is packed; an unpacked tensor goes at the end of its node's apply.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import count
+
+from memplan.costmodel.timeline.events import Builder, Category, Stream
+
+FIRST = 1 << 62  # AccumulateGrad's sequence number: it runs as soon as it is ready
+MiB = 2**20
+REDUCE_WORKSPACE_CAP = 132 * MiB  # largest staging buffer of a (b, s, h) -> (h,) sum in the traces
+
+
+@dataclass(eq=False, slots=True)
+class Storage:
+    """One allocation. ``refs`` counts its holders; a ``managed`` one (parameters, FSDP's
+    unsharded parameters) is freed by its owner, never by reference counting."""
+
+    tid: int
+    refs: int = 1
+    managed: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class Tensor:
+    """A tensor over a :class:`Storage` (views share their base's)."""
+
+    numel: int
+    itemsize: int
+    st: Storage
+    fn: Node | None = None  # the node that receives this tensor's gradient
+    view: bool = False  # shares its base's storage (which then has two users)
+    dtensor: bool = False  # a DTensor: never added into in place
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """One backward function: ``apply(tape, node, grads, saved) -> input grads`` (one per
+    ``nexts`` entry; None where no gradient flows)."""
+
+    seq: int
+    scope: str
+    apply: Callable
+    nexts: list[Node | None]
+    saved: list = field(default_factory=list)  # Tensors, or checkpoint slots (ints)
+    region: Region | None = None
+    pre: Callable | None = None  # a hook run before apply (FSDP2's pre-backward)
+    meta: list | None = None  # per input (numel, itemsize, over_rows): the gradient it must have
+    dtensor: bool = False  # a DTensor op: its gradients are never added into in place
+
+
+@dataclass(eq=False, slots=True)
+class Region:
+    """A non-reentrant checkpoint: ``rerun`` replays the region's forward for recompute."""
+
+    rerun: Callable[[], None]
+    inputs: list[Tensor]
+    slots: int = 0
+    storage: dict[int, Tensor] = field(default_factory=dict)
+    unpacked: int = 0
+    done: bool = False
+
+
+class _StopRecompute(Exception):
+    """Raised at the last saved tensor of a recompute (``_StopRecomputationError``)."""
+
+
+class Tape:
+    """Allocations through a :class:`Builder`, the graph, and the backward engine."""
+
+    def __init__(self, builder: Builder) -> None:
+        self.b = builder
+        self.seq = count()
+        self.scope = ""
+        self.region: Region | None = None  # forward inside a checkpoint: nothing is saved
+        self._recompute: Region | None = None
+        self._slot = 0
+        self._pyrefs: list[Tensor] = []  # Python references taken during a recompute
+        self._apply_saved: list[Tensor] | None = None
+        self.on_first_mm: Callable[[], None] | None = None  # cuBLAS's lazily allocated workspace
+        self.dtensor = False  # ops recorded now run on DTensors (sequence-parallel norms)
+
+    @contextmanager
+    def scoped(self, scope: str) -> Iterator[None]:
+        """Tags of what is allocated inside start with ``scope`` (a module's path)."""
+        outer, self.scope = self.scope, scope
+        try:
+            yield
+        finally:
+            self.scope = outer
+
+    @contextmanager
+    def dtensor_ops(self, on: bool = True) -> Iterator[None]:
+        """Ops recorded inside run on DTensors: their gradients are never added into in place."""
+        outer, self.dtensor = self.dtensor, on
+        try:
+            yield
+        finally:
+            self.dtensor = outer
+
+    # --- storage -------------------------------------------------------------------------------
+    def new(self, numel: int, itemsize: int, tag: str, category: Category | None = None, stream=Stream.COMPUTE):
+        """A fresh tensor held by the caller (Python's reference)."""
+        tag = f"{self.scope}.{tag}" if self.scope else tag
+        t = Tensor(
+            numel, itemsize, Storage(self.b.alloc(numel * itemsize, category or Category.ACTIVATIONS, tag, stream))
+        )
+        if self._recompute is not None:
+            self._pyrefs.append(t)
+        return t
+
+    def managed(self, numel: int, itemsize: int, tag: str, category: Category, stream=Stream.COMPUTE) -> Tensor:
+        """A tensor its owner frees (:meth:`free`): parameters, gradients, FSDP buffers."""
+        t = self.new(numel, itemsize, tag, category, stream)
+        t.st.managed = True
+        return t
+
+    def view(self, t: Tensor, numel: int | None = None) -> Tensor:
+        """A view of ``t``: a new handle on its storage (held by the caller)."""
+        v = Tensor(t.numel if numel is None else numel, t.itemsize, t.st, view=True, dtensor=t.dtensor)
+        v.st.refs += 1
+        if self._recompute is not None:
+            self._pyrefs.append(v)
+        return v
+
+    def hold(self, t: Tensor) -> Tensor:
+        t.st.refs += 1
+        return t
+
+    def drop(self, t: Tensor | None) -> None:
+        if t is None or t.st.managed:
+            return
+        t.st.refs -= 1
+        if t.st.refs == 0:
+            self.b.free(t.st.tid)
+
+    def done(self, *tensors: Tensor | None) -> None:
+        """Python lets go of these tensors (a local rebound, a temporary consumed)."""
+        for t in tensors:
+            if t is None:
+                continue
+            if self._recompute is not None and t in self._pyrefs:
+                self._pyrefs.remove(t)
+            self.drop(t)
+
+    def alias(self, t: Tensor) -> Tensor:
+        """Another Python reference to ``t`` (``x.float()`` of an fp32 tensor returns it)."""
+        if self._recompute is not None:
+            self._pyrefs.append(t)
+        return self.hold(t)
+
+    def free(self, t: Tensor) -> None:
+        """An owner frees a managed tensor (FSDP2's ``resize_(0)``, ``tie_weights``)."""
+        self.b.free(t.st.tid)
+
+    # --- graph ---------------------------------------------------------------------------------
+    def node(self, name: str, apply: Callable, inputs, saved=(), meta: list | None = None) -> Node | None:
+        """A node over ``inputs`` (tensors or None); None when no input needs a gradient.
+        ``meta``: per input (numel, itemsize, over_rows) the engine reduces and casts the
+        gradient to (``over_rows``: a sum over the leading dims, to a weight vector)."""
+        nexts = [t.fn if t is not None else None for t in inputs]
+        if not any(nexts):
+            return None
+        n = Node(next(self.seq), f"{self.scope}.{name}" if self.scope else name, apply, nexts, meta=meta)
+        n.dtensor = self.dtensor
+        for t in saved:
+            self.save(n, t)
+        return n
+
+    def save(self, node: Node, t: Tensor) -> None:
+        """A saved tensor: held by the node, or a checkpoint slot (recomputed later)."""
+        if self._recompute is not None:
+            region = self._recompute
+            region.storage[self._slot] = self.hold(t)
+            self._slot += 1
+            if self._slot == region.slots:
+                raise _StopRecompute
+        elif self.region is not None:
+            node.saved.append(self.region.slots)
+            node.region = self.region
+            self.region.slots += 1
+        else:
+            node.saved.append(t if t.st.managed else self.hold(t))
+
+    def checkpoint(self, forward: Callable[[], object], inputs: list[Tensor], rerun: Callable | None = None) -> object:
+        """Run ``forward`` as a non-reentrant checkpoint over ``inputs`` (held until the
+        region's last saved tensor is unpacked); ``rerun`` (default ``forward``) replays it."""
+        region = Region(rerun=rerun or forward, inputs=[self.hold(t) for t in inputs])
+        outer, self.region = self.region, region
+        try:
+            return forward()
+        finally:
+            self.region = outer
+
+    def _rerun(self, region: Region) -> None:
+        self._recompute, self._slot, self._pyrefs = region, 0, []
+        try:
+            region.rerun()
+        except _StopRecompute:
+            pass
+        finally:
+            self._recompute = None
+            for t in self._pyrefs:  # the unwound frames' locals
+                self.drop(t)
+            self._pyrefs = []
+        region.done = True
+
+    def end_apply(self) -> None:
+        """Unpacked checkpoint tensors go when the node's apply returns."""
+        if self._apply_saved is not None:
+            for t in self._apply_saved:
+                self.drop(t)
+            self._apply_saved = None
+
+    # --- backward ------------------------------------------------------------------------------
+    def backward(self, root: Tensor, seed: Tensor) -> None:
+        """``root.backward(seed)``: run every node reachable from ``root.fn``."""
+        deps: dict[Node, int] = {}
+        stack = [root.fn]
+        seen = {id(root.fn)}
+        while stack:
+            n = stack.pop()
+            for m in n.nexts:
+                if m is None:
+                    continue
+                deps[m] = deps.get(m, 0) + 1
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    stack.append(m)
+        buffers: dict[Node, list[Tensor | None]] = {root.fn: [seed]}
+        ready = [(-root.fn.seq, 0, root.fn)]
+        tick = count(1)
+        while ready:
+            node = heapq.heappop(ready)[2]
+            grads = buffers.pop(node, [None])
+            outs = self._run(node, grads)
+            for m, g in zip(node.nexts, outs, strict=True):
+                if m is None:
+                    self.drop(g)
+                    continue
+                if g is not None:
+                    self._accumulate(buffers.setdefault(m, [None]), g)
+                deps[m] -= 1
+                if deps[m] == 0:
+                    heapq.heappush(ready, (-m.seq, next(tick), m))
+
+    def _run(self, node: Node, grads: list[Tensor | None]) -> list[Tensor | None]:
+        self.scope = node.scope
+        if node.pre is not None:
+            node.pre()
+        saved = node.saved
+        if node.region is not None:
+            if not node.region.done:
+                self._rerun(node.region)
+                self.scope = node.scope
+            saved = [node.region.storage.pop(k) for k in node.saved]
+            self._apply_saved = saved
+        if all(g is None for g in grads):
+            outs = [None] * len(node.nexts)
+        else:
+            outs = node.apply(self, node, grads, saved)
+        self.end_apply()
+        if node.meta is not None:
+            outs = [self._validate(g, m) for g, m in zip(outs, node.meta, strict=True)]
+        if node.dtensor:
+            for g in outs:
+                if g is not None:
+                    g.dtensor = True
+        for g in grads:
+            self.drop(g)
+        if node.region is None:
+            for t in saved:
+                self.drop(t)
+        else:
+            region = node.region
+            region.unpacked += len(node.saved)
+            if region.unpacked == region.slots:
+                for t in region.inputs:
+                    self.drop(t)
+                region.inputs = []
+        node.saved = []
+        return outs
+
+    def _validate(self, g: Tensor | None, meta: tuple[int, int, bool] | None) -> Tensor | None:
+        """``validate_outputs``: sum a broadcast gradient down to its input, cast its dtype.
+        A sum over the leading dims to a weight vector stages partial sums in a global
+        buffer: numel x 8 B up to :data:`REDUCE_WORKSPACE_CAP` (traces)."""
+        if g is None or meta is None:
+            return g
+        numel, itemsize, over_rows = meta
+        if g.numel > numel:
+            out = self.new(numel, g.itemsize, "weight.grad" if over_rows else "grad_sum_to", self._gcat(over_rows))
+            if over_rows:
+                ws = self.new(min(g.numel * 8, REDUCE_WORKSPACE_CAP), 1, "reduce_workspace")
+                sem = self.new(max(numel // 32, 64), 1, "reduce_semaphores")
+                self.drop(sem)
+                self.drop(ws)
+            self.drop(g)
+            g = out
+        if g.itemsize != itemsize:
+            out = self.new(g.numel, itemsize, "grad_cast")
+            self.drop(g)
+            g = out
+        return g
+
+    @staticmethod
+    def _gcat(leaf: bool) -> Category:
+        return Category.GRADIENTS if leaf else Category.ACTIVATIONS
+
+    def _accumulate(self, buffer: list[Tensor | None], g: Tensor) -> None:
+        old = buffer[0]
+        if old is None:
+            buffer[0] = g
+        elif _reusable(old):
+            self.drop(g)  # old.add_(g)
+        elif _reusable(g):
+            buffer[0] = g  # g.add_(old)
+            self.drop(old)
+        else:
+            out = self.new(old.numel, old.itemsize, "grad_sum")
+            out.dtensor = old.dtensor or g.dtensor
+            self.drop(old)
+            self.drop(g)
+            buffer[0] = out
+
+
+def _reusable(t: Tensor) -> bool:
+    """``can_accumulate_inplace``: dense, not a subclass, the last reference to its storage."""
+    return not t.view and not t.dtensor and t.st.refs == 1

@@ -1,0 +1,197 @@
+"""FSDP2 ZeRO-3 as the bundled trainer applies it (``parallel.apply_fsdp``), on one rank.
+
+Groups, in the order the forward runs them: ``tok_embeddings``; each layer; ``(norm, output)``
+(``reshard_after_forward=False``); the root holds nothing else (untied models). What a group
+allocates (sizes from the local parameter shapes; FSDP2 pads dim 0 to a multiple of dp):
+
+- all-gather (its own stream): under ``MixedPrecisionPolicy(bf16, fp32)`` the bf16 copy of
+  the fp32 shard (freed at once), then the output, dp x the padded shard in bf16;
+- copy-out (compute stream): each unsharded parameter in bf16, freed at reshard
+  (``storage.resize_(0)``, whatever still refers to it); a small metadata tensor. In the
+  forward a group's all-gather output lives until the next group's copy-out, in the backward
+  until its own; the backward prefetches the next group's all-gather in its pre-backward;
+- post-backward: reshard, then the reduce-scatter input (compute stream, reduce dtype: fp32
+  under the mixed policy), the previous one freed just before; the unsharded gradients go,
+  the last-registered parameter's after the output (the sharded gradient, reduce-scatter
+  stream) is allocated, which lives until ``zero_grad``.
+
+Order and sizes: tests/data/gpu-traces (t8_z3_bf16, t8_sel, t70_z3, t8_tp2_x).
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.events import Category, Stream
+from memplan.costmodel.timeline.trainer_model import LAYER_PARAMS, Dims, Model
+
+# Small metadata tensors of the copy-out (split sizes) and the reduce-scatter copy-in (chunk
+# offsets), in the small pool either way: per layer group / per embedding or head group, as
+# in the dp = 8 traces (7.8 to 32 KB and 0.2 to 1 MB elsewhere); the copy-in's doubles in fp32.
+COPY_OUT_META = (30760, 32104, 32144)  # layer, embedding, head
+COPY_IN_META = (213456, 513088, 513144)
+
+
+class _Group:
+    def __init__(self, names: list[str], reshard_after_forward: bool) -> None:
+        self.names = names
+        self.tag = "fsdp." + names[0].rsplit(".", 2)[0]  # fsdp.layers.5, fsdp.tok_embeddings, fsdp.norm
+        self.reshard_after_forward = reshard_after_forward
+        self.unsharded: dict[str, Tensor] = {}
+        self.gathered: Tensor | None = None  # its all-gather output, prefetched or in flight
+        self.sharded_grad: Tensor | None = None
+
+
+class Fsdp:
+    """The groups of one rank; drives unshard / reshard / reduce-scatter."""
+
+    def __init__(self, tape: Tape, d: Dims, dp: int, shapes: dict, model: Model, grads: dict) -> None:
+        self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
+        self.mixed = d.pd == 4  # MixedPrecisionPolicy(param bf16, reduce fp32)
+        self.rd = 4 if self.mixed else 2
+        layers = [[f"layers.{i}.{name}.weight" for name in LAYER_PARAMS] for i in range(d.layers)]
+        self.groups = [_Group(["tok_embeddings.weight"], True)]
+        self.groups += [_Group(names, True) for names in layers]
+        self.groups.append(_Group(["norm.weight", "output.weight"], False))
+        self.leaves = {name: ops.leaf(grads, name) for name in shapes}
+        self.kept: Tensor | None = None  # forward: the last group's all-gather output
+        self.reduce_input: Tensor | None = None
+        self._build()
+
+    # --- sizes ---------------------------------------------------------------------------------------
+    def shard(self, name: str) -> int:
+        """Elements of one rank's shard: dim 0 padded to a multiple of dp."""
+        rows, cols = self.shapes[name]
+        return -(-rows // self.dp) * cols
+
+    def shard_numels(self) -> list[tuple[str, int]]:
+        return [(name, self.shard(name)) for name in self.shapes]
+
+    def _build(self) -> None:
+        """Process group init (a 4-byte tensor), then ``to_empty`` of the shards in module order."""
+        t = self.tape
+        t.done(t.new(1, 4, "process_group_init"))
+        for name in self.shapes:
+            t.managed(self.shard(name), self.d.pd, name, Category.PARAMETERS)
+
+    def _kind(self, g: int) -> int:
+        return 1 if g == 0 else 2 if g == len(self.groups) - 1 else 0
+
+    # --- unshard / reshard ----------------------------------------------------------------------------
+    def all_gather(self, g: int) -> None:
+        """The group's all-gather on its stream: the bf16 copy of the fp32 shard under the
+        mixed policy (the input), then the output."""
+        group, t = self.groups[g], self.tape
+        numel = sum(self.shard(n) for n in group.names)
+        with t.scoped(group.tag):
+            cast = t.new(numel, 2, "all_gather_input", Category.COMM, Stream.ALL_GATHER) if self.mixed else None
+            group.gathered = t.managed(numel * self.dp, 2, "all_gather_output", Category.COMM, Stream.ALL_GATHER)
+            t.drop(cast)
+
+    def unshard(self, g: int, forward: bool) -> None:
+        """Wait for the group's all-gather, copy out its parameters (bf16, compute stream)."""
+        group, t = self.groups[g], self.tape
+        if group.unsharded:
+            return
+        if group.gathered is None:
+            self.all_gather(g)
+        with t.scoped(""):
+            for name in group.names:
+                rows, cols = self.shapes[name]
+                p = t.managed(rows * cols, 2, f"{name}.unsharded", Category.GATHERED)
+                p.fn = self.leaves[name]
+                group.unsharded[name] = self.model.weights[name] = p
+            t.done(t.new(COPY_OUT_META[self._kind(g)], 1, f"{group.tag}.copy_out_meta"))
+        if forward:
+            if self.kept is not None:
+                t.free(self.kept)
+            self.kept = group.gathered
+        else:
+            t.free(group.gathered)
+        group.gathered = None
+
+    def reshard(self, g: int) -> None:
+        group = self.groups[g]
+        for p in group.unsharded.values():
+            self.tape.free(p)
+        group.unsharded = {}
+
+    def pre_forward(self, g: int, x: Tensor | None = None) -> Tensor | None:
+        """Unshard; wrap the group's input in the post-backward hook (``RegisterPostBackwardFunction``)."""
+        self.unshard(g, forward=True)
+        if x is None:
+            return None
+
+        def apply(tape: Tape, node: Node, grads: list[Tensor], saved: list) -> list:
+            self.post_backward(g)
+            return [tape.hold(grads[0])]
+
+        out = self.tape.alias(x)
+        out.fn = self.tape.node("fsdp.post_backward", apply, [x])
+        return out
+
+    def post_forward(self, g: int, out: Tensor) -> None:
+        """Reshard (unless the group keeps its parameters); the pre-backward hook on the output."""
+        if self.groups[g].reshard_after_forward:
+            self.reshard(g)
+        if out.fn is not None:
+            out.fn.pre = lambda: self.pre_backward(g)
+
+    def end_forward(self) -> None:
+        """The root's post-forward lets go of the last all-gather output."""
+        if self.kept is not None:
+            self.tape.free(self.kept)
+            self.kept = None
+
+    # --- backward -------------------------------------------------------------------------------------
+    def pre_backward(self, g: int) -> None:
+        """Unshard (its all-gather was prefetched), then prefetch the next group's."""
+        self.unshard(g, forward=False)
+        if g > 0:
+            self.all_gather(g - 1)
+
+    def post_backward(self, g: int) -> None:
+        """Reshard, then reduce-scatter the unsharded gradients into the sharded one."""
+        group, t = self.groups[g], self.tape
+        if self.d.tp > 1:
+            self._replicate_norm_grads(group)
+        self.reshard(g)
+        if self.reduce_input is not None:
+            t.free(self.reduce_input)
+        numel = sum(self.shard(n) for n in group.names)
+        with t.scoped(group.tag):
+            self.reduce_input = t.managed(numel * self.dp, self.rd, "reduce_scatter_input", Category.COMM)
+            t.done(t.new(COPY_IN_META[self._kind(g)] * self.rd // 2, 1, "copy_in_meta"))
+            last = group.names[-1]
+            for name in [n for n in self.grads if n in group.names and n != last]:  # in the order produced
+                t.drop(self.grads.pop(name))
+            rs = Stream.REDUCE_SCATTER
+            group.sharded_grad = t.managed(numel, self.rd, "reduce_scatter_output", Category.GRADIENTS, rs)
+            t.drop(self.grads.pop(last, None))
+
+    def _replicate_norm_grads(self, group: _Group) -> None:
+        """Sequence-parallel norm weights get Partial gradients: redistributed to Replicate
+        (an all-reduce into a new tensor) before the reduce-scatter."""
+        t = self.tape
+        for name in group.names:
+            if name.endswith("norm.weight") and name in self.grads:
+                old = self.grads[name]
+                with t.scoped(""):
+                    self.grads[name] = t.new(old.numel, old.itemsize, f"{name}.grad", Category.GRADIENTS)
+                t.drop(old)
+
+    def finish_backward(self) -> None:
+        """The root's final callback: post-backward of the groups whose inputs need no
+        gradient (the embedding), then the last reduce-scatter input goes."""
+        if self.groups[0].sharded_grad is None:
+            self.post_backward(0)
+        if self.reduce_input is not None:
+            self.tape.free(self.reduce_input)
+            self.reduce_input = None
+
+    def zero_grad(self) -> None:
+        """Each parameter's sharded gradient is a view of its group's reduce-scatter output."""
+        for group in self.groups:
+            if group.sharded_grad is not None:
+                self.tape.free(group.sharded_grad)
+                group.sharded_grad = None

@@ -1,0 +1,248 @@
+"""The bundled trainer's run (``memplan validate``, ``--runtime memplan``) as a timeline.
+
+``trainer_run`` replays what one rank of ``memplan/train/runner.py`` allocates, tensor by
+tensor, in the order the CUDA caching allocator sees it (checked against the six traces in
+tests/data/gpu-traces): the model built off the meta device, a warm-up step, then steady
+steps. Each step: the batch, the forward (``trainer_model.py``, op by op), the loss, the
+backward (the autograd engine of ``autograd.py``), ``optimizer.step()`` (foreach AdamW) and
+``zero_grad(set_to_none=True)``. Under ZeRO-3 the FSDP2 groups (``fsdp.py``) all-gather and
+reduce-scatter on their own streams. The first step also allocates cuBLAS's two workspaces
+(32 MiB each, the forward thread's and the autograd thread's, never freed) and, in its
+optimizer step, AdamW's states.
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
+from memplan.costmodel.timeline.fsdp import Fsdp
+from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
+
+CUBLAS_WORKSPACE = 32 * 2**20  # per thread and stream (CUBLAS_WORKSPACE_CONFIG default on Hopper)
+
+
+def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str | None:
+    """What keeps the timeline from following this plan faithfully, or None.
+
+    Modelled (the six traces cover each mechanism): one pipeline stage; a dense Llama-family
+    decoder (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA; AdamW
+    (foreach) without offload; one micro-batch per step; recompute none, full (every layer)
+    or selective; either one data rank without sharding in bf16 or bf16-mixed (autocast), or
+    FSDP2 ZeRO-3 over dp > 1 in bf16 or bf16-mixed (MixedPrecisionPolicy) with an untied LM
+    head, optionally with tensor and sequence parallel.
+
+    Not modelled: pipeline, context or expert parallelism; MoE; a plain MLP, LayerNorm,
+    biases, QK-norm; eager attention; fp32 (SDPA leaves the flash kernel) and bf16-master
+    (another optimizer); offload; DDP and ZeRO-1/2 (dp > 1); tensor parallel without FSDP2 or
+    without sequence parallel; partial recompute and selective-op; gradient accumulation;
+    FSDP2 over a tied embedding (one root group holding it)."""
+    checks = [
+        (model.moe is None, "MoE models"),
+        (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
+        (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
+        (not (model.qkv_bias or model.attn_out_bias or model.mlp_bias or model.qk_norm), "biases or QK-norm"),
+        (plan.attention == "flash", "eager attention"),
+        (plan.pp == 1 and plan.cp == 1 and plan.ep == 1, "pipeline, context or expert parallelism"),
+        (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
+        (plan.optimizer == "adamw" and plan.precision in ("bf16", "bf16-mixed"), "this optimizer or precision"),
+        (plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None, "this recompute"),
+        (_accumulation(workload, plan) == 1, "gradient accumulation"),
+        (plan.dp == 1 or plan.zero == 3, "DDP or ZeRO-1/2"),
+        (plan.tp == 1 or plan.dp > 1, "tensor parallel without FSDP2"),
+        (plan.tp == 1 or plan.sequence_parallel, "tensor parallel without sequence parallel"),
+        (plan.dp == 1 or not model.tied_embeddings, "FSDP2 over tied embeddings"),
+        (_divides(model, workload, plan), "dimensions that tensor parallel does not divide"),
+    ]
+    for ok, what in checks:
+        if not ok:
+            return what
+    return None
+
+
+def _accumulation(workload: TrainingWorkload, plan: Plan) -> int:
+    total = workload.global_batch or workload.micro_batch * plan.dp
+    return max(1, total // (workload.micro_batch * plan.dp))
+
+
+def _divides(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
+    tp = plan.tp
+    sizes = (model.q_size, model.kv_size, model.ffn_size, model.vocab_size, model.num_attention_heads, model.kv_heads)
+    return all(n % tp == 0 for n in sizes) and workload.seq_len % tp == 0
+
+
+def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
+    """The shapes and dtypes one rank computes with (``parallel.compute_dtype``/``param_dtype``)."""
+    fsdp = plan.dp > 1
+    return Dims(
+        b=workload.micro_batch,
+        s=workload.seq_len,
+        h=model.hidden_size,
+        f=model.ffn_size,
+        q=model.q_size,
+        kv=model.kv_size,
+        heads=model.num_attention_heads,
+        head_dim=model.head_size,
+        vocab=model.vocab_size,
+        layers=model.num_layers,
+        tp=plan.tp,
+        cd=4 if plan.precision == "fp32" else 2,
+        pd=2 if plan.precision == "bf16" else 4,
+        autocast=plan.precision == "bf16-mixed" and not fsdp,
+        recompute=plan.recompute,
+    )
+
+
+def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady_steps: int = 2) -> Timeline | None:
+    """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps.
+    None for a plan :func:`supported` rejects."""
+    if supported(model, workload, plan) is not None:
+        return None
+    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings)
+    run.b.mark("build")
+    for step in range(steady_steps + 1):
+        run.step(first=step == 0)
+        run.b.mark(f"step{step}")
+    return run.b.build()
+
+
+class _Run:
+    """One rank: parameters, gradients, optimizer states, and the step."""
+
+    def __init__(self, d: Dims, dp: int, tied: bool) -> None:
+        self.b = Builder()
+        self.tape = Tape(self.b)
+        self.d, self.dp = d, dp
+        self.shapes = param_shapes(d, tied)
+        self.grads: dict[str, Tensor] = {}
+        self.states: list[Tensor] = []
+        self.batch: list[Tensor] = []
+        self.model = Model(self.tape, d, {})
+        self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads) if dp > 1 else None
+        if self.fsdp is None:
+            self._build_params(tied)
+
+    def _build_params(self, tied: bool) -> None:
+        """``to_empty`` in module order; a tied LM head gets its own copy until
+        ``tie_weights`` frees it (traces: build peak = params + V h x 4)."""
+        t, pd = self.tape, self.d.pd
+        for name, (rows, cols) in self.shapes.items():
+            p = t.managed(rows * cols, pd, name, Category.PARAMETERS)
+            p.fn = ops.leaf(self.grads, name)
+            self.model.weights[name] = p
+        if tied:
+            rows, cols = self.shapes["tok_embeddings.weight"]
+            copy = t.managed(rows * cols, pd, "output.weight", Category.PARAMETERS)
+            t.free(copy)
+            self.model.weights["output.weight"] = self.model.weights["tok_embeddings.weight"]
+
+    def _workspace(self, thread: str):
+        def allocate() -> None:
+            self.tape.on_first_mm = None
+            self.b.alloc(CUBLAS_WORKSPACE, Category.ACTIVATIONS, f"cublas_workspace.{thread}", Stream.COMPUTE)
+
+        return allocate
+
+    # --- one step ----------------------------------------------------------------------------------
+    def step(self, first: bool) -> None:
+        """``runner._train``'s step: the batch (the previous one goes when rebound), forward,
+        loss, ``loss.backward()``, ``del loss``, optimizer step, ``zero_grad``."""
+        t, d = self.tape, self.d
+        with t.scoped("batch"):
+            ids, labels = t.new(d.tokens, 8, "ids"), t.new(d.tokens, 8, "labels")
+        t.done(*self.batch)
+        self.batch = [ids, labels]
+        if first:
+            t.on_first_mm = self._workspace("forward")
+        logits = self.forward(ids)
+        loss, keep = self.model.loss(logits)
+        if first:
+            t.on_first_mm = self._workspace("backward")
+        with t.scoped("loss"):
+            seed = t.new(1, 4, "grad_seed")
+        t.backward(loss, seed)
+        if self.fsdp is not None:
+            self.fsdp.finish_backward()
+        t.done(loss, keep)
+        self.optimizer_step(first)
+        self.zero_grad()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """``Transformer.forward`` (under autocast for bf16-mixed without FSDP)."""
+        t, m, d, fsdp = self.tape, self.model, self.d, self.fsdp
+        m.cache = {} if d.autocast else None
+        if fsdp:
+            fsdp.pre_forward(0)
+        x = m.embed(ids)
+        if fsdp:
+            fsdp.post_forward(0, x)
+        cos, sin = m.rope_tables(x.itemsize)
+        for i in range(d.layers):
+            xi = fsdp.pre_forward(i + 1, x) if fsdp else t.alias(x)
+            out = self._layer(xi, cos, sin, i)
+            t.done(xi)
+            if fsdp:
+                fsdp.post_forward(i + 1, out)
+            t.done(x)
+            x = out
+        xi = fsdp.pre_forward(d.layers + 1, x) if fsdp else t.alias(x)
+        logits = m.head(xi)
+        t.done(xi, x)
+        if fsdp:
+            fsdp.post_forward(d.layers + 1, logits)
+            fsdp.end_forward()
+        if m.cache is not None:
+            t.done(*m.cache.values())
+            m.cache = None
+        t.done(cos, sin)
+        return logits
+
+    def _layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        """``Block`` or ``Checkpointed(Block)`` (full recompute: non-reentrant checkpoint over
+        the block; its recompute runs in a fresh autocast context)."""
+        t, m = self.tape, self.model
+        if self.d.recompute != "full":
+            return m.block(x, cos, sin, i)
+
+        def rerun() -> None:
+            cache, m.cache = m.cache, ({} if self.d.autocast else None)
+            try:
+                m.block(x, cos, sin, i)
+            finally:
+                m.cache = cache
+
+        return t.checkpoint(lambda: m.block(x, cos, sin, i), [x, cos, sin], rerun=rerun)
+
+    # --- optimizer -----------------------------------------------------------------------------------
+    def optimizer_step(self, first: bool) -> None:
+        """Foreach AdamW over ``model.parameters()`` (local shards): on the first step the
+        states (exp_avg, exp_avg_sq per parameter, zeros_like, in parameter order); each step
+        one ``_foreach_sqrt`` temporary per parameter, all live together."""
+        t, pd = self.tape, self.d.pd
+        t.scope = ""
+        sizes = [(name, n * pd) for name, n in self.optimizer_params()]
+        if first:
+            for name, size in sizes:
+                for state in ("exp_avg", "exp_avg_sq"):
+                    self.states.append(t.managed(size, 1, f"{name}.{state}", Category.OPTIMIZER_STATES))
+        temps = [t.new(size, 1, f"{name}.sqrt_tmp", Category.OPTIMIZER_TEMP) for name, size in sizes]
+        t.done(*reversed(temps))
+
+    def optimizer_params(self) -> list[tuple[str, int]]:
+        """(name, local elements) in ``model.parameters()`` order (a tied head is the embedding)."""
+        if self.fsdp is not None:
+            return self.fsdp.shard_numels()
+        return [(name, rows * cols) for name, (rows, cols) in self.shapes.items()]
+
+    def zero_grad(self) -> None:
+        """``zero_grad(set_to_none=True)``: every gradient goes, in parameter order."""
+        if self.fsdp is not None:
+            self.fsdp.zero_grad()
+            return
+        for name in self.shapes:
+            g = self.grads.pop(name, None)
+            if g is not None:
+                self.tape.drop(g)

@@ -1,0 +1,285 @@
+"""The bundled trainer's model (``memplan/train/model.py``) as ops on a byte-level tape.
+
+Each function mirrors the trainer's ``forward`` line by line, including when Python drops a
+reference (``tape.done``): a temporary goes when its statement ends, an argument when the
+call returns, a local when the frame exits. Sizes come from :class:`Dims` only.
+
+Under tensor parallel (``tensor_parallel.py``) the matmuls and the vocabulary are split and
+the residual stream holds ``s / tp`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import tensor_parallel as tpar
+from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.events import Category
+
+
+@dataclass(frozen=True)
+class Dims:
+    """One rank's shapes (elements) and dtypes (bytes per element)."""
+
+    b: int
+    s: int
+    h: int
+    f: int
+    q: int  # heads x head_dim
+    kv: int
+    heads: int
+    head_dim: int
+    vocab: int
+    layers: int
+    tp: int = 1
+    cd: int = 2  # compute dtype
+    pd: int = 4  # parameter dtype
+    autocast: bool = False  # bf16-mixed without FSDP: torch.autocast casts at each matmul
+    recompute: str = "none"  # none | full | selective
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+
+LAYER_PARAMS = (
+    "attention_norm",
+    "attention.wq",
+    "attention.wk",
+    "attention.wv",
+    "attention.wo",
+    "ffn_norm",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
+)
+
+
+def param_shapes(d: Dims, tied: bool) -> dict[str, tuple[int, int]]:
+    """Each parameter's local shape (rows, cols) in module order (``model.parameters()``):
+    under TP the column-parallel weights split their rows, the row-parallel ones (wo, w2) their
+    columns, the embedding and the head the vocabulary; norms are replicated. A tied LM head
+    is the embedding (left out)."""
+    tp = d.tp
+    layer = ((d.h, 1), (d.q // tp, d.h), (d.kv // tp, d.h), (d.kv // tp, d.h), (d.h, d.q // tp))
+    layer += ((d.h, 1), (d.f // tp, d.h), (d.h, d.f // tp), (d.f // tp, d.h))
+    out = {"tok_embeddings.weight": (d.vocab // tp, d.h)}
+    for i in range(d.layers):
+        out.update({f"layers.{i}.{name}.weight": shape for name, shape in zip(LAYER_PARAMS, layer, strict=True)})
+    out["norm.weight"] = (d.h, 1)
+    if not tied:
+        out["output.weight"] = (d.vocab // tp, d.h)
+    return out
+
+
+@dataclass
+class Model:
+    """The tape, the dims, and where each parameter is: ``weights[name]`` the tensor a matmul
+    uses (a parameter, or FSDP2's unsharded copy), ``cache`` the autocast weight casts."""
+
+    tape: Tape
+    d: Dims
+    weights: dict[str, Tensor]
+    cache: dict[str, Tensor] | None = None  # autocast's cache of weight casts (None: no autocast)
+
+    # --- helpers -------------------------------------------------------------------------------
+    def weight(self, name: str) -> Tensor:
+        """The weight a matmul uses: under autocast its bf16 cast, cached for the forward."""
+        w = self.weights[name]
+        if self.cache is None:
+            return self.tape.alias(w)
+        if name not in self.cache:
+            with self.tape.scoped(""):
+                self.cache[name] = ops.to(self.tape, w, 2, f"{name}.autocast", Category.AUTOCAST)
+        return self.tape.alias(self.cache[name])
+
+    def linear(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
+        """``nn.Linear`` (no bias); under autocast the weight cast, then the input cast."""
+        t = self.tape
+        w = self.weight(name)
+        xin = ops.to(t, x, 2, f"{tag}.input_cast") if self.cache is not None else t.alias(x)
+        out = ops.linear(t, xin, w, x.numel // (w.numel // out_features) * out_features, tag)
+        t.done(xin, w)
+        return out
+
+    def gather_seq(self, x: Tensor, tag: str) -> Tensor:
+        return tpar.gather_seq(self.tape, x, self.d.tp, self.d.b, tag)
+
+    def scatter_seq(self, x: Tensor, tag: str) -> Tensor:
+        return tpar.scatter_seq(self.tape, x, self.d.tp, tag)
+
+    # --- the block -------------------------------------------------------------------------------
+    def rms_norm(self, x: Tensor, name: str) -> Tensor:
+        """``RMSNorm.forward``: ``weight * (x32 * rsqrt(x32.pow(2).mean(-1) + eps)).to(dtype)``.
+        Under sequence parallel it runs on DTensors after the input's ``.float()``."""
+        t = self.tape
+        with t.scoped(name):
+            x32 = ops.to(t, x, 4, "x_fp32")
+            with t.dtensor_ops(self.d.tp > 1):
+                p = ops.unary(t, x32, "pow", temps=2, save_input=True)
+                m = ops.unary(t, p, "mean", out_numel=x.numel // self.d.h)
+                t.done(p)
+                e = ops.unary(t, m, "add_eps", temps=-1)
+                t.done(m)
+                r = ops.rsqrt(t, e, "rsqrt")
+                t.done(e)
+                y = ops.mul(t, x32, r, "normed")
+                t.done(r)
+                yd = ops.to(t, y, x.itemsize, "normed_cast")
+                out = ops.mul(t, self.weights[f"{name}.weight"], yd, "out", over_rows=True)
+                t.done(yd, x32, y)  # the temporary, then the frame's locals
+        return out
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor, tag: str) -> Tensor:
+        """``apply_rope``: ``x * cos + cat(-x[..., half:], x[..., :half]) * sin``."""
+        t = self.tape
+        a = ops.mul(t, x, cos, f"{tag}.cos")
+        hi = ops.half_slice(t, x, f"{tag}.hi")
+        neg = ops.unary(t, hi, f"{tag}.neg")
+        lo = ops.half_slice(t, x, f"{tag}.lo")
+        rot = ops.cat(t, neg, lo, f"{tag}.rotate_half")
+        t.done(neg, lo, hi)
+        b = ops.mul(t, rot, sin, f"{tag}.sin")
+        t.done(rot)
+        out = ops.add(t, a, b, tag)
+        t.done(a, b)
+        return out
+
+    def projection(self, x: Tensor, name: str, out_features: int, tag: str, roped: bool) -> Tensor:
+        """``self.wq(x).view(b, s, -1, hd).transpose(1, 2)``: the linear output lives on as the
+        view. Its input under TP is a Replicate DTensor, and so is its dX."""
+        with self.tape.dtensor_ops(self.d.tp > 1):
+            y = self.linear(x, name, out_features, tag)
+        v = ops.heads_view(self.tape, y, f"{tag}_heads", roped)
+        self.tape.done(y)
+        return v
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """SDPA (flash); under autocast k and q are cast to bf16 first (traces: k, then q)."""
+        t, d = self.tape, self.d
+        k2 = ops.to(t, k, 2, "k_cast") if self.cache is not None else t.alias(k)
+        q2 = ops.to(t, q, 2, "q_cast") if self.cache is not None else t.alias(q)
+        out = ops.sdpa(t, q2, k2, v, d.b * d.heads // d.tp * d.s, "sdpa")
+        t.done(k2, q2)
+        return out
+
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
+        """``Attention.forward`` on the norm output ``x`` (sequence-gathered under TP)."""
+        t, d = self.tape, self.d
+        with t.scoped(f"{prefix}.attention"):
+            xg = self.gather_seq(x, "input")
+            q = self.projection(xg, f"{prefix}.attention.wq.weight", d.q // d.tp, "wq", True)
+            k = self.projection(xg, f"{prefix}.attention.wk.weight", d.kv // d.tp, "wk", True)
+            v = self.projection(xg, f"{prefix}.attention.wv.weight", d.kv // d.tp, "wv", False)
+            qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
+            t.done(q, k)
+            if d.recompute == "selective":
+                out = t.checkpoint(lambda: self.core(qr, kr, v), [qr, kr, v])
+            else:
+                out = self.core(qr, kr, v)
+            y = self.linear(out, f"{prefix}.attention.wo.weight", d.h, "wo")
+            ys = self.scatter_seq(y, "wo")  # RowwiseParallel's output hook, inside wo's call
+            t.done(y)
+            t.done(qr, kr, v, out, xg)  # the frame's locals (x: the gathered input)
+        return ys
+
+    def mlp(self, x: Tensor, prefix: str) -> Tensor:
+        """``FeedForward.forward``: ``w2(silu(w1(x)) * w3(x))``."""
+        t, d = self.tape, self.d
+        with t.scoped(f"{prefix}.feed_forward"):
+            xg = self.gather_seq(x, "input")
+            with t.dtensor_ops(d.tp > 1):
+                a1 = self.linear(xg, f"{prefix}.feed_forward.w1.weight", d.f // d.tp, "w1")
+            s1 = ops.unary(t, a1, "silu", save_input=True)
+            t.done(a1)
+            with t.dtensor_ops(d.tp > 1):
+                a3 = self.linear(xg, f"{prefix}.feed_forward.w3.weight", d.f // d.tp, "w3")
+            m = ops.mul(t, s1, a3, "gate")
+            t.done(s1, a3)
+            y = self.linear(m, f"{prefix}.feed_forward.w2.weight", d.h, "w2")
+            ys = self.scatter_seq(y, "w2")
+            t.done(y)
+            t.done(m, xg)
+        return ys
+
+    def block(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        """``Block.forward``: ``h = x + attn(norm(x)); return h + ffn(norm(h))``."""
+        t, prefix = self.tape, f"layers.{i}"
+        with t.scoped(prefix):
+            n1 = self.rms_norm(x, f"{prefix}.attention_norm")
+            a = self.attention(n1, cos, sin, prefix)
+            t.done(n1)
+            h = ops.add(t, x, a, "residual_attention")
+            t.done(a)
+            n2 = self.rms_norm(h, f"{prefix}.ffn_norm")
+            m = self.mlp(n2, prefix)
+            t.done(n2)
+            out = ops.add(t, h, m, "residual_ffn")
+            t.done(m, h)
+        return out
+
+    # --- embedding, head, loss -----------------------------------------------------------------
+    def embed(self, ids: Tensor) -> Tensor:
+        """``tok_embeddings(ids)`` (fp32 under autocast: nn.Embedding is not autocast); under TP
+        the vocabulary-parallel lookup (``RowwiseParallel``: masks, a partial (b, s, h) output
+        reduce-scattered to the sequence shard)."""
+        t, d = self.tape, self.d
+        w = self.weights["tok_embeddings.weight"]
+        with t.scoped("tok_embeddings"):
+            if d.tp == 1:
+                return ops.embedding(t, ids, w, d.tokens * d.h, "embedding")
+            return tpar.vocab_embedding(t, ids, w, d.tokens, d.h, d.tp)
+
+    def rope_tables(self, itemsize: int) -> tuple[Tensor, Tensor]:
+        """``rope_tables``: inverse frequencies (hd/2 fp32, a few temporaries), the angles
+        (s x hd/2, then cat to s x hd, fp32), cos and sin cast to the hidden states' dtype
+        (kept fp32 under autocast: the embedding output is fp32)."""
+        t, d = self.tape, self.d
+        half, table = d.head_dim // 2, d.s * d.head_dim
+        with t.scoped("rope"):
+            ar, ex = t.new(half, 4, "arange"), t.new(half, 4, "exponent")
+            t.done(ar)
+            pw, one = t.new(half, 4, "theta_pow"), t.new(1, 8, "scalar")
+            t.done(one, ex)
+            tmp, inv = t.new(half, 4, "reciprocal_tmp"), t.new(half, 4, "inv_freq")
+            t.done(tmp, pw)
+            pos, ang = t.new(d.s, 4, "positions"), t.new(d.s * half, 4, "angles")
+            t.done(pos)
+            both = t.new(table, 4, "angles_cat")
+            t.done(ang)
+            tables = []
+            for name in ("cos", "sin"):
+                t32 = t.new(table, 4, f"{name}_fp32")
+                tables.append(ops.to(t, t32, itemsize, name))
+                t.done(t32)
+            t.done(inv, both)
+        return tables[0], tables[1]
+
+    def head(self, x: Tensor) -> Tensor:
+        """``self.output(self.norm(h))``: the final norm, then the LM head (vocabulary-sharded
+        under TP, its input sequence-gathered first)."""
+        t, d = self.tape, self.d
+        n = self.rms_norm(x, "norm")
+        with t.scoped("output"):
+            ng = self.gather_seq(n, "input")
+            logits = self.linear(ng, "output.weight", d.vocab // d.tp, "logits")
+        t.done(ng, n)
+        return logits
+
+    def loss(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """``loss_fn(logits, labels) / m``: ``.float()`` of the (b s, V) logits, log_softmax
+        (saved), nll_loss, the division by m (a 4-byte loss). Returns the loss and the
+        4-byte scalar the step keeps beside it until ``del loss``."""
+        t, d = self.tape, self.d
+        with t.scoped("loss"):
+            if d.tp > 1:
+                nll, weight = tpar.loss_parallel(t, logits, d.tokens, d.vocab // d.tp)
+            else:
+                f = ops.to(t, logits, 4, "logits_fp32", Category.LOGITS)
+                ls = ops.log_softmax(t, f)
+                nll, weight = ops.nll_loss(t, ls)
+                t.done(f, ls, logits)
+            loss = ops.unary(t, nll, "div_accumulation", temps=-1)
+            t.done(nll, weight)
+            return loss, t.new(1, 4, "loss_scalar")
