@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -11,10 +11,12 @@ from memplan.costmodel.memory import estimate_memory
 from memplan.costmodel.overhead import fast_reserved_bytes
 from memplan.costmodel.params import active_params, total_params
 from memplan.costmodel.report import MemoryReport, ReservedDetail
-from memplan.costmodel.reserve import plan_verdict, serving_verdict
+from memplan.costmodel.reserve import peak_breakdown, plan_verdict, serving_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
 from memplan.specs.resolve import Job
 from memplan.specs.workload import TrainingWorkload
+
+Device = Literal["cuda", "cpu"]
 
 
 class SuggestionOut(BaseModel):
@@ -57,9 +59,12 @@ def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
     return plan
 
 
-def _allocator_verdict(job: Job, report: MemoryReport, limit: int) -> tuple[MemoryReport, bool, str]:
+def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Device) -> tuple[MemoryReport, bool, str]:
     """The run (training: build, a first step, steady steps; serving: weights, KV cache,
-    prefills) replayed through the caching allocator model decides reserved and fits."""
+    prefills) replayed through the caching allocator model decides reserved and fits. On CUDA,
+    when the run is the bundled trainer's op by op (``timeline == "trainer"``), its allocated
+    peak and the live set there are ``peak.allocated`` and the breakdown (they hold CUDA
+    kernels' workspaces and transients the phase model, exact on CPU, does not)."""
     if isinstance(job.workload, TrainingWorkload):
         v = plan_verdict(job.model, job.workload, job.plan, job.runtime, job.allocator, limit)
     else:
@@ -75,8 +80,13 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int) -> tuple[Memo
         failed_tensor=f"{v.failure.category} ({v.failure.tag})" if v.failure else None,
         fits_with_expandable_segments=v.expandable_fits,
         expandable_reserved=v.expandable_reserved,
+        timeline=v.timeline,
+        timeline_allocated=v.replay.max_allocated,
     )
-    peak = report.peak.model_copy(update={"reserved": v.reserved, "reserved_detail": detail})
+    update: dict[str, Any] = {"reserved": v.reserved, "reserved_detail": detail}
+    if device == "cuda" and v.timeline == "trainer":
+        update.update(allocated=v.replay.max_allocated, breakdown=peak_breakdown(v))
+    peak = report.peak.model_copy(update=update)
     return report.model_copy(update={"peak": peak}), v.fits, v.reason
 
 
@@ -93,15 +103,18 @@ def _allocator_suggestion(report: MemoryReport) -> list[Suggestion]:
     return [Suggestion(change, detail.expandable_reserved, saved, bool(detail.fits_with_expandable_segments))]
 
 
-def estimate(job: Job, with_suggestions: bool = True, efficiency: Efficiency | None = None) -> EstimateResult:
-    """Estimate one job; when it does not fit, rank single changes that would help."""
+def estimate(
+    job: Job, with_suggestions: bool = True, efficiency: Efficiency | None = None, device: Device = "cuda"
+) -> EstimateResult:
+    """Estimate one job for ``device`` (a GPU profile's CUDA, or a CPU run of the trainer);
+    when it does not fit, rank single changes that would help."""
     report = estimate_memory(job.model, job.workload, job.plan, job.runtime)
     time = None
     if isinstance(job.workload, TrainingWorkload):
         time = estimate_time(job.model, job.workload, job.plan, job.gpu, job.cluster, job.runtime, efficiency)
     capacity = job.gpu.capacity_bytes
     limit = capacity - report.overhead
-    report, fits, reason = _allocator_verdict(job, report, limit)
+    report, fits, reason = _allocator_verdict(job, report, limit, device)
     suggestions = []
     if with_suggestions and not fits:
         # single changes are screened with the fast form, compared with the same form of this plan

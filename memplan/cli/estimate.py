@@ -166,6 +166,11 @@ def render(result: EstimateResult, console: Console) -> None:
             f"allocator ({detail.allocator}): at the allocated peak {detail.segments} segments, reserved {streams}; "
             f"{_gib(detail.cached_free)} cached but free, largest free block {_gib(detail.largest_free)}"
         )
+        if detail.timeline == "trainer" and detail.timeline_allocated != peak.allocated:
+            console.print(
+                f"the bundled trainer's run, op by op, peaks at {_gib(detail.timeline_allocated)} allocated on CUDA "
+                "(its kernels' workspaces and transients; peak allocated above is the phase model's)"
+            )
     states = mem.model_states
     console.print(
         f"model states per rank: params {_gib(states.parameters)}, grads {_gib(states.gradients)}, "

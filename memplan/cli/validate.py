@@ -90,9 +90,9 @@ def validate(
     )  # fmt: skip
     job = resolve_job(model, plan, overrides, inference=False)
     limit = memory_limit_bytes(memory_limit or None)
-    result = run_estimate(job, with_suggestions=False)
-    report = result.memory
     where = auto_device(device, "validate", "--device")
+    result = run_estimate(job, with_suggestions=False, device=where)
+    report = result.memory
     spec = RunSpec(
         model=job.model,
         workload=job.workload,

@@ -31,7 +31,10 @@ class Activations(_Frozen):
 
 class ReservedDetail(_Frozen):
     """The caching allocator's state at the allocated peak of its replay of the run (what was
-    cached but free there is the fragmentation the peak paid for).
+    cached but free there is the fragmentation the peak paid for). ``timeline_allocated`` is
+    that run's own allocated peak: on CUDA the trainer's run (``timeline == "trainer"``) holds
+    kernels' workspaces and transients that ``peak.allocated`` (the phase model, exact on CPU)
+    does not.
 
     ``limit`` is what the allocator may use: the capacity PyTorch sees less the memory outside
     it (``MemoryReport.overhead``). ``failed_request`` is the allocation that could not be
@@ -47,6 +50,9 @@ class ReservedDetail(_Frozen):
     failed_tensor: str | None = None
     fits_with_expandable_segments: bool | None = None
     expandable_reserved: int | None = None  # the default allocator failed: the same run with expandable segments
+    # the run replayed: "trainer" (the bundled trainer op by op) or "phases (why not the trainer's)"
+    timeline: str = "phases"
+    timeline_allocated: int = 0  # the replayed run's allocated peak, counted as the allocator does
 
 
 class Peak(_Frozen):

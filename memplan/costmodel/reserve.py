@@ -16,6 +16,7 @@ from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAl
 from memplan.costmodel.memory import serving_run, stage_moments
 from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline
 from memplan.costmodel.timeline.step import build_run
+from memplan.costmodel.timeline.trainer import supported, trainer_run
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
@@ -50,6 +51,7 @@ class Replay:
     largest_free: int
     reserved_by_stream: dict[str, int]
     failure: Failure | None
+    peak_event: int = -1  # index of the allocation that reached max_allocated
 
 
 def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | None = None) -> Replay:
@@ -58,8 +60,8 @@ def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | No
     names = {v: k.value for k, v in STREAM_IDS.items()}
     blocks = {}
     failure = None
-    at_peak = alloc.stats()
-    for e in timeline.events:
+    at_peak, peak_event = alloc.stats(), -1
+    for i, e in enumerate(timeline.events):
         if e.op == ALLOC:
             try:
                 blocks[e.tensor] = alloc.malloc(e.size, STREAM_IDS[e.stream])
@@ -69,7 +71,7 @@ def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | No
                 )
                 break
             if alloc.allocated > at_peak.allocated:
-                at_peak = alloc.stats()
+                at_peak, peak_event = alloc.stats(), i
         elif e.op == FREE:
             alloc.free(blocks.pop(e.tensor))
     final = alloc.stats()
@@ -81,6 +83,7 @@ def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | No
         largest_free=at_peak.largest_free,
         reserved_by_stream={names.get(s, str(s)): b for s, b in at_peak.reserved_by_stream},
         failure=failure,
+        peak_event=peak_event,
     )
 
 
@@ -95,6 +98,8 @@ class Verdict:
     failure: Failure | None  # the request that failed within the limit
     expandable_fits: bool | None  # default allocator failed: does expandable_segments fit?
     expandable_reserved: int | None = None  # default allocator failed: what expandable segments reserve
+    timeline: str = "phases"  # which run was replayed (plan_run)
+    run: Timeline | None = None  # that run
 
 
 def _gib(n: int) -> str:
@@ -149,12 +154,39 @@ def plan_verdict(
     limit_bytes: int,
 ) -> Verdict:
     """The most-loaded stage's run (build, first step, steady steps) replayed: see :func:`verdict`."""
+    run, which = plan_run(model, workload, plan, runtime)
+    return replace(verdict(run, config, limit_bytes), timeline=which, run=run)
+
+
+def plan_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str) -> tuple[Timeline, str]:
+    """The run to replay, and which: the bundled trainer's op by op (``timeline.trainer``,
+    exact on the six H100 traces) where it models the plan, else the phase model's moments cut
+    into tensors (``timeline.step``). The second item names it: ``trainer`` or ``phases``
+    (with the reason the trainer's does not apply)."""
+    if runtime == "memplan":
+        why = supported(model, workload, plan)
+        if why is None:
+            run = trainer_run(model, workload, plan)
+            if run is not None:
+                return run, "trainer"
+    else:
+        why = f"the {runtime} runtime"
     sm = stage_moments(model, workload, plan, runtime)
-    return verdict(build_run(sm.moments, sm.granularity, sm.build_grads), config, limit_bytes)
+    return build_run(sm.moments, sm.granularity, sm.build_grads), f"phases ({why})"
 
 
 def serving_verdict(
     model: ModelSpec, workload: InferenceWorkload, plan: Plan, config: AllocatorConfig, limit_bytes: int
 ) -> Verdict:
     """The most-loaded stage's serving run (weights, KV cache, prefills) replayed: see :func:`verdict`."""
-    return verdict(serving_run(model, workload, plan), config, limit_bytes)
+    return replace(verdict(serving_run(model, workload, plan), config, limit_bytes), timeline="serving")
+
+
+def peak_breakdown(v: Verdict) -> dict[str, int]:
+    """Bytes per category live at the replayed run's allocated peak, with what the allocator's
+    rounding of each request (512 B, or a whole block it would not split) adds as
+    ``allocator_rounding``: it sums to ``v.replay.max_allocated``."""
+    assert v.run is not None
+    live = v.run.live_by_category(v.replay.peak_event)
+    rounding = v.replay.max_allocated - sum(live.values())
+    return {**live, "allocator_rounding": rounding} if rounding > 0 else live
