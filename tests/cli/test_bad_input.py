@@ -554,6 +554,14 @@ def test_unknown_allocator_flag(tmp_path):
     error_line(proc, "command line", "--allocator", "'default' or 'expandable'")
 
 
+@pytest.mark.parametrize(
+    "command", [["tune", "llama3-8b", "--gpus", "8"], ["validate", "llama3-8b"], ["check", "b.yaml"]]
+)
+def test_unknown_allocator_flag_on_every_command(tmp_path, command):
+    proc = memplan(*command, "--allocator", "bogus", cwd=tmp_path)
+    error_line(proc, "command line", "--allocator", "'default', 'expandable'")
+
+
 def test_unknown_allocator_in_a_plan_file(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text("allocator: fancy\n")
