@@ -289,7 +289,7 @@ class StageMoments:
 
     phases: dict[str, dict[str, int]]
     moments: dict[str, dict[str, int]]
-    granularity: Granularity
+    granularity: Granularity | None  # filled in by stage_moments (the search's phase sums skip it)
     build_grads: int  # gradient buffers allocated with the model (DDP buckets, contiguous buffers)
     states: _States
     per_layer: int
@@ -490,8 +490,7 @@ def _stage_phases(
     total_acts = layer_acts + embed + head
     moments = {Moment.FORWARD: fwd, Moment.BACKWARD_START: bwd_start, Moment.BACKWARD: bwd, Moment.OPTIMIZER: opt}
     build_grads = st.grads if (rt.grads_persistent or ddp_buckets) else 0
-    granularity = _granularity(model, layout, plan, policy, x, fsdp2)
-    return StageMoments(phases, moments, granularity, build_grads, st, per_layer, total_acts)
+    return StageMoments(phases, moments, None, build_grads, st, per_layer, total_acts)
 
 
 def estimate_training(
@@ -651,4 +650,8 @@ def stage_moments(
     accumulation = gradient_accumulation(workload, plan)
     if stage is None:
         stage = estimate_training(model, workload, plan, runtime).peak.stage
-    return _stage_phases(model, workload, plan, rt, stage, accumulation)
+    sm = _stage_phases(model, workload, plan, rt, stage, accumulation)
+    policy = POLICIES[plan.precision]
+    layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
+    x = _shape(model, workload, plan, policy, rt)
+    return replace(sm, granularity=_granularity(model, layout, plan, policy, x, _fsdp2(rt, plan)))
