@@ -303,9 +303,12 @@ def _granularity(
     ZeRO-3), one hidden-width activation and one fp32 logits tensor, in bytes."""
     widths = [i * o // plan.tp for i, o in A.layer_matmul_widths(model)]
     norms = [P.norm_params(model)] * 2
-    weights = [n * policy.param_bytes for n in [norms[0], *widths[:4], norms[1], *widths[4:]]]
+    elements = [norms[0], *widths[:4], norms[1], *widths[4:]]
+    weights = [n * policy.param_bytes for n in elements]
+    gathered: tuple[int, ...] = ()
     if plan.zero >= 3 and plan.dp * plan.cp > 1:
         weights = [max(w // (plan.dp * plan.cp), 1) for w in weights]
+        gathered = tuple(n * min(policy.param_bytes, policy.compute_bytes) for n in elements)
     units = round(inflight_layers(plan, layout.stage, 1, layout.layers)) if layout.layers else 0
     return Granularity(
         layer_params=tuple(weights),
@@ -314,6 +317,7 @@ def _granularity(
         layers=max(units, layout.layers),
         fsdp=fsdp,
         gather=layout.largest_layer_params * min(policy.param_bytes, policy.compute_bytes) if fsdp else 0,
+        gathered=gathered,
     )
 
 

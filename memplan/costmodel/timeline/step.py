@@ -39,6 +39,7 @@ class Granularity:
     layers: int
     fsdp: bool  # collectives on their own streams (FSDP2 all-gather / reduce-scatter)
     gather: int = 0  # one layer group's all-gather output (FSDP2), bytes
+    gathered: tuple[int, ...] = ()  # one layer's unsharded weights in the all-gather dtype (ZeRO-3)
 
 
 def pieces(total: int, pattern: Sequence[int]) -> list[int]:
@@ -54,11 +55,16 @@ def pieces(total: int, pattern: Sequence[int]) -> list[int]:
     return out
 
 
+MIN_TENSOR = 512  # kMinBlockSize: the allocator rounds every request up to it
+
+
 def _scaled(pattern: Sequence[int], total: int, reference: int) -> list[int]:
-    """``pattern`` scaled by total / reference (a layer's tensors in another dtype or count)."""
+    """``pattern`` scaled by total / reference (a layer's tensors in another dtype or count),
+    none below the allocator's 512 B block (a sharded norm weight is smaller, but no category
+    is cut into pieces the allocator would not tell apart)."""
     if reference <= 0:
         return [total]
-    return [max(1, p * total // reference) for p in pattern]
+    return [max(MIN_TENSOR, p * total // reference) for p in pattern]
 
 
 class _Run:
@@ -81,6 +87,8 @@ class _Run:
     def pattern(self, cat: Category, total: int) -> list[int]:
         if cat in self.patterns:
             return self.patterns[cat]
+        if cat == Category.GATHERED and self.g.gathered:
+            return list(self.g.gathered)  # whole layers' weights, all-gathered
         # weight-shaped: parameters, gradients, states, their temporaries, gathered copies
         per_layer = self._layer_param_bytes
         if self._params_total and per_layer:
