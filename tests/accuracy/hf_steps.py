@@ -38,6 +38,7 @@ class Case:
     checkpointing: bool = False
     attention: str = "sdpa"
     autocast: bool = False  # fp32 model, forward under torch.autocast(bfloat16): bf16-mixed
+    slow: bool = False  # runs under ``-m slow`` only; a smaller twin runs by default (see below)
 
     @property
     def precision(self) -> str:
@@ -95,38 +96,76 @@ VOCAB = dict(vocab=32000, hidden=128, heads=4, kv_heads=4, ffn=344, batch=4, seq
 EAGER = dict(attention="eager", layers=4, vocab=512, batch=4, seq=256, hidden=128, heads=4, ffn=344)
 WIDE = dict(layers=6, batch=4, seq=160, hidden=256, ffn=704, vocab=1024)
 
+# bf16 matmuls are slow on CPUs without avx512_bf16 / AMX (PyTorch falls back to ATen's own
+# GEMM, 0.4 to 2 GFLOP/s on most layouts: a CI machine took 130-140 s for each bf16 vocab case),
+# so the heavy bf16 and bf16-mixed cases run under ``-m slow`` and the default suite runs each as
+# a twin named <case>-small, at a smaller shape that keeps what the case is about: the same
+# precision, flags, layers and heads per KV head, the same peak phase and largest category
+# (test_each_slow_case_has_a_smaller_default_twin):
+# - BASE_SMALL (for the Case defaults) and the *_SMALL layer shapes halve batch, hidden, heads
+#   and KV heads, ffn and vocab: activations (b s h), parameters (h^2 and V h) and logits
+#   (b s V) keep their shares of the peak;
+# - VOCAB_SMALL keeps the 32000 vocabulary and the sequence and cuts batch, hidden and ffn by 4
+#   (heads by 2): the logits (b s V) stay as large against the embedding and head (V h) as in
+#   VOCAB and dominate the peak as much (94% in vocab-bf16-tied-small against 92% at VOCAB,
+#   80% in autocast-vocab-small against 78%).
+BASE_SMALL = dict(hidden=128, heads=2, kv_heads=2, ffn=344, vocab=4000, batch=1)
+LAYERS_SMALL = dict(layers=8, vocab=256, batch=2, seq=192, hidden=96, heads=3, kv_heads=1, ffn=256)
+VOCAB_SMALL = dict(vocab=32000, hidden=32, heads=2, kv_heads=2, ffn=86, batch=1, seq=256)
+EAGER_SMALL = dict(attention="eager", layers=4, vocab=256, batch=2, seq=256, hidden=64, heads=2, ffn=172)
+WIDE_SMALL = dict(layers=6, batch=2, seq=160, hidden=128, ffn=352, vocab=512)
+
 CASES = [
     Case("llama-fp32-mha"),
-    Case("llama-bf16-mha", dtype="bfloat16"),
+    Case("llama-bf16-mha", dtype="bfloat16", slow=True),
+    Case("llama-bf16-mha-small", **BASE_SMALL, dtype="bfloat16"),
     Case("llama-fp32-gqa", kv_heads=2),
-    Case("llama-bf16-gqa-ckpt", kv_heads=2, dtype="bfloat16", checkpointing=True),
+    Case("llama-bf16-gqa-ckpt", kv_heads=2, dtype="bfloat16", checkpointing=True, slow=True),
+    Case("llama-bf16-gqa-ckpt-small", **{**BASE_SMALL, "kv_heads": 1}, dtype="bfloat16", checkpointing=True),
     Case("llama-fp32-ckpt", checkpointing=True),
     Case("llama-fp32-tied", tied=True),
-    Case("llama-bf16-tied-ckpt", tied=True, dtype="bfloat16", checkpointing=True),
+    Case("llama-bf16-tied-ckpt", tied=True, dtype="bfloat16", checkpointing=True, slow=True),
+    Case("llama-bf16-tied-ckpt-small", **BASE_SMALL, tied=True, dtype="bfloat16", checkpointing=True),
     Case("llama-fp32-eager", attention="eager", kv_heads=2),
     Case("eager-layers-fp32", **EAGER, kv_heads=2),
-    Case("eager-layers-bf16", **EAGER, kv_heads=2, dtype="bfloat16"),
+    Case("eager-layers-bf16", **EAGER, kv_heads=2, dtype="bfloat16", slow=True),
+    Case("eager-layers-bf16-small", **EAGER_SMALL, kv_heads=1, dtype="bfloat16"),
     Case("layers-fp32", **LAYERS),
-    Case("layers-bf16", **LAYERS, dtype="bfloat16"),
+    Case("layers-bf16", **LAYERS, dtype="bfloat16", slow=True),
+    Case("layers-bf16-small", **LAYERS_SMALL, dtype="bfloat16"),
     Case("layers-fp32-ckpt", **LAYERS, checkpointing=True),
     Case("vocab-fp32", **VOCAB),
-    Case("vocab-bf16-tied", **{**VOCAB, "kv_heads": 2}, dtype="bfloat16", tied=True),
+    Case("vocab-bf16-tied", **{**VOCAB, "kv_heads": 2}, dtype="bfloat16", tied=True, slow=True),
+    Case("vocab-bf16-tied-small", **{**VOCAB_SMALL, "kv_heads": 1}, dtype="bfloat16", tied=True),
     Case("params-fp32", layers=4, hidden=512, heads=8, kv_heads=8, ffn=1376, batch=1, seq=32),
-    Case("mistral-bf16-gqa", arch="mistral", kv_heads=2, dtype="bfloat16"),
+    Case("mistral-bf16-gqa", arch="mistral", kv_heads=2, dtype="bfloat16", slow=True),
+    Case("mistral-bf16-gqa-small", **{**BASE_SMALL, "kv_heads": 1}, arch="mistral", dtype="bfloat16"),
     Case("mistral-fp32-ckpt", arch="mistral", kv_heads=2, checkpointing=True, layers=4, batch=4),
     Case("qwen2-fp32-gqa", arch="qwen2", kv_heads=2),
-    Case("qwen2-bf16-tied", arch="qwen2", kv_heads=2, tied=True, dtype="bfloat16"),
+    Case("qwen2-bf16-tied", arch="qwen2", kv_heads=2, tied=True, dtype="bfloat16", slow=True),
+    Case("qwen2-bf16-tied-small", **{**BASE_SMALL, "kv_heads": 1}, arch="qwen2", tied=True, dtype="bfloat16"),
     # bf16-mixed: what the transformers Trainer's bf16=True does (autocast over an fp32 model)
-    Case("autocast-base", autocast=True),
-    Case("autocast-vocab", **VOCAB, autocast=True),
-    Case("autocast-layers-gqa", **LAYERS, autocast=True),
-    Case("autocast-layers-gqa4", **WIDE, heads=8, kv_heads=2, autocast=True),
-    Case("autocast-layers-mha", **WIDE, heads=4, kv_heads=4, autocast=True),
+    Case("autocast-base", autocast=True, slow=True),
+    Case("autocast-base-small", **BASE_SMALL, autocast=True),
+    Case("autocast-vocab", **VOCAB, autocast=True, slow=True),
+    Case("autocast-vocab-small", **VOCAB_SMALL, autocast=True),
+    Case("autocast-layers-gqa", **LAYERS, autocast=True, slow=True),
+    Case("autocast-layers-gqa-small", **LAYERS_SMALL, autocast=True),
+    Case("autocast-layers-gqa4", **WIDE, heads=8, kv_heads=2, autocast=True, slow=True),
+    Case("autocast-layers-gqa4-small", **WIDE_SMALL, heads=4, kv_heads=1, autocast=True),
+    Case("autocast-layers-mha", **WIDE, heads=4, kv_heads=4, autocast=True, slow=True),
+    Case("autocast-layers-mha-small", **WIDE_SMALL, heads=2, kv_heads=2, autocast=True),
 ]
 
 
 def predict_peak(case: Case) -> tuple[int, str]:
     """memplan's ``--runtime hf`` peak.allocated for a case, from its config.json as it is."""
+    report = predict_report(case)
+    return report.peak.allocated, report.peak.phase
+
+
+def predict_report(case: Case):
+    """memplan's ``--runtime hf`` estimate for a case, from its config.json as it is."""
     from memplan.costmodel.memory import estimate_training
     from memplan.specs.loader import model_from_data
     from memplan.specs.plan import Plan
@@ -138,5 +177,4 @@ def predict_peak(case: Case) -> tuple[int, str]:
         recompute="full" if case.checkpointing else "none",
         attention="eager" if case.attention == "eager" else "flash",
     )
-    report = estimate_training(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan, runtime="hf")
-    return report.peak.allocated, report.peak.phase
+    return estimate_training(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan, runtime="hf")

@@ -1,22 +1,27 @@
 """Accuracy: ``--runtime hf`` predictions against real transformers training steps on CPU.
 
 Each case trains a tiny Llama / Mistral / Qwen2 for three steps under MemTracker and checks
-the predicted ``peak.allocated`` within 3% of the measured steady-state peak.
+the predicted ``peak.allocated`` within 3% of the measured steady-state peak. The heavy bf16
+cases run under ``-m slow``; each has a smaller twin in the default suite (hf_steps.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_steps import CASES, Case, measure_peak, predict_peak  # noqa: E402
+from hf_steps import CASES, Case, measure_peak, predict_peak, predict_report  # noqa: E402
 
 pytestmark = pytest.mark.accuracy
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else []) for c in CASES]
+)
 def test_hf_peak_within_3_percent(case: Case):
     predicted, phase = predict_peak(case)
     measured = measure_peak(case)
@@ -24,6 +29,25 @@ def test_hf_peak_within_3_percent(case: Case):
     assert abs(error) <= 0.03, (
         f"{case.name}: predicted {predicted:,} measured {measured:,} ({100 * error:+.2f}%, {phase})"
     )
+
+
+SHAPE = ("hidden", "heads", "kv_heads", "ffn", "vocab", "batch", "seq")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.slow], ids=lambda c: c.name)
+def test_each_slow_case_has_a_smaller_default_twin(case: Case):
+    """A case behind ``-m slow`` keeps a default twin that differs only in its shape: the same
+    architecture, precision, attention, checkpointing, tying, layers and heads per KV head, a
+    smaller step, and the same peak phase and largest category of the predicted peak."""
+    twin = next(c for c in CASES if c.name == f"{case.name}-small")
+    assert not twin.slow
+    same = {f.name for f in dataclasses.fields(Case)} - set(SHAPE) - {"name", "slow"}
+    assert {k: getattr(twin, k) for k in same} == {k: getattr(case, k) for k in same}
+    assert twin.heads // twin.kv_heads == case.heads // case.kv_heads
+    assert twin.batch * twin.seq * twin.hidden < case.batch * case.seq * case.hidden
+    ours, theirs = predict_report(twin).peak, predict_report(case).peak
+    assert ours.phase == theirs.phase
+    assert max(ours.breakdown, key=ours.breakdown.get) == max(theirs.breakdown, key=theirs.breakdown.get)
 
 
 def test_measurement_sees_what_it_should():

@@ -1,4 +1,8 @@
-"""The bundled trainer's measured peak against ``--runtime memplan``: within 2% per plan."""
+"""The bundled trainer's measured peak against ``--runtime memplan``: within 2% per plan.
+
+The heaviest bf16 cases run under ``-m slow``; each has a smaller twin in the default suite
+(trainer_cases.py).
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,33 @@ def test_suite_covers_the_issue():
     assert max(Case(c.name, c.plan, c.model).spec()[0].plan.world_size for c in CASES) == 64
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", [c for c in CASES if c.slow], ids=lambda c: c.name)
+def test_each_slow_case_has_a_smaller_default_twin(case: Case):
+    """A case behind ``-m slow`` keeps a default twin with the same plan, model and number of
+    microbatches, fewer tokens per microbatch, and a predicted peak on the same rank, in the same
+    phase, made of the same categories; so the default suite runs every plan the slow one does."""
+    twin = next(c for c in CASES if c.name == f"{case.name}-small")
+    assert not twin.slow
+    assert (twin.plan, twin.model) == (case.plan, case.model)
+    (spec, _), (twin_spec, _) = case.spec(), twin.spec()
+    assert twin_spec.accumulation == spec.accumulation
+    assert twin.micro_batch * twin.seq_len < case.micro_batch * case.seq_len
+    assert twin_spec.rank == spec.rank
+    ours, theirs = _peak(twin), _peak(case)
+    assert ours.phase == theirs.phase
+    assert ours.breakdown.keys() == theirs.breakdown.keys()
+
+
+def _peak(case: Case):
+    from memplan.costmodel.memory import estimate_training
+    from memplan.specs.plan import Plan
+
+    return estimate_training(case.model, case.workload(), Plan(**case.plan), "memplan").peak
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else []) for c in CASES]
+)
 def test_memplan_runtime_within_2pct(case: Case):
     spec, predicted = case.spec()
     record = run(spec)
