@@ -6,12 +6,12 @@ A user mistake (:class:`MemplanError`, a bad flag) prints one line on stderr and
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
 import typer
 
-from memplan.cli import check, estimate, export, profiles, tune, validate
 from memplan.errors import MemplanError
 
 try:  # typer >= 0.20 vendors click as typer._click and no longer depends on click
@@ -21,20 +21,36 @@ except ImportError:  # older typer: click itself
 
 CLI = "command line"
 
-app = typer.Typer(
-    name="memplan",
-    help="Per-GPU memory of LLM training and inference, and the plans that fit.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+HELP = "Per-GPU memory of LLM training and inference, and the plans that fit."
+# each command's module (memplan.cli.<name>) and function; imported only when it is run or listed
+COMMANDS = ("estimate", "profiles", "validate", "export", "check", "tune")
 _NO_ARGS = getattr(_cx, "NoArgsIsHelpError", ())  # click < 8.2 has none
-app.command("estimate")(estimate.estimate)
-app.command("profiles")(profiles.profiles)
-app.command("validate")(validate.validate)
-app.command("export")(export.export)
-app.command("check")(check.check)
-app.command("tune")(tune.tune)
+
+
+def _group() -> None:
+    """Per-GPU memory of LLM training and inference, and the plans that fit."""
+
+
+def build_app(only: str | None = None) -> typer.Typer:
+    """The ``memplan`` command group, with every command or only ``only``.
+
+    ``memplan estimate ...`` needs neither the tuner, the validator nor the checks: registering
+    only the command that runs keeps their imports off the cold start (``benchmarks/bench_estimate.py``).
+    The callback keeps a one-command app a group, so the command's name is still its first word.
+    """
+    app = typer.Typer(
+        name="memplan", help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False
+    )
+    app.callback()(_group)
+    for name in COMMANDS if only is None else (only,):
+        module = importlib.import_module(f"memplan.cli.{name}")
+        app.command(name)(getattr(module, name))
+    return app
+
+
+def _invoked(argv: list[str]) -> str | None:
+    """The command ``argv`` runs when its first word names one (no global options exist), else None."""
+    return argv[0] if argv and argv[0] in COMMANDS else None
 
 
 def _fail(message: str, code: int) -> int:
@@ -72,9 +88,10 @@ def _param_name(param: object) -> str:
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (0 ok, 2 bad input, 1 internal error)."""
     debug = os.environ.get("MEMPLAN_DEBUG") == "1"
-    command = typer.main.get_command(app)
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        rv = command.main(args=argv, prog_name="memplan", standalone_mode=False)
+        command = typer.main.get_command(build_app(_invoked(args)))
+        rv = command.main(args=args, prog_name="memplan", standalone_mode=False)
     except MemplanError as err:
         if debug:
             raise

@@ -60,20 +60,28 @@ def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | No
     names = {v: k.value for k, v in STREAM_IDS.items()}
     blocks = {}
     failure = None
-    at_peak, peak_event = alloc.stats(), -1
+    # The allocator's state at the allocated peak. Allocations only raise ``allocated``, so a run
+    # of them that sets a new peak ends at it: the state is taken once, before the next free
+    # (or at the end), not after every allocation that raises the peak.
+    at_peak, peak_event, high, pending = alloc.stats(), -1, 0, False
+    malloc, free, streams = alloc.malloc, alloc.free, STREAM_IDS
     for i, e in enumerate(timeline.events):
         if e.op == ALLOC:
             try:
-                blocks[e.tensor] = alloc.malloc(e.size, STREAM_IDS[e.stream])
+                blocks[e.tensor] = malloc(e.size, streams[e.stream])
             except AllocatorOOM as oom:
                 failure = Failure(
                     e.size, str(e.category), e.tag, e.stream.value, oom.reserved, oom.allocated, oom.cached_free
                 )
                 break
-            if alloc.allocated > at_peak.allocated:
-                at_peak, peak_event = alloc.stats(), i
+            if alloc.allocated > high:
+                high, peak_event, pending = alloc.allocated, i, True
         elif e.op == FREE:
-            alloc.free(blocks.pop(e.tensor))
+            if pending:
+                at_peak, pending = alloc.stats(), False
+            free(blocks.pop(e.tensor))
+    if pending:
+        at_peak = alloc.stats()
     final = alloc.stats()
     return Replay(
         max_reserved=final.max_reserved,

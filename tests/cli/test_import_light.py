@@ -12,6 +12,15 @@ import sys
 import textwrap
 
 HEAVY = ("torch", "triton", "optuna")
+# what ``memplan estimate`` does not need: the other commands and the trace reader
+OTHER = (
+    "memplan.cli.tune",
+    "memplan.cli.validate",
+    "memplan.cli.check",
+    "memplan.cli.export",
+    "memplan.search.tuning",
+    "memplan.costmodel.allocator.trace",
+)
 
 SCRIPT = textwrap.dedent(
     """
@@ -23,9 +32,11 @@ SCRIPT = textwrap.dedent(
         code = memplan.cli.app.run(["estimate", "llama3-8b", "--format", "json"])
     json.loads(out.getvalue())
     after_run = sorted(m for m in {heavy!r} if m in sys.modules)
-    print(json.dumps({{"code": code, "err": err.getvalue(), "after_import": after_import, "after_run": after_run}}))
+    other = sorted(m for m in {other!r} if m in sys.modules)
+    print(json.dumps({{"code": code, "err": err.getvalue(), "after_import": after_import, "after_run": after_run,
+                      "other": other}}))
     """
-).format(heavy=HEAVY)
+).format(heavy=HEAVY, other=OTHER)
 
 
 def test_estimate_does_not_import_heavy_modules():
@@ -36,3 +47,18 @@ def test_estimate_does_not_import_heavy_modules():
     assert result["code"] == 0, result["err"]
     assert result["after_import"] == [], f"import memplan.cli.app pulled in {result['after_import']}"
     assert result["after_run"] == [], f"memplan estimate pulled in {result['after_run']}"
+    assert result["other"] == [], f"memplan estimate imported other commands' modules: {result['other']}"
+
+
+def test_help_lists_every_command():
+    """Commands are imported only when run; ``memplan --help`` still lists them all."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "memplan.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "120"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    for name in ("estimate", "profiles", "validate", "export", "check", "tune"):
+        assert f" {name} " in proc.stdout, name

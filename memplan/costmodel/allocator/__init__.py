@@ -9,7 +9,18 @@ from memplan.costmodel.allocator.caching import CachingAllocator
 from memplan.costmodel.allocator.config import AllocatorConfig, parse_alloc_conf
 from memplan.costmodel.allocator.pool import Block, BlockPool
 from memplan.costmodel.allocator.stats import AllocatorOOM, AllocatorStats
-from memplan.costmodel.allocator.trace import ReplayResult, load_snapshot, replay_trace
+
+_TRACE = ("ReplayResult", "load_snapshot", "replay_trace")  # the trace reader, off the estimate path
+
+
+def __getattr__(name: str) -> object:
+    """``load_snapshot``, ``replay_trace`` and ``ReplayResult``, imported when first asked for."""
+    if name in _TRACE:
+        from memplan.costmodel.allocator import trace
+
+        return getattr(trace, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AllocatorConfig",
