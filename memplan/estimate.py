@@ -7,9 +7,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from memplan.costmodel.advice import Suggestion, suggest
-from memplan.costmodel.memory import estimate_memory
+from memplan.costmodel.memory import estimate_memory, sdpa_kind
 from memplan.costmodel.overhead import fast_reserved_bytes
 from memplan.costmodel.params import active_params, total_params
+from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.report import MemoryReport, ReservedDetail
 from memplan.costmodel.reserve import peak_breakdown, plan_verdict, serving_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
@@ -59,6 +60,16 @@ def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
     return plan
 
 
+def _with_attention_kernel(plan: dict[str, Any], job: Job, device: Device) -> dict[str, Any]:
+    """The resolved plan with ``attention_kernel``: what a training step's attention runs on
+    ``device`` (``eager``, or the kernel SDPA picks: ``memory.sdpa_kind``)."""
+    if isinstance(job.workload, TrainingWorkload):
+        policy = POLICIES[job.plan.precision]
+        kernel = "eager" if job.plan.attention == "eager" else sdpa_kind(job.model, job.plan, policy, device)
+        plan["attention_kernel"] = "triton" if job.plan.attention == "triton" else kernel
+    return plan
+
+
 def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Device) -> tuple[MemoryReport, bool, str]:
     """The run (training: build, a first step, steady steps; serving: weights, KV cache,
     prefills) replayed through the caching allocator model decides reserved and fits. On CUDA,
@@ -66,7 +77,7 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
     peak and the live set there are ``peak.allocated`` and the breakdown (they hold CUDA
     kernels' workspaces and transients the phase model, exact on CPU, does not)."""
     if isinstance(job.workload, TrainingWorkload):
-        v = plan_verdict(job.model, job.workload, job.plan, job.runtime, job.allocator, limit)
+        v = plan_verdict(job.model, job.workload, job.plan, job.runtime, job.allocator, limit, device)
     else:
         v = serving_verdict(job.model, job.workload, job.plan, job.allocator, limit)
     detail = ReservedDetail(
@@ -108,7 +119,7 @@ def estimate(
 ) -> EstimateResult:
     """Estimate one job for ``device`` (a GPU profile's CUDA, or a CPU run of the trainer);
     when it does not fit, rank single changes that would help."""
-    report = estimate_memory(job.model, job.workload, job.plan, job.runtime)
+    report = estimate_memory(job.model, job.workload, job.plan, job.runtime, device)
     time = None
     if isinstance(job.workload, TrainingWorkload):
         time = estimate_time(job.model, job.workload, job.plan, job.gpu, job.cluster, job.runtime, efficiency)
@@ -119,7 +130,7 @@ def estimate(
     if with_suggestions and not fits:
         # single changes are screened with the fast form, compared with the same form of this plan
         current = fast_reserved_bytes(report.peak.allocated)
-        found = suggest(job.model, job.workload, job.plan, job.runtime, limit, current)
+        found = suggest(job.model, job.workload, job.plan, job.runtime, limit, current, device)
         found = sorted([*_allocator_suggestion(report), *found], key=lambda s: (not s.fits, -s.saved))
         suggestions = [
             SuggestionOut(change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits) for s in found
@@ -131,12 +142,13 @@ def estimate(
             "active_parameters": active_params(job.model),
             "architecture": job.model.architecture,
         },
-        plan=resolved_plan(job, report.gradient_accumulation),
+        plan=_with_attention_kernel(resolved_plan(job, report.gradient_accumulation), job, device),
         gpu={
             "name": job.gpu.name,
             "memory_bytes": job.gpu.memory_bytes,
             "capacity_bytes": capacity,
             "display_name": job.gpu.display_name,
+            "device": device,
         },
         memory=report,
         fits=fits,

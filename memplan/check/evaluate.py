@@ -207,9 +207,9 @@ def plan_summary(job: Job) -> str:
     return " ".join(parts)
 
 
-def estimated(r: Resolved) -> Measurement:
-    """The estimate's peak on the most-loaded rank, in the entry's metric."""
-    peak = estimate(r.job, with_suggestions=False).memory.peak
+def estimated(r: Resolved, device: str = "cuda") -> Measurement:
+    """The estimate's peak on the most-loaded rank, in the entry's metric, for ``device``."""
+    peak = estimate(r.job, with_suggestions=False, device=device).memory.peak
     return Measurement(value_bytes=peak.reserved if r.metric == "reserved" else peak.allocated)
 
 
@@ -277,11 +277,12 @@ def check(
     source: str,
     baseline: Baseline | None = None,
     measure: Measure | None = None,
+    device: str = "cuda",
 ) -> CheckReport:
-    """Evaluate every entry (estimate, or ``measure``) and judge it."""
+    """Evaluate every entry (estimate for ``device``, or ``measure``) and judge it."""
     results = []
     for r in resolved:
-        m = measure(r) if measure else estimated(r)
+        m = measure(r) if measure else estimated(r, device)
         results.append(judge(r, m, measure is not None, baseline, budgets.threshold))
     return CheckReport(source=source, threshold=describe_threshold(budgets.threshold), entries=results)
 

@@ -27,7 +27,7 @@ def measure(r: Resolved, device: str, timeout_s: float, steps: int = 2) -> Measu
         return Measurement(value_bytes=None, reason="the trainer measures training workloads only")
     if r.metric == "reserved" and device != "cuda":
         return Measurement(value_bytes=None, reason=f"reserved is measured on CUDA only (this run is on {device})")
-    rank = estimate(job, with_suggestions=False).memory.peak.rank
+    rank = estimate(job, with_suggestions=False, device=device).memory.peak.rank
     spec = RunSpec(
         model=job.model, workload=job.workload, plan=job.plan, steps=steps, device=device, simulate=True, rank=rank
     )

@@ -48,7 +48,14 @@ def check(
             help="CUDA caching allocator for entries that name none (default: PYTORCH_CUDA_ALLOC_CONF, else PyTorch's)."
         ),
     ] = None,
-    device: Annotated[Literal["auto", "cpu", "cuda"], Opt(help="--measure: device.", rich_help_panel=RUN)] = "auto",
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"],
+        Opt(
+            help="Where the entries run: cuda (the GPU profiles) or cpu; auto is cuda for estimates and, with "
+            "--measure, cuda when torch sees a GPU, else cpu.",
+            rich_help_panel=RUN,
+        ),
+    ] = "auto",
     timeout: Annotated[float, Opt(help="--measure: seconds per entry.", min=1, rich_help_panel=RUN)] = 600,
 ) -> None:
     """Estimate (or measure) each budgets entry; fail when one exceeds its budget or regresses."""
@@ -60,6 +67,7 @@ def check(
     if baseline is not None and not update_baseline:
         previous = load_baseline(baseline)
     measurer = None
+    where = "cuda" if device == "auto" else device
     if measure:
         from memplan.check.measure import measure as run_measure
 
@@ -68,7 +76,7 @@ def check(
         def measurer(r: Resolved) -> Measurement:
             return run_measure(r, where, timeout)
 
-    report = run_check(spec, resolved, str(budgets), previous, measurer)
+    report = run_check(spec, resolved, str(budgets), previous, measurer, where)
     if update_baseline and baseline is not None:
         baseline.parent.mkdir(parents=True, exist_ok=True)
         baseline.write_text(new_baseline(report).model_dump_json(indent=2) + "\n")

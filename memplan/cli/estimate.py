@@ -50,7 +50,9 @@ def estimate(
     optimizer: Annotated[str | None, Opt(help="adamw, sgd, adafactor, adamw-8bit.", rich_help_panel=PLAN)] = None,
     offload_optimizer: Annotated[str | None, Opt(help="none, cpu or nvme.", rich_help_panel=PLAN)] = None,
     offload_params: Annotated[str | None, Opt(help="none, cpu or nvme (ZeRO-3).", rich_help_panel=PLAN)] = None,
-    attention: Annotated[str | None, Opt(help="flash or eager.", rich_help_panel=PLAN)] = None,
+    attention: Annotated[
+        str | None, Opt(help="flash (PyTorch's SDPA), eager or triton (memplan's kernel).", rich_help_panel=PLAN)
+    ] = None,
     runtime: Annotated[
         str | None, Opt(help="Activation accounting: memplan, hf or megatron.", rich_help_panel=PLAN)
     ] = None,
@@ -84,6 +86,14 @@ def estimate(
             help="Scale the step time by the GPU profile's measured/predicted ratio (memplan tune --validate).",
         ),
     ] = True,
+    device: Annotated[
+        Literal["cuda", "cpu"],
+        Opt(
+            help="Where the step runs: cuda (the GPU profile) or cpu (a CPU run of the trainer, as the CPU "
+            "accuracy suites measure): which attention kernel runs and what it keeps.",
+            rich_help_panel=HW,
+        ),
+    ] = "cuda",
     format: Annotated[Literal["table", "json"], Opt("--format", help="table or json.")] = "table",
 ) -> None:
     """Per-GPU memory of one configuration at the peak of a step, on the most-loaded rank."""
@@ -118,7 +128,7 @@ def estimate(
         nodes=nodes,
     )
     job = resolve_job(model, plan, overrides, inference=inference)
-    result = run_estimate(job, efficiency=_efficiency(job.gpu) if calibration else None)
+    result = run_estimate(job, efficiency=_efficiency(job.gpu) if calibration else None, device=device)
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
@@ -146,6 +156,7 @@ def render(result: EstimateResult, console: Console) -> None:
         f"[bold]{result.model['name']}[/] ({result.model['parameters'] / 1e9:,.2f} B params) on "
         f"{plan['world_size']} x {result.gpu['name']}  {degrees}  zero={plan['zero']} "
         f"recompute={plan['recompute']} precision={plan['precision']} runtime={plan['runtime']}"
+        + (f" attention={plan['attention_kernel']} ({result.gpu['device']})" if "attention_kernel" in plan else "")
     )
     table = Table(title=f"Peak: {peak.phase} phase, rank {peak.rank} ({peak.rank_role})")
     table.add_column("component")

@@ -111,7 +111,9 @@ def export(
     optimizer: Annotated[str | None, Opt(help="adamw, sgd, adafactor, adamw-8bit.", rich_help_panel=PLAN)] = None,
     offload_optimizer: Annotated[str | None, Opt(help="none, cpu or nvme.", rich_help_panel=PLAN)] = None,
     offload_params: Annotated[str | None, Opt(help="none, cpu or nvme (ZeRO-3).", rich_help_panel=PLAN)] = None,
-    attention: Annotated[str | None, Opt(help="flash or eager.", rich_help_panel=PLAN)] = None,
+    attention: Annotated[
+        str | None, Opt(help="flash (PyTorch's SDPA), eager or triton (memplan's kernel).", rich_help_panel=PLAN)
+    ] = None,
     runtime: Annotated[str | None, Opt(help="memplan, hf or megatron (for the header).", rich_help_panel=PLAN)] = None,
     micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
     global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,

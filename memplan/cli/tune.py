@@ -183,6 +183,10 @@ def tune(
     memory_limit: Annotated[
         str | None, Opt(help="Simulated device capacity for CPU runs, e.g. 2GiB.", rich_help_panel=VALIDATE)
     ] = None,
+    device: Annotated[
+        Literal["cuda", "cpu"],
+        Opt(help="Where the plans run: cuda (the GPU profile) or cpu: which attention kernel runs and keeps what."),
+    ] = "cuda",
     top: Annotated[int, Opt(help="Plans shown.", min=1)] = 10,
     out: Annotated[Path, Opt("--out", help="Where the recommended plan YAML goes.")] = Path("best-plan.yaml"),
     export: Annotated[
@@ -229,6 +233,7 @@ def tune(
         efficiency=Efficiency.for_gpu(card, calibration=(profile and profile.step_time_ratio) or 1.0),
         peak_ratio=(profile and profile.peak_ratio) or 1.0,
         allocator=resolve_allocator(allocator),
+        device=device,
     )
     settings = ValidationSettings(
         steps=validate_steps,

@@ -47,7 +47,9 @@ def validate(
     precision: Annotated[str | None, Opt(help="fp32, bf16-mixed, bf16-master, bf16.", rich_help_panel=PLAN)] = None,
     offload_optimizer: Annotated[str | None, Opt(help="none or cpu.", rich_help_panel=PLAN)] = None,
     offload_params: Annotated[str | None, Opt(help="none or cpu (ZeRO-3).", rich_help_panel=PLAN)] = None,
-    attention: Annotated[str | None, Opt(help="flash or eager.", rich_help_panel=PLAN)] = None,
+    attention: Annotated[
+        str | None, Opt(help="flash (PyTorch's SDPA), eager or triton (memplan's kernel).", rich_help_panel=PLAN)
+    ] = None,
     micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
     global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,
     seq_len: Annotated[int | None, Opt(help="Tokens per sequence.", rich_help_panel=WORK)] = None,

@@ -28,6 +28,9 @@ class Shape:
     eager: bool  # eager attention (s x s scores kept) or flash
     dropout: bool  # dropout masks (1 byte per element) kept
     autocast: bool = False  # fp32 model under torch.autocast: fp32 residual stream, d-wide matmuls
+    # the kernel scaled_dot_product_attention runs (attention.sdpa_backend): flash, efficient,
+    # cudnn or math; ``eager`` attention does not call SDPA
+    sdpa: str = "flash"
 
     @property
     def tokens(self) -> int:
@@ -156,6 +159,8 @@ def hf_sdpa_attention(x: Shape, dynamic_cache: bool = True) -> int:
     o_proj keeps) and the log-sum-exp (4 bytes x heads). GQA goes to SDPA unrepeated. The
     pre-RoPE q and k are freed: q*cos and rotate_half(q)*sin save only cos and sin.
 
+    On SDPA's math path (``sdpa_math_attention``) SDPA keeps its own copies instead, and the
+    DynamicCache (``dynamic_cache``) keeps k and v alive, 2 d kv (measured on CPU, math forced).
     Under autocast transformers' DynamicCache adds 2 x 4kv (``dynamic_cache``): cos / sin are
     fp32, so RoPE promotes the keys to fp32, and the cache keeps keys and values in fp32 beside
     the bf16 copies SDPA saves (measured on two shapes). The bundled trainer has no cache: its
@@ -163,10 +168,58 @@ def hf_sdpa_attention(x: Shape, dynamic_cache: bool = True) -> int:
     were over-predicted by exactly 8kv per token and layer with it, 512 B for tiny-gqa).
     """
     m = x.model
+    cache = 0
+    if dynamic_cache and (x.autocast or x.sdpa == "math"):
+        # the cache's keys and values: fp32 under autocast, beside the bf16 copies SDPA saves; on
+        # the math path, which keeps only its own copies, the cache still holds k and v
+        cache = x.tokens * 2 * (4 if x.autocast else x.d) * m.kv_size // x.t
+    if x.sdpa == "math":
+        return sdpa_math_attention(x) + cache
     per_token = x.d * (2 * m.q_size + 2 * m.kv_size) + 4 * m.num_attention_heads
-    if x.autocast and dynamic_cache:
-        per_token += 2 * 4 * m.kv_size
-    return x.tokens * per_token // x.t
+    return x.tokens * per_token // x.t + cache
+
+
+def sdpa_math_attention(x: Shape) -> int:
+    """SDPA's math path (``_scaled_dot_product_attention_math``), which CUDA runs where no fused
+    kernel takes the call (fp32 with GQA: flash and cuDNN need fp16/bf16, the memory-efficient
+    kernel does not take ``enable_gqa``; ``attention.sdpa_backend``): what it keeps is
+    ``attention.total_saved_bytes`` (scaled copies of q and of K repeated to every head, V as the
+    second matmul sees it, the (b, heads, s, s) probabilities, all in fp32 even for bf16 inputs),
+    and q, k and v themselves are freed. The output's transposed copy is what ``o_proj`` saves,
+    d*q. Measured on CPU with the math backend forced (tests/accuracy/hf_steps.py)."""
+    from memplan.costmodel.attention import total_saved_bytes
+
+    m = x.model
+    heads, kv = m.num_attention_heads // x.t, max(m.kv_heads // x.t, 1)
+    kept = total_saved_bytes("math", x.b, x.s, heads, kv, m.head_size, x.d, enable_gqa=True, device="cuda")
+    return kept + x.tokens * x.d * m.q_size // x.t
+
+
+def attention_backward_transient(x: Shape) -> int:
+    """The largest temporaries of the attention core's backward beyond the input gradients: on
+    SDPA's math path the probabilities' gradient and the scores' gradient, two (b, heads, s, s)
+    tensors in its compute width (fp32 for bf16 inputs), alive together in the softmax backward
+    (measured on CPU with the math backend forced: exactly 2 b a s^2 4 for fp32). Fused kernels
+    recompute the scores tile by tile: nothing of that size (0)."""
+    if x.eager or x.sdpa != "math":
+        return 0
+    from memplan.costmodel.attention import math_compute_bytes
+
+    heads = x.model.num_attention_heads // x.t
+    return 2 * x.b * heads * x.s * x.span * math_compute_bytes(x.d)
+
+
+def math_attention_backward(x: Shape, dynamic_cache: bool) -> int:
+    """One layer at its softmax backward on SDPA's math path: the first norm's saved tensors,
+    what the math path keeps (``sdpa_math_attention`` less the output copy ``o_proj`` freed),
+    the DynamicCache's k and v (``dynamic_cache``), the gradient of the attention output (d*q)
+    and the two s x s gradients (``attention_backward_transient``). Measured on CPU with the
+    math backend forced, transformers' Llama with gradient checkpointing."""
+    m = x.model
+    cache = x.tokens * 2 * (4 if x.autocast else x.d) * m.kv_size // x.t if dynamic_cache else 0
+    grad_out = x.tokens * x.d * m.q_size // x.t
+    kept = sdpa_math_attention(x) - grad_out  # less the output's copy, the same size as its gradient
+    return hf_rmsnorm(x) + kept + cache + grad_out + attention_backward_transient(x)
 
 
 def hf_eager_attention(x: Shape) -> int:

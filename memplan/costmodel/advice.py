@@ -66,6 +66,7 @@ def suggest(
     runtime: str,
     capacity_bytes: int,
     current_reserved: int,
+    device: str = "cuda",
 ) -> list[Suggestion]:
     """Single changes that lower the reserved peak, those that fit first, then by bytes saved."""
     results = []
@@ -76,7 +77,7 @@ def suggest(
             check_compatible(model, new_workload, new_plan)
         except (MemplanError, ValueError):
             continue
-        reserved = estimate_memory(model, new_workload, new_plan, runtime).peak.reserved
+        reserved = estimate_memory(model, new_workload, new_plan, runtime, device).peak.reserved
         if reserved < current_reserved:
             results.append(Suggestion(change, reserved, current_reserved - reserved, reserved <= capacity_bytes))
     return sorted(results, key=lambda s: (not s.fits, -s.saved))

@@ -15,10 +15,12 @@ is for the one with the higher peak (the most-loaded rank).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from memplan.costmodel import activations as A
 from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
+from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout, vocab_shard_params
 from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, state_bytes_per_param
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
@@ -29,6 +31,8 @@ from memplan.costmodel.timeline.step import Granularity, build_serving_run, piec
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
+
+Device = Literal["cuda", "cpu"]  # where the step runs: CUDA on a GPU profile, or a CPU run of the trainer
 
 ZERO3_PREFETCH_LAYERS = 2  # FSDP / ZeRO-3: the current layer and the one prefetched
 
@@ -109,9 +113,15 @@ def model_states(layout: StageLayout, plan: Plan, policy: PrecisionPolicy, facto
 
 
 def _shape(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, policy: PrecisionPolicy, rt: RuntimeProfile
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    policy: PrecisionPolicy,
+    rt: RuntimeProfile,
+    device: Device = "cuda",
 ) -> A.Shape:
     s = workload.seq_len // plan.cp
+    autocast = rt.autocast and policy.param_bytes > policy.compute_bytes and not _fsdp2(rt, plan)
     return A.Shape(
         model=model,
         b=workload.micro_batch,
@@ -122,7 +132,26 @@ def _shape(
         d=policy.compute_bytes,
         eager=plan.attention == "eager",
         dropout=rt.dropout,
-        autocast=rt.autocast and policy.param_bytes > policy.compute_bytes and not _fsdp2(rt, plan),
+        autocast=autocast,
+        sdpa=sdpa_kind(model, plan, policy, device),
+    )
+
+
+def sdpa_kind(model: ModelSpec, plan: Plan, policy: PrecisionPolicy, device: Device = "cuda") -> str:
+    """The kernel ``scaled_dot_product_attention`` runs for this plan on ``device``
+    (``attention.sdpa_backend``): the runtimes call it causal, without a mask or dropout, on
+    their rank's heads, GQA passed unrepeated (``enable_gqa``; transformers does so when there
+    is no padding mask). ``triton`` attention is memplan's own kernel: flash's tensors."""
+    if plan.attention == "triton":
+        return "flash"
+    return sdpa_backend(
+        device,
+        "fp32" if policy.compute_bytes == 4 else "bf16",
+        model.head_size,
+        model.num_attention_heads // plan.tp,
+        max(model.kv_heads // plan.tp, 1),
+        enable_gqa=True,
+        dropout=0.0,
     )
 
 
@@ -208,8 +237,9 @@ def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, recompute: str, moe_f
         return per_layer
     if recompute == "selective":
         # Korthikanti Sec. 5: the attention core (scores, softmax, dropout; with flash its
-        # log-sum-exp) is recomputed, so none of it is stored
-        x = replace(x, eager=False)
+        # log-sum-exp; on SDPA's math path its scaled copies and probabilities) is recomputed,
+        # so none of it is stored: the checkpoint keeps q, k and v, whichever kernel runs
+        x = replace(x, eager=False, sdpa="flash")
         per_layer = rt.layer(x) - A.korthikanti_attention_core(x)
     else:
         per_layer = rt.layer(x)
@@ -322,14 +352,20 @@ def _granularity(
 
 
 def _stage_phases(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, stage: int, accumulation: int
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    rt: RuntimeProfile,
+    stage: int,
+    accumulation: int,
+    device: Device = "cuda",
 ) -> StageMoments:
     """Breakdowns of each phase for one pipeline stage, plus states, per-layer and total activations."""
     policy = POLICIES[plan.precision]
     layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
     factored = 1 / model.hidden_size + 1 / model.ffn_size
     st = model_states(layout, plan, policy, factored)
-    x = _shape(model, workload, plan, policy, rt)
+    x = _shape(model, workload, plan, policy, rt, device)
     moe_fraction = _moe_fraction(model, layout, plan)
     full_layer = layer_activation_bytes(x, rt, plan.recompute, moe_fraction, plan.ep)
     # in its backward a layer has everything back, recomputed parts included
@@ -436,7 +472,13 @@ def _stage_phases(
     # layer's (rebuilt when recomputed) and its gradient temporaries, gradients nearly
     # complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
-    end_grads, end_acts = grads_full, others + live_layer + embed + layer_temp(x)
+    layer_part = live_layer + layer_temp(x)
+    if A.attention_backward_transient(x) and layers:
+        # SDPA's math path: later in the layer's backward, with its MLP's tensors freed, the
+        # softmax backward holds the core's s x s gradients beside the probabilities
+        cache = rt.name == "hf" and plan.recompute != "full"  # use_cache is off under checkpointing
+        layer_part = max(layer_part, A.math_attention_backward(x, dynamic_cache=cache))
+    end_grads, end_acts = grads_full, others + embed + layer_part
     pending = 0
     if rt.pytorch_parallel and not grads_in_step and layers:
         pending = min(embedding_grad_pending(model, layout, plan, policy, rt), grads_full)
@@ -498,16 +540,17 @@ def _stage_phases(
 
 
 def estimate_training(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str = "memplan"
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str = "memplan", device: Device = "cuda"
 ) -> MemoryReport:
-    """Peak per-rank memory of a steady-state training step, over phases and pipeline stages."""
+    """Peak per-rank memory of a steady-state training step, over phases and pipeline stages,
+    on ``device`` (which attention kernel runs: ``sdpa_kind``)."""
     rt = RUNTIMES[runtime]
     accumulation = gradient_accumulation(workload, plan)
     stages = _stages_to_examine(model, plan)
     best = None
     stage_peaks: dict[int, int] = {}
     for stage in stages:
-        sm = _stage_phases(model, workload, plan, rt, stage, accumulation)
+        sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device)
         phases, st, per_layer, total_acts = sm.phases, sm.states, sm.per_layer, sm.total_acts
         totals = {name: sum(b.values()) for name, b in phases.items()}
         peak_phase = max(totals, key=lambda name: totals[name])
@@ -615,12 +658,16 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
 
 
 def estimate_memory(
-    model: ModelSpec, workload: TrainingWorkload | InferenceWorkload, plan: Plan, runtime: str = "memplan"
+    model: ModelSpec,
+    workload: TrainingWorkload | InferenceWorkload,
+    plan: Plan,
+    runtime: str = "memplan",
+    device: Device = "cuda",
 ) -> MemoryReport:
-    """Per-rank memory of one configuration: training step or inference batch."""
+    """Per-rank memory of one configuration on ``device``: training step or inference batch."""
     if isinstance(workload, InferenceWorkload):
         return estimate_inference(model, workload, plan)
-    return estimate_training(model, workload, plan, runtime)
+    return estimate_training(model, workload, plan, runtime, device)
 
 
 def serving_run(model: ModelSpec, workload: InferenceWorkload, plan: Plan) -> Timeline:
@@ -647,15 +694,20 @@ def serving_run(model: ModelSpec, workload: InferenceWorkload, plan: Plan) -> Ti
 
 
 def stage_moments(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str = "memplan", stage: int | None = None
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    runtime: str = "memplan",
+    stage: int | None = None,
+    device: Device = "cuda",
 ) -> StageMoments:
     """The step of pipeline stage ``stage`` (default: the most-loaded one) as moments."""
     rt = RUNTIMES[runtime]
     accumulation = gradient_accumulation(workload, plan)
     if stage is None:
-        stage = estimate_training(model, workload, plan, runtime).peak.stage
-    sm = _stage_phases(model, workload, plan, rt, stage, accumulation)
+        stage = estimate_training(model, workload, plan, runtime, device).peak.stage
+    sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device)
     policy = POLICIES[plan.precision]
     layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
-    x = _shape(model, workload, plan, policy, rt)
+    x = _shape(model, workload, plan, policy, rt, device)
     return replace(sm, granularity=_granularity(model, layout, plan, policy, x, _fsdp2(rt, plan)))

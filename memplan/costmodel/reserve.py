@@ -160,13 +160,16 @@ def plan_verdict(
     runtime: str,
     config: AllocatorConfig,
     limit_bytes: int,
+    device: str = "cuda",
 ) -> Verdict:
     """The most-loaded stage's run (build, first step, steady steps) replayed: see :func:`verdict`."""
-    run, which = plan_run(model, workload, plan, runtime)
+    run, which = plan_run(model, workload, plan, runtime, device)
     return replace(verdict(run, config, limit_bytes), timeline=which, run=run)
 
 
-def plan_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str) -> tuple[Timeline, str]:
+def plan_run(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str = "cuda"
+) -> tuple[Timeline, str]:
     """The run to replay, and which: the bundled trainer's op by op (``timeline.trainer``,
     exact on the six H100 traces) where it models the plan, else the phase model's moments cut
     into tensors (``timeline.step``). The second item names it: ``trainer`` or ``phases``
@@ -179,7 +182,7 @@ def plan_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: 
                 return run, "trainer"
     else:
         why = f"the {runtime} runtime"
-    sm = stage_moments(model, workload, plan, runtime)
+    sm = stage_moments(model, workload, plan, runtime, device=device)
     return build_run(sm.moments, sm.granularity, sm.build_grads), f"phases ({why})"
 
 

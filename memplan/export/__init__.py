@@ -20,7 +20,7 @@ from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.export import accelerate, deepspeed, fsdp2, megatron, torchtitan
-from memplan.export.common import Exported, fields, training
+from memplan.export.common import Exported, fields, refuse, training
 from memplan.specs.resolve import Job
 
 TARGETS: dict[str, Any] = {
@@ -58,6 +58,10 @@ def render(job: Job, target: str, **opts: Any) -> Exported:
         flag = "--" + unknown[0].replace("_", "-")
         raise MemplanError(f"does not apply to --to {target}", field=flag)
     training(job, target)
+    if job.plan.attention == "triton":
+        raise refuse(
+            "attention", target, "attention=triton", "memplan's Triton kernel runs only in the bundled trainer"
+        )
     exporter: Callable[..., Exported] = module.export
     return with_allocator_note(exporter(job, **given), job)
 

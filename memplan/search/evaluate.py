@@ -42,6 +42,7 @@ class Context:
     efficiency: Efficiency | None = None  # None: the GPU profile's (Efficiency.for_gpu)
     peak_ratio: float = 1.0  # measured / predicted allocated peak (calibration)
     allocator: AllocatorConfig = AllocatorConfig()  # the caching allocator the plans run under
+    device: str = "cuda"  # where the plans run: which attention kernel (memory.sdpa_kind)
 
     @property
     def time_efficiency(self) -> Efficiency:
@@ -98,14 +99,14 @@ def peak_bytes(report: MemoryReport, peak_ratio: float) -> tuple[int, int]:
 
 def peak_reserved(candidate: Candidate, ctx: Context) -> int:
     """The reserved peak alone (no step time): scans for what comes closest to fitting."""
-    report = estimate_memory(ctx.model, candidate.workload, candidate.plan, ctx.runtime)
+    report = estimate_memory(ctx.model, candidate.workload, candidate.plan, ctx.runtime, ctx.device)
     return peak_bytes(report, ctx.peak_ratio)[1]
 
 
 def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
     """Predicted peak memory, fit and speed of one plan."""
     plan, workload = candidate.plan, candidate.workload
-    report = estimate_memory(ctx.model, workload, plan, ctx.runtime)
+    report = estimate_memory(ctx.model, workload, plan, ctx.runtime, ctx.device)
     allocated, reserved = peak_bytes(report, ctx.peak_ratio)
     speed = estimate_time(ctx.model, workload, plan, ctx.gpu, ctx.cluster, runtime=ctx.runtime, eff=ctx.time_efficiency)
     return Evaluation(
@@ -135,7 +136,7 @@ def replayed(ev: Evaluation, ctx: Context) -> Evaluation:
     from memplan.costmodel.reserve import plan_verdict
 
     limit = ctx.limit_bytes - ev.overhead_bytes
-    v = plan_verdict(ctx.model, ev.workload, ev.plan, ctx.runtime, ctx.allocator, limit)
+    v = plan_verdict(ctx.model, ev.workload, ev.plan, ctx.runtime, ctx.allocator, limit, ctx.device)
     return ev.model_copy(
         update={
             "peak_reserved_bytes": v.reserved,

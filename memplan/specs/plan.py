@@ -12,7 +12,7 @@ Offload = Literal["none", "cpu", "nvme"]
 Recompute = Literal["none", "selective", "selective-op", "full"]
 PrecisionName = Literal["fp32", "bf16-mixed", "bf16-master", "fp16-master", "bf16", "fp8"]
 OptimizerName = Literal["adamw", "sgd", "adafactor", "adamw-8bit"]
-AttentionImpl = Literal["flash", "eager"]
+AttentionImpl = Literal["flash", "eager", "triton"]
 PipelineSchedule = Literal["1f1b", "interleaved", "gpipe"]
 
 
@@ -46,7 +46,13 @@ class Plan(BaseModel):
     )
     precision: PrecisionName = "bf16-master"
     optimizer: OptimizerName = "adamw"
-    attention: AttentionImpl = Field("flash", description="flash: no s x s scores kept; eager: scores materialised.")
+    attention: AttentionImpl = Field(
+        "flash",
+        description="flash: scaled_dot_product_attention, whose kernel PyTorch picks for the device and dtype "
+        "(flash, memory-efficient or cuDNN keep no s x s scores; the math path, e.g. fp32 with GQA on CUDA, does); "
+        "eager: scores materialised (transformers' eager path); triton: memplan's Triton FlashAttention-2 "
+        "(bundled trainer only: out and log-sum-exp in any dtype).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Plan:

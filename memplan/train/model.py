@@ -70,16 +70,24 @@ def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
-    """Causal attention on (b, heads, s, head_dim) tensors, K/V heads unrepeated."""
+    """Causal attention on (b, heads, s, head_dim) tensors, K/V heads unrepeated.
+
+    ``flash``: ``F.scaled_dot_product_attention``, the kernel PyTorch's dispatcher picks for the
+    device, dtype and shapes (``memplan.costmodel.attention.sdpa_backend`` models the choice: on
+    CUDA flash for fp16/bf16, and in fp32 with GQA the math path, which keeps the s x s
+    probabilities). ``triton``: memplan's Triton FlashAttention-2 (``memplan.kernels``), in any
+    dtype; where it cannot run (no Triton, no CUDA GPU of compute capability 8.0+, CPU without
+    ``TRITON_INTERPRET=1``) the error says so. ``eager``: scores materialised."""
     if impl == "eager":
         return _eager_attention(q, k, v)
-    if q.is_cuda:
+    if impl == "triton":
         try:
             from memplan.kernels import flash_attention  # type: ignore[import-not-found]
-        except ImportError:
-            pass
-        else:
-            return flash_attention(q, k, v, causal=True)
+        except ImportError as err:
+            raise ValueError(
+                f"attention=triton needs memplan.kernels (pip install 'memplan[kernels]'): {err}"
+            ) from None
+        return flash_attention(q, k, v, causal=True, backend="triton")
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -92,7 +100,6 @@ FLASH_ATTENTION_OPS = frozenset(
         "flash_attention_forward",  # memplan.kernels (saves out and lse, like SDPA)
     }
 )
-_ATTENTION_OPS = FLASH_ATTENTION_OPS | {"bmm", "_softmax"}
 
 
 def op_name(op) -> str:  # noqa: ANN001 - an OpOverload as a checkpoint policy receives it
@@ -102,11 +109,15 @@ def op_name(op) -> str:  # noqa: ANN001 - an OpOverload as a checkpoint policy r
 
 def _selective_policy(ctx, op, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
     """Save-list policy of selective recomputation (Korthikanti Sec. 5): nothing the attention
-    core computes is saved (SDPA's output and log-sum-exp; eager scores and softmax)."""
+    core computes is saved; the checkpoint keeps its inputs q, k, v and recomputes every op of
+    the core in the backward, whichever kernel ran it. Up to 2026-11-24 only the fused SDPA ops,
+    ``bmm`` and ``_softmax`` were recomputed and every other op's output saved: on SDPA's math
+    path (fp32 with GQA on CUDA) that kept the scaled q and k, the repeated K/V and the
+    probabilities (``_safe_softmax``), 3x what the math path keeps with no recomputation at all
+    (measured on CPU, docs/cost-model.md); eager attention kept its scaled and masked scores."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    name = op_name(op)
-    return CheckpointPolicy.PREFER_RECOMPUTE if name in _ATTENTION_OPS else CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _recomputed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:

@@ -39,6 +39,9 @@ class Case:
     attention: str = "sdpa"
     autocast: bool = False  # fp32 model, forward under torch.autocast(bfloat16): bf16-mixed
     slow: bool = False  # runs under ``-m slow`` only; a smaller twin runs by default (see below)
+    # the device predicted for: "cuda" cases run on CPU with SDPA forced to the backend CUDA's
+    # dispatch picks (attention.sdpa_backend), which the CPU has for the math path
+    device: str = "cpu"
 
     @property
     def precision(self) -> str:
@@ -64,6 +67,29 @@ class Case:
         return data
 
 
+def cuda_backend(case: Case) -> str:
+    """The kernel SDPA runs for this case on an H100 under torch 2.11 (memplan's dispatch model)."""
+    from memplan.costmodel.attention import sdpa_backend
+
+    dtype = "bf16" if case.autocast or case.dtype == "bfloat16" else "fp32"
+    return sdpa_backend("cuda", dtype, case.hidden // case.heads, case.heads, case.kv_heads, enable_gqa=True)
+
+
+def forced_backend(case: Case):
+    """For a ``device="cuda"`` case, SDPA forced on CPU to the backend CUDA would run (the math
+    path: the CPU has no flash-for-fp32-GQA alternative to it); else no forcing."""
+    import contextlib
+
+    if case.device != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = cuda_backend(case)
+    if backend != "math":
+        raise ValueError(f"{case.name}: CUDA runs {backend}, which the CPU cannot force")
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def measure_peak(case: Case, steps: int = 3) -> int:
     """Steady-state peak bytes of a training step, as MemTracker counts them."""
     torch.manual_seed(0)
@@ -78,7 +104,7 @@ def measure_peak(case: Case, steps: int = 3) -> int:
     ids = torch.randint(0, case.vocab, (case.batch, case.seq))
     tracker = MemTracker()
     tracker.track_external(model, opt)
-    with tracker:
+    with tracker, forced_backend(case):
         for _ in range(steps):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
                 out = model(input_ids=ids, labels=ids)
@@ -95,6 +121,7 @@ LAYERS = dict(layers=8, vocab=512, batch=4, seq=192, hidden=192, heads=6, kv_hea
 VOCAB = dict(vocab=32000, hidden=128, heads=4, kv_heads=4, ffn=344, batch=4, seq=256)  # vocabulary-dominated
 EAGER = dict(attention="eager", layers=4, vocab=512, batch=4, seq=256, hidden=128, heads=4, ffn=344)
 WIDE = dict(layers=6, batch=4, seq=160, hidden=256, ffn=704, vocab=1024)
+MATH = dict(layers=4, vocab=512, batch=2, seq=384, hidden=128, heads=4, kv_heads=2, ffn=344)  # s x s-dominated
 
 # bf16 matmuls are slow on CPUs without avx512_bf16 / AMX (PyTorch falls back to ATen's own
 # GEMM, 0.4 to 2 GFLOP/s on most layouts: a CI machine took 130-140 s for each bf16 vocab case),
@@ -155,6 +182,11 @@ CASES = [
     Case("autocast-layers-gqa4-small", **WIDE_SMALL, heads=4, kv_heads=1, autocast=True),
     Case("autocast-layers-mha", **WIDE, heads=4, kv_heads=4, autocast=True, slow=True),
     Case("autocast-layers-mha-small", **WIDE_SMALL, heads=2, kv_heads=2, autocast=True),
+    # CUDA's kernels, reproduced on CPU by forcing SDPA's backend: fp32 with GQA runs the math path
+    # on CUDA (flash and cuDNN need fp16/bf16, the memory-efficient kernel takes no enable_gqa)
+    Case("cuda-math-fp32-gqa", **MATH, device="cuda"),
+    Case("cuda-math-layers-fp32", **LAYERS, device="cuda"),
+    Case("cuda-math-fp32-gqa-ckpt", **MATH, checkpointing=True, device="cuda"),
 ]
 
 
@@ -177,4 +209,5 @@ def predict_report(case: Case):
         recompute="full" if case.checkpointing else "none",
         attention="eager" if case.attention == "eager" else "flash",
     )
-    return estimate_training(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan, runtime="hf")
+    workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+    return estimate_training(model, workload, plan, runtime="hf", device=case.device)

@@ -562,6 +562,21 @@ def test_unknown_allocator_flag_on_every_command(tmp_path, command):
     error_line(proc, "command line", "--allocator", "'default', 'expandable'")
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["estimate", "llama3-8b"], ["tune", "llama3-8b", "--gpus", "8"], ["validate", "llama3-8b"], ["check", "b.yaml"]],
+)
+def test_unknown_device_on_every_command(tmp_path, command):
+    proc = memplan(*command, "--device", "tpu", cwd=tmp_path)
+    error_line(proc, "command line", "--device", "'cpu'")
+
+
+def test_triton_attention_is_refused_by_exports(tmp_path):
+    proc = memplan("export", "--model", "llama3-8b", "--gpus", "8", "--zero", "3", "--attention", "triton",
+                   "--to", "deepspeed", cwd=tmp_path)  # fmt: skip
+    error_line(proc, "command line", "--attention", "bundled trainer")
+
+
 def test_unknown_allocator_in_a_plan_file(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text("allocator: fancy\n")

@@ -412,3 +412,21 @@ def test_python_dash_m_memplan_cli_help():
     proc = subprocess.run([sys.executable, "-m", "memplan.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "estimate" in proc.stdout and "profiles" in proc.stdout
+
+
+def test_device_picks_the_attention_kernel_and_its_memory(capsys, tmp_path):
+    """fp32 with GQA: CUDA's SDPA has no fused kernel for it (the math path keeps the s x s
+    probabilities), the CPU's flash kernel takes fp32; bf16 runs a fused kernel on both."""
+    args = ("llama3-8b", "--gpus", "1", "--precision", "fp32", "--seq-len", "2048", "--micro-batch", "1")
+    cuda = estimate_json(capsys, *args)
+    cpu = estimate_json(capsys, *args, "--device", "cpu")
+    assert cuda["gpu"]["device"] == "cuda" and cpu["gpu"]["device"] == "cpu"
+    assert cuda["plan"]["attention_kernel"] == "math" and cpu["plan"]["attention_kernel"] == "flash"
+    # 32 layers x (b a s^2 fp32 probabilities + the scaled / repeated copies) at least
+    probs = 32 * 1 * 32 * 2048 * 2048 * 4
+    assert cuda["memory"]["activations"]["total"] - cpu["memory"]["activations"]["total"] >= probs
+    bf16 = ("llama3-8b", "--gpus", "8", "--zero", "3", "--precision", "bf16-mixed", "--seq-len", "2048")
+    assert estimate_json(capsys, *bf16)["plan"]["attention_kernel"] == "cudnn"  # torch 2.11 on sm90
+    assert estimate_json(capsys, *bf16, "--device", "cpu")["plan"]["attention_kernel"] == "flash"
+    eager = estimate_json(capsys, *bf16, "--attention", "eager")
+    assert eager["plan"]["attention_kernel"] == "eager"

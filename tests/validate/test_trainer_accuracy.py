@@ -48,7 +48,7 @@ def _peak(case: Case):
     from memplan.costmodel.memory import estimate_training
     from memplan.specs.plan import Plan
 
-    return estimate_training(case.model, case.workload(), Plan(**case.plan), "memplan").peak
+    return estimate_training(case.model, case.workload(), Plan(**case.plan), "memplan", device="cpu").peak
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ class Case:
     def spec(self, steps: int = 2) -> tuple[RunSpec, int]:
         """The run of the most-loaded rank, and memplan's predicted peak.allocated for it."""
         plan = Plan(**self.plan)
-        report = estimate_training(self.model, self.workload(), plan, "memplan")
+        report = estimate_training(self.model, self.workload(), plan, "memplan", device="cpu")
         spec = RunSpec(model=self.model, workload=self.workload(), plan=plan, rank=report.peak.rank, steps=steps)
         return spec, report.peak.allocated
 
