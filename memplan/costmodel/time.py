@@ -1,14 +1,16 @@
 """Step time of a training plan on the slowest pipeline stage.
 
-The step is the micro-batches' compute (matmuls at an achievable fraction of the GPU's dense
-peak, FlashAttention at its own fraction or eager attention's full score matmuls at the matmul
-one, memory-bound element-wise work and eager attention's softmax at HBM bandwidth),
-plus the communication that is not hidden behind compute, plus the pipeline bubble and the
-optimizer step. Collectives follow the alpha-beta model of ring algorithms (Thakur et al.
-2005; Patarasuk & Yuan 2009): a ring all-reduce of B bytes over n ranks takes
-2 (n - 1) (alpha + B / (n bw)), an all-gather or a reduce-scatter half that. Each group runs
-over NVLink when it fits in a node, else over the inter-node network (Megatron's rank order:
-TP innermost, then CP, EP, DP, PP outermost).
+The step is the micro-batches' kernels, priced by class as one GPU runs them: GEMMs at an
+achievable fraction of the dense peak of the dtype they run in (bf16 on tensor cores; fp32 as
+IEEE fp32 on CUDA cores, PyTorch's default), fused attention kernels at their own fraction,
+the math / eager attention path as two batched GEMMs (roofline: FLOPs or the s x s operands'
+bytes) plus its score traffic, element-wise, norm, cast and loss kernels at HBM bandwidth;
+plus the communication that is not hidden behind compute, the pipeline bubble and the
+optimizer step (bytes it moves at HBM bandwidth). Collectives follow the alpha-beta model of
+ring algorithms (Thakur et al. 2005; Patarasuk & Yuan 2009): a ring all-reduce of B bytes over
+n ranks takes 2 (n - 1) (alpha + B / (n bw)), an all-gather or a reduce-scatter half that. Each
+group runs over NVLink when it fits in a node, else over the inter-node network (Megatron's
+rank order: TP innermost, then CP, EP, DP, PP outermost).
 
 Every constant below is an assumption with its source; a calibration per GPU profile
 (measured / predicted step time from ``memplan tune --validate``) scales the result.
@@ -24,7 +26,7 @@ from memplan.costmodel import params as P
 from memplan.costmodel.activations import layer_matmul_widths
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.layout import stage_layer_indices
-from memplan.costmodel.memory import gradient_accumulation
+from memplan.costmodel.memory import gradient_accumulation, sdpa_kind
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.runtimes import RUNTIMES
 from memplan.specs.hardware import ClusterSpec, GPUSpec
@@ -39,6 +41,13 @@ class Efficiency(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     matmul: float = Field(0.75, gt=0, le=1, description="Large bf16 GEMMs: ~740 of 989 TFLOP/s on H100 SXM (cuBLAS).")
+    matmul_fp32: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="IEEE fp32 GEMMs on CUDA cores (cuBLAS SGEMM): the generic large-GEMM fraction; the profiles' "
+        "fitted ``matmul`` is a bf16 tensor-core figure and is not applied to them.",
+    )
     attention: float = Field(
         0.45,
         gt=0,
@@ -187,30 +196,59 @@ def recompute_fraction(plan: Plan, layers: int, model: ModelSpec | None = None) 
     return Recomputation()
 
 
-def elementwise_bytes_per_token(model: ModelSpec, plan: Plan, layers: int, d: int, fused: bool) -> float:
+def cast_bytes(src: int, dst: int) -> int:
+    """Bytes one element's dtype conversion moves: read ``src``, write ``dst`` (none when equal)."""
+    return 0 if src == dst else src + dst
+
+
+def runs_autocast(plan: Plan, runtime: str) -> bool:
+    """bf16-mixed under ``torch.autocast`` (fp32 params, bf16 matmuls): the eager PyTorch runtimes
+    (``RuntimeProfile.autocast``) unless FSDP2's mixed-precision policy casts the params instead
+    (ZeRO-2/3 over more than one rank), as ``memory._shape`` decides."""
+    policy = POLICIES[plan.precision]
+    rt = RUNTIMES[runtime]
+    fsdp2 = rt.pytorch_parallel and plan.zero >= 2 and plan.dp * plan.cp > 1
+    return rt.autocast and policy.param_bytes > policy.compute_bytes and not fsdp2
+
+
+def elementwise_bytes_per_token(
+    model: ModelSpec, plan: Plan, layers: int, d: int, fused: bool, *, autocast: bool = False
+) -> float:
     """HBM traffic of one token's memory-bound kernels on a stage, forward and backward
     (backward ~2x forward), in bytes.
 
     Per layer and element, forward, eager PyTorch (transformers, torchtitan without compile,
-    memplan's trainer): RMSNorm runs as an fp32 upcast, square, mean, scale, downcast and
-    weight multiply (4 d + 28 bytes), but LayerNorm is one ATen kernel (``native_layer_norm``:
-    read and write, 2 d); RoPE goes through fp32 (2 d + 16 on q and k; none for learned or
-    ALiBi positions); SwiGLU is silu then multiply (5 d on f), a plain MLP's activation one
-    kernel (2 d on f); two residual adds (3 d on h). Fused kernels (Megatron / Transformer
-    Engine) read and write each tensor once: 2 d, 2 d, 3 d (2 d plain), 3 d. TP splits q, k
-    and f; sequence parallelism also the h-wide terms."""
+    memplan's trainer), with r the residual stream's dtype (d; fp32 under autocast):
+    RMSNorm runs as an upcast to fp32, square, mean, scale, downcast and weight multiply
+    (cast(r, 4) + 20 + cast(4, r) + 2 r: 4 d + 28 for d = 2, 28 in fp32), but LayerNorm is one
+    ATen kernel (``native_layer_norm``: read and write, 2 d); RoPE ``x cos + rotate_half(x) sin``
+    (mul, neg, cat, mul, add: 5 d + 5 r' bytes on q and k, r' the product's dtype, the tables'
+    being r; none for learned or ALiBi positions); SwiGLU is silu then multiply (5 d on f), a
+    plain MLP's activation one kernel (2 d on f); two residual adds (r + d + r on h). Fused
+    kernels (Megatron / Transformer Engine) read and write each tensor once: 2 d, 2 d, 3 d (2 d
+    plain), 3 d. TP splits q, k and f; sequence parallelism also the h-wide terms.
+
+    ``autocast`` (``torch.autocast`` over fp32 params): the residual stream, the norms and
+    RoPE's tables are fp32 (r = 4), every matmul casts its fp32 input to d itself (autocast
+    caches weights, not activations: q, k, v, gate and up each cast the norm's output, 6 bytes
+    per element each) and the attention kernel casts the fp32 RoPE'd q and k back to d."""
     h, t = model.hidden_size, plan.tp
     f = model.moe.expert_ffn_size * model.moe.top_k if model.moe else model.ffn_size
     qk = (model.q_size + model.kv_size) / t
     gated = model.mlp == "gated"
+    r = 4 if autocast else d
+    casts = 0.0
     if fused:
         norm, rope, act, add = 2 * d, 2 * d, (3 * d if gated else 2 * d), 3 * d
     else:
-        norm = 4 * d + 28 if model.norm == "rmsnorm" else 2 * d
-        rope, act, add = 2 * d + 16, (5 * d if gated else 2 * d), 3 * d
+        norm = cast_bytes(r, 4) + 20 + cast_bytes(4, r) + 2 * r if model.norm == "rmsnorm" else 2 * r
+        product = max(d, r)
+        rope = 5 * d + 5 * product + cast_bytes(product, d)
+        act, add = (5 * d if gated else 2 * d), 2 * r + d
+        casts = (3 + (2 if gated else 1)) * cast_bytes(r, d)
     if model.position_embedding != "rope":
         rope = 0
-    wide = (2 * norm + 2 * add) * h / (t if plan.sequence_parallel else 1)
+    wide = (2 * norm + 2 * add + casts) * h / (t if plan.sequence_parallel else 1)
     forward = wide + rope * qk + act * f / t
     return 3.0 * forward * layers
 
@@ -224,10 +262,15 @@ def eager_score_bytes_per_token(
     Eager attention materialises each query's scores against all ``seq_len`` keys (the causal
     mask is applied to them, nothing is skipped): a s / t score elements per token and layer.
     Per element, forward: a fused scale-mask-softmax (Megatron's ``FusedScaleMaskSoftmax``)
-    reads and writes it once, 2 d; unfused PyTorch (transformers' and memplan's eager path)
-    scales (2 d), masks (2 d), takes an fp32 softmax (d + 4) and casts back (4 + d): 6 d + 8.
-    Attention dropout adds a read, a write and a 1-byte mask: 2 d + 1. The two batched
-    matmuls around them are counted as FLOPs, at the matmul efficiency."""
+    reads and writes it once, 2 d; unfused PyTorch scales (2 d), masks (2 d), takes an fp32
+    softmax (d + 4) and casts back (4 + d): 6 d + 8. Attention dropout adds a read, a write and
+    a 1-byte mask: 2 d + 1. The two batched matmuls around them are GEMMs
+    (:func:`score_gemm_bytes_per_token`).
+
+    For bf16 the unfused count is also what memplan's trainer moves, itemised forward and
+    backward: scale 4, mask 4, ``softmax(dtype=float32)`` as a separate upcast 6 (ATen's
+    ``softmax`` fuses the upcast only for Half) and an fp32 softmax 8, the cast for P V 6 (28);
+    backward the casts' 6 + 6, softmax's 12, mask 4, scale 4 (32): 60 = 3 (6 d + 8)."""
     if plan.attention != "eager":
         return 0.0
     per_element = 2 * d if fused else 6 * d + 8
@@ -237,18 +280,134 @@ def eager_score_bytes_per_token(
     return 3.0 * per_element * scores * layers
 
 
-def loss_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
-    """The last stage's logits: the log-softmax reads and writes b s V / t in fp32, its
-    backward once more (~4 passes of 4 bytes)."""
-    return 4 * 4 * model.vocab_size / plan.tp
+def math_score_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int, layers: int, d: int) -> float:
+    """HBM traffic of SDPA's math path on its a x s x s scores, per token on a stage, forward
+    and backward (``_scaled_dot_product_attention_math``, ATen ``attention.cpp``).
+
+    Per element, forward: the causal mask added in place (2 d), then ``_safe_softmax``: softmax
+    (2 d), ``eq(-inf)`` (d + 1), ``all`` over the row (1), ``where`` (2 d); backward the
+    softmax's (read the gradient and the output, write: 3 d): 10 d + 2 (42 bytes in fp32)."""
+    scores = model.num_attention_heads * seq_len / plan.tp
+    return (10 * d + 2) * scores * layers
+
+
+def score_gemm_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int, layers: int, d: int) -> float:
+    """The s x s operands of the math / eager path's batched GEMMs, per token on a stage: forward
+    Q K^T writes the scores and P V reads the probabilities; backward dP = dO V^T writes, and dV,
+    dQ, dK read one each: 6 d bytes per score element. With a head size of 64 these GEMMs do
+    2 x 64 FLOPs per element moved, below the ridge point of a bf16 tensor core (H100 SXM:
+    989 TFLOP/s / 3.35 TB/s ~ 295 FLOP/B): they run at HBM bandwidth, not at the matmul peak
+    (roofline, Williams et al. 2009)."""
+    return 6 * d * model.num_attention_heads * seq_len / plan.tp * layers
+
+
+def materialised_token_bytes(model: ModelSpec, plan: Plan, layers: int, d: int, autocast: bool = False) -> float:
+    """Per-token traffic around the math / eager path's GEMMs, on a stage, forward and backward
+    (backward ~2x forward): GQA's ``repeat_interleave`` of K and V up to the query heads (read
+    kv, write q wide; K in fp32 under autocast, after RoPE) and the copy of the (b, a, s, d_h)
+    output into (b, s, a d_h) for the output projection (2 d on q). Flash kernels read the
+    unrepeated heads and write the output in that layout."""
+    q, kv = model.q_size / plan.tp, model.kv_size / plan.tp
+    k_bytes = 4 if autocast else d
+    repeat = (k_bytes + d) * (kv + q) if model.kv_heads < model.num_attention_heads else 0.0
+    return 3.0 * (repeat + 2 * d * q) * layers
+
+
+def gemm_seconds(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: float) -> float:
+    """Roofline time of a GEMM (Williams, Waterman & Patterson 2009): compute- or memory-bound,
+    whichever is slower."""
+    return max(flops / flops_per_s, nbytes / bytes_per_s)
+
+
+def loss_bytes_per_token(model: ModelSpec, plan: Plan, fused: bool = True, d: int = 4) -> float:
+    """The last stage's logits, per token.
+
+    Fused (Megatron's vocab-parallel cross-entropy): the log-softmax reads and writes b s V / t
+    in fp32, its backward once more (~4 passes of 4 bytes).
+
+    Eager PyTorch (``F.cross_entropy(logits.float(), labels)``): the upcast of the d-byte logits
+    (d + 4, none in fp32); ``log_softmax`` over rows too long for shared memory (ATen
+    ``cunn_SoftMaxForward``: a reduction pass and a pass that re-reads and writes, 12); backward
+    ``nll_loss`` writes a dense fp32 gradient (4), ``log_softmax``'s backward sums it and then
+    reads it and the output to write (16), and the upcast's backward casts it to d (4 + d)."""
+    if fused:
+        return 4 * 4 * model.vocab_size / plan.tp
+    return (2 * cast_bytes(d, 4) + 12 + 4 + 16) * model.vocab_size / plan.tp
+
+
+def autocast_weight_bytes(model: ModelSpec, plan: Plan, stage: int) -> float:
+    """Per micro-batch under autocast: every matmul weight cast fp32 -> bf16 once in the forward
+    (the autocast cache, 6 bytes) and its bf16 gradient cast to fp32 for ``.grad`` (6 bytes)."""
+    layers = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
+    weights = sum(layer_matmul_params(model, i) for i in layers)
+    if stage == plan.pp - 1:
+        weights += model.vocab_size * model.hidden_size
+    return 12.0 * weights / plan.tp
 
 
 def matmul_peak_flops(gpu: GPUSpec, precision: str) -> float:
     """The dense peak of the dtype the matmuls run in (fp8, fp32, else bf16), MFU's denominator;
-    bf16's, or the profile's first figure, where the profile lacks that dtype."""
+    bf16's, or the profile's first figure, where the profile lacks that dtype. fp32 is IEEE fp32
+    on CUDA cores: PyTorch's default ``torch.backends.cuda.matmul.allow_tf32 = False``
+    (``get_float32_matmul_precision() == "highest"``) keeps fp32 matmuls off the TF32 tensor
+    cores (H100 SXM: 66.9 vs 989.4 TFLOP/s bf16 dense, H100 whitepaper)."""
     policy = POLICIES[precision]
     dtype = "fp8" if policy.fp8_matmuls else ("fp32" if policy.compute_bytes == 4 else "bf16")
     return gpu.peak_flops.get(dtype) or gpu.peak_flops.get("bf16") or next(iter(gpu.peak_flops.values()))
+
+
+def matmul_efficiency(eff: Efficiency, precision: str) -> float:
+    """The fraction of that peak GEMMs reach: fp32 GEMMs (CUDA cores) at ``matmul_fp32``, tensor-core
+    GEMMs (bf16, fp16, fp8) at ``matmul``."""
+    return eff.matmul_fp32 if POLICIES[precision].compute_bytes == 4 else eff.matmul
+
+
+def attention_backend(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu: GPUSpec) -> str:
+    """The attention kernel one rank runs: ``eager`` (scores materialised by the runtime), else
+    the kernel PyTorch's ``scaled_dot_product_attention`` picks: ``flash`` needs fp16 / bf16,
+    the memory-efficient kernel (``efficient``) takes fp32 but not ``enable_gqa``, so fp32 with
+    GQA (fewer K/V heads than query heads) falls to the ``math`` path (PyTorch ``sdp_utils``;
+    ``memory.sdpa_kind``, ``attention.sdpa_backend``: on torch 2.11 an H100 prefers ``cudnn``,
+    priced as the fused kernels). memplan's Triton kernel (``triton``) is a flash kernel in any
+    dtype."""
+    if plan.attention == "eager":
+        return "eager"
+    return sdpa_kind(model, plan, POLICIES[plan.precision], "cuda")
+
+
+FOREACH_ADAMW_RUNTIMES = frozenset({"memplan", "hf"})
+"""Runtimes whose AdamW is ``torch.optim.AdamW(foreach=True)`` (the bundled trainer; transformers'
+``Trainer`` as the ``hf`` profile describes it); Megatron runs a fused multi-tensor Adam."""
+
+
+def foreach_adamw(plan: Plan, runtime: str) -> bool:
+    """Whether the step's AdamW is priced as ``foreach`` (:func:`adam_bytes_per_param`).
+
+    Convention: ZeRO-2/3 under FSDP2 is priced fused. The FSDP2 runs the model is compared
+    with are torchtitan's (``optimizer.implementation`` defaults to ``fused``), which
+    benchmarks/time_vs_published.py predicts with the ``memplan`` runtime; the bundled
+    trainer's own FSDP2 path runs ``foreach`` (52 bytes per owned parameter more), which is
+    therefore under-costed there."""
+    fsdp2 = RUNTIMES[runtime].pytorch_parallel and plan.zero >= 2 and plan.dp * plan.cp > 1
+    return runtime in FOREACH_ADAMW_RUNTIMES and not fsdp2
+
+
+def adam_bytes_per_param(policy, foreach: bool) -> float:  # noqa: ANN001 - PrecisionPolicy
+    """HBM bytes one parameter's Adam(W) update moves.
+
+    Fused (one kernel, apex / Transformer Engine FusedAdam, ``fused=True``): read and write the
+    param, read the gradient, read and write two fp32 states and, with master weights, the
+    fp32 master. ``foreach`` (``torch.optim.adam._multi_tensor_adam``, decoupled weight decay):
+    eight passes, ``mul_`` (param r/w), ``lerp_`` (m r/w, g r), ``mul_`` (v r/w), ``addcmul_``
+    (v r/w, g r), ``sqrt`` (v r, t w), ``div_`` and ``add_`` (t r/w each), ``addcdiv_`` (param
+    r/w, m r, t r): 20 accesses of 4 bytes, 80; with master weights the gradients' cast to
+    fp32 and the copy back to the params on top."""
+    if not foreach:
+        return 2 * policy.param_bytes + policy.grad_bytes + 2 * 2 * 4 + (2 * 4 if policy.master_bytes else 0)
+    per_param = 20 * 4
+    if policy.master_bytes:
+        per_param += cast_bytes(policy.grad_bytes, 4) + cast_bytes(4, policy.param_bytes)
+    return per_param
 
 
 def _dp_group(plan: Plan) -> tuple[int, int]:
@@ -267,7 +426,8 @@ def estimate_time(
     eff: Efficiency | None = None,
 ) -> TimeReport:
     """Step time, tokens/s, MFU and HFU of a training plan (see the module docstring).
-    ``runtime`` picks fused (``megatron``) or eager element-wise kernels."""
+    ``runtime`` picks fused (``megatron``) or eager element-wise kernels, its loss and its
+    optimizer implementation, and whether bf16-mixed runs under autocast."""
     eff = eff or Efficiency.for_gpu(gpu)
     policy = POLICIES[plan.precision]
     d = policy.compute_bytes
@@ -299,6 +459,8 @@ def estimate_time(
             ep_link,
             runtime == "megatron",
             RUNTIMES[runtime].dropout,
+            attention_backend(model, workload, plan, gpu),
+            runs_autocast(plan, runtime),
         )
         if slowest is None or sum(parts.values()) > sum(slowest.values()):
             slowest = parts
@@ -313,7 +475,7 @@ def estimate_time(
         act = tokens_mb * model.hidden_size * d / (plan.tp if plan.sequence_parallel else 1)
         breakdown["pp_p2p"] = 2 * (plan.pp - 1) * (pp_link.alpha_s + act / pp_link.bytes_per_s)
     breakdown.update(_data_parallel(model, plan, policy, m, per_mb, dp_size, dp_link, gpu.pcie_bytes_per_s, eff))
-    breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff))
+    breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach_adamw(plan, runtime)))
     step = sum(breakdown.values()) * eff.calibration
     breakdown = {k: v * eff.calibration for k, v in breakdown.items() if v}
 
@@ -357,32 +519,44 @@ def _stage_micro_batch(
     ep_link: Link,
     fused: bool,
     dropout: bool,
+    backend: str = "flash",
+    autocast: bool = False,
 ) -> dict[str, float]:
-    """Seconds of one micro-batch's forward and backward on one rank of ``stage``."""
+    """Seconds of one micro-batch's forward and backward on one rank of ``stage``: GEMMs and
+    fused attention kernels (``compute``), HBM-bound kernels (``memory_bound``), collectives."""
     indices = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
     layers = len(indices)
-    # flash kernels skip the masked blocks; eager attention computes every score (two batched
-    # matmuls, at the matmul efficiency) and runs its softmax over them in HBM
-    eager = plan.attention == "eager"
-    matmul, attention = stage_flops_per_token(model, plan, stage, s, causal=not eager)
+    # fused attention kernels skip the masked blocks; the math / eager path computes every score
+    # (two batched GEMMs, roofline) and runs its softmax over them in HBM
+    materialised = backend in ("eager", "math")
+    matmul, attention = stage_flops_per_token(model, plan, stage, s, causal=not materialised)
     extra = recompute_fraction(plan, layers, model)
     last = stage == plan.pp - 1
     head = 6.0 * model.vocab_size * model.hidden_size if last else 0.0
+    hbm = gpu.hbm_bytes_per_s * eff.hbm
+    gemm_flops_per_s = peak * matmul_efficiency(eff, plan.precision)
     # attention under CP: each rank's queries against the whole sequence, so its FLOPs are
     # the full-sequence count split over cp like the tokens
-    compute = (
-        tokens_mb
-        / plan.tp
-        * (
-            (matmul + extra.matmul * (matmul - head)) / (peak * eff.matmul)
-            + attention * (1 + extra.attention) / (peak * (eff.matmul if eager else eff.attention))
-        )
-    )
-    traffic = (1 + extra.elementwise) * elementwise_bytes_per_token(model, plan, layers, d, fused)
-    traffic += (1 + extra.attention) * eager_score_bytes_per_token(model, plan, s, layers, d, fused, dropout)
-    memory = tokens_mb * traffic / (gpu.hbm_bytes_per_s * eff.hbm)
+    tokens = tokens_mb / plan.tp
+    gemms = tokens * (matmul + extra.matmul * (matmul - head)) / gemm_flops_per_s
+    if materialised:
+        operands = tokens_mb * score_gemm_bytes_per_token(model, plan, s, layers, d)
+        attn = gemm_seconds(tokens * attention, operands, gemm_flops_per_s, hbm)
+    else:
+        attn = tokens * attention / (peak * eff.attention)
+    compute = gemms + attn * (1 + extra.attention)
+    traffic = (1 + extra.elementwise) * elementwise_bytes_per_token(model, plan, layers, d, fused, autocast=autocast)
+    if materialised:
+        traffic += (1 + extra.attention) * materialised_token_bytes(model, plan, layers, d, autocast)
+    if backend == "math":
+        traffic += (1 + extra.attention) * math_score_bytes_per_token(model, plan, s, layers, d)
+    else:
+        traffic += (1 + extra.attention) * eager_score_bytes_per_token(model, plan, s, layers, d, fused, dropout)
+    memory = tokens_mb * traffic / hbm
     if last:
-        memory += tokens_mb * loss_bytes_per_token(model, plan) / (gpu.hbm_bytes_per_s * eff.hbm)
+        memory += tokens_mb * loss_bytes_per_token(model, plan, fused, d) / hbm
+    if autocast:
+        memory += autocast_weight_bytes(model, plan, stage) / hbm
     parts = {"compute": compute, "memory_bound": memory}
     # TP (Megatron, Korthikanti Sec. 4.2.2): per layer, forward 2 all-reduces of b s h (with SP
     # 2 all-gathers + 2 reduce-scatters, the same bytes), backward the same; recomputation repeats
@@ -459,15 +633,14 @@ def _optimizer(
     n: int,
     gpu: GPUSpec,
     eff: Efficiency,
+    foreach: bool = False,
 ) -> dict[str, float]:
-    """The optimizer step on the params this rank updates: memory-bound on the GPU, or on
-    the host (CPU Adam) with gradients down and parameters up over PCIe. Adam reads and
-    writes the param, reads the gradient, reads and writes two fp32 states and, with master
-    weights, the fp32 master."""
+    """The optimizer step on the params this rank updates: memory-bound on the GPU
+    (:func:`adam_bytes_per_param`, fused or ``foreach``), or on the host (CPU Adam) with
+    gradients down and parameters up over PCIe."""
     shards = n if plan.zero >= 1 else 1
     owned = P.total_params(model) / plan.pp / plan.tp / shards
     if plan.offload_optimizer != "none":
         pcie = owned * (policy.grad_bytes + policy.param_bytes) / gpu.pcie_bytes_per_s
         return {"optimizer": owned / eff.host_adam_params_per_s, "offload": pcie}
-    per_param = 2 * policy.param_bytes + policy.grad_bytes + 2 * 2 * 4 + (2 * 4 if policy.master_bytes else 0)
-    return {"optimizer": owned * per_param / (gpu.hbm_bytes_per_s * eff.hbm)}
+    return {"optimizer": owned * adam_bytes_per_param(policy, foreach) / (gpu.hbm_bytes_per_s * eff.hbm)}
