@@ -36,6 +36,8 @@ any strides over the first three dims, the last dim contiguous. ``out`` takes ``
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -577,8 +579,85 @@ def _backward(ctx, dout, dlse):
 flash_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------------------------------------
+# torch.compile: versions whose Inductor cannot compile these kernels run the eager op instead
+# ---------------------------------------------------------------------------------------------
+
+# torch.compile over the kernels failed to compile ``_attn_fwd`` with torch 2.11.0 and Triton 3.6.0 (a
+# report from an H100; not reproduced here, and the cause inside Inductor not pinned down); the GPU tests
+# (``TestCuda.test_torch_compile``) are written against torch 2.13 with Triton 3.8. So the versions known
+# to fail are torch below 2.12 together with Triton below 3.7; the other combinations are tried.
+COMPILE_KNOWN_BAD = {"torch_below": (2, 12), "triton_below": (3, 7)}
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as '2.11.0+cu130' or '3.6.0'."""
+    parts = [int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit()]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def torch_version() -> tuple[int, int]:
+    return _release(str(torch.__version__))
+
+
+def triton_version() -> tuple[int, int]:
+    return _release(triton.__version__)
+
+
+def compile_unsupported() -> str | None:
+    """Why torch.compile cannot compile the kernels with this torch and Triton, or None where it is tried."""
+    torch_v, triton_v = torch_version(), triton_version()
+    if torch_v < COMPILE_KNOWN_BAD["torch_below"] and triton_v < COMPILE_KNOWN_BAD["triton_below"]:
+        return (
+            f"memplan.kernels: torch.compile cannot compile the Triton attention kernels with torch "
+            f"{'.'.join(map(str, torch_v))} and Triton {'.'.join(map(str, triton_v))} (known to fail below torch "
+            "2.12 with Triton below 3.7); they run as the eager op outside the compiled graph"
+        )
+    return None
+
+
+# torch.compile takes the answer as a constant instead of tracing the version parsing (what
+# torch.compiler.assume_constant_result sets; see _kernels_run_on in kernels/__init__.py)
+compile_unsupported._dynamo_marked_constant = True
+
+_warned: set[str] = set()
+
+
+def _eager_flash_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op called eagerly (a graph break under torch.compile): the kernels launch as Triton kernels
+    outside the graph, and its autograd formula runs the backward op the same way."""
+    reason = compile_unsupported()
+    if reason is not None and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(reason, RuntimeWarning, stacklevel=3)
+    return flash_attention_forward(q, k, v, causal, softmax_scale)
+
+
+def _disable(fn):
+    """``torch.compiler.disable(fn)``, with the reason (torch 2.8+) that the error of ``fullgraph=True`` shows."""
+    reason = (
+        f"memplan.kernels: torch {torch.__version__} with Triton {triton.__version__} cannot compile the kernels "
+        "(known to fail below torch 2.12 with Triton below 3.7); the op runs eagerly, a graph break"
+    )
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # torch before 2.8
+        return torch.compiler.disable(fn)
+
+
+_eager_forward = _disable(_eager_flash_attention_forward)
+
+
 def attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, softmax_scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton path of ``memplan.kernels.flash_attention_with_lse``."""
-    return flash_attention_forward(q, k, v, bool(causal), default_scale(q, softmax_scale))
+    """The Triton path of ``memplan.kernels.flash_attention_with_lse``. Under torch.compile with a torch
+    and Triton that cannot compile the kernels (``compile_unsupported``) it calls the op eagerly, behind
+    ``torch.compiler.disable``, with one warning naming the versions; eager calls are never checked.
+    ``torch.ops.memplan.flash_attention_forward`` called directly under torch.compile is not guarded."""
+    args = (q, k, v, bool(causal), default_scale(q, softmax_scale))
+    if torch.compiler.is_compiling() and compile_unsupported() is not None:
+        return _eager_forward(*args)
+    return flash_attention_forward(*args)

@@ -129,6 +129,7 @@ class StageReplay:
                 buf.grad = None
         fsdp = [m for _, m in self.chunks if _is_fsdp(m)]
         for module in fsdp:
+            _check_fsdp_internals(module)
             module.set_is_last_backward(False)
             module.set_reshard_after_backward(False)
             module.set_requires_gradient_sync(False)
@@ -161,15 +162,70 @@ def _is_fsdp(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _reduce_grads(module: nn.Module) -> None:
-    """What ``PipelineStage.perform_reduce_grad`` does for FSDP2 after the last backward."""
+_MISSING = object()
+
+
+def _fsdp_internals_error(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"torch {torch.__version__}: FSDP2 has no {what}, which the pipeline replay needs to reduce "
+        "gradients after the last micro-batch (what torch.distributed.pipelining's perform_reduce_grad does); "
+        "memplan knows torch 2.6 to 2.13 (memplan/train/pipeline.py, fsdp_param_groups)"
+    )
+
+
+def fsdp_param_groups(state: object) -> list:
+    """The ``FSDPParamGroup``s of one FSDP2 state (``fully_shard`` of one module), across torch versions.
+
+    There is no public API for them. torch 2.12 and later (per-parameter meshes, pytorch#173509) keep a
+    list, ``_fsdp_param_groups``, beside a compatibility property ``_fsdp_param_group`` that raises where
+    there are several; torch 2.6 to 2.11 keep one group or None in ``_fsdp_param_group``. The list is
+    tried first; RuntimeError, naming the torch version, where neither exists.
+    """
+    groups = getattr(state, "_fsdp_param_groups", _MISSING)
+    if groups is not _MISSING:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", _MISSING)
+    if group is not _MISSING:
+        return [] if group is None else [group]
+    raise _fsdp_internals_error(f"`_fsdp_param_groups` or `_fsdp_param_group` on {type(state).__name__}")
+
+
+def _fsdp_state(module: nn.Module) -> object:
     from torch.distributed.fsdp import fully_shard
 
+    state_of = getattr(fully_shard, "state", None)  # the composable API's contract (torch 2.4+)
+    if state_of is None:
+        raise _fsdp_internals_error("`fully_shard.state`")
+    return state_of(module)
+
+
+def _check_fsdp_internals(module: nn.Module) -> None:
+    """Fails before the first micro-batch, not after the last, where this torch lacks what ``_reduce_grads``
+    uses (the states of the module tree are listed only at the first forward, so only the root's is checked)."""
+    state = _fsdp_state(module)
+    fsdp_param_groups(state)
+    if not hasattr(state, "_state_ctx"):
+        raise _fsdp_internals_error(f"`_state_ctx` on {type(state).__name__}")
+    if not callable(getattr(state, "_root_post_backward_final_callback", None)):
+        raise _fsdp_internals_error(f"`_root_post_backward_final_callback` on {type(state).__name__}")
+
+
+def _reduce_grads(module: nn.Module) -> None:
+    """What ``PipelineStage.perform_reduce_grad`` does for FSDP2 after the last backward: the public setters,
+    then each param group's ``post_backward`` (reduce-scatter, reshard) and the root's final callback, which
+    have no public API (``FSDPModule.reshard()`` would free the unsharded parameters but not reduce the
+    gradients). The private names are those of torch 2.6 to 2.13, looked up through ``fsdp_param_groups``."""
     module.set_is_last_backward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
-    state = fully_shard.state(module)
-    for sub in state._state_ctx.all_states:
-        for group in sub._fsdp_param_groups:
+    state = _fsdp_state(module)
+    all_states = getattr(getattr(state, "_state_ctx", None), "all_states", None)
+    if all_states is None:
+        raise _fsdp_internals_error(f"`_state_ctx.all_states` on {type(state).__name__}")
+    for sub in all_states:
+        for group in fsdp_param_groups(sub):
             group.post_backward()
-    state._root_post_backward_final_callback()
+    final = getattr(state, "_root_post_backward_final_callback", None)
+    if not callable(final):
+        raise _fsdp_internals_error(f"`_root_post_backward_final_callback` on {type(state).__name__}")
+    final()

@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -238,7 +239,7 @@ def test_recompute_policies_name_the_kernel_op(recompute, forwards_again):
     assert ran["flash_attention_forward"] == forwards_again and ran["flash_attention_backward"] == 1
     for t in (q, k, v):
         t.grad = None
-    w = torch.eye(16).requires_grad_()
+    w = torch.eye(16, dtype=q.dtype, device=q.device).requires_grad_()
     (mk.flash_attention(q @ w, k, v, causal=True, backend="triton") @ w).sum().backward()
     for got, want in zip(grads, [q.grad, k.grad, v.grad, w.grad], strict=True):
         torch.testing.assert_close(got, want)
@@ -249,17 +250,17 @@ def test_recompute_policies_name_the_kernel_op(recompute, forwards_again):
 # ---------------------------------------------------------------------------------------------
 
 
-def _qkv(q_shape=(1, 4, 8, 16), kv_shape=(1, 2, 8, 16), dtype=torch.float16, k_dtype=None):
+def _qkv(q_shape=(1, 4, 8, 16), kv_shape=(1, 2, 8, 16), dtype=torch.float16, k_dtype=None, device=DEVICE):
     return (
-        torch.randn(q_shape).to(dtype),
-        torch.randn(kv_shape).to(k_dtype or dtype),
-        torch.randn(kv_shape).to(k_dtype or dtype),
+        torch.randn(q_shape, device=device).to(dtype),
+        torch.randn(kv_shape, device=device).to(k_dtype or dtype),
+        torch.randn(kv_shape, device=device).to(k_dtype or dtype),
     )
 
 
 def _transposed_last_dim():
     q, k, v = _qkv()
-    return torch.randn(1, 4, 16, 8).to(torch.float16).transpose(-1, -2), k, v
+    return torch.randn(1, 4, 16, 8, device=q.device).to(torch.float16).transpose(-1, -2), k, v
 
 
 BAD_INPUTS = [
@@ -273,7 +274,9 @@ BAD_INPUTS = [
     pytest.param(lambda: _qkv((1, 4, 8, 512), (1, 2, 8, 512)), "head_dim 512 unsupported", id="head-dim-512"),
     pytest.param(lambda: _qkv((1, 4, 8, 0), (1, 2, 8, 0)), "head_dim 0 unsupported", id="head-dim-0"),
     pytest.param(_transposed_last_dim, "contiguous last dim", id="last-dim-strided"),
-    pytest.param(lambda: (*_qkv()[:2], torch.randn(1, 2, 8, 8).half()), "shapes differ", id="k-v-mismatch"),
+    pytest.param(
+        lambda: (*_qkv()[:2], torch.randn(1, 2, 8, 8, device=DEVICE).half()), "shapes differ", id="k-v-mismatch"
+    ),
 ]
 
 
@@ -447,6 +450,130 @@ def test_fake_tensor_trace_of_the_ops():
     assert result["devices"] == ["cuda:0"]
 
 
+# ---------------------------------------------------------------------------------------------
+# torch.compile guard: versions known not to compile the kernels run the eager op (versions faked)
+# ---------------------------------------------------------------------------------------------
+
+KNOWN_BAD = ((2, 11), (3, 6))  # torch 2.11.0+cu130 with Triton 3.6.0 failed to compile _attn_fwd
+
+
+@pytest.fixture
+def fa(monkeypatch):
+    """The kernel module, with its one-warning memory cleared."""
+    kernels = mk.triton_kernels()
+    if kernels is None:
+        pytest.skip("needs Triton")
+    monkeypatch.setattr(kernels, "_warned", set())
+    return kernels
+
+
+def _fake_versions(monkeypatch, fa, torch_v, triton_v):
+    monkeypatch.setattr(fa, "torch_version", lambda: torch_v)
+    monkeypatch.setattr(fa, "triton_version", lambda: triton_v)
+
+
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [("2.11.0+cu130", (2, 11)), ("3.6.0", (3, 6)), ("2.12.0a0+git1234", (2, 12)), ("3.10.1", (3, 10)), ("3", (3, 0))],
+)
+def test_compile_guard_reads_release(fa, version, release):
+    assert fa._release(version) == release
+
+
+@pytest.mark.parametrize(
+    ("torch_v", "triton_v", "refused"),
+    [
+        ((2, 11), (3, 6), True),
+        ((2, 10), (3, 5), True),
+        ((2, 11), (3, 7), False),
+        ((2, 12), (3, 6), False),
+        ((2, 13), (3, 8), False),
+    ],
+)
+def test_compile_guard_versions(fa, monkeypatch, torch_v, triton_v, refused):
+    _fake_versions(monkeypatch, fa, torch_v, triton_v)
+    reason = fa.compile_unsupported()
+    assert (reason is not None) == refused
+    if refused:
+        names = f"torch {torch_v[0]}.{torch_v[1]} and Triton {triton_v[0]}.{triton_v[1]}"
+        assert names in reason and "\n" not in reason
+
+
+def _record_ops(monkeypatch, fa):
+    """Replaces the op with a recorder; returns the calls' (path, args)."""
+    calls = []
+
+    def op(*args):
+        calls.append(args)
+        return "out", "lse"
+
+    monkeypatch.setattr(fa, "flash_attention_forward", op)
+    return calls
+
+
+def test_compile_guard_eager_calls_unchecked(fa, monkeypatch):
+    """Outside torch.compile the versions are never consulted and nothing warns."""
+    _fake_versions(monkeypatch, fa, *KNOWN_BAD)
+    calls = _record_ops(monkeypatch, fa)
+    monkeypatch.setattr(fa, "_eager_forward", lambda *a: pytest.fail("eager fallback taken outside torch.compile"))
+    q = torch.empty(1, 2, 4, 16, device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fa.attention_with_lse(q, q, q, causal=1) == ("out", "lse")
+    assert calls == [(q, q, q, True, 0.25)]
+
+
+def test_compile_guard_known_bad_versions_take_the_eager_op(fa, monkeypatch):
+    """Under torch.compile (faked) with torch 2.11 and Triton 3.6: the op behind
+    torch.compiler.disable, one warning naming the versions however often it runs."""
+    _fake_versions(monkeypatch, fa, *KNOWN_BAD)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    calls = _record_ops(monkeypatch, fa)
+    q = torch.empty(1, 2, 4, 16, device=DEVICE)
+    with pytest.warns(RuntimeWarning, match=r"torch 2\.11 and Triton 3\.6") as caught:
+        for _ in range(3):
+            assert fa.attention_with_lse(q, q, q, True, 0.5) == ("out", "lse")
+    assert len([w for w in caught if "memplan.kernels" in str(w.message)]) == 1
+    assert calls == [(q, q, q, True, 0.5)] * 3
+
+
+@pytest.mark.parametrize("versions", [((2, 13), (3, 8)), ((2, 12), (3, 6)), ((2, 11), (3, 7))], ids=str)
+def test_compile_guard_other_versions_trace_the_op(fa, monkeypatch, versions):
+    _fake_versions(monkeypatch, fa, *versions)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    calls = _record_ops(monkeypatch, fa)
+    monkeypatch.setattr(fa, "_eager_forward", lambda *a: pytest.fail("eager fallback taken on a version that compiles"))
+    q = torch.empty(1, 2, 4, 16, device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fa.attention_with_lse(q, q, q)
+    assert len(calls) == 1
+
+
+@needs_kernels
+def test_torch_compile_on_known_bad_versions_runs_the_eager_op(monkeypatch):
+    """A real torch.compile (aot_eager: no Inductor, so it runs on the CPU through the interpreter
+    too) of flash_attention with the versions faked to torch 2.11 / Triton 3.6: a graph break around
+    the op, one warning, the eager output and gradients."""
+    fa = mk.triton_kernels()
+    monkeypatch.setattr(fa, "_warned", set())
+    _fake_versions(monkeypatch, fa, *KNOWN_BAD)
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 4, 2, 20, 16, torch.float32)
+    eager = mk.flash_attention(q, k, v, backend="triton")
+    eager.sum().backward()
+    eager_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    with pytest.warns(RuntimeWarning, match=r"torch 2\.11 and Triton 3\.6"):
+        out = torch.compile(mk.flash_attention, backend="aot_eager")(q, k, v, backend="triton")
+    out.sum().backward()
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, eager)
+    for got, want in zip((q.grad, k.grad, v.grad), eager_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 @needs_kernels
 def test_opcheck_schema_and_autograd_registration():
     q, k, v = (t.detach() for t in make_qkv(1, 4, 2, 20, 16, torch.float32))
@@ -477,7 +604,7 @@ def test_autotune_pruning(kind, dtype, head_dim, seq):
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
         for m, n, w, s in sorted({c for t in fa._CONFIGS[kind].values() for c in t})
     ]
-    args = {"Q": torch.empty(0, dtype=dtype), "HEAD_DIM_PAD": pad, "N_CTX": seq}
+    args = {"Q": torch.empty(0, dtype=dtype, device=DEVICE), "HEAD_DIM_PAD": pad, "N_CTX": seq}
     kept = fa._pruner(kind)(configs, {}, **args)
     assert 1 <= len(kept) <= len(table) <= 4
     assert all(fa._key(c) in table for c in kept)
@@ -558,7 +685,13 @@ class TestCuda:
         ratio = (peaks[2] - peaks[1]) / (peaks[1] - peaks[0])
         assert 0.95 <= ratio <= 1.05, f"peaks {peaks}: increment ratio {ratio:.3f}, not linear"
 
-    def test_torch_compile(self):
+    def test_torch_compile(self, monkeypatch):
+        """Inductor compiles the kernels; where this torch and Triton are known not to
+        (``compile_unsupported``: torch < 2.12 with Triton < 3.7), flash_attention runs the eager op
+        with a warning naming them, and the op called directly is not compiled (it would fail)."""
+        fa = mk.triton_kernels()
+        monkeypatch.setattr(fa, "_warned", set())
+        unsupported = fa.compile_unsupported()
         q, k, v = make_qkv(2, 8, 2, 1000, 64, torch.bfloat16, device="cuda")
         do = torch.randn_like(q)
 
@@ -568,10 +701,16 @@ class TestCuda:
         eager = op(q, k, v)
         eager.backward(do)
         eager_grads = [t.grad.clone() for t in (q, k, v)]
-        for fn, kwargs in ((op, {"fullgraph": True}), (mk.flash_attention, {})):
+        cases = [(mk.flash_attention, {})] if unsupported else [(op, {"fullgraph": True}), (mk.flash_attention, {})]
+        for fn, kwargs in cases:
             for t in (q, k, v):
                 t.grad = None
-            out = torch.compile(fn, **kwargs)(q, k, v)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = torch.compile(fn, **kwargs)(q, k, v)
+            assert [str(w.message) for w in caught if "memplan.kernels" in str(w.message)] == (
+                [unsupported] if unsupported else []
+            )
             out.backward(do)
             torch.testing.assert_close(out, eager)
             for got, want in zip((q.grad, k.grad, v.grad), eager_grads, strict=True):
