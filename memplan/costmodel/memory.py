@@ -15,6 +15,7 @@ is for the one with the higher peak (the most-loaded rank).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Literal
 
 from memplan.costmodel import activations as A
@@ -137,6 +138,10 @@ def _shape(
     )
 
 
+# the search asks for the same few (device, dtype, heads) millions of times
+_sdpa_backend = lru_cache(maxsize=4096)(sdpa_backend)
+
+
 def sdpa_kind(model: ModelSpec, plan: Plan, policy: PrecisionPolicy, device: Device = "cuda") -> str:
     """The kernel ``scaled_dot_product_attention`` runs for this plan on ``device``
     (``attention.sdpa_backend``): the runtimes call it causal, without a mask or dropout, on
@@ -144,7 +149,7 @@ def sdpa_kind(model: ModelSpec, plan: Plan, policy: PrecisionPolicy, device: Dev
     is no padding mask). ``triton`` attention is memplan's own kernel: flash's tensors."""
     if plan.attention == "triton":
         return "flash"
-    return sdpa_backend(
+    return _sdpa_backend(
         device,
         "fp32" if policy.compute_bytes == 4 else "bf16",
         model.head_size,
