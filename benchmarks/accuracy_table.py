@@ -1,4 +1,5 @@
-"""Print the HF accuracy table for docs/accuracy.md: memplan ``--runtime hf`` vs MemTracker.
+"""Print the HF accuracy table for docs/accuracy.md: memplan ``--runtime hf`` (the Trainer's step) and
+``--runtime hf-loop`` (the hand loop) vs MemTracker, case by case (each case names its loop).
 
 python benchmarks/accuracy_table.py > /tmp/table.md
 """

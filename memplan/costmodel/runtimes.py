@@ -8,9 +8,13 @@ set of functions the memory model asks, each for one micro-batch on one rank:
 - ``head``: what the last stage saves after the final norm: logits and the loss's tensors;
 - ``loss_forward`` / ``loss_backward``: transients on top, at the end of the forward and at
   the start of the backward;
-- ``retained``: what the training loop keeps across steps (transformers' returned outputs);
+- ``retained``: what the training loop keeps across steps (transformers' returned outputs in a
+  hand-written loop; nothing under the ``Trainer``, which keeps only the loss);
 - ``grads_persistent``: gradients stay allocated across steps (contiguous grad buffers)
-  instead of ``zero_grad(set_to_none=True)``.
+  instead of ``zero_grad(set_to_none=True)``;
+- ``dynamic_cache``: transformers builds its DynamicCache in training (``use_cache=True``, a
+  hand-written loop) and the outputs keep it through the backward;
+- ``fused_adamw``: ``AdamW(fused=True)``, which updates in place (no foreach temporary).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ class RuntimeProfile:
     pytorch_parallel: bool = False
     # what every model chunk's forward keeps once per micro-batch (None: counted in embedding)
     per_chunk: Callable[[Shape], int] | None = None
+    # transformers' DynamicCache is built (use_cache=True) and kept with the outputs through the backward
+    dynamic_cache: bool = False
+    # AdamW(fused=True): the step updates in place, without foreach's state-sized temporary
+    fused_adamw: bool = False
 
 
 def _vocab(x: Shape) -> int:
@@ -102,7 +110,7 @@ MEGATRON = RuntimeProfile(
 )
 
 
-# --- hf: a transformers training step of the Llama family -------------------------------
+# --- hf-loop: a hand-written transformers training loop of the Llama family -------------
 
 
 def hf_layer(x: Shape, dynamic_cache: bool = True) -> int:
@@ -111,7 +119,8 @@ def hf_layer(x: Shape, dynamic_cache: bool = True) -> int:
     The residual stream needs no extra term: in fp32 each norm keeps its input (the layer
     input, then the mid-layer residual); below fp32 the norms keep fp32 copies and the bf16
     residuals are freed once added. ``dynamic_cache``: transformers' key/value cache, which the
-    bundled trainer does not have (:func:`activations.hf_sdpa_attention`).
+    bundled trainer and the transformers ``Trainer`` (``use_cache=False``) do not build
+    (:func:`activations.hf_sdpa_attention`).
     """
     attention = A.hf_eager_attention(x) if x.eager else A.hf_sdpa_attention(x, dynamic_cache)
     casts = A.autocast_input_casts(x, 3 + 2)  # q, k, v and gate, up
@@ -119,7 +128,7 @@ def hf_layer(x: Shape, dynamic_cache: bool = True) -> int:
 
 
 def hf_head(x: Shape) -> int:
-    """Final norm, logits (kept by the returned outputs) in d, the fp32 log_softmax output
+    """Final norm, logits (kept by the returned ``out``) in d, the fp32 log_softmax output
     that cross_entropy saves, and the shifted int64 labels (2 x 8 bytes per token)."""
     labels = 16 * x.tokens
     casts = A.autocast_input_casts(x, 1)
@@ -156,10 +165,11 @@ def hf_retained(x: Shape, layers: int, recompute: bool) -> int:
     return A.logits(x, _vocab(x)) + cache
 
 
-HF = RuntimeProfile(
-    name="hf",
-    description="transformers Llama-family step: model(input_ids, labels), loss.backward(), "
-    "AdamW(foreach=True).step(), zero_grad(set_to_none=True); SDPA or eager attention",
+HF_LOOP = RuntimeProfile(
+    name="hf-loop",
+    description="hand-written transformers Llama-family loop: out = model(input_ids, labels), "
+    "out.loss.backward(), AdamW(foreach=True).step(), zero_grad(set_to_none=True), out kept until the "
+    "next forward returns; SDPA or eager attention",
     layer=hf_layer,
     head=hf_head,
     loss_forward=hf_loss_forward,
@@ -172,6 +182,51 @@ HF = RuntimeProfile(
     ddp_grad_copy=True,
     mlp_tensors=4,
     autocast=True,
+    dynamic_cache=True,
+)
+
+
+# --- hf: transformers' Trainer (transformers 5.23) --------------------------------------
+
+
+def trainer_layer(x: Shape) -> int:
+    """The hf-loop layer without a DynamicCache: the ``Trainer`` sets ``model.config.use_cache``
+    to ``args.use_cache`` (False by default), so there are no cached fp32 keys and values under
+    autocast, no cached k and v beside the math path's copies, and in eager attention with GQA
+    the unrepeated k and v are freed once ``repeat_kv`` has copied them (the matmuls save the
+    copies; measured on CPU, docs/cost-model.md)."""
+    layer = hf_layer(x, dynamic_cache=False)
+    if x.eager and x.model.kv_heads < x.model.num_attention_heads:
+        layer -= x.tokens * x.d * 2 * x.model.kv_size // x.t
+    return layer
+
+
+def trainer_head(x: Shape) -> int:
+    """The hf-loop head without the logits: ``compute_loss`` returns the loss alone, so the
+    outputs holding the logits go before ``accelerator.backward(loss)``, and no backward saves
+    the logits (log_softmax saves its fp32 output)."""
+    return hf_head(x) - A.logits(x, _vocab(x))
+
+
+def trainer_loss_forward(x: Shape) -> int:
+    """Until ``compute_loss`` returns, the outputs hold the logits in d beside the fp32 upcast
+    (under bf16-mixed accelerate's ``convert_outputs_to_fp32`` swaps the bf16 logits for an fp32
+    copy: no more than the upcast, which is freed by then)."""
+    return A.logits(x, _vocab(x)) + hf_loss_forward(x)
+
+
+HF = replace(
+    HF_LOOP,
+    name="hf",
+    description="transformers Trainer.training_step: loss = compute_loss(model, inputs) (outputs let go, "
+    "use_cache=False), accelerator.backward(loss), clip_grad_norm_, AdamW(fused=True).step() (the default "
+    "optim adamw_torch_fused), model.zero_grad(); SDPA or eager attention",
+    layer=trainer_layer,
+    head=trainer_head,
+    loss_forward=trainer_loss_forward,
+    retained=_nothing_retained,
+    dynamic_cache=False,
+    fused_adamw=True,
 )
 
 # --- memplan: the bundled trainer --------------------------------------------------------
@@ -227,7 +282,7 @@ def rope_tables(x: Shape) -> int:
 
 
 MEMPLAN = replace(
-    HF,
+    HF_LOOP,
     name="memplan",
     description="memplan's bundled trainer: the transformers Llama layer accounting (fp32 "
     "RMSNorm, flash attention, fp32 loss) without outputs kept across steps",
@@ -241,6 +296,7 @@ MEMPLAN = replace(
     retained=_nothing_retained,
     master_grads_fp32=True,
     ddp_grad_copy=False,
+    dynamic_cache=False,
 )
 
-RUNTIMES: dict[str, RuntimeProfile] = {p.name: p for p in (MEGATRON, HF, MEMPLAN)}
+RUNTIMES: dict[str, RuntimeProfile] = {p.name: p for p in (MEGATRON, HF, HF_LOOP, MEMPLAN)}

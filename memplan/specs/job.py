@@ -12,7 +12,7 @@ from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
-RuntimeName = Literal["memplan", "hf", "megatron"]
+RuntimeName = Literal["memplan", "hf", "hf-loop", "megatron"]
 AllocatorName = Literal["default", "expandable"]
 
 
@@ -58,6 +58,8 @@ def check_compatible(model: ModelSpec, workload: TrainingWorkload | InferenceWor
             raise MemplanError(f"ep={plan.ep} but {model.name} has no experts", field="plan.ep")
         if model.moe.num_experts % plan.ep:
             raise MemplanError(f"ep={plan.ep} does not divide num_experts={model.moe.num_experts}", field="plan.ep")
+    if plan.finetune != "full":
+        check_lora(model, plan)
     if isinstance(workload, TrainingWorkload):
         if workload.seq_len % plan.cp:
             raise MemplanError(f"cp={plan.cp} does not divide seq_len={workload.seq_len}", field="plan.cp")
@@ -78,3 +80,34 @@ def check_compatible(model: ModelSpec, workload: TrainingWorkload | InferenceWor
                     f"the interleaved schedule needs micro-batches per step ({accumulation}) divisible by pp={plan.pp}",
                     field="workload.global_batch",
                 )
+
+
+def check_lora(model: ModelSpec, plan: Plan) -> None:
+    """LoRA / QLoRA: the model must be one whose decoder layers memplan models under PEFT (a
+    dense Llama-family layer: transformers' q/k/v/o_proj and gate/up/down_proj), and every
+    target and module to save must name one of its modules (PEFT raises on a target that
+    matches nothing)."""
+    from memplan.costmodel import lora
+
+    if model.architecture not in lora.FAMILIES or model.mlp != "gated" or model.moe is not None:
+        kind = "an MoE" if model.moe is not None else f"a {model.architecture} ({model.mlp} MLP)"
+        raise MemplanError(
+            f"finetune: {plan.finetune} is modelled for dense Llama-family models ({', '.join(lora.FAMILIES)}: "
+            f"q/k/v/o_proj, gate/up/down_proj); {model.name} is {kind} model",
+            field="plan.finetune",
+        )
+    valid = (*lora.LINEARS, lora.ALL_LINEAR)
+    unknown = [name for name in plan.lora_targets if name not in valid]
+    if unknown:
+        raise MemplanError(
+            f"lora_targets: {', '.join(unknown)} matches no linear layer of {model.name}; "
+            f"valid: {', '.join(valid)} (the LM head is not a LoRA target: use modules_to_save: lm_head)",
+            field="plan.lora_targets",
+        )
+    unknown = [name for name in plan.modules_to_save if name not in lora.SAVABLE]
+    if unknown:
+        raise MemplanError(
+            f"modules_to_save: {', '.join(unknown)} matches no module of {model.name} memplan models; "
+            f"valid: {', '.join(lora.SAVABLE)}",
+            field="plan.modules_to_save",
+        )

@@ -1,13 +1,24 @@
 """Real transformers training steps on CPU, measured with MemTracker.
 
-The loop is the one the ``hf`` runtime profile describes (the transformers course's loop):
-``out = model(input_ids=ids, labels=ids); out.loss.backward(); opt.step();
-opt.zero_grad(set_to_none=True)``. The steady-state peak is the highest total MemTracker
-sees over three steps (the first step allocates the optimizer states lazily).
+Each case runs one of two loops (``Case.loop``):
+
+- ``"trainer"`` (``--runtime hf``): ``transformers.Trainer`` itself, driven for three steps
+  on an in-memory dataset with its defaults (fused AdamW, ``max_grad_norm=1.0``,
+  ``model.zero_grad()``); its ``training_step`` keeps only the loss of ``model(**inputs)``
+  and lets the outputs go before ``accelerator.backward(loss)``;
+- ``"hand"`` (``--runtime hf-loop``): the transformers course's hand-written loop,
+  ``out = model(input_ids=ids, labels=ids); out.loss.backward(); opt.step();
+  opt.zero_grad(set_to_none=True)`` with ``AdamW(foreach=True)``, which keeps ``out`` (logits,
+  DynamicCache) until the next forward returns.
+
+The steady-state peak is the highest total MemTracker sees over three steps (the first step
+allocates the optimizer states lazily).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +53,12 @@ class Case:
     # the device predicted for: "cuda" cases run on CPU with SDPA forced to the backend CUDA's
     # dispatch picks (attention.sdpa_backend), which the CPU has for the math path
     device: str = "cpu"
+    # "hand": the hand-written loop that keeps ``out`` (runtime hf-loop); "trainer": transformers.Trainer (hf)
+    loop: str = "hand"
+
+    @property
+    def runtime(self) -> str:
+        return "hf" if self.loop == "trainer" else "hf-loop"
 
     @property
     def precision(self) -> str:
@@ -90,13 +107,21 @@ def forced_backend(case: Case):
     return sdpa_kernel(SDPBackend.MATH)
 
 
-def measure_peak(case: Case, steps: int = 3) -> int:
-    """Steady-state peak bytes of a training step, as MemTracker counts them."""
+def _model(case: Case):
     torch.manual_seed(0)
     config_cls, model_cls = _CLASSES[case.arch]
     config = config_cls(**{k: v for k, v in case.hf_config().items() if k != "architectures"})
     config._attn_implementation = case.attention
-    model = model_cls(config).to(getattr(torch, case.dtype))
+    return model_cls(config).to(getattr(torch, case.dtype))
+
+
+def measure_peak(case: Case, steps: int = 3) -> int:
+    """Steady-state peak bytes of a training step, as MemTracker counts them."""
+    if case.loop == "trainer":
+        return _measure_trainer(case, steps)
+    if case.loop != "hand":
+        raise ValueError(f"{case.name}: unknown loop {case.loop!r}")
+    model = _model(case)
     if case.checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
@@ -112,6 +137,47 @@ def measure_peak(case: Case, steps: int = 3) -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
             tracker.reset_mod_stats()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+class _StepEnd(transformers.TrainerCallback):
+    """After each step (optimizer step and zero_grad done): MemTracker's per-module stats start over."""
+
+    def __init__(self, tracker: MemTracker) -> None:
+        self.tracker = tracker
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
+        self.tracker.reset_mod_stats()
+
+
+def _measure_trainer(case: Case, steps: int) -> int:
+    """``transformers.Trainer(...).train()`` for ``steps`` steps under MemTracker, with the
+    Trainer's defaults (optimizer, gradient clipping, zero_grad); bf16-mixed cases set
+    ``bf16=True`` (accelerate's autocast over the fp32 model), bf16 cases train a bf16 model."""
+    model = _model(case)
+    ids = torch.randint(0, case.vocab, (case.batch, case.seq))
+    rows = [{"input_ids": row, "labels": row} for row in ids] * steps
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=case.batch,
+            max_steps=steps,
+            learning_rate=1e-4,
+            use_cpu=True,
+            bf16=case.autocast,
+            gradient_checkpointing=case.checkpointing,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        tracker = MemTracker()
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[_StepEnd(tracker)])
+        trainer.create_optimizer()  # the Trainer's default (train() keeps an existing one)
+        tracker.track_external(model, trainer.optimizer)
+        with tracker, forced_backend(case):
+            trainer.train()
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
@@ -142,7 +208,7 @@ VOCAB_SMALL = dict(vocab=32000, hidden=32, heads=2, kv_heads=2, ffn=86, batch=1,
 EAGER_SMALL = dict(attention="eager", layers=4, vocab=256, batch=2, seq=256, hidden=64, heads=2, ffn=172)
 WIDE_SMALL = dict(layers=6, batch=2, seq=160, hidden=128, ffn=352, vocab=512)
 
-CASES = [
+HAND = [
     Case("llama-fp32-mha"),
     Case("llama-bf16-mha", dtype="bfloat16", slow=True),
     Case("llama-bf16-mha-small", **BASE_SMALL, dtype="bfloat16"),
@@ -188,16 +254,22 @@ CASES = [
     Case("cuda-math-layers-fp32", **LAYERS, device="cuda"),
     Case("cuda-math-fp32-gqa-ckpt", **MATH, checkpointing=True, device="cuda"),
 ]
+# every case again through transformers.Trainer (runtime hf), named trainer-<case>: a slow case's
+# trainer variant is slow too, with its twin trainer-<case>-small in the default suite
+TRAINER = [dataclasses.replace(c, name=f"trainer-{c.name}", loop="trainer") for c in HAND]
+CASES = HAND + TRAINER
 
 
 def predict_peak(case: Case) -> tuple[int, str]:
-    """memplan's ``--runtime hf`` peak.allocated for a case, from its config.json as it is."""
+    """memplan's peak.allocated for a case (``--runtime hf`` for the Trainer's loop, ``hf-loop``
+    for the hand-written one), from its config.json as it is."""
     report = predict_report(case)
     return report.peak.allocated, report.peak.phase
 
 
 def predict_report(case: Case):
-    """memplan's ``--runtime hf`` estimate for a case, from its config.json as it is."""
+    """memplan's estimate for a case with its loop's runtime (``Case.runtime``: hf for the
+    Trainer, hf-loop for the hand-written loop), from its config.json as it is."""
     from memplan.costmodel.memory import estimate_training
     from memplan.specs.loader import model_from_data
     from memplan.specs.plan import Plan
@@ -210,4 +282,4 @@ def predict_report(case: Case):
         attention="eager" if case.attention == "eager" else "flash",
     )
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
-    return estimate_training(model, workload, plan, runtime="hf", device=case.device)
+    return estimate_training(model, workload, plan, runtime=case.runtime, device=case.device)

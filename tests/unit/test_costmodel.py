@@ -176,6 +176,6 @@ def test_autocast_dynamic_cache_is_counted_for_transformers_only(t: int):
     m = load_model("llama3-8b")
     x = A.Shape(model=m, b=2, s=1024, span=1024, t=t, sp=False, d=2, eager=False, dropout=False, autocast=True)
     cache = x.tokens * 2 * 4 * m.kv_size // t
-    assert RUNTIMES["hf"].layer(x) - RUNTIMES["memplan"].layer(x) == cache
+    assert RUNTIMES["hf-loop"].layer(x) - RUNTIMES["memplan"].layer(x) == cache
     plain = A.Shape(model=m, b=2, s=1024, span=1024, t=t, sp=False, d=2, eager=False, dropout=False)
-    assert RUNTIMES["hf"].layer(plain) == RUNTIMES["memplan"].layer(plain)  # no autocast: no fp32 copies
+    assert RUNTIMES["hf-loop"].layer(plain) == RUNTIMES["memplan"].layer(plain)  # no autocast: no fp32 copies
