@@ -32,3 +32,13 @@ def memory_limit_bytes(text: str | None) -> int | None:
     if limit <= 0:
         raise MemplanError("must be a positive size, e.g. 2GiB", source=CLI, field="--memory-limit")
     return limit
+
+
+def name_list(text: str | None, field: str) -> tuple[str, ...] | None:
+    """A comma-separated flag value (``--lora-targets q_proj,v_proj``) as a tuple; None when not given."""
+    if text is None:
+        return None
+    names = tuple(part.strip() for part in text.split(","))
+    if not all(names):
+        raise MemplanError("an empty name in the list (write names separated by commas)", source=CLI, field=field)
+    return names

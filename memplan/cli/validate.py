@@ -50,6 +50,13 @@ def validate(
     attention: Annotated[
         str | None, Opt(help="flash (PyTorch's SDPA), eager or triton (memplan's kernel).", rich_help_panel=PLAN)
     ] = None,
+    finetune: Annotated[
+        str | None,
+        Opt(
+            help="full (the bundled trainer trains every weight; lora and qlora are estimate-only).",
+            rich_help_panel=PLAN,
+        ),
+    ] = None,
     micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
     global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,
     seq_len: Annotated[int | None, Opt(help="Tokens per sequence.", rich_help_panel=WORK)] = None,
@@ -87,7 +94,7 @@ def validate(
         dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp, pp_schedule=pp_schedule,
         virtual_stages=virtual_stages, zero=zero, recompute=recompute, recompute_layers=recompute_layers,
         precision=precision, offload_optimizer=offload_optimizer, offload_params=offload_params,
-        attention=attention, micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len,
+        attention=attention, finetune=finetune, micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len,
         gpu=gpu, runtime="memplan", allocator=allocator,
     )  # fmt: skip
     job = resolve_job(model, plan, overrides, inference=False)

@@ -19,16 +19,19 @@ from functools import lru_cache
 from typing import Literal
 
 from memplan.costmodel import activations as A
+from memplan.costmodel import lora as L
 from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
 from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout, vocab_shard_params
 from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, state_bytes_per_param
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
+from memplan.costmodel.quant import quantized_weight_bytes
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
 from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
 from memplan.costmodel.timeline.events import Moment, Timeline
 from memplan.costmodel.timeline.step import Granularity, build_serving_run, pieces
+from memplan.errors import MemplanError
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
@@ -47,6 +50,7 @@ class _States:
     cpu: int
     nvme: int
     optimizer_elements: float  # parameters whose optimizer state this rank holds
+    master_elements: float | None = None  # of those, the ones with fp32 master weights (None: all)
 
 
 def gradient_accumulation(workload: TrainingWorkload, plan: Plan) -> int:
@@ -113,6 +117,159 @@ def model_states(layout: StageLayout, plan: Plan, policy: PrecisionPolicy, facto
     return _States(params_bytes, int(grads_n * policy.grad_bytes), opt_bytes, temp, cpu, nvme, opt_n)
 
 
+# LoRA adapters are fp32 whatever the base (PEFT's autocast_adapter_dtype), with fp32 states
+_ADAPTER_POLICY = PrecisionPolicy("lora-adapter", 4, 4, 0, 4, 4)
+
+
+def finetune_states(
+    layout: StageLayout, model: ModelSpec, plan: Plan, policy: PrecisionPolicy, factored: float
+) -> _States:
+    """Model states of LoRA / QLoRA on one rank (PEFT over transformers, measured with MemTracker):
+
+    - the frozen base: every parameter in the param dtype, or with ``quant`` the decoder
+      layers' linears quantized (``quant.quantized_weight_bytes``) and everything else (the
+      embedding, norms, LM head) in fp32, as ``prepare_model_for_kbit_training`` casts it;
+    - trainable: the adapters (``lora.layer_adapter_params`` per layer, fp32) and the copies
+      ``modules_to_save`` makes (embed_tokens on the first stage, lm_head on the last; in the
+      param dtype, fp32 over a quantized base), the originals staying in the frozen base;
+    - gradients and optimizer states (and master weights, for a 2-byte trained copy under a
+      ``*-master`` policy) for the trainable parameters only, sharded as ``model_states``.
+    """
+    group = plan.dp * plan.cp
+    frozen_n = layout.params
+    linears = L.layer_linears(model)
+    if plan.quant == "none":
+        frozen = frozen_n * policy.param_bytes
+    else:
+        per_layer = sum(
+            quantized_weight_bytes(o // plan.tp, i, plan.quant, plan.double_quant) for i, o in linears.values()
+        )
+        linear_n = layout.layers * sum(i * o for i, o in linears.values()) // plan.tp
+        frozen = layout.layers * per_layer + (frozen_n - linear_n) * 4
+    copies = L.saved_module_params(model, plan.modules_to_save)
+    saved_n = 0
+    if layout.is_first:
+        saved_n += copies.get("embed_tokens", 0) // plan.tp
+    if layout.is_last:
+        saved_n += copies.get("lm_head", 0) // plan.tp
+    saved_policy = _ADAPTER_POLICY if plan.quant != "none" else policy
+    adapters_n = layout.layers * L.layer_adapter_params(model, plan.lora_targets, plan.lora_rank) // plan.tp
+    groups = [(adapters_n, _ADAPTER_POLICY), (saved_n, saved_policy)]
+    params_b = frozen / group if plan.zero >= 3 else frozen
+    grads_b = opt_b = temp_b = 0.0
+    opt_total = master_n = 0.0
+    for n, gp in groups:
+        params_b += (n / group if plan.zero >= 3 else n) * gp.param_bytes
+        grads_b += (n / group if plan.zero >= 2 else n) * gp.grad_bytes
+        opt_n = n / group if plan.zero >= 1 else n
+        opt_b += opt_n * state_bytes_per_param(plan.optimizer, gp, factored)
+        temp_b += opt_n * foreach_temp_bytes_per_param(plan.optimizer, gp)
+        opt_total += opt_n
+        master_n += opt_n if gp.master_bytes else 0
+    cpu = nvme = 0
+    opt_bytes, params_bytes = int(opt_b), int(params_b)
+    if plan.offload_optimizer != "none":
+        host = opt_bytes + int(master_n * 4)
+        cpu, nvme = (host, 0) if plan.offload_optimizer == "cpu" else (int(master_n * 4), opt_bytes)
+        opt_bytes = 0
+        temp_b = 0
+    if plan.offload_params != "none":
+        cpu, nvme = (cpu + params_bytes, nvme) if plan.offload_params == "cpu" else (cpu, nvme + params_bytes)
+        params_bytes = 0
+    return _States(params_bytes, int(grads_b), opt_bytes, int(temp_b), cpu, nvme, opt_total, master_n)
+
+
+def lora_extra(x: A.Shape, plan: Plan) -> int:
+    """Per layer, what the adapters add to a full-training layer term (runtimes other than
+    ``hf``): each adapter's rank-r fp32 intermediate, kept for lora_B's gradient."""
+    return x.tokens * len(L.resolve_targets(plan.lora_targets)) * plan.lora_rank * L.ADAPTER_BYTES
+
+
+def _transformers_layers(rt: RuntimeProfile) -> bool:
+    """Runtimes that run transformers' own decoder layers (the Trainer step and the loop)."""
+    return rt.name in ("hf", "hf-loop")
+
+
+@dataclass(frozen=True, slots=True)
+class _LoraActs:
+    stored: int  # every layer of one micro-batch
+    per_layer: int  # a layer whose input requires grad (as stored)
+    live_layer: int  # the last layer in its backward, everything back
+    head_delta: int  # to add to the runtime's head term (the frozen LM head keeps less)
+    weight_copies: int  # autocast: d-byte weight casts the matmuls keep (replaces autocast_weights)
+    earlier: int  # at the last layer's backward, what the other layers still keep
+    temp: int  # the last layer's gradient temporaries at its backward's peak (in its MLP)
+
+
+def lora_activations(
+    model: ModelSpec, x: A.Shape, plan: Plan, rt: RuntimeProfile, layout: StageLayout, device: Device
+) -> _LoraActs:
+    """Activations of one micro-batch under LoRA. ``hf`` runtime: ``lora.hf_layer`` (what a
+    transformers layer keeps when its base is frozen, by which tensors require grad) and
+    ``lora.hf_head_saved``; layer 0 of the first stage keeps less unless its input requires
+    grad (gradient checkpointing with ``enable_input_require_grads``, or a trained
+    embed_tokens). Other runtimes: their full-training layer (an upper bound: it keeps what
+    the frozen weights' gradients would need) plus each adapter's rank-r fp32 intermediate
+    (``lora_extra``). Selective recomputation is not modelled under LoRA: counted as none."""
+    tokens = x.tokens
+    layers = layout.layers
+    # transformers' DynamicCache, built in training and kept with the outputs (the runtime says)
+    kept = getattr(rt, "dynamic_cache", getattr(rt, "outputs_kept", rt.name == "hf"))
+    if x.eager:
+        attention = A.hf_eager_attention(x)
+        cache = 0
+    else:
+        attention = A.hf_sdpa_attention(x, dynamic_cache=False)
+        cache = A.hf_sdpa_attention(x, dynamic_cache=True) - attention if kept else 0
+    first_grad = plan.recompute == "full" or "embed_tokens" in plan.modules_to_save or not layout.is_first
+
+    def layer(grad_in: bool) -> L.LoraLayer:
+        return L.hf_layer(
+            model,
+            d=x.d,
+            autocast=x.autocast,
+            attention=attention // tokens,
+            targets=plan.lora_targets,
+            rank=plan.lora_rank,
+            dropout=plan.lora_dropout > 0,
+            mask_bytes=1 if device == "cuda" else 0,
+            grad_in=grad_in,
+        )
+
+    rest, first = layer(True), layer(first_grad)
+    rest_b = rest.per_token * tokens + cache
+    first_b = first.per_token * tokens + cache
+    if kept and not first.attention_kept and not x.eager and not x.autocast and x.sdpa != "math":
+        # SDPA keeps nothing of a layer no gradient reaches before its attention, but the
+        # DynamicCache still holds that layer's RoPE'd keys and values (measured)
+        first_b += tokens * 2 * x.d * model.kv_size // x.t
+    if plan.recompute == "full":
+        stored = layers * A.layer_input(x)
+        per_layer = A.layer_input(x)
+    else:
+        stored = first_b + (layers - 1) * rest_b if layers else 0
+        per_layer = rest_b
+    live = rest_b if layers > 1 or first_grad else first_b
+    # checkpointed, every layer's input stays (the last one's too, held by its checkpoint);
+    # otherwise every layer but the last keeps what it saved
+    earlier = stored if plan.recompute == "full" else max(stored - live, 0)
+    # checkpointed, in the recomputed MLP's backward (measured with MemTracker, fp32, three
+    # shapes: 12f + 16h bytes per token): the gradients of the down output, the layer output, the residual and the norm
+    # (4 x h) and of the product, the SiLU output and the up output (3 x f)
+    h, f = model.hidden_size, model.ffn_size
+    temp = tokens * x.d * (3 * f // x.t + 4 * h // x.rep) if plan.recompute == "full" else layer_temp(x)
+    copies = 0
+    if x.autocast:
+        copies = (first.weight_copies + max(layers - 1, 0) * rest.weight_copies) * x.d if layers else 0
+        if layout.is_last:
+            copies += vocab_shard_params(model, plan.tp) * x.d  # the LM head's, tied or not
+    head_delta = 0
+    if layout.is_last:
+        saved = L.hf_head_saved(model, d=x.d, autocast=x.autocast, head_trained="lm_head" in plan.modules_to_save)
+        head_delta = saved * tokens - A.hf_rmsnorm(x) - A.autocast_input_casts(x, 1)
+    return _LoraActs(stored, per_layer, live, head_delta, copies, earlier, temp)
+
+
 def _shape(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -130,7 +287,7 @@ def _shape(
         span=s,
         t=plan.tp,
         sp=plan.sequence_parallel and plan.tp > 1,
-        d=policy.compute_bytes,
+        d=_activation_bytes(plan, policy, autocast),
         eager=plan.attention == "eager",
         dropout=rt.dropout,
         autocast=autocast,
@@ -140,6 +297,18 @@ def _shape(
 
 # the search asks for the same few (device, dtype, heads) millions of times
 _sdpa_backend = lru_cache(maxsize=4096)(sdpa_backend)
+
+
+def _activation_bytes(plan: Plan, policy: PrecisionPolicy, autocast: bool) -> int:
+    """Bytes per activation element: the compute dtype's, but over a quantized base fp32 unless
+    under autocast. ``prepare_model_for_kbit_training`` casts the embedding, norms and head to
+    fp32, so the residual stream is fp32, and bitsandbytes' 4-bit and 8-bit linears cast their
+    output back to their input's dtype (``Linear4bit.forward``): the compute dtype
+    (``bnb_4bit_compute_dtype``) lives only inside the matmul (measured: the same peak with a bf16
+    or an fp32 compute dtype, docs/cost-model.md)."""
+    if plan.quant != "none" and not autocast:
+        return 4
+    return policy.compute_bytes
 
 
 def sdpa_kind(model: ModelSpec, plan: Plan, policy: PrecisionPolicy, device: Device = "cuda") -> str:
@@ -369,18 +538,28 @@ def _stage_phases(
     policy = POLICIES[plan.precision]
     layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
     factored = 1 / model.hidden_size + 1 / model.ffn_size
-    st = model_states(layout, plan, policy, factored)
+    finetune = plan.finetune != "full"
+    if finetune:
+        st = finetune_states(layout, model, plan, policy, factored)
+    else:
+        st = model_states(layout, plan, policy, factored)
     x = _shape(model, workload, plan, policy, rt, device)
     moe_fraction = _moe_fraction(model, layout, plan)
     full_layer = layer_activation_bytes(x, rt, plan.recompute, moe_fraction, plan.ep)
     # in its backward a layer has everything back, recomputed parts included
     live_layer = layer_activation_bytes(x, rt, "none", moe_fraction, plan.ep)
+    if finetune and not _transformers_layers(rt):
+        full_layer += lora_extra(x, plan)
+        live_layer += lora_extra(x, plan)
     layers = layout.layers
     recomputed = 0
     if plan.recompute == "full":
         recomputed = layers if plan.recompute_layers is None else min(plan.recompute_layers, layers)
     stored = (layers - recomputed) * full_layer + recomputed * A.layer_input(x)
     per_layer = A.layer_input(x) if recomputed else full_layer
+    lora_acts = lora_activations(model, x, plan, rt, layout, device) if finetune and _transformers_layers(rt) else None
+    if lora_acts is not None:
+        stored, per_layer, live_layer = lora_acts.stored, lora_acts.per_layer, lora_acts.live_layer
     mbs = inflight_microbatches(plan, stage, accumulation)
     layer_acts = int(stored * inflight_layers(plan, stage, accumulation, layers) / layers) if layers else 0
     embed = rt.embedding(x) * mbs if layout.is_first else 0
@@ -390,6 +569,8 @@ def _stage_phases(
             inflight_layers(plan, stage, accumulation, layers) * plan.virtual_stages / layers
         )
     head = rt.head(x) * mbs if layout.is_last else 0
+    if lora_acts is not None and layout.is_last:
+        head += lora_acts.head_delta * mbs
     loss_fwd = rt.loss_forward(x) if layout.is_last else 0
     loss_bwd = rt.loss_backward(x) if layout.is_last else 0
     retained = rt.retained(x, layers, plan.recompute == "full") if layout.is_last else 0
@@ -445,14 +626,17 @@ def _stage_phases(
         ddp_copy = st.grads
     master_grads = 0
     if rt.master_grads_fp32 and policy.master_bytes and plan.offload_optimizer == "none":
-        master_grads = int(st.optimizer_elements * 4)  # fp32 gradients for the master weights
+        masters = st.optimizer_elements if st.master_elements is None else st.master_elements
+        master_grads = int(masters * 4)  # fp32 gradients for the master weights
 
-    tied_here = layout.is_first and layout.is_last and model.tied_embeddings
-    if rt.pytorch_parallel and plan.tp > 1 and layout.is_first and not fsdp2 and not tied_here:
+    tied_here = layout.is_first and layout.is_last and model.tied_embeddings and not finetune
+    if rt.pytorch_parallel and plan.tp > 1 and layout.is_first and not fsdp2 and not tied_here and not finetune:
         # DTensor's embedding backward under RowwiseParallel yields a replicated V x h grad
         # (tied, it is summed into the LM head's vocab-sharded one)
         grads_full += (model.vocab_size * model.hidden_size - vocab_shard_params(model, plan.tp)) * policy.grad_bytes
     weight_copies = autocast_weight_copies(model, layout, plan, x.d) if x.autocast else 0
+    if lora_acts is not None:
+        weight_copies = lora_acts.weight_copies
     base = {"parameters": st.params, "optimizer_states": st.optimizer}
     fwd = {
         **base,
@@ -478,14 +662,17 @@ def _stage_phases(
     # complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
     layer_part = live_layer + layer_temp(x)
+    if lora_acts is not None:
+        layer_part = lora_acts.earlier + live_layer + lora_acts.temp
     if A.attention_backward_transient(x) and layers:
         # SDPA's math path: later in the layer's backward, with its MLP's tensors freed, the
         # softmax backward holds the core's s x s gradients beside the probabilities
-        cache = rt.name == "hf" and plan.recompute != "full"  # use_cache is off under checkpointing
+        cache = rt.dynamic_cache and plan.recompute != "full"  # use_cache is off under checkpointing
         layer_part = max(layer_part, A.math_attention_backward(x, dynamic_cache=cache))
     end_grads, end_acts = grads_full, others + embed + layer_part
     pending = 0
-    if rt.pytorch_parallel and not grads_in_step and layers:
+    # the input embedding's gradient comes after the last layer's backward, in every PyTorch loop
+    if not grads_in_step and layers and not finetune:
         pending = min(embedding_grad_pending(model, layout, plan, policy, rt), grads_full)
     if pending:
         # the first backward on this rank reaches its last layer before the embedding's
@@ -507,7 +694,8 @@ def _stage_phases(
     opt = {
         **base,
         "gradients": st.grads if fsdp2 else grads_full,
-        "optimizer_temp": st.optimizer_temp + master_grads,
+        # fused AdamW (the HF Trainer's default) updates in place: no foreach temporaries
+        "optimizer_temp": (0 if rt.fused_adamw and plan.optimizer == "adamw" else st.optimizer_temp) + master_grads,
         "comm_buffers": (0 if ddp_buckets else ddp_copy) + p2p_opt,
         "retained_outputs": retained,
     }
@@ -549,6 +737,12 @@ def estimate_training(
 ) -> MemoryReport:
     """Peak per-rank memory of a steady-state training step, over phases and pipeline stages,
     on ``device`` (which attention kernel runs: ``sdpa_kind``)."""
+    if plan.offload_activations != "none":
+        raise MemplanError(
+            "activation offload (save_on_cpu) is not in the memory model yet: the plan can be exported "
+            "(hf-trainer, axolotl) but not estimated",
+            field="plan.offload_activations",
+        )
     rt = RUNTIMES[runtime]
     accumulation = gradient_accumulation(workload, plan)
     stages = _stages_to_examine(model, plan)

@@ -375,9 +375,10 @@ def attention_backend(model: ModelSpec, workload: TrainingWorkload, plan: Plan, 
     return sdpa_kind(model, plan, POLICIES[plan.precision], "cuda")
 
 
-FOREACH_ADAMW_RUNTIMES = frozenset({"memplan", "hf"})
-"""Runtimes whose AdamW is ``torch.optim.AdamW(foreach=True)`` (the bundled trainer; transformers'
-``Trainer`` as the ``hf`` profile describes it); Megatron runs a fused multi-tensor Adam."""
+FOREACH_ADAMW_RUNTIMES = frozenset({"memplan", "hf-loop"})
+"""Runtimes whose AdamW is ``torch.optim.AdamW(foreach=True)`` (the bundled trainer; the hand-written
+transformers loop ``hf-loop``); Megatron runs a fused multi-tensor Adam, transformers' ``Trainer``
+(``hf``) ``AdamW(fused=True)`` (its default ``optim``, ``adamw_torch_fused``)."""
 
 
 def foreach_adamw(plan: Plan, runtime: str) -> bool:

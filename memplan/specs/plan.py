@@ -14,6 +14,10 @@ PrecisionName = Literal["fp32", "bf16-mixed", "bf16-master", "fp16-master", "bf1
 OptimizerName = Literal["adamw", "sgd", "adafactor", "adamw-8bit"]
 AttentionImpl = Literal["flash", "eager", "triton"]
 PipelineSchedule = Literal["1f1b", "interleaved", "gpipe"]
+Finetune = Literal["full", "lora", "qlora"]
+Quant = Literal["none", "int8", "nf4", "fp4"]
+ActivationOffload = Literal["none", "cpu"]
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
 
 
 class Plan(BaseModel):
@@ -54,6 +58,40 @@ class Plan(BaseModel):
         "(bundled trainer only: out and log-sum-exp in any dtype).",
     )
 
+    finetune: Finetune = Field(
+        "full",
+        description="full: every weight trained; lora: frozen base, PEFT LoRA adapters trained; qlora: lora over "
+        "a 4-bit base (quant: nf4 with double_quant unless given).",
+    )
+    lora_rank: int = Field(16, gt=0, le=65_536, description="LoRA rank r (finetune: lora or qlora).")
+    lora_targets: tuple[str, ...] = Field(
+        ("q_proj", "v_proj"),
+        min_length=1,
+        description="Module names the adapters wrap (PEFT's target_modules), or all-linear (every linear layer "
+        "but the output head).",
+    )
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on each adapter's input.")
+    modules_to_save: tuple[str, ...] = Field(
+        (), description="Modules trained in full beside the adapters (PEFT's modules_to_save), e.g. lm_head."
+    )
+    quant: Quant = Field(
+        "none", description="Base linear weights: none, int8 (LLM.int8), nf4 or fp4 (bitsandbytes 4-bit)."
+    )
+    double_quant: bool = Field(False, description="4-bit: quantize the per-block absmax scales again.")
+    offload_activations: ActivationOffload = Field(
+        "none", description="Saved activations moved to CPU memory during the forward (save_on_cpu)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _qlora_defaults(cls, data: object) -> object:
+        """``finetune: qlora`` is LoRA over an NF4 base with double quantization, unless given."""
+        if isinstance(data, dict) and data.get("finetune") == "qlora":
+            given = {k: v for k, v in data.items() if v is not None}
+            defaults = {"quant": "nf4", "double_quant": given.get("quant", "nf4") in ("nf4", "fp4")}
+            data = {**defaults, **given}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> Plan:
         if self.pp_schedule == "interleaved" and self.virtual_stages < 2:
@@ -68,6 +106,30 @@ class Plan(BaseModel):
             raise ValueError("recompute_layers: only meaningful with recompute: full")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise ValueError(f"ep: ep={self.ep} does not divide dp x cp = {self.dp * self.cp}")
+        if self.finetune == "full":
+            for name in ("lora_rank", "lora_targets", "lora_dropout", "modules_to_save"):
+                # against the default, not model_fields_set: a dumped plan validates again
+                if getattr(self, name) != type(self).model_fields[name].default:
+                    raise ValueError(f"{name}: only meaningful with finetune: lora or qlora")
+            if self.quant != "none":
+                raise ValueError(
+                    f"quant: a {self.quant} base is frozen (its weights cannot take optimizer steps): "
+                    "train adapters over it (finetune: lora or qlora)"
+                )
+        if self.double_quant and self.quant not in ("nf4", "fp4"):
+            raise ValueError(f"double_quant: quantizes the 4-bit scales; needs quant: nf4 or fp4 (got {self.quant})")
+        if self.finetune == "qlora" and self.quant == "none":
+            raise ValueError("quant: qlora is LoRA over a quantized base; use finetune: lora for an unquantized one")
+        if self.quant != "none" and self.precision == "fp8":
+            raise ValueError(
+                f"precision: a {self.quant} base dequantizes to bf16, fp16 or fp32 (bitsandbytes' compute dtype), "
+                "not fp8"
+            )
+        targets = self.lora_targets
+        if ALL_LINEAR in targets and len(targets) > 1:
+            raise ValueError(f"lora_targets: {ALL_LINEAR} already names every linear layer; give it alone")
+        if len(set(targets)) != len(targets):
+            raise ValueError("lora_targets: a module is named twice")
         return self
 
     @property

@@ -43,6 +43,14 @@ def check_model(spec: ModelSpec) -> None:
 
 def check_plan(plan: Plan) -> None:
     """Reject, with a one-line reason, what the trainer cannot apply faithfully."""
+    if plan.finetune != "full":
+        raise TrainerUnsupported(
+            f"finetune: the bundled trainer trains every weight; {plan.finetune} (PEFT adapters"
+            f"{', a quantized base' if plan.quant != 'none' else ''}) is estimate-only, measured with transformers "
+            "and PEFT on CPU (docs/cost-model.md)"
+        )
+    if plan.offload_activations != "none":
+        raise TrainerUnsupported("offload_activations: not implemented by the bundled trainer")
     if plan.cp > 1:
         raise TrainerUnsupported("cp: context parallelism is not implemented by the bundled trainer")
     if plan.ep > 1:

@@ -608,3 +608,46 @@ def test_trace_file_that_is_not_one(tmp_path):
     with pytest.raises(MemplanError) as err:
         load_snapshot(bad)
     assert err.value.source == str(bad) and str(err.value).count("\n") == 0
+
+
+# --- fine-tuning: LoRA, QLoRA, quantized bases ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "reason"),
+    [
+        (["--finetune", "prefix"], "--finetune", "'lora'"),
+        (["--finetune", "lora", "--lora-rank", "0"], "--lora-rank", "greater than 0"),
+        (["--finetune", "lora", "--lora-rank", "-4"], "--lora-rank", "greater than 0"),
+        (["--lora-rank", "8"], "--lora-rank", "only meaningful with finetune: lora or qlora"),
+        (["--finetune", "lora", "--lora-dropout", "1.5"], "--lora-dropout", "less than 1"),
+        (["--finetune", "lora", "--lora-targets", "q_proj,,v_proj"], "--lora-targets", "empty name"),
+        (["--finetune", "lora", "--lora-targets", "all-linear,q_proj"], "--lora-targets", "give it alone"),
+        (["--finetune", "lora", "--lora-targets", "q_proj,q_proj"], "--lora-targets", "named twice"),
+        (["--quant", "nf4"], "--quant", "finetune: lora or qlora"),
+        (["--quant", "int4"], "--quant", "'nf4'"),
+        (["--finetune", "lora", "--double-quant"], "--double-quant", "needs quant: nf4 or fp4"),
+        (["--finetune", "qlora", "--quant", "none"], "--quant", "use finetune: lora"),
+        (["--finetune", "qlora", "--precision", "fp8"], "--precision", "not fp8"),
+        (["--offload-activations", "gpu"], "--offload-activations", "'cpu'"),
+    ],
+)
+def test_bad_finetune_flag(tmp_path, args, flag, reason):
+    error_line(memplan("estimate", "llama3-8b", *args, cwd=tmp_path), CLI, flag, reason)
+
+
+def test_bad_finetune_field_in_a_plan_file(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("plan: {finetune: lora, lora_rank: -1}\n")
+    error_line(memplan("estimate", "llama3-8b", "--plan", plan, cwd=tmp_path), plan, "plan.lora_rank", "greater than 0")
+
+
+def test_validate_refuses_adapters_the_trainer_does_not_build(tmp_path):
+    proc = memplan("validate", "llama3-8b", "--finetune", "qlora", "--precision", "bf16", cwd=tmp_path)
+    error_line(proc, CLI, "finetune", "estimate-only")
+
+
+def test_activation_offload_is_refused_by_the_estimate(tmp_path):
+    """Parsed (the fine-tuning exports carry it) but not in the memory model: an error, not a silent number."""
+    proc = memplan("estimate", "llama3-8b", "--offload-activations", "cpu", cwd=tmp_path)
+    error_line(proc, "plan.offload_activations", None, "not in the memory model yet")

@@ -1,0 +1,62 @@
+"""Bytes of a bitsandbytes-quantized frozen base: the stored weights and their scales.
+
+Pure formulas (no torch). Measured against bitsandbytes 0.50.2's own storage on CPU
+(tests/unit/test_lora_quant.py): ``Params4bit`` and its ``QuantState``, ``Int8Params`` and its
+``SCB``. transformers quantizes every ``nn.Linear`` of the decoder layers and keeps the LM head
+(and the embedding, norms) unquantized; ``peft.prepare_model_for_kbit_training`` then casts
+every non-quantized parameter to fp32.
+"""
+
+from __future__ import annotations
+
+BLOCK_4BIT = 64  # bitsandbytes' 4-bit blocksize (Params4bit(blocksize=None) -> 64 in 0.50)
+BLOCK_NESTED = 256  # double quantization: one fp32 scale per 256 first-level absmaxes
+CODE_4BIT = 16 * 4  # QuantState.code: the 16-entry NF4 / FP4 table, fp32
+CODE_NESTED = 256 * 4  # state2.code: the 8-bit dynamic map of the nested absmax, fp32
+OFFSET_NESTED = 4  # QuantState.offset: mean of the absmaxes subtracted before nesting, fp32 scalar
+
+
+def packed_4bit_bytes(elements: int) -> int:
+    """``Params4bit`` data: two 4-bit codes per uint8, ceil(n / 2) bytes (bitsandbytes
+    ``quantize_4bit`` returns a (ceil(n/2), 1) uint8 tensor)."""
+    return -(-elements // 2)
+
+
+def absmax_4bit_bytes(elements: int, double_quant: bool) -> int:
+    """The quantization state of one 4-bit weight: one absmax per 64-weight block, in fp32
+    (4 B), or with double quantization (``bnb_4bit_use_double_quant``, Dettmers et al. 2023
+    Sec. 3) as uint8 (1 B) plus, per 256 of those, an fp32 second-level scale, the nested
+    state's 256-entry fp32 code and the fp32 offset; and the 16-entry fp32 NF4/FP4 code.
+    Measured on bitsandbytes 0.50.2 (``QuantState.absmax``, ``.code``, ``.state2``)."""
+    blocks = -(-elements // BLOCK_4BIT)
+    if not double_quant:
+        return 4 * blocks + CODE_4BIT
+    return blocks + 4 * -(-blocks // BLOCK_NESTED) + CODE_NESTED + OFFSET_NESTED + CODE_4BIT
+
+
+def weight_4bit_bytes(out_features: int, in_features: int, double_quant: bool) -> int:
+    """One ``Linear4bit`` weight, packed codes and quantization state."""
+    n = out_features * in_features
+    return packed_4bit_bytes(n) + absmax_4bit_bytes(n, double_quant)
+
+
+def weight_int8_bytes(out_features: int, in_features: int) -> int:
+    """One LLM.int8 ``Linear8bitLt`` weight (Dettmers et al. 2022): an int8 per weight and
+    one fp32 absmax scale per output row (``Int8Params.SCB``)."""
+    return out_features * in_features + 4 * out_features
+
+
+def quantized_weight_bytes(out_features: int, in_features: int, quant: str, double_quant: bool = False) -> int:
+    """Stored bytes of one quantized linear weight: ``quant`` is int8, nf4 or fp4."""
+    if quant == "int8":
+        return weight_int8_bytes(out_features, in_features)
+    if quant in ("nf4", "fp4"):
+        return weight_4bit_bytes(out_features, in_features, double_quant)
+    raise ValueError(f"unknown quantization {quant!r}")
+
+
+def dequantized_weight_bytes(out_features: int, in_features: int, compute_bytes: int) -> int:
+    """The transient a 4-bit matmul makes in its forward and again in its backward:
+    ``dequantize_4bit`` rebuilds the whole weight in the compute dtype (bitsandbytes
+    ``MatMul4Bit``; freed when the matmul returns)."""
+    return out_features * in_features * compute_bytes
