@@ -8,7 +8,7 @@ On whatever NVIDIA GPU this machine has, step by step:
 3. ``validate``: ``memplan validate --format json`` on a plan list spanning Llama 1B / 8B / 70B
    shapes, FSDP2 / TP (+ sequence parallel) / PP, every recompute mode, fp32 / bf16 / bf16-mixed,
    both caching-allocator modes, one rank of the large plans simulated; plus transformers
-   training steps measured against ``memplan estimate --runtime hf`` (validate runs the bundled
+   training steps measured against ``memplan estimate --runtime hf-loop`` (validate runs the bundled
    trainer only, so the suite measures the ``hf`` runtime with a worker of its own);
 4. ``sweep``: for one or two plans, micro-batch 1, 2, 4, ... until the first out-of-memory:
    the estimate's fits against whether the run ran.
@@ -73,7 +73,7 @@ Log = Callable[[str], None]
 @dataclass(frozen=True)
 class SuitePlan:
     """One measured configuration: a ``memplan validate`` run, or (runner ``hf``) transformers
-    steps against ``memplan estimate --runtime hf``. ``budget_s`` is the wall time one run is
+    steps against ``memplan estimate --runtime hf-loop``. ``budget_s`` is the wall time one run is
     expected to take on an H100, start-up included; its timeout is a multiple of it."""
 
     id: str
@@ -198,7 +198,7 @@ PLANS: tuple[SuitePlan, ...] = (
               recompute="selective", seq_len=8192, budget_s=150),
     SuitePlan("v-70b-tp8sp-pp4-dp2-z3-selop-exp", "70b", dp=2, tp=8, sequence_parallel=True, pp=4, zero=3,
               recompute="selective-op", global_batch=8, allocator="expandable", budget_s=150, quick=True),
-    # transformers training steps against --runtime hf: the 1B config on one GPU
+    # transformers training steps (the hand loop) against --runtime hf-loop: the 1B config on one GPU
     SuitePlan("hf-1b-bf16-none", "1b", runner="hf", precision="bf16", seq_len=2048, micro_batch=2, budget_s=60),
     SuitePlan("hf-1b-bf16mixed-full-exp", "1b", runner="hf", recompute="full", micro_batch=2,
               allocator="expandable", budget_s=90, quick=True),
@@ -614,7 +614,7 @@ class SuiteRunner:
         """``memplan estimate --format json`` of the plan: (its JSON, None) or (None, why not)."""
         args = ["estimate", model, *plan.flags(), "--gpu", self.gpu, "--format", "json"]
         if plan.runner == "hf":
-            args += ["--runtime", "hf"]
+            args += ["--runtime", "hf-loop"]  # the worker runs the hand loop (outputs kept), not the Trainer
         if self.dry_run and estimate_takes_device():
             args += ["--device", "cpu"]
         code, out, err = _run(memplan_cmd(*args), max(10.0, timeout), child_env())

@@ -1,4 +1,5 @@
-"""``memplan export``: a plan as a DeepSpeed / Accelerate / torchtitan / Megatron-LM / FSDP2 config."""
+"""``memplan export``: a plan as a DeepSpeed / Accelerate / torchtitan / Megatron-LM / FSDP2 config, or a
+fine-tuning run as an HF Trainer (TRL SFTTrainer) or axolotl config."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
+from memplan.cli.common import name_list
 from memplan.errors import MemplanError
 from memplan.export import render
 from memplan.specs.job import PlanFile
@@ -20,6 +22,7 @@ PLAN = "Plan"
 WORK = "Workload"
 HW = "Hardware"
 OUT = "Export"
+TUNE = "Fine-tuning"
 
 
 class Target(StrEnum):
@@ -28,6 +31,13 @@ class Target(StrEnum):
     torchtitan = "torchtitan"
     megatron = "megatron"
     fsdp2 = "fsdp2"
+    hf_trainer = "hf-trainer"
+    axolotl = "axolotl"
+
+
+class Sharding(StrEnum):
+    deepspeed = "deepspeed"
+    fsdp = "fsdp"
 
 
 class TorchtitanForm(StrEnum):
@@ -70,7 +80,14 @@ def export(
     plan: Annotated[
         str | None, typer.Argument(help="Plan YAML (model, gpu, gpus, nodes, runtime, workload, plan sections).")
     ] = None,
-    to: Annotated[Target | None, Opt("--to", help="deepspeed, accelerate, torchtitan, megatron or fsdp2.")] = None,
+    to: Annotated[
+        Target | None,
+        Opt(
+            "--to",
+            help="deepspeed, accelerate, torchtitan, megatron, fsdp2; fine-tuning: hf-trainer (TrainingArguments / "
+            "SFTConfig, LoraConfig, BitsAndBytesConfig YAML) or axolotl.",
+        ),
+    ] = None,
     output: Annotated[Path | None, Opt("-o", "--output", help="Write here instead of stdout.")] = None,
     model: Annotated[
         str | None, Opt("--model", help="Model profile, YAML or config.json (default: the plan file's model).")
@@ -84,7 +101,14 @@ def export(
     ] = None,
     gradient_clipping: Annotated[
         float | None,
-        Opt(help="Max gradient norm (deepspeed, torchtitan, megatron; default 1.0).", rich_help_panel=OUT),
+        Opt(
+            help="Max gradient norm (deepspeed, torchtitan, megatron, hf-trainer, axolotl; default 1.0).",
+            rich_help_panel=OUT,
+        ),
+    ] = None,
+    sharding: Annotated[
+        Sharding | None,
+        Opt(help="hf-trainer, axolotl: ZeRO as deepspeed (default) or fsdp (FSDP2, zero 2 or 3).", rich_help_panel=OUT),
     ] = None,
     nvme_path: Annotated[str | None, Opt(help="deepspeed: NVMe mount for nvme offload.", rich_help_panel=OUT)] = None,
     dp: Annotated[
@@ -114,7 +138,27 @@ def export(
     attention: Annotated[
         str | None, Opt(help="flash (PyTorch's SDPA), eager or triton (memplan's kernel).", rich_help_panel=PLAN)
     ] = None,
-    runtime: Annotated[str | None, Opt(help="memplan, hf or megatron (for the header).", rich_help_panel=PLAN)] = None,
+    runtime: Annotated[str | None, Opt(help="memplan, hf, hf-loop, megatron (header).", rich_help_panel=PLAN)] = None,
+    finetune: Annotated[
+        str | None, Opt(help="full, lora or qlora (LoRA over an NF4 base).", rich_help_panel=TUNE)
+    ] = None,
+    lora_rank: Annotated[int | None, Opt(help="LoRA rank r.", rich_help_panel=TUNE)] = None,
+    lora_targets: Annotated[
+        str | None,
+        Opt(help="Modules the adapters wrap, comma-separated (q_proj,v_proj), or all-linear.", rich_help_panel=TUNE),
+    ] = None,
+    lora_dropout: Annotated[float | None, Opt(help="Dropout on the adapters' input.", rich_help_panel=TUNE)] = None,
+    modules_to_save: Annotated[
+        str | None, Opt(help="Modules trained in full beside the adapters, e.g. lm_head.", rich_help_panel=TUNE)
+    ] = None,
+    quant: Annotated[str | None, Opt(help="Base weights: none, int8, nf4 or fp4.", rich_help_panel=TUNE)] = None,
+    double_quant: Annotated[
+        bool | None,
+        Opt("--double-quant/--no-double-quant", help="4-bit: quantize the scales again.", rich_help_panel=TUNE),
+    ] = None,
+    offload_activations: Annotated[
+        str | None, Opt(help="none or cpu: saved activations kept in host memory.", rich_help_panel=PLAN)
+    ] = None,
     micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
     global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,
     seq_len: Annotated[int | None, Opt(help="Tokens per sequence.", rich_help_panel=WORK)] = None,
@@ -131,6 +175,9 @@ def export(
         virtual_stages=virtual_stages, cp=cp, ep=ep, zero=zero, recompute=recompute,
         recompute_layers=recompute_layers, precision=precision, optimizer=optimizer,
         offload_optimizer=offload_optimizer, offload_params=offload_params, attention=attention, runtime=runtime,
+        finetune=finetune, lora_rank=lora_rank, lora_targets=name_list(lora_targets, "--lora-targets"),
+        lora_dropout=lora_dropout, modules_to_save=name_list(modules_to_save, "--modules-to-save"), quant=quant,
+        double_quant=double_quant, offload_activations=offload_activations,
         micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len, gpu=gpu, gpus=gpus, nodes=nodes,
     )  # fmt: skip
     ref = _model_ref(model, plan)
@@ -140,6 +187,7 @@ def export(
         model=torchtitan_model,
         gradient_clipping=gradient_clipping,
         nvme_path=nvme_path,
+        sharding=sharding.value if sharding else None,
     )
     flags = {k for k, v in overrides.items() if v is not None}
     try:

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memplan.cli.common import memory_limit_bytes
+from memplan.cli.common import memory_limit_bytes, name_list
 from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
@@ -28,9 +28,12 @@ from memplan.search.space import SpaceOptions, global_batch_range
 from memplan.search.tuning import DEFAULT_STORAGE, Hooks, TuneRequest, TuneResult, plan_yaml
 from memplan.search.validation import ValidationSettings
 from memplan.specs.hardware import ClusterSpec, GPUSpec
+from memplan.specs.job import check_compatible
 from memplan.specs.loader import load_gpu, load_model
-from memplan.specs.plan import OptimizerName, PrecisionName
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import OptimizerName, Plan, PrecisionName
 from memplan.specs.resolve import alloc_conf_text, resolve_allocator
+from memplan.specs.workload import TrainingWorkload
 from memplan.units import format_bytes, parse_bytes
 
 Opt = typer.Option
@@ -105,6 +108,50 @@ def _cluster(gpus: int, nodes: int | None) -> ClusterSpec:
         ) from None
 
 
+def _finetune_options(
+    finetune: str,
+    rank: int,
+    targets: str,
+    dropout: float,
+    modules_to_save: str | None,
+    allow_quantization: bool,
+    model: ModelSpec,
+) -> dict:
+    """SpaceOptions' fine-tuning fields; the adapters are checked against the model here, once."""
+    if finetune == "full":
+        if allow_quantization:
+            raise MemplanError(
+                "a quantized base is frozen: needs --finetune lora or qlora", source=CLI, field="--allow-quantization"
+            )
+        return {}
+    quants = {"lora": ("none", "int8", "nf4"), "qlora": ("nf4", "fp4", "int8")}[finetune]
+    fields = dict(
+        finetune=finetune,
+        lora_rank=rank,
+        lora_targets=name_list(targets, "--lora-targets"),
+        lora_dropout=dropout,
+        modules_to_save=name_list(modules_to_save, "--modules-to-save") or (),
+    )
+    plan = _validate_plan(dict(fields))
+    try:
+        check_compatible(model, TrainingWorkload(seq_len=1, micro_batch=1), plan)
+    except MemplanError as err:
+        flag = "--" + (err.field or "finetune").removeprefix("plan.").replace("_", "-")
+        raise MemplanError(err.reason, source=CLI, field=flag) from None
+    return {**fields, "quants": quants if allow_quantization else quants[:1]}
+
+
+def _validate_plan(fields: dict) -> Plan:
+    """The fine-tuning fields as a Plan, errors blamed on their flags."""
+    try:
+        return Plan(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else str(err["msg"]).split(":", 1)[0].removeprefix("Value error, ")
+        reason = str(err["msg"]).removeprefix("Value error, ")
+        raise MemplanError(reason, source=CLI, field="--" + name.replace("_", "-")) from None
+
+
 def tune(
     model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
     gpus: Annotated[int, Opt(help="Total GPUs; every plan uses all of them.", min=1)],
@@ -127,6 +174,26 @@ def tune(
         bool,
         Opt("--allow-offload", help="Also try CPU offload of optimizer states (and params).", rich_help_panel=SPACE),
     ] = False,
+    finetune: Annotated[
+        Literal["full", "lora", "qlora"],
+        Opt(help="full training, or LoRA adapters over a frozen (qlora: NF4) base.", rich_help_panel=SPACE),
+    ] = "full",
+    lora_rank: Annotated[int, Opt(help="LoRA rank r.", min=1, rich_help_panel=SPACE)] = 16,
+    lora_targets: Annotated[
+        str, Opt(help="Modules the adapters wrap (comma-separated), or all-linear.", rich_help_panel=SPACE)
+    ] = "q_proj,v_proj",
+    lora_dropout: Annotated[float, Opt(help="Dropout on the adapters' input.", min=0, rich_help_panel=SPACE)] = 0.0,
+    modules_to_save: Annotated[
+        str | None, Opt(help="Modules trained in full beside the adapters, e.g. lm_head.", rich_help_panel=SPACE)
+    ] = None,
+    allow_quantization: Annotated[
+        bool,
+        Opt(
+            "--allow-quantization",
+            help="Fine-tuning: also try other base formats (lora: int8, nf4; qlora: fp4, int8).",
+            rich_help_panel=SPACE,
+        ),
+    ] = False,
     max_cp: Annotated[
         int | None,
         Opt(help="Largest context-parallel degree (default: 8 from seq 16384, else 1).", min=1, rich_help_panel=SPACE),
@@ -136,7 +203,7 @@ def tune(
         Opt("--sequence-parallel/--no-sequence-parallel", help="Sequence parallelism with TP.", rich_help_panel=SPACE),
     ] = True,
     runtime: Annotated[
-        Literal["memplan", "hf", "megatron"], Opt(help="Activation accounting.", rich_help_panel=SPACE)
+        Literal["memplan", "hf", "hf-loop", "megatron"], Opt(help="Activation accounting.", rich_help_panel=SPACE)
     ] = "memplan",
     allocator: Annotated[
         Literal["default", "expandable"] | None,
@@ -221,6 +288,7 @@ def tune(
         max_cp=max_cp,
         sequence_parallel=sequence_parallel,
         optimizer=optimizer,
+        **_finetune_options(finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, allow_quantization, spec),
     )
     cal_path = calibration_path()
     profile = load_calibration(cal_path).profiles.get(card.name) if calibration else None
@@ -378,6 +446,14 @@ def render(result: TuneResult, console: Console, model_ref: str) -> None:
         if result.plan_path:
             console.print(f"written to {result.plan_path}; check it with: memplan estimate {model_ref} --plan "
                           f"{result.plan_path}", soft_wrap=True)  # fmt: skip
+    if result.micro_batch_ladder:
+        ladder = Table(title="the recommended plan's largest micro-batch that fits, by sequence length")
+        for col in ("seq len", "micro-batch", "peak reserved"):
+            ladder.add_column(col, justify="right")
+        for row in result.micro_batch_ladder:
+            size = "-" if row.peak_reserved_bytes is None else format_bytes(row.peak_reserved_bytes, "GiB")
+            ladder.add_row(f"{row.seq_len:,}", str(row.micro_batch) if row.micro_batch else "none", size)
+        console.print(ladder)
     if result.calibration_written:
         w = result.calibration_written
         step = f"step time x{w['step_time_ratio']:.3f}" if w["step_time_ratio"] else "step time not measured"

@@ -7,9 +7,15 @@ raises :class:`~memplan.errors.MemplanError` naming the field and what would be 
 
 Targets, one module each: ``deepspeed`` (JSON), ``accelerate`` (Accelerate FSDP2 YAML),
 ``torchtitan`` (Python config, or the legacy TOML with ``form="toml"``), ``megatron``
-(Megatron-LM arguments), ``fsdp2`` (a plain PyTorch FSDP2 / DTensor module). Options:
-``gradient_clipping`` (deepspeed, torchtitan, megatron), ``nvme_path`` (deepspeed),
-``form`` and ``model`` (torchtitan).
+(Megatron-LM arguments), ``fsdp2`` (a plain PyTorch FSDP2 / DTensor module), and for
+fine-tuning ``hf-trainer`` (one YAML of the kwargs of ``TrainingArguments`` / TRL's ``SFTConfig``,
+``peft.LoraConfig``, ``BitsAndBytesConfig`` and ``from_pretrained``) and ``axolotl`` (its config
+YAML). Options: ``gradient_clipping`` (deepspeed, torchtitan, megatron, hf-trainer, axolotl),
+``nvme_path`` (deepspeed), ``form`` and ``model`` (torchtitan), ``sharding`` (hf-trainer and
+axolotl: ``deepspeed``, the default for ZeRO, or ``fsdp``).
+
+Only the fine-tuning targets say adapters, a quantized base or activation offload; the others
+train every weight and refuse ``finetune``, ``quant`` and ``offload_activations`` by name.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.export import accelerate, deepspeed, fsdp2, megatron, torchtitan
+from memplan.export import accelerate, axolotl, deepspeed, fsdp2, hf_trainer, megatron, torchtitan
 from memplan.export.common import Exported, fields, refuse, training
 from memplan.specs.resolve import Job
 
@@ -29,6 +35,8 @@ TARGETS: dict[str, Any] = {
     "torchtitan": torchtitan,
     "megatron": megatron,
     "fsdp2": fsdp2,
+    "hf-trainer": hf_trainer,
+    "axolotl": axolotl,
 }
 
 __all__ = ["TARGETS", "Exported", "export", "fields", "options", "parse", "render"]
@@ -62,8 +70,26 @@ def render(job: Job, target: str, **opts: Any) -> Exported:
         raise refuse(
             "attention", target, "attention=triton", "memplan's Triton kernel runs only in the bundled trainer"
         )
+    if not getattr(module, "FINETUNE", False):
+        refuse_finetune(job, target)
     exporter: Callable[..., Exported] = module.export
     return with_allocator_note(exporter(job, **given), job)
+
+
+def refuse_finetune(job: Job, target: str) -> None:
+    """Targets whose configs train every weight in full cannot say adapters, a quantized base or
+    activation offload: a config that silently trains a different plan is never written."""
+    p = job.plan
+    if p.finetune != "full":
+        what = f"finetune {p.finetune}" + (f" over a {p.quant} base" if p.quant != "none" else "")
+        raise refuse("finetune", target, what, "its configuration trains every weight; export to hf-trainer or axolotl")
+    if p.offload_activations != "none":
+        raise refuse(
+            "offload_activations",
+            target,
+            f"offload_activations={p.offload_activations}",
+            "its configuration keeps saved activations on the GPU; export to hf-trainer (TRL) or axolotl",
+        )
 
 
 def with_allocator_note(exported: Exported, job: Job) -> Exported:

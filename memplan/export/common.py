@@ -9,6 +9,7 @@ means a different plan is never written.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from typing import Any
 
@@ -187,3 +188,42 @@ def hf_layer_class(job: Job, target: str) -> str:
             field="model.architecture",
         )
     return name
+
+
+# ---- fine-tuning exports (hf-trainer, axolotl) ----
+
+# the plan's adapter fields as they are when finetune is full (the Plan forbids setting them then)
+LORA_FIELDS = ("lora_rank", "lora_targets", "lora_dropout", "modules_to_save")
+FINETUNE_FIELDS = ("finetune", *LORA_FIELDS, "quant", "double_quant", "offload_activations")
+
+
+def lora_defaults() -> dict[str, Any]:
+    """The adapter fields of a full fine-tune (Plan's defaults): what an export without adapters reads back to."""
+    return {name: Plan.model_fields[name].default for name in LORA_FIELDS}
+
+
+def canonical_finetune(plan: Plan) -> str:
+    """The fine-tuning mode as a trainer's config says it: LoRA over a 4-bit base is QLoRA and
+    LoRA over an 8-bit base is LoRA (axolotl's ``adapter: qlora`` needs ``load_in_4bit``; PEFT and
+    bitsandbytes configs carry the base's quantization, not the name), whatever the plan calls it."""
+    if plan.finetune == "full":
+        return "full"
+    return "qlora" if plan.quant in ("nf4", "fp4") else "lora"
+
+
+def finetune_fields(job: Job) -> dict[str, Any]:
+    """:func:`fields` with the fine-tuning mode in its one form (:func:`canonical_finetune`)."""
+    return {**fields(job), "finetune": canonical_finetune(job.plan)}
+
+
+def hf_model_id(job: Job) -> str | None:
+    """The Hugging Face Hub id a bundled profile was read from (its ``source``: "config.json of
+    meta-llama/Meta-Llama-3-8B"), or None when the profile does not name one."""
+    match = re.search(r"config\.json of ([\w.-]+/[\w.-]+)", job.model.source or "")
+    return match.group(1) if match else None
+
+
+def header_world(text: str) -> tuple[int, int] | None:
+    """GPUs and nodes from an export's header comment (:func:`header`: "on 8 x h100-sxm, 1 node(s)")."""
+    match = re.search(r"on (\d+) x \S+, (\d+) node\(s\)", text)
+    return (int(match.group(1)), int(match.group(2))) if match else None

@@ -21,7 +21,13 @@ World size = dp x tp x pp x cp, every GPU used. One plan per combination of:
 - ``offload`` (only when allowed): optimizer states to CPU (ZeRO >= 1), or optimizer states
   and parameters (ZeRO-3, FSDP2's CPUOffloadPolicy);
 - ``recompute``: none, selective, selective-op, full;
-- ``precision``: the allowed ones (default bf16-mixed only).
+- ``precision``: the allowed ones (default bf16-mixed only);
+- ``quant`` (fine-tuning only): the base weights' format, fixed unless ``--allow-quantization``
+  offers the others (none, int8, nf4 for LoRA; nf4, fp4, int8 for QLoRA).
+
+Fine-tuning (``finetune: lora | qlora``) keeps its adapter settings (rank, targets, dropout,
+modules trained in full) fixed over the space. With offload allowed, one GPU (dp x cp = 1) is
+also tried with ZeRO-1 and the optimizer on the CPU (ZeRO-Offload, as DeepSpeed runs it on one GPU).
 
 Sequence parallelism is on whenever tp > 1 (it only saves memory and costs no extra
 communication: Korthikanti et al. 2022). Every plan passes ``check_compatible``.
@@ -40,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from memplan.errors import MemplanError
 from memplan.specs.job import check_compatible
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import OptimizerName, Plan, PrecisionName
+from memplan.specs.plan import Finetune, OptimizerName, Plan, PrecisionName, Quant
 from memplan.specs.workload import TrainingWorkload
 
 CP_FROM_SEQ_LEN = 16384  # context parallelism is offered from this sequence length up
@@ -60,6 +66,7 @@ DIMENSIONS = (
     "micro_batch",
     "global_batch",
     "precision",
+    "quant",
 )
 
 
@@ -82,6 +89,27 @@ class SpaceOptions(BaseModel):
     sequence_parallel: bool = True
     virtual_stages: int = Field(2, ge=2, description="Chunks per rank of the interleaved schedule.")
     optimizer: OptimizerName = "adamw"
+    finetune: Finetune = "full"
+    lora_rank: int = Field(16, gt=0)
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    modules_to_save: tuple[str, ...] = ()
+    quants: tuple[Quant, ...] = Field(("none",), min_length=1, description="Base weight formats tried.")
+
+    def finetune_fields(self, quant: str) -> dict[str, Any]:
+        """The plan fields of this fine-tuning mode over a ``quant`` base (none for full training)."""
+        if self.finetune == "full":
+            return {}
+        four_bit = quant in ("nf4", "fp4")
+        return {
+            "finetune": "qlora" if quant != "none" else "lora",
+            "lora_rank": self.lora_rank,
+            "lora_targets": self.lora_targets,
+            "lora_dropout": self.lora_dropout,
+            "modules_to_save": self.modules_to_save,
+            "quant": quant,
+            "double_quant": four_bit and self.finetune == "qlora",
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +138,7 @@ class Candidate:
             "micro_batch": w.micro_batch,
             "global_batch": w.global_batch,
             "precision": p.precision,
+            "quant": p.quant,
         }
 
     @property
@@ -129,6 +158,8 @@ class Candidate:
         if p.offload_optimizer != "none":
             parts.append("offload=" + self.coordinates["offload"])
         parts.append(p.precision)
+        if p.finetune != "full":
+            parts.append(f"{p.finetune} r={p.lora_rank}" + (f" base={p.quant}" if p.quant != "none" else ""))
         return " ".join(parts)
 
 
@@ -265,8 +296,18 @@ def schedule_choices(model: ModelSpec, options: SpaceOptions, pp: int, accumulat
     return out
 
 
-def offload_choices(zero: int, allow: bool) -> list[tuple[str, str]]:
-    """(offload_optimizer, offload_params) pairs."""
+def zero_choices(dp: int, cp: int, allow_offload: bool) -> tuple[int, ...]:
+    """ZeRO stages: 0-3 over several data ranks; on one, 0, and 1 when offload is allowed (the
+    optimizer step on the CPU: ZeRO-Offload, which DeepSpeed runs on a single GPU)."""
+    if dp * cp > 1:
+        return (0, 1, 2, 3)
+    return (0, 1) if allow_offload else (0,)
+
+
+def offload_choices(zero: int, allow: bool, sharded: bool = True) -> list[tuple[str, str]]:
+    """(offload_optimizer, offload_params) pairs; ZeRO on one rank only with its optimizer offloaded."""
+    if not sharded and zero >= 1:
+        return [("cpu", "none")]
     out = [("none", "none")]
     if allow and zero >= 1:
         out.append(("cpu", "none"))
@@ -295,18 +336,21 @@ def enumerate_space(model: ModelSpec, options: SpaceOptions) -> Space:
                 workload = TrainingWorkload(seq_len=options.seq_len, micro_batch=mb, global_batch=gb)
                 accumulation = gb // (mb * dp) if gb is not None else 1
                 for schedule, v in schedule_choices(model, options, pp, accumulation):
-                    for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-                        for off_opt, off_params in offload_choices(zero, options.allow_offload):
+                    for zero in zero_choices(dp, cp, options.allow_offload):
+                        offloads = offload_choices(zero, options.allow_offload, dp * cp > 1)
+                        for off_opt, off_params in offloads:
                             for recompute in RECOMPUTE:
                                 for precision in options.precisions:
-                                    plan = _plan(
-                                        dp=dp, tp=tp, sequence_parallel=options.sequence_parallel and tp > 1,
-                                        pp=pp, pp_schedule=schedule, virtual_stages=v, cp=cp, ep=ep, zero=zero,
-                                        offload_optimizer=off_opt, offload_params=off_params, recompute=recompute,
-                                        precision=precision, optimizer=options.optimizer,
-                                    )  # fmt: skip
-                                    if plan is not None and _compatible(model, workload, plan):
-                                        out.append(Candidate(plan, workload))
+                                    for quant in options.quants:
+                                        plan = _plan(
+                                            dp=dp, tp=tp, sequence_parallel=options.sequence_parallel and tp > 1,
+                                            pp=pp, pp_schedule=schedule, virtual_stages=v, cp=cp, ep=ep,
+                                            zero=zero, offload_optimizer=off_opt, offload_params=off_params,
+                                            recompute=recompute, precision=precision, optimizer=options.optimizer,
+                                            **options.finetune_fields(quant),
+                                        )  # fmt: skip
+                                        if plan is not None and _compatible(model, workload, plan):
+                                            out.append(Candidate(plan, workload))
     return Space(tuple(out))
 
 

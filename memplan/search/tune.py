@@ -18,9 +18,10 @@ from memplan.search.advice import lowest_peak, what_would_fit
 from memplan.search.calibration import load_calibration, save_calibration, with_runs
 from memplan.search.evaluate import Context, Evaluation, evaluate, evaluate_all, pareto_front, rank, replayed
 from memplan.search.seeds import seeds
-from memplan.search.space import Space, enumerate_space
-from memplan.search.tuning import Hooks, RankedPlan, TuneRequest, TuneResult
+from memplan.search.space import Candidate, Space, enumerate_space
+from memplan.search.tuning import Hooks, LadderRow, RankedPlan, TuneRequest, TuneResult
 from memplan.search.validation import Outcome, detect_gpus, run_spec, validate_plan
+from memplan.specs.workload import TrainingWorkload
 
 CLI = "command line"
 MAX_EXHAUSTIVE = 100_000  # ~40 s at ~2,500 plans/s (estimate_time dominates)
@@ -164,7 +165,33 @@ def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
         closest=closest,
         fixes=what_would_fit(closest, req.options, req.ctx) if closest is not None else [],
         calibration_written=written,
+        micro_batch_ladder=_ladder(req, top),
     )
+
+
+LADDER_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _ladder(req: TuneRequest, top: list[RankedPlan]) -> list[LadderRow]:
+    """Fine-tuning on a few GPUs: for the recommended plan, the largest micro-batch (powers of two
+    up to ``max_micro_batch``) that fits at each sequence length, judged as the search judges
+    (peak reserved and outside memory within the limit, fast form). The question people bring
+    to a fine-tuning run: which batch fits at which length."""
+    if req.options.finetune == "full" or not top:
+        return []
+    plan = top[0].evaluation.plan
+    rows = []
+    for seq_len in LADDER_SEQ_LENS:
+        best, reserved = 0, None
+        mb = 1
+        while mb <= req.options.max_micro_batch:
+            workload = TrainingWorkload(seq_len=seq_len, micro_batch=mb, global_batch=mb * plan.dp)
+            ev = evaluate(Candidate(plan, workload), req.ctx)
+            if not ev.fits:
+                break
+            best, reserved, mb = mb, ev.peak_reserved_bytes, mb * 2
+        rows.append(LadderRow(seq_len=seq_len, micro_batch=best, peak_reserved_bytes=reserved))
+    return rows
 
 
 def _closest(space: Space, ctx: Context) -> Evaluation:

@@ -58,6 +58,16 @@ class RankedPlan(BaseModel):
     validation_trial: int | None = None
 
 
+class LadderRow(BaseModel):
+    """At one sequence length, the largest micro-batch of the recommended plan that fits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq_len: int
+    micro_batch: int  # 0: not even one sequence fits
+    peak_reserved_bytes: int | None  # of that micro-batch's plan (the search's fast form)
+
+
 class TuneResult(BaseModel):
     """What ``memplan tune --format json`` prints (keys are a contract: add, never rename)."""
 
@@ -88,6 +98,8 @@ class TuneResult(BaseModel):
     fixes: list[Fix]
     calibration_written: dict | None
     plan_path: str | None = None
+    # fine-tuning: the recommended plan's largest micro-batch that fits at each sequence length
+    micro_batch_ladder: list[LadderRow] = []
 
 
 def plan_yaml(result: TuneResult, req: TuneRequest, model_ref: str | None = None) -> str:

@@ -18,6 +18,7 @@ import yaml
 from optuna.trial import TrialState
 
 from memplan.cli.app import run
+from memplan.costmodel.overhead import fast_reserved_bytes
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 LLAMA8B = ["llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "128"]
@@ -308,3 +309,41 @@ def test_export_a_target_cannot_express_is_one_line_and_keeps_the_yaml(tmp_path:
         pytest.skip("the optimum needs no TP under these constants")
     assert code == 2
     assert "--export: deepspeed cannot express tp=" in err.strip().splitlines()[-1]
+
+
+def test_finetune_on_one_gpu_answers_which_batch_fits_at_which_length(tmp_path):
+    """QLoRA on a 24 GB card: the recommended plan is an adapter plan over an NF4 base, and the
+    ladder gives, per sequence length, a micro-batch that fits and whose double does not."""
+    args = ("llama3-8b", "--gpus", "1", "--gpu", "rtx-4090", "--runtime", "hf", "--precision", "bf16")
+    lora = ("--finetune", "qlora", "--lora-targets", "all-linear")
+    code, out, err = memplan(
+        "tune", *args, *lora, "--exhaustive", "--format", "json", "--out", str(tmp_path / "p.yaml")
+    )
+    assert code == 0, err
+    result = json.loads(out)
+    plan = result["recommended"]["evaluation"]["plan"]
+    assert (plan["finetune"], plan["quant"], plan["double_quant"]) == ("qlora", "nf4", True)
+    assert plan["lora_targets"] == ["all-linear"]
+    ladder = result["micro_batch_ladder"]
+    assert [row["seq_len"] for row in ladder] == [512, 1024, 2048, 4096, 8192, 16384]
+    batches = [row["micro_batch"] for row in ladder]
+    assert batches == sorted(batches, reverse=True) and batches[0] > 0
+    for row in ladder:
+        for mb, fits in ((row["micro_batch"], True), (max(2 * row["micro_batch"], 1), False)):
+            if mb == 0:
+                continue
+            code, out, err = memplan(
+                "estimate", *args, *lora, "--recompute", plan["recompute"], "--seq-len", str(row["seq_len"]),
+                "--micro-batch", str(mb), "--format", "json",
+            )  # fmt: skip
+            assert code == 0, err
+            memory = json.loads(out)["memory"]
+            # as the search judges a plan: the fast form of the reserved peak and the memory
+            # outside the allocator within the limit (capacity less the 5% margin)
+            judged = fast_reserved_bytes(memory["peak"]["allocated"]) + memory["overhead"]
+            assert (judged <= result["limit_bytes"]) is fits, (row, mb)
+
+
+def test_allow_quantization_needs_a_finetune_mode(tmp_path):
+    code, _, err = memplan("tune", "llama3-8b", "--gpus", "1", "--allow-quantization")
+    assert code == 2 and "--allow-quantization" in err and "--finetune lora or qlora" in err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from memplan.export import TARGETS, fields, parse, render
+from memplan.export.common import finetune_fields
 from memplan.export.megatron import parse_model
 
 L8 = "llama3-8b"
@@ -75,6 +76,12 @@ CASES = [
     ("fsdp2", L8, dict(gpus=8, zero=1, optimizer="adafactor", precision="bf16-mixed"), {}),
     ("fsdp2", L8, dict(gpus=8, zero=3, offload_params="cpu", offload_optimizer="cpu", optimizer="sgd",
                        precision="fp32"), {}),
+    # fine-tuning stacks (the full grid is tests/export/test_finetune_exports.py)
+    ("hf-trainer", L8, dict(gpus=1, finetune="qlora", lora_targets=("all-linear",), precision="bf16-mixed",
+                            recompute="full"), {}),
+    ("hf-trainer", L8, dict(gpus=8, zero=3, finetune="lora", precision="bf16-mixed", **TRAIN), {}),
+    ("axolotl", L8, dict(gpus=1, finetune="qlora", quant="fp4", lora_rank=32, precision="bf16", recompute="full"), {}),
+    ("axolotl", L8, dict(gpus=8, zero=2, finetune="lora", modules_to_save=("lm_head",), precision="bf16-master"), {}),
 ]  # fmt: skip
 
 
@@ -84,7 +91,8 @@ def test_export_reads_back_to_the_same_plan(make_job, target, model, flags, opts
     exported = render(job, target, **opts)
     back = parse(target, exported.text, job.model.num_layers)
     assert set(back) == set(TARGETS[target].CARRIES)
-    want = fields(job)
+    # the fine-tuning stacks write the mode in one form (a quantized base reads back as qlora)
+    want = finetune_fields(job) if target in ("hf-trainer", "axolotl") else fields(job)
     assert {k: want[k] for k in back} == back
 
 

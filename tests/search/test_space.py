@@ -54,7 +54,8 @@ def test_every_plan_is_valid_and_uses_every_gpu(name: str, gpus: int, options: d
         assert p.world_size == gpus
         assert p.tp <= opts.gpus_per_node
         assert p.sequence_parallel == (p.tp > 1)
-        assert p.zero == 0 or p.dp * p.cp > 1
+        # ZeRO over one data rank only as ZeRO-Offload: stage 1 with the optimizer on the CPU
+        assert p.zero == 0 or p.dp * p.cp > 1 or (opts.allow_offload and p.zero == 1 and p.offload_optimizer == "cpu")
         assert w.micro_batch & (w.micro_batch - 1) == 0 and w.micro_batch <= opts.max_micro_batch
         assert w.global_batch in (opts.global_batches or (None,))
         if w.global_batch is not None:
@@ -136,3 +137,33 @@ def test_dimensions_are_the_plan_coordinates():
     space = enumerate_space(tiny(4), SpaceOptions(gpus=2, gpus_per_node=2, seq_len=64, global_batches=(4,)))
     assert tuple(space.candidates[0].coordinates) == DIMENSIONS
     assert all(set(space.params(c)) == set(space.choices) for c in space.candidates)
+
+
+def test_one_gpu_with_offload_tries_zero_offload():
+    """DeepSpeed's ZeRO-Offload on one GPU (stage 1, optimizer states and step on the CPU) is in
+    the space when offload is allowed, and only then."""
+    model = load_model("llama3-8b")
+    plans = [c.plan for c in enumerate_space(model, SpaceOptions(gpus=1, allow_offload=True)).candidates]
+    assert any(p.zero == 1 and p.offload_optimizer == "cpu" for p in plans)
+    assert all(p.offload_optimizer == "cpu" for p in plans if p.zero == 1)
+    plain = [c.plan for c in enumerate_space(model, SpaceOptions(gpus=1)).candidates]
+    assert {p.zero for p in plain} == {0}
+
+
+def test_finetune_space_keeps_the_adapters_and_varies_the_base_when_allowed():
+    model = load_model("llama3-8b")
+    lora = dict(finetune="lora", lora_rank=8, lora_targets=("all-linear",), modules_to_save=("lm_head",))
+    fixed = enumerate_space(model, SpaceOptions(gpus=1, **lora))
+    assert {(c.plan.finetune, c.plan.quant, c.plan.lora_rank) for c in fixed.candidates} == {("lora", "none", 8)}
+    assert all(
+        c.plan.lora_targets == ("all-linear",) and c.plan.modules_to_save == ("lm_head",) for c in fixed.candidates
+    )
+    bits = enumerate_space(model, SpaceOptions(gpus=1, quants=("none", "int8", "nf4"), **lora))
+    assert {(c.plan.finetune, c.plan.quant) for c in bits.candidates} == {
+        ("lora", "none"),
+        ("qlora", "int8"),
+        ("qlora", "nf4"),
+    }
+    assert "quant" in bits.choices and "quant" not in fixed.choices
+    qlora = enumerate_space(model, SpaceOptions(gpus=1, finetune="qlora", quants=("nf4",)))
+    assert all(c.plan.double_quant and c.plan.quant == "nf4" for c in qlora.candidates)
