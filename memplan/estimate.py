@@ -65,7 +65,10 @@ def _with_attention_kernel(plan: dict[str, Any], job: Job, device: Device) -> di
     ``device`` (``eager``, or the kernel SDPA picks: ``memory.sdpa_kind``)."""
     if isinstance(job.workload, TrainingWorkload):
         policy = POLICIES[job.plan.precision]
-        kernel = "eager" if job.plan.attention == "eager" else sdpa_kind(job.model, job.plan, policy, device)
+        capability = job.gpu.compute_capability
+        kernel = (
+            "eager" if job.plan.attention == "eager" else sdpa_kind(job.model, job.plan, policy, device, capability)
+        )
         plan["attention_kernel"] = "triton" if job.plan.attention == "triton" else kernel
     return plan
 

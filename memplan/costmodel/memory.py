@@ -311,11 +311,20 @@ def _activation_bytes(plan: Plan, policy: PrecisionPolicy, autocast: bool) -> in
     return policy.compute_bytes
 
 
-def sdpa_kind(model: ModelSpec, plan: Plan, policy: PrecisionPolicy, device: Device = "cuda") -> str:
+def sdpa_kind(
+    model: ModelSpec,
+    plan: Plan,
+    policy: PrecisionPolicy,
+    device: Device = "cuda",
+    capability: tuple[int, int] | None = None,
+) -> str:
     """The kernel ``scaled_dot_product_attention`` runs for this plan on ``device``
     (``attention.sdpa_backend``): the runtimes call it causal, without a mask or dropout, on
     their rank's heads, GQA passed unrepeated (``enable_gqa``; transformers does so when there
-    is no padding mask). ``triton`` attention is memplan's own kernel: flash's tensors."""
+    is no padding mask). ``triton`` attention is memplan's own kernel: flash's tensors.
+    ``capability``: the GPU's CUDA compute capability (None: an H100's, 9.0); what the fused
+    kernels keep is the same across them (q, k, v, out, an fp32 log-sum-exp), so the memory
+    model leaves it at the default and the labels and the time model pass the profile's."""
     if plan.attention == "triton":
         return "flash"
     return _sdpa_backend(
@@ -326,6 +335,7 @@ def sdpa_kind(model: ModelSpec, plan: Plan, policy: PrecisionPolicy, device: Dev
         max(model.kv_heads // plan.tp, 1),
         enable_gqa=True,
         dropout=0.0,
+        **({"capability": tuple(capability)} if capability is not None and device == "cuda" else {}),
     )
 
 

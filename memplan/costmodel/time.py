@@ -372,7 +372,7 @@ def attention_backend(model: ModelSpec, workload: TrainingWorkload, plan: Plan, 
     dtype."""
     if plan.attention == "eager":
         return "eager"
-    return sdpa_kind(model, plan, POLICIES[plan.precision], "cuda")
+    return sdpa_kind(model, plan, POLICIES[plan.precision], "cuda", gpu.compute_capability)
 
 
 FOREACH_ADAMW_RUNTIMES = frozenset({"memplan", "hf-loop"})

@@ -51,6 +51,10 @@ class GPUSpec(BaseModel):
         None, description="GPU-to-GPU link bandwidth per direction (NVLink / Infinity Fabric); None if PCIe only."
     )
     pcie_bytes_per_s: BytesPerSecond = Field(description="Host link bandwidth per direction, bytes/s.")
+    compute_capability: tuple[int, int] | None = Field(
+        None,
+        description="CUDA compute capability (major, minor): which kernels PyTorch's SDPA may pick; None: not CUDA.",
+    )
     efficiency: KernelEfficiency | None = Field(
         None, description="Measured kernel efficiencies for the step-time model; None: the model's defaults."
     )
@@ -65,6 +69,8 @@ class GPUSpec(BaseModel):
             figures.append("efficiency")
         if self.torch_capacity_bytes is not None:
             figures.append("torch_capacity_bytes")
+        if self.compute_capability is not None:
+            figures.append("compute_capability")
         missing = [f for f in figures if f not in self.sources]
         if missing:
             raise ValueError(f"sources: no source given for {', '.join(missing)}")

@@ -151,7 +151,9 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
         check_compatible(model, workload, plan)
     except MemplanError as err:
         raise _blame_flag(err.located(plan_path or CLI), set(flags), bool(plan_path)) from None
-    runtime = sizes.runtime or pf.runtime or "memplan"
+    # adapters over a frozen base are what transformers' Trainer runs (the bundled trainer trains
+    # every weight), so a fine-tuning plan defaults to its step
+    runtime = sizes.runtime or pf.runtime or ("hf" if plan.finetune != "full" else "memplan")
     allocator = resolve_allocator(sizes.allocator or pf.allocator)
     return Job(model, workload, plan, gpu, cluster, runtime, allocator)
 

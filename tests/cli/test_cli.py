@@ -430,3 +430,13 @@ def test_device_picks_the_attention_kernel_and_its_memory(capsys, tmp_path):
     assert estimate_json(capsys, *bf16, "--device", "cpu")["plan"]["attention_kernel"] == "flash"
     eager = estimate_json(capsys, *bf16, "--attention", "eager")
     assert eager["plan"]["attention_kernel"] == "eager"
+
+
+def test_the_gpus_compute_capability_picks_the_kernel_label_and_finetuning_defaults_to_the_trainer(capsys):
+    """cuDNN comes first on sm90 (H100) only; an RTX 4090 (sm89) and an A100 (sm80) run flash.
+    A fine-tuning plan without --runtime is transformers' Trainer step (the bundled trainer
+    trains every weight)."""
+    bf16 = ("llama3-8b", "--gpus", "8", "--zero", "3", "--precision", "bf16-mixed")
+    assert estimate_json(capsys, *bf16, "--gpu", "a100-80gb")["plan"]["attention_kernel"] == "flash"
+    qlora = estimate_json(capsys, "llama3-8b", "--gpus", "1", "--gpu", "rtx-4090", "--finetune", "qlora")
+    assert qlora["plan"]["attention_kernel"] == "flash" and qlora["plan"]["runtime"] == "hf"
