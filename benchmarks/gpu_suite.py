@@ -73,7 +73,8 @@ Log = Callable[[str], None]
 @dataclass(frozen=True)
 class SuitePlan:
     """One measured configuration: a ``memplan validate`` run, or (runner ``hf``) transformers
-    steps against ``memplan estimate --runtime hf-loop``. ``budget_s`` is the wall time one run is
+    steps, the hand loop against ``memplan estimate --runtime hf-loop`` or (``loop="trainer"``) the
+    HF Trainer's step against ``--runtime hf``. ``budget_s`` is the wall time one run is
     expected to take on an H100, start-up included; its timeout is a multiple of it."""
 
     id: str
@@ -94,6 +95,7 @@ class SuitePlan:
     global_batch: int | None = None  # None: micro_batch x dp (no gradient accumulation)
     budget_s: int = 90
     quick: bool = False
+    loop: str = "hand"  # hf runner: hand (outputs kept, foreach AdamW) or trainer (the Trainer's training_step)
 
     @property
     def world_size(self) -> int:
@@ -203,6 +205,11 @@ PLANS: tuple[SuitePlan, ...] = (
     SuitePlan("hf-1b-bf16mixed-full-exp", "1b", runner="hf", recompute="full", micro_batch=2,
               allocator="expandable", budget_s=90, quick=True),
     SuitePlan("hf-1b-fp32-none", "1b", runner="hf", precision="fp32", seq_len=1024, budget_s=60),
+    # the HF Trainer's step (loss only, no cache, fused AdamW, clipping) against --runtime hf
+    SuitePlan("hf-1b-bf16mixed-full-trainer", "1b", runner="hf", recompute="full", micro_batch=2, loop="trainer",
+              budget_s=90),
+    SuitePlan("hf-1b-bf16-none-trainer", "1b", runner="hf", precision="bf16", seq_len=2048, micro_batch=2,
+              loop="trainer", budget_s=60),
 )
 # fmt: on
 
@@ -614,7 +621,7 @@ class SuiteRunner:
         """``memplan estimate --format json`` of the plan: (its JSON, None) or (None, why not)."""
         args = ["estimate", model, *plan.flags(), "--gpu", self.gpu, "--format", "json"]
         if plan.runner == "hf":
-            args += ["--runtime", "hf-loop"]  # the worker runs the hand loop (outputs kept), not the Trainer
+            args += ["--runtime", "hf" if plan.loop == "trainer" else "hf-loop"]  # the loop the worker runs
         if self.dry_run and estimate_takes_device():
             args += ["--device", "cpu"]
         code, out, err = _run(memplan_cmd(*args), max(10.0, timeout), child_env())
@@ -685,6 +692,7 @@ class SuiteRunner:
             "micro_batch": run_plan.micro_batch,
             "steps": 1 if self.dry_run else 2,
             "device": "cpu" if self.dry_run else "cuda",
+            "loop": plan.loop,
         }
         cmd = [sys.executable, str(Path(__file__).resolve()), "--hf-worker", json.dumps(spec)]
         row["command"] = shlex.join(["python", "benchmarks/gpu_suite.py", "--hf-worker", json.dumps(spec)])
@@ -803,7 +811,10 @@ def hf_worker(spec: dict) -> dict:
         elif spec["recompute"] != "none":
             return {"status": "unsupported", "reason": f"recompute {spec['recompute']}: hf runs none or full only"}
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        trainer = spec.get("loop") == "trainer"
+        if trainer:  # what Trainer.__init__ / training_step set: no cache, fused AdamW (optim adamw_torch_fused)
+            model.config.use_cache = False
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if trainer else {"foreach": True}))
         ids = torch.randint(0, config.vocab_size, (spec["micro_batch"], spec["seq_len"]), device=device)
         if cuda:
             torch.cuda.empty_cache()
@@ -814,8 +825,14 @@ def hf_worker(spec: dict) -> dict:
             start = time.perf_counter()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 out = model(input_ids=ids, labels=ids)
-            kept[:] = [out]  # the last step's outputs live until this forward returns, as in the runtime's loop
-            out.loss.backward()
+            if trainer:  # training_step: the loss only; then clip_grad_norm_ (max_grad_norm 1.0), step, zero_grad
+                loss = out.loss
+                del out
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            else:
+                kept[:] = [out]  # the last step's outputs live until this forward returns, as in the runtime's loop
+                out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if cuda:
