@@ -201,6 +201,25 @@ class _LoraActs:
     temp: int  # the last layer's gradient temporaries at its backward's peak (in its MLP)
 
 
+def int8_layer_inputs(model: ModelSpec, x: A.Shape, plan: Plan) -> int:
+    """What an LLM.int8 base keeps per layer beyond a 4-bit one (bitsandbytes 0.50.2, training).
+
+    ``bnb.matmul`` in training on CPU runs ``MatMul8bitFp``, which stores its input as a ctx
+    attribute (``ctx.A = A``, not ``save_for_backward``) whether or not the frozen int8 weight
+    needs a gradient; on CUDA ``MatMul8bitLt`` does the same (``ctx.tensors = (CAt, subA, A)``,
+    ``CAt`` / ``subA`` empty for a frozen weight). Of the seven linears' inputs, the q/k/v input
+    (kept by lora_A under q/v targets) and the o_proj input (SDPA's saved output) are kept
+    anyway; the new ones are the post-attention norm's output (gate/up input, ``h``) and the
+    down_proj input (``f``), in the activation dtype (with adapters off q/v the q/k/v input
+    would be new too: not measured). Measured with MemTracker on the tiny
+    Llama (qlora-int8): 2 x 128 x 4 x (64 + 160) = 229,376 B, exactly the within-step excess
+    over the same model on an nf4 base. Holding them as attributes also means they outlive the
+    backward while the step's graph lives (``out`` kept, ``hf-loop``): not modelled."""
+    if plan.quant != "int8":
+        return 0
+    return x.tokens * x.d * (model.hidden_size // x.rep + model.ffn_size // x.t)
+
+
 def lora_activations(
     model: ModelSpec, x: A.Shape, plan: Plan, rt: RuntimeProfile, layout: StageLayout, device: Device
 ) -> _LoraActs:
@@ -237,8 +256,8 @@ def lora_activations(
         )
 
     rest, first = layer(True), layer(first_grad)
-    rest_b = rest.per_token * tokens + cache
-    first_b = first.per_token * tokens + cache
+    rest_b = rest.per_token * tokens + cache + int8_layer_inputs(model, x, plan)
+    first_b = first.per_token * tokens + cache + int8_layer_inputs(model, x, plan)
     if kept and not first.attention_kept and not x.eager and not x.autocast and x.sdpa != "math":
         # SDPA keeps nothing of a layer no gradient reaches before its attention, but the
         # DynamicCache still holds that layer's RoPE'd keys and values (measured)

@@ -42,7 +42,14 @@ def weight_4bit_bytes(out_features: int, in_features: int, double_quant: bool) -
 
 def weight_int8_bytes(out_features: int, in_features: int) -> int:
     """One LLM.int8 ``Linear8bitLt`` weight (Dettmers et al. 2022): an int8 per weight and
-    one fp32 absmax scale per output row (``Int8Params.SCB``)."""
+    one fp32 absmax scale per output row. Measured on bitsandbytes 0.50.2 on CPU
+    (tests/unit/test_lora_quant.py): ``Int8Params._quantize`` keeps ``CB`` as the parameter's own
+    data (one storage) and ``SCB`` beside it, moved to ``MatmulLtState.CB`` / ``.SCB`` by the
+    first forward (``init_8bit_state``); no fp16 or fp32 copy of the weight stays. The
+    matmul's own tensors are activations, not states (``memory.int8_layer_inputs``): in
+    training ``MatMul8bitFp`` (CPU) keeps its input as ``ctx.A`` and dequantizes the weight
+    to an fp32 transient (``dequantized_weight_bytes``) in the forward and the input-gradient;
+    with a frozen weight no ``CAt`` / ``SCAt`` / outlier ``subA`` (threshold 6.0) is kept."""
     return out_features * in_features + 4 * out_features
 
 
@@ -58,5 +65,6 @@ def quantized_weight_bytes(out_features: int, in_features: int, quant: str, doub
 def dequantized_weight_bytes(out_features: int, in_features: int, compute_bytes: int) -> int:
     """The transient a 4-bit matmul makes in its forward and again in its backward:
     ``dequantize_4bit`` rebuilds the whole weight in the compute dtype (bitsandbytes
-    ``MatMul4Bit``; freed when the matmul returns)."""
+    ``MatMul4Bit``; freed when the matmul returns). LLM.int8 in training does the same in the
+    input's dtype (``MatMul8bitFp``: ``CB.to(A.dtype) * SCB / 127``)."""
     return out_features * in_features * compute_bytes

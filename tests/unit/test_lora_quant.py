@@ -40,6 +40,22 @@ def test_4bit_bytes_match_bitsandbytes_storage(out_features, in_features, quant,
 
 def test_int8_bytes_formula():
     assert Q.weight_int8_bytes(4096, 1024) == 4096 * 1024 + 4 * 4096
+
+
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_int8_bytes_match_bitsandbytes_storage(out_features, in_features):
+    """``Int8Params`` quantized on CPU: the int8 data (``CB`` is the same storage) and the fp32
+    row scales ``SCB``; no fp16 / fp32 copy of the weight is kept."""
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = bnb.nn.Linear8bitLt(in_features, out_features, bias=False, has_fp16_weights=False, threshold=6.0)
+    layer.weight = bnb.nn.Int8Params(torch.randn(out_features, in_features), requires_grad=False)
+    layer = layer.to("cpu")
+    param = layer.weight
+    assert param.dtype == torch.int8 and param.CB is not None
+    assert param.CB.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+    stored = param.untyped_storage().nbytes() + param.SCB.untyped_storage().nbytes()
+    assert stored == Q.quantized_weight_bytes(out_features, in_features, "int8")
     assert Q.quantized_weight_bytes(8, 8, "nf4") == 32 + 4 + 64
 
 
