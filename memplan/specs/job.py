@@ -92,7 +92,7 @@ def check_lora(model: ModelSpec, plan: Plan) -> None:
     if model.architecture not in lora.FAMILIES or model.mlp != "gated" or model.moe is not None:
         kind = "an MoE" if model.moe is not None else f"a {model.architecture} ({model.mlp} MLP)"
         raise MemplanError(
-            f"finetune: {plan.finetune} is modelled for dense Llama-family models ({', '.join(lora.FAMILIES)}: "
+            f"{plan.finetune} is modelled for dense Llama-family models ({', '.join(lora.FAMILIES)}: "
             f"q/k/v/o_proj, gate/up/down_proj); {model.name} is {kind} model",
             field="plan.finetune",
         )
@@ -100,14 +100,14 @@ def check_lora(model: ModelSpec, plan: Plan) -> None:
     unknown = [name for name in plan.lora_targets if name not in valid]
     if unknown:
         raise MemplanError(
-            f"lora_targets: {', '.join(unknown)} matches no linear layer of {model.name}; "
+            f"{', '.join(unknown)} matches no linear layer of {model.name}; "
             f"valid: {', '.join(valid)} (the LM head is not a LoRA target: use modules_to_save: lm_head)",
             field="plan.lora_targets",
         )
     unknown = [name for name in plan.modules_to_save if name not in lora.SAVABLE]
     if unknown:
         raise MemplanError(
-            f"modules_to_save: {', '.join(unknown)} matches no module of {model.name} memplan models; "
+            f"{', '.join(unknown)} matches no module memplan trains in full; "
             f"valid: {', '.join(lora.SAVABLE)}",
             field="plan.modules_to_save",
         )

@@ -651,3 +651,17 @@ def test_activation_offload_is_refused_by_the_estimate(tmp_path):
     """Parsed (the fine-tuning exports carry it) but not in the memory model: an error, not a silent number."""
     proc = memplan("estimate", "llama3-8b", "--offload-activations", "cpu", cwd=tmp_path)
     error_line(proc, "plan.offload_activations", None, "not in the memory model yet")
+
+
+@pytest.mark.parametrize(
+    ("model", "args", "flag", "reason"),
+    [
+        ("llama3-8b", ["--lora-targets", "q_proj,wq"], "--lora-targets", "wq matches no linear layer of llama3-8b"),
+        ("llama3-8b", ["--lora-targets", "lm_head"], "--lora-targets", "use modules_to_save: lm_head"),
+        ("llama3-8b", ["--modules-to-save", "head"], "--modules-to-save", "valid: lm_head, embed_tokens"),
+        ("gpt3-175b", [], "--finetune", "dense Llama-family models"),
+        ("mixtral-8x7b", [], "--finetune", "an MoE model"),
+    ],
+)
+def test_adapters_that_name_no_module_of_the_model(tmp_path, model, args, flag, reason):
+    error_line(memplan("estimate", model, "--finetune", "lora", *args, cwd=tmp_path), CLI, flag, reason)
