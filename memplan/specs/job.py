@@ -107,7 +107,6 @@ def check_lora(model: ModelSpec, plan: Plan) -> None:
     unknown = [name for name in plan.modules_to_save if name not in lora.SAVABLE]
     if unknown:
         raise MemplanError(
-            f"{', '.join(unknown)} matches no module memplan trains in full; "
-            f"valid: {', '.join(lora.SAVABLE)}",
+            f"{', '.join(unknown)} matches no module memplan trains in full; valid: {', '.join(lora.SAVABLE)}",
             field="plan.modules_to_save",
         )
