@@ -31,8 +31,8 @@ from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import check_compatible
 from memplan.specs.loader import load_gpu, load_model
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import OptimizerName, Plan, PrecisionName
-from memplan.specs.resolve import alloc_conf_text, resolve_allocator
+from memplan.specs.plan import OptimizerName, PrecisionName
+from memplan.specs.resolve import alloc_conf_text, blame_flags, plan_from_flags, resolve_allocator
 from memplan.specs.workload import TrainingWorkload
 from memplan.units import format_bytes, parse_bytes
 
@@ -132,24 +132,12 @@ def _finetune_options(
         lora_dropout=dropout,
         modules_to_save=name_list(modules_to_save, "--modules-to-save") or (),
     )
-    plan = _validate_plan(dict(fields))
+    plan = plan_from_flags(fields)
     try:
         check_compatible(model, TrainingWorkload(seq_len=1, micro_batch=1), plan)
     except MemplanError as err:
-        flag = "--" + (err.field or "finetune").removeprefix("plan.").replace("_", "-")
-        raise MemplanError(err.reason, source=CLI, field=flag) from None
+        raise blame_flags(err, set(fields)) from None
     return {**fields, "quants": quants if allow_quantization else quants[:1]}
-
-
-def _validate_plan(fields: dict) -> Plan:
-    """The fine-tuning fields as a Plan, errors blamed on their flags."""
-    try:
-        return Plan(**fields)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        name = str(err["loc"][0]) if err["loc"] else str(err["msg"]).split(":", 1)[0].removeprefix("Value error, ")
-        reason = str(err["msg"]).removeprefix("Value error, ")
-        raise MemplanError(reason, source=CLI, field="--" + name.replace("_", "-")) from None
 
 
 def tune(

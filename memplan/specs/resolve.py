@@ -87,6 +87,16 @@ def _validate_section(cls: type, data: dict, flags: set[str], source: str, prefi
         raise _blame_flag(err, flags, source != CLI) from None
 
 
+def plan_from_flags(fields: dict[str, Any]) -> Plan:
+    """Plan fields given as flags alone (no plan file), validated; an error names the flag."""
+    return _validate_section(Plan, fields, set(fields), CLI, "plan")
+
+
+def blame_flags(err: MemplanError, flags: set[str]) -> MemplanError:
+    """An error about a plan field set by one of ``flags`` (no plan file), against that flag."""
+    return _blame_flag(err, flags, from_file=False)
+
+
 def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any], inference: bool = False) -> Job:
     """Build a :class:`Job` from a model, an optional plan YAML and flag values (None = unset)."""
     flags = {k: v for k, v in overrides.items() if v is not None}
