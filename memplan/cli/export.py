@@ -10,7 +10,17 @@ from typing import Annotated, Any
 
 import typer
 
-from memplan.cli.common import name_list
+from memplan.cli.common import (
+    DoubleQuantOpt,
+    FinetuneOpt,
+    LoraDropoutOpt,
+    LoraRankOpt,
+    LoraTargetsOpt,
+    ModulesToSaveOpt,
+    OffloadActivationsOpt,
+    QuantOpt,
+    finetune_overrides,
+)
 from memplan.errors import MemplanError
 from memplan.export import render
 from memplan.specs.job import PlanFile
@@ -22,7 +32,6 @@ PLAN = "Plan"
 WORK = "Workload"
 HW = "Hardware"
 OUT = "Export"
-TUNE = "Fine-tuning"
 
 
 class Target(StrEnum):
@@ -139,26 +148,14 @@ def export(
         str | None, Opt(help="flash (PyTorch's SDPA), eager or triton (memplan's kernel).", rich_help_panel=PLAN)
     ] = None,
     runtime: Annotated[str | None, Opt(help="memplan, hf, hf-loop, megatron (header).", rich_help_panel=PLAN)] = None,
-    finetune: Annotated[
-        str | None, Opt(help="full, lora or qlora (LoRA over an NF4 base).", rich_help_panel=TUNE)
-    ] = None,
-    lora_rank: Annotated[int | None, Opt(help="LoRA rank r.", rich_help_panel=TUNE)] = None,
-    lora_targets: Annotated[
-        str | None,
-        Opt(help="Modules the adapters wrap, comma-separated (q_proj,v_proj), or all-linear.", rich_help_panel=TUNE),
-    ] = None,
-    lora_dropout: Annotated[float | None, Opt(help="Dropout on the adapters' input.", rich_help_panel=TUNE)] = None,
-    modules_to_save: Annotated[
-        str | None, Opt(help="Modules trained in full beside the adapters, e.g. lm_head.", rich_help_panel=TUNE)
-    ] = None,
-    quant: Annotated[str | None, Opt(help="Base weights: none, int8, nf4 or fp4.", rich_help_panel=TUNE)] = None,
-    double_quant: Annotated[
-        bool | None,
-        Opt("--double-quant/--no-double-quant", help="4-bit: quantize the scales again.", rich_help_panel=TUNE),
-    ] = None,
-    offload_activations: Annotated[
-        str | None, Opt(help="none or cpu: saved activations kept in host memory.", rich_help_panel=PLAN)
-    ] = None,
+    finetune: FinetuneOpt = None,
+    lora_rank: LoraRankOpt = None,
+    lora_targets: LoraTargetsOpt = None,
+    lora_dropout: LoraDropoutOpt = None,
+    modules_to_save: ModulesToSaveOpt = None,
+    quant: QuantOpt = None,
+    double_quant: DoubleQuantOpt = None,
+    offload_activations: OffloadActivationsOpt = None,
     micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
     global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,
     seq_len: Annotated[int | None, Opt(help="Tokens per sequence.", rich_help_panel=WORK)] = None,
@@ -175,9 +172,9 @@ def export(
         virtual_stages=virtual_stages, cp=cp, ep=ep, zero=zero, recompute=recompute,
         recompute_layers=recompute_layers, precision=precision, optimizer=optimizer,
         offload_optimizer=offload_optimizer, offload_params=offload_params, attention=attention, runtime=runtime,
-        finetune=finetune, lora_rank=lora_rank, lora_targets=name_list(lora_targets, "--lora-targets"),
-        lora_dropout=lora_dropout, modules_to_save=name_list(modules_to_save, "--modules-to-save"), quant=quant,
-        double_quant=double_quant, offload_activations=offload_activations,
+        **finetune_overrides(
+            finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, quant, double_quant, offload_activations
+        ),
         micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len, gpu=gpu, gpus=gpus, nodes=nodes,
     )  # fmt: skip
     ref = _model_ref(model, plan)
