@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memplan.costmodel.attention import math_compute_bytes, total_saved_bytes
 from memplan.specs.model import ModelSpec
 
 
@@ -187,8 +188,6 @@ def sdpa_math_attention(x: Shape) -> int:
     second matmul sees it, the (b, heads, s, s) probabilities, all in fp32 even for bf16 inputs),
     and q, k and v themselves are freed. The output's transposed copy is what ``o_proj`` saves,
     d*q. Measured on CPU with the math backend forced (tests/accuracy/hf_steps.py)."""
-    from memplan.costmodel.attention import total_saved_bytes
-
     m = x.model
     heads, kv = m.num_attention_heads // x.t, max(m.kv_heads // x.t, 1)
     kept = total_saved_bytes("math", x.b, x.s, heads, kv, m.head_size, x.d, enable_gqa=True, device="cuda")
@@ -203,8 +202,6 @@ def attention_backward_transient(x: Shape) -> int:
     recompute the scores tile by tile: nothing of that size (0)."""
     if x.eager or x.sdpa != "math":
         return 0
-    from memplan.costmodel.attention import math_compute_bytes
-
     heads = x.model.num_attention_heads // x.t
     return 2 * x.b * heads * x.s * x.span * math_compute_bytes(x.d)
 
