@@ -17,13 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import transformers
+from hf_steps import _CLASSES  # the tiny Llama / Mistral / Qwen2 classes the hf suite builds
 from torch.distributed._tools.mem_tracker import MemTracker
-
-_CLASSES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-}
 
 
 @dataclass(frozen=True)
