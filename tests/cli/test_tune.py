@@ -6,10 +6,11 @@ from __future__ import annotations
 import io
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import closing, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import optuna
@@ -58,6 +59,21 @@ def spawn(*args: str) -> subprocess.Popen:
 
 def load(storage: str, name: str) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=storage)
+
+
+def completed_trials(db: Path) -> int:
+    """Completed trials in an Optuna SQLite file that another process is writing, read without writing to it.
+
+    ``optuna.load_study`` creates the schema when it finds none, and two processes creating it at once collide
+    ("table studies already exists"); a read-only connection cannot, so polling never races the tuner's start.
+    """
+    if not db.exists():
+        return 0
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as con:
+            return con.execute("SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0]
+    except sqlite3.OperationalError:  # the tables are not there yet, or the file is locked for a moment
+        return 0
 
 
 def test_json_contract_and_plan_file_round_trip(tmp_path: Path):
@@ -190,11 +206,8 @@ def test_ctrl_c_keeps_the_study_and_resume_adds_trials(tmp_path: Path):
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        try:
-            if len(load(storage, "c").get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) >= 5:
-                break
-        except KeyError:  # the study is not created yet
-            continue
+        if completed_trials(tmp_path / "c.db") >= 5:
+            break
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
