@@ -314,7 +314,7 @@ def _text_model(cfg: Config, read: Callable[[Config], dict[str, Any]], arch: str
         fields = read(text)
     except KeyError as exc:
         raise KeyError(f"text_config.{exc.args[0]}") from None
-    fields["source"] = f"text model only: the text_config of {arch}; the vision tower and projector are not counted"
+    fields["source"] = f"text model only: text_config of {arch}, no vision tower or projector"
     return fields
 
 

@@ -103,7 +103,8 @@ def model_from_data(data: Any, source: str, default_name: str) -> ModelSpec:
         try:
             fields = hf_model_fields(data)
             fields.setdefault("name", data.get("_name_or_path") or default_name)
-            fields["source"] = source
+            # a reader's note (a multimodal config counted for its text model only) follows the file name
+            fields["source"] = f"{source} ({fields['source']})" if fields.get("source") else source
             return validate(ModelSpec, fields, source)
         except KeyError as exc:
             raise MemplanError(f"required field for {arch} is missing", source=source, field=str(exc.args[0])) from None

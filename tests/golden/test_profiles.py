@@ -31,6 +31,16 @@ EXPECTED_PROFILES = {
     "qwen2.5-7b",
     "qwen2.5-72b",
     "qwen3-30b-a3b",
+    # issue 18: one real size per newly read family, each with a config.json fixture of the same name
+    "qwen3-8b",
+    "gemma2-9b",
+    "gemma3-12b",
+    "phi3-mini",
+    "phi4",
+    "deepseek-v2-lite",
+    "deepseek-v3",
+    "olmo2-7b",
+    "llama4-scout",
 }
 
 # Profiles with no fixture, as transformers config dicts (config.json fields) to build them from.
@@ -90,6 +100,12 @@ def stated_count(path: Path) -> int:
 
 def test_profiles_present() -> None:
     assert {path.stem for path in PROFILES} >= EXPECTED_PROFILES
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PROFILES - set(TRANSFORMERS_CONFIGS)))
+def test_expected_profile_has_a_fixture(name: str) -> None:
+    """Every profile but GPT-3, Llama-3.1-405B and Qwen2.5-72B (built from TRANSFORMERS_CONFIGS) is its config.json."""
+    assert (HF_DIR / f"{name}.json").exists()
 
 
 @pytest.mark.parametrize("path", PROFILES, ids=lambda path: path.stem)
