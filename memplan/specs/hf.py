@@ -50,10 +50,10 @@ def _attention_pattern(
     return () if pattern == ("full",) else pattern
 
 
-def _sliding(cfg: Config, layer_types: list[str], default_window: int | None) -> dict[str, Any]:
+def _sliding(cfg: Config, layer_types: Any, num_layers: int, default_window: int | None) -> dict[str, Any]:
     """attention_pattern and sliding_window of a family with full and sliding layers."""
     window = cfg.get("sliding_window", default_window)
-    pattern = _attention_pattern(layer_types, len(layer_types), ("full_attention", "sliding_attention"), window)
+    pattern = _attention_pattern(layer_types, num_layers, ("full_attention", "sliding_attention"), window)
     return {"attention_pattern": pattern, "sliding_window": window if "sliding" in pattern else None}
 
 
@@ -249,7 +249,7 @@ def _qwen3(cfg: Config) -> dict[str, Any]:
     default = [
         "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)
     ]
-    fields.update(_sliding({**cfg, "sliding_window": window}, cfg.get("layer_types") or default, None))
+    fields.update(_sliding({**cfg, "sliding_window": window}, cfg.get("layer_types") or default, num_layers, None))
     return fields
 
 
@@ -293,7 +293,7 @@ def _gemma(cfg: Config, version: str, *, tied: bool | None = None) -> dict[str, 
         "max_position_embeddings": cfg.get("max_position_embeddings", defaults["max_position_embeddings"]),
         "attn_logit_softcapping": cfg.get("attn_logit_softcapping", defaults["attn"]),
         "final_logit_softcapping": cfg.get("final_logit_softcapping", defaults["final"]),
-        **_sliding(cfg, cfg.get("layer_types") or default_types, 4096),
+        **_sliding(cfg, cfg.get("layer_types") or default_types, num_layers, 4096),
     }
 
 

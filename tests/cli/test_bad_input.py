@@ -665,3 +665,34 @@ def test_activation_offload_is_refused_by_the_estimate(tmp_path):
 )
 def test_adapters_that_name_no_module_of_the_model(tmp_path, model, args, flag, reason):
     error_line(memplan("estimate", model, "--finetune", "lora", *args, cwd=tmp_path), CLI, flag, reason)
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json families of issue 18: values memplan cannot model name their config.json key
+
+HF_DIR = Path(__file__).parents[1] / "data" / "hf"
+
+
+def _hf(name: str) -> dict:
+    return json.loads((HF_DIR / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "field", "reason"),
+    [
+        ("gemma2-9b", {"layer_types": ["global"] * 42}, "layer_types", "unknown attention kind"),
+        ("qwen3-8b", {"hidden_act": "swiglu"}, "hidden_act", "Input should be"),
+        ("deepseek-v3", {"moe_layer_freq": 2}, "moe_layer_freq", "only 1"),
+        ("phi3-mini", {"attention_bias": True}, "attention_bias", "without biases"),
+    ],
+)
+def test_hf_family_value_not_modelled(tmp_path, name, changes, field, reason):
+    path = write_json(tmp_path, {**_hf(name), **changes})
+    error_line(memplan("estimate", path, cwd=tmp_path), path, field, reason)
+
+
+def test_hf_multimodal_error_names_the_text_config_key(tmp_path):
+    cfg = _hf("llama4-scout")
+    cfg["text_config"] = {**cfg["text_config"], "layer_types": ["sliding_attention"] * 48}
+    path = write_json(tmp_path, cfg)
+    error_line(memplan("estimate", path, cwd=tmp_path), path, "text_config.layer_types", "unknown attention kind")
