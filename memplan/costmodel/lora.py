@@ -185,6 +185,47 @@ def hf_layer(
     return LoraLayer(per_token, copies, mlp or "down_proj" in chosen, qkv)
 
 
+def int8_ctx_inputs(model: ModelSpec, *, d: int, targets: tuple[str, ...], grad_in: bool) -> int:
+    """Per token, the linear inputs an LLM.int8 layer's autograd nodes hold as ``ctx.A``
+    (bitsandbytes 0.50.2 ``MatMul8bitFp``; ``MatMul8bitLt`` on CUDA likewise), which outlive the
+    backward while the step's graph lives (``out`` kept: ``hf-loop``). A node exists only where
+    the linear's input requires grad (``Function.apply`` records none otherwise), by the rule of
+    :func:`hf_layer`: the q/k/v input (``h``) when the layer's input does, the o_proj input
+    (``q``) when q, k or v does, the gate/up input (``h``) from then on, the down_proj input
+    (``f``) when the gate or up output does. Measured on the tiny Llama (qlora-int8): layer 0
+    holds ``q + h + f``, layer 1 ``2h + q + f``."""
+    h, f = model.hidden_size, model.ffn_size
+    chosen = set(resolve_targets(targets))
+    qkv = grad_in or bool(chosen & {"q_proj", "k_proj", "v_proj"})
+    mid = grad_in or qkv or "o_proj" in chosen
+    mlp = mid or bool(chosen & {"gate_proj", "up_proj"})
+    return d * ((h if grad_in else 0) + (model.q_size if qkv else 0) + (h if mid else 0) + (f if mlp else 0))
+
+
+def checkpointed_layer_temp(
+    model: ModelSpec, *, d: int, autocast: bool, targets: tuple[str, ...], dropout: bool, mask_bytes: int
+) -> int:
+    """Per token, what a checkpointed layer holds beyond its saved tensors at its backward's peak,
+    the larger of two moments (measured without MemTracker's module hooks,
+    tests/accuracy/storage_tracker.py; docs/cost-model.md):
+
+    - the MLP's backward: the gradients of the product, the SiLU output and the up output
+      (``3 d f``), less what an adapted down_proj saved from the product (its input, or its
+      dropout output and mask: freed by its own backward, which runs first);
+    - the recomputed down_proj forward when it is adapted: PEFT's ``Linear.forward`` holds its
+      input (the product, ``d f``) through the adapter path, beside the base output and the
+      scaled adapter output (``2 d h``)."""
+    h, f = model.hidden_size, model.ffn_size
+    if "down_proj" not in resolve_targets(targets):
+        return 3 * d * f
+    inner = 2 if autocast else ADAPTER_BYTES
+    if dropout:
+        freed = f * (mask_bytes or ADAPTER_BYTES) + f * inner
+    else:
+        freed = f * (inner if autocast or ADAPTER_BYTES != d else d)
+    return max(3 * d * f - freed, d * f + 2 * d * h)
+
+
 def hf_head_saved(model: ModelSpec, *, d: int, autocast: bool, head_trained: bool) -> int:
     """Per token, what the final norm and the LM head keep under LoRA (the runtime's logits,
     log_softmax output and labels aside): the norm's fp32 input and rsqrt ``4h + 4``; the LM

@@ -197,8 +197,10 @@ class _LoraActs:
     live_layer: int  # the last layer in its backward, everything back
     head_delta: int  # to add to the runtime's head term (the frozen LM head keeps less)
     weight_copies: int  # autocast: d-byte weight casts the matmuls keep (replaces autocast_weights)
+    # (checkpointed: the LM head's only; the recomputed layer's are in ``temp``)
     earlier: int  # at the last layer's backward, what the other layers still keep
     temp: int  # the last layer's gradient temporaries at its backward's peak (in its MLP)
+    retained: int  # the previous step's int8 linear inputs its kept graph holds (hf-loop)
 
 
 def int8_layer_inputs(model: ModelSpec, x: A.Shape, plan: Plan) -> int:
@@ -272,21 +274,35 @@ def lora_activations(
     # checkpointed, every layer's input stays (the last one's too, held by its checkpoint);
     # otherwise every layer but the last keeps what it saved
     earlier = stored if plan.recompute == "full" else max(stored - live, 0)
-    # checkpointed, in the recomputed MLP's backward (measured with MemTracker, fp32, three
-    # shapes: 12f + 16h bytes per token): the gradients of the down output, the layer output, the residual and the norm
-    # (4 x h) and of the product, the SiLU output and the up output (3 x f)
-    h, f = model.hidden_size, model.ffn_size
-    temp = tokens * x.d * (3 * f // x.t + 4 * h // x.rep) if plan.recompute == "full" else layer_temp(x)
+    if plan.recompute == "full":  # the recomputed layer's peak beside its saved tensors
+        mask_bytes = 1 if device == "cuda" else 0
+        temp = tokens * L.checkpointed_layer_temp(
+            model, d=x.d, autocast=x.autocast, targets=plan.lora_targets, dropout=plan.lora_dropout > 0,
+            mask_bytes=mask_bytes,
+        ) // x.t  # fmt: skip
+    else:
+        temp = layer_temp(x)
     copies = 0
-    if x.autocast:
+    if x.autocast and plan.recompute == "full":
+        # checkpointed, the layers' forwards keep no cast; the recomputed layer's casts are
+        # alive in its backward (with its other saved tensors, in ``temp``)
+        temp += rest.weight_copies * x.d if layers else 0
+    elif x.autocast:
         copies = (first.weight_copies + max(layers - 1, 0) * rest.weight_copies) * x.d if layers else 0
-        if layout.is_last:
-            copies += vocab_shard_params(model, plan.tp) * x.d  # the LM head's, tied or not
+    if x.autocast and layout.is_last:
+        copies += vocab_shard_params(model, plan.tp) * x.d  # the LM head's, tied or not
     head_delta = 0
     if layout.is_last:
         saved = L.hf_head_saved(model, d=x.d, autocast=x.autocast, head_trained="lm_head" in plan.modules_to_save)
         head_delta = saved * tokens - A.hf_rmsnorm(x) - A.autocast_input_casts(x, 1)
-    return _LoraActs(stored, per_layer, live, head_delta, copies, earlier, temp)
+    retained = 0
+    if plan.quant == "int8" and kept and plan.recompute != "full" and layers:
+        # checkpointed, the recomputed nodes die with the backward; otherwise ``out`` keeps them
+        retained = tokens * (
+            L.int8_ctx_inputs(model, d=x.d, targets=plan.lora_targets, grad_in=first_grad)
+            + (layers - 1) * L.int8_ctx_inputs(model, d=x.d, targets=plan.lora_targets, grad_in=True)
+        )
+    return _LoraActs(stored, per_layer, live, head_delta, copies, earlier, temp, retained)
 
 
 def _shape(
@@ -603,6 +619,8 @@ def _stage_phases(
     loss_fwd = rt.loss_forward(x) if layout.is_last else 0
     loss_bwd = rt.loss_backward(x) if layout.is_last else 0
     retained = rt.retained(x, layers, plan.recompute == "full") if layout.is_last else 0
+    if lora_acts is not None:
+        retained += lora_acts.retained
 
     # communication buffers
     gathered = 0
