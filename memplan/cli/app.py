@@ -23,7 +23,7 @@ CLI = "command line"
 
 HELP = "Per-GPU memory of LLM training and inference, and the plans that fit."
 # each command's module (memplan.cli.<name>) and function; imported only when it is run or listed
-COMMANDS = ("estimate", "profiles", "validate", "export", "check", "tune")
+COMMANDS = ("estimate", "profiles", "validate", "export", "check", "tune", "explain")
 _NO_ARGS = getattr(_cx, "NoArgsIsHelpError", ())  # click < 8.2 has none
 
 

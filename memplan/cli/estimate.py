@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
@@ -23,7 +24,7 @@ from memplan.costmodel.time import Efficiency
 from memplan.estimate import EstimateResult
 from memplan.estimate import estimate as run_estimate
 from memplan.specs.hardware import GPUSpec
-from memplan.specs.resolve import resolve_job
+from memplan.specs.resolve import Job, resolve_job
 from memplan.units import format_bytes
 
 Opt = typer.Option
@@ -114,8 +115,21 @@ def estimate(
         ),
     ] = "cuda",
     format: Annotated[Literal["table", "json"], Opt("--format", help="table or json.")] = "table",
+    timeline: Annotated[
+        str | None,
+        Opt(
+            "--timeline",
+            help="Also draw the predicted run of the most-loaded rank to this file: .html (self-contained, "
+            "interactive), .svg or .png (the viz extra), or .pickle (PyTorch's memory snapshot format).",
+        ),
+    ] = None,
 ) -> None:
     """Per-GPU memory of one configuration at the peak of a step, on the most-loaded rank."""
+    target = None
+    if timeline is not None:  # checked before any work; memplan.viz is imported only when asked for
+        from memplan.viz.output import check_output
+
+        target = check_output(timeline)
     overrides = dict(
         dp=dp,
         tp=tp,
@@ -151,10 +165,25 @@ def estimate(
     )
     job = resolve_job(model, plan, overrides, inference=inference)
     result = run_estimate(job, efficiency=_efficiency(job.gpu) if calibration else None, device=device)
+    if target is not None:
+        _write_timeline(job, result, device, *target)
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
         render(result, Console())
+
+
+def _write_timeline(job: Job, result: EstimateResult, device: str, path: Path, kind: str) -> None:
+    """The predicted run (the one the allocator verdict replayed) drawn or written as a snapshot."""
+    from memplan.viz.output import write_panels
+    from memplan.viz.predicted import predicted_panel, predicted_track
+    from memplan.viz.snapshot import write_snapshot
+
+    track, which = predicted_track(job, device)
+    if kind == "pickle":
+        write_snapshot(track, path)
+    else:
+        write_panels([predicted_panel(track, job, which, result.memory.overhead)], path, kind)
 
 
 def _efficiency(gpu: GPUSpec) -> Efficiency | None:

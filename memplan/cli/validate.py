@@ -21,6 +21,7 @@ from memplan.units import format_bytes
 from memplan.validate.compare import Validation, compare
 from memplan.validate.launch import launch, pick_record
 from memplan.validate.record import RunRecord
+from memplan.validate.snapshot import check_snapshot_dir, refuse_cpu, snapshot_path
 from memplan.validate.spec import RunSpec
 from memplan.validate.support import TrainerUnsupported, check_model, check_plan, check_workload
 
@@ -87,9 +88,19 @@ def validate(
     ] = None,
     timeout: Annotated[float, Opt(help="Seconds before every rank is ended.", min=1, rich_help_panel=RUN)] = 600,
     out: Annotated[Path | None, Opt("--out", help="Where to write the run record JSON.", rich_help_panel=RUN)] = None,
+    snapshot: Annotated[
+        Path | None,
+        Opt(
+            "--snapshot",
+            help="CUDA: record each rank's PyTorch memory snapshot into this folder (read it with memplan explain).",
+            rich_help_panel=RUN,
+        ),
+    ] = None,
     format: Annotated[Literal["table", "json"], Opt("--format", help="table or json.")] = "table",
 ) -> None:
     """Run a plan for a few steps with the bundled trainer; measured against predicted memory."""
+    if snapshot is not None:  # the folder is checked before any work, the device once it is known
+        check_snapshot_dir(snapshot)
     overrides = dict(
         dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp, pp_schedule=pp_schedule,
         virtual_stages=virtual_stages, zero=zero, recompute=recompute, recompute_layers=recompute_layers,
@@ -100,6 +111,8 @@ def validate(
     job = resolve_job(model, plan, overrides, inference=False)
     limit = memory_limit_bytes(memory_limit or None)
     where = auto_device(device, "validate", "--device")
+    if snapshot is not None:
+        refuse_cpu(where)
     result = run_estimate(job, with_suggestions=False, device=where)
     report = result.memory
     spec = RunSpec(
@@ -126,18 +139,29 @@ def validate(
         check_workload(spec)
     except TrainerUnsupported as err:
         raise MemplanError(err.reason, source=plan or CLI, field=err.field) from None
-    record, path = _run(spec, timeout, out, show=format == "table")
+    target = snapshot_path(snapshot, _run_name(job), spec.rank if simulate_ranks else None) if snapshot else None
+    record, path = _run(spec, timeout, out, show=format == "table", snapshot=target)
     predicted_time = result.time.step_time_s if result.time is not None else None
     validation = compare(report, record, str(path) if path else None, predicted_time)
     if format == "json":
         typer.echo(validation.model_dump_json(indent=2))
     else:
         render(validation, Console())
+        if target is not None:
+            Console().print(f"memory snapshot: {target} (read it with: memplan explain {target} {model} ...)")
     if record.status != "ok":
         raise typer.Exit(1)
 
 
-def _run(spec: RunSpec, timeout: float, out: Path | None, show: bool) -> tuple[RunRecord, Path | None]:
+def _run_name(job) -> str:
+    """``llama3-8b-dp8-tp1-pp1-zero3``: the snapshot's file name, the plan's degrees in it."""
+    p = job.plan
+    return f"{job.model.name}-dp{p.dp}-tp{p.tp}-pp{p.pp}-zero{p.zero}".replace("/", "_")
+
+
+def _run(
+    spec: RunSpec, timeout: float, out: Path | None, show: bool, snapshot: Path | None = None
+) -> tuple[RunRecord, Path | None]:
     """Launch, with a progress bar on stderr; the record is copied to ``--out`` at once."""
     console = Console(stderr=True)
     total = spec.steps + spec.warmup
@@ -147,7 +171,9 @@ def _run(spec: RunSpec, timeout: float, out: Path | None, show: bool) -> tuple[R
             TimeElapsedColumn(), console=console, disable=not show, transient=True,
         ) as bar:  # fmt: skip
             task = bar.add_task("validating", total=total)
-            result = launch(spec, Path(tmp), timeout, progress=lambda s, t: bar.update(task, completed=s))
+            result = launch(
+                spec, Path(tmp), timeout, progress=lambda s, t: bar.update(task, completed=s), snapshot=snapshot
+            )
         record = pick_record(spec, result)
         path = out
         if out is not None:

@@ -33,8 +33,14 @@ class LaunchResult:
     stderr_tail: str
 
 
-def worker_command(spec: RunSpec, spec_path: Path, out_dir: Path, nproc: int) -> list[str]:
+def worker_command(
+    spec: RunSpec, spec_path: Path, out_dir: Path, nproc: int, snapshot: Path | None = None
+) -> list[str]:
+    """The ranks' command; with ``snapshot`` (a path that may hold ``{rank}``) each rank runs under
+    ``memplan.validate.snapshot``, which records its allocator history to that file."""
     worker = ["-m", "memplan.train.worker", str(spec_path), str(out_dir)]
+    if snapshot is not None:
+        worker = ["-m", "memplan.validate.snapshot", str(snapshot), *worker[1:]]
     if spec.simulate or nproc == 1:
         return [sys.executable, *worker]
     return [
@@ -62,14 +68,16 @@ def launch(
     workdir: Path,
     timeout_s: float,
     progress: Callable[[int, int], None] | None = None,
+    snapshot: Path | None = None,
 ) -> LaunchResult:
-    """Run the spec's ranks as child processes; never raises for what happens inside them."""
+    """Run the spec's ranks as child processes; never raises for what happens inside them.
+    ``snapshot``: record each rank's memory snapshot there (``worker_command``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
     spec_path.write_text(spec.model_dump_json())
     out_dir = workdir / "records"
     ranks = [spec.rank] if spec.simulate else list(range(spec.plan.world_size))
-    cmd = worker_command(spec, spec_path, out_dir, len(ranks))
+    cmd = worker_command(spec, spec_path, out_dir, len(ranks), snapshot)
     env = worker_env(spec)
     err_path = workdir / "stderr.log"
     with open(err_path, "w") as err:

@@ -20,6 +20,10 @@ OTHER = (
     "memplan.cli.export",
     "memplan.search.tuning",
     "memplan.costmodel.allocator.trace",
+    "memplan.cli.explain",
+    "memplan.explain",
+    "memplan.viz",
+    "matplotlib",
 )
 
 SCRIPT = textwrap.dedent(
@@ -60,5 +64,32 @@ def test_help_lists_every_command():
         env={**os.environ, "COLUMNS": "120"},
     )
     assert proc.returncode == 0, proc.stderr
-    for name in ("estimate", "profiles", "validate", "export", "check", "tune"):
+    for name in ("estimate", "profiles", "validate", "export", "check", "tune", "explain"):
         assert f" {name} " in proc.stdout, name
+
+
+TIMELINE_SCRIPT = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    import memplan.cli.app
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = memplan.cli.app.run(["estimate", "llama3-8b", "--format", "json", "--timeline", sys.argv[1]])
+    loaded = sorted(m for m in ("torch", "triton", "optuna", "matplotlib") if m in sys.modules)
+    print(json.dumps({"code": code, "err": err.getvalue(), "loaded": loaded}))
+    """
+)
+
+
+def test_timeline_imports_matplotlib_only_for_svg_and_png(tmp_path):
+    """--timeline keeps torch off the estimate path; matplotlib comes in only for the figures."""
+    env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
+    for suffix, expected in ((".html", []), (".pickle", []), (".png", ["matplotlib"])):
+        out = tmp_path / f"t{suffix}"
+        proc = subprocess.run([sys.executable, "-c", TIMELINE_SCRIPT, str(out)], capture_output=True, text=True,
+                              env=env, timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["code"] == 0, result["err"]
+        assert result["loaded"] == expected, (suffix, result["loaded"])
+        assert out.stat().st_size > 0

@@ -1,0 +1,52 @@
+"""Where a timeline goes: the path checked before any work, then the picture written.
+
+``.html`` (self-contained page, standard library only), ``.svg`` and ``.png`` (matplotlib, the
+``viz`` extra) and ``.pickle`` / ``.pkl`` (PyTorch's snapshot format, predicted run only).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Literal
+
+from memplan.errors import MemplanError
+
+Kind = Literal["html", "svg", "png", "pickle"]
+KINDS: dict[str, Kind] = {".html": "html", ".htm": "html", ".svg": "svg", ".png": "png", ".pickle": "pickle",
+                          ".pkl": "pickle"}  # fmt: skip
+EXTRA_HINT = "pip install 'memplan[viz]'"
+
+
+def check_output(path: str | Path, field: str = "--timeline", pickle_ok: bool = True) -> tuple[Path, Kind]:
+    """The path and what to write there, or one :class:`MemplanError` naming the path and why not:
+    a directory, a missing parent folder, an unknown suffix, or ``.svg``/``.png`` without matplotlib."""
+    out = Path(path)
+    source = str(path)
+    if out.is_dir():
+        raise MemplanError("is a directory; give a file name ending in .html, .svg, .png or .pickle", source=source,
+                           field=field)  # fmt: skip
+    if not out.parent.is_dir():
+        raise MemplanError(f"the folder {out.parent} does not exist", source=source, field=field)
+    kind = KINDS.get(out.suffix.lower())
+    if kind is None or (kind == "pickle" and not pickle_ok):
+        known = ", ".join(s for s, k in KINDS.items() if pickle_ok or k != "pickle")
+        raise MemplanError(f"unknown suffix {out.suffix or '(none)'!r}: one of {known}", source=source, field=field)
+    if kind in ("svg", "png") and importlib.util.find_spec("matplotlib") is None:
+        raise MemplanError(f".{kind} needs matplotlib, in the viz extra: {EXTRA_HINT}", source=source, field=field)
+    return out, kind
+
+
+def write_panels(panels: list, path: Path, kind: Kind) -> None:
+    """Draw ``panels`` (one picture, one panel under the other) to ``path``."""
+    if kind == "html":
+        from memplan.viz.html import render_html
+
+        path.write_text(render_html(panels), encoding="utf-8")
+        return
+    if kind in ("svg", "png"):
+        from memplan.viz.mpl import render_figure
+
+        render_figure(panels, path, kind)
+        return
+    raise MemplanError("a picture cannot be written as a pickle", source=str(path))
