@@ -19,6 +19,14 @@ def _scale(panel: Panel) -> tuple[float, float]:
     return (W - LEFT - RIGHT) / span, (H - TOP - BOTTOM) / top
 
 
+def _ticks(top: float) -> list[int]:
+    """Round tick values (1, 2 or 5 x 10^k GiB apart), at most six, up to ``top`` bytes."""
+    gib_top = top / 2**30
+    step = next(m * 10**k for k in range(-2, 6) for m in (1, 2, 5) if gib_top / (m * 10**k) <= 6)
+    count = int(gib_top // step)
+    return [int(i * step * 2**30) for i in range(count + 1)]
+
+
 def _xy(panel: Panel, sx: float, sy: float, xs: list[int], ys: list[int]) -> str:
     return " ".join(f"{LEFT + x * sx:.1f},{H - BOTTOM - y * sy:.1f}" for x, y in zip(xs, ys, strict=True))
 
@@ -47,10 +55,9 @@ def _svg(panel: Panel, k: int) -> str:
     if panel.limit:
         y = H - BOTTOM - panel.limit * sy
         parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" stroke="{LIMIT}" '
-                     f'stroke-dasharray="6 4"/><text x="{W - RIGHT - 4}" y="{y - 4:.1f}" class="limit">'
+                     f'stroke-dasharray="6 4"/><text x="{W - RIGHT - 4}" y="{y + 13:.1f}" class="limit">'
                      f"{html.escape(panel.limit_label)}</text>")  # fmt: skip
-    for frac in (0.25, 0.5, 0.75, 1.0):
-        value = (H - TOP - BOTTOM) / sy * frac / 1.08
+    for value in _ticks((H - TOP - BOTTOM) / sy):
         y = H - BOTTOM - value * sy
         parts.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" class="tick">{gib(int(value))}</text>'
                      f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')  # fmt: skip

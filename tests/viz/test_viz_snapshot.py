@@ -94,3 +94,53 @@ def test_an_empty_run_is_still_a_snapshot():
 
     snapshot = to_snapshot(Track())
     assert snapshot["segments"] == [] and snapshot["device_traces"] == [[]]
+
+
+def _page_replay(snapshot: dict) -> None:
+    """What the memory_viz page's "Allocator State History" does (torch/utils/viz/MemoryViz.js:
+    ``annotate_snapshot`` gives each block the address its segment's earlier blocks leave, and
+    ``simulate_memory`` replays the trace backwards from ``segments``): every segment event must
+    find its segment, and every block drawn must lie inside one, at every step."""
+    segments: list[list[int]] = []  # [addr, size, stream]
+    blocks: dict[int, int] = {}  # addr -> size
+    for seg in snapshot["segments"]:
+        segments.append([seg["address"], seg["total_size"], seg["stream"]])
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                blocks[addr] = b["size"]
+            addr += b["size"]
+        assert addr == seg["address"] + seg["total_size"]
+
+    def inside(addr: int, size: int) -> bool:
+        return any(s <= addr and addr + size <= s + n for s, n, _ in segments)
+
+    assert all(inside(a, n) for a, n in blocks.items())
+    for e in reversed(snapshot["device_traces"][0]):
+        action, addr, size = e["action"], e["addr"], e["size"]
+        if action == "alloc":
+            blocks.pop(addr, None)
+        elif action == "free_completed":
+            blocks[addr] = size
+            assert inside(addr, size), f"a block at {addr:#x} outside every segment"
+        elif action in ("segment_alloc", "segment_map"):
+            if action == "segment_alloc":
+                match = [s for s in segments if s[0] == addr]
+                assert match, f"no segment at {addr:#x}"
+                segments.remove(match[0])
+            else:  # unmap the pages from the segment holding them
+                holder = next(s for s in segments if s[0] <= addr and addr + size <= s[0] + s[1])
+                segments.remove(holder)
+                if holder[0] < addr:
+                    segments.append([holder[0], addr - holder[0], holder[2]])
+                if addr + size < holder[0] + holder[1]:
+                    segments.append([addr + size, holder[0] + holder[1] - addr - size, holder[2]])
+            assert not any(addr <= a < addr + size for a in blocks), "a live block in a segment being removed"
+        elif action in ("segment_free", "segment_unmap"):
+            segments.append([addr, size, e["stream"]])
+    assert segments == [] and blocks == {}
+
+
+def test_the_memory_viz_pages_backward_replay_holds(written):
+    _, _, snapshot, _ = written
+    _page_replay(snapshot)
