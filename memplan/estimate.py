@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from memplan.costmodel.advice import Suggestion, suggest
+from memplan.costmodel.advice import Suggestion, rank_key, suggest
 from memplan.costmodel.memory import estimate_memory, sdpa_kind
 from memplan.costmodel.overhead import fast_reserved_bytes
 from memplan.costmodel.params import active_params, total_params
@@ -26,6 +26,7 @@ class SuggestionOut(BaseModel):
     reserved_bytes: int
     saved_bytes: int
     fits: bool
+    step_time_s: float | None = None  # predicted step time with the change (training changes that fit)
 
 
 class EstimateResult(BaseModel):
@@ -42,6 +43,7 @@ class EstimateResult(BaseModel):
     headroom_bytes: int
     suggestions: list[SuggestionOut]
     time: TimeReport | None = None  # training only: the step-time model (docs/cost-model.md)
+    warnings: list[str] = []  # legal but suspicious inputs (a sequence beyond the model's positions)
 
 
 def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
@@ -133,10 +135,15 @@ def estimate(
     if with_suggestions and not fits:
         # single changes are screened with the fast form, compared with the same form of this plan
         current = fast_reserved_bytes(report.peak.allocated)
-        found = suggest(job.model, job.workload, job.plan, job.runtime, limit, current, device)
-        found = sorted([*_allocator_suggestion(report), *found], key=lambda s: (not s.fits, -s.saved))
+        found = suggest(
+            job.model, job.workload, job.plan, job.runtime, limit, current, device, gpu=job.gpu, cluster=job.cluster
+        )
+        found = sorted([*_allocator_suggestion(report), *found], key=rank_key)
         suggestions = [
-            SuggestionOut(change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits) for s in found
+            SuggestionOut(
+                change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits, step_time_s=s.step_time_s
+            )
+            for s in found
         ]
     return EstimateResult(
         model={
@@ -159,4 +166,5 @@ def estimate(
         headroom_bytes=limit - report.peak.reserved,
         suggestions=suggestions,
         time=time,
+        warnings=list(job.warnings),
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt
 
 from memplan.specs.job import AllocatorName, RuntimeName
 from memplan.units import parse_quantity
@@ -18,6 +18,7 @@ from memplan.units import parse_quantity
 Metric = Literal["reserved", "allocated"]
 _HAS_UNIT = re.compile(r"^\s*[0-9.eE+-]+\s*(Ki|Mi|Gi|Ti|Pi|K|k|M|G|T|P)?B\s*$")
 _PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+MAX_SIZE = 2**50  # 1 PiB: no GPU's memory comes near; a larger budget is a typo (1e30GiB)
 UNITS_HINT = "write bytes with their unit: 80GiB = 80 x 2^30 bytes, 80GB = 80 x 10^9 bytes"
 
 
@@ -25,24 +26,34 @@ def parse_size(value: object) -> int:
     """Bytes from ``"80GiB"``, ``"80GB"``, ``"512 MiB"`` or a plain integer of bytes; > 0."""
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"expected a size such as '70GiB', got {value!r}")
+    given = value
     if isinstance(value, str):
         if not _HAS_UNIT.match(value):
             raise ValueError(f"cannot read {value!r} as a size: {UNITS_HINT}")
-        value = int(round(parse_quantity(value, "B")))
+        try:
+            value = int(round(parse_quantity(value, "B")))
+        except (ValueError, OverflowError):
+            raise ValueError(f"cannot read {value!r} as a size: {UNITS_HINT}") from None
     if value <= 0:
         raise ValueError(f"a size must be positive, got {value}")
+    if value > MAX_SIZE:
+        raise ValueError(f"{given!r} is beyond any GPU's memory (a size here is at most 1 PiB)")
     return value
 
 
 def parse_share(value: object) -> float | int:
     """``"10%"`` as the fraction 0.10, or a size as bytes (int)."""
-    if isinstance(value, str):
+    if isinstance(value, str) and value.strip().endswith("%"):
         match = _PERCENT.match(value)
-        if match:
-            share = float(match[1]) / 100
-            if not 0 <= share < 1:
-                raise ValueError(f"a percentage must be at least 0% and below 100%, got {value!r}")
-            return share
+        if match is None:
+            try:
+                float(value.strip()[:-1])
+            except ValueError:
+                raise ValueError(f"cannot read {value!r} as a percentage (write e.g. '2%')") from None
+        share = float(match[1]) / 100 if match else float(value.strip()[:-1]) / 100
+        if not 0 <= share < 1:
+            raise ValueError(f"a percentage must be at least 0% and below 100%, got {value!r}")
+        return share
     if isinstance(value, float):
         raise ValueError(f"write a share as a percentage ('10%') or a size ('4GiB'), got {value!r}")
     if value == 0 and not isinstance(value, bool):
@@ -59,7 +70,7 @@ class Budget(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bytes: int | None = Field(None, gt=0, description="A fixed limit in bytes.")
+    bytes: StrictInt | None = Field(None, gt=0, description="A fixed limit in bytes.")
     headroom: float | int | None = Field(None, ge=0, description="Fits with this to spare: a share or bytes.")
 
     def limit(self, capacity_bytes: int) -> int:
@@ -98,8 +109,8 @@ class Entry(BaseModel):
     name: str = Field(min_length=1, description="Unique; the key of the baseline and the JUnit test name.")
     model: str = Field(description="Bundled profile, memplan model YAML or HF config.json (relative to the file).")
     gpu: str | None = Field(None, description="GPU profile name or YAML (default h100-sxm).")
-    gpus: int | None = Field(None, gt=0, le=10_000_000)
-    nodes: int | None = Field(None, gt=0, le=1_000_000)
+    gpus: StrictInt | None = Field(None, gt=0, le=10_000_000)
+    nodes: StrictInt | None = Field(None, gt=0, le=1_000_000)
     runtime: RuntimeName | None = None
     allocator: AllocatorName | None = Field(
         None, description="CUDA caching allocator: default or expandable (else memplan check --allocator)."
@@ -126,8 +137,8 @@ class BaselineEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     metric: Metric
-    bytes: int = Field(ge=0)
-    measured: bool = False
+    bytes: StrictInt = Field(ge=0)
+    measured: StrictBool = False
 
 
 class Baseline(BaseModel):

@@ -14,7 +14,7 @@ from memplan.check import CheckReport, load_baseline, load_budgets, new_baseline
 from memplan.check import check as run_check
 from memplan.check.evaluate import Measurement, Resolved
 from memplan.check.render import MARK, junit_xml, markdown
-from memplan.cli.common import auto_device
+from memplan.cli.common import auto_device, output_path, warn
 from memplan.errors import MemplanError
 from memplan.specs.resolve import CLI
 from memplan.units import format_bytes
@@ -32,9 +32,9 @@ def check(
     update_baseline: Annotated[
         bool, Opt("--update-baseline", help="Accept this run's numbers: write them to --baseline (no regression test).")
     ] = False,
-    junit: Annotated[Path | None, Opt("--junit", help="Write JUnit XML here.", rich_help_panel=OUT)] = None,
+    junit: Annotated[str | None, Opt("--junit", help="Write JUnit XML here.", rich_help_panel=OUT)] = None,
     summary: Annotated[
-        Path | None, Opt("--markdown", help="Write the Markdown summary here (a PR comment).", rich_help_panel=OUT)
+        str | None, Opt("--markdown", help="Write the Markdown summary here (a PR comment).", rich_help_panel=OUT)
     ] = None,
     format: Annotated[
         Literal["table", "json", "markdown"], Opt("--format", help="table, json or markdown.", rich_help_panel=OUT)
@@ -61,8 +61,14 @@ def check(
     """Estimate (or measure) each budgets entry; fail when one exceeds its budget or regresses."""
     if update_baseline and baseline is None:
         raise MemplanError("needs --baseline FILE to write", source=CLI, field="--update-baseline")
+    # every file this run writes is checked before anything is estimated or measured
+    output_path(junit, "--junit")
+    output_path(summary, "--markdown")
+    if update_baseline:
+        output_path(baseline, "--baseline")
     spec = load_budgets(budgets)
     resolved = resolve_entries(spec, budgets, allocator)
+    warn([f"{r.entry.name}: {line}" for r in resolved for line in r.job.warnings])
     previous = None
     if baseline is not None and not update_baseline:
         previous = load_baseline(baseline)
@@ -80,12 +86,10 @@ def check(
     if update_baseline and baseline is not None:
         baseline.parent.mkdir(parents=True, exist_ok=True)
         baseline.write_text(new_baseline(report).model_dump_json(indent=2) + "\n")
-    if junit is not None:
-        junit.parent.mkdir(parents=True, exist_ok=True)
-        junit.write_text(junit_xml(report), encoding="utf-8")
-    if summary is not None:
-        summary.parent.mkdir(parents=True, exist_ok=True)
-        summary.write_text(markdown(report), encoding="utf-8")
+    for path, text in ((junit, junit_xml), (summary, markdown)):
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text(report), encoding="utf-8")
     if format == "json":
         typer.echo(json.dumps({**report.model_dump(), "passed": report.passed}, indent=2))
     elif format == "markdown":

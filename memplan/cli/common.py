@@ -3,11 +3,15 @@ fine-tuning flags that estimate and export both take."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from memplan.errors import MemplanError
+from memplan.specs.loader import short
 from memplan.specs.resolve import CLI
 from memplan.units import parse_bytes
 
@@ -24,6 +28,49 @@ def auto_device(requested: str, needs: str, field: str) -> str:
             f"{needs} needs the train extra: pip install 'memplan[train]'", source=CLI, field=field
         ) from None
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+NAME_MAX = 255  # bytes of one file name on Linux, macOS and Windows file systems
+
+
+def output_path(given: str | Path | None, field: str) -> None:
+    """Check, before any work, that a file can be written at ``path`` (None: not asked for):
+    not a directory, each missing parent creatable (they are created when the file is written),
+    the place writable. A failure names the flag and the path, shortened."""
+    if given is None:
+        return
+    text, path = str(given), Path(given)
+
+    def fail(reason: str) -> MemplanError:
+        return MemplanError(f"{short(text, 100)}: {reason}", source=CLI, field=field)
+
+    if text.endswith(("/", "\\")) or _is_dir(path):
+        raise fail("is a directory: give a file name")
+    too_long = next((part for part in path.parts if len(os.fsencode(part)) > NAME_MAX), None)
+    if too_long is not None:
+        raise fail(f"a file name of {len(too_long):,} characters is too long (at most {NAME_MAX} bytes)")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise fail("cannot be written (permission denied)")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise fail(f"{short(parent, 60)} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise fail(f"cannot write in {short(parent, 60)} (permission denied)")
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
+def warn(lines: tuple[str, ...] | list[str]) -> None:
+    """Warnings (legal but suspicious inputs) as one stderr line each."""
+    for line in lines:
+        print(f"memplan: warning: {' '.join(line.split())}", file=sys.stderr)
 
 
 def memory_limit_bytes(text: str | None) -> int | None:

@@ -3,6 +3,7 @@ fine-tuning run as an HF Trainer (TRL SFTTrainer) or axolotl config."""
 
 from __future__ import annotations
 
+import math
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -20,11 +21,13 @@ from memplan.cli.common import (
     OffloadActivationsOpt,
     QuantOpt,
     finetune_overrides,
+    output_path,
+    warn,
 )
 from memplan.errors import MemplanError
 from memplan.export import render
 from memplan.specs.job import PlanFile
-from memplan.specs.loader import read_data, validate
+from memplan.specs.loader import read_data, short, validate
 from memplan.specs.resolve import CLI, resolve_job
 
 Opt = typer.Option
@@ -77,7 +80,7 @@ def _model_ref(model: str | None, plan_path: str | None) -> str:
     if model:
         return model
     if plan_path:
-        pf = validate(PlanFile, read_data(Path(plan_path)), plan_path)
+        pf = validate(PlanFile, read_data(Path(plan_path)), short(plan_path))
         if pf.model:
             beside = Path(plan_path).parent / pf.model
             return str(beside) if beside.exists() else pf.model
@@ -97,7 +100,7 @@ def export(
             "SFTConfig, LoraConfig, BitsAndBytesConfig YAML) or axolotl.",
         ),
     ] = None,
-    output: Annotated[Path | None, Opt("-o", "--output", help="Write here instead of stdout.")] = None,
+    output: Annotated[str | None, Opt("-o", "--output", help="Write here instead of stdout.")] = None,
     model: Annotated[
         str | None, Opt("--model", help="Model profile, YAML or config.json (default: the plan file's model).")
     ] = None,
@@ -167,6 +170,13 @@ def export(
     if to is None:
         targets = ", ".join(t.value for t in Target)
         raise MemplanError(f"missing option ({targets})", source=CLI, field="--to")
+    output_path(output, "--output")
+    if gradient_clipping is not None and not (math.isfinite(gradient_clipping) and gradient_clipping > 0):
+        raise MemplanError(
+            f"{gradient_clipping} is not a max gradient norm: give a positive finite number (1.0 is the usual)",
+            source=CLI,
+            field="--gradient-clipping",
+        )
     overrides: dict[str, Any] = dict(
         dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp, pp_schedule=pp_schedule,
         virtual_stages=virtual_stages, cp=cp, ep=ep, zero=zero, recompute=recompute,
@@ -193,10 +203,12 @@ def export(
         if err.field in ("--form", "--model"):  # the exporter's option names, as the CLI spells them
             err = MemplanError(err.reason, field="--torchtitan-" + err.field.removeprefix("--"))
         raise locate(err, ref, plan, flags) from None
+    warn(job.warnings)
     if output is None:
         sys.stdout.write(result.text)
     else:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(result.text)
+        out = Path(output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(result.text)
     for note in result.notes:
         print(f"memplan: note: {note}", file=sys.stderr)

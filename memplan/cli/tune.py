@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memplan.cli.common import memory_limit_bytes, name_list
+from memplan.cli.common import memory_limit_bytes, name_list, output_path, warn
 from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
@@ -28,8 +28,8 @@ from memplan.search.space import SpaceOptions, global_batch_range
 from memplan.search.tuning import DEFAULT_STORAGE, Hooks, TuneRequest, TuneResult, plan_yaml
 from memplan.search.validation import ValidationSettings
 from memplan.specs.hardware import ClusterSpec, GPUSpec
-from memplan.specs.job import check_compatible
-from memplan.specs.loader import load_gpu, load_model
+from memplan.specs.job import check_compatible, suspicious
+from memplan.specs.loader import load_gpu, load_model, short, validation_error
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import OptimizerName, PrecisionName
 from memplan.specs.resolve import alloc_conf_text, blame_flags, plan_from_flags, resolve_allocator
@@ -155,8 +155,13 @@ def tune(
     ] = None,
     max_micro_batch: Annotated[int, Opt(help="Largest micro-batch tried.", min=1, rich_help_panel=SPACE)] = 16,
     precision: Annotated[
-        str, Opt(help="Precisions allowed, comma-separated (e.g. bf16-mixed,bf16).", rich_help_panel=SPACE)
-    ] = "bf16-mixed",
+        str | None,
+        Opt(
+            help="Precisions allowed, comma-separated (e.g. bf16-mixed,bf16). Default: bf16-mixed; with --export, "
+            "bf16-mixed and bf16-master, whichever the target can express.",
+            rich_help_panel=SPACE,
+        ),
+    ] = None,
     optimizer: Annotated[OptimizerName, Opt(help="Optimizer.", rich_help_panel=SPACE)] = "adamw",
     allow_offload: Annotated[
         bool,
@@ -209,8 +214,14 @@ def tune(
     ] = "throughput",
     trials: Annotated[int, Opt(help="Trials this run adds to the study.", min=1, rich_help_panel=SEARCH)] = 300,
     exhaustive: Annotated[
-        bool, Opt("--exhaustive", help="Predict every valid plan instead (no study).", rich_help_panel=SEARCH)
-    ] = False,
+        bool | None,
+        Opt(
+            "--exhaustive/--no-exhaustive",
+            help="Predict every valid plan (no study), or run the study. Default: every plan when that is quicker "
+            "than the trials (a few tens of thousands of plans), else the study.",
+            rich_help_panel=SEARCH,
+        ),
+    ] = None,
     seed: Annotated[int, Opt(help="Sampler seed (give each worker its own).", rich_help_panel=SEARCH)] = 0,
     study: Annotated[
         str | None, Opt(help="Study name: resumes or joins it (default: a new study).", rich_help_panel=SEARCH)
@@ -243,13 +254,13 @@ def tune(
         Opt(help="Where the plans run: cuda (the GPU profile) or cpu: which attention kernel runs and keeps what."),
     ] = "cuda",
     top: Annotated[int, Opt(help="Plans shown.", min=1)] = 10,
-    out: Annotated[Path, Opt("--out", help="Where the recommended plan YAML goes.")] = Path("best-plan.yaml"),
+    out: Annotated[str, Opt("--out", help="Where the recommended plan YAML goes.")] = "best-plan.yaml",
     export: Annotated[
         str | None,
         Opt(
             "--export",
             help="Also write the recommended plan for a trainer: deepspeed, accelerate, torchtitan, megatron or "
-            "fsdp2 (beside --out, with the target's suffix).",
+            "fsdp2 (beside --out, with the target's suffix); only plans the target can express are searched.",
         ),
     ] = None,
     format: Annotated[Literal["table", "json"], Opt("--format", help="table or json.")] = "table",
@@ -259,8 +270,17 @@ def tune(
         from memplan.export import TARGETS
 
         if export not in TARGETS:
-            raise MemplanError(f"unknown target {export!r} ({', '.join(TARGETS)})", source=CLI, field="--export")
+            raise MemplanError(
+                f"unknown target {short(repr(export), 60)} ({', '.join(TARGETS)})", source=CLI, field="--export"
+            )
+    output_path(out, "--out")  # before any search: a plan found cannot be lost to a bad path
+    if precision is None:
+        precision = "bf16-mixed,bf16-master" if export is not None else "bf16-mixed"
     spec = load_model(model)
+    try:
+        warn(suspicious(spec, TrainingWorkload(seq_len=seq_len)))
+    except ValidationError as err:
+        raise MemplanError(validation_error(err, CLI).reason, source=CLI, field="--seq-len") from None
     card = _gpu(gpu)
     cluster = _cluster(gpus, nodes)
     limit = memory_limit_bytes(memory_limit)
@@ -301,10 +321,12 @@ def tune(
     request = TuneRequest(
         model_ref=model, gpu_ref=gpu, ctx=ctx, options=options, objective=objective, trials=trials,
         exhaustive=exhaustive, seed=seed, study=study, storage=storage, top=top, validate=validate,
-        validation=settings, calibration_path=cal_path,
+        validation=settings, calibration_path=cal_path, export_target=export,
     )  # fmt: skip
     result = _run(request, show=format == "table")
+    out_path = Path(out)
     if result.recommended is not None:
+        out = out_path
         out.parent.mkdir(parents=True, exist_ok=True)
         # a model file is named relative to the plan file (as memplan export reads it)
         ref = os.path.relpath(Path(model).resolve(), out.parent.resolve()) if Path(model).is_file() else model
@@ -315,7 +337,7 @@ def tune(
     else:
         render(result, Console(), model)
     if export is not None and result.recommended is not None:
-        _export(model, out, export)
+        _export(model, out_path, export)
     err = Console(stderr=True)
     if result.interrupted:
         if result.study:
@@ -415,12 +437,18 @@ def render(result: TuneResult, console: Console, model_ref: str) -> None:
         else f"{result.trials_run} trials run, {result.evaluated:,} distinct plans in study {result.study!r} "
         f"({result.trials} trials, {result.storage})"
     )
+    valid = f"{result.space_size:,} valid plans"
+    if result.export_target:
+        valid += f" that {result.export_target} can express (of {result.space_before_export:,})"
     console.print(
-        f"[bold]{result.model}[/] on {where}: {result.space_size:,} valid plans, {how}; objective {result.objective}; "
+        f"[bold]{result.model}[/] on {where}: {valid}, {how}; objective {result.objective}; "
         f"fits = peak reserved <= {format_bytes(result.limit_bytes)} ({format_bytes(result.capacity_bytes)} "
         f"less {format_bytes(result.margin_bytes)} margin)",
         soft_wrap=True,
     )
+    if result.search_reason:
+        console.print(f"search: {'every plan' if result.exhaustive else 'Optuna study'}, {result.search_reason}",
+                      soft_wrap=True, highlight=False)  # fmt: skip
     if result.calibration:
         c = result.calibration
         console.print(
@@ -430,7 +458,8 @@ def render(result: TuneResult, console: Console, model_ref: str) -> None:
         console.print(_table(result))
     if result.recommended is not None:
         r = result.recommended
-        console.print(f"[green]recommended[/]: {r.evaluation.candidate.describe()}", soft_wrap=True)
+        won = f" (trial {r.trial} of the study)" if r.trial is not None else ""
+        console.print(f"[green]recommended[/]: {r.evaluation.candidate.describe()}{won}", soft_wrap=True)
         if result.plan_path:
             console.print(f"written to {result.plan_path}; check it with: memplan estimate {model_ref} --plan "
                           f"{result.plan_path}", soft_wrap=True)  # fmt: skip

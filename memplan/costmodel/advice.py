@@ -1,18 +1,34 @@
-"""What would make a plan fit: single changes to the plan, each estimated, ranked by memory saved.
+"""What would make a plan fit: changes to the plan, each estimated, and combinations of them
+when no single change is enough.
 
-The world size is kept: more TP or PP takes ranks from data parallelism.
+The world size is kept: more TP or PP takes ranks from data parallelism. On one data-parallel
+rank (dp x cp = 1) ZeRO shards nothing, so the changes there are the ones people run on one GPU:
+ZeRO-Offload (ZeRO with the optimizer step and its states on the CPU, as DeepSpeed's ZeRO-Offload
+tutorial runs a model on a single GPU) and ZeRO-3 with parameters offloaded too (ZeRO-Infinity,
+FSDP2's CPUOffloadPolicy).
+
+When no single change fits, combinations of up to ``MAX_COMBINED`` changes that touch different
+fields are estimated; those that fit, and contain no smaller combination that fits, are kept,
+cheapest in step time first (when the GPU is given; else smallest peak first).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import combinations
 
 from memplan.costmodel.memory import estimate_memory
+from memplan.costmodel.time import estimate_time
 from memplan.errors import MemplanError
+from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import check_compatible
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
+
+MAX_COMBINED = 3  # changes in one combination
+MAX_PARTS = 12  # single changes a combination is drawn from: at most C(12,2) + C(12,3) = 286 estimates (~0.1 s)
+SHOWN_COMBINATIONS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,16 +37,30 @@ class Suggestion:
     reserved: int
     saved: int
     fits: bool
+    step_time_s: float | None = None  # predicted step time of the changed plan (training, GPU given)
 
 
-def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> list[tuple[str, dict, dict]]:
+Change = tuple[str, dict, dict]  # description, plan update, workload update
+
+
+def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> list[Change]:
     """(description, plan update, workload update) for each single change worth trying."""
-    out: list[tuple[str, dict, dict]] = []
+    out: list[Change] = []
     training = isinstance(workload, TrainingWorkload)
-    if training and plan.zero < 3 and plan.dp * plan.cp > 1:
+    sharded = plan.dp * plan.cp > 1
+    if training and plan.zero < 3 and sharded:
         out.append((f"ZeRO stage {plan.zero + 1}", {"zero": plan.zero + 1}, {}))
-    if training and plan.zero < 3 and plan.dp * plan.cp > 1:
-        out.append(("ZeRO stage 3", {"zero": 3}, {}))
+        if plan.zero < 2:
+            out.append(("ZeRO stage 3", {"zero": 3}, {}))
+    if training and not sharded and plan.offload_optimizer == "none":
+        # one data-parallel rank: ZeRO only helps with the optimizer (and parameters) on the CPU
+        out.append(
+            ("ZeRO-Offload (zero 1, optimizer on the CPU)", {"zero": max(plan.zero, 1), "offload_optimizer": "cpu"}, {})
+        )
+        out.append(
+            ("ZeRO-3 with parameters and optimizer on the CPU",
+             {"zero": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}, {})
+        )  # fmt: skip
     if training and plan.attention == "eager":
         out.append(("flash attention", {"attention": "flash"}, {}))
     if training and plan.recompute == "none":
@@ -49,7 +79,7 @@ def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> l
     if training and plan.offload_optimizer == "none" and plan.zero >= 1:
         out.append(("offload optimizer to CPU", {"offload_optimizer": "cpu"}, {}))
     if training and plan.offload_params == "none" and plan.zero == 3:
-        out.append(("offload parameters to CPU", {"offload_params": "cpu"}, {}))
+        out.append(("offload parameters to CPU", {"offload_params": "cpu", "offload_optimizer": "cpu"}, {}))
     if plan.precision in ("fp32", "bf16-mixed"):
         out.append(("precision bf16-master", {"precision": "bf16-master"}, {}))
     if training and plan.optimizer == "adamw":
@@ -57,6 +87,35 @@ def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> l
     if not training and workload.kv_dtype in ("bf16", "fp16", "fp32"):
         out.append(("fp8 KV cache", {}, {"kv_dtype": "fp8"}))
     return out
+
+
+@dataclass(frozen=True)
+class _Estimator:
+    """Estimates a changed plan: its reserved peak (the fast form) and, given a GPU, its step time."""
+
+    model: ModelSpec
+    workload: TrainingWorkload | InferenceWorkload
+    plan: Plan
+    runtime: str
+    capacity_bytes: int
+    current_reserved: int
+    device: str
+    gpu: GPUSpec | None
+    cluster: ClusterSpec | None
+
+    def __call__(self, change: str, plan_update: dict, workload_update: dict) -> Suggestion | None:
+        try:
+            new_plan = Plan.model_validate({**self.plan.model_dump(), **plan_update})
+            new_workload = self.workload.model_copy(update=workload_update)
+            check_compatible(self.model, new_workload, new_plan)
+        except (MemplanError, ValueError):
+            return None
+        reserved = estimate_memory(self.model, new_workload, new_plan, self.runtime, self.device).peak.reserved
+        fits = reserved <= self.capacity_bytes
+        step = None
+        if fits and self.gpu is not None and self.cluster is not None and isinstance(new_workload, TrainingWorkload):
+            step = estimate_time(self.model, new_workload, new_plan, self.gpu, self.cluster, self.runtime).step_time_s
+        return Suggestion(change, reserved, self.current_reserved - reserved, fits, step)
 
 
 def suggest(
@@ -67,17 +126,59 @@ def suggest(
     capacity_bytes: int,
     current_reserved: int,
     device: str = "cuda",
+    gpu: GPUSpec | None = None,
+    cluster: ClusterSpec | None = None,
 ) -> list[Suggestion]:
-    """Single changes that lower the reserved peak, those that fit first, then by bytes saved."""
-    results = []
-    for change, plan_update, workload_update in _candidates(plan, workload):
-        try:
-            new_plan = Plan.model_validate({**plan.model_dump(), **plan_update})
-            new_workload = workload.model_copy(update=workload_update)
-            check_compatible(model, new_workload, new_plan)
-        except (MemplanError, ValueError):
-            continue
-        reserved = estimate_memory(model, new_workload, new_plan, runtime, device).peak.reserved
-        if reserved < current_reserved:
-            results.append(Suggestion(change, reserved, current_reserved - reserved, reserved <= capacity_bytes))
-    return sorted(results, key=lambda s: (not s.fits, -s.saved))
+    """Changes that lower the reserved peak: those that fit first (cheapest step first when
+    ``gpu`` and ``cluster`` are given), then by bytes saved. When no single change fits, the
+    smallest combinations that do (module docstring) come first."""
+    estimate = _Estimator(model, workload, plan, runtime, capacity_bytes, current_reserved, device, gpu, cluster)
+    singles: list[tuple[Change, Suggestion]] = []
+    for change in _candidates(plan, workload):
+        found = estimate(*change)
+        if found is not None:
+            singles.append((change, found))
+    results = [s for _, s in singles if s.saved > 0]
+    if singles and not any(s.fits for s in results):
+        # a change that saves nothing alone (recomputation while the optimizer step peaks) may
+        # matter once another has moved the peak: every valid change takes part
+        results = [*_combined(singles, estimate), *results]
+    return sorted(results, key=rank_key)
+
+
+def rank_key(s: Suggestion) -> tuple:
+    """Fitting changes first, the cheapest in step time (then the smallest); then the largest savers."""
+    if s.fits:
+        return (0, s.step_time_s if s.step_time_s is not None else 0.0, s.reserved)
+    return (1, -s.saved, 0.0)
+
+
+def _combined(singles: list[tuple[Change, Suggestion]], estimate: _Estimator) -> list[Suggestion]:
+    """The smallest combinations of single changes (different fields each) that fit, cheapest first."""
+    parts = [c for c, _ in sorted(singles, key=lambda cs: -cs[1].saved)[:MAX_PARTS]]
+    fitting: list[tuple[frozenset[int], Suggestion]] = []
+    for size in range(2, MAX_COMBINED + 1):
+        for chosen in combinations(range(len(parts)), size):
+            if any(ids <= set(chosen) for ids, _ in fitting):
+                continue  # a smaller combination inside it fits already
+            merged = _merge([parts[i] for i in chosen])
+            if merged is None:
+                continue
+            found = estimate(*merged)
+            if found is not None and found.fits and found.saved > 0:
+                fitting.append((frozenset(chosen), found))
+    return sorted((s for _, s in fitting), key=rank_key)[:SHOWN_COMBINATIONS]
+
+
+def _merge(changes: list[Change]) -> Change | None:
+    """One change made of several, or None when two set the same field (differently) or one only
+    repeats another (ZeRO-Offload already offloads the optimizer)."""
+    plan: dict = {}
+    workload: dict = {}
+    for _, plan_update, workload_update in changes:
+        for target, update in ((plan, plan_update), (workload, workload_update)):
+            for key, value in update.items():
+                if key in target:
+                    return None
+                target[key] = value
+    return " + ".join(name for name, _, _ in changes), plan, workload

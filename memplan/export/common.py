@@ -227,3 +227,18 @@ def header_world(text: str) -> tuple[int, int] | None:
     """GPUs and nodes from an export's header comment (:func:`header`: "on 8 x h100-sxm, 1 node(s)")."""
     match = re.search(r"on (\d+) x \S+, (\d+) node\(s\)", text)
     return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def expressible(job: Job, target: str) -> MemplanError | None:
+    """None when ``target`` can express ``job``'s plan, else the refusal its exporter raises.
+
+    The exporter itself is run (its text is discarded, nothing is written): the one set of
+    refusal rules decides, for ``memplan tune --export`` as for ``memplan export``.
+    """
+    from memplan.export import render
+
+    try:
+        render(job, target)
+    except MemplanError as err:
+        return err
+    return None

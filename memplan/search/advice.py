@@ -8,6 +8,7 @@ space searched again for its smallest peak), or a bundled GPU with more memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict
@@ -18,9 +19,12 @@ from memplan.search.space import Candidate, SpaceOptions, enumerate_space
 from memplan.specs.loader import load_gpu, profile_names
 
 GPU_FACTORS = (2, 4, 8)
+Keep = Callable[[Candidate, Context], bool]
 # the flag of memplan tune that lets the search try a change suggest() proposes
 _FLAGS = {
     "offload": "--allow-offload",
+    "ZeRO-Offload": "--allow-offload",
+    "ZeRO-3 with parameters": "--allow-offload",
     "precision": "--precision",
     "8-bit AdamW": "--optimizer adamw-8bit",
     "micro-batch": "--micro-batch",
@@ -38,21 +42,35 @@ class Fix(BaseModel):
 
 
 def plan_changes(closest: Evaluation, ctx: Context) -> list[Fix]:
-    """Single changes to the closest plan that bring it under the limit, with the flag that
-    lets ``memplan tune`` search them."""
+    """Changes to the closest plan (single ones, or combined when no single one is enough) that
+    bring it under the limit, with the flags that let ``memplan tune`` search them."""
     found = suggest(
-        ctx.model, closest.workload, closest.plan, ctx.runtime, ctx.limit_bytes, closest.peak_reserved_bytes
+        ctx.model,
+        closest.workload,
+        closest.plan,
+        ctx.runtime,
+        ctx.limit_bytes,
+        closest.peak_reserved_bytes,
+        ctx.device,
+        gpu=ctx.gpu,
+        cluster=ctx.cluster,
     )
     out = []
     for s in found:
         if not s.fits:
             continue
-        flag = next((f for key, f in _FLAGS.items() if s.change.startswith(key)), None)
-        if flag in ("--precision", "--micro-batch"):
-            flag += " " + s.change.split()[-1]
-        change = f"{s.change} ({flag})" if flag else s.change
+        flags = dict.fromkeys(f for part in s.change.split(" + ") if (f := _flag(part)))
+        change = f"{s.change} ({', '.join(flags)})" if flags else s.change
         out.append(Fix(kind="plan", change=change, peak_reserved_bytes=s.reserved, limit_bytes=ctx.limit_bytes))
     return out
+
+
+def _flag(change: str) -> str | None:
+    """The flag of ``memplan tune`` that lets the search try one change, if one does."""
+    flag = next((f for key, f in _FLAGS.items() if change.startswith(key)), None)
+    if flag in ("--precision", "--micro-batch"):
+        flag += " " + change.split()[-1]
+    return flag
 
 
 def lowest_peak(candidates: tuple[Candidate, ...], ctx: Context) -> tuple[Candidate, int] | None:
@@ -65,8 +83,9 @@ def lowest_peak(candidates: tuple[Candidate, ...], ctx: Context) -> tuple[Candid
     return best
 
 
-def more_gpus(options: SpaceOptions, ctx: Context) -> Fix | None:
-    """The fewest GPUs (x2, x4, x8) on which some plan fits."""
+def more_gpus(options: SpaceOptions, ctx: Context, keep: Keep | None = None) -> Fix | None:
+    """The fewest GPUs (x2, x4, x8) on which some plan fits (of those ``keep`` keeps: an export
+    target's)."""
     for factor in GPU_FACTORS:
         gpus = options.gpus * factor
         per_node = ctx.cluster.gpus_per_node if ctx.cluster.nodes > 1 else min(gpus, max(8, options.gpus_per_node))
@@ -76,7 +95,8 @@ def more_gpus(options: SpaceOptions, ctx: Context) -> Fix | None:
             ctx, cluster=ctx.cluster.model_copy(update={"gpus_per_node": per_node, "nodes": gpus // per_node})
         )
         space = enumerate_space(ctx.model, options.model_copy(update={"gpus": gpus, "gpus_per_node": per_node}))
-        best = lowest_peak(space.candidates, bigger)
+        candidates = tuple(c for c in space.candidates if keep is None or keep(c, bigger))
+        best = lowest_peak(candidates, bigger)
         if best is not None and best[1] <= ctx.limit_bytes:
             change = f"{gpus} x {ctx.gpu.name} ({best[0].describe()})"
             return Fix(kind="gpus", change=change, peak_reserved_bytes=best[1], limit_bytes=ctx.limit_bytes)
@@ -98,6 +118,6 @@ def bigger_gpus(closest: Evaluation, ctx: Context) -> list[Fix]:
     return sorted(out, key=lambda f: f.limit_bytes)
 
 
-def what_would_fit(closest: Evaluation, options: SpaceOptions, ctx: Context) -> list[Fix]:
-    gpus = more_gpus(options, ctx)
+def what_would_fit(closest: Evaluation, options: SpaceOptions, ctx: Context, keep: Keep | None = None) -> list[Fix]:
+    gpus = more_gpus(options, ctx, keep)
     return [*plan_changes(closest, ctx), *([gpus] if gpus else []), *bigger_gpus(closest, ctx)]

@@ -27,7 +27,9 @@ World size = dp x tp x pp x cp, every GPU used. One plan per combination of:
 
 Fine-tuning (``finetune: lora | qlora``) keeps its adapter settings (rank, targets, dropout,
 modules trained in full) fixed over the space. With offload allowed, one GPU (dp x cp = 1) is
-also tried with ZeRO-1 and the optimizer on the CPU (ZeRO-Offload, as DeepSpeed runs it on one GPU).
+also tried with ZeRO-1 and the optimizer on the CPU (ZeRO-Offload, as DeepSpeed runs it on one GPU)
+and with ZeRO-3 and the optimizer and parameters on the CPU (ZeRO-Infinity's CPU offload, FSDP2's
+CPUOffloadPolicy).
 
 Sequence parallelism is on whenever tp > 1 (it only saves memory and costs no extra
 communication: Korthikanti et al. 2022). Every plan passes ``check_compatible``.
@@ -297,17 +299,20 @@ def schedule_choices(model: ModelSpec, options: SpaceOptions, pp: int, accumulat
 
 
 def zero_choices(dp: int, cp: int, allow_offload: bool) -> tuple[int, ...]:
-    """ZeRO stages: 0-3 over several data ranks; on one, 0, and 1 when offload is allowed (the
-    optimizer step on the CPU: ZeRO-Offload, which DeepSpeed runs on a single GPU)."""
+    """ZeRO stages: 0-3 over several data ranks. On one, 0, and when offload is allowed 1 (the
+    optimizer step on the CPU: ZeRO-Offload, which DeepSpeed runs on a single GPU) and 3 (the
+    parameters on the CPU too: ZeRO-Infinity, FSDP2's CPUOffloadPolicy). Stage 2 on one rank is
+    stage 1 (no gradients to shard), so it is not tried twice."""
     if dp * cp > 1:
         return (0, 1, 2, 3)
-    return (0, 1) if allow_offload else (0,)
+    return (0, 1, 3) if allow_offload else (0,)
 
 
 def offload_choices(zero: int, allow: bool, sharded: bool = True) -> list[tuple[str, str]]:
-    """(offload_optimizer, offload_params) pairs; ZeRO on one rank only with its optimizer offloaded."""
+    """(offload_optimizer, offload_params) pairs. ZeRO on one rank runs only with offload: stage 1
+    with the optimizer on the CPU, stage 3 with the optimizer and the parameters."""
     if not sharded and zero >= 1:
-        return [("cpu", "none")]
+        return [("cpu", "cpu")] if zero == 3 else [("cpu", "none")]
     out = [("none", "none")]
     if allow and zero >= 1:
         out.append(("cpu", "none"))

@@ -9,6 +9,8 @@ measured / predicted ratios added to the calibration of the GPU profile.
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,12 +26,78 @@ from memplan.search.validation import Outcome, detect_gpus, run_spec, validate_p
 from memplan.specs.workload import TrainingWorkload
 
 CLI = "command line"
-MAX_EXHAUSTIVE = 100_000  # ~40 s at ~2,500 plans/s (estimate_time dominates)
+# the speed of the two searches, measured on a 2-core machine (docs/tune.md): evaluate() predicts
+# 4,000-5,200 plans/s (llama3-8b on 8 GPUs, llama3-70b on 64, mixtral-8x7b on 16; estimate_time
+# dominates), kept low here; a study trial (multivariate TPE, SQLite) takes ~32 ms (300 trials of
+# llama3-8b on 8 GPUs: 9.6 s)
+PLANS_PER_S = 2_500
+TRIAL_S = 0.03
+MAX_EXHAUSTIVE = 100_000  # ~40 s at PLANS_PER_S
 
 
 def study_name(req: TuneRequest) -> str:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return f"{req.ctx.model.name}-{req.options.gpus}x{req.ctx.gpu.name}-{stamp}"
+
+
+def search_mode(req: TuneRequest, plans: int) -> tuple[bool, str]:
+    """Whether to predict every plan, and why: as asked (``exhaustive`` True or False); a named
+    study is resumed or joined; else every plan when that takes no longer than the study's trials
+    would (``PLANS_PER_S``, ``TRIAL_S``), the same answer or a better one, sooner."""
+    if req.exhaustive is not None:
+        return req.exhaustive, "as asked" + (" (--exhaustive)" if req.exhaustive else " (--no-exhaustive)")
+    if req.study is not None:
+        return False, f"study {req.study!r} named (--study): resumed or joined"
+    every, study = plans / PLANS_PER_S, req.trials * TRIAL_S
+    if every <= study and plans <= MAX_EXHAUSTIVE:
+        return (
+            True,
+            f"predicting all {plans:,} plans (~{every:.1f} s) is quicker than {req.trials} trials (~{study:.0f} s)",
+        )
+    return (
+        False,
+        f"predicting all {plans:,} plans (~{every:.0f} s) would take longer than {req.trials} trials (~{study:.0f} s)",
+    )
+
+
+Refusal = Callable[[Candidate, Context], "MemplanError | None"]
+
+
+def export_refusal(target: str) -> Refusal:
+    """What ``target`` says of a candidate: None when it can express the plan, else its refusal
+    (the exporter's own rules, ``export.common.expressible``; nothing is written)."""
+    from memplan.export.common import expressible
+    from memplan.specs.resolve import Job
+
+    def refusal(c: Candidate, ctx: Context) -> MemplanError | None:
+        job = Job(ctx.model, c.workload, c.plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.allocator)  # type: ignore[arg-type]
+        return expressible(job, target)
+
+    return refusal
+
+
+def _expressible(req: TuneRequest, space: Space) -> Space:
+    """The plans the export target can express; none is an error that says why, before any search."""
+    refusal = export_refusal(req.export_target or "")
+    kept, why = [], Counter()
+    for c in space.candidates:
+        err = refusal(c, req.ctx)
+        if err is None:
+            kept.append(c)
+        else:
+            why[(err.field or "", err.reason)] += 1
+    if not kept:
+        reasons, seen = [], set()
+        for (field, reason), count in why.most_common():
+            if field not in seen and len(seen) < 3:
+                seen.add(field)
+                reasons.append(f"{reason} ({count:,} of them)")
+        raise MemplanError(
+            f"{req.export_target} can express none of the {len(space):,} valid plans: {'; '.join(reasons)}",
+            source=CLI,
+            field="--export",
+        )
+    return Space(tuple(kept))
 
 
 def _space(req: TuneRequest) -> Space:
@@ -43,6 +111,8 @@ def _space(req: TuneRequest) -> Space:
             source=CLI,
             field="--gpus",
         )
+    if req.export_target:
+        space = _expressible(req, space)
     if req.exhaustive and len(space) > MAX_EXHAUSTIVE:
         raise MemplanError(
             f"the space has {len(space):,} plans, more than {MAX_EXHAUSTIVE:,} (~40 s); drop --exhaustive "
@@ -71,9 +141,9 @@ class _Search:
     ran: int = 0
 
 
-def _search(req: TuneRequest, space: Space, hooks: Hooks) -> _Search:
+def _search(req: TuneRequest, space: Space, hooks: Hooks, exhaustive: bool) -> _Search:
     name = req.study or study_name(req)
-    if req.exhaustive:
+    if exhaustive:
         hooks.started("evaluating", len(space))
         return _Search(None, name, evaluate_all(space.candidates, req.ctx, progress=hooks.advanced))
     study = _open(req, name)
@@ -101,6 +171,8 @@ def _fitting(
     the whole space closest to fitting (memory model only)."""
     ranked = pareto_front(evaluations) if req.objective == "pareto" else rank(evaluations, req.objective)
     fitting = _replay_until(ranked, max(req.top, req.validate), req.ctx)
+    if req.objective == "pareto":  # the replay moves peaks: a plan may now be dominated
+        fitting = pareto_front(fitting)
     if fitting:
         return fitting, None
     closest = _closest(space, req.ctx)
@@ -129,9 +201,18 @@ def _replay_until(ranked: list[Evaluation], wanted: int, ctx: Context) -> list[E
 def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
     """Search, validate the best ``req.validate`` plans, rank, recommend (see the module)."""
     hooks = hooks or Hooks()
+    before = enumerate_space(req.ctx.model, req.options) if req.export_target else None
     space = _space(req)
-    found = _search(req, space, hooks)
+    exhaustive, reason = search_mode(req, len(space))
+    found = _search(req, space, hooks, exhaustive)
     fitting, closest = _fitting(req, space, found.evaluations)
+    keep = None
+    if req.export_target:
+        refusal = export_refusal(req.export_target)
+
+        def keep(c: Candidate, ctx: Context) -> bool:
+            return refusal(c, ctx) is None
+
     top = [
         RankedPlan(rank=i, trial=found.trials_of.get(ev.candidate.key), evaluation=ev)
         for i, ev in enumerate(fitting[: max(req.top, req.validate)], 1)
@@ -153,7 +234,10 @@ def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
         limit_bytes=req.ctx.limit_bytes,
         space_size=len(space),
         evaluated=len(found.evaluations),
-        exhaustive=req.exhaustive,
+        exhaustive=exhaustive,
+        search_reason=reason,
+        export_target=req.export_target,
+        space_before_export=len(before) if before is not None else None,
         study=found.name if study is not None else None,
         storage=req.storage if study is not None else None,
         trials=len(study.get_trials(deepcopy=False)) if study is not None else 0,
@@ -163,7 +247,7 @@ def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
         top=top,
         recommended=next((r for r in top if not (r.validation and r.validation.status == "oom")), None),
         closest=closest,
-        fixes=what_would_fit(closest, req.options, req.ctx) if closest is not None else [],
+        fixes=what_would_fit(closest, req.options, req.ctx, keep) if closest is not None else [],
         calibration_written=written,
         micro_batch_ladder=_ladder(req, top),
     )

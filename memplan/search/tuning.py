@@ -28,7 +28,8 @@ class TuneRequest:
     options: SpaceOptions
     objective: Objective = "throughput"
     trials: int = 300
-    exhaustive: bool = False
+    exhaustive: bool | None = None  # None: every plan when that is as quick as the study (tune.search_mode)
+    export_target: str | None = None  # search only the plans this export target can express
     seed: int = 0
     study: str | None = None  # None: a new study with a generated name
     storage: str = DEFAULT_STORAGE
@@ -86,6 +87,9 @@ class TuneResult(BaseModel):
     space_size: int
     evaluated: int
     exhaustive: bool
+    search_reason: str = ""  # why every plan was predicted, or a study run
+    export_target: str | None = None  # the space was restricted to what this target can express
+    space_before_export: int | None = None  # valid plans before that restriction
     study: str | None
     storage: str | None
     trials: int

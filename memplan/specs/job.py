@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from memplan.errors import MemplanError
 from memplan.specs.model import ModelSpec
@@ -23,8 +23,8 @@ class PlanFile(BaseModel):
 
     model: str | None = Field(None, description="Model profile name or path (informational for estimate).")
     gpu: str | None = Field(None, description="GPU profile name or path.")
-    gpus: int | None = Field(None, gt=0, le=10_000_000, description="Total GPUs.")
-    nodes: int | None = Field(None, gt=0, le=1_000_000)
+    gpus: StrictInt | None = Field(None, gt=0, le=10_000_000, description="Total GPUs.")
+    nodes: StrictInt | None = Field(None, gt=0, le=1_000_000)
     runtime: RuntimeName | None = None
     allocator: AllocatorName | None = Field(
         None, description="PyTorch's CUDA caching allocator mode: default or expandable (expandable_segments:True)."
@@ -44,9 +44,26 @@ def check_compatible(model: ModelSpec, workload: TrainingWorkload | InferenceWor
             f"tp={plan.tp} does not divide num_attention_heads={model.num_attention_heads} of {model.name}",
             field="plan.tp",
         )
-    if model.kv_heads % plan.tp and plan.tp % model.kv_heads:
+    training = isinstance(workload, TrainingWorkload)
+    if model.kv_heads % plan.tp and (training or plan.tp % model.kv_heads):
+        # training: Megatron-LM splits the KV heads (num_query_groups) over TP ranks and requires
+        # tp to divide them; serving (vLLM) replicates them when tp is a multiple
+        how = "training splits the KV heads over TP ranks (as Megatron-LM requires)" if training else ""
         raise MemplanError(
-            f"tp={plan.tp} does not divide num_kv_heads={model.kv_heads} of {model.name}", field="plan.tp"
+            f"tp={plan.tp} does not divide num_kv_heads={model.kv_heads} of {model.name}" + (f": {how}" if how else ""),
+            field="plan.tp",
+        )
+    if plan.sequence_parallel and plan.tp == 1 and training:
+        raise MemplanError(
+            "sequence parallelism shards activations over tensor-parallel ranks: needs tp > 1",
+            field="plan.sequence_parallel",
+        )
+    per_stage = model.num_layers // plan.pp
+    if plan.recompute_layers is not None and plan.recompute_layers > per_stage:
+        raise MemplanError(
+            f"recompute_layers={plan.recompute_layers} is more than the {per_stage} layers of a pipeline stage "
+            f"({model.name}: {model.num_layers} layers, pp={plan.pp})",
+            field="plan.recompute_layers",
         )
     if model.num_layers % plan.stages:
         what = "pp x virtual_stages" if plan.virtual_stages > 1 else "pp"
@@ -80,6 +97,20 @@ def check_compatible(model: ModelSpec, workload: TrainingWorkload | InferenceWor
                     f"the interleaved schedule needs micro-batches per step ({accumulation}) divisible by pp={plan.pp}",
                     field="workload.global_batch",
                 )
+
+
+def suspicious(model: ModelSpec, workload: TrainingWorkload | InferenceWorkload) -> list[str]:
+    """Legal but suspicious inputs, one warning line each: a sequence beyond the model's positions
+    (context extension trains or serves beyond them on purpose, so it is a warning, not an error)."""
+    tokens = workload.seq_len if isinstance(workload, TrainingWorkload) else workload.context
+    limit = model.max_position_embeddings
+    if tokens > limit:
+        what = "seq_len" if isinstance(workload, TrainingWorkload) else "the context (prompt + generated tokens)"
+        return [
+            f"{what} {tokens:,} is beyond max_position_embeddings {limit:,} of {model.name}: estimated as given "
+            "(context extension, e.g. RoPE scaling, runs beyond it; the model itself was not trained there)"
+        ]
+    return []
 
 
 def check_lora(model: ModelSpec, plan: Plan) -> None:

@@ -20,6 +20,12 @@ from memplan.specs.hf import READERS, hf_architecture, hf_key, hf_model_fields, 
 from memplan.specs.model import ModelSpec
 
 M = TypeVar("M", bound=BaseModel)
+# pydantic's errors for a value of the wrong type: the message then says what was given
+_TYPE_ERRORS = {
+    "int_type", "int_parsing", "int_from_float", "bool_type", "bool_parsing", "float_type", "string_type", "dict_type",
+    "list_type", "tuple_type",
+}  # fmt: skip
+NAME_LIMIT = 120  # characters of a file name or value a message shows (the rest elided)
 _FIELD_PREFIX = re.compile(r"^(?P<field>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*): ")
 
 
@@ -45,6 +51,8 @@ def validation_error(exc: ValidationError, source: str, prefix: str = "") -> Mem
             loc = ".".join(p for p in (loc, named["field"]) if p)
             msg = msg[named.end() :]
     field = ".".join(p for p in (prefix, loc) if p) or None
+    if err["type"] in _TYPE_ERRORS:
+        msg = f"{msg}, got {describe_value(err.get('input'))}"
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
     elif err["type"] == "missing":
@@ -56,7 +64,7 @@ def validate(cls: type[M], data: Any, source: str, prefix: str = "") -> M:
     """``cls.model_validate(data)`` with errors turned into a MemplanError."""
     if not isinstance(data, dict):
         raise MemplanError(
-            f"expected a mapping of fields, got {type(data).__name__}", source=source, field=prefix or None
+            f"expected a mapping of fields, got {describe_value(data)}", source=source, field=prefix or None
         )
     try:
         return cls.model_validate(data)
@@ -64,19 +72,94 @@ def validate(cls: type[M], data: Any, source: str, prefix: str = "") -> M:
         raise validation_error(exc, source, prefix) from exc
 
 
+def short(text: object, limit: int = NAME_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters around an ellipsis (its start and its end kept), so that
+    a message never echoes a 100,000-character file name whole."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) * 2 // 3
+    return f"{text[:head]}…{text[len(text) - (limit - 1 - head) :]}"
+
+
+def describe_value(value: object) -> str:
+    """What a value read from a file is, for an error: ``nothing (the file or section is empty)``,
+    ``a list``, ``a string ('abc')``, ``a boolean (true)``."""
+    if value is None:
+        return "nothing (empty)"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    kinds = {list: "a list", str: "a string", int: "an integer", float: "a number", dict: "a mapping"}
+    kind = next((name for t, name in kinds.items() if isinstance(value, t)), type(value).__name__)
+    return f"{kind} ({short(repr(value), 40)})" if isinstance(value, str | int | float) else kind
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one
+    silently; YAML 1.2 says keys are unique). Merge keys (``<<``) still override as YAML says."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: PyYAML's own error says so
+                continue
+            if duplicate:
+                line = key_node.start_mark.line + 1
+                raise _DuplicateKey(f"duplicate key {short(repr(key), 60)} at line {line} (each key once)")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads``' object hook refusing a key given twice (json keeps the last one silently)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"duplicate key {short(repr(key), 60)} (each key once)")
+        out[key] = value
+    return out
+
+
 def read_data(path: Path) -> Any:
-    """Parse a YAML or JSON file; a missing or malformed file is a MemplanError."""
-    source = str(path)
+    """Parse a YAML or JSON file; a missing, binary, malformed file, or one that gives a key twice,
+    is a MemplanError (the file named, cut to a readable length)."""
+    source = short(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise MemplanError("no such file", source=source) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise MemplanError(f"cannot read file ({exc.__class__.__name__})", source=source) from None
+    except IsADirectoryError:
+        raise MemplanError("cannot read file: it is a directory", source=source) from None
+    except PermissionError:
+        raise MemplanError("cannot read file (permission denied)", source=source) from None
+    except OSError as exc:  # a name too long, a loop of links, ...
+        raise MemplanError(f"cannot read file ({exc.strerror or exc.__class__.__name__})", source=source) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MemplanError(
+            f"not a text file (byte {raw[exc.start]:#04x} at offset {exc.start} is not UTF-8): expected YAML or JSON",
+            source=source,
+        ) from None
+    if "\0" in text:
+        raise MemplanError("not a text file (it holds NUL bytes): expected YAML or JSON", source=source)
+    if not text.strip():
+        raise MemplanError("the file is empty: expected a mapping of fields", source=source)
     try:
         if path.suffix == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text)
+            return json.loads(text, object_pairs_hook=_json_object)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as exc:
+        raise MemplanError(str(exc), source=source) from None
     except json.JSONDecodeError as exc:
         raise MemplanError(
             f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source
@@ -120,28 +203,37 @@ def model_from_data(data: Any, source: str, default_name: str) -> ModelSpec:
     return validate(ModelSpec, data, source)
 
 
+def _is(path: Path, kind: str) -> bool:
+    """``path.is_dir()`` / ``is_file()`` / ``exists()``, False for a name the OS refuses (too long)."""
+    try:
+        return getattr(path, kind)()
+    except (OSError, ValueError):
+        return False
+
+
 def load_model(ref: str) -> ModelSpec:
     """A model from a bundled profile name, a memplan YAML file or a HF config.json."""
     path = Path(ref)
-    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face model folder
+    if _is(path, "is_dir") and _is(path / "config.json", "is_file"):  # a Hugging Face model folder
         path = path / "config.json"
-    if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
+    if path.suffix in (".yaml", ".yml", ".json") or _is(path, "is_file"):
         name = path.resolve().parent.name if path.name == "config.json" else path.stem
-        return model_from_data(read_data(path), str(path), name)
+        return model_from_data(read_data(path), short(path), name)
     profile = _profiles_dir("models") / f"{ref}.yaml"
-    if profile.exists():
+    if "/" not in ref and _is(profile, "exists"):
         return model_from_data(read_data(profile), ref, ref)
     raise MemplanError(
-        f"no such file or bundled model profile (bundled: {', '.join(profile_names('models'))})", source=ref
+        f"no such file or bundled model profile (bundled: {', '.join(profile_names('models'))})", source=short(ref)
     )
 
 
 def load_gpu(ref: str) -> GPUSpec:
     """A GPU from a bundled profile name or a YAML file."""
     path = Path(ref)
-    if not (path.suffix in (".yaml", ".yml", ".json") or path.exists()):
+    if not (path.suffix in (".yaml", ".yml", ".json") or _is(path, "exists")):
         path = _profiles_dir("gpus") / f"{ref.lower()}.yaml"
-        if not path.exists():
+        if "/" in ref or not _is(path, "exists"):
             # no source: the caller knows whether the name came from --gpu or a plan file
-            raise MemplanError(f"unknown GPU {ref!r} (bundled: {', '.join(profile_names('gpus'))})") from None
-    return validate(GPUSpec, read_data(path), str(path))
+            bundled = ", ".join(profile_names("gpus"))
+            raise MemplanError(f"unknown GPU {short(repr(ref), 60)} (bundled: {bundled})") from None
+    return validate(GPUSpec, read_data(path), short(path))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 _MAX_DEGREE = 1_000_000
 
@@ -29,15 +29,17 @@ class Plan(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dp: int = Field(1, gt=0, le=_MAX_DEGREE, description="Data-parallel degree.")
-    tp: int = Field(1, gt=0, le=_MAX_DEGREE, description="Tensor-parallel degree.")
-    sequence_parallel: bool = Field(False, description="Shard norms/dropout activations over TP ranks (Megatron SP).")
-    pp: int = Field(1, gt=0, le=_MAX_DEGREE, description="Pipeline-parallel degree (stages).")
+    dp: StrictInt = Field(1, gt=0, le=_MAX_DEGREE, description="Data-parallel degree.")
+    tp: StrictInt = Field(1, gt=0, le=_MAX_DEGREE, description="Tensor-parallel degree.")
+    sequence_parallel: StrictBool = Field(
+        False, description="Shard norms/dropout activations over TP ranks (Megatron SP)."
+    )
+    pp: StrictInt = Field(1, gt=0, le=_MAX_DEGREE, description="Pipeline-parallel degree (stages).")
     pp_schedule: PipelineSchedule = "1f1b"
-    virtual_stages: int = Field(1, gt=0, le=1024, description="Model chunks per pipeline rank (interleaved).")
-    cp: int = Field(1, gt=0, le=_MAX_DEGREE, description="Context-parallel degree (sequence split over ranks).")
-    ep: int = Field(1, gt=0, le=_MAX_DEGREE, description="Expert-parallel degree (within dp x cp).")
-    zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer states, 2 + grads, 3 + params.")
+    virtual_stages: StrictInt = Field(1, gt=0, le=1024, description="Model chunks per pipeline rank (interleaved).")
+    cp: StrictInt = Field(1, gt=0, le=_MAX_DEGREE, description="Context-parallel degree (sequence split over ranks).")
+    ep: StrictInt = Field(1, gt=0, le=_MAX_DEGREE, description="Expert-parallel degree (within dp x cp).")
+    zero: StrictInt = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer states, 2 + grads, 3 + params.")
     offload_optimizer: Offload = Field("none", description="Where optimizer states (and master weights) live.")
     offload_params: Offload = Field("none", description="Where parameters live between uses (ZeRO-3 only).")
     recompute: Recompute = Field(
@@ -45,7 +47,7 @@ class Plan(BaseModel):
         description="Activation recomputation: none; selective (the attention core, Korthikanti et al.); "
         "selective-op (torchtitan's per-op SAC: every second matmul recomputed); full (whole layers).",
     )
-    recompute_layers: int | None = Field(
+    recompute_layers: StrictInt | None = Field(
         None, gt=0, le=100_000, description="With full recompute: layers per stage recomputed (default: all)."
     )
     precision: PrecisionName = "bf16-master"
@@ -63,7 +65,7 @@ class Plan(BaseModel):
         description="full: every weight trained; lora: frozen base, PEFT LoRA adapters trained; qlora: lora over "
         "a 4-bit base (quant: nf4 with double_quant unless given).",
     )
-    lora_rank: int = Field(16, gt=0, le=65_536, description="LoRA rank r (finetune: lora or qlora).")
+    lora_rank: StrictInt = Field(16, gt=0, le=65_536, description="LoRA rank r (finetune: lora or qlora).")
     lora_targets: tuple[str, ...] = Field(
         ("q_proj", "v_proj"),
         min_length=1,
@@ -77,7 +79,7 @@ class Plan(BaseModel):
     quant: Quant = Field(
         "none", description="Base linear weights: none, int8 (LLM.int8), nf4 or fp4 (bitsandbytes 4-bit)."
     )
-    double_quant: bool = Field(False, description="4-bit: quantize the per-block absmax scales again.")
+    double_quant: StrictBool = Field(False, description="4-bit: quantize the per-block absmax scales again.")
     offload_activations: ActivationOffload = Field(
         "none", description="Saved activations moved to CPU memory during the forward (save_on_cpu)."
     )

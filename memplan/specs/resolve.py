@@ -16,8 +16,8 @@ from pydantic import ValidationError
 from memplan.costmodel.allocator import AllocatorConfig, parse_alloc_conf
 from memplan.errors import MemplanError
 from memplan.specs.hardware import ClusterSpec, GPUSpec
-from memplan.specs.job import PlanFile, RuntimeName, check_compatible
-from memplan.specs.loader import load_gpu, load_model, read_data, validate, validation_error
+from memplan.specs.job import PlanFile, RuntimeName, check_compatible, suspicious
+from memplan.specs.loader import load_gpu, load_model, read_data, short, validate, validation_error
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
@@ -26,6 +26,13 @@ CLI = "command line"
 PLAN_FIELDS = set(Plan.model_fields)
 TRAINING_FIELDS = {"seq_len", "micro_batch", "global_batch"}
 INFERENCE_FIELDS = {"batch", "prompt_tokens", "generated_tokens", "kv_dtype", "block_size"}
+# plan fields serving memory does not depend on (estimate_inference reads tp, pp, ep, dp and the
+# precision): given as flags with --inference they would be ignored without a word
+TRAINING_PLAN_FIELDS = {
+    "zero", "offload_optimizer", "offload_params", "recompute", "recompute_layers", "optimizer", "sequence_parallel",
+    "cp", "pp_schedule", "virtual_stages", "attention", "finetune", "lora_rank", "lora_targets", "lora_dropout",
+    "modules_to_save", "quant", "double_quant", "offload_activations",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,7 @@ class Job:
     cluster: ClusterSpec
     runtime: RuntimeName
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
+    warnings: tuple[str, ...] = ()  # legal but suspicious inputs (job.suspicious): one stderr line each
 
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -100,15 +108,19 @@ def blame_flags(err: MemplanError, flags: set[str]) -> MemplanError:
 def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any], inference: bool = False) -> Job:
     """Build a :class:`Job` from a model, an optional plan YAML and flag values (None = unset)."""
     flags = {k: v for k, v in overrides.items() if v is not None}
-    source = plan_path or CLI
+    source = short(plan_path) if plan_path else CLI
     pf = PlanFile()
     if plan_path:
-        pf = validate(PlanFile, read_data(Path(plan_path)), plan_path)
+        pf = validate(PlanFile, read_data(Path(plan_path)), short(plan_path))
     model = load_model(model_ref)
+    if plan_path and pf.model:
+        _check_plan_model(pf.model, plan_path, model_ref, model)
+    if inference:
+        serving_only(flags)
 
     def blame(name: str) -> tuple[str, str]:
         """Where a top-level value (gpus, nodes, gpu) came from: its flag, else the plan file."""
-        return (CLI, _flag(name)) if name in flags or not plan_path else (plan_path, name)
+        return (CLI, _flag(name)) if name in flags or not plan_path else (source, name)
 
     # --gpus / --nodes / --runtime go through the same checks as the plan file's fields
     top = {k: flags[k] for k in ("gpus", "nodes", "runtime", "allocator") if k in flags}
@@ -160,12 +172,48 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
     try:
         check_compatible(model, workload, plan)
     except MemplanError as err:
-        raise _blame_flag(err.located(plan_path or CLI), set(flags), bool(plan_path)) from None
+        raise _blame_flag(err.located(source), set(flags), bool(plan_path)) from None
     # adapters over a frozen base are what transformers' Trainer runs (the bundled trainer trains
     # every weight), so a fine-tuning plan defaults to its step
     runtime = sizes.runtime or pf.runtime or ("hf" if plan.finetune != "full" else "memplan")
     allocator = resolve_allocator(sizes.allocator or pf.allocator)
-    return Job(model, workload, plan, gpu, cluster, runtime, allocator)
+    return Job(model, workload, plan, gpu, cluster, runtime, allocator, tuple(suspicious(model, workload)))
+
+
+def serving_only(flags: dict[str, Any]) -> None:
+    """Refuse training-only plan flags with ``--inference``: serving memory does not depend on them."""
+    wrong = sorted(set(flags) & TRAINING_PLAN_FIELDS)
+    if wrong:
+        raise MemplanError(
+            "a training setting: --inference estimates serving memory, which does not depend on it (drop it)",
+            source=CLI,
+            field=_flag(wrong[0]),
+        )
+
+
+def _check_plan_model(named: str, plan_path: str, model_ref: str, model: ModelSpec) -> None:
+    """A plan file that names another model than the command's is refused (its degrees, batch and
+    recomputation were chosen for that model). The plan's model is read beside the plan file first
+    (``memplan tune`` writes it relative to the file); one that cannot be read is not compared."""
+    if named == model_ref:
+        return
+    beside = Path(plan_path).parent / named
+    try:
+        other = load_model(str(beside) if beside.exists() else named)
+    except (MemplanError, OSError, ValueError):
+        return
+    if _shape(other) != _shape(model):
+        raise MemplanError(
+            f"the plan file is for {short(other.name, 60)}, the command names {short(model.name, 60)}: give the same "
+            "model, or remove model: from the plan file",
+            source=short(plan_path),
+            field="model",
+        )
+
+
+def _shape(model: ModelSpec) -> dict[str, Any]:
+    """A model's fields without its name and source (the same config read from two places)."""
+    return model.model_dump(exclude={"name", "source"})
 
 
 def _workload(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 _MAX_TOKENS = 100_000_000  # longer than any context window in use
 
@@ -18,9 +18,9 @@ class TrainingWorkload(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["training"] = "training"
-    seq_len: int = Field(2048, gt=0, le=_MAX_TOKENS, description="Tokens per sequence.")
-    micro_batch: int = Field(1, gt=0, le=1_000_000, description="Sequences per forward/backward on one rank.")
-    global_batch: int | None = Field(
+    seq_len: StrictInt = Field(2048, gt=0, le=_MAX_TOKENS, description="Tokens per sequence.")
+    micro_batch: StrictInt = Field(1, gt=0, le=1_000_000, description="Sequences per forward/backward on one rank.")
+    global_batch: StrictInt | None = Field(
         None, gt=0, le=100_000_000, description="Sequences per optimizer step (default: micro_batch x dp)."
     )
 
@@ -31,11 +31,11 @@ class InferenceWorkload(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["inference"] = "inference"
-    batch: int = Field(1, gt=0, le=1_000_000, description="Concurrent sequences.")
-    prompt_tokens: int = Field(2048, gt=0, le=_MAX_TOKENS)
-    generated_tokens: int = Field(256, ge=0, le=_MAX_TOKENS)
+    batch: StrictInt = Field(1, gt=0, le=1_000_000, description="Concurrent sequences.")
+    prompt_tokens: StrictInt = Field(2048, gt=0, le=_MAX_TOKENS)
+    generated_tokens: StrictInt = Field(256, ge=0, le=_MAX_TOKENS)
     kv_dtype: Literal["fp32", "bf16", "fp16", "fp8", "int8"] = Field("bf16", description="KV-cache element type.")
-    block_size: int | None = Field(
+    block_size: StrictInt | None = Field(
         None, gt=0, le=1_000_000, description="Paged KV cache block size in tokens (vLLM uses 16); None: contiguous."
     )
 

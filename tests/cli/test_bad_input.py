@@ -699,6 +699,162 @@ def test_hf_multimodal_error_names_the_text_config_key(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# issue 20: absurd inputs refused where they are read, outputs checked before any work
+
+
+def _budgets(tmp_path: Path, budget: object = "70GiB", **top: object) -> Path:
+    entry = {"name": "a", "model": "llama3-8b", "gpus": 8, "plan": {"zero": 3}, "budget": budget}
+    path = tmp_path / "b.yaml"
+    path.write_text(yaml.safe_dump({**top, "entries": [entry]}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "reason"),
+    [
+        ("plan: {tp: true}\n", "plan.tp", "a boolean (true)"),
+        ("plan: {tp: 2.0}\n", "plan.tp", "valid integer"),
+        ("plan: {sequence_parallel: 1}\n", "plan.sequence_parallel", "valid boolean"),
+        ("workload: {seq_len: '4096'}\n", "workload.seq_len", "a string ('4096')"),
+        ("gpus: true\n", "gpus", "a boolean"),
+    ],
+)
+def test_wrong_types_in_a_plan_file_are_refused_not_coerced(tmp_path, text, field, reason):
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    error_line(memplan("estimate", "llama3-8b", "--plan", path, cwd=tmp_path), path, field, reason)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("plan: {tp: 2}\nplan: {tp: 4}\n", "'plan' at line 2"),
+        ("plan:\n  tp: 2\n  zero: 1\n  tp: 4\n", "'tp' at line 4"),
+    ],
+)
+def test_duplicate_keys_in_a_plan_file(tmp_path, text, key):
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    error_line(memplan("estimate", "llama3-8b", "--plan", path, cwd=tmp_path), path, None, "duplicate key " + key)
+
+
+def test_duplicate_keys_in_a_config_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HF_LLAMA)[:-1] + ', "num_hidden_layers": 2}')
+    error_line(memplan("estimate", path, cwd=tmp_path), path, None, "duplicate key 'num_hidden_layers'")
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "reason"),
+    [
+        (["--gpus", "16", "--tp", "16"], "--tp", "does not divide num_kv_heads=8"),
+        (["--recompute", "full", "--recompute-layers", "99"], "--recompute-layers", "32 layers of a pipeline stage"),
+        (["--sequence-parallel"], "--sequence-parallel", "needs tp > 1"),
+        (["--inference", "--zero", "3", "--optimizer", "sgd", "--offload-optimizer", "cpu"], "--offload-optimizer",
+         "a training setting"),
+    ],
+)  # fmt: skip
+def test_impossible_or_ignored_plan_flags(tmp_path, args, flag, reason):
+    error_line(memplan("estimate", "llama3-8b", *args, cwd=tmp_path), CLI, flag, reason)
+
+
+def test_a_plan_file_for_another_model_is_refused(tmp_path):
+    plan = tmp_path / "plan8b.yaml"
+    plan.write_text("model: llama3-8b\nplan: {zero: 1}\n")
+    proc = memplan("estimate", "mixtral-8x7b", "--plan", plan, cwd=tmp_path)
+    error_line(proc, plan, "model", "for llama3-8b", "mixtral-8x7b")
+    assert memplan("estimate", "llama3-8b", "--plan", plan, cwd=tmp_path).returncode == 0
+
+
+def test_a_sequence_beyond_the_models_positions_is_a_warning(tmp_path):
+    """Legal (context extension trains beyond max_position_embeddings): estimated, with one warning line."""
+    proc = memplan("export", "--model", "llama3-8b", "--gpus", "8", "--zero", "3", "--seq-len", "16384",
+                   "--to", "deepspeed", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("memplan: warning:")]
+    assert len(warnings) == 1 and "max_position_embeddings 8,192" in warnings[0]
+    proc = memplan("estimate", "llama3-8b", "--seq-len", "1048576", "--format", "json", cwd=tmp_path)
+    assert proc.returncode == 0 and "seq_len 1,048,576 is beyond" in json.loads(proc.stdout)["warnings"][0]
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "0", "inf"])
+def test_export_gradient_clipping_must_be_a_positive_number(tmp_path, value):
+    proc = memplan("export", "--model", "llama3-8b", "--gpus", "8", "--zero", "3", "--to", "deepspeed",
+                   "--gradient-clipping", value, cwd=tmp_path)  # fmt: skip
+    error_line(proc, CLI, "--gradient-clipping", "positive finite number")
+
+
+@pytest.mark.parametrize(
+    ("budget", "top", "field", "reason"),
+    [
+        ("1e30GiB", {}, "entries[0].budget", "beyond any GPU's memory"),
+        ("70GiB", {"threshold": "-2%"}, "threshold", "at least 0%"),
+        ("70GiB", {"threshold": "two%"}, "threshold", "as a percentage"),
+    ],
+)
+def test_absurd_budgets_and_thresholds(tmp_path, budget, top, field, reason):
+    path = _budgets(tmp_path, budget, **top)
+    error_line(memplan("check", path, cwd=tmp_path), path, field, reason)
+
+
+@pytest.mark.parametrize("command", [["estimate", "{path}"], ["estimate", "llama3-8b", "--plan", "{path}"]])
+def test_empty_and_binary_files(tmp_path, command):
+    empty, binary = tmp_path / "empty.yaml", tmp_path / "binary.yaml"
+    empty.write_text("")
+    binary.write_bytes(bytes(range(128, 256)) * 4)
+    for path, reason in ((empty, "the file is empty"), (binary, "not a text file")):
+        proc = memplan(*(str(path) if a == "{path}" else a for a in command), cwd=tmp_path)
+        message = error_line(proc, path, None, reason)
+        assert "NoneType" not in message and "UnicodeDecodeError" not in message
+
+
+def test_an_empty_section_says_so(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("plan:\nworkload: {seq_len: 4096}\n")
+    proc = memplan("estimate", "llama3-8b", "--plan", path, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr  # an empty plan section is no plan fields
+    path.write_text("workload: [4096]\n")
+    error_line(memplan("estimate", "llama3-8b", "--plan", path, cwd=tmp_path), path, "workload", "got a list")
+
+
+OUTPUT_COMMANDS = {
+    "--out": ["tune", "llama3-8b", "--gpus", "8", "--out"],
+    "--output": ["export", "--model", "llama3-8b", "--gpus", "8", "--zero", "3", "--to", "deepspeed", "-o"],
+    "--junit": ["check", "{budgets}", "--junit"],
+    "--markdown": ["check", "{budgets}", "--markdown"],
+}
+
+
+@pytest.mark.parametrize("flag", OUTPUT_COMMANDS)
+@pytest.mark.parametrize(
+    ("target", "reason"),
+    [("adir/", "is a directory"), ("adir", "is a directory"), ("afile/out.txt", "is a file, not a directory")],
+)
+def test_output_paths_are_checked_before_any_work(tmp_path, flag, target, reason):
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    budgets = _budgets(tmp_path)
+    args = [str(budgets) if a == "{budgets}" else a for a in OUTPUT_COMMANDS[flag]]
+    proc = memplan(*args, target, cwd=tmp_path)
+    error_line(proc, CLI, flag, target, reason)
+    assert not (tmp_path / "memplan-tune.db").exists()  # the search never started
+
+
+def test_a_very_long_output_name_is_shortened(tmp_path):
+    name = "p" * 5000 + ".yaml"
+    proc = memplan("tune", "llama3-8b", "--gpus", "8", "--out", name, cwd=tmp_path)
+    message = error_line(proc, CLI, "--out", "too long")
+    assert len(message) < 300 and "…" in message
+
+
+def test_a_very_long_input_name_is_shortened(tmp_path):
+    for args in (["estimate", "m" * 100_000 + ".yaml"], ["estimate", "llama3-8b", "--plan", "q" * 100_000]):
+        proc = memplan(*args, cwd=tmp_path)
+        assert proc.returncode == 2 and len(proc.stderr) < 600 and "…" in proc.stderr, proc.stderr[:300]
+        assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------
 # issue 19: --timeline paths, snapshots that are not ones, validate --snapshot folders
 
 

@@ -314,14 +314,56 @@ def test_export_target_is_checked_before_the_search():
     assert err.strip().splitlines() == [err.strip()] and "--export: unknown target 'nope'" in err
 
 
-def test_export_a_target_cannot_express_is_one_line_and_keeps_the_yaml(tmp_path: Path):
-    # 8 GPUs for llama3-8b at this batch: the fastest plan uses TP, which DeepSpeed's JSON cannot carry
-    code, _, err = memplan("tune", *LLAMA8B, "--exhaustive", "--export", "deepspeed", "--format", "json")
-    plan = yaml.safe_load((tmp_path / "best-plan.yaml").read_text())["plan"]
-    if plan.get("tp", 1) == 1:
-        pytest.skip("the optimum needs no TP under these constants")
-    assert code == 2
-    assert "--export: deepspeed cannot express tp=" in err.strip().splitlines()[-1]
+def test_export_searches_only_what_the_target_can_express(tmp_path: Path):
+    """Issue 20: DeepSpeed's JSON cannot carry TP or PP, so the search keeps the plans it can (the
+    exporter's own refusal rules decide) and the plan it recommends is written for it."""
+    args = ["llama3-70b", "--gpus", "64", "--seq-len", "8192", "--global-batch", "512"]
+    code, out, err = memplan("tune", *args, "--export", "deepspeed", "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["export_target"] == "deepspeed" and data["space_size"] < data["space_before_export"]
+    plan = data["recommended"]["evaluation"]["plan"]
+    assert (plan["tp"], plan["pp"], plan["cp"]) == (1, 1, 1)
+    assert (tmp_path / "best-plan-deepspeed.json").exists()
+    code, out, _ = memplan("tune", *args, "--export", "deepspeed")
+    assert code == 0 and "that deepspeed can express (of " in out
+
+
+def test_export_says_up_front_when_the_target_can_express_no_plan(tmp_path: Path):
+    code, out, err = memplan("tune", "llama3-8b", "--gpus", "8", "--export", "megatron", "--precision", "bf16-mixed")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--export: megatron can express none of the" in err and "precision bf16-mixed" in err
+    assert not (tmp_path / "memplan-tune.db").exists() and not (tmp_path / "best-plan.yaml").exists()
+    # without --precision, the precisions a target can express are tried: megatron's fp32 master weights
+    code, out, err = memplan("tune", "llama3-8b", "--gpus", "8", "--export", "megatron", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["recommended"]["evaluation"]["plan"]["precision"] == "bf16-master"
+
+
+def test_one_gpu_with_offload_recommends_a_plan_that_fits():
+    """Issue 20: the single-GPU answer is ZeRO with the optimizer (and parameters) on the CPU."""
+    code, out, err = memplan("tune", "llama3-8b", "--gpus", "1", "--gpu", "a100-80gb", "--allow-offload", "--format",
+                             "json")  # fmt: skip
+    assert code == 0, err
+    best = json.loads(out)["recommended"]["evaluation"]
+    assert best["fits"] and best["plan"]["dp"] == 1 and best["plan"]["zero"] >= 1
+    assert best["plan"]["offload_optimizer"] == "cpu"
+
+
+def test_the_default_search_predicts_every_plan_when_that_is_quicker():
+    """Issue 20: 560 plans take well under a second to predict, 300 trials ~10 s: every plan it is,
+    and the output says why; with one trial the study is quicker; a named study is a study."""
+    code, out, err = memplan("tune", "llama3-8b", "--gpus", "8", "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["exhaustive"] and data["study"] is None and "quicker than 300 trials" in data["search_reason"]
+    assert not Path("memplan-tune.db").exists()
+    code, out, _ = memplan("tune", "llama3-8b", "--gpus", "8", "--trials", "1", "--format", "json")
+    assert code == 0 and not json.loads(out)["exhaustive"]
+    code, out, _ = memplan("tune", "llama3-8b", "--gpus", "8", "--trials", "3", "--study", "s", "--format", "json")
+    assert code == 0 and not json.loads(out)["exhaustive"] and "--study" in json.loads(out)["search_reason"]
+    code, out, _ = memplan("tune", "llama3-8b", "--gpus", "8", "--trials", "3", "--no-exhaustive")
+    assert code == 0 and "search: Optuna study, as asked (--no-exhaustive)" in out and "(trial " in out
 
 
 def test_finetune_on_one_gpu_answers_which_batch_fits_at_which_length(tmp_path):

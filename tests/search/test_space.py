@@ -54,8 +54,11 @@ def test_every_plan_is_valid_and_uses_every_gpu(name: str, gpus: int, options: d
         assert p.world_size == gpus
         assert p.tp <= opts.gpus_per_node
         assert p.sequence_parallel == (p.tp > 1)
-        # ZeRO over one data rank only as ZeRO-Offload: stage 1 with the optimizer on the CPU
-        assert p.zero == 0 or p.dp * p.cp > 1 or (opts.allow_offload and p.zero == 1 and p.offload_optimizer == "cpu")
+        # ZeRO over one data rank only with offload: stage 1 with the optimizer on the CPU (ZeRO-Offload),
+        # stage 3 with the optimizer and the parameters
+        offloaded = {1: ("cpu", "none"), 3: ("cpu", "cpu")}.get(p.zero)
+        one_rank_ok = opts.allow_offload and offloaded == (p.offload_optimizer, p.offload_params)
+        assert p.zero == 0 or p.dp * p.cp > 1 or one_rank_ok
         assert w.micro_batch & (w.micro_batch - 1) == 0 and w.micro_batch <= opts.max_micro_batch
         assert w.global_batch in (opts.global_batches or (None,))
         if w.global_batch is not None:
@@ -146,6 +149,10 @@ def test_one_gpu_with_offload_tries_zero_offload():
     plans = [c.plan for c in enumerate_space(model, SpaceOptions(gpus=1, allow_offload=True)).candidates]
     assert any(p.zero == 1 and p.offload_optimizer == "cpu" for p in plans)
     assert all(p.offload_optimizer == "cpu" for p in plans if p.zero == 1)
+    # and ZeRO-3 with the parameters on the CPU too (ZeRO-Infinity's CPU offload, FSDP2's CPUOffloadPolicy);
+    # stage 2 on one rank is stage 1 and is not tried twice
+    assert {p.zero for p in plans} == {0, 1, 3}
+    assert all((p.offload_optimizer, p.offload_params) == ("cpu", "cpu") for p in plans if p.zero == 3)
     plain = [c.plan for c in enumerate_space(model, SpaceOptions(gpus=1)).candidates]
     assert {p.zero for p in plain} == {0}
 

@@ -1,0 +1,64 @@
+"""What would make a plan fit (``costmodel.advice.suggest``): one GPU's standard answer (ZeRO with
+the optimizer, and the parameters, on the CPU) and combinations when no single change is enough."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+
+from memplan.cli.app import run
+from memplan.costmodel.advice import rank_key, suggest
+from memplan.costmodel.memory import estimate_memory
+from memplan.specs.hardware import ClusterSpec
+from memplan.specs.loader import load_gpu, load_model
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
+
+GiB = 2**30
+
+
+def estimate_json(*args: str) -> dict:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = run(["estimate", *args, "--format", "json"])
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue())
+
+
+def test_one_gpu_is_advised_zero_offload():
+    """Issue 20's command: llama3-8b on one A100 80GB does not fit; ZeRO-Offload (and ZeRO-3 with
+    the parameters on the CPU) does, with the peak it reaches and its step time."""
+    data = estimate_json("llama3-8b", "--gpu", "a100-80gb", "--gpus", "1")
+    assert not data["fits"]
+    fitting = [s for s in data["suggestions"] if s["fits"]]
+    assert any(s["change"].startswith("ZeRO-Offload") for s in fitting)
+    for s in fitting:
+        assert s["reserved_bytes"] <= data["gpu"]["capacity_bytes"] and s["step_time_s"] > 0
+    assert data["suggestions"][0]["fits"]  # fitting changes first
+
+
+def test_changes_are_combined_when_no_single_one_fits():
+    """A 24 GB card at 8k tokens: no single change fits (offloading moves the peak to the activations,
+    recomputation alone saves nothing while the optimizer step peaks), a combination does."""
+    model, gpu = load_model("llama3-8b"), load_gpu("rtx-4090")
+    work, plan = TrainingWorkload(seq_len=8192), Plan()
+    current = estimate_memory(model, work, plan, "memplan").peak.reserved
+    limit = gpu.capacity_bytes - 2 * GiB
+    found = suggest(model, work, plan, "memplan", limit, current, gpu=gpu, cluster=ClusterSpec())
+    singles = [s for s in found if " + " not in s.change]
+    combined = [s for s in found if " + " in s.change]
+    assert singles and not any(s.fits for s in singles)
+    assert combined and all(s.fits and s.reserved <= limit for s in combined)
+    assert found == sorted(found, key=rank_key) and found[0] in combined
+    # the smallest combinations only: none contains another that fits
+    parts = [set(s.change.split(" + ")) for s in combined]
+    assert not any(a < b for a in parts for b in parts)
+
+
+def test_a_single_change_that_fits_is_not_combined():
+    model, gpu = load_model("llama3-8b"), load_gpu("h100-sxm")
+    work, plan = TrainingWorkload(seq_len=2048), Plan(dp=8, zero=0)
+    current = estimate_memory(model, work, plan, "memplan").peak.reserved
+    found = suggest(model, work, plan, "memplan", current - 1, current, gpu=gpu, cluster=ClusterSpec())
+    assert any(s.fits for s in found) and not any(" + " in s.change for s in found)
