@@ -143,12 +143,12 @@ def validate(
     record, path = _run(spec, timeout, out, show=format == "table", snapshot=target)
     predicted_time = result.time.step_time_s if result.time is not None else None
     validation = compare(report, record, str(path) if path else None, predicted_time)
+    if target is not None:
+        validation = validation.model_copy(update={"snapshot_path": str(target)})
     if format == "json":
         typer.echo(validation.model_dump_json(indent=2))
     else:
         render(validation, Console())
-        if target is not None:
-            Console().print(f"memory snapshot: {target} (read it with: memplan explain {target} {model} ...)")
     if record.status != "ok":
         raise typer.Exit(1)
 
@@ -225,3 +225,5 @@ def render(v: Validation, console: Console) -> None:
         console.print(f"predicted step time of the whole job on the --gpu profile: {predicted:.1f} ms")
     if v.record_path:
         console.print(f"record: {v.record_path}")
+    if v.snapshot_path:
+        console.print(f"memory snapshot: {v.snapshot_path} (read it with memplan explain and the same model and plan)")

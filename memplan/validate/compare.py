@@ -55,6 +55,8 @@ class Validation(BaseModel):
     versions: dict[str, str]
     record_path: str | None
     record: dict[str, Any]
+    # --snapshot: the memory snapshot of the reported rank (``{rank}`` left in for real ranks: one file each)
+    snapshot_path: str | None = None
 
 
 def error_pct(predicted: int, measured: int | None) -> float | None:

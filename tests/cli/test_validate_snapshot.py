@@ -95,3 +95,28 @@ def test_the_launcher_wraps_the_worker_when_asked():
     assert cmd[i - 1 : i + 5] == ["-m", "memplan.validate.snapshot", "/snaps/llama3-8b-dp2.rank{rank}.pickle",
                                   "memplan.train.worker", "spec.json", "out"]  # fmt: skip
     assert "memplan.validate.snapshot" not in worker_command(spec, Path("spec.json"), Path("out"), 2)
+
+
+def test_on_cuda_the_launcher_gets_the_snapshot_path_and_json_reports_it(capsys, tmp_path, monkeypatch):
+    """The CUDA path end to end with the launcher faked: the rank's file is named after the plan."""
+    import json
+
+    import memplan.cli.validate as cli
+    from memplan.validate.launch import LaunchResult
+    from memplan.validate.record import RunRecord
+
+    asked: dict = {}
+
+    def fake_launch(spec, workdir, timeout, progress=None, snapshot=None):
+        asked["snapshot"] = snapshot
+        record = RunRecord(status="ok", device_name="fake H100", versions={}, started="", finished="",
+                           peak_allocated=1, **spec.record_fields())  # fmt: skip
+        return LaunchResult({spec.rank: record}, [], False, 0, "")
+
+    monkeypatch.setattr(cli, "auto_device", lambda *a: "cuda")
+    monkeypatch.setattr(cli, "launch", fake_launch)
+    folder = tmp_path / "snaps"
+    assert run(["validate", *SMALL, "--device", "cuda", "--snapshot", str(folder), "--format", "json"]) == 0
+    expected = folder / "llama3-8b-dp1-tp1-pp1-zero0.rank0.pickle"
+    assert asked["snapshot"] == expected
+    assert json.loads(capsys.readouterr().out)["snapshot_path"] == str(expected)
