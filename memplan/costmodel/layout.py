@@ -44,7 +44,7 @@ def stage_layer_indices(num_layers: int, pp: int, virtual_stages: int, stage: in
 
 def _layer_split(model: ModelSpec, index: int, tp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) params of layer ``index`` on one rank: matrices / tp, experts / (tp*ep)."""
-    norms = 2 * P.norm_params(model)
+    norms = P.layer_norm_params(model)  # two, or Gemma's four; replicated across TP
     sharded = P.attention_params(model)
     if model.is_moe_layer(index):
         experts, rest = P.moe_params(model)

@@ -418,7 +418,7 @@ def autocast_weight_copies(model: ModelSpec, layout: StageLayout, plan: Plan, d:
     lookup or the norms) until the autocast region ends, and each matmul keeps its copy for
     its backward: alive from the forward until the layer's backward (measured: q_proj holds
     input cast + weight copy + output)."""
-    linear = layout.layer_params - layout.layers * 2 * P.norm_params(model)
+    linear = layout.layer_params - layout.layers * (P.layer_norm_params(model) + P.qk_norm_params(model))
     if layout.is_last:
         linear += vocab_shard_params(model, plan.tp)
     return linear * d
@@ -847,17 +847,45 @@ def _role(stage: int, pp: int) -> str:
     return f"pipeline stage {stage}"
 
 
-def kv_cache_bytes(model: ModelSpec, workload: InferenceWorkload, layers: int, tp: int) -> int:
-    """2 (K and V) x layers x batch x context x kv_heads/tp x head_dim x kv bytes.
+def kv_cache_bytes(
+    model: ModelSpec,
+    workload: InferenceWorkload,
+    layers: int,
+    tp: int,
+    indices: tuple[int, ...] | None = None,
+) -> int:
+    """The KV cache at its largest: per layer, tokens x the layer's cache width x kv bytes x batch.
 
-    With a paged cache (vLLM, Kwon et al. 2023) each sequence's context is rounded up to
-    whole blocks. KV heads are split by TP (replicated when fewer than tp).
-    """
-    context = workload.context
-    if workload.block_size:
-        context = -(-context // workload.block_size) * workload.block_size
-    kv_heads = max(model.kv_heads // tp, 1)
-    return 2 * layers * workload.batch * context * kv_heads * model.head_size * KV_BYTES[workload.kv_dtype]
+    Width (``ModelSpec.kv_cache_width``): K and V, 2 x kv_heads/tp x head_dim (KV heads split by TP,
+    replicated when fewer than tp); MLA (DeepSeek) caches its compressed latent and the RoPE key,
+    kv_lora_rank + qk_rope_head_dim, whole on every TP rank (transformers 5.23
+    ``DeepseekV3Attention`` updates the cache with ``kv_nope`` and ``k_rot``; vLLM's MLA cache is the
+    same latent). Tokens: the context for full attention; a sliding-window or chunked layer
+    (transformers' ``DynamicSlidingWindowLayer``) keeps the last ``window - 1`` tokens as a view of
+    the states it was given, so after the prefill it holds the prompt's storage and, once decoding
+    has concatenated a token, ``min(context, window)``; the cache is at its largest after the prefill
+    or at the end, whichever holds more. With a paged cache (vLLM, Kwon et al. 2023) each
+    sequence's tokens are rounded up to whole blocks. ``indices``: the layers on this rank (default
+    the first ``layers``)."""
+    if indices is None:
+        indices = tuple(range(layers))
+    if model.mla is not None:
+        width = model.kv_cache_width
+    else:
+        width = 2 * max(model.kv_heads // tp, 1) * model.head_size
+
+    def blocks(tokens: int) -> int:
+        size = workload.block_size
+        return -(-tokens // size) * size if size else tokens
+
+    context, prompt = workload.context, workload.prompt_tokens
+    end = prefill = 0
+    for i in indices:
+        window = model.attention_window(i)
+        decoded = context > prompt
+        end += blocks(min(context, window) if window is not None and decoded else context)
+        prefill += blocks(prompt)
+    return max(end, prefill) * width * workload.batch * KV_BYTES[workload.kv_dtype]
 
 
 def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan) -> MemoryReport:
@@ -869,7 +897,8 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
     for stage in sorted({0, plan.pp - 1}):
         layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
         weights = layout.params * (1 if policy.fp8_matmuls else policy.compute_bytes)
-        kv = kv_cache_bytes(model, workload, layout.layers, plan.tp)
+        indices = tuple(stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage))
+        kv = kv_cache_bytes(model, workload, layout.layers, plan.tp, indices)
         d, t = policy.compute_bytes, plan.tp
         tokens = workload.batch * workload.prompt_tokens
         ffn = model.moe.expert_ffn_size if model.moe else model.ffn_size

@@ -140,7 +140,7 @@ def all_to_all_s(nbytes: float, n: int, link: Link) -> float:
 
 def layer_matmul_params(model: ModelSpec, index: int) -> float:
     """Parameters of layer ``index`` a token is multiplied by (routed experts: top_k of them)."""
-    count = P.layer_params(model, index) - 2 * P.norm_params(model)
+    count = P.layer_params(model, index) - P.layer_norm_params(model) - P.qk_norm_params(model)
     if model.is_moe_layer(index):
         moe = model.moe
         assert moe is not None
