@@ -22,10 +22,29 @@ def matmul_params(model: ModelSpec) -> int:
 
 def attention_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False, layers: int | None = None) -> float:
     """12 L H Q T (PaLM App. B): QK^T and AV, 2 FLOPs per multiply-add, forward and twice
-    that in backward, over ``layers`` (default all). ``causal`` halves it, for kernels that
-    skip the masked blocks."""
-    flops = 12 * (model.num_layers if layers is None else layers) * model.q_size * seq_len
-    return flops / 2 if causal else float(flops)
+    that in backward, over ``layers`` (default all), generalised per layer to
+    6 H (Q_qk + Q_v) T_i: MLA's query / key heads (qk_nope + qk_rope) are wider than its value
+    heads (DeepSeek-V2, Sec. 2.1), and a sliding-window or chunked layer attends at most its
+    window. ``causal``: kernels that skip the masked blocks (flash), T_i = s / 2 for full
+    layers, the mean of min(position, w) over the positions, w (s - w / 2) / s, for a sliding
+    window w < s, and about w / 2 for chunks of w (a query sees its chunk up to itself); otherwise every key is computed
+    (eager and the math path mask scores, they do not skip them)."""
+    count = model.num_layers if layers is None else layers
+    width = model.q_size + model.attn_out_size  # H (Q_qk + Q_v): 2 H Q without MLA
+    if not (causal and model.attention_pattern):  # every layer alike (the search's common case)
+        return 6 * width * (seq_len / 2 if causal else seq_len) * count
+    total = 0.0
+    for i in range(count):
+        window = model.attention_window(i)
+        if window is not None and window < seq_len and model.attention_kind(i) == "chunked":
+            full, rest = divmod(seq_len, window)  # a query sees its chunk up to itself
+            keys = (full * window * window / 2 + rest * rest / 2) / seq_len
+        elif window is not None and window < seq_len:
+            keys = window * (seq_len - window / 2) / seq_len
+        else:
+            keys = seq_len / 2 if causal else seq_len
+        total += 6 * width * keys
+    return total
 
 
 def training_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False) -> float:

@@ -49,3 +49,33 @@ def test_rank_share_splits_over_model_parallel_ranks():
     one = rank_flops_per_step(m, 4096, 8192, Plan())
     assert rank_flops_per_step(m, 4096, 8192, Plan(tp=2, pp=2)) == pytest.approx(one / 4)
     assert rank_flops_per_step(m, 4096, 8192, Plan(dp=8)) == one  # each replica has its own tokens
+
+
+def test_mla_attention_counts_query_key_and_value_widths():
+    """DeepSeek-V3: QK^T over 192-wide heads, AV over 128-wide value heads: 6 L H (192 + 128) s."""
+    m = load_model("deepseek-v3")
+    assert attention_flops_per_token(m, 4096) == 6 * 61 * 128 * (192 + 128) * 4096
+
+
+def _windowed(pattern: tuple[str, ...], **window) -> ModelSpec:
+    return ModelSpec(
+        name="w", hidden_size=64, num_layers=4, num_attention_heads=4, ffn_size=128, vocab_size=100,
+        attention_pattern=pattern, **window,
+    )  # fmt: skip
+
+
+def test_sliding_and_chunked_layers_attend_their_window_under_causal_kernels():
+    s, w = 4096, 1024
+    full = attention_flops_per_token(_windowed(()), s, causal=True)
+    sliding = attention_flops_per_token(_windowed(("sliding", "full"), sliding_window=w), s, causal=True)
+    chunked = attention_flops_per_token(_windowed(("chunked", "full"), attention_chunk_size=w), s, causal=True)
+    per_layer = full / 4
+    assert sliding == pytest.approx(2 * per_layer + 2 * per_layer * (w * (s - w / 2) / s) / (s / 2))
+    assert chunked == pytest.approx(2 * per_layer + 2 * per_layer * (w / 2) / (s / 2))
+    assert chunked < sliding < full
+    # kernels that compute every score (eager, the math path) skip nothing, window or not
+    assert attention_flops_per_token(_windowed(("sliding",), sliding_window=w), s) == attention_flops_per_token(
+        _windowed(()), s
+    )
+    # a window the sequence does not reach changes nothing
+    assert attention_flops_per_token(_windowed(("sliding",), sliding_window=s), s, causal=True) == full
