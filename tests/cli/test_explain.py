@@ -162,3 +162,25 @@ def test_a_50000_event_snapshot_is_read_within_5_s(tmp_path):
     elapsed = time.perf_counter() - start
     assert result.allocations == 16_500 and result.peak_reserved == 2**30 + 2000 * 2**21
     assert elapsed < 5.0, f"explain read {len(events)} events in {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize(
+    ("event", "category"),
+    [
+        ({"category": "activations"}, "activations"),
+        ({"frames": [{"filename": "memplan/predicted/gradients", "line": 0, "name": "layers.0.wq.weight"}]},
+         "gradients"),
+        ({"frames": [{"filename": "/usr/lib/python3/torch/optim/adam.py", "line": 512, "name": "_multi_tensor_adam"}]},
+         "optimizer_states"),
+        ({"frames": [{"filename": "torch/nn/functional.py", "line": 3400, "name": "cross_entropy"}]},
+         "logits_and_loss"),
+        ({"frames": [{"filename": "fsdp/_fsdp_collectives.py", "line": 80, "name": "foreach_all_gather"}]},
+         "comm_buffers"),
+        ({"frames": [{"filename": "train.py", "line": 10, "name": "forward"}]}, None),
+        ({"category": "unknown", "frames": []}, None),
+    ],
+)  # fmt: skip
+def test_categories_from_an_events_own_category_or_frames(event, category):
+    from memplan.explain.read import frame_category
+
+    assert frame_category(event) == category
