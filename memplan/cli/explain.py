@@ -54,7 +54,9 @@ def explain(
         Literal["default", "expandable"] | None,
         Opt(help="The prediction's allocator (default: what the snapshot's allocator_settings say)."),
     ] = None,
-    device: Annotated[int, Opt("--device", help="Which device trace of the snapshot to read.", min=0)] = 0,
+    trace_device: Annotated[
+        int, Opt("--trace-device", help="Which CUDA device's trace of the snapshot to read.", min=0)
+    ] = 0,
     format: Annotated[Literal["table", "json"], Opt("--format", help="table or json.")] = "table",
     timeline: Annotated[
         str | None,
@@ -80,7 +82,7 @@ def explain(
         job = resolve_job(model, plan, flags, inference=inference)
     elif plan is not None or allocator is not None or any(v is not None for v in flags.values()) or inference:
         raise MemplanError("plan flags describe a MODEL's run: give the model after the snapshot", source=CLI)
-    explained = run_explain(snapshot, job, trace_device=device, snapshot=data)
+    explained = run_explain(snapshot, job, trace_device=trace_device, snapshot=data)
     if target is not None:
         _draw(explained, job, *target)
     if format == "json":

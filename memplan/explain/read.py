@@ -49,8 +49,13 @@ def check_events(snapshot: dict, device: int, source: str) -> list[dict]:
                                source=source)  # fmt: skip
     if not any(e["action"] == "alloc" for e in events):
         what = "no events" if not events else "no allocations"
-        raise MemplanError(f"device {device}'s trace has {what}: record with "
-                           "torch.cuda.memory._record_memory_history() before the run", source=source)  # fmt: skip
+        others = [i for i, t in enumerate(traces) if i != device and any(e.get("action") == "alloc" for e in t)]
+        hint = (
+            f" (allocations are on device {', '.join(map(str, others))}: give --trace-device)"
+            if others
+            else ": record with torch.cuda.memory._record_memory_history() before the run"
+        )
+        raise MemplanError(f"device {device}'s trace has {what}{hint}", source=source)
     return events
 
 

@@ -184,3 +184,11 @@ def test_categories_from_an_events_own_category_or_frames(event, category):
     from memplan.explain.read import frame_category
 
     assert frame_category(event) == category
+
+
+def test_a_device_without_allocations_names_the_ones_with(capsys, tmp_path):
+    alloc = {"action": "alloc", "addr": 0, "size": 512, "stream": 0}
+    path = _write(tmp_path, "two.pickle", pickle.dumps({"segments": [], "device_traces": [[], [alloc]]}, protocol=4))
+    assert run(["explain", str(path)]) == 2
+    assert "allocations are on device 1: give --trace-device" in capsys.readouterr().err
+    assert _explain(capsys, str(path), "--trace-device", "1")["peak_allocated"] == 512
