@@ -43,13 +43,14 @@ from memplan.export.common import (
     comment_block,
     finetune_fields,
     header_world,
+    hf_attention,
     hf_layer_class,
     hf_model_id,
     lora_defaults,
     preamble,
     refuse,
 )
-from memplan.export.hf_trainer import ATTENTION, ATTENTION_BACK, COMPUTE_DTYPE, OPTIM, OPTIM_BACK, deepspeed_config
+from memplan.export.hf_trainer import ATTENTION_BACK, COMPUTE_DTYPE, OPTIM, OPTIM_BACK, deepspeed_config
 from memplan.export.hf_trainer import CARRIES as TRAINER_CARRIES
 from memplan.export.hf_trainer import check as trainer_check
 from memplan.specs.plan import ALL_LINEAR
@@ -144,7 +145,7 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
         fp16=fp16,
         optimizer=OPTIM[p.optimizer],
         max_grad_norm=gradient_clipping,
-        attn_implementation=ATTENTION[p.attention],
+        attn_implementation=hf_attention(job),
     )
     if kind == "deepspeed":
         out["deepspeed"] = deepspeed_config(job, gradient_clipping)

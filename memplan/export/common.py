@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from memplan.costmodel.layout import stage_layout
 from memplan.costmodel.memory import ZERO3_PREFETCH_LAYERS, gradient_accumulation
 from memplan.errors import MemplanError
+from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.resolve import Job
 from memplan.specs.workload import TrainingWorkload
@@ -174,7 +175,63 @@ HF_LAYER_CLASS = {
     "qwen3-moe": "Qwen3MoeDecoderLayer",
     "gpt2": "GPT2Block",
     "gpt-neox": "GPTNeoXLayer",
+    "qwen3": "Qwen3DecoderLayer",
+    "gemma2": "Gemma2DecoderLayer",
+    "gemma3": "Gemma3DecoderLayer",
+    "phi3": "Phi3DecoderLayer",
+    "deepseek-v2": "DeepseekV2DecoderLayer",
+    "deepseek-v3": "DeepseekV3DecoderLayer",
+    "olmo2": "Olmo2DecoderLayer",
+    "llama4": "Llama4TextDecoderLayer",
 }
+
+
+def hf_attention(job: Job) -> str:
+    """The ``attn_implementation`` transformers runs the plan's attention with: ``sdpa`` for memplan's
+    flash (PyTorch SDPA), ``eager`` for eager, and eager for soft-capped attention (Gemma 2), which
+    transformers' SDPA path refuses and memplan's estimate counts as eager."""
+    if job.plan.attention == "eager" or job.model.attn_logit_softcapping is not None:
+        return "eager"
+    return "sdpa"
+
+
+def model_features(model: ModelSpec) -> dict[str, str]:
+    """What a model has beyond the Llama layer an exporter's own model flags describe, by the field
+    that holds it (MLA, windowed or chunked layers, soft-capping, post / sandwich norms, full-width or
+    weightless QK norms, NoPE layers, partial RoPE, a router score bias)."""
+    found: dict[str, str] = {}
+    if model.mla is not None:
+        found["mla"] = "multi-head latent attention"
+    kinds = set(model.attention_pattern) - {"full"}
+    if kinds:
+        found["attention_pattern"] = " and ".join(sorted(kinds)) + " attention layers"
+    if model.attn_logit_softcapping is not None:
+        found["attn_logit_softcapping"] = "attention-score soft-capping"
+    if model.final_logit_softcapping is not None:
+        found["final_logit_softcapping"] = "logit soft-capping"
+    if model.layer_norms != "pre":
+        found["layer_norms"] = f"{model.layer_norms} norms"
+    if model.qk_norm and model.qk_norm_scope == "full":
+        found["qk_norm_scope"] = "QK norms over the full projection width"
+    if model.qk_norm and not model.qk_norm_weight:
+        found["qk_norm_weight"] = "weightless (L2) QK norms"
+    if model.rope_pattern and not all(model.rope_pattern):
+        found["rope_pattern"] = "layers without RoPE (NoPE)"
+    if model.partial_rotary_factor != 1.0:
+        found["partial_rotary_factor"] = f"RoPE on {model.partial_rotary_factor:g} of each head"
+    if model.moe is not None and model.moe.router_score_bias:
+        found["moe.router_score_bias"] = "a router score-correction bias"
+    return found
+
+
+def refuse_model_features(model: ModelSpec, target: str, supported: frozenset[str] = frozenset()) -> None:
+    """Refuse, by field, the first of ``model_features`` the target's model flags cannot express."""
+    for field, what in model_features(model).items():
+        if field not in supported:
+            raise MemplanError(
+                f"{target} cannot express {what} ({model.name}); its model flags describe Llama-style layers",
+                field=f"model.{field}",
+            )
 
 
 def hf_layer_class(job: Job, target: str) -> str:

@@ -23,7 +23,16 @@ import ast
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.export.common import Exported, comment_block, fields, preamble, py_literal, refuse, refuse_split_offload
+from memplan.export.common import (
+    Exported,
+    comment_block,
+    fields,
+    hf_attention,
+    preamble,
+    py_literal,
+    refuse,
+    refuse_split_offload,
+)
 from memplan.specs.resolve import Job
 
 TARGET = "fsdp2"
@@ -47,7 +56,10 @@ CARRIES = frozenset(
     }
 )
 # transformers models whose decoder layers are model.model.layers; TP also needs the Llama layout
-DECODERS = {"llama", "mistral", "qwen2", "mixtral", "qwen2-moe", "qwen3-moe"}
+DECODERS = {
+    "llama", "mistral", "qwen2", "mixtral", "qwen2-moe", "qwen3-moe",
+    "qwen3", "gemma2", "gemma3", "phi3", "deepseek-v2", "deepseek-v3", "olmo2", "llama4",
+}  # fmt: skip
 TP_DECODERS = {"llama", "mistral", "qwen2"}
 OPTIMIZERS = {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD", "adafactor": "torch.optim.Adafactor"}
 
@@ -241,7 +253,7 @@ def constants(job: Job) -> dict[str, Any]:
         "RECOMPUTE_LAYERS": f["recompute_layers"],
         "PRECISION": p.precision,
         "OPTIMIZER": p.optimizer,
-        "ATTN_IMPLEMENTATION": "sdpa" if p.attention == "flash" else "eager",
+        "ATTN_IMPLEMENTATION": hf_attention(job),
         "SEQ_LEN": f["seq_len"],
         "MICRO_BATCH": f["micro_batch"],
         "GLOBAL_BATCH": f["global_batch"],

@@ -40,6 +40,7 @@ from memplan.export.common import (
     Exported,
     comment_block,
     finetune_fields,
+    hf_attention,
     hf_layer_class,
     hf_model_id,
     layers_per_chunk,
@@ -272,7 +273,7 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
     model = {
         "pretrained_model_name_or_path": hf_model_id(job) or job.model.name,
         "dtype": dtype,
-        "attn_implementation": ATTENTION[p.attention],
+        "attn_implementation": hf_attention(job),
     }
     out: dict[str, Any] = {"launch": {"nnodes": f["nodes"], "nproc_per_node": f["gpus"] // f["nodes"]}}
     out["model"] = model

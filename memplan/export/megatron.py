@@ -25,7 +25,16 @@ import shlex
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.export.common import GRADIENT_CLIPPING, Exported, comment_block, fields, layers_per_chunk, preamble, refuse
+from memplan.export.common import (
+    GRADIENT_CLIPPING,
+    Exported,
+    comment_block,
+    fields,
+    layers_per_chunk,
+    preamble,
+    refuse,
+    refuse_model_features,
+)
 from memplan.specs.model import ModelSpec
 from memplan.specs.resolve import Job
 
@@ -108,6 +117,7 @@ def _check(job: Job) -> None:
 
 def model_args(model: ModelSpec) -> list[Arg]:
     """The network-size flags that build the same model (``_add_network_size_args``, ``_add_moe_args``)."""
+    refuse_model_features(model, TARGET)
     args: list[Arg] = [
         ("--num-layers", model.num_layers),
         ("--hidden-size", model.hidden_size),

@@ -120,3 +120,47 @@ def test_megatron_refuses_a_model_it_cannot_build(make_job, tiny_model):
     with pytest.raises(MemplanError) as err:
         export(make_job(geglu, gpus=8, zero=1), "megatron")
     assert err.value.field == "model.activation"
+
+
+@pytest.mark.parametrize(
+    ("model", "field", "what"),
+    [
+        ("deepseek-v3", "model.mla", "multi-head latent attention"),
+        ("deepseek-v2-lite", "model.mla", "multi-head latent attention"),
+        ("phi3-mini", "model.attention_pattern", "sliding attention layers"),
+        ("llama4-scout", "model.attention_pattern", "chunked attention layers"),
+        ("olmo2-7b", "model.layer_norms", "post norms"),
+    ],
+)
+def test_megatron_refuses_what_its_model_flags_cannot_build(make_job, model, field, what):
+    """Issue 18: a family feature Megatron's flags (as memplan writes them) cannot express is refused by name."""
+    with pytest.raises(MemplanError) as err:
+        export(make_job(model, gpus=8, zero=1, precision="bf16-master"), "megatron")
+    assert err.value.field == field
+    assert what in err.value.reason and "megatron cannot express" in err.value.reason
+
+
+def test_megatron_builds_qwen3_with_its_qk_norms(make_job):
+    assert "--qk-layernorm" in export(make_job("qwen3-8b", gpus=8, zero=1, precision="bf16-master"), "megatron")
+
+
+@pytest.mark.parametrize("model", ["qwen3-8b", "gemma3-12b", "phi4", "deepseek-v2-lite", "olmo2-7b", "llama4-scout"])
+def test_transformers_exports_take_the_new_families(make_job, model):
+    """Accelerate's FSDP wraps the family's own transformers decoder layer; fsdp2 shards its decoders and
+    loads the model with SDPA."""
+    from memplan.export import render
+    from memplan.export.common import HF_LAYER_CLASS
+
+    job = make_job(model, gpus=8, zero=3, precision="bf16-mixed")
+    assert f"fsdp_transformer_layer_cls_to_wrap: {HF_LAYER_CLASS[job.model.architecture]}" in export(job, "accelerate")
+    assert "attn_implementation='sdpa'" in " ".join(render(job, "fsdp2").notes)
+
+
+def test_soft_capped_attention_exports_eager(make_job):
+    """Gemma 2: transformers' SDPA path refuses soft-capped scores, so the exports load it eagerly (as the
+    estimate counts it)."""
+    from memplan.export import render
+
+    job = make_job("gemma2-9b", gpus=8, zero=3, precision="bf16-mixed")
+    assert "attn_implementation='eager'" in " ".join(render(job, "fsdp2").notes)
+    assert "attn_implementation: eager" in export(job, "hf-trainer")
