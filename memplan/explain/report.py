@@ -10,15 +10,17 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from memplan.costmodel.allocator.trace import load_snapshot
+from memplan.costmodel.reserve import STREAM_IDS
 from memplan.explain.align import align
 from memplan.explain.read import UNKNOWN, max_reserved, read_trace, reserved_before, stream_memory
 from memplan.specs.resolve import Job
 from memplan.viz.series import Tensor
-from memplan.viz.track import STREAM_IDS, Track
+from memplan.viz.track import Track
 
 ROUNDING = "allocator_rounding"  # block bytes beyond the requests: 512 B rounding, unsplit blocks
 LARGEST = 8
 DIFFERENCES = 3
+NEGLIGIBLE = 2**20  # a difference under 1 MiB is not named
 
 
 class _Frozen(BaseModel):
@@ -139,7 +141,7 @@ def explain(
     predicted, which, alignment, comparison = None, "", None, None
     if job is not None:
         predicted, which = predicted_track(job, device)
-        alignment = align(measured, predicted, {v: k for k, v in STREAM_IDS.items()})
+        alignment = align(measured, predicted, {v: str(k) for k, v in STREAM_IDS.items()})
     names = alignment.stream_names if alignment else {}
     peak, where = measured.peak()
     categories, live = live_categories(measured, where)
@@ -186,7 +188,7 @@ def _compare(estimated, measured: dict[str, int], peak: int, reserved: int, whic
     top = [
         f"{r.category}: {'+' if r.difference >= 0 else '-'}{abs(r.difference) / 2**30:.2f} GiB measured vs predicted"
         for r in rows[:DIFFERENCES]
-        if r.difference
+        if abs(r.difference) >= NEGLIGIBLE
     ]
     return Comparison(
         model=estimated.model["name"],

@@ -2,7 +2,7 @@
 
 A :class:`Track` is the common form of a predicted run (a :class:`Timeline` replayed through
 the allocator model) and of a measured one (a snapshot's device trace): each entry is an
-allocation (+1), a free (-1) or a mark (0) of a block, with the block's size as the allocator
+allocation (+1) or a free (-1) of a block, with the block's size as the allocator
 hands it out (a request rounded to 512 B, or a whole block it would not split), its request,
 category, label and stream. Reserved bytes follow the allocator's segment events.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.costmodel.allocator import AllocatorConfig, CachingAllocator
+from memplan.costmodel.reserve import STREAM_IDS  # the streams' numbers, as the verdict's replay uses them
 from memplan.costmodel.timeline.events import ALLOC, MARK, Category, Moment, Timeline
 
-STREAM_IDS = {"compute": 0, "all_gather": 1, "reduce_scatter": 2}  # as costmodel.reserve numbers them
 SEGMENT_GROW = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 
 
@@ -22,7 +22,7 @@ SEGMENT_GROW = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segme
 class Track:
     """Parallel lists, one entry per event. ``tensor`` ids an allocation; its free names the same id."""
 
-    op: list[int] = field(default_factory=list)  # +1 alloc, -1 free, 0 mark
+    op: list[int] = field(default_factory=list)  # +1 alloc, -1 free (marks are in ``marks``)
     tensor: list[int] = field(default_factory=list)
     size: list[int] = field(default_factory=list)  # block bytes
     requested: list[int] = field(default_factory=list)
