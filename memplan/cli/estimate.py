@@ -171,6 +171,8 @@ def estimate(
         typer.echo(result.model_dump_json(indent=2))
     else:
         render(result, Console())
+        if target is not None:
+            Console().print(f"timeline: {target[0]} (the predicted run of rank {result.memory.peak.rank})")
 
 
 def _write_timeline(job: Job, result: EstimateResult, device: str, path: Path, kind: str) -> None:

@@ -89,6 +89,8 @@ def explain(
         typer.echo(explained.result.model_dump_json(indent=2))
     else:
         render(explained.result, Console())
+        if target is not None:
+            Console().print(f"timeline: {target[0]}")
 
 
 def _snapshot_allocator(data: dict) -> str:
