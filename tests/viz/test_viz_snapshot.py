@@ -144,3 +144,20 @@ def _page_replay(snapshot: dict) -> None:
 def test_the_memory_viz_pages_backward_replay_holds(written):
     _, _, snapshot, _ = written
     _page_replay(snapshot)
+
+
+# the opcodes the memory_viz page's JavaScript unpickler handles (torch/utils/viz/MemoryViz.js, unpickle)
+PAGE_OPCODES = {
+    "PROTO", "FRAME", "STOP", "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET", "EMPTY_DICT",
+    "DICT", "SETITEM", "SETITEMS", "EMPTY_LIST", "LIST", "APPEND", "APPENDS", "EMPTY_TUPLE", "TUPLE", "TUPLE1",
+    "TUPLE2", "TUPLE3", "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT",
+    "SHORT_BINUNICODE", "BINUNICODE",
+}  # fmt: skip
+
+
+def test_the_pickle_uses_only_opcodes_the_memory_viz_page_reads(written):
+    import pickletools
+
+    *_, path = written
+    used = {op.name for op, _, _ in pickletools.genops(path.read_bytes())}
+    assert used <= PAGE_OPCODES, used - PAGE_OPCODES
