@@ -129,6 +129,13 @@ def render(r: ExplainResult, console: Console) -> None:
         f"[bold]{r.source}[/] (device {r.device}, {r.allocator} allocator): {r.allocations:,} allocations, "
         f"{r.frees:,} frees, {r.segment_events:,} segment events"
     )
+    if r.oom is not None:
+        o = r.oom
+        console.print(
+            f"[red]out of memory[/] after event {o.event}: {_gib(o.requested)} requested with {_gib(o.allocated)} "
+            f"allocated and {_gib(o.reserved)} reserved ({_gib(o.reserved - o.allocated)} of it free but "
+            f"fragmented), {_gib(o.device_free)} free on the device"
+        )
     phase = f" in the {r.peak_phase}" if r.peak_phase else ""
     table = Table(title=f"Live at the allocated peak (event {r.peak_event}{phase})")
     cols = ["category", "measured", "share"] + (["predicted", "difference"] if r.comparison else [])

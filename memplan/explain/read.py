@@ -103,6 +103,9 @@ def read_trace(snapshot: dict, device: int = 0, source: str = "snapshot") -> Tra
         if action in SEGMENT_GROW:
             track.segment_events.append((len(track), action, e["addr"], e["size"], e["stream"]))
             continue
+        if action == "oom":  # the request the device could not serve (the run raised OutOfMemoryError)
+            track.ooms.append((len(track), e["size"], int(e.get("device_free") or 0)))
+            continue
         if action == "alloc":
             block, model = _malloc(model, e, config)
             size = block.size if block is not None else round_size(e["size"], config)

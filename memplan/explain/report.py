@@ -57,6 +57,16 @@ class Comparison(_Frozen):
     largest_differences: list[str]
 
 
+class OutOfMemory(_Frozen):
+    """The first request the device could not serve, and the allocator's state then."""
+
+    event: int  # the allocations and frees before it
+    requested: int
+    device_free: int  # what CUDA still had outside the allocator
+    allocated: int
+    reserved: int
+
+
 class ExplainResult(_Frozen):
     """What ``memplan explain --format json`` prints (keys are a contract: add, never rename).
 
@@ -79,6 +89,7 @@ class ExplainResult(_Frozen):
     streams_at_peak: list[StreamMemory]
     streams_at_end: list[StreamMemory]
     comparison: Comparison | None = None
+    oom: OutOfMemory | None = None
 
 
 @dataclass(frozen=True)
@@ -175,8 +186,18 @@ def explain(
         streams_at_peak=_streams(measured, where, names),
         streams_at_end=_streams(measured, len(measured) - 1, names),
         comparison=comparison,
+        oom=_oom(measured),
     )
     return Explained(result, measured, predicted, which, overhead)
+
+
+def _oom(track: Track) -> OutOfMemory | None:
+    if not track.ooms:
+        return None
+    at, requested, device_free = track.ooms[0]
+    allocated = track.allocated()[at - 1] if at else 0
+    reserved = track.reserved[at - 1] if at else 0
+    return OutOfMemory(event=at, requested=requested, device_free=device_free, allocated=allocated, reserved=reserved)
 
 
 def _compare(estimated, measured: dict[str, int], peak: int, reserved: int, which: str) -> Comparison:

@@ -35,6 +35,9 @@ class Track:
     segment_events: list[tuple[int, str, int, int, int]] = field(default_factory=list)
     marks: list[tuple[int, str]] = field(default_factory=list)  # (event index, name)
     phase: list[str] = field(default_factory=list)  # per event: build, forward, backward, optimizer, prefill
+    ooms: list[tuple[int, int, int]] = field(
+        default_factory=list
+    )  # measured: (event index before, requested, device free)
     expandable: bool = False
 
     def __len__(self) -> int:

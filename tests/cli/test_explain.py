@@ -192,3 +192,20 @@ def test_a_device_without_allocations_names_the_ones_with(capsys, tmp_path):
     assert run(["explain", str(path)]) == 2
     assert "allocations are on device 1: give --trace-device" in capsys.readouterr().err
     assert _explain(capsys, str(path), "--trace-device", "1")["peak_allocated"] == 512
+
+
+def test_an_out_of_memory_event_is_reported(capsys, tmp_path):
+    """A snapshot dumped after an OutOfMemoryError ends with the ``oom`` event: the request, and the
+    allocator's state then (reserved but free is the fragmentation the run could not use)."""
+    events = [
+        {"action": "segment_alloc", "addr": 0, "size": 40 * 2**20, "stream": 0},
+        {"action": "alloc", "addr": 0, "size": 20 * 2**20, "stream": 0},
+        {"action": "alloc", "addr": 30 * 2**20, "size": 10 * 2**20, "stream": 0},
+        {"action": "oom", "addr": 0, "size": 64 * 2**20, "stream": 0, "device_free": 2**20},
+    ]
+    path = _write(tmp_path, "oom.pickle", pickle.dumps(_snapshot(events), protocol=4))
+    oom = _explain(capsys, str(path))["oom"]
+    assert oom == {"event": 2, "requested": 64 * 2**20, "device_free": 2**20, "allocated": 30 * 2**20,
+                   "reserved": 40 * 2**20}  # fmt: skip
+    assert run(["explain", str(path)]) == 0
+    assert "out of memory after event 2: 0.06 GiB requested" in " ".join(capsys.readouterr().out.split())
