@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -58,6 +59,15 @@ def output_path(given: str | Path | None, field: str) -> None:
         raise fail(f"{short(parent, 60)} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise fail(f"cannot write in {short(parent, 60)} (permission denied)")
+    try:  # what the permission bits do not tell (a read-only mount, /proc; root passes every access())
+        if path.exists():
+            with path.open("a"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=".memplan-probe-"):
+                pass
+    except OSError as exc:
+        raise fail(f"cannot be written ({exc.strerror or exc.__class__.__name__})") from None
 
 
 def _is_dir(path: Path) -> bool:

@@ -85,6 +85,24 @@ def parse_precisions(text: str) -> tuple[str, ...]:
     return names
 
 
+def _workload_bounds(
+    seq_len: int, micro_batch: int | None, max_micro_batch: int, global_batches: tuple[int, ...] | None
+) -> TrainingWorkload:
+    """The largest workload the space holds, validated as a plan file's would be: a value beyond
+    the limits is an error naming its flag (not a failure inside the search)."""
+    try:
+        return TrainingWorkload(
+            seq_len=seq_len,
+            micro_batch=micro_batch or max_micro_batch,
+            global_batch=max(global_batches) if global_batches else None,
+        )
+    except ValidationError as exc:
+        err = validation_error(exc, CLI)
+        name = (err.field or "seq_len").split(".")[-1]
+        flag = "--max-micro-batch" if name == "micro_batch" and micro_batch is None else "--" + name.replace("_", "-")
+        raise MemplanError(err.reason, source=CLI, field=flag) from None
+
+
 def _gpu(ref: str) -> GPUSpec:
     try:
         return load_gpu(ref)
@@ -153,7 +171,9 @@ def tune(
     micro_batch: Annotated[
         int | None, Opt(help="A fixed micro-batch (default: searched).", min=1, rich_help_panel=SPACE)
     ] = None,
-    max_micro_batch: Annotated[int, Opt(help="Largest micro-batch tried.", min=1, rich_help_panel=SPACE)] = 16,
+    max_micro_batch: Annotated[
+        int, Opt(help="Largest micro-batch tried.", min=1, max=1_000_000, rich_help_panel=SPACE)
+    ] = 16,
     precision: Annotated[
         str | None,
         Opt(
@@ -277,10 +297,8 @@ def tune(
     if precision is None:
         precision = "bf16-mixed,bf16-master" if export is not None else "bf16-mixed"
     spec = load_model(model)
-    try:
-        warn(suspicious(spec, TrainingWorkload(seq_len=seq_len)))
-    except ValidationError as err:
-        raise MemplanError(validation_error(err, CLI).reason, source=CLI, field="--seq-len") from None
+    batches = parse_global_batch(global_batch)
+    warn(suspicious(spec, _workload_bounds(seq_len, micro_batch, max_micro_batch, batches)))
     card = _gpu(gpu)
     cluster = _cluster(gpus, nodes)
     limit = memory_limit_bytes(memory_limit)
@@ -288,7 +306,7 @@ def tune(
         gpus=gpus,
         gpus_per_node=cluster.gpus_per_node,
         seq_len=seq_len,
-        global_batches=parse_global_batch(global_batch),
+        global_batches=batches,
         micro_batch=micro_batch,
         max_micro_batch=max_micro_batch,
         precisions=parse_precisions(precision),
@@ -366,7 +384,13 @@ def _export(model: str, plan_path: Path, target: str) -> Path:
         # the searched plan uses something the target cannot express: say so, keep the YAML
         raise MemplanError(f"{err.reason} (the plan YAML is in {plan_path})", source=CLI, field="--export") from None
     path = plan_path.with_name(f"{plan_path.stem}-{target}{exported.suffix}")
-    path.write_text(exported.text)
+    try:
+        path.write_text(exported.text)
+    except OSError as exc:  # --out was checked before the search; this name is the target's, beside it
+        reason = f"{short(path, 100)}: cannot be written ({exc.strerror or exc.__class__.__name__})"
+        raise MemplanError(
+            f"{reason} (the plan YAML is in {short(plan_path, 100)})", source=CLI, field="--export"
+        ) from None
     err_console = Console(stderr=True)
     err_console.print(f"wrote {path}", soft_wrap=True)
     for note in exported.notes:

@@ -257,12 +257,12 @@ def global_batch_range(low: int, high: int) -> tuple[int, ...]:
 
 
 def tp_choices(model: ModelSpec, options: SpaceOptions) -> list[int]:
-    """Divisors of the node size (and of the world) that the attention and KV heads split over."""
-    kv = model.kv_heads
+    """Divisors of the node size (and of the world) that the attention and KV heads split over
+    (training splits the KV heads, as Megatron-LM requires: ``check_compatible``)."""
     return [
         t
         for t in divisors(options.gpus_per_node)
-        if options.gpus % t == 0 and model.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0)
+        if options.gpus % t == 0 and model.num_attention_heads % t == 0 and model.kv_heads % t == 0
     ]
 
 

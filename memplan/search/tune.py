@@ -1,6 +1,8 @@
 """``memplan tune`` as a library call: search the plans, validate the best, recommend one.
 
-The search is exhaustive (every valid plan predicted) or an Optuna study (``study``). With
+The search is exhaustive (every valid plan predicted) or an Optuna study (``study``); by default
+the first when it is quicker than the study's trials (``search_mode``). With ``export_target`` the
+space is first cut to the plans that target can express (its exporter's refusal rules). With
 ``validate`` > 0 the best plans are run (``validation``), each run recorded as a trial of the
 study, the list re-ranked by measured throughput where a real run measured it, and the
 measured / predicted ratios added to the calibration of the GPU profile.
@@ -100,7 +102,8 @@ def _expressible(req: TuneRequest, space: Space) -> Space:
     return Space(tuple(kept))
 
 
-def _space(req: TuneRequest) -> Space:
+def _space(req: TuneRequest) -> tuple[Space, int]:
+    """The plans searched (with ``export_target``, those it can express) and the valid plans before that."""
     space = enumerate_space(req.ctx.model, req.options)
     if not len(space):
         o = req.options
@@ -111,6 +114,7 @@ def _space(req: TuneRequest) -> Space:
             source=CLI,
             field="--gpus",
         )
+    valid = len(space)
     if req.export_target:
         space = _expressible(req, space)
     if req.exhaustive and len(space) > MAX_EXHAUSTIVE:
@@ -120,7 +124,7 @@ def _space(req: TuneRequest) -> Space:
             source=CLI,
             field="--exhaustive",
         )
-    return space
+    return space, valid
 
 
 def _open(req: TuneRequest, name: str):  # noqa: ANN202 - optuna.Study
@@ -201,8 +205,7 @@ def _replay_until(ranked: list[Evaluation], wanted: int, ctx: Context) -> list[E
 def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
     """Search, validate the best ``req.validate`` plans, rank, recommend (see the module)."""
     hooks = hooks or Hooks()
-    before = enumerate_space(req.ctx.model, req.options) if req.export_target else None
-    space = _space(req)
+    space, valid = _space(req)
     exhaustive, reason = search_mode(req, len(space))
     found = _search(req, space, hooks, exhaustive)
     fitting, closest = _fitting(req, space, found.evaluations)
@@ -237,7 +240,7 @@ def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
         exhaustive=exhaustive,
         search_reason=reason,
         export_target=req.export_target,
-        space_before_export=len(before) if before is not None else None,
+        space_before_export=valid if req.export_target else None,
         study=found.name if study is not None else None,
         storage=req.storage if study is not None else None,
         trials=len(study.get_trials(deepcopy=False)) if study is not None else 0,

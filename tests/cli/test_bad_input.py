@@ -854,6 +854,21 @@ def test_a_very_long_input_name_is_shortened(tmp_path):
         assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
 
 
+def test_an_output_the_permission_bits_allow_but_the_system_refuses(tmp_path):
+    """/proc takes no new files, even from root (whom every access() check lets through)."""
+    proc = memplan("tune", "llama3-8b", "--gpus", "8", "--out", "/proc/memplan-plan.yaml", cwd=tmp_path)
+    error_line(proc, CLI, "--out", "/proc/memplan-plan.yaml: cannot be written")
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [(["--max-micro-batch", "100000000"], "--max-micro-batch"), (["--micro-batch", "100000000"], "--micro-batch"),
+     (["--global-batch", "999999999999"], "--global-batch"), (["--seq-len", "1000000000"], "--seq-len")],
+)  # fmt: skip
+def test_tune_workload_bounds_are_flag_errors(tmp_path, args, flag):
+    error_line(memplan("tune", "llama3-8b", "--gpus", "8", *args, cwd=tmp_path), CLI, flag, "less than or equal")
+
+
 # ---------------------------------------------------------------------------------------------
 # issue 19: --timeline paths, snapshots that are not ones, validate --snapshot folders
 
