@@ -281,6 +281,51 @@ def sdpa_mask_extra(x: Shape, dynamic_cache: bool) -> int:
     return x.tokens * x.d * (repeated + cache) // x.t + x.b * x.s * x.span * x.d
 
 
+def mla_attention(x: Shape, dynamic_cache: bool) -> int:
+    """transformers' DeepSeek-V2 / V3 attention (multi-head latent attention, ``DeepseekV3Attention``),
+    per micro-batch, measured on CPU term by term (tests/accuracy/test_family_accuracy.py):
+
+    - queries: with ``q_lora_rank`` r_q, q_a's output and q_a_layernorm's saved tensors (an RMSNorm of
+      width r_q: fp32 input 4 r_q, normalised value and output d r_q each, rsqrt 4); without it q_proj
+      reads the layer norm's output, kept anyway;
+    - keys and values: kv_a_proj_with_mqa's output (r_kv + r_rope wide) holds the latent the
+      kv_a_layernorm reads: in fp32 that view keeps the whole output (4 (r_kv + r_rope)), below fp32
+      the norm's fp32 upcast 4 r_kv; its normalised value and output d r_kv each, rsqrt 4; the
+      DynamicCache (``dynamic_cache``) keeps its own copies of the latent (the one kv_b_proj then
+      saves) and of the RoPE'd key d r_rope;
+    - kv_b_proj expands the latent into per-head keys (nope + rope, ``head_size``) and values
+      (``v_head_size``); SDPA gets q and k of ``head_size`` and v of ``v_head_size`` per head. The CPU
+      flash kernel and CUDA's flash need one head dim: CPU runs the math path (scaled q and k, the
+      s x s probabilities, a contiguous v, all in its compute width), CUDA the memory-efficient
+      kernel (q, k, v as the expansion's storage, the output, an fp32 log-sum-exp; not measured);
+    - o_proj keeps the output made contiguous, d H v_head (the fused kernels' own output, in that
+      layout already).
+    """
+    m = x.model
+    mla = m.mla
+    assert mla is not None
+    heads = m.num_attention_heads // x.t
+    d, tokens = x.d, x.tokens
+    per_token = 0
+    if mla.q_lora_rank is not None:  # fp32 input (the q_a output itself in fp32), normalised, output
+        per_token += 4 * mla.q_lora_rank + 2 * d * mla.q_lora_rank + 4
+    r_kv, rope = mla.kv_lora_rank, mla.qk_rope_head_dim
+    # below fp32 the kv_a output is freed once the norm's upcast and RoPE have read it
+    per_token += 4 * r_kv if d < 4 else 4 * (r_kv + rope)
+    per_token += 2 * d * r_kv + 4
+    if dynamic_cache:
+        per_token += d * rope
+    qk, v = m.head_size, m.v_head_size
+    per_token += d * heads * v  # o_proj's contiguous input
+    kept = tokens * per_token
+    if x.sdpa == "math":
+        a = math_compute_bytes(d)
+        kept += tokens * heads * (2 * qk + v) * a + x.b * heads * x.s * x.span * a
+    else:  # q, k, v (a view of the expansion: its whole storage) and an fp32 log-sum-exp
+        kept += tokens * heads * (d * (2 * qk + mla.qk_nope_head_dim + v) + 4)
+    return kept
+
+
 def sdpa_math_attention(x: Shape) -> int:
     """SDPA's math path (``_scaled_dot_product_attention_math``), which CUDA runs where no fused
     kernel takes the call (fp32 with GQA: flash and cuDNN need fp16/bf16, the memory-efficient
@@ -351,23 +396,31 @@ def hf_mlp(x: Shape) -> int:
     return mlp(x, 4)
 
 
-def moe_extra(x: Shape, ep: int, gated_tensors: int) -> int:
+def moe_extra(x: Shape, ep: int, gated_tensors: int, transformers: bool = False) -> int:
     """Extra activations of an MoE layer over a dense one (token-choice top-k routing).
 
     Router logits and probabilities in fp32 (2 * 4E per token), tokens dispatched to experts
     (d*h per routed copy), expert MLPs on top_k copies of each token (balanced routing:
     each EP rank receives tokens * top_k / ep * ep), shared experts on every token; the dense
     MLP term of the layer is replaced, so it is subtracted by the caller.
+
+    ``transformers``: its expert modules keep one more d*h per routed copy, the tensor the
+    routing weights multiply (DeepSeek's experts scale each copy's down output, saved for the
+    weights' gradient; Llama 4 scales the repeated input, saved the same way), and transformers'
+    Llama 4 (``Llama4TextMoe``) runs every expert on every token, its router scores zeroing the
+    unchosen: num_experts copies, not top_k. Measured on CPU (tests/accuracy/test_family_accuracy.py).
     """
     m = x.model
     moe = m.moe
     assert moe is not None
     tensors = gated_tensors if m.mlp == "gated" else 2
-    routed = x.tokens * moe.top_k
+    copies = moe.num_experts if transformers and m.architecture == "llama4" else moe.top_k
+    routed = x.tokens * copies
     expert_mlp = tensors * x.d * moe.expert_ffn_size
     shared = moe.num_shared_experts * tensors * x.d * moe.shared_ffn_size
     router = x.tokens * 8 * moe.num_experts
-    return router + routed * (x.d * m.hidden_size + expert_mlp // x.t) + x.tokens * shared // x.t
+    dispatched = (2 if transformers else 1) * x.d * m.hidden_size
+    return router + routed * (dispatched + expert_mlp // x.t) + x.tokens * shared // x.t
 
 
 def logits(x: Shape, vocab: int) -> int:

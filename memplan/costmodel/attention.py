@@ -314,8 +314,16 @@ def sdpa_backend(
     cudnn_version: int | None = None,
     q_len: int | None = None,
     kv_len: int | None = None,
+    v_head_dim: int | None = None,
 ) -> str:
     """The backend default SDPA dispatch picks: "flash", "efficient", "cudnn" or "math".
+
+    ``v_head_dim``: the value heads' width when it differs from the query / key heads' (MLA:
+    192 against 128). The CPU flash kernel (``check_head_dim_size_cpp``) and CUDA's flash kernel
+    (``check_head_dim_size_flash``) need one head dim for q, k and v; the memory-efficient kernel
+    takes a different value dim if both are aligned (``check_head_dim_size_mem_efficient``);
+    cuDNN is not offered one here (its support for unequal dims varies by cuDNN release: not
+    modelled, not measured).
 
     ``attention.cpp: scaled_dot_product_attention`` asks the device's ``_fused_sdp_choice``.
     CPU (``sdp_utils_cpp.cpp: select_sdp_backend_cpp``): flash if ``cpu_flash_ok``, else math.
@@ -329,6 +337,9 @@ def sdpa_backend(
     _check_version(torch_version)
     _check_heads(q_heads, kv_heads, enable_gqa)
     normalize_dtype(dtype)
+    split_v = v_head_dim is not None and v_head_dim != head_dim
+    if device == "cpu" and split_v:
+        return "math"
     if device == "cpu":
         ok = cpu_flash_ok(
             dtype,
@@ -384,6 +395,10 @@ def sdpa_backend(
         ),
         "math": lambda: True,
     }
+    if split_v:
+        efficient = checks["efficient"]
+        checks["flash"] = checks["cudnn"] = lambda: False
+        checks["efficient"] = lambda: efficient() and v_head_dim % _gemm_alignment(dtype, capability) == 0
     for backend in cuda_priority(torch_version, capability, cudnn_version):
         if checks[backend]():
             return backend

@@ -371,6 +371,7 @@ def sdpa_kind(
         max(model.kv_heads // plan.tp, 1),
         enable_gqa=True,
         dropout=0.0,
+        v_head_dim=model.v_head_size,
         **({"capability": tuple(capability)} if capability is not None and device == "cuda" else {}),
     )
 
@@ -453,7 +454,8 @@ def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, recompute: str, moe_f
             # the MoE block replaces the dense MLP; its own tensors are counted as kept
             # (conservative: routed matmuls are not plain mm ops, and which of their outputs
             # the policy saves is not modelled)
-            per_layer += int(moe_fraction * (A.moe_extra(x, ep, rt.mlp_tensors) - A.op_sac_mlp(x)))
+            moe = A.moe_extra(x, ep, rt.mlp_tensors, _transformers_layers(rt))
+            per_layer += int(moe_fraction * (moe - A.op_sac_mlp(x)))
         return per_layer
     if recompute == "selective":
         # Korthikanti Sec. 5: the attention core (scores, softmax, dropout; with flash its
@@ -465,7 +467,8 @@ def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, recompute: str, moe_f
         per_layer = rt.layer(x)
     if moe_fraction and x.model.moe is not None:
         # the MoE block replaces the dense MLP the runtime's layer term counted
-        per_layer += int(moe_fraction * (A.moe_extra(x, ep, rt.mlp_tensors) - A.mlp(x, rt.mlp_tensors)))
+        moe = A.moe_extra(x, ep, rt.mlp_tensors, _transformers_layers(rt))
+        per_layer += int(moe_fraction * (moe - A.mlp(x, rt.mlp_tensors)))
     return per_layer
 
 
@@ -475,6 +478,16 @@ def layer_temp(x: A.Shape) -> int:
     on transformers' Llama)."""
     ffn = x.model.moe.expert_ffn_size if x.model.moe else x.model.ffn_size
     return x.tokens * x.d * (ffn // x.t + x.model.hidden_size // x.rep)
+
+
+def llama4_moe_temp(x: A.Shape) -> int:
+    """transformers' Llama 4 MoE layer at its backward's peak (``Llama4TextExperts``: batched matmuls
+    over every expert's copy of every token): the gradients of the experts' up and activation outputs,
+    2 f per copy, num_experts copies per token, beside the layer output's gradient (measured on CPU
+    with checkpointing, tests/accuracy/test_family_accuracy.py; the dense layer's f + h does not hold)."""
+    moe = x.model.moe
+    assert moe is not None
+    return x.tokens * x.d * (2 * moe.num_experts * moe.expert_ffn_size // x.t + x.model.hidden_size // x.rep)
 
 
 def _backward_before_last_forward(plan: Plan, stage: int, accumulation: int, layers: int) -> bool:
@@ -710,6 +723,10 @@ def _stage_phases(
     # complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
     layer_part = live_layer + layer_temp(x)
+    if _transformers_layers(rt) and model.architecture == "llama4" and layout.layers:
+        last = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, layout.stage)[-1]
+        if model.is_moe_layer(last):
+            layer_part = live_layer + llama4_moe_temp(x)
     if lora_acts is not None:
         layer_part = lora_acts.earlier + live_layer + lora_acts.temp
     if A.attention_backward_transient(x) and layers:

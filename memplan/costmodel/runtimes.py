@@ -122,7 +122,12 @@ def hf_layer(x: Shape, dynamic_cache: bool = True) -> int:
     bundled trainer and the transformers ``Trainer`` (``use_cache=False``) do not build
     (:func:`activations.hf_sdpa_attention`).
     """
-    attention = A.hf_eager_attention(x) if x.eager else A.hf_sdpa_attention(x, dynamic_cache)
+    if x.model.mla is not None:
+        attention = A.mla_attention(x, dynamic_cache)
+    elif x.eager:
+        attention = A.hf_eager_attention(x)
+    else:
+        attention = A.hf_sdpa_attention(x, dynamic_cache)
     casts = A.autocast_input_casts(x, 3 + 2)  # q, k, v and gate, up
     family = A.qk_norm(x) + A.fused_qkv(x)
     masked = A.masked_layers(x) if not x.eager else 0

@@ -73,8 +73,4 @@ def variants(case: Case) -> list[Case]:
     return out
 
 
-# not yet within 3% (docs/cost-model.md, "The families of issue 18"): MLA's saved tensors and the
-# routed experts as transformers runs them are not modelled term by term yet
-PENDING = ("deepseek-v2", "deepseek-v3", "llama4")
-CASES = [v for c in BASE if c.name not in PENDING for v in variants(c)]
-GAPS = [v for c in BASE if c.name in PENDING for v in variants(c)[:2]]
+CASES = [v for c in BASE for v in variants(c)]

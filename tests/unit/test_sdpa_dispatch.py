@@ -223,3 +223,14 @@ def test_cpu_flash_refuses_dropout_when_forced():
 def test_module_does_not_import_torch():
     code = "import memplan.costmodel.attention, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unequal_value_heads_rule_out_flash_and_cudnn():
+    """MLA (q/k heads 192 wide, v 128): CPU's flash and CUDA's flash need one head dim for q, k and v
+    (check_head_dim_size_cpp / check_head_dim_size_flash); the memory-efficient kernel takes both aligned."""
+    from memplan.costmodel.attention import sdpa_backend
+
+    assert sdpa_backend("cpu", "bf16", 192, 128, 128, enable_gqa=True, v_head_dim=128) == "math"
+    assert sdpa_backend("cpu", "bf16", 128, 128, 128, enable_gqa=True, v_head_dim=128) == "flash"
+    assert sdpa_backend("cuda", "bf16", 192, 128, 128, enable_gqa=True, v_head_dim=128) == "efficient"
+    assert sdpa_backend("cuda", "bf16", 192, 128, 128, enable_gqa=True, v_head_dim=130) == "math"
