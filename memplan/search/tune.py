@@ -94,6 +94,8 @@ def _expressible(req: TuneRequest, space: Space) -> Space:
             if field not in seen and len(seen) < 3:
                 seen.add(field)
                 reasons.append(f"{reason} ({count:,} of them)")
+        if not req.options.allow_offload and seen & {"plan.zero", "plan.offload_optimizer", "plan.offload_params"}:
+            reasons.append("--allow-offload also searches plans with the optimizer (and parameters) on the CPU")
         raise MemplanError(
             f"{req.export_target} can express none of the {len(space):,} valid plans: {'; '.join(reasons)}",
             source=CLI,

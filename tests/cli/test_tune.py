@@ -338,6 +338,12 @@ def test_export_says_up_front_when_the_target_can_express_no_plan(tmp_path: Path
     code, out, err = memplan("tune", "llama3-8b", "--gpus", "8", "--export", "megatron", "--format", "json")
     assert code == 0, err
     assert json.loads(out)["recommended"]["evaluation"]["plan"]["precision"] == "bf16-master"
+    # one GPU: FSDP needs ZeRO >= 2, which one rank runs only offloaded; the error says how to search those
+    one = ["llama3-8b", "--gpus", "1", "--gpu", "a100-80gb", "--export", "accelerate"]
+    code, _, err = memplan("tune", *one)
+    assert code == 2 and "accelerate cannot express zero=0" in err and "--allow-offload also searches" in err
+    code, out, err = memplan("tune", *one, "--allow-offload", "--format", "json")
+    assert code == 0 and json.loads(out)["recommended"]["evaluation"]["plan"]["offload_params"] == "cpu", err
 
 
 def test_one_gpu_with_offload_recommends_a_plan_that_fits():
