@@ -21,7 +21,7 @@ from memplan.check.spec import Baseline, BaselineEntry, BudgetsFile, Entry, Metr
 from memplan.costmodel.overhead import communicators, fixed_overhead_bytes
 from memplan.errors import MemplanError
 from memplan.estimate import estimate
-from memplan.specs.loader import read_data, validate
+from memplan.specs.loader import read_data, short, validate
 from memplan.specs.plan import Plan
 from memplan.specs.resolve import CLI, INFERENCE_FIELDS, TRAINING_FIELDS, Job, resolve_job
 from memplan.units import format_bytes
@@ -38,7 +38,7 @@ def list_path(field: str | None) -> str | None:
 
 def load_budgets(path: Path) -> BudgetsFile:
     """Read and validate a budgets file; entry names must be unique."""
-    source = str(path)
+    source = short(path)
     try:
         budgets = validate(BudgetsFile, read_data(path), source)
     except MemplanError as err:
@@ -107,7 +107,7 @@ def _locate(err: MemplanError, entry: Entry, model_ref: str, source: str, prefix
 def resolve_entries(budgets: BudgetsFile, path: Path, allocator: str | None = None) -> list[Resolved]:
     """Every entry as a job with its limit; the first mistake raises, located in the file.
     ``allocator`` (``--allocator``) applies to entries that do not name one."""
-    source, out = str(path), []
+    source, out = short(path), []
     for i, entry in enumerate(budgets.entries):
         prefix = f"entries[{i}]"
         ref = _model_ref(entry, path.parent)
@@ -300,7 +300,7 @@ def new_baseline(report: CheckReport) -> Baseline:
 
 def load_baseline(path: Path) -> Baseline:
     """A baseline file (JSON); missing or malformed is a MemplanError naming the file."""
-    source = str(path)
+    source = short(path)
     try:
         data = read_data(path)
     except MemplanError as err:

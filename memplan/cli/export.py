@@ -68,11 +68,13 @@ def locate(err: MemplanError, model_ref: str, plan_path: str | None, flags: set[
     if err.source or field.startswith("--"):
         return err.located(CLI)
     if field == "model" or field.startswith("model."):
-        return MemplanError(err.reason, source=model_ref, field=field.removeprefix("model.") if "." in field else None)
+        return MemplanError(
+            err.reason, source=short(model_ref), field=field.removeprefix("model.") if "." in field else None
+        )
     name = field.split(".")[-1]
     if name in flags or not plan_path:
         return MemplanError(err.reason, source=CLI, field=_flag(name))
-    return err.located(plan_path)
+    return err.located(short(plan_path))
 
 
 def _model_ref(model: str | None, plan_path: str | None) -> str:
@@ -84,7 +86,7 @@ def _model_ref(model: str | None, plan_path: str | None) -> str:
         if pf.model:
             beside = Path(plan_path).parent / pf.model
             return str(beside) if beside.exists() else pf.model
-        raise MemplanError("no model to export: give one here or with --model", source=plan_path, field="model")
+        raise MemplanError("no model to export: give one here or with --model", source=short(plan_path), field="model")
     raise MemplanError("give a plan file with a model, or --model", source=CLI, field="--model")
 
 
