@@ -69,8 +69,22 @@ def variants(case: Case) -> list[Case]:
         tag = ("fp32" if dtype == "float32" else "bf16") + ("-ckpt" if ckpt else "")
         for loop in ("hand", "trainer"):
             name = f"{'trainer-' if loop == 'trainer' else ''}{case.name}-{tag}"
-            out.append(dataclasses.replace(case, name=name, dtype=dtype, checkpointing=ckpt, loop=loop))
+            # each loop keeps one checkpointed precision in the default suite, the other under -m slow
+            slow = ckpt and (loop == "trainer") == (dtype == "float32")
+            out.append(dataclasses.replace(case, name=name, dtype=dtype, checkpointing=ckpt, loop=loop, slow=slow))
     return out
 
 
-CASES = [v for c in BASE for v in variants(c)]
+# bf16-mixed (autocast over fp32, the Trainer's bf16=True) for each family, and two shapes that move
+# the masks: Phi-3 with a window the sequence reaches (its fused k / v repeated under the mask), Gemma 3
+# without GQA (the mask alone)
+EXTRA = [
+    *(dataclasses.replace(c, name=f"{c.name}-autocast", autocast=True) for c in BASE),
+    Case("phi3-window", arch="phi3", **TINY, extra=(("pad_token_id", 0), ("sliding_window", 64))),
+    Case("gemma3-mha", arch="gemma3", **{**TINY, "kv_heads": 4}, extra=_GEMMA),
+]
+CASES = [v for c in BASE for v in variants(c)] + [
+    dataclasses.replace(c, name=f"{'trainer-' if loop == 'trainer' else ''}{c.name}", loop=loop, slow=loop == "trainer")
+    for c in EXTRA
+    for loop in ("hand", "trainer")
+]

@@ -16,7 +16,9 @@ from hf_steps import Case, measure_peak, predict_peak  # noqa: E402
 pytestmark = pytest.mark.accuracy
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else []) for c in CASES]
+)
 def test_family_peak_within_3_percent(case: Case):
     predicted, phase = predict_peak(case)
     measured = measure_peak(case)
