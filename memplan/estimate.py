@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from memplan.costmodel.advice import Suggestion, rank_key, suggest
+from memplan.costmodel.advice import Suggestion, suggest
 from memplan.costmodel.memory import estimate_memory, sdpa_kind
 from memplan.costmodel.overhead import fast_reserved_bytes
 from memplan.costmodel.params import active_params, total_params
@@ -138,7 +138,9 @@ def estimate(
         found = suggest(
             job.model, job.workload, job.plan, job.runtime, limit, current, device, gpu=job.gpu, cluster=job.cluster
         )
-        found = sorted([*_allocator_suggestion(report), *found], key=rank_key)
+        # ranked as the table's title says: those that fit first, then by bytes saved (the JSON
+        # carries each fitting change's step time, its cost)
+        found = sorted([*_allocator_suggestion(report), *found], key=lambda s: (not s.fits, -s.saved))
         suggestions = [
             SuggestionOut(
                 change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits, step_time_s=s.step_time_s

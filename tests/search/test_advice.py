@@ -36,6 +36,11 @@ def test_one_gpu_is_advised_zero_offload():
     for s in fitting:
         assert s["reserved_bytes"] <= data["gpu"]["capacity_bytes"] and s["step_time_s"] > 0
     assert data["suggestions"][0]["fits"]  # fitting changes first
+    # the change, estimated in full (its run replayed through the allocator model), fits too
+    changed = estimate_json(
+        "llama3-8b", "--gpu", "a100-80gb", "--gpus", "1", "--zero", "1", "--offload-optimizer", "cpu"
+    )
+    assert changed["fits"]
 
 
 def test_changes_are_combined_when_no_single_one_fits():
