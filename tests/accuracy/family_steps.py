@@ -69,8 +69,11 @@ def variants(case: Case) -> list[Case]:
         tag = ("fp32" if dtype == "float32" else "bf16") + ("-ckpt" if ckpt else "")
         for loop in ("hand", "trainer"):
             name = f"{'trainer-' if loop == 'trainer' else ''}{case.name}-{tag}"
-            # each loop keeps one checkpointed precision in the default suite, the other under -m slow
-            slow = ckpt and (loop == "trainer") == (dtype == "float32")
+            # the default suite keeps four per family (both loops, both dtypes, checkpointing on and off:
+            # hand fp32, Trainer bf16, hand bf16 checkpointed, Trainer fp32 checkpointed); -m slow the rest
+            slow = (
+                (loop == "trainer") == (dtype == "float32") if not ckpt else (loop == "trainer") != (dtype == "float32")
+            )
             out.append(dataclasses.replace(case, name=name, dtype=dtype, checkpointing=ckpt, loop=loop, slow=slow))
     return out
 
@@ -84,7 +87,12 @@ EXTRA = [
     Case("gemma3-mha", arch="gemma3", **{**TINY, "kv_heads": 4}, extra=_GEMMA),
 ]
 CASES = [v for c in BASE for v in variants(c)] + [
-    dataclasses.replace(c, name=f"{'trainer-' if loop == 'trainer' else ''}{c.name}", loop=loop, slow=loop == "trainer")
+    dataclasses.replace(
+        c,
+        name=f"{'trainer-' if loop == 'trainer' else ''}{c.name}",
+        loop=loop,
+        slow=loop == "trainer" or "autocast" in c.name,
+    )
     for c in EXTRA
     for loop in ("hand", "trainer")
 ]
