@@ -19,6 +19,7 @@ from memplan.cli.common import (
     OffloadActivationsOpt,
     QuantOpt,
     finetune_overrides,
+    warn,
 )
 from memplan.costmodel.time import Efficiency
 from memplan.estimate import EstimateResult
@@ -165,6 +166,7 @@ def estimate(
     )
     job = resolve_job(model, plan, overrides, inference=inference)
     result = run_estimate(job, efficiency=_efficiency(job.gpu) if calibration else None, device=device)
+    warn(result.warnings)  # legal but suspicious inputs, one stderr line each (also in the JSON)
     if target is not None:
         _write_timeline(job, result, device, *target)
     if format == "json":

@@ -775,6 +775,10 @@ def test_a_sequence_beyond_the_models_positions_is_a_warning(tmp_path):
     assert len(warnings) == 1 and "max_position_embeddings 8,192" in warnings[0]
     proc = memplan("estimate", "llama3-8b", "--seq-len", "1048576", "--format", "json", cwd=tmp_path)
     assert proc.returncode == 0 and "seq_len 1,048,576 is beyond" in json.loads(proc.stdout)["warnings"][0]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("memplan: warning:")]
+    assert len(warnings) == 1 and "seq_len 1,048,576 is beyond" in warnings[0]  # the table's and JSON's stderr
+    proc = memplan("estimate", "llama3-8b", "--seq-len", "16384", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr.count("memplan: warning:") == 1
 
 
 @pytest.mark.parametrize("value", ["nan", "-1", "0", "inf"])
