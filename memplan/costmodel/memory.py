@@ -305,6 +305,191 @@ def lora_activations(
     return _LoraActs(stored, per_layer, live, head_delta, copies, earlier, temp, retained)
 
 
+# --- activation offload to CPU (plan.offload_activations) --------------------------------
+
+TRL_MIN_OFFLOAD_BYTES = 1024  # TRL's / torchtune's OffloadActivations(min_offload_size=1024)
+OFFLOAD_MECHANISM = {"hf": "trl", "hf-loop": "save_on_cpu"}  # what each loop runs for offload_activations: cpu
+
+
+@dataclass(frozen=True, slots=True)
+class _ActOffload:
+    kept: int  # of one micro-batch's layer activations, what stays on the device through the forward
+    last: int  # of those, the last layer's
+    node: int  # brought back at a layer's backward peak (its MLP product's node), beyond ``last``
+    head_kept: int  # the head's saved tensors left on the device at the end of the forward
+    copies_kept: int  # autocast weight copies left on the device once the forward has returned
+    host: int  # pinned host bytes of one micro-batch's offloaded tensors
+    head_back: int  # on the device at the start of the backward beyond the head's term
+    stash: int  # on the device when the loss runs at the end of the forward, beyond the kept ones
+    mlp_forward: int  # the last layer's MLP forward at its product: SiLU output, up output, product
+    mechanism: str
+
+
+def offload_mechanism(plan: Plan, rt: RuntimeProfile) -> str:
+    """Which saved-tensor hooks ``offload_activations: cpu`` stands for in this loop, or a
+    :class:`MemplanError` naming the field where the plan cannot run it:
+
+    - ``hf`` (the Trainer): TRL's ``OffloadActivations`` (``SFTConfig(activation_offloading=True)``,
+      axolotl's ``activation_offloading: true``), streamed;
+    - ``hf-loop`` (a hand-written loop): ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
+      around the forward and backward, synchronous.
+
+    Neither is what the bundled trainer or Megatron-LM run."""
+    if rt.name not in OFFLOAD_MECHANISM:
+        raise MemplanError(
+            f"activation offload is modelled for the hf runtime (TRL's activation_offloading) and hf-loop "
+            f"(save_on_cpu), not runtime {rt.name}: use --runtime hf or hf-loop",
+            field="plan.offload_activations",
+        )
+    return OFFLOAD_MECHANISM[rt.name]
+
+
+def trl_kept_layer(model: ModelSpec, x: A.Shape, plan: Plan, grad_in: bool) -> int:
+    """What TRL's ``OffloadActivations`` leaves on the device of one transformers decoder layer
+    (no recomputation), for one micro-batch. Its pack hook offloads every saved tensor but
+    parameters, tensors under 1024 bytes and a storage it has already offloaded in this forward
+    (same address and dtype: the second save keeps the tensor itself). So what two ops save
+    stays (measured on CPU, tests/accuracy/offload_steps.py):
+
+    - each RMSNorm whose input requires grad: its fp32 input (or upcast), saved by ``pow`` and
+      by the ``mul`` with rsqrt, 4h; the rsqrt itself (4 bytes a token) when under 1024 bytes;
+    - full training: the norm output q, k and v all save, and the one gate and up save, d*h
+      each (under autocast each matmul saves its own cast: none); o_proj's input, which is the
+      fused SDPA kernel's output storage, d*q;
+    - LoRA: an input two adapters read without a cast of their own (fp32, no dropout): the
+      q/k/v input and the gate/up input (d*h), SDPA's output for an o_proj adapter (d*q);
+    - the fused kernel's log-sum-exp (4 bytes a head a token) when under 1024 bytes."""
+    m, tokens, d = model, x.tokens, x.d
+    h = m.hidden_size // x.rep
+    small = 4 * tokens < TRL_MIN_OFFLOAD_BYTES
+    fused = not x.eager and x.sdpa != "math"
+    if plan.finetune == "full":
+        norms, attn_kept = 2, True
+        shared = 0 if x.autocast else 2 * d * h + (d * m.q_size // x.t if fused else 0)
+    else:
+        chosen = set(L.resolve_targets(plan.lora_targets))
+        qkv = grad_in or bool(chosen & {"q_proj", "k_proj", "v_proj"})
+        mid = grad_in or qkv or "o_proj" in chosen
+        norms, attn_kept = int(grad_in) + int(mid), qkv
+        plain = not x.autocast and d == L.ADAPTER_BYTES and plan.lora_dropout == 0
+        shared = 0
+        if plain:
+            shared += d * h if len(chosen & {"q_proj", "k_proj", "v_proj"}) >= 2 else 0
+            shared += d * h if {"gate_proj", "up_proj"} <= chosen else 0
+            shared += d * m.q_size // x.t if fused and qkv and "o_proj" in chosen else 0
+    kept = tokens * (norms * (4 * h + (4 if small else 0)) + shared)
+    lse = tokens * 4 * m.num_attention_heads // x.t
+    if attn_kept and fused and lse < TRL_MIN_OFFLOAD_BYTES:
+        kept += lse
+    return kept
+
+
+def saved_weight_bytes(
+    model: ModelSpec, layout: StageLayout, plan: Plan, x: A.Shape, lora_acts: _LoraActs | None
+) -> int:
+    """The weights a stage's forward saves for its backward, which ``save_on_cpu`` copies to the
+    host like any saved tensor: every linear and norm weight in full training (the LM head's on
+    the last stage), under LoRA the frozen linears whose input requires grad and the adapters
+    (``lora.hf_layer``'s autocast count), in the parameter dtype; none under autocast, whose
+    matmuls save the d-byte copies (counted with the autocast weight copies) and no gradient
+    checkpointing (the recomputed layers save theirs in the backward)."""
+    if x.autocast or plan.recompute == "full":
+        return 0
+    pb = POLICIES[plan.precision].param_bytes if plan.quant == "none" else 4
+    head = vocab_shard_params(model, plan.tp) if layout.is_last else 0
+    if lora_acts is None:
+        return (layout.layer_params + head) * pb
+    layer = L.hf_layer(
+        model, d=x.d, autocast=True, attention=0, targets=plan.lora_targets, rank=plan.lora_rank,
+        dropout=plan.lora_dropout > 0, mask_bytes=0, grad_in=True,
+    )  # fmt: skip
+    return (layout.layers * layer.weight_copies + head) * pb
+
+
+def activation_offload(
+    model: ModelSpec,
+    x: A.Shape,
+    plan: Plan,
+    rt: RuntimeProfile,
+    layout: StageLayout,
+    stored: int,
+    head: int,
+    weight_copies: int,
+    lora_acts: _LoraActs | None,
+) -> _ActOffload:
+    """What ``offload_activations: cpu`` moves off the device for one micro-batch (``stored``:
+    its layers' saved activations, ``head``: the head's term), by :func:`offload_mechanism`.
+
+    Gradient checkpointing: transformers checkpoints each layer without reentrance, and the
+    checkpoint holds the layer's inputs itself (its recomputation closes over them) while its
+    own saved-tensor hooks take the layer's saves, so neither mechanism moves anything of the
+    layers (measured: the same peak as without offload); only what the head saves goes.
+
+    ``save_on_cpu`` copies every saved tensor to the host, parameters included, and leaves
+    nothing. TRL's hooks leave what :func:`trl_kept_layer` counts, the LM head's saves (a no-op
+    hook pair around ``lm_head``) and the loss's log_softmax output (nll_loss saves it again);
+    the final norm's normalised value and the int64 labels go."""
+    mechanism = offload_mechanism(plan, rt)
+    tokens, layers = x.tokens, layout.layers
+    checkpointed = plan.recompute == "full"
+    normalised = tokens * (4 if x.autocast else x.d) * model.hidden_size // x.rep if plan.finetune == "full" else 0
+    labels = 8 * tokens if 8 * tokens >= TRL_MIN_OFFLOAD_BYTES else 0
+    head_moved = normalised + labels if layout.is_last else 0
+    if mechanism == "save_on_cpu":
+        kept = last = stored if checkpointed else 0
+        if rt.dynamic_cache and not checkpointed:
+            # the loop's DynamicCache keeps every layer's keys and values on the device (outputs,
+            # not saved tensors: the hooks never see them; under autocast the keys in fp32)
+            # (at the last layers' backward the loop's retained outputs count them)
+            cache = layers * tokens * 2 * (4 if x.autocast else x.d) * model.kv_size // x.t
+            kept, last = cache, 0
+        # the returned ``out`` holds the logits (an output, not a saved tensor)
+        head_kept = min(A.logits(x, model.vocab_size), head) if layout.is_last else 0
+        copies_kept = 0
+    else:
+        last = trl_kept_layer(model, x, plan, lora_acts is None or layers > 1 or not layout.is_first)
+        if checkpointed or not layers:
+            kept = stored
+        elif lora_acts is None:
+            kept = layers * last
+        else:
+            first_grad = "embed_tokens" in plan.modules_to_save or not layout.is_first
+            kept = trl_kept_layer(model, x, plan, first_grad) + (layers - 1) * last
+        kept = min(kept, stored)
+        head_kept = max(head - head_moved, 0)
+        copies_kept = vocab_shard_params(model, plan.tp) * x.d if x.autocast and layout.is_last else 0
+    # the host holds a copy of every tensor offloaded, checkpointed layers' inputs included (the
+    # device keeps its own); save_on_cpu copies a tensor once per save and the weights it saves
+    host = stored + head + max(weight_copies - copies_kept, 0)
+    if mechanism == "save_on_cpu":
+        dup = last if checkpointed else trl_kept_layer(model, x, plan, True)
+        host += (0 if checkpointed else layers * dup) + saved_weight_bytes(model, layout, plan, x, lora_acts)
+    if checkpointed:
+        last = stored // layers if layers else 0
+    # in the backward the tensors come back node by node, each freed once its node has run; at
+    # the MLP's backward peak (the product and SiLU nodes) 3 d f of them are back, 4 d f under
+    # TRL's streams, which hold the previous node's until the next has run, and under
+    # save_on_cpu an adapted MLP's inputs come back as copies of their own, d f more (fitted to
+    # the CPU measurements of tests/accuracy/test_offload_accuracy.py, not derived node by node)
+    widths = 3 if mechanism == "save_on_cpu" else 4
+    if mechanism == "save_on_cpu" and lora_acts is not None:
+        widths += bool(set(L.resolve_targets(plan.lora_targets)) & set(L.MLP))
+    node = tokens * x.d * widths * model.ffn_size // x.t
+    head_back = stash = 0
+    if layout.is_last and mechanism == "trl":
+        # TRL's forward stash (the originals of the offloaded tensors among the last five saved,
+        # purged only when another is offloaded) still holds, when the loss runs, the final
+        # norm's fp32 input and the last MLP's SiLU output and up output (and, trained, the
+        # product down_proj saves); in the backward, until the first node has run, the final
+        # norm's input and the labels (measured on CPU)
+        h4 = tokens * 4 * model.hidden_size // x.rep
+        head_back = h4 + labels
+        mlp = tokens * x.d * (3 if lora_acts is None else 2) * model.ffn_size // x.t
+        stash = h4 + (mlp if layers and not checkpointed else 0)
+    mlp_forward = tokens * x.d * 3 * model.ffn_size // x.t if layers and not checkpointed else 0
+    return _ActOffload(kept, last, node, head_kept, copies_kept, host, head_back, stash, mlp_forward, mechanism)
+
+
 def _shape(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -557,6 +742,7 @@ class StageMoments:
     states: _States
     per_layer: int
     total_acts: int
+    offload_host: int = 0  # activation offload: host bytes of one micro-batch's offloaded tensors
 
 
 def _granularity(
@@ -698,13 +884,27 @@ def _stage_phases(
     weight_copies = autocast_weight_copies(model, layout, plan, x.d) if x.autocast else 0
     if lora_acts is not None:
         weight_copies = lora_acts.weight_copies
+    fwd_acts, fwd_head, bwd_copies, others_kept, head_back = layer_acts, head, weight_copies, None, 0
+    offload_host = mlp_peak = 0
+    if plan.offload_activations != "none":
+        off = activation_offload(model, x, plan, rt, layout, stored, head, weight_copies, lora_acts)
+        share = inflight_layers(plan, stage, accumulation, layers) / layers if layers else 1
+        fwd_acts, fwd_head, bwd_copies, head_back = int(off.kept * share), off.head_kept, off.copies_kept, off.head_back
+        fwd_head += off.stash
+        # with the layers' tensors gone, the forward may peak inside the last layer's MLP instead
+        mlp_peak = max(0, off.mlp_forward - fwd_head - rt.loss_forward(x))
+        offload_host = off.host
+        st = replace(st, cpu=st.cpu + off.host * mbs)  # pinned host memory, beside offloaded states
+        if plan.recompute != "full":
+            others_kept = fwd_acts - off.last if off.mechanism == "trl" else 0
+            live_layer = min(live_layer, off.last + off.node)
     base = {"parameters": st.params, "optimizer_states": st.optimizer}
     fwd = {
         **base,
         "gradients": grads_in_step,
         "autocast_weights": weight_copies,
-        "activations": layer_acts + embed,
-        "logits_and_loss": head + loss_fwd,
+        "activations": fwd_acts + embed + mlp_peak,
+        "logits_and_loss": fwd_head + loss_fwd,
         "comm_buffers": gathered + p2p_fwd + ddp_copy,
         "gathered_params": unsharded.forward,
         "retained_outputs": retained,
@@ -712,9 +912,9 @@ def _stage_phases(
     bwd_start = {  # the loss's gradients appear; every activation is still saved
         **base,
         "gradients": grads_in_step,
-        "autocast_weights": weight_copies,
-        "activations": layer_acts + embed,
-        "logits_and_loss": head + loss_bwd,
+        "autocast_weights": bwd_copies,
+        "activations": fwd_acts + embed,
+        "logits_and_loss": head + loss_bwd + head_back,
         "comm_buffers": gathered + p2p_bwd_start + ddp_copy,
         "gathered_params": unsharded.backward_start,
     }  # no reduce-scatter buffer yet: no layer has produced gradients
@@ -728,7 +928,8 @@ def _stage_phases(
         if model.is_moe_layer(last):
             layer_part = live_layer + llama4_moe_temp(x)
     if lora_acts is not None:
-        layer_part = lora_acts.earlier + live_layer + lora_acts.temp
+        earlier = lora_acts.earlier if others_kept is None else others_kept
+        layer_part = earlier + live_layer + lora_acts.temp
     if A.attention_backward_transient(x) and layers:
         # SDPA's math path: later in the layer's backward, with its MLP's tensors freed, the
         # softmax backward holds the core's s x s gradients beside the probabilities
@@ -794,7 +995,7 @@ def _stage_phases(
     total_acts = layer_acts + embed + head
     moments = {Moment.FORWARD: fwd, Moment.BACKWARD_START: bwd_start, Moment.BACKWARD: bwd, Moment.OPTIMIZER: opt}
     build_grads = st.grads if (rt.grads_persistent or ddp_buckets) else 0
-    return StageMoments(phases, moments, None, build_grads, st, per_layer, total_acts)
+    return StageMoments(phases, moments, None, build_grads, st, per_layer, total_acts, offload_host)
 
 
 def estimate_training(
@@ -802,13 +1003,9 @@ def estimate_training(
 ) -> MemoryReport:
     """Peak per-rank memory of a steady-state training step, over phases and pipeline stages,
     on ``device`` (which attention kernel runs: ``sdpa_kind``)."""
-    if plan.offload_activations != "none":
-        raise MemplanError(
-            "activation offload (save_on_cpu) is not in the memory model yet: the plan can be exported "
-            "(hf-trainer, axolotl) but not estimated",
-            field="plan.offload_activations",
-        )
     rt = RUNTIMES[runtime]
+    if plan.offload_activations != "none":
+        offload_mechanism(plan, rt)  # refuses, by field, what no loop runs
     accumulation = gradient_accumulation(workload, plan)
     stages = _stages_to_examine(model, plan)
     best = None
@@ -846,6 +1043,18 @@ def estimate_training(
         overhead=overhead,
         gradient_accumulation=accumulation,
     )
+
+
+def activation_offload_bytes(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: Device = "cuda"
+) -> tuple[str, int]:
+    """(mechanism, bytes) of ``offload_activations: cpu``: the saved-tensor hooks the runtime's
+    loop runs (:func:`offload_mechanism`) and the bytes one micro-batch copies to the host in
+    its forward and back in its backward (the last stage's: the only one, without a pipeline)."""
+    rt = RUNTIMES[runtime]
+    mechanism = offload_mechanism(plan, rt)
+    sm = _stage_phases(model, workload, plan, rt, plan.pp - 1, gradient_accumulation(workload, plan), device)
+    return mechanism, sm.offload_host
 
 
 def _stages_to_examine(model: ModelSpec, plan: Plan) -> list[int]:
@@ -908,6 +1117,12 @@ def kv_cache_bytes(
 def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan) -> MemoryReport:
     """Serving memory: weights in the compute dtype, the KV cache for the whole context, and
     the prefill's working set (one layer's temporaries for the prompt, last-token logits)."""
+    if plan.offload_activations != "none":
+        raise MemplanError(
+            "activation offload moves what a training step saves for its backward; serving saves nothing: "
+            "use offload_activations: none",
+            field="plan.offload_activations",
+        )
     policy = POLICIES[plan.precision]
     best = None
     stage_peaks: dict[int, int] = {}

@@ -26,7 +26,7 @@ from memplan.costmodel import params as P
 from memplan.costmodel.activations import layer_matmul_widths
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.layout import stage_layer_indices
-from memplan.costmodel.memory import gradient_accumulation, sdpa_kind
+from memplan.costmodel.memory import activation_offload_bytes, gradient_accumulation, sdpa_kind
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.runtimes import RUNTIMES
 from memplan.specs.hardware import ClusterSpec, GPUSpec
@@ -475,6 +475,9 @@ def estimate_time(
         breakdown["pp_bubble"] = (plan.pp - 1) / plan.virtual_stages * per_mb
         act = tokens_mb * model.hidden_size * d / (plan.tp if plan.sequence_parallel else 1)
         breakdown["pp_p2p"] = 2 * (plan.pp - 1) * (pp_link.alpha_s + act / pp_link.bytes_per_s)
+    if plan.offload_activations != "none":
+        mechanism, moved = activation_offload_bytes(model, workload, plan, runtime)
+        breakdown["activation_offload"] = m * activation_offload_s(moved, gpu.pcie_bytes_per_s, per_mb, mechanism)
     breakdown.update(_data_parallel(model, plan, policy, m, per_mb, dp_size, dp_link, gpu.pcie_bytes_per_s, eff))
     breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach_adamw(plan, runtime)))
     step = sum(breakdown.values()) * eff.calibration
@@ -495,6 +498,21 @@ def estimate_time(
         calibration=eff.calibration,
         breakdown=breakdown,
     )
+
+
+def activation_offload_s(nbytes: float, pcie_bytes_per_s: float, per_mb: float, mechanism: str) -> float:
+    """Exposed seconds of one micro-batch's activation offload: ``nbytes`` cross the host link
+    (the GPU profile's ``pcie_bytes_per_s``, per direction) device-to-host in the forward and
+    host-to-device in the backward. ``save_on_cpu`` copies on the compute stream (its pack's
+    ``copy_`` and its unpack's ``to``): nothing hides, 2 B / bw. TRL's ``OffloadActivations``
+    copies on a second stream, which overlaps the forward's copies with the forward's compute
+    (a third of the micro-batch's ``per_mb`` seconds) and the backward's with the backward's (two
+    thirds): max(0, B / bw - per_mb / 3) + max(0, B / bw - 2 per_mb / 3). Both directions at the
+    profile's bandwidth, with no allowance for pinned-memory registration or link contention."""
+    one_way = nbytes / pcie_bytes_per_s
+    if mechanism == "save_on_cpu":
+        return 2 * one_way
+    return max(0.0, one_way - per_mb / 3) + max(0.0, one_way - 2 * per_mb / 3)
 
 
 def _recompute_flops_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> float:
