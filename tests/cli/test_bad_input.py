@@ -648,9 +648,10 @@ def test_validate_refuses_adapters_the_trainer_does_not_build(tmp_path):
 
 
 def test_activation_offload_is_refused_by_the_estimate(tmp_path):
-    """Parsed (the fine-tuning exports carry it) but not in the memory model: an error, not a silent number."""
+    """Modelled for the loops that run it (hf: TRL's activation_offloading, hf-loop: save_on_cpu); the
+    default runtime (the bundled trainer) has none: an error naming the field, not a silent number."""
     proc = memplan("estimate", "llama3-8b", "--offload-activations", "cpu", cwd=tmp_path)
-    error_line(proc, "plan.offload_activations", None, "not in the memory model yet")
+    error_line(proc, "plan.offload_activations", None, "not runtime memplan", "--runtime hf or hf-loop")
 
 
 @pytest.mark.parametrize(
@@ -896,3 +897,35 @@ def test_validate_snapshot_folder_that_is_a_file(tmp_path):
     path.write_text("")
     proc = memplan("validate", "llama3-8b", "--device", "cpu", "--snapshot", path, cwd=tmp_path)
     error_line(proc, path, "--snapshot", "is a file")
+
+
+# ---------------------------------------------------------------------------------------------
+# activation offload (plan.offload_activations): refused by field where no loop runs it
+
+
+@pytest.mark.parametrize("runtime", ["megatron", "memplan"])
+def test_activation_offload_refused_for_a_runtime_without_it(tmp_path, runtime):
+    args = ["--offload-activations", "cpu", "--runtime", runtime, "--finetune", "lora", "--precision", "bf16"]
+    proc = memplan("estimate", "llama3-8b", *args, cwd=tmp_path)
+    error_line(proc, "plan.offload_activations", None, f"not runtime {runtime}")
+
+
+def test_activation_offload_refused_by_field_in_a_plan_file(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("runtime: megatron\nplan: {offload_activations: cpu}\n")
+    error_line(memplan("estimate", "llama3-8b", "--plan", plan, cwd=tmp_path), "plan.offload_activations", None)
+
+
+def test_activation_offload_refused_for_serving(tmp_path):
+    proc = memplan("estimate", "llama3-8b", "--offload-activations", "cpu", "--inference", cwd=tmp_path)
+    error_line(proc, CLI, "--offload-activations", "a training setting")
+
+
+@pytest.mark.parametrize("runtime", ["hf", "hf-loop"])
+def test_activation_offload_estimated_for_the_hf_loops(tmp_path, runtime):
+    args = ["--offload-activations", "cpu", "--runtime", runtime, "--finetune", "lora", "--precision", "bf16"]
+    proc = memplan("estimate", "llama3-8b", *args, "--format", "json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["memory"]["offload"]["cpu"] > 0
+    assert out["time"]["breakdown"].get("activation_offload", 0.0) >= 0.0
