@@ -11,13 +11,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memplan.cli.common import auto_device, memory_limit_bytes
+from memplan.cli.common import auto_device, memory_limit_bytes, output_path
 from memplan.costmodel.flops import rank_flops_per_step
 from memplan.costmodel.time import matmul_peak_flops
 from memplan.errors import MemplanError
 from memplan.estimate import estimate as run_estimate
 from memplan.specs.resolve import CLI, alloc_conf_text, resolve_job
 from memplan.units import format_bytes
+from memplan.validate.capacity import check_fits_here, host_available_bytes, require_cuda
 from memplan.validate.compare import Validation, compare
 from memplan.validate.launch import launch, pick_record
 from memplan.validate.record import RunRecord
@@ -97,8 +98,17 @@ def validate(
         ),
     ] = None,
     format: Annotated[Literal["table", "json"], Opt("--format", help="table or json.")] = "table",
+    force: Annotated[
+        bool,
+        Opt(
+            "--force",
+            help="Start even when the predicted peak exceeds the memory this machine has free.",
+            rich_help_panel=RUN,
+        ),
+    ] = False,
 ) -> None:
     """Run a plan for a few steps with the bundled trainer; measured against predicted memory."""
+    output_path(out, "--out")  # before any work
     if snapshot is not None:  # the folder is checked before any work, the device once it is known
         check_snapshot_dir(snapshot)
     overrides = dict(
@@ -111,6 +121,8 @@ def validate(
     job = resolve_job(model, plan, overrides, inference=False)
     limit = memory_limit_bytes(memory_limit or None)
     where = auto_device(device, "validate", "--device")
+    if where == "cuda":
+        require_cuda("--device", CLI)
     if snapshot is not None:
         refuse_cpu(where)
     result = run_estimate(job, with_suggestions=False, device=where)
@@ -139,6 +151,14 @@ def validate(
         check_workload(spec)
     except TrainerUnsupported as err:
         raise MemplanError(err.reason, source=plan or CLI, field=err.field) from None
+    if where == "cpu" and not force:
+        # on the CPU every rank this host runs holds its tensors in host memory: one with --simulate-ranks
+        # (the busiest), else all of them; a GPU's own out-of-memory is what a run there may be meant to find
+        ranks = 1 if simulate_ranks else job.plan.world_size
+        needed = report.peak.allocated * ranks
+        if limit is not None:
+            needed = min(needed, limit * ranks)  # the run stops at the simulated capacity
+        check_fits_here(needed, host_available_bytes(), "host", plan or CLI)
     target = snapshot_path(snapshot, _run_name(job), spec.rank if simulate_ranks else None) if snapshot else None
     record, path = _run(spec, timeout, out, show=format == "table", snapshot=target)
     predicted_time = result.time.step_time_s if result.time is not None else None

@@ -929,3 +929,27 @@ def test_activation_offload_estimated_for_the_hf_loops(tmp_path, runtime):
     out = json.loads(proc.stdout)
     assert out["memory"]["offload"]["cpu"] > 0
     assert out["time"]["breakdown"].get("activation_offload", 0.0) >= 0.0
+
+
+# issue 20 (validate): inputs and capacity checked before any run
+def test_validate_output_that_is_a_directory_is_refused_before_the_run(tmp_path):
+    (tmp_path / "adir").mkdir()
+    proc = memplan("validate", "llama3-8b", "--device", "cpu", "--out", "adir/", cwd=tmp_path)
+    error_line(proc, CLI, "--out", "is a directory")
+
+
+def test_validate_on_cuda_without_a_gpu_is_one_line(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = memplan("validate", "llama3-8b", "--device", "cuda", cwd=tmp_path)
+    error_line(proc, CLI, "--device", "sees no GPU")
+
+
+def test_validate_refuses_a_run_larger_than_the_free_host_memory(tmp_path):
+    """llama3-70b on one CPU host: about 1.5 TiB predicted; refused with the figures, nothing allocated."""
+    pytest.importorskip("torch")
+    proc = memplan("validate", "llama3-70b", "--device", "cpu", cwd=tmp_path)
+    error_line(proc, CLI, "plan", "of host memory", "is free", "--force")

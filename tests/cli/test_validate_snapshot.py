@@ -114,6 +114,7 @@ def test_on_cuda_the_launcher_gets_the_snapshot_path_and_json_reports_it(capsys,
         return LaunchResult({spec.rank: record}, [], False, 0, "")
 
     monkeypatch.setattr(cli, "auto_device", lambda *a: "cuda")
+    monkeypatch.setattr(cli, "require_cuda", lambda *a: None)  # a GPU, as far as validate can tell
     monkeypatch.setattr(cli, "launch", fake_launch)
     folder = tmp_path / "snaps"
     assert run(["validate", *SMALL, "--device", "cuda", "--snapshot", str(folder), "--format", "json"]) == 0
