@@ -57,6 +57,15 @@ def check(
         ),
     ] = "auto",
     timeout: Annotated[float, Opt(help="--measure: seconds per entry.", min=1, rich_help_panel=RUN)] = 600,
+    timeline: Annotated[
+        str | None,
+        Opt(
+            "--timeline",
+            help="Draw the predicted run of the first failing entry (else the one closest to its budget) to this "
+            "file: .html, .svg, .png (the viz extra) or .pickle.",
+            rich_help_panel=OUT,
+        ),
+    ] = None,
 ) -> None:
     """Estimate (or measure) each budgets entry; fail when one exceeds its budget or regresses."""
     if update_baseline and baseline is None:
@@ -66,6 +75,11 @@ def check(
     output_path(summary, "--markdown")
     if update_baseline:
         output_path(baseline, "--baseline")
+    drawing = None
+    if timeline is not None:
+        from memplan.viz.output import check_output
+
+        drawing = check_output(timeline)
     spec = load_budgets(budgets)
     resolved = resolve_entries(spec, budgets, allocator)
     warn([f"{r.entry.name}: {line}" for r in resolved for line in r.job.warnings])
@@ -90,6 +104,8 @@ def check(
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text(report), encoding="utf-8")
+    if drawing is not None:
+        _timeline(report, resolved, "cuda" if where == "auto" else where, *drawing)
     if format == "json":
         typer.echo(json.dumps({**report.model_dump(), "passed": report.passed}, indent=2))
     elif format == "markdown":
@@ -97,6 +113,21 @@ def check(
     else:
         render(report, Console())
     raise typer.Exit(report.exit_code)
+
+
+def _timeline(report: CheckReport, resolved: list[Resolved], device: str, path: Path, kind: str) -> None:
+    """The predicted run of the first failing entry, else of the entry nearest its budget."""
+    from memplan.viz.output import write_job_timeline
+
+    scored = [(e, r) for e, r in zip(report.entries, resolved, strict=True) if e.value_bytes is not None]
+    if not scored:
+        Console(stderr=True).print(f"no entry was evaluated: no timeline written to {path}", soft_wrap=True)
+        return
+    failing = [(e, r) for e, r in scored if e.status in ("over-budget", "regressed")]
+    entry, chosen = failing[0] if failing else max(scored, key=lambda er: er[0].value_bytes / er[0].limit_bytes)
+    why = "failing" if failing else "closest to its budget"
+    write_job_timeline(chosen.job, path, kind, device, title=f"{entry.name} ({why}): {chosen.job.model.name}")
+    Console(stderr=True).print(f"timeline: {path} (entry {entry.name}, {why})", soft_wrap=True)
 
 
 def _gib(n: int | None) -> str:

@@ -284,6 +284,14 @@ def tune(
         ),
     ] = None,
     format: Annotated[Literal["table", "json"], Opt("--format", help="table or json.")] = "table",
+    timeline: Annotated[
+        str | None,
+        Opt(
+            "--timeline",
+            help="Also draw the recommended plan's predicted run to this file: .html, .svg, .png (the viz "
+            "extra) or .pickle (PyTorch's memory snapshot format), as memplan estimate --timeline does.",
+        ),
+    ] = None,
 ) -> None:
     """Search the parallel plans for the fastest one that fits; write it as a plan YAML."""
     if export is not None:
@@ -294,6 +302,11 @@ def tune(
                 f"unknown target {short(repr(export), 60)} ({', '.join(TARGETS)})", source=CLI, field="--export"
             )
     output_path(out, "--out")  # before any search: a plan found cannot be lost to a bad path
+    drawing = None
+    if timeline is not None:
+        from memplan.viz.output import check_output
+
+        drawing = check_output(timeline)
     if precision is None:
         precision = "bf16-mixed,bf16-master" if export is not None else "bf16-mixed"
     spec = load_model(model)
@@ -356,6 +369,8 @@ def tune(
         render(result, Console(), model)
     if export is not None and result.recommended is not None:
         _export(model, out_path, export)
+    if drawing is not None:
+        _timeline(model, out_path if result.recommended is not None else None, device, *drawing)
     err = Console(stderr=True)
     if result.interrupted:
         if result.study:
@@ -369,6 +384,20 @@ def tune(
         raise typer.Exit(130)
     if result.recommended is None:
         raise typer.Exit(1)
+
+
+def _timeline(model: str, plan_path: Path | None, device: str, path: Path, kind: str) -> None:
+    """The recommended plan's predicted run, read back from its YAML as ``memplan estimate`` reads it."""
+    err = Console(stderr=True)
+    if plan_path is None:
+        err.print(f"no plan fits: no timeline written to {short(path, 100)}", soft_wrap=True)
+        return
+    from memplan.specs.resolve import resolve_job
+    from memplan.viz.output import write_job_timeline
+
+    job = resolve_job(model, str(plan_path), {})
+    write_job_timeline(job, path, kind, device, title=f"recommended: {job.model.name} ({plan_path})")
+    err.print(f"timeline: {path} (the recommended plan's predicted run)", soft_wrap=True)
 
 
 def _export(model: str, plan_path: Path, target: str) -> Path:

@@ -50,3 +50,19 @@ def write_panels(panels: list, path: Path, kind: Kind) -> None:
         render_figure(panels, path, kind)
         return
     raise MemplanError("a picture cannot be written as a pickle", source=str(path))
+
+
+def write_job_timeline(job, path: Path, kind: Kind, device: str = "cuda", title: str | None = None) -> None:
+    """The predicted run of ``job``'s most-loaded rank (the one its allocator verdict replays), drawn to
+    ``path`` or written as a snapshot: what ``estimate --timeline`` writes, for a plan ``tune``
+    recommends or a ``check`` entry."""
+    from memplan.estimate import estimate as run_estimate
+    from memplan.viz.predicted import predicted_panel, predicted_track
+    from memplan.viz.snapshot import write_snapshot
+
+    track, which = predicted_track(job, device)
+    if kind == "pickle":
+        write_snapshot(track, path)
+        return
+    overhead = run_estimate(job, with_suggestions=False, device=device).memory.overhead
+    write_panels([predicted_panel(track, job, which, overhead, title=title)], path, kind)
