@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -14,6 +15,7 @@ from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.report import MemoryReport, ReservedDetail
 from memplan.costmodel.reserve import peak_breakdown, plan_verdict, serving_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
+from memplan.specs.plan import Plan
 from memplan.specs.resolve import Job
 from memplan.specs.workload import TrainingWorkload
 
@@ -27,6 +29,9 @@ class SuggestionOut(BaseModel):
     saved_bytes: int
     fits: bool
     step_time_s: float | None = None  # predicted step time with the change (training changes that fit)
+    # the figures come from the full estimate of the changed plan (the allocator replay memplan estimate
+    # runs), not from the fast form the changes are screened with
+    verified: bool = False
 
 
 class EstimateResult(BaseModel):
@@ -106,6 +111,32 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
     return report.model_copy(update={"peak": peak}), v.fits, v.reason
 
 
+VERIFIED = 4  # changes that fit by the fast form, estimated again in full (one allocator replay each)
+
+
+def _verified(
+    job: Job, found: list[Suggestion], current: int, limit: int, device: Device
+) -> list[tuple[Suggestion, bool]]:
+    """The first ``VERIFIED`` changes that fit by the fast form, estimated as ``memplan estimate`` would
+    estimate the changed plan (the allocator replay of its run decides reserved and fits), so a change
+    advised to fit is one the estimate of it says fits; the others keep their screening figures."""
+    out: list[tuple[Suggestion, bool]] = []
+    budget = VERIFIED
+    for s in found:
+        if not s.fits or budget == 0 or not (s.plan_update or s.workload_update):
+            out.append((s, False))
+            continue
+        budget -= 1
+        plan = Plan.model_validate({**job.plan.model_dump(), **dict(s.plan_update)})
+        workload = job.workload.model_copy(update=dict(s.workload_update))
+        changed = replace(job, plan=plan, workload=workload)
+        full = estimate_memory(changed.model, changed.workload, changed.plan, changed.runtime, device)
+        full, fits, _ = _allocator_verdict(changed, full, limit, device)
+        reserved = full.peak.reserved
+        out.append((replace(s, reserved=reserved, saved=current - reserved, fits=fits), True))
+    return out
+
+
 def _allocator_suggestion(report: MemoryReport) -> list[Suggestion]:
     """PyTorch's expandable segments, when the default allocator's replay failed: what the same
     run reserves with them (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)."""
@@ -140,12 +171,19 @@ def estimate(
         )
         # ranked as the table's title says: those that fit first, then by bytes saved (the JSON
         # carries each fitting change's step time, its cost)
-        found = sorted([*_allocator_suggestion(report), *found], key=lambda s: (not s.fits, -s.saved))
+        checked = _verified(job, found, report.peak.reserved, limit, device)
+        expandable = [(s, False) for s in _allocator_suggestion(report)]
+        ranked = sorted([*expandable, *checked], key=lambda sv: (not sv[0].fits, -sv[0].saved))
         suggestions = [
             SuggestionOut(
-                change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits, step_time_s=s.step_time_s
+                change=s.change,
+                reserved_bytes=s.reserved,
+                saved_bytes=s.saved,
+                fits=s.fits,
+                step_time_s=s.step_time_s,
+                verified=verified,
             )
-            for s in found
+            for s, verified in ranked
         ]
     return EstimateResult(
         model={

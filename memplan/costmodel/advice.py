@@ -38,6 +38,8 @@ class Suggestion:
     saved: int
     fits: bool
     step_time_s: float | None = None  # predicted step time of the changed plan (training, GPU given)
+    plan_update: tuple[tuple[str, object], ...] = ()  # the change itself, to estimate it in full
+    workload_update: tuple[tuple[str, object], ...] = ()
 
 
 Change = tuple[str, dict, dict]  # description, plan update, workload update
@@ -115,7 +117,15 @@ class _Estimator:
         step = None
         if fits and self.gpu is not None and self.cluster is not None and isinstance(new_workload, TrainingWorkload):
             step = estimate_time(self.model, new_workload, new_plan, self.gpu, self.cluster, self.runtime).step_time_s
-        return Suggestion(change, reserved, self.current_reserved - reserved, fits, step)
+        return Suggestion(
+            change,
+            reserved,
+            self.current_reserved - reserved,
+            fits,
+            step,
+            tuple(plan_update.items()),
+            tuple(workload_update.items()),
+        )
 
 
 def suggest(

@@ -41,6 +41,9 @@ def test_one_gpu_is_advised_zero_offload():
         "llama3-8b", "--gpu", "a100-80gb", "--gpus", "1", "--zero", "1", "--offload-optimizer", "cpu"
     )
     assert changed["fits"]
+    # and the advice shows that full estimate's figure, not the fast form it was screened with
+    offload = next(s for s in fitting if s["change"].startswith("ZeRO-Offload"))
+    assert offload["verified"] and offload["reserved_bytes"] == changed["memory"]["peak"]["reserved"]
 
 
 def test_changes_are_combined_when_no_single_one_fits():
