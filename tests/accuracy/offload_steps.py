@@ -160,8 +160,7 @@ class OffloadCase:
     base: object  # peft_steps.PeftCase or hf_steps.Case
     mode: str = "trl"
     slow: bool = False
-    # the bound the case is held to: 3%, wider only where the model is known to miss (``miss`` says why)
-    tolerance: float = 0.03
+    # a case measured outside 3% and not yet modelled: why (the test expects it to fail: xfail)
     miss: str = ""
 
     @property
@@ -294,7 +293,7 @@ def _cases() -> list[OffloadCase]:
         for base in [*lora, *full]:
             name = f"{mode}-{base.name}"
             miss = misses.get(name, "")
-            out.append(OffloadCase(name, replace(base), mode, base.name in slow, 0.06 if miss else 0.03, miss))
+            out.append(OffloadCase(name, replace(base), mode, base.name in slow, miss))
     return out
 
 
