@@ -12,15 +12,17 @@ from typing import Annotated, Any
 import typer
 
 from memplan.errors import MemplanError
-from memplan.specs.loader import short
+from memplan.specs.detect import AUTO, AutoGPU, auto_gpu, probe
+from memplan.specs.loader import load_gpu, short
 from memplan.specs.resolve import CLI
 from memplan.units import parse_bytes
 
 
 def auto_device(requested: str, needs: str, field: str) -> str:
     """``cuda`` when torch sees a GPU, else ``cpu``, for ``auto``; torch is imported only here.
-    ``needs`` names what wants torch, for the error where the train extra is missing."""
-    if requested != "auto":
+    ``needs`` names what wants torch, for the error where the train extra is missing. ``cuda`` asked
+    for where torch sees no GPU is refused here, before any run (one line, not a failed run per entry)."""
+    if requested not in ("auto", "cuda"):
         return requested
     try:
         import torch
@@ -28,7 +30,46 @@ def auto_device(requested: str, needs: str, field: str) -> str:
         raise MemplanError(
             f"{needs} needs the train extra: pip install 'memplan[train]'", source=CLI, field=field
         ) from None
+    if requested == "cuda":
+        from memplan.validate.capacity import require_cuda
+
+        require_cuda("--device", CLI)
+        return "cuda"
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gpu_and_count(ref: str, gpus: int | None) -> tuple[AutoGPU, int]:
+    """``--gpu`` and ``--gpus`` of the commands that run on this machine's GPUs (tune): ``auto``
+    through NVML (:mod:`memplan.specs.detect`), and ``--gpus`` not given the count NVML detects.
+    The returned ``note`` says what was detected and used; empty when nothing was."""
+    found = probe() if ref.lower() == AUTO or gpus is None else None
+    if ref.lower() == AUTO:
+        chosen = auto_gpu(found)
+    else:
+        try:
+            chosen = AutoGPU(load_gpu(ref), len(found.devices) if found else 0, "", ref)
+        except MemplanError as err:
+            if err.source:
+                raise
+            raise MemplanError(err.reason, source=CLI, field="--gpu") from None
+    if gpus is not None:
+        return chosen, gpus
+    if found is None or not found.devices:
+        why = found.why if found is not None else "not asked"
+        raise MemplanError(f"no GPU detected ({why}): give the total, e.g. --gpus 8", source=CLI, field="--gpus")
+    count = len(found.devices)
+    detected = f"gpus {count} (detected: {count} x {found.devices[0].name})"
+    note = f"{chosen.note}; {detected}" if chosen.note else detected
+    return AutoGPU(chosen.spec, count, note, chosen.ref), count
+
+
+def detected_gpus() -> tuple[int | None, str]:
+    """The GPUs NVML detects here (None: none) and the line saying so (empty: none)."""
+    found = probe()
+    if not found.devices:
+        return None, ""
+    count = len(found.devices)
+    return count, f"gpus {count} (detected: {count} x {found.devices[0].name})"
 
 
 NAME_MAX = 255  # bytes of one file name on Linux, macOS and Windows file systems

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 _MAX_DEGREE = 1_000_000
 
@@ -72,7 +72,10 @@ class Plan(BaseModel):
         description="Module names the adapters wrap (PEFT's target_modules), or all-linear (every linear layer "
         "but the output head).",
     )
-    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on each adapter's input.")
+    # strict: a YAML true or '0.1' is a mistake, not a number (as tp: true is refused)
+    lora_dropout: StrictFloat = Field(
+        0.0, ge=0.0, lt=1.0, allow_inf_nan=False, description="Dropout on each adapter's input."
+    )
     modules_to_save: tuple[str, ...] = Field(
         (), description="Modules trained in full beside the adapters (PEFT's modules_to_save), e.g. lm_head."
     )

@@ -458,3 +458,28 @@ def test_tune(workdir, argv):
     if "--trials" not in argv and "--exhaustive" not in argv:
         argv = [*argv, "--exhaustive"]  # no 300-trial studies in the default suite
     fuzz_run([*argv, "--storage", f"sqlite:///{workdir / 'tune.db'}"] if "--storage" not in argv else argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the fuzzing found, kept as plain reproducers
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [("true", "got a boolean"), ("'0.1'", "got a string"), (".nan", "finite number"), (".inf", "finite number")],
+)
+def test_lora_dropout_of_a_wrong_type_is_refused_not_coerced(workdir, value, reason):
+    """``lora_dropout: true`` read as 1.0 ("less than 1"), ``'0.1'`` as 0.1: refused now, as ``tp: true`` is."""
+    (workdir / "plan.yaml").write_text(f"plan: {{finetune: lora, lora_dropout: {value}}}\n")
+    code, out, err = fuzz_run(["estimate", "llama3-8b", "--plan", "plan.yaml"])
+    assert code == 2 and err.startswith(f"{PREFIX}plan.yaml: plan.lora_dropout: ") and reason in err, err
+
+
+def test_check_measure_on_cuda_without_a_gpu_is_one_line(workdir):
+    """It was exit 1 after starting a trainer per entry, each 'not evaluated' with torch's AssertionError."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    (workdir / "budgets.yaml").write_text("entries:\n- {name: a, model: llama3-8b, gpus: 8, budget: 70GiB}\n")
+    code, out, err = fuzz_run(["check", "budgets.yaml", "--measure", "--device", "cuda"])
+    assert code == 2 and err.startswith(f"{PREFIX}command line: --device: cuda was asked for"), err
