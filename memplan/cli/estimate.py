@@ -24,6 +24,7 @@ from memplan.cli.common import (
 from memplan.costmodel.time import Efficiency
 from memplan.estimate import EstimateResult
 from memplan.estimate import estimate as run_estimate
+from memplan.specs.detect import AUTO
 from memplan.specs.hardware import GPUSpec
 from memplan.specs.resolve import Job, resolve_job
 from memplan.units import format_bytes
@@ -89,7 +90,13 @@ def estimate(
     block_size: Annotated[
         int | None, Opt(help="Inference: paged KV block size in tokens.", rich_help_panel=WORK)
     ] = None,
-    gpu: Annotated[str | None, Opt(help="GPU profile name or YAML (default h100-sxm).", rich_help_panel=HW)] = None,
+    gpu: Annotated[
+        str | None,
+        Opt(
+            help="GPU profile name or YAML, or auto: the GPU NVML detects here (the default; h100-sxm when none).",
+            rich_help_panel=HW,
+        ),
+    ] = None,
     allocator: Annotated[
         str | None,
         Opt(
@@ -164,8 +171,10 @@ def estimate(
         gpus=gpus,
         nodes=nodes,
     )
-    job = resolve_job(model, plan, overrides, inference=inference)
+    job = resolve_job(model, plan, overrides, inference=inference, default_gpu=AUTO)
     result = run_estimate(job, efficiency=_efficiency(job.gpu) if calibration else None, device=device)
+    if job.gpu_note:  # --gpu auto: which GPU and why, in the header and the JSON (gpu.auto)
+        result = result.model_copy(update={"gpu": {**result.gpu, "auto": job.gpu_note}})
     warn(result.warnings)  # legal but suspicious inputs, one stderr line each (also in the JSON)
     if target is not None:
         _write_timeline(job, result, device, *target)
@@ -213,6 +222,8 @@ def render(result: EstimateResult, console: Console) -> None:
         f"recompute={plan['recompute']} precision={plan['precision']} runtime={plan['runtime']}"
         + (f" attention={plan['attention_kernel']} ({result.gpu['device']})" if "attention_kernel" in plan else "")
     )
+    if result.gpu.get("auto"):
+        console.print(result.gpu["auto"], soft_wrap=True)
     table = Table(title=f"Peak: {peak.phase} phase, rank {peak.rank} ({peak.rank_role})")
     table.add_column("component")
     table.add_column("bytes", justify="right")

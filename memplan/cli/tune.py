@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memplan.cli.common import memory_limit_bytes, name_list, output_path, warn
+from memplan.cli.common import gpu_and_count, memory_limit_bytes, name_list, output_path, warn
 from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
@@ -27,9 +27,9 @@ from memplan.search.evaluate import Context
 from memplan.search.space import SpaceOptions, global_batch_range
 from memplan.search.tuning import DEFAULT_STORAGE, Hooks, TuneRequest, TuneResult, plan_yaml
 from memplan.search.validation import ValidationSettings
-from memplan.specs.hardware import ClusterSpec, GPUSpec
+from memplan.specs.hardware import ClusterSpec
 from memplan.specs.job import check_compatible, suspicious
-from memplan.specs.loader import load_gpu, load_model, short, validation_error
+from memplan.specs.loader import load_model, short, validation_error
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import OptimizerName, PrecisionName
 from memplan.specs.resolve import alloc_conf_text, blame_flags, plan_from_flags, resolve_allocator
@@ -103,15 +103,6 @@ def _workload_bounds(
         raise MemplanError(err.reason, source=CLI, field=flag) from None
 
 
-def _gpu(ref: str) -> GPUSpec:
-    try:
-        return load_gpu(ref)
-    except MemplanError as err:
-        if err.source:
-            raise
-        raise MemplanError(err.reason, source=CLI, field="--gpu") from None
-
-
 def _cluster(gpus: int, nodes: int | None) -> ClusterSpec:
     """Whole 8-GPU nodes when the GPUs fill them, else one node (as ``memplan estimate``)."""
     if nodes is None:
@@ -160,9 +151,13 @@ def _finetune_options(
 
 def tune(
     model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
-    gpus: Annotated[int, Opt(help="Total GPUs; every plan uses all of them.", min=1)],
+    gpus: Annotated[
+        int | None, Opt(help="Total GPUs; every plan uses all of them (default: the GPUs NVML detects here).", min=1)
+    ] = None,
     nodes: Annotated[int | None, Opt(help="Nodes (default: whole 8-GPU nodes).", min=1)] = None,
-    gpu: Annotated[str, Opt(help="GPU profile name or YAML.")] = "h100-sxm",
+    gpu: Annotated[
+        str, Opt(help="GPU profile name or YAML, or auto: the GPU NVML detects here (h100-sxm when none).")
+    ] = "auto",
     seq_len: Annotated[int, Opt(help="Tokens per sequence.", min=1, rich_help_panel=SPACE)] = 2048,
     global_batch: Annotated[
         str | None,
@@ -312,7 +307,8 @@ def tune(
     spec = load_model(model)
     batches = parse_global_batch(global_batch)
     warn(suspicious(spec, _workload_bounds(seq_len, micro_batch, max_micro_batch, batches)))
-    card = _gpu(gpu)
+    chosen, gpus = gpu_and_count(gpu, gpus)
+    card = chosen.spec
     cluster = _cluster(gpus, nodes)
     limit = memory_limit_bytes(memory_limit)
     options = SpaceOptions(
@@ -350,7 +346,7 @@ def tune(
         alloc_conf=alloc_conf_text("expandable" if ctx.allocator.expandable_segments else "default"),
     )
     request = TuneRequest(
-        model_ref=model, gpu_ref=gpu, ctx=ctx, options=options, objective=objective, trials=trials,
+        model_ref=model, gpu_ref=chosen.ref, ctx=ctx, options=options, objective=objective, trials=trials,
         exhaustive=exhaustive, seed=seed, study=study, storage=storage, top=top, validate=validate,
         validation=settings, calibration_path=cal_path, export_target=export,
     )  # fmt: skip
@@ -366,6 +362,8 @@ def tune(
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
+        if chosen.note:  # --gpu auto or --gpus detected: which GPU and why
+            Console().print(chosen.note, soft_wrap=True)
         render(result, Console(), model)
     if export is not None and result.recommended is not None:
         _export(model, out_path, export)

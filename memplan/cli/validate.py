@@ -11,11 +11,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memplan.cli.common import auto_device, memory_limit_bytes, output_path
+from memplan.cli.common import auto_device, detected_gpus, memory_limit_bytes, output_path
 from memplan.costmodel.flops import rank_flops_per_step
 from memplan.costmodel.time import matmul_peak_flops
 from memplan.errors import MemplanError
 from memplan.estimate import estimate as run_estimate
+from memplan.specs.detect import AUTO
 from memplan.specs.resolve import CLI, alloc_conf_text, resolve_job
 from memplan.units import format_bytes
 from memplan.validate.capacity import check_fits_here, host_available_bytes, require_cuda
@@ -35,6 +36,15 @@ RUN = "Run"
 def validate(
     model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
     plan: Annotated[str | None, Opt("--plan", help="Plan YAML (flags override it).")] = None,
+    gpus: Annotated[
+        int | None,
+        Opt(
+            help="Total GPUs, dp = GPUs / (tp x pp) (default: the GPUs NVML detects here, unless --plan or --dp is "
+            "given).",
+            min=1,
+            rich_help_panel=PLAN,
+        ),
+    ] = None,
     dp: Annotated[int | None, Opt(help="Data-parallel degree.", rich_help_panel=PLAN)] = None,
     tp: Annotated[int | None, Opt(help="Tensor-parallel degree.", rich_help_panel=PLAN)] = None,
     sequence_parallel: Annotated[
@@ -75,7 +85,11 @@ def validate(
     device: Annotated[Literal["auto", "cpu", "cuda"], Opt(help="Where to run.", rich_help_panel=RUN)] = "auto",
     gpu: Annotated[
         str | None,
-        Opt(help="GPU profile for the prediction's capacity and MFU's peak (default h100-sxm).", rich_help_panel=RUN),
+        Opt(
+            help="GPU profile for the prediction's capacity and MFU's peak, or auto: the GPU NVML detects here "
+            "(the default; h100-sxm when none).",
+            rich_help_panel=RUN,
+        ),
     ] = None,
     allocator: Annotated[
         Literal["default", "expandable"] | None,
@@ -118,7 +132,11 @@ def validate(
         attention=attention, finetune=finetune, micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len,
         gpu=gpu, runtime="memplan", allocator=allocator,
     )  # fmt: skip
-    job = resolve_job(model, plan, overrides, inference=False)
+    notes = []
+    if gpus is None and plan is None and dp is None:  # the degrees are this machine's GPUs, when NVML sees any
+        gpus, detected = detected_gpus()
+        notes.append(detected)
+    job = resolve_job(model, plan, {**overrides, "gpus": gpus}, inference=False, default_gpu=AUTO)
     limit = memory_limit_bytes(memory_limit or None)
     where = auto_device(device, "validate", "--device")
     if where == "cuda":
@@ -160,6 +178,9 @@ def validate(
             needed = min(needed, limit * ranks)  # the run stops at the simulated capacity
         check_fits_here(needed, host_available_bytes(), "host", plan or CLI)
     target = snapshot_path(snapshot, _run_name(job), spec.rank if simulate_ranks else None) if snapshot else None
+    notes = [n for n in (job.gpu_note, *notes) if n]
+    if notes and format == "table":  # --gpu auto or --gpus detected: which and why, once the run is sure to start
+        Console().print("; ".join(notes), soft_wrap=True)
     record, path = _run(spec, timeout, out, show=format == "table", snapshot=target)
     predicted_time = result.time.step_time_s if result.time is not None else None
     validation = compare(report, record, str(path) if path else None, predicted_time)

@@ -64,12 +64,14 @@ class Probe:
 
 @dataclass(frozen=True)
 class AutoGPU:
-    """The GPU ``--gpu auto`` resolved to, how many there are (0: none detected), and the
-    header line that says which and why."""
+    """The GPU ``--gpu auto`` resolved to, how many there are (0: none detected), the header
+    line that says which and why, and the reference a plan file records (a profile name, or
+    ``auto`` for a built profile, which no name reloads)."""
 
     spec: GPUSpec
     count: int
     note: str
+    ref: str = AUTO
 
 
 def probe() -> Probe:
@@ -145,12 +147,14 @@ def auto_gpu(found: Probe | None = None) -> AutoGPU:
     """``--gpu auto``: device 0's bundled profile, else one built from NVML, else ``h100-sxm``."""
     found = probe() if found is None else found
     if not found.devices:
-        return AutoGPU(load_gpu(DEFAULT_GPU), 0, f"gpu {DEFAULT_GPU} (default: no GPU detected, {found.why})")
+        return AutoGPU(
+            load_gpu(DEFAULT_GPU), 0, f"gpu {DEFAULT_GPU} (default: no GPU detected, {found.why})", DEFAULT_GPU
+        )
     first, count = found.devices[0], len(found.devices)
     mixed = "; the GPUs differ, device 0 used" if len({d.name for d in found.devices}) > 1 else ""
     profile = match_profile(first)
     if profile is not None:
-        return AutoGPU(load_gpu(profile), count, f"gpu {profile} (detected: {count} x {first.name}{mixed})")
+        return AutoGPU(load_gpu(profile), count, f"gpu {profile} (detected: {count} x {first.name}{mixed})", profile)
     spec = built_spec(first)
     note = (
         f"gpu {spec.name} (detected: {count} x {first.name}, no bundled profile; memory "

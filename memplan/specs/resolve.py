@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from memplan.costmodel.allocator import AllocatorConfig, parse_alloc_conf
 from memplan.errors import MemplanError
+from memplan.specs.detect import AUTO, DEFAULT_GPU, auto_gpu
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import PlanFile, RuntimeName, check_compatible, suspicious
 from memplan.specs.loader import load_gpu, load_model, read_data, short, validate, validation_error
@@ -47,6 +48,7 @@ class Job:
     runtime: RuntimeName
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     warnings: tuple[str, ...] = ()  # legal but suspicious inputs (job.suspicious): one stderr line each
+    gpu_note: str = ""  # --gpu auto: which GPU and why ("gpu h100-sxm (default: no GPU detected, ...)")
 
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -105,8 +107,16 @@ def blame_flags(err: MemplanError, flags: set[str]) -> MemplanError:
     return _blame_flag(err, flags, from_file=False)
 
 
-def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any], inference: bool = False) -> Job:
-    """Build a :class:`Job` from a model, an optional plan YAML and flag values (None = unset)."""
+def resolve_job(
+    model_ref: str,
+    plan_path: str | None,
+    overrides: dict[str, Any],
+    inference: bool = False,
+    default_gpu: str = DEFAULT_GPU,
+) -> Job:
+    """Build a :class:`Job` from a model, an optional plan YAML and flag values (None = unset).
+    ``default_gpu`` is the GPU when neither names one: ``auto`` for the commands about this
+    machine (estimate, validate); ``h100-sxm`` where the answer must not depend on it (check)."""
     flags = {k: v for k, v in overrides.items() if v is not None}
     source = short(plan_path) if plan_path else CLI
     pf = PlanFile()
@@ -153,9 +163,9 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
         raise MemplanError(f"{world} GPUs do not split evenly over {nodes} nodes", source=where, field=field)
 
     workload = _workload(pf, flags, inference, source)
-    gpu_ref = flags.get("gpu") or pf.gpu or "h100-sxm"
+    gpu_ref = flags.get("gpu") or pf.gpu or default_gpu
     try:
-        gpu = load_gpu(gpu_ref)
+        gpu, gpu_note = _gpu(gpu_ref)
     except MemplanError as err:
         if err.source:
             raise
@@ -177,7 +187,15 @@ def resolve_job(model_ref: str, plan_path: str | None, overrides: dict[str, Any]
     # every weight), so a fine-tuning plan defaults to its step
     runtime = sizes.runtime or pf.runtime or ("hf" if plan.finetune != "full" else "memplan")
     allocator = resolve_allocator(sizes.allocator or pf.allocator)
-    return Job(model, workload, plan, gpu, cluster, runtime, allocator, tuple(suspicious(model, workload)))
+    return Job(model, workload, plan, gpu, cluster, runtime, allocator, tuple(suspicious(model, workload)), gpu_note)
+
+
+def _gpu(ref: str) -> tuple[GPUSpec, str]:
+    """The GPU a reference names, and for ``auto`` (the default) the line saying which and why."""
+    if ref.lower() != AUTO:
+        return load_gpu(ref), ""
+    auto = auto_gpu()
+    return auto.spec, auto.note
 
 
 def serving_only(flags: dict[str, Any]) -> None:

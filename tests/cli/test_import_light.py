@@ -93,3 +93,43 @@ def test_timeline_imports_matplotlib_only_for_svg_and_png(tmp_path):
         assert result["code"] == 0, result["err"]
         assert result["loaded"] == expected, (suffix, result["loaded"])
         assert out.stat().st_size > 0
+
+
+FAKE_PYNVML = """
+class NVMLError(Exception):
+    pass
+class _Memory:
+    total = 46068 * 2**20
+def nvmlInit(): pass
+def nvmlShutdown(): pass
+def nvmlDeviceGetCount(): return 2
+def nvmlDeviceGetHandleByIndex(i): return i
+def nvmlDeviceGetName(h): return "NVIDIA L40S"
+def nvmlDeviceGetMemoryInfo(h): return _Memory()
+"""
+
+NVML_SCRIPT = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    import memplan.cli.app
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = memplan.cli.app.run(["estimate", "llama3-8b", "--format", "json", *sys.argv[1:]])
+    print(json.dumps({"code": code, "err": err.getvalue(), "gpu": json.loads(out.getvalue())["gpu"]["name"],
+                      "pynvml": "pynvml" in sys.modules}))
+    """
+)
+
+
+def test_pynvml_is_imported_only_for_gpu_auto(tmp_path):
+    """With nvidia-ml-py installed (a fake here), a named --gpu never imports it; auto (the default) does."""
+    (tmp_path / "pynvml.py").write_text(FAKE_PYNVML)
+    env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    for args, gpu, imported in ((["--gpu", "h100-sxm"], "h100-sxm", False), ([], "l40s", True)):
+        proc = subprocess.run([sys.executable, "-c", NVML_SCRIPT, *args], capture_output=True, text=True, env=env,
+                              timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["code"] == 0, result["err"]
+        assert (result["gpu"], result["pynvml"]) == (gpu, imported), args
