@@ -14,6 +14,7 @@ microseconds; with a driver: one ``nvmlInit``, tens of milliseconds).
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -94,7 +95,29 @@ def probe() -> Probe:
             pynvml.nvmlShutdown()
         except Exception:  # noqa: BLE001, S110 - shutting down is best effort
             pass
-    return Probe(devices=devices, why="" if devices else "NVML reports 0 GPUs", seconds=time.perf_counter() - start)
+    devices, hidden = visible(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    why = "CUDA_VISIBLE_DEVICES hides them" if hidden and not devices else "NVML reports 0 GPUs"
+    return Probe(devices=devices, why="" if devices else why, seconds=time.perf_counter() - start)
+
+
+def visible(devices: tuple[Device, ...], env: str | None) -> tuple[tuple[Device, ...], bool]:
+    """The devices CUDA (so PyTorch) sees, and whether ``CUDA_VISIBLE_DEVICES`` hid any: NVML
+    lists every GPU regardless. Integer indices are followed up to the first invalid one, as CUDA
+    does; UUIDs (``GPU-...``, ``MIG-...``) are not resolved here and leave the list as NVML gives it."""
+    if env is None:
+        return devices, False
+    picked = []
+    for entry in env.split(","):
+        entry = entry.strip()
+        if not entry.lstrip("-").isdigit():
+            if entry.startswith(("GPU-", "MIG-")):
+                return devices, False
+            break
+        index = int(entry)
+        if not 0 <= index < len(devices):
+            break
+        picked.append(devices[index])
+    return tuple(picked), len(picked) < len(devices)
 
 
 def _device(pynvml, index: int) -> Device:  # noqa: ANN001 - the pynvml module

@@ -50,6 +50,7 @@ def nvml(monkeypatch):
         mod.nvmlDeviceGetName = lambda h: cards[h][0]
         mod.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=cards[h][1] * MIB)
         monkeypatch.setitem(sys.modules, "pynvml", mod)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # NVML's list as the fake gives it
         monkeypatch.setattr(detect.importlib.util, "find_spec", lambda name: object() if name == "pynvml" else None)
         return calls
 

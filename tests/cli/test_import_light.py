@@ -126,6 +126,7 @@ def test_pynvml_is_imported_only_for_gpu_auto(tmp_path):
     (tmp_path / "pynvml.py").write_text(FAKE_PYNVML)
     env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("CUDA_VISIBLE_DEVICES", None)
     for args, gpu, imported in ((["--gpu", "h100-sxm"], "h100-sxm", False), ([], "l40s", True)):
         proc = subprocess.run([sys.executable, "-c", NVML_SCRIPT, *args], capture_output=True, text=True, env=env,
                               timeout=60)  # fmt: skip

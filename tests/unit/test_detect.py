@@ -43,6 +43,7 @@ def nvml(monkeypatch):
 
     def install(cards, calls=None):
         monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(cards, calls))
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # NVML's list as the fake gives it
         monkeypatch.setattr(detect.importlib.util, "find_spec", lambda name: object() if name == "pynvml" else None)
 
     return install
@@ -131,3 +132,27 @@ def test_bytes_names_from_old_nvidia_ml_py(nvml, monkeypatch):
         sys.modules["pynvml"], "nvmlDeviceGetMemoryInfo", lambda h: types.SimpleNamespace(total=81559 * MIB)
     )
     assert auto_gpu().spec.name == "h100-pcie"
+
+
+@pytest.mark.parametrize(
+    ("env", "indices", "hidden"),
+    [
+        (None, [0, 1, 2, 3], False),
+        ("2,0", [2, 0], True),
+        ("1,7,2", [1], True),  # CUDA stops at the first invalid index
+        ("", [], True),
+        ("-1", [], True),
+        ("GPU-8f6e2a1c-0000", [0, 1, 2, 3], False),  # UUIDs are not resolved: NVML's list
+    ],
+)
+def test_cuda_visible_devices(env, indices, hidden):
+    devices = tuple(Device(f"gpu{i}", 2**30) for i in range(4))
+    assert detect.visible(devices, env) == (tuple(devices[i] for i in indices), hidden)
+
+
+def test_hidden_gpus_are_not_counted(nvml, monkeypatch):
+    nvml([("NVIDIA H100 PCIe", 81559)] * 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert (auto_gpu().spec.name, auto_gpu().count) == ("h100-pcie", 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert auto_gpu().note == "gpu h100-sxm (default: no GPU detected, CUDA_VISIBLE_DEVICES hides them)"
