@@ -132,6 +132,8 @@ def memory_limit_bytes(text: str | None) -> int | None:
         limit = parse_bytes(text)
     except ValueError as err:
         raise MemplanError(str(err), source=CLI, field="--memory-limit") from None
+    except OverflowError:  # 1e400GiB: a float too large to be a number of bytes
+        raise MemplanError(f"{short(text, 60)!r} is not a finite size", source=CLI, field="--memory-limit") from None
     if limit <= 0:
         raise MemplanError("must be a positive size, e.g. 2GiB", source=CLI, field="--memory-limit")
     return limit
