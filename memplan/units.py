@@ -6,6 +6,7 @@ and GB (10**9) are kept apart explicitly, as in the IEC / SI prefixes.
 
 from __future__ import annotations
 
+import math
 import re
 
 _SI = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
@@ -42,8 +43,12 @@ def parse_quantity(value: object, unit: str = "B") -> float:
 
 
 def parse_bytes(value: object) -> int:
-    """Bytes as an int: ``parse_bytes('80GiB') == 85899345920``, ``parse_bytes('1GB') == 10**9``."""
-    return int(round(parse_quantity(value, "B")))
+    """Bytes as an int: ``parse_bytes('80GiB') == 85899345920``, ``parse_bytes('1GB') == 10**9``;
+    a size that is not finite (``1e400GiB``, ``inf``) is a ValueError like any other bad size."""
+    quantity = parse_quantity(value, "B")
+    if not math.isfinite(quantity):
+        raise ValueError(f"{value!r} is not a finite size")
+    return int(round(quantity))
 
 
 def format_bytes(n_bytes: float, unit: str = "GiB") -> str:

@@ -71,10 +71,10 @@ def check(
     if update_baseline and baseline is None:
         raise MemplanError("needs --baseline FILE to write", source=CLI, field="--update-baseline")
     # every file this run writes is checked before anything is estimated or measured
-    output_path(junit, "--junit")
-    output_path(summary, "--markdown")
+    output_path(junit, "--junit", inputs=(budgets, baseline))
+    output_path(summary, "--markdown", inputs=(budgets, baseline))
     if update_baseline:
-        output_path(baseline, "--baseline")
+        output_path(baseline, "--baseline", inputs=(budgets,))
     drawing = None
     if timeline is not None:
         from memplan.viz.output import check_output

@@ -75,16 +75,21 @@ def detected_gpus() -> tuple[int | None, str]:
 NAME_MAX = 255  # bytes of one file name on Linux, macOS and Windows file systems
 
 
-def output_path(given: str | Path | None, field: str) -> None:
+def output_path(given: str | Path | None, field: str, inputs: tuple[str | Path | None, ...] = ()) -> None:
     """Check, before any work, that a file can be written at ``path`` (None: not asked for):
-    not a directory, each missing parent creatable (they are created when the file is written),
-    the place writable. A failure names the flag and the path, shortened."""
+    not a directory, not one of the command's own ``inputs`` (it would be written over), each
+    missing parent creatable (they are created when the file is written), the place writable. A
+    failure names the flag and the path, shortened."""
     if given is None:
         return
     text, path = str(given), Path(given)
 
     def fail(reason: str) -> MemplanError:
         return MemplanError(f"{short(text, 100)}: {reason}", source=CLI, field=field)
+
+    for source in inputs:
+        if source is not None and Path(source).is_file() and path.is_file() and path.samefile(source):
+            raise fail("is this command's own input: it would be written over; give another file")
 
     if text.endswith(("/", "\\")) or _is_dir(path):
         raise fail("is a directory: give a file name")

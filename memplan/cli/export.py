@@ -172,7 +172,7 @@ def export(
     if to is None:
         targets = ", ".join(t.value for t in Target)
         raise MemplanError(f"missing option ({targets})", source=CLI, field="--to")
-    output_path(output, "--output")
+    output_path(output, "--output", inputs=(plan, model))
     if gradient_clipping is not None and not (math.isfinite(gradient_clipping) and gradient_clipping > 0):
         raise MemplanError(
             f"{gradient_clipping} is not a max gradient norm: give a positive finite number (1.0 is the usual)",

@@ -63,7 +63,7 @@ def parse_margin(text: str, capacity: int) -> int:
     """``5%`` of the capacity, or a size (``2GiB``), in bytes."""
     try:
         margin = round(float(text[:-1]) / 100 * capacity) if text.endswith("%") else parse_bytes(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: round(inf%)
         raise MemplanError(
             f"{text!r} is neither a percentage (5%) nor a size (2GiB)", source=CLI, field="--margin"
         ) from None
@@ -296,7 +296,7 @@ def tune(
             raise MemplanError(
                 f"unknown target {short(repr(export), 60)} ({', '.join(TARGETS)})", source=CLI, field="--export"
             )
-    output_path(out, "--out")  # before any search: a plan found cannot be lost to a bad path
+    output_path(out, "--out", inputs=(model,))  # before any search: a plan found cannot be lost to a bad path
     drawing = None
     if timeline is not None:
         from memplan.viz.output import check_output

@@ -122,7 +122,7 @@ def validate(
     ] = False,
 ) -> None:
     """Run a plan for a few steps with the bundled trainer; measured against predicted memory."""
-    output_path(out, "--out")  # before any work
+    output_path(out, "--out", inputs=(model, plan))  # before any work
     if snapshot is not None:  # the folder is checked before any work, the device once it is known
         check_snapshot_dir(snapshot)
     overrides = dict(

@@ -494,11 +494,6 @@ def test_check_measure_on_cuda_without_a_gpu_is_one_line(workdir):
     assert code == 2 and err.startswith(f"{PREFIX}command line: --device: cuda was asked for"), err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an output path that is the command's own input is written over it (cli/export.py, cli/check.py pass "
-    "no inputs to common.output_path); should be one line, exit 2, before any work",
-)
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [(["export", "plan.yaml", "--to", "deepspeed", "-o", "plan.yaml"], "--output"),
@@ -521,11 +516,6 @@ def test_memory_limit_beyond_a_float_is_one_line(workdir, argv):
     assert code == 2 and err.startswith(f"{PREFIX}command line: --memory-limit: "), err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli/tune.py parse_margin catches ValueError only: round(inf) and units.parse_bytes('1e400GiB') raise "
-    "OverflowError, an internal error (exit 1)",
-)
 @pytest.mark.parametrize("margin", ["1e400GiB", "inf%", "-inf%"])
 def test_tune_margin_beyond_a_float_is_one_line(workdir, margin):
     code, out, err = memplan(
