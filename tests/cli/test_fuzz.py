@@ -341,7 +341,7 @@ def _write(path: Path, data: bytes) -> None:
 # (a) estimate flags
 
 
-@settings(max_examples=200, **FUZZ)
+@settings(max_examples=100, **FUZZ)
 @given(argv=ESTIMATE_ARGV)
 def test_estimate_flags(workdir, argv):
     fuzz_run(argv)
@@ -363,7 +363,7 @@ PLAN_ARGV = st.tuples(st.sampled_from(["llama3-8b", "llama3-8b", "qwen2.5-7b"]),
 )
 
 
-@settings(max_examples=200, **FUZZ)
+@settings(max_examples=120, **FUZZ)
 @given(data=PLAN_BYTES, argv=PLAN_ARGV)
 def test_plan_files(workdir, data, argv):
     _write(workdir / "plan.yaml", data)
