@@ -87,6 +87,8 @@ def output_path(given: str | Path | None, field: str, inputs: tuple[str | Path |
     def fail(reason: str) -> MemplanError:
         return MemplanError(f"{short(text, 100)}: {reason}", source=CLI, field=field)
 
+    if not text.strip():
+        raise MemplanError("an empty path: give a file name", source=CLI, field=field)
     for source in inputs:
         if source is not None and Path(source).is_file() and path.is_file() and path.samefile(source):
             raise fail("is this command's own input: it would be written over; give another file")

@@ -135,6 +135,8 @@ class Plan(BaseModel):
             raise ValueError(f"lora_targets: {ALL_LINEAR} already names every linear layer; give it alone")
         if len(set(targets)) != len(targets):
             raise ValueError("lora_targets: a module is named twice")
+        if len(set(self.modules_to_save)) != len(self.modules_to_save):
+            raise ValueError("modules_to_save: a module is named twice")
         return self
 
     @property

@@ -953,3 +953,12 @@ def test_validate_refuses_a_run_larger_than_the_free_host_memory(tmp_path):
     pytest.importorskip("torch")
     proc = memplan("validate", "llama3-70b", "--device", "cpu", cwd=tmp_path)
     error_line(proc, CLI, "plan", "of host memory", "is free", "--force")
+
+
+def test_an_empty_output_path_and_a_module_saved_twice_are_refused(tmp_path):
+    """Fuzz findings: ``-o ""`` was reported as a directory; ``--modules-to-save lm_head,lm_head`` was accepted."""
+    (tmp_path / "p.yaml").write_text("model: llama3-8b\ngpus: 8\nplan: {zero: 3}\n")
+    proc = memplan("export", "p.yaml", "--to", "deepspeed", "-o", "", cwd=tmp_path)
+    error_line(proc, CLI, "--output", "an empty path")
+    proc = memplan("estimate", "llama3-8b", "--finetune", "lora", "--modules-to-save", "lm_head,lm_head", cwd=tmp_path)
+    error_line(proc, CLI, "--modules-to-save", "named twice")
