@@ -396,6 +396,12 @@ def hf_mlp(x: Shape) -> int:
     return mlp(x, 4)
 
 
+def every_expert_runs(model: ModelSpec) -> bool:
+    """transformers' Llama 4 MoE (``Llama4TextMoe``) runs every routed expert on every token, its
+    router scores zeroing the unchosen."""
+    return model.architecture == "llama4"
+
+
 def moe_extra(x: Shape, ep: int, gated_tensors: int, transformers: bool = False) -> int:
     """Extra activations of an MoE layer over a dense one (token-choice top-k routing).
 
@@ -414,7 +420,7 @@ def moe_extra(x: Shape, ep: int, gated_tensors: int, transformers: bool = False)
     moe = m.moe
     assert moe is not None
     tensors = gated_tensors if m.mlp == "gated" else 2
-    copies = moe.num_experts if transformers and m.architecture == "llama4" else moe.top_k
+    copies = moe.num_experts if transformers and every_expert_runs(m) else moe.top_k
     routed = x.tokens * copies
     expert_mlp = tensors * x.d * moe.expert_ffn_size
     shared = moe.num_shared_experts * tensors * x.d * moe.shared_ffn_size

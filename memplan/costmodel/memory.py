@@ -923,7 +923,7 @@ def _stage_phases(
     # complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
     layer_part = live_layer + layer_temp(x)
-    if _transformers_layers(rt) and model.architecture == "llama4" and layout.layers:
+    if _transformers_layers(rt) and A.every_expert_runs(model) and layout.layers:
         last = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, layout.stage)[-1]
         if model.is_moe_layer(last):
             layer_part = live_layer + llama4_moe_temp(x)

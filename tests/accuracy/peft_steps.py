@@ -175,49 +175,49 @@ class _NoHook:
         pass
 
 
-def measure(case: PeftCase, steps: int = 3, model=None) -> dict:
-    """Steady-state peak bytes of a training step and MemTracker's per-category snapshot at it."""
+def _setup(case: PeftCase, model=None):
+    """The model (built unless given), AdamW over its trainable parameters and the token ids."""
     if model is None:
         model = build(case)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
     torch.manual_seed(1)
-    ids = torch.randint(0, case.vocab, (case.batch, case.seq))
+    return model, opt, torch.randint(0, case.vocab, (case.batch, case.seq))
+
+
+def _steps(case: PeftCase, model, opt, ids, steps: int, after_step=lambda: None) -> None:
+    """The loop: ``out`` kept until the next forward, as ``runtime()`` says."""
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after_step()
+
+
+def measure(case: PeftCase, steps: int = 3, model=None) -> dict:
+    """Steady-state peak bytes of a training step and MemTracker's per-category snapshot at it."""
+    model, opt, ids = _setup(case, model)
     tracker = MemTracker()
     for param in model.parameters():
         if not param.requires_grad:  # MemTracker would hook every parameter's gradient
             tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
     tracker.track_external(model, opt, *quant_state_tensors(model))
     with tracker:
-        for _ in range(steps):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
-                out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            tracker.reset_mod_stats()
+        _steps(case, model, opt, ids, steps, tracker.reset_mod_stats)
     return dict(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
 
 
 def measure_live(case: PeftCase, steps: int = 3, model=None) -> int:
     """Steady-state peak bytes of the same steps counted by :class:`StorageTracker`: MemTracker's
     accounting without the module hooks that keep a checkpointed run's input leaf alive."""
-    if model is None:
-        model = build(case)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
-    torch.manual_seed(1)
-    ids = torch.randint(0, case.vocab, (case.batch, case.seq))
+    model, opt, ids = _setup(case, model)
     tracker = StorageTracker()
     tracker.track_module(model)
     tracker.track(*quant_state_tensors(model))
     with tracker:
-        for _ in range(steps):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
-                out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        _steps(case, model, opt, ids, steps)
     return tracker.peak
 
 
