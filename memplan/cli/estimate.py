@@ -21,6 +21,7 @@ from memplan.cli.common import (
     finetune_overrides,
     warn,
 )
+from memplan.costmodel.optimizer import paged_residency
 from memplan.costmodel.time import Efficiency
 from memplan.estimate import EstimateResult
 from memplan.estimate import estimate as run_estimate
@@ -61,7 +62,13 @@ def estimate(
     precision: Annotated[
         str | None, Opt(help="fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8.", rich_help_panel=PLAN)
     ] = None,
-    optimizer: Annotated[str | None, Opt(help="adamw, sgd, adafactor, adamw-8bit.", rich_help_panel=PLAN)] = None,
+    optimizer: Annotated[
+        str | None,
+        Opt(
+            help="adamw, sgd, adafactor, adamw-8bit, paged-adamw-8bit|32bit, paged-lion-8bit|32bit.",
+            rich_help_panel=PLAN,
+        ),
+    ] = None,
     offload_optimizer: Annotated[str | None, Opt(help="none, cpu or nvme.", rich_help_panel=PLAN)] = None,
     offload_params: Annotated[str | None, Opt(help="none, cpu or nvme (ZeRO-3).", rich_help_panel=PLAN)] = None,
     attention: Annotated[
@@ -256,6 +263,13 @@ def render(result: EstimateResult, console: Console) -> None:
     )
     if mem.offload.cpu or mem.offload.nvme:
         console.print(f"offloaded per rank: CPU {_gib(mem.offload.cpu)}, NVMe {_gib(mem.offload.nvme)}")
+    if mem.paged_optimizer_states:
+        resident, host = paged_residency(mem.paged_optimizer_states, result.headroom_bytes)
+        console.print(
+            f"paged optimizer states: {_gib(mem.paged_optimizer_states)} in CUDA unified memory, outside the "
+            f"allocator (not in peak reserved): {_gib(resident)} stay on the device beside the peak, "
+            f"{_gib(host)} page to the host and back each step"
+        )
     if result.time is not None:
         t = result.time
         console.print(
