@@ -24,7 +24,7 @@ from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
 from memplan.search.evaluate import Context
-from memplan.search.space import SpaceOptions, global_batch_range
+from memplan.search.space import SpaceOptions, activation_offloads, global_batch_range
 from memplan.search.tuning import DEFAULT_STORAGE, Hooks, TuneRequest, TuneResult, plan_yaml
 from memplan.search.validation import ValidationSettings
 from memplan.specs.hardware import ClusterSpec
@@ -180,7 +180,12 @@ def tune(
     optimizer: Annotated[OptimizerName, Opt(help="Optimizer.", rich_help_panel=SPACE)] = "adamw",
     allow_offload: Annotated[
         bool,
-        Opt("--allow-offload", help="Also try CPU offload of optimizer states (and params).", rich_help_panel=SPACE),
+        Opt(
+            "--allow-offload",
+            help="Also try CPU offload of optimizer states (and params) and, under --runtime hf or hf-loop, of "
+            "activations.",
+            rich_help_panel=SPACE,
+        ),
     ] = False,
     finetune: Annotated[
         Literal["full", "lora", "qlora"],
@@ -211,8 +216,12 @@ def tune(
         Opt("--sequence-parallel/--no-sequence-parallel", help="Sequence parallelism with TP.", rich_help_panel=SPACE),
     ] = True,
     runtime: Annotated[
-        Literal["memplan", "hf", "hf-loop", "megatron"], Opt(help="Activation accounting.", rich_help_panel=SPACE)
-    ] = "memplan",
+        Literal["memplan", "hf", "hf-loop", "megatron"] | None,
+        Opt(
+            help="Activation accounting (default: hf with --finetune lora or qlora, else memplan).",
+            rich_help_panel=SPACE,
+        ),
+    ] = None,
     allocator: Annotated[
         Literal["default", "expandable"] | None,
         Opt(
@@ -311,6 +320,7 @@ def tune(
     card = chosen.spec
     cluster = _cluster(gpus, nodes)
     limit = memory_limit_bytes(memory_limit)
+    runtime = runtime or ("hf" if finetune != "full" else "memplan")  # as estimate resolves a fine-tuning plan
     options = SpaceOptions(
         gpus=gpus,
         gpus_per_node=cluster.gpus_per_node,
@@ -320,6 +330,7 @@ def tune(
         max_micro_batch=max_micro_batch,
         precisions=parse_precisions(precision),
         allow_offload=allow_offload,
+        offload_activations=activation_offloads(allow_offload, runtime),
         max_cp=max_cp,
         sequence_parallel=sequence_parallel,
         optimizer=optimizer,
@@ -553,7 +564,7 @@ def _table(result: TuneResult) -> Table:
         "ep": any(e.plan.ep > 1 for e in evs),
         "global batch": len({e.workload.global_batch for e in evs}) > 1,
         "precision": len({e.plan.precision for e in evs}) > 1,
-        "offload": any(e.plan.offload_optimizer != "none" for e in evs),
+        "offload": any(e.candidate.offload_label != "none" for e in evs),
         "validated": any(r.validation for r in plans),
         "trial": not result.exhaustive,
     }
@@ -573,7 +584,7 @@ def _table(result: TuneResult) -> Table:
             "#": str(r.rank), "trial": "-" if r.trial is None else str(r.trial), "dp": str(p.dp), "tp": str(p.tp),
             "pp": pp, "cp": str(p.cp), "ep": str(p.ep), "zero": str(p.zero), "recompute": p.recompute,
             "micro-batch": str(e.workload.micro_batch), "global batch": str(e.workload.global_batch),
-            "precision": p.precision, "offload": e.candidate.coordinates["offload"],
+            "precision": p.precision, "offload": e.candidate.offload_label,
             "peak GiB": _gib(e.peak_reserved_bytes), "headroom GiB": _gib(e.headroom_bytes),
             "tokens/s": f"{e.tokens_per_s:,.0f}", "MFU": f"{100 * e.mfu:.1f}%",
             "run": "-" if v is None else (v.status + (" (sim.)" if v.simulated else "")),
