@@ -19,7 +19,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memplan.cli.common import gpu_and_count, memory_limit_bytes, name_list, output_path, warn
+from memplan.cli.common import (
+    HOST_MEMORY_HELP,
+    gpu_and_count,
+    host_memory_bytes,
+    memory_limit_bytes,
+    name_list,
+    output_path,
+    warn,
+)
 from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
@@ -187,6 +195,7 @@ def tune(
             rich_help_panel=SPACE,
         ),
     ] = False,
+    host_memory: Annotated[str | None, Opt(help=HOST_MEMORY_HELP, rich_help_panel=SPACE)] = None,
     finetune: Annotated[
         Literal["full", "lora", "qlora"],
         Opt(help="full training, or LoRA adapters over a frozen (qlora: NF4) base.", rich_help_panel=SPACE),
@@ -320,6 +329,7 @@ def tune(
     card = chosen.spec
     cluster = _cluster(gpus, nodes)
     limit = memory_limit_bytes(memory_limit)
+    host_bytes, host_source = host_memory_bytes(host_memory, chosen.note)
     runtime = runtime or ("hf" if finetune != "full" else "memplan")  # as estimate resolves a fine-tuning plan
     options = SpaceOptions(
         gpus=gpus,
@@ -360,6 +370,7 @@ def tune(
         model_ref=model, gpu_ref=chosen.ref, ctx=ctx, options=options, objective=objective, trials=trials,
         exhaustive=exhaustive, seed=seed, study=study, storage=storage, top=top, validate=validate,
         validation=settings, calibration_path=cal_path, export_target=export,
+        host_memory_bytes=host_bytes, host_memory_source=host_source,
     )  # fmt: skip
     result = _run(request, show=format == "table")
     out_path = Path(out)
@@ -511,6 +522,12 @@ def render(result: TuneResult, console: Console, model_ref: str) -> None:
     if result.search_reason:
         console.print(f"search: {'every plan' if result.exhaustive else 'Optuna study'}, {result.search_reason}",
                       soft_wrap=True, highlight=False)  # fmt: skip
+    if result.host_memory_bytes is not None:
+        console.print(
+            f"host memory per node: {format_bytes(result.host_memory_bytes)} ({result.host_memory_source}); "
+            "a plan keeping more there (CPU offload, pinned) does not fit",
+            soft_wrap=True,
+        )
     if result.calibration:
         c = result.calibration
         console.print(

@@ -25,6 +25,7 @@ _FLAGS = {
     "offload": "--allow-offload",
     "ZeRO-Offload": "--allow-offload",
     "ZeRO-3 with parameters": "--allow-offload",
+    "ZeRO-Infinity": "--allow-offload",
     "precision": "--precision",
     "8-bit AdamW": "--optimizer adamw-8bit",
     "micro-batch": "--micro-batch",

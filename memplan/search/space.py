@@ -32,7 +32,8 @@ Fine-tuning (``finetune: lora | qlora``) keeps its adapter settings (rank, targe
 modules trained in full) fixed over the space. With offload allowed, one GPU (dp x cp = 1) is
 also tried with ZeRO-1 and the optimizer on the CPU (ZeRO-Offload, as DeepSpeed runs it on one GPU)
 and with ZeRO-3 and the optimizer and parameters on the CPU (ZeRO-Infinity's CPU offload, FSDP2's
-CPUOffloadPolicy).
+CPUOffloadPolicy), and with ZeRO-3 and the optimizer states on NVMe, the parameters on the GPU,
+the CPU or NVMe (ZeRO-Infinity's NVMe tier).
 
 Sequence parallelism is on whenever tp > 1 (it only saves memory and costs no extra
 communication: Korthikanti et al. 2022). Every plan passes ``check_compatible``.
@@ -45,7 +46,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import product
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -59,7 +60,9 @@ from memplan.specs.workload import TrainingWorkload
 CP_FROM_SEQ_LEN = 16384  # context parallelism is offered from this sequence length up
 CP_MAX = 8
 RECOMPUTE = ("none", "selective", "selective-op", "full")
-Offload = Literal["none", "optimizer", "optimizer+params"]
+# what a plan offloads, as a coordinate: "none", "optimizer", "optimizer+params", with "(nvme)" after
+# what goes to NVMe ("optimizer(nvme)+params", "optimizer(nvme)+params(nvme)")
+Offload = str
 # the order Optuna samples the dimensions in, and the order of a plan's coordinates
 DIMENSIONS = (
     "tp",
@@ -136,7 +139,9 @@ class Candidate:
         p, w = self.plan, self.workload
         offload = "none"
         if p.offload_optimizer != "none":
-            offload = "optimizer+params" if p.offload_params != "none" else "optimizer"
+            offload = "optimizer" + ("(nvme)" if p.offload_optimizer == "nvme" else "")
+            if p.offload_params != "none":
+                offload += "+params" + ("(nvme)" if p.offload_params == "nvme" else "")
         return {
             "tp": p.tp,
             "pp": p.pp,
@@ -329,11 +334,18 @@ def zero_choices(dp: int, cp: int, allow_offload: bool) -> tuple[int, ...]:
     return (0, 1, 3) if allow_offload else (0,)
 
 
+# ZeRO-3 on one rank with NVMe (ZeRO-Infinity): the optimizer states on NVMe (DeepSpeed offloads
+# to NVMe under stage 3 only), the parameters on the GPU, the CPU or NVMe
+NVME_ONE_RANK = [("nvme", "none"), ("nvme", "cpu"), ("nvme", "nvme")]
+
+
 def offload_choices(zero: int, allow: bool, sharded: bool = True) -> list[tuple[str, str]]:
     """(offload_optimizer, offload_params) pairs. ZeRO on one rank runs only with offload: stage 1
-    with the optimizer on the CPU, stage 3 with the optimizer and the parameters."""
+    with the optimizer on the CPU, stage 3 with the optimizer and the parameters on the CPU, or
+    the optimizer on NVMe (:data:`NVME_ONE_RANK`): what people run on one GPU when the host's RAM
+    cannot hold the CPU tier (the time model charges the NVMe traffic, ``time._nvme``)."""
     if not sharded and zero >= 1:
-        return [("cpu", "cpu")] if zero == 3 else [("cpu", "none")]
+        return [("cpu", "cpu"), *NVME_ONE_RANK] if zero == 3 else [("cpu", "none")]
     out = [("none", "none")]
     if allow and zero >= 1:
         out.append(("cpu", "none"))

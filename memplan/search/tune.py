@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from memplan.costmodel.host import host_memory
+from memplan.costmodel.memory import estimate_memory
 from memplan.errors import MemplanError
 from memplan.search import study as S
 from memplan.search.advice import lowest_peak, what_would_fit
@@ -176,7 +178,7 @@ def _fitting(
     """The fitting plans best first (the Pareto front for ``pareto``); when none, the plan of
     the whole space closest to fitting (memory model only)."""
     ranked = pareto_front(evaluations) if req.objective == "pareto" else rank(evaluations, req.objective)
-    fitting = _replay_until(ranked, max(req.top, req.validate), req.ctx)
+    fitting = _replay_until(ranked, max(req.top, req.validate), req.ctx, req.host_memory_bytes)
     if req.objective == "pareto":  # the replay moves peaks: a plan may now be dominated
         fitting = pareto_front(fitting)
     if fitting:
@@ -188,16 +190,28 @@ def _fitting(
 REPLAY_BUDGET = 4  # replays per reported plan before the search stops looking further down
 
 
-def _replay_until(ranked: list[Evaluation], wanted: int, ctx: Context) -> list[Evaluation]:
+def host_fits(ev: Evaluation, ctx: Context, host_bytes: int | None) -> bool:
+    """Whether the node's host memory holds what the plan keeps there (``costmodel.host``: CPU
+    offload, pinned, and paged optimizer states beyond the device's headroom); True when unknown."""
+    if host_bytes is None:
+        return True
+    report = estimate_memory(ctx.model, ev.workload, ev.plan, ctx.runtime, ctx.device)
+    ranks = min(ctx.cluster.gpus_per_node, ev.plan.world_size)
+    return host_memory(report, ranks, ev.headroom_bytes, host_bytes, "").fits
+
+
+def _replay_until(
+    ranked: list[Evaluation], wanted: int, ctx: Context, host_bytes: int | None = None
+) -> list[Evaluation]:
     """The first ``wanted`` plans, best first, that still fit when their runs are replayed
-    through the caching allocator model (the fast form only screens them); at most
-    ``REPLAY_BUDGET x wanted`` replays."""
+    through the caching allocator model (the fast form only screens them) and whose host share
+    fits the node's host memory (when known); at most ``REPLAY_BUDGET x wanted`` replays."""
     out: list[Evaluation] = []
     tries = 0
     for ev in ranked:
         if len(out) == wanted or tries == REPLAY_BUDGET * wanted:
             break
-        if ev.fits:
+        if ev.fits and host_fits(ev, ctx, host_bytes):
             tries += 1
             if (ev := replayed(ev, ctx)).fits:
                 out.append(ev)
@@ -255,6 +269,8 @@ def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
         fixes=what_would_fit(closest, req.options, req.ctx, keep) if closest is not None else [],
         calibration_written=written,
         micro_batch_ladder=_ladder(req, top),
+        host_memory_bytes=req.host_memory_bytes,
+        host_memory_source=req.host_memory_source,
     )
 
 
