@@ -96,6 +96,10 @@ def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> l
         out.append(("precision bf16-master", {"precision": "bf16-master"}, {}))
     if training and plan.optimizer == "adamw":
         out.append(("8-bit AdamW", {"optimizer": "adamw-8bit"}, {}))
+    if training and plan.optimizer in ("adamw", "adamw-8bit") and plan.offload_optimizer == "none":
+        # the states leave the allocator for CUDA unified memory (optimizer.paged_state_bytes); the
+        # step time charges what pages to the host and back (time.paged_optimizer_s)
+        out.append(("paged 8-bit AdamW", {"optimizer": "paged-adamw-8bit"}, {}))
     if not training and workload.kv_dtype in ("bf16", "fp16", "fp32"):
         out.append(("fp8 KV cache", {}, {"kv_dtype": "fp8"}))
     return out

@@ -26,8 +26,8 @@ from memplan.costmodel import params as P
 from memplan.costmodel.activations import layer_matmul_widths
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.layout import stage_layer_indices
-from memplan.costmodel.memory import activation_offload_bytes, gradient_accumulation, sdpa_kind
-from memplan.costmodel.optimizer import state_bytes_per_param
+from memplan.costmodel.memory import activation_offload_bytes, estimate_memory, gradient_accumulation, sdpa_kind
+from memplan.costmodel.optimizer import is_paged, paged_residency, state_bytes_per_param
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.runtimes import RUNTIMES
 from memplan.specs.hardware import ClusterSpec, GPUSpec
@@ -481,6 +481,8 @@ def estimate_time(
         breakdown["activation_offload"] = m * activation_offload_s(moved, gpu.pcie_bytes_per_s, per_mb, mechanism)
     breakdown.update(_data_parallel(model, plan, policy, m, per_mb, dp_size, dp_link, gpu.pcie_bytes_per_s, eff))
     breakdown.update(_nvme(model, plan, policy, m, dp_size, cluster))
+    if is_paged(plan.optimizer):
+        breakdown["paged_optimizer"] = paged_optimizer_s(model, workload, plan, gpu, runtime)
     breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach_adamw(plan, runtime)))
     step = sum(breakdown.values()) * eff.calibration
     breakdown = {k: v * eff.calibration for k, v in breakdown.items() if v}
@@ -652,6 +654,20 @@ def _params_pcie_s(plan: Plan, policy, m: int, shard_params: float, pcie_bytes_p
     if plan.offload_params == "none":
         return 0.0
     return 2 * m * shard_params * policy.param_bytes / pcie_bytes_per_s
+
+
+def paged_optimizer_s(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu: GPUSpec, runtime: str) -> float:
+    """Seconds a step spends paging bitsandbytes' paged optimizer states: what does not stay on
+    the device beside the step's reserved peak (``optimizer.paged_residency``, the capacity less
+    the memory outside the allocator) is evicted to the host while the forward and backward fill
+    the device and paged back for the optimizer step (``prefetch_state``), once each way over
+    PCIe at the profile's bandwidth; page-fault migration being slower than a bulk copy, a floor.
+    The peak is the fast form's (the search's); the allocator replay ``memplan estimate`` shows can
+    hold more (its cached free blocks), and then more pages than charged here."""
+    report = estimate_memory(model, workload, plan, runtime)
+    headroom = gpu.capacity_bytes - report.overhead - report.peak.reserved
+    _, spilled = paged_residency(report.paged_optimizer_states, headroom)
+    return 2 * spilled / gpu.pcie_bytes_per_s
 
 
 def _nvme(model: ModelSpec, plan: Plan, policy, m: int, n: int, cluster: ClusterSpec) -> dict[str, float]:  # noqa: ANN001

@@ -28,6 +28,7 @@ _FLAGS = {
     "ZeRO-Infinity": "--allow-offload",
     "precision": "--precision",
     "8-bit AdamW": "--optimizer adamw-8bit",
+    "paged 8-bit AdamW": "--optimizer paged-adamw-8bit",
     "micro-batch": "--micro-batch",
     "sequence parallelism": "--sequence-parallel",
 }

@@ -108,3 +108,16 @@ def test_a_paged_optimizer_is_reported_outside_the_allocator():
     assert "paged optimizer states: 0.19 GiB in CUDA unified memory" in out
     code, out, err = memplan("estimate", *A100, "--optimizer", "paged-adamw", "--format", "json")
     assert code == 2 and "--optimizer" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_files_take_the_paged_names(tmp_path):
+    good = tmp_path / "paged.yaml"
+    good.write_text("model: llama3-8b\ngpus: 1\nplan:\n  finetune: qlora\n  optimizer: paged-adamw-8bit\n")
+    code, out, err = memplan("estimate", "llama3-8b", "--plan", str(good), "--gpu", "rtx-4090", "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["plan"]["optimizer"] == "paged-adamw-8bit"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: llama3-8b\ngpus: 1\nplan:\n  optimizer: paged_adamw_8bit\n")  # transformers' spelling
+    code, out, err = memplan("estimate", "llama3-8b", "--plan", str(bad), "--gpu", "rtx-4090")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "plan.optimizer" in err

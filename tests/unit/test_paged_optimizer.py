@@ -127,3 +127,45 @@ def test_bitsandbytes_on_cpu_falls_back_to_the_same_state_bytes(cls, plain, name
     blocks = count * (elements // 256) * 4 if "8bit" in name else 0  # an fp32 absmax per 256 values
     per = O.paged_bytes_per_param(name)
     assert paged == elements * per + blocks + qmaps
+
+
+def test_the_step_time_charges_what_pages_beyond_the_headroom():
+    from memplan.costmodel.time import estimate_time, paged_optimizer_s
+    from memplan.specs.hardware import ClusterSpec
+    from memplan.specs.loader import load_gpu
+
+    a100, one = load_gpu("a100-80gb"), ClusterSpec(gpus_per_node=1)
+    plan = Plan(precision="bf16-mixed", optimizer="paged-adamw-32bit")  # 60 GiB of fp32 states
+    report = estimate_memory(L8, WORK, plan, "memplan")
+    headroom = a100.capacity_bytes - report.overhead - report.peak.reserved
+    _, spilled = O.paged_residency(report.paged_optimizer_states, headroom)
+    assert spilled > 0
+    seconds = paged_optimizer_s(L8, WORK, plan, a100, "memplan")
+    assert seconds == pytest.approx(2 * spilled / a100.pcie_bytes_per_s)
+    t = estimate_time(L8, WORK, plan, a100, one)
+    assert t.breakdown["paged_optimizer"] == pytest.approx(seconds)
+    unpaged = estimate_time(L8, WORK, plan.model_copy(update={"optimizer": "adamw"}), a100, one)
+    assert "paged_optimizer" not in unpaged.breakdown
+
+
+def test_a_card_too_small_for_the_states_is_advised_the_paged_optimizer():
+    """phi3-mini in bf16 on an RTX 4090 does not fit with AdamW's states; paged 8-bit AdamW
+    takes them out of the allocator and fits, with the flag tune needs to search it."""
+    import io
+    import json
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from memplan.cli.app import run
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = run(["estimate", "phi3-mini", "--gpus", "1", "--gpu", "rtx-4090", "--precision", "bf16",
+                    "--recompute", "full", "--format", "json"])  # fmt: skip
+    assert code == 0, err.getvalue()
+    data = json.loads(out.getvalue())
+    assert not data["fits"]
+    paged = next(s for s in data["suggestions"] if s["change"] == "paged 8-bit AdamW")
+    assert paged["fits"] and paged["step_time_s"] > 0
+    from memplan.search.advice import _flag
+
+    assert _flag("paged 8-bit AdamW") == "--optimizer paged-adamw-8bit"
