@@ -556,12 +556,20 @@ def render(result: TuneResult, console: Console, model_ref: str) -> None:
         console.print(f"calibration of {w['gpu']} updated in {w['path']}: {step}, peak x{w['peak_ratio']:.3f}")
     if result.closest is not None:
         c = result.closest
-        console.print(
-            f"[red]nothing fits[/]: the closest plan, {c.candidate.describe()}, peaks at "
-            f"{format_bytes(c.peak_reserved_bytes)} reserved ({format_bytes(c.peak_reserved_bytes - c.limit_bytes)} "
-            "over)",
-            soft_wrap=True,
-        )
+        if c.fits:  # the device holds it; the node's host memory (--host-memory) does not
+            console.print(
+                f"[red]nothing fits[/] the host memory: the closest plan, {c.candidate.describe()}, fits the device "
+                f"({format_bytes(c.peak_reserved_bytes)} reserved) but keeps more than "
+                f"{format_bytes(result.host_memory_bytes or 0)} in the node's RAM ({result.host_memory_source})",
+                soft_wrap=True,
+            )
+        else:
+            console.print(
+                f"[red]nothing fits[/]: the closest plan, {c.candidate.describe()}, peaks at "
+                f"{format_bytes(c.peak_reserved_bytes)} reserved "
+                f"({format_bytes(c.peak_reserved_bytes - c.limit_bytes)} over)",
+                soft_wrap=True,
+            )
         if result.fixes:
             table = Table(title="What would make it fit")
             for col in ("change", "peak reserved GiB", "limit GiB"):

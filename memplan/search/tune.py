@@ -16,11 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from memplan.costmodel.advice import host_suggestions
 from memplan.costmodel.host import host_memory
 from memplan.costmodel.memory import estimate_memory
 from memplan.errors import MemplanError
 from memplan.search import study as S
-from memplan.search.advice import lowest_peak, what_would_fit
+from memplan.search.advice import Fix, lowest_peak, what_would_fit
 from memplan.search.calibration import load_calibration, save_calibration, with_runs
 from memplan.search.evaluate import Context, Evaluation, evaluate, evaluate_all, pareto_front, rank, replayed
 from memplan.search.seeds import seeds
@@ -184,7 +185,9 @@ def _fitting(
     if fitting:
         return fitting, None
     closest = _closest(space, req.ctx)
-    return ([closest], None) if closest.fits else ([], closest)  # fits: the study missed it
+    if closest.fits and host_fits(closest, req.ctx, req.host_memory_bytes):
+        return [closest], None  # the study missed it
+    return [], closest
 
 
 REPLAY_BUDGET = 4  # replays per reported plan before the search stops looking further down
@@ -266,12 +269,34 @@ def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
         top=top,
         recommended=next((r for r in top if not (r.validation and r.validation.status == "oom")), None),
         closest=closest,
-        fixes=what_would_fit(closest, req.options, req.ctx, keep) if closest is not None else [],
+        fixes=_fixes(req, closest, keep),
         calibration_written=written,
         micro_batch_ladder=_ladder(req, top),
         host_memory_bytes=req.host_memory_bytes,
         host_memory_source=req.host_memory_source,
     )
+
+
+def _fixes(req: TuneRequest, closest: Evaluation | None, keep: Callable[[Candidate, Context], bool] | None) -> list:
+    """What would make the closest plan fit: when it fits the device and not the node's host
+    memory, the changes that move its host share to NVMe or back (``advice.host_suggestions``);
+    else the device's (``search.advice.what_would_fit``)."""
+    if closest is None:
+        return []
+    if not closest.fits:
+        return what_would_fit(closest, req.options, req.ctx, keep)
+    ctx, host = req.ctx, req.host_memory_bytes or 0
+    ranks = min(ctx.cluster.gpus_per_node, closest.plan.world_size)
+    limit = ctx.limit_bytes - closest.overhead_bytes
+    found = host_suggestions(
+        ctx.model, closest.workload, closest.plan, ctx.runtime, limit, closest.peak_reserved_bytes, ranks, host,
+        ctx.device,
+    )  # fmt: skip
+    return [
+        Fix(kind="plan", change=f"{s.change} (--allow-offload)", peak_reserved_bytes=s.reserved, limit_bytes=limit)
+        for s in found
+        if s.fits
+    ]
 
 
 LADDER_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)

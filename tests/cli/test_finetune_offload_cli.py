@@ -121,3 +121,19 @@ def test_plan_files_take_the_paged_names(tmp_path):
     bad.write_text("model: llama3-8b\ngpus: 1\nplan:\n  optimizer: paged_adamw_8bit\n")  # transformers' spelling
     code, out, err = memplan("estimate", "llama3-8b", "--plan", str(bad), "--gpu", "rtx-4090")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "plan.optimizer" in err
+
+
+def test_tune_says_when_only_the_host_memory_is_short(tmp_path):
+    """1 GiB of host memory holds no offloaded plan, and on one A100 every plan that fits the
+    device offloads: nothing is recommended, and the output says it is the host, not the device."""
+    code, out, err = memplan(
+        "tune", *A100, "--allow-offload", "--host-memory", "1GiB", "--out", str(tmp_path / "p.yaml"), "--format", "json"
+    )
+    assert code == 1, err
+    result = json.loads(out)
+    assert result["recommended"] is None and result["closest"]["fits"]
+    code, out, err = memplan(
+        "tune", *A100, "--allow-offload", "--host-memory", "1GiB", "--out", str(tmp_path / "p.yaml")
+    )
+    assert code == 1 and "nothing fits the host memory" in out and "fits the device" in out
+    assert not (tmp_path / "p.yaml").exists()
