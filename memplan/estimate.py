@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from memplan.costmodel.advice import Suggestion, suggest
+from memplan.costmodel.advice import Suggestion, host_suggestions, suggest
+from memplan.costmodel.host import HostMemory, host_memory
 from memplan.costmodel.memory import estimate_memory, sdpa_kind
 from memplan.costmodel.overhead import fast_reserved_bytes
 from memplan.costmodel.params import active_params, total_params
@@ -49,6 +50,7 @@ class EstimateResult(BaseModel):
     suggestions: list[SuggestionOut]
     time: TimeReport | None = None  # training only: the step-time model (docs/cost-model.md)
     warnings: list[str] = []  # legal but suspicious inputs (a sequence beyond the model's positions)
+    host: HostMemory | None = None  # training: each node's host memory against what the plan keeps there
 
 
 def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
@@ -151,10 +153,17 @@ def _allocator_suggestion(report: MemoryReport) -> list[Suggestion]:
 
 
 def estimate(
-    job: Job, with_suggestions: bool = True, efficiency: Efficiency | None = None, device: Device = "cuda"
+    job: Job,
+    with_suggestions: bool = True,
+    efficiency: Efficiency | None = None,
+    device: Device = "cuda",
+    host_memory_bytes: int | None = None,
+    host_source: str = "",
 ) -> EstimateResult:
     """Estimate one job for ``device`` (a GPU profile's CUDA, or a CPU run of the trainer);
-    when it does not fit, rank single changes that would help."""
+    when it does not fit, rank single changes that would help. With ``host_memory_bytes`` (per
+    node; ``host_source`` says where it comes from) a training plan whose offloaded bytes exceed
+    it does not fit either (``costmodel.host``)."""
     report = estimate_memory(job.model, job.workload, job.plan, job.runtime, device)
     time = None
     if isinstance(job.workload, TrainingWorkload):
@@ -162,8 +171,24 @@ def estimate(
     capacity = job.gpu.capacity_bytes
     limit = capacity - report.overhead
     report, fits, reason = _allocator_verdict(job, report, limit, device)
+    host = None
+    if isinstance(job.workload, TrainingWorkload):
+        ranks = min(job.cluster.gpus_per_node, job.plan.world_size)
+        host = host_memory(report, ranks, limit - report.peak.reserved, host_memory_bytes, host_source)
     suggestions = []
-    if with_suggestions and not fits:
+    if fits and host is not None and not host.fits:
+        # the device fits and the host does not: what moves the host's share to NVMe or back to the GPU
+        fits, reason = False, host.reason()
+        if with_suggestions:
+            found = host_suggestions(
+                job.model, job.workload, job.plan, job.runtime, limit, report.peak.reserved, ranks,
+                host.available_bytes or 0, device,
+            )  # fmt: skip
+            suggestions = [
+                SuggestionOut(change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits)
+                for s in found
+            ]
+    elif with_suggestions and not fits:
         # single changes are screened with the fast form, compared with the same form of this plan
         current = fast_reserved_bytes(report.peak.allocated)
         found = suggest(
@@ -207,4 +232,5 @@ def estimate(
         suggestions=suggestions,
         time=time,
         warnings=list(job.warnings),
+        host=host,
     )

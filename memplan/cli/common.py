@@ -131,19 +131,40 @@ def warn(lines: tuple[str, ...] | list[str]) -> None:
         print(f"memplan: warning: {' '.join(line.split())}", file=sys.stderr)
 
 
-def memory_limit_bytes(text: str | None) -> int | None:
-    """``--memory-limit`` (e.g. ``2GiB``) in bytes; None when not given."""
+def memory_limit_bytes(text: str | None, field: str = "--memory-limit") -> int | None:
+    """``--memory-limit`` (e.g. ``2GiB``; or the size flag ``field``) in bytes; None when not given."""
     if text is None:
         return None
     try:
         limit = parse_bytes(text)
     except ValueError as err:
-        raise MemplanError(str(err), source=CLI, field="--memory-limit") from None
+        raise MemplanError(str(err), source=CLI, field=field) from None
     except OverflowError:  # 1e400GiB: a float too large to be a number of bytes
-        raise MemplanError(f"{short(text, 60)!r} is not a finite size", source=CLI, field="--memory-limit") from None
+        raise MemplanError(f"{short(text, 60)!r} is not a finite size", source=CLI, field=field) from None
     if limit <= 0:
-        raise MemplanError("must be a positive size, e.g. 2GiB", source=CLI, field="--memory-limit")
+        raise MemplanError("must be a positive size, e.g. 2GiB", source=CLI, field=field)
     return limit
+
+
+HOST_MEMORY_HELP = (
+    "Host RAM per node (e.g. 64GiB): CPU-offloaded states and activations (pinned) must fit in it. "
+    "Default: this machine's MemTotal when --gpu auto detected the GPU here; else not checked."
+)
+
+
+def host_memory_bytes(text: str | None, gpu_note: str) -> tuple[int | None, str]:
+    """``--host-memory`` in bytes and where the figure comes from: as given; else, when ``--gpu auto``
+    detected the GPU on this machine (its note says ``detected``), this machine's MemTotal; else
+    (None, "") and nothing is checked (``costmodel.host``)."""
+    if text is not None:
+        size = memory_limit_bytes(text, "--host-memory")
+        return size, "--host-memory"
+    if "(detected:" in gpu_note:
+        from memplan.costmodel.host import mem_total_bytes
+
+        total = mem_total_bytes()
+        return (total, "MemTotal of this machine, where the GPU was detected") if total else (None, "")
+    return None, ""
 
 
 def name_list(text: str | None, field: str) -> tuple[str, ...] | None:

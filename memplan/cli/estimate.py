@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan.cli.common import (
+    HOST_MEMORY_HELP,
     DoubleQuantOpt,
     FinetuneOpt,
     LoraDropoutOpt,
@@ -19,8 +20,10 @@ from memplan.cli.common import (
     OffloadActivationsOpt,
     QuantOpt,
     finetune_overrides,
+    host_memory_bytes,
     warn,
 )
+from memplan.costmodel.optimizer import paged_residency
 from memplan.costmodel.time import Efficiency
 from memplan.estimate import EstimateResult
 from memplan.estimate import estimate as run_estimate
@@ -61,7 +64,13 @@ def estimate(
     precision: Annotated[
         str | None, Opt(help="fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8.", rich_help_panel=PLAN)
     ] = None,
-    optimizer: Annotated[str | None, Opt(help="adamw, sgd, adafactor, adamw-8bit.", rich_help_panel=PLAN)] = None,
+    optimizer: Annotated[
+        str | None,
+        Opt(
+            help="adamw, sgd, adafactor, adamw-8bit, paged-adamw-8bit|32bit, paged-lion-8bit|32bit.",
+            rich_help_panel=PLAN,
+        ),
+    ] = None,
     offload_optimizer: Annotated[str | None, Opt(help="none, cpu or nvme.", rich_help_panel=PLAN)] = None,
     offload_params: Annotated[str | None, Opt(help="none, cpu or nvme (ZeRO-3).", rich_help_panel=PLAN)] = None,
     attention: Annotated[
@@ -107,6 +116,7 @@ def estimate(
     ] = None,
     gpus: Annotated[int | None, Opt(help="Total GPUs.", rich_help_panel=HW)] = None,
     nodes: Annotated[int | None, Opt(help="Nodes.", rich_help_panel=HW)] = None,
+    host_memory: Annotated[str | None, Opt(help=HOST_MEMORY_HELP, rich_help_panel=HW)] = None,
     calibration: Annotated[
         bool,
         Opt(
@@ -172,7 +182,14 @@ def estimate(
         nodes=nodes,
     )
     job = resolve_job(model, plan, overrides, inference=inference, default_gpu=AUTO)
-    result = run_estimate(job, efficiency=_efficiency(job.gpu) if calibration else None, device=device)
+    host_bytes, host_source = host_memory_bytes(host_memory, job.gpu_note)
+    result = run_estimate(
+        job,
+        efficiency=_efficiency(job.gpu) if calibration else None,
+        device=device,
+        host_memory_bytes=host_bytes,
+        host_source=host_source,
+    )
     if job.gpu_note:  # --gpu auto: which GPU and why, in the header and the JSON (gpu.auto)
         result = result.model_copy(update={"gpu": {**result.gpu, "auto": job.gpu_note}})
     warn(result.warnings)  # legal but suspicious inputs, one stderr line each (also in the JSON)
@@ -256,6 +273,20 @@ def render(result: EstimateResult, console: Console) -> None:
     )
     if mem.offload.cpu or mem.offload.nvme:
         console.print(f"offloaded per rank: CPU {_gib(mem.offload.cpu)}, NVMe {_gib(mem.offload.nvme)}")
+    host = result.host
+    if host is not None and host.needed_bytes:
+        has = f"the node has {_gib(host.available_bytes)} ({host.source})" if host.available_bytes else "not checked"
+        console.print(
+            f"host memory per node: {_gib(host.needed_bytes)} ({host.ranks_per_node} rank(s): pinned "
+            f"{_gib(host.pinned_bytes)}, paged {_gib(host.paged_bytes)}); {has}"
+        )
+    if mem.paged_optimizer_states:
+        resident, host = paged_residency(mem.paged_optimizer_states, result.headroom_bytes)
+        console.print(
+            f"paged optimizer states: {_gib(mem.paged_optimizer_states)} in CUDA unified memory, outside the "
+            f"allocator (not in peak reserved): {_gib(resident)} stay on the device beside the peak, "
+            f"{_gib(host)} page to the host and back each step"
+        )
     if result.time is not None:
         t = result.time
         console.print(
@@ -273,10 +304,13 @@ def render(result: EstimateResult, console: Console) -> None:
             f"({_gib(capacity)} less {_gib(mem.overhead)} outside it), headroom {_gib(result.headroom_bytes)}"
         )
         return
-    console.print(
-        f"[red]does not fit[/]: {_gib(peak.reserved)} reserved of {_gib(limit)} the allocator can use "
-        f"({_gib(-result.headroom_bytes)} over)"
-    )
+    if host is not None and not host.fits and result.headroom_bytes >= 0:  # the device fits, the host does not
+        console.print(f"[red]does not fit[/]: {_gib(peak.reserved)} reserved fits the device; the host does not")
+    else:
+        console.print(
+            f"[red]does not fit[/]: {_gib(peak.reserved)} reserved of {_gib(limit)} the allocator can use "
+            f"({_gib(-result.headroom_bytes)} over)"
+        )
     if result.fits_reason:
         console.print(result.fits_reason)
     if result.suggestions:

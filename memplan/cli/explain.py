@@ -38,7 +38,13 @@ def explain(
     zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.", rich_help_panel=PLAN)] = None,
     recompute: Annotated[str | None, Opt(help="none, selective, selective-op or full.", rich_help_panel=PLAN)] = None,
     precision: Annotated[str | None, Opt(help="fp32, bf16-mixed, bf16-master, bf16, ...", rich_help_panel=PLAN)] = None,
-    optimizer: Annotated[str | None, Opt(help="adamw, sgd, adafactor, adamw-8bit.", rich_help_panel=PLAN)] = None,
+    optimizer: Annotated[
+        str | None,
+        Opt(
+            help="adamw, sgd, adafactor, adamw-8bit, paged-adamw-8bit|32bit, paged-lion-8bit|32bit.",
+            rich_help_panel=PLAN,
+        ),
+    ] = None,
     attention: Annotated[str | None, Opt(help="flash, eager or triton.", rich_help_panel=PLAN)] = None,
     runtime: Annotated[
         str | None, Opt(help="memplan (validate's trainer), hf, hf-loop or megatron.", rich_help_panel=PLAN)

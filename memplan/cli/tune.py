@@ -19,12 +19,20 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memplan.cli.common import gpu_and_count, memory_limit_bytes, name_list, output_path, warn
+from memplan.cli.common import (
+    HOST_MEMORY_HELP,
+    gpu_and_count,
+    host_memory_bytes,
+    memory_limit_bytes,
+    name_list,
+    output_path,
+    warn,
+)
 from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
 from memplan.search.evaluate import Context
-from memplan.search.space import SpaceOptions, global_batch_range
+from memplan.search.space import SpaceOptions, activation_offloads, global_batch_range
 from memplan.search.tuning import DEFAULT_STORAGE, Hooks, TuneRequest, TuneResult, plan_yaml
 from memplan.search.validation import ValidationSettings
 from memplan.specs.hardware import ClusterSpec
@@ -180,8 +188,14 @@ def tune(
     optimizer: Annotated[OptimizerName, Opt(help="Optimizer.", rich_help_panel=SPACE)] = "adamw",
     allow_offload: Annotated[
         bool,
-        Opt("--allow-offload", help="Also try CPU offload of optimizer states (and params).", rich_help_panel=SPACE),
+        Opt(
+            "--allow-offload",
+            help="Also try CPU offload of optimizer states (and params) and, under --runtime hf or hf-loop, of "
+            "activations.",
+            rich_help_panel=SPACE,
+        ),
     ] = False,
+    host_memory: Annotated[str | None, Opt(help=HOST_MEMORY_HELP, rich_help_panel=SPACE)] = None,
     finetune: Annotated[
         Literal["full", "lora", "qlora"],
         Opt(help="full training, or LoRA adapters over a frozen (qlora: NF4) base.", rich_help_panel=SPACE),
@@ -211,8 +225,12 @@ def tune(
         Opt("--sequence-parallel/--no-sequence-parallel", help="Sequence parallelism with TP.", rich_help_panel=SPACE),
     ] = True,
     runtime: Annotated[
-        Literal["memplan", "hf", "hf-loop", "megatron"], Opt(help="Activation accounting.", rich_help_panel=SPACE)
-    ] = "memplan",
+        Literal["memplan", "hf", "hf-loop", "megatron"] | None,
+        Opt(
+            help="Activation accounting (default: hf with --finetune lora or qlora, else memplan).",
+            rich_help_panel=SPACE,
+        ),
+    ] = None,
     allocator: Annotated[
         Literal["default", "expandable"] | None,
         Opt(
@@ -311,6 +329,8 @@ def tune(
     card = chosen.spec
     cluster = _cluster(gpus, nodes)
     limit = memory_limit_bytes(memory_limit)
+    host_bytes, host_source = host_memory_bytes(host_memory, chosen.note)
+    runtime = runtime or ("hf" if finetune != "full" else "memplan")  # as estimate resolves a fine-tuning plan
     options = SpaceOptions(
         gpus=gpus,
         gpus_per_node=cluster.gpus_per_node,
@@ -320,6 +340,7 @@ def tune(
         max_micro_batch=max_micro_batch,
         precisions=parse_precisions(precision),
         allow_offload=allow_offload,
+        offload_activations=activation_offloads(allow_offload, runtime),
         max_cp=max_cp,
         sequence_parallel=sequence_parallel,
         optimizer=optimizer,
@@ -349,6 +370,7 @@ def tune(
         model_ref=model, gpu_ref=chosen.ref, ctx=ctx, options=options, objective=objective, trials=trials,
         exhaustive=exhaustive, seed=seed, study=study, storage=storage, top=top, validate=validate,
         validation=settings, calibration_path=cal_path, export_target=export,
+        host_memory_bytes=host_bytes, host_memory_source=host_source,
     )  # fmt: skip
     result = _run(request, show=format == "table")
     out_path = Path(out)
@@ -500,6 +522,12 @@ def render(result: TuneResult, console: Console, model_ref: str) -> None:
     if result.search_reason:
         console.print(f"search: {'every plan' if result.exhaustive else 'Optuna study'}, {result.search_reason}",
                       soft_wrap=True, highlight=False)  # fmt: skip
+    if result.host_memory_bytes is not None:
+        console.print(
+            f"host memory per node: {format_bytes(result.host_memory_bytes)} ({result.host_memory_source}); "
+            "a plan keeping more there (CPU offload, pinned) does not fit",
+            soft_wrap=True,
+        )
     if result.calibration:
         c = result.calibration
         console.print(
@@ -528,12 +556,20 @@ def render(result: TuneResult, console: Console, model_ref: str) -> None:
         console.print(f"calibration of {w['gpu']} updated in {w['path']}: {step}, peak x{w['peak_ratio']:.3f}")
     if result.closest is not None:
         c = result.closest
-        console.print(
-            f"[red]nothing fits[/]: the closest plan, {c.candidate.describe()}, peaks at "
-            f"{format_bytes(c.peak_reserved_bytes)} reserved ({format_bytes(c.peak_reserved_bytes - c.limit_bytes)} "
-            "over)",
-            soft_wrap=True,
-        )
+        if c.fits:  # the device holds it; the node's host memory (--host-memory) does not
+            console.print(
+                f"[red]nothing fits[/] the host memory: the closest plan, {c.candidate.describe()}, fits the device "
+                f"({format_bytes(c.peak_reserved_bytes)} reserved) but keeps more than "
+                f"{format_bytes(result.host_memory_bytes or 0)} in the node's RAM ({result.host_memory_source})",
+                soft_wrap=True,
+            )
+        else:
+            console.print(
+                f"[red]nothing fits[/]: the closest plan, {c.candidate.describe()}, peaks at "
+                f"{format_bytes(c.peak_reserved_bytes)} reserved "
+                f"({format_bytes(c.peak_reserved_bytes - c.limit_bytes)} over)",
+                soft_wrap=True,
+            )
         if result.fixes:
             table = Table(title="What would make it fit")
             for col in ("change", "peak reserved GiB", "limit GiB"):
@@ -553,7 +589,7 @@ def _table(result: TuneResult) -> Table:
         "ep": any(e.plan.ep > 1 for e in evs),
         "global batch": len({e.workload.global_batch for e in evs}) > 1,
         "precision": len({e.plan.precision for e in evs}) > 1,
-        "offload": any(e.plan.offload_optimizer != "none" for e in evs),
+        "offload": any(e.candidate.offload_label != "none" for e in evs),
         "validated": any(r.validation for r in plans),
         "trial": not result.exhaustive,
     }
@@ -573,7 +609,7 @@ def _table(result: TuneResult) -> Table:
             "#": str(r.rank), "trial": "-" if r.trial is None else str(r.trial), "dp": str(p.dp), "tp": str(p.tp),
             "pp": pp, "cp": str(p.cp), "ep": str(p.ep), "zero": str(p.zero), "recompute": p.recompute,
             "micro-batch": str(e.workload.micro_batch), "global batch": str(e.workload.global_batch),
-            "precision": p.precision, "offload": e.candidate.coordinates["offload"],
+            "precision": p.precision, "offload": e.candidate.offload_label,
             "peak GiB": _gib(e.peak_reserved_bytes), "headroom GiB": _gib(e.headroom_bytes),
             "tokens/s": f"{e.tokens_per_s:,.0f}", "MFU": f"{100 * e.mfu:.1f}%",
             "run": "-" if v is None else (v.status + (" (sim.)" if v.simulated else "")),

@@ -4,8 +4,11 @@ when no single change is enough.
 The world size is kept: more TP or PP takes ranks from data parallelism. On one data-parallel
 rank (dp x cp = 1) ZeRO shards nothing, so the changes there are the ones people run on one GPU:
 ZeRO-Offload (ZeRO with the optimizer step and its states on the CPU, as DeepSpeed's ZeRO-Offload
-tutorial runs a model on a single GPU) and ZeRO-3 with parameters offloaded too (ZeRO-Infinity,
-FSDP2's CPUOffloadPolicy).
+tutorial runs a model on a single GPU), ZeRO-3 with parameters offloaded too (ZeRO-Infinity,
+FSDP2's CPUOffloadPolicy) and ZeRO-Infinity's NVMe tier (the optimizer states on NVMe).
+
+When the device fits and the node's host memory does not hold what the plan offloads
+(``costmodel.host``), :func:`host_suggestions` proposes moving that share to NVMe or back.
 
 When no single change fits, combinations of up to ``MAX_COMBINED`` changes that touch different
 fields are estimated; those that fit, and contain no smaller combination that fits, are kept,
@@ -17,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import combinations
 
+from memplan.costmodel.host import host_memory
 from memplan.costmodel.memory import estimate_memory
 from memplan.costmodel.time import estimate_time
 from memplan.errors import MemplanError
@@ -63,6 +67,12 @@ def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> l
             ("ZeRO-3 with parameters and optimizer on the CPU",
              {"zero": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}, {})
         )  # fmt: skip
+        # ZeRO-Infinity's NVMe tier (DeepSpeed: NVMe under stage 3 only): the host keeps the fp32
+        # gradients, the parameters and buffers, not the optimizer states
+        out.append(
+            ("ZeRO-Infinity (zero 3, optimizer on NVMe, parameters on the CPU)",
+             {"zero": 3, "offload_optimizer": "nvme", "offload_params": "cpu"}, {})
+        )  # fmt: skip
     if training and plan.attention == "eager":
         out.append(("flash attention", {"attention": "flash"}, {}))
     if training and plan.recompute == "none":
@@ -86,6 +96,10 @@ def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> l
         out.append(("precision bf16-master", {"precision": "bf16-master"}, {}))
     if training and plan.optimizer == "adamw":
         out.append(("8-bit AdamW", {"optimizer": "adamw-8bit"}, {}))
+    if training and plan.optimizer in ("adamw", "adamw-8bit") and plan.offload_optimizer == "none":
+        # the states leave the allocator for CUDA unified memory (optimizer.paged_state_bytes); the
+        # step time charges what pages to the host and back (time.paged_optimizer_s)
+        out.append(("paged 8-bit AdamW", {"optimizer": "paged-adamw-8bit"}, {}))
     if not training and workload.kv_dtype in ("bf16", "fp16", "fp32"):
         out.append(("fp8 KV cache", {}, {"kv_dtype": "fp8"}))
     return out
@@ -192,3 +206,51 @@ def _merge(changes: list[Change]) -> Change | None:
                     return None
                 target[key] = value
     return " + ".join(name for name, _, _ in changes), plan, workload
+
+
+def _host_candidates(plan: Plan) -> list[Change]:
+    """Changes that take the plan's host share elsewhere: optimizer states (and parameters) to NVMe
+    (ZeRO-Infinity; DeepSpeed offloads to NVMe under ZeRO-3 only: docs/_pages/config-json.md,
+    "NVMe offloading is available only with ZeRO stage 3"), activations kept on the GPU."""
+    out: list[Change] = []
+    if plan.offload_optimizer == "cpu":
+        out.append(("optimizer states to NVMe (ZeRO-3)", {"zero": 3, "offload_optimizer": "nvme"}, {}))
+        out.append(
+            ("optimizer states and parameters to NVMe (ZeRO-3)",
+             {"zero": 3, "offload_optimizer": "nvme", "offload_params": "nvme"}, {})
+        )  # fmt: skip
+    if plan.offload_params == "cpu" and plan.offload_optimizer != "cpu":
+        out.append(("parameters to NVMe", {"offload_params": "nvme"}, {}))
+    if plan.offload_activations != "none":
+        out.append(("activations kept on the GPU", {"offload_activations": "none"}, {}))
+    return out
+
+
+def host_suggestions(
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    runtime: str,
+    limit_bytes: int,
+    current_reserved: int,
+    ranks_per_node: int,
+    host_bytes: int,
+    device: str = "cuda",
+) -> list[Suggestion]:
+    """When the device fits and the node's host memory does not (``costmodel.host``): the changes
+    of :func:`_host_candidates`, each estimated; ``fits`` when the device still fits (fast form)
+    and the node's host bytes are within ``host_bytes``. Those that fit first, then the smallest
+    device peak."""
+    out = []
+    for change, plan_update, _ in _host_candidates(plan):
+        try:
+            new_plan = Plan.model_validate({**plan.model_dump(), **plan_update})
+            check_compatible(model, workload, new_plan)
+        except (MemplanError, ValueError):
+            continue
+        report = estimate_memory(model, workload, new_plan, runtime, device)
+        reserved = report.peak.reserved
+        host = host_memory(report, ranks_per_node, limit_bytes - reserved, host_bytes, "")
+        fits = reserved <= limit_bytes and host.fits
+        out.append(Suggestion(change, reserved, current_reserved - reserved, fits, None, tuple(plan_update.items())))
+    return sorted(out, key=lambda s: (not s.fits, s.reserved))

@@ -24,7 +24,7 @@ from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
 from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout, vocab_shard_params
-from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, state_bytes_per_param
+from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, paged_state_bytes, state_bytes_per_param
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
 from memplan.costmodel.quant import quantized_weight_bytes
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
@@ -51,6 +51,7 @@ class _States:
     nvme: int
     optimizer_elements: float  # parameters whose optimizer state this rank holds
     master_elements: float | None = None  # of those, the ones with fp32 master weights (None: all)
+    paged: int = 0  # paged optimizer states in CUDA managed memory (outside the allocator; not in optimizer)
 
 
 def gradient_accumulation(workload: TrainingWorkload, plan: Plan) -> int:
@@ -788,6 +789,9 @@ def _stage_phases(
         st = finetune_states(layout, model, plan, policy, factored)
     else:
         st = model_states(layout, plan, policy, factored)
+    if device == "cuda" and (paged := paged_state_bytes(model, layout, plan)):
+        # bitsandbytes' paged states leave the allocator (on CPU it falls back to torch.zeros_like)
+        st = replace(st, optimizer=st.optimizer - paged, paged=paged)
     x = _shape(model, workload, plan, policy, rt, device)
     moe_fraction = _moe_fraction(model, layout, plan)
     full_layer = layer_activation_bytes(x, rt, plan.recompute, moe_fraction, plan.ep)
@@ -1038,6 +1042,7 @@ def estimate_training(
             breakdown=breakdown,
         ),
         offload=Offload.model_construct(cpu=st.cpu, nvme=st.nvme),
+        paged_optimizer_states=st.paged,
         phases=totals,
         stage_peaks=stage_peaks,
         overhead=overhead,

@@ -90,3 +90,7 @@ class MemoryReport(_Frozen):
     stage_peaks: dict[int, int]  # allocated peak of each pipeline stage examined
     overhead: int  # fixed bytes outside the allocator (context, NCCL, workspaces)
     gradient_accumulation: int
+    # bitsandbytes' paged optimizer states (CUDA managed memory, outside the caching allocator: in
+    # neither peak.allocated nor peak.reserved); resident on the device while it has room, paged to
+    # the host under pressure (docs/cost-model.md, "Paged optimizers")
+    paged_optimizer_states: int = 0

@@ -26,7 +26,8 @@ from memplan.costmodel import params as P
 from memplan.costmodel.activations import layer_matmul_widths
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.layout import stage_layer_indices
-from memplan.costmodel.memory import activation_offload_bytes, gradient_accumulation, sdpa_kind
+from memplan.costmodel.memory import activation_offload_bytes, estimate_memory, gradient_accumulation, sdpa_kind
+from memplan.costmodel.optimizer import is_paged, paged_residency, state_bytes_per_param
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.runtimes import RUNTIMES
 from memplan.specs.hardware import ClusterSpec, GPUSpec
@@ -479,6 +480,9 @@ def estimate_time(
         mechanism, moved = activation_offload_bytes(model, workload, plan, runtime)
         breakdown["activation_offload"] = m * activation_offload_s(moved, gpu.pcie_bytes_per_s, per_mb, mechanism)
     breakdown.update(_data_parallel(model, plan, policy, m, per_mb, dp_size, dp_link, gpu.pcie_bytes_per_s, eff))
+    breakdown.update(_nvme(model, plan, policy, m, dp_size, cluster))
+    if is_paged(plan.optimizer):
+        breakdown["paged_optimizer"] = paged_optimizer_s(model, workload, plan, gpu, runtime)
     breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach_adamw(plan, runtime)))
     step = sum(breakdown.values()) * eff.calibration
     breakdown = {k: v * eff.calibration for k, v in breakdown.items() if v}
@@ -620,9 +624,10 @@ def _data_parallel(
     micro-batch's backward (two thirds of its compute), a gather behind its pass (a third
     for the forward, two for the backward), each up to ``dp_overlap``; one layer's share
     never hides."""
-    if n <= 1:
-        return {}
     stage_params = P.total_params(model) / plan.pp / plan.tp
+    if n <= 1:
+        # one rank: no collective, but offloaded parameters still cross PCIe (ZeRO-3 on one GPU)
+        return {"param_offload": _params_pcie_s(plan, policy, m, stage_params, pcie_bytes_per_s)}
     grads = stage_params * policy.grad_bytes
     gathered = stage_params * min(policy.param_bytes, policy.compute_bytes)
     layers = max(1, model.num_layers // plan.pp)
@@ -639,10 +644,49 @@ def _data_parallel(
     else:
         comm += m * (exposed(gather, per_mb / 3) + exposed(gather, per_mb * 2 / 3))
     out = {"dp_comm": comm}
-    if plan.offload_params != "none":
-        # the parameter shards cross PCIe for every forward and backward (ZeRO-Infinity)
-        out["offload"] = 2 * m * stage_params / n * policy.param_bytes / pcie_bytes_per_s
+    # its own key: the optimizer step's PCIe term is "offload" (_optimizer)
+    out["param_offload"] = _params_pcie_s(plan, policy, m, stage_params / n, pcie_bytes_per_s)
     return out
+
+
+def _params_pcie_s(plan: Plan, policy, m: int, shard_params: float, pcie_bytes_per_s: float) -> float:  # noqa: ANN001
+    """Offloaded parameter shards cross PCIe for every forward and backward (ZeRO-Infinity)."""
+    if plan.offload_params == "none":
+        return 0.0
+    return 2 * m * shard_params * policy.param_bytes / pcie_bytes_per_s
+
+
+def paged_optimizer_s(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu: GPUSpec, runtime: str) -> float:
+    """Seconds a step spends paging bitsandbytes' paged optimizer states: what does not stay on
+    the device beside the step's reserved peak (``optimizer.paged_residency``, the capacity less
+    the memory outside the allocator) is evicted to the host while the forward and backward fill
+    the device and paged back for the optimizer step (``prefetch_state``), once each way over
+    PCIe at the profile's bandwidth; page-fault migration being slower than a bulk copy, a floor.
+    The peak is the fast form's (the search's); the allocator replay ``memplan estimate`` shows can
+    hold more (its cached free blocks), and then more pages than charged here."""
+    report = estimate_memory(model, workload, plan, runtime)
+    headroom = gpu.capacity_bytes - report.overhead - report.peak.reserved
+    _, spilled = paged_residency(report.paged_optimizer_states, headroom)
+    return 2 * spilled / gpu.pcie_bytes_per_s
+
+
+def _nvme(model: ModelSpec, plan: Plan, policy, m: int, n: int, cluster: ClusterSpec) -> dict[str, float]:  # noqa: ANN001
+    """NVMe traffic of ZeRO-Infinity's NVMe tier, at the node's NVMe bandwidth shared by its ranks:
+    offloaded optimizer states (master weights included) read and written back once per step (the
+    CPU Adam step swaps them in and out; DeepSpeed's pipeline_read / pipeline_write, off by
+    default, would overlap them with the step), offloaded parameters read for every forward and
+    backward and written back after the step. No overlap with compute assumed."""
+    if "nvme" not in (plan.offload_optimizer, plan.offload_params):
+        return {}
+    shards = n if plan.zero >= 1 else 1
+    owned = P.total_params(model) / plan.pp / plan.tp / shards
+    moved = 0.0
+    if plan.offload_optimizer == "nvme":
+        moved += 2 * owned * state_bytes_per_param(plan.optimizer, policy)
+    if plan.offload_params == "nvme":
+        moved += (2 * m + 1) * owned * policy.param_bytes
+    per_rank = cluster.nvme_bytes_per_s / min(cluster.gpus_per_node, plan.world_size)
+    return {"nvme": moved / per_rank}
 
 
 def _optimizer(

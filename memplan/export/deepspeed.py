@@ -50,6 +50,10 @@ CLIENT_OPTIMIZERS = {
     "sgd": "torch.optim.SGD(model.parameters(), momentum=..., ...)",
     "adafactor": "torch.optim.Adafactor(model.parameters(), ...)",
     "adamw-8bit": "bitsandbytes.optim.AdamW8bit(model.parameters(), ...)",
+    "paged-adamw-8bit": "bitsandbytes.optim.PagedAdamW8bit(model.parameters(), ...)",
+    "paged-adamw-32bit": "bitsandbytes.optim.PagedAdamW32bit(model.parameters(), ...)",
+    "paged-lion-8bit": "bitsandbytes.optim.PagedLion8bit(model.parameters(), ...)",
+    "paged-lion-32bit": "bitsandbytes.optim.PagedLion32bit(model.parameters(), ...)",
 }
 
 

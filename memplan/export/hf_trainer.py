@@ -62,15 +62,19 @@ CARRIES = frozenset(
 )  # fmt: skip
 SHARDING = ("deepspeed", "fsdp")
 MASTER = ("bf16-master", "fp16-master")  # fp32 master weights: only DeepSpeed's optimizer wrappers keep them
-# TrainingArguments.optim (transformers' OptimizerNames); paged variants read back to the same optimizer
-OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
-OPTIM_BACK = {
-    **{v: k for k, v in OPTIM.items()},
-    "adamw_torch_fused": "adamw",
-    "paged_adamw_32bit": "adamw",
-    "adamw_8bit": "adamw-8bit",
-    "paged_adamw_8bit": "adamw-8bit",
+# TrainingArguments.optim (transformers' OptimizerNames): bitsandbytes' paged optimizers by their own names
+# (transformers/trainer_optimizer.py: "paged" in the name -> is_paged, "8bit" -> optim_bits=8)
+OPTIM = {
+    "adamw": "adamw_torch",
+    "adamw-8bit": "adamw_bnb_8bit",
+    "sgd": "sgd",
+    "adafactor": "adafactor",
+    "paged-adamw-8bit": "paged_adamw_8bit",
+    "paged-adamw-32bit": "paged_adamw_32bit",
+    "paged-lion-8bit": "paged_lion_8bit",
+    "paged-lion-32bit": "paged_lion_32bit",
 }
+OPTIM_BACK = {**{v: k for k, v in OPTIM.items()}, "adamw_torch_fused": "adamw", "adamw_8bit": "adamw-8bit"}
 ATTENTION = {"flash": "sdpa", "eager": "eager"}
 ATTENTION_BACK = {"sdpa": "flash", "flash_attention_2": "flash", "eager": "eager"}
 # (bf16, fp16, model dtype) per backend and precision

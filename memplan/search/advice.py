@@ -25,8 +25,10 @@ _FLAGS = {
     "offload": "--allow-offload",
     "ZeRO-Offload": "--allow-offload",
     "ZeRO-3 with parameters": "--allow-offload",
+    "ZeRO-Infinity": "--allow-offload",
     "precision": "--precision",
     "8-bit AdamW": "--optimizer adamw-8bit",
+    "paged 8-bit AdamW": "--optimizer paged-adamw-8bit",
     "micro-batch": "--micro-batch",
     "sequence parallelism": "--sequence-parallel",
 }

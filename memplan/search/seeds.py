@@ -41,8 +41,8 @@ def best_of(candidates: list[Candidate], evaluate: Evaluate, objective: Objectiv
 
 def template_seeds(space: Space, evaluate: Evaluate, objective: Objective) -> list[Evaluation]:
     """Each template at its best micro-batch (and global batch), in the default schedule,
-    without offload, in the first allowed precision."""
-    defaults = {d: space.values[d][0] for d in ("ep", "schedule", "offload", "precision")}
+    without offload (of states or activations), in the first allowed precision."""
+    defaults = {d: space.values[d][0] for d in ("ep", "schedule", "offload", "offload_activations", "precision")}
     out = []
     for partial in templates(space):
         base = space.nearest({**defaults, **partial}).coordinates

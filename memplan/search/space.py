@@ -20,6 +20,9 @@ World size = dp x tp x pp x cp, every GPU used. One plan per combination of:
 - ``zero``: 0-3 (0 only when dp x cp = 1: nothing to shard over);
 - ``offload`` (only when allowed): optimizer states to CPU (ZeRO >= 1), or optimizer states
   and parameters (ZeRO-3, FSDP2's CPUOffloadPolicy);
+- ``offload_activations`` (only when allowed, for the loops that run it: ``hf`` with TRL's
+  ``OffloadActivations``, ``hf-loop`` with ``save_on_cpu``): the saved activations kept in pinned
+  host memory, paid for by the time model's PCIe term (``time.activation_offload_s``);
 - ``recompute``: none, selective, selective-op, full;
 - ``precision``: the allowed ones (default bf16-mixed only);
 - ``quant`` (fine-tuning only): the base weights' format, fixed unless ``--allow-quantization``
@@ -29,7 +32,8 @@ Fine-tuning (``finetune: lora | qlora``) keeps its adapter settings (rank, targe
 modules trained in full) fixed over the space. With offload allowed, one GPU (dp x cp = 1) is
 also tried with ZeRO-1 and the optimizer on the CPU (ZeRO-Offload, as DeepSpeed runs it on one GPU)
 and with ZeRO-3 and the optimizer and parameters on the CPU (ZeRO-Infinity's CPU offload, FSDP2's
-CPUOffloadPolicy).
+CPUOffloadPolicy), and with ZeRO-3 and the optimizer states on NVMe, the parameters on the GPU,
+the CPU or NVMe (ZeRO-Infinity's NVMe tier).
 
 Sequence parallelism is on whenever tp > 1 (it only saves memory and costs no extra
 communication: Korthikanti et al. 2022). Every plan passes ``check_compatible``.
@@ -41,20 +45,24 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal
+from itertools import product
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memplan.costmodel.memory import OFFLOAD_MECHANISM
 from memplan.errors import MemplanError
 from memplan.specs.job import check_compatible
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Finetune, OptimizerName, Plan, PrecisionName, Quant
+from memplan.specs.plan import ActivationOffload, Finetune, OptimizerName, Plan, PrecisionName, Quant
 from memplan.specs.workload import TrainingWorkload
 
 CP_FROM_SEQ_LEN = 16384  # context parallelism is offered from this sequence length up
 CP_MAX = 8
 RECOMPUTE = ("none", "selective", "selective-op", "full")
-Offload = Literal["none", "optimizer", "optimizer+params"]
+# what a plan offloads, as a coordinate: "none", "optimizer", "optimizer+params", with "(nvme)" after
+# what goes to NVMe ("optimizer(nvme)+params", "optimizer(nvme)+params(nvme)")
+Offload = str
 # the order Optuna samples the dimensions in, and the order of a plan's coordinates
 DIMENSIONS = (
     "tp",
@@ -69,6 +77,7 @@ DIMENSIONS = (
     "global_batch",
     "precision",
     "quant",
+    "offload_activations",
 )
 
 
@@ -97,6 +106,9 @@ class SpaceOptions(BaseModel):
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     modules_to_save: tuple[str, ...] = ()
     quants: tuple[Quant, ...] = Field(("none",), min_length=1, description="Base weight formats tried.")
+    offload_activations: tuple[ActivationOffload, ...] = Field(
+        ("none",), min_length=1, description="Activation offload settings tried (activation_offloads)."
+    )
 
     def finetune_fields(self, quant: str) -> dict[str, Any]:
         """The plan fields of this fine-tuning mode over a ``quant`` base (none for full training)."""
@@ -127,7 +139,9 @@ class Candidate:
         p, w = self.plan, self.workload
         offload = "none"
         if p.offload_optimizer != "none":
-            offload = "optimizer+params" if p.offload_params != "none" else "optimizer"
+            offload = "optimizer" + ("(nvme)" if p.offload_optimizer == "nvme" else "")
+            if p.offload_params != "none":
+                offload += "+params" + ("(nvme)" if p.offload_params == "nvme" else "")
         return {
             "tp": p.tp,
             "pp": p.pp,
@@ -141,7 +155,17 @@ class Candidate:
             "global_batch": w.global_batch,
             "precision": p.precision,
             "quant": p.quant,
+            "offload_activations": p.offload_activations,
         }
+
+    @property
+    def offload_label(self) -> str:
+        """What the plan offloads, for a table: ``none``, ``optimizer``, ``optimizer+params``, with
+        ``+activations`` (or ``activations`` alone)."""
+        coords = self.coordinates
+        parts = [coords["offload"]] if coords["offload"] != "none" else []
+        parts += ["activations"] if coords["offload_activations"] != "none" else []
+        return "+".join(parts) or "none"
 
     @property
     def key(self) -> tuple:
@@ -159,6 +183,8 @@ class Candidate:
             parts.append(f"global-batch={w.global_batch}")
         if p.offload_optimizer != "none":
             parts.append("offload=" + self.coordinates["offload"])
+        if p.offload_activations != "none":
+            parts.append(f"offload-activations={p.offload_activations}")
         parts.append(p.precision)
         if p.finetune != "full":
             parts.append(f"{p.finetune} r={p.lora_rank}" + (f" base={p.quant}" if p.quant != "none" else ""))
@@ -308,17 +334,31 @@ def zero_choices(dp: int, cp: int, allow_offload: bool) -> tuple[int, ...]:
     return (0, 1, 3) if allow_offload else (0,)
 
 
+# ZeRO-3 on one rank with NVMe (ZeRO-Infinity): the optimizer states on NVMe (DeepSpeed offloads
+# to NVMe under stage 3 only), the parameters on the GPU, the CPU or NVMe
+NVME_ONE_RANK = [("nvme", "none"), ("nvme", "cpu"), ("nvme", "nvme")]
+
+
 def offload_choices(zero: int, allow: bool, sharded: bool = True) -> list[tuple[str, str]]:
     """(offload_optimizer, offload_params) pairs. ZeRO on one rank runs only with offload: stage 1
-    with the optimizer on the CPU, stage 3 with the optimizer and the parameters."""
+    with the optimizer on the CPU, stage 3 with the optimizer and the parameters on the CPU, or
+    the optimizer on NVMe (:data:`NVME_ONE_RANK`): what people run on one GPU when the host's RAM
+    cannot hold the CPU tier (the time model charges the NVMe traffic, ``time._nvme``)."""
     if not sharded and zero >= 1:
-        return [("cpu", "cpu")] if zero == 3 else [("cpu", "none")]
+        return [("cpu", "cpu"), *NVME_ONE_RANK] if zero == 3 else [("cpu", "none")]
     out = [("none", "none")]
     if allow and zero >= 1:
         out.append(("cpu", "none"))
     if allow and zero == 3:
         out.append(("cpu", "cpu"))
     return out
+
+
+def activation_offloads(allow_offload: bool, runtime: str) -> tuple[ActivationOffload, ...]:
+    """The activation offload settings a search tries: ``cpu`` too when offload is allowed and the
+    runtime's loop runs it (``memory.OFFLOAD_MECHANISM``: TRL's hooks under the Trainer, ``save_on_cpu``
+    in a hand-written loop; the bundled trainer and Megatron-LM do not)."""
+    return ("none", "cpu") if allow_offload and runtime in OFFLOAD_MECHANISM else ("none",)
 
 
 def _layouts(model: ModelSpec, options: SpaceOptions) -> Iterator[tuple[int, int, int, int, int]]:
@@ -346,12 +386,13 @@ def enumerate_space(model: ModelSpec, options: SpaceOptions) -> Space:
                         for off_opt, off_params in offloads:
                             for recompute in RECOMPUTE:
                                 for precision in options.precisions:
-                                    for quant in options.quants:
+                                    for quant, act in product(options.quants, options.offload_activations):
                                         plan = _plan(
                                             dp=dp, tp=tp, sequence_parallel=options.sequence_parallel and tp > 1,
                                             pp=pp, pp_schedule=schedule, virtual_stages=v, cp=cp, ep=ep,
                                             zero=zero, offload_optimizer=off_opt, offload_params=off_params,
                                             recompute=recompute, precision=precision, optimizer=options.optimizer,
+                                            offload_activations=act,
                                             **options.finetune_fields(quant),
                                         )  # fmt: skip
                                         if plan is not None and _compatible(model, workload, plan):

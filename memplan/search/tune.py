@@ -16,9 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from memplan.costmodel.advice import host_suggestions
+from memplan.costmodel.host import host_memory
+from memplan.costmodel.memory import estimate_memory
 from memplan.errors import MemplanError
 from memplan.search import study as S
-from memplan.search.advice import lowest_peak, what_would_fit
+from memplan.search.advice import Fix, lowest_peak, what_would_fit
 from memplan.search.calibration import load_calibration, save_calibration, with_runs
 from memplan.search.evaluate import Context, Evaluation, evaluate, evaluate_all, pareto_front, rank, replayed
 from memplan.search.seeds import seeds
@@ -176,28 +179,42 @@ def _fitting(
     """The fitting plans best first (the Pareto front for ``pareto``); when none, the plan of
     the whole space closest to fitting (memory model only)."""
     ranked = pareto_front(evaluations) if req.objective == "pareto" else rank(evaluations, req.objective)
-    fitting = _replay_until(ranked, max(req.top, req.validate), req.ctx)
+    fitting = _replay_until(ranked, max(req.top, req.validate), req.ctx, req.host_memory_bytes)
     if req.objective == "pareto":  # the replay moves peaks: a plan may now be dominated
         fitting = pareto_front(fitting)
     if fitting:
         return fitting, None
     closest = _closest(space, req.ctx)
-    return ([closest], None) if closest.fits else ([], closest)  # fits: the study missed it
+    if closest.fits and host_fits(closest, req.ctx, req.host_memory_bytes):
+        return [closest], None  # the study missed it
+    return [], closest
 
 
 REPLAY_BUDGET = 4  # replays per reported plan before the search stops looking further down
 
 
-def _replay_until(ranked: list[Evaluation], wanted: int, ctx: Context) -> list[Evaluation]:
+def host_fits(ev: Evaluation, ctx: Context, host_bytes: int | None) -> bool:
+    """Whether the node's host memory holds what the plan keeps there (``costmodel.host``: CPU
+    offload, pinned, and paged optimizer states beyond the device's headroom); True when unknown."""
+    if host_bytes is None:
+        return True
+    report = estimate_memory(ctx.model, ev.workload, ev.plan, ctx.runtime, ctx.device)
+    ranks = min(ctx.cluster.gpus_per_node, ev.plan.world_size)
+    return host_memory(report, ranks, ev.headroom_bytes, host_bytes, "").fits
+
+
+def _replay_until(
+    ranked: list[Evaluation], wanted: int, ctx: Context, host_bytes: int | None = None
+) -> list[Evaluation]:
     """The first ``wanted`` plans, best first, that still fit when their runs are replayed
-    through the caching allocator model (the fast form only screens them); at most
-    ``REPLAY_BUDGET x wanted`` replays."""
+    through the caching allocator model (the fast form only screens them) and whose host share
+    fits the node's host memory (when known); at most ``REPLAY_BUDGET x wanted`` replays."""
     out: list[Evaluation] = []
     tries = 0
     for ev in ranked:
         if len(out) == wanted or tries == REPLAY_BUDGET * wanted:
             break
-        if ev.fits:
+        if ev.fits and host_fits(ev, ctx, host_bytes):
             tries += 1
             if (ev := replayed(ev, ctx)).fits:
                 out.append(ev)
@@ -252,10 +269,34 @@ def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
         top=top,
         recommended=next((r for r in top if not (r.validation and r.validation.status == "oom")), None),
         closest=closest,
-        fixes=what_would_fit(closest, req.options, req.ctx, keep) if closest is not None else [],
+        fixes=_fixes(req, closest, keep),
         calibration_written=written,
         micro_batch_ladder=_ladder(req, top),
+        host_memory_bytes=req.host_memory_bytes,
+        host_memory_source=req.host_memory_source,
     )
+
+
+def _fixes(req: TuneRequest, closest: Evaluation | None, keep: Callable[[Candidate, Context], bool] | None) -> list:
+    """What would make the closest plan fit: when it fits the device and not the node's host
+    memory, the changes that move its host share to NVMe or back (``advice.host_suggestions``);
+    else the device's (``search.advice.what_would_fit``)."""
+    if closest is None:
+        return []
+    if not closest.fits:
+        return what_would_fit(closest, req.options, req.ctx, keep)
+    ctx, host = req.ctx, req.host_memory_bytes or 0
+    ranks = min(ctx.cluster.gpus_per_node, closest.plan.world_size)
+    limit = ctx.limit_bytes - closest.overhead_bytes
+    found = host_suggestions(
+        ctx.model, closest.workload, closest.plan, ctx.runtime, limit, closest.peak_reserved_bytes, ranks, host,
+        ctx.device,
+    )  # fmt: skip
+    return [
+        Fix(kind="plan", change=f"{s.change} (--allow-offload)", peak_reserved_bytes=s.reserved, limit_bytes=limit)
+        for s in found
+        if s.fits
+    ]
 
 
 LADDER_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)

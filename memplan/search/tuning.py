@@ -37,6 +37,8 @@ class TuneRequest:
     validate: int = 0
     validation: ValidationSettings = field(default_factory=ValidationSettings)
     calibration_path: Path | None = None  # where validation ratios go (None: nowhere)
+    host_memory_bytes: int | None = None  # per node: a plan keeping more there does not fit (None: not checked)
+    host_memory_source: str = ""  # where host_memory_bytes comes from
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,8 @@ class TuneResult(BaseModel):
     plan_path: str | None = None
     # fine-tuning: the recommended plan's largest micro-batch that fits at each sequence length
     micro_batch_ladder: list[LadderRow] = []
+    host_memory_bytes: int | None = None  # the node's host memory the plans were held to (None: not checked)
+    host_memory_source: str = ""
 
 
 def plan_yaml(result: TuneResult, req: TuneRequest, model_ref: str | None = None) -> str:

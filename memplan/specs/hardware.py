@@ -95,6 +95,11 @@ class ClusterSpec(BaseModel):
     )
     cpu_memory_bytes: Bytes = Field(2 * 2**40, description="Host memory per node, bytes.")
     nvme_bytes: Bytes = Field(8 * 10**12, description="Local NVMe capacity per node, bytes.")
+    nvme_bytes_per_s: BytesPerSecond = Field(
+        6.9e9,
+        description="Local NVMe bandwidth per node, the slower direction (one PCIe 4.0 x4 SSD: Samsung 990 PRO "
+        "datasheet, sequential read 7,450 MB/s, write 6,900 MB/s); shared by the node's ranks.",
+    )
 
     @property
     def world_size(self) -> int:

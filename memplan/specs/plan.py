@@ -11,7 +11,10 @@ _MAX_DEGREE = 1_000_000
 Offload = Literal["none", "cpu", "nvme"]
 Recompute = Literal["none", "selective", "selective-op", "full"]
 PrecisionName = Literal["fp32", "bf16-mixed", "bf16-master", "fp16-master", "bf16", "fp8"]
-OptimizerName = Literal["adamw", "sgd", "adafactor", "adamw-8bit"]
+OptimizerName = Literal[
+    "adamw", "sgd", "adafactor", "adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit", "paged-lion-8bit",
+    "paged-lion-32bit",
+]  # fmt: skip
 AttentionImpl = Literal["flash", "eager", "triton"]
 PipelineSchedule = Literal["1f1b", "interleaved", "gpipe"]
 Finetune = Literal["full", "lora", "qlora"]

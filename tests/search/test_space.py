@@ -55,9 +55,10 @@ def test_every_plan_is_valid_and_uses_every_gpu(name: str, gpus: int, options: d
         assert p.tp <= opts.gpus_per_node
         assert p.sequence_parallel == (p.tp > 1)
         # ZeRO over one data rank only with offload: stage 1 with the optimizer on the CPU (ZeRO-Offload),
-        # stage 3 with the optimizer and the parameters
-        offloaded = {1: ("cpu", "none"), 3: ("cpu", "cpu")}.get(p.zero)
-        one_rank_ok = opts.allow_offload and offloaded == (p.offload_optimizer, p.offload_params)
+        # stage 3 with the optimizer and the parameters on the CPU, or the optimizer on NVMe (ZeRO-Infinity)
+        nvme = [("nvme", "none"), ("nvme", "cpu"), ("nvme", "nvme")]
+        offloaded = {1: [("cpu", "none")], 3: [("cpu", "cpu"), *nvme]}.get(p.zero, [])
+        one_rank_ok = opts.allow_offload and (p.offload_optimizer, p.offload_params) in offloaded
         assert p.zero == 0 or p.dp * p.cp > 1 or one_rank_ok
         assert w.micro_batch & (w.micro_batch - 1) == 0 and w.micro_batch <= opts.max_micro_batch
         assert w.global_batch in (opts.global_batches or (None,))
@@ -102,10 +103,13 @@ def test_expert_parallel_for_moe_only():
 def test_offload_only_when_allowed():
     model = load_model("llama3-8b")
     space = enumerate_space(model, SpaceOptions(gpus=8, allow_offload=True))
-    assert set(space.values["offload"]) == {"none", "optimizer", "optimizer+params"}
+    nvme = {"optimizer(nvme)", "optimizer(nvme)+params", "optimizer(nvme)+params(nvme)"}
+    assert set(space.values["offload"]) == {"none", "optimizer", "optimizer+params"} | nvme
     for c in space.candidates:
         if c.coordinates["offload"] == "optimizer+params":
             assert c.plan.zero == 3 and c.plan.offload_params == "cpu"
+        if c.coordinates["offload"] in nvme:  # ZeRO-Infinity's NVMe tier: on one data rank, stage 3
+            assert c.plan.zero == 3 and c.plan.dp * c.plan.cp == 1
     assert enumerate_space(model, SpaceOptions(gpus=8)).values["offload"] == ("none",)
 
 
@@ -152,7 +156,10 @@ def test_one_gpu_with_offload_tries_zero_offload():
     # and ZeRO-3 with the parameters on the CPU too (ZeRO-Infinity's CPU offload, FSDP2's CPUOffloadPolicy);
     # stage 2 on one rank is stage 1 and is not tried twice
     assert {p.zero for p in plans} == {0, 1, 3}
-    assert all((p.offload_optimizer, p.offload_params) == ("cpu", "cpu") for p in plans if p.zero == 3)
+    # or the optimizer states on NVMe with the parameters on the GPU, the CPU or NVMe (ZeRO-Infinity's NVMe tier)
+    assert {(p.offload_optimizer, p.offload_params) for p in plans if p.zero == 3} == {
+        ("cpu", "cpu"), ("nvme", "none"), ("nvme", "cpu"), ("nvme", "nvme"),
+    }  # fmt: skip
     plain = [c.plan for c in enumerate_space(model, SpaceOptions(gpus=1)).candidates]
     assert {p.zero for p in plain} == {0}
 
