@@ -972,7 +972,7 @@ def _stage_phases(
     # layer's (rebuilt when recomputed) and its gradient temporaries, gradients nearly
     # complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
-    layer_part = live_layer + layer_temp(x) + fp8.backward_extra
+    layer_part = live_layer + layer_temp(x)
     if _transformers_layers(rt) and A.every_expert_runs(model) and layout.layers:
         last = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, layout.stage)[-1]
         if model.is_moe_layer(last):
@@ -1043,7 +1043,10 @@ def _stage_phases(
     if fp8.backward_extra and layers and lora_acts is None and plan.offload_activations == "none":
         acts = fwd_acts + embed + live_layer - per_layer
         first = fp8_first_backward_layer(bwd_start, fp8, acts, x, head_grads, retained, unsharded.backward_end)
-        candidates.append(first)
+        # the last layer's backward at its down projection: that layer's gradients not made yet
+        layer_grads = st.grads * layout.largest_layer_params // layout.params if layout.params else 0
+        last = {**bwd_end, "gradients": max(end_grads - layer_grads, 0), "activations": end_acts + fp8.backward_extra}
+        candidates += [first, last]
     bwd = max(candidates, key=lambda phase: sum(phase.values()))
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     total_acts = layer_acts + embed + head
