@@ -229,3 +229,17 @@ def test_estimate_cli_takes_the_recipe_and_refuses_one_the_runtime_lacks():
     code, out, err = _cli("--fp8-recipe", "rowwise")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "plan.fp8_recipe" in err and "transformer-engine" in err
+
+
+def test_megatron_export_carries_the_te_recipe_and_refuses_torchaos():
+    from memplan.export import export, parse
+    from memplan.specs.resolve import resolve_job
+
+    job = resolve_job("llama3-8b", None, dict(gpus=8, tp=8, precision="fp8", fp8_recipe="tensorwise", gpu="h100-sxm"))
+    text = export(job, "megatron")
+    assert "--fp8-recipe tensorwise" in text
+    assert parse("megatron", text)["fp8_recipe"] == "tensorwise"
+    rowwise = resolve_job("llama3-8b", None, dict(gpus=8, tp=8, precision="fp8", fp8_recipe="rowwise", gpu="h100-sxm"))
+    with pytest.raises(MemplanError) as err:
+        export(rowwise, "megatron")
+    assert err.value.field == "plan.fp8_recipe"
