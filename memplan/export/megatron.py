@@ -57,6 +57,7 @@ CARRIES = frozenset(
         "recompute",
         "recompute_layers",
         "precision",
+        "fp8_recipe",
         "optimizer",
         "attention",
         "seq_len",
