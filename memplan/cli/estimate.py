@@ -64,6 +64,18 @@ def estimate(
     precision: Annotated[
         str | None, Opt(help="fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8.", rich_help_panel=PLAN)
     ] = None,
+    fp8_recipe: Annotated[
+        str | None,
+        Opt(help="With fp8: auto, tensorwise, rowwise (torchao), delayed (Transformer Engine).", rich_help_panel=PLAN),
+    ] = None,
+    fp8_all_gather: Annotated[
+        bool | None,
+        Opt(
+            "--fp8-all-gather/--no-fp8-all-gather",
+            help="With fp8 under FSDP2: all-gather the linear weights in fp8 (torchao).",
+            rich_help_panel=PLAN,
+        ),
+    ] = None,
     optimizer: Annotated[
         str | None,
         Opt(
@@ -161,6 +173,8 @@ def estimate(
         recompute=recompute,
         recompute_layers=recompute_layers,
         precision=precision,
+        fp8_recipe=fp8_recipe,
+        fp8_all_gather=fp8_all_gather,
         optimizer=optimizer,
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,

@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Literal
 
 from memplan.costmodel import activations as A
+from memplan.costmodel import fp8 as F8
 from memplan.costmodel import lora as L
 from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
@@ -576,7 +577,9 @@ class _Fsdp2:
     backward_end: int
 
 
-def fsdp2_unsharded(model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy) -> _Fsdp2:
+def fsdp2_unsharded(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, fp8_gather: bool = False
+) -> _Fsdp2:
     """Unsharded (all-gathered) parameters FSDP2 holds, in the mixed-precision param dtype.
 
     One FSDP group per layer, one for the embedding, one for the final norm and LM head (the
@@ -585,18 +588,47 @@ def fsdp2_unsharded(model: ModelSpec, layout: StageLayout, plan: Plan, policy: P
     group stays unsharded from its forward to its backward. ZeRO-3: at the end of the forward
     only the head group; in the last layer's backward that layer, the prefetched next group
     (the embedding on the first stage) and the head group until the root's final callback.
-    Measured with FSDPMemTracker (docs/cost-model.md).
+    Measured with FSDPMemTracker (docs/cost-model.md). ``fp8_gather``: the layers' linear weights
+    are gathered in fp8 (``fp8.fsdp_gathered_bytes``); the head group and the embedding stay bf16.
     """
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     head = P.norm_params(model) + vocab_shard_params(model, plan.tp) if layout.is_last else 0
+    linears = F8.linear_elements(model, layout)
     if plan.zero == 2:
-        return _Fsdp2(layout.params * unsharded, layout.params * unsharded, layout.params * unsharded)
-    layer = layout.largest_layer_params
+        every = F8.fsdp_gathered_bytes(linears, layout.params - linears, unsharded, fp8_gather)
+        return _Fsdp2(every, every, every)
+    layer = fsdp2_layer_gather(model, layout, policy, fp8_gather)
     embed = (
         vocab_shard_params(model, plan.tp) if layout.is_first and not (layout.is_last and model.tied_embeddings) else 0
     )
-    prefetched = embed if layout.is_first else layer
-    return _Fsdp2(head * unsharded, head * unsharded, (head + layer + prefetched) * unsharded)
+    prefetched = embed * unsharded if layout.is_first else layer
+    return _Fsdp2(head * unsharded, head * unsharded, head * unsharded + layer + prefetched)
+
+
+def fp8_first_backward_layer(
+    bwd_start: dict[str, int], fp8: F8.Fp8Step, acts: int, x: A.Shape, head_grads: int, retained: int, gathered: int
+) -> dict[str, int]:
+    """The first layer's backward under eager fp8 (the last layer of the forward): every
+    activation still saved (``acts``, the layer's recomputed parts back), the loss's tensors gone
+    but what the loop ``retained``, the LM head's gradients made, FSDP2's ``gathered`` groups of
+    a layer's backward, and the layer's gradient temporaries with its down projection's fp8 casts
+    (``fp8.torchao_linear_backward_extra``) on top. Measured on CPU with torchao 0.18
+    (tests/accuracy/test_fp8_accuracy.py)."""
+    return {
+        **bwd_start,
+        "gradients": bwd_start["gradients"] + head_grads,
+        "activations": acts + layer_temp(x) + fp8.backward_extra,
+        "logits_and_loss": retained,
+        "gathered_params": gathered,
+    }
+
+
+def fsdp2_layer_gather(model: ModelSpec, layout: StageLayout, policy: PrecisionPolicy, fp8_gather: bool) -> int:
+    """One layer group's all-gathered parameters (the largest layer's), in the mixed-precision param
+    dtype; under ``fp8_gather`` its linear weights in fp8 (``fp8.fsdp_gathered_bytes``)."""
+    unsharded = min(policy.param_bytes, policy.compute_bytes)
+    linear = max(layout.largest_layer_params - P.layer_norm_params(model) - P.qk_norm_params(model), 0)
+    return F8.fsdp_gathered_bytes(linear, layout.largest_layer_params - linear, unsharded, fp8_gather)
 
 
 def autocast_weight_copies(model: ModelSpec, layout: StageLayout, plan: Plan, d: int) -> int:
@@ -747,7 +779,13 @@ class StageMoments:
 
 
 def _granularity(
-    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, x: A.Shape, fsdp: bool
+    model: ModelSpec,
+    layout: StageLayout,
+    plan: Plan,
+    policy: PrecisionPolicy,
+    x: A.Shape,
+    fsdp: bool,
+    fp8_gather: bool = False,
 ) -> Granularity:
     """One layer's weights (matmuls split by t, norms replicated; sharded over dp x cp under
     ZeRO-3), one hidden-width activation and one fp32 logits tensor, in bytes."""
@@ -758,7 +796,9 @@ def _granularity(
     gathered: tuple[int, ...] = ()
     if plan.zero >= 3 and plan.dp * plan.cp > 1:
         weights = [max(w // (plan.dp * plan.cp), 1) for w in weights]
-        gathered = tuple(n * min(policy.param_bytes, policy.compute_bytes) for n in elements)
+        unsharded = min(policy.param_bytes, policy.compute_bytes)
+        linear = 1 if fp8_gather else unsharded  # torchao's fp8 all-gather of the linear weights
+        gathered = tuple(n * (unsharded if k in (0, 5) else linear) for k, n in enumerate(elements))
     units = round(inflight_layers(plan, layout.stage, 1, layout.layers)) if layout.layers else 0
     return Granularity(
         layer_params=tuple(weights),
@@ -766,7 +806,7 @@ def _granularity(
         logits=max(A.fp32_logits(x, model.vocab_size), 1),
         layers=max(units, layout.layers),
         fsdp=fsdp,
-        gather=layout.largest_layer_params * min(policy.param_bytes, policy.compute_bytes) if fsdp else 0,
+        gather=fsdp2_layer_gather(model, layout, policy, fp8_gather) if fsdp else 0,
         gathered=gathered,
     )
 
@@ -797,6 +837,9 @@ def _stage_phases(
     full_layer = layer_activation_bytes(x, rt, plan.recompute, moe_fraction, plan.ep)
     # in its backward a layer has everything back, recomputed parts included
     live_layer = layer_activation_bytes(x, rt, "none", moe_fraction, plan.ep)
+    fp8 = F8.fp8_step(layout, plan, rt.name, x, _fsdp2(rt, plan), moe_fraction)
+    full_layer += fp8.layer_delta
+    live_layer += fp8.layer_delta
     if finetune and not _transformers_layers(rt):
         full_layer += lora_extra(x, plan)
         live_layer += lora_extra(x, plan)
@@ -836,7 +879,7 @@ def _stage_phases(
         # FSDP2 keeps the sharded params as the parameters and gathers the rest per group
         shard = int(st.optimizer_elements * policy.param_bytes) if plan.offload_params == "none" else 0
         st = replace(st, params=shard)
-        unsharded = fsdp2_unsharded(model, layout, plan, policy)
+        unsharded = fsdp2_unsharded(model, layout, plan, policy, fp8.gather_fp8)
         if plan.offload_params != "none":
             st = replace(st, grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
     elif plan.zero >= 3 and sharded:
@@ -902,12 +945,19 @@ def _stage_phases(
         if plan.recompute != "full":
             others_kept = fwd_acts - off.last if off.mechanism == "trl" else 0
             live_layer = min(live_layer, off.last + off.node)
-    base = {"parameters": st.params, "optimizer_states": st.optimizer}
+    base = {"parameters": st.params, "optimizer_states": st.optimizer, "fp8_weights": fp8.weights}
+    # eager fp8 casts: the last layer's down projection may outgrow the loss's tensors at the
+    # forward's end; in the layer's forward its input and mid-layer residual are alive, unsaved
+    layer_residuals = 2 * A.layer_input(x)
+    fp8_forward = max(0, fp8.forward_extra + layer_residuals - fwd_head - loss_fwd) if fp8.forward_extra else 0
+    head_grads = 0
+    if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
+        head_grads = (vocab_shard_params(model, plan.tp) + P.norm_params(model)) * policy.grad_bytes
     fwd = {
         **base,
         "gradients": grads_in_step,
         "autocast_weights": weight_copies,
-        "activations": fwd_acts + embed + mlp_peak,
+        "activations": fwd_acts + embed + max(mlp_peak, fp8_forward),
         "logits_and_loss": fwd_head + loss_fwd,
         "comm_buffers": gathered + p2p_fwd + ddp_copy,
         "gathered_params": unsharded.forward,
@@ -994,6 +1044,13 @@ def _stage_phases(
                 "gathered_params": (tied + P.norm_params(model)) * bytes_ if fsdp2 else 0,
             }
         )
+    if fp8.backward_extra and layers and lora_acts is None and plan.offload_activations == "none":
+        acts = fwd_acts + embed + live_layer - per_layer
+        first = fp8_first_backward_layer(bwd_start, fp8, acts, x, head_grads, retained, unsharded.backward_end)
+        # the last layer's backward at its down projection: that layer's gradients not made yet
+        layer_grads = st.grads * layout.largest_layer_params // layout.params if layout.params else 0
+        last = {**bwd_end, "gradients": max(end_grads - layer_grads, 0), "activations": end_acts + fp8.backward_extra}
+        candidates += [first, last]
     bwd = max(candidates, key=lambda phase: sum(phase.values()))
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     total_acts = layer_acts + embed + head
@@ -1223,4 +1280,5 @@ def stage_moments(
     policy = POLICIES[plan.precision]
     layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
     x = _shape(model, workload, plan, policy, rt, device)
-    return replace(sm, granularity=_granularity(model, layout, plan, policy, x, _fsdp2(rt, plan)))
+    fp8_gather = plan.precision == "fp8" and plan.fp8_all_gather
+    return replace(sm, granularity=_granularity(model, layout, plan, policy, x, _fsdp2(rt, plan), fp8_gather))

@@ -2,7 +2,10 @@
 
 Sources: ZeRO (Rajbhandari et al. 2020) Sec. 3.1 for mixed-precision Adam (K = 12: fp32 master
 weights, momentum and variance beside 16-bit params and grads); PyTorch autocast docs for
-``bf16-mixed`` (fp32 params, bf16 compute); Megatron-LM / TransformerEngine for ``fp8``.
+``bf16-mixed`` (fp32 params, bf16 compute); Megatron-LM / TransformerEngine for ``fp8`` (bf16
+params with fp32 main weights, ``--bf16 --fp8-format hybrid``). What the fp8 linears themselves
+keep (saved fp8 inputs, cached fp8 weights, scaling state, cast temporaries, the FSDP2 fp8
+all-gather) depends on the library and recipe: ``fp8.py``.
 """
 
 from __future__ import annotations

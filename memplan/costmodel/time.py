@@ -630,6 +630,9 @@ def _data_parallel(
         return {"param_offload": _params_pcie_s(plan, policy, m, stage_params, pcie_bytes_per_s)}
     grads = stage_params * policy.grad_bytes
     gathered = stage_params * min(policy.param_bytes, policy.compute_bytes)
+    if plan.precision == "fp8" and plan.fp8_all_gather:  # torchao gathers the layers' linear weights in fp8
+        linear = sum(i * o for i, o in layer_matmul_widths(model)) * model.num_layers / plan.pp / plan.tp
+        gathered -= linear * (min(policy.param_bytes, policy.compute_bytes) - 1)
     layers = max(1, model.num_layers // plan.pp)
 
     def exposed(seconds: float, window: float) -> float:

@@ -57,6 +57,7 @@ CARRIES = frozenset(
         "recompute",
         "recompute_layers",
         "precision",
+        "fp8_recipe",
         "optimizer",
         "attention",
         "seq_len",
@@ -101,6 +102,17 @@ def _check(job: Job) -> None:
             f"precision {p.precision}",
             "Megatron trains fp32, or bf16 / fp16 / fp8 parameters with fp32 main weights (--bf16, --fp16, "
             "--fp8-format); it has no autocast mode and no 16-bit-only optimizer states",
+        )
+    if p.precision == "fp8" and p.fp8_recipe == "rowwise":
+        raise refuse(
+            "fp8_recipe", TARGET, "fp8_recipe rowwise", "--fp8-recipe takes tensorwise, delayed, mxfp8 or blockwise"
+        )
+    if p.fp8_all_gather:
+        raise refuse(
+            "fp8_all_gather",
+            TARGET,
+            "fp8_all_gather",
+            "the fp8 all-gather modelled is torchao's under FSDP2, not Megatron's",
         )
     if p.optimizer not in OPTIMIZERS:
         raise refuse("optimizer", TARGET, f"optimizer {p.optimizer}", "--optimizer takes adam (AdamW) or sgd")
@@ -227,6 +239,8 @@ def parallel_args(job: Job) -> list[Arg]:
     if p.offload_optimizer == "cpu":
         args += [("--optimizer-cpu-offload", None), ("--optimizer-offload-fraction", 1.0)]
     args += PRECISION_ARGS[p.precision]
+    if p.precision == "fp8" and p.fp8_recipe != "auto":
+        args.append(("--fp8-recipe", p.fp8_recipe))  # Transformer Engine's scaling (default delayed)
     args.append(("--optimizer", OPTIMIZERS[p.optimizer]))
     args.append(("--attention-backend", "flash" if p.attention == "flash" else "unfused"))
     return args
@@ -307,6 +321,7 @@ def parser() -> argparse.ArgumentParser:
         "--recompute-method": ["uniform", "block"],
         "--data-parallel-sharding-strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
         "--fp8-format": ["e4m3", "hybrid"],
+        "--fp8-recipe": ["tensorwise", "delayed", "mxfp8", "blockwise"],
         "--transformer-impl": ["local", "transformer_engine", "inference_optimized"],
         "--optimizer": ["adam", "sgd", "muon", "dist_muon"],
         "--attention-backend": ["flash", "fused", "unfused", "local", "auto"],
@@ -381,6 +396,7 @@ def parse(text: str) -> dict[str, Any]:
         "recompute": recompute,
         "recompute_layers": a.recompute_num_layers if a.recompute_method == "block" else None,
         "precision": precision,
+        "fp8_recipe": a.fp8_recipe if a.fp8_recipe in ("tensorwise", "delayed") else "auto",
         "optimizer": {v: k for k, v in OPTIMIZERS.items()}[a.optimizer],
         "attention": "flash" if a.attention_backend == "flash" else "eager",
         "seq_len": a.seq_length,

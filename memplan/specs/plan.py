@@ -20,6 +20,7 @@ PipelineSchedule = Literal["1f1b", "interleaved", "gpipe"]
 Finetune = Literal["full", "lora", "qlora"]
 Quant = Literal["none", "int8", "nf4", "fp4"]
 ActivationOffload = Literal["none", "cpu"]
+Fp8Recipe = Literal["auto", "tensorwise", "rowwise", "delayed"]
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
 
 
@@ -54,6 +55,17 @@ class Plan(BaseModel):
         None, gt=0, le=100_000, description="With full recompute: layers per stage recomputed (default: all)."
     )
     precision: PrecisionName = "bf16-master"
+    fp8_recipe: Fp8Recipe = Field(
+        "auto",
+        description="precision fp8: the scaling recipe. auto: the library's default (Transformer Engine's delayed "
+        "scaling under runtime megatron, torchao's tensorwise otherwise); tensorwise (dynamic per-tensor: torchao, "
+        "TE's current scaling); rowwise (torchao); delayed (TE, amax history of 1024).",
+    )
+    fp8_all_gather: StrictBool = Field(
+        False,
+        description="precision fp8 under FSDP2 (zero 2/3): all-gather the fp8 linears' weights in fp8 (torchao's "
+        "enable_fsdp_float8_all_gather; tensorwise only).",
+    )
     optimizer: OptimizerName = "adamw"
     attention: AttentionImpl = Field(
         "flash",
@@ -132,6 +144,18 @@ class Plan(BaseModel):
             raise ValueError(
                 f"precision: a {self.quant} base dequantizes to bf16, fp16 or fp32 (bitsandbytes' compute dtype), "
                 "not fp8"
+            )
+        if self.precision != "fp8":
+            for name in ("fp8_recipe", "fp8_all_gather"):
+                if getattr(self, name) != type(self).model_fields[name].default:
+                    raise ValueError(f"{name}: only meaningful with precision: fp8")
+        if self.fp8_all_gather and self.fp8_recipe not in ("auto", "tensorwise"):
+            raise ValueError(
+                f"fp8_all_gather: torchao gathers fp8 weights with tensorwise scaling only, not {self.fp8_recipe}"
+            )
+        if self.fp8_all_gather and self.zero < 2:
+            raise ValueError(
+                f"fp8_all_gather: the fp8 all-gather is FSDP2's, which needs zero 2 or 3 (got zero: {self.zero})"
             )
         targets = self.lora_targets
         if ALL_LINEAR in targets and len(targets) > 1:

@@ -22,6 +22,7 @@ ORDER = (
     "gradients",
     "gathered_params",
     "autocast_weights",
+    "fp8_weights",
     "kv_cache",
     "activations",
     "retained_outputs",

@@ -10,6 +10,7 @@ COLORS = {
     "gradients": "#dd8452",
     "gathered_params": "#64b5cd",
     "autocast_weights": "#8c8c8c",
+    "fp8_weights": "#a6761d",
     "kv_cache": "#937860",
     "activations": "#55a868",
     "retained_outputs": "#b5cf6b",

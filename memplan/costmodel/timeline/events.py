@@ -23,6 +23,7 @@ class Category(StrEnum):
     ACTIVATIONS = "activations"
     LOGITS = "logits_and_loss"
     AUTOCAST = "autocast_weights"
+    FP8 = "fp8_weights"  # Transformer Engine's cached fp8 weights and scaling state
     COMM = "comm_buffers"
     RETAINED = "retained_outputs"
     KV_CACHE = "kv_cache"
