@@ -19,6 +19,7 @@ Every constant below is an assumption with its source; a calibration per GPU pro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -153,12 +154,35 @@ def stage_flops_per_token(model: ModelSpec, plan: Plan, stage: int, seq_len: int
     (all its chunks), before the split over TP and CP: 6 x params per layer (the LM head's
     V h on the last stage), 12 q s per layer for attention, halved when causal blocks are
     skipped."""
-    layers = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
-    matmul = 6.0 * sum(layer_matmul_params(model, i) for i in layers)
+    layers = stage_layers(model, plan.pp, plan.virtual_stages, stage)
+    matmul = 6.0 * layers.matmul_params
     if stage == plan.pp - 1:
         matmul += 6.0 * model.vocab_size * model.hidden_size
-    attention = attention_flops_per_token(model, seq_len, causal, len(layers))
+    attention = attention_flops_per_token(model, seq_len, causal, layers.count)
     return matmul, attention
+
+
+@dataclass(frozen=True, slots=True)
+class StageLayers:
+    """What the step-time model reads of a pipeline stage's layers, summed once per stage."""
+
+    count: int
+    matmul_params: int  # sum of layer_matmul_params over the stage's layers
+    moe_layers: int
+
+
+@lru_cache(maxsize=4096)
+def stage_layers(model: ModelSpec, pp: int, virtual_stages: int, stage: int) -> StageLayers:
+    """The layers of pipeline rank ``stage`` (``layout.stage_layer_indices``): how many, the
+    parameters a token is multiplied by in them, and how many are MoE layers. Depends on the
+    model and the pipeline layout only, so the search computes it once per stage, not once per
+    plan and layer."""
+    indices = stage_layer_indices(model.num_layers, pp, virtual_stages, stage)
+    return StageLayers(
+        len(indices),
+        sum(layer_matmul_params(model, i) for i in indices),
+        sum(model.is_moe_layer(i) for i in indices),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,8 +362,7 @@ def loss_bytes_per_token(model: ModelSpec, plan: Plan, fused: bool = True, d: in
 def autocast_weight_bytes(model: ModelSpec, plan: Plan, stage: int) -> float:
     """Per micro-batch under autocast: every matmul weight cast fp32 -> bf16 once in the forward
     (the autocast cache, 6 bytes) and its bf16 gradient cast to fp32 for ``.grad`` (6 bytes)."""
-    layers = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
-    weights = sum(layer_matmul_params(model, i) for i in layers)
+    weights = stage_layers(model, plan.pp, plan.virtual_stages, stage).matmul_params
     if stage == plan.pp - 1:
         weights += model.vocab_size * model.hidden_size
     return 12.0 * weights / plan.tp
@@ -543,8 +566,8 @@ def _stage_micro_batch(
 ) -> dict[str, float]:
     """Seconds of one micro-batch's forward and backward on one rank of ``stage``: GEMMs and
     fused attention kernels (``compute``), HBM-bound kernels (``memory_bound``), collectives."""
-    indices = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
-    layers = len(indices)
+    on_stage = stage_layers(model, plan.pp, plan.virtual_stages, stage)
+    layers = on_stage.count
     # fused attention kernels skip the masked blocks; the math / eager path computes every score
     # (two batched GEMMs, roofline) and runs its softmax over them in HBM
     materialised = backend in ("eager", "math")
@@ -593,9 +616,8 @@ def _stage_micro_batch(
         parts["cp_comm"] = max(0.0, ring - attn_time)
     # EP: dispatch and combine all-to-alls per MoE layer, forward and backward
     if plan.ep > 1 and model.moe is not None:
-        moe_layers = sum(model.is_moe_layer(i) for i in indices)
         routed = tokens_mb * model.moe.top_k * model.hidden_size * d
-        parts["ep_comm"] = 4 * moe_layers * all_to_all_s(routed, plan.ep, ep_link)
+        parts["ep_comm"] = 4 * on_stage.moe_layers * all_to_all_s(routed, plan.ep, ep_link)
     return parts
 
 
