@@ -770,6 +770,43 @@ def _granularity(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _MicroBatchTerms:
+    """One micro-batch's activation terms that depend on the rank's shape, the runtime and the
+    recomputation only (not on the stage, the ZeRO stage or the data-parallel degree)."""
+
+    full_layer: int  # a layer as stored under the plan's recomputation (layer_activation_bytes)
+    live_layer: int  # a layer in its backward, everything back (recomputation "none")
+    layer_input: int
+    embedding: int  # rt.embedding
+    per_chunk: int  # rt.per_chunk (0 without)
+    head: int
+    loss_forward: int
+    loss_backward: int
+
+
+@lru_cache(maxsize=8192)
+def _micro_batch_terms(
+    x: A.Shape, rt: RuntimeProfile, recompute: str, moe_fraction: float, ep: int
+) -> _MicroBatchTerms:
+    """The runtime's terms for one micro-batch of shape ``x``, computed once per distinct
+    shape, runtime, recomputation, MoE share and ep: a search meets the same few thousands of
+    times (its plans differ in dp, ZeRO, offload and the schedule more than in these)."""
+    full_layer = layer_activation_bytes(x, rt, recompute, moe_fraction, ep)
+    # in its backward a layer has everything back, recomputed parts included
+    live_layer = full_layer if recompute == "none" else layer_activation_bytes(x, rt, "none", moe_fraction, ep)
+    return _MicroBatchTerms(
+        full_layer,
+        live_layer,
+        A.layer_input(x),
+        rt.embedding(x),
+        rt.per_chunk(x) if rt.per_chunk is not None else 0,
+        rt.head(x),
+        rt.loss_forward(x),
+        rt.loss_backward(x),
+    )
+
+
 def _stage_phases(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -778,8 +815,10 @@ def _stage_phases(
     stage: int,
     accumulation: int,
     device: Device = "cuda",
+    x: A.Shape | None = None,
 ) -> StageMoments:
-    """Breakdowns of each phase for one pipeline stage, plus states, per-layer and total activations."""
+    """Breakdowns of each phase for one pipeline stage, plus states, per-layer and total
+    activations. ``x``: the plan's ``_shape`` when the caller has it (the same for every stage)."""
     policy = POLICIES[plan.precision]
     layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
     factored = 1 / model.hidden_size + 1 / model.ffn_size
@@ -788,11 +827,11 @@ def _stage_phases(
         st = finetune_states(layout, model, plan, policy, factored)
     else:
         st = model_states(layout, plan, policy, factored)
-    x = _shape(model, workload, plan, policy, rt, device)
+    if x is None:
+        x = _shape(model, workload, plan, policy, rt, device)
     moe_fraction = _moe_fraction(model, layout, plan)
-    full_layer = layer_activation_bytes(x, rt, plan.recompute, moe_fraction, plan.ep)
-    # in its backward a layer has everything back, recomputed parts included
-    live_layer = layer_activation_bytes(x, rt, "none", moe_fraction, plan.ep)
+    terms = _micro_batch_terms(x, rt, plan.recompute, moe_fraction, plan.ep)
+    full_layer, live_layer = terms.full_layer, terms.live_layer
     if finetune and not _transformers_layers(rt):
         full_layer += lora_extra(x, plan)
         live_layer += lora_extra(x, plan)
@@ -800,24 +839,23 @@ def _stage_phases(
     recomputed = 0
     if plan.recompute == "full":
         recomputed = layers if plan.recompute_layers is None else min(plan.recompute_layers, layers)
-    stored = (layers - recomputed) * full_layer + recomputed * A.layer_input(x)
-    per_layer = A.layer_input(x) if recomputed else full_layer
+    stored = (layers - recomputed) * full_layer + recomputed * terms.layer_input
+    per_layer = terms.layer_input if recomputed else full_layer
     lora_acts = lora_activations(model, x, plan, rt, layout, device) if finetune and _transformers_layers(rt) else None
     if lora_acts is not None:
         stored, per_layer, live_layer = lora_acts.stored, lora_acts.per_layer, lora_acts.live_layer
     mbs = inflight_microbatches(plan, stage, accumulation)
-    layer_acts = int(stored * inflight_layers(plan, stage, accumulation, layers) / layers) if layers else 0
-    embed = rt.embedding(x) * mbs if layout.is_first else 0
+    inflight = inflight_layers(plan, stage, accumulation, layers)
+    layer_acts = int(stored * inflight / layers) if layers else 0
+    embed = terms.embedding * mbs if layout.is_first else 0
     if rt.per_chunk is not None and layers:
         # chunk-micro-batches in flight on this rank
-        embed += rt.per_chunk(x) * round(
-            inflight_layers(plan, stage, accumulation, layers) * plan.virtual_stages / layers
-        )
-    head = rt.head(x) * mbs if layout.is_last else 0
+        embed += terms.per_chunk * round(inflight * plan.virtual_stages / layers)
+    head = terms.head * mbs if layout.is_last else 0
     if lora_acts is not None and layout.is_last:
         head += lora_acts.head_delta * mbs
-    loss_fwd = rt.loss_forward(x) if layout.is_last else 0
-    loss_bwd = rt.loss_backward(x) if layout.is_last else 0
+    loss_fwd = terms.loss_forward if layout.is_last else 0
+    loss_bwd = terms.loss_backward if layout.is_last else 0
     retained = rt.retained(x, layers, plan.recompute == "full") if layout.is_last else 0
     if lora_acts is not None:
         retained += lora_acts.retained
@@ -888,11 +926,11 @@ def _stage_phases(
     offload_host = mlp_peak = 0
     if plan.offload_activations != "none":
         off = activation_offload(model, x, plan, rt, layout, stored, head, weight_copies, lora_acts)
-        share = inflight_layers(plan, stage, accumulation, layers) / layers if layers else 1
+        share = inflight / layers if layers else 1
         fwd_acts, fwd_head, bwd_copies, head_back = int(off.kept * share), off.head_kept, off.copies_kept, off.head_back
         fwd_head += off.stash
         # with the layers' tensors gone, the forward may peak inside the last layer's MLP instead
-        mlp_peak = max(0, off.mlp_forward - fwd_head - rt.loss_forward(x))
+        mlp_peak = max(0, off.mlp_forward - fwd_head - terms.loss_forward)
         offload_host = off.host
         st = replace(st, cpu=st.cpu + off.host * mbs)  # pinned host memory, beside offloaded states
         if plan.recompute != "full":
@@ -998,50 +1036,81 @@ def _stage_phases(
     return StageMoments(phases, moments, None, build_grads, st, per_layer, total_acts, offload_host)
 
 
-def estimate_training(
+@dataclass(frozen=True, slots=True)
+class TrainingPeak:
+    """The most-loaded rank's allocated peak of a training step, without a report: what the
+    search's fast form reads of each plan (``search.evaluate``), and what ``estimate_training``
+    reports. ``reserved`` is the fast form (``overhead.fast_reserved_bytes``), not a replay."""
+
+    allocated: int
+    stage: int
+    phase: str
+    rank: int
+    overhead: int  # fixed bytes outside the allocator
+    gradient_accumulation: int
+    moments: StageMoments  # the peak stage's phases
+    totals: dict[str, int]  # the peak stage's allocated peak of each phase
+    stage_peaks: dict[int, int]
+
+    @property
+    def reserved(self) -> int:
+        return O.fast_reserved_bytes(self.allocated)
+
+
+def training_peak(
     model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str = "memplan", device: Device = "cuda"
-) -> MemoryReport:
+) -> TrainingPeak:
     """Peak per-rank memory of a steady-state training step, over phases and pipeline stages,
-    on ``device`` (which attention kernel runs: ``sdpa_kind``)."""
+    on ``device`` (which attention kernel runs: ``sdpa_kind``): the stage whose highest phase
+    is the highest (the first of equals)."""
     rt = RUNTIMES[runtime]
     if plan.offload_activations != "none":
         offload_mechanism(plan, rt)  # refuses, by field, what no loop runs
     accumulation = gradient_accumulation(workload, plan)
-    stages = _stages_to_examine(model, plan)
+    x = _shape(model, workload, plan, POLICIES[plan.precision], rt, device)  # the same on every stage
     best = None
     stage_peaks: dict[int, int] = {}
-    for stage in stages:
-        sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device)
-        phases, st, per_layer, total_acts = sm.phases, sm.states, sm.per_layer, sm.total_acts
-        totals = {name: sum(b.values()) for name, b in phases.items()}
-        peak_phase = max(totals, key=lambda name: totals[name])
+    for stage in _stages_to_examine(model, plan):
+        sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, x)
+        totals = {name: sum(b.values()) for name, b in sm.phases.items()}
+        peak_phase = max(totals, key=totals.__getitem__)
         stage_peaks[stage] = totals[peak_phase]
         if best is None or totals[peak_phase] > best[0]:
-            best = (totals[peak_phase], stage, peak_phase, phases, st, per_layer, total_acts, totals)
+            best = (totals[peak_phase], stage, peak_phase, sm, totals)
     assert best is not None
-    allocated, stage, phase, phases, st, per_layer, total_acts, totals = best
+    allocated, stage, phase, sm, totals = best
     overhead = O.fixed_overhead_bytes(O.communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep))
-    breakdown = {k: v for k, v in phases[phase].items() if v}
+    rank = stage * plan.tp * plan.cp * plan.dp
+    return TrainingPeak(allocated, stage, phase, rank, overhead, accumulation, sm, totals, stage_peaks)
+
+
+def estimate_training(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str = "memplan", device: Device = "cuda"
+) -> MemoryReport:
+    """Peak per-rank memory of a steady-state training step (:func:`training_peak`) as a report."""
+    peak = training_peak(model, workload, plan, runtime, device)
+    sm, st = peak.moments, peak.moments.states
+    breakdown = {k: v for k, v in sm.phases[peak.phase].items() if v}
     return MemoryReport.model_construct(
         model_states=ModelStates.model_construct(
             parameters=st.params, gradients=st.grads, optimizer_states=st.optimizer
         ),
-        activations=Activations.model_construct(per_layer=per_layer, total=total_acts),
+        activations=Activations.model_construct(per_layer=sm.per_layer, total=sm.total_acts),
         kv_cache=0,
         peak=Peak.model_construct(
-            allocated=allocated,
-            reserved=O.fast_reserved_bytes(allocated),
-            phase=phase,
-            rank=stage * plan.tp * plan.cp * plan.dp,
-            stage=stage,
-            rank_role=_role(stage, plan.pp),
+            allocated=peak.allocated,
+            reserved=peak.reserved,
+            phase=peak.phase,
+            rank=peak.rank,
+            stage=peak.stage,
+            rank_role=_role(peak.stage, plan.pp),
             breakdown=breakdown,
         ),
         offload=Offload.model_construct(cpu=st.cpu, nvme=st.nvme),
-        phases=totals,
-        stage_peaks=stage_peaks,
-        overhead=overhead,
-        gradient_accumulation=accumulation,
+        phases=peak.totals,
+        stage_peaks=peak.stage_peaks,
+        overhead=peak.overhead,
+        gradient_accumulation=peak.gradient_accumulation,
     )
 
 

@@ -440,6 +440,20 @@ def _dp_group(plan: Plan) -> tuple[int, int]:
     return plan.tp, plan.dp * plan.cp
 
 
+@dataclass(frozen=True, slots=True)
+class StepSpeed:
+    """The figures of a :class:`TimeReport` without the report (the search's fast form)."""
+
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    hfu: float
+    flops_per_step: float
+    peak_flops: float
+    breakdown: dict[str, float]
+
+
 def estimate_time(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -453,6 +467,30 @@ def estimate_time(
     ``runtime`` picks fused (``megatron``) or eager element-wise kernels, its loss and its
     optimizer implementation, and whether bf16-mixed runs under autocast."""
     eff = eff or Efficiency.for_gpu(gpu)
+    speed = step_speed(model, workload, plan, gpu, cluster, runtime, eff)
+    return TimeReport(
+        step_time_s=speed.step_time_s,
+        tokens_per_s=speed.tokens_per_s,
+        tokens_per_s_per_gpu=speed.tokens_per_s_per_gpu,
+        mfu=speed.mfu,
+        hfu=speed.hfu,
+        flops_per_step=speed.flops_per_step,
+        peak_flops=speed.peak_flops,
+        calibration=eff.calibration,
+        breakdown=speed.breakdown,
+    )
+
+
+def step_speed(
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    gpu: GPUSpec,
+    cluster: ClusterSpec,
+    runtime: str,
+    eff: Efficiency,
+) -> StepSpeed:
+    """:func:`estimate_time`'s figures, without building the report."""
     policy = POLICIES[plan.precision]
     d = policy.compute_bytes
     peak = matmul_peak_flops(gpu, plan.precision)
@@ -466,6 +504,8 @@ def estimate_time(
     dp_link = group_link(gpu, cluster, dp_stride, dp_size, eff)
     pp_link = group_link(gpu, cluster, plan.tp * plan.cp * plan.dp, 2, eff)
 
+    backend = attention_backend(model, workload, plan, gpu)
+    autocast = runs_autocast(plan, runtime)
     slowest: dict[str, float] | None = None
     for stage in sorted({0, plan.pp - 1}):
         parts = _stage_micro_batch(
@@ -483,8 +523,8 @@ def estimate_time(
             ep_link,
             runtime == "megatron",
             RUNTIMES[runtime].dropout,
-            attention_backend(model, workload, plan, gpu),
-            runs_autocast(plan, runtime),
+            backend,
+            autocast,
         )
         if slowest is None or sum(parts.values()) > sum(slowest.values()):
             slowest = parts
@@ -510,16 +550,15 @@ def estimate_time(
     model_flops = job_tokens * training_flops_per_token(model, s)
     hardware_flops = model_flops + job_tokens * _recompute_flops_per_token(model, plan, s)
     world = plan.world_size
-    return TimeReport(
-        step_time_s=step,
-        tokens_per_s=job_tokens / step,
-        tokens_per_s_per_gpu=job_tokens / step / world,
-        mfu=model_flops / step / world / peak,
-        hfu=hardware_flops / step / world / peak,
-        flops_per_step=model_flops,
-        peak_flops=peak,
-        calibration=eff.calibration,
-        breakdown=breakdown,
+    return StepSpeed(
+        step,
+        job_tokens / step,
+        job_tokens / step / world,
+        model_flops / step / world / peak,
+        hardware_flops / step / world / peak,
+        model_flops,
+        peak,
+        breakdown,
     )
 
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from memplan.costmodel import overhead as O
 from memplan.costmodel.allocator import AllocatorConfig
-from memplan.costmodel.memory import estimate_memory
-from memplan.costmodel.report import MemoryReport
-from memplan.costmodel.time import Efficiency, estimate_time
+from memplan.costmodel.memory import TrainingPeak, training_peak
+from memplan.costmodel.time import Efficiency, step_speed
 from memplan.search.space import Candidate
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.model import ModelSpec
@@ -44,9 +44,9 @@ class Context:
     allocator: AllocatorConfig = AllocatorConfig()  # the caching allocator the plans run under
     device: str = "cuda"  # where the plans run: which attention kernel (memory.sdpa_kind)
 
-    @property
+    @cached_property
     def time_efficiency(self) -> Efficiency:
-        """The step-time model's efficiencies: as given, else the GPU profile's."""
+        """The step-time model's efficiencies: as given, else the GPU profile's (built once)."""
         return self.efficiency or Efficiency.for_gpu(self.gpu)
 
     @property
@@ -89,39 +89,43 @@ class Evaluation(BaseModel):
         return (self.peak_reserved_bytes + self.overhead_bytes - self.limit_bytes) / GiB
 
 
-def peak_bytes(report: MemoryReport, peak_ratio: float) -> tuple[int, int]:
+def peak_bytes(peak: TrainingPeak, peak_ratio: float) -> tuple[int, int]:
     """(allocated, reserved) peak, the allocated one scaled by a calibration ratio."""
     if peak_ratio == 1.0:
-        return report.peak.allocated, report.peak.reserved
-    allocated = round(report.peak.allocated * peak_ratio)
+        return peak.allocated, peak.reserved
+    allocated = round(peak.allocated * peak_ratio)
     return allocated, O.fast_reserved_bytes(allocated)
 
 
 def peak_reserved(candidate: Candidate, ctx: Context) -> int:
     """The reserved peak alone (no step time): scans for what comes closest to fitting."""
-    report = estimate_memory(ctx.model, candidate.workload, candidate.plan, ctx.runtime, ctx.device)
-    return peak_bytes(report, ctx.peak_ratio)[1]
+    peak = training_peak(ctx.model, candidate.workload, candidate.plan, ctx.runtime, ctx.device)
+    return peak_bytes(peak, ctx.peak_ratio)[1]
 
 
 def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
-    """Predicted peak memory, fit and speed of one plan."""
+    """Predicted peak memory, fit and speed of one plan: ``memory.training_peak`` and
+    ``time.step_speed``, the figures of ``estimate_memory`` and ``estimate_time`` without
+    their reports (tests/search/test_fast_form.py holds them equal)."""
     plan, workload = candidate.plan, candidate.workload
-    report = estimate_memory(ctx.model, workload, plan, ctx.runtime, ctx.device)
-    allocated, reserved = peak_bytes(report, ctx.peak_ratio)
-    speed = estimate_time(ctx.model, workload, plan, ctx.gpu, ctx.cluster, runtime=ctx.runtime, eff=ctx.time_efficiency)
-    return Evaluation(
+    peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device)
+    allocated, reserved = peak_bytes(peak, ctx.peak_ratio)
+    speed = step_speed(ctx.model, workload, plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.time_efficiency)
+    capacity, limit, overhead = ctx.gpu.capacity_bytes, ctx.limit_bytes, peak.overhead
+    # every input is a validated plan, workload or figure of the models: constructed, not validated again
+    return Evaluation.model_construct(
         plan=plan,
         workload=workload,
         peak_allocated_bytes=allocated,
         peak_reserved_bytes=reserved,
-        peak_phase=report.peak.phase,
-        peak_rank=report.peak.rank,
-        capacity_bytes=ctx.gpu.capacity_bytes,
-        limit_bytes=ctx.limit_bytes,
-        overhead_bytes=report.overhead,
-        fits=reserved + report.overhead <= ctx.limit_bytes,
-        headroom_bytes=ctx.gpu.capacity_bytes - report.overhead - reserved,
-        gradient_accumulation=report.gradient_accumulation,
+        peak_phase=peak.phase,
+        peak_rank=peak.rank,
+        capacity_bytes=capacity,
+        limit_bytes=limit,
+        overhead_bytes=overhead,
+        fits=reserved + overhead <= limit,
+        headroom_bytes=capacity - overhead - reserved,
+        gradient_accumulation=peak.gradient_accumulation,
         step_time_s=speed.step_time_s,
         tokens_per_s=speed.tokens_per_s,
         tokens_per_s_per_gpu=speed.tokens_per_s_per_gpu,
