@@ -58,6 +58,7 @@ def _windowed_attention_flops(model: ModelSpec, seq_len: int, count: int) -> flo
     return total
 
 
+@lru_cache(maxsize=4096)
 def training_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False) -> float:
     """Model FLOPs of one token's forward and backward: 6 N + 12 L H Q T."""
     return 6 * matmul_params(model) + attention_flops_per_token(model, seq_len, causal)

@@ -18,8 +18,9 @@ Every constant below is an assumption with its source; a calibration per GPU pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from operator import attrgetter
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -481,6 +482,26 @@ def estimate_time(
     )
 
 
+STAGE_FIELDS = (
+    "tp", "cp", "pp", "virtual_stages", "ep", "sequence_parallel", "recompute", "recompute_layers", "attention",
+    "precision",
+)  # fmt: skip
+"""The plan fields one stage's micro-batch (:func:`_stage_micro_batch`) reads, itself or through
+its helpers; not dp, ZeRO, offload, the schedule or the global batch (tests/unit/test_time.py
+checks it by recording what the function reads)."""
+_stage_fields = attrgetter(*STAGE_FIELDS)
+
+
+@dataclass(frozen=True, slots=True)
+class TimeMemo:
+    """What the plans of one search share, for one model, GPU, cluster, efficiencies and
+    runtime (``search.evaluate.Context`` owns one): one micro-batch's seconds on a stage, and
+    the FLOPs recomputation adds per token, by the plan fields they read."""
+
+    stages: dict[tuple, dict[str, float]] = field(default_factory=dict)
+    recompute_flops: dict[tuple, float] = field(default_factory=dict)
+
+
 def step_speed(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -489,26 +510,25 @@ def step_speed(
     cluster: ClusterSpec,
     runtime: str,
     eff: Efficiency,
+    memo: TimeMemo | None = None,
 ) -> StepSpeed:
-    """:func:`estimate_time`'s figures, without building the report."""
+    """:func:`estimate_time`'s figures, without building the report. ``memo``: what the plans
+    of one search (one model, GPU, cluster, efficiencies and runtime) share; they differ in dp,
+    ZeRO and offload more than in what a stage's micro-batch reads."""
     policy = POLICIES[plan.precision]
     d = policy.compute_bytes
     peak = matmul_peak_flops(gpu, plan.precision)
     m = gradient_accumulation(workload, plan)
     s = workload.seq_len
     tokens_mb = workload.micro_batch * s / plan.cp  # tokens one rank holds per micro-batch
-    tp_link = group_link(gpu, cluster, 1, plan.tp, eff)
-    cp_link = group_link(gpu, cluster, plan.tp, plan.cp, eff)
-    ep_link = group_link(gpu, cluster, plan.tp * plan.cp, plan.ep, eff)
     dp_stride, dp_size = _dp_group(plan)
     dp_link = group_link(gpu, cluster, dp_stride, dp_size, eff)
     pp_link = group_link(gpu, cluster, plan.tp * plan.cp * plan.dp, 2, eff)
-
-    backend = attention_backend(model, workload, plan, gpu)
     autocast = runs_autocast(plan, runtime)
-    slowest: dict[str, float] | None = None
-    for stage in sorted({0, plan.pp - 1}):
-        parts = _stage_micro_batch(
+    key = (_stage_fields(plan), s, workload.micro_batch, autocast)
+
+    def stage_parts(stage: int) -> dict[str, float]:
+        return _stage_micro_batch(
             model,
             plan,
             stage,
@@ -518,14 +538,21 @@ def step_speed(
             peak,
             gpu,
             eff,
-            tp_link,
-            cp_link,
-            ep_link,
+            group_link(gpu, cluster, 1, plan.tp, eff),
+            group_link(gpu, cluster, plan.tp, plan.cp, eff),
+            group_link(gpu, cluster, plan.tp * plan.cp, plan.ep, eff),
             runtime == "megatron",
             RUNTIMES[runtime].dropout,
-            backend,
+            attention_backend(model, workload, plan, gpu),
             autocast,
         )
+
+    slowest: dict[str, float] | None = None
+    for stage in sorted({0, plan.pp - 1}):
+        if memo is None:
+            parts = stage_parts(stage)
+        elif (parts := memo.stages.get((key, stage))) is None:
+            parts = memo.stages[key, stage] = stage_parts(stage)
         if slowest is None or sum(parts.values()) > sum(slowest.values()):
             slowest = parts
     assert slowest is not None
@@ -548,7 +575,11 @@ def step_speed(
 
     job_tokens = workload.micro_batch * s * m * plan.dp
     model_flops = job_tokens * training_flops_per_token(model, s)
-    hardware_flops = model_flops + job_tokens * _recompute_flops_per_token(model, plan, s)
+    if memo is None:
+        recompute_flops = _recompute_flops_per_token(model, plan, s)
+    elif (recompute_flops := memo.recompute_flops.get(key)) is None:
+        recompute_flops = memo.recompute_flops[key] = _recompute_flops_per_token(model, plan, s)
+    hardware_flops = model_flops + job_tokens * recompute_flops
     world = plan.world_size
     return StepSpeed(
         step,

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from memplan.costmodel import overhead as O
 from memplan.costmodel.allocator import AllocatorConfig
 from memplan.costmodel.memory import TrainingPeak, training_peak
-from memplan.costmodel.time import Efficiency, step_speed
+from memplan.costmodel.time import Efficiency, TimeMemo, step_speed
 from memplan.search.space import Candidate
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.model import ModelSpec
@@ -48,6 +48,11 @@ class Context:
     def time_efficiency(self) -> Efficiency:
         """The step-time model's efficiencies: as given, else the GPU profile's (built once)."""
         return self.efficiency or Efficiency.for_gpu(self.gpu)
+
+    @cached_property
+    def time_memo(self) -> TimeMemo:
+        """What this search's plans share in the step-time model (``time.step_speed``)."""
+        return TimeMemo()
 
     @property
     def limit_bytes(self) -> int:
@@ -110,7 +115,7 @@ def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
     plan, workload = candidate.plan, candidate.workload
     peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device)
     allocated, reserved = peak_bytes(peak, ctx.peak_ratio)
-    speed = step_speed(ctx.model, workload, plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.time_efficiency)
+    speed = step_speed(ctx.model, workload, plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.time_efficiency, ctx.time_memo)
     capacity, limit, overhead = ctx.gpu.capacity_bytes, ctx.limit_bytes, peak.overhead
     # every input is a validated plan, workload or figure of the models: constructed, not validated again
     return Evaluation.model_construct(
