@@ -14,9 +14,10 @@ is for the one with the higher peak (the most-loaded rank).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Literal
+from operator import attrgetter
+from typing import Literal, NamedTuple
 
 from memplan.costmodel import activations as A
 from memplan.costmodel import lora as L
@@ -41,8 +42,7 @@ Device = Literal["cuda", "cpu"]  # where the step runs: CUDA on a GPU profile, o
 ZERO3_PREFETCH_LAYERS = 2  # FSDP / ZeRO-3: the current layer and the one prefetched
 
 
-@dataclass(frozen=True, slots=True)
-class _States:
+class _States(NamedTuple):
     params: int
     grads: int
     optimizer: int
@@ -566,8 +566,7 @@ def _fsdp2(rt: RuntimeProfile, plan: Plan) -> bool:
     return rt.pytorch_parallel and plan.zero >= 2 and plan.dp * plan.cp > 1
 
 
-@dataclass(frozen=True, slots=True)
-class _Fsdp2:
+class _Fsdp2(NamedTuple):
     """FSDP2's parameter bytes at each moment of the step, on top of the sharded params."""
 
     forward: int
@@ -729,8 +728,7 @@ def _moe_fraction(model: ModelSpec, layout: StageLayout, plan: Plan) -> float:
     return sum(model.is_moe_layer(i) for i in indices) / len(indices)
 
 
-@dataclass(frozen=True, slots=True)
-class StageMoments:
+class StageMoments(NamedTuple):
     """One pipeline stage's step: each phase's breakdown, the moments of the step the
     timeline reaches (``backward_start`` beside the chosen ``backward``), and the sizes of
     the tensors each category is made of."""
@@ -807,6 +805,65 @@ def _micro_batch_terms(
     )
 
 
+SHAPE_FIELDS = ("cp", "tp", "sequence_parallel", "attention", "precision", "quant")
+"""The plan fields ``_shape`` reads besides ZeRO and dp, which it reads only through ``_fsdp2``
+(tests/search/test_fast_form.py checks it by recording what the function reads)."""
+_shape_fields = attrgetter(*SHAPE_FIELDS)
+LAYOUT_FIELDS = ("tp", "ep", "pp", "virtual_stages")  # stage_layout's arguments; _moe_fraction reads pp and v
+_layout_fields = attrgetter(*LAYOUT_FIELDS)
+PIPELINE_FIELDS = ("pp", "virtual_stages", "pp_schedule")  # pipeline_buffers reads these (and stages = pp v)
+_pipeline_fields = attrgetter(*PIPELINE_FIELDS)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryMemo:
+    """What the plans of one search share in the memory model, for one model, runtime and
+    device (``search.evaluate.Context`` owns one; without one, each estimate starts its own):
+    the rank's shape by the plan fields it reads, each stage's layout and MoE share by the
+    layout, one micro-batch's activation terms by the shape and what else they read, and the
+    pipeline's buffers. The plans of a search differ in dp, ZeRO and offload more than in these."""
+
+    shapes: dict[tuple, A.Shape] = field(default_factory=dict)
+    layouts: dict[tuple, tuple[StageLayout, float]] = field(default_factory=dict)
+    terms: dict[tuple, _MicroBatchTerms] = field(default_factory=dict)
+    buffers: dict[tuple, tuple[int, int, int, int]] = field(default_factory=dict)
+
+    def shape(
+        self, model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, device: Device
+    ) -> tuple[A.Shape, tuple]:
+        """(``_shape``, its key)."""
+        key = (workload.seq_len, workload.micro_batch, _shape_fields(plan), _fsdp2(rt, plan))
+        if (x := self.shapes.get(key)) is None:
+            x = self.shapes[key] = _shape(model, workload, plan, POLICIES[plan.precision], rt, device)
+        return x, key
+
+    def layout(self, model: ModelSpec, plan: Plan, stage: int) -> tuple[StageLayout, float]:
+        """(``stage_layout``, ``_moe_fraction``) of pipeline rank ``stage``."""
+        key = (*_layout_fields(plan), stage)
+        if (found := self.layouts.get(key)) is None:
+            layout = stage_layout(model, *key)
+            found = self.layouts[key] = (layout, _moe_fraction(model, layout, plan))
+        return found
+
+    def micro_batch(
+        self, x: A.Shape, shape_key: tuple, rt: RuntimeProfile, recompute: str, moe_fraction: float, ep: int
+    ) -> _MicroBatchTerms:
+        """``_micro_batch_terms`` of the shape ``shape_key`` names."""
+        key = (shape_key, recompute, moe_fraction, ep)
+        if (found := self.terms.get(key)) is None:
+            found = self.terms[key] = _micro_batch_terms(x, rt, recompute, moe_fraction, ep)
+        return found
+
+    def pipeline(
+        self, x: A.Shape, shape_key: tuple, plan: Plan, stage: int, accumulation: int, layers: int
+    ) -> tuple[int, int, int, int]:
+        """``pipeline_buffers`` (which reads the schedule and the activation's size)."""
+        key = (shape_key, _pipeline_fields(plan), stage, accumulation, layers)
+        if (found := self.buffers.get(key)) is None:
+            found = self.buffers[key] = pipeline_buffers(x, plan, stage, accumulation, layers)
+        return found
+
+
 def _stage_phases(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -815,22 +872,21 @@ def _stage_phases(
     stage: int,
     accumulation: int,
     device: Device = "cuda",
-    x: A.Shape | None = None,
+    memo: MemoryMemo | None = None,
 ) -> StageMoments:
     """Breakdowns of each phase for one pipeline stage, plus states, per-layer and total
-    activations. ``x``: the plan's ``_shape`` when the caller has it (the same for every stage)."""
+    activations. ``memo``: the search's (see :class:`MemoryMemo`)."""
+    memo = MemoryMemo() if memo is None else memo
     policy = POLICIES[plan.precision]
-    layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
+    layout, moe_fraction = memo.layout(model, plan, stage)
     factored = 1 / model.hidden_size + 1 / model.ffn_size
     finetune = plan.finetune != "full"
     if finetune:
         st = finetune_states(layout, model, plan, policy, factored)
     else:
         st = model_states(layout, plan, policy, factored)
-    if x is None:
-        x = _shape(model, workload, plan, policy, rt, device)
-    moe_fraction = _moe_fraction(model, layout, plan)
-    terms = _micro_batch_terms(x, rt, plan.recompute, moe_fraction, plan.ep)
+    x, shape_key = memo.shape(model, workload, plan, rt, device)
+    terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
     full_layer, live_layer = terms.full_layer, terms.live_layer
     if finetune and not _transformers_layers(rt):
         full_layer += lora_extra(x, plan)
@@ -869,10 +925,10 @@ def _stage_phases(
     if fsdp2:
         # FSDP2 keeps the sharded params as the parameters and gathers the rest per group
         shard = int(st.optimizer_elements * policy.param_bytes) if plan.offload_params == "none" else 0
-        st = replace(st, params=shard)
+        st = st._replace(params=shard)
         unsharded = fsdp2_unsharded(model, layout, plan, policy)
         if plan.offload_params != "none":
-            st = replace(st, grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
+            st = st._replace(grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
     elif plan.zero >= 3 and sharded:
         # the current layer and the prefetched one; on the first / last stage the gathered
         # embedding or LM head with one prefetched layer, whichever is larger
@@ -888,7 +944,7 @@ def _stage_phases(
     p2p = 2 * x.tokens * x.d * model.hidden_size // x.rep if plan.pp > 1 else 0
     p2p_fwd = p2p_bwd_start = p2p_bwd_end = p2p_opt = p2p
     if rt.pytorch_parallel and plan.pp > 1:
-        p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt = pipeline_buffers(x, plan, stage, accumulation, layers)
+        p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt = memo.pipeline(x, shape_key, plan, stage, accumulation, layers)
     # gradients exist during forward / early backward only if kept across steps or accumulated
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
     if (
@@ -932,7 +988,7 @@ def _stage_phases(
         # with the layers' tensors gone, the forward may peak inside the last layer's MLP instead
         mlp_peak = max(0, off.mlp_forward - fwd_head - terms.loss_forward)
         offload_host = off.host
-        st = replace(st, cpu=st.cpu + off.host * mbs)  # pinned host memory, beside offloaded states
+        st = st._replace(cpu=st.cpu + off.host * mbs)  # pinned host memory, beside offloaded states
         if plan.recompute != "full":
             others_kept = fwd_acts - off.last if off.mechanism == "trl" else 0
             live_layer = min(live_layer, off.last + off.node)
@@ -1036,8 +1092,7 @@ def _stage_phases(
     return StageMoments(phases, moments, None, build_grads, st, per_layer, total_acts, offload_host)
 
 
-@dataclass(frozen=True, slots=True)
-class TrainingPeak:
+class TrainingPeak(NamedTuple):
     """The most-loaded rank's allocated peak of a training step, without a report: what the
     search's fast form reads of each plan (``search.evaluate``), and what ``estimate_training``
     reports. ``reserved`` is the fast form (``overhead.fast_reserved_bytes``), not a replay."""
@@ -1058,20 +1113,26 @@ class TrainingPeak:
 
 
 def training_peak(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str = "memplan", device: Device = "cuda"
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    runtime: str = "memplan",
+    device: Device = "cuda",
+    memo: MemoryMemo | None = None,
 ) -> TrainingPeak:
     """Peak per-rank memory of a steady-state training step, over phases and pipeline stages,
     on ``device`` (which attention kernel runs: ``sdpa_kind``): the stage whose highest phase
-    is the highest (the first of equals)."""
+    is the highest (the first of equals). ``memo``: what a search's plans share
+    (:class:`MemoryMemo`, for this model, runtime and device)."""
     rt = RUNTIMES[runtime]
     if plan.offload_activations != "none":
         offload_mechanism(plan, rt)  # refuses, by field, what no loop runs
     accumulation = gradient_accumulation(workload, plan)
-    x = _shape(model, workload, plan, POLICIES[plan.precision], rt, device)  # the same on every stage
+    memo = MemoryMemo() if memo is None else memo  # the stages share the rank's shape
     best = None
     stage_peaks: dict[int, int] = {}
     for stage in _stages_to_examine(model, plan):
-        sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, x)
+        sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, memo)
         totals = {name: sum(b.values()) for name, b in sm.phases.items()}
         peak_phase = max(totals, key=totals.__getitem__)
         stage_peaks[stage] = totals[peak_phase]
@@ -1287,4 +1348,4 @@ def stage_moments(
     policy = POLICIES[plan.precision]
     layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
     x = _shape(model, workload, plan, policy, rt, device)
-    return replace(sm, granularity=_granularity(model, layout, plan, policy, x, _fsdp2(rt, plan)))
+    return sm._replace(granularity=_granularity(model, layout, plan, policy, x, _fsdp2(rt, plan)))

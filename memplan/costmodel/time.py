@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 from operator import attrgetter
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -97,8 +98,7 @@ class TimeReport(BaseModel):
     breakdown: dict[str, float]
 
 
-@dataclass(frozen=True, slots=True)
-class Link:
+class Link(NamedTuple):
     bytes_per_s: float
     alpha_s: float
 
@@ -441,8 +441,7 @@ def _dp_group(plan: Plan) -> tuple[int, int]:
     return plan.tp, plan.dp * plan.cp
 
 
-@dataclass(frozen=True, slots=True)
-class StepSpeed:
+class StepSpeed(NamedTuple):
     """The figures of a :class:`TimeReport` without the report (the search's fast form)."""
 
     step_time_s: float

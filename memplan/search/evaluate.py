@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from memplan.costmodel import overhead as O
 from memplan.costmodel.allocator import AllocatorConfig
-from memplan.costmodel.memory import TrainingPeak, training_peak
+from memplan.costmodel.memory import MemoryMemo, TrainingPeak, training_peak
 from memplan.costmodel.time import Efficiency, TimeMemo, step_speed
 from memplan.search.space import Candidate
 from memplan.specs.hardware import ClusterSpec, GPUSpec
@@ -48,6 +48,11 @@ class Context:
     def time_efficiency(self) -> Efficiency:
         """The step-time model's efficiencies: as given, else the GPU profile's (built once)."""
         return self.efficiency or Efficiency.for_gpu(self.gpu)
+
+    @cached_property
+    def memory_memo(self) -> MemoryMemo:
+        """What this search's plans share in the memory model (``memory.training_peak``)."""
+        return MemoryMemo()
 
     @cached_property
     def time_memo(self) -> TimeMemo:
@@ -104,7 +109,7 @@ def peak_bytes(peak: TrainingPeak, peak_ratio: float) -> tuple[int, int]:
 
 def peak_reserved(candidate: Candidate, ctx: Context) -> int:
     """The reserved peak alone (no step time): scans for what comes closest to fitting."""
-    peak = training_peak(ctx.model, candidate.workload, candidate.plan, ctx.runtime, ctx.device)
+    peak = training_peak(ctx.model, candidate.workload, candidate.plan, ctx.runtime, ctx.device, ctx.memory_memo)
     return peak_bytes(peak, ctx.peak_ratio)[1]
 
 
@@ -113,7 +118,7 @@ def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
     ``time.step_speed``, the figures of ``estimate_memory`` and ``estimate_time`` without
     their reports (tests/search/test_fast_form.py holds them equal)."""
     plan, workload = candidate.plan, candidate.workload
-    peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device)
+    peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)
     allocated, reserved = peak_bytes(peak, ctx.peak_ratio)
     speed = step_speed(ctx.model, workload, plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.time_efficiency, ctx.time_memo)
     capacity, limit, overhead = ctx.gpu.capacity_bytes, ctx.limit_bytes, peak.overhead

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from memplan.costmodel import memory as M
 from memplan.costmodel import overhead as O
 from memplan.costmodel import time as T
 from memplan.costmodel.memory import estimate_memory
@@ -19,6 +20,7 @@ from memplan.search.space import SpaceOptions, enumerate_space
 from memplan.specs.hardware import ClusterSpec
 from memplan.specs.loader import load_gpu, load_model
 from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
 
 GiB = 2**30
 
@@ -105,3 +107,35 @@ def test_stage_fields_are_what_a_stage_reads(name, plan):
     recorder = _Recording(real)
     T._recompute_flops_per_token(model, recorder, 4096)
     assert recorder.read <= set(T.STAGE_FIELDS)
+
+
+@pytest.mark.parametrize(
+    "name,plan",
+    [
+        ("llama3-8b", dict(tp=2, cp=2, dp=2, zero=3, quant="none", attention="eager", precision="fp32")),
+        ("gemma2-9b", dict(tp=2, dp=2, zero=1, sequence_parallel=True)),
+        ("llama3-8b", dict(finetune="qlora", quant="nf4", precision="bf16", lora_targets=("q_proj", "v_proj"))),
+        ("deepseek-v2-lite", dict(dp=2, pp=3, pp_schedule="interleaved", virtual_stages=3, zero=2, attention="triton")),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("runtime", ["memplan", "hf", "megatron"])
+def test_memory_memo_keys_are_what_is_read(name, plan, runtime, monkeypatch):
+    """The memory memo keys the rank's shape by ``memory.SHAPE_FIELDS`` (and whether FSDP2
+    runs, which is where ZeRO and dp come in), a stage's MoE share by the pipeline layout and
+    the pipeline's buffers by the schedule: nothing else may be read."""
+    model, real = load_model(name), Plan(**plan)
+    rt = M.RUNTIMES[runtime]
+    fsdp2 = M._fsdp2(rt, real)
+    monkeypatch.setattr(M, "_fsdp2", lambda rt, plan: fsdp2)
+    workload = TrainingWorkload(seq_len=4096, micro_batch=2, global_batch=16)
+    for device in ("cuda", "cpu"):
+        recorder = _Recording(real)
+        x = M._shape(model, workload, recorder, M.POLICIES[real.precision], rt, device)
+        assert recorder.read <= set(M.SHAPE_FIELDS), recorder.read - set(M.SHAPE_FIELDS)
+    for stage in range(real.pp):
+        recorder = _Recording(real)
+        M._moe_fraction(model, M.stage_layout(model, real.tp, real.ep, real.pp, real.virtual_stages, stage), recorder)
+        assert recorder.read <= set(M.LAYOUT_FIELDS), recorder.read
+        recorder = _Recording(real)
+        M.pipeline_buffers(x, recorder, stage, 8, 4)
+        assert recorder.read <= {*M.PIPELINE_FIELDS, "stages"}, recorder.read  # stages: pp x virtual_stages
