@@ -813,6 +813,9 @@ LAYOUT_FIELDS = ("tp", "ep", "pp", "virtual_stages")  # stage_layout's arguments
 _layout_fields = attrgetter(*LAYOUT_FIELDS)
 PIPELINE_FIELDS = ("pp", "virtual_stages", "pp_schedule")  # pipeline_buffers reads these (and stages = pp v)
 _pipeline_fields = attrgetter(*PIPELINE_FIELDS)
+STATE_FIELDS = ("dp", "cp", "ep", "zero", "optimizer", "offload_optimizer", "offload_params", "precision")
+"""What ``model_states`` (full training) reads of the plan, with the stage's layout."""
+_state_fields = attrgetter(*STATE_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -821,12 +824,13 @@ class MemoryMemo:
     device (``search.evaluate.Context`` owns one; without one, each estimate starts its own):
     the rank's shape by the plan fields it reads, each stage's layout and MoE share by the
     layout, one micro-batch's activation terms by the shape and what else they read, and the
-    pipeline's buffers. The plans of a search differ in dp, ZeRO and offload more than in these."""
+    pipeline's buffers, and a stage's model states by the layout and what they read."""
 
     shapes: dict[tuple, A.Shape] = field(default_factory=dict)
     layouts: dict[tuple, tuple[StageLayout, float]] = field(default_factory=dict)
     terms: dict[tuple, _MicroBatchTerms] = field(default_factory=dict)
     buffers: dict[tuple, tuple[int, int, int, int]] = field(default_factory=dict)
+    states: dict[tuple, _States] = field(default_factory=dict)
 
     def shape(
         self, model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, device: Device
@@ -843,6 +847,13 @@ class MemoryMemo:
         if (found := self.layouts.get(key)) is None:
             layout = stage_layout(model, *key)
             found = self.layouts[key] = (layout, _moe_fraction(model, layout, plan))
+        return found
+
+    def model_states(self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float) -> _States:
+        """``model_states`` of a stage (full training)."""
+        key = (*_layout_fields(plan), layout.stage, _state_fields(plan))
+        if (found := self.states.get(key)) is None:
+            found = self.states[key] = model_states(layout, plan, policy, factored)
         return found
 
     def micro_batch(
@@ -884,7 +895,7 @@ def _stage_phases(
     if finetune:
         st = finetune_states(layout, model, plan, policy, factored)
     else:
-        st = model_states(layout, plan, policy, factored)
+        st = memo.model_states(layout, plan, policy, factored)
     x, shape_key = memo.shape(model, workload, plan, rt, device)
     terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
     full_layer, live_layer = terms.full_layer, terms.live_layer

@@ -155,19 +155,18 @@ def stage_flops_per_token(model: ModelSpec, plan: Plan, stage: int, seq_len: int
     (all its chunks), before the split over TP and CP: 6 x params per layer (the LM head's
     V h on the last stage), 12 q s per layer for attention, halved when causal blocks are
     skipped."""
-    layers = stage_layers(model, plan.pp, plan.virtual_stages, stage)
-    matmul = 6.0 * layers.matmul_params
+    on_stage = stage_layers(model, plan.pp, plan.virtual_stages, stage)
+    matmul = 6.0 * on_stage.matmul_params
     if stage == plan.pp - 1:
         matmul += 6.0 * model.vocab_size * model.hidden_size
-    attention = attention_flops_per_token(model, seq_len, causal, layers.count)
+    attention = attention_flops_per_token(model, seq_len, causal, on_stage.layers)
     return matmul, attention
 
 
-@dataclass(frozen=True, slots=True)
-class StageLayers:
+class StageLayers(NamedTuple):
     """What the step-time model reads of a pipeline stage's layers, summed once per stage."""
 
-    count: int
+    layers: int  # how many
     matmul_params: int  # sum of layer_matmul_params over the stage's layers
     moe_layers: int
 
@@ -186,8 +185,7 @@ def stage_layers(model: ModelSpec, pp: int, virtual_stages: int, stage: int) -> 
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Recomputation:
+class Recomputation(NamedTuple):
     """Extra forward work recomputation adds, as shares of the step's (forward and backward)
     layer matmuls, attention and element-wise traffic, and extra TP collective rounds per
     layer beyond the forward's and the backward's."""
@@ -494,11 +492,18 @@ _stage_fields = attrgetter(*STAGE_FIELDS)
 @dataclass(frozen=True, slots=True)
 class TimeMemo:
     """What the plans of one search share, for one model, GPU, cluster, efficiencies and
-    runtime (``search.evaluate.Context`` owns one): one micro-batch's seconds on a stage, and
-    the FLOPs recomputation adds per token, by the plan fields they read."""
+    runtime (``search.evaluate.Context`` owns one): one micro-batch's seconds on a stage and
+    the FLOPs recomputation adds per token, by the plan fields they read, and the links of
+    the groups the plans communicate over."""
 
     stages: dict[tuple, dict[str, float]] = field(default_factory=dict)
     recompute_flops: dict[tuple, float] = field(default_factory=dict)
+    links: dict[tuple[int, int], Link] = field(default_factory=dict)  # group_link by (stride, size)
+
+    def link(self, gpu: GPUSpec, cluster: ClusterSpec, stride: int, size: int, eff: Efficiency) -> Link:
+        if (found := self.links.get((stride, size))) is None:
+            found = self.links[stride, size] = group_link(gpu, cluster, stride, size, eff)
+        return found
 
 
 def step_speed(
@@ -521,8 +526,9 @@ def step_speed(
     s = workload.seq_len
     tokens_mb = workload.micro_batch * s / plan.cp  # tokens one rank holds per micro-batch
     dp_stride, dp_size = _dp_group(plan)
-    dp_link = group_link(gpu, cluster, dp_stride, dp_size, eff)
-    pp_link = group_link(gpu, cluster, plan.tp * plan.cp * plan.dp, 2, eff)
+    link = group_link if memo is None else memo.link
+    dp_link = link(gpu, cluster, dp_stride, dp_size, eff)
+    pp_link = link(gpu, cluster, plan.tp * plan.cp * plan.dp, 2, eff)
     autocast = runs_autocast(plan, runtime)
     key = (_stage_fields(plan), s, workload.micro_batch, autocast)
 
@@ -537,9 +543,9 @@ def step_speed(
             peak,
             gpu,
             eff,
-            group_link(gpu, cluster, 1, plan.tp, eff),
-            group_link(gpu, cluster, plan.tp, plan.cp, eff),
-            group_link(gpu, cluster, plan.tp * plan.cp, plan.ep, eff),
+            link(gpu, cluster, 1, plan.tp, eff),
+            link(gpu, cluster, plan.tp, plan.cp, eff),
+            link(gpu, cluster, plan.tp * plan.cp, plan.ep, eff),
             runtime == "megatron",
             RUNTIMES[runtime].dropout,
             attention_backend(model, workload, plan, gpu),
@@ -636,7 +642,7 @@ def _stage_micro_batch(
     """Seconds of one micro-batch's forward and backward on one rank of ``stage``: GEMMs and
     fused attention kernels (``compute``), HBM-bound kernels (``memory_bound``), collectives."""
     on_stage = stage_layers(model, plan.pp, plan.virtual_stages, stage)
-    layers = on_stage.count
+    layers = on_stage.layers
     # fused attention kernels skip the masked blocks; the math / eager path computes every score
     # (two batched GEMMs, roofline) and runs its softmax over them in HBM
     materialised = backend in ("eager", "math")

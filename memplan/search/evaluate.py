@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -27,6 +27,7 @@ from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
 Objective = Literal["throughput", "memory", "pareto"]
+M = TypeVar("M", bound=BaseModel)
 GiB = 2**30
 
 
@@ -59,11 +60,15 @@ class Context:
         """What this search's plans share in the step-time model (``time.step_speed``)."""
         return TimeMemo()
 
-    @property
+    @cached_property
     def limit_bytes(self) -> int:
         """The most a plan's reserved peak and the memory outside the allocator may reach:
         the capacity PyTorch sees less the margin."""
         return self.gpu.capacity_bytes - self.margin_bytes
+
+    @cached_property
+    def capacity_bytes(self) -> int:
+        return self.gpu.capacity_bytes
 
 
 class Evaluation(BaseModel):
@@ -121,26 +126,42 @@ def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
     peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)
     allocated, reserved = peak_bytes(peak, ctx.peak_ratio)
     speed = step_speed(ctx.model, workload, plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.time_efficiency, ctx.time_memo)
-    capacity, limit, overhead = ctx.gpu.capacity_bytes, ctx.limit_bytes, peak.overhead
-    # every input is a validated plan, workload or figure of the models: constructed, not validated again
-    return Evaluation.model_construct(
-        plan=plan,
-        workload=workload,
-        peak_allocated_bytes=allocated,
-        peak_reserved_bytes=reserved,
-        peak_phase=peak.phase,
-        peak_rank=peak.rank,
-        capacity_bytes=capacity,
-        limit_bytes=limit,
-        overhead_bytes=overhead,
-        fits=reserved + overhead <= limit,
-        headroom_bytes=capacity - overhead - reserved,
-        gradient_accumulation=peak.gradient_accumulation,
-        step_time_s=speed.step_time_s,
-        tokens_per_s=speed.tokens_per_s,
-        tokens_per_s_per_gpu=speed.tokens_per_s_per_gpu,
-        mfu=speed.mfu,
+    capacity, limit, overhead = ctx.capacity_bytes, ctx.limit_bytes, peak.overhead
+    return constructed(
+        Evaluation,
+        {
+            "plan": plan,
+            "workload": workload,
+            "peak_allocated_bytes": allocated,
+            "peak_reserved_bytes": reserved,
+            "peak_phase": peak.phase,
+            "peak_rank": peak.rank,
+            "capacity_bytes": capacity,
+            "limit_bytes": limit,
+            "overhead_bytes": overhead,
+            "fits": reserved + overhead <= limit,
+            "headroom_bytes": capacity - overhead - reserved,
+            "gradient_accumulation": peak.gradient_accumulation,
+            "step_time_s": speed.step_time_s,
+            "tokens_per_s": speed.tokens_per_s,
+            "tokens_per_s_per_gpu": speed.tokens_per_s_per_gpu,
+            "mfu": speed.mfu,
+        },
     )
+
+
+def constructed(cls: type[M], values: dict[str, Any]) -> M:
+    """``cls.model_construct(**values)`` where ``values`` holds every field of ``cls`` in
+    declaration order, already valid (a plan and workload that were validated, the models'
+    figures): the instance pydantic's ``model_construct`` builds, without its walk over the
+    fields for aliases and defaults, four times the cost on every plan the search evaluates
+    (tests/search/test_fast_form.py compares the two)."""
+    m = cls.__new__(cls)
+    object.__setattr__(m, "__dict__", values)
+    object.__setattr__(m, "__pydantic_fields_set__", set(values))
+    object.__setattr__(m, "__pydantic_extra__", None)
+    object.__setattr__(m, "__pydantic_private__", None)
+    return m
 
 
 def replayed(ev: Evaluation, ctx: Context) -> Evaluation:

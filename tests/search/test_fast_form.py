@@ -15,7 +15,7 @@ from memplan.costmodel import overhead as O
 from memplan.costmodel import time as T
 from memplan.costmodel.memory import estimate_memory
 from memplan.costmodel.time import Efficiency, estimate_time
-from memplan.search.evaluate import Context, evaluate
+from memplan.search.evaluate import Context, Evaluation, evaluate
 from memplan.search.space import SpaceOptions, enumerate_space
 from memplan.specs.hardware import ClusterSpec
 from memplan.specs.loader import load_gpu, load_model
@@ -137,5 +137,25 @@ def test_memory_memo_keys_are_what_is_read(name, plan, runtime, monkeypatch):
         M._moe_fraction(model, M.stage_layout(model, real.tp, real.ep, real.pp, real.virtual_stages, stage), recorder)
         assert recorder.read <= set(M.LAYOUT_FIELDS), recorder.read
         recorder = _Recording(real)
+        layout = M.stage_layout(model, real.tp, real.ep, real.pp, real.virtual_stages, stage)
+        M.model_states(layout, recorder, M.POLICIES[real.precision], 0.1)
+        assert recorder.read <= set(M.STATE_FIELDS), recorder.read
+        recorder = _Recording(real)
         M.pipeline_buffers(x, recorder, stage, 8, 4)
         assert recorder.read <= {*M.PIPELINE_FIELDS, "stages"}, recorder.read  # stages: pp x virtual_stages
+
+
+def test_constructed_evaluation_is_pydantics():
+    """``evaluate`` builds its result without pydantic's ``model_construct``: the same object,
+    field for field, set fields, dumps, copies and validation included."""
+    model, gpu = load_model("llama3-8b"), load_gpu("h100-sxm")
+    ctx = Context(model, gpu, ClusterSpec(gpus_per_node=8, nodes=1), margin_bytes=4 * GiB)
+    for c in list(enumerate_space(model, SpaceOptions(gpus=8, seq_len=4096)).candidates)[::97]:
+        ev = evaluate(c, ctx)
+        reference = Evaluation.model_construct(**dict(ev.__dict__))
+        assert ev == reference and repr(ev) == repr(reference)
+        assert ev.model_fields_set == reference.model_fields_set == set(Evaluation.model_fields)
+        assert ev.model_dump_json() == reference.model_dump_json()
+        assert Evaluation.model_validate(ev.model_dump()) == ev
+        assert ev.model_copy(update={"fits": not ev.fits}).fits is not ev.fits
+        assert ev.__pydantic_extra__ is None and ev.__pydantic_private__ is None
