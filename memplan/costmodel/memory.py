@@ -734,6 +734,7 @@ class StageMoments(NamedTuple):
     the tensors each category is made of."""
 
     phases: dict[str, dict[str, int]]
+    totals: dict[str, int]  # each phase's allocated bytes (the sum of its breakdown)
     moments: dict[str, dict[str, int]]
     granularity: Granularity | None  # filled in by stage_moments (the search's phase sums skip it)
     build_grads: int  # gradient buffers allocated with the model (DDP buckets, contiguous buffers)
@@ -781,6 +782,7 @@ class _MicroBatchTerms:
     head: int
     loss_forward: int
     loss_backward: int
+    temp: int  # layer_temp
 
 
 @lru_cache(maxsize=8192)
@@ -802,6 +804,7 @@ def _micro_batch_terms(
         rt.head(x),
         rt.loss_forward(x),
         rt.loss_backward(x),
+        layer_temp(x),
     )
 
 
@@ -1027,7 +1030,7 @@ def _stage_phases(
     # layer's (rebuilt when recomputed) and its gradient temporaries, gradients nearly
     # complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
-    layer_part = live_layer + layer_temp(x)
+    layer_part = live_layer + terms.temp
     if _transformers_layers(rt) and A.every_expert_runs(model) and layout.layers:
         last = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, layout.stage)[-1]
         if model.is_moe_layer(last):
@@ -1095,12 +1098,15 @@ def _stage_phases(
                 "gathered_params": (tied + P.norm_params(model)) * bytes_ if fsdp2 else 0,
             }
         )
-    bwd = max(candidates, key=lambda phase: sum(phase.values()))
+    sums = [sum(phase.values()) for phase in candidates]
+    chosen = max(range(len(candidates)), key=sums.__getitem__)  # the first of equals
+    bwd = candidates[chosen]
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
+    totals = {"forward": sum(fwd.values()), "backward": sums[chosen], "optimizer": sum(opt.values())}
     total_acts = layer_acts + embed + head
     moments = {Moment.FORWARD: fwd, Moment.BACKWARD_START: bwd_start, Moment.BACKWARD: bwd, Moment.OPTIMIZER: opt}
     build_grads = st.grads if (rt.grads_persistent or ddp_buckets) else 0
-    return StageMoments(phases, moments, None, build_grads, st, per_layer, total_acts, offload_host)
+    return StageMoments(phases, totals, moments, None, build_grads, st, per_layer, total_acts, offload_host)
 
 
 class TrainingPeak(NamedTuple):
@@ -1144,7 +1150,7 @@ def training_peak(
     stage_peaks: dict[int, int] = {}
     for stage in _stages_to_examine(model, plan):
         sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, memo)
-        totals = {name: sum(b.values()) for name, b in sm.phases.items()}
+        totals = sm.totals
         peak_phase = max(totals, key=totals.__getitem__)
         stage_peaks[stage] = totals[peak_phase]
         if best is None or totals[peak_phase] > best[0]:

@@ -212,11 +212,17 @@ def recompute_fraction(plan: Plan, layers: int, model: ModelSpec | None = None) 
         return Recomputation(attention=1 / 3)
     if plan.recompute == "selective-op":
         assert model is not None, "selective-op needs the model's matmul widths"
-        widths = [i * o for i, o in layer_matmul_widths(model)]
-        redone = sum(w for k, w in enumerate(widths) if k % 2 == 1) / sum(widths)
         attention = 1 / 3 if plan.attention == "eager" else 0.0
-        return Recomputation(redone / 3, attention, 1 / 3, 0.5 if plan.sequence_parallel else 1.0)
+        return Recomputation(_op_sac_redone(model) / 3, attention, 1 / 3, 0.5 if plan.sequence_parallel else 1.0)
     return Recomputation()
+
+
+@lru_cache(maxsize=256)
+def _op_sac_redone(model: ModelSpec) -> float:
+    """The share of a layer's matmul FLOPs selective-op recomputation runs again: the second,
+    fourth, ... of ``layer_matmul_widths`` (once per model)."""
+    widths = [i * o for i, o in layer_matmul_widths(model)]
+    return sum(w for k, w in enumerate(widths) if k % 2 == 1) / sum(widths)
 
 
 def cast_bytes(src: int, dst: int) -> int:
