@@ -493,18 +493,22 @@ STAGE_FIELDS = (
 its helpers; not dp, ZeRO, offload, the schedule or the global batch (tests/unit/test_time.py
 checks it by recording what the function reads)."""
 _stage_fields = attrgetter(*STAGE_FIELDS)
+OPTIMIZER_FIELDS = ("zero", "pp", "tp", "offload_optimizer", "precision")
+"""What :func:`_optimizer` reads of the plan (besides the data-parallel size and the AdamW kind)."""
+_optimizer_fields = attrgetter(*OPTIMIZER_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
 class TimeMemo:
     """What the plans of one search share, for one model, GPU, cluster, efficiencies and
-    runtime (``search.evaluate.Context`` owns one): one micro-batch's seconds on a stage and
-    the FLOPs recomputation adds per token, by the plan fields they read, and the links of
-    the groups the plans communicate over."""
+    runtime (``search.evaluate.Context`` owns one): one micro-batch's seconds on a stage, the
+    FLOPs recomputation adds per token and the optimizer step, by the plan fields they read,
+    and the links of the groups the plans communicate over."""
 
     stages: dict[tuple, dict[str, float]] = field(default_factory=dict)
     recompute_flops: dict[tuple, float] = field(default_factory=dict)
     links: dict[tuple[int, int], Link] = field(default_factory=dict)  # group_link by (stride, size)
+    optimizer: dict[tuple, dict[str, float]] = field(default_factory=dict)  # _optimizer's step
 
     def link(self, gpu: GPUSpec, cluster: ClusterSpec, stride: int, size: int, eff: Efficiency) -> Link:
         if (found := self.links.get((stride, size))) is None:
@@ -580,7 +584,14 @@ def step_speed(
         mechanism, moved = activation_offload_bytes(model, workload, plan, runtime)
         breakdown["activation_offload"] = m * activation_offload_s(moved, gpu.pcie_bytes_per_s, per_mb, mechanism)
     breakdown.update(_data_parallel(model, plan, policy, m, per_mb, dp_size, dp_link, gpu.pcie_bytes_per_s, eff))
-    breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach_adamw(plan, runtime)))
+    foreach = foreach_adamw(plan, runtime)
+    if memo is None:
+        breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach))
+    else:
+        opt_key = (_optimizer_fields(plan), dp_size, foreach)
+        if (optimizer := memo.optimizer.get(opt_key)) is None:
+            optimizer = memo.optimizer[opt_key] = _optimizer(model, plan, policy, dp_size, gpu, eff, foreach)
+        breakdown.update(optimizer)
     step = sum(breakdown.values()) * eff.calibration
     breakdown = {k: v * eff.calibration for k, v in breakdown.items() if v}
 

@@ -107,6 +107,10 @@ def test_stage_fields_are_what_a_stage_reads(name, plan):
     recorder = _Recording(real)
     T._recompute_flops_per_token(model, recorder, 4096)
     assert recorder.read <= set(T.STAGE_FIELDS)
+    for offload in ("none", "cpu"):
+        recorder = _Recording(real.model_copy(update={"offload_optimizer": offload}))
+        T._optimizer(model, recorder, T.POLICIES[real.precision], 4, gpu, eff, offload == "none")
+        assert recorder.read <= set(T.OPTIMIZER_FIELDS), recorder.read
 
 
 @pytest.mark.parametrize(
