@@ -498,17 +498,25 @@ OPTIMIZER_FIELDS = ("zero", "pp", "tp", "offload_optimizer", "precision")
 _optimizer_fields = attrgetter(*OPTIMIZER_FIELDS)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TimeMemo:
     """What the plans of one search share, for one model, GPU, cluster, efficiencies and
     runtime (``search.evaluate.Context`` owns one): one micro-batch's seconds on a stage, the
     FLOPs recomputation adds per token and the optimizer step, by the plan fields they read,
-    and the links of the groups the plans communicate over."""
+    the links of the groups the plans communicate over, and the model's parameter count and
+    training FLOPs per token."""
 
     stages: dict[tuple, dict[str, float]] = field(default_factory=dict)
     recompute_flops: dict[tuple, float] = field(default_factory=dict)
     links: dict[tuple[int, int], Link] = field(default_factory=dict)  # group_link by (stride, size)
     optimizer: dict[tuple, dict[str, float]] = field(default_factory=dict)  # _optimizer's step
+    flops: dict[int, float] = field(default_factory=dict)  # training_flops_per_token by sequence length
+    params: int | None = None  # total_params (its lru_cache hashes the model: ~1 us a plan)
+
+    def total_params(self, model: ModelSpec) -> int:
+        if self.params is None:
+            self.params = P.total_params(model)
+        return self.params
 
     def link(self, gpu: GPUSpec, cluster: ClusterSpec, stride: int, size: int, eff: Efficiency) -> Link:
         if (found := self.links.get((stride, size))) is None:
@@ -583,7 +591,9 @@ def step_speed(
     if plan.offload_activations != "none":
         mechanism, moved = activation_offload_bytes(model, workload, plan, runtime)
         breakdown["activation_offload"] = m * activation_offload_s(moved, gpu.pcie_bytes_per_s, per_mb, mechanism)
-    breakdown.update(_data_parallel(model, plan, policy, m, per_mb, dp_size, dp_link, gpu.pcie_bytes_per_s, eff))
+    params = P.total_params(model) if memo is None else memo.total_params(model)
+    pcie = gpu.pcie_bytes_per_s
+    breakdown.update(_data_parallel(model, plan, policy, m, per_mb, dp_size, dp_link, pcie, eff, params))
     foreach = foreach_adamw(plan, runtime)
     if memo is None:
         breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach))
@@ -596,7 +606,11 @@ def step_speed(
     breakdown = {k: v * eff.calibration for k, v in breakdown.items() if v}
 
     job_tokens = workload.micro_batch * s * m * plan.dp
-    model_flops = job_tokens * training_flops_per_token(model, s)
+    if memo is None:
+        flops = training_flops_per_token(model, s)
+    elif (flops := memo.flops.get(s)) is None:
+        flops = memo.flops[s] = training_flops_per_token(model, s)
+    model_flops = job_tokens * flops
     if memo is None:
         recompute_flops = _recompute_flops_per_token(model, plan, s)
     elif (recompute_flops := memo.recompute_flops.get(key)) is None:
@@ -723,8 +737,10 @@ def _data_parallel(
     link: Link,
     pcie_bytes_per_s: float,
     eff: Efficiency,
+    total_params: int,
 ) -> dict[str, float]:
-    """Exposed gradient reduction and parameter gathers on the data-parallel group.
+    """Exposed gradient reduction and parameter gathers on the data-parallel group
+    (``total_params``: the model's, ``params.total_params``).
 
     ZeRO-0/1: one all-reduce of the gradients per step, after the last micro-batch. ZeRO-2:
     a reduce-scatter of the gradients, and an all-gather of the updated parameters before
@@ -736,7 +752,7 @@ def _data_parallel(
     never hides."""
     if n <= 1:
         return {}
-    stage_params = P.total_params(model) / plan.pp / plan.tp
+    stage_params = total_params / plan.pp / plan.tp
     grads = stage_params * policy.grad_bytes
     gathered = stage_params * min(policy.param_bytes, policy.compute_bytes)
     layers = max(1, model.num_layers // plan.pp)
