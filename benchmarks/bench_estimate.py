@@ -60,14 +60,20 @@ def replay_seconds(model_name: str, **plan: object) -> float:
     return best
 
 
-def evaluations_per_second(seconds: float) -> tuple[float, int]:
-    """Plans of Llama-3-70B evaluated per second in-process, over a grid of 768 plans."""
+def evaluations_per_second(seconds: float, search: bool = False) -> tuple[float, int]:
+    """Plans of Llama-3-70B evaluated per second in-process, over a grid of 768 plans: the
+    full ``estimate_memory`` report, or (``search``) what the search computes per plan,
+    ``search.evaluate.evaluate`` (memory and step time, the fast form), each pass a new search
+    context. Process CPU time, not wall time: the cores may be shared."""
     from memplan.costmodel.memory import estimate_memory
-    from memplan.specs.loader import load_model
+    from memplan.search.evaluate import Context, evaluate
+    from memplan.search.space import Candidate
+    from memplan.specs.hardware import ClusterSpec
+    from memplan.specs.loader import load_gpu, load_model
     from memplan.specs.plan import Plan
     from memplan.specs.workload import TrainingWorkload
 
-    model = load_model("llama3-70b")
+    model, gpu = load_model("llama3-70b"), load_gpu("h100-sxm")
     workload = TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=512)
     plans = [
         Plan(dp=dp, tp=tp, pp=pp, zero=z, recompute=r)
@@ -77,12 +83,18 @@ def evaluations_per_second(seconds: float) -> tuple[float, int]:
         for z in range(4)
         for r in ("none", "selective", "full")
     ]
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for plan in plans:
-            estimate_memory(model, workload, plan, "memplan")
+    candidates = [Candidate(plan, workload) for plan in plans]
+    count, start = 0, time.process_time()
+    while time.process_time() - start < seconds:
+        if search:
+            ctx = Context(model, gpu, ClusterSpec(gpus_per_node=8, nodes=64), margin_bytes=4 * 2**30)
+            for candidate in candidates:
+                evaluate(candidate, ctx)
+        else:
+            for plan in plans:
+                estimate_memory(model, workload, plan, "memplan")
         count += len(plans)
-    return count / (time.perf_counter() - start), len(plans)
+    return count / (time.process_time() - start), len(plans)
 
 
 def main() -> None:
@@ -93,6 +105,7 @@ def main() -> None:
     floor = statistics.median(import_floor_seconds(args.runs))
     cold = cold_cli_seconds(args.runs)
     rate, grid = evaluations_per_second(args.seconds)
+    search_rate, _ = evaluations_per_second(args.seconds, search=True)
     print(f"import floor (typer, rich.console, pydantic, yaml): median {floor:.3f} s")
     print(
         f"cold memplan estimate: median {statistics.median(cold):.3f} s, max {max(cold):.3f} s "
@@ -100,7 +113,8 @@ def main() -> None:
     )
     for name, plan in (("llama3-8b", dict(dp=8, zero=3)), ("llama3-70b", dict(dp=64, zero=3, recompute="full"))):
         print(f"replay of one {name} run {plan}: {replay_seconds(name, **plan):.3f} s")
-    print(f"in-process: {rate:,.0f} plan evaluations/s over a {grid}-plan grid (target >= 20,000)")
+    print(f"in-process: {rate:,.0f} estimate_memory reports/s over a {grid}-plan grid")
+    print(f"in-process: {search_rate:,.0f} search evaluations/s (evaluate: memory + time) (target >= 20,000)")
 
 
 if __name__ == "__main__":

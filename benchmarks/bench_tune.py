@@ -89,7 +89,7 @@ def main() -> None:
     print(f"# memplan tune search quality ({platform.machine()}, optuna {optuna.__version__}, {args.trials} trials)")
     print()
     print(
-        "| model | GPUs | space | plans (fit) | exhaustive optimum tokens/s | exhaustive s "
+        "| model | GPUs | space | plans (fit) | exhaustive optimum tokens/s | exhaustive s (plans/s) "
         "| study gap % per seed | trials to within 1% | seed evals | TPE alone gap % | TPE alone trials to 1% |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
@@ -102,7 +102,7 @@ def main() -> None:
         batches = "/".join(map(str, options.global_batches or ()))
         space = f"{batches} x {options.seq_len}" + (" (wide)" if fields is WIDE[2] else "")
         print(
-            f"| {name} | {gpus} | {space} | {plans} ({fitting}) | {best:,.0f} | {seconds:.2f} "
+            f"| {name} | {gpus} | {space} | {plans} ({fitting}) | {best:,.0f} | {seconds:.2f} ({plans / seconds:,.0f}) "
             f"| {' / '.join(f'{100 * (1 - r[0] / best):.2f}' for r in runs)} | {' / '.join(str(r[1]) for r in runs)} "
             f"| {' / '.join(str(r[2]) for r in runs)} | {' / '.join(f'{100 * (1 - r[0] / best):.2f}' for r in alone)} "
             f"| {' / '.join(str(r[1]) for r in alone)} |"

@@ -7,6 +7,8 @@ sequence-long matmuls (L layers, H query heads of width Q, T tokens of context).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from memplan.costmodel import params as P
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -33,6 +35,15 @@ def attention_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = Fal
     width = model.q_size + model.attn_out_size  # H (Q_qk + Q_v): 2 H Q without MLA
     if not (causal and model.attention_pattern):  # every layer alike (the search's common case)
         return 6 * width * (seq_len / 2 if causal else seq_len) * count
+    return _windowed_attention_flops(model, seq_len, count)
+
+
+@lru_cache(maxsize=4096)
+def _windowed_attention_flops(model: ModelSpec, seq_len: int, count: int) -> float:
+    """:func:`attention_flops_per_token` of a causal kernel over the first ``count`` layers of
+    a model whose layers attend differently, layer by layer (once per model, sequence and
+    count: the search asks for the same few millions of times)."""
+    width = model.q_size + model.attn_out_size
     total = 0.0
     for i in range(count):
         window = model.attention_window(i)
@@ -42,11 +53,12 @@ def attention_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = Fal
         elif window is not None and window < seq_len:
             keys = window * (seq_len - window / 2) / seq_len
         else:
-            keys = seq_len / 2 if causal else seq_len
+            keys = seq_len / 2
         total += 6 * width * keys
     return total
 
 
+@lru_cache(maxsize=4096)
 def training_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False) -> float:
     """Model FLOPs of one token's forward and backward: 6 N + 12 L H Q T."""
     return 6 * matmul_params(model) + attention_flops_per_token(model, seq_len, causal)

@@ -14,9 +14,10 @@ is for the one with the higher peak (the most-loaded rank).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Literal
+from operator import attrgetter
+from typing import Literal, NamedTuple
 
 from memplan.costmodel import activations as A
 from memplan.costmodel import fp8 as F8
@@ -42,8 +43,7 @@ Device = Literal["cuda", "cpu"]  # where the step runs: CUDA on a GPU profile, o
 ZERO3_PREFETCH_LAYERS = 2  # FSDP / ZeRO-3: the current layer and the one prefetched
 
 
-@dataclass(frozen=True, slots=True)
-class _States:
+class _States(NamedTuple):
     params: int
     grads: int
     optimizer: int
@@ -568,8 +568,7 @@ def _fsdp2(rt: RuntimeProfile, plan: Plan) -> bool:
     return rt.pytorch_parallel and plan.zero >= 2 and plan.dp * plan.cp > 1
 
 
-@dataclass(frozen=True, slots=True)
-class _Fsdp2:
+class _Fsdp2(NamedTuple):
     """FSDP2's parameter bytes at each moment of the step, on top of the sharded params."""
 
     forward: int
@@ -762,13 +761,13 @@ def _moe_fraction(model: ModelSpec, layout: StageLayout, plan: Plan) -> float:
     return sum(model.is_moe_layer(i) for i in indices) / len(indices)
 
 
-@dataclass(frozen=True, slots=True)
-class StageMoments:
+class StageMoments(NamedTuple):
     """One pipeline stage's step: each phase's breakdown, the moments of the step the
     timeline reaches (``backward_start`` beside the chosen ``backward``), and the sizes of
     the tensors each category is made of."""
 
     phases: dict[str, dict[str, int]]
+    totals: dict[str, int]  # each phase's allocated bytes (the sum of its breakdown)
     moments: dict[str, dict[str, int]]
     granularity: Granularity | None  # filled in by stage_moments (the search's phase sums skip it)
     build_grads: int  # gradient buffers allocated with the model (DDP buckets, contiguous buffers)
@@ -811,6 +810,115 @@ def _granularity(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _MicroBatchTerms:
+    """One micro-batch's activation terms that depend on the rank's shape, the runtime and the
+    recomputation only (not on the stage, the ZeRO stage or the data-parallel degree)."""
+
+    full_layer: int  # a layer as stored under the plan's recomputation (layer_activation_bytes)
+    live_layer: int  # a layer in its backward, everything back (recomputation "none")
+    layer_input: int
+    embedding: int  # rt.embedding
+    per_chunk: int  # rt.per_chunk (0 without)
+    head: int
+    loss_forward: int
+    loss_backward: int
+    temp: int  # layer_temp
+
+
+@lru_cache(maxsize=8192)
+def _micro_batch_terms(
+    x: A.Shape, rt: RuntimeProfile, recompute: str, moe_fraction: float, ep: int
+) -> _MicroBatchTerms:
+    """The runtime's terms for one micro-batch of shape ``x``, computed once per distinct
+    shape, runtime, recomputation, MoE share and ep: a search meets the same few thousands of
+    times (its plans differ in dp, ZeRO, offload and the schedule more than in these)."""
+    full_layer = layer_activation_bytes(x, rt, recompute, moe_fraction, ep)
+    # in its backward a layer has everything back, recomputed parts included
+    live_layer = full_layer if recompute == "none" else layer_activation_bytes(x, rt, "none", moe_fraction, ep)
+    return _MicroBatchTerms(
+        full_layer,
+        live_layer,
+        A.layer_input(x),
+        rt.embedding(x),
+        rt.per_chunk(x) if rt.per_chunk is not None else 0,
+        rt.head(x),
+        rt.loss_forward(x),
+        rt.loss_backward(x),
+        layer_temp(x),
+    )
+
+
+SHAPE_FIELDS = ("cp", "tp", "sequence_parallel", "attention", "precision", "quant")
+"""The plan fields ``_shape`` reads besides ZeRO and dp, which it reads only through ``_fsdp2``
+(tests/search/test_fast_form.py checks it by recording what the function reads)."""
+_shape_fields = attrgetter(*SHAPE_FIELDS)
+LAYOUT_FIELDS = ("tp", "ep", "pp", "virtual_stages")  # stage_layout's arguments; _moe_fraction reads pp and v
+_layout_fields = attrgetter(*LAYOUT_FIELDS)
+PIPELINE_FIELDS = ("pp", "virtual_stages", "pp_schedule")  # pipeline_buffers reads these (and stages = pp v)
+_pipeline_fields = attrgetter(*PIPELINE_FIELDS)
+STATE_FIELDS = ("dp", "cp", "ep", "zero", "optimizer", "offload_optimizer", "offload_params", "precision")
+"""What ``model_states`` (full training) reads of the plan, with the stage's layout."""
+_state_fields = attrgetter(*STATE_FIELDS)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryMemo:
+    """What the plans of one search share in the memory model, for one model, runtime and
+    device (``search.evaluate.Context`` owns one; without one, each estimate starts its own):
+    the rank's shape by the plan fields it reads, each stage's layout and MoE share by the
+    layout, one micro-batch's activation terms by the shape and what else they read, and the
+    pipeline's buffers, and a stage's model states by the layout and what they read."""
+
+    shapes: dict[tuple, A.Shape] = field(default_factory=dict)
+    layouts: dict[tuple, tuple[StageLayout, float]] = field(default_factory=dict)
+    terms: dict[tuple, _MicroBatchTerms] = field(default_factory=dict)
+    buffers: dict[tuple, tuple[int, int, int, int]] = field(default_factory=dict)
+    states: dict[tuple, _States] = field(default_factory=dict)
+
+    def shape(
+        self, model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, device: Device
+    ) -> tuple[A.Shape, tuple]:
+        """(``_shape``, its key)."""
+        key = (workload.seq_len, workload.micro_batch, _shape_fields(plan), _fsdp2(rt, plan))
+        if (x := self.shapes.get(key)) is None:
+            x = self.shapes[key] = _shape(model, workload, plan, POLICIES[plan.precision], rt, device)
+        return x, key
+
+    def layout(self, model: ModelSpec, plan: Plan, stage: int) -> tuple[StageLayout, float]:
+        """(``stage_layout``, ``_moe_fraction``) of pipeline rank ``stage``."""
+        key = (*_layout_fields(plan), stage)
+        if (found := self.layouts.get(key)) is None:
+            layout = stage_layout(model, *key)
+            found = self.layouts[key] = (layout, _moe_fraction(model, layout, plan))
+        return found
+
+    def model_states(self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float) -> _States:
+        """``model_states`` of a stage (full training)."""
+        key = (*_layout_fields(plan), layout.stage, _state_fields(plan))
+        if (found := self.states.get(key)) is None:
+            found = self.states[key] = model_states(layout, plan, policy, factored)
+        return found
+
+    def micro_batch(
+        self, x: A.Shape, shape_key: tuple, rt: RuntimeProfile, recompute: str, moe_fraction: float, ep: int
+    ) -> _MicroBatchTerms:
+        """``_micro_batch_terms`` of the shape ``shape_key`` names."""
+        key = (shape_key, recompute, moe_fraction, ep)
+        if (found := self.terms.get(key)) is None:
+            found = self.terms[key] = _micro_batch_terms(x, rt, recompute, moe_fraction, ep)
+        return found
+
+    def pipeline(
+        self, x: A.Shape, shape_key: tuple, plan: Plan, stage: int, accumulation: int, layers: int
+    ) -> tuple[int, int, int, int]:
+        """``pipeline_buffers`` (which reads the schedule and the activation's size)."""
+        key = (shape_key, _pipeline_fields(plan), stage, accumulation, layers)
+        if (found := self.buffers.get(key)) is None:
+            found = self.buffers[key] = pipeline_buffers(x, plan, stage, accumulation, layers)
+        return found
+
+
 def _stage_phases(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -819,24 +927,25 @@ def _stage_phases(
     stage: int,
     accumulation: int,
     device: Device = "cuda",
+    memo: MemoryMemo | None = None,
 ) -> StageMoments:
-    """Breakdowns of each phase for one pipeline stage, plus states, per-layer and total activations."""
+    """Breakdowns of each phase for one pipeline stage, plus states, per-layer and total
+    activations. ``memo``: the search's (see :class:`MemoryMemo`)."""
+    memo = MemoryMemo() if memo is None else memo
     policy = POLICIES[plan.precision]
-    layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
+    layout, moe_fraction = memo.layout(model, plan, stage)
     factored = 1 / model.hidden_size + 1 / model.ffn_size
     finetune = plan.finetune != "full"
     if finetune:
         st = finetune_states(layout, model, plan, policy, factored)
     else:
-        st = model_states(layout, plan, policy, factored)
+        st = memo.model_states(layout, plan, policy, factored)
     if device == "cuda" and (paged := paged_state_bytes(model, layout, plan)):
         # bitsandbytes' paged states leave the allocator (on CPU it falls back to torch.zeros_like)
-        st = replace(st, optimizer=st.optimizer - paged, paged=paged)
-    x = _shape(model, workload, plan, policy, rt, device)
-    moe_fraction = _moe_fraction(model, layout, plan)
-    full_layer = layer_activation_bytes(x, rt, plan.recompute, moe_fraction, plan.ep)
-    # in its backward a layer has everything back, recomputed parts included
-    live_layer = layer_activation_bytes(x, rt, "none", moe_fraction, plan.ep)
+        st = st._replace(optimizer=st.optimizer - paged, paged=paged)
+    x, shape_key = memo.shape(model, workload, plan, rt, device)
+    terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
+    full_layer, live_layer = terms.full_layer, terms.live_layer
     fp8 = F8.fp8_step(layout, plan, rt.name, x, _fsdp2(rt, plan), moe_fraction)
     full_layer += fp8.layer_delta
     live_layer += fp8.layer_delta
@@ -847,24 +956,23 @@ def _stage_phases(
     recomputed = 0
     if plan.recompute == "full":
         recomputed = layers if plan.recompute_layers is None else min(plan.recompute_layers, layers)
-    stored = (layers - recomputed) * full_layer + recomputed * A.layer_input(x)
-    per_layer = A.layer_input(x) if recomputed else full_layer
+    stored = (layers - recomputed) * full_layer + recomputed * terms.layer_input
+    per_layer = terms.layer_input if recomputed else full_layer
     lora_acts = lora_activations(model, x, plan, rt, layout, device) if finetune and _transformers_layers(rt) else None
     if lora_acts is not None:
         stored, per_layer, live_layer = lora_acts.stored, lora_acts.per_layer, lora_acts.live_layer
     mbs = inflight_microbatches(plan, stage, accumulation)
-    layer_acts = int(stored * inflight_layers(plan, stage, accumulation, layers) / layers) if layers else 0
-    embed = rt.embedding(x) * mbs if layout.is_first else 0
+    inflight = inflight_layers(plan, stage, accumulation, layers)
+    layer_acts = int(stored * inflight / layers) if layers else 0
+    embed = terms.embedding * mbs if layout.is_first else 0
     if rt.per_chunk is not None and layers:
         # chunk-micro-batches in flight on this rank
-        embed += rt.per_chunk(x) * round(
-            inflight_layers(plan, stage, accumulation, layers) * plan.virtual_stages / layers
-        )
-    head = rt.head(x) * mbs if layout.is_last else 0
+        embed += terms.per_chunk * round(inflight * plan.virtual_stages / layers)
+    head = terms.head * mbs if layout.is_last else 0
     if lora_acts is not None and layout.is_last:
         head += lora_acts.head_delta * mbs
-    loss_fwd = rt.loss_forward(x) if layout.is_last else 0
-    loss_bwd = rt.loss_backward(x) if layout.is_last else 0
+    loss_fwd = terms.loss_forward if layout.is_last else 0
+    loss_bwd = terms.loss_backward if layout.is_last else 0
     retained = rt.retained(x, layers, plan.recompute == "full") if layout.is_last else 0
     if lora_acts is not None:
         retained += lora_acts.retained
@@ -878,10 +986,10 @@ def _stage_phases(
     if fsdp2:
         # FSDP2 keeps the sharded params as the parameters and gathers the rest per group
         shard = int(st.optimizer_elements * policy.param_bytes) if plan.offload_params == "none" else 0
-        st = replace(st, params=shard)
+        st = st._replace(params=shard)
         unsharded = fsdp2_unsharded(model, layout, plan, policy, fp8.gather_fp8)
         if plan.offload_params != "none":
-            st = replace(st, grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
+            st = st._replace(grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
     elif plan.zero >= 3 and sharded:
         # the current layer and the prefetched one; on the first / last stage the gathered
         # embedding or LM head with one prefetched layer, whichever is larger
@@ -897,7 +1005,7 @@ def _stage_phases(
     p2p = 2 * x.tokens * x.d * model.hidden_size // x.rep if plan.pp > 1 else 0
     p2p_fwd = p2p_bwd_start = p2p_bwd_end = p2p_opt = p2p
     if rt.pytorch_parallel and plan.pp > 1:
-        p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt = pipeline_buffers(x, plan, stage, accumulation, layers)
+        p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt = memo.pipeline(x, shape_key, plan, stage, accumulation, layers)
     # gradients exist during forward / early backward only if kept across steps or accumulated
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
     if (
@@ -935,13 +1043,13 @@ def _stage_phases(
     offload_host = mlp_peak = 0
     if plan.offload_activations != "none":
         off = activation_offload(model, x, plan, rt, layout, stored, head, weight_copies, lora_acts)
-        share = inflight_layers(plan, stage, accumulation, layers) / layers if layers else 1
+        share = inflight / layers if layers else 1
         fwd_acts, fwd_head, bwd_copies, head_back = int(off.kept * share), off.head_kept, off.copies_kept, off.head_back
         fwd_head += off.stash
         # with the layers' tensors gone, the forward may peak inside the last layer's MLP instead
-        mlp_peak = max(0, off.mlp_forward - fwd_head - rt.loss_forward(x))
+        mlp_peak = max(0, off.mlp_forward - fwd_head - terms.loss_forward)
         offload_host = off.host
-        st = replace(st, cpu=st.cpu + off.host * mbs)  # pinned host memory, beside offloaded states
+        st = st._replace(cpu=st.cpu + off.host * mbs)  # pinned host memory, beside offloaded states
         if plan.recompute != "full":
             others_kept = fwd_acts - off.last if off.mechanism == "trl" else 0
             live_layer = min(live_layer, off.last + off.node)
@@ -976,7 +1084,7 @@ def _stage_phases(
     # layer's (rebuilt when recomputed) and its gradient temporaries, gradients nearly
     # complete; the loop may still hold the logits
     others = layer_acts - stored if layers else 0
-    layer_part = live_layer + layer_temp(x)
+    layer_part = live_layer + terms.temp
     if _transformers_layers(rt) and A.every_expert_runs(model) and layout.layers:
         last = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, layout.stage)[-1]
         if model.is_moe_layer(last):
@@ -1051,59 +1159,98 @@ def _stage_phases(
         layer_grads = st.grads * layout.largest_layer_params // layout.params if layout.params else 0
         last = {**bwd_end, "gradients": max(end_grads - layer_grads, 0), "activations": end_acts + fp8.backward_extra}
         candidates += [first, last]
-    bwd = max(candidates, key=lambda phase: sum(phase.values()))
+    sums = [sum(phase.values()) for phase in candidates]
+    chosen = max(range(len(candidates)), key=sums.__getitem__)  # the first of equals
+    bwd = candidates[chosen]
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
+    totals = {"forward": sum(fwd.values()), "backward": sums[chosen], "optimizer": sum(opt.values())}
     total_acts = layer_acts + embed + head
     moments = {Moment.FORWARD: fwd, Moment.BACKWARD_START: bwd_start, Moment.BACKWARD: bwd, Moment.OPTIMIZER: opt}
     build_grads = st.grads if (rt.grads_persistent or ddp_buckets) else 0
-    return StageMoments(phases, moments, None, build_grads, st, per_layer, total_acts, offload_host)
+    return StageMoments(phases, totals, moments, None, build_grads, st, per_layer, total_acts, offload_host)
+
+
+class TrainingPeak(NamedTuple):
+    """The most-loaded rank's allocated peak of a training step, without a report: what the
+    search's fast form reads of each plan (``search.evaluate``), and what ``estimate_training``
+    reports. ``reserved`` is the fast form (``overhead.fast_reserved_bytes``), not a replay."""
+
+    allocated: int
+    stage: int
+    phase: str
+    rank: int
+    overhead: int  # fixed bytes outside the allocator
+    gradient_accumulation: int
+    moments: StageMoments  # the peak stage's phases
+    totals: dict[str, int]  # the peak stage's allocated peak of each phase
+    stage_peaks: dict[int, int]
+
+    @property
+    def reserved(self) -> int:
+        return O.fast_reserved_bytes(self.allocated)
+
+
+def training_peak(
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    runtime: str = "memplan",
+    device: Device = "cuda",
+    memo: MemoryMemo | None = None,
+) -> TrainingPeak:
+    """Peak per-rank memory of a steady-state training step, over phases and pipeline stages,
+    on ``device`` (which attention kernel runs: ``sdpa_kind``): the stage whose highest phase
+    is the highest (the first of equals). ``memo``: what a search's plans share
+    (:class:`MemoryMemo`, for this model, runtime and device)."""
+    rt = RUNTIMES[runtime]
+    if plan.offload_activations != "none":
+        offload_mechanism(plan, rt)  # refuses, by field, what no loop runs
+    accumulation = gradient_accumulation(workload, plan)
+    memo = MemoryMemo() if memo is None else memo  # the stages share the rank's shape
+    best = None
+    stage_peaks: dict[int, int] = {}
+    for stage in _stages_to_examine(model, plan):
+        sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, memo)
+        totals = sm.totals
+        peak_phase = max(totals, key=totals.__getitem__)
+        stage_peaks[stage] = totals[peak_phase]
+        if best is None or totals[peak_phase] > best[0]:
+            best = (totals[peak_phase], stage, peak_phase, sm, totals)
+    assert best is not None
+    allocated, stage, phase, sm, totals = best
+    overhead = O.fixed_overhead_bytes(O.communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep))
+    rank = stage * plan.tp * plan.cp * plan.dp
+    return TrainingPeak(allocated, stage, phase, rank, overhead, accumulation, sm, totals, stage_peaks)
 
 
 def estimate_training(
     model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str = "memplan", device: Device = "cuda"
 ) -> MemoryReport:
-    """Peak per-rank memory of a steady-state training step, over phases and pipeline stages,
-    on ``device`` (which attention kernel runs: ``sdpa_kind``)."""
-    rt = RUNTIMES[runtime]
-    if plan.offload_activations != "none":
-        offload_mechanism(plan, rt)  # refuses, by field, what no loop runs
-    accumulation = gradient_accumulation(workload, plan)
-    stages = _stages_to_examine(model, plan)
-    best = None
-    stage_peaks: dict[int, int] = {}
-    for stage in stages:
-        sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device)
-        phases, st, per_layer, total_acts = sm.phases, sm.states, sm.per_layer, sm.total_acts
-        totals = {name: sum(b.values()) for name, b in phases.items()}
-        peak_phase = max(totals, key=lambda name: totals[name])
-        stage_peaks[stage] = totals[peak_phase]
-        if best is None or totals[peak_phase] > best[0]:
-            best = (totals[peak_phase], stage, peak_phase, phases, st, per_layer, total_acts, totals)
-    assert best is not None
-    allocated, stage, phase, phases, st, per_layer, total_acts, totals = best
-    overhead = O.fixed_overhead_bytes(O.communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep))
-    breakdown = {k: v for k, v in phases[phase].items() if v}
+    """Peak per-rank memory of a steady-state training step (:func:`training_peak`) as a report."""
+    peak = training_peak(model, workload, plan, runtime, device)
+    sm, st = peak.moments, peak.moments.states
+    breakdown = {k: v for k, v in sm.phases[peak.phase].items() if v}
     return MemoryReport.model_construct(
         model_states=ModelStates.model_construct(
             parameters=st.params, gradients=st.grads, optimizer_states=st.optimizer
         ),
-        activations=Activations.model_construct(per_layer=per_layer, total=total_acts),
+        activations=Activations.model_construct(per_layer=sm.per_layer, total=sm.total_acts),
         kv_cache=0,
         peak=Peak.model_construct(
-            allocated=allocated,
-            reserved=O.fast_reserved_bytes(allocated),
-            phase=phase,
-            rank=stage * plan.tp * plan.cp * plan.dp,
-            stage=stage,
-            rank_role=_role(stage, plan.pp),
+            allocated=peak.allocated,
+            reserved=peak.reserved,
+            phase=peak.phase,
+            rank=peak.rank,
+            stage=peak.stage,
+            rank_role=_role(peak.stage, plan.pp),
             breakdown=breakdown,
         ),
         offload=Offload.model_construct(cpu=st.cpu, nvme=st.nvme),
         paged_optimizer_states=st.paged,
-        phases=totals,
-        stage_peaks=stage_peaks,
-        overhead=overhead,
-        gradient_accumulation=accumulation,
+        phases=peak.totals,
+        stage_peaks=peak.stage_peaks,
+        overhead=peak.overhead,
+        gradient_accumulation=peak.gradient_accumulation,
     )
 
 
@@ -1281,4 +1428,4 @@ def stage_moments(
     layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
     x = _shape(model, workload, plan, policy, rt, device)
     fp8_gather = plan.precision == "fp8" and plan.fp8_all_gather
-    return replace(sm, granularity=_granularity(model, layout, plan, policy, x, _fsdp2(rt, plan), fp8_gather))
+    return sm._replace(granularity=_granularity(model, layout, plan, policy, x, _fsdp2(rt, plan), fp8_gather))

@@ -18,7 +18,10 @@ Every constant below is an assumption with its source; a calibration per GPU pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
+from operator import attrgetter
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -96,8 +99,7 @@ class TimeReport(BaseModel):
     breakdown: dict[str, float]
 
 
-@dataclass(frozen=True, slots=True)
-class Link:
+class Link(NamedTuple):
     bytes_per_s: float
     alpha_s: float
 
@@ -154,16 +156,37 @@ def stage_flops_per_token(model: ModelSpec, plan: Plan, stage: int, seq_len: int
     (all its chunks), before the split over TP and CP: 6 x params per layer (the LM head's
     V h on the last stage), 12 q s per layer for attention, halved when causal blocks are
     skipped."""
-    layers = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
-    matmul = 6.0 * sum(layer_matmul_params(model, i) for i in layers)
+    on_stage = stage_layers(model, plan.pp, plan.virtual_stages, stage)
+    matmul = 6.0 * on_stage.matmul_params
     if stage == plan.pp - 1:
         matmul += 6.0 * model.vocab_size * model.hidden_size
-    attention = attention_flops_per_token(model, seq_len, causal, len(layers))
+    attention = attention_flops_per_token(model, seq_len, causal, on_stage.layers)
     return matmul, attention
 
 
-@dataclass(frozen=True, slots=True)
-class Recomputation:
+class StageLayers(NamedTuple):
+    """What the step-time model reads of a pipeline stage's layers, summed once per stage."""
+
+    layers: int  # how many
+    matmul_params: int  # sum of layer_matmul_params over the stage's layers
+    moe_layers: int
+
+
+@lru_cache(maxsize=4096)
+def stage_layers(model: ModelSpec, pp: int, virtual_stages: int, stage: int) -> StageLayers:
+    """The layers of pipeline rank ``stage`` (``layout.stage_layer_indices``): how many, the
+    parameters a token is multiplied by in them, and how many are MoE layers. Depends on the
+    model and the pipeline layout only, so the search computes it once per stage, not once per
+    plan and layer."""
+    indices = stage_layer_indices(model.num_layers, pp, virtual_stages, stage)
+    return StageLayers(
+        len(indices),
+        sum(layer_matmul_params(model, i) for i in indices),
+        sum(model.is_moe_layer(i) for i in indices),
+    )
+
+
+class Recomputation(NamedTuple):
     """Extra forward work recomputation adds, as shares of the step's (forward and backward)
     layer matmuls, attention and element-wise traffic, and extra TP collective rounds per
     layer beyond the forward's and the backward's."""
@@ -190,11 +213,17 @@ def recompute_fraction(plan: Plan, layers: int, model: ModelSpec | None = None) 
         return Recomputation(attention=1 / 3)
     if plan.recompute == "selective-op":
         assert model is not None, "selective-op needs the model's matmul widths"
-        widths = [i * o for i, o in layer_matmul_widths(model)]
-        redone = sum(w for k, w in enumerate(widths) if k % 2 == 1) / sum(widths)
         attention = 1 / 3 if plan.attention == "eager" else 0.0
-        return Recomputation(redone / 3, attention, 1 / 3, 0.5 if plan.sequence_parallel else 1.0)
+        return Recomputation(_op_sac_redone(model) / 3, attention, 1 / 3, 0.5 if plan.sequence_parallel else 1.0)
     return Recomputation()
+
+
+@lru_cache(maxsize=256)
+def _op_sac_redone(model: ModelSpec) -> float:
+    """The share of a layer's matmul FLOPs selective-op recomputation runs again: the second,
+    fourth, ... of ``layer_matmul_widths`` (once per model)."""
+    widths = [i * o for i, o in layer_matmul_widths(model)]
+    return sum(w for k, w in enumerate(widths) if k % 2 == 1) / sum(widths)
 
 
 def cast_bytes(src: int, dst: int) -> int:
@@ -339,8 +368,7 @@ def loss_bytes_per_token(model: ModelSpec, plan: Plan, fused: bool = True, d: in
 def autocast_weight_bytes(model: ModelSpec, plan: Plan, stage: int) -> float:
     """Per micro-batch under autocast: every matmul weight cast fp32 -> bf16 once in the forward
     (the autocast cache, 6 bytes) and its bf16 gradient cast to fp32 for ``.grad`` (6 bytes)."""
-    layers = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
-    weights = sum(layer_matmul_params(model, i) for i in layers)
+    weights = stage_layers(model, plan.pp, plan.virtual_stages, stage).matmul_params
     if stage == plan.pp - 1:
         weights += model.vocab_size * model.hidden_size
     return 12.0 * weights / plan.tp
@@ -418,6 +446,19 @@ def _dp_group(plan: Plan) -> tuple[int, int]:
     return plan.tp, plan.dp * plan.cp
 
 
+class StepSpeed(NamedTuple):
+    """The figures of a :class:`TimeReport` without the report (the search's fast form)."""
+
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    hfu: float
+    flops_per_step: float
+    peak_flops: float
+    breakdown: dict[str, float]
+
+
 def estimate_time(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -431,22 +472,87 @@ def estimate_time(
     ``runtime`` picks fused (``megatron``) or eager element-wise kernels, its loss and its
     optimizer implementation, and whether bf16-mixed runs under autocast."""
     eff = eff or Efficiency.for_gpu(gpu)
+    speed = step_speed(model, workload, plan, gpu, cluster, runtime, eff)
+    return TimeReport(
+        step_time_s=speed.step_time_s,
+        tokens_per_s=speed.tokens_per_s,
+        tokens_per_s_per_gpu=speed.tokens_per_s_per_gpu,
+        mfu=speed.mfu,
+        hfu=speed.hfu,
+        flops_per_step=speed.flops_per_step,
+        peak_flops=speed.peak_flops,
+        calibration=eff.calibration,
+        breakdown=speed.breakdown,
+    )
+
+
+STAGE_FIELDS = (
+    "tp", "cp", "pp", "virtual_stages", "ep", "sequence_parallel", "recompute", "recompute_layers", "attention",
+    "precision",
+)  # fmt: skip
+"""The plan fields one stage's micro-batch (:func:`_stage_micro_batch`) reads, itself or through
+its helpers; not dp, ZeRO, offload, the schedule or the global batch (tests/unit/test_time.py
+checks it by recording what the function reads)."""
+_stage_fields = attrgetter(*STAGE_FIELDS)
+OPTIMIZER_FIELDS = ("zero", "pp", "tp", "offload_optimizer", "precision")
+"""What :func:`_optimizer` reads of the plan (besides the data-parallel size and the AdamW kind)."""
+_optimizer_fields = attrgetter(*OPTIMIZER_FIELDS)
+
+
+@dataclass(slots=True)
+class TimeMemo:
+    """What the plans of one search share, for one model, GPU, cluster, efficiencies and
+    runtime (``search.evaluate.Context`` owns one): one micro-batch's seconds on a stage, the
+    FLOPs recomputation adds per token and the optimizer step, by the plan fields they read,
+    the links of the groups the plans communicate over, and the model's parameter count and
+    training FLOPs per token."""
+
+    stages: dict[tuple, dict[str, float]] = field(default_factory=dict)
+    recompute_flops: dict[tuple, float] = field(default_factory=dict)
+    links: dict[tuple[int, int], Link] = field(default_factory=dict)  # group_link by (stride, size)
+    optimizer: dict[tuple, dict[str, float]] = field(default_factory=dict)  # _optimizer's step
+    flops: dict[int, float] = field(default_factory=dict)  # training_flops_per_token by sequence length
+    params: int | None = None  # total_params (its lru_cache hashes the model: ~1 us a plan)
+
+    def total_params(self, model: ModelSpec) -> int:
+        if self.params is None:
+            self.params = P.total_params(model)
+        return self.params
+
+    def link(self, gpu: GPUSpec, cluster: ClusterSpec, stride: int, size: int, eff: Efficiency) -> Link:
+        if (found := self.links.get((stride, size))) is None:
+            found = self.links[stride, size] = group_link(gpu, cluster, stride, size, eff)
+        return found
+
+
+def step_speed(
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    gpu: GPUSpec,
+    cluster: ClusterSpec,
+    runtime: str,
+    eff: Efficiency,
+    memo: TimeMemo | None = None,
+) -> StepSpeed:
+    """:func:`estimate_time`'s figures, without building the report. ``memo``: what the plans
+    of one search (one model, GPU, cluster, efficiencies and runtime) share; they differ in dp,
+    ZeRO and offload more than in what a stage's micro-batch reads."""
     policy = POLICIES[plan.precision]
     d = policy.compute_bytes
     peak = matmul_peak_flops(gpu, plan.precision)
     m = gradient_accumulation(workload, plan)
     s = workload.seq_len
     tokens_mb = workload.micro_batch * s / plan.cp  # tokens one rank holds per micro-batch
-    tp_link = group_link(gpu, cluster, 1, plan.tp, eff)
-    cp_link = group_link(gpu, cluster, plan.tp, plan.cp, eff)
-    ep_link = group_link(gpu, cluster, plan.tp * plan.cp, plan.ep, eff)
     dp_stride, dp_size = _dp_group(plan)
-    dp_link = group_link(gpu, cluster, dp_stride, dp_size, eff)
-    pp_link = group_link(gpu, cluster, plan.tp * plan.cp * plan.dp, 2, eff)
+    link = group_link if memo is None else memo.link
+    dp_link = link(gpu, cluster, dp_stride, dp_size, eff)
+    pp_link = link(gpu, cluster, plan.tp * plan.cp * plan.dp, 2, eff)
+    autocast = runs_autocast(plan, runtime)
+    key = (_stage_fields(plan), s, workload.micro_batch, autocast)
 
-    slowest: dict[str, float] | None = None
-    for stage in sorted({0, plan.pp - 1}):
-        parts = _stage_micro_batch(
+    def stage_parts(stage: int) -> dict[str, float]:
+        return _stage_micro_batch(
             model,
             plan,
             stage,
@@ -456,14 +562,21 @@ def estimate_time(
             peak,
             gpu,
             eff,
-            tp_link,
-            cp_link,
-            ep_link,
+            link(gpu, cluster, 1, plan.tp, eff),
+            link(gpu, cluster, plan.tp, plan.cp, eff),
+            link(gpu, cluster, plan.tp * plan.cp, plan.ep, eff),
             runtime == "megatron",
             RUNTIMES[runtime].dropout,
             attention_backend(model, workload, plan, gpu),
-            runs_autocast(plan, runtime),
+            autocast,
         )
+
+    slowest: dict[str, float] | None = None
+    for stage in sorted({0, plan.pp - 1}):
+        if memo is None:
+            parts = stage_parts(stage)
+        elif (parts := memo.stages.get((key, stage))) is None:
+            parts = memo.stages[key, stage] = stage_parts(stage)
         if slowest is None or sum(parts.values()) > sum(slowest.values()):
             slowest = parts
     assert slowest is not None
@@ -479,28 +592,44 @@ def estimate_time(
     if plan.offload_activations != "none":
         mechanism, moved = activation_offload_bytes(model, workload, plan, runtime)
         breakdown["activation_offload"] = m * activation_offload_s(moved, gpu.pcie_bytes_per_s, per_mb, mechanism)
-    breakdown.update(_data_parallel(model, plan, policy, m, per_mb, dp_size, dp_link, gpu.pcie_bytes_per_s, eff))
+    params = P.total_params(model) if memo is None else memo.total_params(model)
+    pcie = gpu.pcie_bytes_per_s
+    breakdown.update(_data_parallel(model, plan, policy, m, per_mb, dp_size, dp_link, pcie, eff, params))
     breakdown.update(_nvme(model, plan, policy, m, dp_size, cluster))
     if is_paged(plan.optimizer):
         breakdown["paged_optimizer"] = paged_optimizer_s(model, workload, plan, gpu, runtime)
-    breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach_adamw(plan, runtime)))
+    foreach = foreach_adamw(plan, runtime)
+    if memo is None:
+        breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach))
+    else:
+        opt_key = (_optimizer_fields(plan), dp_size, foreach)
+        if (optimizer := memo.optimizer.get(opt_key)) is None:
+            optimizer = memo.optimizer[opt_key] = _optimizer(model, plan, policy, dp_size, gpu, eff, foreach)
+        breakdown.update(optimizer)
     step = sum(breakdown.values()) * eff.calibration
     breakdown = {k: v * eff.calibration for k, v in breakdown.items() if v}
 
     job_tokens = workload.micro_batch * s * m * plan.dp
-    model_flops = job_tokens * training_flops_per_token(model, s)
-    hardware_flops = model_flops + job_tokens * _recompute_flops_per_token(model, plan, s)
+    if memo is None:
+        flops = training_flops_per_token(model, s)
+    elif (flops := memo.flops.get(s)) is None:
+        flops = memo.flops[s] = training_flops_per_token(model, s)
+    model_flops = job_tokens * flops
+    if memo is None:
+        recompute_flops = _recompute_flops_per_token(model, plan, s)
+    elif (recompute_flops := memo.recompute_flops.get(key)) is None:
+        recompute_flops = memo.recompute_flops[key] = _recompute_flops_per_token(model, plan, s)
+    hardware_flops = model_flops + job_tokens * recompute_flops
     world = plan.world_size
-    return TimeReport(
-        step_time_s=step,
-        tokens_per_s=job_tokens / step,
-        tokens_per_s_per_gpu=job_tokens / step / world,
-        mfu=model_flops / step / world / peak,
-        hfu=hardware_flops / step / world / peak,
-        flops_per_step=model_flops,
-        peak_flops=peak,
-        calibration=eff.calibration,
-        breakdown=breakdown,
+    return StepSpeed(
+        step,
+        job_tokens / step,
+        job_tokens / step / world,
+        model_flops / step / world / peak,
+        hardware_flops / step / world / peak,
+        model_flops,
+        peak,
+        breakdown,
     )
 
 
@@ -547,8 +676,8 @@ def _stage_micro_batch(
 ) -> dict[str, float]:
     """Seconds of one micro-batch's forward and backward on one rank of ``stage``: GEMMs and
     fused attention kernels (``compute``), HBM-bound kernels (``memory_bound``), collectives."""
-    indices = stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage)
-    layers = len(indices)
+    on_stage = stage_layers(model, plan.pp, plan.virtual_stages, stage)
+    layers = on_stage.layers
     # fused attention kernels skip the masked blocks; the math / eager path computes every score
     # (two batched GEMMs, roofline) and runs its softmax over them in HBM
     materialised = backend in ("eager", "math")
@@ -597,9 +726,8 @@ def _stage_micro_batch(
         parts["cp_comm"] = max(0.0, ring - attn_time)
     # EP: dispatch and combine all-to-alls per MoE layer, forward and backward
     if plan.ep > 1 and model.moe is not None:
-        moe_layers = sum(model.is_moe_layer(i) for i in indices)
         routed = tokens_mb * model.moe.top_k * model.hidden_size * d
-        parts["ep_comm"] = 4 * moe_layers * all_to_all_s(routed, plan.ep, ep_link)
+        parts["ep_comm"] = 4 * on_stage.moe_layers * all_to_all_s(routed, plan.ep, ep_link)
     return parts
 
 
@@ -613,8 +741,10 @@ def _data_parallel(
     link: Link,
     pcie_bytes_per_s: float,
     eff: Efficiency,
+    total_params: int,
 ) -> dict[str, float]:
-    """Exposed gradient reduction and parameter gathers on the data-parallel group.
+    """Exposed gradient reduction and parameter gathers on the data-parallel group
+    (``total_params``: the model's, ``params.total_params``).
 
     ZeRO-0/1: one all-reduce of the gradients per step, after the last micro-batch. ZeRO-2:
     a reduce-scatter of the gradients, and an all-gather of the updated parameters before
@@ -624,7 +754,7 @@ def _data_parallel(
     micro-batch's backward (two thirds of its compute), a gather behind its pass (a third
     for the forward, two for the backward), each up to ``dp_overlap``; one layer's share
     never hides."""
-    stage_params = P.total_params(model) / plan.pp / plan.tp
+    stage_params = total_params / plan.pp / plan.tp
     if n <= 1:
         # one rank: no collective, but offloaded parameters still cross PCIe (ZeRO-3 on one GPU)
         return {"param_offload": _params_pcie_s(plan, policy, m, stage_params, pcie_bytes_per_s)}

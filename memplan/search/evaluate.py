@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from functools import cached_property
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 from memplan.costmodel import overhead as O
 from memplan.costmodel.allocator import AllocatorConfig
-from memplan.costmodel.memory import estimate_memory
-from memplan.costmodel.report import MemoryReport
-from memplan.costmodel.time import Efficiency, estimate_time
+from memplan.costmodel.memory import MemoryMemo, TrainingPeak, training_peak
+from memplan.costmodel.time import Efficiency, TimeMemo, step_speed
 from memplan.search.space import Candidate
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.model import ModelSpec
@@ -27,6 +27,7 @@ from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
 Objective = Literal["throughput", "memory", "pareto"]
+M = TypeVar("M", bound=BaseModel)
 GiB = 2**30
 
 
@@ -44,16 +45,30 @@ class Context:
     allocator: AllocatorConfig = AllocatorConfig()  # the caching allocator the plans run under
     device: str = "cuda"  # where the plans run: which attention kernel (memory.sdpa_kind)
 
-    @property
+    @cached_property
     def time_efficiency(self) -> Efficiency:
-        """The step-time model's efficiencies: as given, else the GPU profile's."""
+        """The step-time model's efficiencies: as given, else the GPU profile's (built once)."""
         return self.efficiency or Efficiency.for_gpu(self.gpu)
 
-    @property
+    @cached_property
+    def memory_memo(self) -> MemoryMemo:
+        """What this search's plans share in the memory model (``memory.training_peak``)."""
+        return MemoryMemo()
+
+    @cached_property
+    def time_memo(self) -> TimeMemo:
+        """What this search's plans share in the step-time model (``time.step_speed``)."""
+        return TimeMemo()
+
+    @cached_property
     def limit_bytes(self) -> int:
         """The most a plan's reserved peak and the memory outside the allocator may reach:
         the capacity PyTorch sees less the margin."""
         return self.gpu.capacity_bytes - self.margin_bytes
+
+    @cached_property
+    def capacity_bytes(self) -> int:
+        return self.gpu.capacity_bytes
 
 
 class Evaluation(BaseModel):
@@ -89,44 +104,64 @@ class Evaluation(BaseModel):
         return (self.peak_reserved_bytes + self.overhead_bytes - self.limit_bytes) / GiB
 
 
-def peak_bytes(report: MemoryReport, peak_ratio: float) -> tuple[int, int]:
+def peak_bytes(peak: TrainingPeak, peak_ratio: float) -> tuple[int, int]:
     """(allocated, reserved) peak, the allocated one scaled by a calibration ratio."""
     if peak_ratio == 1.0:
-        return report.peak.allocated, report.peak.reserved
-    allocated = round(report.peak.allocated * peak_ratio)
+        return peak.allocated, peak.reserved
+    allocated = round(peak.allocated * peak_ratio)
     return allocated, O.fast_reserved_bytes(allocated)
 
 
 def peak_reserved(candidate: Candidate, ctx: Context) -> int:
     """The reserved peak alone (no step time): scans for what comes closest to fitting."""
-    report = estimate_memory(ctx.model, candidate.workload, candidate.plan, ctx.runtime, ctx.device)
-    return peak_bytes(report, ctx.peak_ratio)[1]
+    peak = training_peak(ctx.model, candidate.workload, candidate.plan, ctx.runtime, ctx.device, ctx.memory_memo)
+    return peak_bytes(peak, ctx.peak_ratio)[1]
 
 
 def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
-    """Predicted peak memory, fit and speed of one plan."""
+    """Predicted peak memory, fit and speed of one plan: ``memory.training_peak`` and
+    ``time.step_speed``, the figures of ``estimate_memory`` and ``estimate_time`` without
+    their reports (tests/search/test_fast_form.py holds them equal)."""
     plan, workload = candidate.plan, candidate.workload
-    report = estimate_memory(ctx.model, workload, plan, ctx.runtime, ctx.device)
-    allocated, reserved = peak_bytes(report, ctx.peak_ratio)
-    speed = estimate_time(ctx.model, workload, plan, ctx.gpu, ctx.cluster, runtime=ctx.runtime, eff=ctx.time_efficiency)
-    return Evaluation(
-        plan=plan,
-        workload=workload,
-        peak_allocated_bytes=allocated,
-        peak_reserved_bytes=reserved,
-        peak_phase=report.peak.phase,
-        peak_rank=report.peak.rank,
-        capacity_bytes=ctx.gpu.capacity_bytes,
-        limit_bytes=ctx.limit_bytes,
-        overhead_bytes=report.overhead,
-        fits=reserved + report.overhead <= ctx.limit_bytes,
-        headroom_bytes=ctx.gpu.capacity_bytes - report.overhead - reserved,
-        gradient_accumulation=report.gradient_accumulation,
-        step_time_s=speed.step_time_s,
-        tokens_per_s=speed.tokens_per_s,
-        tokens_per_s_per_gpu=speed.tokens_per_s_per_gpu,
-        mfu=speed.mfu,
+    peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)
+    allocated, reserved = peak_bytes(peak, ctx.peak_ratio)
+    speed = step_speed(ctx.model, workload, plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.time_efficiency, ctx.time_memo)
+    capacity, limit, overhead = ctx.capacity_bytes, ctx.limit_bytes, peak.overhead
+    return constructed(
+        Evaluation,
+        {
+            "plan": plan,
+            "workload": workload,
+            "peak_allocated_bytes": allocated,
+            "peak_reserved_bytes": reserved,
+            "peak_phase": peak.phase,
+            "peak_rank": peak.rank,
+            "capacity_bytes": capacity,
+            "limit_bytes": limit,
+            "overhead_bytes": overhead,
+            "fits": reserved + overhead <= limit,
+            "headroom_bytes": capacity - overhead - reserved,
+            "gradient_accumulation": peak.gradient_accumulation,
+            "step_time_s": speed.step_time_s,
+            "tokens_per_s": speed.tokens_per_s,
+            "tokens_per_s_per_gpu": speed.tokens_per_s_per_gpu,
+            "mfu": speed.mfu,
+        },
     )
+
+
+def constructed(cls: type[M], values: dict[str, Any]) -> M:
+    """``cls.model_construct(**values)`` where ``values`` holds every field of ``cls`` in
+    declaration order, already valid (a plan and workload that were validated, the models'
+    figures): the instance pydantic's ``model_construct`` builds, without its walk over the
+    fields for aliases and defaults, four times the cost on every plan the search evaluates
+    (tests/search/test_fast_form.py compares the two)."""
+    m = cls.__new__(cls)
+    object.__setattr__(m, "__dict__", values)
+    object.__setattr__(m, "__pydantic_fields_set__", set(values))
+    object.__setattr__(m, "__pydantic_extra__", None)
+    object.__setattr__(m, "__pydantic_private__", None)
+    return m
 
 
 def replayed(ev: Evaluation, ctx: Context) -> Evaluation:
