@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from memplan.cli.common import gpu_and_count, memory_limit_bytes, name_list, output_path, warn
+from memplan.cli.options import DEFAULT_PRECISION
 from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
@@ -105,15 +106,20 @@ def _workload_bounds(
 
 def _cluster(gpus: int, nodes: int | None) -> ClusterSpec:
     """Whole 8-GPU nodes when the GPUs fill them, else one node (as ``memplan estimate``)."""
+    given = nodes is not None
     if nodes is None:
         nodes = gpus // 8 if gpus > 8 and gpus % 8 == 0 else 1
     if gpus % nodes:
         raise MemplanError(f"{gpus} GPUs do not split evenly over {nodes} nodes", source=CLI, field="--nodes")
     try:
         return ClusterSpec(gpus_per_node=gpus // nodes, nodes=nodes)
-    except ValidationError:
+    except ValidationError as exc:
+        reason = validation_error(exc, CLI).reason
+        if given:
+            raise MemplanError(f"{gpus // nodes} GPUs per node: {reason}", source=CLI, field="--nodes") from None
+        # the nodes were derived from --gpus: blame the flag the user gave
         raise MemplanError(
-            f"{gpus // nodes} GPUs per node is too many (give --nodes)", source=CLI, field="--nodes"
+            f"{gpus} GPUs make {nodes} nodes of {gpus // nodes}: {reason}", source=CLI, field="--gpus"
         ) from None
 
 
@@ -172,8 +178,9 @@ def tune(
     precision: Annotated[
         str | None,
         Opt(
-            help="Precisions allowed, comma-separated (e.g. bf16-mixed,bf16). Default: bf16-mixed; with --export, "
-            "bf16-mixed and bf16-master, whichever the target can express.",
+            help=f"Precisions allowed, comma-separated (e.g. bf16-mixed,bf16). Default: {DEFAULT_PRECISION}, as "
+            "memplan estimate and plan files; with --export, bf16-mixed and bf16-master, whichever the target can "
+            "express.",
             rich_help_panel=SPACE,
         ),
     ] = None,
@@ -303,7 +310,7 @@ def tune(
 
         drawing = check_output(timeline)
     if precision is None:
-        precision = "bf16-mixed,bf16-master" if export is not None else "bf16-mixed"
+        precision = "bf16-mixed,bf16-master" if export is not None else DEFAULT_PRECISION
     spec = load_model(model)
     batches = parse_global_batch(global_batch)
     warn(suspicious(spec, _workload_bounds(seq_len, micro_batch, max_micro_batch, batches)))
