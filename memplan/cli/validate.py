@@ -203,6 +203,8 @@ def validate(
     validation = compare(report, record, str(path) if path else None, predicted_time)
     if target is not None:
         validation = validation.model_copy(update={"snapshot_path": str(target)})
+    if notes:  # --gpu auto or --gpus detected, in the JSON as in the table
+        validation = validation.model_copy(update={"gpu_auto": "; ".join(notes)})
     if format == "json":
         typer.echo(validation.model_dump_json(indent=2))
     else:
