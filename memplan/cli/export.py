@@ -127,10 +127,17 @@ def export(
     ] = None,
     torchtitan_form: Annotated[
         TorchtitanForm | None,
-        Opt(help="torchtitan: python (Trainer.Config function) or toml (legacy job file).", rich_help_panel=OUT),
+        Opt(
+            help="torchtitan: python (Trainer.Config function) or toml (legacy job file) (default: python).",
+            rich_help_panel=OUT,
+        ),
     ] = None,
     torchtitan_model: Annotated[
-        str | None, Opt(help="torchtitan: model NAME:FLAVOR when the shape is not a known one.", rich_help_panel=OUT)
+        str | None,
+        Opt(
+            help="torchtitan: model NAME:FLAVOR when the shape is not a known one (default: matched by shape).",
+            rich_help_panel=OUT,
+        ),
     ] = None,
     gradient_clipping: Annotated[
         float | None,
@@ -143,7 +150,10 @@ def export(
         Sharding | None,
         Opt(help="hf-trainer, axolotl: ZeRO as deepspeed (default) or fsdp (FSDP2, zero 2 or 3).", rich_help_panel=OUT),
     ] = None,
-    nvme_path: Annotated[str | None, Opt(help="deepspeed: NVMe mount for nvme offload.", rich_help_panel=OUT)] = None,
+    nvme_path: Annotated[
+        str | None,
+        Opt(help="deepspeed: NVMe mount for nvme offload (default: none; needed with nvme).", rich_help_panel=OUT),
+    ] = None,
     dp: DpOpt = None,
     tp: TpOpt = None,
     sequence_parallel: SequenceParallelOpt = None,

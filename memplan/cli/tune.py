@@ -210,7 +210,8 @@ def tune(
     ] = "q_proj,v_proj",
     lora_dropout: Annotated[float, Opt(help="Dropout on the adapters' input.", min=0, rich_help_panel=SPACE)] = 0.0,
     modules_to_save: Annotated[
-        str | None, Opt(help="Modules trained in full beside the adapters, e.g. lm_head.", rich_help_panel=SPACE)
+        str | None,
+        Opt(help="Modules trained in full beside the adapters, e.g. lm_head (default: none).", rich_help_panel=SPACE),
     ] = None,
     allow_quantization: Annotated[
         bool,
@@ -285,7 +286,11 @@ def tune(
         Opt(help="Where runs go (auto: CUDA when NVML sees GPUs).", rich_help_panel=VALIDATE),
     ] = "auto",
     memory_limit: Annotated[
-        str | None, Opt(help="Simulated device capacity for CPU runs, e.g. 2GiB.", rich_help_panel=VALIDATE)
+        str | None,
+        Opt(
+            help="Simulated device capacity for CPU runs, e.g. 2GiB (default: none, the host's memory).",
+            rich_help_panel=VALIDATE,
+        ),
     ] = None,
     device: Annotated[
         Literal["cuda", "cpu"],

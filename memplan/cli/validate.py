@@ -116,7 +116,11 @@ def validate(
         ),
     ] = None,
     memory_limit: Annotated[
-        str | None, Opt(help="Simulated device capacity on CPU, e.g. 2GiB (an OOM beyond it).", rich_help_panel=RUN)
+        str | None,
+        Opt(
+            help="Simulated device capacity on CPU, e.g. 2GiB (an OOM beyond it) (default: none, the host's memory).",
+            rich_help_panel=RUN,
+        ),
     ] = None,
     timeout: Annotated[float, Opt(help="Seconds before every rank is ended.", min=1, rich_help_panel=RUN)] = 600,
     out: Annotated[Path | None, Opt("--out", help="Where to write the run record JSON.", rich_help_panel=RUN)] = None,
