@@ -125,12 +125,15 @@ def _cluster(gpus: int, nodes: int | None) -> ClusterSpec:
     try:
         return ClusterSpec(gpus_per_node=gpus // nodes, nodes=nodes)
     except ValidationError as exc:
-        reason = validation_error(exc, CLI).reason
+        err = validation_error(exc, CLI)
+        reason = f"{(err.field or '').split('.')[-1].replace('_', ' ')}: {err.reason}"
         if given:
-            raise MemplanError(f"{gpus // nodes} GPUs per node: {reason}", source=CLI, field="--nodes") from None
+            raise MemplanError(f"{gpus // nodes} GPUs per node; {reason}", source=CLI, field="--nodes") from None
         # the nodes were derived from --gpus: blame the flag the user gave
         raise MemplanError(
-            f"{gpus} GPUs make {nodes} nodes of {gpus // nodes}: {reason}", source=CLI, field="--gpus"
+            f"{gpus} GPUs make {nodes} node(s) of {gpus // nodes} (whole 8-GPU nodes, else one); {reason}",
+            source=CLI,
+            field="--gpus",
         ) from None
 
 

@@ -161,14 +161,15 @@ def test_inference_json_plan_has_no_training_settings(capsys):
         ["estimate", "llama3-8b", "--gpus", "10000000"],
         ["estimate", "llama3-8b", "--gpus", "10000000", "--tp", "2"],
         ["validate", "llama3-8b", "--gpus", "10000000"],
-        ["tune", "llama3-8b", "--gpus", "10000000"],
+        ["tune", "llama3-8b", "--gpus", "10000000"],  # 1,250,000 nodes of 8
+        ["tune", "llama3-8b", "--gpus", "9999999"],  # one node of 9,999,999
     ],
 )
 def test_too_many_gpus_blames_gpus(capsys, args: list[str]):
     code, out, err = memplan(capsys, *args)
     assert code == 2 and out == ""
     line = error_line(err)
-    assert line.startswith(f"memplan: error: {CLI}: --gpus: 10000000 GPUs make "), line
+    assert line.startswith(f"memplan: error: {CLI}: --gpus: {args[args.index('--gpus') + 1]} GPUs make "), line
     assert "--dp" not in line and "--nodes" not in line
 
 
@@ -176,7 +177,8 @@ def test_too_many_gpus_per_given_node_blames_nodes(capsys):
     code, _, err = memplan(capsys, "tune", "llama3-8b", "--gpus", "10000000", "--nodes", "2")
     assert code == 2
     assert error_line(err) == (
-        f"memplan: error: {CLI}: --nodes: 5000000 GPUs per node: Input should be less than or equal to 1024"
+        f"memplan: error: {CLI}: --nodes: 5000000 GPUs per node; gpus per node: Input should be less than or equal "
+        "to 1024"
     )
 
 
