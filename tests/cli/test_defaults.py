@@ -252,3 +252,18 @@ def test_tune_never_writes_over_a_tracked_file(capsys, tmp_path: Path, flag: str
     assert plan.read_text() == "# mine\n" and not (plan.parent / "study.db").exists()
     code, _, err = memplan(capsys, *args[:4], "--out", "untracked.yaml")  # an untracked file is fine
     assert code == 0, err
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_tune_export_never_writes_over_a_tracked_file(capsys):
+    Path("x-torchtitan.py").write_text("# mine\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    for step in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "mine"]):
+        subprocess.run([*git, *step], check=True, capture_output=True)
+    code, _, err = memplan(capsys, "tune", "llama3-8b", "--gpus", "8", "--out", "x.yaml", "--export", "torchtitan")
+    assert code == 2
+    assert error_line(err) == (
+        f"memplan: error: {CLI}: --export: x-torchtitan.py: a file git tracks: tune does not write over it; give "
+        "another path (the plan YAML is in x.yaml)"
+    )
+    assert Path("x-torchtitan.py").read_text() == "# mine\n" and Path("x.yaml").is_file()
