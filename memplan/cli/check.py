@@ -15,6 +15,7 @@ from memplan.check import check as run_check
 from memplan.check.evaluate import Measurement, Resolved
 from memplan.check.render import MARK, junit_xml, markdown
 from memplan.cli.common import auto_device, output_path, warn
+from memplan.cli.options import DEFAULT_PRECISION
 from memplan.errors import MemplanError
 from memplan.specs.resolve import CLI
 from memplan.units import format_bytes
@@ -25,7 +26,13 @@ RUN = "Measure"
 
 
 def check(
-    budgets: Annotated[Path, typer.Argument(help="Budgets YAML: entries of model, workload, plan, GPU and budget.")],
+    budgets: Annotated[
+        Path,
+        typer.Argument(
+            help="Budgets YAML: entries of model, workload, plan, GPU and budget; a field an entry leaves out takes "
+            f"memplan estimate's default (e.g. precision {DEFAULT_PRECISION}, seq_len 2048), the GPU h100-sxm."
+        ),
+    ],
     baseline: Annotated[
         Path | None, Opt("--baseline", help="JSON of the last accepted numbers; a regression beyond threshold fails.")
     ] = None,

@@ -180,34 +180,44 @@ def name_list(text: str | None, field: str) -> tuple[str, ...] | None:
 # --- the fine-tuning flags of estimate and export ---------------------------------------------
 FINETUNE_PANEL = "Fine-tuning"
 FinetuneOpt = Annotated[
-    str | None, typer.Option(help="full, lora or qlora (LoRA over an NF4 base).", rich_help_panel=FINETUNE_PANEL)
+    str | None,
+    typer.Option(help="full, lora or qlora (LoRA over an NF4 base) (default: full).", rich_help_panel=FINETUNE_PANEL),
 ]
-LoraRankOpt = Annotated[int | None, typer.Option(help="LoRA rank r.", rich_help_panel=FINETUNE_PANEL)]
+LoraRankOpt = Annotated[int | None, typer.Option(help="LoRA rank r (default: 16).", rich_help_panel=FINETUNE_PANEL)]
 LoraTargetsOpt = Annotated[
     str | None,
     typer.Option(
-        help="Modules the adapters wrap, comma-separated (q_proj,v_proj), or all-linear.",
+        help="Modules the adapters wrap, comma-separated, or all-linear (default: q_proj,v_proj).",
         rich_help_panel=FINETUNE_PANEL,
     ),
 ]
 LoraDropoutOpt = Annotated[
-    float | None, typer.Option(help="Dropout on the adapters' input.", rich_help_panel=FINETUNE_PANEL)
+    float | None, typer.Option(help="Dropout on the adapters' input (default: 0.0).", rich_help_panel=FINETUNE_PANEL)
 ]
 ModulesToSaveOpt = Annotated[
     str | None,
-    typer.Option(help="Modules trained in full beside the adapters, e.g. lm_head.", rich_help_panel=FINETUNE_PANEL),
+    typer.Option(
+        help="Modules trained in full beside the adapters, e.g. lm_head (default: none).",
+        rich_help_panel=FINETUNE_PANEL,
+    ),
 ]
 QuantOpt = Annotated[
-    str | None, typer.Option(help="Base weights: none, int8, nf4 or fp4.", rich_help_panel=FINETUNE_PANEL)
+    str | None,
+    typer.Option(
+        help="Base weights: none, int8, nf4 or fp4 (default: none; nf4 with qlora).", rich_help_panel=FINETUNE_PANEL
+    ),
 ]
 DoubleQuantOpt = Annotated[
     bool | None,
     typer.Option(
-        "--double-quant/--no-double-quant", help="4-bit: quantize the scales again.", rich_help_panel=FINETUNE_PANEL
+        "--double-quant/--no-double-quant",
+        help="4-bit: quantize the scales again (default: on with nf4 or fp4 under qlora, else off).",
+        rich_help_panel=FINETUNE_PANEL,
     ),
 ]
 OffloadActivationsOpt = Annotated[
-    str | None, typer.Option(help="none or cpu: saved activations kept in host memory.", rich_help_panel="Plan")
+    str | None,
+    typer.Option(help="none or cpu: saved activations kept in host memory (default: none).", rich_help_panel="Plan"),
 ]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -23,13 +23,39 @@ from memplan.cli.common import (
     host_memory_bytes,
     warn,
 )
+from memplan.cli.options import (
+    AttentionOpt,
+    BatchOpt,
+    BlockSizeOpt,
+    ContextOpt,
+    CpOpt,
+    DpOpt,
+    EpOpt,
+    GlobalBatchOpt,
+    KvDtypeOpt,
+    MicroBatchOpt,
+    OptimizerOpt,
+    PlanFileOpt,
+    PpOpt,
+    PpScheduleOpt,
+    RecomputeLayersOpt,
+    RecomputeOpt,
+    SeqLenOpt,
+    SequenceParallelOpt,
+    TpOpt,
+    VirtualStagesOpt,
+    ZeroOpt,
+    precision_help,
+    spec_default,
+)
 from memplan.costmodel.optimizer import paged_residency
+from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.time import Efficiency
 from memplan.estimate import EstimateResult
 from memplan.estimate import estimate as run_estimate
 from memplan.specs.detect import AUTO
 from memplan.specs.hardware import GPUSpec
-from memplan.specs.resolve import Job, resolve_job
+from memplan.specs.resolve import TRAINING_PLAN_FIELDS, Job, resolve_job
 from memplan.units import format_bytes
 
 Opt = typer.Option
@@ -40,56 +66,53 @@ HW = "Hardware"
 
 def estimate(
     model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
-    plan: Annotated[str | None, Opt("--plan", help="Plan YAML (flags override it).")] = None,
-    dp: Annotated[
-        int | None, Opt(help="Data-parallel degree (default: GPUs / (tp x pp x cp)).", rich_help_panel=PLAN)
-    ] = None,
-    tp: Annotated[int | None, Opt(help="Tensor-parallel degree.", rich_help_panel=PLAN)] = None,
-    sequence_parallel: Annotated[
-        bool | None,
-        Opt("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel=PLAN),
-    ] = None,
-    pp: Annotated[int | None, Opt(help="Pipeline stages.", rich_help_panel=PLAN)] = None,
-    pp_schedule: Annotated[str | None, Opt(help="1f1b, interleaved or gpipe.", rich_help_panel=PLAN)] = None,
-    virtual_stages: Annotated[
-        int | None, Opt(help="Model chunks per rank (interleaved).", rich_help_panel=PLAN)
-    ] = None,
-    cp: Annotated[int | None, Opt(help="Context-parallel degree.", rich_help_panel=PLAN)] = None,
-    ep: Annotated[int | None, Opt(help="Expert-parallel degree.", rich_help_panel=PLAN)] = None,
-    zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.", rich_help_panel=PLAN)] = None,
-    recompute: Annotated[str | None, Opt(help="none, selective, selective-op or full.", rich_help_panel=PLAN)] = None,
-    recompute_layers: Annotated[
-        int | None, Opt(help="Layers per stage recomputed with full.", rich_help_panel=PLAN)
-    ] = None,
+    plan: PlanFileOpt = None,
+    dp: DpOpt = None,
+    tp: TpOpt = None,
+    sequence_parallel: SequenceParallelOpt = None,
+    pp: PpOpt = None,
+    pp_schedule: PpScheduleOpt = None,
+    virtual_stages: VirtualStagesOpt = None,
+    cp: CpOpt = None,
+    ep: EpOpt = None,
+    zero: ZeroOpt = None,
+    recompute: RecomputeOpt = None,
+    recompute_layers: RecomputeLayersOpt = None,
     precision: Annotated[
-        str | None, Opt(help="fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8.", rich_help_panel=PLAN)
+        str | None,
+        Opt(help=precision_help("fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8"), rich_help_panel=PLAN),
     ] = None,
     fp8_recipe: Annotated[
         str | None,
-        Opt(help="With fp8: auto, tensorwise, rowwise (torchao), delayed (Transformer Engine).", rich_help_panel=PLAN),
+        Opt(
+            help="With fp8: auto, tensorwise, rowwise (torchao), delayed (Transformer Engine) (default: auto: delayed "
+            "under megatron, tensorwise otherwise).",
+            rich_help_panel=PLAN,
+        ),
     ] = None,
     fp8_all_gather: Annotated[
         bool | None,
         Opt(
             "--fp8-all-gather/--no-fp8-all-gather",
-            help="With fp8 under FSDP2: all-gather the linear weights in fp8 (torchao).",
+            help="With fp8 under FSDP2: all-gather the linear weights in fp8 (torchao) (default: off).",
             rich_help_panel=PLAN,
         ),
     ] = None,
-    optimizer: Annotated[
+    optimizer: OptimizerOpt = None,
+    offload_optimizer: Annotated[
+        str | None, Opt(help=f"none, cpu or nvme {spec_default('offload_optimizer')}.", rich_help_panel=PLAN)
+    ] = None,
+    offload_params: Annotated[
+        str | None, Opt(help=f"none, cpu or nvme, with ZeRO-3 {spec_default('offload_params')}.", rich_help_panel=PLAN)
+    ] = None,
+    attention: AttentionOpt = None,
+    runtime: Annotated[
         str | None,
         Opt(
-            help="adamw, sgd, adafactor, adamw-8bit, paged-adamw-8bit|32bit, paged-lion-8bit|32bit.",
+            help="Training: whose step the activations are counted for: memplan (the bundled trainer), hf "
+            "(transformers' Trainer), hf-loop or megatron (default: memplan; hf for lora and qlora).",
             rich_help_panel=PLAN,
         ),
-    ] = None,
-    offload_optimizer: Annotated[str | None, Opt(help="none, cpu or nvme.", rich_help_panel=PLAN)] = None,
-    offload_params: Annotated[str | None, Opt(help="none, cpu or nvme (ZeRO-3).", rich_help_panel=PLAN)] = None,
-    attention: Annotated[
-        str | None, Opt(help="flash (PyTorch's SDPA), eager or triton (memplan's kernel).", rich_help_panel=PLAN)
-    ] = None,
-    runtime: Annotated[
-        str | None, Opt(help="Activation accounting: memplan, hf (Trainer), hf-loop or megatron.", rich_help_panel=PLAN)
     ] = None,
     finetune: FinetuneOpt = None,
     lora_rank: LoraRankOpt = None,
@@ -99,18 +122,16 @@ def estimate(
     quant: QuantOpt = None,
     double_quant: DoubleQuantOpt = None,
     offload_activations: OffloadActivationsOpt = None,
-    micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
-    global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,
-    seq_len: Annotated[int | None, Opt(help="Tokens per sequence.", rich_help_panel=WORK)] = None,
+    micro_batch: MicroBatchOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    seq_len: SeqLenOpt = None,
     inference: Annotated[
         bool, Opt("--inference", help="Serving memory (KV cache) instead of training.", rich_help_panel=WORK)
     ] = False,
-    batch: Annotated[int | None, Opt(help="Inference: concurrent sequences.", rich_help_panel=WORK)] = None,
-    context: Annotated[int | None, Opt(help="Inference: tokens held per sequence.", rich_help_panel=WORK)] = None,
-    kv_dtype: Annotated[str | None, Opt(help="Inference: fp32, bf16, fp16, fp8, int8.", rich_help_panel=WORK)] = None,
-    block_size: Annotated[
-        int | None, Opt(help="Inference: paged KV block size in tokens.", rich_help_panel=WORK)
-    ] = None,
+    batch: BatchOpt = None,
+    context: ContextOpt = None,
+    kv_dtype: KvDtypeOpt = None,
+    block_size: BlockSizeOpt = None,
     gpu: Annotated[
         str | None,
         Opt(
@@ -126,8 +147,12 @@ def estimate(
             rich_help_panel=HW,
         ),
     ] = None,
-    gpus: Annotated[int | None, Opt(help="Total GPUs.", rich_help_panel=HW)] = None,
-    nodes: Annotated[int | None, Opt(help="Nodes.", rich_help_panel=HW)] = None,
+    gpus: Annotated[
+        int | None, Opt(help="Total GPUs (default: dp x tp x pp x cp, 1 when none is given).", rich_help_panel=HW)
+    ] = None,
+    nodes: Annotated[
+        int | None, Opt(help="Nodes (default: whole 8-GPU nodes when the GPUs fill them, else 1).", rich_help_panel=HW)
+    ] = None,
     host_memory: Annotated[str | None, Opt(help=HOST_MEMORY_HELP, rich_help_panel=HW)] = None,
     calibration: Annotated[
         bool,
@@ -204,6 +229,8 @@ def estimate(
         host_memory_bytes=host_bytes,
         host_source=host_source,
     )
+    if inference or job.workload.kind == "inference":
+        result = result.model_copy(update={"plan": serving_plan(result.plan)})
     if job.gpu_note:  # --gpu auto: which GPU and why, in the header and the JSON (gpu.auto)
         result = result.model_copy(update={"gpu": {**result.gpu, "auto": job.gpu_note}})
     warn(result.warnings)  # legal but suspicious inputs, one stderr line each (also in the JSON)
@@ -215,6 +242,26 @@ def estimate(
         render(result, Console())
         if target is not None:
             Console().print(f"timeline: {target[0]} (the predicted run of rank {result.memory.peak.rank})")
+
+
+def serving_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """An inference report's plan: the degrees, the workload and the weights' element type
+    (``weights_dtype``, what ``precision`` means when serving: the compute dtype the weights are
+    held in), without the training settings serving memory does not depend on (ZeRO, the
+    optimizer, recomputation, fine-tuning, the runtime profile)."""
+    kept = {k: v for k, v in plan.items() if k not in TRAINING_PLAN_FIELDS and k != "runtime"}
+    return {**kept, "weights_dtype": weights_dtype(plan["precision"])}
+
+
+def weights_dtype(precision: str) -> str:
+    """The element type serving holds the weights in under ``precision`` (``estimate_inference``:
+    fp8 matmuls keep fp8 weights, else the compute dtype)."""
+    policy = POLICIES[precision]
+    if policy.fp8_matmuls:
+        return "fp8"
+    if policy.compute_bytes == 4:
+        return "fp32"
+    return "fp16" if precision.startswith("fp16") else "bf16"
 
 
 def _write_timeline(job: Job, result: EstimateResult, device: str, path: Path, kind: str) -> None:
@@ -243,16 +290,38 @@ def _gib(n: int) -> str:
     return format_bytes(n, "GiB")
 
 
+def header(result: EstimateResult) -> str:
+    """The report's first line: the model, the GPUs, and every setting the figures depend on,
+    defaults included (a training step's or a serving batch's, never the other's)."""
+    plan = result.plan
+    inference = plan.get("kind") == "inference"
+    degrees = ("dp", "tp", "pp", "ep") if inference else ("dp", "tp", "pp", "cp", "ep")
+    parts = [
+        f"[bold]{result.model['name']}[/] ({result.model['parameters'] / 1e9:,.2f} B params) on "
+        f"{plan['world_size']} x {result.gpu['name']} ",
+        " ".join(f"{k}={plan[k]}" for k in degrees if k in plan) + " ",
+    ]
+    if inference:
+        kv = f"kv_dtype={plan['kv_dtype']}" + (f" block_size={plan['block_size']}" if plan.get("block_size") else "")
+        parts += [
+            f"inference: batch={plan['batch']} prompt={plan['prompt_tokens']} generated={plan['generated_tokens']} "
+            f"(context {plan['prompt_tokens'] + plan['generated_tokens']}) weights={plan['weights_dtype']} {kv}"
+        ]
+        return " ".join(parts)
+    tuning = f" finetune={plan['finetune']} quant={plan['quant']}" if plan.get("finetune", "full") != "full" else ""
+    parts += [
+        f"zero={plan['zero']} recompute={plan['recompute']} precision={plan['precision']}{tuning} "
+        f"runtime={plan['runtime']}"
+        + (f" attention={plan['attention_kernel']} ({result.gpu['device']})" if "attention_kernel" in plan else ""),
+        f" seq_len={plan['seq_len']} micro_batch={plan['micro_batch']} global_batch={plan['global_batch']}",
+    ]
+    return " ".join(parts)
+
+
 def render(result: EstimateResult, console: Console) -> None:
     """The human table: breakdown at the peak, model states, fit and suggestions."""
-    mem, plan, peak = result.memory, result.plan, result.memory.peak
-    degrees = " ".join(f"{k}={plan[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if k in plan)
-    console.print(
-        f"[bold]{result.model['name']}[/] ({result.model['parameters'] / 1e9:,.2f} B params) on "
-        f"{plan['world_size']} x {result.gpu['name']}  {degrees}  zero={plan['zero']} "
-        f"recompute={plan['recompute']} precision={plan['precision']} runtime={plan['runtime']}"
-        + (f" attention={plan['attention_kernel']} ({result.gpu['device']})" if "attention_kernel" in plan else "")
-    )
+    mem, peak = result.memory, result.memory.peak
+    console.print(header(result), soft_wrap=True, highlight=False)
     if result.gpu.get("auto"):
         console.print(result.gpu["auto"], soft_wrap=True)
     table = Table(title=f"Peak: {peak.phase} phase, rank {peak.rank} ({peak.rank_role})")

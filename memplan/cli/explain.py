@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from memplan.cli.options import precision_help
 from memplan.costmodel.allocator.trace import load_snapshot
 from memplan.errors import MemplanError
 from memplan.explain.report import Explained, ExplainResult
@@ -29,33 +30,53 @@ def explain(
         str | None, typer.Argument(help="The model it ran: profile name, memplan model YAML, or HF config.json.")
     ] = None,
     plan: Annotated[str | None, Opt("--plan", help="Plan YAML (flags override it).", rich_help_panel=PLAN)] = None,
-    dp: Annotated[int | None, Opt(help="Data-parallel degree.", rich_help_panel=PLAN)] = None,
-    tp: Annotated[int | None, Opt(help="Tensor-parallel degree.", rich_help_panel=PLAN)] = None,
+    dp: Annotated[int | None, Opt(help="Data-parallel degree (default: 1).", rich_help_panel=PLAN)] = None,
+    tp: Annotated[int | None, Opt(help="Tensor-parallel degree (default: 1).", rich_help_panel=PLAN)] = None,
     sequence_parallel: Annotated[
-        bool | None, Opt("--sequence-parallel/--no-sequence-parallel", rich_help_panel=PLAN)
+        bool | None, Opt("--sequence-parallel/--no-sequence-parallel", help="(default: off).", rich_help_panel=PLAN)
     ] = None,
-    pp: Annotated[int | None, Opt(help="Pipeline stages.", rich_help_panel=PLAN)] = None,
-    zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.", rich_help_panel=PLAN)] = None,
-    recompute: Annotated[str | None, Opt(help="none, selective, selective-op or full.", rich_help_panel=PLAN)] = None,
-    precision: Annotated[str | None, Opt(help="fp32, bf16-mixed, bf16-master, bf16, ...", rich_help_panel=PLAN)] = None,
+    pp: Annotated[int | None, Opt(help="Pipeline stages (default: 1).", rich_help_panel=PLAN)] = None,
+    zero: Annotated[int | None, Opt(help="ZeRO stage 0-3 (default: 0).", rich_help_panel=PLAN)] = None,
+    recompute: Annotated[
+        str | None, Opt(help="none, selective, selective-op or full (default: none).", rich_help_panel=PLAN)
+    ] = None,
+    precision: Annotated[
+        str | None, Opt(help=precision_help("fp32, bf16-mixed, bf16-master, bf16, ..."), rich_help_panel=PLAN)
+    ] = None,
     optimizer: Annotated[
         str | None,
         Opt(
-            help="adamw, sgd, adafactor, adamw-8bit, paged-adamw-8bit|32bit, paged-lion-8bit|32bit.",
+            help="adamw, sgd, adafactor, adamw-8bit, paged-adamw-8bit|32bit, paged-lion-8bit|32bit (default: adamw).",
             rich_help_panel=PLAN,
         ),
     ] = None,
-    attention: Annotated[str | None, Opt(help="flash, eager or triton.", rich_help_panel=PLAN)] = None,
+    attention: Annotated[str | None, Opt(help="flash, eager or triton (default: flash).", rich_help_panel=PLAN)] = None,
     runtime: Annotated[
-        str | None, Opt(help="memplan (validate's trainer), hf, hf-loop or megatron.", rich_help_panel=PLAN)
+        str | None,
+        Opt(
+            help="memplan (validate's trainer), hf, hf-loop or megatron (default: memplan; hf for lora and qlora).",
+            rich_help_panel=PLAN,
+        ),
     ] = None,
-    micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
-    global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,
-    seq_len: Annotated[int | None, Opt(help="Tokens per sequence.", rich_help_panel=WORK)] = None,
+    micro_batch: Annotated[
+        int | None, Opt(help="Sequences per micro-batch (default: 1).", rich_help_panel=WORK)
+    ] = None,
+    global_batch: Annotated[
+        int | None, Opt(help="Sequences per optimizer step (default: micro-batch x dp).", rich_help_panel=WORK)
+    ] = None,
+    seq_len: Annotated[int | None, Opt(help="Tokens per sequence (default: 2048).", rich_help_panel=WORK)] = None,
     inference: Annotated[bool, Opt("--inference", help="A serving run.", rich_help_panel=WORK)] = False,
-    batch: Annotated[int | None, Opt(help="Inference: concurrent sequences.", rich_help_panel=WORK)] = None,
-    context: Annotated[int | None, Opt(help="Inference: tokens held per sequence.", rich_help_panel=WORK)] = None,
-    gpu: Annotated[str | None, Opt(help="GPU profile name or YAML (default h100-sxm).")] = None,
+    batch: Annotated[
+        int | None, Opt(help="Inference: concurrent sequences (default: 1).", rich_help_panel=WORK)
+    ] = None,
+    context: Annotated[
+        int | None,
+        Opt(
+            help="Inference: tokens held per sequence (default: a 2048-token prompt and 256 generated).",
+            rich_help_panel=WORK,
+        ),
+    ] = None,
+    gpu: Annotated[str | None, Opt(help="GPU profile name or YAML (default: h100-sxm).")] = None,
     allocator: Annotated[
         Literal["default", "expandable"] | None,
         Opt(help="The prediction's allocator (default: what the snapshot's allocator_settings say)."),

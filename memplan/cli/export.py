@@ -24,6 +24,25 @@ from memplan.cli.common import (
     output_path,
     warn,
 )
+from memplan.cli.options import (
+    AttentionOpt,
+    CpOpt,
+    DpOpt,
+    EpOpt,
+    GlobalBatchOpt,
+    MicroBatchOpt,
+    OptimizerOpt,
+    PpOpt,
+    PpScheduleOpt,
+    RecomputeLayersOpt,
+    RecomputeOpt,
+    SeqLenOpt,
+    SequenceParallelOpt,
+    TpOpt,
+    VirtualStagesOpt,
+    ZeroOpt,
+    precision_help,
+)
 from memplan.errors import MemplanError
 from memplan.export import render
 from memplan.specs.job import PlanFile
@@ -108,10 +127,17 @@ def export(
     ] = None,
     torchtitan_form: Annotated[
         TorchtitanForm | None,
-        Opt(help="torchtitan: python (Trainer.Config function) or toml (legacy job file).", rich_help_panel=OUT),
+        Opt(
+            help="torchtitan: python (Trainer.Config function) or toml (legacy job file) (default: python).",
+            rich_help_panel=OUT,
+        ),
     ] = None,
     torchtitan_model: Annotated[
-        str | None, Opt(help="torchtitan: model NAME:FLAVOR when the shape is not a known one.", rich_help_panel=OUT)
+        str | None,
+        Opt(
+            help="torchtitan: model NAME:FLAVOR when the shape is not a known one (default: matched by shape).",
+            rich_help_panel=OUT,
+        ),
     ] = None,
     gradient_clipping: Annotated[
         float | None,
@@ -124,41 +150,40 @@ def export(
         Sharding | None,
         Opt(help="hf-trainer, axolotl: ZeRO as deepspeed (default) or fsdp (FSDP2, zero 2 or 3).", rich_help_panel=OUT),
     ] = None,
-    nvme_path: Annotated[str | None, Opt(help="deepspeed: NVMe mount for nvme offload.", rich_help_panel=OUT)] = None,
-    dp: Annotated[
-        int | None, Opt(help="Data-parallel degree (default: GPUs / (tp x pp x cp)).", rich_help_panel=PLAN)
+    nvme_path: Annotated[
+        str | None,
+        Opt(help="deepspeed: NVMe mount for nvme offload (default: none; needed with nvme).", rich_help_panel=OUT),
     ] = None,
-    tp: Annotated[int | None, Opt(help="Tensor-parallel degree.", rich_help_panel=PLAN)] = None,
-    sequence_parallel: Annotated[
-        bool | None,
-        Opt("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel=PLAN),
-    ] = None,
-    pp: Annotated[int | None, Opt(help="Pipeline stages.", rich_help_panel=PLAN)] = None,
-    pp_schedule: Annotated[str | None, Opt(help="1f1b, interleaved or gpipe.", rich_help_panel=PLAN)] = None,
-    virtual_stages: Annotated[int | None, Opt(help="Chunks per rank (interleaved).", rich_help_panel=PLAN)] = None,
-    cp: Annotated[int | None, Opt(help="Context-parallel degree.", rich_help_panel=PLAN)] = None,
-    ep: Annotated[int | None, Opt(help="Expert-parallel degree.", rich_help_panel=PLAN)] = None,
-    zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.", rich_help_panel=PLAN)] = None,
-    recompute: Annotated[str | None, Opt(help="none, selective, selective-op or full.", rich_help_panel=PLAN)] = None,
-    recompute_layers: Annotated[
-        int | None, Opt(help="Layers per stage recomputed with full.", rich_help_panel=PLAN)
-    ] = None,
+    dp: DpOpt = None,
+    tp: TpOpt = None,
+    sequence_parallel: SequenceParallelOpt = None,
+    pp: PpOpt = None,
+    pp_schedule: PpScheduleOpt = None,
+    virtual_stages: VirtualStagesOpt = None,
+    cp: CpOpt = None,
+    ep: EpOpt = None,
+    zero: ZeroOpt = None,
+    recompute: RecomputeOpt = None,
+    recompute_layers: RecomputeLayersOpt = None,
     precision: Annotated[
-        str | None, Opt(help="fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8.", rich_help_panel=PLAN)
+        str | None,
+        Opt(help=precision_help("fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8"), rich_help_panel=PLAN),
     ] = None,
-    optimizer: Annotated[
+    optimizer: OptimizerOpt = None,
+    offload_optimizer: Annotated[
+        str | None, Opt(help="none, cpu or nvme (default: none).", rich_help_panel=PLAN)
+    ] = None,
+    offload_params: Annotated[
+        str | None, Opt(help="none, cpu or nvme, with ZeRO-3 (default: none).", rich_help_panel=PLAN)
+    ] = None,
+    attention: AttentionOpt = None,
+    runtime: Annotated[
         str | None,
         Opt(
-            help="adamw, sgd, adafactor, adamw-8bit, paged-adamw-8bit|32bit, paged-lion-8bit|32bit.",
+            help="memplan, hf, hf-loop, megatron (header) (default: memplan; hf for lora and qlora).",
             rich_help_panel=PLAN,
         ),
     ] = None,
-    offload_optimizer: Annotated[str | None, Opt(help="none, cpu or nvme.", rich_help_panel=PLAN)] = None,
-    offload_params: Annotated[str | None, Opt(help="none, cpu or nvme (ZeRO-3).", rich_help_panel=PLAN)] = None,
-    attention: Annotated[
-        str | None, Opt(help="flash (PyTorch's SDPA), eager or triton (memplan's kernel).", rich_help_panel=PLAN)
-    ] = None,
-    runtime: Annotated[str | None, Opt(help="memplan, hf, hf-loop, megatron (header).", rich_help_panel=PLAN)] = None,
     finetune: FinetuneOpt = None,
     lora_rank: LoraRankOpt = None,
     lora_targets: LoraTargetsOpt = None,
@@ -167,12 +192,16 @@ def export(
     quant: QuantOpt = None,
     double_quant: DoubleQuantOpt = None,
     offload_activations: OffloadActivationsOpt = None,
-    micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
-    global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,
-    seq_len: Annotated[int | None, Opt(help="Tokens per sequence.", rich_help_panel=WORK)] = None,
-    gpu: Annotated[str | None, Opt(help="GPU profile name or YAML (default h100-sxm).", rich_help_panel=HW)] = None,
-    gpus: Annotated[int | None, Opt(help="Total GPUs.", rich_help_panel=HW)] = None,
-    nodes: Annotated[int | None, Opt(help="Nodes.", rich_help_panel=HW)] = None,
+    micro_batch: MicroBatchOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    seq_len: SeqLenOpt = None,
+    gpu: Annotated[str | None, Opt(help="GPU profile name or YAML (default: h100-sxm).", rich_help_panel=HW)] = None,
+    gpus: Annotated[
+        int | None, Opt(help="Total GPUs (default: dp x tp x pp x cp, 1 when none is given).", rich_help_panel=HW)
+    ] = None,
+    nodes: Annotated[
+        int | None, Opt(help="Nodes (default: whole 8-GPU nodes when the GPUs fill them, else 1).", rich_help_panel=HW)
+    ] = None,
 ) -> None:
     """Write a plan as a real trainer's configuration; refuse what the target cannot express."""
     if to is None:

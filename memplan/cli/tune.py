@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import typing
 from pathlib import Path
 from typing import Annotated, Literal
@@ -28,12 +29,23 @@ from memplan.cli.common import (
     output_path,
     warn,
 )
+from memplan.cli.options import DEFAULT_PRECISION
 from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
 from memplan.search.evaluate import Context
 from memplan.search.space import SpaceOptions, activation_offloads, global_batch_range
-from memplan.search.tuning import DEFAULT_STORAGE, Hooks, TuneRequest, TuneResult, plan_yaml
+from memplan.search.tuning import (
+    PLAN_FILE,
+    STUDY_FILE,
+    WORK_ROOT,
+    Hooks,
+    TuneRequest,
+    TuneResult,
+    plan_yaml,
+    sqlite_url,
+    work_dir,
+)
 from memplan.search.validation import ValidationSettings
 from memplan.specs.hardware import ClusterSpec
 from memplan.specs.job import check_compatible, suspicious
@@ -113,15 +125,23 @@ def _workload_bounds(
 
 def _cluster(gpus: int, nodes: int | None) -> ClusterSpec:
     """Whole 8-GPU nodes when the GPUs fill them, else one node (as ``memplan estimate``)."""
+    given = nodes is not None
     if nodes is None:
         nodes = gpus // 8 if gpus > 8 and gpus % 8 == 0 else 1
     if gpus % nodes:
         raise MemplanError(f"{gpus} GPUs do not split evenly over {nodes} nodes", source=CLI, field="--nodes")
     try:
         return ClusterSpec(gpus_per_node=gpus // nodes, nodes=nodes)
-    except ValidationError:
+    except ValidationError as exc:
+        err = validation_error(exc, CLI)
+        reason = f"{(err.field or '').split('.')[-1].replace('_', ' ')}: {err.reason}"
+        if given:
+            raise MemplanError(f"{gpus // nodes} GPUs per node; {reason}", source=CLI, field="--nodes") from None
+        # the nodes were derived from --gpus: blame the flag the user gave
         raise MemplanError(
-            f"{gpus // nodes} GPUs per node is too many (give --nodes)", source=CLI, field="--nodes"
+            f"{gpus} GPUs make {nodes} node(s) of {gpus // nodes} (whole 8-GPU nodes, else one); {reason}",
+            source=CLI,
+            field="--gpus",
         ) from None
 
 
@@ -180,8 +200,9 @@ def tune(
     precision: Annotated[
         str | None,
         Opt(
-            help="Precisions allowed, comma-separated (e.g. bf16-mixed,bf16). Default: bf16-mixed; with --export, "
-            "bf16-mixed and bf16-master, whichever the target can express.",
+            help=f"Precisions allowed, comma-separated (e.g. bf16-mixed,bf16). Default: {DEFAULT_PRECISION}, as "
+            "memplan estimate and plan files; with --export, bf16-mixed and bf16-master, whichever the target can "
+            "express.",
             rich_help_panel=SPACE,
         ),
     ] = None,
@@ -206,7 +227,8 @@ def tune(
     ] = "q_proj,v_proj",
     lora_dropout: Annotated[float, Opt(help="Dropout on the adapters' input.", min=0, rich_help_panel=SPACE)] = 0.0,
     modules_to_save: Annotated[
-        str | None, Opt(help="Modules trained in full beside the adapters, e.g. lm_head.", rich_help_panel=SPACE)
+        str | None,
+        Opt(help="Modules trained in full beside the adapters, e.g. lm_head (default: none).", rich_help_panel=SPACE),
     ] = None,
     allow_quantization: Annotated[
         bool,
@@ -260,8 +282,13 @@ def tune(
         str | None, Opt(help="Study name: resumes or joins it (default: a new study).", rich_help_panel=SEARCH)
     ] = None,
     storage: Annotated[
-        str, Opt(help="Optuna storage URL (sqlite:///FILE, postgresql://...).", rich_help_panel=SEARCH)
-    ] = DEFAULT_STORAGE,
+        str | None,
+        Opt(
+            help=f"Optuna storage URL (sqlite:///FILE, postgresql://...). Default: {STUDY_FILE} in the working "
+            "directory.",
+            rich_help_panel=SEARCH,
+        ),
+    ] = None,
     calibration: Annotated[
         bool,
         Opt(
@@ -280,14 +307,29 @@ def tune(
         Opt(help="Where runs go (auto: CUDA when NVML sees GPUs).", rich_help_panel=VALIDATE),
     ] = "auto",
     memory_limit: Annotated[
-        str | None, Opt(help="Simulated device capacity for CPU runs, e.g. 2GiB.", rich_help_panel=VALIDATE)
+        str | None,
+        Opt(
+            help="Simulated device capacity for CPU runs, e.g. 2GiB (default: none, the host's memory).",
+            rich_help_panel=VALIDATE,
+        ),
     ] = None,
     device: Annotated[
         Literal["cuda", "cpu"],
         Opt(help="Where the plans run: cuda (the GPU profile) or cpu: which attention kernel runs and keeps what."),
     ] = "cuda",
     top: Annotated[int, Opt(help="Plans shown.", min=1)] = 10,
-    out: Annotated[str, Opt("--out", help="Where the recommended plan YAML goes.")] = "best-plan.yaml",
+    workdir: Annotated[
+        str | None,
+        Opt(
+            "--workdir",
+            help=f"Folder for the plan, its exports and the study (default: {WORK_ROOT}/MODEL-GPUSxGPU under the "
+            "current directory, e.g. memplan-tune/llama3-8b-8xh100-sxm).",
+        ),
+    ] = None,
+    out: Annotated[
+        str | None,
+        Opt("--out", help=f"Where the recommended plan YAML goes (default: {PLAN_FILE} in the working directory)."),
+    ] = None,
     export: Annotated[
         str | None,
         Opt(
@@ -314,19 +356,26 @@ def tune(
             raise MemplanError(
                 f"unknown target {short(repr(export), 60)} ({', '.join(TARGETS)})", source=CLI, field="--export"
             )
-    output_path(out, "--out", inputs=(model,))  # before any search: a plan found cannot be lost to a bad path
+    # before any search: a plan found cannot be lost to a bad path
+    output_path(out, "--out", inputs=(model,))
+    refuse_tracked(out, "--out")
     drawing = None
     if timeline is not None:
         from memplan.viz.output import check_output
 
         drawing = check_output(timeline)
     if precision is None:
-        precision = "bf16-mixed,bf16-master" if export is not None else "bf16-mixed"
+        precision = "bf16-mixed,bf16-master" if export is not None else DEFAULT_PRECISION
     spec = load_model(model)
     batches = parse_global_batch(global_batch)
     warn(suspicious(spec, _workload_bounds(seq_len, micro_batch, max_micro_batch, batches)))
     chosen, gpus = gpu_and_count(gpu, gpus)
     card = chosen.spec
+    folder = Path(workdir) if workdir is not None else work_dir(spec.name, gpus, card.name)
+    if out is None:
+        out = str(folder / PLAN_FILE)
+        output_path(out, "--workdir", inputs=(model,))
+        refuse_tracked(out, "--workdir")
     cluster = _cluster(gpus, nodes)
     limit = memory_limit_bytes(memory_limit)
     host_bytes, host_source = host_memory_bytes(host_memory, chosen.note)
@@ -368,11 +417,14 @@ def tune(
     )
     request = TuneRequest(
         model_ref=model, gpu_ref=chosen.ref, ctx=ctx, options=options, objective=objective, trials=trials,
-        exhaustive=exhaustive, seed=seed, study=study, storage=storage, top=top, validate=validate,
-        validation=settings, calibration_path=cal_path, export_target=export,
+        exhaustive=exhaustive, seed=seed, study=study, storage=storage or sqlite_url(folder / STUDY_FILE), top=top,
+        validate=validate, validation=settings, calibration_path=cal_path, export_target=export,
+        work_dir=folder if storage is None else None,
         host_memory_bytes=host_bytes, host_memory_source=host_source,
     )  # fmt: skip
     result = _run(request, show=format == "table")
+    if chosen.note:  # --gpu auto or --gpus detected: which GPU and why, in the JSON as in the table
+        result = result.model_copy(update={"gpu_auto": chosen.note})
     out_path = Path(out)
     if result.recommended is not None:
         out = out_path
@@ -384,8 +436,8 @@ def tune(
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
-        if chosen.note:  # --gpu auto or --gpus detected: which GPU and why
-            Console().print(chosen.note, soft_wrap=True)
+        if result.gpu_auto:  # --gpu auto or --gpus detected: which GPU and why
+            Console().print(result.gpu_auto, soft_wrap=True)
         render(result, Console(), model)
     if export is not None and result.recommended is not None:
         _export(model, out_path, export)
@@ -404,6 +456,30 @@ def tune(
         raise typer.Exit(130)
     if result.recommended is None:
         raise typer.Exit(1)
+
+
+def refuse_tracked(path: str | Path | None, field: str, then: str = "") -> None:
+    """A file git tracks is never written over: a plan or configuration committed beside the
+    code is the user's (``git ls-files --error-unmatch``: 0 tracked, 1 not, 128 no repository;
+    without git, nothing to refuse). ``then`` ends the message (what was kept)."""
+    if path is None or not Path(path).is_file():
+        return
+    path = Path(path)
+    try:
+        asked = subprocess.run(
+            ["git", "ls-files", "--error-unmatch", "--", path.name],
+            cwd=path.absolute().parent,
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return
+    if asked.returncode == 0:
+        raise MemplanError(
+            f"{short(path, 100)}: a file git tracks: tune does not write over it; give another path{then}",
+            source=CLI,
+            field=field,
+        )
 
 
 def _timeline(model: str, plan_path: Path | None, device: str, path: Path, kind: str) -> None:
@@ -433,6 +509,7 @@ def _export(model: str, plan_path: Path, target: str) -> Path:
         # the searched plan uses something the target cannot express: say so, keep the YAML
         raise MemplanError(f"{err.reason} (the plan YAML is in {plan_path})", source=CLI, field="--export") from None
     path = plan_path.with_name(f"{plan_path.stem}-{target}{exported.suffix}")
+    refuse_tracked(path, "--export", f" (the plan YAML is in {short(plan_path, 100)})")
     try:
         path.write_text(exported.text)
     except OSError as exc:  # --out was checked before the search; this name is the target's, beside it

@@ -12,6 +12,23 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from memplan.cli.common import auto_device, detected_gpus, memory_limit_bytes, output_path
+from memplan.cli.options import (
+    AttentionOpt,
+    DpOpt,
+    GlobalBatchOpt,
+    MicroBatchOpt,
+    PlanFileOpt,
+    PpOpt,
+    PpScheduleOpt,
+    RecomputeLayersOpt,
+    RecomputeOpt,
+    SeqLenOpt,
+    SequenceParallelOpt,
+    TpOpt,
+    VirtualStagesOpt,
+    ZeroOpt,
+    precision_help,
+)
 from memplan.costmodel.flops import rank_flops_per_step
 from memplan.costmodel.time import matmul_peak_flops
 from memplan.errors import MemplanError
@@ -35,7 +52,7 @@ RUN = "Run"
 
 def validate(
     model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
-    plan: Annotated[str | None, Opt("--plan", help="Plan YAML (flags override it).")] = None,
+    plan: PlanFileOpt = None,
     gpus: Annotated[
         int | None,
         Opt(
@@ -45,33 +62,33 @@ def validate(
             rich_help_panel=PLAN,
         ),
     ] = None,
-    dp: Annotated[int | None, Opt(help="Data-parallel degree.", rich_help_panel=PLAN)] = None,
-    tp: Annotated[int | None, Opt(help="Tensor-parallel degree.", rich_help_panel=PLAN)] = None,
-    sequence_parallel: Annotated[
-        bool | None, Opt("--sequence-parallel/--no-sequence-parallel", rich_help_panel=PLAN)
+    dp: DpOpt = None,
+    tp: TpOpt = None,
+    sequence_parallel: SequenceParallelOpt = None,
+    pp: PpOpt = None,
+    pp_schedule: PpScheduleOpt = None,
+    virtual_stages: VirtualStagesOpt = None,
+    zero: ZeroOpt = None,
+    recompute: RecomputeOpt = None,
+    recompute_layers: RecomputeLayersOpt = None,
+    precision: Annotated[
+        str | None, Opt(help=precision_help("fp32, bf16-mixed, bf16-master, bf16"), rich_help_panel=PLAN)
     ] = None,
-    pp: Annotated[int | None, Opt(help="Pipeline stages.", rich_help_panel=PLAN)] = None,
-    pp_schedule: Annotated[str | None, Opt(help="1f1b, interleaved or gpipe.", rich_help_panel=PLAN)] = None,
-    virtual_stages: Annotated[int | None, Opt(help="Chunks per rank (interleaved).", rich_help_panel=PLAN)] = None,
-    zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.", rich_help_panel=PLAN)] = None,
-    recompute: Annotated[str | None, Opt(help="none, selective, selective-op or full.", rich_help_panel=PLAN)] = None,
-    recompute_layers: Annotated[int | None, Opt(help="Layers per stage recomputed.", rich_help_panel=PLAN)] = None,
-    precision: Annotated[str | None, Opt(help="fp32, bf16-mixed, bf16-master, bf16.", rich_help_panel=PLAN)] = None,
-    offload_optimizer: Annotated[str | None, Opt(help="none or cpu.", rich_help_panel=PLAN)] = None,
-    offload_params: Annotated[str | None, Opt(help="none or cpu (ZeRO-3).", rich_help_panel=PLAN)] = None,
-    attention: Annotated[
-        str | None, Opt(help="flash (PyTorch's SDPA), eager or triton (memplan's kernel).", rich_help_panel=PLAN)
+    offload_optimizer: Annotated[str | None, Opt(help="none or cpu (default: none).", rich_help_panel=PLAN)] = None,
+    offload_params: Annotated[
+        str | None, Opt(help="none or cpu, with ZeRO-3 (default: none).", rich_help_panel=PLAN)
     ] = None,
+    attention: AttentionOpt = None,
     finetune: Annotated[
         str | None,
         Opt(
-            help="full (the bundled trainer trains every weight; lora and qlora are estimate-only).",
+            help="full (the bundled trainer trains every weight; lora and qlora are estimate-only) (default: full).",
             rich_help_panel=PLAN,
         ),
     ] = None,
-    micro_batch: Annotated[int | None, Opt(help="Sequences per micro-batch.", rich_help_panel=WORK)] = None,
-    global_batch: Annotated[int | None, Opt(help="Sequences per optimizer step.", rich_help_panel=WORK)] = None,
-    seq_len: Annotated[int | None, Opt(help="Tokens per sequence.", rich_help_panel=WORK)] = None,
+    micro_batch: MicroBatchOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    seq_len: SeqLenOpt = None,
     steps: Annotated[int, Opt(help="Measured steps after one warm-up step.", min=1, rich_help_panel=RUN)] = 2,
     simulate_ranks: Annotated[
         bool,
@@ -99,7 +116,11 @@ def validate(
         ),
     ] = None,
     memory_limit: Annotated[
-        str | None, Opt(help="Simulated device capacity on CPU, e.g. 2GiB (an OOM beyond it).", rich_help_panel=RUN)
+        str | None,
+        Opt(
+            help="Simulated device capacity on CPU, e.g. 2GiB (an OOM beyond it) (default: none, the host's memory).",
+            rich_help_panel=RUN,
+        ),
     ] = None,
     timeout: Annotated[float, Opt(help="Seconds before every rank is ended.", min=1, rich_help_panel=RUN)] = 600,
     out: Annotated[Path | None, Opt("--out", help="Where to write the run record JSON.", rich_help_panel=RUN)] = None,
@@ -186,6 +207,8 @@ def validate(
     validation = compare(report, record, str(path) if path else None, predicted_time)
     if target is not None:
         validation = validation.model_copy(update={"snapshot_path": str(target)})
+    if notes:  # --gpu auto or --gpus detected, in the JSON as in the table
+        validation = validation.model_copy(update={"gpu_auto": "; ".join(notes)})
     if format == "json":
         typer.echo(validation.model_dump_json(indent=2))
     else:

@@ -133,6 +133,8 @@ def _space(req: TuneRequest) -> tuple[Space, int]:
 
 
 def _open(req: TuneRequest, name: str):  # noqa: ANN202 - optuna.Study
+    if req.work_dir is not None:  # the working directory's study file: its folder made on first use
+        req.work_dir.mkdir(parents=True, exist_ok=True)
     storage = S.open_storage(req.storage)
     sampler = S.make_sampler(req.objective, req.seed)
     return S.open_study(name, storage, sampler, S.signature(req.ctx, req.options, req.objective))

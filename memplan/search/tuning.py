@@ -5,6 +5,7 @@ plan file it writes. Light to import (no optuna): the CLI builds and renders the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,26 @@ from memplan.search.space import SpaceOptions
 from memplan.search.validation import Outcome, ValidationSettings
 
 DEFAULT_STORAGE = "sqlite:///memplan-tune.db"
+WORK_ROOT = "memplan-tune"  # memplan tune's working directories, under the current one
+PLAN_FILE = "best-plan.yaml"  # the recommended plan, in the working directory
+STUDY_FILE = "study.db"  # the Optuna study (SQLite), in the working directory
+
+
+def work_dir(model: str, gpus: int, gpu: str) -> Path:
+    """Where ``memplan tune`` writes its plan and study unless told (``--out``, ``--storage``,
+    ``--workdir``): ``memplan-tune/<model>-<gpus>x<gpu>`` under the current directory, one folder
+    per question, so that tuning another model or GPU count neither overwrites a plan nor joins
+    another question's study, and nothing generated lands among the user's own files."""
+
+    def safe(name: str, cut: int) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:cut] or "model"
+
+    return Path(WORK_ROOT) / f"{safe(model, 100)}-{gpus}x{safe(gpu, 60)}"
+
+
+def sqlite_url(path: Path) -> str:
+    """The SQLAlchemy URL of a SQLite file (relative paths stay relative to the current directory)."""
+    return f"sqlite:///{path.as_posix()}"
 
 
 @dataclass(frozen=True)
@@ -39,6 +60,7 @@ class TuneRequest:
     calibration_path: Path | None = None  # where validation ratios go (None: nowhere)
     host_memory_bytes: int | None = None  # per node: a plan keeping more there does not fit (None: not checked)
     host_memory_source: str = ""  # where host_memory_bytes comes from
+    work_dir: Path | None = None  # the default storage's folder: created when a study opens (None: the URL's own)
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,7 @@ class TuneResult(BaseModel):
 
     model: str
     gpu: str
+    gpu_auto: str | None = None  # --gpu auto or --gpus not given: what NVML detected and what was used
     gpus: int
     nodes: int
     runtime: str

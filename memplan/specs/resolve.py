@@ -149,6 +149,17 @@ def resolve_job(
                 f"{gpus} GPUs is not a multiple of tp x pp x cp = {per_replica}", source=where, field=field
             )
         plan_data["dp"] = gpus // per_replica
+        try:  # dp derived from gpus: a dp out of range is the GPU count's fault, named as such
+            _validate_section(Plan, plan_data, set(flags), source, "plan")
+        except MemplanError as err:
+            if (err.field or "").split(".")[-1].lstrip("-") != "dp":
+                raise
+            where, field = blame("gpus")
+            raise MemplanError(
+                f"{gpus} GPUs make dp = {plan_data['dp']} (gpus / (tp x pp x cp)); dp: {err.reason}",
+                source=where,
+                field=field,
+            ) from None
     plan = _validate_section(Plan, plan_data, set(flags), source, "plan")
     if gpus is not None and plan.world_size != gpus:
         where, field = blame("gpus")
@@ -200,7 +211,8 @@ def _gpu(ref: str) -> tuple[GPUSpec, str]:
 
 def serving_only(flags: dict[str, Any]) -> None:
     """Refuse training-only plan flags with ``--inference``: serving memory does not depend on them."""
-    wrong = sorted(set(flags) & TRAINING_PLAN_FIELDS)
+    # a runtime profile is one training code's activation accounting; serving memory has one model
+    wrong = sorted(set(flags) & (TRAINING_PLAN_FIELDS | {"runtime"}))
     if wrong:
         raise MemplanError(
             "a training setting: --inference estimates serving memory, which does not depend on it (drop it)",

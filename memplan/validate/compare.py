@@ -52,6 +52,7 @@ class Validation(BaseModel):
     world_size: int
     device: str
     device_name: str
+    gpu_auto: str | None = None  # --gpu auto or --gpus not given: what NVML detected and what was used
     versions: dict[str, str]
     record_path: str | None
     record: dict[str, Any]

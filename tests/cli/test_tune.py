@@ -23,6 +23,7 @@ from memplan.costmodel.overhead import fast_reserved_bytes
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 LLAMA8B = ["llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "128"]
+WORK = Path("memplan-tune/llama3-8b-8xh100-sxm")  # tune's working directory for LLAMA8B (no NVML here)
 TINY = """name: tiny
 hidden_size: 128
 num_layers: 2
@@ -80,7 +81,8 @@ def test_json_contract_and_plan_file_round_trip(tmp_path: Path):
     code, out, err = memplan("tune", *LLAMA8B, "--trials", "25", "--study", "t", "--format", "json", "--out", "p.yaml")
     assert code == 0, err
     data = json.loads(out)
-    assert data["study"] == "t" and data["storage"] == "sqlite:///memplan-tune.db"
+    assert data["study"] == "t" and data["storage"] == f"sqlite:///{WORK}/study.db"
+    assert (WORK / "study.db").is_file() and sorted(p.name for p in Path().iterdir()) == ["memplan-tune", "p.yaml"]
     assert data["trials"] == data["trials_run"] == 25 and data["space_size"] == 860
     assert data["recommended"] == data["top"][0] and data["plan_path"] == "p.yaml"
     assert data["closest"] is None and data["fixes"] == [] and data["interrupted"] is False
@@ -102,10 +104,12 @@ def test_table_and_exhaustive():
     code, out, err = memplan("tune", *LLAMA8B, "--exhaustive")
     assert code == 0, err
     assert "Best plans" in out and "every plan predicted (860)" in out and "recommended" in out
+    assert f"written to {WORK / 'best-plan.yaml'}" in out  # the plan, in the working directory the output names
+    assert (WORK / "best-plan.yaml").is_file() and [p.name for p in Path().iterdir()] == ["memplan-tune"]
     code, out, _ = memplan("tune", *LLAMA8B, "--exhaustive", "--format", "json", "--top", "3")
     data = json.loads(out)
     assert data["exhaustive"] and data["study"] is None and data["trials"] == 0 and len(data["top"]) == 3
-    assert not Path("memplan-tune.db").exists()  # an exhaustive search needs no study
+    assert not (WORK / "study.db").exists()  # an exhaustive search needs no study
     tokens = [r["evaluation"]["tokens_per_s"] for r in data["top"]]
     assert tokens == sorted(tokens, reverse=True)
 
@@ -129,7 +133,7 @@ def test_nothing_fits_names_the_closest_plan_and_fixes():
     assert not closest["fits"] and closest["peak_reserved_bytes"] > data["limit_bytes"]
     kinds = {f["kind"] for f in data["fixes"]}
     assert "gpus" in kinds and all(f["peak_reserved_bytes"] <= f["limit_bytes"] for f in data["fixes"])
-    assert not Path("best-plan.yaml").exists()
+    assert not list(Path().rglob("*.yaml"))  # no plan to write (the study is kept in the working directory)
     code, out, _ = memplan(*args, "--trials", "5")
     assert code == 1 and "nothing fits" in out and "What would make it fit" in out
 
@@ -259,7 +263,7 @@ def test_validate_top_plans_on_cpu(tiny: Path, tmp_path: Path):
     stored = json.loads((tmp_path / "home" / "calibration.json").read_text())
     assert stored["profiles"]["h100-sxm"]["peak_ratios"] == written["peak_ratios"]
     # the plan file runs under memplan validate as it is
-    check = subprocess.run([sys.executable, "-m", "memplan.cli", "validate", str(tiny), "--plan", "best-plan.yaml",
+    check = subprocess.run([sys.executable, "-m", "memplan.cli", "validate", str(tiny), "--plan", data["plan_path"],
                             "--steps", "1", "--device", "cpu", "--format", "json"], capture_output=True, text=True,
                            timeout=120)  # fmt: skip
     assert check.returncode == 0, check.stderr
@@ -301,8 +305,8 @@ def test_export_writes_the_recommended_plan_for_a_trainer(tmp_path: Path):
 
     code, out, err = memplan("tune", *LLAMA8B, "--exhaustive", "--export", "torchtitan", "--format", "json")
     assert code == 0, err
-    written = tmp_path / "best-plan-torchtitan.py"
-    assert written.exists() and f"wrote {written.name}" in err
+    written = tmp_path / WORK / "best-plan-torchtitan.py"
+    assert written.exists() and f"wrote {WORK / written.name}" in err
     recommended = json.loads(out)["recommended"]["evaluation"]["plan"]
     exported = parse("torchtitan", written.read_text(), num_layers=32)
     assert {k: exported[k] for k in ("tp", "pp", "dp")} == {k: recommended[k] for k in ("tp", "pp", "dp")}
@@ -324,7 +328,7 @@ def test_export_searches_only_what_the_target_can_express(tmp_path: Path):
     assert data["export_target"] == "deepspeed" and data["space_size"] < data["space_before_export"]
     plan = data["recommended"]["evaluation"]["plan"]
     assert (plan["tp"], plan["pp"], plan["cp"]) == (1, 1, 1)
-    assert (tmp_path / "best-plan-deepspeed.json").exists()
+    assert (tmp_path / "memplan-tune/llama3-70b-64xh100-sxm/best-plan-deepspeed.json").exists()
     code, out, _ = memplan("tune", *args, "--export", "deepspeed")
     assert code == 0 and "that deepspeed can express (of " in out
 
@@ -333,7 +337,7 @@ def test_export_says_up_front_when_the_target_can_express_no_plan(tmp_path: Path
     code, out, err = memplan("tune", "llama3-8b", "--gpus", "8", "--export", "megatron", "--precision", "bf16-mixed")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "--export: megatron can express none of the" in err and "precision bf16-mixed" in err
-    assert not (tmp_path / "memplan-tune.db").exists() and not (tmp_path / "best-plan.yaml").exists()
+    assert not (tmp_path / "memplan-tune").exists()
     # without --precision, the precisions a target can express are tried: megatron's fp32 master weights
     code, out, err = memplan("tune", "llama3-8b", "--gpus", "8", "--export", "megatron", "--format", "json")
     assert code == 0, err
@@ -363,7 +367,7 @@ def test_the_default_search_predicts_every_plan_when_that_is_quicker():
     assert code == 0, err
     data = json.loads(out)
     assert data["exhaustive"] and data["study"] is None and "quicker than 300 trials" in data["search_reason"]
-    assert not Path("memplan-tune.db").exists()
+    assert not (WORK / "study.db").exists()
     code, out, _ = memplan("tune", "llama3-8b", "--gpus", "8", "--trials", "1", "--format", "json")
     assert code == 0 and not json.loads(out)["exhaustive"]
     code, out, _ = memplan("tune", "llama3-8b", "--gpus", "8", "--trials", "3", "--study", "s", "--format", "json")

@@ -1,0 +1,138 @@
+"""Option declarations that estimate, validate and export share, with the defaults in their help.
+
+A flag left out takes the plan file's value, else the spec's default: each help text reads that
+default from the spec (:mod:`memplan.specs.plan`, :mod:`memplan.specs.workload`), so ``--help``
+cannot drift from what a run uses.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from pydantic import BaseModel
+
+from memplan.specs.plan import Plan
+from memplan.specs.workload import InferenceWorkload, TrainingWorkload
+
+Opt = typer.Option
+PLAN, WORK = "Plan", "Workload"
+
+
+def spec_default(name: str, spec: type[BaseModel] = Plan) -> str:
+    """``(default: 2048)``: the default of ``spec``'s field ``name`` as ``--help`` shows it."""
+    value = spec.model_fields[name].default
+    if isinstance(value, tuple):
+        value = ",".join(value) or "none"
+    elif isinstance(value, bool):
+        value = "on" if value else "off"
+    elif value is None:
+        value = "none"
+    return f"(default: {value})"
+
+
+# One default precision for training across estimate, tune, check, validate and plan files: the
+# plan's, bf16-master (bf16 weights and gradients, fp32 master weights and Adam states in the
+# optimizer, as Megatron-LM's --bf16 and DeepSpeed's bf16 section run it; docs/tune.md says why).
+DEFAULT_PRECISION: str = Plan.model_fields["precision"].default
+
+
+def precision_help(names: str) -> str:
+    """The precisions a command takes, and the default."""
+    return f"{names} (default: {DEFAULT_PRECISION})."
+
+
+PlanFileOpt = Annotated[str | None, Opt("--plan", help="Plan YAML (flags override it).")]
+DpOpt = Annotated[
+    int | None,
+    Opt(help="Data-parallel degree (default: GPUs / (tp x pp x cp); 1 without --gpus).", rich_help_panel=PLAN),
+]
+TpOpt = Annotated[int | None, Opt(help=f"Tensor-parallel degree {spec_default('tp')}.", rich_help_panel=PLAN)]
+SequenceParallelOpt = Annotated[
+    bool | None,
+    Opt(
+        "--sequence-parallel/--no-sequence-parallel",
+        help=f"Megatron sequence parallelism, with tp > 1 {spec_default('sequence_parallel')}.",
+        rich_help_panel=PLAN,
+    ),
+]
+PpOpt = Annotated[int | None, Opt(help=f"Pipeline stages {spec_default('pp')}.", rich_help_panel=PLAN)]
+PpScheduleOpt = Annotated[
+    str | None, Opt(help=f"1f1b, interleaved or gpipe {spec_default('pp_schedule')}.", rich_help_panel=PLAN)
+]
+VirtualStagesOpt = Annotated[
+    int | None,
+    Opt(help=f"Model chunks per rank (interleaved) {spec_default('virtual_stages')}.", rich_help_panel=PLAN),
+]
+CpOpt = Annotated[int | None, Opt(help=f"Context-parallel degree {spec_default('cp')}.", rich_help_panel=PLAN)]
+EpOpt = Annotated[
+    int | None, Opt(help=f"Expert-parallel degree, within dp x cp {spec_default('ep')}.", rich_help_panel=PLAN)
+]
+ZeroOpt = Annotated[int | None, Opt(help=f"ZeRO stage 0-3 {spec_default('zero')}.", rich_help_panel=PLAN)]
+RecomputeOpt = Annotated[
+    str | None, Opt(help=f"none, selective, selective-op or full {spec_default('recompute')}.", rich_help_panel=PLAN)
+]
+RecomputeLayersOpt = Annotated[
+    int | None, Opt(help="Layers per stage recomputed with full (default: all).", rich_help_panel=PLAN)
+]
+OptimizerOpt = Annotated[
+    str | None,
+    Opt(
+        help="adamw, sgd, adafactor, adamw-8bit, paged-adamw-8bit|32bit, paged-lion-8bit|32bit "
+        f"{spec_default('optimizer')}.",
+        rich_help_panel=PLAN,
+    ),
+]
+AttentionOpt = Annotated[
+    str | None,
+    Opt(
+        help=f"flash (PyTorch's SDPA), eager or triton (memplan's kernel) {spec_default('attention')}.",
+        rich_help_panel=PLAN,
+    ),
+]
+MicroBatchOpt = Annotated[
+    int | None,
+    Opt(
+        help=f"Training: sequences per micro-batch {spec_default('micro_batch', TrainingWorkload)}.",
+        rich_help_panel=WORK,
+    ),
+]
+GlobalBatchOpt = Annotated[
+    int | None,
+    Opt(
+        help="Training: sequences per optimizer step (default: micro-batch x dp, no accumulation).",
+        rich_help_panel=WORK,
+    ),
+]
+SeqLenOpt = Annotated[
+    int | None,
+    Opt(help=f"Training: tokens per sequence {spec_default('seq_len', TrainingWorkload)}.", rich_help_panel=WORK),
+]
+_PROMPT, _GENERATED = (InferenceWorkload.model_fields[k].default for k in ("prompt_tokens", "generated_tokens"))
+BatchOpt = Annotated[
+    int | None,
+    Opt(help=f"Inference: concurrent sequences {spec_default('batch', InferenceWorkload)}.", rich_help_panel=WORK),
+]
+ContextOpt = Annotated[
+    int | None,
+    Opt(
+        help=f"Inference: tokens held per sequence, all prefilled (default: a {_PROMPT}-token prompt and "
+        f"{_GENERATED} generated).",
+        rich_help_panel=WORK,
+    ),
+]
+KvDtypeOpt = Annotated[
+    str | None,
+    Opt(
+        help="Inference: KV-cache element type: fp32, bf16, fp16, fp8, int8 "
+        f"{spec_default('kv_dtype', InferenceWorkload)}.",
+        rich_help_panel=WORK,
+    ),
+]
+BlockSizeOpt = Annotated[
+    int | None,
+    Opt(
+        help="Inference: paged KV block size in tokens, as vLLM's 16 (default: none, a contiguous cache).",
+        rich_help_panel=WORK,
+    ),
+]
