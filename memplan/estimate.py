@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from memplan.costmodel.advice import Suggestion, suggest
 from memplan.costmodel.memory import estimate_memory, sdpa_kind
-from memplan.costmodel.overhead import fast_reserved_bytes
 from memplan.costmodel.params import active_params, total_params
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.report import MemoryReport, ReservedDetail
@@ -18,6 +16,9 @@ from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
 from memplan.specs.plan import Plan
 from memplan.specs.resolve import Job
 from memplan.specs.workload import TrainingWorkload
+
+if TYPE_CHECKING:  # the advice is imported when a plan does not fit (memplan estimate's cold start)
+    from memplan.costmodel.advice import Suggestion
 
 Device = Literal["cuda", "cpu"]
 
@@ -140,6 +141,8 @@ def _verified(
 def _allocator_suggestion(report: MemoryReport) -> list[Suggestion]:
     """PyTorch's expandable segments, when the default allocator's replay failed: what the same
     run reserves with them (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)."""
+    from memplan.costmodel.advice import Suggestion
+
     detail = report.peak.reserved_detail
     if detail is None or detail.expandable_reserved is None:
         return []
@@ -164,6 +167,9 @@ def estimate(
     report, fits, reason = _allocator_verdict(job, report, limit, device)
     suggestions = []
     if with_suggestions and not fits:
+        from memplan.costmodel.advice import suggest
+        from memplan.costmodel.overhead import fast_reserved_bytes
+
         # single changes are screened with the fast form, compared with the same form of this plan
         current = fast_reserved_bytes(report.peak.allocated)
         found = suggest(
