@@ -11,8 +11,9 @@ from memplan.costmodel.memory import estimate_memory, sdpa_kind
 from memplan.costmodel.params import active_params, total_params
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.report import MemoryReport, ReservedDetail
-from memplan.costmodel.reserve import peak_breakdown, plan_verdict, serving_verdict
+from memplan.costmodel.reserve import Verdict, peak_breakdown, plan_verdict, serving_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
+from memplan.costmodel.timeline.events import Timeline
 from memplan.specs.plan import Plan
 from memplan.specs.resolve import Job
 from memplan.specs.workload import TrainingWorkload
@@ -81,7 +82,7 @@ def _with_attention_kernel(plan: dict[str, Any], job: Job, device: Device) -> di
     return plan
 
 
-def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Device) -> tuple[MemoryReport, bool, str]:
+def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Device) -> tuple[MemoryReport, Verdict]:
     """The run (training: build, a first step, steady steps; serving: weights, KV cache,
     prefills) replayed through the caching allocator model decides reserved and fits. On CUDA,
     when the run is the bundled trainer's op by op (``timeline == "trainer"``), its allocated
@@ -109,7 +110,7 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
     if device == "cuda" and v.timeline == "trainer":
         update.update(allocated=v.replay.max_allocated, breakdown=peak_breakdown(v))
     peak = report.peak.model_copy(update=update)
-    return report.model_copy(update={"peak": peak}), v.fits, v.reason
+    return report.model_copy(update={"peak": peak}), v
 
 
 VERIFIED = 4  # changes that fit by the fast form, estimated again in full (one allocator replay each)
@@ -132,9 +133,9 @@ def _verified(
         workload = job.workload.model_copy(update=dict(s.workload_update))
         changed = replace(job, plan=plan, workload=workload)
         full = estimate_memory(changed.model, changed.workload, changed.plan, changed.runtime, device)
-        full, fits, _ = _allocator_verdict(changed, full, limit, device)
+        full, v = _allocator_verdict(changed, full, limit, device)
         reserved = full.peak.reserved
-        out.append((replace(s, reserved=reserved, saved=current - reserved, fits=fits), True))
+        out.append((replace(s, reserved=reserved, saved=current - reserved, fits=v.fits), True))
     return out
 
 
@@ -158,13 +159,23 @@ def estimate(
 ) -> EstimateResult:
     """Estimate one job for ``device`` (a GPU profile's CUDA, or a CPU run of the trainer);
     when it does not fit, rank single changes that would help."""
+    return estimate_with_run(job, with_suggestions, efficiency, device)[0]
+
+
+def estimate_with_run(
+    job: Job, with_suggestions: bool = True, efficiency: Efficiency | None = None, device: Device = "cuda"
+) -> tuple[EstimateResult, Timeline, str]:
+    """:func:`estimate`, with the run its allocator verdict replayed (the most-loaded rank's) and
+    which model made it (``trainer``, ``phases (...)`` or ``serving``): what ``--timeline`` draws,
+    so that the run is built once."""
     report = estimate_memory(job.model, job.workload, job.plan, job.runtime, device)
     time = None
     if isinstance(job.workload, TrainingWorkload):
         time = estimate_time(job.model, job.workload, job.plan, job.gpu, job.cluster, job.runtime, efficiency)
     capacity = job.gpu.capacity_bytes
     limit = capacity - report.overhead
-    report, fits, reason = _allocator_verdict(job, report, limit, device)
+    report, v = _allocator_verdict(job, report, limit, device)
+    fits, reason = v.fits, v.reason
     suggestions = []
     if with_suggestions and not fits:
         from memplan.costmodel.advice import suggest
@@ -191,7 +202,8 @@ def estimate(
             )
             for s, verified in ranked
         ]
-    return EstimateResult(
+    assert v.run is not None  # both verdicts keep the run they replayed
+    result = EstimateResult(
         model={
             "name": job.model.name,
             "parameters": total_params(job.model),
@@ -214,3 +226,4 @@ def estimate(
         time=time,
         warnings=list(job.warnings),
     )
+    return result, v.run, v.timeline

@@ -22,8 +22,8 @@ from memplan.cli.common import (
     warn,
 )
 from memplan.costmodel.time import Efficiency
-from memplan.estimate import EstimateResult
-from memplan.estimate import estimate as run_estimate
+from memplan.costmodel.timeline.events import Timeline
+from memplan.estimate import EstimateResult, estimate_with_run
 from memplan.specs.detect import AUTO
 from memplan.specs.hardware import GPUSpec
 from memplan.specs.resolve import Job, resolve_job
@@ -172,12 +172,12 @@ def estimate(
         nodes=nodes,
     )
     job = resolve_job(model, plan, overrides, inference=inference, default_gpu=AUTO)
-    result = run_estimate(job, efficiency=_efficiency(job.gpu) if calibration else None, device=device)
+    result, run, which = estimate_with_run(job, efficiency=_efficiency(job.gpu) if calibration else None, device=device)
     if job.gpu_note:  # --gpu auto: which GPU and why, in the header and the JSON (gpu.auto)
         result = result.model_copy(update={"gpu": {**result.gpu, "auto": job.gpu_note}})
     warn(result.warnings)  # legal but suspicious inputs, one stderr line each (also in the JSON)
     if target is not None:
-        _write_timeline(job, result, device, *target)
+        _write_timeline(job, result, run, which, *target)
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
@@ -186,13 +186,15 @@ def estimate(
             Console().print(f"timeline: {target[0]} (the predicted run of rank {result.memory.peak.rank})")
 
 
-def _write_timeline(job: Job, result: EstimateResult, device: str, path: Path, kind: str) -> None:
-    """The predicted run (the one the allocator verdict replayed) drawn or written as a snapshot."""
+def _write_timeline(job: Job, result: EstimateResult, run: Timeline, which: str, path: Path, kind: str) -> None:
+    """The predicted run (the one the allocator verdict replayed, not built again) drawn or written
+    as a snapshot."""
     from memplan.viz.output import write_panels
-    from memplan.viz.predicted import predicted_panel, predicted_track
+    from memplan.viz.predicted import predicted_panel
     from memplan.viz.snapshot import write_snapshot
+    from memplan.viz.track import replay_timeline
 
-    track, which = predicted_track(job, device)
+    track = replay_timeline(run, job.allocator)
     if kind == "pickle":
         write_snapshot(track, path)
     else:

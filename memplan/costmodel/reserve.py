@@ -191,7 +191,8 @@ def serving_verdict(
     model: ModelSpec, workload: InferenceWorkload, plan: Plan, config: AllocatorConfig, limit_bytes: int
 ) -> Verdict:
     """The most-loaded stage's serving run (weights, KV cache, prefills) replayed: see :func:`verdict`."""
-    return replace(verdict(serving_run(model, workload, plan), config, limit_bytes), timeline="serving")
+    run = serving_run(model, workload, plan)
+    return replace(verdict(run, config, limit_bytes), timeline="serving", run=run)
 
 
 def peak_breakdown(v: Verdict) -> dict[str, int]:
