@@ -1,7 +1,8 @@
 """``memplan estimate``: per-GPU memory of one configuration, and what would make it fit."""
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: typer reads the options from the annotations, and as
+# objects (built once, at import) they cost it nothing, where strings are evaluated again on every
+# run (about 7 ms of a cold estimate: benchmarks/bench_estimate.py).
 from pathlib import Path
 from typing import Annotated, Literal
 
