@@ -142,19 +142,32 @@ def main() -> None:
     _leave(run())
 
 
+# Modules whose clean-up may live in C (static destructors, the C library's atexit: CUDA, NCCL,
+# Triton's caches) or in processes and threads of their own: with any of them loaded, the normal exit.
+_NORMAL_EXIT = ("torch", "triton", "optuna", "multiprocessing", "concurrent.futures")
+
+
 def _leave(code: int) -> None:
-    """Exit with ``code``: at once (``os._exit``, after flushing stdout and stderr) when nothing is
-    registered to run at exit and no other thread runs, so that nothing is skipped but freeing memory
-    the system takes back anyway; else through the normal exit (a figure drawn with matplotlib, the
-    tuner's storage, the validator's workers register their own clean-up)."""
+    """Exit with ``code``, without the interpreter's teardown where that only frees memory: stdout and
+    stderr are flushed, the functions registered with :mod:`atexit` run (logging's flush,
+    matplotlib's figures: what a normal exit runs first), then ``os._exit``. The teardown it skips
+    frees every object one by one: ~50 ms of a cold estimate, ~0.2 s after a matplotlib figure.
+    With another thread running or one of :data:`_NORMAL_EXIT` loaded (the tuner, the validator's
+    trainer), the normal exit."""
+    _flush()
+    threading = sys.modules.get("threading")
+    alone = threading is None or threading.active_count() == 1
+    run_registered = getattr(atexit, "_run_exitfuncs", None)  # CPython's: what Py_Finalize calls
+    if alone and run_registered is not None and not any(name in sys.modules for name in _NORMAL_EXIT):
+        run_registered()
+        _flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe (``| head``) or stream: nothing more to say
             pass
-    threading = sys.modules.get("threading")
-    alone = threading is None or threading.active_count() == 1
-    registered = getattr(atexit, "_ncallbacks", None)  # CPython's count of atexit callbacks
-    if alone and registered is not None and registered() == 0:
-        os._exit(code)
-    sys.exit(code)
