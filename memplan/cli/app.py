@@ -135,6 +135,8 @@ def main() -> None:
         gc.disable()
         try:
             importlib.import_module(f"memplan.cli.{command}")
+        except Exception:  # run() imports it again and reports the failure in one line
+            pass
         finally:
             gc.freeze()
             if enabled:
