@@ -2,62 +2,126 @@
 
 Targets: a cold ``memplan estimate`` (which replays the step through the caching allocator
 model) within 1.5x the import floor of its own stack (``import typer, rich.console, pydantic,
-yaml``) and 0.3 s on a CI machine; the search's in-process fast form at >= 20,000 plan
-evaluations per second (the tuner evaluates millions; the plans it reports are replayed).
+yaml``) and 0.3 s on a CI machine; ``--timeline`` adding at most 0.5 s to it; the search's
+in-process fast form at >= 20,000 plan evaluations per second (the tuner evaluates millions;
+the plans it reports are replayed).
 
-    python benchmarks/bench_estimate.py [--runs 10] [--seconds 3]
+The floor and the estimate are started one after the other in each round, so that other work on
+a shared machine weighs on both alike; the ratio reported is the median of the rounds' ratios.
+CPU seconds (user + system of the child) are printed beside wall seconds: on a loaded machine
+they move less. A second floor, the stack with one pydantic model built and validated, shows
+what pydantic's model machinery (imported on the first model class) costs by itself.
+
+    python benchmarks/bench_estimate.py [--runs 10] [--seconds 3] [--timeline-runs 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+STACK = "import typer, rich.console, pydantic, yaml"
+# the stack, then pydantic's model machinery: one model class built and one instance validated
+PYDANTIC = STACK + "\nfrom pydantic import BaseModel\nclass A(BaseModel):\n    x: int = 1\nA(x=2)"
+ESTIMATE = ["estimate", "llama3-8b", "--gpus", "8", "--zero", "3"]
 
 
-def cold_cli_seconds(runs: int) -> list[float]:
-    """Wall time of a fresh ``memplan estimate`` process (interpreter start included)."""
+def _cli() -> list[str]:
     exe = shutil.which("memplan")
-    cmd = [exe] if exe else [sys.executable, "-m", "memplan.cli"]
-    times = []
+    return [exe] if exe else [sys.executable, "-m", "memplan.cli"]
+
+
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one fresh process running ``cmd`` (interpreter start included)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+
+
+def rounds(commands: dict[str, list[str]], runs: int) -> dict[str, list[tuple[float, float]]]:
+    """Each command once per round, in order, ``runs`` rounds."""
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for _ in range(runs):
-        start = time.perf_counter()
-        subprocess.run(
-            [*cmd, "estimate", "llama3-8b", "--gpus", "8", "--zero", "3"], check=True, stdout=subprocess.DEVNULL
-        )
-        times.append(time.perf_counter() - start)
-    return times
+        for name, cmd in commands.items():
+            out[name].append(timed(cmd))
+    return out
 
 
-def import_floor_seconds(runs: int) -> list[float]:
-    """Wall time of a fresh interpreter importing only what the CLI stands on."""
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import typer, rich.console, pydantic, yaml"], check=True)
-        times.append(time.perf_counter() - start)
-    return times
+def _median(samples: list[tuple[float, float]], i: int) -> float:
+    return statistics.median(s[i] for s in samples)
 
 
-def replay_seconds(model_name: str, **plan: object) -> float:
-    """One plan's run built and replayed through the allocator model, in-process (best of 3)."""
+def _ratio(samples: list[tuple[float, float]], floor: list[tuple[float, float]], i: int) -> float:
+    return statistics.median(s[i] / f[i] for s, f in zip(samples, floor, strict=True))
+
+
+def cold_start(runs: int) -> None:
+    """The cold estimate against the two floors, alternating in each round."""
+    got = rounds(
+        {
+            "floor": [sys.executable, "-c", STACK],
+            "estimate": [*_cli(), *ESTIMATE],
+            "pydantic": [sys.executable, "-c", PYDANTIC],
+        },
+        runs,
+    )
+    floor, cold, pyd = got["floor"], got["estimate"], got["pydantic"]
+    print(f"import floor ({STACK}): median {_median(floor, 0):.3f} s wall, {_median(floor, 1):.3f} s CPU")
+    print(
+        f"the floor with one pydantic model built: median {_median(pyd, 0):.3f} s wall "
+        f"({_ratio(pyd, floor, 0):.2f}x the floor), {_median(pyd, 1):.3f} s CPU ({_ratio(pyd, floor, 1):.2f}x)"
+    )
+    print(
+        f"cold memplan {' '.join(ESTIMATE)}: median {_median(cold, 0):.3f} s wall "
+        f"(max {max(s[0] for s in cold):.3f} s), {_median(cold, 1):.3f} s CPU over {runs} runs; "
+        f"{_ratio(cold, floor, 0):.2f}x the floor wall, "
+        f"{_ratio(cold, floor, 1):.2f}x CPU (target <= 1.5x, <= 0.3 s)"
+    )
+
+
+def timeline_cost(runs: int) -> None:
+    """What ``--timeline`` adds to the cold estimate, per format (.svg/.png only with matplotlib)."""
+    kinds = ["html", "pickle"] + (["png", "svg"] if importlib.util.find_spec("matplotlib") else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        commands = {"none": [*_cli(), *ESTIMATE]}
+        commands.update({k: [*_cli(), *ESTIMATE, "--timeline", str(Path(tmp) / f"t.{k}")] for k in kinds})
+        got = rounds(commands, runs)
+    base = got["none"]
+    for kind in kinds:
+        wall = statistics.median(s[0] - b[0] for s, b in zip(got[kind], base, strict=True))
+        cpu = statistics.median(s[1] - b[1] for s, b in zip(got[kind], base, strict=True))
+        print(f"--timeline t.{kind} adds {wall:+.3f} s wall, {cpu:+.3f} s CPU (median of {runs}; target <= 0.5 s)")
+
+
+def replay_seconds(model_name: str, **plan: object) -> tuple[float, float]:
+    """One plan's run built, and replayed through the allocator model, in-process (best of 5 each)."""
     from memplan.costmodel.allocator import AllocatorConfig
-    from memplan.costmodel.reserve import plan_verdict
+    from memplan.costmodel.reserve import plan_run, replay
     from memplan.specs.loader import load_model
     from memplan.specs.plan import Plan
     from memplan.specs.workload import TrainingWorkload
 
     model, p = load_model(model_name), Plan(**plan)
     workload = TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=p.dp)
-    best = float("inf")
-    for _ in range(3):
+    build = replayed = float("inf")
+    for _ in range(5):
         start = time.perf_counter()
-        plan_verdict(model, workload, p, "memplan", AllocatorConfig(), 80 * 2**30)
-        best = min(best, time.perf_counter() - start)
-    return best
+        run, _ = plan_run(model, workload, p, "memplan")
+        middle = time.perf_counter()
+        replay(run, AllocatorConfig(), 80 * 2**30)
+        build, replayed = min(build, middle - start), min(replayed, time.perf_counter() - middle)
+    return build, replayed
 
 
 def evaluations_per_second(seconds: float, search: bool = False) -> tuple[float, int]:
@@ -101,18 +165,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--timeline-runs", type=int, default=5)
     args = parser.parse_args()
-    floor = statistics.median(import_floor_seconds(args.runs))
-    cold = cold_cli_seconds(args.runs)
+    cold_start(args.runs)
+    if args.timeline_runs:
+        timeline_cost(args.timeline_runs)
+    for name, plan in (
+        ("llama3-8b", dict(dp=8, zero=3)),
+        ("llama3-8b", dict(dp=8, zero=3, precision="bf16-mixed")),  # the bundled trainer's op-by-op run
+        ("llama3-70b", dict(dp=64, zero=3, recompute="full")),
+    ):
+        build, replayed = replay_seconds(name, **plan)
+        print(f"one {name} run {plan}: built in {build:.3f} s, replayed in {replayed:.3f} s")
     rate, grid = evaluations_per_second(args.seconds)
     search_rate, _ = evaluations_per_second(args.seconds, search=True)
-    print(f"import floor (typer, rich.console, pydantic, yaml): median {floor:.3f} s")
-    print(
-        f"cold memplan estimate: median {statistics.median(cold):.3f} s, max {max(cold):.3f} s "
-        f"over {args.runs} runs, {statistics.median(cold) / floor:.2f}x the floor (target <= 1.5x, <= 0.3 s)"
-    )
-    for name, plan in (("llama3-8b", dict(dp=8, zero=3)), ("llama3-70b", dict(dp=64, zero=3, recompute="full"))):
-        print(f"replay of one {name} run {plan}: {replay_seconds(name, **plan):.3f} s")
     print(f"in-process: {rate:,.0f} estimate_memory reports/s over a {grid}-plan grid")
     print(f"in-process: {search_rate:,.0f} search evaluations/s (evaluate: memory + time) (target >= 20,000)")
 

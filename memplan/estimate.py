@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from memplan.costmodel.advice import Suggestion, host_suggestions, suggest
 from memplan.costmodel.host import HostMemory, host_memory
 from memplan.costmodel.memory import estimate_memory, sdpa_kind
-from memplan.costmodel.overhead import fast_reserved_bytes
 from memplan.costmodel.params import active_params, total_params
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.report import MemoryReport, ReservedDetail
-from memplan.costmodel.reserve import peak_breakdown, plan_verdict, serving_verdict
+from memplan.costmodel.reserve import Verdict, peak_breakdown, plan_verdict, serving_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
+from memplan.costmodel.timeline.events import Timeline
 from memplan.specs.plan import Plan
 from memplan.specs.resolve import Job
 from memplan.specs.workload import TrainingWorkload
+
+if TYPE_CHECKING:  # the advice is imported when a plan does not fit (memplan estimate's cold start)
+    from memplan.costmodel.advice import Suggestion
 
 Device = Literal["cuda", "cpu"]
 
@@ -82,7 +84,7 @@ def _with_attention_kernel(plan: dict[str, Any], job: Job, device: Device) -> di
     return plan
 
 
-def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Device) -> tuple[MemoryReport, bool, str]:
+def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Device) -> tuple[MemoryReport, Verdict]:
     """The run (training: build, a first step, steady steps; serving: weights, KV cache,
     prefills) replayed through the caching allocator model decides reserved and fits. On CUDA,
     when the run is the bundled trainer's op by op (``timeline == "trainer"``), its allocated
@@ -110,7 +112,7 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
     if device == "cuda" and v.timeline == "trainer":
         update.update(allocated=v.replay.max_allocated, breakdown=peak_breakdown(v))
     peak = report.peak.model_copy(update=update)
-    return report.model_copy(update={"peak": peak}), v.fits, v.reason
+    return report.model_copy(update={"peak": peak}), v
 
 
 VERIFIED = 4  # changes that fit by the fast form, estimated again in full (one allocator replay each)
@@ -133,15 +135,17 @@ def _verified(
         workload = job.workload.model_copy(update=dict(s.workload_update))
         changed = replace(job, plan=plan, workload=workload)
         full = estimate_memory(changed.model, changed.workload, changed.plan, changed.runtime, device)
-        full, fits, _ = _allocator_verdict(changed, full, limit, device)
+        full, v = _allocator_verdict(changed, full, limit, device)
         reserved = full.peak.reserved
-        out.append((replace(s, reserved=reserved, saved=current - reserved, fits=fits), True))
+        out.append((replace(s, reserved=reserved, saved=current - reserved, fits=v.fits), True))
     return out
 
 
 def _allocator_suggestion(report: MemoryReport) -> list[Suggestion]:
     """PyTorch's expandable segments, when the default allocator's replay failed: what the same
     run reserves with them (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)."""
+    from memplan.costmodel.advice import Suggestion
+
     detail = report.peak.reserved_detail
     if detail is None or detail.expandable_reserved is None:
         return []
@@ -164,13 +168,28 @@ def estimate(
     when it does not fit, rank single changes that would help. With ``host_memory_bytes`` (per
     node; ``host_source`` says where it comes from) a training plan whose offloaded bytes exceed
     it does not fit either (``costmodel.host``)."""
+    return estimate_with_run(job, with_suggestions, efficiency, device, host_memory_bytes, host_source)[0]
+
+
+def estimate_with_run(
+    job: Job,
+    with_suggestions: bool = True,
+    efficiency: Efficiency | None = None,
+    device: Device = "cuda",
+    host_memory_bytes: int | None = None,
+    host_source: str = "",
+) -> tuple[EstimateResult, Timeline, str]:
+    """:func:`estimate`, with the run its allocator verdict replayed (the most-loaded rank's) and
+    which model made it (``trainer``, ``phases (...)`` or ``serving``): what ``--timeline`` draws,
+    so that the run is built once."""
     report = estimate_memory(job.model, job.workload, job.plan, job.runtime, device)
     time = None
     if isinstance(job.workload, TrainingWorkload):
         time = estimate_time(job.model, job.workload, job.plan, job.gpu, job.cluster, job.runtime, efficiency)
     capacity = job.gpu.capacity_bytes
     limit = capacity - report.overhead
-    report, fits, reason = _allocator_verdict(job, report, limit, device)
+    report, v = _allocator_verdict(job, report, limit, device)
+    fits, reason = v.fits, v.reason
     host = None
     if isinstance(job.workload, TrainingWorkload):
         ranks = min(job.cluster.gpus_per_node, job.plan.world_size)
@@ -180,6 +199,8 @@ def estimate(
         # the device fits and the host does not: what moves the host's share to NVMe or back to the GPU
         fits, reason = False, host.reason()
         if with_suggestions:
+            from memplan.costmodel.advice import host_suggestions
+
             found = host_suggestions(
                 job.model, job.workload, job.plan, job.runtime, limit, report.peak.reserved, ranks,
                 host.available_bytes or 0, device,
@@ -189,6 +210,9 @@ def estimate(
                 for s in found
             ]
     elif with_suggestions and not fits:
+        from memplan.costmodel.advice import suggest
+        from memplan.costmodel.overhead import fast_reserved_bytes
+
         # single changes are screened with the fast form, compared with the same form of this plan
         current = fast_reserved_bytes(report.peak.allocated)
         found = suggest(
@@ -210,7 +234,8 @@ def estimate(
             )
             for s, verified in ranked
         ]
-    return EstimateResult(
+    assert v.run is not None  # both verdicts keep the run they replayed
+    result = EstimateResult(
         model={
             "name": job.model.name,
             "parameters": total_params(job.model),
@@ -234,3 +259,4 @@ def estimate(
         warnings=list(job.warnings),
         host=host,
     )
+    return result, v.run, v.timeline

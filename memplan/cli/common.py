@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -112,6 +111,8 @@ def output_path(given: str | Path | None, field: str, inputs: tuple[str | Path |
             with path.open("a"):
                 pass
         else:
+            import tempfile  # only for an output path, off the estimate path's imports
+
             with tempfile.NamedTemporaryFile(dir=parent, prefix=".memplan-probe-"):
                 pass
     except OSError as exc:

@@ -1,7 +1,8 @@
 """``memplan estimate``: per-GPU memory of one configuration, and what would make it fit."""
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: typer reads the options from the annotations, and as
+# objects (built once, at import) they cost it nothing, where strings are evaluated again on every
+# run (about 7 ms of a cold estimate: benchmarks/bench_estimate.py).
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -51,8 +52,8 @@ from memplan.cli.options import (
 from memplan.costmodel.optimizer import paged_residency
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.time import Efficiency
-from memplan.estimate import EstimateResult
-from memplan.estimate import estimate as run_estimate
+from memplan.costmodel.timeline.events import Timeline
+from memplan.estimate import EstimateResult, estimate_with_run
 from memplan.specs.detect import AUTO
 from memplan.specs.hardware import GPUSpec
 from memplan.specs.resolve import TRAINING_PLAN_FIELDS, Job, resolve_job
@@ -222,7 +223,7 @@ def estimate(
     )
     job = resolve_job(model, plan, overrides, inference=inference, default_gpu=AUTO)
     host_bytes, host_source = host_memory_bytes(host_memory, job.gpu_note)
-    result = run_estimate(
+    result, run, which = estimate_with_run(
         job,
         efficiency=_efficiency(job.gpu) if calibration else None,
         device=device,
@@ -235,7 +236,7 @@ def estimate(
         result = result.model_copy(update={"gpu": {**result.gpu, "auto": job.gpu_note}})
     warn(result.warnings)  # legal but suspicious inputs, one stderr line each (also in the JSON)
     if target is not None:
-        _write_timeline(job, result, device, *target)
+        _write_timeline(job, result, run, which, *target)
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
@@ -264,13 +265,15 @@ def weights_dtype(precision: str) -> str:
     return "fp16" if precision.startswith("fp16") else "bf16"
 
 
-def _write_timeline(job: Job, result: EstimateResult, device: str, path: Path, kind: str) -> None:
-    """The predicted run (the one the allocator verdict replayed) drawn or written as a snapshot."""
+def _write_timeline(job: Job, result: EstimateResult, run: Timeline, which: str, path: Path, kind: str) -> None:
+    """The predicted run (the one the allocator verdict replayed, not built again) drawn or written
+    as a snapshot."""
     from memplan.viz.output import write_panels
-    from memplan.viz.predicted import predicted_panel, predicted_track
+    from memplan.viz.predicted import predicted_panel
     from memplan.viz.snapshot import write_snapshot
+    from memplan.viz.track import replay_timeline
 
-    track, which = predicted_track(job, device)
+    track = replay_timeline(run, job.allocator)
     if kind == "pickle":
         write_snapshot(track, path)
     else:

@@ -16,7 +16,7 @@ from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAl
 from memplan.costmodel.memory import serving_run, stage_moments
 from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline
 from memplan.costmodel.timeline.step import build_run
-from memplan.costmodel.timeline.trainer import supported, trainer_run
+from memplan.costmodel.timeline.support import supported
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
@@ -65,21 +65,20 @@ def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | No
     # (or at the end), not after every allocation that raises the peak.
     at_peak, peak_event, high, pending = alloc.stats(), -1, 0, False
     malloc, free, streams = alloc.malloc, alloc.free, STREAM_IDS
-    for i, e in enumerate(timeline.events):
-        if e.op == ALLOC:
+    compute = Stream.COMPUTE
+    for i, (op, tensor, size, category, stream, tag) in enumerate(timeline.events):
+        if op == ALLOC:
             try:
-                blocks[e.tensor] = malloc(e.size, streams[e.stream])
+                blocks[tensor] = malloc(size, 0 if stream is compute else streams[stream])
             except AllocatorOOM as oom:
-                failure = Failure(
-                    e.size, str(e.category), e.tag, e.stream.value, oom.reserved, oom.allocated, oom.cached_free
-                )
+                failure = Failure(size, str(category), tag, stream.value, oom.reserved, oom.allocated, oom.cached_free)
                 break
             if alloc.allocated > high:
                 high, peak_event, pending = alloc.allocated, i, True
-        elif e.op == FREE:
+        elif op == FREE:
             if pending:
                 at_peak, pending = alloc.stats(), False
-            free(blocks.pop(e.tensor))
+            free(blocks.pop(tensor))
     if pending:
         at_peak = alloc.stats()
     final = alloc.stats()
@@ -177,6 +176,8 @@ def plan_run(
     if runtime == "memplan":
         why = supported(model, workload, plan)
         if why is None:
+            from memplan.costmodel.timeline.trainer import trainer_run  # its op-by-op model: only when it applies
+
             run = trainer_run(model, workload, plan)
             if run is not None:
                 return run, "trainer"
@@ -190,7 +191,8 @@ def serving_verdict(
     model: ModelSpec, workload: InferenceWorkload, plan: Plan, config: AllocatorConfig, limit_bytes: int
 ) -> Verdict:
     """The most-loaded stage's serving run (weights, KV cache, prefills) replayed: see :func:`verdict`."""
-    return replace(verdict(serving_run(model, workload, plan), config, limit_bytes), timeline="serving")
+    run = serving_run(model, workload, plan)
+    return replace(verdict(run, config, limit_bytes), timeline="serving", run=run)
 
 
 def peak_breakdown(v: Verdict) -> dict[str, int]:

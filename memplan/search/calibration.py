@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -30,8 +28,10 @@ from memplan.errors import MemplanError
 KEEP = 20  # runs kept per profile and kind
 
 
+# defer_build: ``memplan estimate`` reads the calibration on every run and most users have none;
+# the validators are built when a file is read or written, not when this module is imported
 class ProfileCalibration(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     step_time_ratios: tuple[float, ...] = Field((), description="Measured / predicted step time, oldest first.")
     peak_ratios: tuple[float, ...] = Field((), description="Measured / predicted peak allocated, oldest first.")
@@ -39,15 +39,21 @@ class ProfileCalibration(BaseModel):
 
     @property
     def step_time_ratio(self) -> float | None:
-        return statistics.median(self.step_time_ratios) if self.step_time_ratios else None
+        return _median(self.step_time_ratios)
 
     @property
     def peak_ratio(self) -> float | None:
-        return statistics.median(self.peak_ratios) if self.peak_ratios else None
+        return _median(self.peak_ratios)
+
+
+def _median(ratios: Sequence[float]) -> float | None:
+    import statistics  # not at import: the estimate path reads a calibration, most often none
+
+    return statistics.median(ratios) if ratios else None
 
 
 class Calibration(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     version: Literal[1] = 1
     profiles: dict[str, ProfileCalibration] = Field(default_factory=dict)
@@ -65,7 +71,7 @@ def load_calibration(path: Path) -> Calibration:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        return Calibration()
+        return Calibration.model_construct()  # the empty calibration (its defaults: nothing to validate)
     except OSError as err:
         raise MemplanError(f"cannot read calibration ({err.__class__.__name__})", source=str(path)) from None
     try:
@@ -92,6 +98,8 @@ def with_runs(
 
 def save_calibration(cal: Calibration, path: Path) -> None:
     """Write atomically (a temporary file renamed over the old one)."""
+    import tempfile
+
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".calibration-", delete=False) as tmp:
         tmp.write(cal.model_dump_json(indent=2))

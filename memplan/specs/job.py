@@ -19,7 +19,8 @@ AllocatorName = Literal["default", "expandable"]
 class PlanFile(BaseModel):
     """A plan YAML: every section optional; command-line flags override it field by field."""
 
-    model_config = ConfigDict(extra="forbid")
+    # defer_build: validators built when a plan file is first read, not on every estimate's import
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     model: str | None = Field(None, description="Model profile name or path (informational for estimate).")
     gpu: str | None = Field(None, description="GPU profile name or path.")

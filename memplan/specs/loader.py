@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+import memplan.profiles
 from memplan.errors import MemplanError
 from memplan.specs.hardware import GPUSpec
 from memplan.specs.hf import READERS, hf_architecture, hf_key, hf_model_fields, is_hf_config
@@ -30,7 +30,9 @@ _FIELD_PREFIX = re.compile(r"^(?P<field>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Z
 
 
 def _profiles_dir(kind: str) -> Path:
-    return Path(str(resources.files("memplan.profiles") / kind))
+    # the package's folder, as importlib.resources.files would give it (without importing
+    # importlib.resources and zipfile on the estimate path); the profiles are plain files
+    return Path(next(iter(memplan.profiles.__path__))) / kind
 
 
 def profile_names(kind: str) -> list[str]:
@@ -94,8 +96,8 @@ def describe_value(value: object) -> str:
     return f"{kind} ({short(repr(value), 40)})" if isinstance(value, str | int | float) else kind
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one
+class _UniqueKeys:
+    """A PyYAML safe loader refusing a key given twice in one mapping (PyYAML keeps the last one
     silently; YAML 1.2 says keys are unique). Merge keys (``<<``) still override as YAML says."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -115,6 +117,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+class _UniqueKeyLoader(_UniqueKeys, yaml.SafeLoader):
+    """For users' files: the pure-Python parser's messages say best what is wrong where."""
+
+
+# For the bundled profiles (known to parse): libyaml's parser where PyYAML was built with it,
+# several times faster on the estimate path; its error messages differ, which no user sees here
+_BundledLoader = type("_BundledLoader", (_UniqueKeys, getattr(yaml, "CSafeLoader", yaml.SafeLoader)), {})
+
+
 class _DuplicateKey(Exception):
     pass
 
@@ -129,9 +140,10 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
-def read_data(path: Path) -> Any:
+def read_data(path: Path, bundled: bool = False) -> Any:
     """Parse a YAML or JSON file; a missing, binary, malformed file, or one that gives a key twice,
-    is a MemplanError (the file named, cut to a readable length)."""
+    is a MemplanError (the file named, cut to a readable length). ``bundled``: one of memplan's
+    profiles, parsed with libyaml when PyYAML has it."""
     source = short(path)
     try:
         raw = path.read_bytes()
@@ -157,7 +169,7 @@ def read_data(path: Path) -> Any:
     try:
         if path.suffix == ".json":
             return json.loads(text, object_pairs_hook=_json_object)
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_BundledLoader if bundled else _UniqueKeyLoader)  # noqa: S506 - safe loaders
     except _DuplicateKey as exc:
         raise MemplanError(str(exc), source=source) from None
     except json.JSONDecodeError as exc:
@@ -221,7 +233,7 @@ def load_model(ref: str) -> ModelSpec:
         return model_from_data(read_data(path), short(path), name)
     profile = _profiles_dir("models") / f"{ref}.yaml"
     if "/" not in ref and _is(profile, "exists"):
-        return model_from_data(read_data(profile), ref, ref)
+        return model_from_data(read_data(profile, bundled=True), ref, ref)
     raise MemplanError(
         f"no such file or bundled model profile (bundled: {', '.join(profile_names('models'))})", source=short(ref)
     )
@@ -229,11 +241,11 @@ def load_model(ref: str) -> ModelSpec:
 
 def load_gpu(ref: str) -> GPUSpec:
     """A GPU from a bundled profile name or a YAML file."""
-    path = Path(ref)
+    path, bundled = Path(ref), False
     if not (path.suffix in (".yaml", ".yml", ".json") or _is(path, "exists")):
-        path = _profiles_dir("gpus") / f"{ref.lower()}.yaml"
+        path, bundled = _profiles_dir("gpus") / f"{ref.lower()}.yaml", True
         if "/" in ref or not _is(path, "exists"):
             # no source: the caller knows whether the name came from --gpu or a plan file
-            bundled = ", ".join(profile_names("gpus"))
-            raise MemplanError(f"unknown GPU {short(repr(ref), 60)} (bundled: {bundled})") from None
-    return validate(GPUSpec, read_data(path), short(path))
+            names = ", ".join(profile_names("gpus"))
+            raise MemplanError(f"unknown GPU {short(repr(ref), 60)} (bundled: {names})") from None
+    return validate(GPUSpec, read_data(path, bundled), short(path))

@@ -28,7 +28,8 @@ class TrainingWorkload(BaseModel):
 class InferenceWorkload(BaseModel):
     """Serving a batch: a prompt prefilled, then tokens generated with a KV cache."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # defer_build: validators built at the first inference estimate, not when a training one imports this
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     kind: Literal["inference"] = "inference"
     batch: StrictInt = Field(1, gt=0, le=1_000_000, description="Concurrent sequences.")

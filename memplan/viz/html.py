@@ -27,8 +27,18 @@ def _ticks(top: float) -> list[int]:
     return [int(i * step * 2**30) for i in range(count + 1)]
 
 
-def _xy(panel: Panel, sx: float, sy: float, xs: list[int], ys: list[int]) -> str:
-    return " ".join(f"{LEFT + x * sx:.1f},{H - BOTTOM - y * sy:.1f}" for x, y in zip(xs, ys, strict=True))
+def _xs(sx: float, xs: list[int]) -> list[str]:
+    """Event indices as SVG x coordinates (formatted once per panel: every polygon shares them)."""
+    return [f"{LEFT + x * sx:.1f}" for x in xs]
+
+
+def _ys(sy: float, ys: list[int]) -> list[str]:
+    """Bytes as SVG y coordinates."""
+    return [f"{H - BOTTOM - y * sy:.1f}" for y in ys]
+
+
+def _points(xs: list[str], ys: list[str]) -> str:
+    return " ".join(f"{x},{y}" for x, y in zip(xs, ys, strict=True))
 
 
 def _svg(panel: Panel, k: int) -> str:
@@ -40,18 +50,23 @@ def _svg(panel: Panel, k: int) -> str:
                      f'fill="{PHASE_BANDS.get(span.name, "#ffffff")}"><title>{span.name}</title></rect>')  # fmt: skip
         if x1 - x0 > 40:
             parts.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{TOP + 12}" class="phase">{span.name}</text>')
+    # each stack's top is the next one's base: coordinates are formatted once and reused
+    xs = _xs(sx, panel.x)
+    back = xs[::-1]
     base = [0] * len(panel.x)
+    base_ys = _ys(sy, base)
     for i, cat in enumerate(panel.categories):
         top = [b + v for b, v in zip(base, panel.stacks[cat], strict=True)]
-        points = _xy(panel, sx, sy, panel.x, top) + " " + _xy(panel, sx, sy, panel.x[::-1], base[::-1])
+        top_ys = _ys(sy, top)
+        points = _points(xs, top_ys) + " " + _points(back, base_ys[::-1])
         parts.append(f'<polygon points="{points}" fill="{color(cat, i)}" stroke="none"><title>{nice(cat)}</title>'
                      "</polygon>")  # fmt: skip
-        base = top
-    cached = _xy(panel, sx, sy, panel.x, panel.reserved) + " " + _xy(panel, sx, sy, panel.x[::-1], base[::-1])
+        base, base_ys = top, top_ys
+    reserved = _points(xs, _ys(sy, panel.reserved))
+    cached = reserved + " " + _points(back, base_ys[::-1])
     parts.append(f'<polygon points="{cached}" fill="{CACHED_FREE}" opacity="0.7"><title>cached but free</title>'
                  "</polygon>")  # fmt: skip
-    parts.append(f'<polyline points="{_xy(panel, sx, sy, panel.x, panel.reserved)}" fill="none" '
-                 f'stroke="{RESERVED}" stroke-width="1.2"/>')  # fmt: skip
+    parts.append(f'<polyline points="{reserved}" fill="none" stroke="{RESERVED}" stroke-width="1.2"/>')
     if panel.limit:
         y = H - BOTTOM - panel.limit * sy
         parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" stroke="{LIMIT}" '

@@ -56,13 +56,16 @@ def write_job_timeline(job, path: Path, kind: Kind, device: str = "cuda", title:
     """The predicted run of ``job``'s most-loaded rank (the one its allocator verdict replays), drawn to
     ``path`` or written as a snapshot: what ``estimate --timeline`` writes, for a plan ``tune``
     recommends or a ``check`` entry."""
-    from memplan.estimate import estimate as run_estimate
     from memplan.viz.predicted import predicted_panel, predicted_track
     from memplan.viz.snapshot import write_snapshot
+    from memplan.viz.track import replay_timeline
 
-    track, which = predicted_track(job, device)
     if kind == "pickle":
-        write_snapshot(track, path)
+        write_snapshot(predicted_track(job, device)[0], path)
         return
-    overhead = run_estimate(job, with_suggestions=False, device=device).memory.overhead
-    write_panels([predicted_panel(track, job, which, overhead, title=title)], path, kind)
+    # a picture shows the limit, which needs the estimate's overhead: its verdict's run is the one drawn
+    from memplan.estimate import estimate_with_run
+
+    result, run, which = estimate_with_run(job, with_suggestions=False, device=device)
+    track = replay_timeline(run, job.allocator)
+    write_panels([predicted_panel(track, job, which, result.memory.overhead, title=title)], path, kind)

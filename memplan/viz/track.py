@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from memplan.costmodel.allocator import AllocatorConfig, CachingAllocator
 from memplan.costmodel.reserve import STREAM_IDS  # the streams' numbers, as the verdict's replay uses them
-from memplan.costmodel.timeline.events import ALLOC, MARK, Category, Moment, Timeline
+from memplan.costmodel.timeline.events import ALLOC, MARK, Category, Moment, Stream, Timeline
 
 SEGMENT_GROW = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 
@@ -95,19 +95,19 @@ def replay_timeline(timeline: Timeline, config: AllocatorConfig) -> Track:
     streams, addrs, reserved, phases = t.stream, t.addr, t.reserved, t.phase
     malloc, free = alloc.malloc, alloc.free
     blocks = {}  # tensor -> Block
-    seen = 0
-    for e, phase in zip(timeline.events, timeline_phases(timeline), strict=True):
-        if e.op == MARK:
-            track.marks.append((len(ops), e.tag))
+    seen, compute = 0, Stream.COMPUTE
+    for (op, tensor, request, category, on, tag), phase in zip(timeline.events, timeline_phases(timeline), strict=True):
+        if op == MARK:
+            track.marks.append((len(ops), tag))
             continue
-        stream = STREAM_IDS[e.stream]
-        if e.op == ALLOC:
-            block = blocks[e.tensor] = malloc(e.size, stream)
+        stream = 0 if on is compute else STREAM_IDS[on]
+        if op == ALLOC:
+            block = blocks[tensor] = malloc(request, stream)
             ops.append(1)
             sizes.append(block.size)
             addrs.append(block.addr)
         else:
-            block = blocks.pop(e.tensor)
+            block = blocks.pop(tensor)
             ops.append(-1)
             sizes.append(block.size)  # read before the pool may reuse the object
             addrs.append(block.addr)
@@ -116,10 +116,10 @@ def replay_timeline(timeline: Timeline, config: AllocatorConfig) -> Track:
             for action, _segment, seg_addr, seg_size, seg_stream in history[seen:]:
                 track.segment_events.append((len(ops) - 1, action, seg_addr, seg_size, seg_stream))
             seen = len(history)
-        tensors.append(e.tensor)
-        requests.append(e.size)
-        cats.append(e.category.value if e.category is not None else "")
-        labels.append(e.tag)
+        tensors.append(tensor)
+        requests.append(request)
+        cats.append(category._value_ if category is not None else "")  # the plain str, as a snapshot holds it
+        labels.append(tag)
         streams.append(stream)
         reserved.append(alloc.reserved)
         phases.append(phase)

@@ -134,3 +134,110 @@ def test_pynvml_is_imported_only_for_gpu_auto(tmp_path):
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         assert result["code"] == 0, result["err"]
         assert (result["gpu"], result["pynvml"]) == (gpu, imported), args
+
+
+# what a plan that fits, replayed from the phase model's moments, leaves unimported or unbuilt
+LAZY = (
+    "memplan.costmodel.advice",  # only when the plan does not fit
+    "memplan.costmodel.timeline.trainer",  # the bundled trainer's op-by-op run: only where it applies
+    "memplan.costmodel.timeline.trainer_model",
+    "memplan.costmodel.timeline.autograd",
+    "memplan.costmodel.timeline.fsdp",
+    "memplan.viz",
+)
+FITTING_SCRIPT = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    import memplan.cli.app
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = memplan.cli.app.run(["estimate", "llama3-8b", "--gpus", "8", "--zero", "3", "--format", "json"])
+    result = json.loads(out.getvalue())
+    from memplan.search.calibration import Calibration, ProfileCalibration
+    from memplan.specs.workload import InferenceWorkload
+    print(json.dumps({
+        "code": code, "err": err.getvalue(), "fits": result["fits"],
+        "timeline": result["memory"]["peak"]["reserved_detail"]["timeline"],
+        "loaded": sorted(m for m in LAZY if m in sys.modules),
+        "built": sorted(c.__name__ for c in (Calibration, ProfileCalibration, InferenceWorkload)
+                        if c.__pydantic_complete__),
+    }))
+    """
+).replace("LAZY", repr(LAZY))
+
+
+def test_a_fitting_estimate_imports_and_builds_only_what_it_needs(tmp_path):
+    """The cold start of ``memplan estimate`` (benchmarks/bench_estimate.py): a plan that fits needs
+    no advice, a plan the trainer's run does not model needs none of its modules, and with no
+    calibration file (and a training workload) neither the calibration's nor the inference
+    workload's validators are built."""
+    env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
+    env["MEMPLAN_HOME"] = str(tmp_path)  # no calibration.json there
+    proc = subprocess.run([sys.executable, "-c", FITTING_SCRIPT], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["code"] == 0, result["err"]
+    assert result["fits"] and result["timeline"].startswith("phases")  # the case this test is about
+    assert result["loaded"] == [], f"imported without need: {result['loaded']}"
+    assert result["built"] == [], f"validators built without need: {result['built']}"
+
+
+def test_timeline_draws_the_run_the_estimate_replayed(tmp_path, monkeypatch, capsys):
+    """``--timeline`` is handed the run the allocator verdict replayed: the run is built once, and
+    it is the one :func:`memplan.viz.predicted.predicted_run` describes."""
+    from memplan.cli.app import run
+    from memplan.costmodel import reserve
+    from memplan.estimate import estimate_with_run
+    from memplan.specs.resolve import resolve_job
+    from memplan.viz.predicted import predicted_run
+
+    real, calls = reserve.plan_run, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reserve, "plan_run", counted)
+    for suffix in (".html", ".pickle"):
+        calls.clear()
+        out = tmp_path / f"t{suffix}"
+        args = ["estimate", "llama3-8b", "--gpus", "8", "--zero", "3", "--gpu", "h100-sxm", "--timeline", str(out)]
+        assert run(args) == 0, capsys.readouterr().err
+        assert calls == ["llama3-8b"], (suffix, calls)
+        assert out.stat().st_size > 0
+    for flags, inference in (({"gpus": 8, "zero": 3}, False), ({"batch": 4, "context": 4096}, True)):
+        job = resolve_job("llama3-8b", None, {**flags, "gpu": "h100-sxm"}, inference=inference)
+        _, run_, which = estimate_with_run(job, with_suggestions=False)
+        expected, expected_which = predicted_run(job)
+        assert (run_.events, which) == (expected.events, expected_which)
+
+
+LEAVE_SCRIPT = textwrap.dedent(
+    """
+    import atexit, sys
+    import memplan.cli.app
+    if sys.argv[1] == "register":
+        atexit.register(lambda: print("clean-up ran"))
+    sys.argv = ["memplan", "estimate", "llama3-8b", "--gpus", "8", "--zero", "3", "--format", "json", *sys.argv[2:]]
+    memplan.cli.app.main()
+    """
+)
+
+
+def test_the_process_leaves_with_its_output_and_its_exit_code():
+    """``main`` skips the interpreter's teardown only when nothing is registered to run at exit:
+    the output is whole and the exit code kept either way, and registered clean-up still runs."""
+    env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
+    for mode in ("plain", "register"):
+        proc = subprocess.run([sys.executable, "-c", LEAVE_SCRIPT, mode], capture_output=True, text=True, env=env,
+                              timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout
+        if mode == "register":
+            assert out.endswith("clean-up ran\n")
+            out = out.removesuffix("clean-up ran\n")
+        assert json.loads(out)["fits"] is True
+        bad = subprocess.run([sys.executable, "-c", LEAVE_SCRIPT, mode, "--tp", "3"], capture_output=True, text=True,
+                             env=env, timeout=60)  # fmt: skip
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "tp x pp x cp = 3" in bad.stderr, bad.stderr
+        assert bad.stdout == ("clean-up ran\n" if mode == "register" else "")

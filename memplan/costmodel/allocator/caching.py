@@ -12,12 +12,13 @@ asked of ``segment_address`` (a replay takes them from the trace, as the driver 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 
-from memplan.costmodel.allocator.config import AllocatorConfig, kRoundLarge, kSmallSize
+from memplan.costmodel.allocator.config import AllocatorConfig, kMinBlockSize, kRoundLarge, kSmallSize
 from memplan.costmodel.allocator.expandable import ExpandableSegment, ExpandableSegments
 from memplan.costmodel.allocator.pool import Block, BlockPool, merge_into, splice_after
-from memplan.costmodel.allocator.sizing import fits_oversize_rules, get_allocation_size, round_size, should_split
+from memplan.costmodel.allocator.sizing import get_allocation_size, round_size
 from memplan.costmodel.allocator.stats import AllocatorOOM, AllocatorStats
 from memplan.errors import MemplanError
 
@@ -66,6 +67,18 @@ class CachingAllocator(ExpandableSegments):
         self.reserved_by_stream: dict[int, int] = {}
         # (action, segment id, addr, size, stream) of each segment event, as a trace records them
         self.history: list[tuple[str, int, int, int, int]] | None = [] if record_history else None
+        self._settings_of: AllocatorConfig | None = None  # the config the figures below were read from
+        self._settings()
+
+    def _settings(self) -> None:
+        """What ``malloc`` reads of the config on every call, read once: a run requests the same few
+        hundred sizes thousands of times, so each size's rounding, pool and segment size are kept
+        (``_sizes``: size -> (rounded, small pool?, allocation size)). Read again if ``config`` is replaced."""
+        config = self._settings_of = self.config
+        self._sizes: dict[int, tuple[int, bool, int]] = {}
+        self._max_split = config.max_split_bytes
+        self._non_split_rounding = config.non_split_rounding_bytes
+        self._gc = self._allowed is not None and config.garbage_collection_threshold > 0
 
     # --- malloc ------------------------------------------------------------------------------
 
@@ -74,12 +87,17 @@ class CachingAllocator(ExpandableSegments):
         if size <= 0:
             raise ValueError(f"malloc of {size} B: PyTorch never calls the allocator for empty tensors")
         config = self.config
-        rounded = round_size(size, config)
-        pool = self._pools[rounded <= kSmallSize]
-        alloc_size = get_allocation_size(rounded, config)
+        if config is not self._settings_of:
+            self._settings()
+        sizes = self._sizes.get(size)
+        if sizes is None:
+            rounded = round_size(size, config)
+            sizes = self._sizes[size] = (rounded, rounded <= kSmallSize, get_allocation_size(rounded, config))
+        rounded, small, alloc_size = sizes
+        pool = self._pools[small]
         block = self._get_free_block(pool, stream, rounded)
         if block is None:
-            if self._allowed is not None and config.garbage_collection_threshold > 0:
+            if self._gc:
                 self._garbage_collect_cached_blocks()
             block = self._alloc_block(pool, stream, rounded, alloc_size)
             if block is None and self._release_available_cached_blocks(pool, stream, rounded):
@@ -91,17 +109,24 @@ class CachingAllocator(ExpandableSegments):
             raise AllocatorOOM(
                 requested=size, alloc_size=alloc_size, stream=stream, stats=self.stats(), capacity=self.capacity_bytes
             )
-        return self._alloc_found_block(block, rounded, size, should_split(block.size, rounded, pool.small, config))
+        # should_split (sizing.py), inlined: this runs for every request of a replay
+        remaining = block.size - rounded
+        if small or config.expandable_segments:
+            split = remaining >= kMinBlockSize
+        else:
+            split = rounded < self._max_split and remaining > kSmallSize
+        return self._alloc_found_block(block, rounded, size, split)
 
     def _get_free_block(self, pool: BlockPool, stream: int, size: int) -> Block | None:
         """``get_free_block``: the smallest cached block of this stream with >= size bytes, within the
         ``max_split_size`` rules; for expandable blocks, the smallest counting the unmapped space after it."""
-        if self._allowed is not None and self.config.garbage_collection_threshold > 0:
+        if self._gc:
             pool.get_free_blocks_call_count += 1
-        keys, blocks = pool.keys, pool.blocks
-        i = pool.lower_bound(stream, size)
+        keys = pool.keys
+        i = bisect_left(keys, (stream, size))  # pool.lower_bound
         if i == len(keys) or keys[i][0] != stream:
             return None
+        blocks = pool.blocks
         if blocks[i].expandable:
             if self.config.expandable_segments:
                 j = i + 1
@@ -119,7 +144,12 @@ class CachingAllocator(ExpandableSegments):
                 if i == len(keys) or keys[i][0] != stream:
                     return None
         block = blocks[i]
-        if not fits_oversize_rules(block.size, size, self.config):
+        # fits_oversize_rules (sizing.py), inlined
+        max_split = self._max_split
+        if size < max_split:
+            if block.size >= max_split:
+                return None
+        elif block.size >= size + self._non_split_rounding:
             return None
         del keys[i], blocks[i]
         pool.free_bytes -= block.size
@@ -177,6 +207,9 @@ class CachingAllocator(ExpandableSegments):
             raise ValueError(f"block at {block.addr:#x} is not allocated")
         block.allocated = False
         self.allocated -= block.size
+        if pending_streams == ():  # the common case: used on its own stream only
+            self._free_block(block)
+            return
         streams = set(pending_streams) - {block.stream}
         if not streams:
             self._free_block(block)
@@ -207,8 +240,10 @@ class CachingAllocator(ExpandableSegments):
     def _free_block(self, block: Block) -> None:
         """``free_block``: merge with free neighbours of the segment and cache it in its pool."""
         pool = self._pools[block.small]
-        merge_into(block, block.prev, pool)
-        merge_into(block, block.next, pool)
+        if block.prev is not None:
+            merge_into(block, block.prev, pool)
+        if block.next is not None:
+            merge_into(block, block.next, pool)
         pool.insert(block)
 
     # --- giving memory back ------------------------------------------------------------------

@@ -31,6 +31,7 @@ from itertools import count
 from memplan.costmodel.timeline.events import Builder, Category, Stream
 
 FIRST = 1 << 62  # AccumulateGrad's sequence number: it runs as soon as it is ready
+_ACTIVATIONS = Category.ACTIVATIONS
 MiB = 2**20
 REDUCE_WORKSPACE_CAP = 132 * MiB  # largest staging buffer of a (b, s, h) -> (h,) sum in the traces
 
@@ -125,10 +126,10 @@ class Tape:
     # --- storage -------------------------------------------------------------------------------
     def new(self, numel: int, itemsize: int, tag: str, category: Category | None = None, stream=Stream.COMPUTE):
         """A fresh tensor held by the caller (Python's reference)."""
-        tag = f"{self.scope}.{tag}" if self.scope else tag
-        t = Tensor(
-            numel, itemsize, Storage(self.b.alloc(numel * itemsize, category or Category.ACTIVATIONS, tag, stream))
-        )
+        scope = self.scope
+        if scope:
+            tag = f"{scope}.{tag}"
+        t = Tensor(numel, itemsize, Storage(self.b.alloc(numel * itemsize, category or _ACTIVATIONS, tag, stream)))
         if self._recompute is not None:
             self._pyrefs.append(t)
         return t
@@ -152,11 +153,14 @@ class Tape:
         return t
 
     def drop(self, t: Tensor | None) -> None:
-        if t is None or t.st.managed:
+        if t is None:
             return
-        t.st.refs -= 1
-        if t.st.refs == 0:
-            self.b.free(t.st.tid)
+        st = t.st
+        if st.managed:
+            return
+        st.refs -= 1
+        if st.refs == 0:
+            self.b.free(st.tid)
 
     def done(self, *tensors: Tensor | None) -> None:
         """Python lets go of these tensors (a local rebound, a temporary consumed)."""
@@ -279,7 +283,7 @@ class Tape:
                 self.scope = node.scope
             saved = [node.region.storage.pop(k) for k in node.saved]
             self._apply_saved = saved
-        if all(g is None for g in grads):
+        if grads.count(None) == len(grads):  # no gradient flows in
             outs = [None] * len(node.nexts)
         else:
             outs = node.apply(self, node, grads, saved)

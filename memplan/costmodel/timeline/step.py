@@ -44,14 +44,16 @@ class Granularity:
 
 def pieces(total: int, pattern: Sequence[int]) -> list[int]:
     """``total`` bytes cut into tensors by cycling ``pattern`` (the remainder is the last)."""
+    if total <= 0:
+        return []
     sizes = [p for p in pattern if p > 0] or [total]
-    out: list[int] = []
-    left, i = total, 0
-    while left > 0:
-        size = min(sizes[i % len(sizes)], left)
-        out.append(size)
+    cycles, left = divmod(total, sum(sizes))
+    out = sizes * cycles  # whole passes over the pattern, then its start while bytes are left
+    for size in sizes:
+        if left <= 0:
+            break
+        out.append(min(size, left))
         left -= size
-        i += 1
     return out
 
 
@@ -110,11 +112,12 @@ class _Run:
 
     def free_to(self, cat: Category, target: int) -> None:
         """Free the newest tensors of ``cat`` until at most ``target`` bytes are live."""
-        tensors = self.by_cat[cat]
-        while tensors and self.totals[cat] > target:
+        tensors, live, free = self.by_cat[cat], self.totals[cat], self.b.free
+        while tensors and live > target:
             tensor, size = tensors.pop()
-            self.totals[cat] -= size
-            self.b.free(tensor)
+            live -= size
+            free(tensor)
+        self.totals[cat] = live
 
     def alloc_to(self, cat: Category, target: int, limit: int | None = None) -> None:
         """Allocate tensors of ``cat`` until ``target`` bytes are live (at most ``limit`` now)."""
@@ -123,10 +126,9 @@ class _Run:
             need = min(need, limit)
         if need <= 0:
             return
-        stream = self.stream(cat)
+        stream, tag, alloc, live = self.stream(cat), cat.value, self.b.alloc, self.by_cat[cat]
         for size in pieces(need, self.pattern(cat, target)):
-            tensor = self.b.alloc(size, cat, cat.value, stream)
-            self.by_cat[cat].append((tensor, size))
+            live.append((alloc(size, cat, tag, stream), size))
         self.totals[cat] += need
 
     def reach(self, target: dict[str, int], moment: str, order: Sequence[Category] = tuple(Category)) -> None:
