@@ -73,6 +73,13 @@ def saved_module_params(model: ModelSpec, modules_to_save: tuple[str, ...]) -> d
     return {name: v * h for name in modules_to_save if name in SAVABLE}
 
 
+def trainable_params(model: ModelSpec, targets: tuple[str, ...], rank: int, modules_to_save: tuple[str, ...]) -> int:
+    """Parameters a LoRA / QLoRA step trains, whole model: every decoder layer's adapters and the
+    ``modules_to_save`` copies (PEFT's ``print_trainable_parameters``); the base stays frozen."""
+    adapters = model.num_layers * layer_adapter_params(model, targets, rank)
+    return adapters + sum(saved_module_params(model, modules_to_save).values())
+
+
 @dataclass(frozen=True, slots=True)
 class LoraLayer:
     """What one decoder layer keeps for its backward under LoRA, for one micro-batch:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memplan.costmodel import lora as L
 from memplan.costmodel import params as P
 from memplan.costmodel.activations import layer_matmul_widths
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
@@ -494,7 +495,9 @@ STAGE_FIELDS = (
 its helpers; not dp, ZeRO, offload, the schedule or the global batch (tests/unit/test_time.py
 checks it by recording what the function reads)."""
 _stage_fields = attrgetter(*STAGE_FIELDS)
-OPTIMIZER_FIELDS = ("zero", "pp", "tp", "offload_optimizer", "precision")
+OPTIMIZER_FIELDS = (
+    "zero", "pp", "tp", "offload_optimizer", "precision", "finetune", "lora_targets", "lora_rank", "modules_to_save",
+)  # fmt: skip
 """What :func:`_optimizer` reads of the plan (besides the data-parallel size and the AdamW kind)."""
 _optimizer_fields = attrgetter(*OPTIMIZER_FIELDS)
 
@@ -758,7 +761,10 @@ def _data_parallel(
     if n <= 1:
         # one rank: no collective, but offloaded parameters still cross PCIe (ZeRO-3 on one GPU)
         return {"param_offload": _params_pcie_s(plan, policy, m, stage_params, pcie_bytes_per_s)}
-    grads = stage_params * policy.grad_bytes
+    # only trained parameters have gradients to reduce; ZeRO-3 gathers frozen ones too
+    grads = (stage_params if plan.finetune == "full" else trained_params(model, plan) / plan.pp / plan.tp) * (
+        policy.grad_bytes
+    )
     gathered = stage_params * min(policy.param_bytes, policy.compute_bytes)
     if plan.precision == "fp8" and plan.fp8_all_gather:  # torchao gathers the layers' linear weights in fp8
         linear = sum(i * o for i, o in layer_matmul_widths(model)) * model.num_layers / plan.pp / plan.tp
@@ -780,6 +786,14 @@ def _data_parallel(
     # its own key: the optimizer step's PCIe term is "offload" (_optimizer)
     out["param_offload"] = _params_pcie_s(plan, policy, m, stage_params / n, pcie_bytes_per_s)
     return out
+
+
+def trained_params(model: ModelSpec, plan: Plan) -> int:
+    """Parameters with gradients and optimizer states: all of them in full training, the adapters
+    and ``modules_to_save`` copies under LoRA / QLoRA (``lora.trainable_params``)."""
+    if plan.finetune == "full":
+        return P.total_params(model)
+    return L.trainable_params(model, plan.lora_targets, plan.lora_rank, plan.modules_to_save)
 
 
 def _params_pcie_s(plan: Plan, policy, m: int, shard_params: float, pcie_bytes_per_s: float) -> float:  # noqa: ANN001
@@ -831,11 +845,12 @@ def _optimizer(
     eff: Efficiency,
     foreach: bool = False,
 ) -> dict[str, float]:
-    """The optimizer step on the params this rank updates: memory-bound on the GPU
-    (:func:`adam_bytes_per_param`, fused or ``foreach``), or on the host (CPU Adam) with
-    gradients down and parameters up over PCIe."""
+    """The optimizer step on the params this rank updates (:func:`trained_params`: under LoRA the
+    adapters and saved modules only): memory-bound on the GPU (:func:`adam_bytes_per_param`,
+    fused or ``foreach``), or on the host (CPU Adam) with gradients down and parameters up over
+    PCIe."""
     shards = n if plan.zero >= 1 else 1
-    owned = P.total_params(model) / plan.pp / plan.tp / shards
+    owned = trained_params(model, plan) / plan.pp / plan.tp / shards
     if plan.offload_optimizer != "none":
         pcie = owned * (policy.grad_bytes + policy.param_bytes) / gpu.pcie_bytes_per_s
         return {"optimizer": owned / eff.host_adam_params_per_s, "offload": pcie}
