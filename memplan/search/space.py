@@ -24,7 +24,7 @@ World size = dp x tp x pp x cp, every GPU used. One plan per combination of:
   ``OffloadActivations``, ``hf-loop`` with ``save_on_cpu``): the saved activations kept in pinned
   host memory, paid for by the time model's PCIe term (``time.activation_offload_s``);
 - ``recompute``: none, selective, selective-op, full;
-- ``precision``: the allowed ones (default bf16-mixed only);
+- ``precision``: the allowed ones (default: the plan's default, bf16-master, only);
 - ``quant`` (fine-tuning only): the base weights' format, fixed unless ``--allow-quantization``
   offers the others (none, int8, nf4 for LoRA; nf4, fp4, int8 for QLoRA).
 
@@ -94,7 +94,7 @@ class SpaceOptions(BaseModel):
     )
     micro_batch: int | None = Field(None, gt=0, description="A fixed micro-batch; None: searched.")
     max_micro_batch: int = Field(16, gt=0, description="Largest micro-batch tried.")
-    precisions: tuple[PrecisionName, ...] = ("bf16-mixed",)
+    precisions: tuple[PrecisionName, ...] = ("bf16-master",)  # Plan's default, as every command's
     allow_offload: bool = False
     max_cp: int | None = Field(None, gt=0, description=f"None: {CP_MAX} from seq_len {CP_FROM_SEQ_LEN} up, else 1.")
     sequence_parallel: bool = True

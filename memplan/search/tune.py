@@ -31,13 +31,13 @@ from memplan.search.validation import Outcome, detect_gpus, run_spec, validate_p
 from memplan.specs.workload import TrainingWorkload
 
 CLI = "command line"
-# the speed of the two searches, measured on a 2-core machine (docs/tune.md): evaluate() predicts
-# 4,000-5,200 plans/s (llama3-8b on 8 GPUs, llama3-70b on 64, mixtral-8x7b on 16; estimate_time
-# dominates), kept low here; a study trial (multivariate TPE, SQLite) takes ~32 ms (300 trials of
-# llama3-8b on 8 GPUs: 9.6 s)
-PLANS_PER_S = 2_500
+# the speed of the two searches, measured on a 2-core machine (docs/tune.md, docs/accuracy.md):
+# evaluate() predicts 10,000-15,000 plans/s of the spaces tune searches with its memos (llama3-8b
+# on 8 GPUs, llama3-70b on 64, llama3.1-405b on 512; 2026-11-24, the cores shared), kept low here;
+# a study trial (multivariate TPE, SQLite) takes ~32 ms (300 trials of llama3-8b on 8 GPUs: 9.6 s)
+PLANS_PER_S = 8_000
 TRIAL_S = 0.03
-MAX_EXHAUSTIVE = 100_000  # ~40 s at PLANS_PER_S
+MAX_EXHAUSTIVE = 100_000  # ~12 s at PLANS_PER_S
 
 
 def study_name(req: TuneRequest) -> str:
