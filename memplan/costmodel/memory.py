@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Literal
 
 from memplan.costmodel import activations as A
+from memplan.costmodel import inference as I
 from memplan.costmodel import lora as L
 from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
@@ -28,6 +29,7 @@ from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, state_byte
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
 from memplan.costmodel.quant import quantized_weight_bytes
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
+from memplan.costmodel.report import Prefill as PrefillReport
 from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
 from memplan.costmodel.timeline.events import Moment, Timeline
 from memplan.costmodel.timeline.step import Granularity, build_serving_run, pieces
@@ -1115,8 +1117,10 @@ def kv_cache_bytes(
 
 
 def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan) -> MemoryReport:
-    """Serving memory: weights in the compute dtype, the KV cache for the whole context, and
-    the prefill's working set (one layer's temporaries for the prompt, last-token logits)."""
+    """Serving memory: weights in the compute dtype, the KV cache for the whole context, and the
+    prefill forward's working set at its highest moment (``inference.prefill_peak``: one layer's
+    tensors and the forward-wide ones for the prompts, or for one chunk with ``prefill_chunk``;
+    the last stage's last-token logits)."""
     if plan.offload_activations != "none":
         raise MemplanError(
             "activation offload moves what a training step saves for its backward; serving saves nothing: "
@@ -1131,18 +1135,17 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
         weights = layout.params * (1 if policy.fp8_matmuls else policy.compute_bytes)
         indices = tuple(stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage))
         kv = kv_cache_bytes(model, workload, layout.layers, plan.tp, indices)
-        d, t = policy.compute_bytes, plan.tp
-        tokens = workload.batch * workload.prompt_tokens
-        ffn = model.moe.expert_ffn_size if model.moe else model.ffn_size
-        work = tokens * d * (2 * model.hidden_size + (2 * model.q_size + 2 * model.kv_size + 3 * ffn) // t)
-        if layout.is_last:
-            work += workload.batch * 4 * model.vocab_size // t
+        prefill = I.prefill_peak(
+            model, workload, policy.compute_bytes, plan.tp, KV_BYTES[workload.kv_dtype], indices, layout.is_last
+        )
+        work = prefill.bytes
         allocated = weights + kv + work
         stage_peaks[stage] = allocated
         if best is None or allocated > best[0]:
-            best = (allocated, stage, weights, kv, work)
+            best = (allocated, stage, weights, kv, work, prefill)
     assert best is not None
-    allocated, stage, weights, kv, work = best
+    allocated, stage, weights, kv, work, prefill = best
+    x = prefill.forward
     overhead = O.fixed_overhead_bytes(O.communicators(1, plan.tp, plan.pp, 1, plan.ep))
     return MemoryReport.model_construct(
         model_states=ModelStates.model_construct(parameters=weights, gradients=0, optimizer_states=0),
@@ -1162,6 +1165,15 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
         stage_peaks=stage_peaks,
         overhead=overhead,
         gradient_accumulation=1,
+        prefill=PrefillReport.model_construct(
+            tokens=x.tokens,
+            chunk=workload.prefill_chunk,
+            chunked=x.chunked,
+            rows=x.rows,
+            queries=x.queries,
+            keys=x.keys,
+            moment=prefill.moment,
+        ),
     )
 
 
@@ -1193,7 +1205,7 @@ def serving_run(model: ModelSpec, workload: InferenceWorkload, plan: Plan) -> Ti
     weights = pieces(report.model_states.parameters, [n * element for n in layer if n])
     kv = report.kv_cache // max(2 * layout.layers, 1)
     kv_tensors = [kv] * (2 * layout.layers) if kv else []
-    tokens, d, t = workload.batch * workload.prompt_tokens, policy.compute_bytes, plan.tp
+    tokens, d, t = I.prefill_forward(workload).tokens, policy.compute_bytes, plan.tp
     ffn = model.moe.expert_ffn_size if model.moe else model.ffn_size
     wide = [model.hidden_size, model.hidden_size, model.q_size // t, model.kv_size // t, model.kv_size // t]
     wide += [model.q_size // t, ffn // t, ffn // t, ffn // t]

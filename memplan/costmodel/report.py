@@ -29,6 +29,22 @@ class Activations(_Frozen):
     total: int
 
 
+class Prefill(_Frozen):
+    """Serving: the prefill forward whose working set is ``MemoryReport.activations`` (the tensors
+    of one layer at its highest ``moment`` and those kept for the whole forward, beyond weights and
+    KV cache: ``costmodel/inference.py``). ``tokens`` per forward: batch x prompt, or the chunk
+    (``prefill_chunk``); ``queries`` per sequence attend to ``keys`` cached tokens; ``chunked``: a
+    prompt takes more than one forward."""
+
+    tokens: int
+    chunk: int | None
+    chunked: bool
+    rows: int
+    queries: int
+    keys: int
+    moment: Literal["mlp", "attention", "cache growth", "logits"]
+
+
 class ReservedDetail(_Frozen):
     """The caching allocator's state at the allocated peak of its replay of the run (what was
     cached but free there is the fragmentation the peak paid for). ``timeline_allocated`` is
@@ -90,3 +106,4 @@ class MemoryReport(_Frozen):
     stage_peaks: dict[int, int]  # allocated peak of each pipeline stage examined
     overhead: int  # fixed bytes outside the allocator (context, NCCL, workspaces)
     gradient_accumulation: int
+    prefill: Prefill | None = None  # serving only: the prefill forward the activations are of
