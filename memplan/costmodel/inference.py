@@ -101,34 +101,49 @@ def forward_wide_bytes(model: ModelSpec, x: PrefillForward, d: int) -> int:
     return 2 * x.queries * model.head_size * d + 8 * x.queries + mask
 
 
-def mlp_moment(model: ModelSpec, x: PrefillForward, d: int, t: int, ffn: int, stream: int = 4) -> int:
-    """The MLP of a layer after the first: ``stream`` hidden-wide tensors (4: embeddings, layer
-    input, residual, norm output) and a gated MLP's three f-wide ones (act(gate), up, product;
-    a plain MLP's two), f split by TP."""
-    wide = 3 if model.mlp == "gated" else 2
-    return x.tokens * d * (stream * model.hidden_size + wide * ffn // t)
+def stream(model: ModelSpec, moment: Moment, first: bool) -> int:
+    """Hidden-wide tensors alive in a layer: the embedding output the model keeps, the layer's input,
+    and at the MLP the residual after attention; a pre-norm (or sandwich) layer also holds the norm's
+    output its attention or MLP reads, a post-norm one (OLMo 2) reads the stream itself. In the first
+    layer the input is the embedding output (Gemma's scaled copy of it)."""
+    held = {"attention": 2, "cache growth": 2, "mlp": 3}[moment] + (model.layer_norms != "post")
+    return held - first
 
 
-def attention_moment(model: ModelSpec, x: PrefillForward, d: int, t: int) -> int:
-    """At SDPA: the stream (3 h), RoPE'd queries and the output (2 q / t), the fp32 log-sum-exp per
-    head; a chunk over a contiguous cache adds the masked path's copies (module docstring)."""
+def mlp_moment(model: ModelSpec, x: PrefillForward, d: int, t: int, ffn: int, first: bool = False) -> int:
+    """At the MLP's product: the stream (:func:`stream`) and a gated MLP's act(gate), up and product
+    (3 f; with one gate_up matrix, Phi-3, its 2 f output stays beside act and product: 4 f), a plain
+    MLP's up and act (2 f); f split by TP."""
+    wide = (4 if model.fused_gate_up else 3) if model.mlp == "gated" else 2
+    return x.tokens * d * (stream(model, "mlp", first) * model.hidden_size + wide * ffn // t)
+
+
+def attention_moment(model: ModelSpec, x: PrefillForward, d: int, t: int, first: bool = False) -> int:
+    """At SDPA: the stream, RoPE'd queries and the output (2 q / t), the fp32 log-sum-exp per head;
+    with one qkv matrix (Phi-3) its output, which q, k and v are views of (q + 2 kv); a chunk over a
+    contiguous cache adds the masked path's copies (module docstring)."""
     q = model.q_size // t
     heads = max(model.num_attention_heads // t, 1)
-    held = x.tokens * (d * (3 * model.hidden_size + 2 * q) + 4 * heads)
+    fused = q + 2 * kv_per_rank(model, t) if model.fused_qkv else 0
+    held = x.tokens * (d * (stream(model, "attention", first) * model.hidden_size + 2 * q + fused) + 4 * heads)
     if x.chunked and not x.paged:
         repeated = 2 * x.rows * x.keys * q if model.kv_heads < model.num_attention_heads else 0
         held += d * (repeated + x.rows * x.queries * x.keys)
     return held
 
 
-def cache_growth_moment(model: ModelSpec, x: PrefillForward, d: int, t: int, kv_bytes: int) -> int:
-    """``DynamicLayer.update`` concatenating a chunk onto a contiguous cache's prefix: the stream
-    (3 h), the RoPE'd queries, the chunk's keys and values, and the layer's old values (keys - queries
-    tokens) beside the new ones. Zero for a paged cache or a single forward."""
+def cache_growth_moment(
+    model: ModelSpec, x: PrefillForward, d: int, t: int, kv_bytes: int, first: bool = False
+) -> int:
+    """``DynamicLayer.update`` concatenating a chunk onto a contiguous cache's prefix: the stream,
+    the RoPE'd queries, the chunk's keys and values (with one qkv matrix, its whole output instead
+    of the values), and the layer's old values (keys - queries tokens) beside the new ones. Zero for
+    a paged cache or a single forward."""
     if not x.chunked or x.paged:
         return 0
-    kv = kv_per_rank(model, t)
-    held = x.tokens * d * (3 * model.hidden_size + model.q_size // t + 2 * kv)
+    q, kv = model.q_size // t, kv_per_rank(model, t)
+    chunk = q + 2 * kv + (q + 2 * kv if model.fused_qkv else 0) - (kv if model.fused_qkv else 0)
+    held = x.tokens * d * (stream(model, "cache growth", first) * model.hidden_size + chunk)
     return held + x.rows * (x.keys - x.queries) * kv * kv_bytes
 
 
@@ -152,12 +167,12 @@ def prefill_peak(
     docstring). ``d``: bytes of the compute dtype; ``kv_bytes``: of the cache's element."""
     x = prefill_forward(workload)
     ffn = max((_mlp_width(model, i) for i in indices), default=0)
-    stream = 4 if len(indices) > 1 else 3  # the first layer's input is the embedding output itself
+    first = len(indices) == 1  # a stage of one layer: its input is the embedding output
     wide = forward_wide_bytes(model, x, d) if indices else 0  # freed when the model's forward returns
     moments: dict[Moment, int] = {
-        "mlp": mlp_moment(model, x, d, t, ffn, stream) + wide if indices else 0,
-        "attention": attention_moment(model, x, d, t) + wide if indices else 0,
-        "cache growth": cache_growth_moment(model, x, d, t, kv_bytes) + wide if indices else 0,
+        "mlp": mlp_moment(model, x, d, t, ffn, first) + wide if indices else 0,
+        "attention": attention_moment(model, x, d, t, first) + wide if indices else 0,
+        "cache growth": cache_growth_moment(model, x, d, t, kv_bytes, first) + wide if indices else 0,
         "logits": logits_moment(model, x, d, t) if is_last else 0,
     }
     moment = max(moments, key=lambda k: moments[k])
