@@ -132,9 +132,7 @@ def attention_moment(model: ModelSpec, x: PrefillForward, d: int, t: int, first:
     return held
 
 
-def cache_growth_moment(
-    model: ModelSpec, x: PrefillForward, d: int, t: int, kv_bytes: int, first: bool = False
-) -> int:
+def cache_growth_moment(model: ModelSpec, x: PrefillForward, d: int, t: int, kv_bytes: int, first: bool = False) -> int:
     """``DynamicLayer.update`` concatenating a chunk onto a contiguous cache's prefix: the stream,
     the RoPE'd queries, the chunk's keys and values (with one qkv matrix, its whole output instead
     of the values), and the layer's old values (keys - queries tokens) beside the new ones. Zero for
