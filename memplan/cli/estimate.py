@@ -225,10 +225,13 @@ def _gib(n: int) -> str:
 
 def _prefill_setting(result: EstimateResult) -> str:
     """The header line of a serving estimate: how the prompts are prefilled, and vLLM's default."""
-    p = result.memory.prefill
+    p, plan = result.memory.prefill, result.plan
     assert p is not None
-    if p.chunked:
-        return f"prefill: chunks of {p.chunk:,} tokens across the batch (--prefill-chunk), {p.tokens:,} per forward"
+    if p.tokens < plan["batch"] * plan["prompt_tokens"]:
+        return (
+            f"prefill: chunks of {plan['prefill_chunk']:,} tokens across the batch (--prefill-chunk), "
+            f"{p.tokens:,} per forward"
+        )
     default = vllm_default_chunk(result.gpu["capacity_bytes"], result.gpu["name"])
     return (
         f"prefill: every prompt in one forward, {p.tokens:,} tokens (transformers' generate; vLLM V1 chunks "

@@ -1167,8 +1167,6 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
         gradient_accumulation=1,
         prefill=PrefillReport.model_construct(
             tokens=x.tokens,
-            chunk=workload.prefill_chunk,
-            chunked=x.chunked,
             rows=x.rows,
             queries=x.queries,
             keys=x.keys,

@@ -33,12 +33,10 @@ class Prefill(_Frozen):
     """Serving: the prefill forward whose working set is ``MemoryReport.activations`` (the tensors
     of one layer at its highest ``moment`` and those kept for the whole forward, beyond weights and
     KV cache: ``costmodel/inference.py``). ``tokens`` per forward: batch x prompt, or the chunk
-    (``prefill_chunk``); ``queries`` per sequence attend to ``keys`` cached tokens; ``chunked``: a
-    prompt takes more than one forward."""
+    (``prefill_chunk``: chunked when fewer than batch x prompt); ``queries`` per sequence attend to
+    ``keys`` cached tokens."""
 
     tokens: int
-    chunk: int | None
-    chunked: bool
     rows: int
     queries: int
     keys: int

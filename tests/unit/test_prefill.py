@@ -45,7 +45,7 @@ def test_whole_prompt_is_one_layers_mlp_not_the_sum_of_every_tensor():
     tokens, d = 8 * 32768, 2
     assert report.activations.total == tokens * d * (4 * 8192 + 3 * 28672) + 2 * 32768 * 128 * d + 8 * 32768
     assert report.activations.total / GiB == pytest.approx(58.02, abs=0.01)
-    assert report.prefill is not None and report.prefill.moment == "mlp" and report.prefill.chunk is None
+    assert report.prefill is not None and report.prefill.moment == "mlp" and report.prefill.tokens == tokens
     assert report.activations.per_layer == report.activations.total  # one forward's working set, not per layer
 
 
@@ -107,9 +107,10 @@ def test_json_carries_the_setting_and_the_forward(capsys):
     d = json.loads(out)
     assert d["plan"]["prefill_chunk"] == 2048
     prefill = d["memory"]["prefill"]
-    assert (prefill["tokens"], prefill["chunk"], prefill["chunked"], prefill["moment"]) == (2048, 2048, True, "mlp")
+    assert (prefill["tokens"], prefill["rows"], prefill["keys"], prefill["moment"]) == (2048, 4, 8192, "mlp")
     code, out, _ = _run(capsys, *SERVE, "--format", "json")
-    assert json.loads(out)["plan"]["prefill_chunk"] is None and json.loads(out)["memory"]["prefill"]["chunk"] is None
+    d = json.loads(out)
+    assert d["plan"]["prefill_chunk"] is None and d["memory"]["prefill"]["tokens"] == 4 * 8192
 
 
 def test_table_names_prefill_activations(capsys):
