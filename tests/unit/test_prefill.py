@@ -165,3 +165,16 @@ def test_bad_chunk_in_a_plan_file_is_one_line(capsys, tmp_path):
     plan.write_text(yaml.safe_dump({"workload": {"kind": "training", "prefill_chunk": 2048}}))
     code, _, err = _run(capsys, "estimate", "llama3-8b", "--plan", plan)
     assert code == 2 and err.count("\n") == 1 and "workload.prefill_chunk" in err, err
+
+
+def test_advice_offers_chunked_prefill(capsys):
+    """A serving estimate that does not fit because of the whole batch's prefill is told about
+    chunked prefill, estimated in full (36 GiB of activations for 10 x 32k prompts on llama3-8b)."""
+    code, out, _ = _run(capsys, *SERVE[:6], "10", "--context", "32768", "--format", "json")
+    d = json.loads(out)
+    assert code == 0 and not d["fits"]
+    chunked = [s for s in d["suggestions"] if s["change"].startswith("chunked prefill, 8192 tokens")]
+    assert chunked and chunked[0]["fits"] and chunked[0]["verified"]
+    assert chunked[0]["saved_bytes"] > 30 * GiB
+    code, out, _ = _run(capsys, *SERVE[:6], "10", "--context", "32768", "--prefill-chunk", "8192", "--format", "json")
+    assert not [s for s in json.loads(out)["suggestions"] if s["change"].startswith("chunked prefill")]
