@@ -228,9 +228,15 @@ def _prefill_setting(result: EstimateResult) -> str:
     p, plan = result.memory.prefill, result.plan
     assert p is not None
     if p.tokens < plan["batch"] * plan["prompt_tokens"]:
+        cache = (
+            "a paged KV cache (vLLM)"
+            if plan["block_size"]
+            else "a contiguous KV cache (transformers' DynamicCache, whose chunks copy the cached prefix; "
+            "--block-size 16 for vLLM's paged one)"
+        )
         return (
             f"prefill: chunks of {plan['prefill_chunk']:,} tokens across the batch (--prefill-chunk), "
-            f"{p.tokens:,} per forward"
+            f"{p.tokens:,} per forward, over {cache}"
         )
     default = vllm_default_chunk(result.gpu["capacity_bytes"], result.gpu["name"])
     return (

@@ -124,6 +124,9 @@ def test_table_names_prefill_activations(capsys):
     code, out, _ = _run(capsys, *SERVE, "--prefill-chunk", "2048")
     text = " ".join(out.split())
     assert "prefill: chunks of 2,048 tokens across the batch (--prefill-chunk)" in text
+    assert "over a contiguous KV cache (transformers' DynamicCache" in text
+    code, out, _ = _run(capsys, *SERVE, "--prefill-chunk", "2048", "--block-size", "16")
+    assert "over a paged KV cache (vLLM)" in " ".join(out.split())
     assert "one prefill forward over 2,048 tokens" in text
 
 
