@@ -6,10 +6,12 @@ moments of one layer (transformers 5.23 ``LlamaDecoderLayer`` / ``LlamaAttention
 under ``torch.no_grad``, measured on CPU to the byte: tests/accuracy/test_prefill.py):
 
 - the MLP: the residual stream (the embedding output the model keeps as ``inputs_embeds``, the
-  layer's input, the residual after attention, the post-attention norm's output: 4 h), and a
-  gated MLP's ``act(gate)``, ``up`` and their product (3 f; a plain MLP's ``up`` and ``act``: 2 f);
+  layer's input, the residual after attention, the post-attention norm's output: 4 h; 3 h for a
+  post-norm layer, OLMo 2), and a gated MLP's ``act(gate)``, ``up`` and their product (3 f; 4 f
+  when one gate_up matrix's output stays beside them, Phi-3; a plain MLP's ``up`` and ``act``: 2 f);
 - attention: the stream (3 h), the RoPE'd queries and the attention output (2 q) and the fp32
-  log-sum-exp (4 bytes x heads); the chunk's keys and values become the cache;
+  log-sum-exp (4 bytes x heads), with one qkv matrix (Phi-3) its whole output, which q, k and v
+  are views of; a whole prompt's keys and values become the cache;
 - the cache's growth (a contiguous cache only, chunks after the first): transformers'
   ``DynamicLayer.update`` concatenates the chunk onto the cached prefix, so for a moment one
   layer holds its old keys (or values) beside the new ones;
@@ -32,8 +34,9 @@ chunk while the KV cache stays whole. A chunk's queries attend to their whole ca
   holds no scores. Measured on CPU; on CUDA the memory-efficient kernel takes the mask (not
   measured).
 
-Not modelled: MLA's expansion of the cached latent over the prefix, sliding-window layers'
-shorter prefixes (the whole prompt is taken), the MoE routing tensors (an MoE layer's MLP is
+Not modelled: MLA's expansion of the cached latent over the prefix, sliding-window layers (a
+chunk attends to ``window - 1 + chunk`` keys, not the whole prompt that is taken; a whole prompt
+reaching the window is masked, with the same copies), the MoE routing tensors (an MoE layer's MLP is
 counted as 3 x the expert width over every token, an upper bound), RMSNorm's fp32 temporaries
 (smaller than the MLP's for f >= h).
 """
