@@ -3,7 +3,7 @@
 A prefill forward over ``T`` tokens holds, besides the weights and the KV cache, the tensors of
 the layer it is in and a few that live for the whole forward. Its peak is the largest of four
 moments of one layer (transformers 5.23 ``LlamaDecoderLayer`` / ``LlamaAttention`` / ``LlamaMLP``
-under ``torch.no_grad``, measured on CPU to the byte: tests/accuracy/test_prefill.py):
+under ``torch.no_grad``, measured on CPU to the byte: tests/accuracy/test_prefill_accuracy.py):
 
 - the MLP: the residual stream (the embedding output the model keeps as ``inputs_embeds``, the
   layer's input, the residual after attention, the post-attention norm's output: 4 h; 3 h for a
@@ -34,9 +34,11 @@ chunk while the KV cache stays whole. A chunk's queries attend to their whole ca
   holds no scores. Measured on CPU; on CUDA the memory-efficient kernel takes the mask (not
   measured).
 
-Not modelled: MLA's expansion of the cached latent over the prefix, sliding-window layers (a
-chunk attends to ``window - 1 + chunk`` keys, not the whole prompt that is taken; a whole prompt
-reaching the window is masked, with the same copies), the MoE routing tensors (an MoE layer's MLP is
+A sliding-window or chunked layer of a contiguous cache attends to ``window - 1 + chunk`` keys
+per chunk, and a whole prompt that reaches its window is masked too (:func:`layer_keys`).
+
+Not modelled: MLA's expansion of the cached latent over the prefix, Gemma 3's RoPE table per
+attention kind (measured -1% to -2%), the MoE routing tensors (an MoE layer's MLP is
 counted as 3 x the expert width over every token, an upper bound), RMSNorm's fp32 temporaries
 (smaller than the MLP's for f >= h).
 """
@@ -96,12 +98,29 @@ def kv_per_rank(model: ModelSpec, t: int) -> int:
     return max(model.kv_heads // t, 1) * model.head_size
 
 
+def layer_keys(model: ModelSpec, x: PrefillForward, index: int) -> tuple[int, bool]:
+    """(keys a query of layer ``index`` attends to, whether transformers masks its attention). A
+    sliding-window or chunked layer of a contiguous cache (``DynamicSlidingWindowLayer``) returns
+    its last ``window - 1`` cached tokens with the chunk; its mask is explicit once the keys reach
+    the window (``masking_utils``), a full layer's once the queries are a chunk of the keys."""
+    window = model.attention_window(index)
+    if window is None or x.paged:
+        return x.keys, x.chunked and not x.paged
+    if not x.chunked:
+        return x.keys, x.keys >= window
+    return min(x.keys, window - 1 + x.queries), True
+
+
 def forward_wide_bytes(model: ModelSpec, x: PrefillForward, d: int) -> int:
     """Tensors the model keeps for the whole forward: RoPE's cos and sin (1, queries, head_dim) in
-    the compute dtype, ``cache_position`` (int64 per query), and for a chunk of a contiguous cache
-    the boolean (queries x keys) mask."""
-    mask = x.queries * x.keys if x.chunked and not x.paged else 0
-    return 2 * x.queries * model.head_size * d + 8 * x.queries + mask
+    the compute dtype, ``cache_position`` (int64 per query), and each attention kind's boolean
+    (queries x keys) mask where transformers builds one (:func:`layer_keys`)."""
+    masks = {}
+    for i in range(model.num_layers):
+        keys, masked = layer_keys(model, x, i)
+        if masked:
+            masks[model.attention_kind(i)] = x.queries * keys
+    return 2 * x.queries * model.head_size * d + 8 * x.queries + sum(masks.values())
 
 
 def stream(model: ModelSpec, moment: Moment, first: bool) -> int:
@@ -121,31 +140,36 @@ def mlp_moment(model: ModelSpec, x: PrefillForward, d: int, t: int, ffn: int, fi
     return x.tokens * d * (stream(model, "mlp", first) * model.hidden_size + wide * ffn // t)
 
 
-def attention_moment(model: ModelSpec, x: PrefillForward, d: int, t: int, first: bool = False) -> int:
-    """At SDPA: the stream, RoPE'd queries and the output (2 q / t), the fp32 log-sum-exp per head;
-    with one qkv matrix (Phi-3) its output, which q, k and v are views of (q + 2 kv); a chunk over a
-    contiguous cache adds the masked path's copies (module docstring)."""
+def attention_moment(model: ModelSpec, x: PrefillForward, d: int, t: int, first: bool = False, index: int = 0) -> int:
+    """At SDPA in layer ``index``: the stream, RoPE'd queries and the output (2 q / t), the fp32
+    log-sum-exp per head; with one qkv matrix (Phi-3) its output, which q, k and v are views of
+    (q + 2 kv); a masked layer (:func:`layer_keys`) adds the masked path's copies (module docstring)."""
     q = model.q_size // t
     heads = max(model.num_attention_heads // t, 1)
     fused = q + 2 * kv_per_rank(model, t) if model.fused_qkv else 0
     held = x.tokens * (d * (stream(model, "attention", first) * model.hidden_size + 2 * q + fused) + 4 * heads)
-    if x.chunked and not x.paged:
-        repeated = 2 * x.rows * x.keys * q if model.kv_heads < model.num_attention_heads else 0
-        held += d * (repeated + x.rows * x.queries * x.keys)
+    keys, masked = layer_keys(model, x, index)
+    if masked:
+        repeated = 2 * x.rows * keys * q if model.kv_heads < model.num_attention_heads else 0
+        held += d * (repeated + x.rows * x.queries * keys)
     return held
 
 
-def cache_growth_moment(model: ModelSpec, x: PrefillForward, d: int, t: int, kv_bytes: int, first: bool = False) -> int:
-    """``DynamicLayer.update`` concatenating a chunk onto a contiguous cache's prefix: the stream,
-    the RoPE'd queries, the chunk's keys and values (with one qkv matrix, its whole output instead
-    of the values), and the layer's old values (keys - queries tokens) beside the new ones. Zero for
-    a paged cache or a single forward."""
+def cache_growth_moment(
+    model: ModelSpec, x: PrefillForward, d: int, t: int, kv_bytes: int, first: bool = False, index: int = 0
+) -> int:
+    """``DynamicLayer.update`` concatenating a chunk onto a contiguous cache's prefix in layer
+    ``index``: the stream, the RoPE'd queries, the chunk's keys and values (with one qkv matrix, its
+    whole output instead of the values), and the layer's old values beside the new ones: the
+    prefix (keys - queries tokens), or for a windowed layer the storage of its previous
+    concatenation (at most window - 1 + queries). Zero for a paged cache or a single forward."""
     if not x.chunked or x.paged:
         return 0
     q, kv = model.q_size // t, kv_per_rank(model, t)
     chunk = q + 2 * kv + (q + 2 * kv if model.fused_qkv else 0) - (kv if model.fused_qkv else 0)
     held = x.tokens * d * (stream(model, "cache growth", first) * model.hidden_size + chunk)
-    return held + x.rows * (x.keys - x.queries) * kv * kv_bytes
+    old = min(x.keys - x.queries, layer_keys(model, x, index)[0])
+    return held + x.rows * old * kv * kv_bytes
 
 
 def logits_moment(model: ModelSpec, x: PrefillForward, d: int, t: int) -> int:
@@ -170,10 +194,11 @@ def prefill_peak(
     ffn = max((_mlp_width(model, i) for i in indices), default=0)
     first = len(indices) == 1  # a stage of one layer: its input is the embedding output
     wide = forward_wide_bytes(model, x, d) if indices else 0  # freed when the model's forward returns
+    kinds = {model.attention_kind(i): i for i in indices}.values()  # one layer of each kind on the stage
     moments: dict[Moment, int] = {
         "mlp": mlp_moment(model, x, d, t, ffn, first) + wide if indices else 0,
-        "attention": attention_moment(model, x, d, t, first) + wide if indices else 0,
-        "cache growth": cache_growth_moment(model, x, d, t, kv_bytes, first) + wide if indices else 0,
+        "attention": max((attention_moment(model, x, d, t, first, i) for i in kinds), default=0) + wide,
+        "cache growth": max((cache_growth_moment(model, x, d, t, kv_bytes, first, i) for i in kinds), default=0) + wide,
         "logits": logits_moment(model, x, d, t) if is_last else 0,
     }
     moment = max(moments, key=lambda k: moments[k])

@@ -1092,9 +1092,10 @@ def kv_cache_bytes(
     (transformers' ``DynamicSlidingWindowLayer``) keeps the last ``window - 1`` tokens as a view of
     the states it was given, so after the prefill it holds the prompt's storage and, once decoding
     has concatenated a token, ``min(context, window)``; the cache is at its largest after the prefill
-    or at the end, whichever holds more. With a paged cache (vLLM, Kwon et al. 2023) each
-    sequence's tokens are rounded up to whole blocks. ``indices``: the layers on this rank (default
-    the first ``layers``)."""
+    or at the end, whichever holds more; after a chunked prefill a windowed layer holds the storage
+    of its last concatenation, ``window - 1 + chunk`` tokens (``inference.layer_keys``). With a
+    paged cache (vLLM, Kwon et al. 2023) each sequence's tokens are rounded up to whole blocks.
+    ``indices``: the layers on this rank (default the first ``layers``)."""
     if indices is None:
         indices = tuple(range(layers))
     if model.mla is not None:
@@ -1107,12 +1108,14 @@ def kv_cache_bytes(
         return -(-tokens // size) * size if size else tokens
 
     context, prompt = workload.context, workload.prompt_tokens
+    x = I.prefill_forward(workload)
     end = prefill = 0
     for i in indices:
         window = model.attention_window(i)
         decoded = context > prompt
-        end += blocks(min(context, window) if window is not None and decoded else context)
-        prefill += blocks(prompt)
+        stored = I.layer_keys(model, x, i)[0]  # after the prefill (a chunked one's windowed layer keeps less)
+        end += blocks(context if window is None else min(context, window) if decoded else stored)
+        prefill += blocks(stored)
     return max(end, prefill) * width * workload.batch * KV_BYTES[workload.kv_dtype]
 
 

@@ -1,6 +1,6 @@
 """Inference prefill: whole prompts or chunks (``--prefill-chunk``), what the report calls the prefill
 activations, vLLM's default budget, and bad input. The figures are measured on CPU in
-tests/accuracy/test_prefill.py; these pin the wiring on the bundled profiles."""
+tests/accuracy/test_prefill_accuracy.py; these pin the wiring on the bundled profiles."""
 
 from __future__ import annotations
 
@@ -181,3 +181,16 @@ def test_advice_offers_chunked_prefill(capsys):
     assert chunked[0]["saved_bytes"] > 30 * GiB
     code, out, _ = _run(capsys, *SERVE[:6], "10", "--context", "32768", "--prefill-chunk", "8192", "--format", "json")
     assert not [s for s in json.loads(out)["suggestions"] if s["change"].startswith("chunked prefill")]
+
+
+def test_windowed_layers_keep_window_plus_chunk_after_a_chunked_prefill():
+    """transformers' DynamicSlidingWindowLayer returns (and keeps the storage of) its last window - 1
+    tokens with each chunk: gemma3-12b's 40 sliding layers (window 1024) hold 1023 + 2048 tokens per
+    sequence after chunks of 8192 tokens over 4 sequences, its 8 full layers the whole prompt."""
+    model = load_model("gemma3-12b")
+    work = InferenceWorkload(batch=4, prompt_tokens=32768, generated_tokens=0, prefill_chunk=8192)
+    report = estimate_inference(model, work, Plan(precision="bf16"))
+    per_token = 2 * model.kv_heads * model.head_size * 2 * 4  # K and V, bf16, 4 sequences
+    assert report.kv_cache == per_token * (8 * 32768 + 40 * (1023 + 2048))
+    whole = estimate_inference(model, work.model_copy(update={"prefill_chunk": None}), Plan(precision="bf16"))
+    assert whole.kv_cache == per_token * 48 * 32768
