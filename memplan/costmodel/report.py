@@ -23,7 +23,8 @@ class ModelStates(_Frozen):
 
 class Activations(_Frozen):
     """``per_layer``: one transformer layer, one micro-batch, on the peak rank, under the
-    plan's recomputation; ``total``: everything saved for backward at the end of the forward."""
+    plan's recomputation; ``total``: everything saved for backward at the end of the forward.
+    Serving: both are the prefill forward's working set at its peak (``MemoryReport.prefill``)."""
 
     per_layer: int
     total: int
