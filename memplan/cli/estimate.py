@@ -49,8 +49,10 @@ from memplan.cli.options import (
     precision_help,
     spec_default,
 )
+from memplan.costmodel.inference import vllm_default_chunk
 from memplan.costmodel.optimizer import paged_residency
 from memplan.costmodel.precision import POLICIES
+from memplan.costmodel.report import MemoryReport
 from memplan.costmodel.time import Efficiency
 from memplan.costmodel.timeline.events import Timeline
 from memplan.estimate import EstimateResult, estimate_with_run
@@ -133,6 +135,14 @@ def estimate(
     context: ContextOpt = None,
     kv_dtype: KvDtypeOpt = None,
     block_size: BlockSizeOpt = None,
+    prefill_chunk: Annotated[
+        int | None,
+        Opt(
+            help="Inference: tokens per prefill forward across the batch (chunked prefill, vLLM's "
+            "max_num_batched_tokens). Default: every prompt in one forward (transformers' generate).",
+            rich_help_panel=WORK,
+        ),
+    ] = None,
     gpu: Annotated[
         str | None,
         Opt(
@@ -216,6 +226,7 @@ def estimate(
         context=context,
         kv_dtype=kv_dtype,
         block_size=block_size,
+        prefill_chunk=prefill_chunk,
         gpu=gpu,
         allocator=allocator,
         gpus=gpus,
@@ -321,18 +332,54 @@ def header(result: EstimateResult) -> str:
     return " ".join(parts)
 
 
+def _prefill_setting(result: EstimateResult) -> str:
+    """The header line of a serving estimate: how the prompts are prefilled, and vLLM's default."""
+    p, plan = result.memory.prefill, result.plan
+    assert p is not None
+    if p.tokens < plan["batch"] * plan["prompt_tokens"]:
+        cache = (
+            "a paged KV cache (vLLM)"
+            if plan["block_size"]
+            else "a contiguous KV cache (transformers' DynamicCache, whose chunks copy the cached prefix; "
+            "--block-size 16 for vLLM's paged one)"
+        )
+        return (
+            f"prefill: chunks of {plan['prefill_chunk']:,} tokens across the batch (--prefill-chunk), "
+            f"{p.tokens:,} per forward, over {cache}"
+        )
+    default = vllm_default_chunk(result.gpu["capacity_bytes"], result.gpu["name"])
+    return (
+        f"prefill: every prompt in one forward, {p.tokens:,} tokens (transformers' generate; vLLM V1 chunks "
+        f"prefills, {default:,} tokens per step by default for its API server on this GPU: give --prefill-chunk)"
+    )
+
+
+def _serving_memory(mem: MemoryReport) -> str:
+    """Serving: weights, KV cache and what the prefill activations are (not a per-layer figure)."""
+    p = mem.prefill
+    assert p is not None
+    return (
+        f"weights per rank {_gib(mem.model_states.parameters)}; KV cache {_gib(mem.kv_cache)}; prefill "
+        f"activations {_gib(mem.activations.total)}: the peak transient of one prefill forward over {p.tokens:,} "
+        f"tokens (one layer's {p.moment} moment and the tensors kept for the whole forward)"
+    )
+
+
 def render(result: EstimateResult, console: Console) -> None:
     """The human table: breakdown at the peak, model states, fit and suggestions."""
     mem, peak = result.memory, result.memory.peak
     console.print(header(result), soft_wrap=True, highlight=False)
     if result.gpu.get("auto"):
         console.print(result.gpu["auto"], soft_wrap=True)
+    if mem.prefill is not None:
+        console.print(_prefill_setting(result), soft_wrap=True)
     table = Table(title=f"Peak: {peak.phase} phase, rank {peak.rank} ({peak.rank_role})")
     table.add_column("component")
     table.add_column("bytes", justify="right")
     table.add_column("share", justify="right")
     for name, value in sorted(peak.breakdown.items(), key=lambda kv: -kv[1]):
-        table.add_row(name.replace("_", " "), _gib(value), f"{100 * value / max(peak.allocated, 1):.1f}%")
+        label = "prefill activations" if mem.prefill is not None and name == "activations" else name.replace("_", " ")
+        table.add_row(label, _gib(value), f"{100 * value / max(peak.allocated, 1):.1f}%")
     table.add_section()
     table.add_row("[bold]peak allocated[/]", _gib(peak.allocated), "")
     table.add_row("cached by the allocator", _gib(peak.reserved - peak.allocated), "")
@@ -352,11 +399,14 @@ def render(result: EstimateResult, console: Console) -> None:
                 "(its kernels' workspaces and transients; peak allocated above is the phase model's)"
             )
     states = mem.model_states
-    console.print(
-        f"model states per rank: params {_gib(states.parameters)}, grads {_gib(states.gradients)}, "
-        f"optimizer {_gib(states.optimizer_states)}; activations per layer {_gib(mem.activations.per_layer)}"
-        + (f"; KV cache {_gib(mem.kv_cache)}" if mem.kv_cache else "")
-    )
+    if mem.prefill is not None:
+        console.print(_serving_memory(mem))
+    else:
+        console.print(
+            f"model states per rank: params {_gib(states.parameters)}, grads {_gib(states.gradients)}, "
+            f"optimizer {_gib(states.optimizer_states)}; activations per layer {_gib(mem.activations.per_layer)}"
+            + (f"; KV cache {_gib(mem.kv_cache)}" if mem.kv_cache else "")
+        )
     if mem.offload.cpu or mem.offload.nvme:
         console.print(f"offloaded per rank: CPU {_gib(mem.offload.cpu)}, NVMe {_gib(mem.offload.nvme)}")
     host = result.host

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from memplan.costmodel.host import host_memory
+from memplan.costmodel.inference import prefill_forward
 from memplan.costmodel.memory import estimate_memory
 from memplan.costmodel.time import estimate_time
 from memplan.errors import MemplanError
@@ -47,6 +48,7 @@ class Suggestion:
 
 
 Change = tuple[str, dict, dict]  # description, plan update, workload update
+SERVER_CHUNK = 8192  # vLLM V1's max_num_batched_tokens for its API server on an H100 (inference.vllm_default_chunk)
 
 
 def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> list[Change]:
@@ -102,6 +104,10 @@ def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> l
         out.append(("paged 8-bit AdamW", {"optimizer": "paged-adamw-8bit"}, {}))
     if not training and workload.kv_dtype in ("bf16", "fp16", "fp32"):
         out.append(("fp8 KV cache", {}, {"kv_dtype": "fp8"}))
+    if not training and prefill_forward(workload).tokens > SERVER_CHUNK:
+        # with a paged cache (vLLM): chunks over transformers' DynamicCache copy the prefix (inference.py)
+        paged = {"prefill_chunk": SERVER_CHUNK, "block_size": workload.block_size or 16}
+        out.append((f"chunked prefill, {SERVER_CHUNK} tokens per forward (vLLM, paged KV cache)", {}, paged))
     return out
 
 

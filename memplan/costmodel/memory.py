@@ -21,6 +21,7 @@ from typing import Literal, NamedTuple
 
 from memplan.costmodel import activations as A
 from memplan.costmodel import fp8 as F8
+from memplan.costmodel import inference as I
 from memplan.costmodel import lora as L
 from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
@@ -30,6 +31,7 @@ from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, paged_stat
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
 from memplan.costmodel.quant import quantized_weight_bytes
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
+from memplan.costmodel.report import Prefill as PrefillReport
 from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
 from memplan.costmodel.timeline.events import Moment, Timeline
 from memplan.costmodel.timeline.step import Granularity, build_serving_run, pieces
@@ -1299,9 +1301,10 @@ def kv_cache_bytes(
     (transformers' ``DynamicSlidingWindowLayer``) keeps the last ``window - 1`` tokens as a view of
     the states it was given, so after the prefill it holds the prompt's storage and, once decoding
     has concatenated a token, ``min(context, window)``; the cache is at its largest after the prefill
-    or at the end, whichever holds more. With a paged cache (vLLM, Kwon et al. 2023) each
-    sequence's tokens are rounded up to whole blocks. ``indices``: the layers on this rank (default
-    the first ``layers``)."""
+    or at the end, whichever holds more; after a chunked prefill a windowed layer holds the storage
+    of its last concatenation, ``window - 1 + chunk`` tokens (``inference.layer_keys``). With a
+    paged cache (vLLM, Kwon et al. 2023) each sequence's tokens are rounded up to whole blocks.
+    ``indices``: the layers on this rank (default the first ``layers``)."""
     if indices is None:
         indices = tuple(range(layers))
     if model.mla is not None:
@@ -1314,18 +1317,22 @@ def kv_cache_bytes(
         return -(-tokens // size) * size if size else tokens
 
     context, prompt = workload.context, workload.prompt_tokens
+    x = I.prefill_forward(workload)
     end = prefill = 0
     for i in indices:
         window = model.attention_window(i)
         decoded = context > prompt
-        end += blocks(min(context, window) if window is not None and decoded else context)
-        prefill += blocks(prompt)
+        stored = I.layer_keys(model, x, i)[0]  # after the prefill (a chunked one's windowed layer keeps less)
+        end += blocks(context if window is None else min(context, window) if decoded else stored)
+        prefill += blocks(stored)
     return max(end, prefill) * width * workload.batch * KV_BYTES[workload.kv_dtype]
 
 
 def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan) -> MemoryReport:
-    """Serving memory: weights in the compute dtype, the KV cache for the whole context, and
-    the prefill's working set (one layer's temporaries for the prompt, last-token logits)."""
+    """Serving memory: weights in the compute dtype, the KV cache for the whole context, and the
+    prefill forward's working set at its highest moment (``inference.prefill_peak``: one layer's
+    tensors and the forward-wide ones for the prompts, or for one chunk with ``prefill_chunk``;
+    the last stage's last-token logits)."""
     if plan.offload_activations != "none":
         raise MemplanError(
             "activation offload moves what a training step saves for its backward; serving saves nothing: "
@@ -1340,18 +1347,17 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
         weights = layout.params * (1 if policy.fp8_matmuls else policy.compute_bytes)
         indices = tuple(stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage))
         kv = kv_cache_bytes(model, workload, layout.layers, plan.tp, indices)
-        d, t = policy.compute_bytes, plan.tp
-        tokens = workload.batch * workload.prompt_tokens
-        ffn = model.moe.expert_ffn_size if model.moe else model.ffn_size
-        work = tokens * d * (2 * model.hidden_size + (2 * model.q_size + 2 * model.kv_size + 3 * ffn) // t)
-        if layout.is_last:
-            work += workload.batch * 4 * model.vocab_size // t
+        prefill = I.prefill_peak(
+            model, workload, policy.compute_bytes, plan.tp, KV_BYTES[workload.kv_dtype], indices, layout.is_last
+        )
+        work = prefill.bytes
         allocated = weights + kv + work
         stage_peaks[stage] = allocated
         if best is None or allocated > best[0]:
-            best = (allocated, stage, weights, kv, work)
+            best = (allocated, stage, weights, kv, work, prefill)
     assert best is not None
-    allocated, stage, weights, kv, work = best
+    allocated, stage, weights, kv, work, prefill = best
+    x = prefill.forward
     overhead = O.fixed_overhead_bytes(O.communicators(1, plan.tp, plan.pp, 1, plan.ep))
     return MemoryReport.model_construct(
         model_states=ModelStates.model_construct(parameters=weights, gradients=0, optimizer_states=0),
@@ -1371,6 +1377,13 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
         stage_peaks=stage_peaks,
         overhead=overhead,
         gradient_accumulation=1,
+        prefill=PrefillReport.model_construct(
+            tokens=x.tokens,
+            rows=x.rows,
+            queries=x.queries,
+            keys=x.keys,
+            moment=prefill.moment,
+        ),
     )
 
 
@@ -1402,7 +1415,7 @@ def serving_run(model: ModelSpec, workload: InferenceWorkload, plan: Plan) -> Ti
     weights = pieces(report.model_states.parameters, [n * element for n in layer if n])
     kv = report.kv_cache // max(2 * layout.layers, 1)
     kv_tensors = [kv] * (2 * layout.layers) if kv else []
-    tokens, d, t = workload.batch * workload.prompt_tokens, policy.compute_bytes, plan.tp
+    tokens, d, t = I.prefill_forward(workload).tokens, policy.compute_bytes, plan.tp
     ffn = model.moe.expert_ffn_size if model.moe else model.ffn_size
     wide = [model.hidden_size, model.hidden_size, model.q_size // t, model.kv_size // t, model.kv_size // t]
     wide += [model.q_size // t, ffn // t, ffn // t, ffn // t]

@@ -23,10 +23,25 @@ class ModelStates(_Frozen):
 
 class Activations(_Frozen):
     """``per_layer``: one transformer layer, one micro-batch, on the peak rank, under the
-    plan's recomputation; ``total``: everything saved for backward at the end of the forward."""
+    plan's recomputation; ``total``: everything saved for backward at the end of the forward.
+    Serving: both are the prefill forward's working set at its peak (``MemoryReport.prefill``)."""
 
     per_layer: int
     total: int
+
+
+class Prefill(_Frozen):
+    """Serving: the prefill forward whose working set is ``MemoryReport.activations`` (the tensors
+    of one layer at its highest ``moment`` and those kept for the whole forward, beyond weights and
+    KV cache: ``costmodel/inference.py``). ``tokens`` per forward: batch x prompt, or the chunk
+    (``prefill_chunk``: chunked when fewer than batch x prompt); ``queries`` per sequence attend to
+    ``keys`` cached tokens."""
+
+    tokens: int
+    rows: int
+    queries: int
+    keys: int
+    moment: Literal["mlp", "attention", "cache growth", "logits"]
 
 
 class ReservedDetail(_Frozen):
@@ -94,3 +109,4 @@ class MemoryReport(_Frozen):
     # neither peak.allocated nor peak.reserved); resident on the device while it has room, paged to
     # the host under pressure (docs/cost-model.md, "Paged optimizers")
     paged_optimizer_states: int = 0
+    prefill: Prefill | None = None  # serving only: the prefill forward the activations are of

@@ -26,7 +26,7 @@ from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 CLI = "command line"
 PLAN_FIELDS = set(Plan.model_fields)
 TRAINING_FIELDS = {"seq_len", "micro_batch", "global_batch"}
-INFERENCE_FIELDS = {"batch", "prompt_tokens", "generated_tokens", "kv_dtype", "block_size"}
+INFERENCE_FIELDS = {"batch", "prompt_tokens", "generated_tokens", "kv_dtype", "block_size", "prefill_chunk"}
 # plan fields serving memory does not depend on (estimate_inference reads tp, pp, ep, dp and the
 # precision): given as flags with --inference they would be ignored without a word
 TRAINING_PLAN_FIELDS = {

@@ -39,6 +39,13 @@ class InferenceWorkload(BaseModel):
     block_size: StrictInt | None = Field(
         None, gt=0, le=1_000_000, description="Paged KV cache block size in tokens (vLLM uses 16); None: contiguous."
     )
+    prefill_chunk: StrictInt | None = Field(
+        None,
+        gt=0,
+        le=_MAX_TOKENS,
+        description="Tokens one prefill forward processes, across the batch (vLLM's max_num_batched_tokens under "
+        "chunked prefill); None: every prompt of the batch in one forward (transformers' generate).",
+    )
 
     @property
     def context(self) -> int:
