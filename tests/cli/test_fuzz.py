@@ -63,12 +63,23 @@ FLOAT_VALUES = mix(
 INT_FLAGS = [
     "--dp", "--tp", "--pp", "--virtual-stages", "--cp", "--ep", "--zero", "--recompute-layers", "--lora-rank",
     "--micro-batch", "--global-batch", "--seq-len", "--batch", "--context", "--block-size", "--gpus", "--nodes",
+    "--prefill-chunk",
 ]  # fmt: skip
 CHOICE_FLAGS = {
     "--pp-schedule": ["1f1b", "interleaved", "gpipe"],
     "--recompute": ["none", "selective", "selective-op", "full"],
     "--precision": ["fp32", "bf16-mixed", "bf16-master", "fp16-master", "bf16", "fp8"],
-    "--optimizer": ["adamw", "sgd", "adafactor", "adamw-8bit"],
+    "--optimizer": [
+        "adamw",
+        "sgd",
+        "adafactor",
+        "adamw-8bit",
+        "paged-adamw-8bit",
+        "paged-adamw-32bit",
+        "paged-lion-8bit",
+    ],
+    "--fp8-recipe": ["auto", "tensorwise", "rowwise", "delayed", "nope"],
+    "--host-memory": ["512GiB", "1GiB", "0", "-1GiB", "1e30GiB", "lots", ""],
     "--offload-optimizer": ["none", "cpu", "nvme"],
     "--offload-params": ["none", "cpu", "nvme"],
     "--attention": ["flash", "eager", "triton"],
@@ -87,7 +98,7 @@ CHOICE_FLAGS = {
     "--timeline": ["t.jpg", "adir", "adir/", "nope/t.html", "", "afile/t.html"],
 }
 SWITCHES = ["--sequence-parallel", "--no-sequence-parallel", "--inference", "--double-quant", "--no-double-quant",
-            "--no-calibration", "--calibration", "--help"]  # fmt: skip
+            "--no-calibration", "--calibration", "--fp8-all-gather", "--no-fp8-all-gather", "--help"]  # fmt: skip
 
 
 def _choice(flag: str) -> st.SearchStrategy[str]:
