@@ -296,7 +296,8 @@ def build_optimizer_from(
     params: list[nn.Parameter], plan: Plan, dp_group: dist.ProcessGroup | None
 ) -> torch.optim.Optimizer:
     """AdamW (foreach), or MasterAdamW for bf16-master; ZeRO-1 partitions it over dp."""
-    cls = MasterAdamW if plan.precision == "bf16-master" else torch.optim.AdamW
+    # LoRA adapters are fp32 whatever the precision: plain AdamW, no master copies
+    cls = MasterAdamW if plan.precision == "bf16-master" and plan.finetune == "full" else torch.optim.AdamW
     kwargs = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     if cls is torch.optim.AdamW:
         kwargs["foreach"] = True

@@ -44,11 +44,7 @@ def check_model(spec: ModelSpec) -> None:
 def check_plan(plan: Plan) -> None:
     """Reject, with a one-line reason, what the trainer cannot apply faithfully."""
     if plan.finetune != "full":
-        raise TrainerUnsupported(
-            f"finetune: the bundled trainer trains every weight; {plan.finetune} (PEFT adapters"
-            f"{', a quantized base' if plan.quant != 'none' else ''}) is estimate-only, measured with transformers "
-            "and PEFT on CPU (docs/cost-model.md)"
-        )
+        check_lora(plan)
     if plan.offload_activations != "none":
         raise TrainerUnsupported("offload_activations: not implemented by the bundled trainer")
     if plan.cp > 1:
@@ -75,6 +71,22 @@ def check_plan(plan: Plan) -> None:
         raise TrainerUnsupported(
             "zero: with pipeline parallel the trainer shards data parallel with FSDP2; use zero 2 or 3"
         )
+
+
+def check_lora(plan: Plan) -> None:
+    """LoRA as the trainer builds it (memplan.train.lora): adapters over an unquantized base,
+    on one tensor-parallel rank, without FSDP (its groups would mix frozen and trained dtypes)."""
+    if plan.quant != "none":
+        raise TrainerUnsupported(
+            f"quant: the bundled trainer's base is unquantized; a {plan.quant} base (bitsandbytes, "
+            f"{plan.finetune}) is estimate-only, measured with transformers and PEFT on CPU (docs/cost-model.md)"
+        )
+    if plan.modules_to_save:
+        raise TrainerUnsupported("modules_to_save: the bundled trainer trains LoRA adapters only (estimate-only)")
+    if plan.tp > 1:
+        raise TrainerUnsupported("tp: the bundled trainer's LoRA adapters are not tensor-parallel; use tp 1")
+    if plan.zero >= 2 and plan.dp > 1 or plan.offload_params != "none":
+        raise TrainerUnsupported("zero: the bundled trainer runs LoRA with DDP or ZeRO-1 (no FSDP); use zero 0 or 1")
 
 
 def check_workload(spec: RunSpec) -> None:
