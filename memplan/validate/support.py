@@ -85,6 +85,8 @@ def check_lora(plan: Plan) -> None:
         raise TrainerUnsupported("modules_to_save: the bundled trainer trains LoRA adapters only (estimate-only)")
     if plan.tp > 1:
         raise TrainerUnsupported("tp: the bundled trainer's LoRA adapters are not tensor-parallel; use tp 1")
+    if plan.pp > 1:
+        raise TrainerUnsupported("pp: the bundled trainer runs LoRA without pipeline parallel; use pp 1")
     if plan.zero >= 2 and plan.dp > 1 or plan.offload_params != "none":
         raise TrainerUnsupported("zero: the bundled trainer runs LoRA with DDP or ZeRO-1 (no FSDP); use zero 0 or 1")
 
