@@ -77,9 +77,10 @@ def check_lora(plan: Plan) -> None:
     """LoRA as the trainer builds it (memplan.train.lora): adapters over an unquantized base,
     on one tensor-parallel rank, without FSDP (its groups would mix frozen and trained dtypes)."""
     if plan.quant != "none":
+        field = "finetune" if plan.finetune == "qlora" else "quant"
         raise TrainerUnsupported(
-            f"quant: the bundled trainer's base is unquantized; a {plan.quant} base (bitsandbytes, "
-            f"{plan.finetune}) is estimate-only, measured with transformers and PEFT on CPU (docs/cost-model.md)"
+            f"{field}: the bundled trainer's base is unquantized; {plan.finetune} over a {plan.quant} base "
+            "(bitsandbytes) is estimate-only, measured with transformers and PEFT on CPU (docs/cost-model.md)"
         )
     if plan.modules_to_save:
         raise TrainerUnsupported("modules_to_save: the bundled trainer trains LoRA adapters only (estimate-only)")

@@ -112,7 +112,8 @@ def test_adapters_start_as_the_base_and_train():
 @pytest.mark.parametrize(
     ("plan", "field"),
     [
-        (dict(finetune="qlora"), "quant"),
+        (dict(finetune="qlora"), "finetune"),
+        (dict(finetune="lora", quant="int8"), "quant"),
         (dict(finetune="lora", modules_to_save=("lm_head",)), "modules_to_save"),
         (dict(finetune="lora", tp=2), "tp"),
         (dict(finetune="lora", pp=2), "pp"),
