@@ -14,6 +14,7 @@ to the trainer's modules by :data:`HF_NAMES`.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -61,6 +62,25 @@ class LoraLinear(nn.Module):
         return (out + delta).to(out.dtype)
 
 
+class SavedModule(nn.Module):
+    """PEFT's ``ModulesToSaveWrapper``: the original module stays (frozen) and a trainable copy of
+    it, in its dtype, runs the forward (``modules_to_save``: the LM head here)."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.original_module = original
+        self.trained = copy.deepcopy(original).requires_grad_(True)
+
+    @torch.no_grad()
+    def reset_copy(self) -> None:
+        """The copy starts as the original (PEFT deep-copies the loaded module)."""
+        for mine, theirs in zip(self.trained.parameters(), self.original_module.parameters(), strict=True):
+            mine.copy_(theirs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trained(x)
+
+
 def _targets(plan: Plan) -> set[str]:
     return set(resolve_targets(plan.lora_targets))
 
@@ -80,6 +100,8 @@ def apply_lora(model: nn.Module, plan: Plan) -> None:
             owner_name, attr = path.split(".")
             owner = getattr(block, owner_name)
             setattr(owner, attr, LoraLinear(getattr(owner, attr), plan.lora_rank, LORA_ALPHA, plan.lora_dropout))
+    if "lm_head" in plan.modules_to_save and getattr(model, "output", None) is not None:
+        model.output = SavedModule(model.output)
     if plan.recompute == "full" and getattr(model, "tok_embeddings", None) is not None:
         enable_input_require_grads(model.tok_embeddings)
 
@@ -100,6 +122,8 @@ def init_adapters(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, LoraLinear):
             module.reset_adapter()
+        elif isinstance(module, SavedModule):
+            module.reset_copy()
 
 
 def trainable(params: list[nn.Parameter]) -> list[nn.Parameter]:

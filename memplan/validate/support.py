@@ -82,8 +82,10 @@ def check_lora(plan: Plan) -> None:
             f"{field}: the bundled trainer's base is unquantized; {plan.finetune} over a {plan.quant} base "
             "(bitsandbytes) is estimate-only, measured with transformers and PEFT on CPU (docs/cost-model.md)"
         )
-    if plan.modules_to_save:
-        raise TrainerUnsupported("modules_to_save: the bundled trainer trains LoRA adapters only (estimate-only)")
+    if set(plan.modules_to_save) - {"lm_head"}:
+        raise TrainerUnsupported(
+            "modules_to_save: the bundled trainer trains a copy of lm_head only (embed_tokens is estimate-only)"
+        )
     if plan.tp > 1:
         raise TrainerUnsupported("tp: the bundled trainer's LoRA adapters are not tensor-parallel; use tp 1")
     if plan.pp > 1:
@@ -109,6 +111,10 @@ def check_workload(spec: RunSpec) -> None:
         raise TrainerUnsupported(
             f"global_batch: the interleaved schedule needs micro-batches ({spec.accumulation}) "
             f"divisible by pp={plan.pp}"
+        )
+    if "lm_head" in plan.modules_to_save and model.tied_embeddings:
+        raise TrainerUnsupported(
+            "modules_to_save: a trained lm_head copy over tied embeddings is estimate-only in the bundled trainer"
         )
     if plan.offload_params != "none" and plan.pp > 1:
         raise TrainerUnsupported("offload_params: CPU offload with pipeline parallel is not implemented by the trainer")

@@ -42,6 +42,11 @@ CASES = {
     "lora-all-linear-bf16-master-recompute-full": dict(precision="bf16-master", lora_targets=ALL, recompute="full"),
     "lora-all-linear-fp32-dropout": dict(precision="fp32", lora_targets=ALL, lora_dropout=0.1),
     "lora-qv-bf16-mixed-autocast": dict(precision="bf16-mixed", lora_targets=QV),
+    "lora-qv-lm-head-fp32": dict(precision="fp32", lora_targets=QV, modules_to_save=("lm_head",)),
+    "lora-qv-lm-head-bf16-master": dict(precision="bf16-master", lora_targets=QV, modules_to_save=("lm_head",)),
+    "lora-all-linear-lm-head-fp32-recompute-full": dict(
+        precision="fp32", lora_targets=ALL, modules_to_save=("lm_head",), recompute="full"
+    ),
     "lora-o-down-r8-fp32-ddp2": dict(precision="fp32", lora_targets=("o_proj", "down_proj"), lora_rank=8, dp=2),
 }
 
@@ -114,7 +119,7 @@ def test_adapters_start_as_the_base_and_train():
     [
         (dict(finetune="qlora"), "finetune"),
         (dict(finetune="lora", quant="int8"), "quant"),
-        (dict(finetune="lora", modules_to_save=("lm_head",)), "modules_to_save"),
+        (dict(finetune="lora", modules_to_save=("embed_tokens",)), "modules_to_save"),
         (dict(finetune="lora", tp=2), "tp"),
         (dict(finetune="lora", pp=2), "pp"),
         (dict(finetune="lora", dp=2, zero=3), "zero"),
@@ -125,6 +130,27 @@ def test_what_the_trainer_cannot_run_is_refused_in_one_line(plan: dict, field: s
     record = run(spec)
     assert record.status == "unsupported"
     assert record.reason.startswith(f"{field}: ") and "\n" not in record.reason
+
+
+def test_a_trained_lm_head_copy_over_tied_embeddings_is_refused():
+    tied = TINY.model_copy(update=dict(name="tiny-tied", tied_embeddings=True))
+    plan = Plan(finetune="lora", modules_to_save=("lm_head",))
+    record = run(RunSpec(model=tied, workload=TrainingWorkload(seq_len=32, micro_batch=1), plan=plan))
+    assert record.status == "unsupported" and record.reason.startswith("modules_to_save: ")
+
+
+def test_lm_head_copy_starts_as_the_original_and_is_the_one_trained():
+    """PEFT's ModulesToSaveWrapper: the original frozen, a trainable copy of the same values."""
+    plan = Plan(finetune="lora", lora_targets=QV, modules_to_save=("lm_head",))
+    model = Transformer(TINY)
+    apply_lora(model, plan)
+    model.init_weights(0)
+    init_adapters(model)
+    head = model.output
+    assert torch.equal(head.trained.weight, head.original_module.weight)
+    assert head.trained.weight.requires_grad and not head.original_module.weight.requires_grad
+    n = sum(p.numel() for p in trainable(list(model.parameters())))
+    assert n == L.trainable_params(TINY, QV, plan.lora_rank, ("lm_head",))
 
 
 def test_validate_cli_runs_lora_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
