@@ -11,7 +11,18 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memplan.cli.common import auto_device, detected_gpus, memory_limit_bytes, output_path
+from memplan.cli.common import (
+    LoraDropoutOpt,
+    LoraRankOpt,
+    LoraTargetsOpt,
+    ModulesToSaveOpt,
+    QuantOpt,
+    auto_device,
+    detected_gpus,
+    finetune_overrides,
+    memory_limit_bytes,
+    output_path,
+)
 from memplan.cli.options import (
     AttentionOpt,
     DpOpt,
@@ -82,10 +93,16 @@ def validate(
     finetune: Annotated[
         str | None,
         Opt(
-            help="full (the bundled trainer trains every weight; lora and qlora are estimate-only) (default: full).",
+            help="full or lora (adapters over a frozen base, memplan.train.lora); qlora is estimate-only "
+            "(default: full).",
             rich_help_panel=PLAN,
         ),
     ] = None,
+    lora_rank: LoraRankOpt = None,
+    lora_targets: LoraTargetsOpt = None,
+    lora_dropout: LoraDropoutOpt = None,
+    modules_to_save: ModulesToSaveOpt = None,
+    quant: QuantOpt = None,
     micro_batch: MicroBatchOpt = None,
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
@@ -150,8 +167,9 @@ def validate(
         dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp, pp_schedule=pp_schedule,
         virtual_stages=virtual_stages, zero=zero, recompute=recompute, recompute_layers=recompute_layers,
         precision=precision, offload_optimizer=offload_optimizer, offload_params=offload_params,
-        attention=attention, finetune=finetune, micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len,
+        attention=attention, micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len,
         gpu=gpu, runtime="memplan", allocator=allocator,
+        **finetune_overrides(finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, quant, None, None),
     )  # fmt: skip
     notes = []
     if gpus is None and plan is None and dp is None:  # the degrees are this machine's GPUs, when NVML sees any

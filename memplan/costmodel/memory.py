@@ -194,6 +194,17 @@ def _transformers_layers(rt: RuntimeProfile) -> bool:
     return rt.name in ("hf", "hf-loop")
 
 
+def _lora_layers(rt: RuntimeProfile) -> bool:
+    """Runtimes whose LoRA layers ``lora_activations`` describes: transformers' with PEFT, and the
+    bundled trainer's (``memplan``: the transformers Llama graph, ``memplan_layer``, with
+    memplan.train.lora's PEFT-like adapters). Until 2026-11-24 the ``memplan`` runtime counted a
+    full-training layer plus ``lora_extra``: measured on its own trainer (CPU, tiny GQA Llama,
+    2 x 160 tokens) 17-19% too much with q/v targets in fp32, as the frozen linears and norms
+    keep no input for a weight gradient, and 10% too little with all-linear in bf16-master, where
+    each adapter keeps its own fp32 cast of its input (docs/cost-model.md)."""
+    return _transformers_layers(rt) or rt.name == "memplan"
+
+
 @dataclass(frozen=True, slots=True)
 class _LoraActs:
     stored: int  # every layer of one micro-batch
@@ -951,7 +962,7 @@ def _stage_phases(
     fp8 = F8.fp8_step(layout, plan, rt.name, x, _fsdp2(rt, plan), moe_fraction)
     full_layer += fp8.layer_delta
     live_layer += fp8.layer_delta
-    if finetune and not _transformers_layers(rt):
+    if finetune and not _lora_layers(rt):
         full_layer += lora_extra(x, plan)
         live_layer += lora_extra(x, plan)
     layers = layout.layers
@@ -960,7 +971,7 @@ def _stage_phases(
         recomputed = layers if plan.recompute_layers is None else min(plan.recompute_layers, layers)
     stored = (layers - recomputed) * full_layer + recomputed * terms.layer_input
     per_layer = terms.layer_input if recomputed else full_layer
-    lora_acts = lora_activations(model, x, plan, rt, layout, device) if finetune and _transformers_layers(rt) else None
+    lora_acts = lora_activations(model, x, plan, rt, layout, device) if finetune and _lora_layers(rt) else None
     if lora_acts is not None:
         stored, per_layer, live_layer = lora_acts.stored, lora_acts.per_layer, lora_acts.live_layer
     mbs = inflight_microbatches(plan, stage, accumulation)

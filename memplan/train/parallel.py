@@ -265,7 +265,8 @@ class MasterAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
-                    state["master"] = p.detach().float().clone()
+                    # an fp32 parameter (a LoRA adapter) is its own master
+                    state["master"] = p.detach() if p.dtype == torch.float32 else p.detach().float().clone()
                     state["exp_avg"] = torch.zeros_like(state["master"])
                     state["exp_avg_sq"] = torch.zeros_like(state["master"])
             masters = [self.state[p]["master"] for p in params]
@@ -296,7 +297,10 @@ def build_optimizer_from(
     params: list[nn.Parameter], plan: Plan, dp_group: dist.ProcessGroup | None
 ) -> torch.optim.Optimizer:
     """AdamW (foreach), or MasterAdamW for bf16-master; ZeRO-1 partitions it over dp."""
-    cls = MasterAdamW if plan.precision == "bf16-master" else torch.optim.AdamW
+    # LoRA adapters are fp32 whatever the precision: plain AdamW, no master copies, unless a
+    # 16-bit module is trained beside them (modules_to_save); MasterAdamW steps fp32 ones in place
+    masters = plan.finetune == "full" or bool(plan.modules_to_save)
+    cls = MasterAdamW if plan.precision == "bf16-master" and masters else torch.optim.AdamW
     kwargs = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     if cls is torch.optim.AdamW:
         kwargs["foreach"] = True

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from memplan.train import lora
 from memplan.train import parallel as par
 from memplan.train.model import Transformer, loss_fn
 from memplan.train.pipeline import StageReplay, chunk_layers, schedule_actions
@@ -105,6 +106,8 @@ def _build_chunks(
             ).to(dtype)
         if plan.tp > 1:
             par.apply_tp(chunk, meshes.tp, plan.sequence_parallel)
+        if plan.finetune != "full":
+            lora.apply_lora(chunk, plan)
         par.apply_recompute(chunk, plan)
         if par.uses_fsdp(plan):
             par.apply_fsdp(chunk, plan, meshes.dp)
@@ -112,6 +115,7 @@ def _build_chunks(
         if not par.uses_fsdp(plan):  # FSDP2 keeps one sharded parameter for a tied pair
             chunk.tie_weights()
         chunk.init_weights(spec.seed + k)
+        lora.init_adapters(chunk)
         if plan.zero < 2 and plan.dp > 1:
             chunk = par.apply_ddp(chunk, meshes.dp)
         out.append((k, chunk))
@@ -125,7 +129,7 @@ def _train(spec: RunSpec, device: torch.device, rank: int, progress: Progress | 
     meshes = par.build_meshes(plan, device.type)
     stage = spec.stage_of(rank)
     chunks = _build_chunks(spec, meshes, stage, device)
-    params = [p for _, m in chunks for p in m.parameters()]
+    params = lora.trainable([p for _, m in chunks for p in m.parameters()])
     container = torch.nn.ModuleList([m for _, m in chunks])
     optimizer = par.build_optimizer_from(params, plan, meshes.dp.get_group() if plan.dp > 1 else None)
     fsdp = par.uses_fsdp(plan) and len(chunks) == 1

@@ -15,6 +15,7 @@ accelerator would hold.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,40 @@ def _tracker_class(base: type) -> type:
     return _PhaseTracker
 
 
+class _NoHook:
+    """Stands for a gradient hook MemTracker would register (it removes its hooks on exit)."""
+
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen(tracker, model: nn.Module) -> bool:  # noqa: ANN001 - a MemTracker
+    """MemTracker hooks every parameter's gradient, which a frozen one (LoRA's base) refuses:
+    mark those as hooked already (tests/accuracy/peft_steps.py does the same). True if any is."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    for param in frozen:
+        tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+    return bool(frozen)
+
+
+def _catch_leaf_inputs(mod_tracker, leaves: list) -> None:  # noqa: ANN001 - MemTracker's ModTracker
+    """Collect (weakly) each module input that is a leaf requiring grad and no parameter: a frozen
+    embedding's output made to require grad (LoRA under checkpointing). MemTracker's module hooks
+    keep the autograd graph that ends at such a leaf alive, and with it the leaf and its ``.grad``
+    (measured: one ``b x s x h`` pair per step, growing; no Python object refers to the leaf, a
+    run without the tracker frees it, and so does tests/accuracy/peft_steps.py's StorageTracker);
+    :meth:`PhaseMeter.end_step` releases them."""
+    hook = mod_tracker._fw_pre_hook
+
+    def pre_hook(module: nn.Module, inputs: tuple) -> None:
+        for a in inputs:
+            if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad and not isinstance(a, nn.Parameter):
+                leaves.append(weakref.ref(a))
+        hook(module, inputs)
+
+    mod_tracker._fw_pre_hook = pre_hook
+
+
 class PhaseMeter:
     """Context manager measuring per-phase peaks of one rank's training steps."""
 
@@ -74,6 +109,7 @@ class PhaseMeter:
         self.label: str | None = None  # the phase the step is in, measured or not
         self.peaks: dict[str, PhasePeak] = {}
         self._tracker = None
+        self._leaves: list = []  # weak references to input leaves the tracker keeps alive
         if device.type == "cpu":
             if fsdp:
                 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -83,6 +119,8 @@ class PhaseMeter:
                 from torch.distributed._tools.mem_tracker import MemTracker
 
                 self._tracker = _tracker_class(MemTracker)()
+                if _skip_frozen(self._tracker, model):
+                    _catch_leaf_inputs(self._tracker._mod_tracker, self._leaves)
                 self._tracker.track_external(model, optimizer)
             self._tracker.meter = self
 
@@ -114,8 +152,23 @@ class PhaseMeter:
         if self.device.type == "cuda":
             self._close_cuda_phase()
             torch.cuda.reset_peak_memory_stats(self.device)
+        self._release_leaves()
         self.label = phase
         self.phase = phase if record else None
+
+    def _release_leaves(self) -> None:
+        """Free the caught input leaves whose backward has run (their ``.grad`` is set): a run
+        without the tracker has freed them with the micro-batch's graph."""
+        alive = []
+        for ref in self._leaves:
+            if (leaf := ref()) is None:
+                continue
+            if leaf.grad is None:
+                alive.append(ref)
+                continue
+            leaf.grad = None
+            leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+        self._leaves[:] = alive
 
     def _close_cuda_phase(self) -> None:
         if self.phase is None:

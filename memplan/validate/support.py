@@ -44,11 +44,7 @@ def check_model(spec: ModelSpec) -> None:
 def check_plan(plan: Plan) -> None:
     """Reject, with a one-line reason, what the trainer cannot apply faithfully."""
     if plan.finetune != "full":
-        raise TrainerUnsupported(
-            f"finetune: the bundled trainer trains every weight; {plan.finetune} (PEFT adapters"
-            f"{', a quantized base' if plan.quant != 'none' else ''}) is estimate-only, measured with transformers "
-            "and PEFT on CPU (docs/cost-model.md)"
-        )
+        check_lora(plan)
     if plan.offload_activations != "none":
         raise TrainerUnsupported("offload_activations: not implemented by the bundled trainer")
     if plan.cp > 1:
@@ -77,6 +73,27 @@ def check_plan(plan: Plan) -> None:
         )
 
 
+def check_lora(plan: Plan) -> None:
+    """LoRA as the trainer builds it (memplan.train.lora): adapters over an unquantized base,
+    on one tensor-parallel rank, without FSDP (its groups would mix frozen and trained dtypes)."""
+    if plan.quant != "none":
+        field = "finetune" if plan.finetune == "qlora" else "quant"
+        raise TrainerUnsupported(
+            f"{field}: the bundled trainer's base is unquantized; {plan.finetune} over a {plan.quant} base "
+            "(bitsandbytes) is estimate-only, measured with transformers and PEFT on CPU (docs/cost-model.md)"
+        )
+    if set(plan.modules_to_save) - {"lm_head"}:
+        raise TrainerUnsupported(
+            "modules_to_save: the bundled trainer trains a copy of lm_head only (embed_tokens is estimate-only)"
+        )
+    if plan.tp > 1:
+        raise TrainerUnsupported("tp: the bundled trainer's LoRA adapters are not tensor-parallel; use tp 1")
+    if plan.pp > 1:
+        raise TrainerUnsupported("pp: the bundled trainer runs LoRA without pipeline parallel; use pp 1")
+    if plan.zero >= 2 and plan.dp > 1 or plan.offload_params != "none":
+        raise TrainerUnsupported("zero: the bundled trainer runs LoRA with DDP or ZeRO-1 (no FSDP); use zero 0 or 1")
+
+
 def check_workload(spec: RunSpec) -> None:
     plan, model = spec.plan, spec.model
     if model.num_layers % plan.stages:
@@ -94,6 +111,10 @@ def check_workload(spec: RunSpec) -> None:
         raise TrainerUnsupported(
             f"global_batch: the interleaved schedule needs micro-batches ({spec.accumulation}) "
             f"divisible by pp={plan.pp}"
+        )
+    if "lm_head" in plan.modules_to_save and model.tied_embeddings:
+        raise TrainerUnsupported(
+            "modules_to_save: a trained lm_head copy over tied embeddings is estimate-only in the bundled trainer"
         )
     if plan.offload_params != "none" and plan.pp > 1:
         raise TrainerUnsupported("offload_params: CPU offload with pipeline parallel is not implemented by the trainer")
