@@ -33,7 +33,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.qkv_bias or model.attn_out_bias or model.mlp_bias or model.qk_norm), "biases or QK-norm"),
         (plan.attention == "flash", f"{plan.attention} attention"),
-        (plan.finetune == "full", "LoRA adapters (the trainer trains every weight)"),
+        (plan.finetune == "full", "LoRA adapters (the op-by-op timeline follows full training only)"),
         (plan.offload_activations == "none", "activation offload"),
         (plan.pp == 1 and plan.cp == 1 and plan.ep == 1, "pipeline, context or expert parallelism"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
