@@ -151,6 +151,9 @@ class Fp8Step:
     gather_fp8: bool = False
 
 
+NO_FP8 = Fp8Step()  # what every plan outside ``precision: fp8`` gets (built once: the search's hot path)
+
+
 def linear_elements(model: ModelSpec, layout: StageLayout) -> int:
     """The transformer layers' linear weights on this rank (the fp8 ones): the layers' parameters
     less their norms; the embedding and the LM head stay bf16."""
@@ -160,7 +163,7 @@ def linear_elements(model: ModelSpec, layout: StageLayout) -> int:
 def fp8_step(layout: StageLayout, plan: Plan, runtime: str, x: Shape, fsdp2: bool, moe_fraction: float) -> Fp8Step:
     """The fp8 terms of one rank's step for ``plan`` run by ``runtime`` (module docstring)."""
     if plan.precision != "fp8":
-        return Fp8Step()
+        return NO_FP8
     m = x.model
     chosen = recipe(plan.fp8_recipe, runtime)
     if plan.fp8_all_gather and not fsdp2:

@@ -589,6 +589,9 @@ class _Fsdp2(NamedTuple):
     backward_end: int
 
 
+_NO_FSDP2 = _Fsdp2(0, 0, 0)  # outside FSDP2
+
+
 def fsdp2_unsharded(
     model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, fp8_gather: bool = False
 ) -> _Fsdp2:
@@ -888,6 +891,7 @@ class MemoryMemo:
     terms: dict[tuple, _MicroBatchTerms] = field(default_factory=dict)
     buffers: dict[tuple, tuple[int, int, int, int]] = field(default_factory=dict)
     states: dict[tuple, _States] = field(default_factory=dict)
+    unsharded: dict[tuple, _Fsdp2] = field(default_factory=dict)
 
     def shape(
         self, model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, device: Device
@@ -911,6 +915,15 @@ class MemoryMemo:
         key = (*_layout_fields(plan), layout.stage, _state_fields(plan))
         if (found := self.states.get(key)) is None:
             found = self.states[key] = model_states(layout, plan, policy, factored)
+        return found
+
+    def fsdp2_unsharded(
+        self, model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, fp8_gather: bool
+    ) -> _Fsdp2:
+        """``fsdp2_unsharded`` of a stage (it reads the layout, ZeRO and the precision)."""
+        key = (*_layout_fields(plan), layout.stage, plan.zero, plan.precision, fp8_gather)
+        if (found := self.unsharded.get(key)) is None:
+            found = self.unsharded[key] = fsdp2_unsharded(model, layout, plan, policy, fp8_gather)
         return found
 
     def micro_batch(
@@ -993,14 +1006,14 @@ def _stage_phases(
     # communication buffers
     gathered = 0
     rs_buffer = 0
-    unsharded = _Fsdp2(0, 0, 0)
+    unsharded = _NO_FSDP2
     sharded = plan.dp * plan.cp > 1
     fsdp2 = _fsdp2(rt, plan)
     if fsdp2:
         # FSDP2 keeps the sharded params as the parameters and gathers the rest per group
         shard = int(st.optimizer_elements * policy.param_bytes) if plan.offload_params == "none" else 0
         st = st._replace(params=shard)
-        unsharded = fsdp2_unsharded(model, layout, plan, policy, fp8.gather_fp8)
+        unsharded = memo.fsdp2_unsharded(model, layout, plan, policy, fp8.gather_fp8)
         if plan.offload_params != "none":
             st = st._replace(grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
     elif plan.zero >= 3 and sharded:
@@ -1069,8 +1082,7 @@ def _stage_phases(
     base = {"parameters": st.params, "optimizer_states": st.optimizer, "fp8_weights": fp8.weights}
     # eager fp8 casts: the last layer's down projection may outgrow the loss's tensors at the
     # forward's end; in the layer's forward its input and mid-layer residual are alive, unsaved
-    layer_residuals = 2 * A.layer_input(x)
-    fp8_forward = max(0, fp8.forward_extra + layer_residuals - fwd_head - loss_fwd) if fp8.forward_extra else 0
+    fp8_forward = max(0, fp8.forward_extra + 2 * A.layer_input(x) - fwd_head - loss_fwd) if fp8.forward_extra else 0
     head_grads = 0
     if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
         head_grads = (vocab_shard_params(model, plan.tp) + P.norm_params(model)) * policy.grad_bytes

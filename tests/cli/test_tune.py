@@ -19,7 +19,6 @@ import yaml
 from optuna.trial import TrialState
 
 from memplan.cli.app import run
-from memplan.costmodel.overhead import fast_reserved_bytes
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 LLAMA8B = ["llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "128"]
@@ -403,10 +402,12 @@ def test_finetune_on_one_gpu_answers_which_batch_fits_at_which_length(tmp_path):
             )  # fmt: skip
             assert code == 0, err
             memory = json.loads(out)["memory"]
-            # as the search judges a plan: the fast form of the reserved peak and the memory
-            # outside the allocator within the limit (capacity less the 5% margin)
-            judged = fast_reserved_bytes(memory["peak"]["allocated"]) + memory["overhead"]
+            # as the recommended plans are judged: the replayed reserved peak (estimate's) and the
+            # memory outside the allocator within the limit (capacity less the 5% margin)
+            judged = memory["peak"]["reserved"] + memory["overhead"]
             assert (judged <= result["limit_bytes"]) is fits, (row, mb)
+            if fits:  # the row's figure is estimate's, not the search's screen
+                assert row["peak_reserved_bytes"] == memory["peak"]["reserved"], row
 
 
 def test_allow_quantization_needs_a_finetune_mode(tmp_path):
