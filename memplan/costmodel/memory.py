@@ -27,7 +27,7 @@ from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
 from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout, vocab_shard_params
-from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, paged_state_bytes, state_bytes_per_param
+from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, is_paged, paged_state_bytes, state_bytes_per_param
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
 from memplan.costmodel.quant import quantized_weight_bytes
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
@@ -887,7 +887,7 @@ class MemoryMemo:
     pipeline's buffers, and a stage's model states by the layout and what they read."""
 
     shapes: dict[tuple, A.Shape] = field(default_factory=dict)
-    layouts: dict[tuple, tuple[StageLayout, float]] = field(default_factory=dict)
+    layouts: dict[tuple, tuple[StageLayout, float, tuple]] = field(default_factory=dict)
     terms: dict[tuple, _MicroBatchTerms] = field(default_factory=dict)
     buffers: dict[tuple, tuple[int, int, int, int]] = field(default_factory=dict)
     states: dict[tuple, _States] = field(default_factory=dict)
@@ -902,26 +902,30 @@ class MemoryMemo:
             x = self.shapes[key] = _shape(model, workload, plan, POLICIES[plan.precision], rt, device)
         return x, key
 
-    def layout(self, model: ModelSpec, plan: Plan, stage: int) -> tuple[StageLayout, float]:
-        """(``stage_layout``, ``_moe_fraction``) of pipeline rank ``stage``."""
+    def layout(self, model: ModelSpec, plan: Plan, stage: int) -> tuple[StageLayout, float, tuple]:
+        """(``stage_layout``, ``_moe_fraction``, the key the stage's other memos extend) of
+        pipeline rank ``stage``."""
         key = (*_layout_fields(plan), stage)
         if (found := self.layouts.get(key)) is None:
             layout = stage_layout(model, *key)
-            found = self.layouts[key] = (layout, _moe_fraction(model, layout, plan))
+            found = self.layouts[key] = (layout, _moe_fraction(model, layout, plan), key)
         return found
 
-    def model_states(self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float) -> _States:
-        """``model_states`` of a stage (full training)."""
-        key = (*_layout_fields(plan), layout.stage, _state_fields(plan))
+    def model_states(
+        self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float, layout_key: tuple
+    ) -> _States:
+        """``model_states`` of a stage (full training); ``layout_key``: :meth:`layout`'s."""
+        key = (layout_key, _state_fields(plan))
         if (found := self.states.get(key)) is None:
             found = self.states[key] = model_states(layout, plan, policy, factored)
         return found
 
     def fsdp2_unsharded(
-        self, model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, fp8_gather: bool
-    ) -> _Fsdp2:
+        self, model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, fp8_gather: bool,
+        layout_key: tuple,
+    ) -> _Fsdp2:  # fmt: skip
         """``fsdp2_unsharded`` of a stage (it reads the layout, ZeRO and the precision)."""
-        key = (*_layout_fields(plan), layout.stage, plan.zero, plan.precision, fp8_gather)
+        key = (layout_key, plan.zero, plan.precision, fp8_gather)
         if (found := self.unsharded.get(key)) is None:
             found = self.unsharded[key] = fsdp2_unsharded(model, layout, plan, policy, fp8_gather)
         return found
@@ -959,14 +963,14 @@ def _stage_phases(
     activations. ``memo``: the search's (see :class:`MemoryMemo`)."""
     memo = MemoryMemo() if memo is None else memo
     policy = POLICIES[plan.precision]
-    layout, moe_fraction = memo.layout(model, plan, stage)
+    layout, moe_fraction, layout_key = memo.layout(model, plan, stage)
     factored = 1 / model.hidden_size + 1 / model.ffn_size
     finetune = plan.finetune != "full"
     if finetune:
         st = finetune_states(layout, model, plan, policy, factored)
     else:
-        st = memo.model_states(layout, plan, policy, factored)
-    if device == "cuda" and (paged := paged_state_bytes(model, layout, plan)):
+        st = memo.model_states(layout, plan, policy, factored, layout_key)
+    if device == "cuda" and is_paged(plan.optimizer) and (paged := paged_state_bytes(model, layout, plan)):
         # bitsandbytes' paged states leave the allocator (on CPU it falls back to torch.zeros_like)
         st = st._replace(optimizer=st.optimizer - paged, paged=paged)
     x, shape_key = memo.shape(model, workload, plan, rt, device)
@@ -1013,7 +1017,7 @@ def _stage_phases(
         # FSDP2 keeps the sharded params as the parameters and gathers the rest per group
         shard = int(st.optimizer_elements * policy.param_bytes) if plan.offload_params == "none" else 0
         st = st._replace(params=shard)
-        unsharded = memo.fsdp2_unsharded(model, layout, plan, policy, fp8.gather_fp8)
+        unsharded = memo.fsdp2_unsharded(model, layout, plan, policy, fp8.gather_fp8, layout_key)
         if plan.offload_params != "none":
             st = st._replace(grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
     elif plan.zero >= 3 and sharded:

@@ -23,7 +23,7 @@ SEGMENT_BYTES = 2 * MiB
 
 def communicators(dp: int, tp: int, pp: int, cp: int, ep: int) -> int:
     """Process groups with more than one rank each hold an NCCL communicator."""
-    return sum(1 for degree in (dp, tp, pp, cp, ep) if degree > 1)
+    return (dp > 1) + (tp > 1) + (pp > 1) + (cp > 1) + (ep > 1)
 
 
 def fixed_overhead_bytes(n_communicators: int) -> int:

@@ -574,16 +574,15 @@ def step_speed(
             autocast,
         )
 
-    slowest: dict[str, float] | None = None
-    for stage in sorted({0, plan.pp - 1}):
+    slowest: dict[str, float] = {}
+    per_mb = -1.0
+    for stage in (0,) if plan.pp == 1 else (0, plan.pp - 1):
         if memo is None:
             parts = stage_parts(stage)
         elif (parts := memo.stages.get((key, stage))) is None:
             parts = memo.stages[key, stage] = stage_parts(stage)
-        if slowest is None or sum(parts.values()) > sum(slowest.values()):
-            slowest = parts
-    assert slowest is not None
-    per_mb = sum(slowest.values())
+        if (seconds := sum(parts.values())) > per_mb:  # the first of equals
+            slowest, per_mb = parts, seconds
     breakdown = {k: v * m for k, v in slowest.items()}
 
     # pipeline: (p - 1) / v micro-batch slots of bubble (1F1B, interleaved), the same for GPipe
