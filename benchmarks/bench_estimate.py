@@ -13,12 +13,24 @@ they move less. A second floor, the stack with one pydantic model built and vali
 what pydantic's model machinery (imported on the first model class) costs by itself.
 
     python benchmarks/bench_estimate.py [--runs 10] [--seconds 3] [--timeline-runs 5]
+    python benchmarks/bench_estimate.py --instructions
+
+``--instructions`` counts instructions instead of seconds, under valgrind's callgrind (``Ir``,
+every instruction the process executes): a count does not move with what else the machine runs,
+so on a shared 2-core machine it compares two versions where timings cannot. It prints the cold
+estimate and the pydantic floor against the import floor, and the search's instructions per plan
+(two passes over the grid less the set-up, so that imports and profiles do not count). The
+processes it starts import the memplan of the current directory (``python -c`` and ``-m`` put it
+first on ``sys.path``, before ``PYTHONPATH``): to compare two versions, run this file from each
+checkout.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import re
 import resource
 import shutil
 import statistics
@@ -124,20 +136,14 @@ def replay_seconds(model_name: str, **plan: object) -> tuple[float, float]:
     return build, replayed
 
 
-def evaluations_per_second(seconds: float, search: bool = False) -> tuple[float, int]:
-    """Plans of Llama-3-70B evaluated per second in-process, over a grid of 768 plans: the
-    full ``estimate_memory`` report, or (``search``) what the search computes per plan,
-    ``search.evaluate.evaluate`` (memory and step time, the fast form), each pass a new search
-    context. Process CPU time, not wall time: the cores may be shared."""
-    from memplan.costmodel.memory import estimate_memory
-    from memplan.search.evaluate import Context, evaluate
+def _grid() -> tuple:
+    """(Llama-3-70B, the H100 SXM profile, 768 candidate plans: dp, tp, pp in 1-8, ZeRO 0-3,
+    every recomputation), at seq 4096, micro-batch 1, global batch 512."""
     from memplan.search.space import Candidate
-    from memplan.specs.hardware import ClusterSpec
     from memplan.specs.loader import load_gpu, load_model
     from memplan.specs.plan import Plan
     from memplan.specs.workload import TrainingWorkload
 
-    model, gpu = load_model("llama3-70b"), load_gpu("h100-sxm")
     workload = TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=512)
     plans = [
         Plan(dp=dp, tp=tp, pp=pp, zero=z, recompute=r)
@@ -147,7 +153,21 @@ def evaluations_per_second(seconds: float, search: bool = False) -> tuple[float,
         for z in range(4)
         for r in ("none", "selective", "full")
     ]
-    candidates = [Candidate(plan, workload) for plan in plans]
+    return load_model("llama3-70b"), load_gpu("h100-sxm"), [Candidate(plan, workload) for plan in plans]
+
+
+def evaluations_per_second(seconds: float, search: bool = False) -> tuple[float, int]:
+    """Plans of Llama-3-70B evaluated per second in-process, over a grid of 768 plans: the
+    full ``estimate_memory`` report, or (``search``) what the search computes per plan,
+    ``search.evaluate.evaluate`` (memory and step time, the fast form), each pass a new search
+    context. Process CPU time, not wall time: the cores may be shared."""
+    from memplan.costmodel.memory import estimate_memory
+    from memplan.search.evaluate import Context, evaluate
+    from memplan.specs.hardware import ClusterSpec
+
+    model, gpu, candidates = _grid()
+    workload = candidates[0].workload
+    plans = [c.plan for c in candidates]
     count, start = 0, time.process_time()
     while time.process_time() - start < seconds:
         if search:
@@ -161,12 +181,66 @@ def evaluations_per_second(seconds: float, search: bool = False) -> tuple[float,
     return count / (time.process_time() - start), len(plans)
 
 
+def instructions(cmd: list[str]) -> int:
+    """Instructions one process running ``cmd`` executes (callgrind's ``Collected``), with a fixed
+    hash seed so that two counts of the same code agree to a few parts in a million."""
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    out = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *cmd],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    if found is None:
+        raise SystemExit(f"callgrind printed no count: {out.stderr[-300:]}")
+    return int(found.group(1))
+
+
+SEARCH_PASSES = """
+import sys
+sys.path.insert(0, {here!r})
+from bench_estimate import search_passes
+search_passes(int(sys.argv[1]))
+"""
+
+
+def search_passes(passes: int) -> None:
+    """``passes`` passes of ``evaluate`` over the 768-plan grid, each with a new search context."""
+    from memplan.search.evaluate import Context, evaluate
+    from memplan.specs.hardware import ClusterSpec
+
+    model, gpu, candidates = _grid()
+    for _ in range(passes):
+        ctx = Context(model, gpu, ClusterSpec(gpus_per_node=8, nodes=64), margin_bytes=4 * 2**30)
+        for candidate in candidates:
+            evaluate(candidate, ctx)
+
+
+def instruction_counts() -> None:
+    """The cold start and the search's per-plan cost in instructions (module docstring)."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (callgrind) on the PATH")
+    floor = instructions([sys.executable, "-c", STACK])
+    pyd = instructions([sys.executable, "-c", PYDANTIC])
+    cold = instructions([*_cli(), *ESTIMATE])
+    print(f"import floor ({STACK}): {floor / 1e9:.3f} G instructions")
+    print(f"the floor with one pydantic model built: {pyd / 1e9:.3f} G ({pyd / floor:.2f}x the floor)")
+    print(f"cold memplan {' '.join(ESTIMATE)}: {cold / 1e9:.3f} G ({cold / floor:.2f}x the floor; target <= 1.5x)")
+    script = SEARCH_PASSES.format(here=str(Path(__file__).resolve().parent))
+    setup = instructions([sys.executable, "-c", script, "0"])
+    two = instructions([sys.executable, "-c", script, "2"])
+    print(f"the search's evaluate: {(two - setup) / 2 / len(_grid()[2]):,.0f} instructions per plan (768-plan grid)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--timeline-runs", type=int, default=5)
+    parser.add_argument("--instructions", action="store_true", help="count instructions (valgrind) instead")
     args = parser.parse_args()
+    if args.instructions:
+        instruction_counts()
+        return
     cold_start(args.runs)
     if args.timeline_runs:
         timeline_cost(args.timeline_runs)
