@@ -103,8 +103,8 @@ def cold_start(runs: int) -> None:
 
 
 def timeline_cost(runs: int) -> None:
-    """What ``--timeline`` adds to the cold estimate, per format (.svg/.png only with matplotlib)."""
-    kinds = ["html", "pickle"] + (["png", "svg"] if importlib.util.find_spec("matplotlib") else [])
+    """What ``--timeline`` adds to the cold estimate, per format (.png only with Pillow)."""
+    kinds = ["html", "pickle", "svg"] + (["png"] if importlib.util.find_spec("PIL") else [])
     with tempfile.TemporaryDirectory() as tmp:
         commands = {"none": [*_cli(), *ESTIMATE]}
         commands.update({k: [*_cli(), *ESTIMATE, "--timeline", str(Path(tmp) / f"t.{k}")] for k in kinds})

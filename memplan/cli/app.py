@@ -151,9 +151,9 @@ _NORMAL_EXIT = ("torch", "triton", "optuna", "multiprocessing", "concurrent.futu
 
 def _leave(code: int) -> None:
     """Exit with ``code``, without the interpreter's teardown where that only frees memory: stdout and
-    stderr are flushed, the functions registered with :mod:`atexit` run (logging's flush,
-    matplotlib's figures: what a normal exit runs first), then ``os._exit``. The teardown it skips
-    frees every object one by one: ~50 ms of a cold estimate, ~0.2 s after a matplotlib figure.
+    stderr are flushed, the functions registered with :mod:`atexit` run (logging's flush: what a
+    normal exit runs first), then ``os._exit``. The teardown it skips frees every object one by
+    one: ~50 ms of a cold estimate.
     With another thread running or one of :data:`_NORMAL_EXIT` loaded (the tuner, the validator's
     trainer), the normal exit."""
     _flush()

@@ -41,9 +41,12 @@ def _points(xs: list[str], ys: list[str]) -> str:
     return " ".join(f"{x},{y}" for x, y in zip(xs, ys, strict=True))
 
 
-def _svg(panel: Panel, k: int) -> str:
+def _svg(panel: Panel, k: int, place: str = "") -> str:
+    """The chart of ``panel``; ``place``: attributes that position it inside another SVG
+    (``figure.render_svg``)."""
     sx, sy = _scale(panel)
-    parts = [f'<svg id="chart{k}" class="chart" viewBox="0 0 {W} {H}" xmlns="http://www.w3.org/2000/svg">']
+    at = f"{place} " if place else ""
+    parts = [f'<svg id="chart{k}" class="chart" {at}viewBox="0 0 {W} {H}" xmlns="http://www.w3.org/2000/svg">']
     for span in panel.phases:
         x0, x1 = LEFT + span.start * sx, LEFT + max(span.end - 1, span.start) * sx
         parts.append(f'<rect x="{x0:.1f}" y="{TOP}" width="{max(x1 - x0, 0.5):.1f}" height="{H - TOP - BOTTOM}" '

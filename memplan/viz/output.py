@@ -1,7 +1,8 @@
 """Where a timeline goes: the path checked before any work, then the picture written.
 
-``.html`` (self-contained page, standard library only), ``.svg`` and ``.png`` (matplotlib, the
-``viz`` extra) and ``.pickle`` / ``.pkl`` (PyTorch's snapshot format, predicted run only).
+``.html`` (self-contained page) and ``.svg`` (the page's chart as a document), standard library
+only; ``.png`` (the same picture through Pillow, the ``viz`` extra); ``.pickle`` / ``.pkl``
+(PyTorch's snapshot format, predicted run only).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ EXTRA_HINT = "pip install 'memplan[viz]'"
 
 def check_output(path: str | Path, field: str = "--timeline", pickle_ok: bool = True) -> tuple[Path, Kind]:
     """The path and what to write there, or one :class:`MemplanError` naming the path and why not:
-    a directory, a missing parent folder, an unknown suffix, or ``.svg``/``.png`` without matplotlib."""
+    a directory, a missing parent folder, an unknown suffix, or ``.png`` without Pillow."""
     out = Path(path)
     source = str(path)
     if out.is_dir():
@@ -32,8 +33,8 @@ def check_output(path: str | Path, field: str = "--timeline", pickle_ok: bool = 
     if kind is None or (kind == "pickle" and not pickle_ok):
         known = ", ".join(s for s, k in KINDS.items() if pickle_ok or k != "pickle")
         raise MemplanError(f"unknown suffix {out.suffix or '(none)'!r}: one of {known}", source=source, field=field)
-    if kind in ("svg", "png") and importlib.util.find_spec("matplotlib") is None:
-        raise MemplanError(f".{kind} needs matplotlib, in the viz extra: {EXTRA_HINT}", source=source, field=field)
+    if kind == "png" and importlib.util.find_spec("PIL") is None:
+        raise MemplanError(f".png needs Pillow, in the viz extra: {EXTRA_HINT}", source=source, field=field)
     return out, kind
 
 
@@ -45,7 +46,7 @@ def write_panels(panels: list, path: Path, kind: Kind) -> None:
         path.write_text(render_html(panels), encoding="utf-8")
         return
     if kind in ("svg", "png"):
-        from memplan.viz.mpl import render_figure
+        from memplan.viz.figure import render_figure
 
         render_figure(panels, path, kind)
         return

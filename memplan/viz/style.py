@@ -1,4 +1,4 @@
-"""Colours and labels shared by the HTML page and the matplotlib figure."""
+"""Colours and labels shared by the HTML page, the SVG and the PNG."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ inference estimate, through the command as a user runs it, and what the pictures
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import struct
@@ -14,6 +15,7 @@ from memplan.cli.app import run
 from memplan.specs.resolve import resolve_job
 from memplan.viz.predicted import predicted_panel, predicted_track
 from memplan.viz.snapshot import to_snapshot
+from memplan.viz.style import COLORS
 
 PLANS = {
     # FSDP2 (ZeRO-3 over 8 ranks): the bundled trainer's run, collectives on their own streams
@@ -76,11 +78,21 @@ def test_each_format_is_written(capsys, tmp_path, plan, kind):
     elif kind == "svg":
         root = ET.fromstring(data)
         assert root.tag.endswith("svg")
-        assert b"peak " in data  # the peak's label, as text
+        texts = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text")]
+        assert any(t.startswith("peak ") for t in texts)  # the peak's tag and label, as text
+        assert "cached but free" in texts and "reserved" in texts  # the legend
+        assert any(t.startswith("predicted: ") for t in texts)  # the title
     elif kind == "png":
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
         width, height = struct.unpack(">II", data[16:24])
         assert width > 800 and height > 300
+        from PIL import Image
+
+        pixels = Image.open(io.BytesIO(data)).convert("RGB")
+        colours = {rgb for _, rgb in pixels.getcolors(maxcolors=width * height)}
+        # the stacks are drawn in the page's colours (the parameters at the bottom of each)
+        wanted = COLORS["parameters"].lstrip("#")
+        assert tuple(int(wanted[i : i + 2], 16) for i in (0, 2, 4)) in colours
     else:
         snapshot = pickle.loads(data)
         assert set(snapshot) >= {"segments", "device_traces"}
@@ -122,16 +134,16 @@ def test_fsdp2_collectives_are_on_their_own_streams(tracks):
     assert {s["stream"] for s in snapshot["segments"]} == {0, 1, 2}
 
 
-def test_without_matplotlib_svg_and_png_name_the_extra(capsys, tmp_path, monkeypatch):
+def test_without_pillow_png_names_the_extra(capsys, tmp_path, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    for kind in ("svg", "png"):
-        path = tmp_path / f"t.{kind}"
-        assert run(["estimate", "llama3-8b", "--timeline", str(path)]) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "memplan[viz]" in err and str(path) in err
-        assert not path.exists()
-    # html and pickle need nothing more
-    assert run(["estimate", "llama3-8b", "--timeline", str(tmp_path / "t.html")]) == 0
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else real(name, *a))
+    path = tmp_path / "t.png"
+    assert run(["estimate", "llama3-8b", "--timeline", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "memplan[viz]" in err and "Pillow" in err and str(path) in err
+    assert not path.exists()
+    # html, svg and pickle need nothing more
+    for kind in ("html", "svg", "pickle"):
+        assert run(["estimate", "llama3-8b", "--timeline", str(tmp_path / f"t.{kind}")]) == 0
