@@ -46,7 +46,7 @@ def check_plan(plan: Plan) -> None:
     if plan.finetune != "full":
         check_lora(plan)
     if plan.offload_activations != "none":
-        raise TrainerUnsupported("offload_activations: not implemented by the bundled trainer")
+        check_offload(plan)
     if plan.cp > 1:
         raise TrainerUnsupported("cp: context parallelism is not implemented by the bundled trainer")
     if plan.ep > 1:
@@ -71,6 +71,23 @@ def check_plan(plan: Plan) -> None:
         raise TrainerUnsupported(
             "zero: with pipeline parallel the trainer shards data parallel with FSDP2; use zero 2 or 3"
         )
+
+
+def check_offload(plan: Plan) -> None:
+    """Activation offload as the trainer runs it (memplan.train.offload: ``save_on_cpu`` around
+    each micro-batch's forward and loss) where it is measured and modelled: one tensor-parallel
+    rank, no pipeline, no FSDP2, recomputation none or full over every layer, full training."""
+    blocked = [
+        (plan.tp > 1, "tensor parallel (DTensor saved tensors); use tp 1"),
+        (plan.pp > 1, "pipeline parallel (each stage's micro-batches); use pp 1"),
+        (plan.zero >= 2 and plan.dp > 1, "FSDP2 (zero 2 or 3 with dp > 1); use zero 0 or 1"),
+        (plan.recompute not in ("none", "full"), f"recompute {plan.recompute}; use none or full"),
+        (plan.recompute_layers is not None, "recompute_layers (part of the layers checkpointed); leave it unset"),
+        (plan.finetune != "full", f"{plan.finetune}; use finetune full"),
+    ]
+    for hit, what in blocked:
+        if hit:
+            raise TrainerUnsupported(f"offload_activations: the bundled trainer does not offload with {what}")
 
 
 def check_lora(plan: Plan) -> None:
