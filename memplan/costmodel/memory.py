@@ -25,6 +25,7 @@ from memplan.costmodel import inference as I
 from memplan.costmodel import lora as L
 from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
+from memplan.costmodel import trainer_offload as TO
 from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout, vocab_shard_params
 from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, paged_state_bytes, state_bytes_per_param
@@ -323,7 +324,8 @@ def lora_activations(
 # --- activation offload to CPU (plan.offload_activations) --------------------------------
 
 TRL_MIN_OFFLOAD_BYTES = 1024  # TRL's / torchtune's OffloadActivations(min_offload_size=1024)
-OFFLOAD_MECHANISM = {"hf": "trl", "hf-loop": "save_on_cpu"}  # what each loop runs for offload_activations: cpu
+# what each loop runs for offload_activations: cpu (the bundled trainer: memplan.train.offload)
+OFFLOAD_MECHANISM = {"hf": "trl", "hf-loop": "save_on_cpu", "memplan": "save_on_cpu"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +340,10 @@ class _ActOffload:
     stash: int  # on the device when the loss runs at the end of the forward, beyond the kept ones
     mlp_forward: int  # the last layer's MLP forward at its product: SiLU output, up output, product
     mechanism: str
+    # the bundled trainer's (``memplan``) only: what the loss's backward holds of the head (None:
+    # the head's term), and at the embedding's backward beside every gradient (0: not a moment)
+    bwd_head: int | None = None
+    embedding_backward: int = 0
 
 
 def offload_mechanism(plan: Plan, rt: RuntimeProfile) -> str:
@@ -347,9 +353,11 @@ def offload_mechanism(plan: Plan, rt: RuntimeProfile) -> str:
     - ``hf`` (the Trainer): TRL's ``OffloadActivations`` (``SFTConfig(activation_offloading=True)``,
       axolotl's ``activation_offloading: true``), streamed;
     - ``hf-loop`` (a hand-written loop): ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
-      around the forward and backward, synchronous.
+      around the forward and backward, synchronous;
+    - ``memplan`` (the bundled trainer): ``save_on_cpu(pin_memory=True)`` around each
+      micro-batch's forward and loss (:func:`memplan_offload`).
 
-    Neither is what the bundled trainer or Megatron-LM run."""
+    Megatron-LM's fine-grained offload is not modelled."""
     if rt.name not in OFFLOAD_MECHANISM:
         raise MemplanError(
             f"activation offload is modelled for the hf runtime (TRL's activation_offloading) and hf-loop "
@@ -445,6 +453,8 @@ def activation_offload(
     hook pair around ``lm_head``) and the loss's log_softmax output (nll_loss saves it again);
     the final norm's normalised value and the int64 labels go."""
     mechanism = offload_mechanism(plan, rt)
+    if rt.name == "memplan":
+        return memplan_offload(model, x, plan, layout)
     tokens, layers = x.tokens, layout.layers
     checkpointed = plan.recompute == "full"
     normalised = tokens * (4 if x.autocast else x.d) * model.hidden_size // x.rep if plan.finetune == "full" else 0
@@ -503,6 +513,43 @@ def activation_offload(
         stash = h4 + (mlp if layers and not checkpointed else 0)
     mlp_forward = tokens * x.d * 3 * model.ffn_size // x.t if layers and not checkpointed else 0
     return _ActOffload(kept, last, node, head_kept, copies_kept, host, head_back, stash, mlp_forward, mechanism)
+
+
+def memplan_offload(model: ModelSpec, x: A.Shape, plan: Plan, layout: StageLayout) -> _ActOffload:
+    """``save_on_cpu`` in the bundled trainer, one micro-batch (costmodel.trainer_offload):
+
+    - forward: nothing of the layers stays (recomputed or not: the checkpoint's saved inputs go
+      too); at the loss the logits (``loss_forward``), log_softmax's fp32 output and the labels
+      are alive; inside the last layer the MLP's moment (:func:`trainer_offload.mlp_forward_bytes`);
+    - backward: at the loss's backward the labels, the copy of log_softmax's output back from
+      the host and the loss's two fp32 gradients; the last layer's backward holds its node's
+      copies (3 d f at the MLP's product, as for hf-loop) unless recomputed (its own saves, as
+      without offload); the embedding's backward comes after it with every gradient made
+      (:func:`trainer_offload.embedding_backward_bytes`);
+    - host: :func:`trainer_offload.host_bytes`.
+
+    Measured on CPU within 0.2% per phase (docs/cost-model.md)."""
+    tokens = x.tokens
+    kept_head = A.fp32_logits(x, model.vocab_size) + 8 * tokens  # log_softmax output, labels
+    pb = POLICIES[plan.precision].param_bytes
+    host = TO.host_bytes(x, model.vocab_size, layout.layers, pb, plan.recompute)
+    node = tokens * x.d * 3 * model.ffn_size
+    mlp = TO.mlp_forward_bytes(x) + 8 * tokens if layout.layers else 0  # with the labels
+    embedding = TO.embedding_backward_bytes(x) + 8 * tokens if layout.is_first else 0
+    return _ActOffload(
+        kept=0,
+        last=0,
+        node=node,
+        head_kept=kept_head,
+        copies_kept=0,
+        host=host,
+        head_back=0,
+        stash=0,
+        mlp_forward=mlp,
+        mechanism="save_on_cpu",
+        bwd_head=kept_head,
+        embedding_backward=embedding,
+    )
 
 
 def _shape(
@@ -1054,11 +1101,18 @@ def _stage_phases(
         weight_copies = lora_acts.weight_copies
     fwd_acts, fwd_head, bwd_copies, others_kept, head_back = layer_acts, head, weight_copies, None, 0
     offload_host = mlp_peak = 0
+    fwd_copies, bwd_head, embedding_backward = weight_copies, head, 0
     if plan.offload_activations != "none":
         off = activation_offload(model, x, plan, rt, layout, stored, head, weight_copies, lora_acts)
         share = inflight / layers if layers else 1
         fwd_acts, fwd_head, bwd_copies, head_back = int(off.kept * share), off.head_kept, off.copies_kept, off.head_back
         fwd_head += off.stash
+        if off.bwd_head is not None:  # the bundled trainer (memplan_offload)
+            # RoPE's tables die with the forward (their saves are on the host), and so does
+            # autocast's cache of weight casts, which the loss (outside autocast) does not see
+            embed -= terms.per_chunk * round(inflight * plan.virtual_stages / layers) if layers else 0
+            fwd_copies, bwd_head, embedding_backward = 0, off.bwd_head, off.embedding_backward
+            off = replace(off, mlp_forward=off.mlp_forward + weight_copies)
         # with the layers' tensors gone, the forward may peak inside the last layer's MLP instead
         mlp_peak = max(0, off.mlp_forward - fwd_head - terms.loss_forward)
         offload_host = off.host
@@ -1077,7 +1131,7 @@ def _stage_phases(
     fwd = {
         **base,
         "gradients": grads_in_step,
-        "autocast_weights": weight_copies,
+        "autocast_weights": fwd_copies,
         "activations": fwd_acts + embed + max(mlp_peak, fp8_forward),
         "logits_and_loss": fwd_head + loss_fwd,
         "comm_buffers": gathered + p2p_fwd + ddp_copy,
@@ -1089,7 +1143,7 @@ def _stage_phases(
         "gradients": grads_in_step,
         "autocast_weights": bwd_copies,
         "activations": fwd_acts + embed,
-        "logits_and_loss": head + loss_bwd + head_back,
+        "logits_and_loss": bwd_head + loss_bwd + head_back,
         "comm_buffers": gathered + p2p_bwd_start + ddp_copy,
         "gathered_params": unsharded.backward_start,
     }  # no reduce-scatter buffer yet: no layer has produced gradients
@@ -1141,6 +1195,17 @@ def _stage_phases(
         "retained_outputs": retained,
     }
     candidates = [bwd_start, bwd_end]
+    if embedding_backward:
+        # offloaded, the embedding's backward may be the widest: every gradient, its own
+        # being made, beside its incoming gradient and the ids' copy (memplan_offload)
+        candidates.append(
+            {
+                **base,
+                "gradients": grads_full,
+                "activations": embed + embedding_backward,
+                "comm_buffers": gathered + rs_buffer + ddp_copy,
+            }
+        )
     if rt.pytorch_parallel and tied_here:
         # the embedding's backward of a tied model: the LM head's gradient of the shared
         # matrix (V h / t) waits in autograd's input buffer, the embedding's own arrives, and

@@ -1,0 +1,111 @@
+"""Activation offload to CPU in the bundled trainer (``--runtime memplan``, ``offload_activations: cpu``).
+
+The trainer runs ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around each micro-batch's
+forward and loss (memplan.train.offload): every tensor autograd saves there is copied to pinned
+host memory, once per save (a tensor two ops save is copied twice), parameters included, and
+copied back, contiguous, when its node runs in the backward; the copy dies with the node. So
+the device keeps nothing of the layers through the forward, and the host holds the sum of
+every save. With ``recompute: full`` the checkpointed layers' saves go to the checkpoint's
+own hooks (the innermost win), but the checkpoint saves the layer's tensor inputs for its
+recomputation (``_NoopSaveInputs``) under the outer hooks: the layer input and RoPE's cos and
+sin go to the host as well.
+
+Every figure was counted save by save on the trainer's model (a pack hook listing shapes and
+dtypes) and matches the measured host bytes exactly for fp32, bf16 and bf16-mixed, recompute
+none and full (docs/cost-model.md, "Activation offload in the bundled trainer"). The trainer
+runs offload on one tensor-parallel rank without pipeline or FSDP2 (validate.support), so
+these assume t = 1 and a whole model on the rank. Standard library only.
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.activations import Shape
+
+
+def residual_bytes(x: Shape) -> int:
+    """Bytes of the residual stream (and of RoPE's tables): fp32 under autocast, else the
+    model's dtype."""
+    return 4 if x.autocast else x.d
+
+
+def norm_saves(x: Shape) -> int:
+    """One trainer RMSNorm (``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)``) for one
+    micro-batch: ``pow`` and ``mul`` each save the fp32 input (2 x 4h), ``rsqrt`` its result and
+    ``mul`` the same rsqrt (2 x 4 bytes a token), the weight ``mul`` the normalised value in
+    the residual dtype (r h). The weight is counted with the layer's weights."""
+    h = x.model.hidden_size
+    return x.tokens * (8 * h + 8 + residual_bytes(x) * h)
+
+
+def layer_saves(x: Shape) -> int:
+    """Every tensor one trainer layer saves (memplan.train.model.Block, flash SDPA), counted once
+    per save, without weights: two norms (:func:`norm_saves`); the q, k and v matmuls each save
+    the normalised input (3 d h); RoPE saves cos and sin for q and for k (4 s hd r: the tables
+    do not require grad, so neither is q or k); SDPA saves q, k, v, its output (d (2q + 2kv))
+    and the fp32 log-sum-exp (4 a head); the output projection its input (d q); the gate and
+    up matmuls the normalised input (2 d h); SiLU its input, the product SiLU's output and the
+    up output, the down matmul the product (4 d f)."""
+    m, d = x.model, x.d
+    h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.ffn_size
+    per_token = 3 * d * h + d * (2 * q + 2 * kv) + 4 * m.num_attention_heads + d * q + 2 * d * h + 4 * d * f
+    rope = 4 * x.s * m.head_size * residual_bytes(x)
+    return 2 * norm_saves(x) + x.tokens * per_token + rope
+
+
+def checkpoint_input_saves(x: Shape) -> int:
+    """What a fully recomputed layer saves under the outer hooks: its tensor inputs, which
+    non-reentrant ``torch.utils.checkpoint`` saves for the recomputation: the layer input
+    (r h a token) and RoPE's cos and sin (2 s hd r)."""
+    r = residual_bytes(x)
+    return x.tokens * r * x.model.hidden_size + 2 * x.s * x.model.head_size * r
+
+
+def layer_weight_saves(x: Shape, param_bytes: int) -> int:
+    """The weights one layer's forward saves: the seven matrices (their bf16 casts under
+    autocast, d bytes; else the parameters, ``param_bytes``) and the two norm weights, which
+    autocast leaves in the parameter dtype. Biases are not saved."""
+    m = x.model
+    h = m.hidden_size
+    matrices = h * (m.q_size + 2 * m.kv_size) + m.q_size * h + 3 * h * m.ffn_size
+    return matrices * (x.d if x.autocast else param_bytes) + 2 * h * param_bytes
+
+
+def head_saves(x: Shape, vocab: int, param_bytes: int) -> int:
+    """The last stage's saves after the layers and the first stage's embedding: the final norm
+    (:func:`norm_saves` and its weight), the LM head's input (d h) and weight (V h, its cast
+    under autocast), log_softmax's fp32 output saved by log_softmax and again by nll_loss
+    (2 x 4 V), nll_loss's int64 target and 4-byte total weight; the embedding's int64 ids."""
+    h = x.model.hidden_size
+    head_weight = vocab * h * (x.d if x.autocast else param_bytes)
+    per_token = x.d * h + 2 * 4 * vocab + 8 + 8  # head input, log_softmax output twice, target, ids
+    return norm_saves(x) + h * param_bytes + head_weight + x.tokens * per_token + 4
+
+
+def host_bytes(x: Shape, vocab: int, layers: int, param_bytes: int, recompute: str) -> int:
+    """Pinned host bytes of one micro-batch (the whole model on one rank): every save of the
+    forward and the loss (recompute ``none``), or the checkpointed layers' inputs instead of
+    their saves (``full``)."""
+    if recompute == "full":
+        per_layer = checkpoint_input_saves(x)
+    else:
+        per_layer = layer_saves(x) + layer_weight_saves(x, param_bytes)
+    return layers * per_layer + head_saves(x, vocab, param_bytes)
+
+
+def mlp_forward_bytes(x: Shape) -> int:
+    """What is alive at the forward's widest moment inside a layer once its saves are on the
+    host: the SiLU output, the up output and their product (3 d f), the MLP's normalised input
+    (d h), the layer input and the attention residual (2 r h); RoPE's tables (2 s hd r). Not
+    measured as a peak (the loss's moment was higher in every case run)."""
+    m = x.model
+    r = residual_bytes(x)
+    per_token = 3 * x.d * m.ffn_size + x.d * m.hidden_size + 2 * r * m.hidden_size
+    return x.tokens * per_token + 2 * x.s * m.head_size * r
+
+
+def embedding_backward_bytes(x: Shape) -> int:
+    """Beside every gradient, at the embedding's backward (the step's last node): the incoming
+    gradient of the embedding's output (d h a token; r under autocast) and the ids' copy back
+    from the host (8 a token); the embedding's own gradient is being made (measured: bf16,
+    4 layers, the backward's peak within 0.001%)."""
+    return x.tokens * (residual_bytes(x) * x.model.hidden_size + 8)
