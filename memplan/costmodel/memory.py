@@ -344,6 +344,8 @@ class _ActOffload:
     # the head's term), and at the embedding's backward beside every gradient (0: not a moment)
     bwd_head: int | None = None
     embedding_backward: int = 0
+    # and the first layer's MLP backward: (its weight gradients made, bytes held) at its widest node
+    mlp_backward: tuple[int, int] | None = None
 
 
 def offload_mechanism(plan: Plan, rt: RuntimeProfile) -> str:
@@ -536,6 +538,17 @@ def memplan_offload(model: ModelSpec, x: A.Shape, plan: Plan, layout: StageLayou
     node = tokens * x.d * 3 * model.ffn_size
     mlp = TO.mlp_forward_bytes(x) + 8 * tokens if layout.layers else 0  # with the labels
     embedding = TO.embedding_backward_bytes(x) + 8 * tokens if layout.is_first else 0
+    policy = POLICIES[plan.precision]
+    checkpointed = plan.recompute == "full"
+    copy = model.hidden_size * model.ffn_size * (x.d if x.autocast else pb)
+    made, held = TO.mlp_backward(x, copy, policy.grad_bytes, checkpointed)
+    r = TO.residual_bytes(x)
+    # beside it: the layer's incoming gradient and the labels; recomputed, the checkpoint's
+    # inputs back from the host (RoPE's cos and sin, and the layer input where its norm saves
+    # it: in fp32; below, the norm saves its upcast and the input's copy dies with the recompute)
+    held += tokens * (r * model.hidden_size + 8)
+    if checkpointed:
+        held += TO.checkpoint_input_saves(x) - (tokens * r * model.hidden_size if x.d < 4 else 0)
     return _ActOffload(
         kept=0,
         last=0,
@@ -549,6 +562,7 @@ def memplan_offload(model: ModelSpec, x: A.Shape, plan: Plan, layout: StageLayou
         mechanism="save_on_cpu",
         bwd_head=kept_head,
         embedding_backward=embedding,
+        mlp_backward=(made, held) if layout.layers else None,
     )
 
 
@@ -1101,7 +1115,7 @@ def _stage_phases(
         weight_copies = lora_acts.weight_copies
     fwd_acts, fwd_head, bwd_copies, others_kept, head_back = layer_acts, head, weight_copies, None, 0
     offload_host = mlp_peak = 0
-    fwd_copies, bwd_head, embedding_backward = weight_copies, head, 0
+    fwd_copies, bwd_head, embedding_backward, mlp_backward = weight_copies, head, 0, None
     if plan.offload_activations != "none":
         off = activation_offload(model, x, plan, rt, layout, stored, head, weight_copies, lora_acts)
         share = inflight / layers if layers else 1
@@ -1112,6 +1126,7 @@ def _stage_phases(
             # autocast's cache of weight casts, which the loss (outside autocast) does not see
             embed -= terms.per_chunk * round(inflight * plan.virtual_stages / layers) if layers else 0
             fwd_copies, bwd_head, embedding_backward = 0, off.bwd_head, off.embedding_backward
+            mlp_backward = off.mlp_backward
             off = replace(off, mlp_forward=off.mlp_forward + weight_copies)
         # with the layers' tensors gone, the forward may peak inside the last layer's MLP instead
         mlp_peak = max(0, off.mlp_forward - fwd_head - terms.loss_forward)
@@ -1195,6 +1210,17 @@ def _stage_phases(
         "retained_outputs": retained,
     }
     candidates = [bwd_start, bwd_end]
+    if mlp_backward is not None:
+        # the bundled trainer offloading: the first layer's backward walked node by node
+        # (memplan_offload) stands for the estimate of its end
+        made, held = mlp_backward
+        before = grads_full
+        if not grads_in_step:  # the layer's own gradients and the embedding's are still to come
+            layer_grads = layout.largest_layer_params * policy.grad_bytes
+            before = grads_full - embedding_grad_pending(model, layout, plan, policy, rt) - layer_grads
+        else:
+            made = 0  # accumulated in place: each new gradient is a temporary of its node
+        candidates[1] = {**bwd_end, "gradients": before + made, "activations": embed + held}
     if embedding_backward:
         # offloaded, the embedding's backward may be the widest: every gradient, its own
         # being made, beside its incoming gradient and the ids' copy (memplan_offload)

@@ -109,3 +109,45 @@ def embedding_backward_bytes(x: Shape) -> int:
     from the host (8 a token); the embedding's own gradient is being made (measured: bf16,
     4 layers, the backward's peak within 0.001%)."""
     return x.tokens * (residual_bytes(x) * x.model.hidden_size + 8)
+
+
+def recomputed_layer_saves(x: Shape) -> int:
+    """What a fully recomputed trainer layer holds once its recomputation has run, each storage
+    once (the checkpoint keeps its saves on the device): each norm's fp32 input or upcast (4h;
+    the first norm's is the layer input itself in fp32, counted with the checkpoint's inputs),
+    rsqrt (4), normalised value (r h) and output (d h); SDPA's q, k, v, output (which the output
+    projection saves as its input: the same storage) and log-sum-exp; the MLP's four d f.
+    Without autocast (the trainer refuses offload with recompute full under autocast)."""
+    m, d, r = x.model, x.d, residual_bytes(x)
+    h = m.hidden_size
+    inputs = (4 * h if d < 4 else 0) + 4 * h
+    per_token = inputs + 2 * (4 + r * h + d * h) + d * (2 * m.q_size + 2 * m.kv_size) + 4 * m.num_attention_heads
+    return x.tokens * (per_token + 4 * d * m.ffn_size)
+
+
+def mlp_backward(x: Shape, weight_copy_bytes: int, grad_bytes: int, recomputed: bool) -> tuple[int, int]:
+    """(weight gradients made, bytes held) at the widest node of a layer's MLP backward, node by
+    node (down, product, up, SiLU, gate: the reverse of the forward), beside the gradients made
+    before the layer and the layer's incoming gradient. Offloaded, each node copies its saves
+    back from the host (A = d f a token, X = d h) and its weight (``weight_copy_bytes`` each)
+    and frees them when it has run; recomputed, the saves are the layer's own
+    (:func:`recomputed_layer_saves`, freed as their last node runs) and the weights are the
+    parameters. Each mm makes its weight gradient (w) before its input gradient. Measured:
+    the product's node is the widest in fp32 at 128 tokens (5A), the gate's in bf16 at 64
+    (A + 3X + 2w and the weight's copy), to the byte."""
+    m, t = x.model, x.tokens
+    a, xb = t * x.d * m.ffn_size, t * x.d * m.hidden_size
+    w = m.hidden_size * m.ffn_size * grad_bytes
+    back = 0 if recomputed else 1  # a node's saves come back as copies
+    wc = 0 if recomputed else weight_copy_bytes
+    saves = recomputed_layer_saves(x) if recomputed else 0
+    done = a if recomputed else 0  # a recomputed save freed once its last node has run
+    nodes = [  # (saves still held, what the node holds, weight gradients made before it)
+        (saves, back * a + wc + w + a, 0),  # down: product back, its weight, dW, d(product)
+        (saves - done, a + back * 2 * a + 2 * a, w),  # product: d(product), SiLU out and up back, their grads
+        (saves - 3 * done, 2 * a + back * xb + wc + w + xb, w),  # up: the two grads, its input back, dW, dX
+        (saves - 3 * done, a + xb + back * a + a, 2 * w),  # SiLU: d(SiLU out), dX so far, gate out back, its grad
+        (saves - 4 * done, a + xb + back * xb + wc + w + xb, 2 * w),  # gate: d(gate out), dX, input back, dW, dX
+    ]
+    made, held = max(((made, kept + held) for kept, held, made in nodes), key=sum)
+    return made, held

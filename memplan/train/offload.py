@@ -35,11 +35,14 @@ def _host_copy(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype, torch.Size]:
 
 
 def _device_copy(packed: tuple[np.ndarray, torch.dtype, torch.Size]) -> torch.Tensor:
-    """A new tensor holding the host copy's values (a torch allocation, counted)."""
+    """A new tensor holding the host copy's values: one torch allocation (counted), filled
+    through numpy, as ``save_on_cpu``'s ``tensor.to(device)`` makes one device allocation
+    (``torch.from_numpy(...).clone()`` would show a tracker the numpy-backed tensor as well)."""
     arr, dtype, shape = packed
-    out = torch.from_numpy(arr).clone()
-    out = out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
-    return out.view(shape)
+    out = torch.empty(shape, dtype=dtype)
+    view = out.view(torch.int16) if dtype == torch.bfloat16 else out
+    view.numpy().reshape(arr.shape)[...] = arr
+    return out
 
 
 class EmulatedSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
