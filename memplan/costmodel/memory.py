@@ -344,8 +344,10 @@ class _ActOffload:
     # the head's term), and at the embedding's backward beside every gradient (0: not a moment)
     bwd_head: int | None = None
     embedding_backward: int = 0
-    # and the first layer's MLP backward: (its weight gradients made, bytes held) at its widest node
+    # and the first layer's MLP backward: (its weight gradients made, bytes held) at its widest node;
+    # the first layer's first norm's backward beside every gradient but the embedding's
     mlp_backward: tuple[int, int] | None = None
+    norm_backward: int = 0
 
 
 def offload_mechanism(plan: Plan, rt: RuntimeProfile) -> str:
@@ -362,10 +364,13 @@ def offload_mechanism(plan: Plan, rt: RuntimeProfile) -> str:
     Megatron-LM's fine-grained offload is not modelled."""
     if rt.name not in OFFLOAD_MECHANISM:
         raise MemplanError(
-            f"activation offload is modelled for the hf runtime (TRL's activation_offloading) and hf-loop "
-            f"(save_on_cpu), not runtime {rt.name}: use --runtime hf or hf-loop",
+            f"activation offload is modelled for the hf runtime (TRL's activation_offloading), hf-loop "
+            f"(save_on_cpu) and the bundled trainer (memplan), not runtime {rt.name}: use --runtime hf, "
+            "hf-loop or memplan",
             field="plan.offload_activations",
         )
+    if rt.name == "memplan" and (reason := TO.unmodelled(plan)) is not None:
+        raise MemplanError(reason, field="plan.offload_activations")
     return OFFLOAD_MECHANISM[rt.name]
 
 
@@ -456,7 +461,7 @@ def activation_offload(
     the final norm's normalised value and the int64 labels go."""
     mechanism = offload_mechanism(plan, rt)
     if rt.name == "memplan":
-        return memplan_offload(model, x, plan, layout)
+        return memplan_offload(model, x, plan, layout, weight_copies)
     tokens, layers = x.tokens, layout.layers
     checkpointed = plan.recompute == "full"
     normalised = tokens * (4 if x.autocast else x.d) * model.hidden_size // x.rep if plan.finetune == "full" else 0
@@ -517,7 +522,7 @@ def activation_offload(
     return _ActOffload(kept, last, node, head_kept, copies_kept, host, head_back, stash, mlp_forward, mechanism)
 
 
-def memplan_offload(model: ModelSpec, x: A.Shape, plan: Plan, layout: StageLayout) -> _ActOffload:
+def memplan_offload(model: ModelSpec, x: A.Shape, plan: Plan, layout: StageLayout, weight_copies: int) -> _ActOffload:
     """``save_on_cpu`` in the bundled trainer, one micro-batch (costmodel.trainer_offload):
 
     - forward: nothing of the layers stays (recomputed or not: the checkpoint's saved inputs go
@@ -536,7 +541,9 @@ def memplan_offload(model: ModelSpec, x: A.Shape, plan: Plan, layout: StageLayou
     pb = POLICIES[plan.precision].param_bytes
     host = TO.host_bytes(x, model.vocab_size, layout.layers, pb, plan.recompute)
     node = tokens * x.d * 3 * model.ffn_size
-    mlp = TO.mlp_forward_bytes(x) + 8 * tokens if layout.layers else 0  # with the labels
+    # autocast's cache of weight casts, but the LM head's (cast after the layers)
+    layer_copies = weight_copies - (vocab_shard_params(model, plan.tp) * x.d if layout.is_last and x.autocast else 0)
+    mlp = TO.mlp_forward_bytes(x, layer_copies) + 8 * tokens if layout.layers else 0  # with the labels
     embedding = TO.embedding_backward_bytes(x) + 8 * tokens if layout.is_first else 0
     policy = POLICIES[plan.precision]
     checkpointed = plan.recompute == "full"
@@ -563,6 +570,7 @@ def memplan_offload(model: ModelSpec, x: A.Shape, plan: Plan, layout: StageLayou
         bwd_head=kept_head,
         embedding_backward=embedding,
         mlp_backward=(made, held) if layout.layers else None,
+        norm_backward=TO.norm_backward_bytes(x) + 8 * tokens if layout.layers else 0,  # with the labels
     )
 
 
@@ -1115,7 +1123,7 @@ def _stage_phases(
         weight_copies = lora_acts.weight_copies
     fwd_acts, fwd_head, bwd_copies, others_kept, head_back = layer_acts, head, weight_copies, None, 0
     offload_host = mlp_peak = 0
-    fwd_copies, bwd_head, embedding_backward, mlp_backward = weight_copies, head, 0, None
+    fwd_copies, bwd_head, embedding_backward, mlp_backward, norm_backward = weight_copies, head, 0, None, 0
     if plan.offload_activations != "none":
         off = activation_offload(model, x, plan, rt, layout, stored, head, weight_copies, lora_acts)
         share = inflight / layers if layers else 1
@@ -1124,10 +1132,10 @@ def _stage_phases(
         if off.bwd_head is not None:  # the bundled trainer (memplan_offload)
             # RoPE's tables die with the forward (their saves are on the host), and so does
             # autocast's cache of weight casts, which the loss (outside autocast) does not see
+            # (the last layer's MLP moment counts them)
             embed -= terms.per_chunk * round(inflight * plan.virtual_stages / layers) if layers else 0
             fwd_copies, bwd_head, embedding_backward = 0, off.bwd_head, off.embedding_backward
-            mlp_backward = off.mlp_backward
-            off = replace(off, mlp_forward=off.mlp_forward + weight_copies)
+            mlp_backward, norm_backward = off.mlp_backward, off.norm_backward
         # with the layers' tensors gone, the forward may peak inside the last layer's MLP instead
         mlp_peak = max(0, off.mlp_forward - fwd_head - terms.loss_forward)
         offload_host = off.host
@@ -1221,6 +1229,11 @@ def _stage_phases(
         else:
             made = 0  # accumulated in place: each new gradient is a temporary of its node
         candidates[1] = {**bwd_end, "gradients": before + made, "activations": embed + held}
+        if norm_backward:
+            before = grads_full
+            if not grads_in_step:
+                before -= embedding_grad_pending(model, layout, plan, policy, rt)
+            candidates.append({**bwd_end, "gradients": before, "activations": embed + norm_backward})
     if embedding_backward:
         # offloaded, the embedding's backward may be the widest: every gradient, its own
         # being made, beside its incoming gradient and the ids' copy (memplan_offload)
@@ -1307,9 +1320,11 @@ def training_peak(
     is the highest (the first of equals). ``memo``: what a search's plans share
     (:class:`MemoryMemo`, for this model, runtime and device)."""
     rt = RUNTIMES[runtime]
+    accumulation = gradient_accumulation(workload, plan)
     if plan.offload_activations != "none":
         offload_mechanism(plan, rt)  # refuses, by field, what no loop runs
-    accumulation = gradient_accumulation(workload, plan)
+        if rt.name == "memplan" and (reason := TO.unmodelled_accumulation(plan, accumulation)) is not None:
+            raise MemplanError(reason, field="plan.offload_activations")
     memo = MemoryMemo() if memo is None else memo  # the stages share the rank's shape
     best = None
     stage_peaks: dict[int, int] = {}

@@ -20,6 +20,41 @@ these assume t = 1 and a whole model on the rank. Standard library only.
 from __future__ import annotations
 
 from memplan.costmodel.activations import Shape
+from memplan.specs.plan import Plan
+
+
+def unmodelled(plan: Plan) -> str | None:
+    """Why the bundled trainer's offload is neither run nor modelled for ``plan`` (one line, to
+    follow ``offload_activations: ``), or None: it is measured on one tensor-parallel rank
+    without pipeline, context parallel or FSDP2, with recomputation none or full over every
+    layer (full: without autocast), in full training (validate.support and the memory model
+    refuse the same plans)."""
+    blocked = [
+        (plan.tp > 1, "tensor parallel (DTensor saved tensors); use tp 1"),
+        (plan.pp > 1, "pipeline parallel (each stage's micro-batches); use pp 1"),
+        (plan.cp > 1, "context parallel; use cp 1"),
+        (plan.zero >= 2 and plan.dp > 1, "FSDP2 (zero 2 or 3 with dp > 1); use zero 0 or 1"),
+        (plan.recompute not in ("none", "full"), f"recompute {plan.recompute}; use none or full"),
+        (plan.recompute_layers is not None, "recompute_layers (part of the layers checkpointed); leave it unset"),
+        (
+            plan.recompute == "full" and plan.precision == "bf16-mixed",
+            "recompute full under autocast (bf16-mixed); use fp32, bf16 or bf16-master, or recompute none",
+        ),
+        (plan.finetune != "full", f"finetune {plan.finetune}; use finetune full"),
+    ]
+    return next((f"the bundled trainer does not offload with {what}" for hit, what in blocked if hit), None)
+
+
+def unmodelled_accumulation(plan: Plan, accumulation: int) -> str | None:
+    """Gradient accumulation over data parallel (DDP's ``no_sync`` micro-batches, ZeRO-1) with
+    offload: measured 3.1% (DDP) and 3.8% (ZeRO-1) above the model's backward at 2 micro-batches
+    and not followed yet; one rank accumulating, or data parallel without accumulation, is."""
+    if plan.dp > 1 and accumulation > 1:
+        return (
+            "the bundled trainer's offload is not modelled with gradient accumulation over data parallel "
+            f"(dp {plan.dp}, {accumulation} micro-batches); raise micro_batch or leave global_batch at micro_batch x dp"
+        )
+    return None
 
 
 def residual_bytes(x: Shape) -> int:
@@ -92,15 +127,30 @@ def host_bytes(x: Shape, vocab: int, layers: int, param_bytes: int, recompute: s
     return layers * per_layer + head_saves(x, vocab, param_bytes)
 
 
-def mlp_forward_bytes(x: Shape) -> int:
-    """What is alive at the forward's widest moment inside a layer once its saves are on the
-    host: the SiLU output, the up output and their product (3 d f), the MLP's normalised input
-    (d h), the layer input and the attention residual (2 r h); RoPE's tables (2 s hd r). Not
-    measured as a peak (the loss's moment was higher in every case run)."""
+def mlp_forward_bytes(x: Shape, layer_copies: int = 0) -> int:
+    """What is alive at the forward's widest moment inside the last layer once its saves are on
+    the host, beside the token ids and labels: the layer input, the attention residual and the
+    MLP's normalised input (3 r h), RoPE's tables (2 s hd r), and either the product's moment
+    (SiLU output, up output and product, 3 d f) or the down projection's (product and output,
+    d f + d h). Under autocast its cache holds every layer's weight casts (``layer_copies``), the
+    down projection's of the last layer from its moment on (measured on CPU to the byte: the
+    product's moment in fp32 and bf16, the down projection's under bf16-mixed)."""
     m = x.model
-    r = residual_bytes(x)
-    per_token = 3 * x.d * m.ffn_size + x.d * m.hidden_size + 2 * r * m.hidden_size
-    return x.tokens * per_token + 2 * x.s * m.head_size * r
+    r, d, h, f = residual_bytes(x), x.d, m.hidden_size, m.ffn_size
+    alive = x.tokens * 3 * r * h + 2 * x.s * m.head_size * r
+    down_copy = h * f * d if layer_copies else 0
+    product = x.tokens * 3 * d * f + layer_copies - down_copy
+    down = x.tokens * (d * f + d * h) + layer_copies
+    return alive + max(product, down)
+
+
+def norm_backward_bytes(x: Shape) -> int:
+    """Beside every gradient but the embedding's, at the first layer's first norm's backward (its
+    ``pow`` node): the gradient of the layer input so far (r h), the fp32 gradients of the upcast
+    from ``mul`` and from ``mean`` (2 x 4h), the upcast's copy back from the host (4h) and the
+    ``pow`` backward's three fp32 temporaries (3 x 4h). Measured: the backward's peak under
+    bf16-mixed at 64 tokens and a 256-word vocabulary, to the byte."""
+    return x.tokens * x.model.hidden_size * (5 * 4 + residual_bytes(x))
 
 
 def embedding_backward_bytes(x: Shape) -> int:
@@ -132,22 +182,26 @@ def mlp_backward(x: Shape, weight_copy_bytes: int, grad_bytes: int, recomputed: 
     back from the host (A = d f a token, X = d h) and its weight (``weight_copy_bytes`` each)
     and frees them when it has run; recomputed, the saves are the layer's own
     (:func:`recomputed_layer_saves`, freed as their last node runs) and the weights are the
-    parameters. Each mm makes its weight gradient (w) before its input gradient. Measured:
-    the product's node is the widest in fp32 at 128 tokens (5A), the gate's in bf16 at 64
-    (A + 3X + 2w and the weight's copy), to the byte."""
+    parameters. Each mm makes its weight gradient (W, in d bytes) before its input gradient;
+    under autocast the weight cast's node then makes the fp32 gradient (w) while W is alive.
+    Measured: the product's node is the widest in fp32 at 128 tokens (5A), the gate's in bf16
+    at 64 (A + 3X + 2w and the weight's copy), to the byte."""
     m, t = x.model, x.tokens
     a, xb = t * x.d * m.ffn_size, t * x.d * m.hidden_size
     w = m.hidden_size * m.ffn_size * grad_bytes
+    mm = m.hidden_size * m.ffn_size * x.d if x.autocast else w  # the mm's weight gradient
     back = 0 if recomputed else 1  # a node's saves come back as copies
     wc = 0 if recomputed else weight_copy_bytes
     saves = recomputed_layer_saves(x) if recomputed else 0
     done = a if recomputed else 0  # a recomputed save freed once its last node has run
     nodes = [  # (saves still held, what the node holds, weight gradients made before it)
-        (saves, back * a + wc + w + a, 0),  # down: product back, its weight, dW, d(product)
+        (saves, back * a + wc + mm + a, 0),  # down: product back, its weight, dW, d(product)
         (saves - done, a + back * 2 * a + 2 * a, w),  # product: d(product), SiLU out and up back, their grads
-        (saves - 3 * done, 2 * a + back * xb + wc + w + xb, w),  # up: the two grads, its input back, dW, dX
+        (saves - 3 * done, 2 * a + back * xb + wc + mm + xb, w),  # up: the two grads, its input back, dW, dX
         (saves - 3 * done, a + xb + back * a + a, 2 * w),  # SiLU: d(SiLU out), dX so far, gate out back, its grad
-        (saves - 4 * done, a + xb + back * xb + wc + w + xb, 2 * w),  # gate: d(gate out), dX, input back, dW, dX
+        (saves - 4 * done, a + xb + back * xb + wc + mm + xb, 2 * w),  # gate: d(gate out), dX, input back, dW, dX
     ]
+    if x.autocast:  # the casts of the up's and the gate's weight gradients (the down's is narrower)
+        nodes += [(saves - 3 * done, a + xb + mm + w, w), (saves - 4 * done, 2 * xb + mm + w, 2 * w)]
     made, held = max(((made, kept + held) for kept, held, made in nodes), key=sum)
     return made, held

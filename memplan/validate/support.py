@@ -6,6 +6,7 @@ Each refusal is a ``TrainerUnsupported`` whose message starts with the field it 
 
 from __future__ import annotations
 
+from memplan.costmodel.trainer_offload import unmodelled, unmodelled_accumulation
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.validate.spec import RunSpec
@@ -75,24 +76,10 @@ def check_plan(plan: Plan) -> None:
 
 def check_offload(plan: Plan) -> None:
     """Activation offload as the trainer runs it (memplan.train.offload: ``save_on_cpu`` around
-    each micro-batch's forward and loss) where it is measured and modelled: one tensor-parallel
-    rank, no pipeline, no FSDP2, recomputation none or full over every layer (full: without
-    autocast), full training."""
-    blocked = [
-        (plan.tp > 1, "tensor parallel (DTensor saved tensors); use tp 1"),
-        (plan.pp > 1, "pipeline parallel (each stage's micro-batches); use pp 1"),
-        (plan.zero >= 2 and plan.dp > 1, "FSDP2 (zero 2 or 3 with dp > 1); use zero 0 or 1"),
-        (plan.recompute not in ("none", "full"), f"recompute {plan.recompute}; use none or full"),
-        (plan.recompute_layers is not None, "recompute_layers (part of the layers checkpointed); leave it unset"),
-        (
-            plan.recompute == "full" and plan.precision == "bf16-mixed",
-            "recompute full under autocast (bf16-mixed); use fp32, bf16 or bf16-master, or recompute none",
-        ),
-        (plan.finetune != "full", f"{plan.finetune}; use finetune full"),
-    ]
-    for hit, what in blocked:
-        if hit:
-            raise TrainerUnsupported(f"offload_activations: the bundled trainer does not offload with {what}")
+    each micro-batch's forward and loss) where it is measured and modelled
+    (``costmodel.trainer_offload.unmodelled``)."""
+    if (reason := unmodelled(plan)) is not None:
+        raise TrainerUnsupported(f"offload_activations: {reason}")
 
 
 def check_lora(plan: Plan) -> None:
@@ -138,5 +125,7 @@ def check_workload(spec: RunSpec) -> None:
         raise TrainerUnsupported(
             "modules_to_save: a trained lm_head copy over tied embeddings is estimate-only in the bundled trainer"
         )
+    if plan.offload_activations != "none" and (reason := unmodelled_accumulation(plan, spec.accumulation)):
+        raise TrainerUnsupported(f"offload_activations: {reason}")
     if plan.offload_params != "none" and plan.pp > 1:
         raise TrainerUnsupported("offload_params: CPU offload with pipeline parallel is not implemented by the trainer")
