@@ -30,7 +30,13 @@ from memplan.validate.spec import RunSpec  # noqa: E402
 TOLERANCE_PCT = 3.0
 HOST_TOLERANCE = 0.001
 WIDE_MLP = ModelSpec(
-    name="tiny-wide-mlp", hidden_size=128, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_size=1024, vocab_size=256
+    name="tiny-wide-mlp",
+    hidden_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_size=1024,
+    vocab_size=256,
 )
 
 # name: (model, plan, micro_batch, seq_len, global_batch, slow)
@@ -53,9 +59,7 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[pytest.mark.slow] if c[-1] else []) for n, c in CASES.items()]
-)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if c[-1] else []) for n, c in CASES.items()])
 def test_each_phase_within_3pct_of_the_memplan_runtime(name: str):
     model, fields, micro_batch, seq_len, global_batch, _ = CASES[name]
     plan = Plan(**fields, offload_activations="cpu")
