@@ -527,27 +527,26 @@ def memplan_offload(model: ModelSpec, x: A.Shape, plan: Plan, layout: StageLayou
 
     - forward: nothing of the layers stays (recomputed or not: the checkpoint's saved inputs go
       too); at the loss the logits (``loss_forward``), log_softmax's fp32 output and the labels
-      are alive; inside the last layer the MLP's moment (:func:`trainer_offload.mlp_forward_bytes`);
-    - backward: at the loss's backward the labels, the copy of log_softmax's output back from
-      the host and the loss's two fp32 gradients; the last layer's backward holds its node's
-      copies (3 d f at the MLP's product, as for hf-loop) unless recomputed (its own saves, as
-      without offload); the embedding's backward comes after it with every gradient made
+      are alive; inside the last layer its MLP's moment (:func:`trainer_offload.mlp_forward_bytes`);
+    - backward: the loss's backward (the labels, log_softmax's output back from the host, the
+      loss's two fp32 gradients); the first layer's MLP backward walked node by node
+      (:func:`trainer_offload.mlp_backward`, beside its incoming gradient and the labels, and
+      recomputed, the checkpoint's inputs back); its first norm's backward
+      (:func:`trainer_offload.norm_backward_bytes`); the embedding's backward
       (:func:`trainer_offload.embedding_backward_bytes`);
     - host: :func:`trainer_offload.host_bytes`.
 
-    Measured on CPU within 0.2% per phase (docs/cost-model.md)."""
+    Measured on CPU within 0.02% per phase, the host bytes exact (docs/cost-model.md)."""
     tokens = x.tokens
     kept_head = A.fp32_logits(x, model.vocab_size) + 8 * tokens  # log_softmax output, labels
-    pb = POLICIES[plan.precision].param_bytes
-    host = TO.host_bytes(x, model.vocab_size, layout.layers, pb, plan.recompute)
-    node = tokens * x.d * 3 * model.ffn_size
+    policy = POLICIES[plan.precision]
+    host = TO.host_bytes(x, model.vocab_size, layout.layers, policy.param_bytes, plan.recompute)
     # autocast's cache of weight casts, but the LM head's (cast after the layers)
     layer_copies = weight_copies - (vocab_shard_params(model, plan.tp) * x.d if layout.is_last and x.autocast else 0)
     mlp = TO.mlp_forward_bytes(x, layer_copies) + 8 * tokens if layout.layers else 0  # with the labels
     embedding = TO.embedding_backward_bytes(x) + 8 * tokens if layout.is_first else 0
-    policy = POLICIES[plan.precision]
     checkpointed = plan.recompute == "full"
-    copy = model.hidden_size * model.ffn_size * (x.d if x.autocast else pb)
+    copy = model.hidden_size * model.ffn_size * (x.d if x.autocast else policy.param_bytes)  # a weight back
     made, held = TO.mlp_backward(x, copy, policy.grad_bytes, checkpointed)
     r = TO.residual_bytes(x)
     # beside it: the layer's incoming gradient and the labels; recomputed, the checkpoint's
@@ -559,7 +558,7 @@ def memplan_offload(model: ModelSpec, x: A.Shape, plan: Plan, layout: StageLayou
     return _ActOffload(
         kept=0,
         last=0,
-        node=node,
+        node=0,  # the walk (mlp_backward) stands for the hf loops' node estimate
         head_kept=kept_head,
         copies_kept=0,
         host=host,
