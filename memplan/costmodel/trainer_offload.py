@@ -27,8 +27,8 @@ def unmodelled(plan: Plan) -> str | None:
     """Why the bundled trainer's offload is neither run nor modelled for ``plan`` (one line, to
     follow ``offload_activations: ``), or None: it is measured on one tensor-parallel rank
     without pipeline, context parallel or FSDP2, with recomputation none or full over every
-    layer (full: without autocast), in full training (validate.support and the memory model
-    refuse the same plans)."""
+    layer (full: without autocast), in full training, with SDPA attention in fp32, bf16,
+    bf16-master or bf16-mixed (validate.support and the memory model refuse the same plans)."""
     blocked = [
         (plan.tp > 1, "tensor parallel (DTensor saved tensors); use tp 1"),
         (plan.pp > 1, "pipeline parallel (each stage's micro-batches); use pp 1"),
@@ -41,6 +41,8 @@ def unmodelled(plan: Plan) -> str | None:
             "recompute full under autocast (bf16-mixed); use fp32, bf16 or bf16-master, or recompute none",
         ),
         (plan.finetune != "full", f"finetune {plan.finetune}; use finetune full"),
+        (plan.attention != "flash", f"attention {plan.attention} (its saves are not counted); use flash"),
+        (plan.precision in ("fp8", "fp16-master"), f"precision {plan.precision}; use fp32, bf16, bf16-mixed"),
     ]
     return next((f"the bundled trainer does not offload with {what}" for hit, what in blocked if hit), None)
 

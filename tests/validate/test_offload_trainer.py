@@ -109,6 +109,7 @@ def test_the_emulation_copies_out_and_back(dtype: torch.dtype):
         (dict(recompute="full", precision="bf16-mixed"), {}, "autocast"),
         (dict(finetune="lora", zero=0), {}, "finetune lora"),
         (dict(dp=2, recompute="none"), dict(global_batch=4), "accumulation over data parallel"),
+        (dict(attention="eager"), {}, "attention eager"),
     ],
 )
 def test_what_the_trainer_does_not_offload_is_refused_in_one_line(fields: dict, workload: dict, part: str):
