@@ -300,6 +300,10 @@ def render(v: Validation, console: Console) -> None:
     table.add_section()
     for name, row in v.components.items():
         table.add_row(name.replace("_", " "), _b(row.predicted_bytes), _b(row.measured_bytes), _pct(row.error_pct))
+    if (host := v.offload_host) is not None:  # the activations' host copies (pinned memory on a GPU)
+        table.add_section()
+        row = (_b(host.predicted_bytes), _b(host.measured_bytes), _pct(host.error_pct))
+        table.add_row("host (activation offload)", *row)
     console.print(table)
     if v.step_time_s is not None:
         note = " (simulated rank: not the real job's step time)" if v.simulated else ""

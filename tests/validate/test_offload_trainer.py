@@ -119,3 +119,23 @@ def test_what_the_trainer_does_not_offload_is_refused_in_one_line(fields: dict, 
     assert record.status == "unsupported"
     assert record.reason.startswith("offload_activations: ") and "\n" not in record.reason
     assert part in record.reason
+
+
+def test_validate_cli_offloads_on_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    import json
+
+    import yaml
+
+    from memplan.cli.app import run as cli
+
+    monkeypatch.chdir(tmp_path)
+    tiny = dict(name="tiny", hidden_size=64, num_layers=2, num_attention_heads=2, num_kv_heads=2, ffn_size=256)
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump({**tiny, "vocab_size": 128}))
+    args = ["validate", "tiny.yaml", "--precision", "fp32", "--seq-len", "32", "--steps", "1", "--device", "cpu"]
+    code = cli([*args, "--recompute", "none", "--offload-activations", "cpu", "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["status"] == "ok" and abs(result["error_pct"]) <= TOLERANCE_PCT
+    host = result["offload_host"]
+    assert host["measured_bytes"] > 0 and abs(host["error_pct"]) <= 100 * HOST_TOLERANCE
