@@ -1,8 +1,9 @@
 """Activation offload to CPU (``offload_activations: cpu``) in the bundled trainer.
 
 What it runs: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the forward and
-the loss of each micro-batch, the way a plain PyTorch loop offloads (torchtitan's eager loop
-takes the same context manager around its forward and loss). Every tensor autograd saves in
+the loss of each micro-batch, the way PyTorch documents offloading for a plain loop (no
+activation-offload option of torchtitan's was found in the sources searched, so nothing here
+claims to follow one). Every tensor autograd saves in
 that region, parameters included, is copied into pinned host memory by the pack hook; the
 unpack hook copies it back to the device when its node runs in the backward, and that copy
 dies with the node. The backward needs no context: the hooks travel with the saved tensors.
