@@ -143,3 +143,17 @@ def test_half_the_host_bandwidth_doubles_save_on_cpu_time():
     fast_t = estimate_time(LLAMA, WORK, plan, profile, cluster, "hf-loop").breakdown["activation_offload"]
     slow_t = estimate_time(LLAMA, WORK, plan, slow, cluster, "hf-loop").breakdown["activation_offload"]
     assert slow_t == pytest.approx(2 * fast_t)
+
+
+def test_the_bundled_trainer_pays_save_on_cpu_for_every_save():
+    """Runtime memplan: save_on_cpu's term (both copies exposed) over the host bytes the model counts
+    (every save, weights included)."""
+    profile, cluster = load_gpu("h100-sxm"), ClusterSpec(gpus_per_node=1)
+    plan = Plan(precision="bf16", recompute="none", offload_activations="cpu")
+    mechanism, moved = M.activation_offload_bytes(LLAMA, WORK, plan, "memplan")
+    assert mechanism == "save_on_cpu"
+    assert moved == M.estimate_training(LLAMA, WORK, plan, "memplan").offload.cpu
+    kept = M.estimate_training(LLAMA, WORK, Plan(precision="bf16", recompute="none"), "memplan").activations.total
+    assert moved > kept  # each save once per save, and the weights
+    step = estimate_time(LLAMA, WORK, plan, profile, cluster, "memplan")
+    assert step.breakdown["activation_offload"] == pytest.approx(2 * moved / profile.pcie_bytes_per_s)
