@@ -121,6 +121,7 @@ def test_what_the_trainer_does_not_offload_is_refused_in_one_line(fields: dict, 
     assert part in record.reason
 
 
+@pytest.mark.slow  # a worker process importing torch: 15 s here, beyond the default suite's budget
 def test_validate_cli_offloads_on_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     import json
 
