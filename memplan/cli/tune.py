@@ -390,6 +390,7 @@ def tune(
         precisions=parse_precisions(precision),
         allow_offload=allow_offload,
         offload_activations=activation_offloads(allow_offload, runtime),
+        offload_runtime=runtime,
         max_cp=max_cp,
         sequence_parallel=sequence_parallel,
         optimizer=optimizer,

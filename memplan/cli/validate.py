@@ -16,6 +16,7 @@ from memplan.cli.common import (
     LoraRankOpt,
     LoraTargetsOpt,
     ModulesToSaveOpt,
+    OffloadActivationsOpt,
     QuantOpt,
     auto_device,
     detected_gpus,
@@ -89,6 +90,7 @@ def validate(
     offload_params: Annotated[
         str | None, Opt(help="none or cpu, with ZeRO-3 (default: none).", rich_help_panel=PLAN)
     ] = None,
+    offload_activations: OffloadActivationsOpt = None,
     attention: AttentionOpt = None,
     finetune: Annotated[
         str | None,
@@ -169,7 +171,9 @@ def validate(
         precision=precision, offload_optimizer=offload_optimizer, offload_params=offload_params,
         attention=attention, micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len,
         gpu=gpu, runtime="memplan", allocator=allocator,
-        **finetune_overrides(finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, quant, None, None),
+        **finetune_overrides(
+            finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, quant, None, offload_activations
+        ),
     )  # fmt: skip
     notes = []
     if gpus is None and plan is None and dp is None:  # the degrees are this machine's GPUs, when NVML sees any
@@ -296,6 +300,10 @@ def render(v: Validation, console: Console) -> None:
     table.add_section()
     for name, row in v.components.items():
         table.add_row(name.replace("_", " "), _b(row.predicted_bytes), _b(row.measured_bytes), _pct(row.error_pct))
+    if (host := v.offload_host) is not None:  # the activations' host copies (pinned memory on a GPU)
+        table.add_section()
+        row = (_b(host.predicted_bytes), _b(host.measured_bytes), _pct(host.error_pct))
+        table.add_row("host (activation offload)", *row)
     console.print(table)
     if v.step_time_s is not None:
         note = " (simulated rank: not the real job's step time)" if v.simulated else ""

@@ -25,6 +25,7 @@ from memplan.costmodel import inference as I
 from memplan.costmodel import lora as L
 from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
+from memplan.costmodel import trainer_offload as TO
 from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout, vocab_shard_params
 from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, is_paged, paged_state_bytes, state_bytes_per_param
@@ -323,7 +324,8 @@ def lora_activations(
 # --- activation offload to CPU (plan.offload_activations) --------------------------------
 
 TRL_MIN_OFFLOAD_BYTES = 1024  # TRL's / torchtune's OffloadActivations(min_offload_size=1024)
-OFFLOAD_MECHANISM = {"hf": "trl", "hf-loop": "save_on_cpu"}  # what each loop runs for offload_activations: cpu
+# what each loop runs for offload_activations: cpu (the bundled trainer: memplan.train.offload)
+OFFLOAD_MECHANISM = {"hf": "trl", "hf-loop": "save_on_cpu", "memplan": "save_on_cpu"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +340,14 @@ class _ActOffload:
     stash: int  # on the device when the loss runs at the end of the forward, beyond the kept ones
     mlp_forward: int  # the last layer's MLP forward at its product: SiLU output, up output, product
     mechanism: str
+    # the bundled trainer's (``memplan``) only: what the loss's backward holds of the head (None:
+    # the head's term), and at the embedding's backward beside every gradient (0: not a moment)
+    bwd_head: int | None = None
+    embedding_backward: int = 0
+    # and the first layer's MLP backward: (its weight gradients made, bytes held) at its widest node;
+    # the first layer's first norm's backward beside every gradient but the embedding's
+    mlp_backward: tuple[int, int] | None = None
+    norm_backward: int = 0
 
 
 def offload_mechanism(plan: Plan, rt: RuntimeProfile) -> str:
@@ -347,15 +357,20 @@ def offload_mechanism(plan: Plan, rt: RuntimeProfile) -> str:
     - ``hf`` (the Trainer): TRL's ``OffloadActivations`` (``SFTConfig(activation_offloading=True)``,
       axolotl's ``activation_offloading: true``), streamed;
     - ``hf-loop`` (a hand-written loop): ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
-      around the forward and backward, synchronous.
+      around the forward and backward, synchronous;
+    - ``memplan`` (the bundled trainer): ``save_on_cpu(pin_memory=True)`` around each
+      micro-batch's forward and loss (:func:`memplan_offload`).
 
-    Neither is what the bundled trainer or Megatron-LM run."""
+    Megatron-LM's fine-grained offload is not modelled."""
     if rt.name not in OFFLOAD_MECHANISM:
         raise MemplanError(
-            f"activation offload is modelled for the hf runtime (TRL's activation_offloading) and hf-loop "
-            f"(save_on_cpu), not runtime {rt.name}: use --runtime hf or hf-loop",
+            f"activation offload is modelled for the hf runtime (TRL's activation_offloading), hf-loop "
+            f"(save_on_cpu) and the bundled trainer (memplan), not runtime {rt.name}: use --runtime hf, "
+            "hf-loop or memplan",
             field="plan.offload_activations",
         )
+    if rt.name == "memplan" and (reason := TO.unmodelled(plan)) is not None:
+        raise MemplanError(reason, field="plan.offload_activations")
     return OFFLOAD_MECHANISM[rt.name]
 
 
@@ -445,6 +460,8 @@ def activation_offload(
     hook pair around ``lm_head``) and the loss's log_softmax output (nll_loss saves it again);
     the final norm's normalised value and the int64 labels go."""
     mechanism = offload_mechanism(plan, rt)
+    if rt.name == "memplan":
+        return memplan_offload(model, x, plan, layout, weight_copies)
     tokens, layers = x.tokens, layout.layers
     checkpointed = plan.recompute == "full"
     normalised = tokens * (4 if x.autocast else x.d) * model.hidden_size // x.rep if plan.finetune == "full" else 0
@@ -503,6 +520,57 @@ def activation_offload(
         stash = h4 + (mlp if layers and not checkpointed else 0)
     mlp_forward = tokens * x.d * 3 * model.ffn_size // x.t if layers and not checkpointed else 0
     return _ActOffload(kept, last, node, head_kept, copies_kept, host, head_back, stash, mlp_forward, mechanism)
+
+
+def memplan_offload(model: ModelSpec, x: A.Shape, plan: Plan, layout: StageLayout, weight_copies: int) -> _ActOffload:
+    """``save_on_cpu`` in the bundled trainer, one micro-batch (costmodel.trainer_offload):
+
+    - forward: nothing of the layers stays (recomputed or not: the checkpoint's saved inputs go
+      too); at the loss the logits (``loss_forward``), log_softmax's fp32 output and the labels
+      are alive; inside the last layer its MLP's moment (:func:`trainer_offload.mlp_forward_bytes`);
+    - backward: the loss's backward (the labels, log_softmax's output back from the host, the
+      loss's two fp32 gradients); the first layer's MLP backward walked node by node
+      (:func:`trainer_offload.mlp_backward`, beside its incoming gradient and the labels, and
+      recomputed, the checkpoint's inputs back); its first norm's backward
+      (:func:`trainer_offload.norm_backward_bytes`); the embedding's backward
+      (:func:`trainer_offload.embedding_backward_bytes`);
+    - host: :func:`trainer_offload.host_bytes`.
+
+    Measured on CPU within 0.02% per phase, the host bytes exact (docs/cost-model.md)."""
+    tokens = x.tokens
+    kept_head = A.fp32_logits(x, model.vocab_size) + 8 * tokens  # log_softmax output, labels
+    policy = POLICIES[plan.precision]
+    host = TO.host_bytes(x, model.vocab_size, layout.layers, policy.param_bytes, plan.recompute)
+    # autocast's cache of weight casts, but the LM head's (cast after the layers)
+    layer_copies = weight_copies - (vocab_shard_params(model, plan.tp) * x.d if layout.is_last and x.autocast else 0)
+    mlp = TO.mlp_forward_bytes(x, layer_copies) + 8 * tokens if layout.layers else 0  # with the labels
+    embedding = TO.embedding_backward_bytes(x) + 8 * tokens if layout.is_first else 0
+    checkpointed = plan.recompute == "full"
+    copy = model.hidden_size * model.ffn_size * (x.d if x.autocast else policy.param_bytes)  # a weight back
+    made, held = TO.mlp_backward(x, copy, policy.grad_bytes, checkpointed)
+    r = TO.residual_bytes(x)
+    # beside it: the layer's incoming gradient and the labels; recomputed, the checkpoint's
+    # inputs back from the host (RoPE's cos and sin, and the layer input where its norm saves
+    # it: in fp32; below, the norm saves its upcast and the input's copy dies with the recompute)
+    held += tokens * (r * model.hidden_size + 8)
+    if checkpointed:
+        held += TO.checkpoint_input_saves(x) - (tokens * r * model.hidden_size if x.d < 4 else 0)
+    return _ActOffload(
+        kept=0,
+        last=0,
+        node=0,  # the walk (mlp_backward) stands for the hf loops' node estimate
+        head_kept=kept_head,
+        copies_kept=0,
+        host=host,
+        head_back=0,
+        stash=0,
+        mlp_forward=mlp,
+        mechanism="save_on_cpu",
+        bwd_head=kept_head,
+        embedding_backward=embedding,
+        mlp_backward=(made, held) if layout.layers else None,
+        norm_backward=TO.norm_backward_bytes(x) + 8 * tokens if layout.layers else 0,  # with the labels
+    )
 
 
 def _shape(
@@ -1071,11 +1139,19 @@ def _stage_phases(
         weight_copies = lora_acts.weight_copies
     fwd_acts, fwd_head, bwd_copies, others_kept, head_back = layer_acts, head, weight_copies, None, 0
     offload_host = mlp_peak = 0
+    fwd_copies, bwd_head, embedding_backward, mlp_backward, norm_backward = weight_copies, head, 0, None, 0
     if plan.offload_activations != "none":
         off = activation_offload(model, x, plan, rt, layout, stored, head, weight_copies, lora_acts)
         share = inflight / layers if layers else 1
         fwd_acts, fwd_head, bwd_copies, head_back = int(off.kept * share), off.head_kept, off.copies_kept, off.head_back
         fwd_head += off.stash
+        if off.bwd_head is not None:  # the bundled trainer (memplan_offload)
+            # RoPE's tables die with the forward (their saves are on the host), and so does
+            # autocast's cache of weight casts, which the loss (outside autocast) does not see
+            # (the last layer's MLP moment counts them)
+            embed -= terms.per_chunk * round(inflight * plan.virtual_stages / layers) if layers else 0
+            fwd_copies, bwd_head, embedding_backward = 0, off.bwd_head, off.embedding_backward
+            mlp_backward, norm_backward = off.mlp_backward, off.norm_backward
         # with the layers' tensors gone, the forward may peak inside the last layer's MLP instead
         mlp_peak = max(0, off.mlp_forward - fwd_head - terms.loss_forward)
         offload_host = off.host
@@ -1093,7 +1169,7 @@ def _stage_phases(
     fwd = {
         **base,
         "gradients": grads_in_step,
-        "autocast_weights": weight_copies,
+        "autocast_weights": fwd_copies,
         "activations": fwd_acts + embed + max(mlp_peak, fp8_forward),
         "logits_and_loss": fwd_head + loss_fwd,
         "comm_buffers": gathered + p2p_fwd + ddp_copy,
@@ -1105,7 +1181,7 @@ def _stage_phases(
         "gradients": grads_in_step,
         "autocast_weights": bwd_copies,
         "activations": fwd_acts + embed,
-        "logits_and_loss": head + loss_bwd + head_back,
+        "logits_and_loss": bwd_head + loss_bwd + head_back,
         "comm_buffers": gathered + p2p_bwd_start + ddp_copy,
         "gathered_params": unsharded.backward_start,
     }  # no reduce-scatter buffer yet: no layer has produced gradients
@@ -1157,6 +1233,33 @@ def _stage_phases(
         "retained_outputs": retained,
     }
     candidates = [bwd_start, bwd_end]
+    if mlp_backward is not None:
+        # the bundled trainer offloading: the first layer's backward walked node by node
+        # (memplan_offload) stands for the estimate of its end
+        made, held = mlp_backward
+        before = grads_full
+        if not grads_in_step:  # the layer's own gradients and the embedding's are still to come
+            layer_grads = layout.largest_layer_params * policy.grad_bytes
+            before = grads_full - embedding_grad_pending(model, layout, plan, policy, rt) - layer_grads
+        else:
+            made = 0  # accumulated in place: each new gradient is a temporary of its node
+        candidates[1] = {**bwd_end, "gradients": before + made, "activations": embed + held}
+        if norm_backward:
+            before = grads_full
+            if not grads_in_step:
+                before -= embedding_grad_pending(model, layout, plan, policy, rt)
+            candidates.append({**bwd_end, "gradients": before, "activations": embed + norm_backward})
+    if embedding_backward:
+        # offloaded, the embedding's backward may be the widest: every gradient, its own
+        # being made, beside its incoming gradient and the ids' copy (memplan_offload)
+        candidates.append(
+            {
+                **base,
+                "gradients": grads_full,
+                "activations": embed + embedding_backward,
+                "comm_buffers": gathered + rs_buffer + ddp_copy,
+            }
+        )
     if rt.pytorch_parallel and tied_here:
         # the embedding's backward of a tied model: the LM head's gradient of the shared
         # matrix (V h / t) waits in autograd's input buffer, the embedding's own arrives, and
@@ -1232,9 +1335,11 @@ def training_peak(
     is the highest (the first of equals). ``memo``: what a search's plans share
     (:class:`MemoryMemo`, for this model, runtime and device)."""
     rt = RUNTIMES[runtime]
+    accumulation = gradient_accumulation(workload, plan)
     if plan.offload_activations != "none":
         offload_mechanism(plan, rt)  # refuses, by field, what no loop runs
-    accumulation = gradient_accumulation(workload, plan)
+        if rt.name == "memplan" and (reason := TO.unmodelled_accumulation(plan, accumulation)) is not None:
+            raise MemplanError(reason, field="plan.offload_activations")
     memo = MemoryMemo() if memo is None else memo  # the stages share the rank's shape
     best = None
     stage_peaks: dict[int, int] = {}

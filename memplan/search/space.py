@@ -21,8 +21,10 @@ World size = dp x tp x pp x cp, every GPU used. One plan per combination of:
 - ``offload`` (only when allowed): optimizer states to CPU (ZeRO >= 1), or optimizer states
   and parameters (ZeRO-3, FSDP2's CPUOffloadPolicy);
 - ``offload_activations`` (only when allowed, for the loops that run it: ``hf`` with TRL's
-  ``OffloadActivations``, ``hf-loop`` with ``save_on_cpu``): the saved activations kept in pinned
-  host memory, paid for by the time model's PCIe term (``time.activation_offload_s``);
+  ``OffloadActivations``, ``hf-loop`` with ``save_on_cpu``, the bundled trainer, ``memplan``, with
+  ``save_on_cpu`` on the plans it offloads: tp = pp = cp = 1, no FSDP2, recompute none or full):
+  the saved activations kept in pinned host memory, paid for by the time model's PCIe term
+  (``time.activation_offload_s``);
 - ``recompute``: none, selective, selective-op, full;
 - ``precision``: the allowed ones (default: the plan's default, bf16-master, only);
 - ``quant`` (fine-tuning only): the base weights' format, fixed unless ``--allow-quantization``
@@ -50,6 +52,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memplan.costmodel import trainer_offload as TO
 from memplan.costmodel.memory import OFFLOAD_MECHANISM
 from memplan.errors import MemplanError
 from memplan.specs.job import check_compatible
@@ -108,6 +111,11 @@ class SpaceOptions(BaseModel):
     quants: tuple[Quant, ...] = Field(("none",), min_length=1, description="Base weight formats tried.")
     offload_activations: tuple[ActivationOffload, ...] = Field(
         ("none",), min_length=1, description="Activation offload settings tried (activation_offloads)."
+    )
+    offload_runtime: str | None = Field(
+        None,
+        description="The loop whose activation offload is tried: for the bundled trainer (memplan), only the "
+        "plans it runs and the model follows (trainer_offload.unmodelled); None: every plan.",
     )
 
     def finetune_fields(self, quant: str) -> dict[str, Any]:
@@ -357,7 +365,7 @@ def offload_choices(zero: int, allow: bool, sharded: bool = True) -> list[tuple[
 def activation_offloads(allow_offload: bool, runtime: str) -> tuple[ActivationOffload, ...]:
     """The activation offload settings a search tries: ``cpu`` too when offload is allowed and the
     runtime's loop runs it (``memory.OFFLOAD_MECHANISM``: TRL's hooks under the Trainer, ``save_on_cpu``
-    in a hand-written loop; the bundled trainer and Megatron-LM do not)."""
+    in a hand-written loop and in the bundled trainer; Megatron-LM's is not modelled)."""
     return ("none", "cpu") if allow_offload and runtime in OFFLOAD_MECHANISM else ("none",)
 
 
@@ -395,8 +403,11 @@ def enumerate_space(model: ModelSpec, options: SpaceOptions) -> Space:
                                             offload_activations=act,
                                             **options.finetune_fields(quant),
                                         )  # fmt: skip
-                                        if plan is not None and _compatible(model, workload, plan):
-                                            out.append(Candidate(plan, workload))
+                                        if plan is None or not _compatible(model, workload, plan):
+                                            continue
+                                        if act != "none" and not _offloadable(plan, accumulation, options):
+                                            continue
+                                        out.append(Candidate(plan, workload))
     return Space(tuple(out))
 
 
@@ -405,6 +416,15 @@ def _plan(**fields: Any) -> Plan | None:
         return Plan(**fields)
     except ValueError:  # pydantic's ValidationError is a ValueError
         return None
+
+
+def _offloadable(plan: Plan, accumulation: int, options: SpaceOptions) -> bool:
+    """Whether the loop offloads this plan's activations: the bundled trainer on one
+    tensor-parallel rank without pipeline, FSDP2 or selective recomputation (and no accumulation
+    over data parallel); the hf loops, any plan."""
+    if options.offload_runtime != "memplan":
+        return True
+    return TO.unmodelled(plan) is None and TO.unmodelled_accumulation(plan, accumulation) is None
 
 
 def _compatible(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from memplan.train import lora
 from memplan.train import parallel as par
 from memplan.train.model import Transformer, loss_fn
+from memplan.train.offload import EmulatedSaveOnCpu, offload_context
 from memplan.train.pipeline import StageReplay, chunk_layers, schedule_actions
 from memplan.train.tracker import PhaseMeter
 from memplan.validate.record import OutOfMemory, PhaseRecord, RunRecord
@@ -156,10 +157,14 @@ def _train(spec: RunSpec, device: torch.device, rank: int, progress: Progress | 
         y = torch.randint(0, vocab, (b, s), generator=gen).to(device) if labels else None
         return x, y
 
+    offload = offload_context(device) if plan.offload_activations == "cpu" else contextlib.nullcontext()
+    box["offload"] = offload
+
     def loss_of(module: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with autocast:
-            logits = module(x)
-        return loss_fn(logits, labels)
+        with offload:  # the forward's and the loss's saved tensors (memplan.train.offload)
+            with autocast:
+                logits = module(x)
+            return loss_fn(logits, labels)
 
     m = spec.accumulation
     replay = None
@@ -280,6 +285,8 @@ def run(spec: RunSpec, progress: Progress | None = None) -> RunRecord:
             dist.destroy_process_group()
         _forget_dtensor_caches()
     phases = _phases(box["meter"])
+    offload = box.get("offload")
+    host = offload.host_peak if isinstance(offload, EmulatedSaveOnCpu) else None
     peak_phase = max(phases, key=lambda k: phases[k].allocated) if phases else None
     step_time = statistics.median(times) if times else None
     tokens = spec.workload.micro_batch * spec.workload.seq_len * spec.accumulation
@@ -294,6 +301,7 @@ def run(spec: RunSpec, progress: Progress | None = None) -> RunRecord:
         peak_reserved=phases[peak_phase].reserved if peak_phase else None,
         peak_phase=peak_phase,
         nvml_used_bytes=_nvml_used(device),
+        offload_host_bytes=host,
         step_times_s=times,
         step_time_s=step_time,
         tokens_per_s=tokens_per_s,

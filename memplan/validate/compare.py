@@ -58,6 +58,8 @@ class Validation(BaseModel):
     record: dict[str, Any]
     # --snapshot: the memory snapshot of the reported rank (``{rank}`` left in for real ranks: one file each)
     snapshot_path: str | None = None
+    # offload_activations cpu on CPU: the activations' host copies, predicted (offload.cpu) and measured
+    offload_host: Row | None = None
 
 
 def error_pct(predicted: int, measured: int | None) -> float | None:
@@ -90,6 +92,7 @@ def compare(
         for name, cats in _COMPONENTS.items():
             components[name] = _row(predicted[name], sum(opt.categories.get(c, 0) for c in cats))
     reserved_err = error_pct(report.peak.reserved, record.peak_reserved) if record.peak_reserved else None
+    host = _row(report.offload.cpu, record.offload_host_bytes) if record.offload_host_bytes is not None else None
     return Validation(
         status=record.status,
         reason=record.reason,
@@ -116,4 +119,5 @@ def compare(
         versions=record.versions,
         record_path=record_path,
         record=record.model_dump(mode="json"),
+        offload_host=host,
     )

@@ -56,6 +56,10 @@ class RunRecord(BaseModel):
     peak_reserved: int | None = None
     peak_phase: str | None = None
     nvml_used_bytes: int | None = Field(None, description="Device memory in use by this process per NVML.")
+    offload_host_bytes: int | None = Field(
+        None,
+        description="Peak bytes of the saved activations' host copies (offload_activations: cpu, measured on CPU).",
+    )
     step_times_s: list[float] = Field(default_factory=list)
     step_time_s: float | None = Field(None, description="Median of the measured steps (after warm-up).")
     tokens_per_s: float | None = None

@@ -6,6 +6,7 @@ Each refusal is a ``TrainerUnsupported`` whose message starts with the field it 
 
 from __future__ import annotations
 
+from memplan.costmodel.trainer_offload import unmodelled, unmodelled_accumulation
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.validate.spec import RunSpec
@@ -46,7 +47,7 @@ def check_plan(plan: Plan) -> None:
     if plan.finetune != "full":
         check_lora(plan)
     if plan.offload_activations != "none":
-        raise TrainerUnsupported("offload_activations: not implemented by the bundled trainer")
+        check_offload(plan)
     if plan.cp > 1:
         raise TrainerUnsupported("cp: context parallelism is not implemented by the bundled trainer")
     if plan.ep > 1:
@@ -71,6 +72,14 @@ def check_plan(plan: Plan) -> None:
         raise TrainerUnsupported(
             "zero: with pipeline parallel the trainer shards data parallel with FSDP2; use zero 2 or 3"
         )
+
+
+def check_offload(plan: Plan) -> None:
+    """Activation offload as the trainer runs it (memplan.train.offload: ``save_on_cpu`` around
+    each micro-batch's forward and loss) where it is measured and modelled
+    (``costmodel.trainer_offload.unmodelled``)."""
+    if (reason := unmodelled(plan)) is not None:
+        raise TrainerUnsupported(f"offload_activations: {reason}")
 
 
 def check_lora(plan: Plan) -> None:
@@ -116,5 +125,7 @@ def check_workload(spec: RunSpec) -> None:
         raise TrainerUnsupported(
             "modules_to_save: a trained lm_head copy over tied embeddings is estimate-only in the bundled trainer"
         )
+    if plan.offload_activations != "none" and (reason := unmodelled_accumulation(plan, spec.accumulation)):
+        raise TrainerUnsupported(f"offload_activations: {reason}")
     if plan.offload_params != "none" and plan.pp > 1:
         raise TrainerUnsupported("offload_params: CPU offload with pipeline parallel is not implemented by the trainer")

@@ -647,11 +647,18 @@ def test_validate_refuses_adapters_the_trainer_does_not_build(tmp_path):
     error_line(proc, CLI, "finetune", "estimate-only")
 
 
-def test_activation_offload_is_refused_by_the_estimate(tmp_path):
-    """Modelled for the loops that run it (hf: TRL's activation_offloading, hf-loop: save_on_cpu); the
-    default runtime (the bundled trainer) has none: an error naming the field, not a silent number."""
+def test_activation_offload_is_refused_by_the_estimate_where_the_trainer_does_not_offload(tmp_path):
+    """Modelled for the loops that run it (hf: TRL's activation_offloading, hf-loop and the bundled
+    trainer: save_on_cpu); the trainer's is measured with recompute none or full only, and the default
+    plan recomputes selectively: an error naming the field, not a silent number."""
     proc = memplan("estimate", "llama3-8b", "--offload-activations", "cpu", cwd=tmp_path)
-    error_line(proc, "plan.offload_activations", None, "not runtime memplan", "--runtime hf or hf-loop")
+    error_line(proc, "plan.offload_activations", None, "recompute selective", "use none or full")
+
+
+def test_validate_refuses_offload_the_trainer_does_not_run_in_one_line(tmp_path):
+    args = ["--offload-activations", "cpu", "--recompute", "none", "--tp", "2", "--device", "cpu"]
+    proc = memplan("validate", "llama3-8b", *args, cwd=tmp_path)
+    error_line(proc, "plan.offload_activations", None, "tensor parallel", "use tp 1")
 
 
 @pytest.mark.parametrize(
@@ -903,11 +910,16 @@ def test_validate_snapshot_folder_that_is_a_file(tmp_path):
 # activation offload (plan.offload_activations): refused by field where no loop runs it
 
 
-@pytest.mark.parametrize("runtime", ["megatron", "memplan"])
-def test_activation_offload_refused_for_a_runtime_without_it(tmp_path, runtime):
-    args = ["--offload-activations", "cpu", "--runtime", runtime, "--finetune", "lora", "--precision", "bf16"]
+def test_activation_offload_refused_for_a_runtime_without_it(tmp_path):
+    args = ["--offload-activations", "cpu", "--runtime", "megatron", "--finetune", "lora", "--precision", "bf16"]
     proc = memplan("estimate", "llama3-8b", *args, cwd=tmp_path)
-    error_line(proc, "plan.offload_activations", None, f"not runtime {runtime}")
+    error_line(proc, "plan.offload_activations", None, "not runtime megatron")
+
+
+def test_activation_offload_refused_for_lora_in_the_bundled_trainer(tmp_path):
+    args = ["--offload-activations", "cpu", "--runtime", "memplan", "--finetune", "lora", "--precision", "bf16"]
+    proc = memplan("estimate", "llama3-8b", *args, "--recompute", "none", cwd=tmp_path)
+    error_line(proc, "plan.offload_activations", None, "finetune lora")
 
 
 def test_activation_offload_refused_by_field_in_a_plan_file(tmp_path):
@@ -921,9 +933,12 @@ def test_activation_offload_refused_for_serving(tmp_path):
     error_line(proc, CLI, "--offload-activations", "a training setting")
 
 
-@pytest.mark.parametrize("runtime", ["hf", "hf-loop"])
-def test_activation_offload_estimated_for_the_hf_loops(tmp_path, runtime):
-    args = ["--offload-activations", "cpu", "--runtime", runtime, "--finetune", "lora", "--precision", "bf16"]
+@pytest.mark.parametrize(
+    ("runtime", "fields"),
+    [("hf", ["--finetune", "lora"]), ("hf-loop", ["--finetune", "lora"]), ("memplan", ["--recompute", "full"])],
+)
+def test_activation_offload_estimated_for_the_loops_that_run_it(tmp_path, runtime, fields):
+    args = ["--offload-activations", "cpu", "--runtime", runtime, *fields, "--precision", "bf16"]
     proc = memplan("estimate", "llama3-8b", *args, "--format", "json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

@@ -20,7 +20,7 @@ LORA = {"finetune": "lora", "precisions": ("bf16",), "seq_len": 4096}
 
 @pytest.mark.parametrize(
     ("allow", "runtime", "want"),
-    [(True, "hf", ("none", "cpu")), (True, "hf-loop", ("none", "cpu")), (True, "memplan", ("none",)),
+    [(True, "hf", ("none", "cpu")), (True, "hf-loop", ("none", "cpu")), (True, "memplan", ("none", "cpu")),
      (True, "megatron", ("none",)), (False, "hf", ("none",))],
 )  # fmt: skip
 def test_activation_offload_is_offered_where_a_loop_runs_it(allow, runtime, want):
@@ -64,3 +64,19 @@ def test_templates_start_without_activation_offload():
     space = enumerate_space(L8, options)
     found = template_seeds(space, lambda c: evaluate(c, ctx), "throughput")
     assert found and all(ev.plan.offload_activations == "none" for ev in found)
+
+
+def test_the_bundled_trainer_is_offered_offload_only_where_it_runs_it():
+    """Runtime memplan: offload on the plans the trainer offloads (tp = pp = cp = 1, no FSDP2, recompute
+    none or full, no accumulation over dp); the others keep offload_activations none."""
+    from memplan.costmodel.trainer_offload import unmodelled
+
+    options = SpaceOptions(gpus=2, allow_offload=True, offload_activations=("none", "cpu"), offload_runtime="memplan")
+    space = enumerate_space(L8, options.model_copy(update={"seq_len": 2048, "global_batches": (8,)}))
+    offloaded = [c for c in space.candidates if c.plan.offload_activations == "cpu"]
+    assert offloaded and all(unmodelled(c.plan) is None for c in offloaded)
+    assert {c.plan.recompute for c in offloaded} == {"none", "full"}
+    assert any(c.plan.tp > 1 for c in space.candidates if c.plan.offload_activations == "none")
+    ctx = Context(model=L8, gpu=load_gpu("h100-sxm"), cluster=ClusterSpec(gpus_per_node=2), runtime="memplan")
+    scored = [evaluate(c, ctx) for c in offloaded[:20]]
+    assert all(ev.peak_allocated_bytes > 0 for ev in scored)

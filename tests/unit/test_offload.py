@@ -69,18 +69,41 @@ def test_host_bytes_add_to_offloaded_optimizer_states():
     assert both > states > 0
 
 
-@pytest.mark.parametrize("runtime", ["memplan", "megatron"])
-def test_other_runtimes_are_refused_by_field(runtime):
+def test_megatron_is_refused_by_field():
     with pytest.raises(MemplanError) as err:
-        M.estimate_training(LLAMA, WORK, Plan(precision="bf16", offload_activations="cpu"), runtime)
+        M.estimate_training(LLAMA, WORK, Plan(precision="bf16", offload_activations="cpu"), "megatron")
     assert err.value.field == "plan.offload_activations"
-    assert f"not runtime {runtime}" in str(err.value)
+    assert "not runtime megatron" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "part"),
+    [(dict(recompute="selective"), "recompute selective"), (dict(tp=2), "tensor parallel"), (LORA, "finetune lora")],
+)
+def test_the_bundled_trainer_is_refused_by_field_where_it_does_not_offload(fields, part):
+    plan = Plan(**{"precision": "bf16", "recompute": "none", **fields}, offload_activations="cpu")
+    with pytest.raises(MemplanError) as err:
+        M.estimate_training(LLAMA, WORK, plan, "memplan")
+    assert err.value.field == "plan.offload_activations"
+    assert part in str(err.value)
+
+
+def test_the_bundled_trainer_offloads_everything_saved():
+    """save_on_cpu around the forward and loss: the device keeps no layer's activations, the host every
+    save (weights included), and the forward's peak is the loss's (measured: tests/validate)."""
+    plan = dict(precision="bf16", recompute="none")
+    before = M.estimate_training(LLAMA, WORK, Plan(**plan), "memplan")
+    after = M.estimate_training(LLAMA, WORK, Plan(**plan, offload_activations="cpu"), "memplan")
+    assert after.phases["forward"] < before.phases["forward"]
+    assert after.offload.cpu > before.activations.total  # every save, once per save, weights included
+    assert after.peak.breakdown.get("activations", 0) < before.activations.total // LLAMA.num_layers
 
 
 def test_offload_mechanism_by_runtime():
-    plan = Plan(offload_activations="cpu")
+    plan = Plan(offload_activations="cpu", recompute="none")
     assert M.offload_mechanism(plan, M.RUNTIMES["hf"]) == "trl"
     assert M.offload_mechanism(plan, M.RUNTIMES["hf-loop"]) == "save_on_cpu"
+    assert M.offload_mechanism(plan, M.RUNTIMES["memplan"]) == "save_on_cpu"
 
 
 # --- time ----------------------------------------------------------------------------------
@@ -120,3 +143,17 @@ def test_half_the_host_bandwidth_doubles_save_on_cpu_time():
     fast_t = estimate_time(LLAMA, WORK, plan, profile, cluster, "hf-loop").breakdown["activation_offload"]
     slow_t = estimate_time(LLAMA, WORK, plan, slow, cluster, "hf-loop").breakdown["activation_offload"]
     assert slow_t == pytest.approx(2 * fast_t)
+
+
+def test_the_bundled_trainer_pays_save_on_cpu_for_every_save():
+    """Runtime memplan: save_on_cpu's term (both copies exposed) over the host bytes the model counts
+    (every save, weights included)."""
+    profile, cluster = load_gpu("h100-sxm"), ClusterSpec(gpus_per_node=1)
+    plan = Plan(precision="bf16", recompute="none", offload_activations="cpu")
+    mechanism, moved = M.activation_offload_bytes(LLAMA, WORK, plan, "memplan")
+    assert mechanism == "save_on_cpu"
+    assert moved == M.estimate_training(LLAMA, WORK, plan, "memplan").offload.cpu
+    kept = M.estimate_training(LLAMA, WORK, Plan(precision="bf16", recompute="none"), "memplan").activations.total
+    assert moved > kept  # each save once per save, and the weights
+    step = estimate_time(LLAMA, WORK, plan, profile, cluster, "memplan")
+    assert step.breakdown["activation_offload"] == pytest.approx(2 * moved / profile.pcie_bytes_per_s)
