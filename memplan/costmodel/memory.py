@@ -1017,6 +1017,21 @@ class MemoryMemo:
         return found
 
 
+def _checkpointed_mlp_forward(x: A.Shape, layer_copies: int = 0) -> int:
+    """The bundled trainer's forward inside the last checkpointed layer, beyond the layer inputs
+    the checkpoints keep and RoPE's tables (both counted already): what
+    :func:`trainer_offload.mlp_forward_bytes` counts less the layer's input and the tables. A layer
+    run under ``torch.utils.checkpoint`` saves nothing, but its attention residual, the MLP's
+    normalised input and the product's moment (SiLU output, up output, product: 3 d f a token)
+    are alive at once; with a wide MLP and a small vocabulary this outgrows the loss's tensors
+    (measured on CPU: ffn 1024, hidden 128, vocabulary 256, fp32, 128 tokens: the forward 9.4%
+    above the loss's moment). ``layer_copies``: autocast's cache of the layers' weight casts, in
+    the moment as ``mlp_forward_bytes`` counts it (the last down projection's from its own moment)."""
+    r = TO.residual_bytes(x)
+    kept = x.tokens * r * x.model.hidden_size + 2 * x.s * x.model.head_size * r
+    return TO.mlp_forward_bytes(x, layer_copies) - kept
+
+
 def _stage_phases(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -1163,6 +1178,12 @@ def _stage_phases(
     # eager fp8 casts: the last layer's down projection may outgrow the loss's tensors at the
     # forward's end; in the layer's forward its input and mid-layer residual are alive, unsaved
     fp8_forward = max(0, fp8.forward_extra + 2 * A.layer_input(x) - fwd_head - loss_fwd) if fp8.forward_extra else 0
+    if rt.name == "memplan" and recomputed and plan.offload_activations == "none" and lora_acts is None:
+        # autocast's cache at that moment: every layer's casts but the LM head's (cast after the
+        # layers); the forward counts all of them as autocast_weights
+        head_cast = vocab_shard_params(model, plan.tp) * x.d if layout.is_last and weight_copies else 0
+        moment = _checkpointed_mlp_forward(x, weight_copies - head_cast) - weight_copies
+        mlp_peak = max(0, moment - fwd_head - loss_fwd)
     head_grads = 0
     if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
         head_grads = (vocab_shard_params(model, plan.tp) + P.norm_params(model)) * policy.grad_bytes
