@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from memplan.train import quant
+
 HOST_CATEGORIES = ("Sharded Param", "Sharded Grad", "OptState")
 
 
@@ -121,7 +123,8 @@ class PhaseMeter:
                 self._tracker = _tracker_class(MemTracker)()
                 if _skip_frozen(self._tracker, model):
                     _catch_leaf_inputs(self._tracker._mod_tracker, self._leaves)
-                self._tracker.track_external(model, optimizer)
+                # a quantized base's scales are neither parameters nor buffers (memplan.train.quant)
+                self._tracker.track_external(model, optimizer, *quant.state_tensors(model))
             self._tracker.meter = self
 
     # -- CPU: called by the tracker on every allocation -----------------------------------
