@@ -54,7 +54,7 @@ CASES = {  # name: (plan, slow: True at TINY's shape, "small" at the default sha
     "qlora-int8-fp32": (dict(precision="fp32", quant="int8"), False),
     "qlora-nf4-dq-fp32-recompute-full": (dict(precision="fp32", recompute="full"), False),
     "qlora-int8-fp32-recompute-full": (dict(precision="fp32", quant="int8", recompute="full"), False),
-    "qlora-nf4-dq-fp32-ddp2": (dict(precision="fp32", dp=2), False),
+    "qlora-nf4-dq-fp32-ddp2-small": (dict(precision="fp32", dp=2), "small"),
     "qlora-int8-fp32-zero1-dp2-small": (dict(precision="fp32", quant="int8", dp=2, zero=1), "small"),
     "qlora-nf4-bf16-all-linear-small": (dict(precision="bf16", double_quant=False, lora_targets=ALL), "small"),
     "qlora-fp4-dq-fp32-all-linear-small": (dict(precision="fp32", quant="fp4", lora_targets=ALL), "small"),
