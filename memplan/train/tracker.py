@@ -243,7 +243,11 @@ class PhaseMeter:
     def __enter__(self) -> PhaseMeter:
         if self._tracker is not None:
             self._hooks.__enter__()
-            self._tracker.__enter__()
+            try:
+                self._tracker.__enter__()
+            except BaseException:
+                self._hooks.__exit__()  # torch's register_multi_grad_hook restored
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:
