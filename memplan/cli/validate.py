@@ -95,7 +95,8 @@ def validate(
     finetune: Annotated[
         str | None,
         Opt(
-            help="full or lora (adapters over a frozen base, memplan.train.lora); qlora is estimate-only "
+            help="full, lora (adapters over a frozen base, memplan.train.lora) or qlora (over a bitsandbytes "
+            "nf4, fp4 or int8 base computing in fp32 or bf16, memplan.train.quant; double_quant from --plan) "
             "(default: full).",
             rich_help_panel=PLAN,
         ),

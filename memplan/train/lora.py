@@ -9,7 +9,9 @@ the base output's dtype. The base is frozen (``requires_grad=False``): it holds 
 optimizer state, and its linears keep no input for a weight gradient.
 
 Targets are the plan's ``lora_targets`` in transformers' names (memplan.costmodel.lora), mapped
-to the trainer's modules by :data:`HF_NAMES`.
+to the trainer's modules by :data:`HF_NAMES`. A quantized base (``quant``: nf4, fp4, int8) is
+built by memplan.train.quant once the weights exist (:func:`init_adapters`), and the adapters
+over a 4-bit layer clone its output first, as PEFT's ``lora.Linear4bit`` does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 from memplan.costmodel.lora import resolve_targets
 from memplan.specs.plan import Plan
+from memplan.train import quant
 
 # the trainer's module name -> transformers' (memplan.costmodel.lora.layer_linears)
 HF_NAMES = {
@@ -48,6 +51,9 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.Parameter(torch.empty(base.out_features, rank, **kw))  # (out, r)
         self.scaling = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # PEFT's lora.Linear4bit clones the 4-bit base's output ("defensively", after Tim
+        # Dettmers) before adding the adapter: one more (b, s, out) transient; set by quant
+        self.clone_base = False
 
     @torch.no_grad()
     def reset_adapter(self) -> None:
@@ -57,6 +63,8 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
+        if self.clone_base:
+            out = out.clone()
         a = self.dropout(x.to(self.lora_A.dtype))  # (b, s, in) in fp32; a no-op cast over fp32
         delta = F.linear(F.linear(a, self.lora_A), self.lora_B) * self.scaling  # (b, s, r) -> (b, s, out)
         return (out + delta).to(out.dtype)
@@ -89,7 +97,9 @@ def apply_lora(model: nn.Module, plan: Plan) -> None:
     """Freeze every parameter of ``model`` (a Transformer chunk) and wrap each targeted linear of
     each layer in a :class:`LoraLinear` (PEFT's ``get_peft_model``). Call before activation
     checkpointing wraps the layers, and before ``to_empty``: the adapters are made on the
-    model's (meta) device and initialised by :func:`init_adapters`."""
+    model's (meta) device and initialised by :func:`init_adapters`, which also quantizes the
+    base when the plan's is (``model.quantization``)."""
+    model.quantization = quant.quant_config(plan)
     for p in model.parameters():
         p.requires_grad_(False)
     chosen = _targets(plan)
@@ -118,7 +128,12 @@ def enable_input_require_grads(embedding: nn.Module) -> None:
 
 
 def init_adapters(model: nn.Module) -> None:
-    """Initialise every adapter of ``model`` (after ``init_weights``, which fills the base)."""
+    """Initialise every adapter of ``model`` (after ``init_weights``, which fills the base). Over
+    a quantized base, first quantize it (transformers quantizes the weights it loads, then PEFT's
+    ``prepare_model_for_kbit_training`` casts the rest to fp32; memplan.train.quant)."""
+    config = getattr(model, "quantization", None)
+    if config is not None:
+        quant.quantize_base(model, config)
     for module in model.modules():
         if isinstance(module, LoraLinear):
             module.reset_adapter()

@@ -83,13 +83,14 @@ def check_offload(plan: Plan) -> None:
 
 
 def check_lora(plan: Plan) -> None:
-    """LoRA as the trainer builds it (memplan.train.lora): adapters over an unquantized base,
-    on one tensor-parallel rank, without FSDP (its groups would mix frozen and trained dtypes)."""
-    if plan.quant != "none":
-        field = "finetune" if plan.finetune == "qlora" else "quant"
+    """LoRA as the trainer builds it (memplan.train.lora): adapters over an unquantized base or
+    a bitsandbytes one (memplan.train.quant: nf4 / fp4, double quant or not, int8) computing in
+    fp32 or bf16, on one tensor-parallel rank, without FSDP (its groups would mix frozen and
+    trained dtypes)."""
+    if plan.quant != "none" and plan.precision == "bf16-mixed":
         raise TrainerUnsupported(
-            f"{field}: the bundled trainer's base is unquantized; {plan.finetune} over a {plan.quant} base "
-            "(bitsandbytes) is estimate-only, measured with transformers and PEFT on CPU (docs/cost-model.md)"
+            f"precision: bf16-mixed (autocast) over a {plan.quant} base is estimate-only in the bundled trainer; "
+            "use bf16 (bitsandbytes' bf16 compute dtype) or fp32"
         )
     if set(plan.modules_to_save) - {"lm_head"}:
         raise TrainerUnsupported(

@@ -643,8 +643,12 @@ def test_bad_finetune_field_in_a_plan_file(tmp_path):
 
 
 def test_validate_refuses_adapters_the_trainer_does_not_build(tmp_path):
-    proc = memplan("validate", "llama3-8b", "--finetune", "qlora", "--precision", "bf16", cwd=tmp_path)
-    error_line(proc, CLI, "finetune", "estimate-only")
+    """The bundled trainer builds nf4 / fp4 / int8 bases computing in fp32 or bf16
+    (memplan.train.quant); autocast over one is still estimate-only."""
+    proc = memplan("validate", "llama3-8b", "--finetune", "qlora", "--precision", "bf16-mixed", cwd=tmp_path)
+    error_line(proc, CLI, "precision", "bf16-mixed (autocast) over a nf4 base", "estimate-only")
+    proc = memplan("validate", "llama3-8b", "--finetune", "lora", "--modules-to-save", "embed_tokens", cwd=tmp_path)
+    error_line(proc, CLI, "modules_to_save", "estimate-only")
 
 
 def test_activation_offload_is_refused_by_the_estimate_where_the_trainer_does_not_offload(tmp_path):

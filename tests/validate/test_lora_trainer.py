@@ -117,8 +117,8 @@ def test_adapters_start_as_the_base_and_train():
 @pytest.mark.parametrize(
     ("plan", "field"),
     [
-        (dict(finetune="qlora"), "finetune"),
-        (dict(finetune="lora", quant="int8"), "quant"),
+        (dict(finetune="qlora", precision="bf16-mixed"), "precision"),
+        (dict(finetune="lora", quant="int8", precision="bf16-mixed"), "precision"),
         (dict(finetune="lora", modules_to_save=("embed_tokens",)), "modules_to_save"),
         (dict(finetune="lora", tp=2), "tp"),
         (dict(finetune="lora", pp=2), "pp"),
