@@ -17,10 +17,9 @@ import yaml
 
 torch = pytest.importorskip("torch")
 
-from trainer_cases import TINY  # noqa: E402
+from trainer_cases import TINY, measured_against_predicted  # noqa: E402
 
 from memplan.costmodel import lora as L  # noqa: E402
-from memplan.costmodel.memory import estimate_training  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 from memplan.train.lora import HF_NAMES, LoraLinear, apply_lora, init_adapters, trainable  # noqa: E402
@@ -61,16 +60,7 @@ def _workload(plan: dict) -> TrainingWorkload:
 def test_each_phase_within_3pct_of_the_memplan_runtime(name: str):
     plan = Plan(finetune="lora", **CASES[name])
     workload = _workload(CASES[name])
-    report = estimate_training(TINY, workload, plan, "memplan", device="cpu")
-    record = run(RunSpec(model=TINY, workload=workload, plan=plan, rank=report.peak.rank, steps=2))
-    assert record.status == "ok", record.reason
-    assert set(record.phases) == {"forward", "backward", "optimizer"}
-    for phase, measured in record.phases.items():
-        predicted = report.phases[phase]
-        error = 100 * (predicted - measured.allocated) / measured.allocated
-        assert abs(error) <= TOLERANCE_PCT, (
-            f"{name} {phase}: predicted {predicted:,} measured {measured.allocated:,} ({error:+.2f}%)"
-        )
+    measured_against_predicted(name, TINY, workload, plan, steps=2, tolerance_pct=TOLERANCE_PCT)
 
 
 def _adapted(targets: tuple[str, ...], rank: int = 4) -> Transformer:

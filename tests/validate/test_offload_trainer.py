@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer_cases import TINY  # noqa: E402
+from trainer_cases import TINY, measured_against_predicted  # noqa: E402
 
 from memplan.costmodel.memory import estimate_training  # noqa: E402
 from memplan.specs.model import ModelSpec  # noqa: E402
@@ -64,16 +64,7 @@ def test_each_phase_within_3pct_of_the_memplan_runtime(name: str):
     model, fields, micro_batch, seq_len, global_batch, _ = CASES[name]
     plan = Plan(**fields, offload_activations="cpu")
     workload = TrainingWorkload(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch)
-    report = estimate_training(model, workload, plan, "memplan", device="cpu")
-    record = run(RunSpec(model=model, workload=workload, plan=plan, rank=report.peak.rank, steps=1))
-    assert record.status == "ok", record.reason
-    assert set(record.phases) == {"forward", "backward", "optimizer"}
-    for phase, measured in record.phases.items():
-        predicted = report.phases[phase]
-        error = 100 * (predicted - measured.allocated) / measured.allocated
-        assert abs(error) <= TOLERANCE_PCT, (
-            f"{name} {phase}: predicted {predicted:,} measured {measured.allocated:,} ({error:+.2f}%)"
-        )
+    report, record = measured_against_predicted(name, model, workload, plan, steps=1, tolerance_pct=TOLERANCE_PCT)
     host = record.offload_host_bytes
     assert host is not None and report.offload.cpu == pytest.approx(host, rel=HOST_TOLERANCE), (
         f"{name}: host predicted {report.offload.cpu:,} measured {host:,}"

@@ -21,10 +21,9 @@ import yaml
 torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes")
 
-from trainer_cases import TINY  # noqa: E402
+from trainer_cases import TINY, measured_against_predicted  # noqa: E402
 
 from memplan.costmodel import lora as L  # noqa: E402
-from memplan.costmodel.memory import estimate_training  # noqa: E402
 from memplan.costmodel.quant import quantized_weight_bytes  # noqa: E402
 from memplan.specs.model import ModelSpec  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
@@ -81,16 +80,7 @@ def _case(name: str) -> tuple[ModelSpec, TrainingWorkload, Plan]:
 )
 def test_each_phase_within_3pct_of_the_memplan_runtime(name: str):
     model, workload, plan = _case(name)
-    report = estimate_training(model, workload, plan, "memplan", device="cpu")
-    record = run(RunSpec(model=model, workload=workload, plan=plan, rank=report.peak.rank, steps=2))
-    assert record.status == "ok", record.reason
-    assert set(record.phases) == {"forward", "backward", "optimizer"}
-    for phase, measured in record.phases.items():
-        predicted = report.phases[phase]
-        error = 100 * (predicted - measured.allocated) / measured.allocated
-        assert abs(error) <= TOLERANCE_PCT, (
-            f"{name} {phase}: predicted {predicted:,} measured {measured.allocated:,} ({error:+.2f}%)"
-        )
+    measured_against_predicted(name, model, workload, plan, steps=2, tolerance_pct=TOLERANCE_PCT)
 
 
 def _quantized(plan: Plan, model: ModelSpec = SMALL) -> Transformer:

@@ -110,3 +110,22 @@ CASES = [
     Case("tied-tp4-fp32", dict(precision="fp32", tp=4), model=TIED, micro_batch=1),
     Case("tied-dp16-tp4-sp-zero3-bf16-mixed-world64", dict(precision="bf16-mixed", dp=16, tp=4, sequence_parallel=True, zero=3), model=TIED, micro_batch=1),
 ]  # fmt: skip
+
+
+def measured_against_predicted(name: str, model: ModelSpec, workload: TrainingWorkload, plan: Plan, steps: int,
+                               tolerance_pct: float = 3.0):  # fmt: skip
+    """Run ``plan`` with the bundled trainer (rank simulation, CPU) and assert each phase's measured
+    peak within ``tolerance_pct`` of ``--runtime memplan``'s; (report, record) for further checks."""
+    from memplan.train.runner import run  # torch: only where a case runs
+
+    report = estimate_training(model, workload, plan, "memplan", device="cpu")
+    record = run(RunSpec(model=model, workload=workload, plan=plan, rank=report.peak.rank, steps=steps))
+    assert record.status == "ok", record.reason
+    assert set(record.phases) == {"forward", "backward", "optimizer"}
+    for phase, measured in record.phases.items():
+        predicted = report.phases[phase]
+        error = 100 * (predicted - measured.allocated) / measured.allocated
+        assert abs(error) <= tolerance_pct, (
+            f"{name} {phase}: predicted {predicted:,} measured {measured.allocated:,} ({error:+.2f}%)"
+        )
+    return report, record
