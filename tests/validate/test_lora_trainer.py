@@ -8,16 +8,14 @@ trainer_cases.py). Measured 2026-11-24 on CPU (torch 2.13.0+cpu): every phase wi
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
-import yaml
 
 torch = pytest.importorskip("torch")
 
-from trainer_cases import TINY, measured_against_predicted  # noqa: E402
+from trainer_cases import TINY, measured_against_predicted, validate_tiny_on_cpu  # noqa: E402
 
 from memplan.costmodel import lora as L  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
@@ -144,23 +142,8 @@ def test_lm_head_copy_starts_as_the_original_and_is_the_one_trained():
 
 
 def test_validate_cli_runs_lora_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
-    from memplan.cli.app import run as cli
-
-    monkeypatch.chdir(tmp_path)
-    tiny = {
-        "name": "tiny",
-        "hidden_size": 64,
-        "num_layers": 2,
-        "num_attention_heads": 2,
-        "num_kv_heads": 2,
-        "ffn_size": 128,
-        "vocab_size": 256,
-    }
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny))
-    args = ["validate", "tiny.yaml", "--precision", "fp32", "--seq-len", "32", "--steps", "1", "--device", "cpu"]
-    code = cli([*args, "--finetune", "lora", "--lora-targets", "all-linear", "--lora-rank", "4", "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    result = json.loads(out)
+    result = validate_tiny_on_cpu(
+        tmp_path, monkeypatch, capsys, "--finetune", "lora", "--lora-targets", "all-linear", "--lora-rank", "4"
+    )
     assert result["status"] == "ok"
     assert abs(result["error_pct"]) <= TOLERANCE_PCT

@@ -12,16 +12,14 @@ tests/validate/test_lora_trainer.py (TINY, 2 x 160 fp32, 1 x 128 bf16) runs unde
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes")
 
-from trainer_cases import TINY, measured_against_predicted  # noqa: E402
+from trainer_cases import TINY, measured_against_predicted, validate_tiny_on_cpu  # noqa: E402
 
 from memplan.costmodel import lora as L  # noqa: E402
 from memplan.costmodel.quant import quantized_weight_bytes  # noqa: E402
@@ -167,23 +165,8 @@ def test_autocast_over_a_quantized_base_is_refused_in_one_line():
 
 @pytest.mark.slow  # a launched run imports torch and bitsandbytes again (~19 s on 2 busy cores)
 def test_validate_cli_runs_qlora_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
-    from memplan.cli.app import run as cli
-
-    monkeypatch.chdir(tmp_path)
-    tiny = {
-        "name": "tiny",
-        "hidden_size": 64,
-        "num_layers": 2,
-        "num_attention_heads": 2,
-        "num_kv_heads": 2,
-        "ffn_size": 128,
-        "vocab_size": 256,
-    }
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny))
-    args = ["validate", "tiny.yaml", "--precision", "fp32", "--seq-len", "32", "--steps", "1", "--device", "cpu"]
-    code = cli([*args, "--finetune", "qlora", "--quant", "int8", "--lora-rank", "4", "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    result = json.loads(out)
+    result = validate_tiny_on_cpu(
+        tmp_path, monkeypatch, capsys, "--finetune", "qlora", "--quant", "int8", "--lora-rank", "4"
+    )
     assert result["status"] == "ok"
     assert abs(result["error_pct"]) <= TOLERANCE_PCT

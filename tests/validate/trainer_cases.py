@@ -129,3 +129,25 @@ def measured_against_predicted(name: str, model: ModelSpec, workload: TrainingWo
             f"{name} {phase}: predicted {predicted:,} measured {measured.allocated:,} ({error:+.2f}%)"
         )
     return report, record
+
+
+TINY_FILE = {"name": "tiny", "hidden_size": 64, "num_layers": 2, "num_attention_heads": 2, "num_kv_heads": 2,
+             "ffn_size": 128, "vocab_size": 256}  # fmt: skip
+
+
+def validate_tiny_on_cpu(tmp_path, monkeypatch, capsys, *flags: str) -> dict:  # noqa: ANN001 - pytest fixtures
+    """``memplan validate`` of a tiny model file as a user runs it (fp32, 32 tokens, one step, CPU,
+    ``--format json``) with ``flags``; its JSON result (the command must succeed)."""
+    import json
+
+    import yaml
+
+    from memplan.cli.app import run as cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY_FILE))
+    args = ["validate", "tiny.yaml", "--precision", "fp32", "--seq-len", "32", "--steps", "1", "--device", "cpu"]
+    code = cli([*args, *flags, "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)
