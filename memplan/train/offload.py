@@ -14,9 +14,10 @@ not count it, as device memory would not hold the pinned copy), and the unpack h
 them into a new tensor (counted, as the device copy would be) - the emulation of
 tests/accuracy/offload_steps.py. ``host_bytes`` / ``host_peak``: the host copies alive.
 
-With ``recompute: full`` the checkpointed layers' saves go to the checkpoint's own hooks (the
-innermost saved-tensor hooks win) and their inputs are held by the recomputation's closure:
-only what the embedding, final norm, LM head and loss save is offloaded.
+With ``recompute: full`` the checkpointed layers' own saves go to the checkpoint's hooks (the
+innermost saved-tensor hooks win), but what the checkpoint itself saves for the recomputation, each
+layer's input and RoPE's tables, passes the outer hooks and is offloaded, with what the embedding,
+final norm, LM head and loss save (``costmodel.trainer_offload.host_bytes``, exact on CPU).
 """
 
 from __future__ import annotations
