@@ -110,8 +110,10 @@ class _Canvas:
 
     ANCHOR = {"start": "ls", "middle": "ms", "end": "rs"}
 
-    def __init__(self, image_draw, font_module, scale: int) -> None:  # noqa: ANN001
-        self.d, self.s, self._fonts, self._font_module = image_draw, scale, {}, font_module
+    def __init__(self, image_draw, font_module, scale: int, fonts: dict | None = None) -> None:  # noqa: ANN001
+        """``fonts``: another canvas's loaded faces, by size (loading one parses the font)."""
+        self.d, self.s, self._font_module = image_draw, scale, font_module
+        self._fonts = {} if fonts is None else fonts
 
     def font(self, size: float):  # noqa: ANN201 - a Pillow font
         if size not in self._fonts:
@@ -202,8 +204,7 @@ def render_png(panels: list[Panel], path: Path, scale: int = 2) -> None:
     layouts = [_legend_rows(panel, lambda s: probe.width(s, 12)) for panel in panels]
     height = sum(_panel_height(panel, len(rows)) for panel, rows in zip(panels, layouts, strict=True))
     image = Image.new("RGB", (W * scale, max(height, 1) * scale), "#ffffff")
-    c = _Canvas(ImageDraw.Draw(image, "RGBA"), ImageFont, scale)
-    c._fonts = probe._fonts
+    c = _Canvas(ImageDraw.Draw(image, "RGBA"), ImageFont, scale, probe._fonts)
     top = 0
     for panel, rows in zip(panels, layouts, strict=True):
         c.text(LEFT, top + 18, panel.title, 14)
