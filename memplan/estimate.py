@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from memplan.costmodel.host import HostMemory, host_memory
+from memplan.costmodel.margin import band as margin_band
+from memplan.costmodel.margin import state as margin_state
 from memplan.costmodel.memory import estimate_memory, sdpa_kind
 from memplan.costmodel.params import active_params, total_params
 from memplan.costmodel.precision import POLICIES
@@ -37,6 +39,22 @@ class SuggestionOut(BaseModel):
     verified: bool = False
 
 
+class FitsMargin(BaseModel):
+    """How much headroom the verdict has against the model's own measured error (``costmodel/margin.py``):
+    ``state`` is ``tight`` when the plan fits with less headroom than ``band_bytes``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    state: Literal["ample", "tight", "does not fit"]
+    headroom_bytes: int
+    band_bytes: int
+    error: float  # the reserved-memory error measured for this kind of plan (a fraction, either sign)
+    model: str  # which model answered: "op-level run" or "phase model"
+    basis: str  # the runs that error was measured on
+    outside_spread_bytes: int  # how much lower the memory outside the allocator was measured
+    capacity_spread_bytes: int  # how much lower the capacity was seen on other drivers
+
+
 class EstimateResult(BaseModel):
     """What ``memplan estimate --format json`` prints (keys are a contract: add, never rename)."""
 
@@ -53,6 +71,7 @@ class EstimateResult(BaseModel):
     time: TimeReport | None = None  # training only: the step-time model (docs/cost-model.md)
     warnings: list[str] = []  # legal but suspicious inputs (a sequence beyond the model's positions)
     host: HostMemory | None = None  # training: each node's host memory against what the plan keeps there
+    fits_margin: FitsMargin | None = None  # "fits" against the model's measured error: ample or tight
 
 
 def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
@@ -194,10 +213,13 @@ def estimate_with_run(
     if isinstance(job.workload, TrainingWorkload):
         ranks = min(job.cluster.gpus_per_node, job.plan.world_size)
         host = host_memory(report, ranks, limit - report.peak.reserved, host_memory_bytes, host_source)
-    suggestions = []
-    if fits and host is not None and not host.fits:
-        # the device fits and the host does not: what moves the host's share to NVMe or back to the GPU
+    host_short = fits and host is not None and not host.fits
+    if host_short:  # the device fits and the host does not
         fits, reason = False, host.reason()
+    margin = fits_margin(job, report, v.timeline, fits, limit - report.peak.reserved)
+    suggestions = []
+    if host_short:
+        # what moves the host's share to NVMe or back to the GPU
         if with_suggestions:
             from memplan.costmodel.advice import host_suggestions
 
@@ -209,18 +231,20 @@ def estimate_with_run(
                 SuggestionOut(change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits)
                 for s in found
             ]
-    elif with_suggestions and not fits:
+    elif with_suggestions and (not fits or margin.state == "tight"):
         from memplan.costmodel.advice import suggest
         from memplan.costmodel.overhead import fast_reserved_bytes
 
+        # a tight fit: what fits with the band free (buys the headroom the model's error asks for)
+        target = limit if not fits else limit - margin.band_bytes
         # single changes are screened with the fast form, compared with the same form of this plan
         current = fast_reserved_bytes(report.peak.allocated)
         found = suggest(
-            job.model, job.workload, job.plan, job.runtime, limit, current, device, gpu=job.gpu, cluster=job.cluster
+            job.model, job.workload, job.plan, job.runtime, target, current, device, gpu=job.gpu, cluster=job.cluster
         )
         # ranked as the table's title says: those that fit first, then by bytes saved (the JSON
         # carries each fitting change's step time, its cost)
-        checked = _verified(job, found, report.peak.reserved, limit, device)
+        checked = _verified(job, found, report.peak.reserved, target, device)
         expandable = [(s, False) for s in _allocator_suggestion(report)]
         ranked = sorted([*expandable, *checked], key=lambda sv: (not sv[0].fits, -sv[0].saved))
         suggestions = [
@@ -247,6 +271,9 @@ def estimate_with_run(
             "name": job.gpu.name,
             "memory_bytes": job.gpu.memory_bytes,
             "capacity_bytes": capacity,
+            "capacity_basis": job.gpu.capacity_basis,
+            "capacity_spread_bytes": job.gpu.torch_capacity_spread_bytes,
+            "capacity_source": job.gpu.capacity_note,
             "display_name": job.gpu.display_name,
             "device": device,
         },
@@ -258,5 +285,26 @@ def estimate_with_run(
         time=time,
         warnings=list(job.warnings),
         host=host,
+        fits_margin=margin,
     )
     return result, v.run, v.timeline
+
+
+def fits_margin(job: Job, report: MemoryReport, which: str, fits: bool, headroom: int) -> FitsMargin:
+    """The verdict against the tight band of the model that answered (``costmodel.margin``)."""
+    training = isinstance(job.workload, TrainingWorkload)
+    outside_spread = report.outside.spread if report.outside is not None else 0
+    capacity_spread = job.gpu.torch_capacity_spread_bytes if job.gpu.torch_capacity_bytes is not None else 0
+    b = margin_band(
+        which, job.plan if training else None, job.runtime, report.peak.reserved, outside_spread, capacity_spread
+    )
+    return FitsMargin(
+        state=margin_state(fits, headroom, b.bytes),
+        headroom_bytes=headroom,
+        band_bytes=b.bytes,
+        error=b.error,
+        model=b.model,
+        basis=b.basis,
+        outside_spread_bytes=outside_spread,
+        capacity_spread_bytes=capacity_spread,
+    )

@@ -26,7 +26,8 @@ from memplan.specs.plan import Plan
 from memplan.specs.resolve import CLI, INFERENCE_FIELDS, TRAINING_FIELDS, Job, resolve_job
 from memplan.units import format_bytes
 
-Status = Literal["pass", "over-budget", "regressed", "error"]
+Status = Literal["pass", "over-budget", "regressed", "tight", "error"]
+FAILING: tuple[Status, ...] = ("over-budget", "regressed", "tight")  # an entry that fails the check
 TOP_FIELDS = ("gpu", "gpus", "nodes", "runtime", "allocator")
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
@@ -139,6 +140,7 @@ class Measurement(BaseModel):
 
     value_bytes: int | None
     reason: str | None = None
+    tight: str | None = None  # the estimate fits within the tight band: why (None: not tight, or measured)
 
 
 Measure = Callable[[Resolved], Measurement]
@@ -185,7 +187,7 @@ class CheckReport(BaseModel):
         return 0 if self.passed else 1
 
     def counts(self) -> dict[str, int]:
-        out = {s: 0 for s in ("pass", "over-budget", "regressed", "error")}
+        out = {s: 0 for s in ("pass", "over-budget", "regressed", "tight", "error")}
         for e in self.entries:
             out[e.status] += 1
         return out
@@ -209,8 +211,16 @@ def plan_summary(job: Job) -> str:
 
 def estimated(r: Resolved, device: str = "cuda") -> Measurement:
     """The estimate's peak on the most-loaded rank, in the entry's metric, for ``device``."""
-    peak = estimate(r.job, with_suggestions=False, device=device).memory.peak
-    return Measurement(value_bytes=peak.reserved if r.metric == "reserved" else peak.allocated)
+    result = estimate(r.job, with_suggestions=False, device=device)
+    peak, margin = result.memory.peak, result.fits_margin
+    tight = None
+    if margin is not None and margin.state == "tight":
+        tight = (
+            f"fits, tight: {format_bytes(margin.headroom_bytes)} of headroom on the GPU is within the "
+            f"{format_bytes(margin.band_bytes)} band of the {margin.model}'s measured error ({margin.error:.1%}: "
+            f"{margin.basis})"
+        )
+    return Measurement(value_bytes=peak.reserved if r.metric == "reserved" else peak.allocated, tight=tight)
 
 
 def _threshold_bytes(baseline: int, threshold: float | int) -> int:
@@ -250,6 +260,8 @@ def judge(
             over += format_bytes(value - r.limit_bytes)
             reason = over + (f"; also {reason}" if status == "regressed" else "")
             status = "over-budget"
+        elif status == "pass" and m.tight and r.entry.budget.tight is False:
+            status, reason = "tight", m.tight
     return EntryResult(
         name=r.entry.name,
         model=job.model.name,

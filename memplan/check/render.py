@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from memplan.check.evaluate import CheckReport, EntryResult
+from memplan.check.evaluate import FAILING, CheckReport, EntryResult
 from memplan.units import format_bytes
 
-MARK = {"pass": "✅ pass", "over-budget": "❌ over budget", "regressed": "❌ regressed", "error": "⚠️ error"}
+MARK = {
+    "pass": "✅ pass",
+    "over-budget": "❌ over budget",
+    "regressed": "❌ regressed",
+    "tight": "❌ tight",
+    "error": "⚠️ error",
+}
 
 
 def _gib(n: int | None) -> str:
@@ -31,7 +37,7 @@ def _change(e: EntryResult) -> str:
 def junit_xml(report: CheckReport, suite: str = "memplan check") -> str:
     """The report as a JUnit XML document (UTF-8, with declaration)."""
     counts = report.counts()
-    failures = counts["over-budget"] + counts["regressed"]
+    failures = sum(counts[s] for s in FAILING)
     attrs = {
         "name": suite,
         "tests": str(len(report.entries)),
@@ -47,7 +53,7 @@ def junit_xml(report: CheckReport, suite: str = "memplan check") -> str:
     ET.SubElement(props, "property", {"name": "threshold", "value": report.threshold})
     for e in report.entries:
         case = ET.SubElement(ts, "testcase", {"classname": f"memplan.check.{e.model}", "name": e.name, "time": "0"})
-        if e.status in ("over-budget", "regressed"):
+        if e.status in FAILING:
             node = ET.SubElement(case, "failure", {"message": e.reason or e.status, "type": e.status})
             node.text = _details(e)
         elif e.status == "error":
@@ -76,7 +82,8 @@ def markdown(report: CheckReport) -> str:
         f"### memplan check: {verdict}",
         "",
         f"{len(report.entries)} entries from `{report.source}`: {counts['pass']} pass, "
-        f"{counts['over-budget']} over budget, {counts['regressed']} regressed, {counts['error']} not evaluated "
+        f"{counts['over-budget']} over budget, {counts['regressed']} regressed, {counts['tight']} tight, "
+        f"{counts['error']} not evaluated "
         f"(regression threshold {report.threshold}).",
         "",
         "| entry | model | GPUs | plan | metric | peak | budget | headroom | baseline | change | status |",

@@ -72,6 +72,11 @@ class Budget(BaseModel):
 
     bytes: StrictInt | None = Field(None, gt=0, description="A fixed limit in bytes.")
     headroom: float | int | None = Field(None, ge=0, description="Fits with this to spare: a share or bytes.")
+    tight: bool | None = Field(
+        None,
+        description="false: fail when the estimate fits only within the tight band (less headroom than the "
+        "model's measured error for the plan); None or true: a tight fit passes.",
+    )
 
     def limit(self, capacity_bytes: int) -> int:
         if self.bytes is not None:
@@ -83,20 +88,27 @@ class Budget(BaseModel):
         if self.bytes is not None:
             return "limit"
         spare = self.headroom or 0
-        return f"fits, {spare:.0%} headroom" if isinstance(spare, float) else "fits, headroom"
+        text = f"fits, {spare:.0%} headroom" if isinstance(spare, float) else "fits, headroom"
+        return text + (", not tight" if self.tight is False else "")
 
 
 def parse_budget(value: object) -> dict[str, Any]:
-    """``"70GiB"`` / bytes -> a fixed limit; ``{fits: true, headroom: "10%" | "4GiB"}`` -> fits."""
+    """``"70GiB"`` / bytes -> a fixed limit; ``{fits: true, headroom: "10%" | "4GiB"}`` -> fits;
+    ``tight: false`` beside them fails a fit within the tight band."""
     if not isinstance(value, dict):
         return {"bytes": parse_size(value)}
-    unknown = sorted(set(value) - {"fits", "headroom"})
+    unknown = sorted(set(value) - {"fits", "headroom", "tight"})
     if unknown:
-        raise ValueError(f"{unknown[0]}: unknown field (a budget is a size, or fits: true with a headroom)")
+        raise ValueError(
+            f"{unknown[0]}: unknown field (a budget is a size, or fits: true with a headroom and tight: false)"
+        )
     if value.get("fits") is not True:
         raise ValueError("fits: a budget mapping says fits: true (a size such as '70GiB' is a fixed limit)")
+    tight = value.get("tight")
+    if tight is not None and not isinstance(tight, bool):
+        raise ValueError(f"tight: {tight!r} is not true or false (false: fail a fit within the tight band)")
     try:
-        return {"headroom": parse_share(value.get("headroom", 0))}
+        return {"headroom": parse_share(value.get("headroom", 0)), "tight": tight}
     except ValueError as err:
         raise ValueError(f"headroom: {err}") from None
 
@@ -118,7 +130,7 @@ class Entry(BaseModel):
     workload: dict | None = Field(None, description="Training or inference workload fields, as in a plan file.")
     plan: dict | None = Field(None, description="Plan fields, as in a plan file.")
     budget: Annotated[Budget, BeforeValidator(parse_budget)] = Field(
-        description="A size ('70GiB', '75GB', bytes) or {fits: true, headroom: '10%' or '4GiB'}."
+        description="A size ('70GiB', '75GB', bytes) or {fits: true, headroom: '10%' or '4GiB', tight: false}."
     )
     metric: Metric | None = Field(None, description="Overrides the file's metric for this entry.")
 

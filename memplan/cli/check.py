@@ -12,7 +12,7 @@ from rich.table import Table
 
 from memplan.check import CheckReport, load_baseline, load_budgets, new_baseline, resolve_entries
 from memplan.check import check as run_check
-from memplan.check.evaluate import Measurement, Resolved
+from memplan.check.evaluate import FAILING, Measurement, Resolved
 from memplan.check.render import MARK, junit_xml, markdown
 from memplan.cli.common import auto_device, output_path, warn
 from memplan.cli.options import DEFAULT_PRECISION
@@ -130,7 +130,7 @@ def _timeline(report: CheckReport, resolved: list[Resolved], device: str, path: 
     if not scored:
         Console(stderr=True).print(f"no entry was evaluated: no timeline written to {path}", soft_wrap=True)
         return
-    failing = [(e, r) for e, r in scored if e.status in ("over-budget", "regressed")]
+    failing = [(e, r) for e, r in scored if e.status in FAILING]
     entry, chosen = failing[0] if failing else max(scored, key=lambda er: er[0].value_bytes / er[0].limit_bytes)
     why = "failing" if failing else "closest to its budget"
     write_job_timeline(chosen.job, path, kind, device, title=f"{entry.name} ({why}): {chosen.job.model.name}")
@@ -159,5 +159,6 @@ def render(report: CheckReport, console: Console) -> None:
     verdict = "[green]passed[/]" if report.passed else "[red]failed[/]"
     console.print(
         f"{verdict}: {counts['pass']} pass, {counts['over-budget']} over budget, {counts['regressed']} regressed, "
+        f"{counts['tight']} tight, "
         f"{counts['error']} not evaluated"
     )

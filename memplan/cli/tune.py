@@ -263,6 +263,15 @@ def tune(
     margin: Annotated[
         str, Opt(help="Memory kept free: a share of capacity (5%) or a size (2GiB).", rich_help_panel=SEARCH)
     ] = "5%",
+    allow_tight: Annotated[
+        bool,
+        Opt(
+            "--allow-tight",
+            help="Recommend plans that fit with less headroom than the model's measured error for that kind of "
+            "plan (the tight band, docs/cost-model.md); by default they count as not fitting.",
+            rich_help_panel=SEARCH,
+        ),
+    ] = False,
     objective: Annotated[
         Literal["throughput", "memory", "pareto"],
         Opt(help="Fastest plan, smallest plan, or the Pareto front of both.", rich_help_panel=SEARCH),
@@ -408,6 +417,7 @@ def tune(
         peak_ratio=(profile and profile.peak_ratio) or 1.0,
         allocator=resolve_allocator(allocator),
         device=device,
+        allow_tight=allow_tight,
     )
     settings = ValidationSettings(
         steps=validate_steps,

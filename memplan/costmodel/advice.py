@@ -104,7 +104,8 @@ def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> l
         out.append(("paged 8-bit AdamW", {"optimizer": "paged-adamw-8bit"}, {}))
     if not training and workload.kv_dtype in ("bf16", "fp16", "fp32"):
         out.append(("fp8 KV cache", {}, {"kv_dtype": "fp8"}))
-    if not training and prefill_forward(workload).tokens > SERVER_CHUNK:
+    chunked = not training and workload.prefill_chunk is not None and workload.prefill_chunk <= SERVER_CHUNK
+    if not training and not chunked and prefill_forward(workload).tokens > SERVER_CHUNK:
         # with a paged cache (vLLM): chunks over transformers' DynamicCache copy the prefix (inference.py)
         paged = {"prefill_chunk": SERVER_CHUNK, "block_size": workload.block_size or 16}
         out.append((f"chunked prefill, {SERVER_CHUNK} tokens per forward (vLLM, paged KV cache)", {}, paged))

@@ -31,7 +31,7 @@ from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_lay
 from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, is_paged, paged_state_bytes, state_bytes_per_param
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
 from memplan.costmodel.quant import quantized_weight_bytes
-from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
+from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, OutsideDetail, Peak
 from memplan.costmodel.report import Prefill as PrefillReport
 from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
 from memplan.costmodel.timeline.events import Moment, Timeline
@@ -1423,7 +1423,21 @@ def estimate_training(
         phases=peak.totals,
         stage_peaks=peak.stage_peaks,
         overhead=peak.overhead,
+        outside=outside_detail(O.communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep)),
         gradient_accumulation=peak.gradient_accumulation,
+    )
+
+
+def outside_detail(n_communicators: int) -> OutsideDetail:
+    """``overhead.outside_memory`` as the report's frozen detail."""
+    o = O.outside_memory(n_communicators)
+    return OutsideDetail.model_construct(
+        cuda_context=o.cuda_context,
+        nccl=o.nccl,
+        communicators=o.communicators,
+        torch_version=o.torch_version,
+        spread=o.spread,
+        source=o.source,
     )
 
 
@@ -1547,6 +1561,7 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
         phases={"prefill": allocated},
         stage_peaks=stage_peaks,
         overhead=overhead,
+        outside=outside_detail(O.communicators(1, plan.tp, plan.pp, 1, plan.ep)),
         gradient_accumulation=1,
         prefill=PrefillReport.model_construct(
             tokens=x.tokens,

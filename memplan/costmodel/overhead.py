@@ -1,24 +1,79 @@
 """Memory outside the caching allocator, and the search's fast form of reserved memory.
 
-``peak.reserved`` is what the allocator model holds when it replays the step
-(``reserve.py``); the fixed overhead (CUDA context, workspaces, NCCL) lives outside it and is
-subtracted from the capacity PyTorch sees. ``fast_reserved_bytes`` is the screen the search
-applies to thousands of plans before the plans it reports are replayed.
+``peak.reserved`` is what the allocator model holds when it replays the step (``reserve.py``);
+what a process holds outside the allocator is subtracted from the capacity PyTorch sees. That
+is what the out-of-memory message calls non-PyTorch memory ("this process has X in use" less
+PyTorch's reserved bytes), and it is made of:
 
-Figures from ../shared/reference/published-figures.md ("Terms that estimators often miss"):
-CUDA context 0.3-0.5 GB, each NCCL communicator about 0.5 GB, cuBLASLt workspace 32 MiB on
-Hopper, caching-allocator reserved memory 1.05-1.10x allocated in 2 MiB-rounded segments.
-They are defaults until validation runs calibrate them per GPU profile.
+- **the CUDA context and the kernels' modules** the process loaded (PyTorch's, cuBLAS's,
+  cuDNN's, Triton's, bitsandbytes'; CUDA loads modules lazily, so it grows with the kernels a
+  run calls). Measured per torch version: ``CONTEXT_BY_TORCH``.
+- **NCCL communicators**: each process group of more than one real rank holds one, with its
+  buffers in device memory allocated by NCCL, not by PyTorch (the reference's "each NCCL
+  communicator ~0.5 GB or more": ../shared/reference/published-figures.md, "Terms that
+  estimators often miss"). Not yet measured here. A rank simulated under the fake process group
+  (``memplan validate``'s default) starts none.
+
+Not outside: cuBLAS's and cuBLASLt's workspaces. PyTorch allocates them through the caching
+allocator (aten/src/ATen/cuda/CublasHandlePool.cpp keeps each handle's workspace as an
+``at::DataPtr`` from ``CUDACachingAllocator``), so they are in ``peak.reserved``: the op-level
+run allocates them (``timeline/trainer.py``, ``cublas_workspace.*``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 MiB = 2**20
-CUDA_CONTEXT_BYTES = 500 * MiB
-CUBLAS_WORKSPACE_BYTES = 32 * MiB
+GiB = 2**30
 NCCL_COMMUNICATOR_BYTES = 512 * MiB
 ALLOCATOR_SLACK = 0.07  # midpoint-ish of the 1.05-1.10x reserved/allocated range
 SEGMENT_BYTES = 2 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class ContextFigure:
+    """The CUDA context and modules one process held, as measured: the lowest and highest seen."""
+
+    low_bytes: int
+    high_bytes: int
+    source: str
+
+
+def _gib2(x: float) -> int:
+    """A figure printed in GiB with two decimals, as bytes."""
+    return round(x * GiB)
+
+
+CONTEXT_BY_TORCH: dict[str, ContextFigure] = {
+    "2.11": ContextFigure(
+        _gib2(0.73),
+        _gib2(0.81),
+        "measured: non-PyTorch memory in four out-of-memory messages of one process with no NCCL, torch "
+        "2.11.0+cu130, driver 580: 0.75, 0.81 and 0.73 GiB on an H200 (2026-11-27), 0.73 GiB on an H100 80GB "
+        "HBM3 (2026-11-22) (../shared/gpu-traces/README.md)",
+    ),
+}
+MEASURED_TORCH = "2.11"  # the version whose figure a plan gets when the torch it runs is not given
+
+
+@dataclass(frozen=True, slots=True)
+class Outside:
+    """What one rank holds outside the allocator: its total is ``MemoryReport.overhead``.
+
+    ``cuda_context`` is the highest figure measured (so that "fits" holds on every run seen);
+    ``spread`` is how far the measured figures went below it (what the tight band adds)."""
+
+    cuda_context: int
+    nccl: int
+    communicators: int
+    torch_version: str
+    spread: int
+    source: str
+
+    @property
+    def total(self) -> int:
+        return self.cuda_context + self.nccl
 
 
 def communicators(dp: int, tp: int, pp: int, cp: int, ep: int) -> int:
@@ -26,9 +81,39 @@ def communicators(dp: int, tp: int, pp: int, cp: int, ep: int) -> int:
     return (dp > 1) + (tp > 1) + (pp > 1) + (cp > 1) + (ep > 1)
 
 
-def fixed_overhead_bytes(n_communicators: int) -> int:
-    """CUDA context + cuBLAS workspace + NCCL communicators."""
-    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + n_communicators * NCCL_COMMUNICATOR_BYTES
+def context_figure(torch_version: str | None = None) -> tuple[str, ContextFigure]:
+    """The measured CUDA context of ``torch_version`` (``"2.11"`` or ``"2.11.0+cu130"``), else the
+    nearest measured version's (said in the source); ``None``: the measured version."""
+    minor = ".".join((torch_version or MEASURED_TORCH).split("+")[0].split(".")[:2])
+    if minor in CONTEXT_BY_TORCH:
+        return minor, CONTEXT_BY_TORCH[minor]
+
+    def distance(v: str) -> tuple[int, ...]:
+        try:
+            return tuple(abs(int(a) - int(b)) for a, b in zip(v.split("."), minor.split("."), strict=False))
+        except ValueError:
+            return (0,)
+
+    nearest = min(CONTEXT_BY_TORCH, key=distance)
+    fig = CONTEXT_BY_TORCH[nearest]
+    note = f"torch {minor} not measured: torch {nearest}'s figure, {fig.source}"
+    return minor, ContextFigure(fig.low_bytes, fig.high_bytes, note)
+
+
+def outside_memory(n_communicators: int, torch_version: str | None = None) -> Outside:
+    """The CUDA context and modules (measured per torch version) plus ``n_communicators`` NCCL
+    communicators (the reference's 512 MiB each)."""
+    version, fig = context_figure(torch_version)
+    nccl = n_communicators * NCCL_COMMUNICATOR_BYTES
+    source = fig.source
+    if n_communicators:
+        source += f"; {n_communicators} NCCL communicator(s) at 512 MiB each (reference figure, not measured here)"
+    return Outside(fig.high_bytes, nccl, n_communicators, version, fig.high_bytes - fig.low_bytes, source)
+
+
+def fixed_overhead_bytes(n_communicators: int, torch_version: str | None = None) -> int:
+    """Bytes outside the allocator: :func:`outside_memory`'s total."""
+    return outside_memory(n_communicators, torch_version).total
 
 
 def fast_reserved_bytes(allocated: int) -> int:

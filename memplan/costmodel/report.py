@@ -95,6 +95,19 @@ class Offload(_Frozen):
     nvme: int
 
 
+class OutsideDetail(_Frozen):
+    """What the rank holds outside the caching allocator (``costmodel/overhead.py``): the CUDA
+    context and modules measured for ``torch_version`` (the highest figure seen; ``spread``: how
+    much lower the others were) and ``communicators`` NCCL communicators. Sums to ``overhead``."""
+
+    cuda_context: int
+    nccl: int
+    communicators: int
+    torch_version: str
+    spread: int
+    source: str
+
+
 class MemoryReport(_Frozen):
     model_states: ModelStates
     activations: Activations
@@ -103,10 +116,11 @@ class MemoryReport(_Frozen):
     offload: Offload
     phases: dict[str, int]  # allocated peak of each phase on the most-loaded rank
     stage_peaks: dict[int, int]  # allocated peak of each pipeline stage examined
-    overhead: int  # fixed bytes outside the allocator (context, NCCL, workspaces)
+    overhead: int  # bytes outside the allocator (CUDA context and modules, NCCL): ``outside``
     gradient_accumulation: int
     # bitsandbytes' paged optimizer states (CUDA managed memory, outside the caching allocator: in
     # neither peak.allocated nor peak.reserved); resident on the device while it has room, paged to
     # the host under pressure (docs/cost-model.md, "Paged optimizers")
     paged_optimizer_states: int = 0
+    outside: OutsideDetail | None = None  # what ``overhead`` is made of
     prefill: Prefill | None = None  # serving only: the prefill forward the activations are of

@@ -44,6 +44,7 @@ class Context:
     peak_ratio: float = 1.0  # measured / predicted allocated peak (calibration)
     allocator: AllocatorConfig = AllocatorConfig()  # the caching allocator the plans run under
     device: str = "cuda"  # where the plans run: which attention kernel (memory.sdpa_kind)
+    allow_tight: bool = False  # a replayed plan that fits within the tight band still counts as fitting
 
     @cached_property
     def time_efficiency(self) -> Efficiency:
@@ -93,6 +94,10 @@ class Evaluation(BaseModel):
     tokens_per_s: float
     tokens_per_s_per_gpu: float
     mfu: float
+    # the replay's verdict against the model's measured error (costmodel/margin.py): fits, but within the
+    # band; the fast form does not know it (False, 0)
+    tight: bool = False
+    band_bytes: int = 0
 
     @property
     def candidate(self) -> Candidate:
@@ -146,6 +151,8 @@ def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
             "tokens_per_s": speed.tokens_per_s,
             "tokens_per_s_per_gpu": speed.tokens_per_s_per_gpu,
             "mfu": speed.mfu,
+            "tight": False,
+            "band_bytes": 0,
         },
     )
 
@@ -168,15 +175,23 @@ def replayed(ev: Evaluation, ctx: Context) -> Evaluation:
     """``ev`` with the allocator's verdict: its run replayed through the caching allocator
     model (``reserve.plan_verdict``) instead of the search's fast form. For the plans a search
     reports; a plan the replay cannot serve within the limit no longer fits."""
+    from memplan.costmodel.margin import band
     from memplan.costmodel.reserve import plan_verdict
 
     limit = ctx.limit_bytes - ev.overhead_bytes
     v = plan_verdict(ctx.model, ev.workload, ev.plan, ctx.runtime, ctx.allocator, limit, ctx.device)
+    headroom = ctx.gpu.capacity_bytes - ev.overhead_bytes - v.reserved
+    spread = O.outside_memory(0).spread
+    capacity_spread = ctx.gpu.torch_capacity_spread_bytes if ctx.gpu.torch_capacity_bytes is not None else 0
+    b = band(v.timeline, ev.plan, ctx.runtime, v.reserved, spread, capacity_spread)
+    tight = v.fits and headroom < b.bytes
     return ev.model_copy(
         update={
             "peak_reserved_bytes": v.reserved,
-            "fits": v.fits,
-            "headroom_bytes": ctx.gpu.capacity_bytes - ev.overhead_bytes - v.reserved,
+            "fits": v.fits and (ctx.allow_tight or not tight),
+            "headroom_bytes": headroom,
+            "tight": tight,
+            "band_bytes": b.bytes,
         }
     )
 

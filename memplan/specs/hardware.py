@@ -10,6 +10,16 @@ from memplan.units import parse_bytes, parse_quantity
 
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
 """An int of bytes; YAML may say ``80GiB`` or ``141GB``."""
+NonNegativeBytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+
+MiB = 2**20
+# The driver's share of device memory on current (R510 and later) drivers: nvidia-smi's total less
+# what cudaMemGetInfo reports, the "Reserved" line of `nvidia-smi -q`. Public figures run from 316 MiB
+# (RTX 4090) to 881 MiB (A100 80GB) and move with the driver by about +-110 MiB on one part
+# (docs/cost-model.md, "The capacity PyTorch sees"). A profile without a capacity of its own is
+# derived with the largest, so that "fits" errs towards "does not fit".
+DRIVER_RESERVED_BYTES_MAX = 881 * MiB
+DRIVER_RESERVED_BYTES_MIN = 316 * MiB
 BytesPerSecond = Annotated[float, BeforeValidator(lambda v: parse_quantity(v, "B")), Field(gt=0)]
 FlopsPerSecond = Annotated[float, BeforeValidator(lambda v: parse_quantity(v, "FLOPS")), Field(gt=0)]
 
@@ -41,7 +51,18 @@ class GPUSpec(BaseModel):
     memory_bytes: Bytes = Field(description="Device memory usable by the framework, bytes.")
     torch_capacity_bytes: Bytes | None = Field(
         None,
-        description="Device memory PyTorch sees (torch.cuda.mem_get_info total), bytes; None: memory_bytes.",
+        description="Device memory PyTorch sees (torch.cuda.mem_get_info total), bytes; None: derived from "
+        "memory_bytes (capacity_bytes says how).",
+    )
+    torch_capacity_basis: Literal["measured", "published", "derived"] = Field(
+        "published",
+        description="Where torch_capacity_bytes comes from: measured here, published (public out-of-memory "
+        "messages and logs), or derived from another part's figures.",
+    )
+    torch_capacity_spread_bytes: NonNegativeBytes = Field(
+        0,
+        description="How far below torch_capacity_bytes the capacity was seen on other drivers (part of the "
+        "tight band).",
     )
     hbm_bytes_per_s: BytesPerSecond = Field(description="Memory bandwidth, bytes/s.")
     peak_flops: dict[ComputeDtype, FlopsPerSecond] = Field(
@@ -79,8 +100,26 @@ class GPUSpec(BaseModel):
     @property
     def capacity_bytes(self) -> int:
         """What the caching allocator and everything outside it share: the total PyTorch
-        reports (``torch.cuda.mem_get_info``), else the profile's memory."""
-        return self.torch_capacity_bytes or self.memory_bytes
+        reports (``torch.cuda.mem_get_info``), else the profile's memory (nvidia-smi's or NVML's
+        total) less the largest driver reservation seen (:data:`DRIVER_RESERVED_BYTES_MAX`)."""
+        if self.torch_capacity_bytes is not None:
+            return self.torch_capacity_bytes
+        return self.memory_bytes - min(DRIVER_RESERVED_BYTES_MAX, self.memory_bytes // 50)
+
+    @property
+    def capacity_basis(self) -> str:
+        """``measured``, ``published`` or ``derived`` (no figure of the profile's own)."""
+        return self.torch_capacity_basis if self.torch_capacity_bytes is not None else "derived"
+
+    @property
+    def capacity_note(self) -> str:
+        """How the capacity was had, in a line."""
+        if self.torch_capacity_bytes is not None:
+            return self.sources.get("torch_capacity_bytes", self.torch_capacity_basis)
+        return (
+            f"derived: the profile's memory less {(self.memory_bytes - self.capacity_bytes) // MiB} MiB, the "
+            "largest driver reservation seen (881 MiB on an A100 80GB; at most 2% of the memory, as on an RTX 4090)"
+        )
 
 
 class ClusterSpec(BaseModel):

@@ -1,0 +1,131 @@
+"""The tight band: how much headroom a "fits" needs before it is more than a coin flip.
+
+A plan that fits with less headroom than the model's own measured error for that kind of plan
+may run or may run out of memory, whatever the prediction says. The band is
+
+    band = peak.reserved x error / (1 - error) + outside spread + capacity spread
+
+- ``error``: the largest reserved-memory error, ``|predicted / measured - 1|`` (either sign:
+  one run per mechanism does not tell a direction), measured on a GPU for the
+  mechanisms the plan uses, under the model that answered (``reserved_detail.timeline``): the
+  op-level run (``trainer``), or the phase model (``phases (...)``, ``serving``) per mechanism.
+  A mechanism the phase model has not been measured on gets the largest phase-model error
+  measured (:data:`UNMEASURED`), and says so. A prediction ``error`` below the measurement falls
+  short of it by ``reserved x error / (1 - error)`` bytes: that is the band's first term.
+- ``outside spread``: how far the measured memory outside the allocator went below the figure
+  the model subtracts (``overhead.outside_memory``).
+- ``capacity spread``: where a GPU profile's capacity is derived rather than measured, how far
+  the derivation may be off (``GPUSpec.capacity_spread_bytes``).
+
+The errors are predicted against measured ``max_memory_reserved`` of ``memplan validate`` runs on
+one NVIDIA H200 (torch 2.11.0+cu130, Triton 3.6.0, transformers 5.17.0, peft 0.21.0,
+bitsandbytes 0.50.2, memplan 4e861b9, 2026-11-27: ../shared/gpu-traces/README.md and
+tests/data/gpu-traces/h200.json); tests/unit/test_margin.py holds each band at least as wide as
+the current model's error on those runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from memplan.specs.plan import Plan
+
+State = Literal["ample", "tight", "does not fit"]
+
+OP_LEVEL = 0.0002  # six op-level plans on the H200 (1B, 8B, 70B; both allocators): reserved within 0.02%
+OP_LEVEL_SOURCE = "the op-level run: six H200 runs (1B to 70B, both allocator modes) within 0.02% reserved"
+
+# (error, what measured it): the phase model's reserved error on the H200, per mechanism, rounded up
+# to 0.1% (the runs' exact errors: tests/unit/test_capacity_margin.py recomputes them)
+PHASE_MEASURED: dict[str, tuple[float, str]] = {
+    "pipeline": (0.156, "h200_b_pp4 (PP 4 x DP 2, ZeRO-2, 1F1B): -15.6%"),
+    "DDP or ZeRO-1/2": (0.082, "h200_a_ddp1b (DDP): +3.4%; h200_b_z2_8b (ZeRO-2): -8.2%"),
+    "offload": (0.255, "h200_b_off8b (FSDP2 CPU offload of parameters and optimizer): -25.5%"),
+    "fp32": (0.222, "h200_a_fp32full (fp32, full recompute): -22.2%"),
+    "bf16-master": (0.133, "h200_a_master1b (bf16-master): +13.2%"),
+    "selective-op": (0.060, "h200_a_selop1b (selective-op): -6.0%"),
+    "LoRA": (0.096, "h200_a_lora8b (LoRA r16 all-linear over bf16): -9.6%"),
+    "QLoRA": (0.359, "h200_a_qlora8b (QLoRA nf4, bitsandbytes' CUDA kernels): -35.8%"),
+    "hf": (0.11, "seven transformers Trainer runs (issue 28, H200, transformers 5.17): reserved to -11%"),
+}
+UNMEASURED = max(e for e, _ in PHASE_MEASURED.values())  # the largest phase-model error measured
+
+
+@dataclass(frozen=True, slots=True)
+class Band:
+    """The headroom a plan needs to be more than a coin flip, and what it is made of."""
+
+    bytes: int
+    error: float
+    model: str  # which model answered: "op-level run" or "phase model"
+    basis: str  # the mechanisms and the runs their error was measured on
+
+
+def mechanisms(plan: Plan, runtime: str) -> list[str]:
+    """The mechanisms of ``plan`` whose phase-model error is measured per mechanism (keys of
+    :data:`PHASE_MEASURED`), or named as not measured."""
+    found = []
+    if runtime in ("hf", "hf-loop"):
+        found.append("hf")
+    elif runtime != "memplan":
+        found.append(f"the {runtime} runtime")
+    checks = [
+        (plan.pp > 1, "pipeline"),
+        (plan.dp > 1 and plan.zero in (0, 1, 2), "DDP or ZeRO-1/2"),
+        (plan.offload_params != "none" or plan.offload_optimizer != "none", "offload"),
+        (plan.offload_activations != "none", "activation offload"),
+        (plan.precision == "fp32", "fp32"),
+        (plan.precision == "bf16-master", "bf16-master"),
+        (plan.precision in ("fp16-master", "fp8"), plan.precision),
+        (plan.recompute == "selective-op", "selective-op"),
+        (plan.recompute_layers is not None, "partial recomputation"),
+        (plan.finetune == "lora", "LoRA"),
+        (plan.finetune == "qlora", "QLoRA"),
+        (plan.cp > 1 or plan.ep > 1, "context or expert parallelism"),
+        (plan.optimizer != "adamw", f"the {plan.optimizer} optimizer"),
+    ]
+    found += [name for ok, name in checks if ok]
+    return found
+
+
+def phase_error(plan: Plan, runtime: str) -> tuple[float, str]:
+    """The largest measured error among the plan's mechanisms; :data:`UNMEASURED` for those the
+    phase model was not measured on (and for a plan none of them names: the model, the
+    attention or the workload is what took it off the op-level run)."""
+    names = mechanisms(plan, runtime)
+    measured = [(PHASE_MEASURED[n][0], PHASE_MEASURED[n][1]) for n in names if n in PHASE_MEASURED]
+    unmeasured = [n for n in names if n not in PHASE_MEASURED] or ([] if measured else ["this plan"])
+    parts = [src for _, src in measured]
+    error = max((e for e, _ in measured), default=0.0)
+    if unmeasured:
+        error = UNMEASURED
+        largest = f"the largest phase-model error ({UNMEASURED:.1%})"
+        parts.append(f"{', '.join(unmeasured)}: not measured on a GPU, {largest}")
+    return error, "; ".join(parts)
+
+
+def band(
+    which: str, plan: Plan | None, runtime: str, reserved: int, outside_spread: int, capacity_spread: int = 0
+) -> Band:
+    """The tight band of a plan whose run ``which`` (``trainer``, ``phases (...)``, ``serving``)
+    reserved ``reserved`` bytes. Serving (``plan`` None or ``which == "serving"``) has not been
+    measured on a GPU: it gets :data:`UNMEASURED`."""
+    if which == "trainer":
+        error, model, basis = OP_LEVEL, "op-level run", OP_LEVEL_SOURCE
+    elif which == "serving" or plan is None:
+        error, model = UNMEASURED, "phase model"
+        basis = f"serving: not measured on a GPU, the largest phase-model error ({UNMEASURED:.1%})"
+    else:
+        error, basis = phase_error(plan, runtime)
+        model = "phase model"
+    size = math.ceil(reserved * error / (1 - error)) + outside_spread + capacity_spread
+    return Band(size, error, model, basis)
+
+
+def state(fits: bool, headroom: int, band_bytes: int) -> State:
+    """``ample`` when the headroom exceeds the band, ``tight`` when it fits within it."""
+    if not fits:
+        return "does not fit"
+    return "tight" if headroom < band_bytes else "ample"
