@@ -55,7 +55,7 @@ from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.report import MemoryReport
 from memplan.costmodel.time import Efficiency
 from memplan.costmodel.timeline.events import Timeline
-from memplan.estimate import EstimateResult, estimate_with_run
+from memplan.estimation import EstimateResult, estimate_with_run
 from memplan.specs.detect import AUTO
 from memplan.specs.hardware import GPUSpec
 from memplan.specs.resolve import TRAINING_PLAN_FIELDS, Job, resolve_job

@@ -44,7 +44,7 @@ from memplan.cli.options import (
 from memplan.costmodel.flops import rank_flops_per_step
 from memplan.costmodel.time import matmul_peak_flops
 from memplan.errors import MemplanError
-from memplan.estimate import estimate as run_estimate
+from memplan.estimation import estimate as run_estimate
 from memplan.specs.detect import AUTO
 from memplan.specs.resolve import CLI, alloc_conf_text, resolve_job
 from memplan.units import format_bytes
