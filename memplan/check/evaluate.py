@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from memplan.check.spec import Baseline, BaselineEntry, BudgetsFile, Entry, Metric
 from memplan.costmodel.overhead import communicators, fixed_overhead_bytes
 from memplan.errors import MemplanError
-from memplan.estimate import estimate
+from memplan.estimation import estimate
 from memplan.specs.loader import read_data, short, validate
 from memplan.specs.plan import Plan
 from memplan.specs.resolve import CLI, INFERENCE_FIELDS, TRAINING_FIELDS, Job, resolve_job

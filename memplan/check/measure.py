@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from memplan.check.evaluate import Measurement, Resolved
-from memplan.estimate import estimate
+from memplan.estimation import estimate
 from memplan.specs.workload import TrainingWorkload
 from memplan.validate.launch import launch
 from memplan.validate.spec import RunSpec

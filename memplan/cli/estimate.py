@@ -4,7 +4,7 @@
 # objects (built once, at import) they cost it nothing, where strings are evaluated again on every
 # run (about 7 ms of a cold estimate: benchmarks/bench_estimate.py).
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -21,7 +21,6 @@ from memplan.cli.common import (
     OffloadActivationsOpt,
     QuantOpt,
     finetune_overrides,
-    host_memory_bytes,
     warn,
 )
 from memplan.cli.options import (
@@ -51,14 +50,12 @@ from memplan.cli.options import (
 )
 from memplan.costmodel.inference import vllm_default_chunk
 from memplan.costmodel.optimizer import paged_residency
-from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.report import MemoryReport
-from memplan.costmodel.time import Efficiency
 from memplan.costmodel.timeline.events import Timeline
-from memplan.estimate import EstimateResult, estimate_with_run
+from memplan.estimation import EstimateResult, report_job
 from memplan.specs.detect import AUTO
-from memplan.specs.hardware import GPUSpec
-from memplan.specs.resolve import TRAINING_PLAN_FIELDS, Job, resolve_job
+from memplan.specs.resolve import Job, resolve_job
+from memplan.specs.values import host_memory_bytes
 from memplan.units import format_bytes
 
 Opt = typer.Option
@@ -234,17 +231,7 @@ def estimate(
     )
     job = resolve_job(model, plan, overrides, inference=inference, default_gpu=AUTO)
     host_bytes, host_source = host_memory_bytes(host_memory, job.gpu_note)
-    result, run, which = estimate_with_run(
-        job,
-        efficiency=_efficiency(job.gpu) if calibration else None,
-        device=device,
-        host_memory_bytes=host_bytes,
-        host_source=host_source,
-    )
-    if inference or job.workload.kind == "inference":
-        result = result.model_copy(update={"plan": serving_plan(result.plan)})
-    if job.gpu_note:  # --gpu auto: which GPU and why, in the header and the JSON (gpu.auto)
-        result = result.model_copy(update={"gpu": {**result.gpu, "auto": job.gpu_note}})
+    result, run, which = report_job(job, calibration, device, host_bytes, host_source)
     warn(result.warnings)  # legal but suspicious inputs, one stderr line each (also in the JSON)
     if target is not None:
         _write_timeline(job, result, run, which, *target)
@@ -254,26 +241,6 @@ def estimate(
         render(result, Console())
         if target is not None:
             Console().print(f"timeline: {target[0]} (the predicted run of rank {result.memory.peak.rank})")
-
-
-def serving_plan(plan: dict[str, Any]) -> dict[str, Any]:
-    """An inference report's plan: the degrees, the workload and the weights' element type
-    (``weights_dtype``, what ``precision`` means when serving: the compute dtype the weights are
-    held in), without the training settings serving memory does not depend on (ZeRO, the
-    optimizer, recomputation, fine-tuning, the runtime profile)."""
-    kept = {k: v for k, v in plan.items() if k not in TRAINING_PLAN_FIELDS and k != "runtime"}
-    return {**kept, "weights_dtype": weights_dtype(plan["precision"])}
-
-
-def weights_dtype(precision: str) -> str:
-    """The element type serving holds the weights in under ``precision`` (``estimate_inference``:
-    fp8 matmuls keep fp8 weights, else the compute dtype)."""
-    policy = POLICIES[precision]
-    if policy.fp8_matmuls:
-        return "fp8"
-    if policy.compute_bytes == 4:
-        return "fp32"
-    return "fp16" if precision.startswith("fp16") else "bf16"
 
 
 def _write_timeline(job: Job, result: EstimateResult, run: Timeline, which: str, path: Path, kind: str) -> None:
@@ -289,15 +256,6 @@ def _write_timeline(job: Job, result: EstimateResult, run: Timeline, which: str,
         write_snapshot(track, path)
     else:
         write_panels([predicted_panel(track, job, which, result.memory.overhead)], path, kind)
-
-
-def _efficiency(gpu: GPUSpec) -> Efficiency | None:
-    """The GPU profile's efficiencies scaled by its stored calibration, if any."""
-    from memplan.search.calibration import calibration_path, load_calibration
-
-    profile = load_calibration(calibration_path()).profiles.get(gpu.name)
-    ratio = profile.step_time_ratio if profile is not None else None
-    return Efficiency.for_gpu(gpu, calibration=ratio) if ratio else None
 
 
 def _gib(n: int) -> str:

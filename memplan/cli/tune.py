@@ -10,31 +10,22 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from memplan.cli.common import (
     HOST_MEMORY_HELP,
-    gpu_and_count,
-    host_memory_bytes,
-    memory_limit_bytes,
-    name_list,
     output_path,
     warn,
 )
 from memplan.cli.options import DEFAULT_PRECISION
-from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
-from memplan.search.calibration import calibration_path, load_calibration
-from memplan.search.evaluate import Context
-from memplan.search.space import SpaceOptions, activation_offloads, global_batch_range
+from memplan.search.request import check_export, tune_request
 from memplan.search.tuning import (
     PLAN_FILE,
     STUDY_FILE,
@@ -43,138 +34,16 @@ from memplan.search.tuning import (
     TuneRequest,
     TuneResult,
     plan_yaml,
-    sqlite_url,
-    work_dir,
 )
-from memplan.search.validation import ValidationSettings
-from memplan.specs.hardware import ClusterSpec
-from memplan.specs.job import check_compatible, suspicious
-from memplan.specs.loader import load_model, short, validation_error
-from memplan.specs.model import ModelSpec
-from memplan.specs.plan import OptimizerName, PrecisionName
-from memplan.specs.resolve import alloc_conf_text, blame_flags, plan_from_flags, resolve_allocator
-from memplan.specs.workload import TrainingWorkload
-from memplan.units import format_bytes, parse_bytes
+from memplan.specs.loader import load_model, short
+from memplan.specs.plan import OptimizerName
+from memplan.units import format_bytes
 
 Opt = typer.Option
 CLI = "command line"
 SPACE = "Search space"
 SEARCH = "Search"
 VALIDATE = "Validation"
-
-
-def parse_global_batch(text: str | None) -> tuple[int, ...] | None:
-    """``512`` -> (512,); ``256-1024`` -> its ends and the powers of two between them."""
-    if text is None:
-        return None
-    low, sep, high = text.partition("-")
-    try:
-        lo, hi = int(low), int(high) if sep else int(low)
-    except ValueError:
-        raise MemplanError(
-            f"{text!r} is not a number or a range like 256-1024", source=CLI, field="--global-batch"
-        ) from None
-    if lo <= 0 or hi < lo:
-        raise MemplanError(f"{text!r}: needs 0 < low <= high", source=CLI, field="--global-batch")
-    return global_batch_range(lo, hi) if sep else (lo,)
-
-
-def parse_margin(text: str, capacity: int) -> int:
-    """``5%`` of the capacity, or a size (``2GiB``), in bytes."""
-    try:
-        margin = round(float(text[:-1]) / 100 * capacity) if text.endswith("%") else parse_bytes(text)
-    except (ValueError, OverflowError):  # OverflowError: round(inf%)
-        raise MemplanError(
-            f"{text!r} is neither a percentage (5%) nor a size (2GiB)", source=CLI, field="--margin"
-        ) from None
-    if not 0 <= margin < capacity:
-        raise MemplanError(f"{text!r} must leave part of the GPU's capacity", source=CLI, field="--margin")
-    return margin
-
-
-def parse_precisions(text: str) -> tuple[str, ...]:
-    allowed = typing.get_args(PrecisionName)
-    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    bad = [p for p in names if p not in allowed]
-    if bad or not names:
-        raise MemplanError(
-            f"unknown precision {bad[0] if bad else text!r} (allowed: {', '.join(allowed)})",
-            source=CLI,
-            field="--precision",
-        )
-    return names
-
-
-def _workload_bounds(
-    seq_len: int, micro_batch: int | None, max_micro_batch: int, global_batches: tuple[int, ...] | None
-) -> TrainingWorkload:
-    """The largest workload the space holds, validated as a plan file's would be: a value beyond
-    the limits is an error naming its flag (not a failure inside the search)."""
-    try:
-        return TrainingWorkload(
-            seq_len=seq_len,
-            micro_batch=micro_batch or max_micro_batch,
-            global_batch=max(global_batches) if global_batches else None,
-        )
-    except ValidationError as exc:
-        err = validation_error(exc, CLI)
-        name = (err.field or "seq_len").split(".")[-1]
-        flag = "--max-micro-batch" if name == "micro_batch" and micro_batch is None else "--" + name.replace("_", "-")
-        raise MemplanError(err.reason, source=CLI, field=flag) from None
-
-
-def _cluster(gpus: int, nodes: int | None) -> ClusterSpec:
-    """Whole 8-GPU nodes when the GPUs fill them, else one node (as ``memplan estimate``)."""
-    given = nodes is not None
-    if nodes is None:
-        nodes = gpus // 8 if gpus > 8 and gpus % 8 == 0 else 1
-    if gpus % nodes:
-        raise MemplanError(f"{gpus} GPUs do not split evenly over {nodes} nodes", source=CLI, field="--nodes")
-    try:
-        return ClusterSpec(gpus_per_node=gpus // nodes, nodes=nodes)
-    except ValidationError as exc:
-        err = validation_error(exc, CLI)
-        reason = f"{(err.field or '').split('.')[-1].replace('_', ' ')}: {err.reason}"
-        if given:
-            raise MemplanError(f"{gpus // nodes} GPUs per node; {reason}", source=CLI, field="--nodes") from None
-        # the nodes were derived from --gpus: blame the flag the user gave
-        raise MemplanError(
-            f"{gpus} GPUs make {nodes} node(s) of {gpus // nodes} (whole 8-GPU nodes, else one); {reason}",
-            source=CLI,
-            field="--gpus",
-        ) from None
-
-
-def _finetune_options(
-    finetune: str,
-    rank: int,
-    targets: str,
-    dropout: float,
-    modules_to_save: str | None,
-    allow_quantization: bool,
-    model: ModelSpec,
-) -> dict:
-    """SpaceOptions' fine-tuning fields; the adapters are checked against the model here, once."""
-    if finetune == "full":
-        if allow_quantization:
-            raise MemplanError(
-                "a quantized base is frozen: needs --finetune lora or qlora", source=CLI, field="--allow-quantization"
-            )
-        return {}
-    quants = {"lora": ("none", "int8", "nf4"), "qlora": ("nf4", "fp4", "int8")}[finetune]
-    fields = dict(
-        finetune=finetune,
-        lora_rank=rank,
-        lora_targets=name_list(targets, "--lora-targets"),
-        lora_dropout=dropout,
-        modules_to_save=name_list(modules_to_save, "--modules-to-save") or (),
-    )
-    plan = plan_from_flags(fields)
-    try:
-        check_compatible(model, TrainingWorkload(seq_len=1, micro_batch=1), plan)
-    except MemplanError as err:
-        raise blame_flags(err, set(fields)) from None
-    return {**fields, "quants": quants if allow_quantization else quants[:1]}
 
 
 def tune(
@@ -358,13 +227,7 @@ def tune(
     ] = None,
 ) -> None:
     """Search the parallel plans for the fastest one that fits; write it as a plan YAML."""
-    if export is not None:
-        from memplan.export import TARGETS
-
-        if export not in TARGETS:
-            raise MemplanError(
-                f"unknown target {short(repr(export), 60)} ({', '.join(TARGETS)})", source=CLI, field="--export"
-            )
+    check_export(export)
     # before any search: a plan found cannot be lost to a bad path
     output_path(out, "--out", inputs=(model,))
     refuse_tracked(out, "--out")
@@ -373,69 +236,27 @@ def tune(
         from memplan.viz.output import check_output
 
         drawing = check_output(timeline)
-    if precision is None:
-        precision = "bf16-mixed,bf16-master" if export is not None else DEFAULT_PRECISION
-    spec = load_model(model)
-    batches = parse_global_batch(global_batch)
-    warn(suspicious(spec, _workload_bounds(seq_len, micro_batch, max_micro_batch, batches)))
-    chosen, gpus = gpu_and_count(gpu, gpus)
-    card = chosen.spec
-    folder = Path(workdir) if workdir is not None else work_dir(spec.name, gpus, card.name)
+    setup = tune_request(
+        load_model(model), model, gpus=gpus, nodes=nodes, gpu=gpu, seq_len=seq_len, global_batch=global_batch,
+        micro_batch=micro_batch, max_micro_batch=max_micro_batch, precision=precision, optimizer=optimizer,
+        allow_offload=allow_offload, host_memory=host_memory, finetune=finetune, lora_rank=lora_rank,
+        lora_targets=lora_targets, lora_dropout=lora_dropout, modules_to_save=modules_to_save,
+        allow_quantization=allow_quantization, max_cp=max_cp, sequence_parallel=sequence_parallel, runtime=runtime,
+        allocator=allocator, margin=margin, allow_tight=allow_tight, objective=objective, trials=trials,
+        exhaustive=exhaustive, seed=seed,
+        study=study, storage=storage, calibration=calibration, validate=validate, validate_steps=validate_steps,
+        validate_timeout=validate_timeout, validate_device=validate_device, memory_limit=memory_limit, device=device,
+        top=top, export=export, workdir=workdir,
+    )  # fmt: skip
+    warn(setup.warnings)
+    request = setup.request
     if out is None:
-        out = str(folder / PLAN_FILE)
+        out = str(setup.folder / PLAN_FILE)
         output_path(out, "--workdir", inputs=(model,))
         refuse_tracked(out, "--workdir")
-    cluster = _cluster(gpus, nodes)
-    limit = memory_limit_bytes(memory_limit)
-    host_bytes, host_source = host_memory_bytes(host_memory, chosen.note)
-    runtime = runtime or ("hf" if finetune != "full" else "memplan")  # as estimate resolves a fine-tuning plan
-    options = SpaceOptions(
-        gpus=gpus,
-        gpus_per_node=cluster.gpus_per_node,
-        seq_len=seq_len,
-        global_batches=batches,
-        micro_batch=micro_batch,
-        max_micro_batch=max_micro_batch,
-        precisions=parse_precisions(precision),
-        allow_offload=allow_offload,
-        offload_activations=activation_offloads(allow_offload, runtime),
-        offload_runtime=runtime,
-        max_cp=max_cp,
-        sequence_parallel=sequence_parallel,
-        optimizer=optimizer,
-        **_finetune_options(finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, allow_quantization, spec),
-    )
-    cal_path = calibration_path()
-    profile = load_calibration(cal_path).profiles.get(card.name) if calibration else None
-    ctx = Context(
-        model=spec,
-        gpu=card,
-        cluster=cluster,
-        runtime=runtime,
-        margin_bytes=parse_margin(margin, card.memory_bytes),
-        efficiency=Efficiency.for_gpu(card, calibration=(profile and profile.step_time_ratio) or 1.0),
-        peak_ratio=(profile and profile.peak_ratio) or 1.0,
-        allocator=resolve_allocator(allocator),
-        device=device,
-        allow_tight=allow_tight,
-    )
-    settings = ValidationSettings(
-        steps=validate_steps,
-        timeout_s=validate_timeout,
-        device=validate_device,
-        memory_limit=limit,
-        alloc_conf=alloc_conf_text("expandable" if ctx.allocator.expandable_segments else "default"),
-    )
-    request = TuneRequest(
-        model_ref=model, gpu_ref=chosen.ref, ctx=ctx, options=options, objective=objective, trials=trials,
-        exhaustive=exhaustive, seed=seed, study=study, storage=storage or sqlite_url(folder / STUDY_FILE), top=top,
-        validate=validate, validation=settings, calibration_path=cal_path, export_target=export,
-        work_dir=folder if storage is None else None,
-        host_memory_bytes=host_bytes, host_memory_source=host_source,
-    )  # fmt: skip
     result = _run(request, show=format == "table")
-    if chosen.note:  # --gpu auto or --gpus detected: which GPU and why, in the JSON as in the table
-        result = result.model_copy(update={"gpu_auto": chosen.note})
+    if setup.gpu_note:  # --gpu auto or --gpus detected: which GPU and why, in the JSON as in the table
+        result = result.model_copy(update={"gpu_auto": setup.gpu_note})
     out_path = Path(out)
     if result.recommended is not None:
         out = out_path

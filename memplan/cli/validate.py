@@ -21,7 +21,6 @@ from memplan.cli.common import (
     auto_device,
     detected_gpus,
     finetune_overrides,
-    memory_limit_bytes,
     output_path,
 )
 from memplan.cli.options import (
@@ -44,9 +43,10 @@ from memplan.cli.options import (
 from memplan.costmodel.flops import rank_flops_per_step
 from memplan.costmodel.time import matmul_peak_flops
 from memplan.errors import MemplanError
-from memplan.estimate import estimate as run_estimate
+from memplan.estimation import estimate as run_estimate
 from memplan.specs.detect import AUTO
 from memplan.specs.resolve import CLI, alloc_conf_text, resolve_job
+from memplan.specs.values import memory_limit_bytes
 from memplan.units import format_bytes
 from memplan.validate.capacity import check_fits_here, host_available_bytes, require_cuda
 from memplan.validate.compare import Validation, compare

@@ -141,7 +141,7 @@ def explain(
 ) -> Explained:
     """Read the snapshot at ``path`` (or ``snapshot``, already loaded from it); with ``job``,
     attribute it and compare it with the estimate."""
-    from memplan.estimate import estimate
+    from memplan.estimation import estimate
     from memplan.viz.predicted import predicted_track
 
     source = str(path)

@@ -117,20 +117,39 @@ def resolve_job(
     """Build a :class:`Job` from a model, an optional plan YAML and flag values (None = unset).
     ``default_gpu`` is the GPU when neither names one: ``auto`` for the commands about this
     machine (estimate, validate); ``h100-sxm`` where the answer must not depend on it (check)."""
-    flags = {k: v for k, v in overrides.items() if v is not None}
-    source = short(plan_path) if plan_path else CLI
-    pf = PlanFile()
+    pf = None
     if plan_path:
         pf = validate(PlanFile, read_data(Path(plan_path)), short(plan_path))
     model = load_model(model_ref)
-    if plan_path and pf.model:
+    if plan_path and pf and pf.model:
         _check_plan_model(pf.model, plan_path, model_ref, model)
+    return job_from(model, pf, short(plan_path) if plan_path else None, overrides, inference, default_gpu)
+
+
+def job_from(
+    model: ModelSpec,
+    pf: PlanFile | None,
+    plan_source: str | None,
+    overrides: dict[str, Any],
+    inference: bool = False,
+    default_gpu: str = DEFAULT_GPU,
+    gpu_spec: GPUSpec | None = None,
+) -> Job:
+    """:func:`resolve_job` for a model already read and a plan file already validated (``pf``,
+    read from ``plan_source``: a file name, or ``""`` for a mapping given in Python; None when
+    there is no plan). ``gpu_spec`` is the GPU itself when the caller has one (else a reference
+    from the flags or the plan, else ``default_gpu``). Errors name the flag when a flag set the
+    value, else ``plan_source`` and the field path."""
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    from_file = plan_source is not None
+    source = plan_source if plan_source is not None else CLI
+    pf = pf or PlanFile()
     if inference:
         serving_only(flags)
 
     def blame(name: str) -> tuple[str, str]:
         """Where a top-level value (gpus, nodes, gpu) came from: its flag, else the plan file."""
-        return (CLI, _flag(name)) if name in flags or not plan_path else (source, name)
+        return (CLI, _flag(name)) if name in flags or not from_file else (source, name)
 
     # --gpus / --nodes / --runtime go through the same checks as the plan file's fields
     top = {k: flags[k] for k in ("gpus", "nodes", "runtime", "allocator") if k in flags}
@@ -176,7 +195,7 @@ def resolve_job(
     workload = _workload(pf, flags, inference, source)
     gpu_ref = flags.get("gpu") or pf.gpu or default_gpu
     try:
-        gpu, gpu_note = _gpu(gpu_ref)
+        gpu, gpu_note = (gpu_spec, "") if gpu_spec is not None else _gpu(gpu_ref)
     except MemplanError as err:
         if err.source:
             raise
@@ -193,7 +212,7 @@ def resolve_job(
     try:
         check_compatible(model, workload, plan)
     except MemplanError as err:
-        raise _blame_flag(err.located(source), set(flags), bool(plan_path)) from None
+        raise _blame_flag(err.located(source), set(flags), from_file) from None
     # adapters over a frozen base are what transformers' Trainer runs (the bundled trainer trains
     # every weight), so a fine-tuning plan defaults to its step
     runtime = sizes.runtime or pf.runtime or ("hf" if plan.finetune != "full" else "memplan")

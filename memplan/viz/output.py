@@ -65,7 +65,7 @@ def write_job_timeline(job, path: Path, kind: Kind, device: str = "cuda", title:
         write_snapshot(predicted_track(job, device)[0], path)
         return
     # a picture shows the limit, which needs the estimate's overhead: its verdict's run is the one drawn
-    from memplan.estimate import estimate_with_run
+    from memplan.estimation import estimate_with_run
 
     result, run, which = estimate_with_run(job, with_suggestions=False, device=device)
     track = replay_timeline(run, job.allocator)

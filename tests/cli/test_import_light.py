@@ -189,7 +189,7 @@ def test_timeline_draws_the_run_the_estimate_replayed(tmp_path, monkeypatch, cap
     it is the one :func:`memplan.viz.predicted.predicted_run` describes."""
     from memplan.cli.app import run
     from memplan.costmodel import reserve
-    from memplan.estimate import estimate_with_run
+    from memplan.estimation import estimate_with_run
     from memplan.specs.resolve import resolve_job
     from memplan.viz.predicted import predicted_run
 

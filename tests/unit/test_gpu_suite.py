@@ -93,7 +93,7 @@ def test_quick_is_a_subset_within_25_minutes():
 def test_plans_are_what_the_trainer_runs_and_fit_an_h100():
     """Every plan passes validate's own checks; every validate plan fits an H100 by the estimate,
     and every sweep reaches a micro-batch the estimate says does not fit (about 4 s)."""
-    from memplan.estimate import estimate
+    from memplan.estimation import estimate
     from memplan.specs.resolve import resolve_job
     from memplan.validate.spec import RunSpec
     from memplan.validate.support import check_model, check_plan, check_workload

@@ -15,7 +15,7 @@ from memplan.costmodel.optimizer import state_bytes_per_param
 from memplan.costmodel.params import total_params
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.time import estimate_time
-from memplan.estimate import estimate
+from memplan.estimation import estimate
 from memplan.specs.hardware import ClusterSpec
 from memplan.specs.loader import load_gpu, load_model
 from memplan.specs.plan import Plan

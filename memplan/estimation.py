@@ -17,8 +17,9 @@ from memplan.costmodel.report import MemoryReport, ReservedDetail
 from memplan.costmodel.reserve import Verdict, peak_breakdown, plan_verdict, serving_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
 from memplan.costmodel.timeline.events import Timeline
+from memplan.specs.hardware import GPUSpec
 from memplan.specs.plan import Plan
-from memplan.specs.resolve import Job
+from memplan.specs.resolve import TRAINING_PLAN_FIELDS, Job
 from memplan.specs.workload import TrainingWorkload
 
 if TYPE_CHECKING:  # the advice is imported when a plan does not fit (memplan estimate's cold start)
@@ -308,3 +309,56 @@ def fits_margin(job: Job, report: MemoryReport, which: str, fits: bool, headroom
         outside_spread_bytes=outside_spread,
         capacity_spread_bytes=capacity_spread,
     )
+
+
+def serving_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """An inference report's plan: the degrees, the workload and the weights' element type
+    (``weights_dtype``, what ``precision`` means when serving: the compute dtype the weights are
+    held in), without the training settings serving memory does not depend on (ZeRO, the
+    optimizer, recomputation, fine-tuning, the runtime profile)."""
+    kept = {k: v for k, v in plan.items() if k not in TRAINING_PLAN_FIELDS and k != "runtime"}
+    return {**kept, "weights_dtype": weights_dtype(plan["precision"])}
+
+
+def weights_dtype(precision: str) -> str:
+    """The element type serving holds the weights in under ``precision`` (``estimate_inference``:
+    fp8 matmuls keep fp8 weights, else the compute dtype)."""
+    policy = POLICIES[precision]
+    if policy.fp8_matmuls:
+        return "fp8"
+    if policy.compute_bytes == 4:
+        return "fp32"
+    return "fp16" if precision.startswith("fp16") else "bf16"
+
+
+def calibrated_efficiency(gpu: GPUSpec) -> Efficiency | None:
+    """The GPU profile's efficiencies scaled by its stored calibration, if any."""
+    from memplan.search.calibration import calibration_path, load_calibration
+
+    profile = load_calibration(calibration_path()).profiles.get(gpu.name)
+    ratio = profile.step_time_ratio if profile is not None else None
+    return Efficiency.for_gpu(gpu, calibration=ratio) if ratio else None
+
+
+def report_job(
+    job: Job,
+    calibration: bool = True,
+    device: Device = "cuda",
+    host_memory_bytes: int | None = None,
+    host_source: str = "",
+) -> tuple[EstimateResult, Timeline, str]:
+    """What ``memplan estimate`` reports for a resolved job (and :func:`memplan.estimate` returns):
+    :func:`estimate_with_run` with the GPU profile's calibration (``calibration``), a serving
+    estimate's plan as :func:`serving_plan` gives it, and ``gpu.auto`` when the GPU was detected."""
+    result, run, which = estimate_with_run(
+        job,
+        efficiency=calibrated_efficiency(job.gpu) if calibration else None,
+        device=device,
+        host_memory_bytes=host_memory_bytes,
+        host_source=host_source,
+    )
+    if job.workload.kind == "inference":
+        result = result.model_copy(update={"plan": serving_plan(result.plan)})
+    if job.gpu_note:  # --gpu auto: which GPU and why, in the header and the JSON (gpu.auto)
+        result = result.model_copy(update={"gpu": {**result.gpu, "auto": job.gpu_note}})
+    return result, run, which
