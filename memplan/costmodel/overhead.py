@@ -17,7 +17,9 @@ PyTorch's reserved bytes), and it is made of:
 Not outside: cuBLAS's and cuBLASLt's workspaces. PyTorch allocates them through the caching
 allocator (aten/src/ATen/cuda/CublasHandlePool.cpp keeps each handle's workspace as an
 ``at::DataPtr`` from ``CUDACachingAllocator``), so they are in ``peak.reserved``: the op-level
-run allocates them (``timeline/trainer.py``, ``cublas_workspace.*``).
+run allocates them (``timeline/trainer.py``, ``cublas_workspace.*``). cuDNN's attention and
+convolution workspaces are tensors PyTorch allocates (``at::empty``) for the call, inside the
+allocator too; what cuDNN's and cuBLAS's libraries load as kernels is in the context figure.
 """
 
 from __future__ import annotations
