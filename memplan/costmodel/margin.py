@@ -41,7 +41,7 @@ OP_LEVEL_SOURCE = "the op-level run: six H200 runs (1B to 70B, both allocator mo
 # to 0.1% (the runs' exact errors: tests/unit/test_capacity_margin.py recomputes them)
 PHASE_MEASURED: dict[str, tuple[float, str]] = {
     "pipeline": (0.156, "h200_b_pp4 (PP 4 x DP 2, ZeRO-2, 1F1B): -15.6%"),
-    "DDP or ZeRO-1/2": (0.082, "h200_a_ddp1b (DDP): +3.4%; h200_b_z2_8b (ZeRO-2): -8.2%"),
+    "DDP or ZeRO-2": (0.082, "h200_a_ddp1b (DDP): +3.4%; h200_b_z2_8b (ZeRO-2): -8.2%"),
     "offload": (0.255, "h200_b_off8b (FSDP2 CPU offload of parameters and optimizer): -25.5%"),
     "fp32": (0.222, "h200_a_fp32full (fp32, full recompute): -22.2%"),
     "bf16-master": (0.133, "h200_a_master1b (bf16-master): +13.2%"),
@@ -72,8 +72,10 @@ def mechanisms(plan: Plan, runtime: str) -> list[str]:
     elif runtime != "memplan":
         found.append(f"the {runtime} runtime")
     checks = [
-        (plan.pp > 1, "pipeline"),
-        (plan.dp > 1 and plan.zero in (0, 1, 2), "DDP or ZeRO-1/2"),
+        (plan.pp > 1 and plan.pp_schedule == "1f1b", "pipeline"),
+        (plan.pp > 1 and plan.pp_schedule != "1f1b", f"the {plan.pp_schedule} pipeline schedule"),
+        (plan.dp > 1 and plan.zero in (0, 2), "DDP or ZeRO-2"),
+        (plan.dp > 1 and plan.zero == 1, "ZeRO-1"),
         (plan.offload_params != "none" or plan.offload_optimizer != "none", "offload"),
         (plan.offload_activations != "none", "activation offload"),
         (plan.precision == "fp32", "fp32"),
