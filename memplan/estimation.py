@@ -40,22 +40,6 @@ class SuggestionOut(BaseModel):
     verified: bool = False
 
 
-class FitsMargin(BaseModel):
-    """How much headroom the verdict has against the model's own measured error (``costmodel/margin.py``):
-    ``state`` is ``tight`` when the plan fits with less headroom than ``band_bytes``."""
-
-    model_config = ConfigDict(frozen=True)
-
-    state: Literal["ample", "tight", "does not fit"]
-    headroom_bytes: int
-    band_bytes: int
-    error: float  # the reserved-memory error measured for this kind of plan (a fraction, either sign)
-    model: str  # which model answered: "op-level run" or "phase model"
-    basis: str  # the runs that error was measured on
-    outside_spread_bytes: int  # how much lower the memory outside the allocator was measured
-    capacity_spread_bytes: int  # how much lower the capacity was seen on other drivers
-
-
 class EstimateResult(BaseModel):
     """What ``memplan estimate --format json`` prints (keys are a contract: add, never rename)."""
 
@@ -72,7 +56,11 @@ class EstimateResult(BaseModel):
     time: TimeReport | None = None  # training only: the step-time model (docs/cost-model.md)
     warnings: list[str] = []  # legal but suspicious inputs (a sequence beyond the model's positions)
     host: HostMemory | None = None  # training: each node's host memory against what the plan keeps there
-    fits_margin: FitsMargin | None = None  # "fits" against the model's measured error: ample or tight
+    # "fits" against the model's measured error (costmodel/margin.py): state ("ample", "tight", "does not
+    # fit"), headroom_bytes, band_bytes, error (the fraction measured for this kind of plan), model (which
+    # answered), basis (the runs), outside_spread_bytes, capacity_spread_bytes. A dict, as model/plan/gpu:
+    # a pydantic class costs the cold start ~4 M instructions to build
+    fits_margin: dict[str, Any] | None = None
 
 
 def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
@@ -232,12 +220,12 @@ def estimate_with_run(
                 SuggestionOut(change=s.change, reserved_bytes=s.reserved, saved_bytes=s.saved, fits=s.fits)
                 for s in found
             ]
-    elif with_suggestions and (not fits or margin.state == "tight"):
+    elif with_suggestions and (not fits or margin["state"] == "tight"):
         from memplan.costmodel.advice import suggest
         from memplan.costmodel.overhead import fast_reserved_bytes
 
         # a tight fit: what fits with the band free (buys the headroom the model's error asks for)
-        target = limit if not fits else limit - margin.band_bytes
+        target = limit if not fits else limit - margin["band_bytes"]
         # single changes are screened with the fast form, compared with the same form of this plan
         current = fast_reserved_bytes(report.peak.allocated)
         found = suggest(
@@ -291,24 +279,24 @@ def estimate_with_run(
     return result, v.run, v.timeline
 
 
-def fits_margin(job: Job, report: MemoryReport, which: str, fits: bool, headroom: int) -> FitsMargin:
+def fits_margin(job: Job, report: MemoryReport, which: str, fits: bool, headroom: int) -> dict[str, Any]:
     """The verdict against the tight band of the model that answered (``costmodel.margin``)."""
     training = isinstance(job.workload, TrainingWorkload)
-    outside_spread = report.outside.spread if report.outside is not None else 0
+    outside_spread = int(report.outside["spread"]) if report.outside is not None else 0
     capacity_spread = job.gpu.torch_capacity_spread_bytes if job.gpu.torch_capacity_bytes is not None else 0
     b = margin_band(
         which, job.plan if training else None, job.runtime, report.peak.reserved, outside_spread, capacity_spread
     )
-    return FitsMargin(
-        state=margin_state(fits, headroom, b.bytes),
-        headroom_bytes=headroom,
-        band_bytes=b.bytes,
-        error=b.error,
-        model=b.model,
-        basis=b.basis,
-        outside_spread_bytes=outside_spread,
-        capacity_spread_bytes=capacity_spread,
-    )
+    return {
+        "state": margin_state(fits, headroom, b.bytes),
+        "headroom_bytes": headroom,
+        "band_bytes": b.bytes,
+        "error": b.error,
+        "model": b.model,
+        "basis": b.basis,
+        "outside_spread_bytes": outside_spread,
+        "capacity_spread_bytes": capacity_spread,
+    }
 
 
 def serving_plan(plan: dict[str, Any]) -> dict[str, Any]:

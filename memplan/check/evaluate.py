@@ -214,11 +214,11 @@ def estimated(r: Resolved, device: str = "cuda") -> Measurement:
     result = estimate(r.job, with_suggestions=False, device=device)
     peak, margin = result.memory.peak, result.fits_margin
     tight = None
-    if margin is not None and margin.state == "tight":
+    if margin is not None and margin["state"] == "tight":
         tight = (
-            f"fits, tight: {format_bytes(margin.headroom_bytes)} of headroom on the GPU is within the "
-            f"{format_bytes(margin.band_bytes)} band of the {margin.model}'s measured error ({margin.error:.1%}: "
-            f"{margin.basis})"
+            f"fits, tight: {format_bytes(margin['headroom_bytes'])} of headroom on the GPU is within the "
+            f"{format_bytes(margin['band_bytes'])} band of the {margin['model']}'s measured error "
+            f"({margin['error']:.1%}: {margin['basis']})"
         )
     return Measurement(value_bytes=peak.reserved if r.metric == "reserved" else peak.allocated, tight=tight)
 

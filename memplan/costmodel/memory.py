@@ -31,7 +31,7 @@ from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_lay
 from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, is_paged, paged_state_bytes, state_bytes_per_param
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
 from memplan.costmodel.quant import quantized_weight_bytes
-from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, OutsideDetail, Peak
+from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
 from memplan.costmodel.report import Prefill as PrefillReport
 from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
 from memplan.costmodel.timeline.events import Moment, Timeline
@@ -1428,17 +1428,17 @@ def estimate_training(
     )
 
 
-def outside_detail(n_communicators: int) -> OutsideDetail:
-    """``overhead.outside_memory`` as the report's frozen detail."""
+def outside_detail(n_communicators: int) -> dict[str, int | str]:
+    """``overhead.outside_memory`` as the report's ``outside``."""
     o = O.outside_memory(n_communicators)
-    return OutsideDetail.model_construct(
-        cuda_context=o.cuda_context,
-        nccl=o.nccl,
-        communicators=o.communicators,
-        torch_version=o.torch_version,
-        spread=o.spread,
-        source=o.source,
-    )
+    return {
+        "cuda_context": o.cuda_context,
+        "nccl": o.nccl,
+        "communicators": o.communicators,
+        "torch_version": o.torch_version,
+        "spread": o.spread,
+        "source": o.source,
+    }
 
 
 def activation_offload_bytes(

@@ -24,7 +24,7 @@ allocator too; what cuDNN's and cuBLAS's libraries load as kernels is in the con
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import lru_cache
 
 MiB = 2**20
 GiB = 2**30
@@ -33,13 +33,16 @@ ALLOCATOR_SLACK = 0.07  # midpoint-ish of the 1.05-1.10x reserved/allocated rang
 SEGMENT_BYTES = 2 * MiB
 
 
-@dataclass(frozen=True, slots=True)
 class ContextFigure:
-    """The CUDA context and modules one process held, as measured: the lowest and highest seen."""
+    """The CUDA context and modules one process held, as measured: the lowest and highest seen.
 
-    low_bytes: int
-    high_bytes: int
-    source: str
+    A plain class, as :class:`Outside`: a frozen dataclass costs ~3.7 M instructions to build,
+    on ``memplan estimate``'s cold start (benchmarks/bench_estimate.py --instructions)."""
+
+    __slots__ = ("low_bytes", "high_bytes", "source")
+
+    def __init__(self, low_bytes: int, high_bytes: int, source: str) -> None:
+        self.low_bytes, self.high_bytes, self.source = low_bytes, high_bytes, source
 
 
 def _gib2(x: float) -> int:
@@ -59,19 +62,19 @@ CONTEXT_BY_TORCH: dict[str, ContextFigure] = {
 MEASURED_TORCH = "2.11"  # the version whose figure a plan gets when the torch it runs is not given
 
 
-@dataclass(frozen=True, slots=True)
 class Outside:
     """What one rank holds outside the allocator: its total is ``MemoryReport.overhead``.
 
     ``cuda_context`` is the highest figure measured (so that "fits" holds on every run seen);
     ``spread`` is how far the measured figures went below it (what the tight band adds)."""
 
-    cuda_context: int
-    nccl: int
-    communicators: int
-    torch_version: str
-    spread: int
-    source: str
+    __slots__ = ("cuda_context", "nccl", "communicators", "torch_version", "spread", "source")
+
+    def __init__(
+        self, cuda_context: int, nccl: int, communicators: int, torch_version: str, spread: int, source: str
+    ) -> None:
+        self.cuda_context, self.nccl, self.communicators = cuda_context, nccl, communicators
+        self.torch_version, self.spread, self.source = torch_version, spread, source
 
     @property
     def total(self) -> int:
@@ -113,6 +116,7 @@ def outside_memory(n_communicators: int, torch_version: str | None = None) -> Ou
     return Outside(fig.high_bytes, nccl, n_communicators, version, fig.high_bytes - fig.low_bytes, source)
 
 
+@lru_cache(maxsize=64)  # the search asks for it once per plan, with a handful of distinct arguments
 def fixed_overhead_bytes(n_communicators: int, torch_version: str | None = None) -> int:
     """Bytes outside the allocator: :func:`outside_memory`'s total."""
     return outside_memory(n_communicators, torch_version).total

@@ -95,19 +95,6 @@ class Offload(_Frozen):
     nvme: int
 
 
-class OutsideDetail(_Frozen):
-    """What the rank holds outside the caching allocator (``costmodel/overhead.py``): the CUDA
-    context and modules measured for ``torch_version`` (the highest figure seen; ``spread``: how
-    much lower the others were) and ``communicators`` NCCL communicators. Sums to ``overhead``."""
-
-    cuda_context: int
-    nccl: int
-    communicators: int
-    torch_version: str
-    spread: int
-    source: str
-
-
 class MemoryReport(_Frozen):
     model_states: ModelStates
     activations: Activations
@@ -122,5 +109,8 @@ class MemoryReport(_Frozen):
     # neither peak.allocated nor peak.reserved); resident on the device while it has room, paged to
     # the host under pressure (docs/cost-model.md, "Paged optimizers")
     paged_optimizer_states: int = 0
-    outside: OutsideDetail | None = None  # what ``overhead`` is made of
+    # what ``overhead`` is made of (``overhead.outside_memory``): cuda_context, nccl, communicators,
+    # torch_version, spread, source; a dict, not a model: a pydantic class costs the cold start ~4 M
+    # instructions to build (benchmarks/bench_estimate.py --instructions)
+    outside: dict[str, int | str] | None = None
     prefill: Prefill | None = None  # serving only: the prefill forward the activations are of
