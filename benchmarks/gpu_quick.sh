@@ -8,11 +8,17 @@
 # It installs the wheels into /tmp/site (on PYTHONPATH for the suite and its children), then memplan
 # itself (`pip install -e .`: the bundled profiles import as memplan.profiles only when installed),
 # and runs `benchmarks/gpu_suite.py --quick` with the seconds the install took, so the suite keeps
-# the whole command inside --time-limit (480 s). Further arguments go to the suite.
+# the whole command inside --time-limit (480 s). A first argument --full runs the full suite instead,
+# as far as 480 s go (a rerun with the same state resumes it). Further arguments go to the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
 python=${PYTHON:-python3}
+mode=--quick
+if [[ "${1:-}" == --full ]]; then
+    mode=
+    shift
+fi
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -20,4 +26,4 @@ fi
 "$python" -m pip install -q --no-index --no-deps --no-build-isolation -e .
 spent=$((SECONDS - start))
 echo "gpu_quick: installed in ${spent} s" >&2
-exec "$python" benchmarks/gpu_suite.py --quick --time-limit 480 --spent "$spent" "$@"
+exec "$python" benchmarks/gpu_suite.py $mode --time-limit 480 --spent "$spent" "$@"
