@@ -1481,8 +1481,12 @@ def main(argv: list[str] | None = None) -> int:
     schedule = suite_schedule(todo, capacity, limit, spent)
     lines = gpu_schedule.render(schedule)
     print("\n".join(lines), flush=True)
-    if args.dry_run and args.quick and not schedule.fits():
-        print(f"gpu_suite: the --quick schedule ends at {schedule.end_s:.0f} s, past {limit:.0f} s", file=sys.stderr)
+    if args.dry_run and args.quick and (schedule.dropped or not schedule.fits()):  # --quick must fit whole
+        print(
+            f"gpu_suite: the --quick schedule does not fit whole in {limit:.0f} s: it would end past {limit:.0f} s "
+            f"without the {len(schedule.dropped)} units it drops",
+            file=sys.stderr,
+        )
         return 1
     lanes = args.jobs or (2 if args.dry_run else gpu_schedule.MAX_LANES)
     # units that would not end before the limit (the install spent, the report's time kept) are left for a rerun

@@ -535,6 +535,22 @@ def test_no_gpu_exits_zero_with_one_line(tmp_path: Path):
     assert not out.exists()
 
 
+def test_list_prints_the_quick_schedule_and_a_dry_run_refuses_one_past_its_limit(tmp_path: Path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--list"], capture_output=True, text=True, env=_env(), timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "schedule on 79.18 GiB" in out and "side by side" in out and "(alone)" in out and "(fits)" in out
+    assert all(f"  {u.key}" in out for u in gs.build_units(quick=True))
+    total = next(ln for ln in out.splitlines() if ln.startswith("total: "))
+    assert float(total.split()[1]) <= 480, total
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--dry-run", "--time-limit", "200", "--out", str(tmp_path / "r.md")]
+    late = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+    assert late.returncode == 1 and "past 200 s" in late.stderr and "dropped" in late.stdout
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_dry_run_end_to_end_and_resume(tmp_path: Path):
     """A tiny plan list through every step on CPU (tests collected, benchmark skipped, two plans,
     a sweep to its simulated OOM), then a rerun that finds everything recorded (about 40 s)."""
