@@ -20,19 +20,26 @@ plan, one micro-batch of a sweep) is recorded in a state JSON at once (default b
 
     python benchmarks/gpu_suite.py [--quick] [--dry-run] [--out docs/accuracy-gpu.md] [--state PATH]
                                    [--fresh] [--steps pytest,bench,validate,sweep] [--plans GLOB,...]
+                                   [--time-limit S] [--spent S] [--list]
 
-``--quick`` runs a subset of the plans that fits in 25 minutes on one H100 (units that would not
-fit in what is left are left for a rerun). ``--dry-run`` rehearses everything on CPU: each plan
-runs ``memplan validate --device cpu`` on a tiny model of the same layout, the tests are only
-collected and the benchmark is skipped. Without a GPU and without ``--dry-run`` it prints one line
-and exits 0. torch is imported only where needed (never at module import).
+``--quick`` runs a subset of the plans in one command of at most 8 minutes on one H100 or H200, install
+included (``benchmarks/gpu_quick.sh``): the memory-only units (simulated ranks, the tests) side by
+side on the one GPU as separate processes, the step-time, out-of-memory-boundary and benchmark
+units alone, in the schedule ``gpu_schedule.py`` makes of their budgets and predicted reserved
+peaks (``--list`` and ``--dry-run`` print it); what would not fit is left for a rerun.
+``--dry-run`` rehearses everything on CPU: each plan runs ``memplan validate --device cpu`` on a
+tiny model of the same layout, the tests are only collected and the benchmark is skipped. Without a
+GPU and without ``--dry-run`` it prints one line and exits 0. torch is imported only where needed
+(never at module import).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import fnmatch
+import importlib.util
 import json
 import os
 import platform
@@ -52,6 +59,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_schedule beside this file, however it is loaded
+import gpu_schedule  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 # A Llama-3.2-1B-shaped HF config (16 layers, hidden 2048, GQA 32/8, tied 128k vocabulary)
 LLAMA1B_CONFIG = REPO.parent / "shared" / "gpu-traces" / "llama1b.config.json"
@@ -61,7 +71,33 @@ MODELS = {"1b": None, "8b": "llama3-8b", "70b": "llama3-70b"}  # 1b: resolved by
 DEFAULT_OUT = REPO / "docs" / "accuracy-gpu.md"
 DRY_RUN_OUT = Path(tempfile.gettempdir()) / "gpu-suite-dry-run" / "accuracy-gpu.md"  # a dry run's default --out
 STEPS = ("pytest", "bench", "validate", "sweep")
-QUICK_LIMIT_S = 25 * 60  # --quick must finish inside this on one H100
+QUICK_LIMIT_S = 8 * 60  # --quick: one command, install included, on one H100 or H200
+# The command's fixed costs, in the schedule. INSTALL_S: benchmarks/gpu_quick.sh's two pip installs (the
+# carried pydantic wheels into a folder, then `pip install --no-deps --no-build-isolation -e .`) took
+# 1.1 s and 1.9 s on the two-core machine here (2026-11-27); 15 s held. PROBE_S: the GPU probe (a child
+# importing torch, 1.3 s here, and creating a CUDA context), the import preflight and the predictions
+# (0.01-1 s a plan here): a guess. REPORT_S: the header (torch imported) and the report: a guess.
+INSTALL_S = 15
+PROBE_S = 15
+REPORT_S = 10
+# A unit's budget is its start-up plus its GPU phase. STARTUP_S: the process chain (estimate, validate,
+# its worker importing torch) took 3.8-4.3 s a unit in the CPU dry run here, then the CUDA context: 20 s,
+# a guess. The GPU phase, first CUDA allocation to exit, is the trace's span where a trace of the same
+# plan exists (TRACE_SPANS), else 3 predicted steps (a warm-up, two measured) and BUILD_S: on the six H100
+# traces the span less 3 predicted steps was 0.2-2.8 s. Beside others the GPU phase counts
+# gpu_schedule.MAX_LANES times (the worst case: the lanes' GPU work one after another).
+STARTUP_S = 20
+BUILD_S = 3
+# plan -> (trace in ../shared/gpu-traces of the same command, seconds from its first CUDA event to its last)
+TRACE_SPANS: dict[str, tuple[str, float]] = {
+    "v-8b-fsdp8-z3-full-bf16": ("t8_z3_bf16", 6.6),  # H100
+    "v-8b-fsdp8-z3-selective": ("t8_sel", 3.3),  # H100
+    "v-8b-tp2sp-fsdp4-z3-full-exp": ("t8_tp2_x", 5.1),  # H100
+    "v-70b-fsdp64-z3-full": ("t70_z3", 16.3),  # H100
+    "v-1b-full-fp32-exp": ("h200_a_fp32full", 8.9),  # H200 (shared with other processes then)
+    "s-1b-none-bf16mixed/mb2": ("t1b_none", 3.0),  # H100
+    "s-8b-fsdp8-z3-full-bf16/mb2": ("t8_z3_bf16", 6.6),  # H100
+}
 STATE_VERSION = 1
 RESULT_TAG = "GPU_SUITE_RESULT "  # the hf worker's result line on stdout
 Log = Callable[[str], None]
@@ -96,6 +132,12 @@ class SuitePlan:
     budget_s: int = 90
     quick: bool = False
     loop: str = "hand"  # hf runner: hand (outputs kept, foreach AdamW) or trainer (the Trainer's training_step)
+
+    @property
+    def timed(self) -> bool:
+        """Its step time is judged (one real GPU: the hf steps, one-rank plans), so it runs alone; a
+        simulated rank's step time has no communication in it, so only its memory is judged."""
+        return not self.simulated
 
     @property
     def world_size(self) -> int:
@@ -149,8 +191,10 @@ class Sweep:
     micro_batches: tuple[int, ...]
     quick: bool = False
     per_micro_batch_s: float = 0.0  # budget added per sequence of the micro-batch (the steps grow with it)
+    quick_micro_batches: tuple[int, ...] = ()  # --quick's points: the predicted boundary, last fit and first not
 
-    def plans(self) -> list[SuitePlan]:
+    def plans(self, quick: bool = False) -> list[SuitePlan]:
+        mbs = self.quick_micro_batches if quick and self.quick_micro_batches else self.micro_batches
         return [
             replace(
                 self.base,
@@ -159,7 +203,7 @@ class Sweep:
                 global_batch=m * self.base.dp,
                 budget_s=int(self.base.budget_s + self.per_micro_batch_s * m),
             )
-            for m in self.micro_batches
+            for m in mbs
         ]
 
 
@@ -214,8 +258,15 @@ PLANS: tuple[SuitePlan, ...] = (
 # fmt: on
 
 SWEEPS: tuple[Sweep, ...] = (
-    # the estimate: 30 / 44 / 72 GiB allocated at micro-batch 1 / 2 / 4, 8 beyond an H100
-    Sweep("s-1b-none-bf16mixed", SuitePlan("s-1b-none-bf16mixed", "1b", budget_s=60), (1, 2, 4, 8), quick=True),
+    # the estimate: 30 / 44 / 72 GiB allocated at micro-batch 1 / 2 / 4, 8 beyond an H100 and an H200 (141 GiB
+    # reserved); --quick runs 4 and 8 (1 is v-1b-none-bf16mixed's plan)
+    Sweep(
+        "s-1b-none-bf16mixed",
+        SuitePlan("s-1b-none-bf16mixed", "1b", budget_s=60),
+        (1, 2, 4, 8),
+        quick=True,
+        quick_micro_batches=(4, 8),
+    ),
     # 1.3 s a step at micro-batch 2: a warm-up and two steps grow by ~2 s a sequence
     Sweep(
         "s-8b-fsdp8-z3-full-bf16",
@@ -225,8 +276,17 @@ SWEEPS: tuple[Sweep, ...] = (
     ),
 )
 
-PYTEST_BUDGET_S = 240
-BENCH_BUDGET_S = {True: 180, False: 900}  # quick, full
+# The tests run in PYTEST_WORKERS pytest-xdist processes (the device image has pytest-xdist), side by
+# side with the memory units: each worker's peak is bounded by the largest test, test_large_shapes_bf16's
+# fp32 reference at 8 heads x 4000^2 (0.48 GiB a score matrix, about four alive in its backward): 3 GiB
+# held. Never run on a GPU here: 150 s is a guess (53 tests, Triton compilations and autotuning,
+# one torch.compile).
+PYTEST_WORKERS = 4
+PYTEST_WORKER_BYTES = 3 * 2**30
+PYTEST_BUDGET_S = 150
+# never run on a GPU here, guesses: --quick's 8 rows (2k and 8k sequences, head dim 128, forward and
+# backward, causal and not) x 4 kernels, ~0.3 s of do_bench each, Triton's compilations and autotuning
+BENCH_BUDGET_S = {True: 90, False: 300}  # quick, full (60 rows): inside one 10-minute command
 BENCH_QUICK_ARGS = ["--seqlens", "2048", "8192", "--head-dims", "128", "--modes", "fwd", "bwd"]
 
 
@@ -245,13 +305,20 @@ def sweep_list(quick: bool = False) -> list[Sweep]:
 @dataclass(frozen=True)
 class Unit:
     """One thing the suite runs and records: the test run, the benchmark, one plan, one sweep point.
-    Units of one ``group`` run in order, and the group stops at the first that did not run."""
+    Units of one ``group`` run in order, and the group stops at the first that did not run.
+    ``alone``: nothing else may run on the GPU beside it (step time, out-of-memory boundary,
+    benchmark); else ``predicted_bytes`` (the predicted reserved peak of all its ``processes``)
+    sizes it beside others. ``note``: where its budget comes from."""
 
     step: str
     id: str
     budget_s: float
     plan: SuitePlan | None = None
     group: str | None = None
+    alone: bool = True
+    predicted_bytes: int = 0
+    processes: int = 1
+    note: str = ""
 
     @property
     def key(self) -> str:
@@ -267,21 +334,107 @@ def build_units(quick: bool = False, steps: Iterable[str] = STEPS, plans: list[s
 
     units: list[Unit] = []
     if "pytest" in steps:
-        units.append(Unit("pytest", "gpu-and-kernels-tests", PYTEST_BUDGET_S))
+        units.append(
+            Unit(
+                "pytest",
+                "gpu-and-kernels-tests",
+                PYTEST_BUDGET_S,
+                alone=False,
+                predicted_bytes=PYTEST_WORKERS * PYTEST_WORKER_BYTES,
+                processes=PYTEST_WORKERS,
+                note="guess; memory: the largest test's bound",
+            )
+        )
     if "bench" in steps:
-        units.append(Unit("bench", "bench_attention", BENCH_BUDGET_S[quick]))
+        units.append(Unit("bench", "bench_attention", BENCH_BUDGET_S[quick], note="guess"))
     if "validate" in steps:
-        units += [Unit("validate", p.id, p.budget_s, plan=p) for p in plan_list(quick) if wanted(p.id)]
+        units += [
+            Unit("validate", p.id, p.budget_s, plan=p, alone=p.timed, note="static")
+            for p in plan_list(quick)
+            if wanted(p.id)
+        ]
     if "sweep" in steps:
         for sweep in sweep_list(quick):
             if wanted(sweep.id):
-                units += [Unit("sweep", p.id, p.budget_s, plan=p, group=sweep.id) for p in sweep.plans()]
+                units += [
+                    Unit("sweep", p.id, p.budget_s, plan=p, group=sweep.id, note="static") for p in sweep.plans(quick)
+                ]
     return units
 
 
-def quick_budget_s() -> float:
-    """What ``--quick`` is expected to take on one H100: the sum of its units' budgets."""
-    return sum(u.budget_s for u in build_units(quick=True))
+def predict_plan(plan: SuitePlan, gpu: str) -> tuple[int, float | None]:
+    """memplan's own estimate of the plan on ``gpu``: (predicted reserved peak in bytes, predicted
+    step time in seconds or None). In process: the library imports no torch."""
+    from memplan.estimate import estimate
+    from memplan.specs.resolve import resolve_job
+
+    runtime = ("hf" if plan.loop == "trainer" else "hf-loop") if plan.runner == "hf" else "memplan"
+    overrides = dict(
+        dp=plan.dp, tp=plan.tp, sequence_parallel=plan.sequence_parallel, pp=plan.pp, pp_schedule=plan.pp_schedule,
+        virtual_stages=plan.virtual_stages, zero=plan.zero, recompute=plan.recompute, precision=plan.precision,
+        micro_batch=plan.micro_batch, global_batch=plan.batch, seq_len=plan.seq_len, gpu=gpu, runtime=runtime,
+        allocator=plan.allocator,
+    )  # fmt: skip
+    result = estimate(resolve_job(model_arg(plan.model), None, overrides, inference=False), with_suggestions=False)
+    return result.memory.peak.reserved, result.time.step_time_s if result.time else None
+
+
+def size_unit(
+    unit: Unit, gpu: str, predict: Callable[[SuitePlan, str], tuple[int, float | None]] = predict_plan
+) -> Unit:
+    """A plan unit with its predicted reserved peak and its budget from the GPU phase (see STARTUP_S);
+    other units as they are. A unit whose plan the estimate cannot size keeps its static budget and
+    runs alone (unknown memory is never put beside others)."""
+    if unit.plan is None:
+        return unit
+    try:
+        reserved, step_s = predict(unit.plan, gpu)
+    except Exception as err:  # noqa: BLE001 - a plan memplan cannot estimate still runs, alone
+        return replace(unit, alone=True, note=f"static (estimate failed: {type(err).__name__})")
+    trace = TRACE_SPANS.get(unit.plan.id)
+    if trace is not None:
+        gpu_s, source = trace[1], f"GPU {trace[1]:.1f} s measured ({trace[0]})"
+    elif step_s is not None:
+        gpu_s, source = 3 * step_s + BUILD_S, f"GPU 3 x {step_s:.2f} s predicted + {BUILD_S} s"
+    else:
+        return replace(unit, predicted_bytes=reserved, alone=True, note="static (no predicted step time)")
+    factor = 1 if unit.alone else gpu_schedule.MAX_LANES
+    budget = STARTUP_S + factor * gpu_s
+    shared = "" if unit.alone else f" x {factor} beside others"
+    return replace(
+        unit,
+        budget_s=round(budget, 1),
+        predicted_bytes=reserved,
+        note=f"start-up {STARTUP_S} s (guess) + {source}{shared}",
+    )
+
+
+def jobs_of(units: list[Unit]) -> list[gpu_schedule.Job]:
+    return [gpu_schedule.Job(u.key, u.budget_s, u.predicted_bytes, u.alone, u.group, u.processes) for u in units]
+
+
+def suite_schedule(
+    units: list[Unit], capacity_bytes: int, limit_s: float | None, spent_s: float = INSTALL_S
+) -> gpu_schedule.Schedule:
+    """The units' schedule: ``spent_s`` (the install) and the probe before the first unit, the report
+    after. The benchmark comes last of the alone units: where time runs short, it is what a rerun does."""
+    ordered = sorted(units, key=lambda u: u.step == "bench")
+    return gpu_schedule.make_schedule(
+        jobs_of(ordered), capacity_bytes, limit_s, setup_s=spent_s + PROBE_S, report_s=REPORT_S
+    )
+
+
+def profile_capacity(gpu: str) -> int:
+    """The capacity PyTorch sees on a bundled GPU profile (its measured figure where it has one)."""
+    from memplan.specs.loader import load_gpu
+
+    return load_gpu(gpu).capacity_bytes
+
+
+def quick_schedule(gpu: str = "h100-sxm") -> gpu_schedule.Schedule:
+    """``--quick``'s schedule on one GPU of a bundled profile, limited to QUICK_LIMIT_S."""
+    units = [size_unit(u, gpu) for u in build_units(quick=True)]
+    return suite_schedule(units, profile_capacity(gpu), QUICK_LIMIT_S)
 
 
 def timeout_for(unit: Unit) -> float:
@@ -327,6 +480,8 @@ def run_units(
     jobs: int = 1,
     deadline: float | None = None,
     log: Log | None = None,
+    gate: MemoryGate | None = None,
+    numbering: dict[str, int] | None = None,
 ) -> dict:
     """Run every unit not yet recorded in ``state["units"]``, recording each result as it ends.
 
@@ -334,13 +489,15 @@ def run_units(
     is recorded as ``status: error``. Units of a group run in order and the group stops after a
     unit that did not run (an out-of-memory ends a sweep). A unit whose budget no longer fits
     before ``deadline`` (``time.monotonic()`` seconds) is left unrecorded, for a rerun. With
-    ``jobs > 1`` independent units (and whole groups) run side by side.
+    ``jobs > 1`` independent units (and whole groups) run side by side, each, with a ``gate``, only
+    once the memory it holds is free; its result then names the units it started beside (``beside``).
+    ``numbering``: each unit's number in the whole run, for the log (default: its place in ``units``).
     """
     log = log or (lambda line: None)
     lock = threading.Lock()
     recorded = state.setdefault("units", {})
-    position = {u.key: i + 1 for i, u in enumerate(units)}
-    total = len(units)
+    position = numbering or {u.key: i + 1 for i, u in enumerate(units)}
+    total = len(position)
     already = sum(1 for u in units if u.key in recorded)
     pending = [sum(u.budget_s for u in units if u.key not in recorded)]  # an upper bound: sweeps stop early
     if already:
@@ -350,6 +507,12 @@ def run_units(
         return f"[{position[unit.key]}/{total}] {unit.key}"
 
     def run_one(unit: Unit) -> dict | None:
+        if gate is None:
+            return run_held(unit, [])
+        with gate.hold(unit) as beside:
+            return run_held(unit, beside)
+
+    def run_held(unit: Unit, beside: list[str]) -> dict | None:
         if deadline is not None and time.monotonic() + unit.budget_s > deadline:
             with lock:
                 log(f"{tag(unit)}: left for a rerun: its budget ({unit.budget_s:.0f} s) exceeds the time left")
@@ -358,9 +521,10 @@ def run_units(
         if deadline is not None:
             timeout = max(30.0, min(timeout, deadline - time.monotonic()))
         with lock:
+            near = f"; beside {', '.join(beside)}" if beside else ""
             log(
                 f"{tag(unit)}: running (budget {unit.budget_s:.0f} s, timeout {timeout:.0f} s; "
-                f"at most {pending[0] / 60:.0f} min of budget left)"
+                f"at most {pending[0] / 60:.0f} min of budget left{near})"
             )
         start = time.monotonic()
         try:
@@ -368,6 +532,8 @@ def run_units(
         except Exception as err:  # noqa: BLE001 - one unit's failure is a result, never the suite's end
             result = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
         result = {**result, "duration_s": round(time.monotonic() - start, 2)}
+        if gate is not None:
+            result["beside"] = sorted(beside)  # by now also those that started while it ran
         with lock:
             recorded[unit.key] = result
             save(state)
@@ -408,6 +574,88 @@ def run_units(
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             for future in [pool.submit(run_group, task) for task in tasks]:
                 future.result()
+    return state
+
+
+class MemoryGate:
+    """Units side by side on one GPU: ``hold(unit)`` waits until the unit's share of the device
+    (``gpu_schedule.hold_bytes``) is free beside the units holding theirs, then holds it while the
+    unit runs, and yields the list of the units it runs beside: those holding theirs when it starts,
+    then each that starts while it runs. A unit larger than the capacity waits until it has the
+    device to itself."""
+
+    def __init__(self, capacity_bytes: int, outside_bytes: int = gpu_schedule.OUTSIDE_BYTES) -> None:
+        self.capacity = capacity_bytes
+        self.outside = outside_bytes
+        self.held: dict[str, int] = {}
+        self.beside: dict[str, list[str]] = {}  # each held unit's companions so far
+        self.peak = 0  # the most held at once: what the tests check
+        self._cond = threading.Condition()
+
+    def size(self, unit: Unit) -> int:
+        job = gpu_schedule.Job(unit.key, unit.budget_s, unit.predicted_bytes, unit.alone, unit.group, unit.processes)
+        return gpu_schedule.hold_bytes(job, self.outside)
+
+    @contextlib.contextmanager
+    def hold(self, unit: Unit):
+        need = self.size(unit)
+        with self._cond:
+            self._cond.wait_for(lambda: not self.held or sum(self.held.values()) + need <= self.capacity)
+            for key in self.held:
+                self.beside[key].append(unit.key)
+            self.beside[unit.key] = sorted(self.held)
+            self.held[unit.key] = need
+            self.peak = max(self.peak, sum(self.held.values()))
+        try:
+            yield self.beside[unit.key]
+        finally:
+            with self._cond:
+                del self.held[unit.key]
+                del self.beside[unit.key]
+                self._cond.notify_all()
+
+
+def run_schedule(
+    schedule: gpu_schedule.Schedule,
+    units: list[Unit],
+    state: dict,
+    runner: Callable[[Unit, float], dict],
+    save: Callable[[dict], None],
+    deadline: float | None = None,
+    log: Log | None = None,
+    lanes: int = gpu_schedule.MAX_LANES,
+) -> dict:
+    """Run the units wave by wave as ``schedule`` orders them: a side-by-side wave in up to ``lanes``
+    processes, each let in by a ``MemoryGate`` of the schedule's capacity (its units start as memory
+    frees, whatever their real durations); an alone wave by itself. A unit that ran out of memory
+    beside others has no verdict: it runs again, alone, at the end (its first result is kept under
+    ``beside_oom``). Units the schedule dropped are left for a rerun."""
+    log = log or (lambda line: None)
+    by_key = {u.key: u for u in units}
+    recorded = state.setdefault("units", {})
+    for key in schedule.dropped:
+        if key not in recorded:
+            log(f"{key}: left for a rerun: no time for it in this run's schedule")
+    gate = MemoryGate(schedule.capacity_bytes)
+    numbers = {s.key: i + 1 for i, s in enumerate(schedule.slots)}
+    shared: list[Unit] = []
+    for wave in schedule.waves:
+        wave_units = [by_key[s.key] for s in wave.slots]
+        if wave.alone:
+            run_units(wave_units, state, runner, save, 1, deadline, log, numbering=numbers)
+        else:
+            shared += wave_units
+            run_units(wave_units, state, runner, save, lanes, deadline, log, gate, numbers)
+    again = [u for u in shared if (recorded.get(u.key) or {}).get("status") == "oom" and recorded[u.key].get("beside")]
+    for unit in again:
+        first = recorded.pop(unit.key)
+        log(f"{unit.key}: out of memory beside {', '.join(first['beside'])}: running it again alone")
+        run_units([unit], state, runner, save, 1, deadline, log, numbering=numbers)
+        if unit.key in recorded:
+            recorded[unit.key]["beside_oom"] = first
+        else:
+            recorded[unit.key] = first  # no time to run it again: the first result stands, marked by beside
+        save(state)
     return state
 
 
@@ -467,7 +715,8 @@ def tiny_plan(plan: SuitePlan) -> SuitePlan:
     return replace(plan, seq_len=DRY_SEQ_LEN, global_batch=plan.micro_batch * plan.dp * accumulation)
 
 
-DRY_SWEEP_LIMIT = 4 * 2**20  # --memory-limit of a dry run's sweeps: the tiny 1B-layout sweep stops at micro-batch 4
+# --memory-limit of a dry run's sweeps: the tiny 1B-layout sweep stops at micro-batch 8 (4: 4.6 MiB predicted)
+DRY_SWEEP_LIMIT = 6 * 2**20
 
 
 def gpu_profile_for(device_name: str) -> str:
@@ -586,6 +835,8 @@ class SuiteRunner:
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu or kernels", "-q", "-p", "no:cacheprovider", "-rfE"]
         if self.dry_run:
             cmd.append("--collect-only")
+        elif importlib.util.find_spec("xdist") is not None:  # the memory bound is per worker: PYTEST_WORKERS
+            cmd += ["-n", str(PYTEST_WORKERS)]
         code, out, err = _run(cmd, timeout, child_env())
         return pytest_result(code, out + err, shlex.join(["python", *cmd[1:]]), self.dry_run)
 
@@ -873,17 +1124,23 @@ def hf_worker(spec: dict) -> dict:
 # --- header, results and the report ---------------------------------------------------------
 
 
-def gpu_available() -> tuple[bool, str]:
-    """(True, device name) on an NVIDIA GPU torch can use, else (False, why not). torch is asked in
-    a child process, so this one never holds a CUDA context beside the runs it measures."""
+def gpu_available() -> tuple[bool, str, int | None]:
+    """(True, device name, the capacity PyTorch sees: ``torch.cuda.mem_get_info()``'s total) on an
+    NVIDIA GPU torch can use, else (False, why not, None). torch is asked in a child process, so
+    this one never holds a CUDA context beside the runs it measures."""
     if shutil.which("nvidia-smi") is None:
-        return False, "nvidia-smi not found"
-    probe = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
+        return False, "nvidia-smi not found", None
+    probe = (
+        "import torch\nif torch.cuda.is_available(): print(torch.cuda.mem_get_info()[1], torch.cuda.get_device_name())"
+    )
     code, out, err = _run([sys.executable, "-c", probe], 120, child_env())
     if code != 0:
-        return False, f"torch does not import: {_last_line(err)}"
-    name = out.strip().splitlines()[-1] if out.strip() else ""
-    return (True, name) if name else (False, "torch.cuda.is_available() is False")
+        return False, f"torch does not import: {_last_line(err)}", None
+    line = out.strip().splitlines()[-1] if out.strip() else ""
+    total, _, name = line.partition(" ")
+    if not name or not total.isdigit():
+        return False, "torch.cuda.is_available() is False", None
+    return True, name, int(total)
 
 
 def _version(module: str) -> str | None:
@@ -1001,9 +1258,12 @@ def render_markdown(results: dict) -> str:
         "Error = 100 x (predicted - measured) / measured. Memory in GiB (MiB where marked), step time in ms. "
         "Simulated plans run their most-loaded rank alone under a fake process group: memory is real, "
         "the step time has no communication in it (the prediction is the whole job's), so their time "
-        "errors are not the model's.",
+        "errors are not the model's. A step time marked (shared) ran beside other processes on the one "
+        "GPU: each process has its own caching allocator, so its memory is exact, its time is not.",
         "",
     ]
+    if h.get("schedule"):
+        lines += ["## Schedule", "", "```", *h["schedule"], "```", ""]
     if h.get("dry_run"):
         lines += [
             "A dry run checks the suite, not the model: tiny shapes (64-token sequences) on CPU, memory "
@@ -1076,10 +1336,13 @@ def render_markdown(results: dict) -> str:
 def _plan_line(r: dict) -> str:
     plan = r["plan"] + (" (sim)" if r.get("simulated") else "")
     shape = f"{r.get('micro_batch')} x {r.get('seq_len')}"
+    step = _cells(r, "step_time_s", _ms)
+    if r.get("beside"):  # the GPU was shared: memory is exact, the time is not this run's alone
+        step = [step[0], f"{step[1]} (shared)", "-"]
     return (
         f"| {plan} | {r.get('runner')} | {r.get('model')} | {r.get('parallel')} | {r.get('recompute')} "
         f"| {r.get('precision')} | {r.get('allocator')} | {shape} | {r.get('status')} | "
-        + " | ".join(_cells(r, "allocated", _gib) + _cells(r, "reserved", _gib) + _cells(r, "step_time_s", _ms))
+        + " | ".join(_cells(r, "allocated", _gib) + _cells(r, "reserved", _gib) + step)
         + f" | {_yes(r.get('predicted_fits'))} | {_yes(r.get('ran'))} |"
     )
 
@@ -1109,7 +1372,9 @@ def _stderr(line: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the subset that fits in 25 minutes on one H100")
+    parser.add_argument(
+        "--quick", action="store_true", help="the subset that runs in one 8-minute command on one H100 or H200"
+    )
     parser.add_argument("--dry-run", action="store_true", help="rehearse on CPU: tiny shapes, no CUDA")
     parser.add_argument(
         "--out",
@@ -1123,8 +1388,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--retry-failed", action="store_true", help="rerun units recorded as error or timeout")
     parser.add_argument("--steps", default=",".join(STEPS), help="comma-separated subset of " + ",".join(STEPS))
     parser.add_argument("--plans", default=None, help="comma-separated glob patterns on plan / sweep ids")
-    parser.add_argument("--jobs", type=int, default=None, help="units side by side (default: 1; 2 in a dry run)")
-    parser.add_argument("--list", action="store_true", help="print the units and their budgets, run nothing")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help=f"lanes side by side at most (default: {gpu_schedule.MAX_LANES}; 2 in a dry run)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help=f"seconds the whole command may take, install included (default: {QUICK_LIMIT_S} with --quick, "
+        "else none): units that would end later are left for a rerun",
+    )
+    parser.add_argument(
+        "--spent",
+        type=float,
+        default=None,
+        help=f"seconds the command spent before this script started, the install (default: {INSTALL_S})",
+    )
+    parser.add_argument(
+        "--list", action="store_true", help="print the units, their budgets and the schedule on an H100, run nothing"
+    )
     parser.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = [s.strip() for s in args.steps.split(",") if s.strip()]
@@ -1144,20 +1429,33 @@ def preflight() -> str | None:
     return f"{_last_line(err)}: install the repo first (pip install --no-deps --no-build-isolation -e .)"
 
 
+def pending_units(units: list[Unit], recorded: dict) -> list[Unit]:
+    """The units a run still has to run: not recorded, and not past a sweep's recorded stop."""
+    stopped = {u.group for u in units if u.group and u.key in recorded and not ran(recorded[u.key])}
+    return [u for u in units if u.key not in recorded and u.group not in stopped]
+
+
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
     args = parse_args(argv)
     if args.hf_worker is not None:
         print(RESULT_TAG + json.dumps(hf_worker(json.loads(args.hf_worker))), flush=True)
         return 0
+    limit = args.time_limit if args.time_limit is not None else QUICK_LIMIT_S if args.quick else None
+    spent = args.spent if args.spent is not None else INSTALL_S if args.quick else 0.0
     units = build_units(args.quick, args.steps, args.plans)
     if args.list:
+        units = [size_unit(u, "h100-sxm") for u in units]
         for u in units:
-            print(f"{u.key:55} {u.budget_s:5.0f} s" + (f"  (group {u.group})" if u.group else ""))
-        print(f"{len(units)} units, {sum(u.budget_s for u in units) / 60:.1f} min of budget")
+            where = "alone" if u.alone else "beside others"
+            print(f"{u.key:50} {u.budget_s:6.1f} s  {where:13}  {u.note}")
+        print(f"{len(units)} units, {sum(u.budget_s for u in units) / 60:.1f} min of budget one after another")
+        schedule = suite_schedule(units, profile_capacity("h100-sxm"), limit, spent)
+        print("\n".join(gpu_schedule.render(schedule)))
         return 0
-    device_name = None
+    device_name, capacity = None, None
     if not args.dry_run:
-        ok, what = gpu_available()
+        ok, what, capacity = gpu_available()
         if not ok:
             print(f"gpu_suite: no NVIDIA GPU here ({what}): nothing to run (--dry-run rehearses on CPU)")
             return 0
@@ -1167,6 +1465,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_suite: memplan does not import here: {problem}", file=sys.stderr)
         return 1
     gpu = gpu_profile_for(device_name) if device_name else "h100-sxm"
+    capacity = capacity or profile_capacity(gpu)  # a dry run plans for an H100
     out = (args.out or (DRY_RUN_OUT if args.dry_run else DEFAULT_OUT)).resolve()
     state_path = (args.state or out.with_name(out.stem + ".state.json")).resolve()
     mode = "dry-run" if args.dry_run else "gpu"
@@ -1176,23 +1475,38 @@ def main(argv: list[str] | None = None) -> int:
         for key in failed:
             del state["units"][key]
         _stderr(f"--retry-failed: {len(failed)} units to run again")
-    jobs = args.jobs or (2 if args.dry_run else 1)
-    # --quick stops starting units that would not end inside 25 minutes (two to spare for the report)
-    deadline = time.monotonic() + QUICK_LIMIT_S - 120 if args.quick and not args.dry_run else None
-    where = "dry run on CPU" if args.dry_run else f"{device_name} (profile {gpu})"
+    todo = [size_unit(u, gpu) for u in pending_units(units, state["units"])]
+    if len(todo) < len(units):
+        _stderr(f"resuming: {len(units) - len(todo)} of {len(units)} units already recorded, skipped")
+    schedule = suite_schedule(todo, capacity, limit, spent)
+    lines = gpu_schedule.render(schedule)
+    print("\n".join(lines), flush=True)
+    if args.dry_run and args.quick and (schedule.dropped or not schedule.fits()):  # --quick must fit whole
+        print(
+            f"gpu_suite: the --quick schedule does not fit whole in {limit:.0f} s: it would end past {limit:.0f} s "
+            f"without the {len(schedule.dropped)} units it drops",
+            file=sys.stderr,
+        )
+        return 1
+    lanes = args.jobs or (2 if args.dry_run else gpu_schedule.MAX_LANES)
+    # units that would not end before the limit (the install spent, the report's time kept) are left for a rerun
+    deadline = None if limit is None or args.dry_run else start + limit - spent - REPORT_S
+    where = "dry run on CPU" if args.dry_run else f"{device_name} (profile {gpu}, {capacity / 2**30:.2f} GiB)"
     _stderr(f"{len(units)} units on {where}; state {state_path}; report {out}")
-    start = time.monotonic()
     workdir = state_path.with_name(state_path.name.removesuffix(".json") + ".tiny")  # a dry run's tiny configs
     if args.dry_run:
         workdir.mkdir(parents=True, exist_ok=True)
     runner = SuiteRunner(dry_run=args.dry_run, quick=args.quick, workdir=workdir, gpu=gpu)
+    save = lambda s: save_state(state_path, s)  # noqa: E731
     try:
-        run_units(units, state, runner, lambda s: save_state(state_path, s), jobs, deadline, _stderr)
+        run_schedule(schedule, todo, state, runner, save, deadline, _stderr, lanes)
     except KeyboardInterrupt:
         _stderr(f"interrupted: finished units are in {state_path}; rerun to resume")
         return 130
     header = collect_header(args.dry_run, args.quick, device_name, gpu)
     header["duration_s"] = round(time.monotonic() - start, 1)
+    header["capacity_bytes"] = capacity
+    header["schedule"] = lines
     md, data = write_report(collect_results(units, state, header), out)
     _stderr(f"done in {header['duration_s']:.0f} s: {md} and {data}")
     return 0

@@ -1,11 +1,15 @@
-"""benchmarks/gpu_suite.py on CPU: the plan lists, the step runner's resume, the report writer,
-the no-GPU exit and one dry run end to end (in a subprocess, tiny plans, about 20 s)."""
+"""benchmarks/gpu_suite.py on CPU: the plan lists, the schedule (benchmarks/gpu_schedule.py), the
+step runner's resume and memory gate, the report writer, the no-GPU exit and one dry run end to end
+(in a subprocess, tiny plans, about 40 s)."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
+import pickle
+import random
 import subprocess
 import sys
 import time
@@ -28,6 +32,12 @@ def _load():
 
 
 gs = _load()
+import gpu_schedule  # noqa: E402 - beside gpu_suite, on the path once it is loaded
+
+GIB = 2**30
+# torch.cuda.mem_get_info()'s total on the H200 of 2026-11-27 (../shared/gpu-traces/README.md)
+H200_CAPACITY = 150_109_880_320
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "gpu-traces"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -73,7 +83,7 @@ def test_sweeps_double_the_micro_batch_from_one():
         assert all(p.batch == p.micro_batch * p.dp for p in sweep.plans())  # no accumulation
 
 
-def test_quick_is_a_subset_within_25_minutes():
+def test_quick_is_a_subset_within_8_minutes():
     full, quick = gs.plan_list(), gs.plan_list(quick=True)
     assert quick and set(quick) < set(full)
     assert {s.id for s in gs.sweep_list(quick=True)} <= {s.id for s in gs.sweep_list()}
@@ -86,8 +96,40 @@ def test_quick_is_a_subset_within_25_minutes():
     assert {p.recompute for p in quick} == set(get_args(Recompute))
     assert {"fp32", "bf16", "bf16-mixed"} <= {p.precision for p in quick}
     assert any(p.zero >= 2 for p in quick) and any(p.tp > 1 for p in quick) and any(p.pp > 1 for p in quick)
-    assert gs.quick_budget_s() <= gs.QUICK_LIMIT_S - 5 * 60  # five minutes to spare
+    assert gs.QUICK_LIMIT_S == 8 * 60
+    for schedule in _quick_schedules():  # nothing dropped, install, probe and report included
+        assert schedule.fits() and not schedule.dropped and schedule.end_s <= 480, schedule.end_s
+        assert {s.key for s in schedule.slots} == quick_units
+        assert schedule.setup_s >= gs.INSTALL_S + gs.PROBE_S and schedule.report_s == gs.REPORT_S
     assert all(gs.timeout_for(u) >= u.budget_s for u in gs.build_units(quick=True))
+    sized = [gs.size_unit(u, "h100-sxm") for u in gs.build_units(quick=True)]
+    assert all(gs.timeout_for(u) >= 2 * u.budget_s for u in sized)
+
+
+def _quick_schedules() -> list:
+    """--quick's schedule on an H100 (the profile's measured capacity) and on an H200 (measured)."""
+    h200 = [gs.size_unit(u, "h200") for u in gs.build_units(quick=True)]
+    return [gs.quick_schedule("h100-sxm"), gs.suite_schedule(h200, H200_CAPACITY, gs.QUICK_LIMIT_S)]
+
+
+def test_quick_schedule_memory_units_side_by_side_the_rest_alone():
+    units = {u.key: u for u in (gs.size_unit(u, "h100-sxm") for u in gs.build_units(quick=True))}
+    alone = {k for k, u in units.items() if u.alone}
+    # alone: the benchmark, the sweep (out-of-memory boundary) and every plan whose step time is judged
+    assert alone == {k for k, u in units.items() if u.step in ("bench", "sweep") or (u.plan and u.plan.timed)}
+    assert {k for k, u in units.items() if u.plan and u.plan.simulated} == set(units) - alone - {
+        "pytest/gpu-and-kernels-tests"
+    }
+    for schedule in _quick_schedules():
+        shared = [w for w in schedule.waves if not w.alone]
+        assert len(shared) == 1 and shared[0].lanes >= 2  # the memory units run together
+        assert {s.key for s in shared[0].slots} == set(units) - alone
+        assert shared[0].peak_hold_bytes() <= schedule.capacity_bytes
+        for wave in schedule.waves:
+            if wave.alone:
+                assert len({units[s.key].group or s.key for s in wave.slots}) == 1
+    capacity = gs.profile_capacity("h100-sxm")
+    assert abs(capacity - 79.18 * GIB) < 0.01 * GIB  # what PyTorch sees on an H100 80GB HBM3
 
 
 def test_plans_are_what_the_trainer_runs_and_fit_an_h100():
@@ -98,11 +140,11 @@ def test_plans_are_what_the_trainer_runs_and_fit_an_h100():
     from memplan.validate.spec import RunSpec
     from memplan.validate.support import check_model, check_plan, check_workload
 
-    def job(p):
+    def job(p, gpu="h100-sxm"):
         overrides = dict(
             dp=p.dp, tp=p.tp, sequence_parallel=p.sequence_parallel, pp=p.pp, pp_schedule=p.pp_schedule,
             virtual_stages=p.virtual_stages, zero=p.zero, recompute=p.recompute, precision=p.precision,
-            micro_batch=p.micro_batch, global_batch=p.batch, seq_len=p.seq_len, gpu="h100-sxm",
+            micro_batch=p.micro_batch, global_batch=p.batch, seq_len=p.seq_len, gpu=gpu,
             runtime="hf" if p.runner == "hf" else "memplan", allocator=p.allocator,
         )  # fmt: skip
         return resolve_job(gs.model_arg(p.model), None, overrides, inference=False)
@@ -116,6 +158,163 @@ def test_plans_are_what_the_trainer_runs_and_fit_an_h100():
     for sweep in gs.sweep_list():
         fits = [estimate(job(p), with_suggestions=False).fits for p in sweep.plans()]
         assert fits[0] and not fits[-1], (sweep.id, fits)
+    for sweep in gs.sweep_list(quick=True):  # --quick keeps the predicted boundary: the last fit, the first not
+        quick = sweep.plans(quick=True)
+        assert set(quick) <= set(sweep.plans()) and len(quick) >= 2
+        for gpu in ("h100-sxm", "h200"):
+            fits = [estimate(job(p, gpu), with_suggestions=False).fits for p in quick]
+            assert fits == [True] * (len(quick) - 1) + [False], (sweep.id, gpu, fits)
+
+
+def test_trace_spans_are_the_traces():
+    """The GPU phases taken from ../shared/gpu-traces: first to last event of each trace (about 5 s)."""
+    if not TRACES.is_dir():
+        pytest.skip("../shared/gpu-traces is not beside this checkout")
+    spans = {}
+    for name in {trace for trace, _ in gs.TRACE_SPANS.values()}:
+        events = pickle.load(gzip.open(TRACES / f"{name}.pkl.gz"))["device_traces"][0]
+        times = [e["time_us"] for e in events if e.get("time_us")]
+        spans[name] = (max(times) - min(times)) / 1e6
+    for plan_id, (name, seconds) in gs.TRACE_SPANS.items():
+        assert seconds == pytest.approx(spans[name], abs=0.05), (plan_id, name, spans[name])
+
+
+# --- the schedule -------------------------------------------------------------------------
+
+
+def _random_jobs(rng: random.Random) -> list:
+    jobs = []
+    for i in range(rng.randint(1, 14)):
+        alone = rng.random() < 0.4
+        group = f"g{rng.randint(0, 1)}" if alone and rng.random() < 0.3 else None
+        jobs.append(
+            gpu_schedule.Job(
+                f"u{i}",
+                budget_s=rng.choice([5, 20, 45, 90, 150]),
+                predicted_bytes=rng.randint(0, 90) * GIB if not alone else rng.randint(0, 150) * GIB,
+                alone=alone,
+                group=group,
+                processes=rng.choice([1, 1, 4]),
+            )
+        )
+    return jobs
+
+
+def _overlap(a, b) -> bool:
+    return a.start_s < b.end_s and b.start_s < a.end_s
+
+
+def test_schedule_never_puts_an_alone_unit_beside_another():
+    rng = random.Random(26)
+    for _ in range(300):
+        jobs = _random_jobs(rng)
+        schedule = gpu_schedule.make_schedule(jobs, rng.choice([80, 140]) * GIB, rng.choice([None, 300, 480]))
+        alone = {j.key for j in jobs if j.alone}
+        slots = schedule.slots
+        assert len({s.key for s in slots}) == len(slots)  # each unit once
+        assert {s.key for s in slots} | set(schedule.dropped) == {j.key for j in jobs}
+        for slot in slots:
+            if slot.key in alone:
+                assert not [o.key for o in slots if o is not slot and _overlap(o, slot)], slot
+        for wave in schedule.waves:
+            if wave.alone:
+                assert wave.lanes == 1 and all(s.key in alone or s.hold_bytes == 0 for s in wave.slots)
+
+
+def test_schedule_side_by_side_peaks_sum_within_capacity():
+    rng = random.Random(27)
+    for _ in range(300):
+        jobs = _random_jobs(rng)
+        capacity = rng.choice([80, 140]) * GIB
+        schedule = gpu_schedule.make_schedule(jobs, capacity, None, setup_s=30)
+        by_key = {j.key: j for j in jobs}
+        for slot in schedule.slots:
+            running = [o for o in schedule.slots if o.start_s <= slot.start_s < o.end_s]
+            assert len(running) <= gpu_schedule.MAX_LANES
+            assert sum(o.hold_bytes for o in running) <= capacity, running
+            if slot.hold_bytes:  # a unit beside others holds its predicted peak, the margin and the outside memory
+                job = by_key[slot.key]
+                assert slot.hold_bytes >= job.predicted_bytes * 1.25 + job.processes * 0.8 * GIB - 1
+        if schedule.waves:
+            assert schedule.waves[0].start_s >= 30
+        for a, b in zip(schedule.waves, schedule.waves[1:], strict=False):
+            assert b.start_s >= a.end_s  # waves one after another
+
+
+def test_schedule_limit_drops_what_cannot_end_in_time():
+    jobs = [
+        gpu_schedule.Job("mem-a", 100, 20 * GIB, alone=False),
+        gpu_schedule.Job("mem-b", 100, 20 * GIB, alone=False),
+        gpu_schedule.Job("big", 50, 200 * GIB, alone=False),  # beyond the device: alone instead
+        gpu_schedule.Job("timed", 60),
+        gpu_schedule.Job("sweep/1", 40, group="sweep"),
+        gpu_schedule.Job("sweep/2", 40, group="sweep"),
+        gpu_schedule.Job("late", 100),
+    ]
+    full = gpu_schedule.make_schedule(jobs, 80 * GIB, None, setup_s=10, report_s=5)
+    assert [w.alone for w in full.waves] == [False, True, True, True, True]
+    assert full.waves[0].lanes == 2 and full.waves[0].end_s == 110  # a and b together
+    assert [s.key for s in full.waves[2].slots] == ["sweep/1", "sweep/2"]  # a group in one lane, in order
+    assert full.end_s == 110 + 60 + 80 + 100 + 50 + 5 and not full.dropped
+    cut = gpu_schedule.make_schedule(jobs, 80 * GIB, 240, setup_s=10, report_s=5)
+    assert cut.fits() and cut.end_s <= 240
+    assert cut.dropped == ("sweep/2", "late", "big")  # a group's tail, then what no longer fits
+    lines = gpu_schedule.render(cut)
+    assert "side by side, 2 lanes" in lines[1] and "(fits)" in lines[-2] and "dropped" in lines[-1]
+
+
+def test_memory_gate_lets_in_only_what_fits(tmp_path: Path):
+    units = [
+        gs.Unit("validate", f"m{i}", 1, alone=False, predicted_bytes=30 * GIB) for i in range(5)
+    ]  # 30 x 1.25 + 0.8 = 38.3 GiB each: two at a time on 80 GiB
+    gate = gs.MemoryGate(80 * GIB)
+    lock, running, most = gs.threading.Lock(), [], [0]
+
+    def runner(unit, timeout):
+        with lock:
+            running.append(unit.key)
+            most[0] = max(most[0], len(running))
+        time.sleep(0.05)
+        with lock:
+            running.remove(unit.key)
+        return {"status": "ok"}
+
+    state = gs.load_state(tmp_path / "s.json", "gpu")
+    gs.run_units(units, state, runner, lambda s: None, jobs=4, gate=gate)
+    assert most[0] == 2 and gate.peak <= 80 * GIB and not gate.held
+    assert set(state["units"]) == {u.key for u in units}
+    results = state["units"]
+    assert any(r["beside"] for r in results.values())
+    for key, result in results.items():  # a unit that joined later is named by both
+        assert all(key in results[other]["beside"] for other in result["beside"]), (key, result)
+
+
+def test_out_of_memory_beside_others_runs_again_alone(tmp_path: Path):
+    units = [gs.Unit("validate", f"m{i}", 10, alone=False, predicted_bytes=10 * GIB) for i in range(3)]
+    units.append(gs.Unit("bench", "b", 10))
+    schedule = gs.suite_schedule(units, 80 * GIB, None, spent_s=0)
+    assert schedule.waves[0].lanes == 3
+    lock, running = gs.threading.Lock(), set()
+    seen: list[tuple[str, int]] = []
+
+    def runner(unit, timeout):
+        with lock:
+            running.add(unit.key)
+            seen.append((unit.key, len(running)))
+        time.sleep(0.05)
+        with lock:
+            crowded = len(running) > 1
+            running.discard(unit.key)
+        return {"status": "oom" if unit.key == "validate/m1" and crowded else "ok"}
+
+    state = gs.load_state(tmp_path / "s.json", "gpu")
+    lines: list[str] = []
+    gs.run_schedule(schedule, units, state, runner, lambda s: None, log=lines.append)
+    result = state["units"]["validate/m1"]
+    assert result["status"] == "ok" and result["beside_oom"]["status"] == "oom" and result["beside_oom"]["beside"]
+    assert seen[-1] == ("validate/m1", 1)  # its second run had the GPU to itself
+    assert any("running it again alone" in ln for ln in lines)
+    assert [k for k, n in seen if k == "bench/b"] and all(n == 1 for k, n in seen if k == "bench/b")
 
 
 def test_flags_and_tiny_shapes():
@@ -336,9 +535,25 @@ def test_no_gpu_exits_zero_with_one_line(tmp_path: Path):
     assert not out.exists()
 
 
+def test_list_prints_the_quick_schedule_and_a_dry_run_refuses_one_past_its_limit(tmp_path: Path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--list"], capture_output=True, text=True, env=_env(), timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "schedule on 79.18 GiB" in out and "side by side" in out and "(alone)" in out and "(fits)" in out
+    assert all(f"  {u.key}" in out for u in gs.build_units(quick=True))
+    total = next(ln for ln in out.splitlines() if ln.startswith("total: "))
+    assert float(total.split()[1]) <= 480, total
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--dry-run", "--time-limit", "200", "--out", str(tmp_path / "r.md")]
+    late = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+    assert late.returncode == 1 and "past 200 s" in late.stderr and "dropped" in late.stdout
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_dry_run_end_to_end_and_resume(tmp_path: Path):
     """A tiny plan list through every step on CPU (tests collected, benchmark skipped, two plans,
-    a sweep to its simulated OOM), then a rerun that finds everything recorded (about 20 s)."""
+    a sweep to its simulated OOM), then a rerun that finds everything recorded (about 40 s)."""
     out = tmp_path / "report.md"
     cmd = [sys.executable, str(SCRIPT), "--dry-run", "--quick", "--out", str(out)]
     cmd += ["--plans", "v-1b-none-bf16mixed,hf-1b-*,s-1b-*"]
@@ -360,8 +575,12 @@ def test_dry_run_end_to_end_and_resume(tmp_path: Path):
     sweep = steps["sweep"]["rows"]
     assert [r["status"] for r in sweep][-1] == "oom" and all(r["status"] == "ok" for r in sweep[:-1])
     assert [r["predicted_fits"] for r in sweep] == [r["ran"] for r in sweep]
+    assert any(r["status"] == "ok" for r in sweep)  # the boundary: a micro-batch that ran, then one that did not
+    # the schedule, printed: the tests side by side (no simulated plan here), the rest alone, within 8 minutes
+    assert "schedule on 79.18 GiB" in proc.stdout and "(alone)" in proc.stdout and "(fits)" in proc.stdout
     md = out.read_text()
     assert "dry run on CPU" in md and "| v-1b-none-bf16mixed |" in md and "collected" in md
+    assert "## Schedule" in md and "side by side" in md  # the tests run beside the memory units
     state = json.loads((tmp_path / "report.state.json").read_text())
     assert state["mode"] == "dry-run" and len(state["units"]) == 2 + 2 + len(sweep)
 
