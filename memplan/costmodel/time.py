@@ -419,7 +419,7 @@ def attention_backend(
     chooses as for fp32."""
     if plan.attention == "eager":
         return "eager"
-    policy = POLICIES["fp32" if Q.quantized_stream(plan, autocast) else plan.precision]
+    policy = POLICIES["fp32" if plan.quant != "none" and not autocast else plan.precision]  # quantized_stream
     return sdpa_kind(model, plan, policy, "cuda", gpu.compute_capability)
 
 
@@ -505,15 +505,27 @@ def estimate_time(
     )
 
 
-STAGE_FIELDS = (
+_FULL_STAGE_FIELDS = (
     "tp", "cp", "pp", "virtual_stages", "ep", "sequence_parallel", "recompute", "recompute_layers", "attention",
-    "precision", "finetune", "quant", "double_quant", "lora_targets", "lora_dropout",
-    "modules_to_save",
+    "precision", "finetune",
 )  # fmt: skip
+_LORA_STAGE_FIELDS = ("quant", "double_quant", "lora_targets", "lora_dropout", "modules_to_save")
+STAGE_FIELDS = _FULL_STAGE_FIELDS + _LORA_STAGE_FIELDS
 """The plan fields one stage's micro-batch (:func:`_stage_micro_batch`) reads, itself or through
 its helpers; not dp, ZeRO, offload, the schedule or the global batch (tests/unit/test_time.py
-checks it by recording what the function reads)."""
-_stage_fields = attrgetter(*STAGE_FIELDS)
+checks it by recording what the function reads). The LoRA / QLoRA ones are read only when
+``finetune`` is not ``full`` (:func:`_stage_key` leaves them out of a full-training plan's key)."""
+_full_stage_fields = attrgetter(*_FULL_STAGE_FIELDS)
+_lora_stage_fields = attrgetter(*_LORA_STAGE_FIELDS)
+
+
+def _stage_key(plan: Plan) -> tuple:
+    """What a stage's micro-batch reads of the plan (``STAGE_FIELDS``), as the memo's key."""
+    if plan.finetune == "full":
+        return _full_stage_fields(plan)
+    return _full_stage_fields(plan) + _lora_stage_fields(plan)
+
+
 OPTIMIZER_FIELDS = (
     "zero", "pp", "tp", "offload_optimizer", "offload_params", "precision", "finetune", "lora_targets", "lora_rank",
     "modules_to_save",
@@ -572,7 +584,8 @@ def step_speed(
     dp_link = link(gpu, cluster, dp_stride, dp_size, eff)
     pp_link = link(gpu, cluster, plan.tp * plan.cp * plan.dp, 2, eff)
     autocast = runs_autocast(plan, runtime)
-    key = (_stage_fields(plan), s, workload.micro_batch, autocast)
+    stage_key = _full_stage_fields(plan) if plan.finetune == "full" else _stage_key(plan)
+    key = (stage_key, s, workload.micro_batch, autocast)
 
     def stage_parts(stage: int) -> dict[str, float]:
         return _stage_micro_batch(
@@ -621,13 +634,13 @@ def step_speed(
     if is_paged(plan.optimizer):
         breakdown["paged_optimizer"] = paged_optimizer_s(model, workload, plan, gpu, runtime)
     foreach = foreach_adamw(plan, runtime)
-    torch_host = runtime != "megatron"
+    # runtime != "megatron": PyTorch's AdamW when the optimizer is on the host (the memo's runtime is fixed)
     if memo is None:
-        breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach, torch_host))
+        breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach, runtime != "megatron"))
     else:
-        opt_key = (_optimizer_fields(plan), dp_size, foreach, torch_host)
+        opt_key = (_optimizer_fields(plan), dp_size, foreach)
         if (optimizer := memo.optimizer.get(opt_key)) is None:
-            optimizer = _optimizer(model, plan, policy, dp_size, gpu, eff, foreach, torch_host)
+            optimizer = _optimizer(model, plan, policy, dp_size, gpu, eff, foreach, runtime != "megatron")
             memo.optimizer[opt_key] = optimizer
         breakdown.update(optimizer)
     step = sum(breakdown.values()) * eff.calibration
@@ -712,9 +725,10 @@ def _stage_micro_batch(
     hbm = gpu.hbm_bytes_per_s * eff.hbm
     gemm_flops_per_s = peak * matmul_efficiency(eff, plan.precision)
     # over a quantized base the activations are fp32, and so attention and the LM head
-    act = 4 if Q.quantized_stream(plan, autocast) else d
-    act_peak = peak if act == d else matmul_peak_flops(gpu, "fp32")
-    act_flops_per_s = gemm_flops_per_s if act == d else act_peak * eff.matmul_fp32
+    act, act_peak, act_flops_per_s = d, peak, gemm_flops_per_s
+    if plan.quant != "none" and not autocast and d != 4:  # time_lora.quantized_stream, below fp32
+        act, act_peak = 4, matmul_peak_flops(gpu, "fp32")
+        act_flops_per_s = act_peak * eff.matmul_fp32
     # attention under CP: each rank's queries against the whole sequence, so its FLOPs are
     # the full-sequence count split over cp like the tokens
     tokens = tokens_mb / plan.tp

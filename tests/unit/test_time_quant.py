@@ -127,3 +127,29 @@ def test_fsdp2_offloaded_params_do_not_cross_pcie_again_after_the_step():
 def test_no_offload_no_host_terms():
     b = step(Plan(dp=8, zero=3, precision="bf16-mixed", recompute="full")).breakdown
     assert "offload" not in b and "param_offload" not in b and "activation_offload" not in b
+
+
+# measured on one NVIDIA H200, torch 2.11.0+cu130, bitsandbytes 0.50.2 (/work/shared/gpu-traces/README.md:
+# h200_a_qlora8b, h200_a_lora8b, h200_b_off8b; the first two shared the GPU with other processes)
+QLORA_MS, LORA_MS, OFFLOAD_MS = 8169, 3202, 11431
+
+
+def test_qlora_step_against_the_h200_run():
+    predicted = step(qlora()).step_time_s * 1e3
+    assert abs(predicted / QLORA_MS - 1) < 0.15  # -11.9% (before: -69.7%, LoRA's time)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="reached +25.2% (3.19x predicted vs 2.55x measured; +14% against LoRA's first measured step, "
+    "2925 ms, the run shared the GPU): the fp32 math-path attention and fp32 head dominate the gap",
+)
+def test_qlora_over_lora_within_a_quarter_of_the_measured_ratio():
+    ratio = step(qlora()).step_time_s / step(lora()).step_time_s
+    assert abs(ratio / (QLORA_MS / LORA_MS) - 1) <= 0.25
+
+
+def test_offloaded_step_against_the_h200_run():
+    work = TrainingWorkload(seq_len=4096, micro_batch=2, global_batch=16)
+    predicted = step(OFFLOAD, work).step_time_s * 1e3
+    assert abs(predicted / OFFLOAD_MS - 1) < 0.20  # -17.2% (before: -78.1%)
