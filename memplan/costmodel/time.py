@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from memplan.costmodel import lora as L
 from memplan.costmodel import params as P
+from memplan.costmodel import time_lora as Q
 from memplan.costmodel.activations import layer_matmul_widths
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.layout import stage_layer_indices
@@ -71,6 +72,19 @@ class Efficiency(BaseModel):
     )
     host_adam_params_per_s: float = Field(
         1e9, gt=0, description="CPU Adam updates per second per GPU (ZeRO-Offload's AVX CPU-Adam, ~1e9 params/s)."
+    )
+    host_thread_bytes_per_s: float = Field(
+        10e9,
+        gt=0,
+        description="Bytes/s one host core streams to and from DRAM (an assumption, by Little's law: ~16 "
+        "outstanding L1 misses of 64 B over ~100 ns of DRAM latency on a server core); what PyTorch's "
+        "element-wise CPU kernels reach on one OpenMP thread.",
+    )
+    host_threads: int = Field(
+        1,
+        ge=1,
+        description="OpenMP threads of each rank's CPU kernels: torchrun sets OMP_NUM_THREADS=1 per rank unless "
+        "told otherwise (torch.distributed.run), and memplan validate's ranks do the same (validate/launch.py).",
     )
     calibration: float = Field(1.0, gt=0, description="Measured / predicted step time for this GPU profile.")
 
@@ -392,17 +406,21 @@ def matmul_efficiency(eff: Efficiency, precision: str) -> float:
     return eff.matmul_fp32 if POLICIES[precision].compute_bytes == 4 else eff.matmul
 
 
-def attention_backend(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu: GPUSpec) -> str:
+def attention_backend(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu: GPUSpec, autocast: bool = False
+) -> str:
     """The attention kernel one rank runs: ``eager`` (scores materialised by the runtime), else
     the kernel PyTorch's ``scaled_dot_product_attention`` picks: ``flash`` needs fp16 / bf16,
     the memory-efficient kernel (``efficient``) takes fp32 but not ``enable_gqa``, so fp32 with
     GQA (fewer K/V heads than query heads) falls to the ``math`` path (PyTorch ``sdp_utils``;
     ``memory.sdpa_kind``, ``attention.sdpa_backend``: on torch 2.11 an H100 prefers ``cudnn``,
     priced as the fused kernels). memplan's Triton kernel (``triton``) is a flash kernel in any
-    dtype."""
+    dtype. Over a quantized base q, k and v are fp32 (``time_lora.quantized_stream``): SDPA
+    chooses as for fp32."""
     if plan.attention == "eager":
         return "eager"
-    return sdpa_kind(model, plan, POLICIES[plan.precision], "cuda", gpu.compute_capability)
+    policy = POLICIES["fp32" if plan.quant != "none" and not autocast else plan.precision]  # quantized_stream
+    return sdpa_kind(model, plan, policy, "cuda", gpu.compute_capability)
 
 
 FOREACH_ADAMW_RUNTIMES = frozenset({"memplan", "hf-loop"})
@@ -487,16 +505,30 @@ def estimate_time(
     )
 
 
-STAGE_FIELDS = (
+_FULL_STAGE_FIELDS = (
     "tp", "cp", "pp", "virtual_stages", "ep", "sequence_parallel", "recompute", "recompute_layers", "attention",
-    "precision",
+    "precision", "finetune",
 )  # fmt: skip
+_LORA_STAGE_FIELDS = ("quant", "double_quant", "lora_targets", "lora_dropout", "modules_to_save")
+STAGE_FIELDS = _FULL_STAGE_FIELDS + _LORA_STAGE_FIELDS
 """The plan fields one stage's micro-batch (:func:`_stage_micro_batch`) reads, itself or through
 its helpers; not dp, ZeRO, offload, the schedule or the global batch (tests/unit/test_time.py
-checks it by recording what the function reads)."""
-_stage_fields = attrgetter(*STAGE_FIELDS)
+checks it by recording what the function reads). The LoRA / QLoRA ones are read only when
+``finetune`` is not ``full`` (:func:`_stage_key` leaves them out of a full-training plan's key)."""
+_full_stage_fields = attrgetter(*_FULL_STAGE_FIELDS)
+_lora_stage_fields = attrgetter(*_LORA_STAGE_FIELDS)
+
+
+def _stage_key(plan: Plan) -> tuple:
+    """What a stage's micro-batch reads of the plan (``STAGE_FIELDS``), as the memo's key."""
+    if plan.finetune == "full":
+        return _full_stage_fields(plan)
+    return _full_stage_fields(plan) + _lora_stage_fields(plan)
+
+
 OPTIMIZER_FIELDS = (
-    "zero", "pp", "tp", "offload_optimizer", "precision", "finetune", "lora_targets", "lora_rank", "modules_to_save",
+    "zero", "pp", "tp", "offload_optimizer", "offload_params", "precision", "finetune", "lora_targets", "lora_rank",
+    "modules_to_save",
 )  # fmt: skip
 """What :func:`_optimizer` reads of the plan (besides the data-parallel size and the AdamW kind)."""
 _optimizer_fields = attrgetter(*OPTIMIZER_FIELDS)
@@ -552,7 +584,8 @@ def step_speed(
     dp_link = link(gpu, cluster, dp_stride, dp_size, eff)
     pp_link = link(gpu, cluster, plan.tp * plan.cp * plan.dp, 2, eff)
     autocast = runs_autocast(plan, runtime)
-    key = (_stage_fields(plan), s, workload.micro_batch, autocast)
+    stage_key = _full_stage_fields(plan) if plan.finetune == "full" else _stage_key(plan)
+    key = (stage_key, s, workload.micro_batch, autocast)
 
     def stage_parts(stage: int) -> dict[str, float]:
         return _stage_micro_batch(
@@ -570,7 +603,7 @@ def step_speed(
             link(gpu, cluster, plan.tp * plan.cp, plan.ep, eff),
             runtime == "megatron",
             RUNTIMES[runtime].dropout,
-            attention_backend(model, workload, plan, gpu),
+            attention_backend(model, workload, plan, gpu, autocast),
             autocast,
         )
 
@@ -601,12 +634,14 @@ def step_speed(
     if is_paged(plan.optimizer):
         breakdown["paged_optimizer"] = paged_optimizer_s(model, workload, plan, gpu, runtime)
     foreach = foreach_adamw(plan, runtime)
+    # runtime != "megatron": PyTorch's AdamW when the optimizer is on the host (the memo's runtime is fixed)
     if memo is None:
-        breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach))
+        breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach, runtime != "megatron"))
     else:
         opt_key = (_optimizer_fields(plan), dp_size, foreach)
         if (optimizer := memo.optimizer.get(opt_key)) is None:
-            optimizer = memo.optimizer[opt_key] = _optimizer(model, plan, policy, dp_size, gpu, eff, foreach)
+            optimizer = _optimizer(model, plan, policy, dp_size, gpu, eff, foreach, runtime != "megatron")
+            memo.optimizer[opt_key] = optimizer
         breakdown.update(optimizer)
     step = sum(breakdown.values()) * eff.calibration
     breakdown = {k: v * eff.calibration for k, v in breakdown.items() if v}
@@ -689,29 +724,41 @@ def _stage_micro_batch(
     head = 6.0 * model.vocab_size * model.hidden_size if last else 0.0
     hbm = gpu.hbm_bytes_per_s * eff.hbm
     gemm_flops_per_s = peak * matmul_efficiency(eff, plan.precision)
+    # over a quantized base the activations are fp32, and so attention and the LM head
+    act, act_peak, act_flops_per_s = d, peak, gemm_flops_per_s
+    if plan.quant != "none" and not autocast and d != 4:  # time_lora.quantized_stream, below fp32
+        act, act_peak = 4, matmul_peak_flops(gpu, "fp32")
+        act_flops_per_s = act_peak * eff.matmul_fp32
     # attention under CP: each rank's queries against the whole sequence, so its FLOPs are
     # the full-sequence count split over cp like the tokens
     tokens = tokens_mb / plan.tp
-    gemms = tokens * (matmul + extra.matmul * (matmul - head)) / gemm_flops_per_s
-    if materialised:
-        operands = tokens_mb * score_gemm_bytes_per_token(model, plan, s, layers, d)
-        attn = gemm_seconds(tokens * attention, operands, gemm_flops_per_s, hbm)
+    if plan.finetune == "full":
+        gemms = tokens * (matmul + extra.matmul * (matmul - head)) / gemm_flops_per_s
     else:
-        attn = tokens * attention / (peak * eff.attention)
+        int8_flops_per_s = (gpu.peak_flops.get("int8") or peak) * eff.matmul
+        rates = (gemm_flops_per_s, act_flops_per_s, int8_flops_per_s)
+        gemms = tokens * frozen_gemm_seconds(matmul - head, head, extra.matmul, plan, *rates)
+    if materialised:
+        operands = tokens_mb * score_gemm_bytes_per_token(model, plan, s, layers, act)
+        attn = gemm_seconds(tokens * attention, operands, act_flops_per_s, hbm)
+    else:
+        attn = tokens * attention / (act_peak * eff.attention)
     compute = gemms + attn * (1 + extra.attention)
-    traffic = (1 + extra.elementwise) * elementwise_bytes_per_token(model, plan, layers, d, fused, autocast=autocast)
+    traffic = (1 + extra.elementwise) * elementwise_bytes_per_token(model, plan, layers, act, fused, autocast=autocast)
     if materialised:
-        traffic += (1 + extra.attention) * materialised_token_bytes(model, plan, layers, d, autocast)
+        traffic += (1 + extra.attention) * materialised_token_bytes(model, plan, layers, act, autocast)
     if backend == "math":
-        traffic += (1 + extra.attention) * math_score_bytes_per_token(model, plan, s, layers, d)
+        traffic += (1 + extra.attention) * math_score_bytes_per_token(model, plan, s, layers, act)
     else:
-        traffic += (1 + extra.attention) * eager_score_bytes_per_token(model, plan, s, layers, d, fused, dropout)
+        traffic += (1 + extra.attention) * eager_score_bytes_per_token(model, plan, s, layers, act, fused, dropout)
     memory = tokens_mb * traffic / hbm
     if last:
-        memory += tokens_mb * loss_bytes_per_token(model, plan, fused, d) / hbm
+        memory += tokens_mb * loss_bytes_per_token(model, plan, fused, act) / hbm
     if autocast:
         memory += autocast_weight_bytes(model, plan, stage) / hbm
     parts = {"compute": compute, "memory_bound": memory}
+    if plan.finetune != "full":
+        parts.update(frozen_base_traffic_s(model, plan, layers, tokens_mb, act, extra, hbm))
     # TP (Megatron, Korthikanti Sec. 4.2.2): per layer, forward 2 all-reduces of b s h (with SP
     # 2 all-gathers + 2 reduce-scatters, the same bytes), backward the same; recomputation repeats
     # the forward's; not overlapped
@@ -731,6 +778,44 @@ def _stage_micro_batch(
         routed = tokens_mb * model.moe.top_k * model.hidden_size * d
         parts["ep_comm"] = 4 * on_stage.moe_layers * all_to_all_s(routed, plan.ep, ep_link)
     return parts
+
+
+def frozen_gemm_seconds(
+    layer: float, head: float, recompute: float, plan: Plan, compute: float, activation: float, int8: float
+) -> float:
+    """Seconds of one token's GEMMs on a stage under LoRA / QLoRA (``time_lora``), from the
+    full-training FLOPs ``layer`` (6 N of the stage's layer linears) and ``head`` (6 V h, 0 off
+    the last stage) and ``recompute`` (``Recomputation.matmul``: the recomputed share of 6 N).
+    The frozen linears run their forward and input gradient (2 of full training's 3 GEMMs,
+    ``time_lora.gemm_passes``): in the compute dtype (``compute`` FLOP/s; 4-bit dequantizes to
+    it), or for LLM.int8 the forward in int8 (``int8``) and the input gradient in the
+    activations' dtype (``activation``). The LM head runs in the activations' dtype (fp32 over a
+    quantized base), with its weight gradient only when it is a trained ``modules_to_save`` copy."""
+    forward = layer / 3
+    redo = recompute * layer
+    if plan.quant == "int8":
+        linears = (forward + redo) / int8 + forward / activation
+    else:
+        linears = (Q.gemm_passes(False) * forward + redo) / compute
+    return linears + head / 3 * Q.gemm_passes(Q.head_trained(plan)) / activation
+
+
+def frozen_base_traffic_s(
+    model: ModelSpec, plan: Plan, layers: int, tokens_mb: float, act: int, extra: Recomputation, hbm: float
+) -> dict[str, float]:
+    """One micro-batch's memory-bound seconds particular to LoRA / QLoRA on a stage (``hbm``:
+    the achievable bytes/s): the adapters' kernels (``lora_adapters``), bitsandbytes' casts around
+    its matmuls (``quant_casts``) and its dequantizations (``dequant``), each under the plan's
+    recomputation (the element-wise share for the kernels, the matmul share for dequantization)."""
+    redo = 3 * extra.elementwise
+    compute = POLICIES[plan.precision].compute_bytes
+    # 4-bit weights dequantize to the dtype they were quantized from (the param dtype); int8 to the input's
+    out_bytes = act if plan.quant == "int8" else POLICIES[plan.precision].param_bytes
+    return {
+        "lora_adapters": tokens_mb * Q.adapter_bytes_per_token(model, plan, layers, act, redo) / hbm,
+        "quant_casts": tokens_mb * Q.quant_cast_bytes_per_token(model, plan, layers, act, compute, redo) / hbm,
+        "dequant": Q.dequant_bytes(model, plan, layers, out_bytes, 3 * extra.matmul) / hbm,
+    }
 
 
 def _data_parallel(
@@ -843,14 +928,50 @@ def _optimizer(
     gpu: GPUSpec,
     eff: Efficiency,
     foreach: bool = False,
+    torch_host: bool = False,
 ) -> dict[str, float]:
     """The optimizer step on the params this rank updates (:func:`trained_params`: under LoRA the
     adapters and saved modules only): memory-bound on the GPU (:func:`adam_bytes_per_param`,
-    fused or ``foreach``), or on the host (CPU Adam) with gradients down and parameters up over
-    PCIe."""
+    fused or ``foreach``), or on the host with the gradients crossing PCIe (:func:`host_offload_s`;
+    ``torch_host``: PyTorch's AdamW over CPU tensors, else a vectorised CPU Adam)."""
     shards = n if plan.zero >= 1 else 1
     owned = trained_params(model, plan) / plan.pp / plan.tp / shards
     if plan.offload_optimizer != "none":
-        pcie = owned * (policy.grad_bytes + policy.param_bytes) / gpu.pcie_bytes_per_s
-        return {"optimizer": owned / eff.host_adam_params_per_s, "offload": pcie}
+        return host_offload_s(owned, plan, policy, gpu.pcie_bytes_per_s, eff, torch_host)
     return {"optimizer": owned * adam_bytes_per_param(policy, foreach) / (gpu.hbm_bytes_per_s * eff.hbm)}
+
+
+def host_adam_s(owned: float, eff: Efficiency, torch_host: bool) -> float:
+    """Seconds of the optimizer step on the host over ``owned`` parameters.
+
+    PyTorch's ``torch.optim.AdamW`` over CPU tensors (FSDP2's ``CPUOffloadPolicy`` keeps the
+    sharded fp32 params, their gradients and states on the host and the step runs there): the
+    same element-wise passes as on the GPU, ``foreach`` or per tensor (``adam._multi_tensor_adam``,
+    ``_single_tensor_adam``: 20 accesses of 4 bytes a parameter, :func:`adam_bytes_per_param`),
+    each an ATen CPU kernel parallelised over ``Efficiency.host_threads`` OpenMP threads (one per
+    rank under torchrun) at ``host_thread_bytes_per_s`` each. Otherwise (Megatron's offloaded
+    optimizer, DeepSpeed's) a vectorised multi-threaded CPU Adam at ``host_adam_params_per_s``
+    (ZeRO-Offload, Ren et al. 2021, Sec. 5)."""
+    if not torch_host:
+        return owned / eff.host_adam_params_per_s
+    return owned * adam_bytes_per_param(POLICIES["fp32"], True) / (eff.host_thread_bytes_per_s * eff.host_threads)
+
+
+def host_offload_s(
+    owned: float,
+    plan: Plan,
+    policy,  # noqa: ANN001 - PrecisionPolicy
+    pcie_bytes_per_s: float,
+    eff: Efficiency,
+    torch_host: bool,
+) -> dict[str, float]:
+    """An offloaded optimizer step: the host step (:func:`host_adam_s`) and the PCIe copies that go
+    with it (``offload``): the gradients device-to-host, and the updated parameters host-to-device
+    unless the parameters live on the host too. FSDP2's ``CPUOffloadPolicy`` offloads both (the
+    bundled trainer's ``offload_params: cpu``): its params stay on the host after the step and
+    cross PCIe before each all-gather instead (``param_offload``, :func:`_params_pcie_s`), so only
+    the gradients cross here (``FSDPParam.to_sharded`` / post-backward's ``.to(cpu)``)."""
+    moved = policy.grad_bytes
+    if not (torch_host and plan.offload_params == "cpu"):
+        moved += policy.param_bytes
+    return {"optimizer": host_adam_s(owned, eff, torch_host), "offload": owned * moved / pcie_bytes_per_s}

@@ -100,6 +100,11 @@ class _Recording:
         ,
         ("mixtral-8x7b", dict(dp=4, ep=4, zero=3, recompute="selective")),
         ("gemma2-9b", dict(dp=2, zero=2, precision="bf16")),
+        ("llama3-8b", dict(finetune="qlora", quant="nf4", lora_rank=16, lora_targets=("all-linear",),
+                           lora_dropout=0.1, recompute="full", precision="bf16", offload_params="cpu",
+                           offload_optimizer="cpu", dp=2, zero=3)),
+        ("llama3-8b", dict(finetune="qlora", quant="int8", lora_rank=8, lora_targets=("q_proj",),
+                           modules_to_save=("lm_head",), recompute="selective-op")),
     ],
 )  # fmt: skip
 def test_stage_fields_are_what_a_stage_reads(name, plan):
@@ -120,8 +125,9 @@ def test_stage_fields_are_what_a_stage_reads(name, plan):
     assert recorder.read <= set(T.STAGE_FIELDS)
     for offload in ("none", "cpu"):
         recorder = _Recording(real.model_copy(update={"offload_optimizer": offload}))
-        T._optimizer(model, recorder, T.POLICIES[real.precision], 4, gpu, eff, offload == "none")
-        assert recorder.read <= set(T.OPTIMIZER_FIELDS), recorder.read
+        for torch_host in (False, True):
+            T._optimizer(model, recorder, T.POLICIES[real.precision], 4, gpu, eff, offload == "none", torch_host)
+            assert recorder.read <= set(T.OPTIMIZER_FIELDS), recorder.read
 
 
 @pytest.mark.parametrize(
