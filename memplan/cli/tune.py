@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import typing
 from pathlib import Path
 from typing import Annotated, Literal
@@ -359,6 +360,10 @@ def tune(
     # before any search: a plan found cannot be lost to a bad path
     output_path(out, "--out", inputs=(model,))
     refuse_tracked(out, "--out")
+    if storage is not None:  # a study database that cannot be opened or created, refused before any search
+        from memplan.search.study import check_storage
+
+        check_storage(storage)
     drawing = None
     if timeline is not None:
         from memplan.viz.output import check_output
@@ -434,6 +439,8 @@ def tune(
         ref = os.path.relpath(Path(model).resolve(), out.parent.resolve()) if Path(model).is_file() else model
         out.write_text(plan_yaml(result, request, ref))
         result = result.model_copy(update={"plan_path": str(out)})
+    if storage is not None and result.study is None:  # --storage given, but the search stored no study
+        note_unused_storage(storage, result.search_reason)
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
@@ -457,6 +464,16 @@ def tune(
         raise typer.Exit(130)
     if result.recommended is None:
         raise typer.Exit(1)
+
+
+def note_unused_storage(storage: str, reason: str) -> None:
+    """One stderr line: ``--storage`` was given but no study was stored in it (every plan was
+    predicted, no Optuna study ran), and how to get one."""
+    print(
+        f"memplan: note: --storage {short(storage, 100)}: no study stored there: every plan was predicted "
+        f"({reason}), no Optuna study ran; give --no-exhaustive to run and store one",
+        file=sys.stderr,
+    )
 
 
 def refuse_tracked(path: str | Path | None, field: str, then: str = "") -> None:

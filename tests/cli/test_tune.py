@@ -159,6 +159,35 @@ def test_bad_input_is_one_line(flags: list[str], field: str):
     assert len(lines) == 1 and lines[0].startswith(f"memplan: error: command line: {field}:"), err
 
 
+@pytest.mark.parametrize(
+    ("where", "reason"),
+    [("nonexistent-dir/x/y.db", "nonexistent-dir/x does not exist"), ("", "is a folder, not a database file")],
+)
+def test_a_storage_that_cannot_be_created_is_refused_before_an_exhaustive_search(
+    tmp_path: Path, where: str, reason: str
+):
+    """Issue 26 item 4: the search goes exhaustive here (no study would open the storage), and
+    the storage is still checked: one line naming --storage, the URL and why, exit 2."""
+    url = f"sqlite:///{tmp_path / where}"
+    code, out, err = memplan("tune", "llama3-8b", "--gpus", "8", "--storage", url)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memplan: error: command line: --storage:"), err
+    assert url in lines[0] and reason in lines[0], err
+
+
+def test_a_storage_no_study_is_stored_in_is_named(tmp_path: Path):
+    """An exhaustive search stores no study: a --storage given says so on stderr, and no
+    database file is created."""
+    db = tmp_path / "kept.db"
+    code, out, err = memplan("tune", "llama3-8b", "--gpus", "8", "--storage", f"sqlite:///{db}", "--format", "json")
+    assert code == 0 and json.loads(out)["exhaustive"] and json.loads(out)["study"] is None
+    assert f"memplan: note: --storage sqlite:///{db}: no study stored there" in err
+    assert "--no-exhaustive" in err and not db.exists()
+    code, _, err = memplan("tune", *LLAMA8B, "--trials", "2", "--storage", f"sqlite:///{db}", "--study", "s")
+    assert code == 0 and "no study stored" not in err and db.exists()
+
+
 def test_no_valid_plan_is_bad_input():
     code, _, err = memplan("tune", "llama3-8b", "--gpus", "3", "--global-batch", "128", "--trials", "2")
     assert code == 2 and err.startswith("memplan: error: command line: --gpus: no valid plan")
