@@ -277,6 +277,16 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.2f}%"
 
 
+def oom_where(oom: dict) -> str:
+    """``the forward of the warm-up step (step 1)``: the phase and the step an out-of-memory
+    happened in (a record's ``oom``); ``setup`` before the first step (or in a record without the step)."""
+    step = oom.get("step")
+    if step is None:
+        return oom["phase"]
+    which = "the warm-up step" if oom.get("warmup") else "a measured step"
+    return f"the {oom['phase']} of {which} (step {step})"
+
+
 def render(v: Validation, console: Console) -> None:
     where = f"rank {v.rank} (stage {v.stage}) of {v.world_size}" + (", simulated" if v.simulated else "")
     console.print(f"[bold]validate[/] on {v.device} ({v.device_name}), {where}: status [bold]{v.status}[/]")
@@ -285,7 +295,7 @@ def render(v: Validation, console: Console) -> None:
     oom = v.record.get("oom")
     if oom:
         console.print(
-            f"[red]out of memory[/] in {oom['phase']}: requested {_b(oom['requested_bytes'])}, "
+            f"[red]out of memory[/] in {oom_where(oom)}: requested {_b(oom['requested_bytes'])}, "
             f"peak so far {_b(oom['peak_bytes'])}"
         )
     table = Table(title="Peak allocated: predicted (--runtime memplan) vs measured")
