@@ -365,6 +365,29 @@ def _serving_memory(mem: MemoryReport) -> str:
     )
 
 
+def verdict(result: EstimateResult) -> str:
+    """The one verdict line: fits or not, with the figures it was judged on (the allocator's
+    replay: allocated and reserved at the peak) against what the allocator can use (the capacity
+    PyTorch sees less the memory outside it), and, when it does not fit, why: the allocated bytes
+    alone are over, the allocator's fragmentation (``fits_reason``, the JSON's), or the host."""
+    mem, peak = result.memory, result.memory.peak
+    capacity = result.gpu["capacity_bytes"]
+    limit = capacity - mem.overhead
+    usable = f"{_gib(limit)} the allocator can use ({_gib(capacity)} less {_gib(mem.overhead)} outside it)"
+    if result.fits:
+        return f"[green]fits[/]: {_gib(peak.reserved)} reserved of {usable}, headroom {_gib(result.headroom_bytes)}"
+    host = result.host
+    if host is not None and not host.fits and result.headroom_bytes >= 0:  # the device fits, the host does not
+        fits_device = f"{_gib(peak.reserved)} reserved fits the device ({_gib(limit)} the allocator can use)"
+        return f"[red]does not fit[/]: {fits_device}; the host does not: {host.reason()}"
+    detail = peak.reserved_detail
+    allocated = detail.timeline_allocated if detail is not None and detail.timeline_allocated else peak.allocated
+    figures = f"{_gib(allocated)} allocated and {_gib(peak.reserved)} reserved at the peak, of {usable}"
+    if allocated > limit:
+        return f"[red]does not fit[/]: {figures}: the allocated bytes alone are {_gib(allocated - limit)} over"
+    return f"[red]does not fit[/]: {figures}; {result.fits_reason.removeprefix('does not fit: ')}"
+
+
 def render(result: EstimateResult, console: Console) -> None:
     """The human table: breakdown at the peak, model states, fit and suggestions."""
     mem, peak = result.memory, result.memory.peak
@@ -432,23 +455,9 @@ def render(result: EstimateResult, console: Console) -> None:
                 f"{k.replace('_', ' ')} {v:.3f} s" for k, v in sorted(t.breakdown.items(), key=lambda kv: -kv[1])
             )
         )
-    capacity = result.gpu["capacity_bytes"]
-    limit = capacity - mem.overhead
+    console.print(verdict(result))
     if result.fits:
-        console.print(
-            f"[green]fits[/]: {_gib(peak.reserved)} reserved of {_gib(limit)} the allocator can use "
-            f"({_gib(capacity)} less {_gib(mem.overhead)} outside it), headroom {_gib(result.headroom_bytes)}"
-        )
         return
-    if host is not None and not host.fits and result.headroom_bytes >= 0:  # the device fits, the host does not
-        console.print(f"[red]does not fit[/]: {_gib(peak.reserved)} reserved fits the device; the host does not")
-    else:
-        console.print(
-            f"[red]does not fit[/]: {_gib(peak.reserved)} reserved of {_gib(limit)} the allocator can use "
-            f"({_gib(-result.headroom_bytes)} over)"
-        )
-    if result.fits_reason:
-        console.print(result.fits_reason)
     if result.suggestions:
         table = Table(title="Changes that would help (ranked by memory saved)")
         for col in ("change", "peak reserved", "saved", "fits"):
