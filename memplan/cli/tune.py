@@ -629,7 +629,10 @@ def render(result: TuneResult, console: Console, model_ref: str) -> None:
             f"calibration of {result.gpu}: step time x{c['step_time_ratio']:.3f}, peak x{c['peak_ratio']:.3f}"
         )
     if result.top:
-        console.print(_table(result))
+        table, legend = _table(result, console.width)
+        console.print(table)
+        if legend:
+            console.print(legend, soft_wrap=True, highlight=False)
     if result.recommended is not None:
         r = result.recommended
         won = f" (trial {r.trial} of the study)" if r.trial is not None else ""
@@ -676,7 +679,69 @@ def render(result: TuneResult, console: Console, model_ref: str) -> None:
             console.print("no single change, up to 8x the GPUs or a bundled GPU with more memory would make it fit")
 
 
-def _table(result: TuneResult) -> Table:
+# The best-plans table: short headers (HEADERS; LEGEND names each abbreviation once, under the
+# table) and no cell ever cut: the columns are no_wrap at their widest cell, and when the terminal
+# is narrower than the table (80 columns, a pipe's default), the least important columns go
+# first (DROPPABLE: the trial number, MFU, the headroom, then the settings beside the degrees),
+# never the degrees, recomputation, the memory or tokens/s.
+HEADERS = {
+    "micro-batch": "mb", "global batch": "gb", "peak GiB": "peak\nGiB", "headroom GiB": "head-\nroom\nGiB",
+    "measured peak GiB": "meas.\npeak\nGiB", "measured tokens/s": "meas.\ntokens/s",
+}  # fmt: skip
+LEGEND = {
+    "mb": "micro-batch", "gb": "global batch", "peak": "peak reserved per GPU",
+    "meas.": "measured by --validate's runs",
+}  # fmt: skip
+RECOMPUTE = {"selective": "sel", "selective-op": "sel-op"}  # the recompute column's short values
+DROPPABLE = ("trial", "MFU", "headroom GiB", "global batch", "precision", "offload", "micro-batch")
+
+
+def _table(result: TuneResult, width: int = 10**6) -> tuple[Table, str]:
+    """The best plans as a table that fits ``width`` columns, and its legend line (the
+    abbreviations used and any column left out to fit)."""
+    rows, cols = _rows(result)
+    dropped: list[str] = []
+    table = _build(result, rows, cols)
+    for name in DROPPABLE:
+        if _width(table) <= width:
+            break
+        if name in cols:
+            cols.remove(name)
+            dropped.append(name)
+            table = _build(result, rows, cols)
+    used = {HEADERS.get(c, c).split("\n")[0] for c in cols}
+    notes = [f"{short} = {long}" for short, long in LEGEND.items() if short in used]
+    if "recompute" in cols and any(r["recompute"] in RECOMPUTE.values() for r in rows):
+        notes.append("recompute " + ", ".join(f"{v} = {k}" for k, v in RECOMPUTE.items()))
+    if dropped:
+        notes.append(f"left out at this width: {', '.join(dropped)} (--format json has every figure)")
+    return table, "; ".join(notes)
+
+
+def _width(table: Table) -> int:
+    """The columns ``table`` takes when nothing is wrapped or cut."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(width=10**4)
+    return Measurement.get(console, console.options, table).maximum
+
+
+def _build(result: TuneResult, rows: list[dict[str, str]], cols: list[str]) -> Table:
+    title = "Pareto front (tokens/s vs peak memory)" if result.objective == "pareto" else "Best plans"
+    table = Table(title=title)
+    for c in cols:
+        header = HEADERS.get(c, c)
+        widest = max([len(r[c]) for r in rows] + [len(line) for line in header.split("\n")])
+        justify = "left" if c in ("recompute", "precision", "offload", "run") else "right"
+        table.add_column(header, justify=justify, no_wrap=True, min_width=widest)
+    for r in rows:
+        table.add_row(*(r[c] for c in cols))
+    return table
+
+
+def _rows(result: TuneResult) -> tuple[list[dict[str, str]], list[str]]:
+    """Every plan's cells by column, and the columns shown (those that vary or matter)."""
     plans = result.top
     evs = [r.evaluation for r in plans]
     show = {
@@ -688,21 +753,19 @@ def _table(result: TuneResult) -> Table:
         "validated": any(r.validation for r in plans),
         "trial": not result.exhaustive,
     }
-    title = "Pareto front (tokens/s vs peak memory)" if result.objective == "pareto" else "Best plans"
-    table = Table(title=title)
     cols = ["#", "trial", "dp", "tp", "pp", "cp", "ep", "zero", "recompute", "micro-batch", "global batch",
             "precision", "offload", "peak GiB", "headroom GiB", "tokens/s", "MFU"]  # fmt: skip
     cols = [c for c in cols if show.get(c, True)]
     if show["validated"]:
         cols += ["run", "measured peak GiB", "measured tokens/s"]
-    for c in cols:
-        table.add_column(c, justify="left" if c in ("recompute", "precision", "offload", "run") else "right")
+    rows = []
     for r in plans:
         e, p, v = r.evaluation, r.evaluation.plan, r.validation
         pp = f"{p.pp}" + (f"x{p.virtual_stages}" if p.pp_schedule == "interleaved" else "")
-        row = {
+        rows.append({
             "#": str(r.rank), "trial": "-" if r.trial is None else str(r.trial), "dp": str(p.dp), "tp": str(p.tp),
-            "pp": pp, "cp": str(p.cp), "ep": str(p.ep), "zero": str(p.zero), "recompute": p.recompute,
+            "pp": pp, "cp": str(p.cp), "ep": str(p.ep), "zero": str(p.zero),
+            "recompute": RECOMPUTE.get(p.recompute, p.recompute),
             "micro-batch": str(e.workload.micro_batch), "global batch": str(e.workload.global_batch),
             "precision": p.precision, "offload": e.candidate.offload_label,
             "peak GiB": _gib(e.peak_reserved_bytes), "headroom GiB": _gib(e.headroom_bytes),
@@ -710,6 +773,5 @@ def _table(result: TuneResult) -> Table:
             "run": "-" if v is None else (v.status + (" (sim.)" if v.simulated else "")),
             "measured peak GiB": "-" if v is None else _gib(v.measured_peak_bytes),
             "measured tokens/s": "-" if v is None or not v.measured_tokens_per_s else f"{v.measured_tokens_per_s:,.0f}",
-        }  # fmt: skip
-        table.add_row(*(row[c] for c in cols))
-    return table
+        })  # fmt: skip
+    return rows, cols

@@ -442,3 +442,43 @@ def test_finetune_on_one_gpu_answers_which_batch_fits_at_which_length(tmp_path):
 def test_allow_quantization_needs_a_finetune_mode(tmp_path):
     code, _, err = memplan("tune", "llama3-8b", "--gpus", "1", "--allow-quantization")
     assert code == 2 and "--allow-quantization" in err and "--finetune lora or qlora" in err
+
+
+def _best_plans_lines(out: str) -> list[str]:
+    """The best-plans table's lines, its title to its bottom border."""
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if "Best plans" in line)
+    last = next(i for i, line in enumerate(lines) if line.startswith("└"))
+    return lines[first : last + 1]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["llama3-70b", "--gpus", "64"],  # issue 26 item 4: tokens/s and recompute were cut to "toke…", "selec…"
+        # a study (the trial column), several precisions, offload and global batches: columns are left out
+        ["llama3-8b", "--gpus", "16", "--max-cp", "2", "--trials", "40", "--precision", "bf16-mixed,bf16-master",
+         "--allow-offload", "--global-batch", "64-128", "--no-exhaustive"],
+    ],
+)  # fmt: skip
+def test_no_cell_of_the_best_plans_is_cut_at_80_columns(monkeypatch: pytest.MonkeyPatch, flags: list[str]):
+    code, out, err = memplan("tune", *flags, "--format", "json")
+    assert code == 0, err
+    top = json.loads(out)["top"]
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = memplan("tune", *flags)
+    assert code == 0, err
+    table = _best_plans_lines(out)
+    assert "…" not in out and all(len(line) <= 80 for line in table)
+    rows = [line for line in table if line.startswith("│")]
+    assert len(rows) == len(top)
+    for line, plan in zip(rows, top, strict=True):
+        e = plan["evaluation"]
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        assert f"{e['tokens_per_s']:,.0f}" in cells and f"{e['peak_reserved_bytes'] / 2**30:,.1f}" in cells
+        assert {"none": "none", "full": "full", "selective": "sel", "selective-op": "sel-op"}[
+            e["plan"]["recompute"]
+        ] in cells
+        assert str(e["plan"]["dp"]) in cells and str(e["plan"]["tp"]) in cells
+    legend = out.splitlines()[out.splitlines().index(table[-1]) + 1]
+    assert "mb = micro-batch" in legend
