@@ -10,45 +10,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from memplan.cli.common import (
-    HOST_MEMORY_HELP,
-    DoubleQuantOpt,
-    FinetuneOpt,
-    LoraDropoutOpt,
-    LoraRankOpt,
-    LoraTargetsOpt,
-    ModulesToSaveOpt,
-    OffloadActivationsOpt,
-    QuantOpt,
-    finetune_overrides,
-    host_memory_bytes,
-    warn,
-)
-from memplan.cli.options import (
-    AttentionOpt,
-    BatchOpt,
-    BlockSizeOpt,
-    ContextOpt,
-    CpOpt,
-    DpOpt,
-    EpOpt,
-    GlobalBatchOpt,
-    KvDtypeOpt,
-    MicroBatchOpt,
-    OptimizerOpt,
-    PlanFileOpt,
-    PpOpt,
-    PpScheduleOpt,
-    RecomputeLayersOpt,
-    RecomputeOpt,
-    SeqLenOpt,
-    SequenceParallelOpt,
-    TpOpt,
-    VirtualStagesOpt,
-    ZeroOpt,
-    precision_help,
-    spec_default,
-)
+from memplan.cli.common import HOST_MEMORY_HELP, host_memory_bytes, warn
+from memplan.cli.options import GpusOpt, NodesOpt, PlanFileOpt
+from memplan.cli.planflags import PlanFlags, takes_plan_flags
 from memplan.costmodel.inference import vllm_default_chunk
 from memplan.costmodel.optimizer import paged_residency
 from memplan.costmodel.precision import POLICIES
@@ -62,87 +26,14 @@ from memplan.specs.resolve import TRAINING_PLAN_FIELDS, Job, resolve_job
 from memplan.units import format_bytes
 
 Opt = typer.Option
-PLAN = "Plan"
-WORK = "Workload"
 HW = "Hardware"
 
 
+@takes_plan_flags()
 def estimate(
     model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
+    flags: PlanFlags,
     plan: PlanFileOpt = None,
-    dp: DpOpt = None,
-    tp: TpOpt = None,
-    sequence_parallel: SequenceParallelOpt = None,
-    pp: PpOpt = None,
-    pp_schedule: PpScheduleOpt = None,
-    virtual_stages: VirtualStagesOpt = None,
-    cp: CpOpt = None,
-    ep: EpOpt = None,
-    zero: ZeroOpt = None,
-    recompute: RecomputeOpt = None,
-    recompute_layers: RecomputeLayersOpt = None,
-    precision: Annotated[
-        str | None,
-        Opt(help=precision_help("fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8"), rich_help_panel=PLAN),
-    ] = None,
-    fp8_recipe: Annotated[
-        str | None,
-        Opt(
-            help="With fp8: auto, tensorwise, rowwise (torchao), delayed (Transformer Engine) (default: auto: delayed "
-            "under megatron, tensorwise otherwise).",
-            rich_help_panel=PLAN,
-        ),
-    ] = None,
-    fp8_all_gather: Annotated[
-        bool | None,
-        Opt(
-            "--fp8-all-gather/--no-fp8-all-gather",
-            help="With fp8 under FSDP2: all-gather the linear weights in fp8 (torchao) (default: off).",
-            rich_help_panel=PLAN,
-        ),
-    ] = None,
-    optimizer: OptimizerOpt = None,
-    offload_optimizer: Annotated[
-        str | None, Opt(help=f"none, cpu or nvme {spec_default('offload_optimizer')}.", rich_help_panel=PLAN)
-    ] = None,
-    offload_params: Annotated[
-        str | None, Opt(help=f"none, cpu or nvme, with ZeRO-3 {spec_default('offload_params')}.", rich_help_panel=PLAN)
-    ] = None,
-    attention: AttentionOpt = None,
-    runtime: Annotated[
-        str | None,
-        Opt(
-            help="Training: whose step the activations are counted for: memplan (the bundled trainer), hf "
-            "(transformers' Trainer), hf-loop or megatron (default: memplan; hf for lora and qlora).",
-            rich_help_panel=PLAN,
-        ),
-    ] = None,
-    finetune: FinetuneOpt = None,
-    lora_rank: LoraRankOpt = None,
-    lora_targets: LoraTargetsOpt = None,
-    lora_dropout: LoraDropoutOpt = None,
-    modules_to_save: ModulesToSaveOpt = None,
-    quant: QuantOpt = None,
-    double_quant: DoubleQuantOpt = None,
-    offload_activations: OffloadActivationsOpt = None,
-    micro_batch: MicroBatchOpt = None,
-    global_batch: GlobalBatchOpt = None,
-    seq_len: SeqLenOpt = None,
-    inference: Annotated[
-        bool, Opt("--inference", help="Serving memory (KV cache) instead of training.", rich_help_panel=WORK)
-    ] = False,
-    batch: BatchOpt = None,
-    context: ContextOpt = None,
-    kv_dtype: KvDtypeOpt = None,
-    block_size: BlockSizeOpt = None,
-    prefill_chunk: Annotated[
-        int | None,
-        Opt(
-            help="Inference: tokens per prefill forward across the batch (chunked prefill, vLLM's "
-            "max_num_batched_tokens). Default: every prompt in one forward (transformers' generate).",
-            rich_help_panel=WORK,
-        ),
-    ] = None,
     gpu: Annotated[
         str | None,
         Opt(
@@ -158,12 +49,8 @@ def estimate(
             rich_help_panel=HW,
         ),
     ] = None,
-    gpus: Annotated[
-        int | None, Opt(help="Total GPUs (default: dp x tp x pp x cp, 1 when none is given).", rich_help_panel=HW)
-    ] = None,
-    nodes: Annotated[
-        int | None, Opt(help="Nodes (default: whole 8-GPU nodes when the GPUs fill them, else 1).", rich_help_panel=HW)
-    ] = None,
+    gpus: GpusOpt = None,
+    nodes: NodesOpt = None,
     host_memory: Annotated[str | None, Opt(help=HOST_MEMORY_HELP, rich_help_panel=HW)] = None,
     calibration: Annotated[
         bool,
@@ -196,43 +83,8 @@ def estimate(
         from memplan.viz.output import check_output
 
         target = check_output(timeline)
-    overrides = dict(
-        dp=dp,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        pp=pp,
-        pp_schedule=pp_schedule,
-        virtual_stages=virtual_stages,
-        cp=cp,
-        ep=ep,
-        zero=zero,
-        recompute=recompute,
-        recompute_layers=recompute_layers,
-        precision=precision,
-        fp8_recipe=fp8_recipe,
-        fp8_all_gather=fp8_all_gather,
-        optimizer=optimizer,
-        offload_optimizer=offload_optimizer,
-        offload_params=offload_params,
-        attention=attention,
-        **finetune_overrides(
-            finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, quant, double_quant, offload_activations
-        ),
-        runtime=runtime,
-        micro_batch=micro_batch,
-        global_batch=global_batch,
-        seq_len=seq_len,
-        batch=batch,
-        context=context,
-        kv_dtype=kv_dtype,
-        block_size=block_size,
-        prefill_chunk=prefill_chunk,
-        gpu=gpu,
-        allocator=allocator,
-        gpus=gpus,
-        nodes=nodes,
-    )
-    job = resolve_job(model, plan, overrides, inference=inference, default_gpu=AUTO)
+    overrides = {**flags.overrides(), "gpu": gpu, "allocator": allocator, "gpus": gpus, "nodes": nodes}
+    job = resolve_job(model, plan, overrides, inference=flags.inference, default_gpu=AUTO)
     host_bytes, host_source = host_memory_bytes(host_memory, job.gpu_note)
     result, run, which = estimate_with_run(
         job,
@@ -241,7 +93,7 @@ def estimate(
         host_memory_bytes=host_bytes,
         host_source=host_source,
     )
-    if inference or job.workload.kind == "inference":
+    if flags.inference or job.workload.kind == "inference":
         result = result.model_copy(update={"plan": serving_plan(result.plan)})
     if job.gpu_note:  # --gpu auto: which GPU and why, in the header and the JSON (gpu.auto)
         result = result.model_copy(update={"gpu": {**result.gpu, "auto": job.gpu_note}})

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import typing
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 from pydantic import ValidationError
@@ -26,11 +26,11 @@ from memplan.cli.common import (
     gpu_and_count,
     host_memory_bytes,
     memory_limit_bytes,
-    name_list,
     output_path,
     warn,
 )
 from memplan.cli.options import DEFAULT_PRECISION
+from memplan.cli.planflags import FP8, SERVING, PlanFlags, takes_plan_flags
 from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
@@ -52,7 +52,7 @@ from memplan.specs.hardware import ClusterSpec
 from memplan.specs.job import check_compatible, suspicious
 from memplan.specs.loader import load_model, short, validation_error
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import OptimizerName, PrecisionName
+from memplan.specs.plan import PrecisionName
 from memplan.specs.resolve import alloc_conf_text, blame_flags, plan_from_flags, resolve_allocator
 from memplan.specs.workload import TrainingWorkload
 from memplan.units import format_bytes, parse_bytes
@@ -146,39 +146,58 @@ def _cluster(gpus: int, nodes: int | None) -> ClusterSpec:
         ) from None
 
 
-def _finetune_options(
-    finetune: str,
-    rank: int,
-    targets: str,
-    dropout: float,
-    modules_to_save: str | None,
-    allow_quantization: bool,
-    model: ModelSpec,
-) -> dict:
-    """SpaceOptions' fine-tuning fields; the adapters are checked against the model here, once."""
-    if finetune == "full":
+FINETUNE_FLAGS = ("finetune", "lora_rank", "lora_targets", "lora_dropout", "modules_to_save")
+
+
+def _plan_options(given: dict[str, Any], allow_quantization: bool, model: ModelSpec) -> dict:
+    """SpaceOptions' optimizer and fine-tuning fields from the plan flags ``given`` (plan fields,
+    None: not given), validated as estimate validates them (an error names the flag); the
+    adapters are checked against the model here, once."""
+    fields = {k: v for k, v in given.items() if v is not None}
+    plan = plan_from_flags(fields)
+    if plan.finetune == "full":
         if allow_quantization:
             raise MemplanError(
                 "a quantized base is frozen: needs --finetune lora or qlora", source=CLI, field="--allow-quantization"
             )
-        return {}
-    quants = {"lora": ("none", "int8", "nf4"), "qlora": ("nf4", "fp4", "int8")}[finetune]
-    fields = dict(
-        finetune=finetune,
-        lora_rank=rank,
-        lora_targets=name_list(targets, "--lora-targets"),
-        lora_dropout=dropout,
-        modules_to_save=name_list(modules_to_save, "--modules-to-save") or (),
-    )
-    plan = plan_from_flags(fields)
+        return {"optimizer": plan.optimizer}
+    quants = {"lora": ("none", "int8", "nf4"), "qlora": ("nf4", "fp4", "int8")}[plan.finetune]
     try:
         check_compatible(model, TrainingWorkload(seq_len=1, micro_batch=1), plan)
     except MemplanError as err:
         raise blame_flags(err, set(fields)) from None
-    return {**fields, "quants": quants if allow_quantization else quants[:1]}
+    return {
+        "optimizer": plan.optimizer,
+        **{name: getattr(plan, name) for name in FINETUNE_FLAGS},
+        "quants": quants if allow_quantization else quants[:1],
+    }
 
 
+SEARCHED = "searched: the plans of the space take each value it allows"
+# the plan flags tune does not take as one plan's value: the search varies them, or tune has its own
+# option of that name for the search space (a list, a range, or searched unless given)
+EXCLUDED = {
+    **{name: SEARCHED for name in ("dp", "tp", "pp", "pp_schedule", "virtual_stages", "cp", "ep", "zero", "recompute")},
+    "recompute_layers": "searched plans recompute every layer of a stage, or none (--recompute is searched)",
+    **{
+        name: "searched with --allow-offload" for name in ("offload_optimizer", "offload_params", "offload_activations")
+    },
+    "quant": "searched with --allow-quantization",
+    "double_quant": "a searched 4-bit base takes qlora's default (on)",
+    "precision": "tune's own --precision: the precisions searched, comma-separated",
+    "global_batch": "tune's own --global-batch: a number or a range searched",
+    "micro_batch": "tune's own --micro-batch: fixed when given, else searched up to --max-micro-batch",
+    "sequence_parallel": "tune's own --sequence-parallel: on by default for the plans with tp > 1",
+    "runtime": "tune's own --runtime: the loops the search models, checked as given",
+    "attention": "the searched plans run the device's default attention kernel (--device)",
+    **{name: "the searched plans take fp8's defaults where --precision allows fp8" for name in FP8},
+    **{name: "tune searches training plans, not serving" for name in SERVING},
+}
+
+
+@takes_plan_flags(EXCLUDED, after="gpu")
 def tune(
+    flags: PlanFlags,
     model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
     gpus: Annotated[
         int | None, Opt(help="Total GPUs; every plan uses all of them (default: the GPUs NVML detects here).", min=1)
@@ -187,7 +206,6 @@ def tune(
     gpu: Annotated[
         str, Opt(help="GPU profile name or YAML, or auto: the GPU NVML detects here (h100-sxm when none).")
     ] = "auto",
-    seq_len: Annotated[int, Opt(help="Tokens per sequence.", min=1, rich_help_panel=SPACE)] = 2048,
     global_batch: Annotated[
         str | None,
         Opt(help="Sequences per step, or a range such as 256-1024 (default: no accumulation).", rich_help_panel=SPACE),
@@ -207,7 +225,6 @@ def tune(
             rich_help_panel=SPACE,
         ),
     ] = None,
-    optimizer: Annotated[OptimizerName, Opt(help="Optimizer.", rich_help_panel=SPACE)] = "adamw",
     allow_offload: Annotated[
         bool,
         Opt(
@@ -218,19 +235,6 @@ def tune(
         ),
     ] = False,
     host_memory: Annotated[str | None, Opt(help=HOST_MEMORY_HELP, rich_help_panel=SPACE)] = None,
-    finetune: Annotated[
-        Literal["full", "lora", "qlora"],
-        Opt(help="full training, or LoRA adapters over a frozen (qlora: NF4) base.", rich_help_panel=SPACE),
-    ] = "full",
-    lora_rank: Annotated[int, Opt(help="LoRA rank r.", min=1, rich_help_panel=SPACE)] = 16,
-    lora_targets: Annotated[
-        str, Opt(help="Modules the adapters wrap (comma-separated), or all-linear.", rich_help_panel=SPACE)
-    ] = "q_proj,v_proj",
-    lora_dropout: Annotated[float, Opt(help="Dropout on the adapters' input.", min=0, rich_help_panel=SPACE)] = 0.0,
-    modules_to_save: Annotated[
-        str | None,
-        Opt(help="Modules trained in full beside the adapters, e.g. lm_head (default: none).", rich_help_panel=SPACE),
-    ] = None,
     allow_quantization: Annotated[
         bool,
         Opt(
@@ -372,6 +376,8 @@ def tune(
     if precision is None:
         precision = "bf16-mixed,bf16-master" if export is not None else DEFAULT_PRECISION
     spec = load_model(model)
+    seq_len = flags.values["seq_len"]
+    seq_len = TrainingWorkload.model_fields["seq_len"].default if seq_len is None else seq_len
     batches = parse_global_batch(global_batch)
     warn(suspicious(spec, _workload_bounds(seq_len, micro_batch, max_micro_batch, batches)))
     chosen, gpus = gpu_and_count(gpu, gpus)
@@ -384,7 +390,10 @@ def tune(
     cluster = _cluster(gpus, nodes)
     limit = memory_limit_bytes(memory_limit)
     host_bytes, host_source = host_memory_bytes(host_memory, chosen.note)
-    runtime = runtime or ("hf" if finetune != "full" else "memplan")  # as estimate resolves a fine-tuning plan
+    planned = _plan_options(
+        {k: v for k, v in flags.overrides().items() if k in (*FINETUNE_FLAGS, "optimizer")}, allow_quantization, spec
+    )
+    runtime = runtime or ("hf" if "finetune" in planned else "memplan")  # as estimate resolves a fine-tuning plan
     options = SpaceOptions(
         gpus=gpus,
         gpus_per_node=cluster.gpus_per_node,
@@ -398,8 +407,7 @@ def tune(
         offload_runtime=runtime,
         max_cp=max_cp,
         sequence_parallel=sequence_parallel,
-        optimizer=optimizer,
-        **_finetune_options(finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, allow_quantization, spec),
+        **planned,
     )
     cal_path = calibration_path()
     profile = load_calibration(cal_path).profiles.get(card.name) if calibration else None
