@@ -365,7 +365,7 @@ def build_units(quick: bool = False, steps: Iterable[str] = STEPS, plans: list[s
 def predict_plan(plan: SuitePlan, gpu: str) -> tuple[int, float | None]:
     """memplan's own estimate of the plan on ``gpu``: (predicted reserved peak in bytes, predicted
     step time in seconds or None). In process: the library imports no torch."""
-    from memplan.estimate import estimate
+    from memplan.estimation import estimate
     from memplan.specs.resolve import resolve_job
 
     runtime = ("hf" if plan.loop == "trainer" else "hf-loop") if plan.runner == "hf" else "memplan"

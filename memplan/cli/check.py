@@ -16,6 +16,7 @@ from memplan.check.evaluate import FAILING, Measurement, Resolved
 from memplan.check.render import MARK, junit_xml, markdown
 from memplan.cli.common import auto_device, output_path, warn
 from memplan.cli.options import DEFAULT_PRECISION
+from memplan.cli.planflags import PLAN_FLAGS, takes_plan_flags
 from memplan.errors import MemplanError
 from memplan.specs.resolve import CLI
 from memplan.units import format_bytes
@@ -25,6 +26,11 @@ OUT = "Output"
 RUN = "Measure"
 
 
+# every plan flag: the budgets file's entries each carry their plan and workload (memplan.check.spec)
+EXCLUDED = dict.fromkeys(PLAN_FLAGS, "each budgets entry carries its own plan and workload (the budgets YAML)")
+
+
+@takes_plan_flags(EXCLUDED)
 def check(
     budgets: Annotated[
         Path,

@@ -1,20 +1,16 @@
-"""Option parsing shared by the commands: the bundled trainer's (validate, tune, check) and the
-fine-tuning flags that estimate and export both take."""
+"""Option parsing shared by the commands: devices, GPUs, output paths, sizes and name lists (the
+plan flags themselves are defined once in :mod:`memplan.cli.options` and :mod:`memplan.cli.planflags`)."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
 
 from memplan.errors import MemplanError
 from memplan.specs.detect import probe
 from memplan.specs.loader import short
 from memplan.specs.resolve import CLI
-from memplan.specs.values import name_list
 
 
 def auto_device(requested: str, needs: str, field: str) -> str:
@@ -111,70 +107,3 @@ HOST_MEMORY_HELP = (
     "Host RAM per node (e.g. 64GiB): CPU-offloaded states and activations (pinned) must fit in it. "
     "Default: this machine's MemTotal when --gpu auto detected the GPU here; else not checked."
 )
-
-
-# --- the fine-tuning flags of estimate and export ---------------------------------------------
-FINETUNE_PANEL = "Fine-tuning"
-FinetuneOpt = Annotated[
-    str | None,
-    typer.Option(help="full, lora or qlora (LoRA over an NF4 base) (default: full).", rich_help_panel=FINETUNE_PANEL),
-]
-LoraRankOpt = Annotated[int | None, typer.Option(help="LoRA rank r (default: 16).", rich_help_panel=FINETUNE_PANEL)]
-LoraTargetsOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="Modules the adapters wrap, comma-separated, or all-linear (default: q_proj,v_proj).",
-        rich_help_panel=FINETUNE_PANEL,
-    ),
-]
-LoraDropoutOpt = Annotated[
-    float | None, typer.Option(help="Dropout on the adapters' input (default: 0.0).", rich_help_panel=FINETUNE_PANEL)
-]
-ModulesToSaveOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="Modules trained in full beside the adapters, e.g. lm_head (default: none).",
-        rich_help_panel=FINETUNE_PANEL,
-    ),
-]
-QuantOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="Base weights: none, int8, nf4 or fp4 (default: none; nf4 with qlora).", rich_help_panel=FINETUNE_PANEL
-    ),
-]
-DoubleQuantOpt = Annotated[
-    bool | None,
-    typer.Option(
-        "--double-quant/--no-double-quant",
-        help="4-bit: quantize the scales again (default: on with nf4 or fp4 under qlora, else off).",
-        rich_help_panel=FINETUNE_PANEL,
-    ),
-]
-OffloadActivationsOpt = Annotated[
-    str | None,
-    typer.Option(help="none or cpu: saved activations kept in host memory (default: none).", rich_help_panel="Plan"),
-]
-
-
-def finetune_overrides(
-    finetune: str | None,
-    lora_rank: int | None,
-    lora_targets: str | None,
-    lora_dropout: float | None,
-    modules_to_save: str | None,
-    quant: str | None,
-    double_quant: bool | None,
-    offload_activations: str | None,
-) -> dict[str, Any]:
-    """The fine-tuning flags as plan fields (None: not given), the name lists split."""
-    return dict(
-        finetune=finetune,
-        lora_rank=lora_rank,
-        lora_targets=name_list(lora_targets, "--lora-targets"),
-        lora_dropout=lora_dropout,
-        modules_to_save=name_list(modules_to_save, "--modules-to-save"),
-        quant=quant,
-        double_quant=double_quant,
-        offload_activations=offload_activations,
-    )

@@ -10,44 +10,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from memplan.cli.common import (
-    HOST_MEMORY_HELP,
-    DoubleQuantOpt,
-    FinetuneOpt,
-    LoraDropoutOpt,
-    LoraRankOpt,
-    LoraTargetsOpt,
-    ModulesToSaveOpt,
-    OffloadActivationsOpt,
-    QuantOpt,
-    finetune_overrides,
-    warn,
-)
-from memplan.cli.options import (
-    AttentionOpt,
-    BatchOpt,
-    BlockSizeOpt,
-    ContextOpt,
-    CpOpt,
-    DpOpt,
-    EpOpt,
-    GlobalBatchOpt,
-    KvDtypeOpt,
-    MicroBatchOpt,
-    OptimizerOpt,
-    PlanFileOpt,
-    PpOpt,
-    PpScheduleOpt,
-    RecomputeLayersOpt,
-    RecomputeOpt,
-    SeqLenOpt,
-    SequenceParallelOpt,
-    TpOpt,
-    VirtualStagesOpt,
-    ZeroOpt,
-    precision_help,
-    spec_default,
-)
+from memplan.cli.common import HOST_MEMORY_HELP, warn
+from memplan.cli.options import GpusOpt, NodesOpt, PlanFileOpt
+from memplan.cli.planflags import PlanFlags, takes_plan_flags
 from memplan.costmodel.inference import vllm_default_chunk
 from memplan.costmodel.optimizer import paged_residency
 from memplan.costmodel.report import MemoryReport
@@ -59,87 +24,14 @@ from memplan.specs.values import host_memory_bytes
 from memplan.units import format_bytes
 
 Opt = typer.Option
-PLAN = "Plan"
-WORK = "Workload"
 HW = "Hardware"
 
 
+@takes_plan_flags()
 def estimate(
     model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
+    flags: PlanFlags,
     plan: PlanFileOpt = None,
-    dp: DpOpt = None,
-    tp: TpOpt = None,
-    sequence_parallel: SequenceParallelOpt = None,
-    pp: PpOpt = None,
-    pp_schedule: PpScheduleOpt = None,
-    virtual_stages: VirtualStagesOpt = None,
-    cp: CpOpt = None,
-    ep: EpOpt = None,
-    zero: ZeroOpt = None,
-    recompute: RecomputeOpt = None,
-    recompute_layers: RecomputeLayersOpt = None,
-    precision: Annotated[
-        str | None,
-        Opt(help=precision_help("fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8"), rich_help_panel=PLAN),
-    ] = None,
-    fp8_recipe: Annotated[
-        str | None,
-        Opt(
-            help="With fp8: auto, tensorwise, rowwise (torchao), delayed (Transformer Engine) (default: auto: delayed "
-            "under megatron, tensorwise otherwise).",
-            rich_help_panel=PLAN,
-        ),
-    ] = None,
-    fp8_all_gather: Annotated[
-        bool | None,
-        Opt(
-            "--fp8-all-gather/--no-fp8-all-gather",
-            help="With fp8 under FSDP2: all-gather the linear weights in fp8 (torchao) (default: off).",
-            rich_help_panel=PLAN,
-        ),
-    ] = None,
-    optimizer: OptimizerOpt = None,
-    offload_optimizer: Annotated[
-        str | None, Opt(help=f"none, cpu or nvme {spec_default('offload_optimizer')}.", rich_help_panel=PLAN)
-    ] = None,
-    offload_params: Annotated[
-        str | None, Opt(help=f"none, cpu or nvme, with ZeRO-3 {spec_default('offload_params')}.", rich_help_panel=PLAN)
-    ] = None,
-    attention: AttentionOpt = None,
-    runtime: Annotated[
-        str | None,
-        Opt(
-            help="Training: whose step the activations are counted for: memplan (the bundled trainer), hf "
-            "(transformers' Trainer), hf-loop or megatron (default: memplan; hf for lora and qlora).",
-            rich_help_panel=PLAN,
-        ),
-    ] = None,
-    finetune: FinetuneOpt = None,
-    lora_rank: LoraRankOpt = None,
-    lora_targets: LoraTargetsOpt = None,
-    lora_dropout: LoraDropoutOpt = None,
-    modules_to_save: ModulesToSaveOpt = None,
-    quant: QuantOpt = None,
-    double_quant: DoubleQuantOpt = None,
-    offload_activations: OffloadActivationsOpt = None,
-    micro_batch: MicroBatchOpt = None,
-    global_batch: GlobalBatchOpt = None,
-    seq_len: SeqLenOpt = None,
-    inference: Annotated[
-        bool, Opt("--inference", help="Serving memory (KV cache) instead of training.", rich_help_panel=WORK)
-    ] = False,
-    batch: BatchOpt = None,
-    context: ContextOpt = None,
-    kv_dtype: KvDtypeOpt = None,
-    block_size: BlockSizeOpt = None,
-    prefill_chunk: Annotated[
-        int | None,
-        Opt(
-            help="Inference: tokens per prefill forward across the batch (chunked prefill, vLLM's "
-            "max_num_batched_tokens). Default: every prompt in one forward (transformers' generate).",
-            rich_help_panel=WORK,
-        ),
-    ] = None,
     gpu: Annotated[
         str | None,
         Opt(
@@ -155,12 +47,8 @@ def estimate(
             rich_help_panel=HW,
         ),
     ] = None,
-    gpus: Annotated[
-        int | None, Opt(help="Total GPUs (default: dp x tp x pp x cp, 1 when none is given).", rich_help_panel=HW)
-    ] = None,
-    nodes: Annotated[
-        int | None, Opt(help="Nodes (default: whole 8-GPU nodes when the GPUs fill them, else 1).", rich_help_panel=HW)
-    ] = None,
+    gpus: GpusOpt = None,
+    nodes: NodesOpt = None,
     host_memory: Annotated[str | None, Opt(help=HOST_MEMORY_HELP, rich_help_panel=HW)] = None,
     calibration: Annotated[
         bool,
@@ -193,43 +81,8 @@ def estimate(
         from memplan.viz.output import check_output
 
         target = check_output(timeline)
-    overrides = dict(
-        dp=dp,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        pp=pp,
-        pp_schedule=pp_schedule,
-        virtual_stages=virtual_stages,
-        cp=cp,
-        ep=ep,
-        zero=zero,
-        recompute=recompute,
-        recompute_layers=recompute_layers,
-        precision=precision,
-        fp8_recipe=fp8_recipe,
-        fp8_all_gather=fp8_all_gather,
-        optimizer=optimizer,
-        offload_optimizer=offload_optimizer,
-        offload_params=offload_params,
-        attention=attention,
-        **finetune_overrides(
-            finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, quant, double_quant, offload_activations
-        ),
-        runtime=runtime,
-        micro_batch=micro_batch,
-        global_batch=global_batch,
-        seq_len=seq_len,
-        batch=batch,
-        context=context,
-        kv_dtype=kv_dtype,
-        block_size=block_size,
-        prefill_chunk=prefill_chunk,
-        gpu=gpu,
-        allocator=allocator,
-        gpus=gpus,
-        nodes=nodes,
-    )
-    job = resolve_job(model, plan, overrides, inference=inference, default_gpu=AUTO)
+    overrides = {**flags.overrides(), "gpu": gpu, "allocator": allocator, "gpus": gpus, "nodes": nodes}
+    job = resolve_job(model, plan, overrides, inference=flags.inference, default_gpu=AUTO)
     host_bytes, host_source = host_memory_bytes(host_memory, job.gpu_note)
     result, run, which = report_job(job, calibration, device, host_bytes, host_source)
     warn(result.warnings)  # legal but suspicious inputs, one stderr line each (also in the JSON)
@@ -323,6 +176,38 @@ def _serving_memory(mem: MemoryReport) -> str:
     )
 
 
+def verdict(result: EstimateResult) -> str:
+    """The one verdict line: fits or not, with the figures it was judged on (the allocator's
+    replay: allocated and reserved at the peak) against what the allocator can use (the capacity
+    PyTorch sees less the memory outside it), and, when it does not fit, why: the allocated bytes
+    alone are over, the allocator's fragmentation (``fits_reason``, the JSON's), or the host."""
+    mem, peak = result.memory, result.memory.peak
+    capacity = result.gpu["capacity_bytes"]
+    limit = capacity - mem.overhead
+    usable = f"{_gib(limit)} the allocator can use ({_gib(capacity)} less {_gib(mem.overhead)} outside it)"
+    margin = result.fits_margin
+    if result.fits and margin is not None and margin["state"] == "tight":
+        return (
+            f"[yellow]fits, tight[/]: {_gib(peak.reserved)} reserved of {usable}, headroom "
+            f"{_gib(result.headroom_bytes)}, less than the {_gib(margin['band_bytes'])} band of the "
+            f"{margin['model']}'s measured error ({margin['error']:.1%} of reserved: {margin['basis']}; memory outside the allocator "
+            f"and the capacity vary by {_gib(margin['outside_spread_bytes'] + margin['capacity_spread_bytes'])}): "
+            "it may run out of memory"
+        )
+    if result.fits:
+        return f"[green]fits[/]: {_gib(peak.reserved)} reserved of {usable}, headroom {_gib(result.headroom_bytes)}"
+    host = result.host
+    if host is not None and not host.fits and result.headroom_bytes >= 0:  # the device fits, the host does not
+        fits_device = f"{_gib(peak.reserved)} reserved fits the device ({_gib(limit)} the allocator can use)"
+        return f"[red]does not fit[/]: {fits_device}; the host does not: {host.reason()}"
+    detail = peak.reserved_detail
+    allocated = detail.timeline_allocated if detail is not None and detail.timeline_allocated else peak.allocated
+    figures = f"{_gib(allocated)} allocated and {_gib(peak.reserved)} reserved at the peak, of {usable}"
+    if allocated > limit:
+        return f"[red]does not fit[/]: {figures}: the allocated bytes alone are {_gib(allocated - limit)} over"
+    return f"[red]does not fit[/]: {figures}; {result.fits_reason.removeprefix('does not fit: ')}"
+
+
 def render(result: EstimateResult, console: Console) -> None:
     """The human table: breakdown at the peak, model states, fit and suggestions."""
     mem, peak = result.memory, result.memory.peak
@@ -342,7 +227,7 @@ def render(result: EstimateResult, console: Console) -> None:
     table.add_row("[bold]peak allocated[/]", _gib(peak.allocated), "")
     table.add_row("cached by the allocator", _gib(peak.reserved - peak.allocated), "")
     table.add_row("[bold]peak reserved[/]", _gib(peak.reserved), "")
-    table.add_row("outside the allocator (CUDA context, NCCL, workspaces)", _gib(mem.overhead), "")
+    table.add_row("outside the allocator (CUDA context, NCCL)", _gib(mem.overhead), "")
     console.print(table)
     detail = peak.reserved_detail
     if detail is not None:
@@ -390,25 +275,13 @@ def render(result: EstimateResult, console: Console) -> None:
                 f"{k.replace('_', ' ')} {v:.3f} s" for k, v in sorted(t.breakdown.items(), key=lambda kv: -kv[1])
             )
         )
-    capacity = result.gpu["capacity_bytes"]
-    limit = capacity - mem.overhead
-    if result.fits:
-        console.print(
-            f"[green]fits[/]: {_gib(peak.reserved)} reserved of {_gib(limit)} the allocator can use "
-            f"({_gib(capacity)} less {_gib(mem.overhead)} outside it), headroom {_gib(result.headroom_bytes)}"
-        )
+    console.print(verdict(result))
+    tight = result.fits and result.fits_margin is not None and result.fits_margin["state"] == "tight"
+    if result.fits and not tight:
         return
-    if host is not None and not host.fits and result.headroom_bytes >= 0:  # the device fits, the host does not
-        console.print(f"[red]does not fit[/]: {_gib(peak.reserved)} reserved fits the device; the host does not")
-    else:
-        console.print(
-            f"[red]does not fit[/]: {_gib(peak.reserved)} reserved of {_gib(limit)} the allocator can use "
-            f"({_gib(-result.headroom_bytes)} over)"
-        )
-    if result.fits_reason:
-        console.print(result.fits_reason)
     if result.suggestions:
-        table = Table(title="Changes that would help (ranked by memory saved)")
+        title = "Changes that buy the headroom (fits: with the band free)" if tight else "Changes that would help"
+        table = Table(title=f"{title} (ranked by memory saved)")
         for col in ("change", "peak reserved", "saved", "fits"):
             table.add_column(col)
         for s in result.suggestions:

@@ -9,7 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from memplan.cli.options import precision_help
+from memplan.cli.options import PlanFileOpt
+from memplan.cli.planflags import PlanFlags, takes_plan_flags
 from memplan.costmodel.allocator.trace import load_snapshot
 from memplan.errors import MemplanError
 from memplan.explain.report import Explained, ExplainResult
@@ -18,64 +19,18 @@ from memplan.specs.resolve import CLI, Job, resolve_job
 from memplan.units import format_bytes
 
 Opt = typer.Option
-PLAN = "Plan (with MODEL: the plan the snapshot ran)"
-WORK = "Workload"
 
 
+@takes_plan_flags()
 def explain(
+    flags: PlanFlags,
     snapshot: Annotated[
         str, typer.Argument(help="A PyTorch memory snapshot (_dump_snapshot's pickle, gzip'd or not).")
     ],
     model: Annotated[
         str | None, typer.Argument(help="The model it ran: profile name, memplan model YAML, or HF config.json.")
     ] = None,
-    plan: Annotated[str | None, Opt("--plan", help="Plan YAML (flags override it).", rich_help_panel=PLAN)] = None,
-    dp: Annotated[int | None, Opt(help="Data-parallel degree (default: 1).", rich_help_panel=PLAN)] = None,
-    tp: Annotated[int | None, Opt(help="Tensor-parallel degree (default: 1).", rich_help_panel=PLAN)] = None,
-    sequence_parallel: Annotated[
-        bool | None, Opt("--sequence-parallel/--no-sequence-parallel", help="(default: off).", rich_help_panel=PLAN)
-    ] = None,
-    pp: Annotated[int | None, Opt(help="Pipeline stages (default: 1).", rich_help_panel=PLAN)] = None,
-    zero: Annotated[int | None, Opt(help="ZeRO stage 0-3 (default: 0).", rich_help_panel=PLAN)] = None,
-    recompute: Annotated[
-        str | None, Opt(help="none, selective, selective-op or full (default: none).", rich_help_panel=PLAN)
-    ] = None,
-    precision: Annotated[
-        str | None, Opt(help=precision_help("fp32, bf16-mixed, bf16-master, bf16, ..."), rich_help_panel=PLAN)
-    ] = None,
-    optimizer: Annotated[
-        str | None,
-        Opt(
-            help="adamw, sgd, adafactor, adamw-8bit, paged-adamw-8bit|32bit, paged-lion-8bit|32bit (default: adamw).",
-            rich_help_panel=PLAN,
-        ),
-    ] = None,
-    attention: Annotated[str | None, Opt(help="flash, eager or triton (default: flash).", rich_help_panel=PLAN)] = None,
-    runtime: Annotated[
-        str | None,
-        Opt(
-            help="memplan (validate's trainer), hf, hf-loop or megatron (default: memplan; hf for lora and qlora).",
-            rich_help_panel=PLAN,
-        ),
-    ] = None,
-    micro_batch: Annotated[
-        int | None, Opt(help="Sequences per micro-batch (default: 1).", rich_help_panel=WORK)
-    ] = None,
-    global_batch: Annotated[
-        int | None, Opt(help="Sequences per optimizer step (default: micro-batch x dp).", rich_help_panel=WORK)
-    ] = None,
-    seq_len: Annotated[int | None, Opt(help="Tokens per sequence (default: 2048).", rich_help_panel=WORK)] = None,
-    inference: Annotated[bool, Opt("--inference", help="A serving run.", rich_help_panel=WORK)] = False,
-    batch: Annotated[
-        int | None, Opt(help="Inference: concurrent sequences (default: 1).", rich_help_panel=WORK)
-    ] = None,
-    context: Annotated[
-        int | None,
-        Opt(
-            help="Inference: tokens held per sequence (default: a 2048-token prompt and 256 generated).",
-            rich_help_panel=WORK,
-        ),
-    ] = None,
+    plan: PlanFileOpt = None,
     gpu: Annotated[str | None, Opt(help="GPU profile name or YAML (default: h100-sxm).")] = None,
     allocator: Annotated[
         Literal["default", "expandable"] | None,
@@ -97,17 +52,13 @@ def explain(
         from memplan.viz.output import check_output
 
         target = check_output(timeline, pickle_ok=False)
-    flags = dict(
-        dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp, zero=zero, recompute=recompute,
-        precision=precision, optimizer=optimizer, attention=attention, runtime=runtime, micro_batch=micro_batch,
-        global_batch=global_batch, seq_len=seq_len, batch=batch, context=context, gpu=gpu,
-    )  # fmt: skip
+    overrides = flags.overrides()
     job = data = None
     if model is not None:
         data = load_snapshot(snapshot)
-        flags["allocator"] = allocator or _snapshot_allocator(data)
-        job = resolve_job(model, plan, flags, inference=inference)
-    elif plan is not None or allocator is not None or any(v is not None for v in flags.values()) or inference:
+        overrides |= {"gpu": gpu, "allocator": allocator or _snapshot_allocator(data)}
+        job = resolve_job(model, plan, overrides, inference=flags.inference)
+    elif plan is not None or allocator is not None or gpu is not None or flags.given():
         raise MemplanError("plan flags describe a MODEL's run: give the model after the snapshot", source=CLI)
     explained = run_explain(snapshot, job, trace_device=trace_device, snapshot=data)
     if target is not None:

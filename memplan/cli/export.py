@@ -11,38 +11,9 @@ from typing import Annotated, Any
 
 import typer
 
-from memplan.cli.common import (
-    DoubleQuantOpt,
-    FinetuneOpt,
-    LoraDropoutOpt,
-    LoraRankOpt,
-    LoraTargetsOpt,
-    ModulesToSaveOpt,
-    OffloadActivationsOpt,
-    QuantOpt,
-    finetune_overrides,
-    output_path,
-    warn,
-)
-from memplan.cli.options import (
-    AttentionOpt,
-    CpOpt,
-    DpOpt,
-    EpOpt,
-    GlobalBatchOpt,
-    MicroBatchOpt,
-    OptimizerOpt,
-    PpOpt,
-    PpScheduleOpt,
-    RecomputeLayersOpt,
-    RecomputeOpt,
-    SeqLenOpt,
-    SequenceParallelOpt,
-    TpOpt,
-    VirtualStagesOpt,
-    ZeroOpt,
-    precision_help,
-)
+from memplan.cli.common import output_path, warn
+from memplan.cli.options import GpusOpt, NodesOpt
+from memplan.cli.planflags import SERVING, PlanFlags, takes_plan_flags
 from memplan.errors import MemplanError
 from memplan.export import render
 from memplan.specs.job import PlanFile
@@ -50,8 +21,6 @@ from memplan.specs.loader import read_data, short, validate
 from memplan.specs.resolve import CLI, resolve_job
 
 Opt = typer.Option
-PLAN = "Plan"
-WORK = "Workload"
 HW = "Hardware"
 OUT = "Export"
 
@@ -109,7 +78,14 @@ def _model_ref(model: str | None, plan_path: str | None) -> str:
     raise MemplanError("give a plan file with a model, or --model", source=CLI, field="--model")
 
 
+EXCLUDED = {
+    **{name: "export writes training configurations: a serving workload has none" for name in SERVING},
+}
+
+
+@takes_plan_flags(EXCLUDED, after="nvme_path")
 def export(
+    flags: PlanFlags,
     plan: Annotated[
         str | None, typer.Argument(help="Plan YAML (model, gpu, gpus, nodes, runtime, workload, plan sections).")
     ] = None,
@@ -154,54 +130,9 @@ def export(
         str | None,
         Opt(help="deepspeed: NVMe mount for nvme offload (default: none; needed with nvme).", rich_help_panel=OUT),
     ] = None,
-    dp: DpOpt = None,
-    tp: TpOpt = None,
-    sequence_parallel: SequenceParallelOpt = None,
-    pp: PpOpt = None,
-    pp_schedule: PpScheduleOpt = None,
-    virtual_stages: VirtualStagesOpt = None,
-    cp: CpOpt = None,
-    ep: EpOpt = None,
-    zero: ZeroOpt = None,
-    recompute: RecomputeOpt = None,
-    recompute_layers: RecomputeLayersOpt = None,
-    precision: Annotated[
-        str | None,
-        Opt(help=precision_help("fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8"), rich_help_panel=PLAN),
-    ] = None,
-    optimizer: OptimizerOpt = None,
-    offload_optimizer: Annotated[
-        str | None, Opt(help="none, cpu or nvme (default: none).", rich_help_panel=PLAN)
-    ] = None,
-    offload_params: Annotated[
-        str | None, Opt(help="none, cpu or nvme, with ZeRO-3 (default: none).", rich_help_panel=PLAN)
-    ] = None,
-    attention: AttentionOpt = None,
-    runtime: Annotated[
-        str | None,
-        Opt(
-            help="memplan, hf, hf-loop, megatron (header) (default: memplan; hf for lora and qlora).",
-            rich_help_panel=PLAN,
-        ),
-    ] = None,
-    finetune: FinetuneOpt = None,
-    lora_rank: LoraRankOpt = None,
-    lora_targets: LoraTargetsOpt = None,
-    lora_dropout: LoraDropoutOpt = None,
-    modules_to_save: ModulesToSaveOpt = None,
-    quant: QuantOpt = None,
-    double_quant: DoubleQuantOpt = None,
-    offload_activations: OffloadActivationsOpt = None,
-    micro_batch: MicroBatchOpt = None,
-    global_batch: GlobalBatchOpt = None,
-    seq_len: SeqLenOpt = None,
     gpu: Annotated[str | None, Opt(help="GPU profile name or YAML (default: h100-sxm).", rich_help_panel=HW)] = None,
-    gpus: Annotated[
-        int | None, Opt(help="Total GPUs (default: dp x tp x pp x cp, 1 when none is given).", rich_help_panel=HW)
-    ] = None,
-    nodes: Annotated[
-        int | None, Opt(help="Nodes (default: whole 8-GPU nodes when the GPUs fill them, else 1).", rich_help_panel=HW)
-    ] = None,
+    gpus: GpusOpt = None,
+    nodes: NodesOpt = None,
 ) -> None:
     """Write a plan as a real trainer's configuration; refuse what the target cannot express."""
     if to is None:
@@ -214,16 +145,7 @@ def export(
             source=CLI,
             field="--gradient-clipping",
         )
-    overrides: dict[str, Any] = dict(
-        dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp, pp_schedule=pp_schedule,
-        virtual_stages=virtual_stages, cp=cp, ep=ep, zero=zero, recompute=recompute,
-        recompute_layers=recompute_layers, precision=precision, optimizer=optimizer,
-        offload_optimizer=offload_optimizer, offload_params=offload_params, attention=attention, runtime=runtime,
-        **finetune_overrides(
-            finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, quant, double_quant, offload_activations
-        ),
-        micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len, gpu=gpu, gpus=gpus, nodes=nodes,
-    )  # fmt: skip
+    overrides: dict[str, Any] = {**flags.overrides(), "gpu": gpu, "gpus": gpus, "nodes": nodes}
     ref = _model_ref(model, plan)
     job = resolve_job(ref, plan, overrides)
     opts = dict(

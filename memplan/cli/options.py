@@ -1,4 +1,6 @@
-"""Option declarations that estimate, validate and export share, with the defaults in their help.
+"""The plan flags' option declarations, each once, with the defaults in their help: every
+option that sets a plan or workload field (:mod:`memplan.cli.planflags` lists them and gives them
+to the commands that take a plan).
 
 A flag left out takes the plan file's value, else the spec's default: each help text reads that
 default from the spec (:mod:`memplan.specs.plan`, :mod:`memplan.specs.workload`), so ``--help``
@@ -16,7 +18,7 @@ from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
 Opt = typer.Option
-PLAN, WORK = "Plan", "Workload"
+PLAN, WORK, HW = "Plan", "Workload", "Hardware"
 
 
 def spec_default(name: str, spec: type[BaseModel] = Plan) -> str:
@@ -90,6 +92,81 @@ AttentionOpt = Annotated[
         rich_help_panel=PLAN,
     ),
 ]
+PrecisionOpt = Annotated[
+    str | None,
+    Opt(help=precision_help("fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8"), rich_help_panel=PLAN),
+]
+Fp8RecipeOpt = Annotated[
+    str | None,
+    Opt(
+        help="With fp8: auto, tensorwise, rowwise (torchao), delayed (Transformer Engine) (default: auto: delayed "
+        "under megatron, tensorwise otherwise).",
+        rich_help_panel=PLAN,
+    ),
+]
+Fp8AllGatherOpt = Annotated[
+    bool | None,
+    Opt(
+        "--fp8-all-gather/--no-fp8-all-gather",
+        help="With fp8 under FSDP2: all-gather the linear weights in fp8 (torchao) (default: off).",
+        rich_help_panel=PLAN,
+    ),
+]
+OffloadOptimizerOpt = Annotated[
+    str | None, Opt(help=f"none, cpu or nvme {spec_default('offload_optimizer')}.", rich_help_panel=PLAN)
+]
+OffloadParamsOpt = Annotated[
+    str | None, Opt(help=f"none, cpu or nvme, with ZeRO-3 {spec_default('offload_params')}.", rich_help_panel=PLAN)
+]
+RuntimeOpt = Annotated[
+    str | None,
+    Opt(
+        help="Training: whose step the activations are counted for: memplan (the bundled trainer), hf "
+        "(transformers' Trainer), hf-loop or megatron (default: memplan; hf for lora and qlora).",
+        rich_help_panel=PLAN,
+    ),
+]
+FINETUNE_PANEL = "Fine-tuning"
+FinetuneOpt = Annotated[
+    str | None,
+    Opt(help="full, lora or qlora (LoRA over an NF4 base) (default: full).", rich_help_panel=FINETUNE_PANEL),
+]
+LoraRankOpt = Annotated[int | None, Opt(help="LoRA rank r (default: 16).", rich_help_panel=FINETUNE_PANEL)]
+LoraTargetsOpt = Annotated[
+    str | None,
+    Opt(
+        help="Modules the adapters wrap, comma-separated, or all-linear (default: q_proj,v_proj).",
+        rich_help_panel=FINETUNE_PANEL,
+    ),
+]
+LoraDropoutOpt = Annotated[
+    float | None, Opt(help="Dropout on the adapters' input (default: 0.0).", rich_help_panel=FINETUNE_PANEL)
+]
+ModulesToSaveOpt = Annotated[
+    str | None,
+    Opt(
+        help="Modules trained in full beside the adapters, e.g. lm_head (default: none).",
+        rich_help_panel=FINETUNE_PANEL,
+    ),
+]
+QuantOpt = Annotated[
+    str | None,
+    Opt(help="Base weights: none, int8, nf4 or fp4 (default: none; nf4 with qlora).", rich_help_panel=FINETUNE_PANEL),
+]
+DoubleQuantOpt = Annotated[
+    bool | None,
+    Opt(
+        "--double-quant/--no-double-quant",
+        help="4-bit: quantize the scales again (default: on with nf4 or fp4 under qlora, else off).",
+        rich_help_panel=FINETUNE_PANEL,
+    ),
+]
+OffloadActivationsOpt = Annotated[
+    str | None,
+    Opt(help="none or cpu: saved activations kept in host memory (default: none).", rich_help_panel=PLAN),
+]
+
+
 MicroBatchOpt = Annotated[
     int | None,
     Opt(
@@ -135,4 +212,22 @@ BlockSizeOpt = Annotated[
         help="Inference: paged KV block size in tokens, as vLLM's 16 (default: none, a contiguous cache).",
         rich_help_panel=WORK,
     ),
+]
+InferenceOpt = Annotated[
+    bool, Opt("--inference", help="Serving memory (KV cache) instead of training.", rich_help_panel=WORK)
+]
+PrefillChunkOpt = Annotated[
+    int | None,
+    Opt(
+        help="Inference: tokens per prefill forward across the batch (chunked prefill, vLLM's "
+        "max_num_batched_tokens). Default: every prompt in one forward (transformers' generate).",
+        rich_help_panel=WORK,
+    ),
+]
+# the hardware flags of estimate and export (the other commands' --gpus differ: detected, or searched over)
+GpusOpt = Annotated[
+    int | None, Opt(help="Total GPUs (default: dp x tp x pp x cp, 1 when none is given).", rich_help_panel=HW)
+]
+NodesOpt = Annotated[
+    int | None, Opt(help="Nodes (default: whole 8-GPU nodes when the GPUs fill them, else 1).", rich_help_panel=HW)
 ]

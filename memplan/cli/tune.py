@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -24,6 +25,7 @@ from memplan.cli.common import (
     warn,
 )
 from memplan.cli.options import DEFAULT_PRECISION
+from memplan.cli.planflags import FP8, SERVING, PlanFlags, takes_plan_flags
 from memplan.errors import MemplanError
 from memplan.search.request import check_export, tune_request
 from memplan.search.tuning import (
@@ -36,7 +38,7 @@ from memplan.search.tuning import (
     plan_yaml,
 )
 from memplan.specs.loader import load_model, short
-from memplan.specs.plan import OptimizerName
+from memplan.specs.workload import TrainingWorkload
 from memplan.units import format_bytes
 
 Opt = typer.Option
@@ -46,7 +48,31 @@ SEARCH = "Search"
 VALIDATE = "Validation"
 
 
+SEARCHED = "searched: the plans of the space take each value it allows"
+# the plan flags tune does not take as one plan's value: the search varies them, or tune has its own
+# option of that name for the search space (a list, a range, or searched unless given)
+EXCLUDED = {
+    **{name: SEARCHED for name in ("dp", "tp", "pp", "pp_schedule", "virtual_stages", "cp", "ep", "zero", "recompute")},
+    "recompute_layers": "searched plans recompute every layer of a stage, or none (--recompute is searched)",
+    **{
+        name: "searched with --allow-offload" for name in ("offload_optimizer", "offload_params", "offload_activations")
+    },
+    "quant": "searched with --allow-quantization",
+    "double_quant": "a searched 4-bit base takes qlora's default (on)",
+    "precision": "tune's own --precision: the precisions searched, comma-separated",
+    "global_batch": "tune's own --global-batch: a number or a range searched",
+    "micro_batch": "tune's own --micro-batch: fixed when given, else searched up to --max-micro-batch",
+    "sequence_parallel": "tune's own --sequence-parallel: on by default for the plans with tp > 1",
+    "runtime": "tune's own --runtime: the loops the search models, checked as given",
+    "attention": "the searched plans run the device's default attention kernel (--device)",
+    **{name: "the searched plans take fp8's defaults where --precision allows fp8" for name in FP8},
+    **{name: "tune searches training plans, not serving" for name in SERVING},
+}
+
+
+@takes_plan_flags(EXCLUDED, after="gpu")
 def tune(
+    flags: PlanFlags,
     model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
     gpus: Annotated[
         int | None, Opt(help="Total GPUs; every plan uses all of them (default: the GPUs NVML detects here).", min=1)
@@ -55,7 +81,6 @@ def tune(
     gpu: Annotated[
         str, Opt(help="GPU profile name or YAML, or auto: the GPU NVML detects here (h100-sxm when none).")
     ] = "auto",
-    seq_len: Annotated[int, Opt(help="Tokens per sequence.", min=1, rich_help_panel=SPACE)] = 2048,
     global_batch: Annotated[
         str | None,
         Opt(help="Sequences per step, or a range such as 256-1024 (default: no accumulation).", rich_help_panel=SPACE),
@@ -75,7 +100,6 @@ def tune(
             rich_help_panel=SPACE,
         ),
     ] = None,
-    optimizer: Annotated[OptimizerName, Opt(help="Optimizer.", rich_help_panel=SPACE)] = "adamw",
     allow_offload: Annotated[
         bool,
         Opt(
@@ -86,19 +110,6 @@ def tune(
         ),
     ] = False,
     host_memory: Annotated[str | None, Opt(help=HOST_MEMORY_HELP, rich_help_panel=SPACE)] = None,
-    finetune: Annotated[
-        Literal["full", "lora", "qlora"],
-        Opt(help="full training, or LoRA adapters over a frozen (qlora: NF4) base.", rich_help_panel=SPACE),
-    ] = "full",
-    lora_rank: Annotated[int, Opt(help="LoRA rank r.", min=1, rich_help_panel=SPACE)] = 16,
-    lora_targets: Annotated[
-        str, Opt(help="Modules the adapters wrap (comma-separated), or all-linear.", rich_help_panel=SPACE)
-    ] = "q_proj,v_proj",
-    lora_dropout: Annotated[float, Opt(help="Dropout on the adapters' input.", min=0, rich_help_panel=SPACE)] = 0.0,
-    modules_to_save: Annotated[
-        str | None,
-        Opt(help="Modules trained in full beside the adapters, e.g. lm_head (default: none).", rich_help_panel=SPACE),
-    ] = None,
     allow_quantization: Annotated[
         bool,
         Opt(
@@ -231,16 +242,25 @@ def tune(
     # before any search: a plan found cannot be lost to a bad path
     output_path(out, "--out", inputs=(model,))
     refuse_tracked(out, "--out")
+    if storage is not None:  # a study database that cannot be opened or created, refused before any search
+        from memplan.search.study import check_storage
+
+        check_storage(storage)
     drawing = None
     if timeline is not None:
         from memplan.viz.output import check_output
 
         drawing = check_output(timeline)
+    given = {k: v for k, v in flags.values.items() if v is not None}
+    _check_plan_flags(flags)
     setup = tune_request(
-        load_model(model), model, gpus=gpus, nodes=nodes, gpu=gpu, seq_len=seq_len, global_batch=global_batch,
-        micro_batch=micro_batch, max_micro_batch=max_micro_batch, precision=precision, optimizer=optimizer,
-        allow_offload=allow_offload, host_memory=host_memory, finetune=finetune, lora_rank=lora_rank,
-        lora_targets=lora_targets, lora_dropout=lora_dropout, modules_to_save=modules_to_save,
+        load_model(model), model, gpus=gpus, nodes=nodes, gpu=gpu, global_batch=global_batch,
+        seq_len=given.get("seq_len", TrainingWorkload.model_fields["seq_len"].default),
+        micro_batch=micro_batch, max_micro_batch=max_micro_batch, precision=precision,
+        optimizer=given.get("optimizer", "adamw"), allow_offload=allow_offload, host_memory=host_memory,
+        finetune=given.get("finetune", "full"), lora_rank=given.get("lora_rank", 16),
+        lora_targets=given.get("lora_targets", "q_proj,v_proj"), lora_dropout=given.get("lora_dropout", 0.0),
+        modules_to_save=given.get("modules_to_save"),
         allow_quantization=allow_quantization, max_cp=max_cp, sequence_parallel=sequence_parallel, runtime=runtime,
         allocator=allocator, margin=margin, allow_tight=allow_tight, objective=objective, trials=trials,
         exhaustive=exhaustive, seed=seed,
@@ -265,6 +285,8 @@ def tune(
         ref = os.path.relpath(Path(model).resolve(), out.parent.resolve()) if Path(model).is_file() else model
         out.write_text(plan_yaml(result, request, ref))
         result = result.model_copy(update={"plan_path": str(out)})
+    if storage is not None and result.study is None:  # --storage given, but the search stored no study
+        note_unused_storage(storage, result.search_reason)
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
@@ -288,6 +310,29 @@ def tune(
         raise typer.Exit(130)
     if result.recommended is None:
         raise typer.Exit(1)
+
+
+FINETUNE_FLAGS = ("finetune", "lora_rank", "lora_targets", "lora_dropout", "modules_to_save")
+
+
+def _check_plan_flags(flags: PlanFlags) -> None:
+    """The optimizer and fine-tuning flags given, checked as estimate checks them (an error names the
+    flag: ``--lora-rank`` without ``--finetune lora`` is refused, not ignored)."""
+    from memplan.specs.resolve import plan_from_flags
+
+    fields = {k: v for k, v in flags.overrides().items() if k in (*FINETUNE_FLAGS, "optimizer") and v is not None}
+    if fields:
+        plan_from_flags(fields)
+
+
+def note_unused_storage(storage: str, reason: str) -> None:
+    """One stderr line: ``--storage`` was given but no study was stored in it (every plan was
+    predicted, no Optuna study ran), and how to get one."""
+    print(
+        f"memplan: note: --storage {short(storage, 100)}: no study stored there: every plan was predicted "
+        f"({reason}), no Optuna study ran; give --no-exhaustive to run and store one",
+        file=sys.stderr,
+    )
 
 
 def refuse_tracked(path: str | Path | None, field: str, then: str = "") -> None:
@@ -443,7 +488,10 @@ def render(result: TuneResult, console: Console, model_ref: str) -> None:
             f"calibration of {result.gpu}: step time x{c['step_time_ratio']:.3f}, peak x{c['peak_ratio']:.3f}"
         )
     if result.top:
-        console.print(_table(result))
+        table, legend = _table(result, console.width)
+        console.print(table)
+        if legend:
+            console.print(legend, soft_wrap=True, highlight=False)
     if result.recommended is not None:
         r = result.recommended
         won = f" (trial {r.trial} of the study)" if r.trial is not None else ""
@@ -490,7 +538,69 @@ def render(result: TuneResult, console: Console, model_ref: str) -> None:
             console.print("no single change, up to 8x the GPUs or a bundled GPU with more memory would make it fit")
 
 
-def _table(result: TuneResult) -> Table:
+# The best-plans table: short headers (HEADERS; LEGEND names each abbreviation once, under the
+# table) and no cell ever cut: the columns are no_wrap at their widest cell, and when the terminal
+# is narrower than the table (80 columns, a pipe's default), the least important columns go
+# first (DROPPABLE: the trial number, MFU, the headroom, then the settings beside the degrees),
+# never the degrees, recomputation, the memory or tokens/s.
+HEADERS = {
+    "micro-batch": "mb", "global batch": "gb", "peak GiB": "peak\nGiB", "headroom GiB": "head-\nroom\nGiB",
+    "measured peak GiB": "meas.\npeak\nGiB", "measured tokens/s": "meas.\ntokens/s",
+}  # fmt: skip
+LEGEND = {
+    "mb": "micro-batch", "gb": "global batch", "peak": "peak reserved per GPU",
+    "meas.": "measured by --validate's runs",
+}  # fmt: skip
+RECOMPUTE = {"selective": "sel", "selective-op": "sel-op"}  # the recompute column's short values
+DROPPABLE = ("trial", "MFU", "headroom GiB", "global batch", "precision", "offload", "micro-batch")
+
+
+def _table(result: TuneResult, width: int = 10**6) -> tuple[Table, str]:
+    """The best plans as a table that fits ``width`` columns, and its legend line (the
+    abbreviations used and any column left out to fit)."""
+    rows, cols = _rows(result)
+    dropped: list[str] = []
+    table = _build(result, rows, cols)
+    for name in DROPPABLE:
+        if _width(table) <= width:
+            break
+        if name in cols:
+            cols.remove(name)
+            dropped.append(name)
+            table = _build(result, rows, cols)
+    used = {HEADERS.get(c, c).split("\n")[0] for c in cols}
+    notes = [f"{short} = {long}" for short, long in LEGEND.items() if short in used]
+    if "recompute" in cols and any(r["recompute"] in RECOMPUTE.values() for r in rows):
+        notes.append("recompute " + ", ".join(f"{v} = {k}" for k, v in RECOMPUTE.items()))
+    if dropped:
+        notes.append(f"left out at this width: {', '.join(dropped)} (--format json has every figure)")
+    return table, "; ".join(notes)
+
+
+def _width(table: Table) -> int:
+    """The columns ``table`` takes when nothing is wrapped or cut."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(width=10**4)
+    return Measurement.get(console, console.options, table).maximum
+
+
+def _build(result: TuneResult, rows: list[dict[str, str]], cols: list[str]) -> Table:
+    title = "Pareto front (tokens/s vs peak memory)" if result.objective == "pareto" else "Best plans"
+    table = Table(title=title)
+    for c in cols:
+        header = HEADERS.get(c, c)
+        widest = max([len(r[c]) for r in rows] + [len(line) for line in header.split("\n")])
+        justify = "left" if c in ("recompute", "precision", "offload", "run") else "right"
+        table.add_column(header, justify=justify, no_wrap=True, min_width=widest)
+    for r in rows:
+        table.add_row(*(r[c] for c in cols))
+    return table
+
+
+def _rows(result: TuneResult) -> tuple[list[dict[str, str]], list[str]]:
+    """Every plan's cells by column, and the columns shown (those that vary or matter)."""
     plans = result.top
     evs = [r.evaluation for r in plans]
     show = {
@@ -502,21 +612,19 @@ def _table(result: TuneResult) -> Table:
         "validated": any(r.validation for r in plans),
         "trial": not result.exhaustive,
     }
-    title = "Pareto front (tokens/s vs peak memory)" if result.objective == "pareto" else "Best plans"
-    table = Table(title=title)
     cols = ["#", "trial", "dp", "tp", "pp", "cp", "ep", "zero", "recompute", "micro-batch", "global batch",
             "precision", "offload", "peak GiB", "headroom GiB", "tokens/s", "MFU"]  # fmt: skip
     cols = [c for c in cols if show.get(c, True)]
     if show["validated"]:
         cols += ["run", "measured peak GiB", "measured tokens/s"]
-    for c in cols:
-        table.add_column(c, justify="left" if c in ("recompute", "precision", "offload", "run") else "right")
+    rows = []
     for r in plans:
         e, p, v = r.evaluation, r.evaluation.plan, r.validation
         pp = f"{p.pp}" + (f"x{p.virtual_stages}" if p.pp_schedule == "interleaved" else "")
-        row = {
+        rows.append({
             "#": str(r.rank), "trial": "-" if r.trial is None else str(r.trial), "dp": str(p.dp), "tp": str(p.tp),
-            "pp": pp, "cp": str(p.cp), "ep": str(p.ep), "zero": str(p.zero), "recompute": p.recompute,
+            "pp": pp, "cp": str(p.cp), "ep": str(p.ep), "zero": str(p.zero),
+            "recompute": RECOMPUTE.get(p.recompute, p.recompute),
             "micro-batch": str(e.workload.micro_batch), "global batch": str(e.workload.global_batch),
             "precision": p.precision, "offload": e.candidate.offload_label,
             "peak GiB": _gib(e.peak_reserved_bytes), "headroom GiB": _gib(e.headroom_bytes),
@@ -524,6 +632,5 @@ def _table(result: TuneResult) -> Table:
             "run": "-" if v is None else (v.status + (" (sim.)" if v.simulated else "")),
             "measured peak GiB": "-" if v is None else _gib(v.measured_peak_bytes),
             "measured tokens/s": "-" if v is None or not v.measured_tokens_per_s else f"{v.measured_tokens_per_s:,.0f}",
-        }  # fmt: skip
-        table.add_row(*(row[c] for c in cols))
-    return table
+        })  # fmt: skip
+    return rows, cols

@@ -11,35 +11,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memplan.cli.common import (
-    LoraDropoutOpt,
-    LoraRankOpt,
-    LoraTargetsOpt,
-    ModulesToSaveOpt,
-    OffloadActivationsOpt,
-    QuantOpt,
-    auto_device,
-    detected_gpus,
-    finetune_overrides,
-    output_path,
-)
-from memplan.cli.options import (
-    AttentionOpt,
-    DpOpt,
-    GlobalBatchOpt,
-    MicroBatchOpt,
-    PlanFileOpt,
-    PpOpt,
-    PpScheduleOpt,
-    RecomputeLayersOpt,
-    RecomputeOpt,
-    SeqLenOpt,
-    SequenceParallelOpt,
-    TpOpt,
-    VirtualStagesOpt,
-    ZeroOpt,
-    precision_help,
-)
+from memplan.cli.common import auto_device, detected_gpus, output_path
+from memplan.cli.options import PlanFileOpt, precision_help
+from memplan.cli.planflags import FP8, SERVING, PlanFlags, takes_plan_flags
 from memplan.costmodel.flops import rank_flops_per_step
 from memplan.costmodel.time import matmul_peak_flops
 from memplan.errors import MemplanError
@@ -58,11 +32,31 @@ from memplan.validate.support import TrainerUnsupported, check_model, check_plan
 
 Opt = typer.Option
 PLAN = "Plan"
-WORK = "Workload"
 RUN = "Run"
 
 
+# the plan flags the bundled trainer cannot honour (memplan.validate.support says why for the plan's fields)
+EXCLUDED = {
+    "cp": "the bundled trainer has no context parallelism",
+    "ep": "the bundled trainer builds dense models: no expert parallelism",
+    "optimizer": "the bundled trainer runs adamw",
+    "runtime": "the bundled trainer's step is the runtime (memplan)",
+    **{name: "the bundled trainer runs no fp8 matmuls" for name in FP8},
+    **{name: "validate runs training steps, not serving" for name in SERVING},
+}
+# where the trainer honours less than the estimate models
+HELPS = {
+    "precision": precision_help("fp32, bf16-mixed, bf16-master, bf16"),
+    "offload_optimizer": "none or cpu (default: none).",
+    "offload_params": "none or cpu, with ZeRO-3 (default: none).",
+    "finetune": "full, lora (adapters over a frozen base, memplan.train.lora) or qlora (over a bitsandbytes nf4, fp4 "
+    "or int8 base computing in fp32 or bf16, memplan.train.quant) (default: full).",
+}
+
+
+@takes_plan_flags(EXCLUDED, HELPS, after="gpus")
 def validate(
+    flags: PlanFlags,
     model: Annotated[str, typer.Argument(help="Bundled profile name, memplan model YAML, or HF config.json.")],
     plan: PlanFileOpt = None,
     gpus: Annotated[
@@ -74,41 +68,6 @@ def validate(
             rich_help_panel=PLAN,
         ),
     ] = None,
-    dp: DpOpt = None,
-    tp: TpOpt = None,
-    sequence_parallel: SequenceParallelOpt = None,
-    pp: PpOpt = None,
-    pp_schedule: PpScheduleOpt = None,
-    virtual_stages: VirtualStagesOpt = None,
-    zero: ZeroOpt = None,
-    recompute: RecomputeOpt = None,
-    recompute_layers: RecomputeLayersOpt = None,
-    precision: Annotated[
-        str | None, Opt(help=precision_help("fp32, bf16-mixed, bf16-master, bf16"), rich_help_panel=PLAN)
-    ] = None,
-    offload_optimizer: Annotated[str | None, Opt(help="none or cpu (default: none).", rich_help_panel=PLAN)] = None,
-    offload_params: Annotated[
-        str | None, Opt(help="none or cpu, with ZeRO-3 (default: none).", rich_help_panel=PLAN)
-    ] = None,
-    offload_activations: OffloadActivationsOpt = None,
-    attention: AttentionOpt = None,
-    finetune: Annotated[
-        str | None,
-        Opt(
-            help="full, lora (adapters over a frozen base, memplan.train.lora) or qlora (over a bitsandbytes "
-            "nf4, fp4 or int8 base computing in fp32 or bf16, memplan.train.quant; double_quant from --plan) "
-            "(default: full).",
-            rich_help_panel=PLAN,
-        ),
-    ] = None,
-    lora_rank: LoraRankOpt = None,
-    lora_targets: LoraTargetsOpt = None,
-    lora_dropout: LoraDropoutOpt = None,
-    modules_to_save: ModulesToSaveOpt = None,
-    quant: QuantOpt = None,
-    micro_batch: MicroBatchOpt = None,
-    global_batch: GlobalBatchOpt = None,
-    seq_len: SeqLenOpt = None,
     steps: Annotated[int, Opt(help="Measured steps after one warm-up step.", min=1, rich_help_panel=RUN)] = 2,
     simulate_ranks: Annotated[
         bool,
@@ -166,18 +125,10 @@ def validate(
     output_path(out, "--out", inputs=(model, plan))  # before any work
     if snapshot is not None:  # the folder is checked before any work, the device once it is known
         check_snapshot_dir(snapshot)
-    overrides = dict(
-        dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp, pp_schedule=pp_schedule,
-        virtual_stages=virtual_stages, zero=zero, recompute=recompute, recompute_layers=recompute_layers,
-        precision=precision, offload_optimizer=offload_optimizer, offload_params=offload_params,
-        attention=attention, micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len,
-        gpu=gpu, runtime="memplan", allocator=allocator,
-        **finetune_overrides(
-            finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, quant, None, offload_activations
-        ),
-    )  # fmt: skip
+    overrides = {**flags.overrides(), "gpu": gpu, "runtime": "memplan", "allocator": allocator}
     notes = []
-    if gpus is None and plan is None and dp is None:  # the degrees are this machine's GPUs, when NVML sees any
+    # the degrees are this machine's GPUs, when NVML sees any
+    if gpus is None and plan is None and flags.values["dp"] is None:
         gpus, detected = detected_gpus()
         notes.append(detected)
     job = resolve_job(model, plan, {**overrides, "gpus": gpus}, inference=False, default_gpu=AUTO)
@@ -277,6 +228,16 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.2f}%"
 
 
+def oom_where(oom: dict) -> str:
+    """``the forward of the warm-up step (step 1)``: the phase and the step an out-of-memory
+    happened in (a record's ``oom``); ``setup`` before the first step (or in a record without the step)."""
+    step = oom.get("step")
+    if step is None:
+        return oom["phase"]
+    which = "the warm-up step" if oom.get("warmup") else "a measured step"
+    return f"the {oom['phase']} of {which} (step {step})"
+
+
 def render(v: Validation, console: Console) -> None:
     where = f"rank {v.rank} (stage {v.stage}) of {v.world_size}" + (", simulated" if v.simulated else "")
     console.print(f"[bold]validate[/] on {v.device} ({v.device_name}), {where}: status [bold]{v.status}[/]")
@@ -285,7 +246,7 @@ def render(v: Validation, console: Console) -> None:
     oom = v.record.get("oom")
     if oom:
         console.print(
-            f"[red]out of memory[/] in {oom['phase']}: requested {_b(oom['requested_bytes'])}, "
+            f"[red]out of memory[/] in {oom_where(oom)}: requested {_b(oom['requested_bytes'])}, "
             f"peak so far {_b(oom['peak_bytes'])}"
         )
     table = Table(title="Peak allocated: predicted (--runtime memplan) vs measured")

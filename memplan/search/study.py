@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 import time
 import uuid
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -75,6 +77,56 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
     if sqlite:
         _sqlite_for_workers(storage.engine)
     return storage
+
+
+def check_storage(url: str) -> None:
+    """Refuse, before any search, a ``--storage`` that cannot be opened or created: a SQLite file
+    whose folder is missing (SQLite creates the file, never its folders: ``sqlite3_open_v2``'s
+    ``SQLITE_CANTOPEN``), that is a folder, or that cannot be written; any other URL is opened
+    (``open_storage``, whose error names the reason). A SQLite file is not created here, so a
+    search that stores no study (every plan predicted) leaves nothing behind."""
+    path = _sqlite_file(url)
+    if path is None:
+        _dispose(open_storage(url))
+        return
+    reason = _sqlite_file_problem(path)
+    if reason is not None:
+        raise MemplanError(f"cannot open storage {url!r}: {reason}", source=CLI, field="--storage")
+
+
+def _dispose(storage: optuna.storages.BaseStorage) -> None:
+    engine = getattr(storage, "engine", None)
+    if engine is not None:
+        engine.dispose()
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The file a ``sqlite:///FILE`` URL names; None for any other URL, an in-memory database or
+    a ``file:`` URI (those are opened to be checked)."""
+    if not url.startswith("sqlite:"):
+        return None
+    try:
+        database = sqlalchemy.engine.make_url(url).database
+    except sqlalchemy.exc.ArgumentError:
+        return None
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database)
+
+
+def _sqlite_file_problem(path: Path) -> str | None:
+    """Why SQLite could not open or create ``path`` (None: it can)."""
+    if path.is_dir():
+        return f"{path} is a folder, not a database file"
+    if path.exists():
+        return None if os.access(path, os.R_OK | os.W_OK) else f"{path} cannot be read and written (permission denied)"
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        return f"the folder {folder} {what} (SQLite creates the database file, not its folders)"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot create a file in {folder} (permission denied)"
+    return None
 
 
 def _lost_creation_race(err: Exception) -> bool:

@@ -270,8 +270,11 @@ def run(spec: RunSpec, progress: Progress | None = None) -> RunRecord:
         requested = err.requested if isinstance(err, SimulatedOutOfMemory) else _requested_bytes(str(err))
         peaks = _phases(meter) if meter else {}
         peak = max((p.allocated for p in peaks.values()), default=0)
+        phase, step = (meter.failed_in if meter else None) or ("setup", None)
         oom = OutOfMemory(
-            phase=(meter.label if meter else None) or "setup",
+            phase=phase,
+            step=step,
+            warmup=None if step is None else step <= spec.warmup,
             requested_bytes=requested,
             peak_bytes=peak,
             message=message,

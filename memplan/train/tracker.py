@@ -159,6 +159,9 @@ class PhaseMeter:
         self.phase: str | None = None
         self.limit = limit  # simulated device capacity (bytes)
         self.label: str | None = None  # the phase the step is in, measured or not
+        self.steps = 0  # steps ended (end_step): the one running is steps + 1, warm-up steps included
+        # where an exception (an out-of-memory) left the steps: (phase, step number from 1); None: outside them
+        self.failed_in: tuple[str, int] | None = None
         self.peaks: dict[str, PhasePeak] = {}
         self._tracker = None
         self._leaves: list = []  # weak references to input leaves the tracker keeps alive
@@ -237,6 +240,7 @@ class PhaseMeter:
 
     def end_step(self) -> None:
         """MemTracker keeps per-module stats of one iteration only."""
+        self.steps += 1
         if self._tracker is not None:
             self._tracker.reset_mod_stats()
 
@@ -251,6 +255,8 @@ class PhaseMeter:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None and self.label is not None:  # kept: leaving clears the label
+            self.failed_in = (self.label, self.steps + 1)
         self.set_phase(None)
         if self._tracker is not None:
             self._tracker.__exit__(*exc)

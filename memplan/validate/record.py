@@ -26,7 +26,9 @@ class PhaseRecord(BaseModel):
 class OutOfMemory(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    phase: str
+    phase: str  # forward, backward, optimizer; setup: before the first step (building the model, sharding)
+    step: int | None = None  # the step it happened in, from 1, warm-up steps included (None: setup)
+    warmup: bool | None = None  # whether that step was a warm-up step (not measured)
     requested_bytes: int | None
     peak_bytes: int
     message: str

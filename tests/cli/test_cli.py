@@ -179,6 +179,57 @@ def test_table_does_not_fit(capsys):
     assert "ZeRO stage 3" in out
 
 
+def _verdicts(out: str) -> list[str]:
+    """The report's verdict lines (rich wraps at 200 columns here: one line each)."""
+    return [line for line in out.splitlines() if line.startswith(("fits", "does not fit"))]
+
+
+def test_one_verdict_carries_allocated_and_reserved(capsys):
+    """Issue 26 item 4: "does not fit" was printed twice, with the reserved figure and then the
+    allocator's allocated one; one line now carries both against what the allocator can use."""
+    args = ("llama3-8b", "--gpus", "1", "--gpu", "a100-80gb")
+    d = estimate_json(capsys, *args)
+    out = memplan(capsys, "estimate", *args)
+    assert out.count("does not fit") == 1 and d["fits_reason"].startswith("does not fit:")  # JSON keeps it
+    peak, limit = d["memory"]["peak"], d["gpu"]["capacity_bytes"] - d["memory"]["overhead"]
+    allocated = peak["reserved_detail"]["timeline_allocated"]
+    assert allocated > limit
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    assert _verdicts(out) == [
+        f"does not fit: {gib(allocated)} allocated and {gib(peak['reserved'])} reserved at the peak, of {gib(limit)} "
+        f"the allocator can use ({gib(d['gpu']['capacity_bytes'])} less {gib(d['memory']['overhead'])} outside it): "
+        f"the allocated bytes alone are {gib(allocated - limit)} over"
+    ]
+
+
+def test_one_verdict_when_the_host_does_not_fit(capsys):
+    offload = ("--offload-optimizer", "cpu", "--host-memory", "1GiB")
+    out = memplan(capsys, "estimate", "llama3-8b", "--gpus", "8", "--zero", "3", *offload)
+    (line,) = _verdicts(out)
+    assert line.startswith("does not fit: ") and "reserved fits the device" in line
+    assert "; the host does not: host memory: the plan keeps" in line
+    assert out.count("does not fit") == 1
+
+
+def test_one_verdict_for_fragmentation(capsys):
+    """The allocator's reason (fragmentation: the allocated bytes are within the limit) follows
+    the figures once, without a second "does not fit"."""
+    from rich.console import Console
+
+    from memplan.cli.estimate import verdict
+    from memplan.estimation import estimate
+    from memplan.specs.resolve import resolve_job
+
+    result = estimate(resolve_job("llama3-8b", None, {"gpus": 8, "zero": 3}), with_suggestions=False)
+    reason = "does not fit: the 1.00 GiB activations allocation (x) fails with 77.00 GiB reserved, 3.00 GiB of it free"
+    broken = result.model_copy(update={"fits": False, "fits_reason": reason})
+    console = Console(width=400, record=True)
+    console.print(verdict(broken))
+    (line,) = console.export_text().splitlines()
+    assert line.startswith("does not fit: ") and line.count("does not fit") == 1
+    assert " allocated and " in line and line.endswith("; " + reason.removeprefix("does not fit: "))
+
+
 def test_table_inference_shows_kv_cache(capsys):
     out = memplan(capsys, "estimate", "llama3-8b", "--inference", "--batch", "8", "--context", "4096")
     assert "KV cache" in out

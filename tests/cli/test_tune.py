@@ -161,6 +161,35 @@ def test_bad_input_is_one_line(flags: list[str], field: str):
     assert len(lines) == 1 and lines[0].startswith(f"memplan: error: command line: {field}:"), err
 
 
+@pytest.mark.parametrize(
+    ("where", "reason"),
+    [("nonexistent-dir/x/y.db", "nonexistent-dir/x does not exist"), ("", "is a folder, not a database file")],
+)
+def test_a_storage_that_cannot_be_created_is_refused_before_an_exhaustive_search(
+    tmp_path: Path, where: str, reason: str
+):
+    """Issue 26 item 4: the search goes exhaustive here (no study would open the storage), and
+    the storage is still checked: one line naming --storage, the URL and why, exit 2."""
+    url = f"sqlite:///{tmp_path / where}"
+    code, out, err = memplan("tune", "llama3-8b", "--gpus", "8", "--storage", url)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memplan: error: command line: --storage:"), err
+    assert url in lines[0] and reason in lines[0], err
+
+
+def test_a_storage_no_study_is_stored_in_is_named(tmp_path: Path):
+    """An exhaustive search stores no study: a --storage given says so on stderr, and no
+    database file is created."""
+    db = tmp_path / "kept.db"
+    code, out, err = memplan("tune", "llama3-8b", "--gpus", "8", "--storage", f"sqlite:///{db}", "--format", "json")
+    assert code == 0 and json.loads(out)["exhaustive"] and json.loads(out)["study"] is None
+    assert f"memplan: note: --storage sqlite:///{db}: no study stored there" in err
+    assert "--no-exhaustive" in err and not db.exists()
+    code, _, err = memplan("tune", *LLAMA8B, "--trials", "2", "--storage", f"sqlite:///{db}", "--study", "s")
+    assert code == 0 and "no study stored" not in err and db.exists()
+
+
 def test_no_valid_plan_is_bad_input():
     code, _, err = memplan("tune", "llama3-8b", "--gpus", "3", "--global-batch", "128", "--trials", "2")
     assert code == 2 and err.startswith("memplan: error: command line: --gpus: no valid plan")
@@ -418,3 +447,43 @@ def test_finetune_on_one_gpu_answers_which_batch_fits_at_which_length(tmp_path):
 def test_allow_quantization_needs_a_finetune_mode(tmp_path):
     code, _, err = memplan("tune", "llama3-8b", "--gpus", "1", "--allow-quantization")
     assert code == 2 and "--allow-quantization" in err and "--finetune lora or qlora" in err
+
+
+def _best_plans_lines(out: str) -> list[str]:
+    """The best-plans table's lines, its title to its bottom border."""
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if "Best plans" in line)
+    last = next(i for i, line in enumerate(lines) if line.startswith("└"))
+    return lines[first : last + 1]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["llama3-70b", "--gpus", "64"],  # issue 26 item 4: tokens/s and recompute were cut to "toke…", "selec…"
+        # a study (the trial column), several precisions, offload and global batches: columns are left out
+        ["llama3-8b", "--gpus", "16", "--max-cp", "2", "--trials", "40", "--precision", "bf16-mixed,bf16-master",
+         "--allow-offload", "--global-batch", "64-128", "--no-exhaustive"],
+    ],
+)  # fmt: skip
+def test_no_cell_of_the_best_plans_is_cut_at_80_columns(monkeypatch: pytest.MonkeyPatch, flags: list[str]):
+    code, out, err = memplan("tune", *flags, "--format", "json")
+    assert code == 0, err
+    top = json.loads(out)["top"]
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = memplan("tune", *flags)
+    assert code == 0, err
+    table = _best_plans_lines(out)
+    assert "…" not in out and all(len(line) <= 80 for line in table)
+    rows = [line for line in table if line.startswith("│")]
+    assert len(rows) == len(top)
+    for line, plan in zip(rows, top, strict=True):
+        e = plan["evaluation"]
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        assert f"{e['tokens_per_s']:,.0f}" in cells and f"{e['peak_reserved_bytes'] / 2**30:,.1f}" in cells
+        assert {"none": "none", "full": "full", "selective": "sel", "selective-op": "sel-op"}[
+            e["plan"]["recompute"]
+        ] in cells
+        assert str(e["plan"]["dp"]) in cells and str(e["plan"]["tp"]) in cells
+    legend = out.splitlines()[out.splitlines().index(table[-1]) + 1]
+    assert "mb = micro-batch" in legend

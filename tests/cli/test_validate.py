@@ -64,7 +64,11 @@ def test_out_of_memory_is_a_result(tiny: Path):
     data = json.loads(r.stdout)
     assert data["status"] == "oom"
     oom = data["record"]["oom"]
-    assert oom["requested_bytes"] > 4 * 2**20 and oom["phase"] in {"setup", "forward", "backward", "optimizer"}
+    assert oom["requested_bytes"] > 4 * 2**20
+    # issue 26 item 4: the warm-up step's forward, not "setup" (the meter's exit cleared the label it was in)
+    assert (oom["phase"], oom["step"], oom["warmup"]) == ("forward", 1, True)
+    r = _memplan("validate", str(tiny), "--precision", "fp32", "--memory-limit", "4MiB", *BASE)
+    assert r.returncode == 1 and "out of memory in the forward of the warm-up step (step 1)" in r.stdout
 
 
 @pytest.mark.parametrize(

@@ -206,3 +206,17 @@ def test_tune_does_not_recommend_a_tight_plan_unless_asked():
     assert tight.tight and not tight.fits  # tune skips it
     allowed = replayed(evaluate(candidate, replace(ctx, allow_tight=True)), replace(ctx, allow_tight=True))
     assert allowed.tight and allowed.fits  # --allow-tight
+
+
+def test_the_table_says_fits_tight_with_the_numbers_and_what_buys_headroom(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    d = estimate(capsys, [*PLAN, "--gpu", "h200"])
+    need = d["memory"]["peak"]["reserved"] + d["memory"]["overhead"]
+    card = _card(tmp_path, need + d["fits_margin"]["band_bytes"] // 2)
+    assert run(["estimate", *PLAN, "--gpu", card]) == 0
+    out = capsys.readouterr().out
+    verdicts = [line for line in out.splitlines() if line.startswith(("fits", "does not fit"))]
+    assert len(verdicts) == 1 and verdicts[0].startswith("fits, tight: ") and "band of the phase model" in out
+    assert "Changes that buy the headroom" in out
+    tight = estimate(capsys, [*PLAN, "--gpu", card])
+    assert tight["suggestions"] and any(s["fits"] for s in tight["suggestions"])
