@@ -187,12 +187,12 @@ def verdict(result: EstimateResult) -> str:
     usable = f"{_gib(limit)} the allocator can use ({_gib(capacity)} less {_gib(mem.overhead)} outside it)"
     margin = result.fits_margin
     if result.fits and margin is not None and margin["state"] == "tight":
+        spreads = _gib(margin["outside_spread_bytes"] + margin["capacity_spread_bytes"])
         return (
             f"[yellow]fits, tight[/]: {_gib(peak.reserved)} reserved of {usable}, headroom "
             f"{_gib(result.headroom_bytes)}, less than the {_gib(margin['band_bytes'])} band of the "
-            f"{margin['model']}'s measured error ({margin['error']:.1%} of reserved: {margin['basis']}; memory outside the allocator "
-            f"and the capacity vary by {_gib(margin['outside_spread_bytes'] + margin['capacity_spread_bytes'])}): "
-            "it may run out of memory"
+            f"{margin['model']}'s measured error ({margin['error']:.1%} of reserved: {margin['basis']}; "
+            f"memory outside the allocator and the capacity vary by {spreads}): it may run out of memory"
         )
     if result.fits:
         return f"[green]fits[/]: {_gib(peak.reserved)} reserved of {usable}, headroom {_gib(result.headroom_bytes)}"
