@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.time import Efficiency, estimate_time
 from memplan.specs.hardware import ClusterSpec, GPUSpec
@@ -96,6 +97,8 @@ class Row:
     note: str = field(default="", compare=False)
     # the GPU's figures as the source states them, where its parts differ from the profile's
     hardware: dict = field(default_factory=dict, compare=False)
+    # the fused attention kernel the run ran, where it is not the one torch 2.11 would pick (None: that one)
+    attention_kernel: str | None = None
 
     @property
     def gpu_spec(self) -> GPUSpec:
@@ -124,7 +127,8 @@ def llm_foundry_rows() -> tuple[Row, ...]:
         # 1600 Gb/s RoCE per A100 node (200 Gb/s per GPU); 3.2 Tb/s InfiniBand per H100 node
         network = 25e9 if r["gpu"].startswith("a100") else 50e9
         rows.append(Row(name, mpt(r["size"], seq), r["gpu"], gpus, plan, seq, mbs, mbs * ga * gpus,
-                        float(r["tokens_per_s_per_gpu"]), "memplan", LLM_FOUNDRY, network))  # fmt: skip
+                        float(r["tokens_per_s_per_gpu"]), "memplan", LLM_FOUNDRY, network,
+                        attention_kernel="flash"))  # fmt: skip
     return tuple(rows)
 
 
@@ -191,12 +195,18 @@ SELECTIVE = dict(zero=3, recompute="selective-op", precision="bf16-mixed")  # to
 # torchtitan's H100s (Grand Teton): "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 500 W;
 # their tensor peak "is between SXM and NVL, and we don't know its exact value": the SXM's is kept
 GRAND_TETON_H100 = {"hbm_bytes_per_s": 2.4e12}
+# llm-foundry ran FlashAttention (the flash-attn package or its Triton port; its CSV header), not SDPA.
+# torch at 1963fc8 (2024/12/23, the source's "Versions and Dates"): the 2.7 development line, whose SDPA puts
+# flash before cuDNN on H100 (memplan.costmodel.attention.cuda_priority); torchtitan repeats K/V (repeat_kv)
+TORCHTITAN_H100_KERNEL = sdpa_backend("cuda", "bf16", 128, 32, 32, enable_gqa=False, torch_version=(2, 7))
 H100_500W = "H100 SXM at 500 W with HBM2e at 2.4 TB/s (the source's figure); its peak is unknown: the SXM's is used"
 TEST_ROWS = [
     Row("Llama 3.1 8B FSDP, 8 H100 (500 W)", LLAMA3_8B, "h100-sxm", 8, dict(dp=8, **SELECTIVE), 8192, 2, 16,
-        5762, "memplan", TORCHTITAN_H100, note=H100_500W, hardware=GRAND_TETON_H100),
+        5762, "memplan", TORCHTITAN_H100, note=H100_500W, hardware=GRAND_TETON_H100,
+        attention_kernel=TORCHTITAN_H100_KERNEL),
     Row("Llama 3.1 8B FSDP, 128 H100 (500 W)", LLAMA3_8B, "h100-sxm", 128, dict(dp=128, **SELECTIVE), 8192, 2, 256,
-        5605, "memplan", TORCHTITAN_H100, note=H100_500W, hardware=GRAND_TETON_H100),
+        5605, "memplan", TORCHTITAN_H100, note=H100_500W, hardware=GRAND_TETON_H100,
+        attention_kernel=TORCHTITAN_H100_KERNEL),
     Row("Llama 3 8B FSDP, 64 A100", LLAMA3_8B, "a100-80gb", 64, dict(dp=64, **SELECTIVE), 8192, 1, 64, 2973,
         "memplan", TORCHTITAN_A100),
     Row("Llama 3 70B FSDP, 64 A100", LLAMA3_70B, "a100-80gb", 64,
@@ -214,7 +224,10 @@ def predict(row: Row, eff: Efficiency | None = None) -> dict:
         gpus_per_node=8, nodes=max(1, row.gpus // 8), inter_node_bytes_per_s=row.inter_node_bytes_per_s
     )
     workload = TrainingWorkload(seq_len=row.seq_len, micro_batch=row.micro_batch, global_batch=row.global_batch)
-    report = estimate_time(row.model, workload, Plan(**row.plan), row.gpu_spec, cluster, row.runtime, eff)
+    plan = Plan(**row.plan)
+    report = estimate_time(
+        row.model, workload, plan, row.gpu_spec, cluster, row.runtime, eff, attention_kernel=row.attention_kernel
+    )
     predicted, published = report.tokens_per_s_per_gpu, row.published_tokens_per_s_per_gpu
     return {
         "run": row.name,

@@ -60,6 +60,11 @@ class Efficiency(BaseModel):
         le=1,
         description="FlashAttention-2 fwd + bwd: 35-50% of peak on H100 (FA2, FA3 papers).",
     )
+    cudnn_attention: tuple[tuple[int, float, float], ...] = Field(
+        (),
+        description="SDPA's cuDNN backend against FlashAttention-2: (head dim, forward speed-up, backward "
+        "speed-up) rows (the GPU profile's ``efficiency.cudnn_attention``); empty: cuDNN priced as flash.",
+    )
     hbm: float = Field(0.8, gt=0, le=1, description="Element-wise kernels reach ~80% of HBM bandwidth.")
     network: float = Field(0.8, gt=0, le=1, description="NCCL bus bandwidth over link bandwidth for large messages.")
     alpha_intra_s: float = Field(5e-6, ge=0, description="Latency per ring step inside a node (NVLink).")
@@ -95,7 +100,12 @@ class Efficiency(BaseModel):
         measured = gpu.efficiency
         if measured is None:
             return cls(calibration=calibration)
-        return cls(matmul=measured.matmul, attention=measured.attention, calibration=calibration)
+        return cls(
+            matmul=measured.matmul,
+            attention=measured.attention,
+            cudnn_attention=measured.cudnn_attention,
+            calibration=calibration,
+        )
 
 
 class TimeReport(BaseModel):
@@ -406,6 +416,37 @@ def matmul_efficiency(eff: Efficiency, precision: str) -> float:
     return eff.matmul_fp32 if POLICIES[precision].compute_bytes == 4 else eff.matmul
 
 
+def attention_speedups(eff: Efficiency, backend: str, head_dim: int) -> tuple[float, float]:
+    """(forward, backward) speed of the fused attention kernel ``backend`` over FlashAttention-2's,
+    whose throughput the efficiency's ``attention`` fraction is. cuDNN's (SDPA's cuDNN backend)
+    come from the GPU profile's ``cudnn_attention`` rows (on Hopper: Shah et al. 2024,
+    FlashAttention-3, arXiv 2407.08608, Figs. 5 and 6, the cuDNN and FlashAttention-2 bars),
+    interpolated linearly in the head dim between rows and held at the end rows beyond them.
+    Every other fused kernel (``flash``; the memory-efficient kernel; memplan's Triton
+    FlashAttention-2, for which no backward figure is published) runs at flash's speed: (1, 1)."""
+    rows = eff.cudnn_attention
+    if backend != "cudnn" or not rows:
+        return 1.0, 1.0
+    if head_dim <= rows[0][0]:
+        return rows[0][1], rows[0][2]
+    for (d0, f0, b0), (d1, f1, b1) in zip(rows, rows[1:], strict=False):
+        if head_dim <= d1:
+            w = (head_dim - d0) / (d1 - d0)
+            return f0 + w * (f1 - f0), b0 + w * (b1 - b0)
+    return rows[-1][1], rows[-1][2]
+
+
+def fused_attention_seconds(flash_s: float, speedups: tuple[float, float], recompute: float) -> float:
+    """Seconds of a fused attention kernel's forward, recomputed forward and backward, from
+    ``flash_s``, FlashAttention-2's seconds for the forward and backward (the time model's
+    convention: the backward is two thirds of the FLOPs, as for the GEMMs), the kernel's
+    (forward, backward) speed-ups over it (:func:`attention_speedups`) and ``recompute``
+    (``Recomputation.attention``: the recomputed share of forward + backward, a third per
+    recomputed forward)."""
+    forward, backward = flash_s / 3, 2 * flash_s / 3
+    return forward * (1 + 3 * recompute) / speedups[0] + backward / speedups[1]
+
+
 def attention_backend(
     model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu: GPUSpec, autocast: bool = False
 ) -> str:
@@ -486,12 +527,15 @@ def estimate_time(
     cluster: ClusterSpec,
     runtime: str = "memplan",
     eff: Efficiency | None = None,
+    attention_kernel: str | None = None,
 ) -> TimeReport:
     """Step time, tokens/s, MFU and HFU of a training plan (see the module docstring).
     ``runtime`` picks fused (``megatron``) or eager element-wise kernels, its loss and its
-    optimizer implementation, and whether bf16-mixed runs under autocast."""
+    optimizer implementation, and whether bf16-mixed runs under autocast. ``attention_kernel``: the
+    fused kernel a run is known to have run (``flash``, ``efficient``, ``cudnn``) in place of the one
+    :func:`attention_backend` picks for torch 2.11; a past run's, e.g. (eager plans stay eager)."""
     eff = eff or Efficiency.for_gpu(gpu)
-    speed = step_speed(model, workload, plan, gpu, cluster, runtime, eff)
+    speed = step_speed(model, workload, plan, gpu, cluster, runtime, eff, attention_kernel=attention_kernel)
     return TimeReport(
         step_time_s=speed.step_time_s,
         tokens_per_s=speed.tokens_per_s,
@@ -569,10 +613,12 @@ def step_speed(
     runtime: str,
     eff: Efficiency,
     memo: TimeMemo | None = None,
+    attention_kernel: str | None = None,
 ) -> StepSpeed:
     """:func:`estimate_time`'s figures, without building the report. ``memo``: what the plans
     of one search (one model, GPU, cluster, efficiencies and runtime) share; they differ in dp,
-    ZeRO and offload more than in what a stage's micro-batch reads."""
+    ZeRO and offload more than in what a stage's micro-batch reads. ``attention_kernel``: as for
+    :func:`estimate_time` (the search passes none; with a memo it must not change between plans)."""
     policy = POLICIES[plan.precision]
     d = policy.compute_bytes
     peak = matmul_peak_flops(gpu, plan.precision)
@@ -588,6 +634,9 @@ def step_speed(
     key = (stage_key, s, workload.micro_batch, autocast)
 
     def stage_parts(stage: int) -> dict[str, float]:
+        backend = attention_backend(model, workload, plan, gpu, autocast)
+        if attention_kernel is not None and plan.attention != "eager":
+            backend = attention_kernel
         return _stage_micro_batch(
             model,
             plan,
@@ -603,7 +652,7 @@ def step_speed(
             link(gpu, cluster, plan.tp * plan.cp, plan.ep, eff),
             runtime == "megatron",
             RUNTIMES[runtime].dropout,
-            attention_backend(model, workload, plan, gpu, autocast),
+            backend,
             autocast,
         )
 
@@ -741,9 +790,11 @@ def _stage_micro_batch(
     if materialised:
         operands = tokens_mb * score_gemm_bytes_per_token(model, plan, s, layers, act)
         attn = gemm_seconds(tokens * attention, operands, act_flops_per_s, hbm)
+        attn *= 1 + extra.attention
     else:
-        attn = tokens * attention / (act_peak * eff.attention)
-    compute = gemms + attn * (1 + extra.attention)
+        speedups = attention_speedups(eff, backend, model.head_size)
+        attn = fused_attention_seconds(tokens * attention / (act_peak * eff.attention), speedups, extra.attention)
+    compute = gemms + attn
     traffic = (1 + extra.elementwise) * elementwise_bytes_per_token(model, plan, layers, act, fused, autocast=autocast)
     if materialised:
         traffic += (1 + extra.attention) * materialised_token_bytes(model, plan, layers, act, autocast)

@@ -34,6 +34,12 @@ class KernelEfficiency(BaseModel):
 
     matmul: float = Field(gt=0, le=1, description="Matmul throughput inside training steps / dense peak.")
     attention: float = Field(gt=0, le=1, description="FlashAttention forward + backward throughput / dense peak.")
+    cudnn_attention: tuple[tuple[int, float, float], ...] = Field(
+        (),
+        description="cuDNN's fused attention (SDPA's cuDNN backend) against FlashAttention-2 on this part: "
+        "(head dim, forward speed-up, backward speed-up) rows, published throughput over published throughput; "
+        "empty: cuDNN priced as FlashAttention-2.",
+    )
 
 
 class GPUSpec(BaseModel):

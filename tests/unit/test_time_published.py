@@ -130,3 +130,15 @@ def test_torchtitan_runs_are_predicted_on_their_own_hardware_within_15_pct(publi
     assert all(abs(e) <= 15 for e in errors.values()), errors
     as_sxm = [published.predict(replace(r, hardware={}))["error_pct"] for r in h100]
     assert all(e > 15 for e in as_sxm), as_sxm
+
+
+def test_published_runs_are_priced_with_the_attention_kernel_they_ran(published):
+    """llm-foundry's 2023 MPT runs used flash-attn; torchtitan's H100 runs used torch of 2024-12-23
+    (the 2.7 line), whose SDPA puts flash before cuDNN on H100. torch 2.11 would pick cuDNN there,
+    priced faster on Hopper (docs/cost-model.md): without the kernel named, those rows would move."""
+    assert published.TORCHTITAN_H100_KERNEL == "flash"
+    assert {r.attention_kernel for r in published.llm_foundry_rows()} == {"flash"}
+    h100 = [r for r in published.TEST_ROWS if r.source == published.TORCHTITAN_H100]
+    assert len(h100) == 2 and all(r.attention_kernel == "flash" for r in h100)
+    as_cudnn = [published.predict(replace(r, attention_kernel=None))["error_pct"] for r in h100]
+    assert all(c > published.predict(r)["error_pct"] for c, r in zip(as_cudnn, h100, strict=True))
