@@ -24,6 +24,10 @@ from memplan.specs.resolve import resolve_allocator
 from memplan.specs.workload import TrainingWorkload
 
 TRACES = Path(__file__).parents[1] / "data" / "gpu-traces"
+# GPT-2 small (124M) as Hugging Face publishes its config.json: LayerNorm, GELU, learned
+# positions, tied embeddings, 12 heads without grouped keys; beside the Llama and MoE profiles
+GPT2_SMALL = str(Path(__file__).parents[1] / "data" / "hf" / "gpt2.json")
+MODELS = {"llama3-8b": "llama3-8b", "mixtral-8x7b": "mixtral-8x7b", "gpt2-small": GPT2_SMALL}
 
 
 def _live_at_marks(timeline) -> dict[str, dict[str, int]]:
@@ -67,15 +71,18 @@ GRID = [
     [
         (name, plan, runtime, mb)
         for name, (plan, runtime, mb) in zip(
-            itertools.cycle(["llama3-8b", "mixtral-8x7b", "gpt2-small"]),
+            itertools.cycle(MODELS),
             itertools.product(GRID, ["memplan", "hf", "megatron"], [1, 4]),
         )
     ],
 )
 def test_timeline_reaches_each_moment_and_peaks_at_the_phase_models_peak(name, plan, runtime, micro_batch):
-    model = load_model(name if name != "gpt2-small" else "llama3-8b")
+    model = load_model(MODELS[name])
+    if name == "gpt2-small":  # the label loads what it names, not a Llama
+        assert (model.architecture, model.hidden_size, model.num_layers) == ("gpt2", 768, 12)
     p = Plan(**plan)
-    work = TrainingWorkload(seq_len=2048, micro_batch=micro_batch, global_batch=micro_batch * p.dp * 4)
+    seq_len = min(2048, model.max_position_embeddings)  # GPT-2's learned positions stop at 1024
+    work = TrainingWorkload(seq_len=seq_len, micro_batch=micro_batch, global_batch=micro_batch * p.dp * 4)
     try:
         check_compatible(model, work, p)
     except MemplanError:
