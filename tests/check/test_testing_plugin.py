@@ -97,7 +97,10 @@ def test_plugin_in_a_pytest_run(tmp_path):
 
 
 def test_the_plugin_is_registered_as_a_pytest_entry_point():
+    """A missing entry point is the failure this test exists to catch, so it fails, never skips
+    (an install without pyproject.toml's current metadata: ``pip install -e .`` registers it)."""
     points = importlib.metadata.entry_points(group="pytest11")
-    if not any(p.value == "memplan.testing" for p in points):
-        pytest.skip("memplan installed without its current metadata (pip install -e . registers the entry point)")
-    assert {p.name for p in points if p.value == "memplan.testing"} == {"memplan"}
+    assert {p.name for p in points if p.value == "memplan.testing"} == {"memplan"}, (
+        "memplan.testing is not registered as a pytest11 entry point named memplan "
+        "(pyproject.toml [project.entry-points.pytest11]; reinstall with pip install -e .)"
+    )
