@@ -95,15 +95,61 @@ def test_exit_code_1_and_reports_when_an_entry_is_over_budget(tmp_path, capsys):
     assert "| llama3-8b-ddp |" in text and "❌ over budget" in text
 
 
-def test_junit_parser_reads_the_report(tmp_path, capsys):
-    junitparser = pytest.importorskip("junitparser")
-    path = budgets(tmp_path, FSDP, TIGHT)
+def _tight_card(tmp_path: Path, capsys) -> str:
+    """A GPU profile whose capacity leaves a LoRA plan of Llama-3 8B half its tight band of
+    headroom (as tests/unit/test_capacity_margin.py builds one): it fits, but tightly."""
+    lora = ["llama3-8b", "--gpu", "h200", "--gpus", "1", "--finetune", "lora", "--seq-len", "4096"]
+    code, out, err = memplan(capsys, "estimate", *lora, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    card = yaml.safe_load((ROOT / "profiles" / "gpus" / "h200.yaml").read_text())
+    need = d["memory"]["peak"]["reserved"] + d["memory"]["overhead"]
+    card.update(name="card", torch_capacity_bytes=need + d["fits_margin"]["band_bytes"] // 2)
+    card["torch_capacity_spread_bytes"] = 0
+    path = tmp_path / "card.yaml"
+    path.write_text(yaml.safe_dump(card))
+    return str(path)
+
+
+def _junit_counts(path: Path) -> tuple[dict[str, int], list[tuple[str, str | None, str | None]]]:
+    """The report read as a JUnit consumer reads it, with the standard library alone: each suite's
+    declared totals, summed, and each case's outcome from its children (no child: passed)."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    declared = {k: sum(int(s.get(k)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    cases = []
+    for case in (c for s in suites for c in s.findall("testcase")):
+        assert case.get("classname") and case.get("name") and float(case.get("time")) >= 0
+        node = case.find("failure") if case.find("failure") is not None else case.find("error")
+        cases.append((case.get("name"), None if node is None else node.tag, None if node is None else node.get("type")))
+    return declared, cases
+
+
+def test_the_junit_report_counts_as_a_junit_reader_counts_it(tmp_path, capsys):
+    """A pass, an entry over its budget and a fit within the tight band with ``tight: false``: the
+    totals the report declares are the cases it holds, and each failure carries its status as type."""
+    tight = {
+        "name": "lora-tight",
+        "model": "llama3-8b",
+        "gpu": _tight_card(tmp_path, capsys),
+        "gpus": 1,
+        "workload": {"seq_len": 4096},
+        "plan": {"finetune": "lora"},
+        "budget": {"fits": True, "tight": False},
+    }
     junit = tmp_path / "junit.xml"
-    memplan(capsys, "check", path, "--junit", junit)
-    xml = junitparser.JUnitXml.fromfile(str(junit))
-    cases = [case for suite in xml for case in suite]
-    assert len(cases) == 2
-    assert sum(1 for case in cases if not case.is_passed) == 1
+    code, _, err = memplan(capsys, "check", budgets(tmp_path, FSDP, TIGHT, tight), "--junit", junit)
+    assert code == 1, err
+    declared, cases = _junit_counts(junit)
+    assert declared == {"tests": 3, "failures": 2, "errors": 0, "skipped": 0}
+    assert len(cases) == declared["tests"]
+    assert sum(1 for _, tag, _ in cases if tag == "failure") == declared["failures"]
+    assert sum(1 for _, tag, _ in cases if tag == "error") == declared["errors"]
+    assert sorted(cases) == [
+        ("llama3-8b-ddp", "failure", "over-budget"),
+        ("llama3-8b-fsdp", None, None),
+        ("lora-tight", "failure", "tight"),
+    ]
 
 
 def test_json_and_markdown_formats(tmp_path, capsys):
