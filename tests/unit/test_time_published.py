@@ -40,11 +40,29 @@ def test_the_profiles_matmul_efficiency_is_the_fit(published, gpu):
 
 @pytest.mark.parametrize("gpu", ["a100-80gb", "h100-sxm"])
 def test_fit_sets_are_large_models_and_predicted_within_15_pct_at_the_median(published, gpu):
+    """In-sample: the fit set's median error is zero by construction of the fit; this checks which
+    rows the fit takes and their spread, not a prediction. The held-out rows are below: the same
+    tables' rows the fit leaves out, and the other publishers' runs (Megatron-LM, torchtitan)."""
     rows = published.fit_rows(gpu)
     assert len(rows) >= 15
     assert all(r.model.hidden_size >= 4096 and r.attention_share <= 0.2 for r in rows)
     errors = [abs(published.predict(r)["error_pct"]) for r in rows]
     assert statistics.median(errors) <= 15
+
+
+def test_llm_foundry_rows_left_out_of_the_fit_are_reported_apart(published):
+    """Held out of the fit, the same tables' models under 7B (attention at most a fifth of the
+    FLOPs): 38 rows, median |error| 12.4%, 24 within 15%, worst 37.5% (2026-11-27, docs/accuracy.md).
+    Small GEMMs run below the fitted efficiency and the model has no size term: the bounds are the
+    figures reached, so a change that moves them shows here."""
+    rows = [
+        r
+        for r in published.llm_foundry_rows()
+        if r.model.hidden_size < published.FIT_MIN_HIDDEN and r.attention_share <= published.FIT_MAX_ATTENTION_SHARE
+    ]
+    assert len(rows) == 38 and not any(published.in_fit_set(r) for r in rows)
+    errors = [abs(published.predict(r)["error_pct"]) for r in rows]
+    assert statistics.median(errors) <= 12.5 and max(errors) <= 38 and sum(e <= 15 for e in errors) >= 24
 
 
 def test_every_published_table_row_is_read(published):
