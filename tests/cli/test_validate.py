@@ -106,6 +106,8 @@ def test_real_gloo_ranks_match_simulation(tiny: Path):
     r = _memplan(*common, "--real-ranks")
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     real = json.loads(r.stdout)
-    simulated = json.loads(_memplan(*common).stdout)
+    sim = _memplan(*common)  # its exit code and stderr kept, so that a run printing no JSON says why
+    assert sim.returncode == 0 and sim.stdout.strip(), (sim.returncode, sim.stdout[-2000:], sim.stderr[-4000:])
+    simulated = json.loads(sim.stdout)
     assert real["status"] == "ok" and real["simulated"] is False
     assert real["measured_bytes"] == pytest.approx(simulated["measured_bytes"], rel=0.001)
