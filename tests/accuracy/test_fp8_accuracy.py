@@ -15,6 +15,7 @@ source but none is the peak of a case here (``fp8.torchao_linear_backward_extra`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import pytest
 
@@ -57,8 +58,10 @@ CASES = [
 ]
 
 
+@cache
 def measure(case: Case, steps: int = 3) -> dict[str, int]:
-    """Per-phase peaks (bytes) over ``steps`` steps after a warm-up step's worth of building."""
+    """Per-phase peaks (bytes) over ``steps`` steps after a warm-up step's worth of building.
+    Cached: the delta tests reuse the phase tests' runs (the steps are seeded)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     from memplan.train import parallel as par
@@ -111,11 +114,53 @@ def test_fp8_phases_within_3_percent(case: Case):
         assert abs(error) <= TOLERANCE, f"{case.name} {phase}: predicted {predicted[phase]:,} measured {value:,}"
 
 
-def test_fp8_raises_the_backward_over_bf16():
-    """The harness converts: torchao's eager casts raise the measured backward peak over
-    bf16-master's (its saved tensors are bf16's, pytorch/ao#1850), and the model predicts a rise too.
-    (The amounts differ by bf16-master's own backward miss at this shape, -1.6%.)"""
-    bf16, fp8 = Case("bf16-master", None), CASES[0]
-    measured = measure(fp8)["backward"] - measure(bf16)["backward"]
-    predicted = predict(fp8)["backward"] - predict(bf16)["backward"]
-    assert measured > 0 and predicted > 0, f"predicted +{predicted:,} measured +{measured:,}"
+# What torchao's eager fp8 can add over bf16-master at any moment, by hand from its source
+# (cost-model.md "FP8 training"): the saved tensors are bf16's (pytorch/ao#1850), so the fp8 run
+# holds the bf16 run's bytes plus the running linear's casts. A cast of n elements peaks at 9
+# bytes each (fp32 product, fp32 clamp, fp8 result) and leaves 1. b 1, s 256, h 192, f 1024:
+B, S, H, F = 1, 256, MODEL.hidden_size, MODEL.ffn_size
+# forward: the down projection's input cast, 9 b s f = 2,359,296 B
+FORWARD_CAST_BOUND = 9 * B * S * F
+# backward: the up/gate projection's grad_output cast along dim 1 (9 b s f) beside its dim-0 fp8
+# copy (b s f) and the fp8 weight (h f): 10 b s f + h f = 2,818,048 B
+BACKWARD_CAST_BOUND = 10 * B * S * F + H * F
+BF16 = Case("bf16-master", None)
+FP8 = CASES[:2]  # the two recipes without recompute: bf16-master's baseline is the same run
+DELTA_TOLERANCE = 0.05  # of the delta itself (1.5-1.7 MB here), not of the phase's peak
+
+
+def _deltas(case: Case, phase: str) -> tuple[int, int]:
+    measured = measure(case)[phase] - measure(BF16)[phase]
+    predicted = predict(case)[phase] - predict(BF16)[phase]
+    return measured, predicted
+
+
+@pytest.mark.parametrize("case", FP8, ids=lambda c: c.name)
+def test_fp8_forward_rise_over_bf16(case: Case):
+    """The forward's rise over bf16-master: measured within the casts' hand bound, and predicted
+    within 5% of the measured rise (measured +1,506,300 / +1,507,320, predicted +1,504,256)."""
+    measured, predicted = _deltas(case, "forward")
+    assert 0 < measured <= FORWARD_CAST_BOUND, f"measured +{measured:,}"
+    assert abs(predicted - measured) <= DELTA_TOLERANCE * measured, f"predicted +{predicted:,} measured +{measured:,}"
+
+
+@pytest.mark.parametrize("case", FP8, ids=lambda c: c.name)
+def test_fp8_backward_rise_within_the_casts_bound(case: Case):
+    """torchao's eager casts raise the measured backward peak over bf16-master's, by no more than
+    one linear's casts can hold; the predicted rise is held to the same bound."""
+    measured, predicted = _deltas(case, "backward")
+    assert 0 < measured <= BACKWARD_CAST_BOUND, f"measured +{measured:,}"
+    assert 0 < predicted <= BACKWARD_CAST_BOUND, f"predicted +{predicted:,}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="known miss: the predicted backward rise over bf16-master is +2,192,768 B against "
+    "+1,736,720 measured (tensorwise; rowwise +1,746,688), +26%: bf16-master's own backward "
+    "peak is under-predicted by 1.6% (458,204 B) at this shape, the fp8 one is not",
+)
+@pytest.mark.parametrize("case", FP8, ids=lambda c: c.name)
+def test_fp8_backward_rise_over_bf16_predicted(case: Case):
+    measured, predicted = _deltas(case, "backward")
+    assert abs(predicted - measured) <= DELTA_TOLERANCE * measured, f"predicted +{predicted:,} measured +{measured:,}"
