@@ -160,8 +160,10 @@ class OffloadCase:
     base: object  # peft_steps.PeftCase or hf_steps.Case
     mode: str = "trl"
     slow: bool = False
-    # a case measured outside 3% and not yet modelled: why (the test expects it to fail: xfail)
+    # a peak measured outside 3%, not yet modelled: its figure and why (a strict xfail)
     miss: str = ""
+    # host copies measured outside 10% of ``offload.cpu``: its figure (a strict xfail)
+    host_miss: str = ""
 
     @property
     def runtime(self) -> str:
@@ -285,16 +287,31 @@ def _cases() -> list[OffloadCase]:
         ),
     ]
     slow = {"full-layers-fp32", "full-layers-fp32-ckpt", "lora-fp32-all-linear", "qwen2-lora-fp32-tied"}
-    misses = {
-        "save_on_cpu-lora-fp32-all-linear": "an adapted MLP's backward under save_on_cpu, fitted on q/v (-3.5%)",
-        "save_on_cpu-lora-bf16-qv": "the loop's DynamicCache counted at the loss's backward as well (+5.9%)",
-    }
     for mode in ("trl", "save_on_cpu"):
         for base in [*lora, *full]:
             name = f"{mode}-{base.name}"
-            miss = misses.get(name, "")
-            out.append(OffloadCase(name, replace(base), mode, base.name in slow, miss))
+            miss, host_miss = PEAK_MISSES.get(name, ""), HOST_MISSES.get(name, "")
+            out.append(OffloadCase(name, replace(base), mode, base.name in slow, miss, host_miss))
     return out
+
+
+# Measured 2026-11-27 on CPU (torch 2.13.0+cpu, transformers 5.23.0, peft 0.21.2), 3 steps;
+# predicted against measured, (predicted - measured) / measured. Every other case: peak within
+# 2.71%, host copies within 9.75%.
+PEAK_MISSES = {
+    "save_on_cpu-lora-fp32-all-linear": "-3.50% (1,275,648 predicted, 1,321,972 measured): an adapted MLP's "
+    "backward under save_on_cpu, fitted on q/v",
+    "save_on_cpu-lora-bf16-qv": "+5.85% (795,264 predicted, 751,336 measured): the loop's DynamicCache counted "
+    "at the loss's backward as well",
+}
+# save_on_cpu's host copies (pinned memory on a GPU) under-predicted, the unsafe direction: the
+# checkpointed and 16-bit cases (what the host term misses is not yet itemised)
+HOST_MISSES = {
+    "save_on_cpu-lora-fp32-ckpt": "-21.27% (363,008 predicted, 461,060 measured)",
+    "save_on_cpu-lora-bf16-ckpt": "-33.05% (264,704 predicted, 395,396 measured)",
+    "save_on_cpu-full-bf16": "-15.57% (6,977,024 predicted, 8,263,940 measured)",
+    "save_on_cpu-full-qwen2-bf16-ckpt": "-39.26% (3,271,168 predicted, 5,385,476 measured)",
+}
 
 
 CASES = _cases()
