@@ -63,6 +63,14 @@ def test_offload_host_copies_within_bound(case: OffloadCase):
     )
 
 
+def test_each_mode_is_the_mechanism_memplan_models_for_its_runtime():
+    from memplan.costmodel.memory import OFFLOAD_MECHANISM
+
+    mechanism = {"trl-like": "trl", "save_on_cpu": "save_on_cpu"}
+    assert {OFFLOAD_MECHANISM[c.runtime] for c in CASES if c.mode == "trl-like"} == {mechanism["trl-like"]}
+    assert all(OFFLOAD_MECHANISM[c.runtime] == mechanism[c.mode] for c in CASES)
+
+
 def test_every_named_miss_is_a_case():
     names = {c.name for c in CASES}
     assert set(PEAK_MISSES) <= names and set(HOST_MISSES) <= names
