@@ -7,9 +7,15 @@ count, as device memory would not hold the pinned host copy) and its unpack hook
 a new tensor (a torch allocation the tracker counts, as the device copy would be). What is
 offloaded follows the mechanism:
 
-- ``trl``: TRL's ``OffloadActivations`` (trl/models/activation_offloading.py, from torchtune's),
-  what ``SFTConfig(activation_offloading=True)`` and axolotl's ``activation_offloading: true`` run
-  around ``Trainer.training_step``: tensors under ``min_offload_size`` (1024 bytes), parameters
+- ``trl-like``: hand-written hooks modelled on TRL's ``OffloadActivations`` (read in trl 1.16.0,
+  trl/models/activation_offloading.py, itself from torchtune's; the head's no-op hooks in its
+  ``get_act_offloading_ctx_manager``, the wrapping in trl/trainer/sft_trainer.py's
+  ``training_step``), what ``SFTConfig(activation_offloading=True)`` and axolotl's
+  ``activation_offloading: true`` run around ``Trainer.training_step``. They are not TRL itself:
+  TRL is not a dependency (it needs datasets, pandas and pyarrow, 68 MB of wheels), and its
+  ``OffloadActivations`` cannot be built without an accelerator (its constructor reads
+  ``torch.accelerator.current_accelerator().type``: an AttributeError on a CPU-only torch). The
+  rules it follows: tensors under ``min_offload_size`` (1024 bytes), parameters
   and buffers (and views of a parameter's storage) stay; a storage already offloaded in this
   forward (same data pointer + offset and dtype) stays on the device as well, the tensor itself
   held; nothing the LM head saves is offloaded (a no-op hook pair around ``lm_head``); with
@@ -20,7 +26,7 @@ offloaded follows the mechanism:
   backward of the hand-written loop: every saved tensor, parameters included, copied to the host
   and back (contiguous), nothing kept.
 
-The loops are the runtimes': ``trl`` through ``transformers.Trainer`` (``--runtime hf``) with its
+The loops are the runtimes': ``trl-like`` through ``transformers.Trainer`` (``--runtime hf``) with its
 ``training_step`` wrapped as TRL's ``SFTTrainer`` wraps it, ``save_on_cpu`` through the
 hand-written loop that keeps ``out`` (``--runtime hf-loop``).
 """
@@ -56,7 +62,7 @@ def _device_copy(packed: tuple[np.ndarray, torch.dtype]) -> torch.Tensor:
 
 
 class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Saved-tensor hooks that emulate ``mode`` (``trl`` or ``save_on_cpu``) on CPU.
+    """Saved-tensor hooks that emulate ``mode`` (``trl-like`` or ``save_on_cpu``) on CPU.
     ``host_bytes`` / ``host_peak``: bytes of the host copies alive (pinned memory on a GPU)."""
 
     def __init__(self, mode: str, model: torch.nn.Module | None = None) -> None:
@@ -97,7 +103,7 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
         packed = _host_copy(t)
         self.host_bytes += packed[0].nbytes
         self.host_peak = max(self.host_peak, self.host_bytes)
-        if self.mode == "trl":
+        if self.mode == "trl-like":
             for old in [k for k in self._stash if k <= ident - FWD_STASH]:
                 del self._stash[old]
             self._stash[ident] = t
@@ -108,7 +114,7 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
         if kept is not None:
             return kept
         self.host_bytes -= host[0].nbytes
-        if self.mode == "trl":
+        if self.mode == "trl-like":
             node = torch._C._current_autograd_node()
             if node is not None and node is not self._node:
                 # after this node has run: the previous node's tensors and the forward stash go
@@ -138,7 +144,7 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
 
 
 def pause_in_lm_head(model: torch.nn.Module, offload: EmulatedOffload) -> None:
-    """TRL's no-op hooks around the output head: nothing it saves is offloaded."""
+    """As TRL's no-op hooks around the output head: nothing it saves is offloaded."""
     head = model.get_output_embeddings()
 
     def enter(*_):
@@ -154,18 +160,20 @@ def pause_in_lm_head(model: torch.nn.Module, offload: EmulatedOffload) -> None:
 @dataclass(frozen=True)
 class OffloadCase:
     """A case of the PEFT suite (``peft``) or of the hf suite (``full``), run with activation offload
-    by ``mode``: ``trl`` (Trainer, ``--runtime hf``) or ``save_on_cpu`` (hand loop, ``hf-loop``)."""
+    by ``mode``: ``trl-like`` (Trainer, ``--runtime hf``) or ``save_on_cpu`` (hand loop, ``hf-loop``)."""
 
     name: str
     base: object  # peft_steps.PeftCase or hf_steps.Case
-    mode: str = "trl"
+    mode: str = "trl-like"
     slow: bool = False
-    # a case measured outside 3% and not yet modelled: why (the test expects it to fail: xfail)
+    # a peak measured outside 3%, not yet modelled: its figure and why (a strict xfail)
     miss: str = ""
+    # host copies measured outside 10% of ``offload.cpu``: its figure (a strict xfail)
+    host_miss: str = ""
 
     @property
     def runtime(self) -> str:
-        return "hf" if self.mode == "trl" else "hf-loop"
+        return "hf" if self.mode == "trl-like" else "hf-loop"
 
 
 def _model(case: OffloadCase):
@@ -205,7 +213,7 @@ def measure(case: OffloadCase, steps: int = 3) -> tuple[int, int]:
     ids = torch.randint(0, base.vocab, (base.batch, base.seq))
     tracker = StorageTracker()
     tracker.track_module(model)
-    if case.mode == "trl":
+    if case.mode == "trl-like":
         pause_in_lm_head(model, offload)
         rows = [{"input_ids": row, "labels": row} for row in ids] * steps
         with tempfile.TemporaryDirectory() as out:
@@ -285,16 +293,31 @@ def _cases() -> list[OffloadCase]:
         ),
     ]
     slow = {"full-layers-fp32", "full-layers-fp32-ckpt", "lora-fp32-all-linear", "qwen2-lora-fp32-tied"}
-    misses = {
-        "save_on_cpu-lora-fp32-all-linear": "an adapted MLP's backward under save_on_cpu, fitted on q/v (-3.5%)",
-        "save_on_cpu-lora-bf16-qv": "the loop's DynamicCache counted at the loss's backward as well (+5.9%)",
-    }
-    for mode in ("trl", "save_on_cpu"):
+    for mode in ("trl-like", "save_on_cpu"):
         for base in [*lora, *full]:
             name = f"{mode}-{base.name}"
-            miss = misses.get(name, "")
-            out.append(OffloadCase(name, replace(base), mode, base.name in slow, miss))
+            miss, host_miss = PEAK_MISSES.get(name, ""), HOST_MISSES.get(name, "")
+            out.append(OffloadCase(name, replace(base), mode, base.name in slow, miss, host_miss))
     return out
+
+
+# Measured 2026-11-27 on CPU (torch 2.13.0+cpu, transformers 5.23.0, peft 0.21.2), 3 steps;
+# predicted against measured, (predicted - measured) / measured. Every other case: peak within
+# 2.71%, host copies within 9.75%.
+PEAK_MISSES = {
+    "save_on_cpu-lora-fp32-all-linear": "-3.50% (1,275,648 predicted, 1,321,972 measured): an adapted MLP's "
+    "backward under save_on_cpu, fitted on q/v",
+    "save_on_cpu-lora-bf16-qv": "+5.85% (795,264 predicted, 751,336 measured): the loop's DynamicCache counted "
+    "at the loss's backward as well",
+}
+# save_on_cpu's host copies (pinned memory on a GPU) under-predicted, the unsafe direction: the
+# checkpointed and 16-bit cases (what the host term misses is not yet itemised)
+HOST_MISSES = {
+    "save_on_cpu-lora-fp32-ckpt": "-21.27% (363,008 predicted, 461,060 measured)",
+    "save_on_cpu-lora-bf16-ckpt": "-33.05% (264,704 predicted, 395,396 measured)",
+    "save_on_cpu-full-bf16": "-15.57% (6,977,024 predicted, 8,263,940 measured)",
+    "save_on_cpu-full-qwen2-bf16-ckpt": "-39.26% (3,271,168 predicted, 5,385,476 measured)",
+}
 
 
 CASES = _cases()

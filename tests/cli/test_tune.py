@@ -4,6 +4,7 @@ fitting, a study shared by two workers, Ctrl-C and resume, validation runs on CP
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import signal
 import sqlite3
@@ -120,7 +121,7 @@ def test_pareto_front():
     assert code == 0, err
     front = [r["evaluation"] for r in json.loads(out)["top"]]
     assert len(front) >= 2
-    for a, b in zip(front, front[1:], strict=False):  # faster and bigger, then slower and smaller
+    for a, b in itertools.pairwise(front):  # faster and bigger, then slower and smaller
         assert a["tokens_per_s"] > b["tokens_per_s"] and a["peak_reserved_bytes"] > b["peak_reserved_bytes"]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import itertools
 import json
 import os
 import pickle
@@ -78,7 +79,7 @@ def test_sweeps_double_the_micro_batch_from_one():
     assert 1 <= len(sweeps) <= 2
     for sweep in sweeps:
         mbs = sweep.micro_batches
-        assert mbs[0] == 1 and all(b == 2 * a for a, b in zip(mbs, mbs[1:], strict=False))
+        assert mbs[0] == 1 and all(b == 2 * a for a, b in itertools.pairwise(mbs))
         assert [p.micro_batch for p in sweep.plans()] == list(mbs)
         assert all(p.batch == p.micro_batch * p.dp for p in sweep.plans())  # no accumulation
 
@@ -237,7 +238,7 @@ def test_schedule_side_by_side_peaks_sum_within_capacity():
                 assert slot.hold_bytes >= job.predicted_bytes * 1.25 + job.processes * 0.8 * GIB - 1
         if schedule.waves:
             assert schedule.waves[0].start_s >= 30
-        for a, b in zip(schedule.waves, schedule.waves[1:], strict=False):
+        for a, b in itertools.pairwise(schedule.waves):
             assert b.start_s >= a.end_s  # waves one after another
 
 

@@ -70,14 +70,42 @@ def _adapted(targets: tuple[str, ...], rank: int = 4) -> Transformer:
     return model
 
 
+def _peft_choice(targets: tuple[str, ...], rank: int = 4) -> tuple[set[tuple[str, str]], int]:
+    """What PEFT itself wraps for the same ``LoraConfig`` on a transformers Llama of TINY's shape
+    (built on the meta device): the (layer, module name) pairs of ``targeted_module_names`` and
+    its trainable parameter count."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=TINY.hidden_size,
+        num_hidden_layers=TINY.num_layers,
+        num_attention_heads=TINY.num_attention_heads,
+        num_key_value_heads=TINY.num_kv_heads,
+        intermediate_size=TINY.ffn_size,
+        vocab_size=TINY.vocab_size,
+        tie_word_embeddings=TINY.tied_embeddings,
+    )
+    with torch.device("meta"):
+        base = transformers.LlamaForCausalLM(config)
+    modules = "all-linear" if targets == ALL else list(targets)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, target_modules=modules))
+    chosen = {(name.split(".")[2], name.rsplit(".", 1)[1]) for name in model.targeted_module_names}
+    return chosen, model.get_nb_trainable_parameters()[0]
+
+
 @pytest.mark.parametrize("targets", [QV, ALL, ("o_proj", "gate_proj")])
-def test_trainable_parameters_are_the_cost_models_adapters(targets: tuple[str, ...]):
+def test_trainable_parameters_are_the_adapters_peft_builds(targets: tuple[str, ...]):
     model = _adapted(targets)
     params = trainable(list(model.parameters()))
-    assert sum(p.numel() for p in params) == L.trainable_params(TINY, targets, 4, ())
+    chosen, peft_trainable = _peft_choice(targets)
+    assert sum(p.numel() for p in params) == peft_trainable == L.trainable_params(TINY, targets, 4, ())
     assert all(p.dtype == torch.float32 for p in params)
-    wrapped = {name.split(".", 2)[2] for name, m in model.named_modules() if isinstance(m, LoraLinear)}
-    assert {HF_NAMES[w] for w in wrapped} == set(L.resolve_targets(targets))
+    wrapped = {
+        (name.split(".")[1], HF_NAMES[name.split(".", 2)[2]])
+        for name, m in model.named_modules()
+        if isinstance(m, LoraLinear)
+    }
+    assert wrapped == chosen
     frozen = [p for p in model.parameters() if not p.requires_grad]
     assert sum(p.numel() for p in frozen) == sum(p.numel() for p in Transformer(TINY).parameters())
 

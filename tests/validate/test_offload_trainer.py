@@ -133,18 +133,50 @@ def test_validate_cli_offloads_on_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch,
     assert host["measured_bytes"] > 0 and abs(host["error_pct"]) <= 100 * HOST_TOLERANCE
 
 
+_WIDE_CHECKPOINTED: dict[str, tuple] = {}
+
+
+def _wide_checkpointed(precision: str) -> tuple:
+    """(report, record) of WIDE_MLP checkpointed without offload, 1 x 64 tokens, run once."""
+    if precision not in _WIDE_CHECKPOINTED:
+        plan = Plan(precision=precision, recompute="full")
+        workload = TrainingWorkload(seq_len=64, micro_batch=1)
+        report = estimate_training(WIDE_MLP, workload, plan, "memplan", device="cpu")
+        record = run(RunSpec(model=WIDE_MLP, workload=workload, plan=plan, rank=report.peak.rank, steps=1))
+        assert record.status == "ok", record.reason
+        _WIDE_CHECKPOINTED[precision] = report, record
+    return _WIDE_CHECKPOINTED[precision]
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_checkpointed_wide_mlp_forward_peaks_inside_its_last_layer(precision: str):
     """Without offload, recompute full: the forward's peak is the last layer's MLP product (3 d f a
     token beside the checkpoints' inputs) where it outgrows the loss's tensors (a wide MLP, a small
-    vocabulary); it was 5-9% under before the moment was a candidate. The backward stays above
-    what is measured (the recomputed layer is not walked node by node without offload: +6%)."""
-    plan = Plan(precision=precision, recompute="full")
-    workload = TrainingWorkload(seq_len=64, micro_batch=1)
-    report = estimate_training(WIDE_MLP, workload, plan, "memplan", device="cpu")
-    record = run(RunSpec(model=WIDE_MLP, workload=workload, plan=plan, rank=report.peak.rank, steps=1))
-    assert record.status == "ok", record.reason
+    vocabulary); it was 5-9% under before the moment was a candidate. The backward is not
+    under-predicted (its 3% bound is the strict xfail below)."""
+    report, record = _wide_checkpointed(precision)
     forward = record.phases["forward"].allocated
     assert abs(report.phases["forward"] - forward) <= 0.01 * forward, (report.phases["forward"], forward)
     backward = record.phases["backward"].allocated
-    assert backward <= report.phases["backward"] <= 1.07 * backward, (report.phases["backward"], backward)
+    assert backward <= report.phases["backward"], (report.phases["backward"], backward)
+
+
+# Measured 2026-11-27 on CPU (torch 2.13.0+cpu), predicted against measured
+WIDE_BACKWARD_MISSES = {
+    "fp32": "+6.24% (16,740,352 predicted, 15,756,892 measured)",
+    "bf16": "+5.99% (8,403,968 predicted, 7,928,924 measured)",
+}
+
+
+def _known_miss(miss: str) -> pytest.MarkDecorator:
+    why = "the recomputed layer is not walked node by node without offload"
+    return pytest.mark.xfail(strict=True, reason=f"known miss: {miss}: {why}")
+
+
+@pytest.mark.parametrize("precision", [pytest.param(p, marks=_known_miss(m)) for p, m in WIDE_BACKWARD_MISSES.items()])
+def test_a_checkpointed_wide_mlp_backward_within_3pct(precision: str):
+    """The suite's bound (TOLERANCE_PCT) on the same runs' backward phase."""
+    report, record = _wide_checkpointed(precision)
+    backward = record.phases["backward"].allocated
+    error = (report.phases["backward"] - backward) / backward
+    assert abs(error) <= TOLERANCE_PCT / 100, f"{100 * error:+.2f}% ({report.phases['backward']:,} vs {backward:,})"
