@@ -118,6 +118,24 @@ CASES = [
 ]  # fmt: skip
 
 
+# Each pipelined default case's stages run one by one (test_trainer_accuracy.py), measured
+# 2026-11-27 (torch 2.13.0+cpu): the most-loaded stage is the one predicted in all 12, the
+# stages the model examined and did not pick (the first; stage_peaks) are under-predicted in 8,
+# by 2.1% to 6.8%: strict xfails, (case, stage): figure. Within 2%: recompute-selective-op-
+# pp2-bf16-small (-0.00%), pp4-full-bf16-small (-0.00%), pp4-fp32-4-microbatches' last stage
+# (-0.00%), 3d-pp4-tp2-sp-dp2-zero2-bf16-2-microbatches (+1.10%).
+STAGE_MISSES = {
+    ("pp2-1f1b-fp32", 0): "-3.00% (predicted 42,419,200, measured 43,729,996)",
+    ("pp2-interleaved-fp32", 0): "-2.80% (predicted 49,884,160, measured 51,320,396)",
+    ("pp2-gpipe-bf16-small", 0): "-2.10% (predicted 17,568,768, measured 17,945,676)",
+    ("pp4-1f1b-bf16-small", 0): "-2.38% (predicted 11,361,280, measured 11,638,824)",
+    ("3d-pp4-tp2-sp-dp2-zero2-bf16", 0): "-6.77% (predicted 4,567,424, measured 4,898,984)",
+    ("pp2-dp2-zero3-bf16-mixed-4-microbatches-small", 0): "-6.50% (predicted 19,140,864, measured 20,471,372)",
+    ("pp2-interleaved-dp2-zero2-bf16-small", 0): "-2.19% (predicted 15,799,040, measured 16,152,396)",
+    ("3d-pp2-tp2-dp4-zero2-bf16", 0): "-5.77% (predicted 10,159,104, measured 10,780,876)",
+}
+
+
 def measured_against_predicted(name: str, model: ModelSpec, workload: TrainingWorkload, plan: Plan, steps: int,
                                tolerance_pct: float = 3.0):  # fmt: skip
     """Run ``plan`` with the bundled trainer (rank simulation, CPU) and assert each phase's measured
