@@ -1,18 +1,25 @@
 """The bundled trainer's measured peak against ``--runtime memplan``: within 2% per plan.
 
 The heaviest bf16 cases run under ``-m slow``; each has a smaller twin in the default suite
-(trainer_cases.py).
+(trainer_cases.py). The shapes measured outside the bound (``Case.miss``) are strict xfails
+carrying their figures.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 pytest.importorskip("torch")
 
-from trainer_cases import CASES, Case  # noqa: E402
+from trainer_cases import CASES, STAGE_MISSES, Case  # noqa: E402
 
+from memplan.costmodel.memory import estimate_training  # noqa: E402
+from memplan.costmodel.report import MemoryReport  # noqa: E402
+from memplan.specs.plan import Plan  # noqa: E402
 from memplan.train.runner import run  # noqa: E402
+from memplan.validate.record import RunRecord  # noqa: E402
 
 TOLERANCE_PCT = 2.0
 
@@ -45,19 +52,104 @@ def test_each_slow_case_has_a_smaller_default_twin(case: Case):
 
 
 def _peak(case: Case):
-    from memplan.costmodel.memory import estimate_training
-    from memplan.specs.plan import Plan
-
-    return estimate_training(case.model, case.workload(), Plan(**case.plan), "memplan", device="cpu").peak
+    return _report(case).peak
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else []) for c in CASES]
-)
+def _marks(case: Case) -> list:
+    marks = [pytest.mark.slow] if case.slow else []
+    if case.miss:
+        marks.append(pytest.mark.xfail(strict=True, reason=f"known miss, not yet modelled: {case.miss}"))
+    return marks
+
+
+def test_each_known_miss_names_its_figure():
+    """A strict xfail carries the error it was measured at (signed percent) and both byte counts."""
+    misses = [c for c in CASES if c.miss]
+    assert {c.name for c in misses} >= {"pp2-gpipe-bf16-1x64", "zero3-dp4-bf16-mixed-1x64", "zero3-dp4-fp32-1x64"}
+    for case in misses:
+        assert not case.slow
+        assert re.match(r"[+-]\d+\.\d\d% \(predicted [\d,]+, measured [\d,]+", case.miss), case.miss
+        _, predicted = case.spec()
+        assert f"predicted {predicted:,}," in case.miss, f"{case.name}: the model now predicts {predicted:,}"
+
+
+_RECORDS: dict[tuple[str, int], RunRecord] = {}
+
+
+def _measure(case: Case, stage: int | None = None) -> tuple[RunRecord, MemoryReport]:
+    """The bundled trainer's run of ``stage``'s first rank (None: the predicted most-loaded rank,
+    the one ``Case.spec`` runs) and memplan's report; each run once per session, so the stage
+    tests below reuse the rank the 2% test measured. Another stage runs one measured step after
+    the warm-up, not two: the same peak on the four stages tried (2026-11-27), a third less time."""
+    spec, _ = case.spec()
+    report = _report(case)
+    rank = spec.rank if stage is None else stage * spec.plan.dp * spec.plan.tp
+    if rank != spec.rank:
+        spec = spec.model_copy(update=dict(rank=rank, steps=1))
+    assert stage is None or spec.stage_of(spec.rank) == stage
+    key = (case.name, spec.rank)
+    if key not in _RECORDS:
+        _RECORDS[key] = run(spec)
+    record = _RECORDS[key]
+    assert record.status == "ok", record.reason
+    return record, report
+
+
+def _report(case: Case) -> MemoryReport:
+    return estimate_training(case.model, case.workload(), Plan(**case.plan), "memplan", device="cpu")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=_marks(c)) for c in CASES])
 def test_memplan_runtime_within_2pct(case: Case):
     spec, predicted = case.spec()
-    record = run(spec)
+    record, _ = _measure(case)
     assert record.status == "ok", record.reason
     measured = record.peak_allocated
     error = 100 * (predicted - measured) / measured
     assert abs(error) <= TOLERANCE_PCT, f"{case.name}: predicted {predicted:,} measured {measured:,} ({error:+.2f}%)"
+
+
+# the default suite's pipelined cases (a known miss aside): every stage is run
+PIPELINED = [c for c in CASES if not c.slow and not c.miss and c.plan.get("pp", 1) > 1]
+
+
+def _examined_stages() -> list:
+    """(case, stage) for each stage the memory model predicts (``stage_peaks``: the first and the
+    last) other than the most-loaded one, which test_memplan_runtime_within_2pct holds."""
+    params = []
+    for case in PIPELINED:
+        report = _report(case)
+        for stage in sorted(set(report.stage_peaks) - {report.peak.stage}):
+            miss = STAGE_MISSES.get((case.name, stage))
+            marks = [pytest.mark.xfail(strict=True, reason=f"known miss, not yet modelled: {miss}")] if miss else []
+            params.append(pytest.param(case, stage, id=f"{case.name}-stage{stage}", marks=marks))
+    return params
+
+
+@pytest.mark.parametrize(("case", "stage"), _examined_stages())
+def test_each_predicted_pipeline_stage_within_2pct(case: Case, stage: int):
+    """The stage the model did not pick is a claim too: its own peak, within the bound."""
+    record, report = _measure(case, stage)
+    predicted, measured = report.stage_peaks[stage], record.peak_allocated
+    error = 100 * (predicted - measured) / measured
+    assert abs(error) <= TOLERANCE_PCT, (
+        f"{case.name} stage {stage}: predicted {predicted:,} measured {measured:,} ({error:+.2f}%)"
+    )
+
+
+@pytest.mark.parametrize("case", PIPELINED, ids=lambda c: c.name)
+def test_the_predicted_stage_is_the_measured_most_loaded(case: Case):
+    """The rank validate runs (``peak.rank``) is the measured most-loaded of every stage, middle
+    stages included (the model examines the first and the last only: ``_stages_to_examine``)."""
+    report = _report(case)
+    measured = {stage: _measure(case, stage)[0].peak_allocated for stage in range(Plan(**case.plan).pp)}
+    assert max(measured, key=measured.__getitem__) == report.peak.stage, (case.name, measured)
+
+
+def test_each_stage_miss_names_an_examined_stage_and_its_figure():
+    """A stage's strict xfail names a stage the model predicts, not its peak one (that is the 2%
+    test's), and carries the prediction the model makes today (else the figure is stale)."""
+    for (name, stage), miss in STAGE_MISSES.items():
+        report = _report(next(c for c in PIPELINED if c.name == name))
+        assert stage in report.stage_peaks and stage != report.peak.stage, (name, stage)
+        assert re.match(rf"[+-]\d+\.\d\d% \(predicted {report.stage_peaks[stage]:,}, measured [\d,]+\)", miss), miss

@@ -34,6 +34,7 @@ class Case:
     seq_len: int = 160
     global_batch: int | None = None
     slow: bool = False  # runs under ``-m slow`` only; a smaller twin runs by default (see CASES)
+    miss: str = ""  # a measured miss outside the bound, not yet modelled: a strict xfail naming its figure
 
     def workload(self) -> TrainingWorkload:
         return TrainingWorkload(seq_len=self.seq_len, micro_batch=self.micro_batch, global_batch=self.global_batch)
@@ -53,7 +54,9 @@ class Case:
 # model, the same number of microbatches, fewer tokens per microbatch: 1 x 128 instead of
 # 2 x 160, and recompute-selective-op-bf16 keeps its 512-token sequence at 1 sequence instead
 # of 4 (test_each_slow_case_has_a_smaller_default_twin). Not smaller: at 1 x 64 tokens the
-# measured peak leaves the memory model (pp2-gpipe-bf16 -4.5%, zero3-dp4-bf16-mixed -6.1%).
+# measured peak leaves the memory model, under-predicted (the unsafe direction); those shapes run
+# by default as the <case>-1x64 cases, each a strict xfail carrying its measured figure (``miss``),
+# so a fix turns it into a failure that asks for the mark to go.
 CASES = [
     Case("single-fp32", dict(precision="fp32")),
     Case("single-bf16", dict(precision="bf16")),
@@ -102,6 +105,9 @@ CASES = [
     Case("pp2-interleaved-dp2-zero2-bf16-small", dict(precision="bf16", pp=2, dp=2, zero=2, pp_schedule="interleaved", virtual_stages=2), micro_batch=1, seq_len=128, global_batch=8),
     Case("3d-pp4-tp2-sp-dp2-zero2-bf16-2-microbatches", dict(precision="bf16", pp=4, tp=2, sequence_parallel=True, dp=2, zero=2), global_batch=8),
     Case("3d-pp2-tp2-dp4-zero2-bf16", dict(precision="bf16", pp=2, tp=2, dp=4, zero=2), global_batch=16),
+    Case("pp2-gpipe-bf16-1x64", dict(precision="bf16", pp=2, pp_schedule="gpipe"), micro_batch=1, seq_len=64, global_batch=4, miss="-4.49% (predicted 17,526,400, measured 18,349,416; stage 1, 2026-11-27)"),
+    Case("zero3-dp4-bf16-mixed-1x64", dict(precision="bf16-mixed", dp=4, zero=3), micro_batch=1, seq_len=64, miss="-6.13% (predicted 14,623,104, measured 15,577,828; 2026-11-27)"),
+    Case("zero3-dp4-fp32-1x64", dict(precision="fp32", dp=4, zero=3), micro_batch=1, seq_len=64, miss="-7.15% (predicted 18,238,976, measured 19,643,876; 2026-11-27)"),
     Case("tied-single-bf16", dict(precision="bf16"), model=TIED),
     Case("tied-tp2-fp32", dict(precision="fp32", tp=2), model=TIED, micro_batch=1),
     Case("tied-dp2-zero3-bf16-mixed", dict(precision="bf16-mixed", dp=2, zero=3), model=TIED, micro_batch=1),
@@ -110,6 +116,24 @@ CASES = [
     Case("tied-tp4-fp32", dict(precision="fp32", tp=4), model=TIED, micro_batch=1),
     Case("tied-dp16-tp4-sp-zero3-bf16-mixed-world64", dict(precision="bf16-mixed", dp=16, tp=4, sequence_parallel=True, zero=3), model=TIED, micro_batch=1),
 ]  # fmt: skip
+
+
+# Each pipelined default case's stages run one by one (test_trainer_accuracy.py), measured
+# 2026-11-27 (torch 2.13.0+cpu): the most-loaded stage is the one predicted in all 12, the
+# stages the model examined and did not pick (the first; stage_peaks) are under-predicted in 8,
+# by 2.1% to 6.8%: strict xfails, (case, stage): figure. Within 2%: recompute-selective-op-
+# pp2-bf16-small (-0.00%), pp4-full-bf16-small (-0.00%), pp4-fp32-4-microbatches' last stage
+# (-0.00%), 3d-pp4-tp2-sp-dp2-zero2-bf16-2-microbatches (+1.10%).
+STAGE_MISSES = {
+    ("pp2-1f1b-fp32", 0): "-3.00% (predicted 42,419,200, measured 43,729,996)",
+    ("pp2-interleaved-fp32", 0): "-2.80% (predicted 49,884,160, measured 51,320,396)",
+    ("pp2-gpipe-bf16-small", 0): "-2.10% (predicted 17,568,768, measured 17,945,676)",
+    ("pp4-1f1b-bf16-small", 0): "-2.38% (predicted 11,361,280, measured 11,638,824)",
+    ("3d-pp4-tp2-sp-dp2-zero2-bf16", 0): "-6.77% (predicted 4,567,424, measured 4,898,984)",
+    ("pp2-dp2-zero3-bf16-mixed-4-microbatches-small", 0): "-6.50% (predicted 19,140,864, measured 20,471,372)",
+    ("pp2-interleaved-dp2-zero2-bf16-small", 0): "-2.19% (predicted 15,799,040, measured 16,152,396)",
+    ("3d-pp2-tp2-dp4-zero2-bf16", 0): "-5.77% (predicted 10,159,104, measured 10,780,876)",
+}
 
 
 def measured_against_predicted(name: str, model: ModelSpec, workload: TrainingWorkload, plan: Plan, steps: int,
