@@ -62,6 +62,11 @@ class EstimateResult(BaseModel):
     # a pydantic class costs the cold start ~4 M instructions to build
     fits_margin: dict[str, Any] | None = None
 
+    @property
+    def tight(self) -> bool:
+        """Fits, but with less headroom than the tight band (``fits_margin``)."""
+        return self.fits_margin is not None and self.fits_margin["state"] == "tight"
+
 
 def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
     """Every plan field, resolved, with the workload, runtime and derived degrees beside it."""
@@ -261,7 +266,7 @@ def estimate_with_run(
             "memory_bytes": job.gpu.memory_bytes,
             "capacity_bytes": capacity,
             "capacity_basis": job.gpu.capacity_basis,
-            "capacity_spread_bytes": job.gpu.torch_capacity_spread_bytes,
+            "capacity_spread_bytes": job.gpu.capacity_spread_bytes,
             "capacity_source": job.gpu.capacity_note,
             "display_name": job.gpu.display_name,
             "device": device,
@@ -283,7 +288,7 @@ def fits_margin(job: Job, report: MemoryReport, which: str, fits: bool, headroom
     """The verdict against the tight band of the model that answered (``costmodel.margin``)."""
     training = isinstance(job.workload, TrainingWorkload)
     outside_spread = int(report.outside["spread"]) if report.outside is not None else 0
-    capacity_spread = job.gpu.torch_capacity_spread_bytes if job.gpu.torch_capacity_bytes is not None else 0
+    capacity_spread = job.gpu.capacity_spread_bytes
     b = margin_band(
         which, job.plan if training else None, job.runtime, report.peak.reserved, outside_spread, capacity_spread
     )

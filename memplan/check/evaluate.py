@@ -214,7 +214,8 @@ def estimated(r: Resolved, device: str = "cuda") -> Measurement:
     result = estimate(r.job, with_suggestions=False, device=device)
     peak, margin = result.memory.peak, result.fits_margin
     tight = None
-    if margin is not None and margin["state"] == "tight":
+    if result.tight:
+        assert margin is not None
         tight = (
             f"fits, tight: {format_bytes(margin['headroom_bytes'])} of headroom on the GPU is within the "
             f"{format_bytes(margin['band_bytes'])} band of the {margin['model']}'s measured error "

@@ -186,7 +186,8 @@ def verdict(result: EstimateResult) -> str:
     limit = capacity - mem.overhead
     usable = f"{_gib(limit)} the allocator can use ({_gib(capacity)} less {_gib(mem.overhead)} outside it)"
     margin = result.fits_margin
-    if result.fits and margin is not None and margin["state"] == "tight":
+    if result.tight:
+        assert margin is not None
         spreads = _gib(margin["outside_spread_bytes"] + margin["capacity_spread_bytes"])
         return (
             f"[yellow]fits, tight[/]: {_gib(peak.reserved)} reserved of {usable}, headroom "
@@ -276,7 +277,7 @@ def render(result: EstimateResult, console: Console) -> None:
             )
         )
     console.print(verdict(result))
-    tight = result.fits and result.fits_margin is not None and result.fits_margin["state"] == "tight"
+    tight = result.tight
     if result.fits and not tight:
         return
     if result.suggestions:

@@ -1423,22 +1423,9 @@ def estimate_training(
         phases=peak.totals,
         stage_peaks=peak.stage_peaks,
         overhead=peak.overhead,
-        outside=outside_detail(O.communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep)),
+        outside=O.outside_memory(O.communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep)).detail(),
         gradient_accumulation=peak.gradient_accumulation,
     )
-
-
-def outside_detail(n_communicators: int) -> dict[str, int | str]:
-    """``overhead.outside_memory`` as the report's ``outside``."""
-    o = O.outside_memory(n_communicators)
-    return {
-        "cuda_context": o.cuda_context,
-        "nccl": o.nccl,
-        "communicators": o.communicators,
-        "torch_version": o.torch_version,
-        "spread": o.spread,
-        "source": o.source,
-    }
 
 
 def activation_offload_bytes(
@@ -1561,7 +1548,7 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
         phases={"prefill": allocated},
         stage_peaks=stage_peaks,
         overhead=overhead,
-        outside=outside_detail(O.communicators(1, plan.tp, plan.pp, 1, plan.ep)),
+        outside=O.outside_memory(O.communicators(1, plan.tp, plan.pp, 1, plan.ep)).detail(),
         gradient_accumulation=1,
         prefill=PrefillReport.model_construct(
             tokens=x.tokens,

@@ -80,6 +80,10 @@ class Outside:
     def total(self) -> int:
         return self.cuda_context + self.nccl
 
+    def detail(self) -> dict[str, int | str]:
+        """As ``MemoryReport.outside`` carries it."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
 
 def communicators(dp: int, tp: int, pp: int, cp: int, ep: int) -> int:
     """Process groups with more than one rank each hold an NCCL communicator."""

@@ -182,7 +182,7 @@ def replayed(ev: Evaluation, ctx: Context) -> Evaluation:
     v = plan_verdict(ctx.model, ev.workload, ev.plan, ctx.runtime, ctx.allocator, limit, ctx.device)
     headroom = ctx.gpu.capacity_bytes - ev.overhead_bytes - v.reserved
     spread = O.outside_memory(0).spread
-    capacity_spread = ctx.gpu.torch_capacity_spread_bytes if ctx.gpu.torch_capacity_bytes is not None else 0
+    capacity_spread = ctx.gpu.capacity_spread_bytes
     b = band(v.timeline, ev.plan, ctx.runtime, v.reserved, spread, capacity_spread)
     tight = v.fits and headroom < b.bytes
     return ev.model_copy(

@@ -19,7 +19,6 @@ MiB = 2**20
 # (docs/cost-model.md, "The capacity PyTorch sees"). A profile without a capacity of its own is
 # derived with the largest, so that "fits" errs towards "does not fit".
 DRIVER_RESERVED_BYTES_MAX = 881 * MiB
-DRIVER_RESERVED_BYTES_MIN = 316 * MiB
 BytesPerSecond = Annotated[float, BeforeValidator(lambda v: parse_quantity(v, "B")), Field(gt=0)]
 FlopsPerSecond = Annotated[float, BeforeValidator(lambda v: parse_quantity(v, "FLOPS")), Field(gt=0)]
 
@@ -111,6 +110,12 @@ class GPUSpec(BaseModel):
         if self.torch_capacity_bytes is not None:
             return self.torch_capacity_bytes
         return self.memory_bytes - min(DRIVER_RESERVED_BYTES_MAX, self.memory_bytes // 50)
+
+    @property
+    def capacity_spread_bytes(self) -> int:
+        """How far below ``capacity_bytes`` the capacity may be on another driver: the profile's
+        spread; 0 when derived (the largest reservation seen is already taken off)."""
+        return self.torch_capacity_spread_bytes if self.torch_capacity_bytes is not None else 0
 
     @property
     def capacity_basis(self) -> str:
