@@ -295,16 +295,23 @@ def test_out_of_memory_beside_others_runs_again_alone(tmp_path: Path):
     units.append(gs.Unit("bench", "b", 10))
     schedule = gs.suite_schedule(units, 80 * GIB, None, spent_s=0)
     assert schedule.waves[0].lanes == 3
-    lock, running = gs.threading.Lock(), set()
+    lock, running, started = gs.threading.Lock(), set(), set()
     seen: list[tuple[str, int]] = []
+    # the three shared units' first runs meet here, so they overlap whatever the machine's load (a
+    # sleep alone let a slow thread start after the others had ended: m1 then ran alone and never failed)
+    together = gs.threading.Barrier(3, timeout=30)
 
     def runner(unit, timeout):
         with lock:
             running.add(unit.key)
             seen.append((unit.key, len(running)))
+            first_shared = unit.key.startswith("validate/") and unit.key not in started
+            started.add(unit.key)
+        if first_shared:
+            together.wait()  # past it, the three have all started: this run is one beside others
+        crowded = first_shared
         time.sleep(0.05)
         with lock:
-            crowded = len(running) > 1
             running.discard(unit.key)
         return {"status": "oom" if unit.key == "validate/m1" and crowded else "ok"}
 
