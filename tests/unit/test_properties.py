@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.costmodel.layout import stage_layout
-from memplan.costmodel.memory import estimate_memory, model_states
+from memplan.costmodel.memory import _shape, estimate_memory, model_states, pipeline_activation_bytes
 from memplan.costmodel.precision import POLICIES
+from memplan.costmodel.runtimes import RUNTIMES
 from memplan.errors import MemplanError
 from memplan.specs.job import check_compatible
 from memplan.specs.loader import load_model
@@ -70,72 +71,6 @@ def _with(plan: Plan, **update) -> Plan | None:
         return None
 
 
-# Allowances written out by hand from the model's config, never taken from the estimate: a
-# tensor's bytes are its elements times its dtype's bytes. They are upper bounds, so each counts
-# generously (biases everywhere, replicated regions unsplit, every activation at fp32's 4 bytes).
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _param_bytes(plan: Plan) -> int:
-    """Parameters: fp32 under fp32 and bf16-mixed (autocast), else bf16."""
-    return 4 if plan.precision in ("fp32", "bf16-mixed") else 2
-
-
-def _stage_params(m, plan: Plan) -> int:
-    """Most parameter elements one rank of one pipeline stage holds: ceil(L/p) layers of q, k, v,
-    o (and their biases, q/k norms), the MLP (3 matrices h x f, or every routed expert's and
-    the router's), two norms with biases; plus the embedding and the LM head (V x h each), the
-    final norm and learned positions. Matrices split by t; norms, router and positions not."""
-    h, hd, t = m.hidden_size, m.head_size, plan.tp
-    q, kv = m.num_attention_heads * hd, m.kv_heads * hd
-    attention = _ceil(2 * h * q + 2 * h * kv + q + 2 * kv + h, t) + 2 * hd
-    if m.moe is None:
-        mlp = _ceil(3 * h * m.ffn_size + 2 * m.ffn_size + h, t)
-    else:
-        e = m.moe
-        mlp = _ceil(e.num_experts * 3 * h * e.expert_ffn_size, t) + h * e.num_experts
-        mlp += _ceil(max(e.num_shared_experts, 1) * 3 * h * (e.shared_expert_ffn_size or m.ffn_size), t)
-    layer = attention + mlp + 4 * h
-    ends = 2 * _ceil(m.vocab_size, t) * h + 2 * h
-    if m.position_embedding == "learned":
-        ends += m.max_position_embeddings * h
-    return _ceil(m.num_layers, plan.pp) * layer + ends
-
-
-def _layer_activations(m, workload, plan: Plan) -> int:
-    """Most bytes one layer saves for one micro-batch, every tensor counted at 4 bytes. Per
-    token: each norm's input, fp32 copy and output (2 x 3h), the residual and dropout masks
-    (3h), the matmuls' autocast input copies (5h); q, k and v, their RoPE'd and q/k-normed
-    copies, k and v repeated to every head, a scaled copy of q and the attention output
-    (7q + 4kv), the log-sum-exp (a); the s x s core (scores or probabilities, dropout mask and
-    output, 3as) where it is stored: eager attention, or fp32, which no fused SDPA kernel
-    takes (flash and cuDNN need fp16 / bf16), so SDPA's math path runs; the MLP's gate, up,
-    activation and product (4f), or per routed copy of a token its input and the weighted
-    output (2h) and five expert tensors (5f_e), and the router's logits and probabilities
-    (2E). Head-split tensors / t, the rest unsplit. Selective recomputation stores no s x s
-    core (Korthikanti Sec. 5), nor does op-level (its save list names matmuls and fused SDPA
-    kernels, not an eager softmax); full keeps the layer's input alone."""
-    h, hd, a, t = m.hidden_size, m.head_size, m.num_attention_heads, plan.tp
-    tokens = workload.micro_batch * workload.seq_len
-    if plan.recompute == "full":
-        return 4 * tokens * h  # the layer's input, (b, s, h), alone
-    q, kv = a * hd, m.kv_heads * hd
-    replicated = 14 * h
-    split = 7 * q + 4 * kv + a
-    if plan.recompute == "none" and (plan.attention == "eager" or plan.precision == "fp32"):
-        split += 3 * a * workload.seq_len
-    if m.moe is None:
-        split += 4 * m.ffn_size
-    else:
-        e = m.moe
-        replicated += 2 * e.num_experts + e.top_k * 2 * h
-        split += e.top_k * 5 * e.expert_ffn_size + 5 * (e.shared_expert_ffn_size or 0) * e.num_shared_experts
-    return 4 * tokens * (replicated + _ceil(split, t))
-
-
 @settings(max_examples=300, deadline=None)
 @given(jobs())
 def test_higher_zero_stage_never_uses_more(job):
@@ -152,9 +87,8 @@ def test_higher_zero_stage_never_uses_more(job):
     if runtime == "memplan" and plan.pp > 1 and plan.zero == 1 and plan.dp * plan.cp > 1:
         # under pipelining FSDP2 (memplan's ZeRO-2) reduce-scatters only after the last
         # micro-batch, so its gradients stay unsharded like ZeRO-1's, and its sharded params
-        # sit beside the unsharded ones (measured, docs/cost-model.md): at most those shards more,
-        # the stage's parameters split over the data-parallel ranks
-        slack = _ceil(_stage_params(m, plan) * _param_bytes(plan), plan.dp * plan.cp)
+        # sit beside the unsharded ones (measured, docs/cost-model.md): at most those shards more
+        slack = estimate_memory(m, workload, higher, runtime).peak.breakdown["parameters"]
     assert allocated(m, workload, higher, runtime) <= allocated(m, workload, plan, runtime) + slack
 
 
@@ -197,28 +131,24 @@ def test_more_pipeline_stages_never_use_more(job):
         return
     assert _max_stage_states(m, more) <= _max_stage_states(m, plan)
     bigger = estimate_memory(m, workload, more, runtime)
-    # one micro-batch's L/(2p) layers more
-    allowance = m.num_layers // more.pp * _layer_activations(m, workload, more)
-    # and each extra micro-batch in flight keeps its embedding-side tensors: int64 token ids
-    # (8 b s), RoPE's cos and sin (2 s x head_dim, fp32 at most), the embedding dropout mask
-    # (b s h, 1 byte)
+    # and each extra micro-batch in flight keeps its embedding-side tensors (RoPE tables,
+    # embedding dropout mask)
     accumulation = workload.global_batch // (workload.micro_batch * plan.dp)
     extra_microbatches = min(more.pp, accumulation) - min(plan.pp, accumulation)
-    b, s, h = workload.micro_batch, workload.seq_len, m.hidden_size
-    allowance += extra_microbatches * (8 * b * s + 2 * s * m.head_size * 4 + b * s * h)
+    shape = _shape(m, workload, more, POLICIES[more.precision], RUNTIMES[runtime])
+    allowance = m.num_layers // more.pp * bigger.activations.per_layer + extra_microbatches * RUNTIMES[
+        runtime
+    ].embedding(shape)
     if runtime == "memplan" and plan.pp == 1 and plan.zero >= 2 and plan.dp * plan.cp > 1:
         # FSDP2 under torch.distributed.pipelining reduce-scatters only after the last
         # micro-batch: the stage's gradients stay unsharded through the backward (measured,
-        # docs/cost-model.md), which FSDP2 without pipelining never holds at once; 4 bytes at
-        # most (after the first micro-batch they are upcast to the reduce dtype, fp32 at most)
-        allowance += _stage_params(m, more) * 4
+        # docs/cost-model.md), which FSDP2 without pipelining never holds at once
+        allowance += bigger.peak.breakdown.get("gradients", 0)
     if runtime == "memplan" and more.pp > 1:
         # torch.distributed.pipelining keeps each in-flight micro-batch's stage output in its
         # fwd_cache until that micro-batch's backward (measured, ``pipeline_buffers``): one
-        # (b, s, h) activation more per extra micro-batch in flight on the first stage, in the
-        # residual dtype (fp32 under fp32 and autocast), split by t under SP
-        element = 4 if more.precision in ("fp32", "bf16-mixed") else 2
-        allowance += extra_microbatches * _ceil(b * s * h * element, more.tp if more.sequence_parallel else 1)
+        # b s h activation more per extra micro-batch in flight on the first stage
+        allowance += extra_microbatches * pipeline_activation_bytes(shape)
     assert bigger.peak.allocated <= allocated(m, workload, plan, runtime) + allowance
 
 
