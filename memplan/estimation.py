@@ -125,7 +125,20 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
     if device == "cuda" and v.timeline == "trainer":
         update.update(allocated=v.replay.max_allocated, breakdown=peak_breakdown(v))
     peak = report.peak.model_copy(update=update)
-    return report.model_copy(update={"peak": peak}), v
+    model, reason = _which_model(v.timeline, device)
+    return report.model_copy(update={"peak": peak, "model": model, "model_reason": reason}), v
+
+
+def _which_model(timeline: str, device: Device) -> tuple[str, str | None]:
+    """``memory.model`` and why not the op-level run: it answers for CUDA plans of the bundled
+    trainer that ``timeline.support.supported`` accepts; the phase model for the rest."""
+    if timeline == "trainer":
+        if device == "cuda":
+            return "op-level", None
+        return "phase", "on CPU (the op-level run follows CUDA's kernels and allocator)"
+    if timeline == "serving":
+        return "phase", "inference (the op-level run follows training steps)"
+    return "phase", timeline.removeprefix("phases (").removesuffix(")")
 
 
 VERIFIED = 4  # changes that fit by the fast form, estimated again in full (one allocator replay each)

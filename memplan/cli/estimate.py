@@ -209,6 +209,13 @@ def verdict(result: EstimateResult) -> str:
     return f"[red]does not fit[/]: {figures}; {result.fits_reason.removeprefix('does not fit: ')}"
 
 
+def _which_model(mem: MemoryReport) -> str:
+    """The line above the table: which model answered (``memory.model``)."""
+    if mem.model == "op-level":
+        return "memory model: the op-level run (the bundled trainer op by op, replayed through the allocator)"
+    return f"memory model: the phase model, approximate (not the op-level run: {mem.model_reason})"
+
+
 def render(result: EstimateResult, console: Console) -> None:
     """The human table: breakdown at the peak, model states, fit and suggestions."""
     mem, peak = result.memory, result.memory.peak
@@ -217,6 +224,7 @@ def render(result: EstimateResult, console: Console) -> None:
         console.print(result.gpu["auto"], soft_wrap=True)
     if mem.prefill is not None:
         console.print(_prefill_setting(result), soft_wrap=True)
+    console.print(_which_model(mem), soft_wrap=True, highlight=False)
     table = Table(title=f"Peak: {peak.phase} phase, rank {peak.rank} ({peak.rank_role})")
     table.add_column("component")
     table.add_column("bytes", justify="right")

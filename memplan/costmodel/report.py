@@ -114,3 +114,8 @@ class MemoryReport(_Frozen):
     # instructions to build (benchmarks/bench_estimate.py --instructions)
     outside: dict[str, int | str] | None = None
     prefill: Prefill | None = None  # serving only: the prefill forward the activations are of
+    # which model answered: "op-level" (the bundled trainer's run op by op: allocated, breakdown
+    # and reserved are its replay) or "phase" (the phase model's moments; ``model_reason`` says
+    # what keeps the op-level run off this plan)
+    model: Literal["op-level", "phase"] = "phase"
+    model_reason: str | None = None

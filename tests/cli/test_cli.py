@@ -138,6 +138,7 @@ def test_every_size_is_an_int(capsys, args):
             (".phase", ".rank_role", ".allocator", ".failed_tensor", ".fits_with_expandable_segments", ".timeline")
             + (".torch_version", ".source")  # memory.outside: which figures, not sizes
             + (".prefill.moment",)
+            + ("memory.model", "memory.model_reason")  # which model answered, and why
         ):
             continue  # names and verdicts, not sizes
         if path.endswith((".failed_request", ".expandable_reserved")) and value is None:

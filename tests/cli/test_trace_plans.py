@@ -65,6 +65,7 @@ def test_trace_plan_still_reproduces_the_run_it_was_transcribed_from(capsys, nam
     d = estimate(capsys, args, allocator)
     peak = d["memory"]["peak"]
     assert peak["reserved_detail"]["timeline"] == "trainer" and peak["reserved_detail"]["allocator"] == allocator
+    assert d["memory"]["model"] == "op-level" and d["memory"]["model_reason"] is None
     assert abs(peak["allocated"] / allocated - 1) <= 0.02, (peak["allocated"], allocated)
     assert abs(peak["reserved"] / reserved - 1) <= 0.05, (peak["reserved"], reserved)
     assert d["fits"]  # every one of them ran
@@ -88,3 +89,23 @@ def test_the_plan_that_ran_out_of_memory_does_not_fit_with_the_default_allocator
         and expandable["saved_bytes"] == d["memory"]["peak"]["reserved"] - expandable["reserved_bytes"]
     )
     assert estimate(capsys, FULL_X, "expandable")["fits"]
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["llama3-8b", "--dp", "8", "--zero", "3", "--precision", "fp8"], "this optimizer or precision"),
+        (["llama3-8b", "--dp", "4", "--pp", "2", "--zero", "1"], "pipeline, context or expert parallelism"),
+        (["mixtral-8x7b", "--dp", "8", "--zero", "3", "--precision", "bf16-mixed"], "MoE models"),
+        (["llama3-8b", "--dp", "8", "--zero", "3", "--precision", "bf16-mixed", "--device", "cpu"], "on CPU"),
+    ],
+)
+def test_a_plan_the_op_level_run_does_not_model_says_so(capsys, args, reason):
+    """Never silently approximated (issue 27): ``memory.model`` is "phase" with the reason, and
+    the human output says so above the table."""
+    d = estimate(capsys, args, "default")
+    assert d["memory"]["model"] == "phase" and reason in d["memory"]["model_reason"]
+    assert run(["estimate", *args]) == 0
+    out = capsys.readouterr().out
+    assert "memory model: the phase model, approximate (not the op-level run: " in out
+    assert reason in " ".join(out.split())
