@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
@@ -129,7 +130,7 @@ class Plan(BaseModel):
         if self.finetune == "full":
             for name in ("lora_rank", "lora_targets", "lora_dropout", "modules_to_save"):
                 # against the default, not model_fields_set: a dumped plan validates again
-                if getattr(self, name) != type(self).model_fields[name].default:
+                if getattr(self, name) != _defaults()[name]:
                     raise ValueError(f"{name}: only meaningful with finetune: lora or qlora")
             if self.quant != "none":
                 raise ValueError(
@@ -147,7 +148,7 @@ class Plan(BaseModel):
             )
         if self.precision != "fp8":
             for name in ("fp8_recipe", "fp8_all_gather"):
-                if getattr(self, name) != type(self).model_fields[name].default:
+                if getattr(self, name) != _defaults()[name]:
                     raise ValueError(f"{name}: only meaningful with precision: fp8")
         if self.fp8_all_gather and self.fp8_recipe not in ("auto", "tensorwise"):
             raise ValueError(
@@ -174,3 +175,10 @@ class Plan(BaseModel):
     def stages(self) -> int:
         """Model chunks in the whole pipeline: pp x virtual stages."""
         return self.pp * self.virtual_stages
+
+
+@cache
+def _defaults() -> dict[str, object]:
+    """Each field's default, read once: ``Plan.model_fields`` goes through pydantic's
+    class-property getter on every access (six per plan validated)."""
+    return {name: info.default for name, info in Plan.model_fields.items()}
