@@ -1,0 +1,1 @@
+"""memplan inside other tools' loops: :mod:`memplan.integrations.transformers` (a ``Trainer`` callback)."""
