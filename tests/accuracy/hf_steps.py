@@ -1,4 +1,4 @@
-"""Real transformers training steps on CPU, measured with MemTracker.
+"""Real transformers training steps on CPU, measured by live storages at the dispatcher.
 
 Each case runs one of two loops (``Case.loop``):
 
@@ -11,8 +11,11 @@ Each case runs one of two loops (``Case.loop``):
   opt.zero_grad(set_to_none=True)`` with ``AdamW(foreach=True)``, which keeps ``out`` (logits,
   DynamicCache) until the next forward returns.
 
-The steady-state peak is the highest total MemTracker sees over three steps (the first step
-allocates the optimizer states lazily).
+The steady-state peak is the highest total of live tensor storages over three steps (the first
+step allocates the optimizer states lazily), counted by ``StorageTracker``: MemTracker's
+accounting (each storage an op creates, from creation to finalisation, plus the parameters and
+optimizer states) without MemTracker's module hooks, which keep references that the loop without
+a tracker would free (issue 28: "a measurement that keeps no extra references alive").
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from torch.distributed._tools.mem_tracker import MemTracker
+from storage_tracker import StorageTracker
 
 _CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -128,7 +131,7 @@ def _model(case: Case):
 
 
 def measure_peak(case: Case, steps: int = 3) -> int:
-    """Steady-state peak bytes of a training step, as MemTracker counts them."""
+    """Steady-state peak bytes of a training step: live storages (module docstring)."""
     if case.loop == "trainer":
         return _measure_trainer(case, steps)
     if case.loop != "hand":
@@ -139,8 +142,9 @@ def measure_peak(case: Case, steps: int = 3) -> int:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     ids = torch.randint(0, case.vocab, (case.batch, case.seq))
-    tracker = MemTracker()
-    tracker.track_external(model, opt)
+    tracker = StorageTracker()
+    tracker.track_module(model)
+    tracker.track(ids)
     with tracker, forced_backend(case):
         for _ in range(steps):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
@@ -148,22 +152,11 @@ def measure_peak(case: Case, steps: int = 3) -> int:
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            tracker.reset_mod_stats()
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-
-
-class _StepEnd(transformers.TrainerCallback):
-    """After each step (optimizer step and zero_grad done): MemTracker's per-module stats start over."""
-
-    def __init__(self, tracker: MemTracker) -> None:
-        self.tracker = tracker
-
-    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
-        self.tracker.reset_mod_stats()
+    return tracker.peak
 
 
 def _measure_trainer(case: Case, steps: int) -> int:
-    """``transformers.Trainer(...).train()`` for ``steps`` steps under MemTracker, with the
+    """``transformers.Trainer(...).train()`` for ``steps`` steps under ``StorageTracker``, with the
     Trainer's defaults (optimizer, gradient clipping, zero_grad); bf16-mixed cases set
     ``bf16=True`` (accelerate's autocast over the fp32 model), bf16 cases train a bf16 model."""
     model = _model(case)
@@ -184,13 +177,12 @@ def _measure_trainer(case: Case, steps: int) -> int:
             disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        tracker = MemTracker()
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[_StepEnd(tracker)])
-        trainer.create_optimizer()  # the Trainer's default (train() keeps an existing one)
-        tracker.track_external(model, trainer.optimizer)
+        tracker = StorageTracker()
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+        tracker.track_module(model)
         with tracker, forced_backend(case):
             trainer.train()
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return tracker.peak
 
 
 # Tiny Llama / Mistral / Qwen2 configurations: fp32 and bf16, GQA and MHA, tied and untied,
