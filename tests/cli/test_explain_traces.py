@@ -58,7 +58,6 @@ PHASE = {
     "h200_a_master1b": "bf16-master: 8.1% matched, allocated -0.2%, reserved +13.2%",
     "h200_a_qlora8b": "QLoRA: 0.5% matched, allocated -19.5%, reserved -35.8%",
     "h200_a_selop1b": "selective-op: 1.6% matched, allocated +5.7%, reserved -6.0%",
-    "h200_b_off8b": "FSDP2 CPU offload: 0.5% matched, allocated -0.4%, reserved -25.5%",
     "h200_b_pp4": "pipeline 1F1B: 0.3% matched, allocated -0.1%, reserved -15.6%",
     "h200_b_z2_8b": "ZeRO-2: 0.8% matched, allocated -0.1%, reserved -8.2%",
 }

@@ -16,6 +16,15 @@ allocates (sizes from the local parameter shapes; FSDP2 pads dim 0 to a multiple
   stream) is allocated, which lives until ``zero_grad``.
 
 Order and sizes: tests/data/gpu-traces (t8_z3_bf16, t8_sel, t70_z3, t8_tp2_x).
+
+With ``CPUOffloadPolicy`` (``offload_params: cpu``, which the trainer pairs with the optimizer
+on the host) the shards live in host memory (``to_empty(device="cpu")``): nothing is built on
+the device. Each all-gather copies the group's shards to the device one parameter at a time on
+its stream (``FSDPParam.all_gather_inputs``: ``sharded_param_data.to(device)``), each cast to
+bf16 at once under the mixed policy (the fp32 copy freed), then the output, then the inputs go in
+reverse order; the reduce-scatter output is copied to the host and freed on its stream right
+after the last unsharded gradient goes (``foreach_reduce``: ``new_sharded_grad.to(cpu)``), so
+no gradient and no optimizer state stays on the device. Order and sizes: h200_b_off8b.
 """
 
 from __future__ import annotations
@@ -45,8 +54,11 @@ class _Group:
 class Fsdp:
     """The groups of one rank; drives unshard / reshard / reduce-scatter."""
 
-    def __init__(self, tape: Tape, d: Dims, dp: int, shapes: dict, model: Model, grads: dict) -> None:
+    def __init__(
+        self, tape: Tape, d: Dims, dp: int, shapes: dict, model: Model, grads: dict, offload: bool = False
+    ) -> None:
         self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
+        self.offload = offload  # CPUOffloadPolicy: shards, gradients and the optimizer on the host
         self.mixed = d.pd == 4  # MixedPrecisionPolicy(param bf16, reduce fp32)
         self.rd = 4 if self.mixed else 2
         layers = [[f"layers.{i}.{name}.weight" for name in LAYER_PARAMS] for i in range(d.layers)]
@@ -65,11 +77,15 @@ class Fsdp:
         return -(-rows // self.dp) * cols
 
     def shard_numels(self) -> list[tuple[str, int]]:
-        return [(name, self.shard(name)) for name in self.shapes]
+        """What the optimizer steps on the device: nothing when the shards live on the host."""
+        return [] if self.offload else [(name, self.shard(name)) for name in self.shapes]
 
     def _build(self) -> None:
-        """Process group init (a 4-byte tensor), then ``to_empty`` of the shards in module order."""
+        """Process group init (a 4-byte tensor), then ``to_empty`` of the shards in module order
+        (both on the host under offload)."""
         t = self.tape
+        if self.offload:
+            return
         t.done(t.new(1, 4, "process_group_init"))
         for name in self.shapes:
             t.managed(self.shard(name), self.d.pd, name, Category.PARAMETERS)
@@ -83,10 +99,29 @@ class Fsdp:
         mixed policy (the input), then the output."""
         group, t = self.groups[g], self.tape
         numel = sum(self.shard(n) for n in group.names)
+        if self.offload:
+            self._all_gather_from_host(group, numel)
+            return
         with t.scoped(group.tag):
             cast = t.new(numel, 2, "all_gather_input", Category.COMM, Stream.ALL_GATHER) if self.mixed else None
             group.gathered = t.managed(numel * self.dp, 2, "all_gather_output", Category.COMM, Stream.ALL_GATHER)
             t.drop(cast)
+
+    def _all_gather_from_host(self, group: _Group, numel: int) -> None:
+        """Offload: each shard copied to the device (and cast to bf16 under the mixed policy,
+        the copy freed), the output, then the inputs freed last to first."""
+        t, ag, pd = self.tape, Stream.ALL_GATHER, self.d.pd
+        inputs = []
+        with t.scoped(group.tag):
+            for name in group.names:
+                copy = t.new(self.shard(name), pd, f"{name}.h2d", Category.COMM, ag)
+                if self.mixed:
+                    inputs.append(t.new(self.shard(name), 2, f"{name}.all_gather_input", Category.COMM, ag))
+                    t.drop(copy)
+                else:
+                    inputs.append(copy)
+            group.gathered = t.managed(numel * self.dp, 2, "all_gather_output", Category.COMM, ag)
+            t.done(*reversed(inputs))
 
     def unshard(self, g: int, forward: bool) -> None:
         """Wait for the group's all-gather, copy out its parameters (bf16, compute stream)."""
@@ -168,6 +203,9 @@ class Fsdp:
             rs = Stream.REDUCE_SCATTER
             group.sharded_grad = t.managed(numel, self.rd, "reduce_scatter_output", Category.GRADIENTS, rs)
             t.drop(self.grads.pop(last, None))
+            if self.offload:  # copied to the host: the device copy goes
+                t.free(group.sharded_grad)
+                group.sharded_grad = None
 
     def _replicate_norm_grads(self, group: _Group) -> None:
         """Sequence-parallel norm weights get Partial gradients: redistributed to Replicate

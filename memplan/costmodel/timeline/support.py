@@ -17,14 +17,15 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
 
     Modelled (the six traces cover each mechanism): one pipeline stage; a dense Llama-family
     decoder (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA; AdamW
-    (foreach) without offload; one micro-batch per step; recompute none, full (every layer)
+    (foreach); one micro-batch per step; recompute none, full (every layer)
     or selective; either one data rank without sharding in bf16 or bf16-mixed (autocast), or
     FSDP2 ZeRO-3 over dp > 1 in bf16 or bf16-mixed (MixedPrecisionPolicy) with an untied LM
-    head, optionally with tensor and sequence parallel.
+    head, optionally with tensor and sequence parallel, optionally with FSDP2's CPU offload of
+    parameters and optimizer together.
 
     Not modelled: pipeline, context or expert parallelism; MoE; a plain MLP, LayerNorm,
     biases, QK-norm; eager attention; fp32 (SDPA leaves the flash kernel) and bf16-master
-    (another optimizer); offload; DDP and ZeRO-1/2 (dp > 1); tensor parallel without FSDP2 or
+    (another optimizer); offload of one side alone or NVMe; DDP and ZeRO-1/2 (dp > 1); tensor parallel without FSDP2 or
     without sequence parallel; partial recompute and selective-op; gradient accumulation;
     FSDP2 over a tied embedding (one root group holding it)."""
     checks = [
@@ -36,7 +37,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.finetune == "full", "LoRA adapters (the op-by-op timeline follows full training only)"),
         (plan.offload_activations == "none", "activation offload"),
         (plan.pp == 1 and plan.cp == 1 and plan.ep == 1, "pipeline, context or expert parallelism"),
-        (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
+        (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in ("bf16", "bf16-mixed"), "this optimizer or precision"),
         (plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None, "this recompute"),
         (_accumulation(workload, plan) == 1, "gradient accumulation"),
@@ -50,6 +51,13 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         if not ok:
             return what
     return None
+
+
+def _offload_modelled(plan: Plan) -> bool:
+    """None, or FSDP2's ``CPUOffloadPolicy`` as the trainer applies it: parameters and optimizer
+    both on the host, under ZeRO-3 over dp > 1 (``fsdp.py``; h200_b_off8b exact)."""
+    offload = (plan.offload_params, plan.offload_optimizer)
+    return offload == ("none", "none") or (offload == ("cpu", "cpu") and plan.zero == 3 and plan.dp > 1)
 
 
 def _accumulation(workload: TrainingWorkload, plan: Plan) -> int:

@@ -53,7 +53,7 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
     None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan) is not None:
         return None
-    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings)
+    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings, plan.offload_params == "cpu")
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
@@ -64,7 +64,7 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
 class _Run:
     """One rank: parameters, gradients, optimizer states, and the step."""
 
-    def __init__(self, d: Dims, dp: int, tied: bool) -> None:
+    def __init__(self, d: Dims, dp: int, tied: bool, offload: bool = False) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
         self.d, self.dp = d, dp
@@ -73,7 +73,7 @@ class _Run:
         self.states: list[Tensor] = []
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
-        self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads) if dp > 1 else None
+        self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, offload) if dp > 1 else None
         if self.fsdp is None:
             self._build_params(tied)
 
