@@ -45,13 +45,15 @@ class _Group:
 class Fsdp:
     """The groups of one rank; drives unshard / reshard / reduce-scatter."""
 
-    def __init__(self, tape: Tape, d: Dims, dp: int, shapes: dict, model: Model, grads: dict) -> None:
+    def __init__(
+        self, tape: Tape, d: Dims, dp: int, shapes: dict, model: Model, grads: dict, reshard: bool = True
+    ) -> None:
         self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
         self.mixed = d.pd == 4  # MixedPrecisionPolicy(param bf16, reduce fp32)
         self.rd = 4 if self.mixed else 2
         layers = [[f"layers.{i}.{name}.weight" for name in LAYER_PARAMS] for i in range(d.layers)]
-        self.groups = [_Group(["tok_embeddings.weight"], True)]
-        self.groups += [_Group(names, True) for names in layers]
+        self.groups = [_Group(["tok_embeddings.weight"], reshard)]
+        self.groups += [_Group(names, reshard) for names in layers]
         self.groups.append(_Group(["norm.weight", "output.weight"], False))
         self.leaves = {name: ops.leaf(grads, name) for name in shapes}
         self.kept: Tensor | None = None  # forward: the last group's all-gather output
@@ -145,9 +147,10 @@ class Fsdp:
 
     # --- backward -------------------------------------------------------------------------------------
     def pre_backward(self, g: int) -> None:
-        """Unshard (its all-gather was prefetched), then prefetch the next group's."""
+        """Unshard (its all-gather was prefetched), then prefetch the next group's unless it
+        kept its parameters (``reshard_after_forward=False``: ``unshard`` is a no-op)."""
         self.unshard(g, forward=False)
-        if g > 0:
+        if g > 0 and not self.groups[g - 1].unsharded:
             self.all_gather(g - 1)
 
     def post_backward(self, g: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
 from memplan.costmodel.timeline.support import supported
@@ -28,7 +29,7 @@ CUBLAS_WORKSPACE = 32 * 2**20  # per thread and stream (CUBLAS_WORKSPACE_CONFIG 
 
 def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
     """The shapes and dtypes one rank computes with (``parallel.compute_dtype``/``param_dtype``)."""
-    fsdp = plan.dp > 1
+    fsdp = plan.dp > 1 and plan.zero >= 2
     return Dims(
         b=workload.micro_batch,
         s=workload.seq_len,
@@ -53,7 +54,7 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
     None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan) is not None:
         return None
-    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings)
+    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings, plan.zero)
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
@@ -64,7 +65,7 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
 class _Run:
     """One rank: parameters, gradients, optimizer states, and the step."""
 
-    def __init__(self, d: Dims, dp: int, tied: bool) -> None:
+    def __init__(self, d: Dims, dp: int, tied: bool, zero: int = 3) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
         self.d, self.dp = d, dp
@@ -73,9 +74,13 @@ class _Run:
         self.states: list[Tensor] = []
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
-        self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads) if dp > 1 else None
+        sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
+        self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, zero >= 3) if sharded else None
+        self.ddp = None
         if self.fsdp is None:
             self._build_params(tied)
+        if dp > 1 and not sharded:
+            self.ddp = Ddp(self.tape, dp, self.shapes, self.model.weights, d.pd)
 
     def _build_params(self, tied: bool) -> None:
         """``to_empty`` in module order; a tied LM head gets its own copy until
@@ -107,6 +112,8 @@ class _Run:
             ids, labels = t.new(d.tokens, 8, "ids"), t.new(d.tokens, 8, "labels")
         t.done(*self.batch)
         self.batch = [ids, labels]
+        if self.ddp is not None:
+            self.ddp.pre_forward()
         if first:
             t.on_first_mm = self._workspace("forward")
         logits = self.forward(ids)
