@@ -1,7 +1,9 @@
-"""FSDP2 ZeRO-3 as the bundled trainer applies it (``parallel.apply_fsdp``), on one rank.
+"""FSDP2 ZeRO-3 and ZeRO-2 as the bundled trainer applies them (``parallel.apply_fsdp``), on one rank.
 
 Groups, in the order the forward runs them: ``tok_embeddings``; each layer; ``(norm, output)``
-(``reshard_after_forward=False``); the root holds nothing else (untied models). What a group
+(``reshard_after_forward=False``); the root holds nothing else (untied models). Under ZeRO-2
+every group keeps its parameters from its forward to its post-backward, and the backward's
+prefetch finds them unsharded: no all-gather in the backward (h200_b_z2_8b). What a group
 allocates (sizes from the local parameter shapes; FSDP2 pads dim 0 to a multiple of dp):
 
 - all-gather (its own stream): under ``MixedPrecisionPolicy(bf16, fp32)`` the bf16 copy of

@@ -5,8 +5,9 @@ tensor, in the order the CUDA caching allocator sees it (checked against the six
 tests/data/gpu-traces): the model built off the meta device, a warm-up step, then steady
 steps. Each step: the batch, the forward (``trainer_model.py``, op by op), the loss, the
 backward (the autograd engine of ``autograd.py``), ``optimizer.step()`` (foreach AdamW) and
-``zero_grad(set_to_none=True)``. Under ZeRO-3 the FSDP2 groups (``fsdp.py``) all-gather and
-reduce-scatter on their own streams. The first step also allocates cuBLAS's two workspaces
+``zero_grad(set_to_none=True)``. Under ZeRO-3 and ZeRO-2 the FSDP2 groups (``fsdp.py``) all-gather
+and reduce-scatter on their own streams; under ZeRO-0 over dp > 1 DDP's reducer (``ddp.py``) takes
+the gradients into its buckets. The first step also allocates cuBLAS's two workspaces
 (32 MiB each, the forward thread's and the autograd thread's, never freed) and, in its
 optimizer step, AdamW's states.
 """
