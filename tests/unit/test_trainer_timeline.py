@@ -139,7 +139,7 @@ def test_steady_steps_leave_what_they_found(timelines, name):
     ("changes", "reason"),
     [
         (dict(pp=2, global_batch=16), "pipeline"),
-        (dict(zero=1), "DDP or ZeRO-1/2"),
+        (dict(zero=1), "ZeRO-1"),
         (dict(global_batch=32), "gradient accumulation"),
         (dict(precision="fp32"), "precision"),
         (dict(recompute="selective-op"), "recompute"),

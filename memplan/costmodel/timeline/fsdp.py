@@ -1,7 +1,9 @@
-"""FSDP2 ZeRO-3 as the bundled trainer applies it (``parallel.apply_fsdp``), on one rank.
+"""FSDP2 ZeRO-3 and ZeRO-2 as the bundled trainer applies them (``parallel.apply_fsdp``), on one rank.
 
 Groups, in the order the forward runs them: ``tok_embeddings``; each layer; ``(norm, output)``
-(``reshard_after_forward=False``); the root holds nothing else (untied models). What a group
+(``reshard_after_forward=False``); the root holds nothing else (untied models). Under ZeRO-2
+every group keeps its parameters from its forward to its post-backward, and the backward's
+prefetch finds them unsharded: no all-gather in the backward (h200_b_z2_8b). What a group
 allocates (sizes from the local parameter shapes; FSDP2 pads dim 0 to a multiple of dp):
 
 - all-gather (its own stream): under ``MixedPrecisionPolicy(bf16, fp32)`` the bf16 copy of
@@ -55,15 +57,23 @@ class Fsdp:
     """The groups of one rank; drives unshard / reshard / reduce-scatter."""
 
     def __init__(
-        self, tape: Tape, d: Dims, dp: int, shapes: dict, model: Model, grads: dict, offload: bool = False
+        self,
+        tape: Tape,
+        d: Dims,
+        dp: int,
+        shapes: dict,
+        model: Model,
+        grads: dict,
+        reshard: bool = True,
+        offload: bool = False,
     ) -> None:
         self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
         self.offload = offload  # CPUOffloadPolicy: shards, gradients and the optimizer on the host
         self.mixed = d.pd == 4  # MixedPrecisionPolicy(param bf16, reduce fp32)
         self.rd = 4 if self.mixed else 2
         layers = [[f"layers.{i}.{name}.weight" for name in LAYER_PARAMS] for i in range(d.layers)]
-        self.groups = [_Group(["tok_embeddings.weight"], True)]
-        self.groups += [_Group(names, True) for names in layers]
+        self.groups = [_Group(["tok_embeddings.weight"], reshard)]
+        self.groups += [_Group(names, reshard) for names in layers]
         self.groups.append(_Group(["norm.weight", "output.weight"], False))
         self.leaves = {name: ops.leaf(grads, name) for name in shapes}
         self.kept: Tensor | None = None  # forward: the last group's all-gather output
@@ -180,9 +190,10 @@ class Fsdp:
 
     # --- backward -------------------------------------------------------------------------------------
     def pre_backward(self, g: int) -> None:
-        """Unshard (its all-gather was prefetched), then prefetch the next group's."""
+        """Unshard (its all-gather was prefetched), then prefetch the next group's unless it
+        kept its parameters (``reshard_after_forward=False``: ``unshard`` is a no-op)."""
         self.unshard(g, forward=False)
-        if g > 0:
+        if g > 0 and not self.groups[g - 1].unsharded:
             self.all_gather(g - 1)
 
     def post_backward(self, g: int) -> None:

@@ -230,7 +230,8 @@ def embedding(tape: Tape, ids: Tensor, w: Tensor, numel: int, tag: str, fp32_gra
     fp32 and is cast to the weight's dtype (the vocabulary-parallel lookup, t8_tp2_x)."""
     n, h = ids.numel, numel // ids.numel
     parts = n + n // 10
-    scans = (1279, 1279 if n <= 8192 else 1791)  # cub's scan scratch (traces)
+    # cub's scan scratch (traces: N <= 8192 the H100 runs and h200_a_ddp1b, 16384 h200_b_z2_8b, 32768 t1b_full_x)
+    scans = (1279, 1279 if n <= 8192 else 1535 if n <= 16384 else 1791)
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         def index(k: int, name: str) -> Tensor:

@@ -18,16 +18,17 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     Modelled (the six traces cover each mechanism): one pipeline stage; a dense Llama-family
     decoder (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA; AdamW
     (foreach); one micro-batch per step; recompute none, full (every layer)
-    or selective; either one data rank without sharding in bf16 or bf16-mixed (autocast), or
-    FSDP2 ZeRO-3 over dp > 1 in bf16 or bf16-mixed (MixedPrecisionPolicy) with an untied LM
-    head, optionally with tensor and sequence parallel, optionally with FSDP2's CPU offload of
-    parameters and optimizer together.
+    or selective; in bf16 or bf16-mixed (autocast without FSDP2, else MixedPrecisionPolicy):
+    one data rank without sharding; DDP over dp > 1 (ZeRO-0, ``ddp.py``: h200_a_ddp1b); or
+    FSDP2 over dp > 1, ZeRO-3 or ZeRO-2 (``reshard_after_forward=False``: h200_b_z2_8b),
+    with an untied LM head, optionally with tensor and sequence parallel, and under ZeRO-3
+    optionally with FSDP2's CPU offload of parameters and optimizer together (h200_b_off8b).
 
     Not modelled: pipeline, context or expert parallelism; MoE; a plain MLP, LayerNorm,
     biases, QK-norm; eager attention; fp32 (SDPA leaves the flash kernel) and bf16-master
-    (another optimizer); offload of one side alone or NVMe; DDP and ZeRO-1/2 (dp > 1); tensor parallel without FSDP2 or
-    without sequence parallel; partial recompute and selective-op; gradient accumulation;
-    FSDP2 over a tied embedding (one root group holding it)."""
+    (another optimizer); offload of one side alone or NVMe; ZeRO-1 (DDP with ``ZeroRedundancyOptimizer``: no trace yet);
+    tensor parallel without FSDP2 or without sequence parallel; partial recompute and
+    selective-op; gradient accumulation; FSDP2 over a tied embedding (one root group holding it)."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -41,10 +42,10 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.optimizer == "adamw" and plan.precision in ("bf16", "bf16-mixed"), "this optimizer or precision"),
         (plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None, "this recompute"),
         (_accumulation(workload, plan) == 1, "gradient accumulation"),
-        (plan.dp == 1 or plan.zero == 3, "DDP or ZeRO-1/2"),
-        (plan.tp == 1 or plan.dp > 1, "tensor parallel without FSDP2"),
+        (plan.dp == 1 or plan.zero != 1, "ZeRO-1"),
+        (plan.tp == 1 or _fsdp(plan), "tensor parallel without FSDP2"),
         (plan.tp == 1 or plan.sequence_parallel, "tensor parallel without sequence parallel"),
-        (plan.dp == 1 or not model.tied_embeddings, "FSDP2 over tied embeddings"),
+        (not _fsdp(plan) or not model.tied_embeddings, "FSDP2 over tied embeddings"),
         (_divides(model, workload, plan), "dimensions that tensor parallel does not divide"),
     ]
     for ok, what in checks:
@@ -58,6 +59,11 @@ def _offload_modelled(plan: Plan) -> bool:
     both on the host, under ZeRO-3 over dp > 1 (``fsdp.py``; h200_b_off8b exact)."""
     offload = (plan.offload_params, plan.offload_optimizer)
     return offload == ("none", "none") or (offload == ("cpu", "cpu") and plan.zero == 3 and plan.dp > 1)
+
+
+def _fsdp(plan: Plan) -> bool:
+    """``parallel.uses_fsdp``: FSDP2 for ZeRO-2 and ZeRO-3 over dp > 1."""
+    return plan.dp > 1 and plan.zero >= 2
 
 
 def _accumulation(workload: TrainingWorkload, plan: Plan) -> int:

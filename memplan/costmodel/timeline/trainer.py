@@ -5,8 +5,9 @@ tensor, in the order the CUDA caching allocator sees it (checked against the six
 tests/data/gpu-traces): the model built off the meta device, a warm-up step, then steady
 steps. Each step: the batch, the forward (``trainer_model.py``, op by op), the loss, the
 backward (the autograd engine of ``autograd.py``), ``optimizer.step()`` (foreach AdamW) and
-``zero_grad(set_to_none=True)``. Under ZeRO-3 the FSDP2 groups (``fsdp.py``) all-gather and
-reduce-scatter on their own streams. The first step also allocates cuBLAS's two workspaces
+``zero_grad(set_to_none=True)``. Under ZeRO-3 and ZeRO-2 the FSDP2 groups (``fsdp.py``) all-gather
+and reduce-scatter on their own streams; under ZeRO-0 over dp > 1 DDP's reducer (``ddp.py``) takes
+the gradients into its buckets. The first step also allocates cuBLAS's two workspaces
 (32 MiB each, the forward thread's and the autograd thread's, never freed) and, in its
 optimizer step, AdamW's states.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
 from memplan.costmodel.timeline.support import supported
@@ -28,7 +30,7 @@ CUBLAS_WORKSPACE = 32 * 2**20  # per thread and stream (CUBLAS_WORKSPACE_CONFIG 
 
 def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
     """The shapes and dtypes one rank computes with (``parallel.compute_dtype``/``param_dtype``)."""
-    fsdp = plan.dp > 1
+    fsdp = plan.dp > 1 and plan.zero >= 2
     return Dims(
         b=workload.micro_batch,
         s=workload.seq_len,
@@ -53,7 +55,7 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
     None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan) is not None:
         return None
-    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings, plan.offload_params == "cpu")
+    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings, plan.zero, plan.offload_params == "cpu")
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
@@ -64,7 +66,7 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
 class _Run:
     """One rank: parameters, gradients, optimizer states, and the step."""
 
-    def __init__(self, d: Dims, dp: int, tied: bool, offload: bool = False) -> None:
+    def __init__(self, d: Dims, dp: int, tied: bool, zero: int = 3, offload: bool = False) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
         self.d, self.dp = d, dp
@@ -73,9 +75,13 @@ class _Run:
         self.states: list[Tensor] = []
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
-        self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, offload) if dp > 1 else None
+        sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
+        self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, zero >= 3, offload) if sharded else None
+        self.ddp = None
         if self.fsdp is None:
             self._build_params(tied)
+        if dp > 1 and not sharded:
+            self.ddp = Ddp(self.tape, dp, self.shapes, self.model.weights, d.pd)
 
     def _build_params(self, tied: bool) -> None:
         """``to_empty`` in module order; a tied LM head gets its own copy until
@@ -107,6 +113,8 @@ class _Run:
             ids, labels = t.new(d.tokens, 8, "ids"), t.new(d.tokens, 8, "labels")
         t.done(*self.batch)
         self.batch = [ids, labels]
+        if self.ddp is not None:
+            self.ddp.pre_forward()
         if first:
             t.on_first_mm = self._workspace("forward")
         logits = self.forward(ids)

@@ -1,0 +1,122 @@
+"""DDP as the bundled trainer applies it (``parallel.apply_ddp``: ZeRO-0, dp > 1), on one rank.
+
+``DistributedDataParallel(model, gradient_as_bucket_view=True)`` with the trainer's all-reduce
+hook, built after ``to_empty`` / ``tie_weights`` / ``init_weights``. What it allocates
+(PyTorch ``torch/nn/parallel/distributed.py`` and ``torch/csrc/distributed/c10d/``: ``reducer.cpp``,
+``comm.cpp``; trace ``h200_a_ddp1b``, events 238-293 and 10135-10207):
+
+- ``_verify_param_shape_across_processes``: the parameter count (8 B) all-gathered into
+  ``dp`` 8-byte tensors, then the shapes and strides of every parameter (int64, 2 per dim),
+  freed at once;
+- ``_sync_module_states``: ``_broadcast_coalesced`` of the parameters in 250 MiB buckets
+  (``compute_bucket_assignment_by_size``: a bucket closes when it reaches the limit); each
+  bucket is flattened into one tensor (a bucket of one tensor is its view: nothing), at most
+  two in flight, the older freed when a third starts;
+- the ``Reducer``: one bucket of every parameter (``bucket_size_limits=[sys.maxsize]`` until
+  the rebuild), in the parameters' dtype; it lives for the run;
+- each backward: ``AccumulateGrad`` steals the gradient, the reducer's post-hook copies it into
+  its bucket view and points ``.grad`` at the view, so the stolen gradient goes at once
+  (``mark_variable_ready_dense``); the hook's ``div_`` and the all-reduce work in place;
+  ``zero_grad(set_to_none=True)`` frees nothing (views of the buckets);
+- the next forward's ``_rebuild_buckets`` (once): the buckets rebuilt in the order the
+  gradients became ready in the first backward, the first capped at 1 MiB
+  (``_DEFAULT_FIRST_BUCKET_BYTES``), the others at 25 MiB (``bucket_cap_mb``);
+  ``sync_bucket_indices`` puts the indices (int32, one per parameter plus one) and the bucket
+  sizes (int32, one per bucket) on the device, then the old bucket goes before the new ones
+  are allocated (``initialize_buckets``).
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline.autograd import FIRST, Node, Tape, Tensor
+from memplan.costmodel.timeline.events import Category
+
+MiB = 2**20
+BROADCAST_BUCKET = 250 * MiB  # DistributedDataParallel.broadcast_bucket_size
+FIRST_BUCKET = 1 * MiB  # dist._DEFAULT_FIRST_BUCKET_BYTES
+BUCKET_CAP = 25 * MiB  # bucket_cap_mb default
+IN_FLIGHT = 2  # broadcast_coalesced's max_in_flight
+
+
+def assign_buckets(sizes: list[int], limits: list[int]) -> list[list[int]]:
+    """``compute_bucket_assignment_by_size`` over one dtype: indices into ``sizes`` (bytes),
+    a bucket closing once it reaches its limit, the limits taken in turn (the last repeats)."""
+    out, bucket, total, k = [], [], 0, 0
+    for i, size in enumerate(sizes):
+        bucket.append(i)
+        total += size
+        if total >= limits[k]:
+            out.append(bucket)
+            bucket, total, k = [], 0, min(k + 1, len(limits) - 1)
+    if bucket:
+        out.append(bucket)
+    return out
+
+
+class Ddp:
+    """The reducer of one rank: its buckets and the order gradients became ready."""
+
+    def __init__(self, tape: Tape, dp: int, shapes: dict, weights: dict[str, Tensor], itemsize: int) -> None:
+        self.tape, self.dp, self.shapes, self.itemsize = tape, dp, shapes, itemsize
+        self.names = list(shapes)
+        self.ready: list[str] = []  # the first backward's gradient-ready order
+        self.rebuilt = False
+        for name in self.names:
+            weights[name].fn = self._leaf(name)
+        self._verify()
+        self._broadcast()
+        self.buckets = [self._bucket(self.names, "reducer.bucket")]
+
+    def _bytes(self, name: str) -> int:
+        rows, cols = self.shapes[name]
+        return rows * cols * self.itemsize
+
+    def _bucket(self, names: list[str], tag: str) -> Tensor:
+        return self.tape.managed(sum(self._bytes(n) for n in names), 1, tag, Category.GRADIENTS)
+
+    def _leaf(self, name: str) -> Node:
+        """``AccumulateGrad`` and the reducer's hook: the gradient is copied into its bucket view
+        and freed when the node returns; the first backward records the ready order."""
+
+        def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+            if not self.rebuilt and name not in self.ready:
+                self.ready.append(name)
+            return []
+
+        return Node(FIRST, f"{name}.AccumulateGrad", apply, [])
+
+    # --- construction ------------------------------------------------------------------------------
+    def _verify(self) -> None:
+        """``verify_params_across_processes``: the count, its all-gather, the shapes' metadata."""
+        t = self.tape
+        with t.scoped("ddp.verify"):
+            counts = [t.new(1, 8, "param_count", Category.COMM) for _ in range(self.dp + 1)]
+            ndims = sum(1 if name.endswith("norm.weight") else 2 for name in self.names)
+            t.done(t.new(2 * ndims, 8, "metadata", Category.COMM))
+            t.done(*counts[1:], counts[0])
+
+    def _broadcast(self) -> None:
+        """``_broadcast_coalesced`` of the parameters from rank 0, two buckets in flight."""
+        t, flights = self.tape, []
+        sizes = [self._bytes(n) for n in self.names]
+        for bucket in assign_buckets(sizes, [BROADCAST_BUCKET]):
+            if len(flights) == IN_FLIGHT:
+                t.done(flights.pop(0))
+            size = sum(sizes[i] for i in bucket) if len(bucket) > 1 else 0  # one tensor: its own view
+            flights.append(t.new(size, 1, "ddp.broadcast_flat", Category.COMM) if size else None)
+        t.done(*flights)
+
+    # --- steps ---------------------------------------------------------------------------------------
+    def pre_forward(self) -> None:
+        """``_rebuild_buckets`` at the first forward after a backward (once)."""
+        if self.rebuilt or not self.ready:
+            return
+        t, self.rebuilt = self.tape, True
+        sizes = [self._bytes(n) for n in self.ready]
+        order = assign_buckets(sizes, [FIRST_BUCKET, BUCKET_CAP])
+        with t.scoped("ddp.sync_bucket_indices"):
+            indices = t.new(len(self.ready) + 1, 4, "indices", Category.COMM)
+            t.done(t.new(len(order), 4, "bucket_sizes", Category.COMM), indices)
+        for bucket in self.buckets:
+            t.free(bucket)
+        self.buckets = [self._bucket([self.ready[i] for i in b], f"reducer.bucket{k}") for k, b in enumerate(order)]
