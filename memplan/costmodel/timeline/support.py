@@ -7,9 +7,12 @@ phase model's moments (``step.py``), and the trainer's modules stay unimported.
 
 from __future__ import annotations
 
+from memplan.costmodel.attention import sdpa_backend
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
+
+_PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-master")  # fp8, fp16-master: not modelled
 
 
 def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str | None:
@@ -37,7 +40,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.offload_activations == "none", "activation offload"),
         (plan.pp == 1 and plan.cp == 1 and plan.ep == 1, "pipeline, context or expert parallelism"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
-        (plan.optimizer == "adamw" and plan.precision in ("bf16", "bf16-mixed"), "this optimizer or precision"),
+        (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
+        (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
+        (plan.precision != "fp32" or plan.dp == 1, "precision fp32 under FSDP2"),
         (plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None, "this recompute"),
         (_accumulation(workload, plan) == 1, "gradient accumulation"),
         (plan.dp == 1 or plan.zero == 3, "DDP or ZeRO-1/2"),
@@ -61,3 +66,15 @@ def _divides(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
     tp = plan.tp
     sizes = (model.q_size, model.kv_size, model.ffn_size, model.vocab_size, model.num_attention_heads, model.kv_heads)
     return all(n % tp == 0 for n in sizes) and workload.seq_len % tp == 0
+
+
+def sdpa_kernel(model: ModelSpec, plan: Plan) -> str:
+    """The kernel the trainer's ``F.scaled_dot_product_attention(..., enable_gqa=kv != heads)``
+    runs on CUDA (``attention.sdpa_backend``, torch 2.11, compute capability 9.0): "math" in fp32
+    with GQA (flash and cuDNN take 16-bit only, memory-efficient no ``enable_gqa``;
+    ``precision.math_sdpa``), "efficient" in fp32 without GQA, else "flash" (the run's fused
+    16-bit kernel: the traces' tensors are flash's, ``ops.sdpa``)."""
+    heads, kv = model.num_attention_heads // plan.tp, max(model.kv_heads // plan.tp, 1)
+    if plan.precision != "fp32":
+        return "flash"
+    return sdpa_backend("cuda", "fp32", model.head_size, heads, kv, enable_gqa=heads != kv)
