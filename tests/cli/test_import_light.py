@@ -153,7 +153,8 @@ FITTING_SCRIPT = textwrap.dedent(
     import memplan.cli.app
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = memplan.cli.app.run(["estimate", "llama3-8b", "--gpus", "8", "--zero", "3", "--format", "json"])
+        # ZeRO-2: a plan the op-level run does not model (ZeRO-3 in bf16-master it does, since issue 27)
+        code = memplan.cli.app.run(["estimate", "llama3-8b", "--gpus", "8", "--zero", "2", "--format", "json"])
     result = json.loads(out.getvalue())
     from memplan.search.calibration import Calibration, ProfileCalibration
     from memplan.specs.workload import InferenceWorkload

@@ -18,17 +18,19 @@ _PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-master")  # fp8, fp16-master:
 def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str | None:
     """What keeps the timeline from following this plan faithfully, or None.
 
-    Modelled (the six traces cover each mechanism): one pipeline stage; a dense Llama-family
-    decoder (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA; AdamW
-    (foreach) without offload; one micro-batch per step; recompute none, full (every layer)
-    or selective; either one data rank without sharding in bf16 or bf16-mixed (autocast), or
-    FSDP2 ZeRO-3 over dp > 1 in bf16 or bf16-mixed (MixedPrecisionPolicy) with an untied LM
-    head, optionally with tensor and sequence parallel.
+    Modelled (the traces cover each mechanism): one pipeline stage; a dense Llama-family
+    decoder (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA, or in fp32
+    with GQA SDPA's math path (``precision.py``, h200_a_fp32full); AdamW (foreach), or
+    bf16-master's MasterAdamW (``master.py``, h200_a_master1b), without offload; one
+    micro-batch per step; recompute none, full (every layer) or selective; either one data rank
+    without sharding in bf16, bf16-master, bf16-mixed (autocast) or fp32, or FSDP2 ZeRO-3 over
+    dp > 1 in bf16, bf16-master or bf16-mixed (MixedPrecisionPolicy) with an untied LM head,
+    optionally with tensor and sequence parallel.
 
     Not modelled: pipeline, context or expert parallelism; MoE; a plain MLP, LayerNorm,
-    biases, QK-norm; eager attention; fp32 (SDPA leaves the flash kernel) and bf16-master
-    (another optimizer); offload; DDP and ZeRO-1/2 (dp > 1); tensor parallel without FSDP2 or
-    without sequence parallel; partial recompute and selective-op; gradient accumulation;
+    biases, QK-norm; eager attention; fp32 without GQA (the memory-efficient kernel) or under
+    FSDP2; fp16-master, fp8; offload; DDP and ZeRO-1/2 (dp > 1); tensor parallel without FSDP2
+    or without sequence parallel; partial recompute and selective-op; gradient accumulation;
     FSDP2 over a tied embedding (one root group holding it)."""
     checks = [
         (model.moe is None, "MoE models"),
