@@ -179,7 +179,7 @@ class Model:
             # dv comes heads-major from the math path (its sum over the groups): reshaped by a copy
             v = self.projection(xg, f"{prefix}.attention.wv.weight", d.kv // d.tp, "wv", d.attention == "math")
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
-            t.done(q, k)
+            t.done(k, q)  # `q, k = ...` stores k first (CPython 3.11: STORE_FAST k, STORE_FAST q)
             if d.recompute == "selective":
                 out = t.checkpoint(lambda: self.core(qr, kr, v), [qr, kr, v])
             else:
