@@ -52,9 +52,7 @@ OOM = "h200_c_sel8b_s8k_m2"
 # not on the op-level run yet (the phase model answers): matched in order, allocated and reserved
 # error, at f3cf59a
 PHASE = {
-    "h200_a_fp32full": "fp32: 2.5% matched, allocated -11.6%, reserved -22.2%",
     "h200_a_lora8b": "LoRA: 1.1% matched, allocated -0.1%, reserved -9.6%",
-    "h200_a_master1b": "bf16-master: 8.1% matched, allocated -0.2%, reserved +13.2%",
     "h200_a_qlora8b": "QLoRA: 0.5% matched, allocated -19.5%, reserved -35.8%",
     "h200_a_selop1b": "selective-op: 1.6% matched, allocated +5.7%, reserved -6.0%",
     "h200_b_pp4": "pipeline 1F1B: 0.3% matched, allocated -0.1%, reserved -15.6%",

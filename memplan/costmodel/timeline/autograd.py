@@ -12,9 +12,10 @@ free order the CUDA caching allocator sees (tests/data/gpu-traces):
   engine's ready queue, ``torch/csrc/autograd/engine.cpp``); ``AccumulateGrad`` runs first;
 - a node's apply allocates its gradients, reductions to broadcast inputs follow
   (``validate_outputs``), then the incoming gradients and saved tensors are released;
-- a second gradient into one input buffer is added in place when the held one (or the new
-  one) is a plain tensor (not a view, not a DTensor) with no other reference
-  (``InputBuffer::accumulate``), else out of place;
+- a second gradient into one input buffer is added in place when the held one is a plain
+  tensor (not a view, not a DTensor) with no other reference, else out of place: for dense
+  gradients ``InputBuffer::accumulate`` never adds into the new one (a tied weight's head dW,
+  a transposed view, and its embedding gradient: traces h200_a_master1b, h200_a_fp32full);
 - non-reentrant checkpointing (``torch.utils.checkpoint``) keeps no saved tensors in the
   forward; the first unpack in the backward re-runs the region's forward, stopping right
   after its last saved tensor is packed; an unpacked tensor goes at the end of its node's apply.
@@ -341,9 +342,6 @@ class Tape:
             buffer[0] = g
         elif _reusable(old):
             self.drop(g)  # old.add_(g)
-        elif _reusable(g):
-            buffer[0] = g  # g.add_(old)
-            self.drop(old)
         else:
             out = self.new(old.numel, old.itemsize, "grad_sum")
             out.dtensor = old.dtensor or g.dtensor

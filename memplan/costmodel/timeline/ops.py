@@ -78,14 +78,20 @@ def heads_view(tape: Tape, x: Tensor, tag: str, copy_grad: bool) -> Tensor:
 # --- matmul --------------------------------------------------------------------------------------------
 def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor:
     """``F.linear(x, w)`` without bias (``matmul`` folded to ``mm``): saves x and w.
-    Backward (MmBackward0): dW (w's shape) then dX, a view of the 2-D product."""
+    Backward (MmBackward0): dW (w's shape) then dX, a view of the 2-D product. dW reaches the
+    weight through ``w.t()``'s TBackward, a transposed view: a tied weight's two gradients are
+    then summed out of place (``InputBuffer::accumulate``; traces h200_a_master1b 5618-5622 and
+    h200_a_fp32full: the head's dW and the embedding's gradient freed after the sum); under
+    autocast the cast's backward makes it a plain tensor first."""
     x_numel, w_numel = x.numel, w.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         itemsize = g[0].itemsize
         dw = tape.new(w_numel, itemsize, "dW", grad_category(w)) if node.nexts[1] is not None else None
-        if dw is not None and tape.on_first_mm is not None:
-            tape.on_first_mm()
+        if dw is not None:
+            dw.view = True  # TBackward's grad.t()
+            if tape.on_first_mm is not None:
+                tape.on_first_mm()
         dx = tape.new(x_numel, itemsize, "dX") if node.nexts[0] is not None else None
         if dx is not None:
             dx.view = True  # the 2-D product reshaped back

@@ -7,28 +7,34 @@ phase model's moments (``step.py``), and the trainer's modules stay unimported.
 
 from __future__ import annotations
 
+from memplan.costmodel.attention import sdpa_backend
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
+
+_PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-master")  # fp8, fp16-master: not modelled
 
 
 def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str | None:
     """What keeps the timeline from following this plan faithfully, or None.
 
-    Modelled (the six traces cover each mechanism): one pipeline stage; a dense Llama-family
-    decoder (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA; AdamW
-    (foreach); one micro-batch per step; recompute none, full (every layer)
-    or selective; in bf16 or bf16-mixed (autocast without FSDP2, else MixedPrecisionPolicy):
-    one data rank without sharding; DDP over dp > 1 (ZeRO-0, ``ddp.py``: h200_a_ddp1b); or
-    FSDP2 over dp > 1, ZeRO-3 or ZeRO-2 (``reshard_after_forward=False``: h200_b_z2_8b),
-    with an untied LM head, optionally with tensor and sequence parallel, and under ZeRO-3
-    optionally with FSDP2's CPU offload of parameters and optimizer together (h200_b_off8b).
+    Modelled (the traces cover each mechanism): one pipeline stage; a dense Llama-family
+    decoder (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA, or in fp32
+    with GQA SDPA's math path (``precision.py``, h200_a_fp32full); AdamW (foreach), or
+    bf16-master's MasterAdamW (``master.py``, h200_a_master1b); one micro-batch per step;
+    recompute none, full (every layer) or selective; in bf16, bf16-master or bf16-mixed
+    (autocast without FSDP2, else MixedPrecisionPolicy), or fp32 on one rank: one data rank
+    without sharding; DDP over dp > 1 (ZeRO-0, ``ddp.py``: h200_a_ddp1b); or FSDP2 over dp > 1,
+    ZeRO-3 or ZeRO-2 (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head,
+    optionally with tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU
+    offload of parameters and optimizer together (h200_b_off8b).
 
     Not modelled: pipeline, context or expert parallelism; MoE; a plain MLP, LayerNorm,
-    biases, QK-norm; eager attention; fp32 (SDPA leaves the flash kernel) and bf16-master
-    (another optimizer); offload of one side alone or NVMe; ZeRO-1 (DDP with ``ZeroRedundancyOptimizer``: no trace yet);
-    tensor parallel without FSDP2 or without sequence parallel; partial recompute and
-    selective-op; gradient accumulation; FSDP2 over a tied embedding (one root group holding it)."""
+    biases, QK-norm; eager attention; fp32 without GQA (the memory-efficient kernel) or over
+    dp > 1; fp16-master, fp8; offload of one side alone or NVMe; ZeRO-1 (DDP with
+    ``ZeroRedundancyOptimizer``: no trace yet); tensor parallel without FSDP2 or without
+    sequence parallel; partial recompute and selective-op; gradient accumulation; FSDP2 over a
+    tied embedding (one root group holding it)."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -39,7 +45,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.offload_activations == "none", "activation offload"),
         (plan.pp == 1 and plan.cp == 1 and plan.ep == 1, "pipeline, context or expert parallelism"),
         (_offload_modelled(plan), "offload"),
-        (plan.optimizer == "adamw" and plan.precision in ("bf16", "bf16-mixed"), "this optimizer or precision"),
+        (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
+        (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
+        (plan.precision != "fp32" or plan.dp == 1, "precision fp32 over dp > 1"),
         (plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None, "this recompute"),
         (_accumulation(workload, plan) == 1, "gradient accumulation"),
         (plan.dp == 1 or plan.zero != 1, "ZeRO-1"),
@@ -75,3 +83,15 @@ def _divides(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
     tp = plan.tp
     sizes = (model.q_size, model.kv_size, model.ffn_size, model.vocab_size, model.num_attention_heads, model.kv_heads)
     return all(n % tp == 0 for n in sizes) and workload.seq_len % tp == 0
+
+
+def sdpa_kernel(model: ModelSpec, plan: Plan) -> str:
+    """The kernel the trainer's ``F.scaled_dot_product_attention(..., enable_gqa=kv != heads)``
+    runs on CUDA (``attention.sdpa_backend``, torch 2.11, compute capability 9.0): "math" in fp32
+    with GQA (flash and cuDNN take 16-bit only, memory-efficient no ``enable_gqa``;
+    ``precision.math_sdpa``), "efficient" in fp32 without GQA, else "flash" (the run's fused
+    16-bit kernel: the traces' tensors are flash's, ``ops.sdpa``)."""
+    heads, kv = model.num_attention_heads // plan.tp, max(model.kv_heads // plan.tp, 1)
+    if plan.precision != "fp32":
+        return "flash"
+    return sdpa_backend("cuda", "fp32", model.head_size, heads, kv, enable_gqa=heads != kv)

@@ -19,7 +19,8 @@ from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
-from memplan.costmodel.timeline.support import supported
+from memplan.costmodel.timeline.master import MasterAdamW
+from memplan.costmodel.timeline.support import sdpa_kernel, supported
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -44,9 +45,10 @@ def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
         layers=model.num_layers,
         tp=plan.tp,
         cd=4 if plan.precision == "fp32" else 2,
-        pd=2 if plan.precision == "bf16" else 4,
+        pd=2 if plan.precision in ("bf16", "bf16-master") else 4,
         autocast=plan.precision == "bf16-mixed" and not fsdp,
         recompute=plan.recompute,
+        attention="math" if sdpa_kernel(model, plan) == "math" else "flash",
     )
 
 
@@ -55,7 +57,8 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
     None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan) is not None:
         return None
-    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings, plan.zero, plan.offload_params == "cpu")
+    offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
+    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings, plan.zero, offload, master)
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
@@ -66,13 +69,16 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
 class _Run:
     """One rank: parameters, gradients, optimizer states, and the step."""
 
-    def __init__(self, d: Dims, dp: int, tied: bool, zero: int = 3, offload: bool = False) -> None:
+    def __init__(
+        self, d: Dims, dp: int, tied: bool, zero: int = 3, offload: bool = False, master: bool = False
+    ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
         self.d, self.dp = d, dp
         self.shapes = param_shapes(d, tied)
         self.grads: dict[str, Tensor] = {}
         self.states: list[Tensor] = []
+        self.master = MasterAdamW(self.tape) if master else None  # bf16-master (master.py)
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
         sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
@@ -183,6 +189,9 @@ class _Run:
         one ``_foreach_sqrt`` temporary per parameter, all live together."""
         t, pd = self.tape, self.d.pd
         t.scope = ""
+        if self.master is not None:
+            self.master.step(self.optimizer_params(), first)
+            return
         sizes = [(name, n * pd) for name, n in self.optimizer_params()]
         if first:
             for name, size in sizes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
@@ -37,6 +38,7 @@ class Dims:
     pd: int = 4  # parameter dtype
     autocast: bool = False  # bf16-mixed without FSDP: torch.autocast casts at each matmul
     recompute: str = "none"  # none | full | selective
+    attention: str = "flash"  # the SDPA kernel: flash, or math (fp32 with GQA on CUDA: precision.py)
 
     @property
     def tokens(self) -> int:
@@ -156,8 +158,11 @@ class Model:
         return v
 
     def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """SDPA (flash); under autocast k and q are cast to bf16 first (traces: k, then q)."""
+        """SDPA (flash, or the math path: ``precision.math_sdpa``); under autocast k and q are
+        cast to bf16 first (traces: k, then q)."""
         t, d = self.tape, self.d
+        if d.attention == "math":
+            return prec.math_sdpa(t, q, k, v, d.b, d.heads // d.tp, d.s)
         k2 = ops.to(t, k, 2, "k_cast") if self.cache is not None else t.alias(k)
         q2 = ops.to(t, q, 2, "q_cast") if self.cache is not None else t.alias(q)
         out = ops.sdpa(t, q2, k2, v, d.b * d.heads // d.tp * d.s, "sdpa")
@@ -171,14 +176,18 @@ class Model:
             xg = self.gather_seq(x, "input")
             q = self.projection(xg, f"{prefix}.attention.wq.weight", d.q // d.tp, "wq", True)
             k = self.projection(xg, f"{prefix}.attention.wk.weight", d.kv // d.tp, "wk", True)
-            v = self.projection(xg, f"{prefix}.attention.wv.weight", d.kv // d.tp, "wv", False)
+            # dv comes heads-major from the math path (its sum over the groups): reshaped by a copy
+            v = self.projection(xg, f"{prefix}.attention.wv.weight", d.kv // d.tp, "wv", d.attention == "math")
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
-            t.done(q, k)
+            t.done(k, q)  # `q, k = ...` stores k first (CPython 3.11: STORE_FAST k, STORE_FAST q)
             if d.recompute == "selective":
                 out = t.checkpoint(lambda: self.core(qr, kr, v), [qr, kr, v])
             else:
                 out = self.core(qr, kr, v)
-            y = self.linear(out, f"{prefix}.attention.wo.weight", d.h, "wo")
+            # the reshape of out.transpose(1, 2) is a view of flash's output, a copy of math's
+            flat = prec.merge_heads(t, out) if d.attention == "math" else t.alias(out)
+            y = self.linear(flat, f"{prefix}.attention.wo.weight", d.h, "wo")
+            t.done(flat)
             ys = self.scatter_seq(y, "wo")  # RowwiseParallel's output hook, inside wo's call
             t.done(y)
             t.done(qr, kr, v, out, xg)  # the frame's locals (x: the gathered input)

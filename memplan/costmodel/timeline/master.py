@@ -1,0 +1,51 @@
+"""``bf16-master``'s optimizer step: AdamW on fp32 master copies of the bf16 parameters.
+
+``memplan.train.parallel.MasterAdamW.step`` as allocations (one rank, no offload, ``params``
+in ``model.parameters()`` order, the local elements of each):
+
+- first step, per parameter in order: ``p.detach().float()`` (an fp32 temporary), its
+  ``.clone()`` (the master, kept), the temporary freed, then ``exp_avg`` and ``exp_avg_sq``
+  (``zeros_like(master)``, fp32). The step counter is a CPU tensor: nothing on the GPU;
+- every step: ``grads = [p.grad.float() for p in params]`` (every fp32 gradient copy alive
+  together), then the functional ``adamw(..., foreach=True)``: ``torch._foreach_sqrt`` of the
+  second moments (one fp32 temporary per parameter, ``_multi_tensor_adam``), the in-place
+  updates, the temporaries freed last first; ``del grads`` frees the copies last first
+  (CPython's list deallocation); ``torch._foreach_copy_`` into the bf16 parameters allocates
+  nothing.
+
+Trace ``h200_a_master1b`` (Llama-3.2-1B-shaped, tied embedding; events of the first step):
+5627-5632 the embedding's 1,050,673,152 B float, clone, free, exp_avg, exp_avg_sq; 6560-6792
+the 1,050,673,152 B embedding gradient copy then every layer's (67,108,864 B for a
+2048 x 8192 matrix, 8,192 B for a norm); 6793-7022 the square roots; 7025-7315 their frees
+from the last parameter to the embedding; then the copies' frees, in the same order.
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.events import Category
+
+FP32 = 4
+
+
+class MasterAdamW:
+    """The masters and AdamW's two moments (kept across steps), and the step's temporaries."""
+
+    def __init__(self, tape: Tape) -> None:
+        self.tape = tape
+        self.states: list[Tensor] = []
+
+    def step(self, params: list[tuple[str, int]], first: bool) -> None:
+        """One ``optimizer.step()`` over ``params`` (name, local elements)."""
+        t = self.tape
+        if first:
+            for name, n in params:
+                upcast = t.new(n, FP32, f"{name}.float")
+                self.states.append(t.managed(n, FP32, f"{name}.master", Category.OPTIMIZER_STATES))
+                t.done(upcast)
+                for state in ("exp_avg", "exp_avg_sq"):
+                    self.states.append(t.managed(n, FP32, f"{name}.{state}", Category.OPTIMIZER_STATES))
+        grads = [t.new(n, FP32, f"{name}.grad_fp32", Category.OPTIMIZER_TEMP) for name, n in params]
+        roots = [t.new(n, FP32, f"{name}.sqrt_tmp", Category.OPTIMIZER_TEMP) for name, n in params]
+        t.done(*reversed(roots))
+        t.done(*reversed(grads))
