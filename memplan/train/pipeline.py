@@ -5,18 +5,26 @@ cannot answer ``torch.distributed.pipelining``'s shape exchange (``recv_object_l
 the simulated rank replays its stage's schedule in-process: it runs its chunks' forwards and
 backwards in the order the schedule gives this rank, with received activations and gradients
 that are real tensors of the right shape (synthetic values). The replay keeps the tensors
-``torch.distributed.pipelining`` keeps (stage.py, torch 2.13), so its memory is that stage's:
+``torch.distributed.pipelining`` keeps (stage.py, schedules.py, _backward.py, torch 2.13), so its
+memory is that stage's, equal byte for byte at every action on gloo ranks
+(tests/validate/test_pipeline_replay.py):
 
 - a receive buffer per micro-batch for activations (every chunk but the first) and for
   gradients (every chunk but the last), allocated once and reused each step;
-- each in-flight micro-batch's stage output (``fwd_cache``) until its backward;
-- the gradient of each received activation, accumulated into the buffer's ``.grad`` and
-  cleared at the start of the next step (``clear_runtime_states``);
+- each in-flight micro-batch's stage output (``fwd_cache``) until its backward, the last
+  chunk's logits too: the loss is the schedule's, computed on that output outside the chunk
+  and kept (``_internal_losses``) until the step ends;
+- the gradient of each received activation, taken off its buffer after its backward
+  (``stage_backward``: ``val.grad = None``) and held, like each sent output, as long as the
+  schedule's sends hold it (memplan.train.sends);
+- the gradients divided by the number of micro-batches after the last backward
+  (``scale_grads``), in place;
 - with FSDP2, gradient sync and resharding are off for every micro-batch's backward and the
   reduce-scatter runs once after the last (``backward_maybe_with_nosync`` and
   ``perform_reduce_grad``): unsharded parameters and gradients stay for the backward.
 
-The last chunk computes the loss inside the stage, so no logits outlive their micro-batch.
+It stands for a trainer that calls ``schedule.step(..., return_outputs=False)``: with the
+default (True) the last stage also keeps every micro-batch's output until the step ends.
 """
 
 from __future__ import annotations
