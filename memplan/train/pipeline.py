@@ -5,18 +5,26 @@ cannot answer ``torch.distributed.pipelining``'s shape exchange (``recv_object_l
 the simulated rank replays its stage's schedule in-process: it runs its chunks' forwards and
 backwards in the order the schedule gives this rank, with received activations and gradients
 that are real tensors of the right shape (synthetic values). The replay keeps the tensors
-``torch.distributed.pipelining`` keeps (stage.py, torch 2.13), so its memory is that stage's:
+``torch.distributed.pipelining`` keeps (stage.py, schedules.py, _backward.py, torch 2.13), so its
+memory is that stage's, equal byte for byte at every action on gloo ranks
+(tests/validate/test_pipeline_replay.py):
 
 - a receive buffer per micro-batch for activations (every chunk but the first) and for
   gradients (every chunk but the last), allocated once and reused each step;
-- each in-flight micro-batch's stage output (``fwd_cache``) until its backward;
-- the gradient of each received activation, accumulated into the buffer's ``.grad`` and
-  cleared at the start of the next step (``clear_runtime_states``);
+- each in-flight micro-batch's stage output (``fwd_cache``) until its backward, the last
+  chunk's logits too: the loss is the schedule's, computed on that output outside the chunk
+  and kept (``_internal_losses``) until the step ends;
+- the gradient of each received activation, taken off its buffer after its backward
+  (``stage_backward``: ``val.grad = None``) and held, like each sent output, as long as the
+  schedule's sends hold it (memplan.train.sends);
+- the gradients divided by the number of micro-batches after the last backward
+  (``scale_grads``), in place;
 - with FSDP2, gradient sync and resharding are off for every micro-batch's backward and the
   reduce-scatter runs once after the last (``backward_maybe_with_nosync`` and
   ``perform_reduce_grad``): unsharded parameters and gradients stay for the backward.
 
-The last chunk computes the loss inside the stage, so no logits outlive their micro-batch.
+It stands for a trainer that calls ``schedule.step(..., return_outputs=False)``: with the
+default (True) the last stage also keeps every micro-batch's output until the step ends.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from memplan.train.sends import send_holder
 
 Action = tuple[str, int, int]  # ("F" | "B", local chunk index, micro-batch)
 
@@ -87,8 +97,10 @@ class StageReplay:
         microbatches: int,
         activation: tuple[tuple[int, ...], torch.dtype],
         device: torch.device,
+        schedule: str = "1f1b",
     ) -> None:
         self.chunks = chunks
+        self.schedule = schedule
         self.num_chunks = num_chunks
         self.actions = actions
         self.m = microbatches
@@ -120,9 +132,14 @@ class StageReplay:
     def step(
         self,
         batch: Callable[[int, bool, bool], tuple[torch.Tensor | None, torch.Tensor | None]],
-        loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+        forward: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         on_phase: Callable[[str], None],
     ) -> None:
+        """One schedule step: the actions in order, then the gradient reduction and scaling
+        (``perform_reduce_grad``). ``forward`` runs a chunk; ``loss_fn`` is the schedule's loss
+        of the last chunk's output, unscaled (the gradients are divided by the micro-batch count
+        after the last backward, as ``scale_grads=True`` does)."""
         self._buffers()
         for bufs in self.recv_act.values():  # clear_runtime_states
             for buf in bufs:
@@ -133,27 +150,58 @@ class StageReplay:
             module.set_is_last_backward(False)
             module.set_reshard_after_backward(False)
             module.set_requires_gradient_sync(False)
-        cache: dict[tuple[int, int], torch.Tensor] = {}
+        cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        losses: list[torch.Tensor] = []  # the schedule's _internal_losses
+        sent = send_holder(self.schedule, self.actions)  # memplan.train.sends
         for kind, c, i in self.actions:
-            module = self.chunks[c][1]
             if kind == "F":
                 on_phase("forward")
-                ids, labels = batch(i, self._first(c), self._last(c))
-                x = ids if self._first(c) else self.recv_act[c][i]
-                if self._last(c):
-                    cache[(c, i)] = loss_of(module, x, labels) / self.m
-                else:
-                    cache[(c, i)] = module(x)
+                self._forward(c, i, batch, forward, loss_fn, cache, losses, sent)
             else:
                 on_phase("backward")
-                out = cache.pop((c, i))
-                if self._last(c):
-                    out.backward()
-                else:
-                    torch.autograd.backward(out, grad_tensors=self.recv_grad[c][i])
-                del out
+                self._backward(c, i, cache, sent)
+        losses.clear()
         for module in fsdp:
             _reduce_grads(module)
+        self._scale_grads()
+        sent.end()
+
+    def _forward(self, c: int, i: int, batch, forward, loss_fn, cache, losses, sent) -> None:  # noqa: ANN001
+        """``forward_one_chunk`` then ``_maybe_compute_loss``: the stage output stays in ``fwd_cache``
+        until its backward, on the last chunk too (the logits), beside the loss."""
+        module = self.chunks[c][1]
+        ids, labels = batch(i, self._first(c), self._last(c))
+        out = forward(module, ids if self._first(c) else self.recv_act[c][i])
+        sent.forward(out, not self._last(c))
+        loss = None
+        if self._last(c):
+            loss = loss_fn(out, labels)
+            losses.append(loss)
+        cache[(c, i)] = (out, loss)
+
+    def _backward(self, c: int, i: int, cache, sent) -> None:  # noqa: ANN001
+        """``backward_one_chunk``: ``stage_backward`` takes each received activation's gradient off
+        the buffer (``val.grad = None``) and hands it to the send; the last chunk's output is detached."""
+        out, loss = cache.pop((c, i))
+        if loss is not None:
+            loss.backward()
+            if not out._is_view():
+                out.detach_()
+        else:
+            torch.autograd.backward(out, grad_tensors=self.recv_grad[c][i])
+        del out, loss
+        grad = None
+        if not self._first(c):
+            buf = self.recv_act[c][i]
+            grad, buf.grad = buf.grad, None
+        sent.backward(grad)
+
+    def _scale_grads(self) -> None:
+        """``scale_grads``: in place, after the reduction."""
+        for _, module in self.chunks:
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.div_(self.m)
 
 
 def _is_fsdp(module: nn.Module) -> bool:

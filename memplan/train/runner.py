@@ -160,10 +160,12 @@ def _train(spec: RunSpec, device: torch.device, rank: int, progress: Progress | 
     offload = offload_context(device) if plan.offload_activations == "cpu" else contextlib.nullcontext()
     box["offload"] = offload
 
-    def loss_of(module: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with offload:  # the forward's and the loss's saved tensors (memplan.train.offload)
-            with autocast:
-                logits = module(x)
+    def forward_of(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with offload, autocast:  # the forward's saved tensors (memplan.train.offload)
+            return module(x)
+
+    def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with offload:  # the loss's saved tensors
             return loss_fn(logits, labels)
 
     m = spec.accumulation
@@ -172,7 +174,9 @@ def _train(spec: RunSpec, device: torch.device, rank: int, progress: Progress | 
         actions = schedule_actions(plan.pp_schedule, plan.pp, plan.virtual_stages, stage, m)
         s_local = s // plan.tp if plan.sequence_parallel and plan.tp > 1 else s
         dtype = par.compute_dtype(plan) if not par.uses_autocast(plan) else torch.float32
-        replay = StageReplay(chunks, plan.stages, actions, m, ((b, s_local, spec.model.hidden_size), dtype), device)
+        replay = StageReplay(
+            chunks, plan.stages, actions, m, ((b, s_local, spec.model.hidden_size), dtype), device, plan.pp_schedule
+        )
     model = chunks[0][1]
     times: list[float] = []
     total_steps = spec.warmup + spec.steps
@@ -187,7 +191,7 @@ def _train(spec: RunSpec, device: torch.device, rank: int, progress: Progress | 
                 torch.cuda.synchronize()
             start = time.perf_counter()
             if replay is not None:
-                replay.step(batch, loss_of, phase)
+                replay.step(batch, forward_of, loss_of, phase)
             else:
                 for i in range(m):
                     sync = contextlib.nullcontext()
@@ -196,7 +200,7 @@ def _train(spec: RunSpec, device: torch.device, rank: int, progress: Progress | 
                     with sync:
                         phase("forward")
                         ids, labels = batch(i)
-                        loss = loss_of(model, ids, labels) / m
+                        loss = loss_of(forward_of(model, ids), labels) / m
                         phase("backward")
                         loss.backward()
                         del loss
