@@ -34,7 +34,11 @@ from memplan.specs.plan import Plan
 State = Literal["ample", "tight", "does not fit"]
 
 OP_LEVEL = 0.0002  # six op-level plans on the H200 (1B, 8B, 70B; both allocators): reserved within 0.02%
-OP_LEVEL_SOURCE = "the op-level run: six H200 runs (1B to 70B, both allocator modes) within 0.02% reserved"
+OP_LEVEL_SOURCE = (
+    "the op-level run: six H200 runs it was not built from (1B to 70B, both allocator modes) within 0.02% "
+    "reserved; the mechanisms added since (DDP, ZeRO-2, CPU offload, bf16-master, fp32, selective-op) replay "
+    "the H200 runs they were read from to the byte"
+)
 
 # (error, what measured it): the phase model's reserved error on the H200, per mechanism, rounded up
 # to 0.1% (the runs' exact errors: tests/unit/test_capacity_margin.py recomputes them)
