@@ -273,7 +273,7 @@ def render(v: Validation, console: Console) -> None:
     console.print(table)
     if v.measured_bytes_by_rank:
         ranks = ", ".join(f"rank {r} {_b(n)}" for r, n in v.measured_bytes_by_rank.items())
-        console.print(f"measured peak of every rank: {ranks}")
+        console.print(f"measured peak of every rank: {ranks}", soft_wrap=True)
     if v.step_time_s is not None:
         note = " (simulated rank: not the real job's step time)" if v.simulated else ""
         tps = f", {v.tokens_per_s:,.0f} tokens/s" if v.tokens_per_s else ""

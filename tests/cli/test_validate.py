@@ -192,3 +192,37 @@ def test_launcher_skips_a_line_it_cannot_read():
     seen: list[tuple[int, int]] = []
     assert _watch(lines, float("inf"), lambda step, total: seen.append((step, total))) is False
     assert seen == [(2, 2)]
+
+
+def test_real_ranks_report_every_rank(tiny: Path, capsys, monkeypatch):
+    """``--real-ranks`` reports each rank's measured peak (``measured_bytes_by_rank``, and a line
+    under the table); rank simulation runs one rank and says None. The launcher is faked here."""
+    import memplan.cli.validate as cli
+    from memplan.cli.app import run as cli_run
+    from memplan.validate.launch import LaunchResult
+    from memplan.validate.record import RunRecord
+
+    def fake_launch(spec, workdir, timeout, progress=None, snapshot=None):
+        ranks = [spec.rank] if spec.simulate else [0, 1]
+        records = {
+            r: RunRecord(
+                status="ok",
+                device_name="cpu",
+                versions={},
+                started="",
+                finished="",
+                peak_allocated=3 * 2**20 + r * 2**20,
+                **spec.record_fields(rank=r),
+            )  # fmt: skip
+            for r in ranks
+        }
+        return LaunchResult(records, [], False, 0, "")
+
+    monkeypatch.setattr(cli, "launch", fake_launch)
+    flags = ["validate", str(tiny), "--dp", "2", "--zero", "2", "--precision", "fp32", *BASE]
+    assert cli_run([*flags, "--real-ranks", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["measured_bytes_by_rank"] == {"0": 3 * 2**20, "1": 4 * 2**20}
+    assert cli_run([*flags, "--real-ranks"]) == 0
+    assert "measured peak of every rank: rank 0 3.00 MiB, rank 1 4.00 MiB" in capsys.readouterr().out
+    assert cli_run([*flags, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["measured_bytes_by_rank"] is None
