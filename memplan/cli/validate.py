@@ -176,9 +176,11 @@ def validate(
     notes = [n for n in (job.gpu_note, *notes) if n]
     if notes and format == "table":  # --gpu auto or --gpus detected: which and why, once the run is sure to start
         Console().print("; ".join(notes), soft_wrap=True)
-    record, path = _run(spec, timeout, out, show=format == "table", snapshot=target)
+    record, path, by_rank = _run(spec, timeout, out, show=format == "table", snapshot=target)
     predicted_time = result.time.step_time_s if result.time is not None else None
     validation = compare(report, record, str(path) if path else None, predicted_time)
+    if not simulate_ranks:
+        validation = validation.model_copy(update={"measured_bytes_by_rank": by_rank})
     if target is not None:
         validation = validation.model_copy(update={"snapshot_path": str(target)})
     if notes:  # --gpu auto or --gpus detected, in the JSON as in the table
@@ -199,8 +201,9 @@ def _run_name(job) -> str:
 
 def _run(
     spec: RunSpec, timeout: float, out: Path | None, show: bool, snapshot: Path | None = None
-) -> tuple[RunRecord, Path | None]:
-    """Launch, with a progress bar on stderr; the record is copied to ``--out`` at once."""
+) -> tuple[RunRecord, Path | None, dict[int, int]]:
+    """Launch, with a progress bar on stderr; the record is copied to ``--out`` at once. Also returns
+    the measured peak of every rank that reported one."""
     console = Console(stderr=True)
     total = spec.steps + spec.warmup
     with tempfile.TemporaryDirectory(prefix="memplan-validate-") as tmp:
@@ -213,11 +216,12 @@ def _run(
                 spec, Path(tmp), timeout, progress=lambda s, t: bar.update(task, completed=s), snapshot=snapshot
             )
         record = pick_record(spec, result)
+        by_rank = {r: rec.peak_allocated for r, rec in sorted(result.records.items()) if rec.peak_allocated is not None}
         path = out
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(record.model_dump_json(indent=2))
-    return record, path
+    return record, path, by_rank
 
 
 def _b(n: int | None) -> str:
@@ -267,6 +271,9 @@ def render(v: Validation, console: Console) -> None:
         row = (_b(host.predicted_bytes), _b(host.measured_bytes), _pct(host.error_pct))
         table.add_row("host (activation offload)", *row)
     console.print(table)
+    if v.measured_bytes_by_rank:
+        ranks = ", ".join(f"rank {r} {_b(n)}" for r, n in v.measured_bytes_by_rank.items())
+        console.print(f"measured peak of every rank: {ranks}", soft_wrap=True)
     if v.step_time_s is not None:
         note = " (simulated rank: not the real job's step time)" if v.simulated else ""
         tps = f", {v.tokens_per_s:,.0f} tokens/s" if v.tokens_per_s else ""

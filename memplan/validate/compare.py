@@ -60,6 +60,9 @@ class Validation(BaseModel):
     snapshot_path: str | None = None
     # offload_activations cpu on CPU: the activations' host copies, predicted (offload.cpu) and measured
     offload_host: Row | None = None
+    # --real-ranks: the measured peak of every rank that reported (the reported rank's is measured_bytes);
+    # None under rank simulation, which runs one rank
+    measured_bytes_by_rank: dict[int, int] | None = None
 
 
 def error_pct(predicted: int, measured: int | None) -> float | None:

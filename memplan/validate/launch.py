@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,10 @@ from pathlib import Path
 
 from memplan.validate.record import RunRecord
 from memplan.validate.spec import RunSpec
+
+# a rank's ``progress STEP TOTAL`` line (memplan.train.worker.say); any other line is not read: the bar
+# is a display, and a line it cannot read (a library printing on stdout) must not end the run
+PROGRESS = re.compile(r"progress (\d+) (\d+)")
 
 
 @dataclass(frozen=True)
@@ -91,21 +96,11 @@ def launch(
             lines.put(None)
 
         threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        timed_out = False
-        while True:
-            try:
-                line = lines.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
-            except queue.Empty:
-                line = ""
-            if line is None:
-                break
-            if line.startswith("progress") and progress is not None:
-                _, step, total = line.split()
-                progress(int(step), int(total))
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
+        try:
+            timed_out = _watch(lines, time.monotonic() + timeout_s, progress)
+        except BaseException:  # the progress callback, or Ctrl-C: no rank outlives the launcher
+            _kill(proc)
+            raise
         if timed_out:
             _kill(proc)
         try:
@@ -121,6 +116,21 @@ def launch(
     missing = [r for r in ranks if r not in records]
     tail = err_path.read_text()[-4000:] if err_path.exists() else ""
     return LaunchResult(records, missing, timed_out, returncode, tail)
+
+
+def _watch(lines: queue.Queue[str | None], deadline: float, progress: Callable[[int, int], None] | None) -> bool:
+    """Read the ranks' lines until their stdout closes (False) or the deadline passes (True)."""
+    while True:
+        try:
+            line = lines.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            line = ""
+        if line is None:
+            return False
+        if progress is not None and (match := PROGRESS.fullmatch(line.strip())):
+            progress(int(match[1]), int(match[2]))
+        if time.monotonic() > deadline:
+            return True
 
 
 def pick_record(spec: RunSpec, result: LaunchResult) -> RunRecord:
