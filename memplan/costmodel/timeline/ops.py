@@ -78,7 +78,8 @@ def heads_view(tape: Tape, x: Tensor, tag: str, copy_grad: bool) -> Tensor:
 # --- matmul --------------------------------------------------------------------------------------------
 def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor:
     """``F.linear(x, w)`` without bias (``matmul`` folded to ``mm``): saves x and w.
-    Backward (MmBackward0): dW (w's shape) then dX, a view of the 2-D product."""
+    Backward (MmBackward0): dW (w's shape) then dX, a view of the 2-D product. An ``mm`` a
+    selective checkpoint saves is kept in the forward and handed back in the re-run."""
     x_numel, w_numel = x.numel, w.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
@@ -92,9 +93,14 @@ def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor
         return [dx, dw]
 
     node = tape.node(tag, apply, [x, w], saved=[x, w])
+    kept = tape.cached("mm")
+    if kept is not None:
+        kept[0].fn = node
+        return kept[0]
     out = result(tape, out_numel, x.itemsize, tag, node)
     if tape.on_first_mm is not None:
         tape.on_first_mm()
+    tape.keep("mm", [out])
     return out
 
 
@@ -197,7 +203,8 @@ def sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) 
     """``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` (flash): philox seed and
     offset, the output, the fp32 log-sum-exp (b x heads x s), a scratch block. Saves q, k, v,
     out, lse and the seeds. Backward: dq, dk, dv, and one workspace of the fp32 dq accumulator
-    twice over plus the fp32 softmax row sums (``2 x b s q x 4 + b heads s x 4 + 256``)."""
+    twice over plus the fp32 softmax row sums (``2 x b s q x 4 + b heads s x 4 + 256``). A
+    selective checkpoint that saves it keeps out, lse and the seeds, and hands them back."""
     qn, kn, vn = q.numel, k.numel, v.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
@@ -207,11 +214,17 @@ def sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) 
         return [dq, dk, dv]
 
     node = tape.node(tag, apply, [q, k, v], saved=[q, k, v])
-    seed, offset = tape.new(1, PHILOX, f"{tag}.philox_seed"), tape.new(1, PHILOX, f"{tag}.philox_offset")
-    out = result(tape, qn, q.itemsize, f"{tag}.out", node)
-    lse = tape.new(lse_numel, 4, f"{tag}.lse")
-    scratch = tape.new(SDPA_SCRATCH, 1, f"{tag}.scratch")
-    tape.done(scratch)
+    kept = tape.cached("sdpa")
+    if kept is not None:
+        seed, offset, out, lse = kept
+        out.fn = node
+    else:
+        seed, offset = tape.new(1, PHILOX, f"{tag}.philox_seed"), tape.new(1, PHILOX, f"{tag}.philox_offset")
+        out = result(tape, qn, q.itemsize, f"{tag}.out", node)
+        lse = tape.new(lse_numel, 4, f"{tag}.lse")
+        scratch = tape.new(SDPA_SCRATCH, 1, f"{tag}.scratch")
+        tape.done(scratch)
+        tape.keep("sdpa", [seed, offset, out, lse])
     try:
         if node is not None:
             for t in (out, lse, seed, offset):

@@ -38,8 +38,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.pp == 1 and plan.cp == 1 and plan.ep == 1, "pipeline, context or expert parallelism"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
         (plan.optimizer == "adamw" and plan.precision in ("bf16", "bf16-mixed"), "this optimizer or precision"),
-        (plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None, "this recompute"),
-        (_accumulation(workload, plan) == 1, "gradient accumulation"),
+        (plan.recompute != "selective-op" or plan.tp == 1, "this recompute (selective-op under tensor parallel)"),
         (plan.dp == 1 or plan.zero == 3, "DDP or ZeRO-1/2"),
         (plan.tp == 1 or plan.dp > 1, "tensor parallel without FSDP2"),
         (plan.tp == 1 or plan.sequence_parallel, "tensor parallel without sequence parallel"),
@@ -52,7 +51,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     return None
 
 
-def _accumulation(workload: TrainingWorkload, plan: Plan) -> int:
+def accumulation(workload: TrainingWorkload, plan: Plan) -> int:
+    """Micro-batches per step on one rank (``RunSpec.accumulation``)."""
     total = workload.global_batch or workload.micro_batch * plan.dp
     return max(1, total // (workload.micro_batch * plan.dp))
 

@@ -13,11 +13,11 @@ optimizer step, AdamW's states.
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import ops, recompute
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
-from memplan.costmodel.timeline.support import supported
+from memplan.costmodel.timeline.support import accumulation, supported
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -45,6 +45,7 @@ def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
         pd=2 if plan.precision == "bf16" else 4,
         autocast=plan.precision == "bf16-mixed" and not fsdp,
         recompute=plan.recompute,
+        recompute_layers=plan.recompute_layers,
     )
 
 
@@ -53,7 +54,7 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
     None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan) is not None:
         return None
-    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings)
+    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings, accumulation(workload, plan))
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
@@ -64,10 +65,10 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
 class _Run:
     """One rank: parameters, gradients, optimizer states, and the step."""
 
-    def __init__(self, d: Dims, dp: int, tied: bool) -> None:
+    def __init__(self, d: Dims, dp: int, tied: bool, micro_batches: int = 1) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
-        self.d, self.dp = d, dp
+        self.d, self.dp, self.micro_batches = d, dp, micro_batches
         self.shapes = param_shapes(d, tied)
         self.grads: dict[str, Tensor] = {}
         self.states: list[Tensor] = []
@@ -100,8 +101,17 @@ class _Run:
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self, first: bool) -> None:
-        """``runner._train``'s step: the batch (the previous one goes when rebound), forward,
-        loss, ``loss.backward()``, ``del loss``, optimizer step, ``zero_grad``."""
+        """``runner._train``'s step: each micro-batch (gradient accumulation: the gradients
+        add into the first one's, under FSDP2 the sharded ones), then the optimizer step and
+        ``zero_grad``."""
+        for i in range(self.micro_batches):
+            self.micro_batch(first and i == 0)
+        self.optimizer_step(first)
+        self.zero_grad()
+
+    def micro_batch(self, first: bool) -> None:
+        """The batch (the previous one goes when rebound), forward, ``loss / m``,
+        ``loss.backward()``, ``del loss``."""
         t, d = self.tape, self.d
         with t.scoped("batch"):
             ids, labels = t.new(d.tokens, 8, "ids"), t.new(d.tokens, 8, "labels")
@@ -119,8 +129,6 @@ class _Run:
         if self.fsdp is not None:
             self.fsdp.finish_backward()
         t.done(loss, keep)
-        self.optimizer_step(first)
-        self.zero_grad()
 
     def forward(self, ids: Tensor) -> Tensor:
         """``Transformer.forward`` (under autocast for bf16-mixed without FSDP)."""
@@ -134,7 +142,7 @@ class _Run:
         cos, sin = m.rope_tables(x.itemsize)
         for i in range(d.layers):
             xi = fsdp.pre_forward(i + 1, x) if fsdp else t.alias(x)
-            out = self._layer(xi, cos, sin, i)
+            out = recompute.layer(t, m, xi, cos, sin, i, d.recompute_layers)
             t.done(xi)
             if fsdp:
                 fsdp.post_forward(i + 1, out)
@@ -151,22 +159,6 @@ class _Run:
             m.cache = None
         t.done(cos, sin)
         return logits
-
-    def _layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
-        """``Block`` or ``Checkpointed(Block)`` (full recompute: non-reentrant checkpoint over
-        the block; its recompute runs in a fresh autocast context)."""
-        t, m = self.tape, self.model
-        if self.d.recompute != "full":
-            return m.block(x, cos, sin, i)
-
-        def rerun() -> None:
-            cache, m.cache = m.cache, ({} if self.d.autocast else None)
-            try:
-                m.block(x, cos, sin, i)
-            finally:
-                m.cache = cache
-
-        return t.checkpoint(lambda: m.block(x, cos, sin, i), [x, cos, sin], rerun=rerun)
 
     # --- optimizer -----------------------------------------------------------------------------------
     def optimizer_step(self, first: bool) -> None:
