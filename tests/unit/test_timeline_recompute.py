@@ -103,16 +103,21 @@ def test_more_micro_batches_than_two_add_nothing():
         assert peaks[0] < peaks[1] == peaks[2], peaks
 
 
-# name: (model, plan, workload): each mechanism alone, on one rank and under FSDP2 ZeRO-3, and together
+# name: (model, plan, (micro_batch, global_batch)): each mechanism alone, on one rank, under FSDP2
+# ZeRO-3 and under TP + SP, and together; sequences of 128 tokens
 CPU_CASES = {
-    "selective-op-bf16-mixed-accum2": (TINY, dict(precision="bf16-mixed", recompute="selective-op"), 2),
-    "full-2-of-4-layers-bf16": (TINY, dict(precision="bf16", recompute="full", recompute_layers=2), None),
-    "tied-accum2-bf16": (TIED, dict(precision="bf16"), 2),
+    "selective-op-bf16-mixed-accum2": (TINY, dict(precision="bf16-mixed", recompute="selective-op"), (1, 2)),
+    "full-2-of-4-layers-bf16": (TINY, dict(precision="bf16", recompute="full", recompute_layers=2), (1, None)),
+    "tied-accum2-bf16": (TIED, dict(precision="bf16"), (1, 2)),
     "zero3-dp4-selective-op-bf16-mixed": (
-        TINY, dict(precision="bf16-mixed", dp=4, zero=3, recompute="selective-op"), None
+        TINY, dict(precision="bf16-mixed", dp=4, zero=3, recompute="selective-op"), (1, None)
     ),
     "zero3-dp4-full-2-layers-accum3-bf16": (
-        TINY, dict(precision="bf16", dp=4, zero=3, recompute="full", recompute_layers=2), 12
+        TINY, dict(precision="bf16", dp=4, zero=3, recompute="full", recompute_layers=2), (1, 12)
+    ),
+    "tp2-sp-dp2-zero3-selective-op-bf16-mixed": (
+        TINY, dict(precision="bf16-mixed", tp=2, sequence_parallel=True, dp=2, zero=3, recompute="selective-op"),
+        (2, None),
     ),
 }  # fmt: skip
 
@@ -123,8 +128,8 @@ def test_the_bundled_trainer_on_cpu_peaks_where_the_run_does(name):
     from memplan.train.runner import run
     from memplan.validate.spec import RunSpec
 
-    model, changes, global_batch = CPU_CASES[name]
-    plan, workload = Plan(**changes), TrainingWorkload(seq_len=128, micro_batch=1, global_batch=global_batch)
+    model, changes, (micro_batch, global_batch) = CPU_CASES[name]
+    plan, workload = Plan(**changes), TrainingWorkload(seq_len=128, micro_batch=micro_batch, global_batch=global_batch)
     peak, passes = _steady_peaks(model, workload, plan)
     record = run(RunSpec(model=model, workload=workload, plan=plan, rank=0, steps=2))
     assert record.status == "ok", record.reason

@@ -5,7 +5,8 @@
 - ``selective``: the attention core alone (``trainer_model.Model.attention``);
 - ``selective-op``: each layer under ``create_selective_checkpoint_contexts`` with
   :func:`op_policy` (``parallel.OpCheckpointed``): the forward keeps the outputs of the odd
-  matmuls (wq, wv, w1, w2) and of the attention kernel (out, lse, philox seed and offset)
+  matmuls (wq, wv, w1, w2), of the attention kernel (out, lse, philox seed and offset) and,
+  under sequence parallel, of funcol's reduce-scatters (``tensor_parallel.reduce_scatter``)
   beside the layer's input; the backward's re-run hands those back instead of computing them
   and recomputes every other op. It stops at the last tensor the layer's graph saved, w2's
   inputs, before w2's own matmul: w2's kept output is never taken back and goes with the
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.trainer_model import Model
 
-OP_SAVED = frozenset({"sdpa"})  # parallel._OP_SAC_SAVED: the attention kernels (and TP's reduce-scatters)
+OP_SAVED = frozenset({"sdpa", "reduce_scatter"})  # parallel._OP_SAC_SAVED: attention kernels, funcol reduce-scatters
 
 
 def op_policy() -> Callable[[str, bool], bool]:

@@ -18,16 +18,15 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     Modelled (the six traces cover each mechanism): one pipeline stage; a dense Llama-family
     decoder (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA; AdamW
     (foreach) without offload; any number of micro-batches per step (gradient accumulation);
-    recompute none, full (every layer or the first ``recompute_layers``), selective, or
-    selective-op (without tensor parallel); either one data rank without sharding in bf16 or
+    recompute none, full (every layer or the first ``recompute_layers``), selective or
+    selective-op (``recompute.py``); either one data rank without sharding in bf16 or
     bf16-mixed (autocast), or FSDP2 ZeRO-3 over dp > 1 in bf16 or bf16-mixed
     (MixedPrecisionPolicy) with an untied LM head, optionally with tensor and sequence parallel.
 
     Not modelled: pipeline, context or expert parallelism; MoE; a plain MLP, LayerNorm,
     biases, QK-norm; eager attention; fp32 (SDPA leaves the flash kernel) and bf16-master
     (another optimizer); offload; DDP and ZeRO-1/2 (dp > 1); tensor parallel without FSDP2 or
-    without sequence parallel; selective-op under tensor parallel (its policy also keeps the
-    sequence-parallel reduce-scatters); FSDP2 over a tied embedding (one root group holding it)."""
+    without sequence parallel; FSDP2 over a tied embedding (one root group holding it)."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -39,7 +38,6 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.pp == 1 and plan.cp == 1 and plan.ep == 1, "pipeline, context or expert parallelism"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
         (plan.optimizer == "adamw" and plan.precision in ("bf16", "bf16-mixed"), "this optimizer or precision"),
-        (plan.recompute != "selective-op" or plan.tp == 1, "this recompute (selective-op under tensor parallel)"),
         (plan.dp == 1 or plan.zero == 3, "DDP or ZeRO-1/2"),
         (plan.tp == 1 or plan.dp > 1, "tensor parallel without FSDP2"),
         (plan.tp == 1 or plan.sequence_parallel, "tensor parallel without sequence parallel"),
