@@ -103,6 +103,30 @@ def test_more_micro_batches_than_two_add_nothing():
         assert peaks[0] < peaks[1] == peaks[2], peaks
 
 
+@pytest.mark.parametrize(
+    ("model", "plan"),
+    [
+        ("llama1b", dict(precision="bf16-mixed", recompute="selective-op", micro_batch=2)),
+        ("llama3-8b", dict(dp=4, tp=2, sequence_parallel=True, zero=3, precision="bf16", recompute="selective-op")),
+    ],
+    ids=["1b-selective-op", "8b-tp2-sp-zero3-selective-op"],
+)
+def test_micro_batches_past_the_third_change_no_peak(model, plan):
+    """The run follows at most ``MICRO_BATCHES_MODELLED`` micro-batches of a step: following all
+    six of a six-micro-batch step gives the same allocated and reserved peaks, both allocators."""
+    model = str(TRACES / "llama1b.config.json") if model == "llama1b" else model
+    micro_batch = plan.get("micro_batch", 1)
+    dp = plan.get("dp", 1)
+    job = resolve_job(model, None, dict(plan, seq_len=4096, global_batch=6 * micro_batch * dp), inference=False)
+    short = trainer_run(job.model, job.workload, job.plan)
+    full = trainer_run(job.model, job.workload, job.plan, max_micro_batches=6)
+    assert len(full.events) > len(short.events)
+    for expandable in (False, True):
+        config = AllocatorConfig(expandable_segments=expandable)
+        a, b = replay(short, config), replay(full, config)
+        assert (a.max_allocated, a.max_reserved) == (b.max_allocated, b.max_reserved)
+
+
 # name: (model, plan, (micro_batch, global_batch)): each mechanism alone, on one rank, under FSDP2
 # ZeRO-3 and under TP + SP, and together; sequences of 128 tokens
 CPU_CASES = {
