@@ -25,12 +25,11 @@ from memplan.specs.workload import TrainingWorkload
 
 CUBLAS_WORKSPACE = 32 * 2**20  # per thread and stream (CUBLAS_WORKSPACE_CONFIG default on Hopper)
 # Micro-batches of a step the run follows. The first creates the gradients; every later one starts
-# from the same live set (every gradient held, no activation) and makes the same requests, so the
-# third is the second again, replayed from the allocator state a steady micro-batch leaves. The
-# peaks, allocated and reserved, of 2 to 6 micro-batches were equal on a 1B selective-op plan, an
-# 8B ZeRO-3 one and an 8B TP 2 + SP ZeRO-3 one, both allocators (test_timeline_recompute.py
-# holds two); more are not run (each costs a forward and backward).
-MICRO_BATCHES_MODELLED = 3
+# from the same live set (every gradient held, no activation) and makes the same requests as the
+# second. The peaks, allocated and reserved, of 2 to 6 micro-batches were equal on a 1B
+# selective-op plan, an 8B ZeRO-3 one and an 8B TP 2 + SP ZeRO-3 one, both allocators
+# (test_timeline_recompute.py holds two); more are not run (each costs a forward and backward).
+MICRO_BATCHES_MODELLED = 2
 
 
 def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
