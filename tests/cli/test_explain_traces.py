@@ -54,7 +54,6 @@ OOM = "h200_c_sel8b_s8k_m2"
 PHASE = {
     "h200_a_lora8b": "LoRA: 1.1% matched, allocated -0.1%, reserved -9.6%",
     "h200_a_qlora8b": "QLoRA: 0.5% matched, allocated -19.5%, reserved -35.8%",
-    "h200_a_selop1b": "selective-op: 1.6% matched, allocated +5.7%, reserved -6.0%",
     "h200_b_pp4": "pipeline 1F1B: 0.3% matched, allocated -0.1%, reserved -15.6%",
 }
 
