@@ -1382,7 +1382,7 @@ def training_peak(
     memo = MemoryMemo() if memo is None else memo  # the stages share the rank's shape
     best = None
     stage_peaks: dict[int, int] = {}
-    for stage in _stages_to_examine(model, plan):
+    for stage in _stages_to_examine(model, plan, rt):
         sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, memo)
         totals = sm.totals
         peak_phase = max(totals, key=totals.__getitem__)
@@ -1440,12 +1440,19 @@ def activation_offload_bytes(
     return mechanism, sm.offload_host
 
 
-def _stages_to_examine(model: ModelSpec, plan: Plan) -> list[int]:
+def _stages_to_examine(model: ModelSpec, plan: Plan, rt: RuntimeProfile) -> list[int]:
     """The first stage holds the most activations and the embedding, the last the head and
     logits; middle stages hold less of both and the same layers, unless an MoE model mixes
-    dense and MoE layers unevenly, when every stage is examined."""
+    dense and MoE layers unevenly, when every stage is examined. Under torch.distributed.pipelining
+    a middle stage also keeps the buffers of both directions, 3m activations where the first
+    keeps m and the last 2m (``pipeline_buffers``; torch/distributed/pipelining/stage.py): with
+    many micro-batches the second stage, the middle one with the most in flight, can hold the
+    most, so it is examined too (measured on the bundled trainer, docs/cost-model.md)."""
     uneven = model.moe is not None and (model.moe.dense_layers or model.moe.layer_freq > 1)
-    return list(range(plan.pp)) if uneven else sorted({0, plan.pp - 1})
+    if uneven:
+        return list(range(plan.pp))
+    middle = {1} if rt.pytorch_parallel and plan.pp > 2 else set()
+    return sorted({0, plan.pp - 1} | middle)
 
 
 def _role(stage: int, pp: int) -> str:
