@@ -180,7 +180,8 @@ def test_the_dispatch_count_is_the_allocator_count():
     and DivBackward0 saves it until the backward's first node, so when the backward makes its seed
     gradient (``ones_like``) the allocator holds those 8 bytes more (measured 2026-11-27). The
     allocator's highest total between two counts, what kernels allocate and free inside one op, is
-    the count's other exclusion: never below the count's peak (equal in every phase here)."""
+    the count's other exclusion: never below the count's peak (12 B above it in the optimizer
+    phase, a number wrapped inside one op and its dtype copy; equal in the forward and backward)."""
     from torch.profiler import ProfilerActivity, profile
 
     spec = _spec("zero3-dp4")
