@@ -22,6 +22,7 @@ whose frame ends before FSDP2's method runs.
 
 from __future__ import annotations
 
+import inspect
 from functools import wraps
 
 from torch import nn
@@ -49,22 +50,27 @@ def _states(root: nn.Module) -> list[tuple[object, FSDPModule]]:
 
 def _register(state: object, pre, post, always_call: bool) -> None:  # noqa: ANN001 - forward hooks
     """Register ``pre`` / ``post`` as FSDP2's ``FSDPState.init`` registers its own hooks (a single
-    module's post-hook with ``always_call`` as FSDPMemTracker registers its wrapper)."""
+    module's post-hook with ``always_call`` as FSDPMemTracker registers its wrapper). The group
+    registration takes the output-dtype cast as a fifth argument in torch 2.13, not in earlier ones."""
     modules = state._modules
     if len(modules) == 1:
         state._pre_forward_hook_handle = modules[0].register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         state._post_forward_hook_handle = modules[0].register_forward_hook(post, prepend=False, always_call=always_call)
         return
-    handle = _register_group_forward_hooks(modules, pre, post, state._modules_to_run_forward, state._cast_output_dtype)
+    extra = [state._cast_output_dtype] if len(inspect.signature(_register_group_forward_hooks).parameters) > 4 else []
+    handle = _register_group_forward_hooks(modules, pre, post, state._modules_to_run_forward, *extra)
     state._pre_forward_hook_handle = state._post_forward_hook_handle = handle
 
 
 def _grads(group: object, unsharded: bool) -> list:
+    """A param group's unsharded (or sharded) gradients that exist."""
     params = [p._unsharded_param if unsharded else p.sharded_param for p in group.fsdp_params]
     return [p.grad for p in params if p.grad is not None]
 
 
 class GroupedFSDPMemTracker(FSDPMemTracker):
+    """FSDPMemTracker with each FSDP state wrapped once, as FSDP2 hooks it (see the module docstring)."""
+
     def _instrument_fsdp_module(self) -> None:
         for state, first in _states(self._root_mod):
             state._pre_forward_hook_handle.remove()
