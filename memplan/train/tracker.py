@@ -2,10 +2,10 @@
 
 ``PhaseMeter.phase`` names the phase the step is in (``forward``, ``backward``,
 ``optimizer``; ``None`` outside the measured steps). On CPU a MemTracker subclass
-(FSDPMemTracker under FSDP2) sees every tensor storage the step allocates and keeps, per
-phase, the highest total and the per-category bytes at that moment. On CUDA the peak
-counters are reset at each phase change and read at the next (``max_memory_allocated`` /
-``max_memory_reserved``).
+(under FSDP2 an FSDPMemTracker that keeps FSDP2's group hooks, memplan.train.fsdp_meter) sees
+every tensor storage the step allocates and keeps, per phase, the highest total and the
+per-category bytes at that moment. On CUDA the peak counters are reset at each phase change and
+read at the next (``max_memory_allocated`` / ``max_memory_reserved``).
 
 With CPU offload on a CPU-only machine there is one device for both sides, so the bytes of
 what FSDP2 keeps on the host (sharded parameters and gradients, optimizer states and the
@@ -15,7 +15,6 @@ accelerator would hold.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -65,31 +64,12 @@ class _NoHook:
         pass
 
 
-def _skip_frozen(tracker, model: nn.Module) -> bool:  # noqa: ANN001 - a MemTracker
+def _skip_frozen(tracker, model: nn.Module) -> None:  # noqa: ANN001 - a MemTracker
     """MemTracker hooks every parameter's gradient, which a frozen one (LoRA's base) refuses:
-    mark those as hooked already (tests/accuracy/peft_steps.py does the same). True if any is."""
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    for param in frozen:
-        tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
-    return bool(frozen)
-
-
-def _catch_leaf_inputs(mod_tracker, leaves: list) -> None:  # noqa: ANN001 - MemTracker's ModTracker
-    """Collect (weakly) each module input that is a leaf requiring grad and no parameter: a frozen
-    embedding's output made to require grad (LoRA under checkpointing). MemTracker's module hooks
-    keep the autograd graph that ends at such a leaf alive, and with it the leaf and its ``.grad``
-    (measured: one ``b x s x h`` pair per step, growing; no Python object refers to the leaf, a
-    run without the tracker frees it, and so does tests/accuracy/peft_steps.py's StorageTracker);
-    :meth:`PhaseMeter.end_step` releases them."""
-    hook = mod_tracker._fw_pre_hook
-
-    def pre_hook(module: nn.Module, inputs: tuple) -> None:
-        for a in inputs:
-            if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad and not isinstance(a, nn.Parameter):
-                leaves.append(weakref.ref(a))
-        hook(module, inputs)
-
-    mod_tracker._fw_pre_hook = pre_hook
+    mark those as hooked already (tests/accuracy/peft_steps.py does the same)."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
 
 
 class _FiredGradHooks:
@@ -103,8 +83,12 @@ class _FiredGradHooks:
     backward leaves none). The backward releases what ops save for it anyway, but not what an
     autograd Function keeps as a ``ctx`` attribute: LLM.int8's input (bitsandbytes
     ``MatMul8bitFp``: ``ctx.A = A``), 16 MB of the optimizer phase after three steps there
-    (-69% against the model). While the meter runs, this records those handles and removes each
-    whose hook has fired (its module's backward has run; an ``all`` hook fires once per graph)."""
+    (-69% against the model); and, under checkpointing with a frozen embedding (LoRA), the graph's
+    input leaf (the embedding output made to require grad) with its ``.grad``, one ``b x s x h``
+    pair per step, which an earlier correction emptied by hand. While the meter runs, this records
+    those handles and removes each whose hook has fired (its module's backward has run; an ``all``
+    hook fires once per graph). tests/validate/test_meter_independent.py holds the result to a count
+    that registers no hook at all, on every kind of plan, to the byte."""
 
     def __init__(self) -> None:
         self._fired: list = []
@@ -164,19 +148,17 @@ class PhaseMeter:
         self.failed_in: tuple[str, int] | None = None
         self.peaks: dict[str, PhasePeak] = {}
         self._tracker = None
-        self._leaves: list = []  # weak references to input leaves the tracker keeps alive
         self._hooks = _FiredGradHooks()
         if device.type == "cpu":
             if fsdp:
-                from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+                from memplan.train.fsdp_meter import GroupedFSDPMemTracker
 
-                self._tracker = _tracker_class(FSDPMemTracker)(model, optimizer)
+                self._tracker = _tracker_class(GroupedFSDPMemTracker)(model, optimizer)
             else:
                 from torch.distributed._tools.mem_tracker import MemTracker
 
                 self._tracker = _tracker_class(MemTracker)()
-                if _skip_frozen(self._tracker, model):
-                    _catch_leaf_inputs(self._tracker._mod_tracker, self._leaves)
+                _skip_frozen(self._tracker, model)
                 # a quantized base's scales are neither parameters nor buffers (memplan.train.quant)
                 self._tracker.track_external(model, optimizer, *quant.state_tensors(model))
             self._tracker.meter = self
@@ -209,24 +191,9 @@ class PhaseMeter:
         if self.device.type == "cuda":
             self._close_cuda_phase()
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._release_leaves()
         self._hooks.release()
         self.label = phase
         self.phase = phase if record else None
-
-    def _release_leaves(self) -> None:
-        """Free the caught input leaves whose backward has run (their ``.grad`` is set): a run
-        without the tracker has freed them with the micro-batch's graph."""
-        alive = []
-        for ref in self._leaves:
-            if (leaf := ref()) is None:
-                continue
-            if leaf.grad is None:
-                alive.append(ref)
-                continue
-            leaf.grad = None
-            leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
-        self._leaves[:] = alive
 
     def _close_cuda_phase(self) -> None:
         if self.phase is None:
