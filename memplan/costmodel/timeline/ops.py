@@ -77,8 +77,10 @@ def heads_view(tape: Tape, x: Tensor, tag: str, copy_grad: bool) -> Tensor:
 
 # --- matmul --------------------------------------------------------------------------------------------
 def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor:
-    """``F.linear(x, w)`` without bias (``matmul`` folded to ``mm``): saves x and w.
-    Backward (MmBackward0): dW (w's shape) then dX, a view of the 2-D product."""
+    """``F.linear(x, w)`` without bias (``matmul`` folded to ``mm``): saves x for dW and w for
+    dX, each only when that gradient is needed (a frozen weight keeps no input: the generated
+    kernel's ``should_compute_output``). Backward (MmBackward0): dW (w's shape) then dX, a view
+    of the 2-D product."""
     x_numel, w_numel = x.numel, w.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
@@ -89,9 +91,12 @@ def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor
         dx = tape.new(x_numel, itemsize, "dX") if node.nexts[0] is not None else None
         if dx is not None:
             dx.view = True  # the 2-D product reshaped back
+            if tape.on_first_mm is not None:  # a frozen weight's: the backward's first product
+                tape.on_first_mm()
         return [dx, dw]
 
-    node = tape.node(tag, apply, [x, w], saved=[x, w])
+    saved = ([x] if _needs(w) else []) + ([w] if _needs(x) else [])
+    node = tape.node(tag, apply, [x, w], saved=saved)
     out = result(tape, out_numel, x.itemsize, tag, node)
     if tape.on_first_mm is not None:
         tape.on_first_mm()

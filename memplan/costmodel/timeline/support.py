@@ -20,9 +20,11 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (foreach) without offload; one micro-batch per step; recompute none, full (every layer)
     or selective; either one data rank without sharding in bf16 or bf16-mixed (autocast), or
     FSDP2 ZeRO-3 over dp > 1 in bf16 or bf16-mixed (MixedPrecisionPolicy) with an untied LM
-    head, optionally with tensor and sequence parallel.
+    head, optionally with tensor and sequence parallel. LoRA adapters (``lora.py``) over a
+    frozen bf16 base on one rank, without dropout or ``modules_to_save`` (h200_a_lora8b).
 
-    Not modelled: pipeline, context or expert parallelism; MoE; a plain MLP, LayerNorm,
+    Not modelled: QLoRA and LLM.int8 bases; LoRA with dropout, modules_to_save, autocast or
+    over a sharded base; pipeline, context or expert parallelism; MoE; a plain MLP, LayerNorm,
     biases, QK-norm; eager attention; fp32 (SDPA leaves the flash kernel) and bf16-master
     (another optimizer); offload; DDP and ZeRO-1/2 (dp > 1); tensor parallel without FSDP2 or
     without sequence parallel; partial recompute and selective-op; gradient accumulation;
@@ -33,7 +35,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.qkv_bias or model.attn_out_bias or model.mlp_bias or model.qk_norm), "biases or QK-norm"),
         (plan.attention == "flash", f"{plan.attention} attention"),
-        (plan.finetune == "full", "LoRA adapters (the op-by-op timeline follows full training only)"),
+        (plan.finetune != "qlora", "QLoRA (a quantized base)"),
+        (plan.finetune == "full" or _plain_lora(plan), "LoRA other than adapters over a bf16 base on one rank"),
         (plan.offload_activations == "none", "activation offload"),
         (plan.pp == 1 and plan.cp == 1 and plan.ep == 1, "pipeline, context or expert parallelism"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
@@ -61,3 +64,16 @@ def _divides(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
     tp = plan.tp
     sizes = (model.q_size, model.kv_size, model.ffn_size, model.vocab_size, model.num_attention_heads, model.kv_heads)
     return all(n % tp == 0 for n in sizes) and workload.seq_len % tp == 0
+
+
+def _plain_lora(plan: Plan) -> bool:
+    """LoRA as h200_a_lora8b ran it: one rank, an unquantized bf16 base, no dropout (its masks),
+    no trained copy of a module (``modules_to_save``)."""
+    return (
+        plan.quant == "none"
+        and plan.lora_dropout == 0
+        and not plan.modules_to_save
+        and plan.dp == 1
+        and plan.tp == 1
+        and plan.precision == "bf16"
+    )

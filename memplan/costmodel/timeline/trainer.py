@@ -13,10 +13,13 @@ optimizer step, AdamW's states.
 
 from __future__ import annotations
 
+from memplan.costmodel.lora import ADAPTER_BYTES
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
+from memplan.costmodel.timeline.lora import Lora, LoraConfig
+from memplan.costmodel.timeline.lora import config as lora_config
 from memplan.costmodel.timeline.support import supported
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
 from memplan.specs.model import ModelSpec
@@ -53,7 +56,7 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
     None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan) is not None:
         return None
-    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings)
+    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings, lora_config(plan))
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
@@ -64,7 +67,7 @@ def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady
 class _Run:
     """One rank: parameters, gradients, optimizer states, and the step."""
 
-    def __init__(self, d: Dims, dp: int, tied: bool) -> None:
+    def __init__(self, d: Dims, dp: int, tied: bool, lora: LoraConfig | None = None) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
         self.d, self.dp = d, dp
@@ -73,6 +76,9 @@ class _Run:
         self.states: list[Tensor] = []
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
+        self.lora = Lora(self.tape, lora, d.tokens) if lora is not None else None
+        if self.lora is not None:
+            self.model.adapter = self.lora.adapt
         self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads) if dp > 1 else None
         if self.fsdp is None:
             self._build_params(tied)
@@ -83,8 +89,11 @@ class _Run:
         t, pd = self.tape, self.d.pd
         for name, (rows, cols) in self.shapes.items():
             p = t.managed(rows * cols, pd, name, Category.PARAMETERS)
-            p.fn = ops.leaf(self.grads, name)
             self.model.weights[name] = p
+            if self.lora is not None:  # a frozen base: no AccumulateGrad
+                self.lora.build(name, rows, cols)
+            else:
+                p.fn = ops.leaf(self.grads, name)
         if tied:
             rows, cols = self.shapes["tok_embeddings.weight"]
             copy = t.managed(rows * cols, pd, "output.weight", Category.PARAMETERS)
@@ -118,7 +127,10 @@ class _Run:
         t.backward(loss, seed)
         if self.fsdp is not None:
             self.fsdp.finish_backward()
-        t.done(loss, keep)
+        t.done(loss)
+        if self.lora is not None:
+            self.lora.free_graph()
+        t.done(keep)
         self.optimizer_step(first)
         self.zero_grad()
 
@@ -129,6 +141,8 @@ class _Run:
         if fsdp:
             fsdp.pre_forward(0)
         x = m.embed(ids)
+        if self.lora is not None:
+            self.lora.require_input_grad(x)
         if fsdp:
             fsdp.post_forward(0, x)
         cos, sin = m.rope_tables(x.itemsize)
@@ -173,7 +187,7 @@ class _Run:
         """Foreach AdamW over ``model.parameters()`` (local shards): on the first step the
         states (exp_avg, exp_avg_sq per parameter, zeros_like, in parameter order); each step
         one ``_foreach_sqrt`` temporary per parameter, all live together."""
-        t, pd = self.tape, self.d.pd
+        t, pd = self.tape, self.d.pd if self.lora is None else ADAPTER_BYTES
         t.scope = ""
         sizes = [(name, n * pd) for name, n in self.optimizer_params()]
         if first:
@@ -187,12 +201,17 @@ class _Run:
         """(name, local elements) in ``model.parameters()`` order (a tied head is the embedding)."""
         if self.fsdp is not None:
             return self.fsdp.shard_numels()
+        if self.lora is not None:
+            return self.lora.params()
         return [(name, rows * cols) for name, (rows, cols) in self.shapes.items()]
 
     def zero_grad(self) -> None:
         """``zero_grad(set_to_none=True)``: every gradient goes, in parameter order."""
         if self.fsdp is not None:
             self.fsdp.zero_grad()
+            return
+        if self.lora is not None:
+            self.lora.zero_grad()
             return
         for name in self.shapes:
             g = self.grads.pop(name, None)
