@@ -6,9 +6,10 @@ tests/data/gpu-traces): the model built off the meta device, a warm-up step, the
 steps. Each step: the batch, the forward (``trainer_model.py``, op by op), the loss, the
 backward (the autograd engine of ``autograd.py``), ``optimizer.step()`` (foreach AdamW) and
 ``zero_grad(set_to_none=True)``. Under ZeRO-3 the FSDP2 groups (``fsdp.py``) all-gather and
-reduce-scatter on their own streams. The first step also allocates cuBLAS's two workspaces
-(32 MiB each, the forward thread's and the autograd thread's, never freed) and, in its
-optimizer step, AdamW's states.
+reduce-scatter on their own streams. Under LoRA (``lora.py``) the base is frozen: the
+adapters alone have grads and AdamW states. The first step also allocates cuBLAS's two
+workspaces (32 MiB each, the forward thread's and the autograd thread's, never freed) and, in
+its optimizer step, AdamW's states.
 """
 
 from __future__ import annotations
