@@ -52,7 +52,6 @@ OOM = "h200_c_sel8b_s8k_m2"
 # not on the op-level run yet (the phase model answers): matched in order, allocated and reserved
 # error, at f3cf59a
 PHASE = {
-    "h200_a_lora8b": "LoRA: 1.1% matched, allocated -0.1%, reserved -9.6%",
     "h200_a_qlora8b": "QLoRA: 0.5% matched, allocated -19.5%, reserved -35.8%",
     "h200_b_pp4": "pipeline 1F1B: 0.3% matched, allocated -0.1%, reserved -15.6%",
 }

@@ -259,7 +259,7 @@ class Tape:
             pass
         finally:
             self._recompute = None
-            for t in self._pyrefs:  # the unwound frames' locals
+            for t in reversed(self._pyrefs):  # the unwound frames' locals, innermost first
                 self.drop(t)
             self._pyrefs = []
         region.done = True

@@ -77,13 +77,14 @@ def heads_view(tape: Tape, x: Tensor, tag: str, copy_grad: bool) -> Tensor:
 
 # --- matmul --------------------------------------------------------------------------------------------
 def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor:
-    """``F.linear(x, w)`` without bias (``matmul`` folded to ``mm``): saves x and w.
-    Backward (MmBackward0): dW (w's shape) then dX, a view of the 2-D product. dW reaches the
-    weight through ``w.t()``'s TBackward, a transposed view: a tied weight's two gradients are
-    then summed out of place (``InputBuffer::accumulate``; traces h200_a_master1b 5618-5622 and
-    h200_a_fp32full: the head's dW and the embedding's gradient freed after the sum); under
-    autocast the cast's backward makes it a plain tensor first. An ``mm`` a selective
-    checkpoint saves is kept in the forward and handed back in the re-run."""
+    """``F.linear(x, w)`` without bias (``matmul`` folded to ``mm``): saves x for dW and w for
+    dX, each only when that gradient is needed (a frozen weight keeps no input: the generated
+    kernel's ``should_compute_output``). Backward (MmBackward0): dW (w's shape) then dX, a view
+    of the 2-D product. dW reaches the weight through ``w.t()``'s TBackward, a transposed view: a
+    tied weight's two gradients are then summed out of place (``InputBuffer::accumulate``; traces
+    h200_a_master1b 5618-5622 and h200_a_fp32full: the head's dW and the embedding's gradient
+    freed after the sum); under autocast the cast's backward makes it a plain tensor first. An
+    ``mm`` a selective checkpoint saves is kept in the forward and handed back in the re-run."""
     x_numel, w_numel = x.numel, w.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
@@ -96,9 +97,12 @@ def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor
         dx = tape.new(x_numel, itemsize, "dX") if node.nexts[0] is not None else None
         if dx is not None:
             dx.view = True  # the 2-D product reshaped back
+            if tape.on_first_mm is not None:  # a frozen weight's: the backward's first product
+                tape.on_first_mm()
         return [dx, dw]
 
-    node = tape.node(tag, apply, [x, w], saved=[x, w])
+    saved = ([x] if _needs(w) else []) + ([w] if _needs(x) else [])
+    node = tape.node(tag, apply, [x, w], saved=saved)
     kept = tape.cached("mm")
     if kept is not None:
         kept[0].fn = node

@@ -29,10 +29,13 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (ZeRO-0, ``ddp.py``: h200_a_ddp1b); or FSDP2 over dp > 1, ZeRO-3 or ZeRO-2
     (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head, optionally with
     tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU offload of
-    parameters and optimizer together (h200_b_off8b).
+    parameters and optimizer together (h200_b_off8b). LoRA adapters (``lora.py``) over a
+    frozen bf16 base on one rank, one micro-batch per step, without dropout or
+    ``modules_to_save`` (h200_a_lora8b).
 
-    Not modelled: pipeline, context or expert parallelism; MoE; a plain MLP, LayerNorm,
-    biases, QK-norm; eager attention; fp32 without GQA (the memory-efficient kernel) or over
+    Not modelled: QLoRA and LLM.int8 bases; LoRA with dropout, modules_to_save, autocast,
+    gradient accumulation or over a sharded base; pipeline, context or expert parallelism; MoE;
+    a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32 without GQA (the memory-efficient kernel) or over
     dp > 1; selective-op over fp32's math path; fp16-master, fp8; offload of one side alone or
     NVMe; ZeRO-1 (DDP with ``ZeroRedundancyOptimizer``: no trace yet); gradient accumulation
     with DDP, ZeRO-2 or offload (not checked); tensor parallel without FSDP2 or without sequence
@@ -43,7 +46,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.qkv_bias or model.attn_out_bias or model.mlp_bias or model.qk_norm), "biases or QK-norm"),
         (plan.attention == "flash", f"{plan.attention} attention"),
-        (plan.finetune == "full", "LoRA adapters (the op-by-op timeline follows full training only)"),
+        (plan.finetune != "qlora", "QLoRA (a quantized base)"),
+        (plan.finetune == "full" or _plain_lora(plan), "LoRA other than adapters over a bf16 base on one rank"),
+        (plan.finetune == "full" or accumulation(workload, plan) == 1, "LoRA with gradient accumulation"),
         (plan.offload_activations == "none", "activation offload"),
         (plan.pp == 1 and plan.cp == 1 and plan.ep == 1, "pipeline, context or expert parallelism"),
         (_offload_modelled(plan), "offload"),
@@ -105,3 +110,16 @@ def sdpa_kernel(model: ModelSpec, plan: Plan) -> str:
     if plan.precision != "fp32":
         return "flash"
     return sdpa_backend("cuda", "fp32", model.head_size, heads, kv, enable_gqa=heads != kv)
+
+
+def _plain_lora(plan: Plan) -> bool:
+    """LoRA as h200_a_lora8b ran it: one rank, an unquantized bf16 base, no dropout (its masks),
+    no trained copy of a module (``modules_to_save``)."""
+    return (
+        plan.quant == "none"
+        and plan.lora_dropout == 0
+        and not plan.modules_to_save
+        and plan.dp == 1
+        and plan.tp == 1
+        and plan.precision == "bf16"
+    )

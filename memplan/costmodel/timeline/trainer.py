@@ -7,18 +7,22 @@ steps. Each step: the batch, the forward (``trainer_model.py``, op by op), the l
 backward (the autograd engine of ``autograd.py``), ``optimizer.step()`` (foreach AdamW) and
 ``zero_grad(set_to_none=True)``. Under ZeRO-3 and ZeRO-2 the FSDP2 groups (``fsdp.py``) all-gather
 and reduce-scatter on their own streams; under ZeRO-0 over dp > 1 DDP's reducer (``ddp.py``) takes
-the gradients into its buckets. The first step also allocates cuBLAS's two workspaces
+the gradients into its buckets. Under LoRA (``lora.py``) the base is frozen: the
+adapters alone have grads and AdamW states. The first step also allocates cuBLAS's two workspaces
 (32 MiB each, the forward thread's and the autograd thread's, never freed) and, in its
 optimizer step, AdamW's states.
 """
 
 from __future__ import annotations
 
+from memplan.costmodel.lora import ADAPTER_BYTES
 from memplan.costmodel.timeline import ops, recompute
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
+from memplan.costmodel.timeline.lora import Lora, LoraConfig
+from memplan.costmodel.timeline.lora import config as lora_config
 from memplan.costmodel.timeline.master import MasterAdamW
 from memplan.costmodel.timeline.support import accumulation, sdpa_kernel, supported
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
@@ -73,7 +77,7 @@ def trainer_run(
     micro_batches = min(accumulation(workload, plan), max_micro_batches)
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
     d = dims(model, workload, plan)
-    run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches)
+    run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, lora_config(plan))
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
@@ -93,6 +97,7 @@ class _Run:
         offload: bool = False,
         master: bool = False,
         micro_batches: int = 1,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -103,6 +108,9 @@ class _Run:
         self.master = MasterAdamW(self.tape) if master else None  # bf16-master (master.py)
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
+        self.lora = Lora(self.tape, lora, d.tokens) if lora is not None else None
+        if self.lora is not None:
+            self.model.adapter = self.lora.adapt
         sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
         self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, zero >= 3, offload) if sharded else None
         self.ddp = None
@@ -117,8 +125,11 @@ class _Run:
         t, pd = self.tape, self.d.pd
         for name, (rows, cols) in self.shapes.items():
             p = t.managed(rows * cols, pd, name, Category.PARAMETERS)
-            p.fn = ops.leaf(self.grads, name)
             self.model.weights[name] = p
+            if self.lora is not None:  # a frozen base: no AccumulateGrad
+                self.lora.build(name, rows, cols)
+            else:
+                p.fn = ops.leaf(self.grads, name)
         if tied:
             rows, cols = self.shapes["tok_embeddings.weight"]
             copy = t.managed(rows * cols, pd, "output.weight", Category.PARAMETERS)
@@ -163,7 +174,10 @@ class _Run:
         t.backward(loss, seed)
         if self.fsdp is not None:
             self.fsdp.finish_backward()
-        t.done(loss, keep)
+        t.done(loss)
+        if self.lora is not None:
+            self.lora.free_graph()
+        t.done(keep)
 
     def forward(self, ids: Tensor) -> Tensor:
         """``Transformer.forward`` (under autocast for bf16-mixed without FSDP)."""
@@ -172,6 +186,8 @@ class _Run:
         if fsdp:
             fsdp.pre_forward(0)
         x = m.embed(ids)
+        if self.lora is not None:
+            self.lora.require_input_grad(x)
         if fsdp:
             fsdp.post_forward(0, x)
         cos, sin = m.rope_tables(x.itemsize)
@@ -200,7 +216,7 @@ class _Run:
         """Foreach AdamW over ``model.parameters()`` (local shards): on the first step the
         states (exp_avg, exp_avg_sq per parameter, zeros_like, in parameter order); each step
         one ``_foreach_sqrt`` temporary per parameter, all live together."""
-        t, pd = self.tape, self.d.pd
+        t, pd = self.tape, self.d.pd if self.lora is None else ADAPTER_BYTES
         t.scope = ""
         if self.master is not None:
             self.master.step(self.optimizer_params(), first)
@@ -217,12 +233,17 @@ class _Run:
         """(name, local elements) in ``model.parameters()`` order (a tied head is the embedding)."""
         if self.fsdp is not None:
             return self.fsdp.shard_numels()
+        if self.lora is not None:
+            return self.lora.params()
         return [(name, rows * cols) for name, (rows, cols) in self.shapes.items()]
 
     def zero_grad(self) -> None:
         """``zero_grad(set_to_none=True)``: every gradient goes, in parameter order."""
         if self.fsdp is not None:
             self.fsdp.zero_grad()
+            return
+        if self.lora is not None:
+            self.lora.zero_grad()
             return
         for name in self.shapes:
             g = self.grads.pop(name, None)

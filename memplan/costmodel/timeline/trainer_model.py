@@ -10,6 +10,7 @@ the residual stream holds ``s / tp`` tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from memplan.costmodel.timeline import ops
@@ -85,6 +86,7 @@ class Model:
     d: Dims
     weights: dict[str, Tensor]
     cache: dict[str, Tensor] | None = None  # autocast's cache of weight casts (None: no autocast)
+    adapter: Callable[[Tensor, Tensor, str], Tensor] | None = None  # LoRA (lora.py): (x, out, weight) -> out
 
     # --- helpers -------------------------------------------------------------------------------
     def weight(self, name: str) -> Tensor:
@@ -98,12 +100,15 @@ class Model:
         return self.tape.alias(self.cache[name])
 
     def linear(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
-        """``nn.Linear`` (no bias); under autocast the weight cast, then the input cast."""
+        """``nn.Linear`` (no bias); under autocast the weight cast, then the input cast; under
+        LoRA the adapter over the output (``LoraLinear``)."""
         t = self.tape
         w = self.weight(name)
         xin = ops.to(t, x, 2, f"{tag}.input_cast") if self.cache is not None else t.alias(x)
         out = ops.linear(t, xin, w, x.numel // (w.numel // out_features) * out_features, tag)
         t.done(xin, w)
+        if self.adapter is not None:
+            out = self.adapter(x, out, name)
         return out
 
     def gather_seq(self, x: Tensor, tag: str) -> Tensor:

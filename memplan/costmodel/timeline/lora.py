@@ -1,0 +1,146 @@
+"""LoRA adapters over a frozen base (``memplan/train/lora.py``) as ops on the byte-level tape.
+
+What the bundled trainer does (``lora.apply_lora`` / ``init_adapters``, PEFT ``lora.Linear``):
+every base parameter is frozen (``requires_grad_(False)``): no ``AccumulateGrad``, no gradient,
+no optimizer state, and a frozen matmul keeps no input for a weight gradient
+(``ops.linear``). Each targeted linear of each layer becomes a ``LoraLinear``: ``lora_A``
+(r x in) and ``lora_B`` (out x r), fp32 whatever the base, made after the base weight by
+``to_empty`` (``Module._apply`` visits children first). Its forward::
+
+    out = self.base(x)                       # (b, s, out) in the base dtype
+    a = x.to(fp32)                           # (b, s, in): a cast per adapter, not shared
+    delta = F.linear(F.linear(a, A), B) * s  # (b, s, r) then (b, s, out) fp32, then the scaling
+    return (out + delta).to(out.dtype)       # fp32 sum, cast back
+
+Under full recompute ``enable_input_require_grads`` makes the frozen embedding's output a
+leaf that requires grad: its ``AccumulateGrad`` holds it and its ``.grad`` until ``del loss``
+frees the graph. The optimizer (foreach AdamW) steps the adapters only, in
+``model.parameters()`` order (A, then B, per linear).
+
+Trace evidence (h200_a_lora8b, llama3-8b r16 all-linear, b 4 x s 4096): the build allocates
+per linear the bf16 base, then A, then B (e.g. 33,554,432 / 262,144 / 262,144 for wq); the
+forward of wq allocates the base output 134,217,728, the fp32 input 268,435,456, A's output
+1,048,576, B's output 268,435,456, the scaled one, the sum, its bf16 cast 134,217,728; the
+end of the backward frees 4 B (the loss), two 134,217,728 (the embedding output and its
+grad), 4 B; the first optimizer step allocates 2 x 262,144 per 4096 x 16 adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memplan.costmodel.lora import ADAPTER_BYTES, resolve_targets
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.events import Category
+from memplan.specs.plan import Plan
+
+# the trainer's module -> transformers' name (memplan.train.lora.HF_NAMES; that module imports torch)
+HF_NAMES = {
+    "attention.wq": "q_proj",
+    "attention.wk": "k_proj",
+    "attention.wv": "v_proj",
+    "attention.wo": "o_proj",
+    "feed_forward.w1": "gate_proj",
+    "feed_forward.w3": "up_proj",
+    "feed_forward.w2": "down_proj",
+}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The adapters a plan asks for: rank, and the trainer's module names they wrap."""
+
+    rank: int
+    modules: frozenset[str]
+    input_grad: bool  # full recompute: the embedding's output requires grad (enable_input_require_grads)
+
+
+def config(plan: Plan) -> LoraConfig | None:
+    """The plan's adapters (``finetune: lora``), or None for full training."""
+    if plan.finetune == "full":
+        return None
+    chosen = set(resolve_targets(plan.lora_targets))
+    modules = frozenset(path for path, hf in HF_NAMES.items() if hf in chosen)
+    return LoraConfig(plan.lora_rank, modules, plan.recompute == "full")
+
+
+@dataclass
+class Lora:
+    """The adapters on a tape: their parameters (with ``AccumulateGrad`` leaves), their ops."""
+
+    tape: Tape
+    cfg: LoraConfig
+    tokens: int
+    adapters: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # base weight -> (A, B)
+    grads: dict[str, Tensor] = field(default_factory=dict)
+    held: list[Tensor] = field(default_factory=list)  # what the graph keeps until ``del loss``
+
+    def _targeted(self, weight: str) -> bool:
+        parts = weight.split(".")  # layers.{i}.{owner}.{attr}.weight
+        return parts[0] == "layers" and ".".join(parts[2:4]) in self.cfg.modules
+
+    def build(self, weight: str, rows: int, cols: int) -> None:
+        """``to_empty`` after the base weight (out ``rows`` x in ``cols``): A (r x in), B (out x r)."""
+        if not self._targeted(weight):
+            return
+        r, prefix = self.cfg.rank, weight.removesuffix(".weight")
+        pair = []
+        for name, numel in ((f"{prefix}.lora_A", r * cols), (f"{prefix}.lora_B", rows * r)):
+            p = self.tape.managed(numel, ADAPTER_BYTES, name, Category.PARAMETERS)
+            p.fn = ops.leaf(self.grads, name)
+            pair.append(p)
+        self.adapters[weight] = (pair[0], pair[1])
+
+    def params(self) -> list[tuple[str, int]]:
+        """(name, elements) of the trainable parameters in ``model.parameters()`` order."""
+        out = []
+        for weight, pair in self.adapters.items():
+            prefix = weight.removesuffix(".weight")
+            out += [(f"{prefix}.lora_{k}", p.numel) for k, p in zip("AB", pair, strict=True)]
+        return out
+
+    def adapt(self, x: Tensor, out: Tensor, weight: str) -> Tensor:
+        """``LoraLinear.forward`` after ``self.base(x)`` returned ``out``; ``out`` itself when
+        the linear is not targeted. The frame's locals (out, a, delta) go at the return."""
+        pair = self.adapters.get(weight)
+        if pair is None:
+            return out
+        t, (a_w, b_w) = self.tape, pair
+        rows = b_w.numel // self.cfg.rank
+        with t.scoped(f"{weight.removesuffix('.weight')}.lora"):
+            a = ops.to(t, x, ADAPTER_BYTES, "input_fp32")
+            ya = ops.linear(t, a, a_w, self.tokens * self.cfg.rank, "A")
+            yb = ops.linear(t, ya, b_w, self.tokens * rows, "B")
+            t.done(ya)
+            delta = ops.unary(t, yb, "scaling")  # * alpha / r: a Python scalar, nothing saved
+            t.done(yb)
+            total = ops.add(t, out, delta, "sum")  # promoted to fp32
+            y = ops.to(t, total, out.itemsize, "out_cast")
+            t.done(total)
+            t.done(out, a, delta)
+        return y
+
+    def require_input_grad(self, x: Tensor) -> None:
+        """``enable_input_require_grads`` (full recompute): ``x`` becomes a leaf whose
+        ``AccumulateGrad`` holds it (and later its gradient) until the graph goes."""
+        if not self.cfg.input_grad:
+            return
+        x.fn = ops.leaf(self.grads, "input")
+        self.held.append(self.tape.hold(x))
+
+    def free_graph(self) -> None:
+        """``del loss`` frees the graph: the embedding output, then its ``.grad``."""
+        for x in self.held:
+            self.tape.drop(x)
+        self.held = []
+        g = self.grads.pop("input", None)
+        if g is not None:
+            self.tape.drop(g)
+
+    def zero_grad(self) -> None:
+        """``zero_grad(set_to_none=True)`` over the adapters, in parameter order."""
+        for name, _ in self.params():
+            g = self.grads.pop(name, None)
+            if g is not None:
+                self.tape.drop(g)
