@@ -18,7 +18,11 @@ free order the CUDA caching allocator sees (tests/data/gpu-traces):
   a transposed view, and its embedding gradient: traces h200_a_master1b, h200_a_fp32full);
 - non-reentrant checkpointing (``torch.utils.checkpoint``) keeps no saved tensors in the
   forward; the first unpack in the backward re-runs the region's forward, stopping right
-  after its last saved tensor is packed; an unpacked tensor goes at the end of its node's apply.
+  after its last saved tensor is packed; an unpacked tensor goes at the end of its node's apply;
+- under a selective-checkpoint policy (``create_selective_checkpoint_contexts``) the forward
+  also keeps the outputs of the ops the policy saves (:meth:`Tape.keep`), and the re-run hands
+  them back instead of computing them (:meth:`Tape.cached`); what the re-run never reached
+  goes with the region (``recompute.py``).
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ class Region:
     storage: dict[int, Tensor] = field(default_factory=dict)
     unpacked: int = 0
     done: bool = False
+    policy: Callable[[str, bool], bool] | None = None  # (op, recompute) -> saved (selective checkpointing)
+    kept: dict[str, list[list[Tensor]]] = field(default_factory=dict)  # the policy's storage, per op
 
 
 class _StopRecompute(Exception):
@@ -211,15 +217,39 @@ class Tape:
         else:
             node.saved.append(t if t.st.managed else self.hold(t))
 
-    def checkpoint(self, forward: Callable[[], object], inputs: list[Tensor], rerun: Callable | None = None) -> object:
+    def checkpoint(
+        self, forward: Callable[[], object], inputs: list[Tensor], rerun: Callable | None = None, policy=None
+    ) -> object:
         """Run ``forward`` as a non-reentrant checkpoint over ``inputs`` (held until the
-        region's last saved tensor is unpacked); ``rerun`` (default ``forward``) replays it."""
-        region = Region(rerun=rerun or forward, inputs=[self.hold(t) for t in inputs])
+        region's last saved tensor is unpacked); ``rerun`` (default ``forward``) replays it;
+        ``policy(op, recompute)``: a selective checkpoint's (True: the op's outputs are kept)."""
+        region = Region(rerun=rerun or forward, inputs=[self.hold(t) for t in inputs], policy=policy)
         outer, self.region = self.region, region
         try:
             return forward()
         finally:
             self.region = outer
+
+    def keep(self, op: str, outs: list[Tensor]) -> None:
+        """In a selective checkpoint's forward: the storage keeps the outputs of an op its
+        policy saves (``_CachingTorchDispatchMode``: detached aliases, appended per op)."""
+        region = self.region
+        if region is not None and region.policy is not None and region.policy(op, False):
+            region.kept.setdefault(op, []).append([self._alias_of(t) for t in outs])
+
+    def cached(self, op: str) -> list[Tensor] | None:
+        """In a selective checkpoint's re-run: the kept outputs of an op its policy saved, taken
+        out of the storage (``_CachedTorchDispatchMode``, ``pop(0)``); None: compute it."""
+        region = self._recompute
+        if region is None or region.policy is None or not region.policy(op, True):
+            return None
+        outs = region.kept[op].pop(0)
+        self._pyrefs.extend(outs)
+        return outs
+
+    def _alias_of(self, t: Tensor) -> Tensor:
+        t.st.refs += 1
+        return Tensor(t.numel, t.itemsize, t.st)
 
     def _rerun(self, region: Region) -> None:
         self._recompute, self._slot, self._pyrefs = region, 0, []
@@ -303,7 +333,11 @@ class Tape:
         else:
             region = node.region
             region.unpacked += len(node.saved)
-            if region.unpacked == region.slots:
+            if region.unpacked == region.slots:  # the frame goes: its storage, then its inputs
+                for per_op in region.kept.values():
+                    for t in (t for kept in per_op for t in kept):
+                        self.drop(t)
+                region.kept = {}
                 for t in region.inputs:
                     self.drop(t)
                 region.inputs = []

@@ -15,7 +15,10 @@ allocates (sizes from the local parameter shapes; FSDP2 pads dim 0 to a multiple
 - post-backward: reshard, then the reduce-scatter input (compute stream, reduce dtype: fp32
   under the mixed policy), the previous one freed just before; the unsharded gradients go,
   the last-registered parameter's after the output (the sharded gradient, reduce-scatter
-  stream) is allocated, which lives until ``zero_grad``.
+  stream) is allocated, which lives until ``zero_grad``. Under gradient accumulation (no
+  ``no_sync`` on an FSDP2 module: every micro-batch reduce-scatters) a later micro-batch's
+  output is added into the sharded gradient and freed as ``foreach_reduce`` returns, after
+  its loop's last unsharded gradient (``_fsdp_collectives.foreach_reduce``).
 
 Order and sizes: tests/data/gpu-traces (t8_z3_bf16, t8_sel, t70_z3, t8_tp2_x).
 
@@ -78,6 +81,7 @@ class Fsdp:
         self.leaves = {name: ops.leaf(grads, name) for name in shapes}
         self.kept: Tensor | None = None  # forward: the last group's all-gather output
         self.reduce_input: Tensor | None = None
+        self.reduced: set[int] = set()  # the groups reduce-scattered in this backward
         self._build()
 
     # --- sizes ---------------------------------------------------------------------------------------
@@ -212,11 +216,15 @@ class Fsdp:
             for name in [n for n in self.grads if n in group.names and n != last]:  # in the order produced
                 t.drop(self.grads.pop(name))
             rs = Stream.REDUCE_SCATTER
-            group.sharded_grad = t.managed(numel, self.rd, "reduce_scatter_output", Category.GRADIENTS, rs)
+            out = t.managed(numel, self.rd, "reduce_scatter_output", Category.GRADIENTS, rs)
             t.drop(self.grads.pop(last, None))
-            if self.offload:  # copied to the host: the device copy goes
-                t.free(group.sharded_grad)
-                group.sharded_grad = None
+            if self.offload:  # copied to the host (added there under accumulation): the device copy goes
+                t.free(out)
+            elif group.sharded_grad is None:
+                group.sharded_grad = out
+            else:  # a later micro-batch: ``sharded_param.grad._local_tensor += new_sharded_grad``
+                t.free(out)
+        self.reduced.add(g)
 
     def _replicate_norm_grads(self, group: _Group) -> None:
         """Sequence-parallel norm weights get Partial gradients: redistributed to Replicate
@@ -232,8 +240,9 @@ class Fsdp:
     def finish_backward(self) -> None:
         """The root's final callback: post-backward of the groups whose inputs need no
         gradient (the embedding), then the last reduce-scatter input goes."""
-        if self.groups[0].sharded_grad is None:
+        if 0 not in self.reduced:
             self.post_backward(0)
+        self.reduced = set()
         if self.reduce_input is not None:
             self.tape.free(self.reduce_input)
             self.reduce_input = None

@@ -82,7 +82,8 @@ def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor
     weight through ``w.t()``'s TBackward, a transposed view: a tied weight's two gradients are
     then summed out of place (``InputBuffer::accumulate``; traces h200_a_master1b 5618-5622 and
     h200_a_fp32full: the head's dW and the embedding's gradient freed after the sum); under
-    autocast the cast's backward makes it a plain tensor first."""
+    autocast the cast's backward makes it a plain tensor first. An ``mm`` a
+    selective checkpoint saves is kept in the forward and handed back in the re-run."""
     x_numel, w_numel = x.numel, w.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
@@ -98,9 +99,14 @@ def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor
         return [dx, dw]
 
     node = tape.node(tag, apply, [x, w], saved=[x, w])
+    kept = tape.cached("mm")
+    if kept is not None:
+        kept[0].fn = node
+        return kept[0]
     out = result(tape, out_numel, x.itemsize, tag, node)
     if tape.on_first_mm is not None:
         tape.on_first_mm()
+    tape.keep("mm", [out])
     return out
 
 
@@ -203,7 +209,8 @@ def sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) 
     """``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` (flash): philox seed and
     offset, the output, the fp32 log-sum-exp (b x heads x s), a scratch block. Saves q, k, v,
     out, lse and the seeds. Backward: dq, dk, dv, and one workspace of the fp32 dq accumulator
-    twice over plus the fp32 softmax row sums (``2 x b s q x 4 + b heads s x 4 + 256``)."""
+    twice over plus the fp32 softmax row sums (``2 x b s q x 4 + b heads s x 4 + 256``). A
+    selective checkpoint that saves it keeps out, lse and the seeds, and hands them back."""
     qn, kn, vn = q.numel, k.numel, v.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
@@ -213,11 +220,17 @@ def sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) 
         return [dq, dk, dv]
 
     node = tape.node(tag, apply, [q, k, v], saved=[q, k, v])
-    seed, offset = tape.new(1, PHILOX, f"{tag}.philox_seed"), tape.new(1, PHILOX, f"{tag}.philox_offset")
-    out = result(tape, qn, q.itemsize, f"{tag}.out", node)
-    lse = tape.new(lse_numel, 4, f"{tag}.lse")
-    scratch = tape.new(SDPA_SCRATCH, 1, f"{tag}.scratch")
-    tape.done(scratch)
+    kept = tape.cached("sdpa")
+    if kept is not None:
+        seed, offset, out, lse = kept
+        out.fn = node
+    else:
+        seed, offset = tape.new(1, PHILOX, f"{tag}.philox_seed"), tape.new(1, PHILOX, f"{tag}.philox_offset")
+        out = result(tape, qn, q.itemsize, f"{tag}.out", node)
+        lse = tape.new(lse_numel, 4, f"{tag}.lse")
+        scratch = tape.new(SDPA_SCRATCH, 1, f"{tag}.scratch")
+        tape.done(scratch)
+        tape.keep("sdpa", [seed, offset, out, lse])
     try:
         if node is not None:
             for t in (out, lse, seed, offset):

@@ -21,20 +21,23 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     Modelled (the traces cover each mechanism): one pipeline stage; a dense Llama-family
     decoder (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA, or in fp32
     with GQA SDPA's math path (``precision.py``, h200_a_fp32full); AdamW (foreach), or
-    bf16-master's MasterAdamW (``master.py``, h200_a_master1b); one micro-batch per step;
-    recompute none, full (every layer) or selective; in bf16, bf16-master or bf16-mixed
-    (autocast without FSDP2, else MixedPrecisionPolicy), or fp32 on one rank: one data rank
-    without sharding; DDP over dp > 1 (ZeRO-0, ``ddp.py``: h200_a_ddp1b); or FSDP2 over dp > 1,
-    ZeRO-3 or ZeRO-2 (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head,
-    optionally with tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU
-    offload of parameters and optimizer together (h200_b_off8b).
+    bf16-master's MasterAdamW (``master.py``, h200_a_master1b); recompute none, full (every
+    layer) or selective; in bf16, bf16-master or bf16-mixed (autocast without FSDP2, else
+    MixedPrecisionPolicy), or fp32 on one rank: one data rank without sharding; DDP over dp > 1
+    (ZeRO-0, ``ddp.py``: h200_a_ddp1b); or FSDP2 over dp > 1, ZeRO-3 or ZeRO-2
+    (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head, optionally with
+    tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU offload of
+    parameters and optimizer together (h200_b_off8b). In bf16 or bf16-mixed without offload or
+    DDP also: any number of micro-batches per step (gradient accumulation), selective-op and
+    full recompute of the first ``recompute_layers`` (``recompute.py``).
 
     Not modelled: pipeline, context or expert parallelism; MoE; a plain MLP, LayerNorm,
     biases, QK-norm; eager attention; fp32 without GQA (the memory-efficient kernel) or over
     dp > 1; fp16-master, fp8; offload of one side alone or NVMe; ZeRO-1 (DDP with
     ``ZeroRedundancyOptimizer``: no trace yet); tensor parallel without FSDP2 or without
-    sequence parallel; partial recompute and selective-op; gradient accumulation; FSDP2 over a
-    tied embedding (one root group holding it)."""
+    sequence parallel; accumulation, selective-op or partial recompute with fp32,
+    bf16-master, offload or DDP (not checked); FSDP2 over a tied embedding (one root group
+    holding it)."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -48,8 +51,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
         (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
         (plan.precision != "fp32" or plan.dp == 1, "precision fp32 over dp > 1"),
-        (plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None, "this recompute"),
-        (_accumulation(workload, plan) == 1, "gradient accumulation"),
+        (_plain(plan) or _basic_recompute(plan), "this recompute with this precision, offload or DDP"),
+        (_plain(plan) or accumulation(workload, plan) == 1, "gradient accumulation here"),
         (plan.dp == 1 or plan.zero != 1, "ZeRO-1"),
         (plan.tp == 1 or _fsdp(plan), "tensor parallel without FSDP2"),
         (plan.tp == 1 or plan.sequence_parallel, "tensor parallel without sequence parallel"),
@@ -74,7 +77,19 @@ def _fsdp(plan: Plan) -> bool:
     return plan.dp > 1 and plan.zero >= 2
 
 
-def _accumulation(workload: TrainingWorkload, plan: Plan) -> int:
+def _plain(plan: Plan) -> bool:
+    """Where accumulation, selective-op and partial recompute were checked (``recompute.py``):
+    bf16 or bf16-mixed, no offload, one rank or FSDP2 (DDP's ``no_sync`` is not followed)."""
+    no_offload = plan.offload_params == "none" and plan.offload_optimizer == "none"
+    return plan.precision in ("bf16", "bf16-mixed") and no_offload and (plan.dp == 1 or _fsdp(plan))
+
+
+def _basic_recompute(plan: Plan) -> bool:
+    return plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None
+
+
+def accumulation(workload: TrainingWorkload, plan: Plan) -> int:
+    """Micro-batches per step on one rank (``RunSpec.accumulation``)."""
     total = workload.global_batch or workload.micro_batch * plan.dp
     return max(1, total // (workload.micro_batch * plan.dp))
 

@@ -16,9 +16,16 @@ from memplan.costmodel.timeline.events import Category
 
 def reduce_scatter(tape: Tape, x: Tensor, tp: int, tag: str, node: Node | None = None) -> Tensor:
     """funcol ``reduce_scatter_tensor`` over dim 1: ``torch.cat`` of the sequence chunks (a
-    copy of x), then the output (1 / tp of x)."""
+    copy of x), then the output (1 / tp of x). A selective checkpoint's policy may keep the
+    output (``parallel._OP_SAC_SAVED``) and hand it back in the re-run; the copy is remade."""
     copy = tape.new(x.numel, x.itemsize, f"{tag}_input")
-    out = ops.result(tape, x.numel // tp, x.itemsize, tag, node)
+    kept = tape.cached("reduce_scatter")
+    if kept is not None:
+        out = kept[0]
+        out.fn = node
+    else:
+        out = ops.result(tape, x.numel // tp, x.itemsize, tag, node)
+        tape.keep("reduce_scatter", [out])
     tape.drop(copy)
     return out
 

@@ -14,19 +14,25 @@ optimizer step, AdamW's states.
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import ops, recompute
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
 from memplan.costmodel.timeline.master import MasterAdamW
-from memplan.costmodel.timeline.support import sdpa_kernel, supported
+from memplan.costmodel.timeline.support import accumulation, sdpa_kernel, supported
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
 CUBLAS_WORKSPACE = 32 * 2**20  # per thread and stream (CUBLAS_WORKSPACE_CONFIG default on Hopper)
+# Micro-batches of a step the run follows. The first creates the gradients; every later one starts
+# from the same live set (every gradient held, no activation) and makes the same requests as the
+# second. The peaks, allocated and reserved, of 2 to 6 micro-batches were equal on a 1B
+# selective-op plan, an 8B ZeRO-3 one and an 8B TP 2 + SP ZeRO-3 one, both allocators
+# (test_timeline_recompute.py holds two); more are not run (each costs a forward and backward).
+MICRO_BATCHES_MODELLED = 2
 
 
 def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
@@ -49,16 +55,25 @@ def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
         autocast=plan.precision == "bf16-mixed" and not fsdp,
         recompute=plan.recompute,
         attention="math" if sdpa_kernel(model, plan) == "math" else "flash",
+        recompute_layers=plan.recompute_layers,
     )
 
 
-def trainer_run(model: ModelSpec, workload: TrainingWorkload, plan: Plan, steady_steps: int = 2) -> Timeline | None:
-    """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps.
-    None for a plan :func:`supported` rejects."""
+def trainer_run(
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    steady_steps: int = 2,
+    max_micro_batches: int = MICRO_BATCHES_MODELLED,
+) -> Timeline | None:
+    """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps,
+    each of at most ``max_micro_batches`` micro-batches. None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan) is not None:
         return None
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
-    run = _Run(dims(model, workload, plan), plan.dp, model.tied_embeddings, plan.zero, offload, master)
+    micro_batches = min(accumulation(workload, plan), max_micro_batches)
+    d = dims(model, workload, plan)
+    run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches)
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
@@ -70,11 +85,18 @@ class _Run:
     """One rank: parameters, gradients, optimizer states, and the step."""
 
     def __init__(
-        self, d: Dims, dp: int, tied: bool, zero: int = 3, offload: bool = False, master: bool = False
+        self,
+        d: Dims,
+        dp: int,
+        tied: bool,
+        zero: int = 3,
+        offload: bool = False,
+        master: bool = False,
+        micro_batches: int = 1,
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
-        self.d, self.dp = d, dp
+        self.d, self.dp, self.micro_batches = d, dp, micro_batches
         self.shapes = param_shapes(d, tied)
         self.grads: dict[str, Tensor] = {}
         self.states: list[Tensor] = []
@@ -112,8 +134,17 @@ class _Run:
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self, first: bool) -> None:
-        """``runner._train``'s step: the batch (the previous one goes when rebound), forward,
-        loss, ``loss.backward()``, ``del loss``, optimizer step, ``zero_grad``."""
+        """``runner._train``'s step: each micro-batch (gradient accumulation: the gradients
+        add into the first one's, under FSDP2 the sharded ones), then the optimizer step and
+        ``zero_grad``."""
+        for i in range(self.micro_batches):
+            self.micro_batch(first and i == 0)
+        self.optimizer_step(first)
+        self.zero_grad()
+
+    def micro_batch(self, first: bool) -> None:
+        """The batch (the previous one goes when rebound), forward, ``loss / m``,
+        ``loss.backward()``, ``del loss``."""
         t, d = self.tape, self.d
         with t.scoped("batch"):
             ids, labels = t.new(d.tokens, 8, "ids"), t.new(d.tokens, 8, "labels")
@@ -133,8 +164,6 @@ class _Run:
         if self.fsdp is not None:
             self.fsdp.finish_backward()
         t.done(loss, keep)
-        self.optimizer_step(first)
-        self.zero_grad()
 
     def forward(self, ids: Tensor) -> Tensor:
         """``Transformer.forward`` (under autocast for bf16-mixed without FSDP)."""
@@ -148,7 +177,7 @@ class _Run:
         cos, sin = m.rope_tables(x.itemsize)
         for i in range(d.layers):
             xi = fsdp.pre_forward(i + 1, x) if fsdp else t.alias(x)
-            out = self._layer(xi, cos, sin, i)
+            out = recompute.layer(t, m, xi, cos, sin, i, d.recompute_layers)
             t.done(xi)
             if fsdp:
                 fsdp.post_forward(i + 1, out)
@@ -165,22 +194,6 @@ class _Run:
             m.cache = None
         t.done(cos, sin)
         return logits
-
-    def _layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
-        """``Block`` or ``Checkpointed(Block)`` (full recompute: non-reentrant checkpoint over
-        the block; its recompute runs in a fresh autocast context)."""
-        t, m = self.tape, self.model
-        if self.d.recompute != "full":
-            return m.block(x, cos, sin, i)
-
-        def rerun() -> None:
-            cache, m.cache = m.cache, ({} if self.d.autocast else None)
-            try:
-                m.block(x, cos, sin, i)
-            finally:
-                m.cache = cache
-
-        return t.checkpoint(lambda: m.block(x, cos, sin, i), [x, cos, sin], rerun=rerun)
 
     # --- optimizer -----------------------------------------------------------------------------------
     def optimizer_step(self, first: bool) -> None:

@@ -37,7 +37,8 @@ class Dims:
     cd: int = 2  # compute dtype
     pd: int = 4  # parameter dtype
     autocast: bool = False  # bf16-mixed without FSDP: torch.autocast casts at each matmul
-    recompute: str = "none"  # none | full | selective
+    recompute: str = "none"  # none | full | selective | selective-op (recompute.py)
+    recompute_layers: int | None = None  # full: the first n layers only
     attention: str = "flash"  # the SDPA kernel: flash, or math (fp32 with GQA on CUDA: precision.py)
 
     @property
