@@ -46,7 +46,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.attention == "flash", f"{plan.attention} attention"),
         (plan.finetune == "full", "LoRA adapters (the op-by-op timeline follows full training only)"),
         (plan.offload_activations == "none", "activation offload"),
-        (plan.pp == 1 and plan.cp == 1 and plan.ep == 1, "pipeline, context or expert parallelism"),
+        (plan.cp == 1 and plan.ep == 1, "context or expert parallelism"),
+        (plan.pp == 1 or _pipeline_modelled(model, plan), "pipeline parallelism over dp > 1 or in this precision"),
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
         (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
@@ -75,6 +76,12 @@ def _offload_modelled(plan: Plan) -> bool:
 def _fsdp(plan: Plan) -> bool:
     """``parallel.uses_fsdp``: FSDP2 for ZeRO-2 and ZeRO-3 over dp > 1."""
     return plan.dp > 1 and plan.zero >= 2
+
+
+def _pipeline_modelled(model: ModelSpec, plan: Plan) -> bool:
+    """One pipeline rank (``pipeline.py``) on one data rank, bf16 or bf16-mixed, no offload; its
+    chunks even (``validate.support``: the trainer refuses others). FSDP2 under pipelining is not."""
+    return plan.dp == 1 and _plain(plan) and model.num_layers % plan.stages == 0
 
 
 def _plain(plan: Plan) -> bool:
