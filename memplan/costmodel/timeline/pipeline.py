@@ -27,11 +27,13 @@ ranks: tests/validate/test_pipeline_replay.py):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from memplan.costmodel.timeline import ops, recompute
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
+from memplan.costmodel.timeline.fsdp import Fsdp
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -170,6 +172,15 @@ class Pipeline:
         self.recv_act: dict[int, list[Tensor]] = {}
         self.recv_grad: dict[int, list[Tensor]] = {}
         self.recv_grads: dict[str, Tensor] = {}  # the received activations' ``.grad`` (AccumulateGrad)
+        self.fsdp: Fsdp | None = None  # FSDP2 over the one chunk (``sharded``)
+
+    def sharded(self, make: Callable[[dict, Model, bool, bool], Fsdp]) -> tuple[dict, Model]:
+        """FSDP2 on the rank's one chunk (``apply_fsdp``): ``make(shapes, model, first, last)``
+        builds the shards; the chunk's shapes (its module's names) and model for the run."""
+        ch = self.chunks[0]
+        shapes = _chunk_shapes(ch.model.d, ch.first, ch.last)
+        self.fsdp = make(shapes, ch.model, ch.first, ch.last)
+        return shapes, ch.model
 
     def build(self) -> dict[str, tuple[int, int]]:
         """Each chunk's ``to_empty`` in module order, chunk after chunk (``_build_chunks``)."""
@@ -210,6 +221,8 @@ class Pipeline:
         cache: dict[tuple[int, int], tuple[Tensor, Tensor | None]] = {}
         losses: list[Tensor] = []
         backward_seen = False
+        if self.fsdp is not None:  # set_requires_gradient_sync(False), set_reshard_after_backward(False)
+            self.fsdp.sync = False
         if first:
             t.on_first_mm = workspace("forward")
         for kind, c, i in actions:
@@ -222,6 +235,8 @@ class Pipeline:
                 self._backward(c, i, cache, sent)
         for loss in reversed(losses):
             t.drop(loss)
+        if self.fsdp is not None:
+            self.fsdp.reduce_all()
         sent.end()
 
     def _forward(self, c: int, i: int, cache: dict, losses: list, sent) -> None:  # noqa: ANN001
@@ -231,7 +246,7 @@ class Pipeline:
             labels = t.new(self.d.tokens, 8, "labels") if ch.last else None
         x = ids if ch.first else t.alias(self.recv_act[c][i])
         with t.scoped(f"c{ch.index}"):
-            out = chunk_forward(t, ch.model, x, ch.first, ch.last)
+            out = chunk_forward(t, ch.model, x, ch.first, ch.last, self.fsdp)
         t.done(x)
         sent.forward(out, not ch.last)
         loss = None
@@ -250,6 +265,8 @@ class Pipeline:
             t.backward(loss, seed)
         else:
             t.backward(out, t.hold(self.recv_grad[c][i]))
+        if self.fsdp is not None:
+            self.fsdp.finish_backward()  # the root's final callback
         t.done(out, loss)
         grad = self.recv_grads.pop(f"{c}.{i}", None) if not ch.first else None
         sent.backward(grad)
@@ -267,23 +284,42 @@ def _chunk_shapes(d: Dims, first: bool, last: bool) -> dict[str, tuple[int, int]
     return shapes
 
 
-def chunk_forward(t: Tape, m: Model, x: Tensor, first: bool, last: bool) -> Tensor:
+def chunk_forward(t: Tape, m: Model, x: Tensor, first: bool, last: bool, fsdp: Fsdp | None = None) -> Tensor:
     """``Transformer.forward`` of one chunk: the embedding or the received hidden states, the
-    RoPE tables in their dtype, the layers, on the last chunk the norm and the head."""
-    d = m.d
+    RoPE tables in their dtype, the layers, on the last chunk the norm and the head; under
+    FSDP2 each group's pre- and post-forward around its module (``trainer._Run.forward``)."""
+    d, off = m.d, 1 if first else 0  # FSDP2 group of layer j: j + off
+
+    def pre(g: int, h: Tensor) -> Tensor:
+        return fsdp.pre_forward(g, h) if fsdp is not None else t.alias(h)
+
     m.cache = {} if d.autocast else None
-    h = m.embed(x) if first else t.alias(x)
+    if first:
+        if fsdp is not None:
+            fsdp.pre_forward(0)
+        h = m.embed(x)
+        if fsdp is not None:
+            fsdp.post_forward(0, h)
+    else:
+        h = t.alias(x)
     cos, sin = m.rope_tables(h.itemsize)
     for j in range(d.layers):
-        xi = t.alias(h)
+        xi = pre(j + off, h)
         out = recompute.layer(t, m, xi, cos, sin, j, d.recompute_layers)
-        t.done(xi, h)
+        t.done(xi)
+        if fsdp is not None:
+            fsdp.post_forward(j + off, out)
+        t.done(h)
         h = out
     if last:
-        xi = t.alias(h)
+        xi = pre(d.layers + off, h)
         logits = m.head(xi)
         t.done(xi, h)
+        if fsdp is not None:
+            fsdp.post_forward(d.layers + off, logits)
         h = logits
+    if fsdp is not None:
+        fsdp.end_forward()
     if m.cache is not None:
         t.done(*m.cache.values())
         m.cache = None

@@ -81,7 +81,8 @@ def _fsdp(plan: Plan) -> bool:
 def _pipeline_modelled(model: ModelSpec, plan: Plan) -> bool:
     """One pipeline rank (``pipeline.py``) on one data rank, bf16 or bf16-mixed, no offload; its
     chunks even (``validate.support``: the trainer refuses others). FSDP2 under pipelining is not."""
-    return plan.dp == 1 and _plain(plan) and model.num_layers % plan.stages == 0
+    one_chunk_fsdp = _fsdp(plan) and plan.virtual_stages == 1 and plan.tp == 1
+    return (plan.dp == 1 or one_chunk_fsdp) and _plain(plan) and model.num_layers % plan.stages == 0
 
 
 def _plain(plan: Plan) -> bool:

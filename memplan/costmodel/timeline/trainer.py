@@ -112,10 +112,19 @@ class _Run:
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
         sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
-        self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, zero >= 3, offload) if sharded else None
-        self.ddp = None
         self.pipe = pipe(self.tape, self.grads) if pipe is not None else None  # one pipeline rank's chunks
-        if self.pipe is not None:
+        self.fsdp = None
+        if sharded and self.pipe is not None:  # FSDP2 on the rank's one chunk
+            self.shapes, self.model = self.pipe.sharded(
+                lambda shapes, model, first, last: Fsdp(
+                    self.tape, model.d, dp, shapes, model, self.grads, zero >= 3, offload, first, last
+                )
+            )
+            self.fsdp = self.pipe.fsdp
+        elif sharded:
+            self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, zero >= 3, offload)
+        self.ddp = None
+        if self.pipe is not None and self.fsdp is None:
             self.shapes = self.pipe.build()
         elif self.fsdp is None:
             self._build_params(tied)
