@@ -29,9 +29,13 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU offload of
     parameters and optimizer together (h200_b_off8b). In bf16 or bf16-mixed without offload or
     DDP also: any number of micro-batches per step (gradient accumulation), selective-op and
-    full recompute of the first ``recompute_layers`` (``recompute.py``).
+    full recompute of the first ``recompute_layers`` (``recompute.py``). There also pipeline
+    parallelism, one rank's chunks under GPipe, 1F1B or the interleaved schedule
+    (``pipeline.py``, the bundled trainer's ``StageReplay``), on one data rank, or under FSDP2
+    (ZeRO-2 or ZeRO-3) with one chunk per rank and no TP (h200_b_pp4 with the old StageReplay).
 
-    Not modelled: pipeline, context or expert parallelism; MoE; a plain MLP, LayerNorm,
+    Not modelled: context or expert parallelism; pipelines with DDP, ZeRO-1, TP, or FSDP2 over
+    interleaved chunks; MoE; a plain MLP, LayerNorm,
     biases, QK-norm; eager attention; fp32 without GQA (the memory-efficient kernel) or over
     dp > 1; fp16-master, fp8; offload of one side alone or NVMe; ZeRO-1 (DDP with
     ``ZeroRedundancyOptimizer``: no trace yet); tensor parallel without FSDP2 or without
@@ -47,7 +51,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.finetune == "full", "LoRA adapters (the op-by-op timeline follows full training only)"),
         (plan.offload_activations == "none", "activation offload"),
         (plan.cp == 1 and plan.ep == 1, "context or expert parallelism"),
-        (plan.pp == 1 or _pipeline_modelled(model, plan), "pipeline parallelism over dp > 1 or in this precision"),
+        (plan.pp == 1 or _pipeline_modelled(model, plan), "pipeline parallelism with this data, tensor or precision"),
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
         (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
