@@ -28,6 +28,7 @@ from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline import pipeline as pipeline_module
 from memplan.costmodel.timeline.events import ALLOC, FREE, MARK, Category
 from memplan.costmodel.timeline.pipeline import Pipeline, chunk_forward, schedule_actions
+from memplan.costmodel.timeline.support import PIPELINE_LAYER_PASSES
 from memplan.costmodel.timeline.trainer import supported, trainer_run
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -140,6 +141,15 @@ def test_the_default_rank_is_the_phase_models_most_loaded_one():
     default = trainer_run(job.model, job.workload, job.plan)
     chosen = trainer_run(job.model, job.workload, job.plan, stage=stage)
     assert [(e.op, e.size, e.tag) for e in default] == [(e.op, e.size, e.tag) for e in chosen]
+
+
+def test_pipelines_past_the_layer_budget_stay_on_the_phase_model():
+    """The schedule runs every micro-batch: past ``PIPELINE_LAYER_PASSES`` layer forwards a step
+    the phase model answers (llama3-8b, pp 4: 8 layers a rank, so 128 micro-batches and no more)."""
+    assert PIPELINE_LAYER_PASSES == 1024
+    for m, ok in ((128, True), (136, False)):
+        job = resolve_job("llama3-8b", None, dict(pp=4, precision="bf16", global_batch=m), inference=False)
+        assert (supported(job.model, job.workload, job.plan) is None) == ok, m
 
 
 def test_pipelines_it_cannot_follow_stay_on_the_phase_model():
