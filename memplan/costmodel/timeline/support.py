@@ -54,8 +54,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.attention == "flash", f"{plan.attention} attention"),
         (plan.finetune == "full", "LoRA adapters (the op-by-op timeline follows full training only)"),
         (plan.offload_activations == "none", "activation offload"),
-        (plan.cp == 1 and plan.ep == 1, "context or expert parallelism"),
-        (plan.pp == 1 or _pipeline_modelled(model, workload, plan), "pipeline parallelism with this plan"),
+        (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
         (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
@@ -86,11 +85,16 @@ def _fsdp(plan: Plan) -> bool:
     return plan.dp > 1 and plan.zero >= 2
 
 
+_PARALLEL = "pipeline, context or expert parallelism"  # a pipeline: see _pipeline_modelled
+
+
 def _pipeline_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
     """One pipeline rank (``pipeline.py``) on one data rank or under FSDP2 with one chunk per
     rank and no TP, bf16 or bf16-mixed, no offload; its chunks even (``validate.support``: the
     trainer refuses others); at most :data:`PIPELINE_LAYER_PASSES` layer forwards a step (the
     schedule runs every micro-batch: GPipe's peak grows with each)."""
+    if plan.pp == 1:
+        return True
     one_chunk_fsdp = _fsdp(plan) and plan.virtual_stages == 1 and plan.tp == 1
     passes = accumulation(workload, plan) * model.num_layers // plan.pp
     even = model.num_layers % plan.stages == 0
