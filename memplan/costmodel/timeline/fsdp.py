@@ -69,15 +69,21 @@ class Fsdp:
         grads: dict,
         reshard: bool = True,
         offload: bool = False,
+        first: bool = True,
+        last: bool = True,
     ) -> None:
         self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
         self.offload = offload  # CPUOffloadPolicy: shards, gradients and the optimizer on the host
         self.mixed = d.pd == 4  # MixedPrecisionPolicy(param bf16, reduce fp32)
         self.rd = 4 if self.mixed else 2
         layers = [[f"layers.{i}.{name}.weight" for name in LAYER_PARAMS] for i in range(d.layers)]
-        self.groups = [_Group(["tok_embeddings.weight"], reshard)]
+        self.first, self.last = first, last  # a pipeline chunk holds the embedding or the head (pipeline.py)
+        self.groups = [_Group(["tok_embeddings.weight"], reshard)] if first else []
         self.groups += [_Group(names, reshard) for names in layers]
-        self.groups.append(_Group(["norm.weight", "output.weight"], False))
+        if last:
+            self.groups.append(_Group(["norm.weight", "output.weight"], False))
+        self.sync = True  # under pipelining off for every micro-batch's backward (``keep_unsharded``)
+        self.accumulated: dict[str, Tensor] = {}  # ``unsharded_accumulated_grad`` (reduce dtype)
         self.leaves = {name: ops.leaf(grads, name) for name in shapes}
         self.kept: Tensor | None = None  # forward: the last group's all-gather output
         self.reduce_input: Tensor | None = None
@@ -105,7 +111,7 @@ class Fsdp:
             t.managed(self.shard(name), self.d.pd, name, Category.PARAMETERS)
 
     def _kind(self, g: int) -> int:
-        return 1 if g == 0 else 2 if g == len(self.groups) - 1 else 0
+        return 1 if self.first and g == 0 else 2 if self.last and g == len(self.groups) - 1 else 0
 
     # --- unshard / reshard ----------------------------------------------------------------------------
     def all_gather(self, g: int) -> None:
@@ -203,6 +209,13 @@ class Fsdp:
     def post_backward(self, g: int) -> None:
         """Reshard, then reduce-scatter the unsharded gradients into the sharded one."""
         group, t = self.groups[g], self.tape
+        if not self.sync:
+            self._keep_unsharded(group)
+            self.reduced.add(g)
+            return
+        for name in reversed(group.names):  # the list of them goes last first (``foreach_reduce``)
+            if name in self.accumulated:
+                self.grads[name] = self.accumulated.pop(name)
         if self.d.tp > 1:
             self._replicate_norm_grads(group)
         self.reshard(g)
@@ -218,13 +231,44 @@ class Fsdp:
             rs = Stream.REDUCE_SCATTER
             out = t.managed(numel, self.rd, "reduce_scatter_output", Category.GRADIENTS, rs)
             t.drop(self.grads.pop(last, None))
-            if self.offload:  # copied to the host (and added there from the second micro-batch): it goes
+            if self.offload:  # copied to the host (added there under accumulation): the device copy goes
                 t.free(out)
             elif group.sharded_grad is None:
                 group.sharded_grad = out
             else:  # a later micro-batch: ``sharded_param.grad._local_tensor += new_sharded_grad``
                 t.free(out)
         self.reduced.add(g)
+
+    def _keep_unsharded(self, group: _Group) -> None:
+        """``post_backward`` without gradient sync or resharding (pipelining, ``StageReplay``):
+        ``accumulate_unsharded_grad_if_needed`` (a later micro-batch's gradient added in place
+        into the accumulated one and freed), then ``to_accumulated_grad_if_needed``: under the
+        mixed policy each new bf16 gradient becomes an fp32 copy, the bf16 one freed
+        (torch/distributed/fsdp/_fully_shard/_fsdp_param.py)."""
+        t = self.tape
+        for name in group.names:
+            if name in self.accumulated and name in self.grads:
+                t.drop(self.grads.pop(name))
+        if not self.mixed:
+            return
+        for name in group.names:
+            if name in self.grads:
+                grad = self.grads.pop(name)
+                with t.scoped(""):
+                    self.accumulated[name] = t.new(grad.numel, self.rd, f"{name}.accumulated_grad", Category.GRADIENTS)
+                t.drop(grad)
+
+    def reduce_all(self) -> None:
+        """``StageReplay``'s ``_reduce_grads`` after the last micro-batch: every group's
+        ``post_backward`` with sync and resharding on, in ``all_states`` order (module order),
+        then the root's final callback."""
+        self.sync = True
+        for g in range(len(self.groups)):
+            self.post_backward(g)
+        self.reduced = set()
+        if self.reduce_input is not None:
+            self.tape.free(self.reduce_input)
+            self.reduce_input = None
 
     def _replicate_norm_grads(self, group: _Group) -> None:
         """Sequence-parallel norm weights get Partial gradients: redistributed to Replicate
@@ -240,7 +284,7 @@ class Fsdp:
     def finish_backward(self) -> None:
         """The root's final callback: post-backward of the groups whose inputs need no
         gradient (the embedding), then the last reduce-scatter input goes."""
-        if 0 not in self.reduced:
+        if self.first and 0 not in self.reduced:
             self.post_backward(0)
         self.reduced = set()
         if self.reduce_input is not None:

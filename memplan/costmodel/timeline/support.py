@@ -13,33 +13,41 @@ from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
 _PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-master")  # fp8, fp16-master: not modelled
+# Layer forwards of one pipelined step the run follows; past it the phase model answers, so that
+# ``memplan estimate`` stays quick: llama3-70b, pp 8, 64 micro-batches (640 a step) took 5 s for the
+# run (build and three steps) and its replay on one core, 2026-11-27.
+PIPELINE_LAYER_PASSES = 1024
 
 
 def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str | None:
     """What keeps the timeline from following this plan faithfully, or None.
 
-    Modelled (the traces cover each mechanism): one pipeline stage; a dense Llama-family
-    decoder (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA, or in fp32
-    with GQA SDPA's math path (``precision.py``, h200_a_fp32full); AdamW (foreach), or
-    bf16-master's MasterAdamW (``master.py``, h200_a_master1b); any number of micro-batches per
-    step (gradient accumulation) on one rank or under FSDP2 ZeRO-3; recompute none, full (every
-    layer or the first ``recompute_layers``), selective or selective-op (``recompute.py``,
-    h200_a_selop1b); in bf16, bf16-master or bf16-mixed (autocast without FSDP2, else
+    Modelled (the traces cover each mechanism): one pipeline stage; a dense Llama-family decoder
+    (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA, or in fp32 with GQA
+    SDPA's math path (``precision.py``, h200_a_fp32full); AdamW (foreach), or bf16-master's
+    MasterAdamW (``master.py``, h200_a_master1b); recompute none, full (every layer) or
+    selective; in bf16, bf16-master or bf16-mixed (autocast without FSDP2, else
     MixedPrecisionPolicy), or fp32 on one rank: one data rank without sharding; DDP over dp > 1
     (ZeRO-0, ``ddp.py``: h200_a_ddp1b); or FSDP2 over dp > 1, ZeRO-3 or ZeRO-2
     (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head, optionally with
     tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU offload of
-    parameters and optimizer together (h200_b_off8b). LoRA adapters (``lora.py``) over a
-    frozen bf16 base on one rank, one micro-batch per step, without dropout or
-    ``modules_to_save`` (h200_a_lora8b).
+    parameters and optimizer together (h200_b_off8b). In bf16 or bf16-mixed without offload or
+    DDP also: any number of micro-batches per step (gradient accumulation), selective-op and
+    full recompute of the first ``recompute_layers`` (``recompute.py``). There also pipeline
+    parallelism, one rank's chunks under GPipe, 1F1B or the interleaved schedule
+    (``pipeline.py``, the bundled trainer's ``StageReplay``), on one data rank, or under FSDP2
+    (ZeRO-2 or ZeRO-3) with one chunk per rank and no TP (h200_b_pp4 with the old StageReplay).
+    LoRA adapters (``lora.py``) over a frozen bf16 base on one rank, one micro-batch per step,
+    without dropout or ``modules_to_save`` (h200_a_lora8b).
 
-    Not modelled: QLoRA and LLM.int8 bases; LoRA with dropout, modules_to_save, autocast,
-    gradient accumulation or over a sharded base; pipeline, context or expert parallelism; MoE;
-    a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32 without GQA (the memory-efficient kernel) or over
-    dp > 1; selective-op over fp32's math path; fp16-master, fp8; offload of one side alone or
-    NVMe; ZeRO-1 (DDP with ``ZeroRedundancyOptimizer``: no trace yet); gradient accumulation
-    with DDP, ZeRO-2 or offload (not checked); tensor parallel without FSDP2 or without sequence
-    parallel; FSDP2 over a tied embedding (one root group holding it)."""
+    Not modelled: context or expert parallelism; pipelines with DDP, ZeRO-1, TP, or FSDP2 over
+    interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32
+    without GQA (the memory-efficient kernel) or over dp > 1; fp16-master, fp8; offload of one
+    side alone or NVMe; ZeRO-1 (DDP with ``ZeroRedundancyOptimizer``: no trace yet); tensor
+    parallel without FSDP2 or without sequence parallel; accumulation, selective-op or partial
+    recompute with fp32, bf16-master, offload or DDP (not checked); FSDP2 over a tied embedding
+    (one root group holding it); QLoRA and LLM.int8 bases; LoRA with dropout, modules_to_save,
+    autocast, gradient accumulation or over a sharded base."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -50,13 +58,13 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.finetune == "full" or _plain_lora(plan), "LoRA other than adapters over a bf16 base on one rank"),
         (plan.finetune == "full" or accumulation(workload, plan) == 1, "LoRA with gradient accumulation"),
         (plan.offload_activations == "none", "activation offload"),
-        (plan.pp == 1 and plan.cp == 1 and plan.ep == 1, "pipeline, context or expert parallelism"),
+        (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
         (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
         (plan.precision != "fp32" or plan.dp == 1, "precision fp32 over dp > 1"),
-        (plan.precision != "fp32" or plan.recompute != "selective-op", "selective-op over SDPA's math path"),
-        (_accumulation_modelled(workload, plan), "gradient accumulation with DDP, ZeRO-2 or offload"),
+        (_plain(plan) or _basic_recompute(plan), "this recompute with this precision, offload or DDP"),
+        (_plain(plan) or accumulation(workload, plan) == 1, "gradient accumulation here"),
         (plan.dp == 1 or plan.zero != 1, "ZeRO-1"),
         (plan.tp == 1 or _fsdp(plan), "tensor parallel without FSDP2"),
         (plan.tp == 1 or plan.sequence_parallel, "tensor parallel without sequence parallel"),
@@ -81,11 +89,31 @@ def _fsdp(plan: Plan) -> bool:
     return plan.dp > 1 and plan.zero >= 2
 
 
-def _accumulation_modelled(workload: TrainingWorkload, plan: Plan) -> bool:
-    """Micro-batches after the first are checked on one rank and under FSDP2 ZeRO-3 (CPU, the
-    bundled trainer: tests/unit/test_timeline_recompute.py), not with DDP, ZeRO-2 or offload."""
-    single = plan.dp == 1 or (plan.zero == 3 and plan.offload_params == "none")
-    return single or accumulation(workload, plan) == 1
+_PARALLEL = "pipeline, context or expert parallelism"  # a pipeline: see _pipeline_modelled
+
+
+def _pipeline_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
+    """One pipeline rank (``pipeline.py``) on one data rank or under FSDP2 with one chunk per
+    rank and no TP, bf16 or bf16-mixed, no offload; its chunks even (``validate.support``: the
+    trainer refuses others); at most :data:`PIPELINE_LAYER_PASSES` layer forwards a step (the
+    schedule runs every micro-batch: GPipe's peak grows with each)."""
+    if plan.pp == 1:
+        return True
+    one_chunk_fsdp = _fsdp(plan) and plan.virtual_stages == 1 and plan.tp == 1
+    passes = accumulation(workload, plan) * model.num_layers // plan.pp
+    even = model.num_layers % plan.stages == 0
+    return (plan.dp == 1 or one_chunk_fsdp) and _plain(plan) and even and passes <= PIPELINE_LAYER_PASSES
+
+
+def _plain(plan: Plan) -> bool:
+    """Where accumulation, selective-op and partial recompute were checked (``recompute.py``):
+    bf16 or bf16-mixed, no offload, one rank or FSDP2 (DDP's ``no_sync`` is not followed)."""
+    no_offload = plan.offload_params == "none" and plan.offload_optimizer == "none"
+    return plan.precision in ("bf16", "bf16-mixed") and no_offload and (plan.dp == 1 or _fsdp(plan))
+
+
+def _basic_recompute(plan: Plan) -> bool:
+    return plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None
 
 
 def accumulation(workload: TrainingWorkload, plan: Plan) -> int:

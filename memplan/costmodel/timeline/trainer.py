@@ -15,8 +15,10 @@ optimizer step, AdamW's states.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from memplan.costmodel.lora import ADAPTER_BYTES
-from memplan.costmodel.timeline import ops, recompute
+from memplan.costmodel.timeline import ops, pipeline, recompute
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
@@ -24,6 +26,7 @@ from memplan.costmodel.timeline.fsdp import Fsdp
 from memplan.costmodel.timeline.lora import Lora, LoraConfig
 from memplan.costmodel.timeline.lora import config as lora_config
 from memplan.costmodel.timeline.master import MasterAdamW
+from memplan.costmodel.timeline.pipeline import Pipeline
 from memplan.costmodel.timeline.support import accumulation, sdpa_kernel, supported
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
 from memplan.specs.model import ModelSpec
@@ -69,15 +72,21 @@ def trainer_run(
     plan: Plan,
     steady_steps: int = 2,
     max_micro_batches: int = MICRO_BATCHES_MODELLED,
+    stage: int | None = None,
 ) -> Timeline | None:
     """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps,
-    each of at most ``max_micro_batches`` micro-batches. None for a plan :func:`supported` rejects."""
+    each of at most ``max_micro_batches`` micro-batches (under pipelining all of them). Pipeline
+    rank ``stage``, by default the most-loaded one. None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan) is not None:
         return None
-    micro_batches = min(accumulation(workload, plan), max_micro_batches)
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
-    d = dims(model, workload, plan)
-    run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, lora_config(plan))
+    micro_batches = min(accumulation(workload, plan), max_micro_batches)
+    d, pipe = dims(model, workload, plan), None
+    if plan.pp > 1:  # the schedule runs every micro-batch (pipeline.py)
+        micro_batches, pipe = accumulation(workload, plan), pipeline.factory(d, model, workload, plan, stage)
+    run = _Run(
+        d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora_config(plan)
+    )
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
@@ -97,6 +106,7 @@ class _Run:
         offload: bool = False,
         master: bool = False,
         micro_batches: int = 1,
+        pipe: Callable[[Tape, dict], Pipeline] | None = None,
         lora: LoraConfig | None = None,
     ) -> None:
         self.b = Builder()
@@ -112,9 +122,21 @@ class _Run:
         if self.lora is not None:
             self.model.adapter = self.lora.adapt
         sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
-        self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, zero >= 3, offload) if sharded else None
+        self.pipe = pipe(self.tape, self.grads) if pipe is not None else None  # one pipeline rank's chunks
+        self.fsdp = None
+        if sharded and self.pipe is not None:  # FSDP2 on the rank's one chunk
+            self.shapes, self.model = self.pipe.sharded(
+                lambda shapes, model, first, last: Fsdp(
+                    self.tape, model.d, dp, shapes, model, self.grads, zero >= 3, offload, first, last
+                )
+            )
+            self.fsdp = self.pipe.fsdp
+        elif sharded:
+            self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, zero >= 3, offload)
         self.ddp = None
-        if self.fsdp is None:
+        if self.pipe is not None and self.fsdp is None:
+            self.shapes = self.pipe.build()
+        elif self.fsdp is None:
             self._build_params(tied)
         if dp > 1 and not sharded:
             self.ddp = Ddp(self.tape, dp, self.shapes, self.model.weights, d.pd)
@@ -148,7 +170,9 @@ class _Run:
         """``runner._train``'s step: each micro-batch (gradient accumulation: the gradients
         add into the first one's, under FSDP2 the sharded ones), then the optimizer step and
         ``zero_grad``."""
-        for i in range(self.micro_batches):
+        if self.pipe is not None:  # the schedule's actions (pipeline.py)
+            self.pipe.step(self.micro_batches, first, self._workspace)
+        for i in range(0 if self.pipe is not None else self.micro_batches):
             self.micro_batch(first and i == 0)
         self.optimizer_step(first)
         self.zero_grad()
