@@ -1,0 +1,213 @@
+"""``transformers.Trainer``'s full fine-tuning step (``--runtime hf``) on one rank, as a timeline.
+
+``hf_run`` composes the model of ``hf_model.py`` with the step the installed transformers (5.x)
+and accelerate (1.x) run, read from ``transformers/trainer.py`` and checked on CPU against the
+real ``Trainer`` (``tests/accuracy/alloc_log.py``):
+
+- the data: accelerate's ``DataLoaderShard`` fetches one batch ahead, so the step's batch and
+  the next one (``input_ids`` and ``labels``, int64 b x s each, stacked by the collator) are
+  alive together; ``get_batch_samples`` counts ``labels[..., 1:].ne(-100)`` into
+  ``num_items_in_batch`` before the previous batch goes;
+- ``training_step``: ``compute_loss`` keeps only the loss (the outputs, logits included, go when
+  it returns); ``accelerator.backward`` divides it by the accumulation steps and runs the
+  backward (``autograd.py``); the loss lives on as ``tr_loss_step`` until the next step's;
+- ``isnan`` / ``isinf`` of the loss, ``clip_grad_norm_(max_norm=1.0)`` (foreach norms, their
+  stack, the total norm kept until the next clip, the clip coefficient);
+- ``adamw_torch_fused``: on its first step, per parameter in group order (decay, then the norms)
+  a 4-byte ``step`` and ``exp_avg`` / ``exp_avg_sq``; the fused kernel allocates nothing;
+- ``model.zero_grad()`` (``set_to_none``): the gradients go in parameter order;
+- gradient checkpointing as the Trainer turns it on (``GradientCheckpointingLayer`` with
+  ``use_reentrant=False``): each decoder layer a non-reentrant checkpoint over its hidden
+  states, ``position_ids`` and the rotary tables.
+
+Not modelled here: ``bf16=True`` autocast over an fp32 model, gradient accumulation, eager
+attention, the families other than Llama's layout, what the model's build leaves cached.
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.events import Builder, Category, Timeline
+from memplan.costmodel.timeline.hf_model import HfLlama, is_norm, param_shapes, scalar_div
+from memplan.costmodel.timeline.trainer_model import Dims
+
+FAMILIES = ("llama", "mistral")  # the same decoder layer (Mistral without a sliding window)
+
+
+def hf_dims(model, workload, plan) -> Dims:
+    """One rank's shapes; bf16 or fp32 weights and compute (no autocast)."""
+    itemsize = 4 if plan.precision == "fp32" else 2
+    return Dims(
+        b=workload.micro_batch,
+        s=workload.seq_len,
+        h=model.hidden_size,
+        f=model.ffn_size,
+        q=model.q_size,
+        kv=model.kv_size,
+        heads=model.num_attention_heads,
+        head_dim=model.head_size,
+        vocab=model.vocab_size,
+        layers=model.num_layers,
+        cd=itemsize,
+        pd=itemsize,
+        recompute=plan.recompute,
+    )
+
+
+def hf_kernel(model, plan, device: str) -> str | None:
+    """The SDPA kernel the run models: CPU's flash, or CUDA's flash or math
+    (``attention.sdpa_backend``); None where another one runs."""
+    if device == "cpu":
+        return "cpu_flash"
+    from memplan.costmodel.attention import sdpa_backend
+
+    dtype = "fp32" if plan.precision == "fp32" else "bf16"
+    backend = sdpa_backend(
+        "cuda", dtype, model.head_size, model.num_attention_heads, model.num_key_value_heads, enable_gqa=True
+    )
+    return backend if backend in ("flash", "math") else None
+
+
+def hf_run(d: Dims, tied: bool, kernel: str, steps: int = 3, batches: int | None = None, **tape_flags) -> Timeline:
+    """``Trainer.train()`` for ``steps`` steps over ``batches`` batches (None: as many as the
+    steps and one more, so the prefetch never runs dry). ``tape_flags`` set :class:`Tape`
+    attributes (``reduce_workspace``, ``inplace_accumulate``)."""
+    run = _HfRun(d, tied, kernel, steps + 1 if batches is None else batches, tape_flags)
+    run.b.mark("build")
+    for k in range(steps):
+        run.step(k)
+        run.b.mark(f"step{k}")
+    return run.b.build()
+
+
+class _HfRun:
+    def __init__(self, d: Dims, tied: bool, kernel: str, batches: int, tape_flags: dict) -> None:
+        self.b = Builder()
+        self.tape = Tape(self.b)
+        for key, value in tape_flags.items():
+            setattr(self.tape, key, value)
+        self.d, self.batches = d, batches
+        self.shapes = param_shapes(d, tied)
+        self.grads: dict[str, Tensor] = {}
+        self.model = HfLlama(self.tape, d, {}, kernel, tied)
+        self.data: list[list[Tensor]] = []
+        self.num_items: Tensor | None = None
+        self.prev_loss: Tensor | None = None
+        self.total_norm: Tensor | None = None
+        self.states: list[Tensor] = []
+        self._build()
+
+    def _build(self) -> None:
+        """Parameters in ``model.parameters()`` order, the two rotary buffers, ``tr_loss``."""
+        t, d = self.tape, self.d
+        for name, (rows, cols) in self.shapes.items():
+            p = t.managed(rows * cols, d.pd, name, Category.PARAMETERS)
+            p.fn = ops.leaf(self.grads, name)
+            self.model.weights[name] = p
+        for name in ("inv_freq", "original_inv_freq"):
+            t.managed(d.head_dim // 2, d.pd, f"model.rotary_emb.{name}", Category.PARAMETERS)
+        t.managed(1, 4, "tr_loss", Category.OPTIMIZER_TEMP)
+
+    # --- the data ------------------------------------------------------------------------------
+    def _fetch(self, k: int) -> None:
+        t, d = self.tape, self.d
+        with t.scoped(f"batch{k}"):
+            self.data.append([t.new(d.tokens, 8, "input_ids"), t.new(d.tokens, 8, "labels")])
+
+    def _count_items(self) -> None:
+        """``sum(batch["labels"][..., 1:].ne(-100).sum() ...)`` and its division."""
+        t, d = self.tape, self.d
+        with t.scoped("num_items_in_batch"):
+            ne = t.new(d.b * (d.s - 1), 1, "ne")
+            total = t.new(1, 8, "sum")
+            t.done(ne)
+            acc = t.new(1, 8, "add")
+            t.done(total)
+            out = t.new(1, 4, "div")
+            t.done(acc, self.num_items)
+        self.num_items = out
+
+    # --- one step ------------------------------------------------------------------------------
+    def step(self, k: int) -> None:
+        t = self.tape
+        if k == 0:
+            self._fetch(0)
+        if k + 1 < self.batches:
+            self._fetch(k + 1)
+        self._count_items()
+        if k > 0:
+            t.done(*self.data.pop(0))
+        ids = self.data[0][0]
+        logits = self.forward(ids)
+        loss = self.model.loss(logits, self.num_items)
+        t.done(logits)  # compute_loss returns the loss alone
+        with t.scoped("accelerate"):
+            scaled = scalar_div(t, loss, "div_accumulation", temps=0)
+            seed = t.new(1, 4, "grad_seed")
+        t.backward(scaled, t.hold(seed))  # torch.autograd.backward holds it until it returns
+        t.scope = ""
+        t.done(seed, scaled, self.prev_loss)
+        self.prev_loss = loss
+        for check in ("isnan", "isinf"):
+            t.done(t.new(1, 1, check))
+        self.clip()
+        self.optimizer_step(first=k == 0)
+        for name in self.shapes:
+            t.drop(self.grads.pop(name, None))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """``LlamaForCausalLM.forward`` up to the logits."""
+        t, m, d = self.tape, self.model, self.d
+        emb = m.embed(ids)
+        pos = m.positions()
+        cos, sin = m.rope_tables(emb)
+        x = t.alias(emb)
+        for i in range(d.layers):
+            out = self._layer(x, pos, cos, sin, i)
+            t.done(x)
+            x = out
+        n = m.rms_norm(x, "model.norm")
+        t.done(x)
+        t.done(pos, emb, cos, sin)  # LlamaModel.forward's locals
+        logits = m.head(n)
+        t.done(n)
+        return logits
+
+    def _layer(self, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        m = self.model
+        if self.d.recompute != "full":
+            return m.layer(x, cos, sin, i)
+        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), [x, pos, cos, sin])
+
+    # --- clip, optimizer -----------------------------------------------------------------------
+    def clip(self) -> None:
+        """``clip_grad_norm_(params, 1.0)`` (foreach): a norm per gradient, their stack, the total
+        (kept: the Trainer logs it), ``max_norm / (total + 1e-6)`` clamped to 1; each a scalar
+        of the gradients' dtype."""
+        t, g = self.tape, self.d.pd
+        with t.scoped("clip_grad_norm"):
+            t.done(self.total_norm)
+            n = len(self.grads)
+            norms = [t.new(1, g, "foreach_norm") for _ in range(n)]
+            stack = t.new(n, g, "stack")
+            self.total_norm = t.new(1, g, "total_norm")
+            t.done(stack, *reversed(norms))
+            add, recip = t.new(1, g, "add_eps"), t.new(1, g, "reciprocal")
+            coef = t.new(1, g, "clip_coef")
+            t.done(recip, add)
+            clamped = t.new(1, g, "clamp")
+            t.done(coef, clamped)
+
+    def optimizer_step(self, first: bool) -> None:
+        """Fused AdamW: the states on the first step (decay group, then no-decay), in place after."""
+        if not first:
+            return
+        t, pd = self.tape, self.d.pd
+        t.scope = ""
+        order = [n for n in self.shapes if not is_norm(n)] + [n for n in self.shapes if is_norm(n)]
+        for name in order:
+            rows, cols = self.shapes[name]
+            self.states.append(t.managed(1, 4, f"{name}.step", Category.OPTIMIZER_STATES))
+            for state in ("exp_avg", "exp_avg_sq"):
+                self.states.append(t.managed(rows * cols, pd, f"{name}.{state}", Category.OPTIMIZER_STATES))
