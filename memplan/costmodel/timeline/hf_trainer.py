@@ -16,6 +16,8 @@ real ``Trainer`` (``tests/accuracy/alloc_log.py``):
 - ``adamw_torch_fused``: on its first step, per parameter in group order (decay, then the norms)
   a 4-byte ``step`` and ``exp_avg`` / ``exp_avg_sq``; the fused kernel allocates nothing;
 - ``model.zero_grad()`` (``set_to_none``): the gradients go in parameter order;
+- on CUDA, cuBLAS's two workspaces (the forward thread's and the autograd thread's) at the first
+  step's first matmuls, as in the bundled trainer's run;
 - gradient checkpointing as the Trainer turns it on (``GradientCheckpointingLayer`` with
   ``use_reentrant=False``): each decoder layer a non-reentrant checkpoint over its hidden
   states, ``position_ids`` and the rotary tables.
@@ -30,6 +32,7 @@ from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
 from memplan.costmodel.timeline.hf_model import HfLlama, is_norm, param_shapes, scalar_div
+from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
 
 FAMILIES = ("llama", "mistral")  # the same decoder layer (Mistral without a sliding window)
@@ -109,6 +112,15 @@ class _HfRun:
             t.managed(d.head_dim // 2, d.pd, f"model.rotary_emb.{name}", Category.PARAMETERS)
         t.managed(1, 4, "tr_loss", Category.OPTIMIZER_TEMP)
 
+    def _workspace(self, thread: str):
+        """cuBLAS's workspace, allocated at a thread's first matmul and never freed (``trainer.py``)."""
+
+        def allocate() -> None:
+            self.tape.on_first_mm = None
+            self.b.alloc(CUBLAS_WORKSPACE, Category.ACTIVATIONS, f"cublas_workspace.{thread}")
+
+        return allocate
+
     # --- the data ------------------------------------------------------------------------------
     def _fetch(self, k: int) -> None:
         t, d = self.tape, self.d
@@ -139,12 +151,17 @@ class _HfRun:
         if k > 0:
             t.done(*self.data.pop(0))
         ids = self.data[0][0]
+        cuda = self.model.kernel != "cpu_flash"
+        if cuda and k == 0:
+            t.on_first_mm = self._workspace("forward")
         logits = self.forward(ids)
         loss = self.model.loss(logits, self.num_items)
         t.done(logits)  # compute_loss returns the loss alone
         with t.scoped("accelerate"):
             scaled = scalar_div(t, loss, "div_accumulation", temps=0)
             seed = t.new(1, 4, "grad_seed")
+        if cuda and k == 0:
+            t.on_first_mm = self._workspace("backward")
         t.backward(scaled, t.hold(seed))  # torch.autograd.backward holds it until it returns
         t.scope = ""
         t.done(seed, scaled, self.prev_loss)

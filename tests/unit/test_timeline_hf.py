@@ -1,0 +1,76 @@
+"""The op-level run of ``transformers.Trainer`` (``costmodel/timeline/hf_trainer.py``) against the real
+Trainer on CPU: the peak of live storages over three steps, counted by ``StorageTracker``
+(tests/accuracy/hf_steps.py's harness), equal to the byte on every case here.
+
+The tracker takes each storage's Python object to watch it go, which holds a second reference to the
+storage: ``InputBuffer::accumulate`` then sums every second gradient out of place (without the tracker
+the engine adds in place: torch.profiler shows one ``aten::add`` instead of the backward's extra one on a
+norm-shaped graph). The run is compared with that flag set (``inplace_accumulate=False``); where it
+moves the peak the case says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import hf_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
+
+from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
+from memplan.specs.loader import model_from_data  # noqa: E402
+from memplan.specs.plan import Plan  # noqa: E402
+from memplan.specs.workload import TrainingWorkload  # noqa: E402
+
+STEPS = 3
+
+
+def _case(name: str, **fields) -> hf_steps.Case:
+    return hf_steps.Case(f"hfrun-{name}", loop="trainer", **fields)
+
+
+SMALL = dict(hf_steps.BASE_SMALL)
+CASES = [
+    _case("fp32-mha"),
+    _case("fp32-gqa", kv_heads=2),
+    _case("fp32-ckpt", checkpointing=True),
+    _case("fp32-tied", tied=True),
+    _case("bf16-mha", **SMALL, dtype="bfloat16"),
+    _case("bf16-gqa-ckpt", **{**SMALL, "kv_heads": 1}, dtype="bfloat16", checkpointing=True),
+    _case("bf16-tied-ckpt", **SMALL, tied=True, dtype="bfloat16", checkpointing=True),
+    _case("layers-fp32", **hf_steps.LAYERS),
+    _case("layers-fp32-ckpt", **hf_steps.LAYERS, checkpointing=True),
+    _case("mistral-fp32-ckpt", arch="mistral", kv_heads=2, checkpointing=True, layers=4, batch=4),
+]
+
+
+def predict(case: hf_steps.Case, inplace_accumulate: bool = False) -> int:
+    """The run's peak for the case's config.json, workload and precision, on CPU's kernels."""
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = Plan(precision=case.precision, recompute="full" if case.checkpointing else "none")
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
+    timeline = hf_run(
+        d,
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        batches=STEPS,  # the harness's dataset holds one batch per step: the last prefetch finds none
+        reduce_workspace=False,
+        inplace_accumulate=inplace_accumulate,
+    )
+    return timeline.peak()[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_peak_equals_the_trainers(case: hf_steps.Case) -> None:
+    measured = hf_steps.measure_peak(case, steps=STEPS)
+    predicted = predict(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+def test_each_case_is_a_trainer_case() -> None:
+    assert all(c.loop == "trainer" and not c.autocast for c in CASES)
+    assert len({dataclasses.astuple(c)[1:] for c in CASES}) == len(CASES)
