@@ -1,6 +1,6 @@
 """The op-level run of ``transformers.Trainer`` (``costmodel/timeline/hf_trainer.py``) against the real
-Trainer on CPU: the peak of live storages over three steps, counted by ``StorageTracker``
-(tests/accuracy/hf_steps.py's harness), equal to the byte on every case here.
+Trainer on CPU (fp32, bf16, and ``bf16=True`` over fp32): the peak of live storages over three steps,
+counted by ``StorageTracker`` (tests/accuracy/hf_steps.py's harness), equal to the byte on every case.
 
 The tracker takes each storage's Python object to watch it go, which holds a second reference to the
 storage: ``InputBuffer::accumulate`` then sums every second gradient out of place (without the tracker
@@ -44,6 +44,11 @@ CASES = [
     _case("layers-fp32", **hf_steps.LAYERS),
     _case("layers-fp32-ckpt", **hf_steps.LAYERS, checkpointing=True),
     _case("mistral-fp32-ckpt", arch="mistral", kv_heads=2, checkpointing=True, layers=4, batch=4),
+    # bf16=True: accelerate's autocast over the fp32 model
+    _case("autocast", **SMALL, autocast=True),
+    _case("autocast-layers-gqa", **hf_steps.LAYERS_SMALL, autocast=True),
+    _case("autocast-gqa-ckpt", **{**SMALL, "kv_heads": 1}, autocast=True, checkpointing=True),
+    _case("autocast-vocab-tied", **hf_steps.VOCAB_SMALL, tied=True, autocast=True),
 ]
 
 
@@ -72,5 +77,5 @@ def test_peak_equals_the_trainers(case: hf_steps.Case) -> None:
 
 
 def test_each_case_is_a_trainer_case() -> None:
-    assert all(c.loop == "trainer" and not c.autocast for c in CASES)
+    assert all(c.loop == "trainer" and c.device == "cpu" for c in CASES)
     assert len({dataclasses.astuple(c)[1:] for c in CASES}) == len(CASES)

@@ -140,13 +140,30 @@ class HfLlama:
     weights: dict[str, Tensor]
     kernel: str = "cpu_flash"
     tied: bool = False
+    cache: dict[str, Tensor] | None = None  # autocast's weight casts in this forward (None: no autocast)
 
     @property
     def cpu(self) -> bool:
         return self.kernel == "cpu_flash"
 
+    def weight(self, name: str) -> Tensor:
+        """The weight a matmul uses: under autocast its bf16 cast, cached for the forward."""
+        w = self.weights[name]
+        if self.cache is None:
+            return self.tape.alias(w)
+        if name not in self.cache:
+            with self.tape.scoped(""):
+                self.cache[name] = ops.to(self.tape, w, 2, f"{name}.autocast", Category.AUTOCAST)
+        return self.tape.alias(self.cache[name])
+
     def linear(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
-        return ops.linear(self.tape, x, self.weights[f"{name}.weight"], self.d.tokens * out_features, tag)
+        """``nn.Linear`` (no bias); under autocast the weight's cast, then the input's."""
+        t = self.tape
+        w = self.weight(f"{name}.weight")
+        xin = ops.to(t, x, 2, f"{tag}.input_cast") if self.cache is not None else t.alias(x)
+        out = ops.linear(t, xin, w, self.d.tokens * out_features, tag)
+        t.done(xin, w)
+        return out
 
     # --- the layer -------------------------------------------------------------------------------
     def rms_norm(self, x: Tensor, name: str) -> Tensor:
@@ -190,12 +207,16 @@ class HfLlama:
         return v
 
     def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """SDPA; under autocast the fp32 RoPE outputs are cast to bf16 first (k, then q)."""
         t, d = self.tape, self.d
         if self.kernel == "math":
             return prec.math_sdpa(t, q, k, v, d.b, d.heads, d.s)
-        if self.kernel == "flash":
-            return ops.sdpa(t, q, k, v, d.b * d.heads * d.s, "sdpa")
-        return cpu_flash_sdpa(t, q, k, v, d.b * d.heads * d.s, "sdpa")
+        k2 = ops.to(t, k, 2, "k_cast") if self.cache is not None else t.alias(k)
+        q2 = ops.to(t, q, 2, "q_cast") if self.cache is not None else t.alias(q)
+        sdpa = ops.sdpa if self.kernel == "flash" else cpu_flash_sdpa
+        out = sdpa(t, q2, k2, v, d.b * d.heads * d.s, "sdpa")
+        t.done(k2, q2)
+        return out
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
         """``LlamaAttention.forward`` with ``sdpa_attention_forward``."""

@@ -22,7 +22,9 @@ real ``Trainer`` (``tests/accuracy/alloc_log.py``):
   ``use_reentrant=False``): each decoder layer a non-reentrant checkpoint over its hidden
   states, ``position_ids`` and the rotary tables.
 
-Not modelled here: ``bf16=True`` autocast over an fp32 model, gradient accumulation, eager
+Under ``bf16=True`` (accelerate's autocast over the fp32 model) each matmul casts its weight (cached
+for the forward) and its input to bf16, SDPA casts k then q, and ``convert_outputs_to_fp32`` copies
+the bf16 logits to fp32 after the forward. Not modelled here: gradient accumulation, eager
 attention, the families other than Llama's layout, what the model's build leaves cached.
 """
 
@@ -39,8 +41,10 @@ FAMILIES = ("llama", "mistral")  # the same decoder layer (Mistral without a sli
 
 
 def hf_dims(model, workload, plan) -> Dims:
-    """One rank's shapes; bf16 or fp32 weights and compute (no autocast)."""
+    """One rank's shapes: bf16 or fp32 weights and compute, or (``bf16-mixed``: the Trainer's
+    ``bf16=True``) fp32 weights under bf16 autocast."""
     itemsize = 4 if plan.precision == "fp32" else 2
+    mixed = plan.precision == "bf16-mixed"
     return Dims(
         b=workload.micro_batch,
         s=workload.seq_len,
@@ -53,7 +57,8 @@ def hf_dims(model, workload, plan) -> Dims:
         vocab=model.vocab_size,
         layers=model.num_layers,
         cd=itemsize,
-        pd=itemsize,
+        pd=4 if mixed else itemsize,
+        autocast=mixed,
         recompute=plan.recompute,
     )
 
@@ -154,8 +159,18 @@ class _HfRun:
         cuda = self.model.kernel != "cpu_flash"
         if cuda and k == 0:
             t.on_first_mm = self._workspace("forward")
-        logits = self.forward(ids)
-        loss = self.model.loss(logits, self.num_items)
+        m = self.model
+        m.cache = {} if self.d.autocast else None
+        logits, hidden = self.forward(ids)
+        loss = m.loss(logits, self.num_items)
+        t.done(hidden)  # LlamaForCausalLM.forward's hidden_states, at its return
+        if m.cache is not None:  # accelerate's autocast exits, then its convert_outputs_to_fp32
+            t.done(*m.cache.values())
+            m.cache = None
+            with t.scoped("accelerate"):
+                converted = t.new(logits.numel, 4, "logits_to_fp32", Category.LOGITS)
+            t.done(logits)
+            logits = converted
         t.done(logits)  # compute_loss returns the loss alone
         with t.scoped("accelerate"):
             scaled = scalar_div(t, loss, "div_accumulation", temps=0)
@@ -187,15 +202,23 @@ class _HfRun:
         n = m.rms_norm(x, "model.norm")
         t.done(x)
         t.done(pos, emb, cos, sin)  # LlamaModel.forward's locals
-        logits = m.head(n)
-        t.done(n)
-        return logits
+        return m.head(n), n
 
     def _layer(self, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        """A decoder layer, or a non-reentrant checkpoint of one (its recompute runs under a fresh
+        autocast context: its own weight casts)."""
         m = self.model
         if self.d.recompute != "full":
             return m.layer(x, cos, sin, i)
-        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), [x, pos, cos, sin])
+
+        def rerun() -> None:
+            cache, m.cache = m.cache, ({} if self.d.autocast else None)
+            try:
+                m.layer(x, cos, sin, i)
+            finally:
+                m.cache = cache
+
+        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), [x, pos, cos, sin], rerun=rerun)
 
     # --- clip, optimizer -----------------------------------------------------------------------
     def clip(self) -> None:
