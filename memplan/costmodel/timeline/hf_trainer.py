@@ -64,17 +64,15 @@ def hf_dims(model, workload, plan) -> Dims:
 
 
 def hf_kernel(model, plan, device: str) -> str | None:
-    """The SDPA kernel the run models: CPU's flash, or CUDA's flash or math
-    (``attention.sdpa_backend``); None where another one runs."""
+    """The SDPA kernel the run models: CPU's flash, or on CUDA the bundled trainer's rule
+    (``support.sdpa_kernel``: flash in 16-bit, as its traces show; math for fp32 with GQA);
+    None where another one runs (the memory-efficient kernel: fp32 without GQA)."""
     if device == "cpu":
         return "cpu_flash"
-    from memplan.costmodel.attention import sdpa_backend
+    from memplan.costmodel.timeline.support import sdpa_kernel
 
-    dtype = "fp32" if plan.precision == "fp32" else "bf16"
-    backend = sdpa_backend(
-        "cuda", dtype, model.head_size, model.num_attention_heads, model.num_key_value_heads, enable_gqa=True
-    )
-    return backend if backend in ("flash", "math") else None
+    kernel = sdpa_kernel(model, plan)
+    return kernel if kernel in ("flash", "math") else None
 
 
 def hf_run(d: Dims, tied: bool, kernel: str, steps: int = 3, batches: int | None = None, **tape_flags) -> Timeline:
