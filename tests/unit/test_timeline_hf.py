@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
+from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_kernel, hf_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
@@ -63,7 +63,6 @@ def predict(case: hf_steps.Case, inplace_accumulate: bool = False) -> int:
         "cpu_flash",
         steps=STEPS,
         batches=STEPS,  # the harness's dataset holds one batch per step: the last prefetch finds none
-        reduce_workspace=False,
         inplace_accumulate=inplace_accumulate,
     )
     return timeline.peak()[0]
@@ -79,3 +78,30 @@ def test_peak_equals_the_trainers(case: hf_steps.Case) -> None:
 def test_each_case_is_a_trainer_case() -> None:
     assert all(c.loop == "trainer" and c.device == "cpu" for c in CASES)
     assert len({dataclasses.astuple(c)[1:] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize(
+    ("precision", "kv_heads", "kernel"),
+    [("bf16", 2, "flash"), ("bf16-mixed", 4, "flash"), ("fp32", 2, "math"), ("fp32", 4, None)],
+)
+def test_cuda_kernel(precision: str, kv_heads: int, kernel: str | None) -> None:
+    """On CUDA the run takes the bundled trainer's kernel rule (flash in 16-bit; fp32 with GQA: the
+    math path; fp32 without: the memory-efficient kernel, which it does not model); CPU's own flash."""
+    case = _case("kernel", kv_heads=kv_heads)
+    model = model_from_data(case.hf_config(), "kernel/config.json", "kernel")
+    plan = Plan(precision=precision)
+    assert hf_kernel(model, plan, "cuda") == kernel
+    assert hf_kernel(model, plan, "cpu") == "cpu_flash"
+
+
+def test_cuda_run_holds_cublas_workspaces_and_flash_tensors() -> None:
+    """The CUDA run differs from the CPU one by what CUDA allocates: cuBLAS's two workspaces,
+    flash's philox seeds, the sum-to-weight workspace (not checked on a GPU against transformers)."""
+    case = _case("cuda", **SMALL, dtype="bfloat16")
+    model = model_from_data(case.hf_config(), "cuda/config.json", "cuda")
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), Plan(precision="bf16"))
+    tags = {e.tag for e in hf_run(d, False, "flash").events}
+    assert {"cublas_workspace.forward", "cublas_workspace.backward"} <= tags
+    assert any(t.endswith("philox_seed") for t in tags) and any(t.endswith("reduce_workspace") for t in tags)
+    cpu_tags = {e.tag for e in hf_run(d, False, "cpu_flash").events}
+    assert not any("cublas" in t or "philox" in t or "reduce_workspace" in t for t in cpu_tags)
