@@ -44,11 +44,14 @@ CASES = [
     _case("layers-fp32", **hf_steps.LAYERS),
     _case("layers-fp32-ckpt", **hf_steps.LAYERS, checkpointing=True),
     _case("mistral-fp32-ckpt", arch="mistral", kv_heads=2, checkpointing=True, layers=4, batch=4),
+    _case("qwen2-fp32-gqa", arch="qwen2", kv_heads=2),
+    _case("qwen2-bf16-tied", **{**SMALL, "kv_heads": 1}, arch="qwen2", tied=True, dtype="bfloat16"),
     # bf16=True: accelerate's autocast over the fp32 model
     _case("autocast", **SMALL, autocast=True),
     _case("autocast-layers-gqa", **hf_steps.LAYERS_SMALL, autocast=True),
     _case("autocast-gqa-ckpt", **{**SMALL, "kv_heads": 1}, autocast=True, checkpointing=True),
     _case("autocast-vocab-tied", **hf_steps.VOCAB_SMALL, tied=True, autocast=True),
+    _case("qwen2-autocast-ckpt", arch="qwen2", kv_heads=2, autocast=True, checkpointing=True, ffn=344, vocab=4000),
 ]
 
 
@@ -63,6 +66,7 @@ def predict(case: hf_steps.Case, inplace_accumulate: bool = False) -> int:
         "cpu_flash",
         steps=STEPS,
         batches=STEPS,  # the harness's dataset holds one batch per step: the last prefetch finds none
+        qkv_bias=model.qkv_bias,
         inplace_accumulate=inplace_accumulate,
     )
     return timeline.peak()[0]

@@ -51,13 +51,19 @@ LAYER_PARAMS = (
 NORMS = ("input_layernorm", "post_attention_layernorm", "model.norm")
 
 
-def param_shapes(d: Dims, tied: bool) -> dict[str, tuple[int, int]]:
-    """``model.parameters()`` in order (a tied ``lm_head`` is the embedding, left out)."""
+QKV_BIAS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # Qwen2's attention biases
+
+
+def param_shapes(d: Dims, tied: bool, qkv_bias: bool = False) -> dict[str, tuple[int, int]]:
+    """``model.parameters()`` in order (a tied ``lm_head`` is the embedding, left out); with
+    ``qkv_bias`` (Qwen2) each of q, k, v has its bias after its weight."""
     size = {"h": d.h, "q": d.q, "kv": d.kv, "f": d.f, "1": 1}
     out = {"model.embed_tokens.weight": (d.vocab, d.h)}
     for i in range(d.layers):
         for name, rows, cols in LAYER_PARAMS:
             out[f"model.layers.{i}.{name}.weight"] = (size[rows], size[cols])
+            if qkv_bias and name in QKV_BIAS:
+                out[f"model.layers.{i}.{name}.bias"] = (size[rows], 1)
     out["model.norm.weight"] = (d.h, 1)
     if not tied:
         out["lm_head.weight"] = (d.vocab, d.h)
@@ -90,6 +96,31 @@ def cpu_flash_sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, 
                 tape.save(node, t)
     finally:
         tape.done(lse)
+    return out
+
+
+def addmm_linear(tape: Tape, x: Tensor, w: Tensor, bias: Tensor, out_numel: int, tag: str) -> Tensor:
+    """``F.linear(x, w, bias)`` (``addmm`` on the flattened input): saves x and w. Backward
+    (AddmmBackward0): the bias's gradient is the incoming one, summed to the bias by the engine
+    (``validate_outputs``); dX, then dW (the reverse of ``mm``'s order; CPU log, Qwen2)."""
+    x_numel, w_numel = x.numel, w.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        itemsize = g[0].itemsize
+        gb = tape.hold(g[0]) if node.nexts[2] is not None else None
+        dx = tape.new(x_numel, itemsize, "dX") if node.nexts[0] is not None else None
+        dw = tape.new(w_numel, itemsize, "dW", ops.grad_category(w)) if node.nexts[1] is not None else None
+        if dw is not None:
+            dw.view = True  # grad.t() of the transposed product
+            if tape.on_first_mm is not None:
+                tape.on_first_mm()
+        return [dx, dw, gb]
+
+    meta = [None, None, (bias.numel, bias.itemsize, True)]
+    node = tape.node(tag, apply, [x, w, bias], saved=[x, w], meta=meta)
+    out = ops.result(tape, out_numel, x.itemsize, tag, node)
+    if tape.on_first_mm is not None:
+        tape.on_first_mm()
     return out
 
 
@@ -161,7 +192,13 @@ class HfLlama:
         t = self.tape
         w = self.weight(f"{name}.weight")
         xin = ops.to(t, x, 2, f"{tag}.input_cast") if self.cache is not None else t.alias(x)
-        out = ops.linear(t, xin, w, self.d.tokens * out_features, tag)
+        bias = self.weights.get(f"{name}.bias")
+        if bias is None:
+            out = ops.linear(t, xin, w, self.d.tokens * out_features, tag)
+        else:
+            b = self.weight(f"{name}.bias")
+            out = addmm_linear(t, xin, w, b, self.d.tokens * out_features, tag)
+            t.done(b)
         t.done(xin, w)
         return out
 

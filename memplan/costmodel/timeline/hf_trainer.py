@@ -37,7 +37,7 @@ from memplan.costmodel.timeline.hf_model import HfLlama, is_norm, param_shapes, 
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
 
-FAMILIES = ("llama", "mistral")  # the same decoder layer (Mistral without a sliding window)
+FAMILIES = ("llama", "mistral", "qwen2")  # Llama's decoder layer (Qwen2: with q/k/v biases)
 
 
 def hf_dims(model, workload, plan) -> Dims:
@@ -75,11 +75,19 @@ def hf_kernel(model, plan, device: str) -> str | None:
     return kernel if kernel in ("flash", "math") else None
 
 
-def hf_run(d: Dims, tied: bool, kernel: str, steps: int = 3, batches: int | None = None, **tape_flags) -> Timeline:
+def hf_run(
+    d: Dims,
+    tied: bool,
+    kernel: str,
+    steps: int = 3,
+    batches: int | None = None,
+    qkv_bias: bool = False,
+    **tape_flags,
+) -> Timeline:
     """``Trainer.train()`` for ``steps`` steps over ``batches`` batches (None: as many as the
-    steps and one more, so the prefetch never runs dry). ``tape_flags`` set :class:`Tape`
-    attributes (``reduce_workspace``, ``inplace_accumulate``)."""
-    run = _HfRun(d, tied, kernel, steps + 1 if batches is None else batches, tape_flags)
+    steps and one more, so the prefetch never runs dry); ``qkv_bias``: Qwen2's attention biases.
+    ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
+    run = _HfRun(d, tied, kernel, steps + 1 if batches is None else batches, tape_flags, qkv_bias)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -88,14 +96,14 @@ def hf_run(d: Dims, tied: bool, kernel: str, steps: int = 3, batches: int | None
 
 
 class _HfRun:
-    def __init__(self, d: Dims, tied: bool, kernel: str, batches: int, tape_flags: dict) -> None:
+    def __init__(self, d: Dims, tied: bool, kernel: str, batches: int, tape_flags: dict, qkv_bias: bool) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
         self.tape.reduce_workspace = kernel != "cpu_flash"  # CUDA's staging buffer (autograd.py)
         for key, value in tape_flags.items():
             setattr(self.tape, key, value)
         self.d, self.batches = d, batches
-        self.shapes = param_shapes(d, tied)
+        self.shapes = param_shapes(d, tied, qkv_bias)
         self.grads: dict[str, Tensor] = {}
         self.model = HfLlama(self.tape, d, {}, kernel, tied)
         self.data: list[list[Tensor]] = []
