@@ -55,8 +55,9 @@ CASES = [
 ]
 
 
-def predict(case: hf_steps.Case, inplace_accumulate: bool = False) -> int:
-    """The run's peak for the case's config.json, workload and precision, on CPU's kernels."""
+def predict(case: hf_steps.Case, inplace_accumulate: bool = False, ga: int = 1) -> int:
+    """The run's peak for the case's config.json, workload and precision, on CPU's kernels, with
+    ``ga`` micro-batches per optimizer step."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = Plan(precision=case.precision, recompute="full" if case.checkpointing else "none")
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
@@ -65,8 +66,9 @@ def predict(case: hf_steps.Case, inplace_accumulate: bool = False) -> int:
         model.tied_embeddings,
         "cpu_flash",
         steps=STEPS,
-        batches=STEPS,  # the harness's dataset holds one batch per step: the last prefetch finds none
+        batches=STEPS * ga,  # the harness's dataset holds the steps' batches: the last prefetch finds none
         qkv_bias=model.qkv_bias,
+        ga=ga,
         inplace_accumulate=inplace_accumulate,
     )
     return timeline.peak()[0]
@@ -76,6 +78,23 @@ def predict(case: hf_steps.Case, inplace_accumulate: bool = False) -> int:
 def test_peak_equals_the_trainers(case: hf_steps.Case) -> None:
     measured = hf_steps.measure_peak(case, steps=STEPS)
     predicted = predict(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+GA_CASES = [
+    (_case("ga2"), 2),
+    (_case("ga3-bf16-ckpt", **SMALL, dtype="bfloat16", checkpointing=True), 3),
+    (_case("ga2-autocast-tied", **SMALL, tied=True, autocast=True), 2),
+]
+
+
+@pytest.mark.parametrize(("case", "ga"), GA_CASES, ids=lambda c: getattr(c, "name", str(c)))
+def test_peak_with_gradient_accumulation(case: hf_steps.Case, ga: int) -> None:
+    """``gradient_accumulation_steps``: the update's batches together, ``.grad`` added into."""
+    import ga_log
+
+    measured = ga_log.measure(case, ga, steps=STEPS)
+    predicted = predict(case, ga=ga)
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 

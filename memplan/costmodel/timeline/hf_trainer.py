@@ -24,8 +24,10 @@ real ``Trainer`` (``tests/accuracy/alloc_log.py``):
 
 Under ``bf16=True`` (accelerate's autocast over the fp32 model) each matmul casts its weight (cached
 for the forward) and its input to bf16, SDPA casts k then q, and ``convert_outputs_to_fp32`` copies
-the bf16 logits to fp32 after the forward. Not modelled here: gradient accumulation, eager
-attention, the families other than Llama's layout, what the model's build leaves cached.
+the bf16 logits to fp32 after the forward. With ``gradient_accumulation_steps`` the update's batches
+are fetched together (accelerate one ahead) and freed at the next update's fetch, and from the second
+micro-batch on each gradient is added into ``.grad`` and freed. Not modelled here: eager attention,
+the families other than Llama's layout (Mistral, Qwen2), what the model's build leaves cached.
 """
 
 from __future__ import annotations
@@ -82,12 +84,15 @@ def hf_run(
     steps: int = 3,
     batches: int | None = None,
     qkv_bias: bool = False,
+    ga: int = 1,
     **tape_flags,
 ) -> Timeline:
-    """``Trainer.train()`` for ``steps`` steps over ``batches`` batches (None: as many as the
-    steps and one more, so the prefetch never runs dry); ``qkv_bias``: Qwen2's attention biases.
+    """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
+    ``batches`` batches (None: enough that the prefetch never runs dry); ``qkv_bias``: Qwen2's
+    attention biases.
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
-    run = _HfRun(d, tied, kernel, steps + 1 if batches is None else batches, tape_flags, qkv_bias)
+    total = steps * ga + 1 if batches is None else batches
+    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -96,7 +101,9 @@ def hf_run(
 
 
 class _HfRun:
-    def __init__(self, d: Dims, tied: bool, kernel: str, batches: int, tape_flags: dict, qkv_bias: bool) -> None:
+    def __init__(
+        self, d: Dims, tied: bool, kernel: str, batches: int, tape_flags: dict, qkv_bias: bool, ga: int
+    ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
         self.tape.reduce_workspace = kernel != "cpu_flash"  # CUDA's staging buffer (autograd.py)
@@ -107,6 +114,8 @@ class _HfRun:
         self.grads: dict[str, Tensor] = {}
         self.model = HfLlama(self.tape, d, {}, kernel, tied)
         self.data: list[list[Tensor]] = []
+        self.fetched = 0
+        self.ga = ga
         self.num_items: Tensor | None = None
         self.prev_loss: Tensor | None = None
         self.total_norm: Tensor | None = None
@@ -134,37 +143,54 @@ class _HfRun:
         return allocate
 
     # --- the data ------------------------------------------------------------------------------
-    def _fetch(self, k: int) -> None:
+    def _fetch_until(self, n: int) -> None:
+        """Batches fetched up to ``n`` in all (the dataset's ``self.batches`` at most)."""
         t, d = self.tape, self.d
-        with t.scoped(f"batch{k}"):
-            self.data.append([t.new(d.tokens, 8, "input_ids"), t.new(d.tokens, 8, "labels")])
+        while self.fetched < min(n, self.batches):
+            with t.scoped(f"batch{self.fetched}"):
+                self.data.append([t.new(d.tokens, 8, "input_ids"), t.new(d.tokens, 8, "labels")])
+            self.fetched += 1
 
     def _count_items(self) -> None:
-        """``sum(batch["labels"][..., 1:].ne(-100).sum() ...)`` and its division."""
+        """``sum(batch["labels"][..., 1:].ne(-100).sum() for batch in batch_samples)`` and its
+        division, over the update's ``ga`` batches."""
         t, d = self.tape, self.d
         with t.scoped("num_items_in_batch"):
-            ne = t.new(d.b * (d.s - 1), 1, "ne")
-            total = t.new(1, 8, "sum")
-            t.done(ne)
-            acc = t.new(1, 8, "add")
-            t.done(total)
+            acc = None
+            for _ in range(self.ga):
+                ne = t.new(d.b * (d.s - 1), 1, "ne")
+                total = t.new(1, 8, "sum")
+                t.done(ne)
+                acc, old = t.new(1, 8, "add"), acc
+                t.done(old, total)
             out = t.new(1, 4, "div")
             t.done(acc, self.num_items)
         self.num_items = out
 
-    # --- one step ------------------------------------------------------------------------------
+    # --- one optimizer step ----------------------------------------------------------------------
     def step(self, k: int) -> None:
-        t = self.tape
-        if k == 0:
-            self._fetch(0)
-        if k + 1 < self.batches:
-            self._fetch(k + 1)
+        """``get_batch_samples`` (the update's ``ga`` batches; accelerate keeps one more fetched),
+        ``ga`` training steps, then clip, the optimizer and ``zero_grad``."""
+        t, ga = self.tape, self.ga
+        self._fetch_until((k + 1) * ga + 1)
         self._count_items()
         if k > 0:
-            t.done(*self.data.pop(0))
-        ids = self.data[0][0]
+            for batch in self.data[:ga]:
+                t.done(*batch)
+            self.data = self.data[ga:]
+        for i in range(ga):
+            self.training_step(self.data[i][0], first=k == 0 and i == 0)
+        self.clip()
+        self.optimizer_step(first=k == 0)
+        for name in self.shapes:
+            t.drop(self.grads.pop(name, None))
+
+    def training_step(self, ids: Tensor, first: bool) -> None:
+        """``compute_loss`` (keeping the loss alone), ``accelerator.backward``, the loss checks;
+        from the second micro-batch on ``AccumulateGrad`` adds each gradient into ``.grad``."""
+        t = self.tape
         cuda = self.model.kernel != "cpu_flash"
-        if cuda and k == 0:
+        if cuda and first:
             t.on_first_mm = self._workspace("forward")
         m = self.model
         m.cache = {} if self.d.autocast else None
@@ -182,7 +208,7 @@ class _HfRun:
         with t.scoped("accelerate"):
             scaled = scalar_div(t, loss, "div_accumulation", temps=0)
             seed = t.new(1, 4, "grad_seed")
-        if cuda and k == 0:
+        if cuda and first:
             t.on_first_mm = self._workspace("backward")
         t.backward(scaled, t.hold(seed))  # torch.autograd.backward holds it until it returns
         t.scope = ""
@@ -190,10 +216,6 @@ class _HfRun:
         self.prev_loss = loss
         for check in ("isnan", "isinf"):
             t.done(t.new(1, 1, check))
-        self.clip()
-        self.optimizer_step(first=k == 0)
-        for name in self.shapes:
-            t.drop(self.grads.pop(name, None))
 
     def forward(self, ids: Tensor) -> Tensor:
         """``LlamaForCausalLM.forward`` up to the logits."""
