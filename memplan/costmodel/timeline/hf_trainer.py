@@ -39,8 +39,6 @@ from memplan.costmodel.timeline.hf_model import HfLlama, is_norm, param_shapes, 
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
 
-FAMILIES = ("llama", "mistral", "qwen2")  # Llama's decoder layer (Qwen2: with q/k/v biases)
-
 
 def hf_dims(model, workload, plan) -> Dims:
     """One rank's shapes: bf16 or fp32 weights and compute, or (``bf16-mixed``: the Trainer's
@@ -75,6 +73,17 @@ def hf_kernel(model, plan, device: str) -> str | None:
 
     kernel = sdpa_kernel(model, plan)
     return kernel if kernel in ("flash", "math") else None
+
+
+def hf_plan_run(model, workload, plan) -> Timeline:
+    """The CUDA run of an ``hf`` plan ``hf_support.hf_supported`` accepts: a first step and two
+    steady ones, the data never running dry."""
+    from memplan.costmodel.timeline.hf_support import accumulation
+
+    kernel = hf_kernel(model, plan, "cuda")
+    assert kernel is not None
+    d = hf_dims(model, workload, plan)
+    return hf_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=accumulation(workload, plan))
 
 
 def hf_run(
@@ -131,7 +140,7 @@ class _HfRun:
             self.model.weights[name] = p
         for name in ("inv_freq", "original_inv_freq"):
             t.managed(d.head_dim // 2, d.pd, f"model.rotary_emb.{name}", Category.PARAMETERS)
-        t.managed(1, 4, "tr_loss", Category.OPTIMIZER_TEMP)
+        t.managed(1, 4, "tr_loss", Category.LOGITS)
 
     def _workspace(self, thread: str):
         """cuBLAS's workspace, allocated at a thread's first matmul and never freed (``trainer.py``)."""
