@@ -12,6 +12,8 @@ moves the peak the case says so.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +130,46 @@ def test_cuda_run_holds_cublas_workspaces_and_flash_tensors() -> None:
     assert any(t.endswith("philox_seed") for t in tags) and any(t.endswith("reduce_workspace") for t in tags)
     cpu_tags = {e.tag for e in hf_run(d, False, "cpu_flash").events}
     assert not any("cublas" in t or "philox" in t or "reduce_workspace" in t for t in cpu_tags)
+
+
+LLAMA1B = str(Path(__file__).parents[1] / "data" / "gpu-traces" / "llama1b.config.json")
+
+
+def _estimate(capsys, args: list[str]) -> dict:
+    from memplan.cli.app import run
+
+    code = run(["estimate", *args, "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)["memory"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [LLAMA1B, "--runtime", "hf", "--precision", "bf16", "--seq-len", "2048", "--micro-batch", "2"],
+        [LLAMA1B, "--runtime", "hf", "--precision", "bf16-mixed", "--recompute", "full", "--global-batch", "8"],
+    ],
+)
+def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> None:
+    """``memplan estimate --runtime hf`` on CUDA: the Trainer's run replayed, its allocated peak reported."""
+    memory = _estimate(capsys, args)
+    assert memory["model"] == "op-level" and memory["model_reason"] is None
+    peak = memory["peak"]
+    assert peak["reserved_detail"]["timeline"] == "hf"
+    assert peak["allocated"] == peak["reserved_detail"]["timeline_allocated"]
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["qwen3-8b", "--runtime", "hf"], "the qwen3 family"),
+        ([LLAMA1B, "--runtime", "hf", "--dp", "2"], "more than one rank"),
+        ([LLAMA1B, "--runtime", "hf", "--finetune", "lora"], "LoRA adapters"),
+        ([LLAMA1B, "--runtime", "hf", "--attention", "eager"], "eager attention"),
+        ([LLAMA1B, "--runtime", "hf-loop"], "the hf-loop runtime"),
+    ],
+)
+def test_an_hf_plan_the_run_does_not_model_says_so(capsys, args: list[str], reason: str) -> None:
+    memory = _estimate(capsys, args)
+    assert memory["model"] == "phase" and reason in memory["model_reason"]
