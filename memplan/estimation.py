@@ -97,6 +97,9 @@ def _with_attention_kernel(plan: dict[str, Any], job: Job, device: Device) -> di
     return plan
 
 
+OP_LEVEL_RUNS = ("trainer", "hf")  # plan_run's op-level runs: the bundled trainer's, transformers' Trainer's
+
+
 def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Device) -> tuple[MemoryReport, Verdict]:
     """The run (training: build, a first step, steady steps; serving: weights, KV cache,
     prefills) replayed through the caching allocator model decides reserved and fits. On CUDA,
@@ -122,7 +125,7 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
         timeline_allocated=v.replay.max_allocated,
     )
     update: dict[str, Any] = {"reserved": v.reserved, "reserved_detail": detail}
-    if device == "cuda" and v.timeline == "trainer":
+    if device == "cuda" and v.timeline in OP_LEVEL_RUNS:
         update.update(allocated=v.replay.max_allocated, breakdown=peak_breakdown(v))
     peak = report.peak.model_copy(update=update)
     model, reason = _which_model(v.timeline, device)
@@ -132,7 +135,7 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
 def _which_model(timeline: str, device: Device) -> tuple[str, str | None]:
     """``memory.model`` and why not the op-level run: it answers for CUDA plans of the bundled
     trainer that ``timeline.support.supported`` accepts; the phase model for the rest."""
-    if timeline == "trainer":
+    if timeline in OP_LEVEL_RUNS:
         if device == "cuda":
             return "op-level", None
         return "phase", "on CPU (the op-level run follows CUDA's kernels and allocator)"

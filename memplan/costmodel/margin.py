@@ -36,8 +36,12 @@ State = Literal["ample", "tight", "does not fit"]
 OP_LEVEL = 0.0002  # six op-level plans on the H200 (1B, 8B, 70B; both allocators): reserved within 0.02%
 OP_LEVEL_SOURCE = (
     "the op-level run: six H200 runs it was not built from (1B to 70B, both allocator modes) within 0.02% "
-    "reserved; the mechanisms added since (DDP, ZeRO-2, CPU offload, bf16-master, fp32, selective-op) replay "
-    "the H200 runs they were read from to the byte"
+    "reserved; the mechanisms added since (DDP, ZeRO-2, CPU offload, bf16-master, fp32, selective-op, LoRA) "
+    "replay the H200 runs they were read from within 0.004%"
+)
+HF_OP_LEVEL_SOURCE = (
+    "transformers' Trainer op by op: equal to the real Trainer's peak on CPU (tests/unit/test_timeline_hf.py), "
+    "not yet measured on a GPU, so the band is the hf phase model's measured error"
 )
 
 # (error, what measured it): the phase model's reserved error on the H200, per mechanism, rounded up
@@ -121,6 +125,9 @@ def band(
     measured on a GPU: it gets :data:`UNMEASURED`."""
     if which == "trainer":
         error, model, basis = OP_LEVEL, "op-level run", OP_LEVEL_SOURCE
+    elif which == "hf" and plan is not None:
+        error, measured = phase_error(plan, runtime)  # no GPU run of it yet: the hf phase model's error
+        model, basis = "op-level run", f"{HF_OP_LEVEL_SOURCE}; {measured}"
     elif which == "serving" or plan is None:
         error, model = UNMEASURED, "phase model"
         basis = f"serving: not measured on a GPU, the largest phase-model error ({UNMEASURED:.1%})"

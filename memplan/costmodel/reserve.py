@@ -170,9 +170,11 @@ def plan_run(
     model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str = "cuda"
 ) -> tuple[Timeline, str]:
     """The run to replay, and which: the bundled trainer's op by op (``timeline.trainer``,
-    exact on the six H100 traces) where it models the plan, else the phase model's moments cut
-    into tensors (``timeline.step``). The second item names it: ``trainer`` or ``phases``
-    (with the reason the trainer's does not apply)."""
+    exact on the six H100 traces) where it models the plan; for ``--runtime hf`` on CUDA
+    transformers' Trainer op by op (``timeline.hf_trainer``, exact on CPU) where
+    ``hf_support.hf_supported`` accepts the plan; else the phase model's moments cut into tensors
+    (``timeline.step``). The second item names it: ``trainer``, ``hf`` or ``phases`` (with the
+    reason the op-level run does not apply)."""
     if runtime == "memplan":
         why = supported(model, workload, plan)
         if why is None:
@@ -181,6 +183,14 @@ def plan_run(
             run = trainer_run(model, workload, plan)
             if run is not None:
                 return run, "trainer"
+    elif runtime == "hf" and device == "cuda":
+        from memplan.costmodel.timeline.hf_support import hf_supported
+
+        why = hf_supported(model, plan)
+        if why is None:
+            from memplan.costmodel.timeline.hf_trainer import hf_plan_run  # transformers' Trainer op by op
+
+            return hf_plan_run(model, workload, plan), "hf"
     else:
         why = f"the {runtime} runtime"
     sm = stage_moments(model, workload, plan, runtime, device=device)

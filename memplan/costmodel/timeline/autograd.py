@@ -111,6 +111,10 @@ class Tape:
         self._apply_saved: list[Tensor] | None = None
         self.on_first_mm: Callable[[], None] | None = None  # cuBLAS's lazily allocated workspace
         self.dtensor = False  # ops recorded now run on DTensors (sequence-parallel norms)
+        self.reduce_workspace = True  # CUDA's sum-to-weight staging buffer (False on CPU)
+        # InputBuffer adds a second gradient into the held one in place when it may (False: a
+        # measurement that holds every storage's Python object makes each sum out of place)
+        self.inplace_accumulate = True
 
     @contextmanager
     def scoped(self, scope: str) -> Iterator[None]:
@@ -353,7 +357,7 @@ class Tape:
         numel, itemsize, over_rows = meta
         if g.numel > numel:
             out = self.new(numel, g.itemsize, "weight.grad" if over_rows else "grad_sum_to", self._gcat(over_rows))
-            if over_rows:
+            if over_rows and self.reduce_workspace:
                 ws = self.new(min(g.numel * 8, REDUCE_WORKSPACE_CAP), 1, "reduce_workspace")
                 sem = self.new(max(numel // 32, 64), 1, "reduce_semaphores")
                 self.drop(sem)
@@ -374,7 +378,7 @@ class Tape:
         old = buffer[0]
         if old is None:
             buffer[0] = g
-        elif _reusable(old):
+        elif self.inplace_accumulate and _reusable(old):
             self.drop(g)  # old.add_(g)
         else:
             out = self.new(old.numel, old.itemsize, "grad_sum")

@@ -1,0 +1,372 @@
+"""transformers 5.x's ``LlamaForCausalLM`` as ops on a byte-level tape.
+
+Each method mirrors ``transformers/models/llama/modeling_llama.py`` (and the loss of
+``loss/loss_utils.py: ForCausalLMLoss``) line by line, including when Python drops a reference:
+a temporary goes when its statement ends, a rebound local at the store, the other locals when
+the frame exits (CPython clears them in the order the function first names them). The graph's
+backward formulas are those of ``ops.py``; what differs from the bundled trainer's model
+(``trainer_model.py``) is written here:
+
+- ``LlamaRMSNorm`` keeps ``variance`` as a local until it returns and frees the fp32 product
+  after the weight multiply (the bundled trainer frees ``mean + eps`` first);
+- the rotary tables are computed once per forward in fp32 on ``(1, s, head_dim)`` and cast to
+  the hidden states' dtype; a bf16 model's ``inv_freq`` buffer is bf16 and is upcast first;
+- ``LlamaModel.forward`` keeps ``inputs_embeds`` and ``position_ids`` until it returns, and
+  computes ``cache_position`` and the packed-sequence check of ``masking_utils`` (int64 and bool
+  temporaries over b x s);
+- SDPA is called with ``is_causal=True`` and no mask, so ``enable_gqa=True`` for grouped heads
+  (``integrations/sdpa_attention.py: use_gqa_in_sdpa``). On CPU that is
+  ``_scaled_dot_product_flash_attention_for_cpu`` (output and fp32 log-sum-exp; its backward
+  allocates dq, dk, dv); on CUDA the kernel ``attention.sdpa_backend`` picks (flash: ``ops.sdpa``;
+  math: ``precision.math_sdpa``), not yet checked on a GPU against transformers;
+- the loss is ``logits.float()``, labels padded by one (int64), ``labels[..., 1:].contiguous()``
+  (a copy when b > 1, saved by ``nll_loss``), ``cross_entropy(reduction="sum") / num_items``.
+
+On CPU the embedding's backward allocates the weight's gradient alone
+(``embedding_dense_backward_cpu``); on CUDA it is ``ops.embedding`` (sort buffers, traces).
+Measured on CPU by ``tests/accuracy/alloc_log.py`` (the sequence of storages, per op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import precision as prec
+from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.events import Category
+from memplan.costmodel.timeline.trainer_model import Dims
+
+LAYER_PARAMS = (
+    ("self_attn.q_proj", "q", "h"),
+    ("self_attn.k_proj", "kv", "h"),
+    ("self_attn.v_proj", "kv", "h"),
+    ("self_attn.o_proj", "h", "q"),
+    ("mlp.gate_proj", "f", "h"),
+    ("mlp.up_proj", "f", "h"),
+    ("mlp.down_proj", "h", "f"),
+    ("input_layernorm", "h", "1"),
+    ("post_attention_layernorm", "h", "1"),
+)
+NORMS = ("input_layernorm", "post_attention_layernorm", "model.norm")
+
+
+QKV_BIAS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # Qwen2's attention biases
+
+
+def param_shapes(d: Dims, tied: bool, qkv_bias: bool = False) -> dict[str, tuple[int, int]]:
+    """``model.parameters()`` in order (a tied ``lm_head`` is the embedding, left out); with
+    ``qkv_bias`` (Qwen2) each of q, k, v has its bias after its weight."""
+    size = {"h": d.h, "q": d.q, "kv": d.kv, "f": d.f, "1": 1}
+    out = {"model.embed_tokens.weight": (d.vocab, d.h)}
+    for i in range(d.layers):
+        for name, rows, cols in LAYER_PARAMS:
+            out[f"model.layers.{i}.{name}.weight"] = (size[rows], size[cols])
+            if qkv_bias and name in QKV_BIAS:
+                out[f"model.layers.{i}.{name}.bias"] = (size[rows], 1)
+    out["model.norm.weight"] = (d.h, 1)
+    if not tied:
+        out["lm_head.weight"] = (d.vocab, d.h)
+    return out
+
+
+def is_norm(name: str) -> bool:
+    """The Trainer's no-decay group: ``get_decay_parameter_names`` leaves out norm weights (and biases)."""
+    return any(n in name for n in NORMS) or name.endswith(".bias")
+
+
+def cpu_flash_sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) -> Tensor:
+    """``_scaled_dot_product_flash_attention_for_cpu`` (GQA native): the output, then the fp32
+    log-sum-exp (b x heads x s). Saves k, q, v, lse and out (released in that order, CPU log).
+    Backward: dq, dk, dv (its scratch is not a tensor)."""
+    qn, kn, vn = q.numel, k.numel, v.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(n, q.itemsize, name) for n, name in ((qn, "dq"), (kn, "dk"), (vn, "dv"))]
+
+    node = tape.node(tag, apply, [q, k, v])
+    if node is not None:
+        for t in (k, q, v):
+            tape.save(node, t)
+    out = ops.result(tape, qn, q.itemsize, f"{tag}.out", node)
+    lse = tape.new(lse_numel, 4, f"{tag}.lse")
+    try:
+        if node is not None:
+            for t in (lse, out):
+                tape.save(node, t)
+    finally:
+        tape.done(lse)
+    return out
+
+
+def addmm_linear(tape: Tape, x: Tensor, w: Tensor, bias: Tensor, out_numel: int, tag: str) -> Tensor:
+    """``F.linear(x, w, bias)`` (``addmm`` on the flattened input): saves x and w. Backward
+    (AddmmBackward0): the bias's gradient is the incoming one, summed to the bias by the engine
+    (``validate_outputs``); dX, then dW (the reverse of ``mm``'s order; CPU log, Qwen2)."""
+    x_numel, w_numel = x.numel, w.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        itemsize = g[0].itemsize
+        gb = tape.hold(g[0]) if node.nexts[2] is not None else None
+        dx = tape.new(x_numel, itemsize, "dX") if node.nexts[0] is not None else None
+        dw = tape.new(w_numel, itemsize, "dW", ops.grad_category(w)) if node.nexts[1] is not None else None
+        if dw is not None:
+            dw.view = True  # grad.t() of the transposed product
+            if tape.on_first_mm is not None:
+                tape.on_first_mm()
+        return [dx, dw, gb]
+
+    meta = [None, None, (bias.numel, bias.itemsize, True)]
+    node = tape.node(tag, apply, [x, w, bias], saved=[x, w], meta=meta)
+    out = ops.result(tape, out_numel, x.itemsize, tag, node)
+    if tape.on_first_mm is not None:
+        tape.on_first_mm()
+    return out
+
+
+def cpu_embedding(tape: Tape, ids: Tensor, w: Tensor, numel: int, tag: str) -> Tensor:
+    """``F.embedding`` on CPU: saves the ids; backward allocates the weight's gradient alone."""
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(w.numel, w.itemsize, "grad_weight", ops.grad_category(w))]
+
+    return ops.result(tape, numel, w.itemsize, tag, tape.node(tag, apply, [w], saved=[ids]))
+
+
+def nll_loss(tape: Tape, ls: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """``nll_loss(reduction="sum")``: the loss and total_weight scalars; saves the target and
+    total_weight (released in that order). Backward: a zeroed (b s, V) fp32 gradient."""
+    numel = ls.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(numel, 4, "grad", Category.LOGITS)]
+
+    node = tape.node("nll_loss", apply, [ls], saved=[target])
+    out = ops.result(tape, 1, 4, "nll_loss", node)
+    weight = tape.new(1, 4, "total_weight")
+    if node is not None:
+        tape.save(node, weight)
+    return out, weight
+
+
+def scalar_div(tape: Tape, x: Tensor, tag: str, temps: int) -> Tensor:
+    """``loss / n`` on a 4-byte loss; backward allocates ``temps`` scalars then the gradient."""
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        ts = [tape.new(1, 4, f"grad_tmp{i}") for i in range(temps)]
+        out = tape.new(1, 4, "grad")
+        tape.done(*ts)
+        return [out]
+
+    return ops.result(tape, 1, 4, tag, tape.node(tag, apply, [x]))
+
+
+@dataclass
+class HfLlama:
+    """The tape, the dims, the parameters by name, and the SDPA kernel run (``cpu_flash``,
+    ``flash`` or ``math``)."""
+
+    tape: Tape
+    d: Dims
+    weights: dict[str, Tensor]
+    kernel: str = "cpu_flash"
+    tied: bool = False
+    cache: dict[str, Tensor] | None = None  # autocast's weight casts in this forward (None: no autocast)
+
+    @property
+    def cpu(self) -> bool:
+        return self.kernel == "cpu_flash"
+
+    def weight(self, name: str) -> Tensor:
+        """The weight a matmul uses: under autocast its bf16 cast, cached for the forward."""
+        w = self.weights[name]
+        if self.cache is None:
+            return self.tape.alias(w)
+        if name not in self.cache:
+            with self.tape.scoped(""):
+                self.cache[name] = ops.to(self.tape, w, 2, f"{name}.autocast", Category.AUTOCAST)
+        return self.tape.alias(self.cache[name])
+
+    def linear(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
+        """``nn.Linear`` (no bias); under autocast the weight's cast, then the input's."""
+        t = self.tape
+        w = self.weight(f"{name}.weight")
+        xin = ops.to(t, x, 2, f"{tag}.input_cast") if self.cache is not None else t.alias(x)
+        bias = self.weights.get(f"{name}.bias")
+        if bias is None:
+            out = ops.linear(t, xin, w, self.d.tokens * out_features, tag)
+        else:
+            b = self.weight(f"{name}.bias")
+            out = addmm_linear(t, xin, w, b, self.d.tokens * out_features, tag)
+            t.done(b)
+        t.done(xin, w)
+        return out
+
+    # --- the layer -------------------------------------------------------------------------------
+    def rms_norm(self, x: Tensor, name: str) -> Tensor:
+        """``LlamaRMSNorm.forward``."""
+        t, d = self.tape, self.d
+        with t.scoped(name):
+            x32 = ops.to(t, x, 4, "x_fp32")
+            p = ops.unary(t, x32, "pow", temps=2, save_input=True)
+            var = ops.unary(t, p, "mean", out_numel=d.tokens)
+            t.done(p)
+            e = ops.unary(t, var, "add_eps", temps=-1)
+            r = ops.rsqrt(t, e, "rsqrt")
+            t.done(e)
+            y = ops.mul(t, x32, r, "normed")
+            t.done(r, x32)  # the temporary, then the rebound local
+            yd = ops.to(t, y, x.itemsize, "normed_cast")
+            out = ops.mul(t, self.weights[f"{name}.weight"], yd, "out", over_rows=True)
+            t.done(yd, y, var)  # the temporary, then hidden_states and variance at return
+        return out
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor, tag: str) -> Tensor:
+        """``(x * cos) + (rotate_half(x) * sin)``; ``rotate_half``: ``cat((-x2, x1), -1)``."""
+        t = self.tape
+        a = ops.mul(t, x, cos, f"{tag}.cos")
+        lo = ops.half_slice(t, x, f"{tag}.x1")
+        hi = ops.half_slice(t, x, f"{tag}.x2")
+        neg = ops.unary(t, hi, f"{tag}.neg")
+        rot = ops.cat(t, neg, lo, f"{tag}.rotate_half")
+        t.done(neg, lo, hi)
+        b = ops.mul(t, rot, sin, f"{tag}.sin")
+        t.done(rot)
+        out = ops.add(t, a, b, tag)
+        t.done(a, b)
+        return out
+
+    def projection(self, x: Tensor, name: str, out_features: int, tag: str, copy_grad: bool) -> Tensor:
+        """``self.q_proj(x).view(hidden_shape).transpose(1, 2)``."""
+        y = self.linear(x, name, out_features, tag)
+        v = ops.heads_view(self.tape, y, f"{tag}_heads", copy_grad)
+        self.tape.done(y)
+        return v
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """SDPA; under autocast the fp32 RoPE outputs are cast to bf16 first (k, then q)."""
+        t, d = self.tape, self.d
+        if self.kernel == "math":
+            return prec.math_sdpa(t, q, k, v, d.b, d.heads, d.s)
+        k2 = ops.to(t, k, 2, "k_cast") if self.cache is not None else t.alias(k)
+        q2 = ops.to(t, q, 2, "q_cast") if self.cache is not None else t.alias(q)
+        sdpa = ops.sdpa if self.kernel == "flash" else cpu_flash_sdpa
+        out = sdpa(t, q2, k2, v, d.b * d.heads * d.s, "sdpa")
+        t.done(k2, q2)
+        return out
+
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
+        """``LlamaAttention.forward`` with ``sdpa_attention_forward``."""
+        t, d = self.tape, self.d
+        name = f"{prefix}.self_attn"
+        with t.scoped(name):
+            q = self.projection(x, f"{name}.q_proj", d.q, "q_proj", True)
+            k = self.projection(x, f"{name}.k_proj", d.kv, "k_proj", True)
+            v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", self.kernel == "math")
+            qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
+            t.done(q, k)  # `query_states, key_states = ...` stores query first
+            out = self.core(qr, kr, v)
+            # transpose(1, 2).contiguous(): the fused kernels' layout already; a copy of math's
+            flat = prec.merge_heads(t, out) if self.kernel == "math" else t.alias(out)
+            y = self.linear(flat, f"{name}.o_proj", d.h, "o_proj")
+            t.done(flat, out, qr, kr, v)
+        return y
+
+    def mlp(self, x: Tensor, prefix: str) -> Tensor:
+        """``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+        t, d = self.tape, self.d
+        name = f"{prefix}.mlp"
+        with t.scoped(name):
+            g = self.linear(x, f"{name}.gate_proj", d.f, "gate_proj")
+            s1 = ops.unary(t, g, "silu", save_input=True)
+            t.done(g)
+            u = self.linear(x, f"{name}.up_proj", d.f, "up_proj")
+            m = ops.mul(t, s1, u, "gate")
+            t.done(s1, u)
+            y = self.linear(m, f"{name}.down_proj", d.h, "down_proj")
+            t.done(m)
+        return y
+
+    def layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        """``LlamaDecoderLayer.forward``."""
+        t, prefix = self.tape, f"model.layers.{i}"
+        with t.scoped(prefix):
+            n1 = self.rms_norm(x, f"{prefix}.input_layernorm")
+            a = self.attention(n1, cos, sin, prefix)
+            t.done(n1)
+            h = ops.add(t, x, a, "residual_attention")
+            t.done(a)
+            n2 = self.rms_norm(h, f"{prefix}.post_attention_layernorm")
+            m = self.mlp(n2, prefix)
+            t.done(n2)
+            out = ops.add(t, h, m, "residual_mlp")
+            t.done(m, h)  # the temporary, then `residual` at return
+        return out
+
+    # --- around the layers ---------------------------------------------------------------------
+    def embed(self, ids: Tensor) -> Tensor:
+        t, d = self.tape, self.d
+        w = self.weights["model.embed_tokens.weight"]
+        with t.scoped("model.embed_tokens"):
+            if self.cpu:
+                return cpu_embedding(t, ids, w, d.tokens * d.h, "embedding")
+            return ops.embedding(t, ids, w, d.tokens * d.h, "embedding")
+
+    def positions(self) -> Tensor:
+        """``cache_position = arange(s) + past_seen_tokens`` (int64, kept as ``position_ids``),
+        then ``masking_utils.find_packed_sequence_indices`` on it (temporaries)."""
+        t, d = self.tape, self.d
+        with t.scoped("model.positions"):
+            ar = t.new(d.s, 8, "arange")
+            pos = t.new(d.s, 8, "cache_position")
+            t.done(ar)
+            first = t.new(d.b, 8, "first_position")
+            padded = t.new(d.b * (d.s + 1), 8, "cat")
+            diff = t.new(d.tokens, 8, "diff")
+            t.done(padded)
+            ne = t.new(d.tokens, 1, "ne")
+            starts = t.new(d.tokens, 8, "cumsum")
+            t.done(ne)
+            eq, every = t.new(d.b, 1, "eq"), t.new(1, 1, "all")
+            t.done(eq, every, first, diff, starts)
+        return pos
+
+    def rope_tables(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``LlamaRotaryEmbedding.forward``: fp32 angles on (1, s, head_dim), cos and sin cast to
+        ``x``'s dtype (a bf16 model's ``inv_freq`` is upcast first)."""
+        t, d = self.tape, self.d
+        half, table = d.head_dim // 2, d.s * d.head_dim
+        with t.scoped("model.rotary_emb"):
+            pos = t.new(d.s, 4, "position_ids_float")
+            inv = t.new(half, 4, "inv_freq_float") if d.pd != 4 else None
+            freqs = t.new(d.s * half, 4, "freqs")
+            t.done(pos, inv)
+            emb = t.new(table, 4, "emb")
+            tables = []
+            for name in ("cos", "sin"):
+                raw = t.new(table, 4, name)
+                tables.append(t.new(table, 4, f"{name}_scaled"))
+                t.done(raw)
+            cos, sin = (ops.to(t, x32, x.itemsize, f"{n}_cast") for x32, n in zip(tables, ("cos", "sin"), strict=True))
+            t.done(freqs, emb, *tables)
+        return cos, sin
+
+    def head(self, x: Tensor) -> Tensor:
+        """``lm_head(hidden_states[:, slice(0, None), :])`` (a view)."""
+        name = "model.embed_tokens" if self.tied else "lm_head"
+        with self.tape.scoped("lm_head"):
+            return self.linear(x, name, self.d.vocab, "logits")
+
+    def loss(self, logits: Tensor, num_items: Tensor) -> Tensor:
+        """``ForCausalLMLoss`` with ``num_items_in_batch``: returns the 4-byte loss."""
+        t, d = self.tape, self.d
+        with t.scoped("loss"):
+            f = ops.to(t, logits, 4, "logits_fp32", Category.LOGITS)
+            pad = t.new(d.b * (d.s + 1), 8, "labels_pad")
+            target = t.new(d.tokens, 8, "shift_labels") if d.b > 1 else t.view(pad)
+            ls = ops.log_softmax(t, f)
+            nll, weight = nll_loss(t, ls, target)
+            t.done(ls)
+            loss = scalar_div(t, nll, "div_num_items", temps=1)
+            t.done(nll, weight, f, pad, target)  # the rebound loss, then the frame's locals
+        return loss

@@ -1,0 +1,291 @@
+"""``transformers.Trainer``'s full fine-tuning step (``--runtime hf``) on one rank, as a timeline.
+
+``hf_run`` composes the model of ``hf_model.py`` with the step the installed transformers (5.x)
+and accelerate (1.x) run, read from ``transformers/trainer.py`` and checked on CPU against the
+real ``Trainer`` (``tests/accuracy/alloc_log.py``):
+
+- the data: accelerate's ``DataLoaderShard`` fetches one batch ahead, so the step's batch and
+  the next one (``input_ids`` and ``labels``, int64 b x s each, stacked by the collator) are
+  alive together; ``get_batch_samples`` counts ``labels[..., 1:].ne(-100)`` into
+  ``num_items_in_batch`` before the previous batch goes;
+- ``training_step``: ``compute_loss`` keeps only the loss (the outputs, logits included, go when
+  it returns); ``accelerator.backward`` divides it by the accumulation steps and runs the
+  backward (``autograd.py``); the loss lives on as ``tr_loss_step`` until the next step's;
+- ``isnan`` / ``isinf`` of the loss, ``clip_grad_norm_(max_norm=1.0)`` (foreach norms, their
+  stack, the total norm kept until the next clip, the clip coefficient);
+- ``adamw_torch_fused``: on its first step, per parameter in group order (decay, then the norms)
+  a 4-byte ``step`` and ``exp_avg`` / ``exp_avg_sq``; the fused kernel allocates nothing;
+- ``model.zero_grad()`` (``set_to_none``): the gradients go in parameter order;
+- on CUDA, cuBLAS's two workspaces (the forward thread's and the autograd thread's) at the first
+  step's first matmuls, as in the bundled trainer's run;
+- gradient checkpointing as the Trainer turns it on (``GradientCheckpointingLayer`` with
+  ``use_reentrant=False``): each decoder layer a non-reentrant checkpoint over its hidden
+  states, ``position_ids`` and the rotary tables.
+
+Under ``bf16=True`` (accelerate's autocast over the fp32 model) each matmul casts its weight (cached
+for the forward) and its input to bf16, SDPA casts k then q, and ``convert_outputs_to_fp32`` copies
+the bf16 logits to fp32 after the forward. With ``gradient_accumulation_steps`` the update's batches
+are fetched together (accelerate one ahead) and freed at the next update's fetch, and from the second
+micro-batch on each gradient is added into ``.grad`` and freed. Not modelled here: eager attention,
+the families other than Llama's layout (Mistral, Qwen2), what the model's build leaves cached.
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.events import Builder, Category, Timeline
+from memplan.costmodel.timeline.hf_model import HfLlama, is_norm, param_shapes, scalar_div
+from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
+from memplan.costmodel.timeline.trainer_model import Dims
+
+
+def hf_dims(model, workload, plan) -> Dims:
+    """One rank's shapes: bf16 or fp32 weights and compute, or (``bf16-mixed``: the Trainer's
+    ``bf16=True``) fp32 weights under bf16 autocast."""
+    itemsize = 4 if plan.precision == "fp32" else 2
+    mixed = plan.precision == "bf16-mixed"
+    return Dims(
+        b=workload.micro_batch,
+        s=workload.seq_len,
+        h=model.hidden_size,
+        f=model.ffn_size,
+        q=model.q_size,
+        kv=model.kv_size,
+        heads=model.num_attention_heads,
+        head_dim=model.head_size,
+        vocab=model.vocab_size,
+        layers=model.num_layers,
+        cd=itemsize,
+        pd=4 if mixed else itemsize,
+        autocast=mixed,
+        recompute=plan.recompute,
+    )
+
+
+def hf_kernel(model, plan, device: str) -> str | None:
+    """The SDPA kernel the run models: CPU's flash, or on CUDA the bundled trainer's rule
+    (``support.sdpa_kernel``: flash in 16-bit, as its traces show; math for fp32 with GQA);
+    None where another one runs (the memory-efficient kernel: fp32 without GQA)."""
+    if device == "cpu":
+        return "cpu_flash"
+    from memplan.costmodel.timeline.support import sdpa_kernel
+
+    kernel = sdpa_kernel(model, plan)
+    return kernel if kernel in ("flash", "math") else None
+
+
+def hf_plan_run(model, workload, plan) -> Timeline:
+    """The CUDA run of an ``hf`` plan ``hf_support.hf_supported`` accepts: a first step and two
+    steady ones, the data never running dry."""
+    from memplan.costmodel.timeline.hf_support import accumulation
+
+    kernel = hf_kernel(model, plan, "cuda")
+    assert kernel is not None
+    d = hf_dims(model, workload, plan)
+    return hf_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=accumulation(workload, plan))
+
+
+def hf_run(
+    d: Dims,
+    tied: bool,
+    kernel: str,
+    steps: int = 3,
+    batches: int | None = None,
+    qkv_bias: bool = False,
+    ga: int = 1,
+    **tape_flags,
+) -> Timeline:
+    """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
+    ``batches`` batches (None: enough that the prefetch never runs dry); ``qkv_bias``: Qwen2's
+    attention biases.
+    ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
+    total = steps * ga + 1 if batches is None else batches
+    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga)
+    run.b.mark("build")
+    for k in range(steps):
+        run.step(k)
+        run.b.mark(f"step{k}")
+    return run.b.build()
+
+
+class _HfRun:
+    def __init__(
+        self, d: Dims, tied: bool, kernel: str, batches: int, tape_flags: dict, qkv_bias: bool, ga: int
+    ) -> None:
+        self.b = Builder()
+        self.tape = Tape(self.b)
+        self.tape.reduce_workspace = kernel != "cpu_flash"  # CUDA's staging buffer (autograd.py)
+        for key, value in tape_flags.items():
+            setattr(self.tape, key, value)
+        self.d, self.batches = d, batches
+        self.shapes = param_shapes(d, tied, qkv_bias)
+        self.grads: dict[str, Tensor] = {}
+        self.model = HfLlama(self.tape, d, {}, kernel, tied)
+        self.data: list[list[Tensor]] = []
+        self.fetched = 0
+        self.ga = ga
+        self.num_items: Tensor | None = None
+        self.prev_loss: Tensor | None = None
+        self.total_norm: Tensor | None = None
+        self.states: list[Tensor] = []
+        self._build()
+
+    def _build(self) -> None:
+        """Parameters in ``model.parameters()`` order, the two rotary buffers, ``tr_loss``."""
+        t, d = self.tape, self.d
+        for name, (rows, cols) in self.shapes.items():
+            p = t.managed(rows * cols, d.pd, name, Category.PARAMETERS)
+            p.fn = ops.leaf(self.grads, name)
+            self.model.weights[name] = p
+        for name in ("inv_freq", "original_inv_freq"):
+            t.managed(d.head_dim // 2, d.pd, f"model.rotary_emb.{name}", Category.PARAMETERS)
+        t.managed(1, 4, "tr_loss", Category.LOGITS)
+
+    def _workspace(self, thread: str):
+        """cuBLAS's workspace, allocated at a thread's first matmul and never freed (``trainer.py``)."""
+
+        def allocate() -> None:
+            self.tape.on_first_mm = None
+            self.b.alloc(CUBLAS_WORKSPACE, Category.ACTIVATIONS, f"cublas_workspace.{thread}")
+
+        return allocate
+
+    # --- the data ------------------------------------------------------------------------------
+    def _fetch_until(self, n: int) -> None:
+        """Batches fetched up to ``n`` in all (the dataset's ``self.batches`` at most)."""
+        t, d = self.tape, self.d
+        while self.fetched < min(n, self.batches):
+            with t.scoped(f"batch{self.fetched}"):
+                self.data.append([t.new(d.tokens, 8, "input_ids"), t.new(d.tokens, 8, "labels")])
+            self.fetched += 1
+
+    def _count_items(self) -> None:
+        """``sum(batch["labels"][..., 1:].ne(-100).sum() for batch in batch_samples)`` and its
+        division, over the update's ``ga`` batches."""
+        t, d = self.tape, self.d
+        with t.scoped("num_items_in_batch"):
+            acc = None
+            for _ in range(self.ga):
+                ne = t.new(d.b * (d.s - 1), 1, "ne")
+                total = t.new(1, 8, "sum")
+                t.done(ne)
+                acc, old = t.new(1, 8, "add"), acc
+                t.done(old, total)
+            out = t.new(1, 4, "div")
+            t.done(acc, self.num_items)
+        self.num_items = out
+
+    # --- one optimizer step ----------------------------------------------------------------------
+    def step(self, k: int) -> None:
+        """``get_batch_samples`` (the update's ``ga`` batches; accelerate keeps one more fetched),
+        ``ga`` training steps, then clip, the optimizer and ``zero_grad``."""
+        t, ga = self.tape, self.ga
+        self._fetch_until((k + 1) * ga + 1)
+        self._count_items()
+        if k > 0:
+            for batch in self.data[:ga]:
+                t.done(*batch)
+            self.data = self.data[ga:]
+        for i in range(ga):
+            self.training_step(self.data[i][0], first=k == 0 and i == 0)
+        self.clip()
+        self.optimizer_step(first=k == 0)
+        for name in self.shapes:
+            t.drop(self.grads.pop(name, None))
+
+    def training_step(self, ids: Tensor, first: bool) -> None:
+        """``compute_loss`` (keeping the loss alone), ``accelerator.backward``, the loss checks;
+        from the second micro-batch on ``AccumulateGrad`` adds each gradient into ``.grad``."""
+        t = self.tape
+        cuda = self.model.kernel != "cpu_flash"
+        if cuda and first:
+            t.on_first_mm = self._workspace("forward")
+        m = self.model
+        m.cache = {} if self.d.autocast else None
+        logits, hidden = self.forward(ids)
+        loss = m.loss(logits, self.num_items)
+        t.done(hidden)  # LlamaForCausalLM.forward's hidden_states, at its return
+        if m.cache is not None:  # accelerate's autocast exits, then its convert_outputs_to_fp32
+            t.done(*m.cache.values())
+            m.cache = None
+            with t.scoped("accelerate"):
+                converted = t.new(logits.numel, 4, "logits_to_fp32", Category.LOGITS)
+            t.done(logits)
+            logits = converted
+        t.done(logits)  # compute_loss returns the loss alone
+        with t.scoped("accelerate"):
+            scaled = scalar_div(t, loss, "div_accumulation", temps=0)
+            seed = t.new(1, 4, "grad_seed")
+        if cuda and first:
+            t.on_first_mm = self._workspace("backward")
+        t.backward(scaled, t.hold(seed))  # torch.autograd.backward holds it until it returns
+        t.scope = ""
+        t.done(seed, scaled, self.prev_loss)
+        self.prev_loss = loss
+        for check in ("isnan", "isinf"):
+            t.done(t.new(1, 1, check))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """``LlamaForCausalLM.forward`` up to the logits."""
+        t, m, d = self.tape, self.model, self.d
+        emb = m.embed(ids)
+        pos = m.positions()
+        cos, sin = m.rope_tables(emb)
+        x = t.alias(emb)
+        for i in range(d.layers):
+            out = self._layer(x, pos, cos, sin, i)
+            t.done(x)
+            x = out
+        n = m.rms_norm(x, "model.norm")
+        t.done(x)
+        t.done(pos, emb, cos, sin)  # LlamaModel.forward's locals
+        return m.head(n), n
+
+    def _layer(self, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        """A decoder layer, or a non-reentrant checkpoint of one (its recompute runs under a fresh
+        autocast context: its own weight casts)."""
+        m = self.model
+        if self.d.recompute != "full":
+            return m.layer(x, cos, sin, i)
+
+        def rerun() -> None:
+            cache, m.cache = m.cache, ({} if self.d.autocast else None)
+            try:
+                m.layer(x, cos, sin, i)
+            finally:
+                m.cache = cache
+
+        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), [x, pos, cos, sin], rerun=rerun)
+
+    # --- clip, optimizer -----------------------------------------------------------------------
+    def clip(self) -> None:
+        """``clip_grad_norm_(params, 1.0)`` (foreach): a norm per gradient, their stack, the total
+        (kept: the Trainer logs it), ``max_norm / (total + 1e-6)`` clamped to 1; each a scalar
+        of the gradients' dtype."""
+        t, g = self.tape, self.d.pd
+        with t.scoped("clip_grad_norm"):
+            t.done(self.total_norm)
+            n = len(self.grads)
+            norms = [t.new(1, g, "foreach_norm") for _ in range(n)]
+            stack = t.new(n, g, "stack")
+            self.total_norm = t.new(1, g, "total_norm")
+            t.done(stack, *reversed(norms))
+            add, recip = t.new(1, g, "add_eps"), t.new(1, g, "reciprocal")
+            coef = t.new(1, g, "clip_coef")
+            t.done(recip, add)
+            clamped = t.new(1, g, "clamp")
+            t.done(coef, clamped)
+
+    def optimizer_step(self, first: bool) -> None:
+        """Fused AdamW: the states on the first step (decay group, then no-decay), in place after."""
+        if not first:
+            return
+        t, pd = self.tape, self.d.pd
+        t.scope = ""
+        order = [n for n in self.shapes if not is_norm(n)] + [n for n in self.shapes if is_norm(n)]
+        for name in order:
+            rows, cols = self.shapes[name]
+            self.states.append(t.managed(1, 4, f"{name}.step", Category.OPTIMIZER_STATES))
+            for state in ("exp_avg", "exp_avg_sq"):
+                self.states.append(t.managed(rows * cols, pd, f"{name}.{state}", Category.OPTIMIZER_STATES))

@@ -1,0 +1,175 @@
+"""The op-level run of ``transformers.Trainer`` (``costmodel/timeline/hf_trainer.py``) against the real
+Trainer on CPU (fp32, bf16, and ``bf16=True`` over fp32): the peak of live storages over three steps,
+counted by ``StorageTracker`` (tests/accuracy/hf_steps.py's harness), equal to the byte on every case.
+
+The tracker takes each storage's Python object to watch it go, which holds a second reference to the
+storage: ``InputBuffer::accumulate`` then sums every second gradient out of place (without the tracker
+the engine adds in place: torch.profiler shows one ``aten::add`` instead of the backward's extra one on a
+norm-shaped graph). The run is compared with that flag set (``inplace_accumulate=False``); where it
+moves the peak the case says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import hf_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
+
+from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_kernel, hf_run  # noqa: E402
+from memplan.specs.loader import model_from_data  # noqa: E402
+from memplan.specs.plan import Plan  # noqa: E402
+from memplan.specs.workload import TrainingWorkload  # noqa: E402
+
+STEPS = 3
+
+
+def _case(name: str, **fields) -> hf_steps.Case:
+    return hf_steps.Case(f"hfrun-{name}", loop="trainer", **fields)
+
+
+SMALL = dict(hf_steps.BASE_SMALL)
+CASES = [
+    _case("fp32-mha"),
+    _case("fp32-gqa", kv_heads=2),
+    _case("fp32-ckpt", checkpointing=True),
+    _case("fp32-tied", tied=True),
+    _case("bf16-mha", **SMALL, dtype="bfloat16"),
+    _case("bf16-gqa-ckpt", **{**SMALL, "kv_heads": 1}, dtype="bfloat16", checkpointing=True),
+    _case("bf16-tied-ckpt", **SMALL, tied=True, dtype="bfloat16", checkpointing=True),
+    _case("layers-fp32", **hf_steps.LAYERS),
+    _case("layers-fp32-ckpt", **hf_steps.LAYERS, checkpointing=True),
+    _case("mistral-fp32-ckpt", arch="mistral", kv_heads=2, checkpointing=True, layers=4, batch=4),
+    _case("qwen2-fp32-gqa", arch="qwen2", kv_heads=2),
+    _case("qwen2-bf16-tied", **{**SMALL, "kv_heads": 1}, arch="qwen2", tied=True, dtype="bfloat16"),
+    # bf16=True: accelerate's autocast over the fp32 model
+    _case("autocast", **SMALL, autocast=True),
+    _case("autocast-layers-gqa", **hf_steps.LAYERS_SMALL, autocast=True),
+    _case("autocast-gqa-ckpt", **{**SMALL, "kv_heads": 1}, autocast=True, checkpointing=True),
+    _case("autocast-vocab-tied", **hf_steps.VOCAB_SMALL, tied=True, autocast=True),
+    _case("qwen2-autocast-ckpt", arch="qwen2", kv_heads=2, autocast=True, checkpointing=True, ffn=344, vocab=4000),
+]
+
+
+def predict(case: hf_steps.Case, inplace_accumulate: bool = False, ga: int = 1) -> int:
+    """The run's peak for the case's config.json, workload and precision, on CPU's kernels, with
+    ``ga`` micro-batches per optimizer step."""
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = Plan(precision=case.precision, recompute="full" if case.checkpointing else "none")
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
+    timeline = hf_run(
+        d,
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        batches=STEPS * ga,  # the harness's dataset holds the steps' batches: the last prefetch finds none
+        qkv_bias=model.qkv_bias,
+        ga=ga,
+        inplace_accumulate=inplace_accumulate,
+    )
+    return timeline.peak()[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_peak_equals_the_trainers(case: hf_steps.Case) -> None:
+    measured = hf_steps.measure_peak(case, steps=STEPS)
+    predicted = predict(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+GA_CASES = [
+    (_case("ga2"), 2),
+    (_case("ga3-bf16-ckpt", **SMALL, dtype="bfloat16", checkpointing=True), 3),
+    (_case("ga2-autocast-tied", **SMALL, tied=True, autocast=True), 2),
+]
+
+
+@pytest.mark.parametrize(("case", "ga"), GA_CASES, ids=lambda c: getattr(c, "name", str(c)))
+def test_peak_with_gradient_accumulation(case: hf_steps.Case, ga: int) -> None:
+    """``gradient_accumulation_steps``: the update's batches together, ``.grad`` added into."""
+    import ga_log
+
+    measured = ga_log.measure(case, ga, steps=STEPS)
+    predicted = predict(case, ga=ga)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+def test_each_case_is_a_trainer_case() -> None:
+    assert all(c.loop == "trainer" and c.device == "cpu" for c in CASES)
+    assert len({dataclasses.astuple(c)[1:] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize(
+    ("precision", "kv_heads", "kernel"),
+    [("bf16", 2, "flash"), ("bf16-mixed", 4, "flash"), ("fp32", 2, "math"), ("fp32", 4, None)],
+)
+def test_cuda_kernel(precision: str, kv_heads: int, kernel: str | None) -> None:
+    """On CUDA the run takes the bundled trainer's kernel rule (flash in 16-bit; fp32 with GQA: the
+    math path; fp32 without: the memory-efficient kernel, which it does not model); CPU's own flash."""
+    case = _case("kernel", kv_heads=kv_heads)
+    model = model_from_data(case.hf_config(), "kernel/config.json", "kernel")
+    plan = Plan(precision=precision)
+    assert hf_kernel(model, plan, "cuda") == kernel
+    assert hf_kernel(model, plan, "cpu") == "cpu_flash"
+
+
+def test_cuda_run_holds_cublas_workspaces_and_flash_tensors() -> None:
+    """The CUDA run differs from the CPU one by what CUDA allocates: cuBLAS's two workspaces,
+    flash's philox seeds, the sum-to-weight workspace (not checked on a GPU against transformers)."""
+    case = _case("cuda", **SMALL, dtype="bfloat16")
+    model = model_from_data(case.hf_config(), "cuda/config.json", "cuda")
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), Plan(precision="bf16"))
+    tags = {e.tag for e in hf_run(d, False, "flash").events}
+    assert {"cublas_workspace.forward", "cublas_workspace.backward"} <= tags
+    assert any(t.endswith("philox_seed") for t in tags) and any(t.endswith("reduce_workspace") for t in tags)
+    cpu_tags = {e.tag for e in hf_run(d, False, "cpu_flash").events}
+    assert not any("cublas" in t or "philox" in t or "reduce_workspace" in t for t in cpu_tags)
+
+
+LLAMA1B = str(Path(__file__).parents[1] / "data" / "gpu-traces" / "llama1b.config.json")
+
+
+def _estimate(capsys, args: list[str]) -> dict:
+    from memplan.cli.app import run
+
+    code = run(["estimate", *args, "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)["memory"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [LLAMA1B, "--runtime", "hf", "--precision", "bf16", "--seq-len", "2048", "--micro-batch", "2"],
+        [LLAMA1B, "--runtime", "hf", "--precision", "bf16-mixed", "--recompute", "full", "--global-batch", "8"],
+    ],
+)
+def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> None:
+    """``memplan estimate --runtime hf`` on CUDA: the Trainer's run replayed, its allocated peak reported."""
+    memory = _estimate(capsys, args)
+    assert memory["model"] == "op-level" and memory["model_reason"] is None
+    peak = memory["peak"]
+    assert peak["reserved_detail"]["timeline"] == "hf"
+    assert peak["allocated"] == peak["reserved_detail"]["timeline_allocated"]
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["qwen3-8b", "--runtime", "hf"], "the qwen3 family"),
+        ([LLAMA1B, "--runtime", "hf", "--dp", "2"], "more than one rank"),
+        ([LLAMA1B, "--runtime", "hf", "--finetune", "lora"], "LoRA adapters"),
+        ([LLAMA1B, "--runtime", "hf", "--attention", "eager"], "eager attention"),
+        ([LLAMA1B, "--runtime", "hf-loop"], "the hf-loop runtime"),
+    ],
+)
+def test_an_hf_plan_the_run_does_not_model_says_so(capsys, args: list[str], reason: str) -> None:
+    memory = _estimate(capsys, args)
+    assert memory["model"] == "phase" and reason in memory["model_reason"]
