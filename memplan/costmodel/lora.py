@@ -21,6 +21,16 @@ from dataclasses import dataclass
 from memplan.specs.model import ModelSpec
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+# the bundled trainer's module name -> transformers' (memplan.train.lora wraps by it; timeline.lora models it)
+HF_NAMES = {
+    "attention.wq": "q_proj",
+    "attention.wk": "k_proj",
+    "attention.wv": "v_proj",
+    "attention.wo": "o_proj",
+    "feed_forward.w1": "gate_proj",
+    "feed_forward.w3": "up_proj",
+    "feed_forward.w2": "down_proj",
+}
 MLP = ("gate_proj", "up_proj", "down_proj")
 LINEARS = ATTENTION + MLP  # transformers' Llama / Mistral / Qwen2 decoder-layer linears
 SAVABLE = ("lm_head", "embed_tokens")  # modules_to_save memplan models (trained in full)

@@ -23,20 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memplan.costmodel.lora import resolve_targets
+from memplan.costmodel.lora import HF_NAMES, resolve_targets
 from memplan.specs.plan import Plan
 from memplan.train import quant
 
-# the trainer's module name -> transformers' (memplan.costmodel.lora.layer_linears)
-HF_NAMES = {
-    "attention.wq": "q_proj",
-    "attention.wk": "k_proj",
-    "attention.wv": "v_proj",
-    "attention.wo": "o_proj",
-    "feed_forward.w1": "gate_proj",
-    "feed_forward.w3": "up_proj",
-    "feed_forward.w2": "down_proj",
-}
 LORA_ALPHA = 16  # PEFT's LoraConfig default; the scaling alpha / r changes no memory
 
 

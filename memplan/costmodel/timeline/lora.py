@@ -29,22 +29,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memplan.costmodel.lora import ADAPTER_BYTES, resolve_targets
+from memplan.costmodel.lora import ADAPTER_BYTES, HF_NAMES, resolve_targets
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.specs.plan import Plan
-
-# the trainer's module -> transformers' name (memplan.train.lora.HF_NAMES; that module imports torch)
-HF_NAMES = {
-    "attention.wq": "q_proj",
-    "attention.wk": "k_proj",
-    "attention.wv": "v_proj",
-    "attention.wo": "o_proj",
-    "feed_forward.w1": "gate_proj",
-    "feed_forward.w3": "up_proj",
-    "feed_forward.w2": "down_proj",
-}
 
 
 @dataclass(frozen=True)
