@@ -45,17 +45,9 @@ def hf_dims(model, workload, plan) -> Dims:
     ``bf16=True``) fp32 weights under bf16 autocast."""
     itemsize = 4 if plan.precision == "fp32" else 2
     mixed = plan.precision == "bf16-mixed"
-    return Dims(
-        b=workload.micro_batch,
-        s=workload.seq_len,
-        h=model.hidden_size,
-        f=model.ffn_size,
-        q=model.q_size,
-        kv=model.kv_size,
-        heads=model.num_attention_heads,
-        head_dim=model.head_size,
-        vocab=model.vocab_size,
-        layers=model.num_layers,
+    return Dims.of(
+        model,
+        workload,
         cd=itemsize,
         pd=4 if mixed else itemsize,
         autocast=mixed,

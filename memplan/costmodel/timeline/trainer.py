@@ -45,17 +45,9 @@ MICRO_BATCHES_MODELLED = 2
 def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
     """The shapes and dtypes one rank computes with (``parallel.compute_dtype``/``param_dtype``)."""
     fsdp = plan.dp > 1 and plan.zero >= 2
-    return Dims(
-        b=workload.micro_batch,
-        s=workload.seq_len,
-        h=model.hidden_size,
-        f=model.ffn_size,
-        q=model.q_size,
-        kv=model.kv_size,
-        heads=model.num_attention_heads,
-        head_dim=model.head_size,
-        vocab=model.vocab_size,
-        layers=model.num_layers,
+    return Dims.of(
+        model,
+        workload,
         tp=plan.tp,
         cd=4 if plan.precision == "fp32" else 2,
         pd=2 if plan.precision in ("bf16", "bf16-master") else 4,

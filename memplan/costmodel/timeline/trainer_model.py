@@ -18,6 +18,8 @@ from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
+from memplan.specs.model import ModelSpec
+from memplan.specs.workload import TrainingWorkload
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,23 @@ class Dims:
     recompute: str = "none"  # none | full | selective | selective-op (recompute.py)
     recompute_layers: int | None = None  # full: the first n layers only
     attention: str = "flash"  # the SDPA kernel: flash, or math (fp32 with GQA on CUDA: precision.py)
+
+    @classmethod
+    def of(cls, model: ModelSpec, workload: TrainingWorkload, **rest: object) -> Dims:
+        """The model's and the micro-batch's shapes; ``rest``: the run's parallelism and dtypes."""
+        return cls(
+            b=workload.micro_batch,
+            s=workload.seq_len,
+            h=model.hidden_size,
+            f=model.ffn_size,
+            q=model.q_size,
+            kv=model.kv_size,
+            heads=model.num_attention_heads,
+            head_dim=model.head_size,
+            vocab=model.vocab_size,
+            layers=model.num_layers,
+            **rest,  # type: ignore[arg-type]
+        )
 
     @property
     def tokens(self) -> int:
