@@ -14,49 +14,22 @@ and holds no reference to anything; on a run MemTracker does not perturb the two
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from memplan.integrations.live_bytes import LiveBytes
 
 
-class StorageTracker(TorchDispatchMode):
+class StorageTracker(LiveBytes):
     """Bytes of live storages: those handed to :meth:`track` plus every storage an op creates while
-    the mode is on; ``peak`` the highest total seen after any op."""
+    the mode is on; ``peak`` the highest total seen after any op. The counting is
+    :class:`memplan.integrations.live_bytes.LiveBytes` (the callback's CPU meter): a count of
+    PyTorch's own storages, not a model of them."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._live: dict[int, int] = {}  # storage data pointer -> bytes
-        self.current = 0
-        self.peak = 0
-
-    def track(self, *tensors: torch.Tensor) -> None:
-        for t in tensors:
-            self._add(t.untyped_storage())
+    def track(self, *tensors: torch.Tensor) -> None:  # type: ignore[override]
+        super().track(tensors)
 
     def track_module(self, module: torch.nn.Module) -> None:
         self.track(*module.parameters(), *module.buffers())
 
-    def _add(self, storage: torch.UntypedStorage) -> None:
-        key = storage.data_ptr()
-        size = storage.nbytes()
-        if key in self._live or size == 0:
-            return
-        self._live[key] = size
-        self.current += size
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._drop, key)
-
-    def _drop(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
-
     def reset_peak(self) -> None:
         self.peak = self.current
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._add(t.untyped_storage())
-        return out
