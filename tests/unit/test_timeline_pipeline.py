@@ -20,13 +20,13 @@ import json
 from pathlib import Path
 
 import pytest
+from timeline_peaks import steady_peaks
 
 from memplan.costmodel.allocator import AllocatorConfig
 from memplan.costmodel.memory import training_peak
 from memplan.costmodel.reserve import plan_run, replay
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline import pipeline as pipeline_module
-from memplan.costmodel.timeline.events import ALLOC, FREE, MARK, Category
 from memplan.costmodel.timeline.pipeline import Pipeline, chunk_forward, schedule_actions
 from memplan.costmodel.timeline.support import PIPELINE_LAYER_PASSES
 from memplan.costmodel.timeline.trainer import supported, trainer_run
@@ -49,23 +49,7 @@ TIED = TINY.model_copy(update=dict(name="tiny-tied", tied_embeddings=True))
 def _steady_peaks(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: int) -> tuple[int, int]:
     """The run's highest live bytes over the steady steps, and outside the optimizer step, without
     cuBLAS's workspaces."""
-    timeline = trainer_run(model, workload, plan, stage=stage)
-    assert timeline is not None
-    live = best = passes = 0
-    steady = False
-    for e in timeline:
-        if e.op == MARK:
-            steady = steady or e.tag == "step0"
-        elif e.tag.startswith("cublas_workspace"):
-            continue
-        elif e.op == ALLOC:
-            live += e.size
-            best = max(best, live) if steady else best
-            if steady and e.category != Category.OPTIMIZER_TEMP:
-                passes = max(passes, live)
-        elif e.op == FREE:
-            live -= e.size
-    return best, passes
+    return steady_peaks(trainer_run(model, workload, plan, stage=stage))
 
 
 # name: (model, plan, global batch, pipeline rank); micro-batches of 1 x 128 tokens

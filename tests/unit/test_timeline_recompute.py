@@ -18,10 +18,10 @@ import json
 from pathlib import Path
 
 import pytest
+from timeline_peaks import steady_peaks
 
 from memplan.costmodel.allocator import AllocatorConfig
 from memplan.costmodel.reserve import plan_run, replay
-from memplan.costmodel.timeline.events import ALLOC, FREE, MARK, Category
 from memplan.costmodel.timeline.trainer import MICRO_BATCHES_MODELLED, supported, trainer_run
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -75,23 +75,7 @@ def _steady_peaks(model: ModelSpec, workload: TrainingWorkload, plan: Plan, micr
     """The run's highest live bytes over the steady steps, and outside the optimizer step (the
     forward's and backward's: the live bytes when an optimizer temporary is allocated do not
     count), cuBLAS's workspaces (CUDA's) left out."""
-    timeline = trainer_run(model, workload, plan, max_micro_batches=micro_batches)
-    assert timeline is not None
-    live = best = passes = 0
-    steady = False
-    for e in timeline:
-        if e.op == MARK:
-            steady = steady or e.tag == "step0"
-        elif e.tag.startswith("cublas_workspace"):
-            continue
-        elif e.op == ALLOC:
-            live += e.size
-            best = max(best, live) if steady else best
-            if steady and e.category != Category.OPTIMIZER_TEMP:
-                passes = max(passes, live)
-        elif e.op == FREE:
-            live -= e.size
-    return best, passes
+    return steady_peaks(trainer_run(model, workload, plan, max_micro_batches=micro_batches))
 
 
 def test_more_micro_batches_than_two_add_nothing():

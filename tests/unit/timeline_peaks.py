@@ -1,0 +1,28 @@
+"""The op-level run's steady-step peaks as a CPU run of the bundled trainer measures them: what
+tests/unit/test_timeline_recompute.py and test_timeline_pipeline.py compare with the trainer."""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline.events import ALLOC, FREE, MARK, Category, Timeline
+
+
+def steady_peaks(timeline: Timeline | None) -> tuple[int, int]:
+    """The run's highest live bytes over the steady steps, and outside the optimizer step (the
+    forward's and backward's: the live bytes when an optimizer temporary is allocated do not
+    count), cuBLAS's workspaces (CUDA's) left out."""
+    assert timeline is not None
+    live = best = passes = 0
+    steady = False
+    for e in timeline:
+        if e.op == MARK:
+            steady = steady or e.tag == "step0"
+        elif e.tag.startswith("cublas_workspace"):
+            continue
+        elif e.op == ALLOC:
+            live += e.size
+            best = max(best, live) if steady else best
+            if steady and e.category != Category.OPTIMIZER_TEMP:
+                passes = max(passes, live)
+        elif e.op == FREE:
+            live -= e.size
+    return best, passes
