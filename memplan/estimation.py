@@ -125,11 +125,33 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
         timeline_allocated=v.replay.max_allocated,
     )
     update: dict[str, Any] = {"reserved": v.reserved, "reserved_detail": detail}
+    figures: dict[str, Any] = {}
     if device == "cuda" and v.timeline in OP_LEVEL_RUNS:
         update.update(allocated=v.replay.max_allocated, breakdown=peak_breakdown(v))
+        figures = _run_figures(v, report)
+        if "phases" in figures:
+            update["phase"] = max(figures["phases"], key=figures["phases"].__getitem__)
     peak = report.peak.model_copy(update=update)
     model, reason = _which_model(v.timeline, device)
-    return report.model_copy(update={"peak": peak, "model": model, "model_reason": reason}), v
+    return report.model_copy(update={"peak": peak, "model": model, "model_reason": reason, **figures}), v
+
+
+def _run_figures(v: Verdict, report: MemoryReport) -> dict[str, Any]:
+    """What the op-level run says of the figures the phase model also reports: each phase's peak
+    over the steady steps, as the bundled trainer's meter measures them (the replay's
+    ``phase_peaks``: ``timeline.phases``), that peak as the examined stage's, and the rank's
+    parameters, gradients and optimizer states (``phases.model_states``). A run that does not
+    name its phases (transformers' Trainer's) keeps the phase model's figures."""
+    from memplan.costmodel.timeline.phases import model_states
+
+    peaks = v.replay.phase_peaks
+    if not peaks or v.run is None:
+        return {}
+    return {
+        "phases": dict(peaks),
+        "stage_peaks": {report.peak.stage: max(peaks.values())},
+        "model_states": report.model_states.model_copy(update=model_states(v.run)),
+    }
 
 
 def _which_model(timeline: str, device: Device) -> tuple[str, str | None]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator
 from memplan.costmodel.memory import serving_run, stage_moments
 from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline
+from memplan.costmodel.timeline.phases import PHASE_MARKS, STEADY
 from memplan.costmodel.timeline.step import build_run
 from memplan.costmodel.timeline.support import supported
 from memplan.specs.model import ModelSpec
@@ -52,6 +53,9 @@ class Replay:
     reserved_by_stream: dict[str, int]
     failure: Failure | None
     peak_event: int = -1  # index of the allocation that reached max_allocated
+    # each phase's peak allocated over the steady steps, where the run names its phases
+    # (``timeline.phases``: the meter's figures, the counter reset at each phase's start)
+    phase_peaks: dict[str, int] | None = None
 
 
 def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | None = None) -> Replay:
@@ -66,6 +70,8 @@ def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | No
     at_peak, peak_event, high, pending = alloc.stats(), -1, 0, False
     malloc, free, streams = alloc.malloc, alloc.free, STREAM_IDS
     compute = Stream.COMPUTE
+    peaks: dict[str, int] = {}
+    phase, steady, highest = None, False, 0
     for i, (op, tensor, size, category, stream, tag) in enumerate(timeline.events):
         if op == ALLOC:
             try:
@@ -79,18 +85,26 @@ def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | No
             if pending:
                 at_peak, pending = alloc.stats(), False
             free(blocks.pop(tensor))
+        elif tag in PHASE_MARKS:  # torch.cuda.reset_peak_memory_stats at the meter's phase change
+            if steady and phase is not None:
+                peaks[phase] = max(peaks.get(phase, 0), alloc.max_allocated)
+            highest = max(highest, alloc.max_allocated)
+            alloc.max_allocated, phase = alloc.allocated, PHASE_MARKS[tag]
+        elif tag == STEADY:
+            steady = True
     if pending:
         at_peak = alloc.stats()
     final = alloc.stats()
     return Replay(
         max_reserved=final.max_reserved,
-        max_allocated=final.max_allocated,
+        max_allocated=max(highest, final.max_allocated),
         segments=at_peak.segments,
         cached_free=at_peak.cached_free,
         largest_free=at_peak.largest_free,
         reserved_by_stream={names.get(s, str(s)): b for s, b in at_peak.reserved_by_stream},
         failure=failure,
         peak_event=peak_event,
+        phase_peaks=peaks or None,
     )
 
 

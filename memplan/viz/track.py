@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from memplan.costmodel.allocator import AllocatorConfig, CachingAllocator
 from memplan.costmodel.reserve import STREAM_IDS  # the streams' numbers, as the verdict's replay uses them
 from memplan.costmodel.timeline.events import ALLOC, MARK, Category, Moment, Stream, Timeline
+from memplan.costmodel.timeline.phases import PHASE_MARKS
 
 SEGMENT_GROW = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 
@@ -142,8 +143,9 @@ def timeline_phases(timeline: Timeline) -> list[str]:
     ``optimizer`` (training) or ``prefill`` (serving).
 
     The phase model's runs mark their moments: a mark closes the moment it names (the backward
-    mark is the backward's peak; the rest of the backward follows it). The bundled trainer's run
-    marks only its steps: its backward starts at the loss's gradient seed. In both, the optimizer
+    mark is the backward's peak; the rest of the backward follows it). The op-level runs name
+    the meter's phases (``timeline.phases``: before each micro-batch, pipeline action and optimizer
+    step); within a micro-batch the backward starts at the loss's gradient seed. In both, the optimizer
     step starts at the first optimizer state or temporary allocated in the backward. A serving
     run (no gradients, no optimizer) prefills after its build."""
     events = timeline.events
@@ -154,6 +156,8 @@ def timeline_phases(timeline: Timeline) -> list[str]:
             out.append(phase)
             if serving:
                 phase = "prefill"
+            elif e.tag in PHASE_MARKS:  # the op-level runs name the meter's phases
+                phase = PHASE_MARKS[e.tag] or phase
             elif e.tag.startswith("step"):
                 phase = "forward"
             elif e.tag in _AFTER_MARK:

@@ -15,7 +15,7 @@ import pytest
 from memplan.costmodel.allocator import AllocatorConfig
 from memplan.costmodel.reserve import replay
 from memplan.costmodel.timeline.ddp import assign_buckets
-from memplan.costmodel.timeline.events import ALLOC, FREE, Category
+from memplan.costmodel.timeline.events import ALLOC, FREE, MARK, Category
 from memplan.costmodel.timeline.trainer import supported, trainer_run
 from memplan.specs.resolve import resolve_job
 
@@ -102,9 +102,14 @@ def test_ddp_frees_each_gradient_into_its_bucket_and_zero_grad_frees_nothing(tim
     assert len(grads) == 3 * (9 * 16 + 3)  # each parameter's, each step (the tied pair's two, added into one)
     alloc_at = {e.tensor: i for i, e in enumerate(events) if e.op == ALLOC}
     free_at = {e.tensor: i for i, e in enumerate(events) if e.op == FREE}
-    marks = sorted(i for i, e in enumerate(events) if e.op not in (ALLOC, FREE))
+    marks = _step_marks(events)
     for tid in grads:
         assert not [m for m in marks if alloc_at[tid] < m < free_at[tid]], "a gradient outlived its step"
+
+
+def _step_marks(events) -> list[int]:
+    """Where the build and each step end (the run also marks the meter's phases within a step)."""
+    return [i for i, e in enumerate(events) if e.op == MARK and (e.tag == "build" or e.tag.startswith("step"))]
 
 
 def test_bucket_assignment_closes_a_bucket_once_it_reaches_its_limit():
@@ -118,7 +123,7 @@ def test_zero2_keeps_each_layer_unsharded_from_its_forward_to_its_backward(timel
     """h200_b_z2_8b: one all-gather per group per step (the forward's), none in the backward
     (the prefetch finds the group unsharded), so each step gathers 34 groups' parameters."""
     events = timelines["h200_b_z2_8b"].events
-    steps = [i for i, e in enumerate(events) if e.op not in (ALLOC, FREE)]
+    steps = _step_marks(events)
     for start, end in zip(steps, steps[1:], strict=False):
         gathers = [e for e in events[start:end] if e.op == ALLOC and e.tag.endswith("all_gather_output")]
         assert len(gathers) == 1 + 32 + 1

@@ -370,6 +370,13 @@ class Tape:
             g = out
         return g
 
+    def _sum_category(self, *parts: Tensor) -> Category:
+        """A sum of gradients is a parameter's gradient when one of its parts is (a tied weight's:
+        the embedding's gradient added to the LM head's becomes ``.grad``)."""
+        live = self.b.live
+        grads = any((e := live.get(p.st.tid)) is not None and e.category == Category.GRADIENTS for p in parts)
+        return Category.GRADIENTS if grads else _ACTIVATIONS
+
     @staticmethod
     def _gcat(leaf: bool) -> Category:
         return Category.GRADIENTS if leaf else Category.ACTIVATIONS
@@ -381,7 +388,7 @@ class Tape:
         elif self.inplace_accumulate and _reusable(old):
             self.drop(g)  # old.add_(g)
         else:
-            out = self.new(old.numel, old.itemsize, "grad_sum")
+            out = self.new(old.numel, old.itemsize, "grad_sum", self._sum_category(old, g))
             out.dtensor = old.dtensor or g.dtensor
             self.drop(old)
             self.drop(g)

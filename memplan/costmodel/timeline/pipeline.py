@@ -226,6 +226,7 @@ class Pipeline:
         if first:
             t.on_first_mm = workspace("forward")
         for kind, c, i in actions:
+            t.b.mark("phase:forward" if kind == "F" else "phase:backward")  # the runner's on_phase
             if kind == "F":
                 self._forward(c, i, cache, losses, sent)
             else:

@@ -166,13 +166,16 @@ class _Run:
             self.pipe.step(self.micro_batches, first, self._workspace)
         for i in range(0 if self.pipe is not None else self.micro_batches):
             self.micro_batch(first and i == 0)
+        self.b.mark("phase:optimizer")
         self.optimizer_step(first)
         self.zero_grad()
+        self.b.mark("phase:end")
 
     def micro_batch(self, first: bool) -> None:
         """The batch (the previous one goes when rebound), forward, ``loss / m``,
         ``loss.backward()``, ``del loss``."""
         t, d = self.tape, self.d
+        self.b.mark("phase:forward")
         with t.scoped("batch"):
             ids, labels = t.new(d.tokens, 8, "ids"), t.new(d.tokens, 8, "labels")
         t.done(*self.batch)
@@ -185,6 +188,7 @@ class _Run:
         loss, keep = self.model.loss(logits)
         if first:
             t.on_first_mm = self._workspace("backward")
+        self.b.mark("phase:backward")
         with t.scoped("loss"):
             seed = t.new(1, 4, "grad_seed")
         t.backward(loss, seed)
