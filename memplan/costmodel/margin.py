@@ -36,8 +36,8 @@ State = Literal["ample", "tight", "does not fit"]
 OP_LEVEL = 0.0002  # six op-level plans on the H200 (1B, 8B, 70B; both allocators): reserved within 0.02%
 OP_LEVEL_SOURCE = (
     "the op-level run: six H200 runs it was not built from (1B to 70B, both allocator modes) within 0.02% "
-    "reserved; the mechanisms added since (DDP, ZeRO-2, CPU offload, bf16-master, fp32, selective-op, LoRA) "
-    "replay the H200 runs they were read from within 0.004%"
+    "reserved; the mechanisms added since (DDP, ZeRO-2, CPU offload, bf16-master, fp32, selective-op, LoRA, "
+    "QLoRA) replay the H200 runs they were read from within 0.006%"
 )
 HF_OP_LEVEL_SOURCE = (
     "transformers' Trainer op by op: equal to the real Trainer's peak on CPU (tests/unit/test_timeline_hf.py), "

@@ -14,6 +14,9 @@ BLOCK_NESTED = 256  # double quantization: one fp32 scale per 256 first-level ab
 CODE_4BIT = 16 * 4  # QuantState.code: the 16-entry NF4 / FP4 table, fp32
 CODE_NESTED = 256 * 4  # state2.code: the 8-bit dynamic map of the nested absmax, fp32
 OFFSET_NESTED = 4  # QuantState.offset: mean of the absmaxes subtracted before nesting, fp32 scalar
+# bitsandbytes 0.50.2 backends/cuda/ops.py ``_gemm_4bit_custom_max_m``: over this many rows (tokens)
+# CUDA's gemm_4bit dequantizes the weight and calls F.linear; at or under it a fused kernel may run
+GEMM_4BIT_CUSTOM_MAX_M = 1536
 
 
 def packed_4bit_bytes(elements: int) -> int:

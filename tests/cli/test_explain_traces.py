@@ -52,7 +52,6 @@ OOM = "h200_c_sel8b_s8k_m2"
 # not on the op-level run yet (the phase model answers): matched in order, allocated and reserved
 # error, at f3cf59a
 PHASE = {
-    "h200_a_qlora8b": "QLoRA: 0.5% matched, allocated -19.5%, reserved -35.8%",
     # the op-level run answers (timeline/pipeline.py) but the trace ran StageReplay before its fix (4e861b9),
     # which kept less: tests/unit/test_timeline_pipeline.py
     "h200_b_pp4": "pipeline 1F1B, old StageReplay: 99.7% matched, allocated +2.5%, reserved +2.1% (activations)",

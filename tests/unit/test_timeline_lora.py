@@ -138,9 +138,9 @@ def test_the_backward_keeps_the_embedding_output_and_its_grad_until_del_loss(tim
         (dict(modules_to_save=("lm_head",)), "LoRA other than adapters"),
         (dict(dp=2, zero=3, global_batch=8), "on one rank"),
         (dict(precision="bf16-mixed"), "LoRA other than adapters"),
-        (dict(finetune="qlora", quant="nf4"), "QLoRA"),
+        (dict(finetune="qlora", quant="fp4"), "a 4-bit base other than nf4"),
     ],
-    ids=["dropout", "modules-to-save", "fsdp", "autocast", "qlora"],
+    ids=["dropout", "modules-to-save", "fsdp", "autocast", "qlora-fp4"],
 )
 def test_lora_plans_it_cannot_follow_get_none(changes, reason):
     job = _job(**changes)

@@ -33,6 +33,8 @@ from memplan.costmodel.lora import ADAPTER_BYTES, HF_NAMES, resolve_targets
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
+from memplan.costmodel.timeline.quant import QuantConfig
+from memplan.costmodel.timeline.quant import config as quant_config
 from memplan.specs.plan import Plan
 
 
@@ -43,6 +45,7 @@ class LoraConfig:
     rank: int
     modules: frozenset[str]
     input_grad: bool  # full recompute: the embedding's output requires grad (enable_input_require_grads)
+    quant: QuantConfig | None = None  # a 4-bit base (quant.py): PEFT's lora.Linear4bit clones its output
 
 
 def config(plan: Plan) -> LoraConfig | None:
@@ -51,7 +54,7 @@ def config(plan: Plan) -> LoraConfig | None:
         return None
     chosen = set(resolve_targets(plan.lora_targets))
     modules = frozenset(path for path, hf in HF_NAMES.items() if hf in chosen)
-    return LoraConfig(plan.lora_rank, modules, plan.recompute == "full")
+    return LoraConfig(plan.lora_rank, modules, plan.recompute == "full", quant_config(plan))
 
 
 @dataclass
@@ -90,14 +93,19 @@ class Lora:
         return out
 
     def adapt(self, x: Tensor, out: Tensor, weight: str) -> Tensor:
-        """``LoraLinear.forward`` after ``self.base(x)`` returned ``out``; ``out`` itself when
-        the linear is not targeted. The frame's locals (out, a, delta) go at the return."""
+        """``LoraLinear.forward`` after ``self.base(x)`` returned ``out`` (over a 4-bit base
+        cloned first); ``out`` itself when the linear is not targeted. The frame's locals (out,
+        a, delta) go at the return."""
         pair = self.adapters.get(weight)
         if pair is None:
             return out
         t, (a_w, b_w) = self.tape, pair
         rows = b_w.numel // self.cfg.rank
         with t.scoped(f"{weight.removesuffix('.weight')}.lora"):
+            if self.cfg.quant is not None:  # ``result = result.clone()``: CloneBackward passes the gradient
+                c = ops.unary(t, out, "base_clone", temps=-1)
+                t.done(out)
+                out = c
             a = ops.to(t, x, ADAPTER_BYTES, "input_fp32")
             ya = ops.linear(t, a, a_w, self.tokens * self.cfg.rank, "A")
             yb = ops.linear(t, ya, b_w, self.tokens * rows, "B")

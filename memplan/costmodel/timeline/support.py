@@ -8,6 +8,7 @@ phase model's moments (``step.py``), and the trainer's modules stay unimported.
 from __future__ import annotations
 
 from memplan.costmodel.attention import sdpa_backend
+from memplan.costmodel.quant import GEMM_4BIT_CUSTOM_MAX_M
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
@@ -38,7 +39,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (``pipeline.py``, the bundled trainer's ``StageReplay``), on one data rank, or under FSDP2
     (ZeRO-2 or ZeRO-3) with one chunk per rank and no TP (h200_b_pp4 with the old StageReplay).
     LoRA adapters (``lora.py``) over a frozen bf16 base on one rank, one micro-batch per step,
-    without dropout or ``modules_to_save`` (h200_a_lora8b).
+    without dropout or ``modules_to_save`` (h200_a_lora8b); the same over an nf4 base with double
+    quantization computing in bf16 (``quant.py``, QLoRA: an fp32 stream on SDPA's math path) over
+    more than 1536 tokens a micro-batch (h200_a_qlora8b).
 
     Not modelled: context or expert parallelism; pipelines with DDP, ZeRO-1, TP, or FSDP2 over
     interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32
@@ -46,7 +49,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     side alone or NVMe; ZeRO-1 (DDP with ``ZeroRedundancyOptimizer``: no trace yet); tensor
     parallel without FSDP2 or without sequence parallel; accumulation, selective-op or partial
     recompute with fp32, bf16-master, offload or DDP (not checked); FSDP2 over a tied embedding
-    (one root group holding it); QLoRA and LLM.int8 bases; LoRA with dropout, modules_to_save,
+    (one root group holding it); LLM.int8 bases; fp4 or single-quantized 4-bit bases, and 4-bit
+    ones over at most 1536 tokens (bitsandbytes' fused kernel); LoRA with dropout, modules_to_save,
     autocast, gradient accumulation or over a sharded base."""
     checks = [
         (model.moe is None, "MoE models"),
@@ -54,14 +58,15 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.qkv_bias or model.attn_out_bias or model.mlp_bias or model.qk_norm), "biases or QK-norm"),
         (plan.attention == "flash", f"{plan.attention} attention"),
-        (plan.finetune != "qlora", "QLoRA (a quantized base)"),
-        (plan.finetune == "full" or _plain_lora(plan), "LoRA other than adapters over a bf16 base on one rank"),
+        (plan.quant != "int8", _INT8),
+        (_quant_modelled(workload, plan), "a 4-bit base other than nf4 with double quantization over > 1536 tokens"),
+        (plan.finetune == "full" or _plain_lora(plan), "LoRA other than adapters over a bf16 or nf4 base on one rank"),
         (plan.finetune == "full" or accumulation(workload, plan) == 1, "LoRA with gradient accumulation"),
         (plan.offload_activations == "none", "activation offload"),
         (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
-        (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
+        (not _fp32_stream(plan) or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
         (plan.precision != "fp32" or plan.dp == 1, "precision fp32 over dp > 1"),
         (_plain(plan) or _basic_recompute(plan), "this recompute with this precision, offload or DDP"),
         (_plain(plan) or accumulation(workload, plan) == 1, "gradient accumulation here"),
@@ -135,17 +140,38 @@ def sdpa_kernel(model: ModelSpec, plan: Plan) -> str:
     ``precision.math_sdpa``), "efficient" in fp32 without GQA, else "flash" (the run's fused
     16-bit kernel: the traces' tensors are flash's, ``ops.sdpa``)."""
     heads, kv = model.num_attention_heads // plan.tp, max(model.kv_heads // plan.tp, 1)
-    if plan.precision != "fp32":
+    if not _fp32_stream(plan):
         return "flash"
     return sdpa_backend("cuda", "fp32", model.head_size, heads, kv, enable_gqa=heads != kv)
 
 
+def _fp32_stream(plan: Plan) -> bool:
+    """fp32 hidden states: precision fp32, or a quantized base (``prepare_model_for_kbit_training``
+    casts the embedding, norms and head to fp32; ``memplan.train.quant``)."""
+    return plan.precision == "fp32" or plan.quant != "none"
+
+
+_INT8 = (
+    "LLM.int8 bases (no GPU trace; MatMul8bitLt's outlier columns over the 6.0 threshold, which it "
+    "gathers and dequantizes apart, depend on the activations' values, not on their shapes)"
+)
+
+
+def _quant_modelled(workload: TrainingWorkload, plan: Plan) -> bool:
+    """None, or a 4-bit base as h200_a_qlora8b ran it (``quant.py``): nf4 with double
+    quantization, over more than 1536 tokens a micro-batch (bitsandbytes' dequantize + F.linear;
+    fewer run its fused ``gemm_4bit`` kernel, whose choice depends on the GPU)."""
+    if plan.quant == "none":
+        return True
+    tokens = workload.micro_batch * workload.seq_len
+    return plan.quant == "nf4" and plan.double_quant and tokens > GEMM_4BIT_CUSTOM_MAX_M
+
+
 def _plain_lora(plan: Plan) -> bool:
-    """LoRA as h200_a_lora8b ran it: one rank, an unquantized bf16 base, no dropout (its masks),
-    no trained copy of a module (``modules_to_save``)."""
+    """LoRA as h200_a_lora8b and h200_a_qlora8b ran it: one rank, a bf16 base (or a 4-bit one
+    computing in bf16), no dropout (its masks), no trained copy of a module (``modules_to_save``)."""
     return (
-        plan.quant == "none"
-        and plan.lora_dropout == 0
+        plan.lora_dropout == 0
         and not plan.modules_to_save
         and plan.dp == 1
         and plan.tp == 1

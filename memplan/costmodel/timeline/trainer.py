@@ -27,6 +27,7 @@ from memplan.costmodel.timeline.lora import Lora, LoraConfig
 from memplan.costmodel.timeline.lora import config as lora_config
 from memplan.costmodel.timeline.master import MasterAdamW
 from memplan.costmodel.timeline.pipeline import Pipeline
+from memplan.costmodel.timeline.quant import Quant
 from memplan.costmodel.timeline.support import accumulation, sdpa_kernel, supported
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
 from memplan.specs.model import ModelSpec
@@ -113,6 +114,9 @@ class _Run:
         self.lora = Lora(self.tape, lora, d.tokens) if lora is not None else None
         if self.lora is not None:
             self.model.adapter = self.lora.adapt
+        self.quant = Quant(self.tape, lora.quant) if lora is not None and lora.quant is not None else None
+        if self.quant is not None:  # a 4-bit base (quant.py)
+            self.model.base = self.quant.linear
         sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
         self.pipe = pipe(self.tape, self.grads) if pipe is not None else None  # one pipeline rank's chunks
         self.fsdp = None
@@ -149,6 +153,8 @@ class _Run:
             copy = t.managed(rows * cols, pd, "output.weight", Category.PARAMETERS)
             t.free(copy)
             self.model.weights["output.weight"] = self.model.weights["tok_embeddings.weight"]
+        if self.quant is not None:  # lora.init_adapters -> quant.quantize_base
+            self.quant.build(self.model.weights)
 
     def _workspace(self, thread: str):
         def allocate() -> None:

@@ -106,6 +106,7 @@ class Model:
     weights: dict[str, Tensor]
     cache: dict[str, Tensor] | None = None  # autocast's cache of weight casts (None: no autocast)
     adapter: Callable[[Tensor, Tensor, str], Tensor] | None = None  # LoRA (lora.py): (x, out, weight) -> out
+    base: Callable[[Tensor, str, int, str], Tensor | None] | None = None  # a 4-bit linear (quant.py) or None
 
     # --- helpers -------------------------------------------------------------------------------
     def weight(self, name: str) -> Tensor:
@@ -119,13 +120,15 @@ class Model:
         return self.tape.alias(self.cache[name])
 
     def linear(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
-        """``nn.Linear`` (no bias); under autocast the weight cast, then the input cast; under
-        LoRA the adapter over the output (``LoraLinear``)."""
+        """``nn.Linear`` (no bias), or a 4-bit base's ``Linear4bit`` (``base``); under autocast the
+        weight cast, then the input cast; under LoRA the adapter over the output (``LoraLinear``)."""
         t = self.tape
-        w = self.weight(name)
-        xin = ops.to(t, x, 2, f"{tag}.input_cast") if self.cache is not None else t.alias(x)
-        out = ops.linear(t, xin, w, x.numel // (w.numel // out_features) * out_features, tag)
-        t.done(xin, w)
+        out = self.base(x, name, out_features, tag) if self.base is not None else None
+        if out is None:
+            w = self.weight(name)
+            xin = ops.to(t, x, 2, f"{tag}.input_cast") if self.cache is not None else t.alias(x)
+            out = ops.linear(t, xin, w, x.numel // (w.numel // out_features) * out_features, tag)
+            t.done(xin, w)
         if self.adapter is not None:
             out = self.adapter(x, out, name)
         return out
