@@ -103,7 +103,7 @@ def test_fp32_attention_keeps_the_probabilities_for_the_backward(timelines):
     ("changes", "reason"),
     [
         (dict(kv_heads=32), "memory-efficient"),
-        (dict(dp=2, zero=3), "precision fp32 over dp > 1"),
+        (dict(dp=2, zero=3), "precision fp32 under FSDP2 with recompute"),
         (dict(precision="fp16-master"), "precision"),
     ],
     ids=["mha-efficient", "fsdp2", "fp16-master"],
