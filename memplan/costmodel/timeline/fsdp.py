@@ -24,7 +24,7 @@ Order and sizes: tests/data/gpu-traces (t8_z3_bf16, t8_sel, t70_z3, t8_tp2_x). I
 policy: ``MixedPrecisionPolicy()``) the all-gather takes the fp32 shard itself (no cast copy),
 its output, the unsharded parameters and the reduce-scatter are fp32 (``FSDPParam``'s
 ``param_dtype``/``reduce_dtype`` default to the parameter's): no GPU trace, held against the
-trainer on CPU (tests/unit/test_timeline_zero1.py).
+trainer on CPU with recompute and TP + SP (tests/unit/test_timeline_zero1.py).
 
 With ``CPUOffloadPolicy`` (``offload_params: cpu``, which the trainer pairs with the optimizer
 on the host) the shards live in host memory (``to_empty(device="cpu")``): nothing is built on

@@ -32,8 +32,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     no trace, the trainer on CPU); or FSDP2 over dp > 1, ZeRO-3 or ZeRO-2
     (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head, optionally with
     tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU offload of
-    parameters and optimizer together (h200_b_off8b); FSDP2 in fp32 without recompute and TP
-    (the trainer on CPU). Without offload also: any number of micro-batches per step (gradient
+    parameters and optimizer together (h200_b_off8b); FSDP2 in fp32 without offload (the
+    trainer on CPU). Without offload also: any number of micro-batches per step (gradient
     accumulation; DDP's ``no_sync``), selective-op and full recompute of the first
     ``recompute_layers`` (``recompute.py``; CPU: test_timeline_recompute.py,
     test_timeline_zero1.py). In bf16 or bf16-mixed also pipeline parallelism, one rank's chunks
@@ -45,12 +45,11 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
 
     Not modelled: context or expert parallelism; pipelines with DDP, ZeRO-1, TP, or FSDP2 over
     interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32
-    without GQA (the memory-efficient kernel), or under FSDP2 with recompute, TP or offload (on
-    CPU 147,456 B, one fp32 wo gradient, above the trainer with recompute: not traced yet);
-    fp16-master, fp8; offload of one side alone or NVMe; tensor parallel without FSDP2 or
-    without sequence parallel; accumulation, selective-op or partial recompute with offload (not
-    checked); FSDP2 over a tied embedding (one root group holding it); QLoRA and LLM.int8 bases;
-    LoRA with dropout, modules_to_save, autocast, gradient accumulation or over a sharded base."""
+    without GQA (the memory-efficient kernel) or with offload (not checked); fp16-master, fp8;
+    offload of one side alone or NVMe; tensor parallel without FSDP2 or without sequence
+    parallel; accumulation, selective-op or partial recompute with offload (not checked); FSDP2
+    over a tied embedding (one root group holding it); QLoRA and LLM.int8 bases; LoRA with
+    dropout, modules_to_save, autocast, gradient accumulation or over a sharded base."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -65,10 +64,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
         (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
-        (
-            plan.precision != "fp32" or not _fsdp(plan) or _fp32_fsdp(plan),
-            "precision fp32 under FSDP2 with recompute, TP or offload",
-        ),
+        (plan.precision != "fp32" or _no_offload(plan), "precision fp32 with offload"),
         (_no_offload(plan) or _basic_recompute(plan), "this recompute with offload"),
         (_no_offload(plan) or accumulation(workload, plan) == 1, "gradient accumulation with offload"),
         (plan.tp == 1 or _fsdp(plan), "tensor parallel without FSDP2"),
@@ -114,11 +110,6 @@ def _plain(plan: Plan) -> bool:
     """Where pipelines were checked (``pipeline.py``): bf16 or bf16-mixed, no offload, one
     rank or FSDP2."""
     return plan.precision in ("bf16", "bf16-mixed") and _no_offload(plan) and (plan.dp == 1 or _fsdp(plan))
-
-
-def _fp32_fsdp(plan: Plan) -> bool:
-    """fp32 under FSDP2 as checked on CPU (``fsdp.py``): no recompute, TP or offload."""
-    return plan.recompute == "none" and plan.tp == 1 and _no_offload(plan)
 
 
 def _no_offload(plan: Plan) -> bool:
