@@ -30,7 +30,6 @@ TRACES = Path(__file__).parents[1] / "data" / "gpu-traces"
 H200 = json.loads((TRACES / "h200.json").read_text())["runs"]
 ALLOCATED_BOUND = 0.005  # issue 27: allocated within 0.5%
 MISSES = {
-    "h200_a_qlora8b": "QLoRA is on the phase model: forward -10.2%, backward -19.5%, optimizer -0.8%",
     "h200_b_pp4": "trace recorded with the old StageReplay: forward -0.6%, backward +2.5%, optimizer -1.2%",
 }
 

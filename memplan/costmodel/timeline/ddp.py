@@ -23,7 +23,19 @@ hook, built after ``to_empty`` / ``tie_weights`` / ``init_weights``. What it all
   (``_DEFAULT_FIRST_BUCKET_BYTES``), the others at 25 MiB (``bucket_cap_mb``);
   ``sync_bucket_indices`` puts the indices (int32, one per parameter plus one) and the bucket
   sizes (int32, one per bucket) on the device, then the old bucket goes before the new ones
-  are allocated (``initialize_buckets``).
+  are allocated (``initialize_buckets``);
+- gradient accumulation: the trainer runs every micro-batch but the last under ``no_sync()``
+  (``runner._train``). There ``require_backward_grad_sync`` is False, so the forward does not
+  ``prepare_for_backward`` and the reducer's hooks return at once (``expect_autograd_hooks_``
+  false: ``Reducer::autograd_hook``): ``AccumulateGrad`` steals the first gradient into
+  ``.grad`` and adds each later one in place (``accumulate_grad.h``, ``variable_grad +=
+  new_grad``), nothing is recorded for the rebuild. In the last micro-batch the incoming
+  gradient is added into the held one and freed when ``AccumulateGrad`` returns, then the hook
+  copies the sum into its bucket view and points ``.grad`` at the view
+  (``mark_variable_ready_dense``: ``grad`` not an alias of the bucket), freeing the sum. The
+  run follows the first micro-batch and the last (``MICRO_BATCHES_MODELLED``); those between hold
+  every gradient as the last does before its sync: following all six of six gave the same
+  allocated and reserved peaks (tests/unit/test_timeline_zero1.py).
 """
 
 from __future__ import annotations
@@ -61,6 +73,8 @@ class Ddp:
         self.names = list(shapes)
         self.ready: list[str] = []  # the first backward's gradient-ready order
         self.rebuilt = False
+        self.sync = True  # False inside ``no_sync()``
+        self.held: dict[str, Tensor] = {}  # ``.grad`` accumulated under ``no_sync()``
         for name in self.names:
             weights[name].fn = self._leaf(name)
         self._verify()
@@ -76,9 +90,19 @@ class Ddp:
 
     def _leaf(self, name: str) -> Node:
         """``AccumulateGrad`` and the reducer's hook: the gradient is copied into its bucket view
-        and freed when the node returns; the first backward records the ready order."""
+        and freed when the node returns; the first synced backward records the ready order.
+        Under ``no_sync()`` the gradient is held (stolen, or added into the held one)."""
 
         def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+            if not self.sync:
+                if name not in self.held:
+                    self.held[name] = tape.hold(g[0])
+                return []
+            held = self.held.pop(name, None)
+            if held is not None:  # ``held += g``: g goes as AccumulateGrad returns, then the sum
+                tape.drop(g[0])
+                g[0] = None  # the engine's reference, dropped just now
+                tape.drop(held)
             if not self.rebuilt and name not in self.ready:
                 self.ready.append(name)
             return []

@@ -20,7 +20,11 @@ allocates (sizes from the local parameter shapes; FSDP2 pads dim 0 to a multiple
   output is added into the sharded gradient and freed as ``foreach_reduce`` returns, after
   its loop's last unsharded gradient (``_fsdp_collectives.foreach_reduce``).
 
-Order and sizes: tests/data/gpu-traces (t8_z3_bf16, t8_sel, t70_z3, t8_tp2_x).
+Order and sizes: tests/data/gpu-traces (t8_z3_bf16, t8_sel, t70_z3, t8_tp2_x). In fp32 (no
+policy: ``MixedPrecisionPolicy()``) the all-gather takes the fp32 shard itself (no cast copy),
+its output, the unsharded parameters and the reduce-scatter are fp32 (``FSDPParam``'s
+``param_dtype``/``reduce_dtype`` default to the parameter's): no GPU trace, held against the
+trainer on CPU with recompute and TP + SP (tests/unit/test_timeline_zero1.py).
 
 With ``CPUOffloadPolicy`` (``offload_params: cpu``, which the trainer pairs with the optimizer
 on the host) the shards live in host memory (``to_empty(device="cpu")``): nothing is built on
@@ -74,8 +78,8 @@ class Fsdp:
     ) -> None:
         self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
         self.offload = offload  # CPUOffloadPolicy: shards, gradients and the optimizer on the host
-        self.mixed = d.pd == 4  # MixedPrecisionPolicy(param bf16, reduce fp32)
-        self.rd = 4 if self.mixed else 2
+        self.mixed = d.pd == 4 and d.cd == 2  # MixedPrecisionPolicy(param bf16, reduce fp32)
+        self.rd = d.pd  # reduce dtype: fp32 under the mixed policy, else the parameters' own
         layers = [[f"layers.{i}.{name}.weight" for name in LAYER_PARAMS] for i in range(d.layers)]
         self.first, self.last = first, last  # a pipeline chunk holds the embedding or the head (pipeline.py)
         self.groups = [_Group(["tok_embeddings.weight"], reshard)] if first else []
@@ -124,7 +128,9 @@ class Fsdp:
             return
         with t.scoped(group.tag):
             cast = t.new(numel, 2, "all_gather_input", Category.COMM, Stream.ALL_GATHER) if self.mixed else None
-            group.gathered = t.managed(numel * self.dp, 2, "all_gather_output", Category.COMM, Stream.ALL_GATHER)
+            group.gathered = t.managed(
+                numel * self.dp, self.d.cd, "all_gather_output", Category.COMM, Stream.ALL_GATHER
+            )
             t.drop(cast)
 
     def _all_gather_from_host(self, group: _Group, numel: int) -> None:
@@ -140,7 +146,7 @@ class Fsdp:
                     t.drop(copy)
                 else:
                     inputs.append(copy)
-            group.gathered = t.managed(numel * self.dp, 2, "all_gather_output", Category.COMM, ag)
+            group.gathered = t.managed(numel * self.dp, self.d.cd, "all_gather_output", Category.COMM, ag)
             t.done(*reversed(inputs))
 
     def unshard(self, g: int, forward: bool) -> None:
@@ -153,7 +159,7 @@ class Fsdp:
         with t.scoped(""):
             for name in group.names:
                 rows, cols = self.shapes[name]
-                p = t.managed(rows * cols, 2, f"{name}.unsharded", Category.GATHERED)
+                p = t.managed(rows * cols, self.d.cd, f"{name}.unsharded", Category.GATHERED)
                 p.fn = self.leaves[name]
                 group.unsharded[name] = self.model.weights[name] = p
             t.done(t.new(COPY_OUT_META[self._kind(g)], 1, f"{group.tag}.copy_out_meta"))

@@ -28,30 +28,32 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     SDPA's math path (``precision.py``, h200_a_fp32full); AdamW (foreach), or bf16-master's
     MasterAdamW (``master.py``, h200_a_master1b); recompute none, full (every layer) or
     selective; in bf16, bf16-master or bf16-mixed (autocast without FSDP2, else
-    MixedPrecisionPolicy), or fp32 on one rank: one data rank without sharding; DDP over dp > 1
-    (ZeRO-0, ``ddp.py``: h200_a_ddp1b); or FSDP2 over dp > 1, ZeRO-3 or ZeRO-2
+    MixedPrecisionPolicy), or fp32: one data rank without sharding; DDP over dp > 1 (ZeRO-0,
+    ``ddp.py``: h200_a_ddp1b), or DDP with ``ZeroRedundancyOptimizer`` (ZeRO-1, ``zero1.py``:
+    no trace, the trainer on CPU); or FSDP2 over dp > 1, ZeRO-3 or ZeRO-2
     (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head, optionally with
     tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU offload of
-    parameters and optimizer together (h200_b_off8b). In bf16 or bf16-mixed without offload or
-    DDP also: any number of micro-batches per step (gradient accumulation), selective-op and
-    full recompute of the first ``recompute_layers`` (``recompute.py``). There also pipeline
-    parallelism, one rank's chunks under GPipe, 1F1B or the interleaved schedule
-    (``pipeline.py``, the bundled trainer's ``StageReplay``), on one data rank, or under FSDP2
-    (ZeRO-2 or ZeRO-3) with one chunk per rank and no TP (h200_b_pp4 with the old StageReplay).
-    LoRA adapters (``lora.py``) over a frozen bf16 base on one rank, one micro-batch per step,
-    without dropout or ``modules_to_save`` (h200_a_lora8b); the same over an nf4 base with double
-    quantization computing in bf16 (``quant.py``, QLoRA: an fp32 stream on SDPA's math path) over
-    more than 1536 tokens a micro-batch (h200_a_qlora8b).
+    parameters and optimizer together (h200_b_off8b); FSDP2 in fp32 without offload (the
+    trainer on CPU). Without offload also: any number of micro-batches per step (gradient
+    accumulation; DDP's ``no_sync``), selective-op and full recompute of the first
+    ``recompute_layers`` (``recompute.py``; CPU: test_timeline_recompute.py,
+    test_timeline_zero1.py). In bf16 or bf16-mixed also pipeline parallelism, one rank's chunks
+    under GPipe, 1F1B or the interleaved schedule (``pipeline.py``, the bundled trainer's
+    ``StageReplay``), on one data rank, or under FSDP2 (ZeRO-2 or ZeRO-3) with one chunk per
+    rank and no TP (h200_b_pp4 with the old StageReplay). LoRA adapters (``lora.py``) over a
+    frozen bf16 base on one rank, one micro-batch per step, without dropout or
+    ``modules_to_save`` (h200_a_lora8b); the same over an nf4 base with double quantization
+    computing in bf16 (``quant.py``, QLoRA: an fp32 stream on SDPA's math path) over more than
+    1536 tokens a micro-batch (h200_a_qlora8b).
 
     Not modelled: context or expert parallelism; pipelines with DDP, ZeRO-1, TP, or FSDP2 over
     interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32
-    without GQA (the memory-efficient kernel) or over dp > 1; fp16-master, fp8; offload of one
-    side alone or NVMe; ZeRO-1 (DDP with ``ZeroRedundancyOptimizer``: no trace yet); tensor
-    parallel without FSDP2 or without sequence parallel; accumulation, selective-op or partial
-    recompute with fp32, bf16-master, offload or DDP (not checked); FSDP2 over a tied embedding
-    (one root group holding it); LLM.int8 bases; fp4 or single-quantized 4-bit bases, and 4-bit
-    ones over at most 1536 tokens (bitsandbytes' fused kernel); LoRA with dropout, modules_to_save,
-    autocast, gradient accumulation or over a sharded base."""
+    without GQA (the memory-efficient kernel) or with offload (not checked); fp16-master, fp8;
+    offload of one side alone or NVMe; tensor parallel without FSDP2 or without sequence
+    parallel; accumulation, selective-op or partial recompute with offload (not checked); FSDP2
+    over a tied embedding (one root group holding it); LLM.int8 bases; fp4 or single-quantized
+    4-bit bases, and 4-bit ones over at most 1536 tokens (bitsandbytes' fused kernel); LoRA with
+    dropout, modules_to_save, autocast, gradient accumulation or over a sharded base."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -67,10 +69,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
         (not _fp32_stream(plan) or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
-        (plan.precision != "fp32" or plan.dp == 1, "precision fp32 over dp > 1"),
-        (_plain(plan) or _basic_recompute(plan), "this recompute with this precision, offload or DDP"),
-        (_plain(plan) or accumulation(workload, plan) == 1, "gradient accumulation here"),
-        (plan.dp == 1 or plan.zero != 1, "ZeRO-1"),
+        (plan.precision != "fp32" or _no_offload(plan), "precision fp32 with offload"),
+        (_no_offload(plan) or _basic_recompute(plan), "this recompute with offload"),
+        (_no_offload(plan) or accumulation(workload, plan) == 1, "gradient accumulation with offload"),
         (plan.tp == 1 or _fsdp(plan), "tensor parallel without FSDP2"),
         (plan.tp == 1 or plan.sequence_parallel, "tensor parallel without sequence parallel"),
         (not _fsdp(plan) or not model.tied_embeddings, "FSDP2 over tied embeddings"),
@@ -111,10 +112,16 @@ def _pipeline_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan)
 
 
 def _plain(plan: Plan) -> bool:
-    """Where accumulation, selective-op and partial recompute were checked (``recompute.py``):
-    bf16 or bf16-mixed, no offload, one rank or FSDP2 (DDP's ``no_sync`` is not followed)."""
-    no_offload = plan.offload_params == "none" and plan.offload_optimizer == "none"
-    return plan.precision in ("bf16", "bf16-mixed") and no_offload and (plan.dp == 1 or _fsdp(plan))
+    """Where pipelines were checked (``pipeline.py``): bf16 or bf16-mixed, no offload, one
+    rank or FSDP2."""
+    return plan.precision in ("bf16", "bf16-mixed") and _no_offload(plan) and (plan.dp == 1 or _fsdp(plan))
+
+
+def _no_offload(plan: Plan) -> bool:
+    """Where accumulation, selective-op and partial recompute were checked (``recompute.py``,
+    DDP's ``no_sync`` in ``ddp.py``): every precision the run follows, on one rank, DDP, ZeRO-1
+    or FSDP2, without offload (tests/unit/test_timeline_recompute.py, test_timeline_zero1.py)."""
+    return plan.offload_params == "none" and plan.offload_optimizer == "none"
 
 
 def _basic_recompute(plan: Plan) -> bool:

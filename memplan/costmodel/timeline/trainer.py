@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from memplan.costmodel.lora import ADAPTER_BYTES
-from memplan.costmodel.timeline import ops, pipeline, recompute
+from memplan.costmodel.timeline import ops, pipeline, recompute, zero1
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
@@ -105,6 +105,7 @@ class _Run:
         self.b = Builder()
         self.tape = Tape(self.b)
         self.d, self.dp, self.micro_batches = d, dp, micro_batches
+        self.zero1 = dp > 1 and zero == 1  # ZeroRedundancyOptimizer over DDP (zero1.py)
         self.shapes = param_shapes(d, tied)
         self.grads: dict[str, Tensor] = {}
         self.states: list[Tensor] = []
@@ -171,15 +172,15 @@ class _Run:
         if self.pipe is not None:  # the schedule's actions (pipeline.py)
             self.pipe.step(self.micro_batches, first, self._workspace)
         for i in range(0 if self.pipe is not None else self.micro_batches):
-            self.micro_batch(first and i == 0)
+            self.micro_batch(first and i == 0, last=i == self.micro_batches - 1)
         self.b.mark("phase:optimizer")
         self.optimizer_step(first)
         self.zero_grad()
         self.b.mark("phase:end")
 
-    def micro_batch(self, first: bool) -> None:
+    def micro_batch(self, first: bool, last: bool = True) -> None:
         """The batch (the previous one goes when rebound), forward, ``loss / m``,
-        ``loss.backward()``, ``del loss``."""
+        ``loss.backward()``, ``del loss``; under DDP all but the ``last`` in ``no_sync()``."""
         t, d = self.tape, self.d
         self.b.mark("phase:forward")
         with t.scoped("batch"):
@@ -187,6 +188,7 @@ class _Run:
         t.done(*self.batch)
         self.batch = [ids, labels]
         if self.ddp is not None:
+            self.ddp.sync = last
             self.ddp.pre_forward()
         if first:
             t.on_first_mm = self._workspace("forward")
@@ -256,12 +258,14 @@ class _Run:
         t.done(*reversed(temps))
 
     def optimizer_params(self) -> list[tuple[str, int]]:
-        """(name, local elements) in ``model.parameters()`` order (a tied head is the embedding)."""
+        """(name, local elements) in ``model.parameters()`` order (a tied head is the embedding);
+        under ZeRO-1 the most-loaded rank's partition, in its order."""
         if self.fsdp is not None:
             return self.fsdp.shard_numels()
         if self.lora is not None:
             return self.lora.params()
-        return [(name, rows * cols) for name, (rows, cols) in self.shapes.items()]
+        params = [(name, rows * cols) for name, (rows, cols) in self.shapes.items()]
+        return zero1.shard(params, self.dp) if self.zero1 else params
 
     def zero_grad(self) -> None:
         """``zero_grad(set_to_none=True)``: every gradient goes, in parameter order."""
