@@ -29,6 +29,7 @@ Measured on CPU by ``tests/accuracy/alloc_log.py`` (the sequence of storages, pe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from memplan.costmodel.timeline import ops
@@ -100,7 +101,8 @@ def cpu_flash_sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, 
 
 
 def addmm_linear(tape: Tape, x: Tensor, w: Tensor, bias: Tensor, out_numel: int, tag: str) -> Tensor:
-    """``F.linear(x, w, bias)`` (``addmm`` on the flattened input): saves x and w. Backward
+    """``F.linear(x, w, bias)`` (``addmm`` on the flattened input): saves x for dW and w for dX, each
+    only when that gradient is needed (a frozen weight keeps no input, as ``ops.linear``). Backward
     (AddmmBackward0): the bias's gradient is the incoming one, summed to the bias by the engine
     (``validate_outputs``); dX, then dW (the reverse of ``mm``'s order; CPU log, Qwen2)."""
     x_numel, w_numel = x.numel, w.numel
@@ -117,7 +119,8 @@ def addmm_linear(tape: Tape, x: Tensor, w: Tensor, bias: Tensor, out_numel: int,
         return [dx, dw, gb]
 
     meta = [None, None, (bias.numel, bias.itemsize, True)]
-    node = tape.node(tag, apply, [x, w, bias], saved=[x, w], meta=meta)
+    saved = ([x] if w.fn is not None else []) + ([w] if x.fn is not None else [])
+    node = tape.node(tag, apply, [x, w, bias], saved=saved, meta=meta)
     out = ops.result(tape, out_numel, x.itemsize, tag, node)
     if tape.on_first_mm is not None:
         tape.on_first_mm()
@@ -172,16 +175,20 @@ class HfLlama:
     kernel: str = "cpu_flash"
     tied: bool = False
     cache: dict[str, Tensor] | None = None  # autocast's weight casts in this forward (None: no autocast)
+    adapter: Callable | None = None  # (model, x, out, name) -> out: PEFT's wrapper of a linear (hf_lora.py)
 
     @property
     def cpu(self) -> bool:
         return self.kernel == "cpu_flash"
 
     def weight(self, name: str) -> Tensor:
-        """The weight a matmul uses: under autocast its bf16 cast, cached for the forward."""
+        """The weight a matmul uses: under autocast its bf16 cast, cached for the forward when the
+        weight is a leaf that requires grad (``cached_cast``); a frozen one's is cast at each use."""
         w = self.weights[name]
         if self.cache is None:
             return self.tape.alias(w)
+        if w.fn is None:
+            return ops.to(self.tape, w, 2, f"{name}.autocast", Category.AUTOCAST)
         if name not in self.cache:
             with self.tape.scoped(""):
                 self.cache[name] = ops.to(self.tape, w, 2, f"{name}.autocast", Category.AUTOCAST)
@@ -200,7 +207,7 @@ class HfLlama:
             out = addmm_linear(t, xin, w, b, self.d.tokens * out_features, tag)
             t.done(b)
         t.done(xin, w)
-        return out
+        return out if self.adapter is None else self.adapter(self, x, out, name)
 
     # --- the layer -------------------------------------------------------------------------------
     def rms_norm(self, x: Tensor, name: str) -> Tensor:
