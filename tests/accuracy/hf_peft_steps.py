@@ -16,7 +16,6 @@ import dataclasses
 import sys
 import tempfile
 
-import peft
 import peft_steps
 import torch
 import transformers
@@ -62,18 +61,17 @@ def measure(case: peft_steps.PeftCase, ga: int = 1, steps: int = 3, tracker: Sto
     return tracker.peak
 
 
-if __name__ == "__main__":
+def main(name: str, ga: int = 1) -> None:
+    """Print the allocation sequence of one case of ``peft_steps.CASES`` and its peak."""
     from alloc_log import AllocLog
 
-    assert peft  # imported first so that a missing peft fails here, not inside the Trainer
-    case = next(c for c in peft_steps.CASES if c.name == sys.argv[1])
-    fields = dict(kv.split("=") for kv in sys.argv[2:])
-    for key, value in fields.items():
-        old = getattr(case, key)
-        case = dataclasses.replace(case, **{key: type(old)(value) if not isinstance(old, bool) else value == "1"})
-    ga = int(fields.pop("ga", 1)) if "ga" in fields else 1
+    case = next(c for c in peft_steps.CASES if c.name == name)
     log = AllocLog()
-    peak = measure(case, log=None, tracker=log) if False else measure(case, tracker=log)
+    peak = measure(case, ga=ga, tracker=log)
     for i, (sign, size, op, live) in enumerate(log.events):
         print(f"{i:6d} {sign} {size:12d} {op:40s} {live:12d}")
     print("peak", peak)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:3]))

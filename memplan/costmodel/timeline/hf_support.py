@@ -4,12 +4,16 @@ Apart from the run so that asking does not build it. Modelled (tests/unit/test_t
 case equal to the real Trainer's peak on CPU): full fine-tuning on one rank of a dense Llama-layout
 decoder (Llama, Mistral without a sliding window, Qwen2 with its q/k/v biases) under SDPA; fp32, bf16,
 or ``bf16=True`` over fp32 (``bf16-mixed``); the default fused AdamW; gradient checkpointing of every
-layer or none; any gradient accumulation. On CUDA the kernels are those of the bundled trainer's
-traces (``support.sdpa_kernel``), not yet checked on a GPU against transformers.
+layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/unit/test_timeline_hf_peft.py:
+any of the decoder layers' linears, any rank, dropout, ``modules_to_save`` lm_head or an untied
+embed_tokens). On CUDA the kernels are those of the bundled trainer's traces (``support.sdpa_kernel``),
+and LoRA's dropout is ``native_dropout`` from its source: not yet checked on a GPU against transformers.
+Quantized bases (QLoRA, LLM.int8) stay on the phase model (see ``hf_supported``).
 """
 
 from __future__ import annotations
 
+from memplan.costmodel.lora import SAVABLE
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -29,7 +33,9 @@ def hf_supported(model: ModelSpec, plan: Plan) -> str | None:
         (not model.qkv_bias or model.architecture == "qwen2", "Q/K/V biases outside Qwen2"),
         (set(model.attention_pattern) <= {"full"}, "sliding or chunked attention"),
         (plan.attention == "flash", f"{plan.attention} attention"),
-        (plan.finetune == "full", "LoRA adapters"),
+        (plan.finetune != "qlora" and plan.quant == "none", "a quantized base (bitsandbytes)"),
+        (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
+        (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         (plan.offload_activations == "none", "activation offload"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
         (plan.dp == plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank"),
