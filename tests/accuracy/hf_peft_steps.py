@@ -46,7 +46,7 @@ def measure(case: peft_steps.PeftCase, ga: int = 1, steps: int = 3, tracker: Sto
             learning_rate=1e-4,
             use_cpu=True,
             bf16=case.autocast,
-            gradient_checkpointing=case.checkpointing and case.quant == "none",
+            gradient_checkpointing=case.checkpointing,
             report_to=[],
             save_strategy="no",
             logging_strategy="no",

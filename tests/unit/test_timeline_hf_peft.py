@@ -24,6 +24,7 @@ import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/confte
 from peft_steps import TINY, PeftCase  # noqa: E402
 
 from memplan.costmodel.timeline.events import ALLOC  # noqa: E402
+from memplan.costmodel.timeline.hf_bnb import Bnb4bit  # noqa: E402
 from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
@@ -73,19 +74,44 @@ CASES = [
     PeftCase("hfpeft-layers-fp32-all-linear", **{**LAYERS, "targets": ("all-linear",)}),
     PeftCase("hfpeft-layers-fp32-all-linear-ckpt", **{**LAYERS, "targets": ("all-linear",)}, checkpointing=True),
     PeftCase("hfpeft-layers-autocast-dropout", **{**LAYERS, "layers": 4, "batch": 2}, autocast=True, dropout=0.1),
+    # bitsandbytes 4-bit bases through prepare_model_for_kbit_training (loaded in fp32 or bf16; compute
+    # dtype bnb_4bit_compute_dtype), CPU backend
+    _case("qlora-nf4-fp32", quant="nf4", compute_dtype="float32"),
+    _case("qlora-nf4-dq-bf16", quant="nf4", double_quant=True),
+    _case("qlora-fp4-bf16-all-linear-dropout", quant="fp4", targets=("all-linear",), dropout=0.1),
+    _case(
+        "qlora-nf4-dq-ckpt-save-head", quant="nf4", double_quant=True, checkpointing=True, modules_to_save=("lm_head",)
+    ),
+    _case("qlora-nf4-dq-bf16-base", quant="nf4", double_quant=True, dtype="bfloat16"),
+    # the usual recipe: bf16 base, nf4 with double quantization, bf16 compute, bf16=True, checkpointing
+    _case("qlora-recipe", quant="nf4", double_quant=True, dtype="bfloat16", autocast=True, checkpointing=True),
+    _case("qlora-fp4-autocast-all-linear-dropout", quant="fp4", autocast=True, targets=("all-linear",), dropout=0.1),
+    PeftCase(
+        "hfpeft-layers-qlora-nf4-dq-all-linear",
+        **{**LAYERS, "targets": ("all-linear",)},
+        quant="nf4",
+        double_quant=True,
+    ),
 ]
 
 
 def plan_of(case: PeftCase) -> Plan:
-    """memplan's plan for a case; the Trainer's ``bf16=True`` is ``bf16-mixed`` (over an fp32 base)."""
+    """memplan's plan for a case; the Trainer's ``bf16=True`` is ``bf16-mixed`` (over an fp32 base);
+    over a 4-bit base the precision is the compute dtype's."""
+    if case.quant != "none":
+        dtype = "fp32" if case.compute_dtype == "float32" else "bf16"
+        fields = dict(finetune="qlora", quant=case.quant, double_quant=case.double_quant)
+    else:
+        dtype = "fp32" if case.dtype == "float32" else "bf16"
+        fields = dict(finetune="lora")
     return Plan(
-        precision="bf16-mixed" if case.autocast else "fp32" if case.dtype == "float32" else "bf16",
+        precision="bf16-mixed" if case.autocast else dtype,
         recompute="full" if case.checkpointing else "none",
-        finetune="lora",
         lora_rank=case.rank,
         lora_targets=case.targets,
         lora_dropout=case.dropout,
         modules_to_save=case.modules_to_save,
+        **fields,
     )
 
 
@@ -94,7 +120,10 @@ def predict(case: PeftCase, ga: int = 1) -> int:
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = plan_of(case)
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    if case.autocast and case.dtype == "bfloat16":
+    quant = Bnb4bit.of(plan)
+    if quant is not None:  # loaded in the case's dtype (the plan assumes its compute dtype)
+        quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2)
+    elif case.autocast and case.dtype == "bfloat16":
         d = dataclasses.replace(d, pd=2)  # a bf16 base under bf16=True: no Plan precision names it yet
     timeline = hf_run(
         d,
@@ -105,6 +134,7 @@ def predict(case: PeftCase, ga: int = 1) -> int:
         qkv_bias=model.qkv_bias,
         ga=ga,
         lora=HfLoraConfig.of(plan),
+        quant=quant,
         inplace_accumulate=False,
     )
     return timeline.peak()[0]
@@ -121,6 +151,7 @@ GA_CASES = [
     (_case("ga2-fp32-qv"), 2),
     (_case("ga3-bf16-ckpt", dtype="bfloat16", checkpointing=True), 3),
     (_case("ga2-autocast-save-head", autocast=True, modules_to_save=("lm_head",)), 2),
+    (_case("ga2-qlora-recipe", quant="nf4", double_quant=True, dtype="bfloat16", autocast=True, checkpointing=True), 2),
 ]
 
 
@@ -134,7 +165,7 @@ def test_peak_with_gradient_accumulation(case: PeftCase, ga: int) -> None:
 def test_each_case_differs() -> None:
     everything = [*CASES, *(c for c, _ in GA_CASES)]
     assert len({dataclasses.astuple(c)[1:] for c in CASES}) == len(CASES)
-    assert all(c.quant == "none" for c in everything)
+    assert {c.quant for c in everything} == {"none", "nf4", "fp4"}
 
 
 def test_adapters_are_trained_and_the_base_is_not() -> None:

@@ -106,13 +106,15 @@ class HfLora:
         when ``name`` is not targeted. ``model``: the ``HfLlama`` whose ``linear`` runs the adapters."""
         if not self.targeted(name):
             return out
+        if model.quant is not None and model.quant.quantized(name):
+            return self._adapt_bnb(model, x, out, name)
         t, r = self.tape, self.cfg.rank
         with t.scoped(f"{name}.lora"):
             a = ops.to(t, x, ADAPTER_BYTES, "input_fp32")
             dropped = self._dropout(a) if self.cfg.dropout else t.alias(a)
-            ya = model.linear(dropped, f"{name}.lora_A", r, "lora_A")
+            ya = model.dense(dropped, f"{name}.lora_A", r, "lora_A")
             t.done(dropped)
-            yb = model.linear(ya, f"{name}.lora_B", out.numel // self.tokens, "lora_B")
+            yb = model.dense(ya, f"{name}.lora_B", out.numel // self.tokens, "lora_B")
             t.done(ya)
             delta = ops.unary(t, yb, "scaling")  # * alpha / r: a Python scalar, nothing saved
             t.done(yb)
@@ -121,6 +123,29 @@ class HfLora:
             y = ops.to(t, total, out.itemsize, "out_cast")
             t.done(total, a)  # the rebound `result`, then the frame's cast input
         return y
+
+    def _adapt_bnb(self, model, x: Tensor, out: Tensor, name: str) -> Tensor:
+        """``lora.bnb.Linear4bit.forward``: the base's result cloned; unless ``torch.is_autocast_enabled()``
+        the input cast to the adapters' dtype and their output cast to the result's before the sum.
+        That call asks about CUDA's autocast alone: on CPU the casts run under ``bf16=True`` too. Its
+        ``output`` stays a local until the return."""
+        t, r, cast = self.tape, self.cfg.rank, model.cache is None or model.cpu
+        with t.scoped(f"{name}.lora"):
+            result = ops.unary(t, out, "clone", temps=-1)  # CloneBackward passes the gradient on
+            t.done(out)
+            a = ops.to(t, x, ADAPTER_BYTES, "input_fp32") if cast else t.alias(x)
+            dropped = self._dropout(a) if self.cfg.dropout else t.alias(a)
+            ya = model.dense(dropped, f"{name}.lora_A", r, "lora_A")
+            t.done(dropped)
+            yb = model.dense(ya, f"{name}.lora_B", out.numel // self.tokens, "lora_B")
+            t.done(ya)
+            delta = ops.unary(t, yb, "scaling")
+            t.done(yb)
+            output = ops.to(t, delta, result.itemsize, "output_cast") if cast else t.alias(delta)
+            t.done(delta)
+            total = ops.add(t, result, output, "sum")
+            t.done(result, a, output)  # the rebound `result`, then the frame's x and output
+        return total
 
     def _dropout(self, x: Tensor) -> Tensor:
         """``nn.Dropout`` in training: CPU's ``x * noise`` (the noise saved), CUDA's fused kernel."""

@@ -176,6 +176,7 @@ class HfLlama:
     tied: bool = False
     cache: dict[str, Tensor] | None = None  # autocast's weight casts in this forward (None: no autocast)
     adapter: Callable | None = None  # (model, x, out, name) -> out: PEFT's wrapper of a linear (hf_lora.py)
+    quant: object | None = None  # a quantized base's linears (hf_bnb.Bnb4bit)
 
     @property
     def cpu(self) -> bool:
@@ -195,7 +196,16 @@ class HfLlama:
         return self.tape.alias(self.cache[name])
 
     def linear(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
-        """``nn.Linear`` (no bias); under autocast the weight's cast, then the input's."""
+        """``nn.Linear`` (no bias); under autocast the weight's cast, then the input's. A quantized
+        base's linear is its own module's (``hf_bnb.py``); PEFT's wrapper runs after the base."""
+        if self.quant is not None and self.quant.quantized(name):
+            out = self.quant.linear(self, x, name, out_features, tag)
+        else:
+            out = self.dense(x, name, out_features, tag)
+        return out if self.adapter is None else self.adapter(self, x, out, name)
+
+    def dense(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
+        """``nn.Linear.forward``: ``F.linear`` with the weight (and bias) of ``name``."""
         t = self.tape
         w = self.weight(f"{name}.weight")
         xin = ops.to(t, x, 2, f"{tag}.input_cast") if self.cache is not None else t.alias(x)
@@ -207,7 +217,7 @@ class HfLlama:
             out = addmm_linear(t, xin, w, b, self.d.tokens * out_features, tag)
             t.done(b)
         t.done(xin, w)
-        return out if self.adapter is None else self.adapter(self, x, out, name)
+        return out
 
     # --- the layer -------------------------------------------------------------------------------
     def rms_norm(self, x: Tensor, name: str) -> Tensor:
@@ -251,15 +261,18 @@ class HfLlama:
         return v
 
     def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """SDPA; under autocast the fp32 RoPE outputs are cast to bf16 first (k, then q)."""
+        """SDPA; under autocast the fp32 RoPE outputs are cast to bf16 first (k, then q), and v when it
+        is fp32 too (a 4-bit base's linear returns its input's dtype: CPU log, k, v, then q)."""
         t, d = self.tape, self.d
         if self.kernel == "math":
             return prec.math_sdpa(t, q, k, v, d.b, d.heads, d.s)
-        k2 = ops.to(t, k, 2, "k_cast") if self.cache is not None else t.alias(k)
-        q2 = ops.to(t, q, 2, "q_cast") if self.cache is not None else t.alias(q)
+        cast = self.cache is not None
+        k2 = ops.to(t, k, 2, "k_cast") if cast else t.alias(k)
+        v2 = ops.to(t, v, 2, "v_cast") if cast else t.alias(v)
+        q2 = ops.to(t, q, 2, "q_cast") if cast else t.alias(q)
         sdpa = ops.sdpa if self.kernel == "flash" else cpu_flash_sdpa
-        out = sdpa(t, q2, k2, v, d.b * d.heads * d.s, "sdpa")
-        t.done(k2, q2)
+        out = sdpa(t, q2, k2, v2, d.b * d.heads * d.s, "sdpa")
+        t.done(k2, q2, v2)
         return out
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:

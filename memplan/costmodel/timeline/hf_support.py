@@ -8,12 +8,15 @@ layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/
 any of the decoder layers' linears, any rank, dropout, ``modules_to_save`` lm_head or an untied
 embed_tokens). On CUDA the kernels are those of the bundled trainer's traces (``support.sdpa_kernel``),
 and LoRA's dropout is ``native_dropout`` from its source: not yet checked on a GPU against transformers.
-Quantized bases (QLoRA, LLM.int8) stay on the phase model (see ``hf_supported``).
+A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) over more than 1536 tokens a micro-batch
+(CUDA's dequantize-then-``F.linear`` path, read from bitsandbytes' source); an 8-bit base stays on the
+phase model.
 """
 
 from __future__ import annotations
 
 from memplan.costmodel.lora import SAVABLE
+from memplan.costmodel.timeline.hf_bnb import CUDA_DEQUANT_TOKENS
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -22,8 +25,10 @@ from memplan.specs.workload import TrainingWorkload
 FAMILIES = ("llama", "mistral", "qwen2")  # Llama's decoder layer (Qwen2: with q/k/v biases)
 
 
-def hf_supported(model: ModelSpec, plan: Plan) -> str | None:
-    """What keeps the op-level run from following this ``hf`` plan, or None."""
+def hf_supported(model: ModelSpec, plan: Plan, workload: TrainingWorkload | None = None) -> str | None:
+    """What keeps the op-level run from following this ``hf`` plan, or None (``workload``: the
+    micro-batch, whose tokens decide bitsandbytes' CUDA path)."""
+    tokens = None if workload is None else workload.micro_batch * workload.seq_len
     checks = [
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
         (model.moe is None and model.mla is None, "MoE or MLA models"),
@@ -33,7 +38,11 @@ def hf_supported(model: ModelSpec, plan: Plan) -> str | None:
         (not model.qkv_bias or model.architecture == "qwen2", "Q/K/V biases outside Qwen2"),
         (set(model.attention_pattern) <= {"full"}, "sliding or chunked attention"),
         (plan.attention == "flash", f"{plan.attention} attention"),
-        (plan.finetune != "qlora" and plan.quant == "none", "a quantized base (bitsandbytes)"),
+        (plan.quant in ("none", "nf4", "fp4"), "an LLM.int8 base (bitsandbytes' 8-bit matmul is not modelled)"),
+        (
+            plan.quant == "none" or tokens is None or tokens > CUDA_DEQUANT_TOKENS,
+            f"a 4-bit base over {CUDA_DEQUANT_TOKENS} tokens or fewer (CUDA's gemm_4bit picks a fused kernel per GPU)",
+        ),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         (plan.offload_activations == "none", "activation offload"),

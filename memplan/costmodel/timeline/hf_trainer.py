@@ -35,6 +35,7 @@ from __future__ import annotations
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
+from memplan.costmodel.timeline.hf_bnb import Bnb4bit
 from memplan.costmodel.timeline.hf_lora import HfLora, HfLoraConfig
 from memplan.costmodel.timeline.hf_model import HfLlama, is_norm, param_shapes, scalar_div
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
@@ -43,14 +44,15 @@ from memplan.costmodel.timeline.trainer_model import Dims
 
 def hf_dims(model, workload, plan) -> Dims:
     """One rank's shapes: bf16 or fp32 weights and compute, or (``bf16-mixed``: the Trainer's
-    ``bf16=True``) fp32 weights under bf16 autocast."""
+    ``bf16=True``) fp32 weights under bf16 autocast; over a 4-bit base the other weights are fp32
+    (``prepare_model_for_kbit_training`` casts them)."""
     itemsize = 4 if plan.precision == "fp32" else 2
     mixed = plan.precision == "bf16-mixed"
     return Dims.of(
         model,
         workload,
         cd=itemsize,
-        pd=4 if mixed else itemsize,
+        pd=4 if mixed or plan.quant in ("nf4", "fp4") else itemsize,
         autocast=mixed,
         recompute=plan.recompute,
     )
@@ -76,8 +78,9 @@ def hf_plan_run(model, workload, plan) -> Timeline:
     kernel = hf_kernel(model, plan, "cuda")
     assert kernel is not None
     d = hf_dims(model, workload, plan)
-    lora = HfLoraConfig.of(plan)
-    return hf_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=accumulation(workload, plan), lora=lora)
+    lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan)
+    ga = accumulation(workload, plan)
+    return hf_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=ga, lora=lora, quant=quant)
 
 
 def hf_run(
@@ -89,14 +92,16 @@ def hf_run(
     qkv_bias: bool = False,
     ga: int = 1,
     lora: HfLoraConfig | None = None,
+    quant: Bnb4bit | None = None,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
     ``batches`` batches (None: enough that the prefetch never runs dry); ``qkv_bias``: Qwen2's
-    attention biases; ``lora``: PEFT's adapters over the frozen base (``hf_lora.py``).
+    attention biases; ``lora``: PEFT's adapters over the frozen base (``hf_lora.py``); ``quant``: a
+    4-bit base (``hf_bnb.py``).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
-    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, lora)
+    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, lora, quant)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -115,6 +120,7 @@ class _HfRun:
         qkv_bias: bool,
         ga: int,
         lora: HfLoraConfig | None = None,
+        quant: Bnb4bit | None = None,
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -124,7 +130,7 @@ class _HfRun:
         self.d, self.batches = d, batches
         self.shapes = param_shapes(d, tied, qkv_bias)
         self.grads: dict[str, Tensor] = {}
-        self.model = HfLlama(self.tape, d, {}, kernel, tied)
+        self.model = HfLlama(self.tape, d, {}, kernel, tied, quant=quant)
         self.data: list[list[Tensor]] = []
         self.fetched = 0
         self.ga = ga
@@ -143,7 +149,11 @@ class _HfRun:
     def _build(self) -> None:
         """Parameters in ``model.parameters()`` order, the two rotary buffers, ``tr_loss``."""
         t, d = self.tape, self.d
+        quant = self.model.quant
         for name, (rows, cols) in self.shapes.items():
+            if quant is not None and quant.quantized(name.removesuffix(".weight")):
+                self.model.weights[name] = quant.build(t, name, rows * cols)
+                continue
             p = t.managed(rows * cols, d.pd, name, Category.PARAMETERS)
             if self.lora is None:  # get_peft_model freezes the base
                 p.fn = ops.leaf(self.grads, name)
