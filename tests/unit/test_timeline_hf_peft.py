@@ -171,7 +171,7 @@ def test_each_case_differs() -> None:
 def test_adapters_are_trained_and_the_base_is_not() -> None:
     """The run's optimizer states are the adapters' (fp32, two per adapter) and the trained copy's,
     never the frozen base's: the states of fp32-save-head add up to PEFT's trainable parameters."""
-    case = CASES[5]
+    case = next(c for c in CASES if c.name == "hfpeft-fp32-save-head")
     model = model_from_data(case.hf_config(), "x/config.json", "x")
     plan = plan_of(case)
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
