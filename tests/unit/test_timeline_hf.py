@@ -149,6 +149,8 @@ def _estimate(capsys, args: list[str]) -> dict:
     [
         [LLAMA1B, "--runtime", "hf", "--precision", "bf16", "--seq-len", "2048", "--micro-batch", "2"],
         [LLAMA1B, "--runtime", "hf", "--precision", "bf16-mixed", "--recompute", "full", "--global-batch", "8"],
+        [LLAMA1B, "--runtime", "hf", "--precision", "bf16", "--finetune", "lora", "--recompute", "full"],
+        [LLAMA1B, "--runtime", "hf", "--precision", "bf16-mixed", "--finetune", "qlora", "--seq-len", "2048"],
     ],
 )
 def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> None:
@@ -165,7 +167,8 @@ def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> N
     [
         (["qwen3-8b", "--runtime", "hf"], "the qwen3 family"),
         ([LLAMA1B, "--runtime", "hf", "--dp", "2"], "more than one rank"),
-        ([LLAMA1B, "--runtime", "hf", "--finetune", "lora"], "LoRA adapters"),
+        ([LLAMA1B, "--runtime", "hf", "--finetune", "lora", "--quant", "int8"], "an LLM.int8 base"),
+        ([LLAMA1B, "--runtime", "hf", "--finetune", "qlora", "--seq-len", "512", "--micro-batch", "2"], "1536 tokens"),
         ([LLAMA1B, "--runtime", "hf", "--attention", "eager"], "eager attention"),
         ([LLAMA1B, "--runtime", "hf-loop"], "the hf-loop runtime"),
     ],

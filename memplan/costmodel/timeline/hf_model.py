@@ -29,6 +29,7 @@ Measured on CPU by ``tests/accuracy/alloc_log.py`` (the sequence of storages, pe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from memplan.costmodel.timeline import ops
@@ -100,7 +101,8 @@ def cpu_flash_sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, 
 
 
 def addmm_linear(tape: Tape, x: Tensor, w: Tensor, bias: Tensor, out_numel: int, tag: str) -> Tensor:
-    """``F.linear(x, w, bias)`` (``addmm`` on the flattened input): saves x and w. Backward
+    """``F.linear(x, w, bias)`` (``addmm`` on the flattened input): saves x for dW and w for dX, each
+    only when that gradient is needed (a frozen weight keeps no input, as ``ops.linear``). Backward
     (AddmmBackward0): the bias's gradient is the incoming one, summed to the bias by the engine
     (``validate_outputs``); dX, then dW (the reverse of ``mm``'s order; CPU log, Qwen2)."""
     x_numel, w_numel = x.numel, w.numel
@@ -117,7 +119,8 @@ def addmm_linear(tape: Tape, x: Tensor, w: Tensor, bias: Tensor, out_numel: int,
         return [dx, dw, gb]
 
     meta = [None, None, (bias.numel, bias.itemsize, True)]
-    node = tape.node(tag, apply, [x, w, bias], saved=[x, w], meta=meta)
+    saved = ([x] if w.fn is not None else []) + ([w] if x.fn is not None else [])
+    node = tape.node(tag, apply, [x, w, bias], saved=saved, meta=meta)
     out = ops.result(tape, out_numel, x.itemsize, tag, node)
     if tape.on_first_mm is not None:
         tape.on_first_mm()
@@ -172,23 +175,37 @@ class HfLlama:
     kernel: str = "cpu_flash"
     tied: bool = False
     cache: dict[str, Tensor] | None = None  # autocast's weight casts in this forward (None: no autocast)
+    adapter: Callable | None = None  # (model, x, out, name) -> out: PEFT's wrapper of a linear (hf_lora.py)
+    quant: object | None = None  # a quantized base's linears (hf_bnb.Bnb4bit)
 
     @property
     def cpu(self) -> bool:
         return self.kernel == "cpu_flash"
 
     def weight(self, name: str) -> Tensor:
-        """The weight a matmul uses: under autocast its bf16 cast, cached for the forward."""
+        """The weight a matmul uses: under autocast its bf16 cast, cached for the forward when the
+        weight is a leaf that requires grad (``cached_cast``); a frozen one's is cast at each use."""
         w = self.weights[name]
         if self.cache is None:
             return self.tape.alias(w)
+        if w.fn is None:
+            return ops.to(self.tape, w, 2, f"{name}.autocast", Category.AUTOCAST)
         if name not in self.cache:
             with self.tape.scoped(""):
                 self.cache[name] = ops.to(self.tape, w, 2, f"{name}.autocast", Category.AUTOCAST)
         return self.tape.alias(self.cache[name])
 
     def linear(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
-        """``nn.Linear`` (no bias); under autocast the weight's cast, then the input's."""
+        """``nn.Linear`` (no bias); under autocast the weight's cast, then the input's. A quantized
+        base's linear is its own module's (``hf_bnb.py``); PEFT's wrapper runs after the base."""
+        if self.quant is not None and self.quant.quantized(name):
+            out = self.quant.linear(self, x, name, out_features, tag)
+        else:
+            out = self.dense(x, name, out_features, tag)
+        return out if self.adapter is None else self.adapter(self, x, out, name)
+
+    def dense(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
+        """``nn.Linear.forward``: ``F.linear`` with the weight (and bias) of ``name``."""
         t = self.tape
         w = self.weight(f"{name}.weight")
         xin = ops.to(t, x, 2, f"{tag}.input_cast") if self.cache is not None else t.alias(x)
@@ -244,15 +261,18 @@ class HfLlama:
         return v
 
     def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """SDPA; under autocast the fp32 RoPE outputs are cast to bf16 first (k, then q)."""
+        """SDPA; under autocast the fp32 RoPE outputs are cast to bf16 first (k, then q), and v when it
+        is fp32 too (a 4-bit base's linear returns its input's dtype: CPU log, k, v, then q)."""
         t, d = self.tape, self.d
         if self.kernel == "math":
             return prec.math_sdpa(t, q, k, v, d.b, d.heads, d.s)
-        k2 = ops.to(t, k, 2, "k_cast") if self.cache is not None else t.alias(k)
-        q2 = ops.to(t, q, 2, "q_cast") if self.cache is not None else t.alias(q)
+        cast = self.cache is not None
+        k2 = ops.to(t, k, 2, "k_cast") if cast else t.alias(k)
+        v2 = ops.to(t, v, 2, "v_cast") if cast else t.alias(v)
+        q2 = ops.to(t, q, 2, "q_cast") if cast else t.alias(q)
         sdpa = ops.sdpa if self.kernel == "flash" else cpu_flash_sdpa
-        out = sdpa(t, q2, k2, v, d.b * d.heads * d.s, "sdpa")
-        t.done(k2, q2)
+        out = sdpa(t, q2, k2, v2, d.b * d.heads * d.s, "sdpa")
+        t.done(k2, q2, v2)
         return out
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:

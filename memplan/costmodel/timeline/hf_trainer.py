@@ -35,6 +35,8 @@ from __future__ import annotations
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
+from memplan.costmodel.timeline.hf_bnb import Bnb4bit
+from memplan.costmodel.timeline.hf_lora import HfLora, HfLoraConfig
 from memplan.costmodel.timeline.hf_model import HfLlama, is_norm, param_shapes, scalar_div
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
@@ -42,14 +44,15 @@ from memplan.costmodel.timeline.trainer_model import Dims
 
 def hf_dims(model, workload, plan) -> Dims:
     """One rank's shapes: bf16 or fp32 weights and compute, or (``bf16-mixed``: the Trainer's
-    ``bf16=True``) fp32 weights under bf16 autocast."""
+    ``bf16=True``) fp32 weights under bf16 autocast; over a 4-bit base the other weights are fp32
+    (``prepare_model_for_kbit_training`` casts them)."""
     itemsize = 4 if plan.precision == "fp32" else 2
     mixed = plan.precision == "bf16-mixed"
     return Dims.of(
         model,
         workload,
         cd=itemsize,
-        pd=4 if mixed else itemsize,
+        pd=4 if mixed or plan.quant in ("nf4", "fp4") else itemsize,
         autocast=mixed,
         recompute=plan.recompute,
     )
@@ -75,7 +78,9 @@ def hf_plan_run(model, workload, plan) -> Timeline:
     kernel = hf_kernel(model, plan, "cuda")
     assert kernel is not None
     d = hf_dims(model, workload, plan)
-    return hf_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=accumulation(workload, plan))
+    lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan)
+    ga = accumulation(workload, plan)
+    return hf_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=ga, lora=lora, quant=quant)
 
 
 def hf_run(
@@ -86,14 +91,17 @@ def hf_run(
     batches: int | None = None,
     qkv_bias: bool = False,
     ga: int = 1,
+    lora: HfLoraConfig | None = None,
+    quant: Bnb4bit | None = None,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
     ``batches`` batches (None: enough that the prefetch never runs dry); ``qkv_bias``: Qwen2's
-    attention biases.
+    attention biases; ``lora``: PEFT's adapters over the frozen base (``hf_lora.py``); ``quant``: a
+    4-bit base (``hf_bnb.py``).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
-    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga)
+    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, lora, quant)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -103,7 +111,16 @@ def hf_run(
 
 class _HfRun:
     def __init__(
-        self, d: Dims, tied: bool, kernel: str, batches: int, tape_flags: dict, qkv_bias: bool, ga: int
+        self,
+        d: Dims,
+        tied: bool,
+        kernel: str,
+        batches: int,
+        tape_flags: dict,
+        qkv_bias: bool,
+        ga: int,
+        lora: HfLoraConfig | None = None,
+        quant: Bnb4bit | None = None,
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -113,7 +130,7 @@ class _HfRun:
         self.d, self.batches = d, batches
         self.shapes = param_shapes(d, tied, qkv_bias)
         self.grads: dict[str, Tensor] = {}
-        self.model = HfLlama(self.tape, d, {}, kernel, tied)
+        self.model = HfLlama(self.tape, d, {}, kernel, tied, quant=quant)
         self.data: list[list[Tensor]] = []
         self.fetched = 0
         self.ga = ga
@@ -121,15 +138,31 @@ class _HfRun:
         self.prev_loss: Tensor | None = None
         self.total_norm: Tensor | None = None
         self.states: list[Tensor] = []
+        self.lora = None
+        if lora is not None:
+            cuda, ckpt = kernel != "cpu_flash", d.recompute == "full"
+            self.lora = HfLora(self.tape, lora, d.tokens, cuda, input_grad=ckpt)
+            self.model.adapter = self.lora.adapt
+            self.model.tied = tied and "lm_head" not in lora.modules_to_save  # the trained copy is untied
         self._build()
 
     def _build(self) -> None:
         """Parameters in ``model.parameters()`` order, the two rotary buffers, ``tr_loss``."""
         t, d = self.tape, self.d
+        quant = self.model.quant
         for name, (rows, cols) in self.shapes.items():
+            if quant is not None and quant.quantized(name.removesuffix(".weight")):
+                self.model.weights[name] = quant.build(t, name, rows * cols)
+                continue
             p = t.managed(rows * cols, d.pd, name, Category.PARAMETERS)
-            p.fn = ops.leaf(self.grads, name)
+            if self.lora is None:  # get_peft_model freezes the base
+                p.fn = ops.leaf(self.grads, name)
             self.model.weights[name] = p
+        if self.lora is None:
+            self.trainable = {name: (rows * cols, d.pd) for name, (rows, cols) in self.shapes.items()}
+        else:
+            self.lora.build(self.model.weights, self.shapes, self.grads, d.pd)
+            self.trainable = self.lora.trainable
         for name in ("inv_freq", "original_inv_freq"):
             t.managed(d.head_dim // 2, d.pd, f"model.rotary_emb.{name}", Category.PARAMETERS)
         t.managed(1, 4, "tr_loss", Category.LOGITS)
@@ -183,7 +216,7 @@ class _HfRun:
             self.training_step(self.data[i][0], first=k == 0 and i == 0)
         self.clip()
         self.optimizer_step(first=k == 0)
-        for name in self.shapes:
+        for name in self.trainable:
             t.drop(self.grads.pop(name, None))
 
     def training_step(self, ids: Tensor, first: bool) -> None:
@@ -213,7 +246,10 @@ class _HfRun:
             t.on_first_mm = self._workspace("backward")
         t.backward(scaled, t.hold(seed))  # torch.autograd.backward holds it until it returns
         t.scope = ""
-        t.done(seed, scaled, self.prev_loss)
+        t.done(seed, scaled)
+        if self.lora is not None:
+            self.lora.free_graph()
+        t.done(self.prev_loss)
         self.prev_loss = loss
         for check in ("isnan", "isinf"):
             t.done(t.new(1, 1, check))
@@ -222,6 +258,8 @@ class _HfRun:
         """``LlamaForCausalLM.forward`` up to the logits."""
         t, m, d = self.tape, self.model, self.d
         emb = m.embed(ids)
+        if self.lora is not None:
+            self.lora.require_input_grad(emb)
         pos = m.positions()
         cos, sin = m.rope_tables(emb)
         x = t.alias(emb)
@@ -255,7 +293,7 @@ class _HfRun:
         """``clip_grad_norm_(params, 1.0)`` (foreach): a norm per gradient, their stack, the total
         (kept: the Trainer logs it), ``max_norm / (total + 1e-6)`` clamped to 1; each a scalar
         of the gradients' dtype."""
-        t, g = self.tape, self.d.pd
+        t, g = self.tape, next(iter(self.trainable.values()))[1]
         with t.scoped("clip_grad_norm"):
             t.done(self.total_norm)
             n = len(self.grads)
@@ -273,11 +311,11 @@ class _HfRun:
         """Fused AdamW: the states on the first step (decay group, then no-decay), in place after."""
         if not first:
             return
-        t, pd = self.tape, self.d.pd
+        t = self.tape
         t.scope = ""
-        order = [n for n in self.shapes if not is_norm(n)] + [n for n in self.shapes if is_norm(n)]
+        order = [n for n in self.trainable if not is_norm(n)] + [n for n in self.trainable if is_norm(n)]
         for name in order:
-            rows, cols = self.shapes[name]
+            numel, itemsize = self.trainable[name]
             self.states.append(t.managed(1, 4, f"{name}.step", Category.OPTIMIZER_STATES))
             for state in ("exp_avg", "exp_avg_sq"):
-                self.states.append(t.managed(rows * cols, pd, f"{name}.{state}", Category.OPTIMIZER_STATES))
+                self.states.append(t.managed(numel, itemsize, f"{name}.{state}", Category.OPTIMIZER_STATES))

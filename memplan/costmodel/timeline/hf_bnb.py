@@ -1,0 +1,117 @@
+"""bitsandbytes 4-bit bases (nf4 / fp4, double quantization; bitsandbytes 0.50) in the Trainer's op-level run.
+
+``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`` replaces each
+decoder-layer linear by ``bnb.nn.Linear4bit`` (``lm_head`` and the embedding stay as they are): its
+weight is ``Params4bit``, two 4-bit codes per byte, with a ``QuantState`` beside it (per 64-element
+block an fp32 ``absmax``, and the 16-entry fp32 ``code``; with double quantization the absmax is
+uint8, with an fp32 absmax per 256 of them, a 256-entry fp32 ``code`` and an fp32 ``offset``).
+``prepare_model_for_kbit_training`` freezes everything and casts the other 16-bit parameters to fp32.
+
+``Linear4bit.forward`` (``bitsandbytes/nn/modules.py``): ``x.to(compute_dtype)``, then
+``MatMul4Bit`` (``autograd/_functions.py``), whose forward calls ``bitsandbytes::gemm_4bit`` under no
+grad and saves no activation; the result is cast back to the input's dtype. ``gemm_4bit``:
+
+- CPU (``backends/default/ops.py: _gemm_4bit_default_impl``): with double quantization the
+  dequantized absmax (fp32) plus the offset, the dequantized weight in the compute dtype, ``F.linear``;
+  these run inside the custom op, below a dispatch-level count, which sees the output alone;
+- CUDA over more than 1536 tokens (``backends/cuda/ops.py``: ``_dequant_linear_fallback``, from the
+  source, not checked on a GPU): the dequantized absmax kept as a local beside its sum with the offset,
+  the dequantized weight, ``F.linear``. Up to 1536 tokens a per-architecture rule picks a fused kernel
+  instead (``_gemm_4bit_use_custom_cuda``): not modelled (``hf_support``).
+
+``MatMul4Bit.backward``: ``matmul(grad, F.dequantize_4bit(W, state).to(grad.dtype))``: with double
+quantization the absmax dequantized first (fp32, offset added in place), the weight dequantized in the
+dtype it was loaded in (``quant_state.dtype``), cast to the gradient's dtype when they differ, then
+the input's gradient. Checked on CPU against the real Trainer (tests/unit/test_timeline_hf_peft.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.events import Category
+
+BLOCK = 64  # bnb_4bit's blocksize (transformers' BitsAndBytesConfig: 64)
+NESTED_BLOCK = 256  # double quantization's blocksize for the absmax (bitsandbytes.functional.quantize_4bit)
+CODE_4BIT = 16  # entries of the nf4 / fp4 code (fp32)
+CODE_8BIT = 256  # entries of the dynamic map of the nested absmax (fp32)
+CUDA_DEQUANT_TOKENS = 1536  # _gemm_4bit_custom_max_m: past it CUDA dequantizes and calls F.linear
+
+
+@dataclass(frozen=True)
+class Bnb4bit:
+    """A 4-bit base: double quantization, the compute dtype's bytes and the dtype it was loaded in."""
+
+    double_quant: bool
+    compute: int  # bnb_4bit_compute_dtype: 2 (bf16) or 4 (fp32)
+    stored: int = 4  # quant_state.dtype: the weights' dtype when quantized (from_pretrained's dtype)
+
+    @classmethod
+    def of(cls, plan) -> Bnb4bit | None:
+        """A plan's 4-bit base (``quant: nf4 | fp4``), loaded in its compute dtype (``precision``: fp32,
+        or bf16 with or without ``bf16=True``, the usual QLoRA recipe), or None."""
+        if plan.quant not in ("nf4", "fp4"):
+            return None
+        compute = 4 if plan.precision == "fp32" else 2
+        return cls(plan.double_quant, compute, stored=compute)
+
+    @staticmethod
+    def quantized(name: str) -> bool:
+        """A decoder layer's linear (``model.layers.{i}.{self_attn|mlp}.{proj}``)."""
+        return name.startswith("model.layers.") and name.endswith("_proj")
+
+    def build(self, tape: Tape, name: str, numel: int) -> Tensor:
+        """The packed weight, then its quantization state (``quant_state_tensors`` order)."""
+        w = tape.managed(numel // 2, 1, name, Category.PARAMETERS)
+        blocks = -(-numel // BLOCK)
+        if self.double_quant:
+            state = [(blocks, 1), (CODE_4BIT, 4), (1, 4), (-(-blocks // NESTED_BLOCK), 4), (CODE_8BIT, 4)]
+        else:
+            state = [(blocks, 4), (CODE_4BIT, 4)]
+        for i, (n, itemsize) in enumerate(state):
+            tape.managed(n, itemsize, f"{name}.quant_state{i}", Category.PARAMETERS)
+        return w
+
+    def linear(self, model, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
+        """``Linear4bit.forward``: the compute-dtype cast, ``MatMul4Bit``, the cast back."""
+        t, d = model.tape, model.d
+        rows, cols = out_features, x.numel // d.tokens
+        xc = ops.to(t, x, self.compute, f"{tag}.compute_cast")
+        out = self._matmul(t, xc, rows, cols, d.tokens, model.cpu, tag)
+        y = ops.to(t, out, x.itemsize, f"{tag}.out_cast")
+        t.done(out, xc)  # the temporary, then the frame's cast input
+        return y
+
+    def _matmul(self, t: Tape, x: Tensor, rows: int, cols: int, tokens: int, cpu: bool, tag: str) -> Tensor:
+        """``MatMul4Bit.apply``: ``gemm_4bit``'s temporaries, its output; the backward's dequantization."""
+        numel, stored, nested = rows * cols, self.stored, self.double_quant
+
+        def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+            absmax = tape.new(-(-numel // BLOCK), 4, "absmax_dequant") if nested else None
+            w = tape.new(numel, stored, "weight_dequant")
+            tape.drop(absmax)
+            if stored != g[0].itemsize:
+                w, old = tape.new(numel, g[0].itemsize, "weight_cast"), w
+                tape.drop(old)
+            dx = tape.new(tokens * cols, g[0].itemsize, "dX")
+            tape.drop(w)
+            return [dx]
+
+        node = t.node(tag, apply, [x])
+        blocks = -(-numel // BLOCK)
+        temps = []
+        if nested:
+            raw = t.new(blocks, 4, f"{tag}.absmax_dequant")
+            temps.append(t.new(blocks, 4, f"{tag}.absmax"))
+            if cpu:
+                t.done(raw)  # a temporary of the sum
+            else:
+                temps.append(raw)  # absmax_dq stays a local until the fallback returns
+        if not cpu and tokens <= CUDA_DEQUANT_TOKENS:
+            raise ValueError(f"{tokens} tokens: CUDA's gemm_4bit picks its fused kernel per architecture")
+        temps.append(t.new(numel, x.itemsize, f"{tag}.weight_dequant"))
+        out = ops.result(t, tokens * rows, x.itemsize, tag, node)
+        t.done(*reversed(temps))
+        return out

@@ -1,0 +1,77 @@
+"""``transformers.Trainer`` over a PEFT model on CPU, measured by live storages (issue 28 item 2).
+
+The case is a :class:`peft_steps.PeftCase` (the tiny configurations and LoRA configs of the hand-loop
+suite); the loop is the real ``Trainer.train()`` with its defaults (fused AdamW over the trainable
+parameters, ``max_grad_norm=1.0``, ``model.zero_grad()``), ``bf16=True`` for autocast cases, and its
+own gradient checkpointing (``gradient_checkpointing=True``: ``activation_checkpointing_enable`` with
+``use_reentrant=False``, which also calls ``enable_input_require_grads``). Counted by
+:class:`StorageTracker` (no reference kept), over the model's parameters and buffers.
+
+    python tests/accuracy/hf_peft_steps.py NAME   # prints the allocation sequence of one case
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tempfile
+
+import peft_steps
+import torch
+import transformers
+from storage_tracker import StorageTracker
+
+
+def build(case: peft_steps.PeftCase):
+    """The PEFT model of a case as a user builds it for the Trainer: the base (``to(dtype)``), then
+    ``get_peft_model``; checkpointing is left to the Trainer's argument."""
+    if case.quant != "none":
+        return peft_steps.build(case)
+    return peft_steps.build(dataclasses.replace(case, checkpointing=False))
+
+
+def measure(case: peft_steps.PeftCase, ga: int = 1, steps: int = 3, tracker: StorageTracker | None = None) -> int:
+    """Peak live bytes of ``Trainer.train()`` over ``steps`` optimizer steps of ``ga`` micro-batches."""
+    model = build(case)
+    torch.manual_seed(1)
+    ids = torch.randint(0, case.vocab, (case.batch * ga * steps, case.seq))
+    rows = [{"input_ids": row, "labels": row} for row in ids]
+    tracker = tracker or StorageTracker()
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=case.batch,
+            gradient_accumulation_steps=ga,
+            max_steps=steps,
+            learning_rate=1e-4,
+            use_cpu=True,
+            bf16=case.autocast,
+            gradient_checkpointing=case.checkpointing,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+        tracker.track_module(model)
+        tracker.track(*peft_steps.quant_state_tensors(model))
+        with tracker:
+            trainer.train()
+    return tracker.peak
+
+
+def main(name: str, ga: int = 1) -> None:
+    """Print the allocation sequence of one case of ``peft_steps.CASES`` and its peak."""
+    from alloc_log import AllocLog
+
+    case = next(c for c in peft_steps.CASES if c.name == name)
+    log = AllocLog()
+    peak = measure(case, ga=ga, tracker=log)
+    for i, (sign, size, op, live) in enumerate(log.events):
+        print(f"{i:6d} {sign} {size:12d} {op:40s} {live:12d}")
+    print("peak", peak)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:3]))
