@@ -29,6 +29,7 @@ Measured on CPU by ``tests/accuracy/alloc_log.py`` (the sequence of storages, pe
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from memplan.costmodel.timeline import ops
@@ -48,19 +49,21 @@ LAYER_PARAMS = (
     ("input_layernorm", "h", "1"),
     ("post_attention_layernorm", "h", "1"),
 )
-NORMS = ("input_layernorm", "post_attention_layernorm", "model.norm")
 
 
 QKV_BIAS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # Qwen2's attention biases
 
 
-def param_shapes(d: Dims, tied: bool, qkv_bias: bool = False) -> dict[str, tuple[int, int]]:
+def param_shapes(
+    d: Dims, tied: bool, qkv_bias: bool = False, layer_params: tuple = LAYER_PARAMS
+) -> dict[str, tuple[int, int]]:
     """``model.parameters()`` in order (a tied ``lm_head`` is the embedding, left out); with
-    ``qkv_bias`` (Qwen2) each of q, k, v has its bias after its weight."""
-    size = {"h": d.h, "q": d.q, "kv": d.kv, "f": d.f, "1": 1}
+    ``qkv_bias`` (Qwen2) each of q, k, v has its bias after its weight; ``layer_params``: a
+    family's layer (``hf_families.py``)."""
+    size = {"h": d.h, "q": d.q, "kv": d.kv, "f": d.f, "1": 1, "hd": d.head_dim, "qkv": d.q + 2 * d.kv, "2f": 2 * d.f}
     out = {"model.embed_tokens.weight": (d.vocab, d.h)}
     for i in range(d.layers):
-        for name, rows, cols in LAYER_PARAMS:
+        for name, rows, cols in layer_params:
             out[f"model.layers.{i}.{name}.weight"] = (size[rows], size[cols])
             if qkv_bias and name in QKV_BIAS:
                 out[f"model.layers.{i}.{name}.bias"] = (size[rows], 1)
@@ -70,9 +73,13 @@ def param_shapes(d: Dims, tied: bool, qkv_bias: bool = False) -> dict[str, tuple
     return out
 
 
+NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
 def is_norm(name: str) -> bool:
-    """The Trainer's no-decay group: ``get_decay_parameter_names`` leaves out norm weights (and biases)."""
-    return any(n in name for n in NORMS) or name.endswith(".bias")
+    """The Trainer's no-decay group: ``get_decay_parameter_names`` leaves out the parameters whose
+    lower-cased name matches its ``forbidden_name_patterns`` (norm weights, q/k norms, biases)."""
+    return NO_DECAY.search(name.lower()) is not None
 
 
 def cpu_flash_sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) -> Tensor:
@@ -203,13 +210,13 @@ class HfLlama:
         return out
 
     # --- the layer -------------------------------------------------------------------------------
-    def rms_norm(self, x: Tensor, name: str) -> Tensor:
-        """``LlamaRMSNorm.forward``."""
+    def rms_norm(self, x: Tensor, name: str, rows: int | None = None) -> Tensor:
+        """``LlamaRMSNorm.forward`` over ``rows`` vectors (default: one per token)."""
         t, d = self.tape, self.d
         with t.scoped(name):
             x32 = ops.to(t, x, 4, "x_fp32")
             p = ops.unary(t, x32, "pow", temps=2, save_input=True)
-            var = ops.unary(t, p, "mean", out_numel=d.tokens)
+            var = ops.unary(t, p, "mean", out_numel=rows or d.tokens)
             t.done(p)
             e = ops.unary(t, var, "add_eps", temps=-1)
             r = ops.rsqrt(t, e, "rsqrt")

@@ -35,7 +35,8 @@ from __future__ import annotations
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
-from memplan.costmodel.timeline.hf_model import HfLlama, is_norm, param_shapes, scalar_div
+from memplan.costmodel.timeline.hf_families import family
+from memplan.costmodel.timeline.hf_model import is_norm, param_shapes, scalar_div
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
 
@@ -75,7 +76,9 @@ def hf_plan_run(model, workload, plan) -> Timeline:
     kernel = hf_kernel(model, plan, "cuda")
     assert kernel is not None
     d = hf_dims(model, workload, plan)
-    return hf_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=accumulation(workload, plan))
+    return hf_run(
+        d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=accumulation(workload, plan), arch=model.architecture
+    )
 
 
 def hf_run(
@@ -86,14 +89,15 @@ def hf_run(
     batches: int | None = None,
     qkv_bias: bool = False,
     ga: int = 1,
+    arch: str = "llama",
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
     ``batches`` batches (None: enough that the prefetch never runs dry); ``qkv_bias``: Qwen2's
-    attention biases.
+    attention biases; ``arch``: the family (``hf_families.py``).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
-    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga)
+    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -103,7 +107,7 @@ def hf_run(
 
 class _HfRun:
     def __init__(
-        self, d: Dims, tied: bool, kernel: str, batches: int, tape_flags: dict, qkv_bias: bool, ga: int
+        self, d: Dims, tied: bool, kernel: str, batches: int, tape_flags: dict, qkv_bias: bool, ga: int, arch: str
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -111,9 +115,10 @@ class _HfRun:
         for key, value in tape_flags.items():
             setattr(self.tape, key, value)
         self.d, self.batches = d, batches
-        self.shapes = param_shapes(d, tied, qkv_bias)
+        model_class, layer_params = family(arch)
+        self.shapes = param_shapes(d, tied, qkv_bias, layer_params)
         self.grads: dict[str, Tensor] = {}
-        self.model = HfLlama(self.tape, d, {}, kernel, tied)
+        self.model = model_class(self.tape, d, {}, kernel, tied)
         self.data: list[list[Tensor]] = []
         self.fetched = 0
         self.ga = ga
