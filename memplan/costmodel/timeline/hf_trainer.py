@@ -76,9 +76,8 @@ def hf_plan_run(model, workload, plan) -> Timeline:
     kernel = hf_kernel(model, plan, "cuda")
     assert kernel is not None
     d = hf_dims(model, workload, plan)
-    return hf_run(
-        d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=accumulation(workload, plan), arch=model.architecture
-    )
+    ga = accumulation(workload, plan)
+    return hf_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=ga, arch=model.architecture)
 
 
 def hf_run(
