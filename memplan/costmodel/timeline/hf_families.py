@@ -12,7 +12,12 @@ against the real Trainer (tests/unit/test_timeline_hf_families.py):
   factor 1: ``q[..., :rotary_dim]`` is an alias, ``q[..., rotary_dim:]`` an empty slice whose
   backward is another zeroed q-sized gradient, and ``cat([rope(q), q_pass])`` a copy; one
   ``gate_up_proj`` chunked in two (``SplitBackward0``: one ``cat`` of both gradients); the
-  residual dropouts at ``resid_pdrop=0`` return their input (``at::dropout``).
+  residual dropouts at ``resid_pdrop=0`` return their input (``at::dropout``);
+- OLMo 2 (``modeling_olmo2.py``): no pre-norms; ``post_attention_layernorm`` and
+  ``post_feedforward_layernorm`` on the attention's and the MLP's outputs before each residual
+  add; ``q_norm`` / ``k_norm`` over the whole projection before the head view;
+  ``Olmo2RMSNorm`` returns ``(weight * x).to(input_dtype)`` (the product in fp32); the rotary
+  tables stay fp32, so in bf16 RoPE computes in fp32 and casts q and k back after both.
 """
 
 from __future__ import annotations
@@ -158,12 +163,86 @@ class HfPhi3(HfLlama):
         return y
 
 
+OLMO2_PARAMS = (
+    *LAYER_PARAMS[:4],
+    ("self_attn.q_norm", "q", "1"),
+    ("self_attn.k_norm", "kv", "1"),
+    *LAYER_PARAMS[4:7],
+    ("post_attention_layernorm", "h", "1"),
+    ("post_feedforward_layernorm", "h", "1"),
+)
+
+
+class HfOlmo2(HfLlama):
+    """``Olmo2ForCausalLM``: post-norms, full-width q/k norms, fp32 rotary tables."""
+
+    rope_cast = False
+
+    def rms_norm(self, x: Tensor, name: str, rows: int | None = None) -> Tensor:
+        """``Olmo2RMSNorm.forward``: the weight multiplies the fp32 normed states, then the cast."""
+        t, d = self.tape, self.d
+        with t.scoped(name):
+            x32 = ops.to(t, x, 4, "x_fp32")
+            p = ops.unary(t, x32, "pow", temps=2, save_input=True)
+            var = ops.unary(t, p, "mean", out_numel=rows or d.tokens)
+            t.done(p)
+            e = ops.unary(t, var, "add_eps", temps=-1)
+            r = ops.rsqrt(t, e, "rsqrt")
+            t.done(e)
+            y = ops.mul(t, x32, r, "normed")
+            t.done(r, x32)
+            w = ops.mul(t, self.weights[f"{name}.weight"], y, "weighted", over_rows=True)
+            out = ops.to(t, w, x.itemsize, "out")
+            t.done(w, y, var)
+        return out
+
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
+        """``Olmo2Attention.forward`` with ``sdpa_attention_forward``."""
+        t, d = self.tape, self.d
+        name = f"{prefix}.self_attn"
+        with t.scoped(name):
+            normed = []
+            for part, width in (("q", d.q), ("k", d.kv)):
+                y = self.linear(x, f"{name}.{part}_proj", width, f"{part}_proj")
+                normed.append(self.rms_norm(y, f"{name}.{part}_norm"))
+                t.done(y)
+            v = self.linear(x, f"{name}.v_proj", d.kv, "v_proj")
+            q, k = (ops.heads_view(t, n, f"{p}_heads", True) for n, p in zip(normed, "qk", strict=True))
+            vh = ops.heads_view(t, v, "v_heads", self.kernel == "math")
+            t.done(*normed, v)
+            qe, ke = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
+            qr, kr = ops.to(t, qe, q.itemsize, "q_rope_cast"), ops.to(t, ke, k.itemsize, "k_rope_cast")
+            t.done(qe, ke, q, k)  # apply_rotary_pos_emb's locals, then the rebound query / key
+            out = self.core(qr, kr, vh)
+            flat = prec.merge_heads(t, out) if self.kernel == "math" else t.alias(out)
+            y = self.linear(flat, f"{name}.o_proj", d.h, "o_proj")
+            t.done(flat, out, qr, kr, vh)
+        return y
+
+    def layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        """``Olmo2DecoderLayer.forward``: each sublayer's output normed, then added."""
+        t, prefix = self.tape, f"model.layers.{i}"
+        with t.scoped(prefix):
+            a = self.attention(x, cos, sin, prefix)
+            n1 = self.rms_norm(a, f"{prefix}.post_attention_layernorm")
+            t.done(a)
+            h = ops.add(t, x, n1, "residual_attention")
+            t.done(n1)
+            m = self.mlp(h, prefix)
+            n2 = self.rms_norm(m, f"{prefix}.post_feedforward_layernorm")
+            t.done(m)
+            out = ops.add(t, h, n2, "residual_mlp")
+            t.done(n2, h)
+        return out
+
+
 FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
     "llama": (HfLlama, LAYER_PARAMS),
     "mistral": (HfLlama, LAYER_PARAMS),
     "qwen2": (HfLlama, LAYER_PARAMS),
     "qwen3": (HfQwen3, QWEN3_PARAMS),
     "phi3": (HfPhi3, PHI3_PARAMS),
+    "olmo2": (HfOlmo2, OLMO2_PARAMS),
 }
 
 

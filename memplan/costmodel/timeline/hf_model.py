@@ -179,6 +179,7 @@ class HfLlama:
     kernel: str = "cpu_flash"
     tied: bool = False
     cache: dict[str, Tensor] | None = None  # autocast's weight casts in this forward (None: no autocast)
+    rope_cast = True  # the rotary tables cast to the hidden states' dtype (a class attribute)
 
     @property
     def cpu(self) -> bool:
@@ -354,7 +355,8 @@ class HfLlama:
                 raw = t.new(table, 4, name)
                 tables.append(t.new(table, 4, f"{name}_scaled"))
                 t.done(raw)
-            cos, sin = (ops.to(t, x32, x.itemsize, f"{n}_cast") for x32, n in zip(tables, ("cos", "sin"), strict=True))
+            size = x.itemsize if self.rope_cast else 4  # OLMo 2 keeps them fp32
+            cos, sin = (ops.to(t, x32, size, f"{n}_cast") for x32, n in zip(tables, ("cos", "sin"), strict=True))
             t.done(freqs, emb, *tables)
         return cos, sin
 
