@@ -1,8 +1,11 @@
 """Which ``--runtime hf`` plans the op-level run of ``transformers.Trainer`` (``hf_trainer.py``) models.
 
 Apart from the run so that asking does not build it. Modelled (tests/unit/test_timeline_hf.py, every
-case equal to the real Trainer's peak on CPU): full fine-tuning on one rank of a dense Llama-layout
-decoder (Llama, Mistral without a sliding window, Qwen2 with its q/k/v biases) under SDPA; fp32, bf16,
+case equal to the real Trainer's peak on CPU; the families in tests/unit/test_timeline_hf_families.py):
+full fine-tuning on one rank of a dense Llama-layout decoder (Llama, Mistral without a sliding window,
+Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transformers writes them
+(Qwen3 without attention biases or sliding layers, Phi-3 without a sliding window and with full
+rotary embeddings, OLMo 2 without attention biases) under SDPA; fp32, bf16,
 or ``bf16=True`` over fp32 (``bf16-mixed``); the default fused AdamW; gradient checkpointing of every
 layer or none; any gradient accumulation. On CUDA the kernels are those of the bundled trainer's
 traces (``support.sdpa_kernel``), not yet checked on a GPU against transformers.
@@ -15,7 +18,20 @@ from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
-FAMILIES = ("llama", "mistral", "qwen2")  # Llama's decoder layer (Qwen2: with q/k/v biases)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")  # hf_families.py
+# each family's layer as transformers writes it: (layer norms, q/k norm scope or None, (fused qkv, fused gate-up))
+LAYOUT = {
+    "qwen3": ("pre", "head", (False, False)),
+    "phi3": ("pre", None, (True, True)),
+    "olmo2": ("post", "full", (False, False)),
+}
+LLAMA_LAYOUT = ("pre", None, (False, False))
+
+
+def _layout(model: ModelSpec) -> tuple:
+    """The spec's layer in ``LAYOUT``'s terms."""
+    scope = model.qk_norm_scope if model.qk_norm and model.qk_norm_weight else None
+    return model.layer_norms, scope, (model.fused_qkv, model.fused_gate_up)
 
 
 def hf_supported(model: ModelSpec, plan: Plan) -> str | None:
@@ -25,7 +41,9 @@ def hf_supported(model: ModelSpec, plan: Plan) -> str | None:
         (model.moe is None and model.mla is None, "MoE or MLA models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
-        (not (model.attn_out_bias or model.mlp_bias or model.qk_norm), "these biases or QK-norm"),
+        (not (model.attn_out_bias or model.mlp_bias), "these biases"),
+        (_layout(model) == LAYOUT.get(model.architecture, LLAMA_LAYOUT), f"this {model.architecture} layer layout"),
+        (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
         (not model.qkv_bias or model.architecture == "qwen2", "Q/K/V biases outside Qwen2"),
         (set(model.attention_pattern) <= {"full"}, "sliding or chunked attention"),
         (plan.attention == "flash", f"{plan.attention} attention"),
