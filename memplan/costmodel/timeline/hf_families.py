@@ -236,6 +236,167 @@ class HfOlmo2(HfLlama):
         return out
 
 
+GEMMA_PARAMS = (
+    *QWEN3_PARAMS[:9],
+    ("input_layernorm", "h", "1"),
+    ("post_attention_layernorm", "h", "1"),
+    ("pre_feedforward_layernorm", "h", "1"),
+    ("post_feedforward_layernorm", "h", "1"),
+)
+
+
+def _scaled(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``x / c`` or ``x * c`` for a Python scalar: saves nothing; backward a new gradient."""
+    return prec._scaled(tape, x, x.numel, tag)
+
+
+def _tanh(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``torch.tanh``: saves its result; backward (``tanh_backward``) allocates the gradient."""
+    numel, itemsize = x.numel, x.itemsize
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(numel, itemsize, "grad")]
+
+    node = tape.node(tag, apply, [x])
+    out = ops.result(tape, numel, itemsize, tag, node)
+    if node is not None:
+        tape.save(node, out)
+    return out
+
+
+class HfGemma3(HfLlama):
+    """``Gemma3ForCausalLM``: the scaled embedding, ``(1 + w)`` RMSNorm in fp32, sandwich norms,
+    per-head q/k norms after the transpose, GeGLU, one pair of rotary tables per layer type."""
+
+    act = "gelu_tanh"
+
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind (``full`` / ``sliding``)."""
+        return tuple((self.extra or {}).get("kinds") or ("full",) * self.d.layers)
+
+    def buffers(self) -> list[tuple[str, int]]:
+        """``embed_tokens.embed_scale`` (a scalar), then per layer type present (sorted) its
+        ``inv_freq`` and ``original_inv_freq``."""
+        half = self.d.head_dim // 2
+        names = ("inv_freq", "original_inv_freq")
+        rope = [(f"model.rotary_emb.{k}_attention_{n}", half) for k in sorted(set(self.kinds())) for n in names]
+        return [("model.embed_tokens.embed_scale", 1), *rope]
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """``Gemma3TextScaledWordEmbedding``: the lookup times ``embed_scale`` (a buffer in the weight's dtype)."""
+        t = self.tape
+        e = super().embed(ids)
+        with t.scoped("model.embed_tokens"):
+            out = ops.mul(t, e, self.weights["model.embed_tokens.embed_scale"], "embed_scale")
+        t.done(e)
+        return out
+
+    def positions(self) -> Tensor:
+        """``position_ids``, then two masks built (full and sliding): two packed-sequence checks."""
+        pos = super().positions()
+        self.packed_check()
+        return pos
+
+    def rope_tables(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """One pair per layer type present (``position_embeddings[layer_type]``); the first pair is
+        returned (held once more: all pairs go in :meth:`head`, with the model's forward)."""
+        self.pairs = {kind: super(HfGemma3, self).rope_tables(x) for kind in sorted(set(self.kinds()))}
+        cos, sin = next(iter(self.pairs.values()))
+        return self.tape.alias(cos), self.tape.alias(sin)
+
+    def tables_for(self, i: int, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        return self.pairs[self.kinds()[i]]
+
+    def rms_norm(self, x: Tensor, name: str, rows: int | None = None) -> Tensor:
+        """``Gemma3RMSNorm.forward``: ``_norm(x.float()) * (1.0 + weight.float())``, cast back."""
+        t, d = self.tape, self.d
+        with t.scoped(name):
+            x32 = ops.to(t, x, 4, "x_fp32")
+            p = ops.unary(t, x32, "pow", temps=2, save_input=True)
+            m = ops.unary(t, p, "mean", out_numel=rows or d.tokens)
+            t.done(p)
+            e = ops.unary(t, m, "add_eps", temps=-1)
+            t.done(m)
+            r = ops.rsqrt(t, e, "rsqrt")
+            t.done(e)
+            y = ops.mul(t, x32, r, "normed")
+            t.done(r, x32)
+            w32 = ops.to(t, self.weights[f"{name}.weight"], 4, "weight_fp32")
+            wp = ops.unary(t, w32, "one_plus", temps=-1)
+            t.done(w32)
+            o = ops.mul(t, wp, y, "scaled", over_rows=True)  # output * (1 + w): same bytes either order
+            t.done(wp, y)  # the temporary, then the rebound output
+            out = ops.to(t, o, x.itemsize, "out")
+            t.done(o)
+        return out
+
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
+        """``Gemma3Attention.forward`` with ``sdpa_attention_forward`` (no mask: the window is not reached)."""
+        t, d = self.tape, self.d
+        name = f"{prefix}.self_attn"
+        with t.scoped(name):
+            q = self.projection(x, f"{name}.q_proj", d.q, "q_proj", True)
+            k = self.projection(x, f"{name}.k_proj", d.kv, "k_proj", True)
+            v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", self.kernel == "math")
+            qn = self.rms_norm(q, f"{name}.q_norm", rows=d.tokens * d.q // d.head_dim)
+            t.done(q)  # query_states rebound to its norm
+            kn = self.rms_norm(k, f"{name}.k_norm", rows=d.tokens * d.kv // d.head_dim)
+            t.done(k)
+            qr, kr = self.rope(qn, cos, sin, "q_rope"), self.rope(kn, cos, sin, "k_rope")
+            t.done(qn, kn)
+            out = self.core(qr, kr, v)
+            flat = prec.merge_heads(t, out) if self.kernel == "math" else t.alias(out)
+            y = self.linear(flat, f"{name}.o_proj", d.h, "o_proj")
+            t.done(flat, out, qr, kr, v)
+        return y
+
+    def layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        """``Gemma3DecoderLayer.forward``: norms before and after the attention and the MLP."""
+        t, prefix = self.tape, f"model.layers.{i}"
+        with t.scoped(prefix):
+            n1 = self.rms_norm(x, f"{prefix}.input_layernorm")
+            a = self.attention(n1, cos, sin, prefix)
+            t.done(n1)
+            pa = self.rms_norm(a, f"{prefix}.post_attention_layernorm")
+            t.done(a)
+            h = ops.add(t, x, pa, "residual_attention")
+            t.done(pa)
+            n2 = self.rms_norm(h, f"{prefix}.pre_feedforward_layernorm")
+            m = self.mlp(n2, prefix)
+            t.done(n2)
+            pm = self.rms_norm(m, f"{prefix}.post_feedforward_layernorm")
+            t.done(m)
+            out = ops.add(t, h, pm, "residual_mlp")
+            t.done(pm, h)
+        return out
+
+    def head(self, x: Tensor) -> Tensor:
+        """The forward's rotary tables go, then ``lm_head``; with ``final_logit_softcapping`` the
+        logits become ``tanh(logits / cap) * cap`` (each a logits-sized tensor)."""
+        t = self.tape
+        for pair in self.pairs.values():
+            t.done(*pair)
+        logits = super().head(x)
+        cap = (self.extra or {}).get("final_softcap")
+        if cap is None:
+            return logits
+        with t.scoped("lm_head"):
+            a = _scaled(t, logits, "softcap_div")
+            t.done(logits)
+            b = _tanh(t, a, "softcap_tanh")
+            t.done(a)
+            out = _scaled(t, b, "softcap_mul")
+            t.done(b)
+        return out
+
+
+def family_config(model) -> dict | None:
+    """What a family's run reads from the spec beyond the dims: Gemma's layer kinds and final soft-cap."""
+    if model.architecture not in ("gemma2", "gemma3"):
+        return None
+    return {"kinds": model.layer_attention_kinds, "final_softcap": model.final_logit_softcapping}
+
+
 FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
     "llama": (HfLlama, LAYER_PARAMS),
     "mistral": (HfLlama, LAYER_PARAMS),
@@ -243,6 +404,7 @@ FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
     "qwen3": (HfQwen3, QWEN3_PARAMS),
     "phi3": (HfPhi3, PHI3_PARAMS),
     "olmo2": (HfOlmo2, OLMO2_PARAMS),
+    "gemma3": (HfGemma3, GEMMA_PARAMS),
 }
 
 

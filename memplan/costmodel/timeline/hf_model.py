@@ -180,6 +180,16 @@ class HfLlama:
     tied: bool = False
     cache: dict[str, Tensor] | None = None  # autocast's weight casts in this forward (None: no autocast)
     rope_cast = True  # the rotary tables cast to the hidden states' dtype (a class attribute)
+    act = "silu"  # the MLP's activation (saves its input; its backward allocates the gradient alone)
+    extra: dict | None = None  # a family's further config (hf_families.family_config)
+
+    def buffers(self) -> list[tuple[str, int]]:
+        """The model's floating buffers after its parameters (name, elements), in the model's dtype."""
+        return [(f"model.rotary_emb.{name}", self.d.head_dim // 2) for name in ("inv_freq", "original_inv_freq")]
+
+    def tables_for(self, i: int, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """The rotary tables layer ``i`` uses (one pair in Llama's layout)."""
+        return cos, sin
 
     @property
     def cpu(self) -> bool:
@@ -286,7 +296,7 @@ class HfLlama:
         name = f"{prefix}.mlp"
         with t.scoped(name):
             g = self.linear(x, f"{name}.gate_proj", d.f, "gate_proj")
-            s1 = ops.unary(t, g, "silu", save_input=True)
+            s1 = ops.unary(t, g, self.act, save_input=True)
             t.done(g)
             u = self.linear(x, f"{name}.up_proj", d.f, "up_proj")
             m = ops.mul(t, s1, u, "gate")
@@ -328,6 +338,13 @@ class HfLlama:
             ar = t.new(d.s, 8, "arange")
             pos = t.new(d.s, 8, "cache_position")
             t.done(ar)
+            self.packed_check()
+        return pos
+
+    def packed_check(self) -> None:
+        """``find_packed_sequence_indices`` of a ``create_*_mask`` call: temporaries only."""
+        t, d = self.tape, self.d
+        with t.scoped("model.positions"):
             first = t.new(d.b, 8, "first_position")
             padded = t.new(d.b * (d.s + 1), 8, "cat")
             diff = t.new(d.tokens, 8, "diff")
@@ -337,7 +354,6 @@ class HfLlama:
             t.done(ne)
             eq, every = t.new(d.b, 1, "eq"), t.new(1, 1, "all")
             t.done(eq, every, first, diff, starts)
-        return pos
 
     def rope_tables(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``LlamaRotaryEmbedding.forward``: fp32 angles on (1, s, head_dim), cos and sin cast to

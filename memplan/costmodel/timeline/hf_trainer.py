@@ -35,7 +35,7 @@ from __future__ import annotations
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
-from memplan.costmodel.timeline.hf_families import family
+from memplan.costmodel.timeline.hf_families import family, family_config
 from memplan.costmodel.timeline.hf_model import is_norm, param_shapes, scalar_div
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
@@ -76,8 +76,8 @@ def hf_plan_run(model, workload, plan) -> Timeline:
     kernel = hf_kernel(model, plan, "cuda")
     assert kernel is not None
     d = hf_dims(model, workload, plan)
-    ga = accumulation(workload, plan)
-    return hf_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=ga, arch=model.architecture)
+    ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model)
+    return hf_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=ga, arch=arch, extra=extra)
 
 
 def hf_run(
@@ -89,14 +89,16 @@ def hf_run(
     qkv_bias: bool = False,
     ga: int = 1,
     arch: str = "llama",
+    extra: dict | None = None,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
     ``batches`` batches (None: enough that the prefetch never runs dry); ``qkv_bias``: Qwen2's
-    attention biases; ``arch``: the family (``hf_families.py``).
+    attention biases; ``arch``: the family (``hf_families.py``) and ``extra`` its further
+    config (``hf_families.family_config``).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
-    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch)
+    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -106,7 +108,16 @@ def hf_run(
 
 class _HfRun:
     def __init__(
-        self, d: Dims, tied: bool, kernel: str, batches: int, tape_flags: dict, qkv_bias: bool, ga: int, arch: str
+        self,
+        d: Dims,
+        tied: bool,
+        kernel: str,
+        batches: int,
+        tape_flags: dict,
+        qkv_bias: bool,
+        ga: int,
+        arch: str,
+        extra: dict | None = None,
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -118,6 +129,7 @@ class _HfRun:
         self.shapes = param_shapes(d, tied, qkv_bias, layer_params)
         self.grads: dict[str, Tensor] = {}
         self.model = model_class(self.tape, d, {}, kernel, tied)
+        self.model.extra = extra
         self.data: list[list[Tensor]] = []
         self.fetched = 0
         self.ga = ga
@@ -134,8 +146,8 @@ class _HfRun:
             p = t.managed(rows * cols, d.pd, name, Category.PARAMETERS)
             p.fn = ops.leaf(self.grads, name)
             self.model.weights[name] = p
-        for name in ("inv_freq", "original_inv_freq"):
-            t.managed(d.head_dim // 2, d.pd, f"model.rotary_emb.{name}", Category.PARAMETERS)
+        for name, numel in self.model.buffers():
+            self.model.weights[name] = t.managed(numel, d.pd, name, Category.PARAMETERS)
         t.managed(1, 4, "tr_loss", Category.LOGITS)
 
     def _workspace(self, thread: str):
@@ -242,6 +254,7 @@ class _HfRun:
         """A decoder layer, or a non-reentrant checkpoint of one (its recompute runs under a fresh
         autocast context: its own weight casts)."""
         m = self.model
+        cos, sin = m.tables_for(i, cos, sin)
         if self.d.recompute != "full":
             return m.layer(x, cos, sin, i)
 
