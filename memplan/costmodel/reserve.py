@@ -186,7 +186,7 @@ def plan_run(
     elif runtime == "hf" and device == "cuda":
         from memplan.costmodel.timeline.hf_support import hf_supported
 
-        why = hf_supported(model, plan)
+        why = hf_supported(model, plan, workload.seq_len)
         if why is None:
             from memplan.costmodel.timeline.hf_trainer import hf_plan_run  # transformers' Trainer op by op
 

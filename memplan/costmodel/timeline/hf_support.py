@@ -4,8 +4,9 @@ Apart from the run so that asking does not build it. Modelled (tests/unit/test_t
 case equal to the real Trainer's peak on CPU; the families in tests/unit/test_timeline_hf_families.py):
 full fine-tuning on one rank of a dense Llama-layout decoder (Llama, Mistral without a sliding window,
 Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transformers writes them
-(Qwen3 without attention biases or sliding layers, Phi-3 without a sliding window and with full
-rotary embeddings, OLMo 2 without attention biases) under SDPA; fp32, bf16,
+(Qwen3 without attention biases or sliding layers, Phi-3 with full rotary embeddings, OLMo 2 without
+attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
+the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA; fp32, bf16,
 or ``bf16=True`` over fp32 (``bf16-mixed``); the default fused AdamW; gradient checkpointing of every
 layer or none; any gradient accumulation. On CUDA the kernels are those of the bundled trainer's
 traces (``support.sdpa_kernel``), not yet checked on a GPU against transformers.
@@ -18,14 +19,19 @@ from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")  # hf_families.py
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3")  # hf_families.py
 # each family's layer as transformers writes it: (layer norms, q/k norm scope or None, (fused qkv, fused gate-up))
 LAYOUT = {
     "qwen3": ("pre", "head", (False, False)),
     "phi3": ("pre", None, (True, True)),
     "olmo2": ("post", "full", (False, False)),
+    "gemma3": ("sandwich", "head", (False, False)),
 }
 LLAMA_LAYOUT = ("pre", None, (False, False))
+ACTIVATION = {"gemma3": "gelu_tanh"}  # GeGLU (gelu_pytorch_tanh); the others SwiGLU
+# families whose sliding layers, with a window the sequence does not reach, run as full causal ones:
+# masking_utils._ignore_causal_mask_sdpa skips the mask (kv_length < window), SDPA runs is_causal
+WINDOW_SKIPPED = ("phi3", "gemma3")
 
 
 def _layout(model: ModelSpec) -> tuple:
@@ -34,18 +40,29 @@ def _layout(model: ModelSpec) -> tuple:
     return model.layer_norms, scope, (model.fused_qkv, model.fused_gate_up)
 
 
-def hf_supported(model: ModelSpec, plan: Plan) -> str | None:
-    """What keeps the op-level run from following this ``hf`` plan, or None."""
+def _attention_ok(model: ModelSpec, seq_len: int | None) -> bool:
+    """Full causal attention in every layer, or sliding layers whose window the sequence does not reach."""
+    kinds = set(model.attention_pattern)
+    if kinds <= {"full"}:
+        return True
+    window = model.sliding_window
+    reached = seq_len is None or window is None or seq_len >= window
+    return kinds <= {"full", "sliding"} and model.architecture in WINDOW_SKIPPED and not reached
+
+
+def hf_supported(model: ModelSpec, plan: Plan, seq_len: int | None = None) -> str | None:
+    """What keeps the op-level run from following this ``hf`` plan of ``seq_len`` tokens, or None."""
     checks = [
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
         (model.moe is None and model.mla is None, "MoE or MLA models"),
-        (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
+        (model.mlp == "gated" and model.activation == ACTIVATION.get(model.architecture, "silu"), "this MLP"),
+        (model.attn_logit_softcapping is None, "attention logit soft-capping"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.attn_out_bias or model.mlp_bias), "these biases"),
         (_layout(model) == LAYOUT.get(model.architecture, LLAMA_LAYOUT), f"this {model.architecture} layer layout"),
         (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
         (not model.qkv_bias or model.architecture == "qwen2", "Q/K/V biases outside Qwen2"),
-        (set(model.attention_pattern) <= {"full"}, "sliding or chunked attention"),
+        (_attention_ok(model, seq_len), "sliding or chunked attention (a window the sequence reaches)"),
         (plan.attention == "flash", f"{plan.attention} attention"),
         (plan.finetune == "full", "LoRA adapters"),
         (plan.offload_activations == "none", "activation offload"),
