@@ -26,8 +26,9 @@ Under ``bf16=True`` (accelerate's autocast over the fp32 model) each matmul cast
 for the forward) and its input to bf16, SDPA casts k then q, and ``convert_outputs_to_fp32`` copies
 the bf16 logits to fp32 after the forward. With ``gradient_accumulation_steps`` the update's batches
 are fetched together (accelerate one ahead) and freed at the next update's fetch, and from the second
-micro-batch on each gradient is added into ``.grad`` and freed. Not modelled here: eager attention,
-the families other than Llama's layout (Mistral, Qwen2), what the model's build leaves cached.
+micro-batch on each gradient is added into ``.grad`` and freed. The model is the family's
+(``hf_families.py``: Qwen3, Phi-3, OLMo 2, Gemma 3 beside Llama's layout). Not modelled here: eager
+attention (Gemma 2), what the model's build leaves cached.
 """
 
 from __future__ import annotations
