@@ -390,11 +390,175 @@ class HfGemma3(HfLlama):
         return out
 
 
+GEMMA2_PARAMS = (*LAYER_PARAMS[:7], *GEMMA_PARAMS[9:])
+
+
+class HfGemma2(HfGemma3):
+    """``Gemma2ForCausalLM``: Gemma 3's layer without q/k norms, one pair of rotary tables, and
+    eager attention (transformers refuses SDPA with soft-capped scores) over two float masks."""
+
+    def buffers(self) -> list[tuple[str, int]]:
+        return [("model.embed_tokens.embed_scale", 1), *HfLlama.buffers(self)]
+
+    def positions(self) -> Tensor:
+        """``position_ids``, then ``create_causal_mask`` and ``create_sliding_window_causal_mask``
+        for eager attention: each a packed-sequence check and a (b, 1, s, s) float mask."""
+        pos = HfLlama.positions(self)
+        self.masks = {"full": self.eager_mask(False)}
+        self.packed_check()
+        self.masks["sliding"] = self.eager_mask(True)
+        return pos
+
+    def eager_mask(self, sliding: bool) -> Tensor:
+        """``sdpa_mask`` (bool, (s, s) broadcast over the batch) from its index aranges, then
+        ``eager_mask``'s ``where(mask, 0, min)`` in the model's dtype (two scalar tensors)."""
+        t, d = self.tape, self.d
+        square = d.s * d.s
+        with t.scoped("model.masks"):
+            batch, head = t.new(d.b, 8, "batch_arange"), t.new(1, 8, "head_arange")
+            idx = []
+            for name in ("kv", "q"):
+                ar = t.new(d.s, 8, f"{name}_arange")
+                idx.append(t.new(d.s, 8, f"{name}_idx"))
+                t.done(ar)
+            if sliding:
+                one = t.new(1, 1, "new_ones")
+                diff = t.new(d.s, 8, "sub")
+                gt = t.new(square, 1, "gt")
+                t.done(diff)
+                window = t.new(square, 1, "and_window")
+                t.done(gt, one)
+                le = t.new(square, 1, "le")
+                allowed = t.new(square, 1, "and_causal")
+                t.done(le, window)
+            else:
+                allowed = t.new(square, 1, "le")
+            t.done(batch, head, *idx)
+            zero, low = t.new(1, d.pd, "zeros"), t.new(1, d.pd, "scalar_tensor")
+            mask = t.new(d.b * square, d.pd, "sliding" if sliding else "full")
+            t.done(low, zero, allowed)
+        return mask
+
+    def rope_tables(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        self.pairs = {}
+        return HfLlama.rope_tables(self, x)
+
+    def tables_for(self, i: int, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        return cos, sin
+
+    def layer_inputs(self, i: int) -> list[Tensor]:
+        return [self.masks[self.kinds()[i]]]
+
+    def head(self, x: Tensor) -> Tensor:
+        """The masks go with the model's forward, then Gemma 3's head."""
+        self.tape.done(*self.masks.values())  # the handles stay: a checkpoint's re-run reads them
+        return super().head(x)
+
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
+        """``Gemma2Attention.forward`` with ``eager_attention_forward``."""
+        t, d = self.tape, self.d
+        name = f"{prefix}.self_attn"
+        i = int(prefix.rsplit(".", 1)[1])
+        with t.scoped(name):
+            q = self.projection(x, f"{name}.q_proj", d.q, "q_proj", True)
+            # k's and v's gradients arrive heads-major: a copy back, unless one KV head makes both layouts one
+            k = self.projection(x, f"{name}.k_proj", d.kv, "k_proj", d.kv > d.head_dim)
+            v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", d.kv > d.head_dim)
+            qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
+            t.done(q, k)
+            out, weights = self.eager(qr, kr, v, self.masks[self.kinds()[i]])
+            y = self.linear(out, f"{name}.o_proj", d.h, "o_proj")
+            t.done(out, qr, kr, v)  # attn_output rebound, then the frame's locals
+        self.attn_weights = weights  # returned: the layer's `_` holds it until the layer returns
+        return y
+
+    def layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        """Gemma 3's layer; ``hidden_states, _ = self.self_attn(...)`` keeps the probabilities to its return."""
+        out = super().layer(x, cos, sin, i)
+        self.tape.done(self.attn_weights)
+        return out
+
+    def eager(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """``eager_attention_forward``: ``repeat_kv`` copies of k and v, ``matmul(q, k^T)`` (q cloned
+        contiguous), ``* scaling``, soft-capping (``/ cap``, ``tanh``, ``* cap``), ``+ mask``, the
+        fp32 softmax (cast back to q's dtype), ``matmul(probs, v)``, ``transpose(1, 2).contiguous()``;
+        returns the output and the probabilities (``attn_weights``, kept by the caller's frame)."""
+        t, d = self.tape, self.d
+        n, scores = q.numel, d.b * d.heads * d.s * d.s
+        kv_heads = d.heads * k.numel // n
+        k_exp, v_exp = (_repeat_kv(t, x, n, kv_heads, f"{p}_exp") for x, p in ((k, "k"), (v, "v")))
+        grouped = 1 < kv_heads < d.heads  # repeat_kv's copy, contiguous; else k and v as they are
+        # matmul's reshapes to 3-D: q (heads-major RoPE layout) is cloned; k^T too unless repeat_kv copied it
+        qc = prec._contiguous(t, q, "query_contiguous", copy_grad=False)
+        kc = t.alias(k_exp) if grouped else prec._contiguous(t, k_exp, "key_contiguous", copy_grad=False)
+        raw = prec._bmm(t, qc, kc, scores, "scores")
+        t.done(qc, kc)
+        w = _scaled(t, raw, "scaled")
+        t.done(raw)
+        cap = (self.extra or {}).get("attn_softcap")
+        if cap is not None:
+            a = _scaled(t, w, "softcap_div")
+            t.done(w)
+            b = _tanh(t, a, "softcap_tanh")
+            t.done(a)
+            w = _scaled(t, b, "softcap_mul")
+            t.done(b)
+        masked = ops.add(t, w, mask, "mask")
+        t.done(w)
+        probs = _softmax(t, masked, "softmax")
+        pd = ops.to(t, probs, q.itemsize, "probs_cast")
+        t.done(probs, masked)  # the temporary, then the rebound attn_weights
+        vc = t.alias(v_exp) if grouped else prec._contiguous(t, v_exp, "value_contiguous", copy_grad=False)
+        raw_out = prec._bmm(t, pd, vc, n, "out")
+        t.done(vc)
+        view = prec._unsafe_view(t, raw_out, "out_view")
+        out = prec._contiguous(t, view, "transpose_contiguous", copy_grad=False)
+        t.done(view, k_exp, v_exp)
+        return out, pd
+
+
+def _repeat_kv(tape: Tape, x: Tensor, numel: int, kv_heads: int, tag: str) -> Tensor:
+    """``repeat_kv``: x itself without groups; one KV head expanded is a view (stride 0: its
+    reshape needs no copy); else a copy. Backward of the expand: the sum over the groups."""
+    if x.numel == numel:
+        return tape.alias(x)
+    if kv_heads > 1:
+        return prec._repeat_heads(tape, x, numel, tag)
+    small = x.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(small, x.itemsize, "grad_sum_groups")]
+
+    v = tape.view(x, numel)
+    v.fn = tape.node(tag, apply, [x])
+    return v
+
+
+def _softmax(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``softmax(x, -1, dtype=float32)``: saves its fp32 result; backward allocates the gradient."""
+    x32 = ops.to(tape, x, 4, f"{tag}_input")
+    numel = x.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(numel, 4, "grad")]
+
+    node = tape.node(tag, apply, [x32])
+    out = ops.result(tape, numel, 4, tag, node)
+    if node is not None:
+        tape.save(node, out)
+    tape.done(x32)
+    return out
+
+
 def family_config(model) -> dict | None:
     """What a family's run reads from the spec beyond the dims: Gemma's layer kinds and final soft-cap."""
     if model.architecture not in ("gemma2", "gemma3"):
         return None
-    return {"kinds": model.layer_attention_kinds, "final_softcap": model.final_logit_softcapping}
+    return {
+        "kinds": model.layer_attention_kinds,
+        "final_softcap": model.final_logit_softcapping,
+        "attn_softcap": model.attn_logit_softcapping,
+    }
 
 
 FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
@@ -405,6 +569,7 @@ FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
     "phi3": (HfPhi3, PHI3_PARAMS),
     "olmo2": (HfOlmo2, OLMO2_PARAMS),
     "gemma3": (HfGemma3, GEMMA_PARAMS),
+    "gemma2": (HfGemma2, GEMMA2_PARAMS),
 }
 
 

@@ -191,6 +191,10 @@ class HfLlama:
         """The rotary tables layer ``i`` uses (one pair in Llama's layout)."""
         return cos, sin
 
+    def layer_inputs(self, i: int) -> list[Tensor]:
+        """Further tensors layer ``i`` is called with (an attention mask; none without one)."""
+        return []
+
     @property
     def cpu(self) -> bool:
         return self.kernel == "cpu_flash"

@@ -6,7 +6,8 @@ full fine-tuning on one rank of a dense Llama-layout decoder (Llama, Mistral wit
 Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transformers writes them
 (Qwen3 without attention biases or sliding layers, Phi-3 with full rotary embeddings, OLMo 2 without
 attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
-the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA; fp32, bf16,
+the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
+Gemma 2 under the eager attention transformers gives it (fp32 and bf16, not ``bf16=True``); fp32, bf16,
 or ``bf16=True`` over fp32 (``bf16-mixed``); the default fused AdamW; gradient checkpointing of every
 layer or none; any gradient accumulation. On CUDA the kernels are those of the bundled trainer's
 traces (``support.sdpa_kernel``), not yet checked on a GPU against transformers.
@@ -19,16 +20,20 @@ from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3")  # hf_families.py
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")  # hf_families.py
 # each family's layer as transformers writes it: (layer norms, q/k norm scope or None, (fused qkv, fused gate-up))
 LAYOUT = {
     "qwen3": ("pre", "head", (False, False)),
     "phi3": ("pre", None, (True, True)),
     "olmo2": ("post", "full", (False, False)),
+    "gemma2": ("sandwich", None, (False, False)),
     "gemma3": ("sandwich", "head", (False, False)),
 }
 LLAMA_LAYOUT = ("pre", None, (False, False))
-ACTIVATION = {"gemma3": "gelu_tanh"}  # GeGLU (gelu_pytorch_tanh); the others SwiGLU
+ACTIVATION = {"gemma2": "gelu_tanh", "gemma3": "gelu_tanh"}  # GeGLU (gelu_pytorch_tanh); the others SwiGLU
+# transformers runs Gemma 2 eagerly whatever is asked (_supports_sdpa = False: SDPA takes no soft-cap),
+# over both masks it builds, so its sliding layers are followed at any window
+EAGER = ("gemma2",)
 # families whose sliding layers, with a window the sequence does not reach, run as full causal ones:
 # masking_utils._ignore_causal_mask_sdpa skips the mask (kv_length < window), SDPA runs is_causal
 WINDOW_SKIPPED = ("phi3", "gemma3")
@@ -43,7 +48,7 @@ def _layout(model: ModelSpec) -> tuple:
 def _attention_ok(model: ModelSpec, seq_len: int | None) -> bool:
     """Full causal attention in every layer, or sliding layers whose window the sequence does not reach."""
     kinds = set(model.attention_pattern)
-    if kinds <= {"full"}:
+    if kinds <= {"full"} or (model.architecture in EAGER and kinds <= {"full", "sliding"}):
         return True
     window = model.sliding_window
     reached = seq_len is None or window is None or seq_len >= window
@@ -56,21 +61,25 @@ def hf_supported(model: ModelSpec, plan: Plan, seq_len: int | None = None) -> st
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
         (model.moe is None and model.mla is None, "MoE or MLA models"),
         (model.mlp == "gated" and model.activation == ACTIVATION.get(model.architecture, "silu"), "this MLP"),
-        (model.attn_logit_softcapping is None, "attention logit soft-capping"),
+        (model.attn_logit_softcapping is None or model.architecture in EAGER, "attention logit soft-capping"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.attn_out_bias or model.mlp_bias), "these biases"),
         (_layout(model) == LAYOUT.get(model.architecture, LLAMA_LAYOUT), f"this {model.architecture} layer layout"),
         (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
         (not model.qkv_bias or model.architecture == "qwen2", "Q/K/V biases outside Qwen2"),
         (_attention_ok(model, seq_len), "sliding or chunked attention (a window the sequence reaches)"),
-        (plan.attention == "flash", f"{plan.attention} attention"),
+        (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
+        (plan.precision != "bf16-mixed" or model.architecture not in EAGER, "bf16-mixed over eager attention"),
         (plan.finetune == "full", "LoRA adapters"),
         (plan.offload_activations == "none", "activation offload"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
         (plan.dp == plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank"),
         (plan.optimizer == "adamw" and plan.precision in ("fp32", "bf16", "bf16-mixed"), "this optimizer or precision"),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
-        (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
+        (
+            plan.precision != "fp32" or sdpa_kernel(model, plan) == "math" or model.architecture in EAGER,
+            "fp32 SDPA on the memory-efficient kernel",
+        ),
     ]
     for ok, what in checks:
         if not ok:

@@ -60,9 +60,12 @@ def hf_dims(model, workload, plan) -> Dims:
 def hf_kernel(model, plan, device: str) -> str | None:
     """The SDPA kernel the run models: CPU's flash, or on CUDA the bundled trainer's rule
     (``support.sdpa_kernel``: flash in 16-bit, as its traces show; math for fp32 with GQA);
-    None where another one runs (the memory-efficient kernel: fp32 without GQA)."""
+    None where another one runs (the memory-efficient kernel: fp32 without GQA). Gemma 2 runs no
+    SDPA (eager attention, ``hf_families.HfGemma2``): ``eager`` on CUDA."""
     if device == "cpu":
         return "cpu_flash"
+    if model.architecture == "gemma2":
+        return "eager"
     from memplan.costmodel.timeline.support import sdpa_kernel
 
     kernel = sdpa_kernel(model, plan)
@@ -266,7 +269,8 @@ class _HfRun:
             finally:
                 m.cache = cache
 
-        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), [x, pos, cos, sin], rerun=rerun)
+        held = [x, pos, cos, sin, *m.layer_inputs(i)]  # the layer's arguments, held by the checkpoint
+        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), held, rerun=rerun)
 
     # --- clip, optimizer -----------------------------------------------------------------------
     def clip(self) -> None:
