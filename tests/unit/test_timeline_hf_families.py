@@ -51,7 +51,7 @@ CASES = [
     _case("qwen3", "autocast", slow=True, autocast=True),
     _case("phi3", "fp32"),
     _case("phi3", "bf16", **BF16),
-    _case("phi3", "fp32-ckpt", checkpointing=True),
+    _case("phi3", "fp32-ckpt", slow=True, checkpointing=True),
     _case("phi3", "layers-bf16", **LAYERS, **BF16),
     _case("phi3", "autocast", slow=True, autocast=True),
     _case("olmo2", "fp32"),
@@ -65,10 +65,12 @@ CASES = [
     _case("gemma3", "layers-bf16-softcap", **LAYERS, **BF16, config={**WINDOW, "final_logit_softcapping": 30.0}),
     _case("gemma3", "autocast", slow=True, autocast=True, config=WINDOW),
     # Gemma 2: eager attention (transformers' only choice), soft-capped scores and logits, both masks
-    _case("gemma2", "fp32"),
+    _case("gemma2", "fp32", slow=True),
     _case("gemma2", "bf16-ckpt", **BF16, checkpointing=True),
     _case("gemma2", "mha-fp32-ckpt", kv_heads=4, checkpointing=True),  # repeat_kv returns k, v: matmul copies
     _case("gemma2", "mqa-layers-bf16", **LAYERS, **BF16, kv_heads=1),  # one KV head: repeat_kv's view
+    _case("gemma2", "autocast-ckpt", autocast=True, checkpointing=True),  # matmul's bf16 casts inside
+    _case("gemma2", "autocast-mha", slow=True, autocast=True, kv_heads=4),
 ]
 
 
@@ -105,10 +107,7 @@ def test_each_family_runs_both_dtypes_and_checkpointing() -> None:
     """Every family has an fp32 and a bf16 case, a checkpointed one and a layer-dominated one."""
     for family in ("qwen3", "phi3", "olmo2", "gemma3", "gemma2"):
         mine = [c for c in CASES if c.arch == family]
-        # bf16-mixed over Gemma 2's eager attention is not followed (hf_support)
-        assert {c.precision for c in mine} >= {"fp32", "bf16", "bf16-mixed"} - (
-            {"bf16-mixed"} if family == "gemma2" else set()
-        )
+        assert {c.precision for c in mine} >= {"fp32", "bf16", "bf16-mixed"}
         assert any(c.checkpointing for c in mine) and any(c.vocab == LAYERS["vocab"] for c in mine)
     assert len({dataclasses.astuple(c)[1:] for c in CASES}) == len(CASES)
 

@@ -472,6 +472,10 @@ class HfGemma2(HfGemma3):
         self.attn_weights = weights  # returned: the layer's `_` holds it until the layer returns
         return y
 
+    def autocast(self, x: Tensor, tag: str) -> Tensor:
+        """A matmul's operand under ``bf16=True`` (autocast): cast to bf16 (x itself when it is)."""
+        return ops.to(self.tape, x, 2, tag) if self.cache is not None else self.tape.alias(x)
+
     def layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
         """Gemma 3's layer; ``hidden_states, _ = self.self_attn(...)`` keeps the probabilities to its return."""
         out = super().layer(x, cos, sin, i)
@@ -489,10 +493,11 @@ class HfGemma2(HfGemma3):
         k_exp, v_exp = (_repeat_kv(t, x, n, kv_heads, f"{p}_exp") for x, p in ((k, "k"), (v, "v")))
         grouped = 1 < kv_heads < d.heads  # repeat_kv's copy, contiguous; else k and v as they are
         # matmul's reshapes to 3-D: q (heads-major RoPE layout) is cloned; k^T too unless repeat_kv copied it
-        qc = prec._contiguous(t, q, "query_contiguous", copy_grad=False)
-        kc = t.alias(k_exp) if grouped else prec._contiguous(t, k_exp, "key_contiguous", copy_grad=False)
+        qa, ka = self.autocast(q, "q_cast"), self.autocast(k_exp, "k_cast")  # bf16=True: matmul's casts
+        qc = prec._contiguous(t, qa, "query_contiguous", copy_grad=False)
+        kc = t.alias(ka) if grouped else prec._contiguous(t, ka, "key_contiguous", copy_grad=False)
         raw = prec._bmm(t, qc, kc, scores, "scores")
-        t.done(qc, kc)
+        t.done(qc, kc, qa, ka)
         w = _scaled(t, raw, "scaled")
         t.done(raw)
         cap = (self.extra or {}).get("attn_softcap")
@@ -508,9 +513,10 @@ class HfGemma2(HfGemma3):
         probs = _softmax(t, masked, "softmax")
         pd = ops.to(t, probs, q.itemsize, "probs_cast")
         t.done(probs, masked)  # the temporary, then the rebound attn_weights
-        vc = t.alias(v_exp) if grouped else prec._contiguous(t, v_exp, "value_contiguous", copy_grad=False)
-        raw_out = prec._bmm(t, pd, vc, n, "out")
-        t.done(vc)
+        pa, va = self.autocast(pd, "probs_autocast"), self.autocast(v_exp, "v_cast")
+        vc = t.alias(va) if grouped else prec._contiguous(t, va, "value_contiguous", copy_grad=False)
+        raw_out = prec._bmm(t, pa, vc, n, "out")
+        t.done(vc, pa, va)
         view = prec._unsafe_view(t, raw_out, "out_view")
         out = prec._contiguous(t, view, "transpose_contiguous", copy_grad=False)
         t.done(view, k_exp, v_exp)

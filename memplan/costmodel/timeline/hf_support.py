@@ -7,7 +7,7 @@ Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transfo
 (Qwen3 without attention biases or sliding layers, Phi-3 with full rotary embeddings, OLMo 2 without
 attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
 the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
-Gemma 2 under the eager attention transformers gives it (fp32 and bf16, not ``bf16=True``); fp32, bf16,
+Gemma 2 under the eager attention transformers gives it; fp32, bf16,
 or ``bf16=True`` over fp32 (``bf16-mixed``); the default fused AdamW; gradient checkpointing of every
 layer or none; any gradient accumulation. On CUDA the kernels are those of the bundled trainer's
 traces (``support.sdpa_kernel``), not yet checked on a GPU against transformers.
@@ -69,7 +69,6 @@ def hf_supported(model: ModelSpec, plan: Plan, seq_len: int | None = None) -> st
         (not model.qkv_bias or model.architecture == "qwen2", "Q/K/V biases outside Qwen2"),
         (_attention_ok(model, seq_len), "sliding or chunked attention (a window the sequence reaches)"),
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
-        (plan.precision != "bf16-mixed" or model.architecture not in EAGER, "bf16-mixed over eager attention"),
         (plan.finetune == "full", "LoRA adapters"),
         (plan.offload_activations == "none", "activation offload"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
