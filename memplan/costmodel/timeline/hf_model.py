@@ -29,6 +29,7 @@ Measured on CPU by ``tests/accuracy/alloc_log.py`` (the sequence of storages, pe
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,19 +50,21 @@ LAYER_PARAMS = (
     ("input_layernorm", "h", "1"),
     ("post_attention_layernorm", "h", "1"),
 )
-NORMS = ("input_layernorm", "post_attention_layernorm", "model.norm")
 
 
 QKV_BIAS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # Qwen2's attention biases
 
 
-def param_shapes(d: Dims, tied: bool, qkv_bias: bool = False) -> dict[str, tuple[int, int]]:
+def param_shapes(
+    d: Dims, tied: bool, qkv_bias: bool = False, layer_params: tuple = LAYER_PARAMS
+) -> dict[str, tuple[int, int]]:
     """``model.parameters()`` in order (a tied ``lm_head`` is the embedding, left out); with
-    ``qkv_bias`` (Qwen2) each of q, k, v has its bias after its weight."""
-    size = {"h": d.h, "q": d.q, "kv": d.kv, "f": d.f, "1": 1}
+    ``qkv_bias`` (Qwen2) each of q, k, v has its bias after its weight; ``layer_params``: a
+    family's layer (``hf_families.py``)."""
+    size = {"h": d.h, "q": d.q, "kv": d.kv, "f": d.f, "1": 1, "hd": d.head_dim, "qkv": d.q + 2 * d.kv, "2f": 2 * d.f}
     out = {"model.embed_tokens.weight": (d.vocab, d.h)}
     for i in range(d.layers):
-        for name, rows, cols in LAYER_PARAMS:
+        for name, rows, cols in layer_params:
             out[f"model.layers.{i}.{name}.weight"] = (size[rows], size[cols])
             if qkv_bias and name in QKV_BIAS:
                 out[f"model.layers.{i}.{name}.bias"] = (size[rows], 1)
@@ -71,9 +74,13 @@ def param_shapes(d: Dims, tied: bool, qkv_bias: bool = False) -> dict[str, tuple
     return out
 
 
+NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
 def is_norm(name: str) -> bool:
-    """The Trainer's no-decay group: ``get_decay_parameter_names`` leaves out norm weights (and biases)."""
-    return any(n in name for n in NORMS) or name.endswith(".bias")
+    """The Trainer's no-decay group: ``get_decay_parameter_names`` leaves out the parameters whose
+    lower-cased name matches its ``forbidden_name_patterns`` (norm weights, q/k norms, biases)."""
+    return NO_DECAY.search(name.lower()) is not None
 
 
 def cpu_flash_sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) -> Tensor:
@@ -177,6 +184,21 @@ class HfLlama:
     cache: dict[str, Tensor] | None = None  # autocast's weight casts in this forward (None: no autocast)
     adapter: Callable | None = None  # (model, x, out, name) -> out: PEFT's wrapper of a linear (hf_lora.py)
     quant: object | None = None  # a quantized base's linears (hf_bnb.Bnb4bit)
+    rope_cast = True  # the rotary tables cast to the hidden states' dtype (a class attribute)
+    act = "silu"  # the MLP's activation (saves its input; its backward allocates the gradient alone)
+    extra: dict | None = None  # a family's further config (hf_families.family_config)
+
+    def buffers(self) -> list[tuple[str, int]]:
+        """The model's floating buffers after its parameters (name, elements), in the model's dtype."""
+        return [(f"model.rotary_emb.{name}", self.d.head_dim // 2) for name in ("inv_freq", "original_inv_freq")]
+
+    def tables_for(self, i: int, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """The rotary tables layer ``i`` uses (one pair in Llama's layout)."""
+        return cos, sin
+
+    def layer_inputs(self, i: int) -> list[Tensor]:
+        """Further tensors layer ``i`` is called with (an attention mask; none without one)."""
+        return []
 
     @property
     def cpu(self) -> bool:
@@ -220,13 +242,13 @@ class HfLlama:
         return out
 
     # --- the layer -------------------------------------------------------------------------------
-    def rms_norm(self, x: Tensor, name: str) -> Tensor:
-        """``LlamaRMSNorm.forward``."""
+    def rms_norm(self, x: Tensor, name: str, rows: int | None = None) -> Tensor:
+        """``LlamaRMSNorm.forward`` over ``rows`` vectors (default: one per token)."""
         t, d = self.tape, self.d
         with t.scoped(name):
             x32 = ops.to(t, x, 4, "x_fp32")
             p = ops.unary(t, x32, "pow", temps=2, save_input=True)
-            var = ops.unary(t, p, "mean", out_numel=d.tokens)
+            var = ops.unary(t, p, "mean", out_numel=rows or d.tokens)
             t.done(p)
             e = ops.unary(t, var, "add_eps", temps=-1)
             r = ops.rsqrt(t, e, "rsqrt")
@@ -298,7 +320,7 @@ class HfLlama:
         name = f"{prefix}.mlp"
         with t.scoped(name):
             g = self.linear(x, f"{name}.gate_proj", d.f, "gate_proj")
-            s1 = ops.unary(t, g, "silu", save_input=True)
+            s1 = ops.unary(t, g, self.act, save_input=True)
             t.done(g)
             u = self.linear(x, f"{name}.up_proj", d.f, "up_proj")
             m = ops.mul(t, s1, u, "gate")
@@ -340,6 +362,13 @@ class HfLlama:
             ar = t.new(d.s, 8, "arange")
             pos = t.new(d.s, 8, "cache_position")
             t.done(ar)
+            self.packed_check()
+        return pos
+
+    def packed_check(self) -> None:
+        """``find_packed_sequence_indices`` of a ``create_*_mask`` call: temporaries only."""
+        t, d = self.tape, self.d
+        with t.scoped("model.positions"):
             first = t.new(d.b, 8, "first_position")
             padded = t.new(d.b * (d.s + 1), 8, "cat")
             diff = t.new(d.tokens, 8, "diff")
@@ -349,7 +378,6 @@ class HfLlama:
             t.done(ne)
             eq, every = t.new(d.b, 1, "eq"), t.new(1, 1, "all")
             t.done(eq, every, first, diff, starts)
-        return pos
 
     def rope_tables(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``LlamaRotaryEmbedding.forward``: fp32 angles on (1, s, head_dim), cos and sin cast to
@@ -367,7 +395,8 @@ class HfLlama:
                 raw = t.new(table, 4, name)
                 tables.append(t.new(table, 4, f"{name}_scaled"))
                 t.done(raw)
-            cos, sin = (ops.to(t, x32, x.itemsize, f"{n}_cast") for x32, n in zip(tables, ("cos", "sin"), strict=True))
+            size = x.itemsize if self.rope_cast else 4  # OLMo 2 keeps them fp32
+            cos, sin = (ops.to(t, x32, size, f"{n}_cast") for x32, n in zip(tables, ("cos", "sin"), strict=True))
             t.done(freqs, emb, *tables)
         return cos, sin
 

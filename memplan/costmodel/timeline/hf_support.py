@@ -1,8 +1,13 @@
 """Which ``--runtime hf`` plans the op-level run of ``transformers.Trainer`` (``hf_trainer.py``) models.
 
 Apart from the run so that asking does not build it. Modelled (tests/unit/test_timeline_hf.py, every
-case equal to the real Trainer's peak on CPU): full fine-tuning on one rank of a dense Llama-layout
-decoder (Llama, Mistral without a sliding window, Qwen2 with its q/k/v biases) under SDPA; fp32, bf16,
+case equal to the real Trainer's peak on CPU; the families in tests/unit/test_timeline_hf_families.py):
+full fine-tuning on one rank of a dense Llama-layout decoder (Llama, Mistral without a sliding window,
+Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transformers writes them
+(Qwen3 without attention biases or sliding layers, Phi-3 with full rotary embeddings, OLMo 2 without
+attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
+the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
+Gemma 2 under the eager attention transformers gives it; fp32, bf16,
 or ``bf16=True`` over fp32 (``bf16-mixed``); the default fused AdamW; gradient checkpointing of every
 layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/unit/test_timeline_hf_peft.py:
 any of the decoder layers' linears, any rank, dropout, ``modules_to_save`` lm_head or an untied
@@ -22,27 +27,65 @@ from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
-FAMILIES = ("llama", "mistral", "qwen2")  # Llama's decoder layer (Qwen2: with q/k/v biases)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")  # hf_families.py
+# each family's layer as transformers writes it: (layer norms, q/k norm scope or None, (fused qkv, fused gate-up))
+LAYOUT = {
+    "qwen3": ("pre", "head", (False, False)),
+    "phi3": ("pre", None, (True, True)),
+    "olmo2": ("post", "full", (False, False)),
+    "gemma2": ("sandwich", None, (False, False)),
+    "gemma3": ("sandwich", "head", (False, False)),
+}
+LLAMA_LAYOUT = ("pre", None, (False, False))
+PEFT_FAMILIES = ("llama", "mistral", "qwen2")  # LoRA and 4-bit bases checked (tests/unit/test_timeline_hf_peft.py)
+ACTIVATION = {"gemma2": "gelu_tanh", "gemma3": "gelu_tanh"}  # GeGLU (gelu_pytorch_tanh); the others SwiGLU
+# transformers runs Gemma 2 eagerly whatever is asked (_supports_sdpa = False: SDPA takes no soft-cap),
+# over both masks it builds, so its sliding layers are followed at any window
+EAGER = ("gemma2",)
+# families whose sliding layers, with a window the sequence does not reach, run as full causal ones:
+# masking_utils._ignore_causal_mask_sdpa skips the mask (kv_length < window), SDPA runs is_causal
+WINDOW_SKIPPED = ("phi3", "gemma3")
+
+
+def _layout(model: ModelSpec) -> tuple:
+    """The spec's layer in ``LAYOUT``'s terms."""
+    scope = model.qk_norm_scope if model.qk_norm and model.qk_norm_weight else None
+    return model.layer_norms, scope, (model.fused_qkv, model.fused_gate_up)
+
+
+def _attention_ok(model: ModelSpec, seq_len: int | None) -> bool:
+    """Full causal attention in every layer, or sliding layers whose window the sequence does not reach."""
+    kinds = set(model.attention_pattern)
+    if kinds <= {"full"} or (model.architecture in EAGER and kinds <= {"full", "sliding"}):
+        return True
+    window = model.sliding_window
+    reached = seq_len is None or window is None or seq_len >= window
+    return kinds <= {"full", "sliding"} and model.architecture in WINDOW_SKIPPED and not reached
 
 
 def hf_supported(model: ModelSpec, plan: Plan, workload: TrainingWorkload | None = None) -> str | None:
     """What keeps the op-level run from following this ``hf`` plan, or None (``workload``: the
-    micro-batch, whose tokens decide bitsandbytes' CUDA path)."""
+    micro-batch, whose tokens decide bitsandbytes' CUDA path and whether a sliding window is reached)."""
     tokens = None if workload is None else workload.micro_batch * workload.seq_len
+    seq_len = None if workload is None else workload.seq_len
     checks = [
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
         (model.moe is None and model.mla is None, "MoE or MLA models"),
-        (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
+        (model.mlp == "gated" and model.activation == ACTIVATION.get(model.architecture, "silu"), "this MLP"),
+        (model.attn_logit_softcapping is None or model.architecture in EAGER, "attention logit soft-capping"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
-        (not (model.attn_out_bias or model.mlp_bias or model.qk_norm), "these biases or QK-norm"),
+        (not (model.attn_out_bias or model.mlp_bias), "these biases"),
+        (_layout(model) == LAYOUT.get(model.architecture, LLAMA_LAYOUT), f"this {model.architecture} layer layout"),
+        (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
         (not model.qkv_bias or model.architecture == "qwen2", "Q/K/V biases outside Qwen2"),
-        (set(model.attention_pattern) <= {"full"}, "sliding or chunked attention"),
-        (plan.attention == "flash", f"{plan.attention} attention"),
+        (_attention_ok(model, seq_len), "sliding or chunked attention (a window the sequence reaches)"),
+        (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
         (plan.quant in ("none", "nf4", "fp4"), "an LLM.int8 base (bitsandbytes' 8-bit matmul is not modelled)"),
         (
             plan.quant == "none" or tokens is None or tokens > CUDA_DEQUANT_TOKENS,
             f"a 4-bit base over {CUDA_DEQUANT_TOKENS} tokens or fewer (CUDA's gemm_4bit picks a fused kernel per GPU)",
         ),
+        (plan.finetune == "full" or model.architecture in PEFT_FAMILIES, f"PEFT over the {model.architecture} family"),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         (plan.offload_activations == "none", "activation offload"),
@@ -50,7 +93,10 @@ def hf_supported(model: ModelSpec, plan: Plan, workload: TrainingWorkload | None
         (plan.dp == plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank"),
         (plan.optimizer == "adamw" and plan.precision in ("fp32", "bf16", "bf16-mixed"), "this optimizer or precision"),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
-        (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
+        (
+            plan.precision != "fp32" or sdpa_kernel(model, plan) == "math" or model.architecture in EAGER,
+            "fp32 SDPA on the memory-efficient kernel",
+        ),
     ]
     for ok, what in checks:
         if not ok:

@@ -26,8 +26,9 @@ Under ``bf16=True`` (accelerate's autocast over the fp32 model) each matmul cast
 for the forward) and its input to bf16, SDPA casts k then q, and ``convert_outputs_to_fp32`` copies
 the bf16 logits to fp32 after the forward. With ``gradient_accumulation_steps`` the update's batches
 are fetched together (accelerate one ahead) and freed at the next update's fetch, and from the second
-micro-batch on each gradient is added into ``.grad`` and freed. Not modelled here: eager attention,
-the families other than Llama's layout (Mistral, Qwen2), what the model's build leaves cached.
+micro-batch on each gradient is added into ``.grad`` and freed. The model is the family's
+(``hf_families.py``: Qwen3, Phi-3, OLMo 2, Gemma 3 beside Llama's layout). Not modelled here: eager
+attention (Gemma 2), what the model's build leaves cached.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit
+from memplan.costmodel.timeline.hf_families import family, family_config
 from memplan.costmodel.timeline.hf_lora import HfLora, HfLoraConfig
-from memplan.costmodel.timeline.hf_model import HfLlama, is_norm, param_shapes, scalar_div
+from memplan.costmodel.timeline.hf_model import is_norm, param_shapes, scalar_div
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
 
@@ -60,10 +62,16 @@ def hf_dims(model, workload, plan) -> Dims:
 
 def hf_kernel(model, plan, device: str) -> str | None:
     """The SDPA kernel the run models: CPU's flash, or on CUDA the bundled trainer's rule
-    (``support.sdpa_kernel``: flash in 16-bit, as its traces show; math for fp32 with GQA);
-    None where another one runs (the memory-efficient kernel: fp32 without GQA)."""
+    (``support.sdpa_kernel``: flash in 16-bit, as its traces show; math for fp32 with GQA, and over
+    a 4-bit base's fp32 stream) unless ``bf16=True``'s autocast hands SDPA bf16 inputs (flash);
+    None where another one runs (the memory-efficient kernel: fp32 without GQA). Gemma 2 runs no
+    SDPA (eager attention, ``hf_families.HfGemma2``): ``eager`` on CUDA."""
     if device == "cpu":
         return "cpu_flash"
+    if model.architecture == "gemma2":
+        return "eager"
+    if plan.precision == "bf16-mixed":  # autocast casts SDPA's inputs to bf16 (its fp16/bf16 op list): flash
+        return "flash"
     from memplan.costmodel.timeline.support import sdpa_kernel
 
     kernel = sdpa_kernel(model, plan)
@@ -79,8 +87,10 @@ def hf_plan_run(model, workload, plan) -> Timeline:
     assert kernel is not None
     d = hf_dims(model, workload, plan)
     lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan)
-    ga = accumulation(workload, plan)
-    return hf_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=ga, lora=lora, quant=quant)
+    ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model)
+    return hf_run(
+        d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=ga, arch=arch, extra=extra, lora=lora, quant=quant
+    )
 
 
 def hf_run(
@@ -91,17 +101,20 @@ def hf_run(
     batches: int | None = None,
     qkv_bias: bool = False,
     ga: int = 1,
+    arch: str = "llama",
+    extra: dict | None = None,
     lora: HfLoraConfig | None = None,
     quant: Bnb4bit | None = None,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
     ``batches`` batches (None: enough that the prefetch never runs dry); ``qkv_bias``: Qwen2's
-    attention biases; ``lora``: PEFT's adapters over the frozen base (``hf_lora.py``); ``quant``: a
-    4-bit base (``hf_bnb.py``).
+    attention biases; ``arch``: the family (``hf_families.py``) and ``extra`` its further
+    config (``hf_families.family_config``); ``lora``: PEFT's adapters over the frozen base
+    (``hf_lora.py``); ``quant``: a 4-bit base (``hf_bnb.py``).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
-    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, lora, quant)
+    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -119,6 +132,8 @@ class _HfRun:
         tape_flags: dict,
         qkv_bias: bool,
         ga: int,
+        arch: str = "llama",
+        extra: dict | None = None,
         lora: HfLoraConfig | None = None,
         quant: Bnb4bit | None = None,
     ) -> None:
@@ -128,9 +143,11 @@ class _HfRun:
         for key, value in tape_flags.items():
             setattr(self.tape, key, value)
         self.d, self.batches = d, batches
-        self.shapes = param_shapes(d, tied, qkv_bias)
+        model_class, layer_params = family(arch)
+        self.shapes = param_shapes(d, tied, qkv_bias, layer_params)
         self.grads: dict[str, Tensor] = {}
-        self.model = HfLlama(self.tape, d, {}, kernel, tied, quant=quant)
+        self.model = model_class(self.tape, d, {}, kernel, tied, quant=quant)
+        self.model.extra = extra
         self.data: list[list[Tensor]] = []
         self.fetched = 0
         self.ga = ga
@@ -163,8 +180,8 @@ class _HfRun:
         else:
             self.lora.build(self.model.weights, self.shapes, self.grads, d.pd)
             self.trainable = self.lora.trainable
-        for name in ("inv_freq", "original_inv_freq"):
-            t.managed(d.head_dim // 2, d.pd, f"model.rotary_emb.{name}", Category.PARAMETERS)
+        for name, numel in self.model.buffers():
+            self.model.weights[name] = t.managed(numel, d.pd, name, Category.PARAMETERS)
         t.managed(1, 4, "tr_loss", Category.LOGITS)
 
     def _workspace(self, thread: str):
@@ -276,6 +293,7 @@ class _HfRun:
         """A decoder layer, or a non-reentrant checkpoint of one (its recompute runs under a fresh
         autocast context: its own weight casts)."""
         m = self.model
+        cos, sin = m.tables_for(i, cos, sin)
         if self.d.recompute != "full":
             return m.layer(x, cos, sin, i)
 
@@ -286,7 +304,8 @@ class _HfRun:
             finally:
                 m.cache = cache
 
-        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), [x, pos, cos, sin], rerun=rerun)
+        held = [x, pos, cos, sin, *m.layer_inputs(i)]  # the layer's arguments, held by the checkpoint
+        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), held, rerun=rerun)
 
     # --- clip, optimizer -----------------------------------------------------------------------
     def clip(self) -> None:

@@ -1,0 +1,266 @@
+"""The decoder families beyond Llama's layout in the op-level run of ``transformers.Trainer``.
+
+Each family is :class:`~memplan.costmodel.timeline.hf_model.HfLlama` with the methods its
+``transformers/models/<family>/modeling_<family>.py`` (transformers 5.x) writes differently, and its
+layer's parameters in ``named_parameters()`` order (module registration order). Checked on CPU
+against the real Trainer (tests/unit/test_timeline_hf_families.py):
+
+- Qwen3 (``modeling_qwen3.py``): ``q_norm`` / ``k_norm``, a ``Qwen3RMSNorm`` over each head's
+  ``head_dim`` on ``q_proj(x).view(b, s, heads, head_dim)`` before the transpose;
+- Phi-3 (``modeling_phi3.py``): one ``qkv_proj`` sliced into q, k, v (each slice's backward a
+  zeroed ``qkv``-sized gradient, summed into the projection's); the partial-rotary RoPE even at
+  factor 1: ``q[..., :rotary_dim]`` is an alias, ``q[..., rotary_dim:]`` an empty slice whose
+  backward is another zeroed q-sized gradient, and ``cat([rope(q), q_pass])`` a copy; one
+  ``gate_up_proj`` chunked in two (``SplitBackward0``: one ``cat`` of both gradients); the
+  residual dropouts at ``resid_pdrop=0`` return their input (``at::dropout``);
+- OLMo 2 (``modeling_olmo2.py``): no pre-norms; ``post_attention_layernorm`` and
+  ``post_feedforward_layernorm`` on the attention's and the MLP's outputs before each residual
+  add; ``q_norm`` / ``k_norm`` over the whole projection before the head view;
+  ``Olmo2RMSNorm`` returns ``(weight * x).to(input_dtype)`` (the product in fp32); the rotary
+  tables stay fp32, so in bf16 RoPE computes in fp32 and casts q and k back after both;
+- Gemma 2 and Gemma 3: ``hf_gemma.py``.
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import precision as prec
+from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.hf_gemma import GEMMA2_PARAMS, GEMMA_PARAMS, HfGemma2, HfGemma3
+from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
+
+QWEN3_PARAMS = (
+    *LAYER_PARAMS[:4],
+    ("self_attn.q_norm", "hd", "1"),
+    ("self_attn.k_norm", "hd", "1"),
+    *LAYER_PARAMS[4:],
+)
+
+
+class HfQwen3(HfLlama):
+    """``Qwen3ForCausalLM``: Llama's layer with a per-head RMSNorm on the queries and keys."""
+
+    def projection(self, x: Tensor, name: str, out_features: int, tag: str, copy_grad: bool) -> Tensor:
+        """``self.q_norm(self.q_proj(x).view(hidden_shape)).transpose(1, 2)`` (k likewise; v as Llama)."""
+        if tag == "v_proj":
+            return super().projection(x, name, out_features, tag, copy_grad)
+        t = self.tape
+        y = self.linear(x, name, out_features, tag)
+        v = ops.heads_view(t, y, f"{tag}_view", copy_grad)
+        t.done(y)
+        n = self.rms_norm(v, name.replace("_proj", "_norm"), rows=self.d.tokens * out_features // self.d.head_dim)
+        t.done(v)
+        out = ops.heads_view(t, n, f"{tag}_heads", copy_grad=False)
+        t.done(n)
+        return out
+
+
+PHI3_PARAMS = (
+    ("self_attn.o_proj", "h", "q"),
+    ("self_attn.qkv_proj", "qkv", "h"),
+    ("mlp.gate_up_proj", "2f", "h"),
+    ("mlp.down_proj", "h", "f"),
+    ("input_layernorm", "h", "1"),
+    ("post_attention_layernorm", "h", "1"),
+)
+
+
+def slice_view(tape: Tape, x: Tensor, numel: int, tag: str) -> Tensor:
+    """``x[..., a:b]`` (not the whole range): a view; backward (``slice_backward``) a zeroed tensor
+    of x's size with the gradient copied in."""
+    size, itemsize = x.numel, x.itemsize
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(size, itemsize, "grad")]
+
+    v = tape.view(x, numel)
+    v.fn = tape.node(tag, apply, [x])
+    return v
+
+
+def chunk2(tape: Tape, x: Tensor, tag: str) -> tuple[Tensor, Tensor]:
+    """``x.chunk(2, dim=-1)``: two views of one ``SplitBackward0``, whose backward runs once both
+    gradients are in and allocates their ``cat``. Each view's gradient is held by a relay node
+    (the tape's nodes take one gradient) until the split's apply."""
+    held: list[Tensor] = []
+    size, itemsize = x.numel, x.itemsize
+
+    def split(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        out = tape.new(size, itemsize, "grad_cat")
+        tape.done(*held)
+        held.clear()
+        return [out]
+
+    def relay(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        held.append(tape.hold(g[0]))
+        return [tape.new(0, itemsize, "relay")]
+
+    handle = tape.view(x, 0)
+    handle.fn = tape.node(tag, split, [x])
+    views = []
+    for i in range(2):
+        v = tape.view(x, size // 2)
+        v.fn = tape.node(f"{tag}.{i}", relay, [handle])
+        views.append(v)
+    tape.done(handle)
+    return views[0], views[1]
+
+
+def _alias(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``x[..., :n]`` over the whole width: ``AliasBackward0``, the gradient passed as a view."""
+    return ops.heads_view(tape, x, tag, copy_grad=False)
+
+
+def _rest(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``x[..., n:]`` past the end: an empty slice (its backward still a zeroed x-sized tensor)."""
+    return slice_view(tape, x, 0, tag)
+
+
+class HfPhi3(HfLlama):
+    """``Phi3ForCausalLM``: Llama's layer with fused projections and the partial-rotary RoPE."""
+
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
+        """``Phi3Attention.forward`` with ``sdpa_attention_forward``."""
+        t, d = self.tape, self.d
+        name = f"{prefix}.self_attn"
+        with t.scoped(name):
+            qkv = self.linear(x, f"{name}.qkv_proj", d.q + 2 * d.kv, "qkv_proj")
+            parts = (("q", d.q, True), ("k", d.kv, True), ("v", d.kv, False))
+            slices = [slice_view(t, qkv, d.tokens * width, f"{p}_slice") for p, width, _ in parts]
+            q, k, v = (ops.heads_view(t, x, f"{p}_heads", grad) for x, (p, _, grad) in zip(slices, parts, strict=True))
+            t.done(*slices)
+            # q[..., :rotary_dim] (the whole width: an alias), q[..., rotary_dim:] (empty); then k's
+            rot = [f(t, x, n) for x, p in ((q, "q"), (k, "k")) for f, n in ((_alias, f"{p}_rot"), (_rest, f"{p}_pass"))]
+            qr = self.partial_rope(rot[0], rot[1], cos, sin, "q_rope")
+            kr = self.partial_rope(rot[2], rot[3], cos, sin, "k_rope")
+            t.done(q, k)
+            out = self.core(qr, kr, v)
+            # RoPE's cat left q heads-major, and so SDPA's output: transpose(1, 2).contiguous() copies
+            flat = prec.merge_heads(t, out)
+            t.done(out)  # sdpa_attention_forward rebinds attn_output to the copy
+            y = self.linear(flat, f"{name}.o_proj", d.h, "o_proj")
+            t.done(flat, qkv, qr, kr, v, *rot)
+        return y
+
+    def partial_rope(self, x: Tensor, rest: Tensor, cos: Tensor, sin: Tensor, tag: str) -> Tensor:
+        """``torch.cat([(x * cos) + (rotate_half(x) * sin), rest], dim=-1)``: a copy."""
+        r = self.rope(x, cos, sin, tag)
+        out = ops.cat(self.tape, r, rest, f"{tag}.cat")
+        self.tape.done(r)
+        return out
+
+    def mlp(self, x: Tensor, prefix: str) -> Tensor:
+        """``Phi3MLP.forward``: ``down_proj(up * act(gate))`` over ``gate_up_proj(x).chunk(2)``."""
+        t, d = self.tape, self.d
+        name = f"{prefix}.mlp"
+        with t.scoped(name):
+            gu = self.linear(x, f"{name}.gate_up_proj", 2 * d.f, "gate_up_proj")
+            gate, up = chunk2(t, gu, "chunk")
+            t.done(gu)
+            s1 = ops.unary(t, gate, "silu", save_input=True)
+            m = ops.mul(t, up, s1, "up_states")
+            t.done(s1, up)
+            y = self.linear(m, f"{name}.down_proj", d.h, "down_proj")
+            t.done(m, gate)
+        return y
+
+
+OLMO2_PARAMS = (
+    *LAYER_PARAMS[:4],
+    ("self_attn.q_norm", "q", "1"),
+    ("self_attn.k_norm", "kv", "1"),
+    *LAYER_PARAMS[4:7],
+    ("post_attention_layernorm", "h", "1"),
+    ("post_feedforward_layernorm", "h", "1"),
+)
+
+
+class HfOlmo2(HfLlama):
+    """``Olmo2ForCausalLM``: post-norms, full-width q/k norms, fp32 rotary tables."""
+
+    rope_cast = False
+
+    def rms_norm(self, x: Tensor, name: str, rows: int | None = None) -> Tensor:
+        """``Olmo2RMSNorm.forward``: the weight multiplies the fp32 normed states, then the cast."""
+        t, d = self.tape, self.d
+        with t.scoped(name):
+            x32 = ops.to(t, x, 4, "x_fp32")
+            p = ops.unary(t, x32, "pow", temps=2, save_input=True)
+            var = ops.unary(t, p, "mean", out_numel=rows or d.tokens)
+            t.done(p)
+            e = ops.unary(t, var, "add_eps", temps=-1)
+            r = ops.rsqrt(t, e, "rsqrt")
+            t.done(e)
+            y = ops.mul(t, x32, r, "normed")
+            t.done(r, x32)
+            w = ops.mul(t, self.weights[f"{name}.weight"], y, "weighted", over_rows=True)
+            out = ops.to(t, w, x.itemsize, "out")
+            t.done(w, y, var)
+        return out
+
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
+        """``Olmo2Attention.forward`` with ``sdpa_attention_forward``."""
+        t, d = self.tape, self.d
+        name = f"{prefix}.self_attn"
+        with t.scoped(name):
+            normed = []
+            for part, width in (("q", d.q), ("k", d.kv)):
+                y = self.linear(x, f"{name}.{part}_proj", width, f"{part}_proj")
+                normed.append(self.rms_norm(y, f"{name}.{part}_norm"))
+                t.done(y)
+            v = self.linear(x, f"{name}.v_proj", d.kv, "v_proj")
+            q, k = (ops.heads_view(t, n, f"{p}_heads", True) for n, p in zip(normed, "qk", strict=True))
+            vh = ops.heads_view(t, v, "v_heads", self.kernel == "math")
+            t.done(*normed, v)
+            qe, ke = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
+            qr, kr = ops.to(t, qe, q.itemsize, "q_rope_cast"), ops.to(t, ke, k.itemsize, "k_rope_cast")
+            t.done(qe, ke, q, k)  # apply_rotary_pos_emb's locals, then the rebound query / key
+            out = self.core(qr, kr, vh)
+            flat = prec.merge_heads(t, out) if self.kernel == "math" else t.alias(out)
+            y = self.linear(flat, f"{name}.o_proj", d.h, "o_proj")
+            t.done(flat, out, qr, kr, vh)
+        return y
+
+    def layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        """``Olmo2DecoderLayer.forward``: each sublayer's output normed, then added."""
+        t, prefix = self.tape, f"model.layers.{i}"
+        with t.scoped(prefix):
+            a = self.attention(x, cos, sin, prefix)
+            n1 = self.rms_norm(a, f"{prefix}.post_attention_layernorm")
+            t.done(a)
+            h = ops.add(t, x, n1, "residual_attention")
+            t.done(n1)
+            m = self.mlp(h, prefix)
+            n2 = self.rms_norm(m, f"{prefix}.post_feedforward_layernorm")
+            t.done(m)
+            out = ops.add(t, h, n2, "residual_mlp")
+            t.done(n2, h)
+        return out
+
+
+def family_config(model) -> dict | None:
+    """What a family's run reads from the spec beyond the dims: Gemma's layer kinds and soft-caps."""
+    if model.architecture not in ("gemma2", "gemma3"):
+        return None
+    return {
+        "kinds": model.layer_attention_kinds,
+        "final_softcap": model.final_logit_softcapping,
+        "attn_softcap": model.attn_logit_softcapping,
+    }
+
+
+FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
+    "llama": (HfLlama, LAYER_PARAMS),
+    "mistral": (HfLlama, LAYER_PARAMS),
+    "qwen2": (HfLlama, LAYER_PARAMS),
+    "qwen3": (HfQwen3, QWEN3_PARAMS),
+    "phi3": (HfPhi3, PHI3_PARAMS),
+    "olmo2": (HfOlmo2, OLMO2_PARAMS),
+    "gemma3": (HfGemma3, GEMMA_PARAMS),
+    "gemma2": (HfGemma2, GEMMA2_PARAMS),
+}
+
+
+def family(name: str) -> tuple[type[HfLlama], tuple]:
+    """The model class and the layer's parameters (name, rows, cols) of a family the run models."""
+    return FAMILIES[name]

@@ -1,0 +1,344 @@
+"""Gemma 2 and Gemma 3 in the op-level run of ``transformers.Trainer`` (``hf_families.py`` picks them).
+
+As in ``hf_families.py``, each is :class:`~memplan.costmodel.timeline.hf_model.HfLlama` with the methods
+its ``modeling_gemma3.py`` / ``modeling_gemma2.py`` (transformers 5.x) writes differently, checked on CPU
+against the real Trainer (tests/unit/test_timeline_hf_families.py):
+
+- Gemma 3: the embedding times ``embed_scale``; ``Gemma3RMSNorm`` in fp32 as
+  ``_norm(x.float()) * (1.0 + weight.float())``, cast back; four norms per layer; q/k norms over
+  ``head_dim`` after the transpose; GeGLU; one pair of rotary tables per layer type present; two
+  masks built (two packed-sequence checks; SDPA gets none while the sequence is shorter than the
+  window: ``masking_utils._ignore_causal_mask_sdpa``); final logit soft-capping;
+- Gemma 2: Gemma 3's layer without q/k norms, one pair of rotary tables, and the eager attention
+  transformers gives it (``_supports_sdpa = False``): both float masks, ``repeat_kv``, ``matmul``'s
+  clones, soft-capped scores, the fp32 softmax; under autocast each matmul's bf16 casts.
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import precision as prec
+from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
+
+GEMMA_PARAMS = (
+    *LAYER_PARAMS[:4],
+    ("self_attn.q_norm", "hd", "1"),
+    ("self_attn.k_norm", "hd", "1"),
+    *LAYER_PARAMS[4:7],
+    ("input_layernorm", "h", "1"),
+    ("post_attention_layernorm", "h", "1"),
+    ("pre_feedforward_layernorm", "h", "1"),
+    ("post_feedforward_layernorm", "h", "1"),
+)
+
+
+def _scaled(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``x / c`` or ``x * c`` for a Python scalar: saves nothing; backward a new gradient."""
+    return prec._scaled(tape, x, x.numel, tag)
+
+
+def _tanh(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``torch.tanh``: saves its result; backward (``tanh_backward``) allocates the gradient."""
+    numel, itemsize = x.numel, x.itemsize
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(numel, itemsize, "grad")]
+
+    node = tape.node(tag, apply, [x])
+    out = ops.result(tape, numel, itemsize, tag, node)
+    if node is not None:
+        tape.save(node, out)
+    return out
+
+
+class HfGemma3(HfLlama):
+    """``Gemma3ForCausalLM``: the scaled embedding, ``(1 + w)`` RMSNorm in fp32, sandwich norms,
+    per-head q/k norms after the transpose, GeGLU, one pair of rotary tables per layer type."""
+
+    act = "gelu_tanh"
+
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind (``full`` / ``sliding``)."""
+        return tuple((self.extra or {}).get("kinds") or ("full",) * self.d.layers)
+
+    def buffers(self) -> list[tuple[str, int]]:
+        """``embed_tokens.embed_scale`` (a scalar), then per layer type present (sorted) its
+        ``inv_freq`` and ``original_inv_freq``."""
+        half = self.d.head_dim // 2
+        names = ("inv_freq", "original_inv_freq")
+        rope = [(f"model.rotary_emb.{k}_attention_{n}", half) for k in sorted(set(self.kinds())) for n in names]
+        return [("model.embed_tokens.embed_scale", 1), *rope]
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """``Gemma3TextScaledWordEmbedding``: the lookup times ``embed_scale`` (a buffer in the weight's dtype)."""
+        t = self.tape
+        e = super().embed(ids)
+        with t.scoped("model.embed_tokens"):
+            out = ops.mul(t, e, self.weights["model.embed_tokens.embed_scale"], "embed_scale")
+        t.done(e)
+        return out
+
+    def positions(self) -> Tensor:
+        """``position_ids``, then two masks built (full and sliding): two packed-sequence checks."""
+        pos = super().positions()
+        self.packed_check()
+        return pos
+
+    def rope_tables(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """One pair per layer type present (``position_embeddings[layer_type]``); the first pair is
+        returned (held once more: all pairs go in :meth:`head`, with the model's forward)."""
+        self.pairs = {kind: super(HfGemma3, self).rope_tables(x) for kind in sorted(set(self.kinds()))}
+        cos, sin = next(iter(self.pairs.values()))
+        return self.tape.alias(cos), self.tape.alias(sin)
+
+    def tables_for(self, i: int, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        return self.pairs[self.kinds()[i]]
+
+    def rms_norm(self, x: Tensor, name: str, rows: int | None = None) -> Tensor:
+        """``Gemma3RMSNorm.forward``: ``_norm(x.float()) * (1.0 + weight.float())``, cast back."""
+        t, d = self.tape, self.d
+        with t.scoped(name):
+            x32 = ops.to(t, x, 4, "x_fp32")
+            p = ops.unary(t, x32, "pow", temps=2, save_input=True)
+            m = ops.unary(t, p, "mean", out_numel=rows or d.tokens)
+            t.done(p)
+            e = ops.unary(t, m, "add_eps", temps=-1)
+            t.done(m)
+            r = ops.rsqrt(t, e, "rsqrt")
+            t.done(e)
+            y = ops.mul(t, x32, r, "normed")
+            t.done(r, x32)
+            w32 = ops.to(t, self.weights[f"{name}.weight"], 4, "weight_fp32")
+            wp = ops.unary(t, w32, "one_plus", temps=-1)
+            t.done(w32)
+            o = ops.mul(t, wp, y, "scaled", over_rows=True)  # output * (1 + w): same bytes either order
+            t.done(wp, y)  # the temporary, then the rebound output
+            out = ops.to(t, o, x.itemsize, "out")
+            t.done(o)
+        return out
+
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
+        """``Gemma3Attention.forward`` with ``sdpa_attention_forward`` (no mask: the window is not reached)."""
+        t, d = self.tape, self.d
+        name = f"{prefix}.self_attn"
+        with t.scoped(name):
+            q = self.projection(x, f"{name}.q_proj", d.q, "q_proj", True)
+            k = self.projection(x, f"{name}.k_proj", d.kv, "k_proj", True)
+            v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", self.kernel == "math")
+            qn = self.rms_norm(q, f"{name}.q_norm", rows=d.tokens * d.q // d.head_dim)
+            t.done(q)  # query_states rebound to its norm
+            kn = self.rms_norm(k, f"{name}.k_norm", rows=d.tokens * d.kv // d.head_dim)
+            t.done(k)
+            qr, kr = self.rope(qn, cos, sin, "q_rope"), self.rope(kn, cos, sin, "k_rope")
+            t.done(qn, kn)
+            out = self.core(qr, kr, v)
+            flat = prec.merge_heads(t, out) if self.kernel == "math" else t.alias(out)
+            y = self.linear(flat, f"{name}.o_proj", d.h, "o_proj")
+            t.done(flat, out, qr, kr, v)
+        return y
+
+    def layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        """``Gemma3DecoderLayer.forward``: norms before and after the attention and the MLP."""
+        t, prefix = self.tape, f"model.layers.{i}"
+        with t.scoped(prefix):
+            n1 = self.rms_norm(x, f"{prefix}.input_layernorm")
+            a = self.attention(n1, cos, sin, prefix)
+            t.done(n1)
+            pa = self.rms_norm(a, f"{prefix}.post_attention_layernorm")
+            t.done(a)
+            h = ops.add(t, x, pa, "residual_attention")
+            t.done(pa)
+            n2 = self.rms_norm(h, f"{prefix}.pre_feedforward_layernorm")
+            m = self.mlp(n2, prefix)
+            t.done(n2)
+            pm = self.rms_norm(m, f"{prefix}.post_feedforward_layernorm")
+            t.done(m)
+            out = ops.add(t, h, pm, "residual_mlp")
+            t.done(pm, h)
+        return out
+
+    def head(self, x: Tensor) -> Tensor:
+        """The forward's rotary tables go, then ``lm_head``; with ``final_logit_softcapping`` the
+        logits become ``tanh(logits / cap) * cap`` (each a logits-sized tensor)."""
+        t = self.tape
+        for pair in self.pairs.values():
+            t.done(*pair)
+        logits = super().head(x)
+        cap = (self.extra or {}).get("final_softcap")
+        if cap is None:
+            return logits
+        with t.scoped("lm_head"):
+            a = _scaled(t, logits, "softcap_div")
+            t.done(logits)
+            b = _tanh(t, a, "softcap_tanh")
+            t.done(a)
+            out = _scaled(t, b, "softcap_mul")
+            t.done(b)
+        return out
+
+
+GEMMA2_PARAMS = (*LAYER_PARAMS[:7], *GEMMA_PARAMS[9:])
+
+
+class HfGemma2(HfGemma3):
+    """``Gemma2ForCausalLM``: Gemma 3's layer without q/k norms, one pair of rotary tables, and
+    eager attention (transformers refuses SDPA with soft-capped scores) over two float masks."""
+
+    def buffers(self) -> list[tuple[str, int]]:
+        return [("model.embed_tokens.embed_scale", 1), *HfLlama.buffers(self)]
+
+    def positions(self) -> Tensor:
+        """``position_ids``, then ``create_causal_mask`` and ``create_sliding_window_causal_mask``
+        for eager attention: each a packed-sequence check and a (b, 1, s, s) float mask."""
+        pos = HfLlama.positions(self)
+        self.masks = {"full": self.eager_mask(False)}
+        self.packed_check()
+        self.masks["sliding"] = self.eager_mask(True)
+        return pos
+
+    def eager_mask(self, sliding: bool) -> Tensor:
+        """``sdpa_mask`` (bool, (s, s) broadcast over the batch) from its index aranges, then
+        ``eager_mask``'s ``where(mask, 0, min)`` in the model's dtype (two scalar tensors)."""
+        t, d = self.tape, self.d
+        square = d.s * d.s
+        with t.scoped("model.masks"):
+            batch, head = t.new(d.b, 8, "batch_arange"), t.new(1, 8, "head_arange")
+            idx = []
+            for name in ("kv", "q"):
+                ar = t.new(d.s, 8, f"{name}_arange")
+                idx.append(t.new(d.s, 8, f"{name}_idx"))
+                t.done(ar)
+            if sliding:
+                one = t.new(1, 1, "new_ones")
+                diff = t.new(d.s, 8, "sub")
+                gt = t.new(square, 1, "gt")
+                t.done(diff)
+                window = t.new(square, 1, "and_window")
+                t.done(gt, one)
+                le = t.new(square, 1, "le")
+                allowed = t.new(square, 1, "and_causal")
+                t.done(le, window)
+            else:
+                allowed = t.new(square, 1, "le")
+            t.done(batch, head, *idx)
+            zero, low = t.new(1, d.pd, "zeros"), t.new(1, d.pd, "scalar_tensor")
+            mask = t.new(d.b * square, d.pd, "sliding" if sliding else "full")
+            t.done(low, zero, allowed)
+        return mask
+
+    def rope_tables(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        self.pairs = {}
+        return HfLlama.rope_tables(self, x)
+
+    def tables_for(self, i: int, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        return cos, sin
+
+    def layer_inputs(self, i: int) -> list[Tensor]:
+        return [self.masks[self.kinds()[i]]]
+
+    def head(self, x: Tensor) -> Tensor:
+        """The masks go with the model's forward, then Gemma 3's head."""
+        self.tape.done(*self.masks.values())  # the handles stay: a checkpoint's re-run reads them
+        return super().head(x)
+
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
+        """``Gemma2Attention.forward`` with ``eager_attention_forward``."""
+        t, d = self.tape, self.d
+        name = f"{prefix}.self_attn"
+        i = int(prefix.rsplit(".", 1)[1])
+        with t.scoped(name):
+            q = self.projection(x, f"{name}.q_proj", d.q, "q_proj", True)
+            # k's and v's gradients arrive heads-major: a copy back, unless one KV head makes both layouts one
+            k = self.projection(x, f"{name}.k_proj", d.kv, "k_proj", d.kv > d.head_dim)
+            v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", d.kv > d.head_dim)
+            qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
+            t.done(q, k)
+            out, weights = self.eager(qr, kr, v, self.masks[self.kinds()[i]])
+            y = self.linear(out, f"{name}.o_proj", d.h, "o_proj")
+            t.done(out, qr, kr, v)  # attn_output rebound, then the frame's locals
+        self.attn_weights = weights  # returned: the layer's `_` holds it until the layer returns
+        return y
+
+    def autocast(self, x: Tensor, tag: str) -> Tensor:
+        """A matmul's operand under ``bf16=True`` (autocast): cast to bf16 (x itself when it is)."""
+        return ops.to(self.tape, x, 2, tag) if self.cache is not None else self.tape.alias(x)
+
+    def layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
+        """Gemma 3's layer; ``hidden_states, _ = self.self_attn(...)`` keeps the probabilities to its return."""
+        out = super().layer(x, cos, sin, i)
+        self.tape.done(self.attn_weights)
+        return out
+
+    def eager(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """``eager_attention_forward``: ``repeat_kv`` copies of k and v, ``matmul(q, k^T)`` (q cloned
+        contiguous), ``* scaling``, soft-capping (``/ cap``, ``tanh``, ``* cap``), ``+ mask``, the
+        fp32 softmax (cast back to q's dtype), ``matmul(probs, v)``, ``transpose(1, 2).contiguous()``;
+        returns the output and the probabilities (``attn_weights``, kept by the caller's frame)."""
+        t, d = self.tape, self.d
+        n, scores = q.numel, d.b * d.heads * d.s * d.s
+        kv_heads = d.heads * k.numel // n
+        k_exp, v_exp = (_repeat_kv(t, x, n, kv_heads, f"{p}_exp") for x, p in ((k, "k"), (v, "v")))
+        grouped = 1 < kv_heads < d.heads  # repeat_kv's copy, contiguous; else k and v as they are
+        # matmul's reshapes to 3-D: q (heads-major RoPE layout) is cloned; k^T too unless repeat_kv copied it
+        qa, ka = self.autocast(q, "q_cast"), self.autocast(k_exp, "k_cast")  # bf16=True: matmul's casts
+        qc = prec._contiguous(t, qa, "query_contiguous", copy_grad=False)
+        kc = t.alias(ka) if grouped else prec._contiguous(t, ka, "key_contiguous", copy_grad=False)
+        raw = prec._bmm(t, qc, kc, scores, "scores")
+        t.done(qc, kc, qa, ka)
+        w = _scaled(t, raw, "scaled")
+        t.done(raw)
+        cap = (self.extra or {}).get("attn_softcap")
+        if cap is not None:
+            a = _scaled(t, w, "softcap_div")
+            t.done(w)
+            b = _tanh(t, a, "softcap_tanh")
+            t.done(a)
+            w = _scaled(t, b, "softcap_mul")
+            t.done(b)
+        masked = ops.add(t, w, mask, "mask")
+        t.done(w)
+        probs = _softmax(t, masked, "softmax")
+        pd = ops.to(t, probs, q.itemsize, "probs_cast")
+        t.done(probs, masked)  # the temporary, then the rebound attn_weights
+        pa, va = self.autocast(pd, "probs_autocast"), self.autocast(v_exp, "v_cast")
+        vc = t.alias(va) if grouped else prec._contiguous(t, va, "value_contiguous", copy_grad=False)
+        raw_out = prec._bmm(t, pa, vc, n, "out")
+        t.done(vc, pa, va)
+        view = prec._unsafe_view(t, raw_out, "out_view")
+        out = prec._contiguous(t, view, "transpose_contiguous", copy_grad=False)
+        t.done(view, k_exp, v_exp)
+        return out, pd
+
+
+def _repeat_kv(tape: Tape, x: Tensor, numel: int, kv_heads: int, tag: str) -> Tensor:
+    """``repeat_kv``: x itself without groups; one KV head expanded is a view (stride 0: its
+    reshape needs no copy); else a copy. Backward of the expand: the sum over the groups."""
+    if x.numel == numel:
+        return tape.alias(x)
+    if kv_heads > 1:
+        return prec._repeat_heads(tape, x, numel, tag)
+    small = x.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(small, x.itemsize, "grad_sum_groups")]
+
+    v = tape.view(x, numel)
+    v.fn = tape.node(tag, apply, [x])
+    return v
+
+
+def _softmax(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``softmax(x, -1, dtype=float32)``: saves its fp32 result; backward allocates the gradient."""
+    x32 = ops.to(tape, x, 4, f"{tag}_input")
+    numel = x.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(numel, 4, "grad")]
+
+    node = tape.node(tag, apply, [x32])
+    out = ops.result(tape, numel, 4, tag, node)
+    if node is not None:
+        tape.save(node, out)
+    tape.done(x32)
+    return out
