@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator
 from memplan.costmodel.memory import serving_run, stage_moments
-from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline
+from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline, collection_paused
 from memplan.costmodel.timeline.step import build_run
 from memplan.costmodel.timeline.support import supported
 from memplan.specs.model import ModelSpec
@@ -56,6 +56,11 @@ class Replay:
 
 def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | None = None) -> Replay:
     """Every allocation and free of ``timeline`` through the allocator; stops at an OOM."""
+    with collection_paused():  # blocks by the ten thousand, no cycle among them
+        return _replay(timeline, config, capacity_bytes)
+
+
+def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | None) -> Replay:
     alloc = CachingAllocator(config, capacity_bytes=capacity_bytes)
     names = {v: k.value for k, v in STREAM_IDS.items()}
     blocks = {}
