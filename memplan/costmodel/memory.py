@@ -1059,11 +1059,14 @@ def _stage_phases(
     accumulation: int,
     device: Device = "cuda",
     memo: MemoryMemo | None = None,
+    shape: tuple[A.Shape, tuple] | None = None,
 ) -> StageMoments:
     """Breakdowns of each phase for one pipeline stage, plus states, per-layer and total
-    activations. ``memo``: the search's (see :class:`MemoryMemo`)."""
+    activations. ``memo``: the search's (see :class:`MemoryMemo`); ``shape``: its
+    :meth:`MemoryMemo.shape` of this plan, which every stage shares (``training_peak``)."""
     memo = MemoryMemo() if memo is None else memo
     policy = POLICIES[plan.precision]
+    fsdp2 = _fsdp2(rt, plan)
     layout, moe_fraction, layout_key = memo.layout(model, plan, stage)
     factored = 1 / model.hidden_size + 1 / model.ffn_size
     finetune = plan.finetune != "full"
@@ -1074,10 +1077,10 @@ def _stage_phases(
     if device == "cuda" and is_paged(plan.optimizer) and (paged := paged_state_bytes(model, layout, plan)):
         # bitsandbytes' paged states leave the allocator (on CPU it falls back to torch.zeros_like)
         st = st._replace(optimizer=st.optimizer - paged, paged=paged)
-    x, shape_key = memo.shape(model, workload, plan, rt, device)
+    x, shape_key = memo.shape(model, workload, plan, rt, device) if shape is None else shape
     terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
     full_layer, live_layer = terms.full_layer, terms.live_layer
-    fp8 = F8.fp8_step(layout, plan, rt.name, x, _fsdp2(rt, plan), moe_fraction)
+    fp8 = F8.fp8_step(layout, plan, rt.name, x, fsdp2, moe_fraction)
     full_layer += fp8.layer_delta
     live_layer += fp8.layer_delta
     if finetune and not _lora_layers(rt):
@@ -1113,7 +1116,6 @@ def _stage_phases(
     rs_buffer = 0
     unsharded = _NO_FSDP2
     sharded = plan.dp * plan.cp > 1
-    fsdp2 = _fsdp2(rt, plan)
     if fsdp2:
         # FSDP2 keeps the sharded params as the parameters and gathers the rest per group
         shard = int(st.optimizer_elements * policy.param_bytes) if plan.offload_params == "none" else 0
@@ -1382,8 +1384,9 @@ def training_peak(
     memo = MemoryMemo() if memo is None else memo  # the stages share the rank's shape
     best = None
     stage_peaks: dict[int, int] = {}
+    shape = memo.shape(model, workload, plan, rt, device)
     for stage in _stages_to_examine(model, plan, rt):
-        sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, memo)
+        sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, memo, shape)
         totals = sm.totals
         peak_phase = max(totals, key=totals.__getitem__)
         stage_peaks[stage] = totals[peak_phase]
