@@ -1050,6 +1050,21 @@ def _checkpointed_mlp_forward(x: A.Shape, layer_copies: int = 0) -> int:
     return TO.mlp_forward_bytes(x, layer_copies) - kept
 
 
+# the moments' keys, read once: an enum member looked up on its class costs a Python call (3.11)
+_FORWARD, _BACKWARD_START = Moment.FORWARD, Moment.BACKWARD_START
+_BACKWARD, _OPTIMIZER = Moment.BACKWARD, Moment.OPTIMIZER
+
+
+def _largest(candidates: list[dict[str, int]]) -> tuple[dict[str, int], int]:
+    """The candidate breakdown with the largest sum (the first of equals), and that sum."""
+    best, total = candidates[0], sum(candidates[0].values())
+    for phase in candidates[1:]:
+        s = sum(phase.values())
+        if s > total:
+            best, total = phase, s
+    return best, total
+
+
 def _stage_phases(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -1332,13 +1347,11 @@ def _stage_phases(
         layer_grads = st.grads * layout.largest_layer_params // layout.params if layout.params else 0
         last = {**bwd_end, "gradients": max(end_grads - layer_grads, 0), "activations": end_acts + fp8.backward_extra}
         candidates += [first, last]
-    sums = [sum(phase.values()) for phase in candidates]
-    chosen = max(range(len(candidates)), key=sums.__getitem__)  # the first of equals
-    bwd = candidates[chosen]
+    bwd, bwd_total = _largest(candidates)
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
-    totals = {"forward": sum(fwd.values()), "backward": sums[chosen], "optimizer": sum(opt.values())}
+    totals = {"forward": sum(fwd.values()), "backward": bwd_total, "optimizer": sum(opt.values())}
     total_acts = layer_acts + embed + head
-    moments = {Moment.FORWARD: fwd, Moment.BACKWARD_START: bwd_start, Moment.BACKWARD: bwd, Moment.OPTIMIZER: opt}
+    moments = {_FORWARD: fwd, _BACKWARD_START: bwd_start, _BACKWARD: bwd, _OPTIMIZER: opt}
     build_grads = st.grads if (rt.grads_persistent or ddp_buckets) else 0
     return StageMoments(phases, totals, moments, None, build_grads, st, per_layer, total_acts, offload_host)
 
