@@ -1156,11 +1156,8 @@ def _stage_phases(
         p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt = memo.pipeline(x, shape_key, plan, stage, accumulation, layers)
     # gradients exist during forward / early backward only if kept across steps or accumulated
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
-    if (
-        plan.pp > 1
-        and not (rt.grads_persistent or ddp_buckets)
-        and not _backward_before_last_forward(plan, stage, accumulation, layers)
-    ):
+    early_backward = plan.pp > 1 and _backward_before_last_forward(plan, stage, accumulation, layers)
+    if plan.pp > 1 and not (rt.grads_persistent or ddp_buckets) and not early_backward:
         grads_in_step = 0  # every forward runs before the first backward creates a gradient
     grads_full = st.grads
     if fsdp2 and plan.pp > 1:
@@ -1169,7 +1166,7 @@ def _stage_phases(
         # each group's unsharded gradients stay, accumulated in the reduce dtype
         # (FSDPParam.to_accumulated_grad_if_needed), from its first backward to the step end
         grads_full = layout.params * policy.grad_bytes
-        grads_in_step = grads_full if _backward_before_last_forward(plan, stage, accumulation, layers) else 0
+        grads_in_step = grads_full if early_backward else 0
     if ddp_buckets and accumulation > 1:
         # under no_sync the accumulated grads are plain tensors beside the buckets; the last
         # micro-batch's reduction copies them in and re-points .grad at the buckets
@@ -1401,15 +1398,25 @@ def training_peak(
     for stage in _stages_to_examine(model, plan, rt):
         sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, memo, shape)
         totals = sm.totals
-        peak_phase = max(totals, key=totals.__getitem__)
-        stage_peaks[stage] = totals[peak_phase]
-        if best is None or totals[peak_phase] > best[0]:
-            best = (totals[peak_phase], stage, peak_phase, sm, totals)
+        peak_phase, peak = _highest(totals)
+        stage_peaks[stage] = peak
+        if best is None or peak > best[0]:
+            best = (peak, stage, peak_phase, sm, totals)
     assert best is not None
     allocated, stage, phase, sm, totals = best
     overhead = O.fixed_overhead_bytes(O.communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep))
     rank = stage * plan.tp * plan.cp * plan.dp
     return TrainingPeak(allocated, stage, phase, rank, overhead, accumulation, sm, totals, stage_peaks)
+
+
+def _highest(totals: dict[str, int]) -> tuple[str, int]:
+    """The phase with the most bytes (the first of equals, in the step's order) and its bytes."""
+    items = iter(totals.items())
+    phase, peak = next(items)
+    for name, total in items:
+        if total > peak:
+            phase, peak = name, total
+    return phase, peak
 
 
 def estimate_training(
