@@ -970,7 +970,8 @@ class MemoryMemo:
     device (``search.evaluate.Context`` owns one; without one, each estimate starts its own):
     the rank's shape by the plan fields it reads, each stage's layout and MoE share by the
     layout, one micro-batch's activation terms by the shape and what else they read, and the
-    pipeline's buffers, and a stage's model states by the layout and what they read."""
+    pipeline's buffers, and a stage's model states by the layout and what they read, and the
+    checkpointed forward's MLP moment by the shape and autocast's cached casts."""
 
     shapes: dict[tuple, A.Shape] = field(default_factory=dict)
     layouts: dict[tuple, tuple[StageLayout, float, tuple]] = field(default_factory=dict)
@@ -978,6 +979,7 @@ class MemoryMemo:
     buffers: dict[tuple, tuple[int, int, int, int]] = field(default_factory=dict)
     states: dict[tuple, _States] = field(default_factory=dict)
     unsharded: dict[tuple, _Fsdp2] = field(default_factory=dict)
+    mlp_moments: dict[tuple, int] = field(default_factory=dict)
 
     def shape(
         self, model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, device: Device
@@ -1023,6 +1025,13 @@ class MemoryMemo:
         key = (shape_key, recompute, moe_fraction, ep)
         if (found := self.terms.get(key)) is None:
             found = self.terms[key] = _micro_batch_terms(x, rt, recompute, moe_fraction, ep)
+        return found
+
+    def checkpointed_mlp_forward(self, x: A.Shape, shape_key: tuple, layer_copies: int) -> int:
+        """``_checkpointed_mlp_forward`` of the shape ``shape_key`` names (it reads nothing else)."""
+        key = (shape_key, layer_copies)
+        if (found := self.mlp_moments.get(key)) is None:
+            found = self.mlp_moments[key] = _checkpointed_mlp_forward(x, layer_copies)
         return found
 
     def pipeline(
@@ -1214,7 +1223,7 @@ def _stage_phases(
         # autocast's cache at that moment: every layer's casts but the LM head's (cast after the
         # layers); the forward counts all of them as autocast_weights
         head_cast = vocab_shard_params(model, plan.tp) * x.d if layout.is_last and weight_copies else 0
-        moment = _checkpointed_mlp_forward(x, weight_copies - head_cast) - weight_copies
+        moment = memo.checkpointed_mlp_forward(x, shape_key, weight_copies - head_cast) - weight_copies
         mlp_peak = max(0, moment - fwd_head - loss_fwd)
     head_grads = 0
     if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
