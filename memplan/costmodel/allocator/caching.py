@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 from memplan.costmodel.allocator.config import AllocatorConfig, kMinBlockSize, kRoundLarge, kSmallSize
 from memplan.costmodel.allocator.expandable import ExpandableSegment, ExpandableSegments
-from memplan.costmodel.allocator.pool import Block, BlockPool, key, key_size, key_stream, merge_into, splice_after
+from memplan.costmodel.allocator.pool import Block, BlockPool, key_size, key_stream, merge_into, splice_after
 from memplan.costmodel.allocator.sizing import get_allocation_size, round_size
 from memplan.costmodel.allocator.stats import AllocatorOOM, AllocatorStats
 from memplan.errors import MemplanError
@@ -123,7 +123,7 @@ class CachingAllocator(ExpandableSegments):
         if self._gc:
             pool.get_free_blocks_call_count += 1
         keys = pool.keys
-        i = bisect_left(keys, key(stream, size))  # pool.lower_bound
+        i = bisect_left(keys, stream << 128 | size << 64)  # pool.lower_bound: key(stream, size), inlined
         if i == len(keys) or keys[i] >> 128 != stream:  # key_stream, inlined
             return None
         blocks = pool.blocks
