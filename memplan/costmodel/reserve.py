@@ -180,6 +180,13 @@ def plan_run(
     ``hf_support.hf_supported`` accepts the plan; else the phase model's moments cut into tensors
     (``timeline.step``). The second item names it: ``trainer``, ``hf`` or ``phases`` (with the
     reason the op-level run does not apply)."""
+    with collection_paused():  # tens of thousands of events, tensors and graph nodes
+        return _plan_run(model, workload, plan, runtime, device)
+
+
+def _plan_run(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str
+) -> tuple[Timeline, str]:
     if runtime == "memplan":
         why = supported(model, workload, plan)
         if why is None:
