@@ -92,11 +92,13 @@ class Timeline:
     def live_by_category(self, upto: int) -> dict[str, int]:
         """Bytes live per category just after event ``upto`` (zero categories left out)."""
         out: dict[str, int] = {}
-        for e in self.events[: upto + 1]:
-            if e.op == MARK:
-                continue
-            assert e.category is not None
-            out[e.category] = out.get(e.category, 0) + (e.size if e.op == ALLOC else -e.size)
+        get = out.get
+        for op, _, size, category, _, _ in self.events[: upto + 1]:
+            if op == ALLOC:
+                out[category] = get(category, 0) + size
+            elif op == FREE:
+                out[category] = get(category, 0) - size
+        assert None not in out  # every allocation has a category
         return {k: v for k, v in out.items() if v}
 
     def largest_live(self, upto: int, n: int = 5) -> list[Event]:
