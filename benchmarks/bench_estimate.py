@@ -183,8 +183,11 @@ def evaluations_per_second(seconds: float, search: bool = False) -> tuple[float,
 
 def instructions(cmd: list[str]) -> int:
     """Instructions one process running ``cmd`` executes (callgrind's ``Collected``), with a fixed
-    hash seed so that two counts of the same code agree to a few parts in a million."""
+    hash seed so that two counts of the same code agree to a few parts in a million. ``cmd`` runs
+    once first, uncounted: where bytecode is written, a first run compiles and caches every module
+    it imports, and a count of it (the search's set-up, say) would hold that compilation."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
+    subprocess.run(cmd, capture_output=True, env=env, check=True)
     out = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *cmd],
         capture_output=True, text=True, env=env, check=True,

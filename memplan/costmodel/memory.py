@@ -970,7 +970,8 @@ class MemoryMemo:
     device (``search.evaluate.Context`` owns one; without one, each estimate starts its own):
     the rank's shape by the plan fields it reads, each stage's layout and MoE share by the
     layout, one micro-batch's activation terms by the shape and what else they read, and the
-    pipeline's buffers, and a stage's model states by the layout and what they read."""
+    pipeline's buffers, and a stage's model states by the layout and what they read, and the
+    checkpointed forward's MLP moment by the shape and autocast's cached casts."""
 
     shapes: dict[tuple, A.Shape] = field(default_factory=dict)
     layouts: dict[tuple, tuple[StageLayout, float, tuple]] = field(default_factory=dict)
@@ -978,6 +979,7 @@ class MemoryMemo:
     buffers: dict[tuple, tuple[int, int, int, int]] = field(default_factory=dict)
     states: dict[tuple, _States] = field(default_factory=dict)
     unsharded: dict[tuple, _Fsdp2] = field(default_factory=dict)
+    mlp_moments: dict[tuple, int] = field(default_factory=dict)
 
     def shape(
         self, model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, device: Device
@@ -1025,6 +1027,13 @@ class MemoryMemo:
             found = self.terms[key] = _micro_batch_terms(x, rt, recompute, moe_fraction, ep)
         return found
 
+    def checkpointed_mlp_forward(self, x: A.Shape, shape_key: tuple, layer_copies: int) -> int:
+        """``_checkpointed_mlp_forward`` of the shape ``shape_key`` names (it reads nothing else)."""
+        key = (shape_key, layer_copies)
+        if (found := self.mlp_moments.get(key)) is None:
+            found = self.mlp_moments[key] = _checkpointed_mlp_forward(x, layer_copies)
+        return found
+
     def pipeline(
         self, x: A.Shape, shape_key: tuple, plan: Plan, stage: int, accumulation: int, layers: int
     ) -> tuple[int, int, int, int]:
@@ -1050,6 +1059,21 @@ def _checkpointed_mlp_forward(x: A.Shape, layer_copies: int = 0) -> int:
     return TO.mlp_forward_bytes(x, layer_copies) - kept
 
 
+# the moments' keys, read once: an enum member looked up on its class costs a Python call (3.11)
+_FORWARD, _BACKWARD_START = Moment.FORWARD, Moment.BACKWARD_START
+_BACKWARD, _OPTIMIZER = Moment.BACKWARD, Moment.OPTIMIZER
+
+
+def _largest(candidates: list[dict[str, int]]) -> tuple[dict[str, int], int]:
+    """The candidate breakdown with the largest sum (the first of equals), and that sum."""
+    best, total = candidates[0], sum(candidates[0].values())
+    for phase in candidates[1:]:
+        s = sum(phase.values())
+        if s > total:
+            best, total = phase, s
+    return best, total
+
+
 def _stage_phases(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -1059,11 +1083,14 @@ def _stage_phases(
     accumulation: int,
     device: Device = "cuda",
     memo: MemoryMemo | None = None,
+    shape: tuple[A.Shape, tuple] | None = None,
 ) -> StageMoments:
     """Breakdowns of each phase for one pipeline stage, plus states, per-layer and total
-    activations. ``memo``: the search's (see :class:`MemoryMemo`)."""
+    activations. ``memo``: the search's (see :class:`MemoryMemo`); ``shape``: its
+    :meth:`MemoryMemo.shape` of this plan, which every stage shares (``training_peak``)."""
     memo = MemoryMemo() if memo is None else memo
     policy = POLICIES[plan.precision]
+    fsdp2 = _fsdp2(rt, plan)
     layout, moe_fraction, layout_key = memo.layout(model, plan, stage)
     factored = 1 / model.hidden_size + 1 / model.ffn_size
     finetune = plan.finetune != "full"
@@ -1074,10 +1101,10 @@ def _stage_phases(
     if device == "cuda" and is_paged(plan.optimizer) and (paged := paged_state_bytes(model, layout, plan)):
         # bitsandbytes' paged states leave the allocator (on CPU it falls back to torch.zeros_like)
         st = st._replace(optimizer=st.optimizer - paged, paged=paged)
-    x, shape_key = memo.shape(model, workload, plan, rt, device)
+    x, shape_key = memo.shape(model, workload, plan, rt, device) if shape is None else shape
     terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
     full_layer, live_layer = terms.full_layer, terms.live_layer
-    fp8 = F8.fp8_step(layout, plan, rt.name, x, _fsdp2(rt, plan), moe_fraction)
+    fp8 = F8.fp8_step(layout, plan, rt.name, x, fsdp2, moe_fraction)
     full_layer += fp8.layer_delta
     live_layer += fp8.layer_delta
     if finetune and not _lora_layers(rt):
@@ -1113,7 +1140,6 @@ def _stage_phases(
     rs_buffer = 0
     unsharded = _NO_FSDP2
     sharded = plan.dp * plan.cp > 1
-    fsdp2 = _fsdp2(rt, plan)
     if fsdp2:
         # FSDP2 keeps the sharded params as the parameters and gathers the rest per group
         shard = int(st.optimizer_elements * policy.param_bytes) if plan.offload_params == "none" else 0
@@ -1139,11 +1165,8 @@ def _stage_phases(
         p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt = memo.pipeline(x, shape_key, plan, stage, accumulation, layers)
     # gradients exist during forward / early backward only if kept across steps or accumulated
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
-    if (
-        plan.pp > 1
-        and not (rt.grads_persistent or ddp_buckets)
-        and not _backward_before_last_forward(plan, stage, accumulation, layers)
-    ):
+    early_backward = plan.pp > 1 and _backward_before_last_forward(plan, stage, accumulation, layers)
+    if plan.pp > 1 and not (rt.grads_persistent or ddp_buckets) and not early_backward:
         grads_in_step = 0  # every forward runs before the first backward creates a gradient
     grads_full = st.grads
     if fsdp2 and plan.pp > 1:
@@ -1152,7 +1175,7 @@ def _stage_phases(
         # each group's unsharded gradients stay, accumulated in the reduce dtype
         # (FSDPParam.to_accumulated_grad_if_needed), from its first backward to the step end
         grads_full = layout.params * policy.grad_bytes
-        grads_in_step = grads_full if _backward_before_last_forward(plan, stage, accumulation, layers) else 0
+        grads_in_step = grads_full if early_backward else 0
     if ddp_buckets and accumulation > 1:
         # under no_sync the accumulated grads are plain tensors beside the buckets; the last
         # micro-batch's reduction copies them in and re-points .grad at the buckets
@@ -1200,7 +1223,7 @@ def _stage_phases(
         # autocast's cache at that moment: every layer's casts but the LM head's (cast after the
         # layers); the forward counts all of them as autocast_weights
         head_cast = vocab_shard_params(model, plan.tp) * x.d if layout.is_last and weight_copies else 0
-        moment = _checkpointed_mlp_forward(x, weight_copies - head_cast) - weight_copies
+        moment = memo.checkpointed_mlp_forward(x, shape_key, weight_copies - head_cast) - weight_copies
         mlp_peak = max(0, moment - fwd_head - loss_fwd)
     head_grads = 0
     if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
@@ -1330,13 +1353,11 @@ def _stage_phases(
         layer_grads = st.grads * layout.largest_layer_params // layout.params if layout.params else 0
         last = {**bwd_end, "gradients": max(end_grads - layer_grads, 0), "activations": end_acts + fp8.backward_extra}
         candidates += [first, last]
-    sums = [sum(phase.values()) for phase in candidates]
-    chosen = max(range(len(candidates)), key=sums.__getitem__)  # the first of equals
-    bwd = candidates[chosen]
+    bwd, bwd_total = _largest(candidates)
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
-    totals = {"forward": sum(fwd.values()), "backward": sums[chosen], "optimizer": sum(opt.values())}
+    totals = {"forward": sum(fwd.values()), "backward": bwd_total, "optimizer": sum(opt.values())}
     total_acts = layer_acts + embed + head
-    moments = {Moment.FORWARD: fwd, Moment.BACKWARD_START: bwd_start, Moment.BACKWARD: bwd, Moment.OPTIMIZER: opt}
+    moments = {_FORWARD: fwd, _BACKWARD_START: bwd_start, _BACKWARD: bwd, _OPTIMIZER: opt}
     build_grads = st.grads if (rt.grads_persistent or ddp_buckets) else 0
     return StageMoments(phases, totals, moments, None, build_grads, st, per_layer, total_acts, offload_host)
 
@@ -1382,18 +1403,29 @@ def training_peak(
     memo = MemoryMemo() if memo is None else memo  # the stages share the rank's shape
     best = None
     stage_peaks: dict[int, int] = {}
+    shape = memo.shape(model, workload, plan, rt, device)
     for stage in _stages_to_examine(model, plan, rt):
-        sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, memo)
+        sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, memo, shape)
         totals = sm.totals
-        peak_phase = max(totals, key=totals.__getitem__)
-        stage_peaks[stage] = totals[peak_phase]
-        if best is None or totals[peak_phase] > best[0]:
-            best = (totals[peak_phase], stage, peak_phase, sm, totals)
+        peak_phase, peak = _highest(totals)
+        stage_peaks[stage] = peak
+        if best is None or peak > best[0]:
+            best = (peak, stage, peak_phase, sm, totals)
     assert best is not None
     allocated, stage, phase, sm, totals = best
     overhead = O.fixed_overhead_bytes(O.communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep))
     rank = stage * plan.tp * plan.cp * plan.dp
     return TrainingPeak(allocated, stage, phase, rank, overhead, accumulation, sm, totals, stage_peaks)
+
+
+def _highest(totals: dict[str, int]) -> tuple[str, int]:
+    """The phase with the most bytes (the first of equals, in the step's order) and its bytes."""
+    items = iter(totals.items())
+    phase, peak = next(items)
+    for name, total in items:
+        if total > peak:
+            phase, peak = name, total
+    return phase, peak
 
 
 def estimate_training(

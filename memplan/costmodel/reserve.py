@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator
 from memplan.costmodel.memory import serving_run, stage_moments
-from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline
+from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline, collection_paused
 from memplan.costmodel.timeline.phases import PHASE_MARKS, STEADY
 from memplan.costmodel.timeline.step import build_run
 from memplan.costmodel.timeline.support import supported
@@ -60,6 +60,11 @@ class Replay:
 
 def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | None = None) -> Replay:
     """Every allocation and free of ``timeline`` through the allocator; stops at an OOM."""
+    with collection_paused():  # blocks by the ten thousand, no cycle among them
+        return _replay(timeline, config, capacity_bytes)
+
+
+def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | None) -> Replay:
     alloc = CachingAllocator(config, capacity_bytes=capacity_bytes)
     names = {v: k.value for k, v in STREAM_IDS.items()}
     blocks = {}
@@ -189,6 +194,13 @@ def plan_run(
     ``hf_support.hf_supported`` accepts the plan; else the phase model's moments cut into tensors
     (``timeline.step``). The second item names it: ``trainer``, ``hf`` or ``phases`` (with the
     reason the op-level run does not apply)."""
+    with collection_paused():  # tens of thousands of events, tensors and graph nodes
+        return _plan_run(model, workload, plan, runtime, device)
+
+
+def _plan_run(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str
+) -> tuple[Timeline, str]:
     if runtime == "memplan":
         why = supported(model, workload, plan)
         if why is None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 from memplan.costmodel.allocator.config import AllocatorConfig, kMinBlockSize, kRoundLarge, kSmallSize
 from memplan.costmodel.allocator.expandable import ExpandableSegment, ExpandableSegments
-from memplan.costmodel.allocator.pool import Block, BlockPool, merge_into, splice_after
+from memplan.costmodel.allocator.pool import Block, BlockPool, key_size, key_stream, merge_into, splice_after
 from memplan.costmodel.allocator.sizing import get_allocation_size, round_size
 from memplan.costmodel.allocator.stats import AllocatorOOM, AllocatorStats
 from memplan.errors import MemplanError
@@ -123,8 +123,8 @@ class CachingAllocator(ExpandableSegments):
         if self._gc:
             pool.get_free_blocks_call_count += 1
         keys = pool.keys
-        i = bisect_left(keys, (stream, size))  # pool.lower_bound
-        if i == len(keys) or keys[i][0] != stream:
+        i = bisect_left(keys, stream << 128 | size << 64)  # pool.lower_bound: key(stream, size), inlined
+        if i == len(keys) or keys[i] >> 128 != stream:  # key_stream, inlined
             return None
         blocks = pool.blocks
         if blocks[i].expandable:
@@ -133,15 +133,15 @@ class CachingAllocator(ExpandableSegments):
                 while (
                     blocks[i].expandable
                     and j < len(keys)
-                    and keys[j][0] == stream
+                    and key_stream(keys[j]) == stream
                     and _expandable_size(blocks[j]) < _expandable_size(blocks[i])
                 ):
                     i, j = j, j + 1
             else:  # expandable segments turned off since: only non-expandable blocks
                 i += 1
-                while i < len(keys) and blocks[i].expandable and keys[i][0] == stream:
+                while i < len(keys) and blocks[i].expandable and key_stream(keys[i]) == stream:
                     i += 1
-                if i == len(keys) or keys[i][0] != stream:
+                if i == len(keys) or key_stream(keys[i]) != stream:
                     return None
         block = blocks[i]
         # fits_oversize_rules (sizing.py), inlined
@@ -240,10 +240,12 @@ class CachingAllocator(ExpandableSegments):
     def _free_block(self, block: Block) -> None:
         """``free_block``: merge with free neighbours of the segment and cache it in its pool."""
         pool = self._pools[block.small]
-        if block.prev is not None:
-            merge_into(block, block.prev, pool)
-        if block.next is not None:
-            merge_into(block, block.next, pool)
+        # merge_into's test of the neighbour, first here: most neighbours are allocated
+        prev, nxt = block.prev, block.next
+        if prev is not None and not prev.allocated:
+            merge_into(block, prev, pool)
+        if nxt is not None and not nxt.allocated:
+            merge_into(block, nxt, pool)
         pool.insert(block)
 
     # --- giving memory back ------------------------------------------------------------------
@@ -259,18 +261,18 @@ class CachingAllocator(ExpandableSegments):
         if max_split is None:
             return False
         keys, blocks = pool.keys, pool.blocks
-        key_size = max(size, max_split)
-        i = pool.lower_bound(stream, key_size)
-        if i < len(keys) and keys[i][0] == stream and not blocks[i].expandable:
+        wanted = max(size, max_split)
+        i = pool.lower_bound(stream, wanted)
+        if i < len(keys) and key_stream(keys[i]) == stream and not blocks[i].expandable:
             self._release_block(blocks[i])
             return True
         released = 0
-        while i > 0 and released < key_size and keys[i - 1][1] >= max_split and keys[i - 1][0] == stream:
+        while i > 0 and released < wanted and key_size(keys[i - 1]) >= max_split and key_stream(keys[i - 1]) == stream:
             i -= 1
             if not blocks[i].expandable:
                 released += blocks[i].size
                 self._release_block(blocks[i])
-        return released >= key_size
+        return released >= wanted
 
     def _release_cached_blocks(self) -> bool:
         """``release_cached_blocks``: wait for every stream, then free all unsplit cached segments and

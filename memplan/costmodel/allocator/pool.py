@@ -5,12 +5,30 @@ of blocks in address order; free blocks also sit in their pool, a set ordered by
 (stream, size, address) (``BlockComparatorSize``), so a lower bound on (stream, size) is the
 best fit. Here the set is a sorted list of keys searched with :mod:`bisect`: pools hold
 hundreds to a few thousand free blocks, where inserting into a list beats a tree in Python.
+A key is the triple packed into one integer, ``stream << 128 | size << 64 | address``
+(:func:`key`; sizes and addresses are below 2**64), which orders as the tuple does and compares
+in one C call where a tuple compares element by element: a replay does ~50,000 such searches.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, field
+
+_SIZE = 1 << 64  # a key's size unit; the address is what is left
+
+
+def key(stream: int, size: int, addr: int = 0) -> int:
+    """The pool key of (stream, size, address): ordered as the tuple (module docstring)."""
+    return stream << 128 | size << 64 | addr
+
+
+def key_stream(k: int) -> int:
+    return k >> 128
+
+
+def key_size(k: int) -> int:
+    return (k >> 64) & (_SIZE - 1)
 
 
 @dataclass(slots=True, eq=False)
@@ -46,7 +64,7 @@ class BlockPool:
     and the unmapped ranges of its expandable segments (ordered by stream, address)."""
 
     small: bool
-    keys: list[tuple[int, int, int]] = field(default_factory=list)  # (stream, size, addr), sorted
+    keys: list[int] = field(default_factory=list)  # key(stream, size, addr), sorted
     blocks: list[Block] = field(default_factory=list)  # the block of each key, same order
     unmapped: list[tuple[int, int]] = field(default_factory=list)  # (stream, addr), sorted
     unmapped_blocks: list[Block] = field(default_factory=list)
@@ -56,14 +74,14 @@ class BlockPool:
     def insert(self, block: Block) -> None:
         """``insert_into_blocks``: cache a free block, noting the call count for garbage collection."""
         block.gc_count_base = self.get_free_blocks_call_count
-        key = (block.stream, block.size, block.addr)
-        i = bisect_left(self.keys, key)
-        self.keys.insert(i, key)
+        k = block.stream << 128 | block.size << 64 | block.addr  # key(), inlined
+        i = bisect_left(self.keys, k)
+        self.keys.insert(i, k)
         self.blocks.insert(i, block)
         self.free_bytes += block.size
 
     def remove(self, block: Block) -> None:
-        i = bisect_left(self.keys, (block.stream, block.size, block.addr))
+        i = bisect_left(self.keys, block.stream << 128 | block.size << 64 | block.addr)
         if i == len(self.keys) or self.blocks[i] is not block:
             raise KeyError(f"block at {block.addr:#x} is not in the pool")
         del self.keys[i]
@@ -72,7 +90,7 @@ class BlockPool:
 
     def lower_bound(self, stream: int, size: int) -> int:
         """Index of the first free block of ``stream`` with at least ``size`` bytes (len if none)."""
-        return bisect_left(self.keys, (stream, size))
+        return bisect_left(self.keys, key(stream, size))
 
     def insert_unmapped(self, block: Block) -> None:
         key = (block.stream, block.addr)
@@ -100,9 +118,9 @@ class BlockPool:
         """The largest cached block: the last key of each stream's run (keys sort by stream, size)."""
         best, i = 0, 0
         while i < len(self.keys):
-            stream = self.keys[i][0]
-            j = bisect_left(self.keys, (stream + 1,))
-            best = max(best, self.keys[j - 1][1])
+            stream = key_stream(self.keys[i])
+            j = bisect_left(self.keys, (stream + 1) << 128)
+            best = max(best, key_size(self.keys[j - 1]))
             i = j
         return best
 
@@ -122,7 +140,7 @@ def merge_into(dst: Block, src: Block | None, pool: BlockPool) -> int:
     ``src`` must be free with no pending stream uses, and mapped exactly when ``dst`` is; it leaves
     its pool (or the unmapped set).
     """
-    if src is None or not src.free_to_merge() or src.mapped != dst.mapped:
+    if src is None or src.allocated or src.event_count or src.mapped != dst.mapped:  # not free_to_merge()
         return 0
     if src.mapped:
         pool.remove(src)

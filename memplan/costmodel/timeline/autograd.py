@@ -36,7 +36,7 @@ from itertools import count
 from memplan.costmodel.timeline.events import Builder, Category, Stream
 
 FIRST = 1 << 62  # AccumulateGrad's sequence number: it runs as soon as it is ready
-_ACTIVATIONS = Category.ACTIVATIONS
+_ACTIVATIONS, _GRADIENTS = Category.ACTIVATIONS, Category.GRADIENTS  # read once: a member on its class is a slow lookup
 MiB = 2**20
 REDUCE_WORKSPACE_CAP = 132 * MiB  # largest staging buffer of a (b, s, h) -> (h,) sum in the traces
 
@@ -278,34 +278,39 @@ class Tape:
     # --- backward ------------------------------------------------------------------------------
     def backward(self, root: Tensor, seed: Tensor) -> None:
         """``root.backward(seed)``: run every node reachable from ``root.fn``."""
-        deps: dict[Node, int] = {}
+        deps: dict[Node, int] = {}  # the graph is a DAG from root: a node is new at its first edge
         stack = [root.fn]
-        seen = {id(root.fn)}
         while stack:
-            n = stack.pop()
-            for m in n.nexts:
+            for m in stack.pop().nexts:
                 if m is None:
                     continue
-                deps[m] = deps.get(m, 0) + 1
-                if id(m) not in seen:
-                    seen.add(id(m))
+                if m in deps:
+                    deps[m] += 1
+                else:
+                    deps[m] = 1
                     stack.append(m)
+        # each node's input buffer: its first gradient, the later ones added in (_accumulate)
         buffers: dict[Node, list[Tensor | None]] = {root.fn: [seed]}
         ready = [(-root.fn.seq, 0, root.fn)]
         tick = count(1)
+        pop, push, run, accumulate, drop = heapq.heappop, heapq.heappush, self._run, self._accumulate, self.drop
         while ready:
-            node = heapq.heappop(ready)[2]
-            grads = buffers.pop(node, [None])
-            outs = self._run(node, grads)
+            node = pop(ready)[2]
+            outs = run(node, buffers.pop(node, [None]))
             for m, g in zip(node.nexts, outs, strict=True):
                 if m is None:
-                    self.drop(g)
+                    drop(g)
                     continue
                 if g is not None:
-                    self._accumulate(buffers.setdefault(m, [None]), g)
-                deps[m] -= 1
-                if deps[m] == 0:
-                    heapq.heappush(ready, (-m.seq, next(tick), m))
+                    held = buffers.get(m)
+                    if held is None:
+                        buffers[m] = [g]
+                    else:
+                        accumulate(held, g)
+                left = deps[m] - 1
+                deps[m] = left
+                if left == 0:
+                    push(ready, (-m.seq, next(tick), m))
 
     def _run(self, node: Node, grads: list[Tensor | None]) -> list[Tensor | None]:
         self.scope = node.scope
@@ -329,11 +334,12 @@ class Tape:
             for g in outs:
                 if g is not None:
                     g.dtensor = True
+        drop = self.drop
         for g in grads:
-            self.drop(g)
+            drop(g)
         if node.region is None:
             for t in saved:
-                self.drop(t)
+                drop(t)
         else:
             region = node.region
             region.unpacked += len(node.saved)
@@ -379,7 +385,7 @@ class Tape:
 
     @staticmethod
     def _gcat(leaf: bool) -> Category:
-        return Category.GRADIENTS if leaf else Category.ACTIVATIONS
+        return _GRADIENTS if leaf else _ACTIVATIONS
 
     def _accumulate(self, buffer: list[Tensor | None], g: Tensor) -> None:
         old = buffer[0]

@@ -14,6 +14,7 @@ from memplan.costmodel.timeline.events import Category
 
 SDPA_SCRATCH = 256  # flash attention's forward scratch allocation (traces)
 PHILOX = 8  # the rng seed and offset tensors SDPA returns (traces)
+_GRADIENTS, _ACTIVATIONS = Category.GRADIENTS, Category.ACTIVATIONS  # read once: a member on its class is a slow lookup
 
 
 def _is_leaf(t: Tensor | None) -> bool:
@@ -22,7 +23,7 @@ def _is_leaf(t: Tensor | None) -> bool:
 
 def grad_category(t: Tensor | None) -> Category:
     """A gradient that a leaf will keep is a ``gradients`` allocation."""
-    return Category.GRADIENTS if _is_leaf(t) else Category.ACTIVATIONS
+    return _GRADIENTS if t is not None and t.fn is not None and t.fn.seq == FIRST else _ACTIVATIONS  # _is_leaf
 
 
 def result(tape: Tape, numel: int, itemsize: int, tag: str, node: Node | None) -> Tensor:
