@@ -177,6 +177,7 @@ class HfLlama:
     cache: dict[str, Tensor] | None = None  # autocast's weight casts in this forward (None: no autocast)
     adapter: Callable | None = None  # (model, x, out, name) -> out: PEFT's wrapper of a linear (hf_lora.py)
     quant: object | None = None  # a quantized base's linears (hf_bnb.Bnb4bit)
+    kv_cache: Callable | None = None  # (k, v) -> (k, v): ``past_key_values.update`` (hf_loop.py)
 
     @property
     def cpu(self) -> bool:
@@ -285,6 +286,8 @@ class HfLlama:
             v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", self.kernel == "math")
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             t.done(q, k)  # `query_states, key_states = ...` stores query first
+            if self.kv_cache is not None:  # `key_states, value_states = past_key_values.update(...)`
+                kr, v = self.kv_cache(kr, v)
             out = self.core(qr, kr, v)
             # transpose(1, 2).contiguous(): the fused kernels' layout already; a copy of math's
             flat = prec.merge_heads(t, out) if self.kernel == "math" else t.alias(out)
@@ -377,8 +380,9 @@ class HfLlama:
         with self.tape.scoped("lm_head"):
             return self.linear(x, name, self.d.vocab, "logits")
 
-    def loss(self, logits: Tensor, num_items: Tensor) -> Tensor:
-        """``ForCausalLMLoss`` with ``num_items_in_batch``: returns the 4-byte loss."""
+    def loss(self, logits: Tensor, num_items: Tensor | None) -> Tensor:
+        """``ForCausalLMLoss`` with ``num_items_in_batch`` (``reduction="sum"``, then the division), or
+        without (None: ``reduction="mean"``, no division): returns the 4-byte loss."""
         t, d = self.tape, self.d
         with t.scoped("loss"):
             f = ops.to(t, logits, 4, "logits_fp32", Category.LOGITS)
@@ -387,6 +391,9 @@ class HfLlama:
             ls = ops.log_softmax(t, f)
             nll, weight = nll_loss(t, ls, target)
             t.done(ls)
-            loss = scalar_div(t, nll, "div_num_items", temps=1)
+            if num_items is None:
+                loss = t.alias(nll)
+            else:
+                loss = scalar_div(t, nll, "div_num_items", temps=1)
             t.done(nll, weight, f, pad, target)  # the rebound loss, then the frame's locals
         return loss

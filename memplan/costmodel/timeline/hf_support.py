@@ -11,6 +11,10 @@ and LoRA's dropout is ``native_dropout`` from its source: not yet checked on a G
 A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) over more than 1536 tokens a micro-batch
 (CUDA's dequantize-then-``F.linear`` path, read from bitsandbytes' source); an 8-bit base stays on the
 phase model.
+
+``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
+case equal to the real loop's peak on CPU): the same models, precisions, kernels and checkpointing, full
+fine-tuning with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing).
 """
 
 from __future__ import annotations
@@ -25,10 +29,20 @@ from memplan.specs.workload import TrainingWorkload
 FAMILIES = ("llama", "mistral", "qwen2")  # Llama's decoder layer (Qwen2: with q/k/v biases)
 
 
-def hf_supported(model: ModelSpec, plan: Plan, workload: TrainingWorkload | None = None) -> str | None:
-    """What keeps the op-level run from following this ``hf`` plan, or None (``workload``: the
-    micro-batch, whose tokens decide bitsandbytes' CUDA path)."""
+def hf_supported(
+    model: ModelSpec, plan: Plan, workload: TrainingWorkload | None = None, runtime: str = "hf"
+) -> str | None:
+    """What keeps the op-level run from following this ``hf`` (or ``hf-loop``) plan, or None
+    (``workload``: the micro-batch, whose tokens decide bitsandbytes' CUDA path)."""
     tokens = None if workload is None else workload.micro_batch * workload.seq_len
+    if runtime == "hf-loop":
+        loop = [
+            (plan.finetune == "full", f"{plan.finetune} under the hf-loop runtime (its run models full fine-tuning)"),
+            (workload is None or accumulation(workload, plan) == 1, "gradient accumulation (the hf-loop has none)"),
+        ]
+        for ok, what in loop:
+            if not ok:
+                return what
     checks = [
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
         (model.moe is None and model.mla is None, "MoE or MLA models"),
