@@ -5,6 +5,10 @@ case the run models (SDPA, the CPU's kernels: every ``hand`` case of hf_steps.py
 and the ``cuda-math-*`` ones; the heavy bf16 and bf16-mixed cases under ``-m slow``, their ``-small``
 twins by default).
 
+PEFT: every LoRA and 4-bit case of tests/accuracy/peft_steps.py (whose loop is this one, AdamW over the
+adapters), measured with the batch counted as hf_steps.py counts it (peft_steps' own count leaves ``ids``
+out), also equal to the byte.
+
 As in tests/unit/test_timeline_hf.py the tracker holds each storage's Python object, so the run is
 compared with ``inplace_accumulate=False`` (the engine's out-of-place sum); on every case here the
 peak is the same either way.
@@ -12,6 +16,7 @@ peak is the same either way.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -21,8 +26,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import hf_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
+import peft_steps  # noqa: E402
+from storage_tracker import StorageTracker  # noqa: E402
 
+from memplan.costmodel.timeline.hf_bnb import Bnb4bit  # noqa: E402
 from memplan.costmodel.timeline.hf_loop import hf_loop_run  # noqa: E402
+from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
 from memplan.costmodel.timeline.hf_trainer import hf_dims  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
@@ -66,6 +75,70 @@ def test_peak_equals_the_loops(case: hf_steps.Case) -> None:
     predicted = predict(case)
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
     assert predict(case, inplace_accumulate=True) == predicted
+
+
+PEFT_CASES = [c for c in peft_steps.CASES if c.quant != "int8"]  # LLM.int8 bases: not modelled
+
+
+def _peft_plan(case: peft_steps.PeftCase) -> Plan:
+    """The case's plan (tests/unit/test_timeline_hf_peft.py's ``plan_of``): over a 4-bit base the
+    precision is the compute dtype's."""
+    if case.quant != "none":
+        dtype = "fp32" if case.compute_dtype == "float32" else "bf16"
+        fields = dict(finetune="qlora", quant=case.quant, double_quant=case.double_quant)
+    else:
+        dtype = "fp32" if case.dtype == "float32" else "bf16"
+        fields = dict(finetune="lora")
+    return Plan(
+        precision="bf16-mixed" if case.autocast else dtype,
+        recompute="full" if case.checkpointing else "none",
+        lora_rank=case.rank,
+        lora_targets=case.targets,
+        lora_dropout=case.dropout,
+        modules_to_save=case.modules_to_save,
+        **fields,
+    )
+
+
+def predict_peft(case: peft_steps.PeftCase) -> int:
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = _peft_plan(case)
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
+    quant = Bnb4bit.of(plan)
+    if quant is not None:  # loaded in the case's dtype (the plan assumes its compute dtype)
+        quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2)
+    timeline = hf_loop_run(
+        d,
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        qkv_bias=model.qkv_bias,
+        window_layers=case.arch == "mistral",
+        lora=HfLoraConfig.of(plan),
+        quant=quant,
+        inplace_accumulate=False,
+    )
+    return timeline.peak()[0]
+
+
+def measure_peft(case: peft_steps.PeftCase) -> int:
+    """peft_steps' loop under ``StorageTracker``, the model, its quantization state and the batch counted."""
+    model, opt, ids = peft_steps._setup(case)
+    tracker = StorageTracker()
+    tracker.track_module(model)
+    tracker.track(*peft_steps.quant_state_tensors(model), ids)
+    with tracker:
+        peft_steps._steps(case, model, opt, ids, STEPS)
+    return tracker.peak
+
+
+@pytest.mark.parametrize("case", PEFT_CASES, ids=lambda c: c.name)
+def test_peft_peak_equals_the_loops(case: peft_steps.PeftCase) -> None:
+    pytest.importorskip("peft")
+    if case.quant != "none":
+        pytest.importorskip("bitsandbytes")
+    measured, predicted = measure_peft(case), predict_peft(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 
 def test_the_cases_span_the_runs_mechanisms() -> None:
@@ -134,6 +207,8 @@ def _estimate(capsys, args: list[str]) -> dict:
         [LLAMA1B, "--runtime", "hf-loop", "--precision", "bf16", "--seq-len", "2048", "--micro-batch", "2"],
         [LLAMA1B, "--runtime", "hf-loop", "--precision", "bf16-mixed", "--recompute", "full"],
         [LLAMA1B, "--runtime", "hf-loop", "--precision", "fp32", "--seq-len", "1024"],
+        [LLAMA1B, "--runtime", "hf-loop", "--precision", "bf16", "--finetune", "lora", "--recompute", "full"],
+        [LLAMA1B, "--runtime", "hf-loop", "--precision", "bf16-mixed", "--finetune", "qlora", "--seq-len", "2048"],
     ],
 )
 def test_estimate_answers_an_hf_loop_cuda_plan_op_level(capsys, args: list[str]) -> None:
@@ -147,8 +222,8 @@ def test_estimate_answers_an_hf_loop_cuda_plan_op_level(capsys, args: list[str])
 @pytest.mark.parametrize(
     ("args", "reason"),
     [
-        ([LLAMA1B, "--runtime", "hf-loop", "--finetune", "lora"], "lora under the hf-loop runtime"),
         ([LLAMA1B, "--runtime", "hf-loop", "--global-batch", "8"], "gradient accumulation"),
+        ([LLAMA1B, "--runtime", "hf-loop", "--finetune", "lora", "--quant", "int8"], "an LLM.int8 base"),
         ([LLAMA1B, "--runtime", "hf-loop", "--attention", "eager"], "eager attention"),
         ([LLAMA1B, "--runtime", "hf-loop", "--dp", "2"], "more than one rank"),
         (["qwen3-8b", "--runtime", "hf-loop"], "the qwen3 family"),

@@ -36,9 +36,10 @@ from transformers 5.23 and torch 2.13 and checked on CPU against the loop itself
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category, Timeline
+from memplan.costmodel.timeline.hf_bnb import Bnb4bit
+from memplan.costmodel.timeline.hf_lora import HfLoraConfig
 from memplan.costmodel.timeline.hf_trainer import _HfRun, hf_dims, hf_kernel
 from memplan.costmodel.timeline.trainer_model import Dims
 
@@ -48,7 +49,8 @@ def hf_loop_plan_run(model, workload, plan) -> Timeline:
     accepts: a first step and two steady ones."""
     kernel = hf_kernel(model, plan, "cuda")
     assert kernel is not None
-    return hf_loop_run(hf_dims(model, workload, plan), model.tied_embeddings, kernel, qkv_bias=model.qkv_bias)
+    d, lora, quant = hf_dims(model, workload, plan), HfLoraConfig.of(plan), Bnb4bit.of(plan)
+    return hf_loop_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, lora=lora, quant=quant)
 
 
 def hf_loop_run(
@@ -58,6 +60,8 @@ def hf_loop_run(
     steps: int = 3,
     qkv_bias: bool = False,
     window_layers: bool = False,
+    lora: HfLoraConfig | None = None,
+    quant: Bnb4bit | None = None,
     **tape_flags,
 ) -> Timeline:
     """The loop for ``steps`` steps (``tape_flags``: :class:`Tape` attributes, as ``hf_run``'s).
@@ -65,8 +69,9 @@ def hf_loop_run(
     it spans every position), so the cache's layers are ``DynamicSlidingWindowLayer``s, each with an
     int64 ``_sliding_window_tensor`` made with the cache (after the embedding; on CUDA its device copy
     at the layer's first update). A :class:`ModelSpec` does not carry a window that spans the
-    positions: plans leave them out (8 B a layer)."""
-    run = _HfLoopRun(d, tied, kernel, 0, tape_flags, qkv_bias, ga=1)
+    positions: plans leave them out (8 B a layer). ``lora``, ``quant``: PEFT's adapters over the
+    frozen (or 4-bit) base, as in ``hf_run``, AdamW over the adapters."""
+    run = _HfLoopRun(d, tied, kernel, 0, tape_flags, qkv_bias, 1, lora, quant)
     run.window_layers = window_layers and d.recompute != "full"
     run.b.mark("build")
     for k in range(steps):
@@ -94,13 +99,7 @@ class _HfLoopRun(_HfRun):
     def _build(self) -> None:
         """Parameters in ``model.parameters()`` order, the two rotary buffers, the batch."""
         t, d = self.tape, self.d
-        for name, (rows, cols) in self.shapes.items():
-            p = t.managed(rows * cols, d.pd, name, Category.PARAMETERS)
-            p.fn = ops.leaf(self.grads, name)
-            self.model.weights[name] = p
-        self.trainable = {name: (rows * cols, d.pd) for name, (rows, cols) in self.shapes.items()}
-        for name in ("inv_freq", "original_inv_freq"):
-            t.managed(d.head_dim // 2, d.pd, f"model.rotary_emb.{name}", Category.PARAMETERS)
+        self._params()
         self.ids = t.managed(d.tokens, 8, "input_ids", Category.ACTIVATIONS)
         self.out: list[Tensor] = []  # the previous step's ``out``: loss, logits, the cache's tensors
         self.kv: list[Tensor] = []
@@ -128,13 +127,15 @@ class _HfLoopRun(_HfRun):
             t.on_first_mm = self._workspace("forward")
         m.cache = {} if self.d.autocast else None
         self.kv = []
+        graph = self._graph()
         if self.window_layers and self.model.kernel == "cpu_flash":  # DynamicCache(config=...)
             with t.scoped("past_key_values"):
                 self.kv += [t.new(1, 8, "sliding_window_tensor", Category.KV_CACHE) for _ in range(self.d.layers)]
         logits, hidden = self.forward(self.ids)
         loss = m.loss(logits, None)
         t.done(hidden)  # LlamaForCausalLM.forward's hidden_states, at its return
-        t.done(*self.out)  # `out = ...`: the previous step's output goes
+        t.done(*self.out)  # `out = ...`: the previous step's output goes, with its graph
+        graph()
         self.out = [loss, logits, *self.kv]
         if m.cache is not None:  # the autocast block exits: its weight casts go
             t.done(*m.cache.values())
@@ -148,6 +149,23 @@ class _HfLoopRun(_HfRun):
         self.optimizer_step(first=k == 0)
         for name in self.trainable:
             t.drop(self.grads.pop(name, None))
+
+    def _graph(self):
+        """What the previous step's graph holds beyond its saved tensors: under gradient checkpointing
+        over a frozen embedding, ``enable_input_require_grads``' leaf and its ``.grad`` (``hf_lora``);
+        a function that lets them go (``out.loss`` holds the graph until ``out`` is rebound)."""
+        lora = self.lora
+        if lora is None:
+            return lambda: None
+        held, lora.held = lora.held, []
+        grad = lora.input_grads.pop("inputs_embeds", None)
+
+        def free() -> None:
+            for x in held:
+                self.tape.drop(x)
+            self.tape.drop(grad)
+
+        return free
 
     def optimizer_step(self, first: bool) -> None:
         """``AdamW(foreach=True)``: the states on the first step, then the step's temporaries."""

@@ -13,8 +13,8 @@ A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) over more than 1536
 phase model.
 
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
-case equal to the real loop's peak on CPU): the same models, precisions, kernels and checkpointing, full
-fine-tuning with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing).
+case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
+4-bit bases, with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing).
 """
 
 from __future__ import annotations
@@ -35,14 +35,8 @@ def hf_supported(
     """What keeps the op-level run from following this ``hf`` (or ``hf-loop``) plan, or None
     (``workload``: the micro-batch, whose tokens decide bitsandbytes' CUDA path)."""
     tokens = None if workload is None else workload.micro_batch * workload.seq_len
-    if runtime == "hf-loop":
-        loop = [
-            (plan.finetune == "full", f"{plan.finetune} under the hf-loop runtime (its run models full fine-tuning)"),
-            (workload is None or accumulation(workload, plan) == 1, "gradient accumulation (the hf-loop has none)"),
-        ]
-        for ok, what in loop:
-            if not ok:
-                return what
+    if runtime == "hf-loop" and workload is not None and accumulation(workload, plan) > 1:
+        return "gradient accumulation (the hf-loop runtime's loop has none)"
     checks = [
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
         (model.moe is None and model.mla is None, "MoE or MLA models"),
