@@ -31,7 +31,11 @@ from transformers 5.23 and torch 2.13 and checked on CPU against the loop itself
   each step ``torch.tensor(1.0)`` for the CPU steps' ``_foreach_add_``, then one
   ``_foreach_sqrt`` temporary per parameter, all live together until the step returns
   (``torch/optim/adam.py: _multi_tensor_adam``); no gradient clipping;
-- ``zero_grad(set_to_none=True)``: the gradients go in parameter order.
+- ``zero_grad(set_to_none=True)``: the gradients go in parameter order;
+- over a PEFT model (``hf_lora.py``, ``hf_bnb.py``: the ``hf`` run's adapters and 4-bit bases) AdamW
+  holds the adapters alone, and under gradient checkpointing ``enable_input_require_grads``' leaf and
+  its ``.grad`` live with ``out``'s graph until the next forward returns (the Trainer's go when
+  ``training_step`` returns).
 """
 
 from __future__ import annotations
