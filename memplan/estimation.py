@@ -97,7 +97,8 @@ def _with_attention_kernel(plan: dict[str, Any], job: Job, device: Device) -> di
     return plan
 
 
-OP_LEVEL_RUNS = ("trainer", "hf")  # plan_run's op-level runs: the bundled trainer's, transformers' Trainer's
+# plan_run's op-level runs: the bundled trainer's, transformers' Trainer's, the hand-written transformers loop's
+OP_LEVEL_RUNS = ("trainer", "hf", "hf-loop")
 
 
 def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Device) -> tuple[MemoryReport, Verdict]:

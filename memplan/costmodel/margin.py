@@ -43,6 +43,11 @@ HF_OP_LEVEL_SOURCE = (
     "transformers' Trainer op by op: equal to the real Trainer's peak on CPU (tests/unit/test_timeline_hf.py), "
     "not yet measured on a GPU, so the band is the hf phase model's measured error"
 )
+HF_LOOP_OP_LEVEL_SOURCE = (
+    "the hand-written transformers loop op by op: equal to the real loop's peak on CPU "
+    "(tests/unit/test_timeline_hf_loop.py), not yet measured on a GPU, so the band is the hf phase model's "
+    "measured error"
+)
 
 # (error, what measured it): the phase model's reserved error on the H200, per mechanism, rounded up
 # to 0.1% (the runs' exact errors: tests/unit/test_capacity_margin.py recomputes them)
@@ -120,14 +125,15 @@ def phase_error(plan: Plan, runtime: str) -> tuple[float, str]:
 def band(
     which: str, plan: Plan | None, runtime: str, reserved: int, outside_spread: int, capacity_spread: int = 0
 ) -> Band:
-    """The tight band of a plan whose run ``which`` (``trainer``, ``phases (...)``, ``serving``)
+    """The tight band of a plan whose run ``which`` (``trainer``, ``hf``, ``hf-loop``, ``phases (...)``, ``serving``)
     reserved ``reserved`` bytes. Serving (``plan`` None or ``which == "serving"``) has not been
     measured on a GPU: it gets :data:`UNMEASURED`."""
     if which == "trainer":
         error, model, basis = OP_LEVEL, "op-level run", OP_LEVEL_SOURCE
-    elif which == "hf" and plan is not None:
+    elif which in ("hf", "hf-loop") and plan is not None:
         error, measured = phase_error(plan, runtime)  # no GPU run of it yet: the hf phase model's error
-        model, basis = "op-level run", f"{HF_OP_LEVEL_SOURCE}; {measured}"
+        source = HF_OP_LEVEL_SOURCE if which == "hf" else HF_LOOP_OP_LEVEL_SOURCE
+        model, basis = "op-level run", f"{source}; {measured}"
     elif which == "serving" or plan is None:
         error, model = UNMEASURED, "phase model"
         basis = f"serving: not measured on a GPU, the largest phase-model error ({UNMEASURED:.1%})"

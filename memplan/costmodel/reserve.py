@@ -191,9 +191,10 @@ def plan_run(
     """The run to replay, and which: the bundled trainer's op by op (``timeline.trainer``,
     exact on the six H100 traces) where it models the plan; for ``--runtime hf`` on CUDA
     transformers' Trainer op by op (``timeline.hf_trainer``, exact on CPU) where
-    ``hf_support.hf_supported`` accepts the plan; else the phase model's moments cut into tensors
-    (``timeline.step``). The second item names it: ``trainer``, ``hf`` or ``phases`` (with the
-    reason the op-level run does not apply)."""
+    ``hf_support.hf_supported`` accepts the plan, for ``--runtime hf-loop`` the hand-written loop
+    (``timeline.hf_loop``, exact on CPU) likewise; else the phase model's moments cut into tensors
+    (``timeline.step``). The second item names it: ``trainer``, ``hf``, ``hf-loop`` or ``phases``
+    (with the reason the op-level run does not apply)."""
     with collection_paused():  # tens of thousands of events, tensors and graph nodes
         return _plan_run(model, workload, plan, runtime, device)
 
@@ -209,10 +210,14 @@ def _plan_run(
             run = trainer_run(model, workload, plan)
             if run is not None:
                 return run, "trainer"
-    elif runtime == "hf" and device == "cuda":
+    elif runtime in ("hf", "hf-loop") and device == "cuda":
         from memplan.costmodel.timeline.hf_support import hf_supported
 
-        why = hf_supported(model, plan, workload)
+        why = hf_supported(model, plan, workload, runtime)
+        if why is None and runtime == "hf-loop":
+            from memplan.costmodel.timeline.hf_loop import hf_loop_plan_run  # the hand-written loop op by op
+
+            return hf_loop_plan_run(model, workload, plan), "hf-loop"
         if why is None:
             from memplan.costmodel.timeline.hf_trainer import hf_plan_run  # transformers' Trainer op by op
 

@@ -170,7 +170,7 @@ def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> N
         ([LLAMA1B, "--runtime", "hf", "--finetune", "lora", "--quant", "int8"], "an LLM.int8 base"),
         ([LLAMA1B, "--runtime", "hf", "--finetune", "qlora", "--seq-len", "512", "--micro-batch", "2"], "1536 tokens"),
         ([LLAMA1B, "--runtime", "hf", "--attention", "eager"], "eager attention"),
-        ([LLAMA1B, "--runtime", "hf-loop"], "the hf-loop runtime"),
+        ([LLAMA1B, "--runtime", "hf-loop", "--global-batch", "8"], "the hf-loop runtime's loop has none"),
     ],
 )
 def test_an_hf_plan_the_run_does_not_model_says_so(capsys, args: list[str], reason: str) -> None:

@@ -187,6 +187,7 @@ class HfLlama:
     rope_cast = True  # the rotary tables cast to the hidden states' dtype (a class attribute)
     act = "silu"  # the MLP's activation (saves its input; its backward allocates the gradient alone)
     extra: dict | None = None  # a family's further config (hf_families.family_config)
+    kv_cache: Callable | None = None  # (k, v) -> (k, v): ``past_key_values.update`` (hf_loop.py)
 
     def buffers(self) -> list[tuple[str, int]]:
         """The model's floating buffers after its parameters (name, elements), in the model's dtype."""
@@ -307,6 +308,8 @@ class HfLlama:
             v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", self.kernel == "math")
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             t.done(q, k)  # `query_states, key_states = ...` stores query first
+            if self.kv_cache is not None:  # `key_states, value_states = past_key_values.update(...)`
+                kr, v = self.kv_cache(kr, v)
             out = self.core(qr, kr, v)
             # transpose(1, 2).contiguous(): the fused kernels' layout already; a copy of math's
             flat = prec.merge_heads(t, out) if self.kernel == "math" else t.alias(out)
@@ -406,8 +409,9 @@ class HfLlama:
         with self.tape.scoped("lm_head"):
             return self.linear(x, name, self.d.vocab, "logits")
 
-    def loss(self, logits: Tensor, num_items: Tensor) -> Tensor:
-        """``ForCausalLMLoss`` with ``num_items_in_batch``: returns the 4-byte loss."""
+    def loss(self, logits: Tensor, num_items: Tensor | None) -> Tensor:
+        """``ForCausalLMLoss`` with ``num_items_in_batch`` (``reduction="sum"``, then the division), or
+        without (None: ``reduction="mean"``, no division): returns the 4-byte loss."""
         t, d = self.tape, self.d
         with t.scoped("loss"):
             f = ops.to(t, logits, 4, "logits_fp32", Category.LOGITS)
@@ -416,6 +420,9 @@ class HfLlama:
             ls = ops.log_softmax(t, f)
             nll, weight = nll_loss(t, ls, target)
             t.done(ls)
-            loss = scalar_div(t, nll, "div_num_items", temps=1)
+            if num_items is None:
+                loss = t.alias(nll)
+            else:
+                loss = scalar_div(t, nll, "div_num_items", temps=1)
             t.done(nll, weight, f, pad, target)  # the rebound loss, then the frame's locals
         return loss

@@ -16,6 +16,10 @@ and LoRA's dropout is ``native_dropout`` from its source: not yet checked on a G
 A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) over more than 1536 tokens a micro-batch
 (CUDA's dequantize-then-``F.linear`` path, read from bitsandbytes' source); an 8-bit base stays on the
 phase model.
+
+``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
+case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
+4-bit bases, with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing).
 """
 
 from __future__ import annotations
@@ -63,11 +67,18 @@ def _attention_ok(model: ModelSpec, seq_len: int | None) -> bool:
     return kinds <= {"full", "sliding"} and model.architecture in WINDOW_SKIPPED and not reached
 
 
-def hf_supported(model: ModelSpec, plan: Plan, workload: TrainingWorkload | None = None) -> str | None:
-    """What keeps the op-level run from following this ``hf`` plan, or None (``workload``: the
-    micro-batch, whose tokens decide bitsandbytes' CUDA path and whether a sliding window is reached)."""
+def hf_supported(
+    model: ModelSpec, plan: Plan, workload: TrainingWorkload | None = None, runtime: str = "hf"
+) -> str | None:
+    """What keeps the op-level run from following this ``hf`` (or ``hf-loop``) plan, or None
+    (``workload``: the micro-batch, whose tokens decide bitsandbytes' CUDA path and whether a
+    sliding window is reached)."""
     tokens = None if workload is None else workload.micro_batch * workload.seq_len
     seq_len = None if workload is None else workload.seq_len
+    if runtime == "hf-loop" and workload is not None and accumulation(workload, plan) > 1:
+        return "gradient accumulation (the hf-loop runtime's loop has none)"
+    if runtime == "hf-loop" and model.architecture not in PEFT_FAMILIES:
+        return f"the {model.architecture} family under the hf-loop runtime (its loop is followed for Llama's layout)"
     checks = [
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
         (model.moe is None and model.mla is None, "MoE or MLA models"),

@@ -165,6 +165,12 @@ class _HfRun:
 
     def _build(self) -> None:
         """Parameters in ``model.parameters()`` order, the two rotary buffers, ``tr_loss``."""
+        self._params()
+        self.tape.managed(1, 4, "tr_loss", Category.LOGITS)
+
+    def _params(self) -> None:
+        """Parameters in ``model.parameters()`` order (a PEFT model's: the adapters too), the two
+        rotary buffers."""
         t, d = self.tape, self.d
         quant = self.model.quant
         for name, (rows, cols) in self.shapes.items():
@@ -182,7 +188,6 @@ class _HfRun:
             self.trainable = self.lora.trainable
         for name, numel in self.model.buffers():
             self.model.weights[name] = t.managed(numel, d.pd, name, Category.PARAMETERS)
-        t.managed(1, 4, "tr_loss", Category.LOGITS)
 
     def _workspace(self, thread: str):
         """cuBLAS's workspace, allocated at a thread's first matmul and never freed (``trainer.py``)."""

@@ -1,0 +1,190 @@
+"""A hand-written transformers training loop (``--runtime hf-loop``) on one rank, as a timeline.
+
+The loop of docs/cost-model.md ("hf-loop runtime") and tests/accuracy/hf_steps.py (``loop="hand"``)::
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    for ids in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=<bf16-mixed>):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+``hf_loop_run`` runs the model of ``hf_model.py`` and the forward and checkpointing of
+``hf_trainer.py``'s run; what differs from ``transformers.Trainer``'s step is written here, read
+from transformers 5.23 and torch 2.13 and checked on CPU against the loop itself
+(tests/unit/test_timeline_hf_loop.py):
+
+- the data: one ``ids`` tensor (int64 b x s), the labels being the same tensor;
+- the loss: no ``num_items_in_batch``, so ``ForCausalLMLoss`` takes ``cross_entropy``'s mean
+  (no division); ``backward`` seeds it with ``ones_like`` held until it returns;
+- ``out`` (``CausalLMOutputWithPast``: the loss, the logits in the compute dtype, the
+  ``DynamicCache``) lives until the next forward returns; ``use_cache`` stays True in training,
+  so each layer's ``past_key_values.update`` copies its RoPE'd keys and its values
+  (``torch.cat`` onto an empty tensor of the keys' dtype: fp32 values under autocast, where RoPE
+  promotes the keys) and SDPA runs on the copies. Under gradient checkpointing
+  (``GradientCheckpointingLayer``) the layers get ``past_key_values=None``: no cache;
+- under autocast the weight casts go when the ``with`` block exits, after ``out`` is rebound
+  (no ``convert_outputs_to_fp32``: the logits stay bf16);
+- ``AdamW(foreach=True)``, one group: on its first step, per parameter, a 4-byte ``step`` (on
+  the CPU unless fused or capturable: no GPU bytes on CUDA), ``exp_avg`` and ``exp_avg_sq``;
+  each step ``torch.tensor(1.0)`` for the CPU steps' ``_foreach_add_``, then one
+  ``_foreach_sqrt`` temporary per parameter, all live together until the step returns
+  (``torch/optim/adam.py: _multi_tensor_adam``); no gradient clipping;
+- ``zero_grad(set_to_none=True)``: the gradients go in parameter order;
+- over a PEFT model (``hf_lora.py``, ``hf_bnb.py``: the ``hf`` run's adapters and 4-bit bases) AdamW
+  holds the adapters alone, and under gradient checkpointing ``enable_input_require_grads``' leaf and
+  its ``.grad`` live with ``out``'s graph until the next forward returns (the Trainer's go when
+  ``training_step`` returns).
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.events import Category, Timeline
+from memplan.costmodel.timeline.hf_bnb import Bnb4bit
+from memplan.costmodel.timeline.hf_lora import HfLoraConfig
+from memplan.costmodel.timeline.hf_trainer import _HfRun, hf_dims, hf_kernel
+from memplan.costmodel.timeline.trainer_model import Dims
+
+
+def hf_loop_plan_run(model, workload, plan) -> Timeline:
+    """The CUDA run of an ``hf-loop`` plan ``hf_support.hf_supported(..., runtime="hf-loop")``
+    accepts: a first step and two steady ones."""
+    kernel = hf_kernel(model, plan, "cuda")
+    assert kernel is not None
+    d, lora, quant = hf_dims(model, workload, plan), HfLoraConfig.of(plan), Bnb4bit.of(plan)
+    return hf_loop_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, lora=lora, quant=quant)
+
+
+def hf_loop_run(
+    d: Dims,
+    tied: bool,
+    kernel: str,
+    steps: int = 3,
+    qkv_bias: bool = False,
+    window_layers: bool = False,
+    lora: HfLoraConfig | None = None,
+    quant: Bnb4bit | None = None,
+    **tape_flags,
+) -> Timeline:
+    """The loop for ``steps`` steps (``tape_flags``: :class:`Tape` attributes, as ``hf_run``'s).
+    ``window_layers``: the config.json has a ``sliding_window`` (Mistral's default 4096, even where
+    it spans every position), so the cache's layers are ``DynamicSlidingWindowLayer``s, each with an
+    int64 ``_sliding_window_tensor`` made with the cache (after the embedding; on CUDA its device copy
+    at the layer's first update). A :class:`ModelSpec` does not carry a window that spans the
+    positions: plans leave them out (8 B a layer). ``lora``, ``quant``: PEFT's adapters over the
+    frozen (or 4-bit) base, as in ``hf_run``, AdamW over the adapters."""
+    run = _HfLoopRun(d, tied, kernel, 0, tape_flags, qkv_bias, 1, lora=lora, quant=quant)
+    run.window_layers = window_layers and d.recompute != "full"
+    run.b.mark("build")
+    for k in range(steps):
+        run.step(k)
+        run.b.mark(f"step{k}")
+    return run.b.build()
+
+
+def cache_cat(tape: Tape, x: Tensor, itemsize: int, tag: str) -> Tensor:
+    """``torch.cat([empty, x], dim=-2)`` into the cache's dtype (``itemsize``): a copy. Backward
+    (CatBackward0): a slice (a view) of the gradient, cast by the engine to ``x``'s dtype."""
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.view(g[0], x.numel)]
+
+    node = tape.node(tag, apply, [x], meta=[(x.numel, x.itemsize, False)])
+    out = tape.new(x.numel, itemsize, tag, Category.KV_CACHE)
+    out.fn = node
+    return out
+
+
+class _HfLoopRun(_HfRun):
+    """``_HfRun``'s model and forward under the hand-written loop's step (module docstring)."""
+
+    def _build(self) -> None:
+        """Parameters in ``model.parameters()`` order, the two rotary buffers, the batch."""
+        t, d = self.tape, self.d
+        self._params()
+        self.ids = t.managed(d.tokens, 8, "input_ids", Category.ACTIVATIONS)
+        self.out: list[Tensor] = []  # the previous step's ``out``: loss, logits, the cache's tensors
+        self.kv: list[Tensor] = []
+        self.window_layers = False
+        if d.recompute != "full":
+            self.model.kv_cache = self._update
+
+    def _update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``DynamicLayer.update``: the keys' and values' copies (the cache's references), then
+        the attention's rebound locals."""
+        t = self.tape
+        with t.scoped("past_key_values"):
+            if self.window_layers and self.model.kernel != "cpu_flash":
+                self.kv.append(t.new(1, 8, "sliding_window_tensor", Category.KV_CACHE))
+            keys = cache_cat(t, k, k.itemsize, "keys")
+            values = cache_cat(t, v, k.itemsize, "values")
+        self.kv += [keys, values]
+        t.done(k, v)
+        return t.alias(keys), t.alias(values)
+
+    def step(self, k: int) -> None:
+        """One iteration: the forward (``out`` rebound), backward, ``opt.step()``, ``zero_grad``."""
+        t, m = self.tape, self.model
+        if self.model.kernel != "cpu_flash" and k == 0:
+            t.on_first_mm = self._workspace("forward")
+        m.cache = {} if self.d.autocast else None
+        self.kv = []
+        graph = self._graph()
+        if self.window_layers and self.model.kernel == "cpu_flash":  # DynamicCache(config=...)
+            with t.scoped("past_key_values"):
+                self.kv += [t.new(1, 8, "sliding_window_tensor", Category.KV_CACHE) for _ in range(self.d.layers)]
+        logits, hidden = self.forward(self.ids)
+        loss = m.loss(logits, None)
+        t.done(hidden)  # LlamaForCausalLM.forward's hidden_states, at its return
+        t.done(*self.out)  # `out = ...`: the previous step's output goes, with its graph
+        graph()
+        self.out = [loss, logits, *self.kv]
+        if m.cache is not None:  # the autocast block exits: its weight casts go
+            t.done(*m.cache.values())
+            m.cache = None
+        if self.model.kernel != "cpu_flash" and k == 0:
+            t.on_first_mm = self._workspace("backward")
+        seed = t.new(1, 4, "grad_seed")
+        t.backward(loss, t.hold(seed))  # torch.autograd.backward holds it until it returns
+        t.scope = ""
+        t.done(seed)
+        self.optimizer_step(first=k == 0)
+        for name in self.trainable:
+            t.drop(self.grads.pop(name, None))
+
+    def _graph(self):
+        """What the previous step's graph holds beyond its saved tensors: under gradient checkpointing
+        over a frozen embedding, ``enable_input_require_grads``' leaf and its ``.grad`` (``hf_lora``);
+        a function that lets them go (``out.loss`` holds the graph until ``out`` is rebound)."""
+        lora = self.lora
+        if lora is None:
+            return lambda: None
+        held, lora.held = lora.held, []
+        grad = lora.input_grads.pop("inputs_embeds", None)
+
+        def free() -> None:
+            for x in held:
+                self.tape.drop(x)
+            self.tape.drop(grad)
+
+        return free
+
+    def optimizer_step(self, first: bool) -> None:
+        """``AdamW(foreach=True)``: the states on the first step, then the step's temporaries."""
+        t, cpu = self.tape, self.model.kernel == "cpu_flash"
+        t.scope = ""
+        if first:
+            for name, (numel, itemsize) in self.trainable.items():
+                if cpu:
+                    self.states.append(t.managed(1, 4, f"{name}.step", Category.OPTIMIZER_STATES))
+                for state in ("exp_avg", "exp_avg_sq"):
+                    self.states.append(t.managed(numel, itemsize, f"{name}.{state}", Category.OPTIMIZER_STATES))
+        if cpu:
+            t.done(t.new(1, 4, "adamw.one", Category.OPTIMIZER_TEMP))
+        temps = [
+            t.new(numel, itemsize, f"{name}.exp_avg_sq_sqrt", Category.OPTIMIZER_TEMP)
+            for name, (numel, itemsize) in self.trainable.items()
+        ]
+        t.done(*reversed(temps))  # the list goes at the return, last item first
