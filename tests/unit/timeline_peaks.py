@@ -5,18 +5,32 @@ from __future__ import annotations
 
 from memplan.costmodel.timeline.events import ALLOC, FREE, MARK, Category, Timeline
 
+# ``embedding_dense_backward_cuda``'s index buffers and scratch (ops.embedding): the CPU kernel
+# makes the weight gradient alone
+CUDA_EMBEDDING_SCRATCH = frozenset(
+    {
+        "sorted_ids", "sort_order", "iota", "radix_sort_scratch", "segment_offsets", "num_segments", "segment_tmp",
+        "scan_scratch", "partials_per_segment", "partial_offsets", "num_partials", "partial_segment_offsets",
+        "grad_weight_per_segment",
+    }
+)  # fmt: skip
+
+
+def _cuda_only(tag: str) -> bool:
+    return tag.startswith("cublas_workspace") or tag.rpartition(".")[2] in CUDA_EMBEDDING_SCRATCH
+
 
 def steady_peaks(timeline: Timeline | None) -> tuple[int, int]:
     """The run's highest live bytes over the steady steps, and outside the optimizer step (the
     forward's and backward's: the live bytes when an optimizer temporary is allocated do not
-    count), cuBLAS's workspaces (CUDA's) left out."""
+    count), cuBLAS's workspaces and the embedding backward's index buffers (CUDA's) left out."""
     assert timeline is not None
     live = best = passes = 0
     steady = False
     for e in timeline:
         if e.op == MARK:
             steady = steady or e.tag == "step0"
-        elif e.tag.startswith("cublas_workspace"):
+        elif _cuda_only(e.tag):
             continue
         elif e.op == ALLOC:
             live += e.size

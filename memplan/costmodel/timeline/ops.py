@@ -299,15 +299,17 @@ def log_softmax(tape: Tape, f: Tensor) -> Tensor:
     return out
 
 
-def nll_loss(tape: Tape, ls: Tensor) -> tuple[Tensor, Tensor]:
-    """``nll_loss`` (mean): the loss and total_weight scalars, total_weight saved. Backward:
-    a zeroed (b s, V) fp32 gradient with the picked entries set."""
+def nll_loss(tape: Tape, ls: Tensor, target: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``nll_loss`` (mean): the loss and total_weight scalars. Saves its input (log_softmax's
+    result, which that node holds too) and the ``target`` (the labels, which the step holds too)
+    before its output, total_weight after (NllLossBackward0: what ``save_on_cpu`` copies,
+    act_offload.py). Backward: a zeroed (b s, V) fp32 gradient with the picked entries set."""
     numel = ls.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         return [tape.new(numel, 4, "grad", Category.LOGITS)]
 
-    node = tape.node("nll_loss", apply, [ls])
+    node = tape.node("nll_loss", apply, [ls], saved=[ls] if target is None else [ls, target])
     out = result(tape, 1, 4, "nll_loss", node)
     weight = tape.new(1, 4, "total_weight")
     if node is not None:

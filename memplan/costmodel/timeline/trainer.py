@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from memplan.costmodel.lora import ADAPTER_BYTES
-from memplan.costmodel.timeline import ops, pipeline, recompute
+from memplan.costmodel.timeline import act_offload, ops, pipeline, recompute
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
@@ -79,6 +79,8 @@ def trainer_run(
     run = _Run(
         d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora_config(plan)
     )
+    if plan.offload_activations == "cpu":  # save_on_cpu around the forward and the loss
+        run.saves = act_offload.SaveOnCpu()
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
@@ -111,6 +113,7 @@ class _Run:
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
         self.lora = Lora(self.tape, lora, d.tokens) if lora is not None else None
+        self.saves: act_offload.SaveOnCpu | None = None  # activation offload's hooks (act_offload.py)
         if self.lora is not None:
             self.model.adapter = self.lora.adapt
         sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
@@ -181,8 +184,9 @@ class _Run:
             self.ddp.pre_forward()
         if first:
             t.on_first_mm = self._workspace("forward")
-        logits = self.forward(ids)
-        loss, keep = self.model.loss(logits)
+        with act_offload.saving(t, self.saves):
+            logits = self.forward(ids)
+            loss, keep = self.model.loss(logits, labels)
         if first:
             t.on_first_mm = self._workspace("backward")
         with t.scoped("loss"):

@@ -301,10 +301,10 @@ class Model:
         t.done(ng, n)
         return logits
 
-    def loss(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+    def loss(self, logits: Tensor, labels: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``loss_fn(logits, labels) / m``: ``.float()`` of the (b s, V) logits, log_softmax
-        (saved), nll_loss, the division by m (a 4-byte loss). Returns the loss and the
-        4-byte scalar the step keeps beside it until ``del loss``."""
+        (saved), nll_loss (saving the ``labels``), the division by m (a 4-byte loss). Returns
+        the loss and the 4-byte scalar the step keeps beside it until ``del loss``."""
         t, d = self.tape, self.d
         with t.scoped("loss"):
             if d.tp > 1:
@@ -312,7 +312,7 @@ class Model:
             else:
                 f = ops.to(t, logits, 4, "logits_fp32", Category.LOGITS)
                 ls = ops.log_softmax(t, f)
-                nll, weight = ops.nll_loss(t, ls)
+                nll, weight = ops.nll_loss(t, ls, labels)
                 t.done(f, ls, logits)
             loss = ops.unary(t, nll, "div_accumulation", temps=-1)
             t.done(nll, weight)
