@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING
 from memplan.costmodel.timeline.events import Category
 
 if TYPE_CHECKING:  # autograd imports this module
-    from memplan.costmodel.timeline.autograd import Tape, Tensor
+    from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+
+
+# CUDA only, from source: ``packed.copy_(t)`` of a non-contiguous device tensor into the contiguous
+# host one (the weight's transpose ``mm`` saves; q, k, v and flash's output as SDPA saves them) takes
+# ``copy_kernel_cuda``'s temporaries path (``copy_requires_temporaries``, aten/src/ATen/native/cuda/
+# Copy.cu): ``src.expand_as(dst).contiguous()`` on the device, freed as the copy returns
+STAGING = "pack_staging"
 
 
 @dataclass(eq=False, slots=True)
@@ -45,7 +52,7 @@ class Packed:
     numel: int
     itemsize: int
     hooks: SaveOnCpu
-    fn: object = None
+    fn: Node | None = None
     released: bool = False
 
 
@@ -56,8 +63,11 @@ class SaveOnCpu:
     def __init__(self) -> None:
         self.host_bytes = self.host_peak = 0
 
-    def pack(self, t: Tensor) -> Packed:
-        """``pack_to_cpu``: a pinned host copy; the device tensor is not held."""
+    def pack(self, tape: Tape, t: Tensor) -> Packed:
+        """``pack_to_cpu``: a pinned host copy; the device tensor is not held. A transposed one
+        is first copied contiguous on the device (CUDA, :data:`STAGING`)."""
+        if t.transposed:
+            tape.drop(tape.new(t.numel, t.itemsize, STAGING))
         self.host_bytes += t.numel * t.itemsize
         self.host_peak = max(self.host_peak, self.host_bytes)
         return Packed(t.numel, t.itemsize, self, t.fn)
@@ -70,7 +80,8 @@ class SaveOnCpu:
 
 
 def unpack(tape: Tape, packed: Packed, tag: str = "unpacked") -> Tensor:
-    """``unpack_from_cpu``: a new device tensor of the saved one's size, held by the caller."""
+    """``unpack_from_cpu``: a new device tensor of the saved one's size (contiguous: the host
+    copy's layout), held by the caller."""
     copy = tape.new(packed.numel, packed.itemsize, tag, Category.ACTIVATIONS)
     copy.fn = packed.fn
     return copy

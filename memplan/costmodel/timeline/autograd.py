@@ -66,6 +66,8 @@ class Tensor:
     fn: Node | None = None  # the node that receives this tensor's gradient
     view: bool = False  # shares its base's storage (which then has two users)
     dtensor: bool = False  # a DTensor: never added into in place
+    transposed: bool = False  # not contiguous: a transpose's view, or heads-major over token-major memory
+    heads_major: bool = False  # flash's dv off an unpacked (contiguous) v: its view back is a copy
 
 
 @dataclass(eq=False, slots=True)
@@ -161,6 +163,7 @@ class Tape:
     def view(self, t: Tensor, numel: int | None = None) -> Tensor:
         """A view of ``t``: a new handle on its storage (held by the caller)."""
         v = Tensor(t.numel if numel is None else numel, t.itemsize, t.st, view=True, dtensor=t.dtensor)
+        v.transposed = t.transposed
         v.st.refs += 1
         if self._recompute is not None:
             self._pyrefs.append(v)
@@ -226,7 +229,7 @@ class Tape:
             node.region = self.region
             self.region.slots += 1
         elif self.hooks is not None:
-            node.saved.append(self.hooks.pack(t))
+            node.saved.append(self.hooks.pack(self, t))
         else:
             node.saved.append(t if t.st.managed else self.hold(t))
 
@@ -237,8 +240,8 @@ class Tape:
         region's last saved tensor is unpacked); ``rerun`` (default ``forward``) replays it;
         ``policy(op, recompute)``: a selective checkpoint's (True: the op's outputs are kept).
         Under saved-tensor hooks the inputs are packed (``_CheckpointFrame.save_inputs``)."""
-        pack = self.hooks.pack if self.hooks is not None else None
-        held = [pack(t) if pack else self.hold(t) for t in inputs]
+        hooks = self.hooks
+        held = [hooks.pack(self, t) if hooks is not None else self.hold(t) for t in inputs]
         region = Region(rerun=rerun or (lambda *_: forward()), inputs=held, policy=policy)
         outer, self.region = self.region, region
         try:
@@ -265,7 +268,7 @@ class Tape:
 
     def _alias_of(self, t: Tensor) -> Tensor:
         t.st.refs += 1
-        return Tensor(t.numel, t.itemsize, t.st)
+        return Tensor(t.numel, t.itemsize, t.st, transposed=t.transposed)
 
     def _rerun(self, region: Region) -> None:
         """The re-run on ``frame.get_inputs()``: the inputs, or device copies of packed ones

@@ -8,6 +8,7 @@ phase model's moments (``step.py``), and the trainer's modules stay unimported.
 from __future__ import annotations
 
 from memplan.costmodel.attention import sdpa_backend
+from memplan.costmodel.trainer_offload import unmodelled
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
@@ -38,11 +39,13 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (``pipeline.py``, the bundled trainer's ``StageReplay``), on one data rank, or under FSDP2
     (ZeRO-2 or ZeRO-3) with one chunk per rank and no TP (h200_b_pp4 with the old StageReplay).
     LoRA adapters (``lora.py``) over a frozen bf16 base on one rank, one micro-batch per step,
-    without dropout or ``modules_to_save`` (h200_a_lora8b).
+    without dropout or ``modules_to_save`` (h200_a_lora8b). Activation offload (``save_on_cpu``,
+    ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed or bf16-master (checked on
+    CPU: no GPU trace).
 
     Not modelled: context or expert parallelism; pipelines with DDP, ZeRO-1, TP, or FSDP2 over
     interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32
-    without GQA (the memory-efficient kernel) or over dp > 1; fp16-master, fp8; offload of one
+    activation offload; fp32 without GQA (the memory-efficient kernel) or over dp > 1; fp16-master, fp8; offload of one
     side alone or NVMe; ZeRO-1 (DDP with ``ZeroRedundancyOptimizer``: no trace yet); tensor
     parallel without FSDP2 or without sequence parallel; accumulation, selective-op or partial
     recompute with fp32, bf16-master, offload or DDP (not checked); FSDP2 over a tied embedding
@@ -53,15 +56,18 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.qkv_bias or model.attn_out_bias or model.mlp_bias or model.qk_norm), "biases or QK-norm"),
-        (plan.attention == "flash", f"{plan.attention} attention"),
+        (plan.attention == "flash" or _eager_modelled(plan), f"{plan.attention} attention with this precision"),
         (plan.finetune != "qlora", "QLoRA (a quantized base)"),
         (plan.finetune == "full" or _plain_lora(plan), "LoRA other than adapters over a bf16 base on one rank"),
         (plan.finetune == "full" or accumulation(workload, plan) == 1, "LoRA with gradient accumulation"),
-        (plan.offload_activations == "none", "activation offload"),
+        (plan.offload_activations == "none" or _act_offload_modelled(plan), "activation offload with this plan"),
         (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
-        (plan.precision != "fp32" or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
+        (
+            plan.precision != "fp32" or plan.attention == "eager" or sdpa_kernel(model, plan) == "math",
+            "fp32 SDPA on the memory-efficient kernel",
+        ),
         (plan.precision != "fp32" or plan.dp == 1, "precision fp32 over dp > 1"),
         (_plain(plan) or _basic_recompute(plan), "this recompute with this precision, offload or DDP"),
         (_plain(plan) or accumulation(workload, plan) == 1, "gradient accumulation here"),
@@ -75,6 +81,19 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         if not ok:
             return what
     return None
+
+
+def _eager_modelled(plan: Plan) -> bool:
+    """``attention: eager`` (``eager.py``) without autocast: in bf16, bf16-master or fp32
+    (checked on CPU: no GPU trace)."""
+    return plan.attention == "eager" and plan.precision in ("bf16", "bf16-master", "fp32")
+
+
+def _act_offload_modelled(plan: Plan) -> bool:
+    """``save_on_cpu`` as the trainer runs it (``trainer_offload.unmodelled`` says where: one
+    rank or DDP, recompute none or full, full training, flash SDPA; ``act_offload.py``), checked
+    on CPU in bf16, bf16-mixed and bf16-master; fp32 (CUDA's math path) is not."""
+    return unmodelled(plan) is None and plan.precision in ("bf16", "bf16-mixed", "bf16-master")
 
 
 def _offload_modelled(plan: Plan) -> bool:

@@ -53,9 +53,16 @@ def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
         pd=2 if plan.precision in ("bf16", "bf16-master") else 4,
         autocast=plan.precision == "bf16-mixed" and not fsdp,
         recompute=plan.recompute,
-        attention="math" if sdpa_kernel(model, plan) == "math" else "flash",
+        attention=_attention(model, plan),
         recompute_layers=plan.recompute_layers,
     )
+
+
+def _attention(model: ModelSpec, plan: Plan) -> str:
+    """The attention the trainer runs: eager (``eager.py``), or SDPA's kernel (flash, or math)."""
+    if plan.attention == "eager":
+        return "eager"
+    return "math" if sdpa_kernel(model, plan) == "math" else "flash"
 
 
 def trainer_run(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import eager, ops
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
@@ -42,7 +42,7 @@ class Dims:
     autocast: bool = False  # bf16-mixed without FSDP: torch.autocast casts at each matmul
     recompute: str = "none"  # none | full | selective | selective-op (recompute.py)
     recompute_layers: int | None = None  # full: the first n layers only
-    attention: str = "flash"  # the SDPA kernel: flash, or math (fp32 with GQA on CUDA: precision.py)
+    attention: str = "flash"  # the SDPA kernel: flash, or math (fp32 with GQA on CUDA: precision.py); or eager
 
     @classmethod
     def of(cls, model: ModelSpec, workload: TrainingWorkload, **rest: object) -> Dims:
@@ -170,6 +170,7 @@ class Model:
         b = ops.mul(t, rot, sin, f"{tag}.sin")
         t.done(rot)
         out = ops.add(t, a, b, tag)
+        out.transposed = x.transposed  # TensorIterator keeps x's (heads-major over token-major) layout
         t.done(a, b)
         return out
 
@@ -188,6 +189,8 @@ class Model:
         t, d = self.tape, self.d
         if d.attention == "math":
             return prec.math_sdpa(t, q, k, v, d.b, d.heads // d.tp, d.s)
+        if d.attention == "eager":  # attention: eager (eager.py)
+            return eager.attention(t, q, k, v, d.b, d.heads // d.tp, d.s)
         k2 = ops.to(t, k, 2, "k_cast") if self.cache is not None else t.alias(k)
         q2 = ops.to(t, q, 2, "q_cast") if self.cache is not None else t.alias(q)
         out = ops.sdpa(t, q2, k2, v, d.b * d.heads // d.tp * d.s, "sdpa")
@@ -201,16 +204,16 @@ class Model:
             xg = self.gather_seq(x, "input")
             q = self.projection(xg, f"{prefix}.attention.wq.weight", d.q // d.tp, "wq", True)
             k = self.projection(xg, f"{prefix}.attention.wk.weight", d.kv // d.tp, "wk", True)
-            # dv comes heads-major from the math path (its sum over the groups): reshaped by a copy
-            v = self.projection(xg, f"{prefix}.attention.wv.weight", d.kv // d.tp, "wv", d.attention == "math")
+            # dv comes heads-major from the math and eager paths (their sum over the groups): a copy
+            v = self.projection(xg, f"{prefix}.attention.wv.weight", d.kv // d.tp, "wv", d.attention != "flash")
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             t.done(k, q)  # `q, k = ...` stores k first (CPython 3.11: STORE_FAST k, STORE_FAST q)
             if d.recompute == "selective":
                 out = t.checkpoint(lambda: self.core(qr, kr, v), [qr, kr, v])
             else:
                 out = self.core(qr, kr, v)
-            # the reshape of out.transpose(1, 2) is a view of flash's output, a copy of math's
-            flat = prec.merge_heads(t, out) if d.attention == "math" else t.alias(out)
+            # the reshape of out.transpose(1, 2) is a view of flash's output, a copy of math's and eager's
+            flat = prec.merge_heads(t, out) if d.attention != "flash" else t.alias(out)
             y = self.linear(flat, f"{prefix}.attention.wo.weight", d.h, "wo")
             t.done(flat)
             ys = self.scatter_seq(y, "wo")  # RowwiseParallel's output hook, inside wo's call
