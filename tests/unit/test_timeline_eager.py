@@ -67,4 +67,3 @@ def test_the_estimate_answers_eager_plans_with_the_op_level_run():
         assert which == "trainer", (changes, which)
     job = resolve_job("llama3-8b", None, dict(seq_len=2048, attention="eager", precision="bf16-mixed"), False)
     assert supported(job.model, job.workload, job.plan) == "eager attention with this precision"
-
