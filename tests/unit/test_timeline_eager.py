@@ -10,7 +10,8 @@ gradient), a small MLP and vocabulary.
 Measured 2026-11-27 (torch 2.13.0+cpu), predicted - measured: -156 B in every case (at most
 0.0010%), for the step and for the forward and backward alone. Measured step peaks: bf16 at 256
 tokens 24,967,204 B; fp32 without GQA 36,488,100; selective recompute 15,038,500; full recompute
-with 2 micro-batches 12,340,900; fp32 with 2 x 128 tokens 29,689,252.
+with 2 micro-batches 12,340,900; fp32 with 2 x 128 tokens 29,689,252; ZeRO-3 dp 2 22,751,908; DDP
+dp 2 with full recompute 14,666,404; TP 2 + SP over ZeRO-3 dp 2 11,873,444.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ CASES = {
     "bf16-selective": (SMALL, dict(precision="bf16", recompute="selective", **EAGER), (128, 2, None)),
     "bf16-full-accum2": (SMALL, dict(precision="bf16", recompute="full", **EAGER), (128, 2, 4)),
     "fp32": (SMALL, dict(precision="fp32", **EAGER), (128, 2, None)),
-}
+    "zero3-dp2-bf16-s256": (SMALL, dict(precision="bf16", dp=2, zero=3, **EAGER), (256, 1, None)),
+    "ddp2-full-bf16-s256": (SMALL, dict(precision="bf16", dp=2, zero=0, recompute="full", **EAGER), (256, 1, None)),
+    "tp2-sp-zero3-dp2-bf16-s256": (
+        SMALL, dict(precision="bf16", tp=2, sequence_parallel=True, dp=2, zero=3, **EAGER), (256, 1, None)
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -40,13 +40,14 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (ZeRO-2 or ZeRO-3) with one chunk per rank and no TP (h200_b_pp4 with the old StageReplay).
     LoRA adapters (``lora.py``) over a frozen bf16 base on one rank, one micro-batch per step,
     without dropout or ``modules_to_save`` (h200_a_lora8b). Activation offload (``save_on_cpu``,
-    ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed or bf16-master (checked on
-    CPU: no GPU trace).
+    ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed or bf16-master; eager
+    attention (``eager.py``) in bf16, bf16-master or fp32 (both checked on CPU: no GPU trace).
 
     Not modelled: context or expert parallelism; pipelines with DDP, ZeRO-1, TP, or FSDP2 over
-    interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32
-    activation offload; fp32 without GQA (the memory-efficient kernel) or over dp > 1; fp16-master, fp8; offload of one
-    side alone or NVMe; ZeRO-1 (DDP with ``ZeroRedundancyOptimizer``: no trace yet); tensor
+    interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention under
+    autocast; activation offload in fp32; fp32 SDPA without GQA (the memory-efficient kernel) or
+    fp32 over dp > 1; fp16-master, fp8; offload of one side alone or NVMe; ZeRO-1 (DDP with
+    ``ZeroRedundancyOptimizer``: no trace yet); tensor
     parallel without FSDP2 or without sequence parallel; accumulation, selective-op or partial
     recompute with fp32, bf16-master, offload or DDP (not checked); FSDP2 over a tied embedding
     (one root group holding it); QLoRA and LLM.int8 bases; LoRA with dropout, modules_to_save,
