@@ -216,7 +216,7 @@ class Fsdp:
         for name in reversed(group.names):  # the list of them goes last first (``foreach_reduce``)
             if name in self.accumulated:
                 self.grads[name] = self.accumulated.pop(name)
-        if self.d.tp > 1:
+        if self.d.tp > 1 and self.d.sp:
             self._replicate_norm_grads(group)
         self.reshard(g)
         if self.reduce_input is not None:

@@ -41,14 +41,15 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     LoRA adapters (``lora.py``) over a frozen bf16 base on one rank, one micro-batch per step,
     without dropout or ``modules_to_save`` (h200_a_lora8b). Activation offload (``save_on_cpu``,
     ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed or bf16-master; eager
-    attention (``eager.py``) in bf16, bf16-master or fp32 (both checked on CPU: no GPU trace).
+    attention (``eager.py``) in bf16, bf16-master or fp32; tensor parallel without sequence
+    parallel under FSDP2 (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace).
 
     Not modelled: context or expert parallelism; pipelines with DDP, ZeRO-1, TP, or FSDP2 over
     interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention under
     autocast; activation offload in fp32; fp32 SDPA without GQA (the memory-efficient kernel) or
     fp32 over dp > 1; fp16-master, fp8; offload of one side alone or NVMe; ZeRO-1 (DDP with
     ``ZeroRedundancyOptimizer``: no trace yet); tensor
-    parallel without FSDP2 or without sequence parallel; accumulation, selective-op or partial
+    parallel without FSDP2; accumulation, selective-op or partial
     recompute with fp32, bf16-master, offload or DDP (not checked); FSDP2 over a tied embedding
     (one root group holding it); QLoRA and LLM.int8 bases; LoRA with dropout, modules_to_save,
     autocast, gradient accumulation or over a sharded base."""
@@ -74,7 +75,6 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (_plain(plan) or accumulation(workload, plan) == 1, "gradient accumulation here"),
         (plan.dp == 1 or plan.zero != 1, "ZeRO-1"),
         (plan.tp == 1 or _fsdp(plan), "tensor parallel without FSDP2"),
-        (plan.tp == 1 or plan.sequence_parallel, "tensor parallel without sequence parallel"),
         (not _fsdp(plan) or not model.tied_embeddings, "FSDP2 over tied embeddings"),
         (_divides(model, workload, plan), "dimensions that tensor parallel does not divide"),
     ]

@@ -49,6 +49,7 @@ def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
         model,
         workload,
         tp=plan.tp,
+        sp=plan.sequence_parallel,
         cd=4 if plan.precision == "fp32" else 2,
         pd=2 if plan.precision in ("bf16", "bf16-master") else 4,
         autocast=plan.precision == "bf16-mixed" and not fsdp,

@@ -37,6 +37,7 @@ class Dims:
     vocab: int
     layers: int
     tp: int = 1
+    sp: bool = True  # sequence parallel (under tp > 1): else the residual stream is replicated
     cd: int = 2  # compute dtype
     pd: int = 4  # parameter dtype
     autocast: bool = False  # bf16-mixed without FSDP: torch.autocast casts at each matmul
@@ -131,9 +132,11 @@ class Model:
         return out
 
     def gather_seq(self, x: Tensor, tag: str) -> Tensor:
-        return tpar.gather_seq(self.tape, x, self.d.tp, self.d.b, tag)
+        return tpar.gather_seq(self.tape, x, self.d.tp if self.d.sp else 1, self.d.b, tag)
 
     def scatter_seq(self, x: Tensor, tag: str) -> Tensor:
+        if not self.d.sp:
+            return tpar.all_reduce(self.tape, x, self.d.tp, tag)
         return tpar.scatter_seq(self.tape, x, self.d.tp, tag)
 
     # --- the block -------------------------------------------------------------------------------
@@ -143,7 +146,7 @@ class Model:
         t = self.tape
         with t.scoped(name):
             x32 = ops.to(t, x, 4, "x_fp32")
-            with t.dtensor_ops(self.d.tp > 1):
+            with t.dtensor_ops(self.d.tp > 1 and self.d.sp):
                 p = ops.unary(t, x32, "pow", temps=2, save_input=True)
                 m = ops.unary(t, p, "mean", out_numel=x.numel // self.d.h)
                 t.done(p)
@@ -266,7 +269,7 @@ class Model:
         with t.scoped("tok_embeddings"):
             if d.tp == 1:
                 return ops.embedding(t, ids, w, d.tokens * d.h, "embedding")
-            return tpar.vocab_embedding(t, ids, w, d.tokens, d.h, d.tp)
+            return tpar.vocab_embedding(t, ids, w, d.tokens, d.h, d.tp, d.sp)
 
     def rope_tables(self, itemsize: int) -> tuple[Tensor, Tensor]:
         """``rope_tables``: inverse frequencies (hd/2 fp32, a few temporaries), the angles
