@@ -32,8 +32,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (ZeRO-0, ``ddp.py``: h200_a_ddp1b); or FSDP2 over dp > 1, ZeRO-3 or ZeRO-2
     (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head, optionally with
     tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU offload of
-    parameters and optimizer together (h200_b_off8b). In bf16 or bf16-mixed without offload or
-    DDP also: any number of micro-batches per step (gradient accumulation), selective-op and
+    parameters and optimizer together (h200_b_off8b); a tied embedding under FSDP2 without
+    accumulation (one root group holding it, checked on CPU). In bf16 or bf16-mixed without
+    offload or DDP also: any number of micro-batches per step (gradient accumulation), selective-op and
     full recompute of the first ``recompute_layers`` (``recompute.py``). There also pipeline
     parallelism, one rank's chunks under GPipe, 1F1B or the interleaved schedule
     (``pipeline.py``, the bundled trainer's ``StageReplay``), on one data rank, or under FSDP2
@@ -51,7 +52,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     ``ZeroRedundancyOptimizer``: no trace yet); tensor
     parallel without FSDP2; accumulation, selective-op or partial
     recompute with fp32, bf16-master, offload or DDP (not checked); FSDP2 over a tied embedding
-    (one root group holding it); QLoRA and LLM.int8 bases; LoRA with dropout, modules_to_save,
+    with accumulation or a pipeline; QLoRA and LLM.int8 bases; LoRA with dropout, modules_to_save,
     autocast, gradient accumulation or over a sharded base."""
     checks = [
         (model.moe is None, "MoE models"),
@@ -75,7 +76,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (_plain(plan) or accumulation(workload, plan) == 1, "gradient accumulation here"),
         (plan.dp == 1 or plan.zero != 1, "ZeRO-1"),
         (plan.tp == 1 or _fsdp(plan), "tensor parallel without FSDP2"),
-        (not _fsdp(plan) or not model.tied_embeddings, "FSDP2 over tied embeddings"),
+        (not _fsdp(plan) or not model.tied_embeddings or _tied_root(workload, plan), _TIED),
         (_divides(model, workload, plan), "dimensions that tensor parallel does not divide"),
     ]
     for ok, what in checks:
@@ -95,6 +96,16 @@ def _act_offload_modelled(plan: Plan) -> bool:
     rank or DDP, recompute none or full, full training, flash SDPA; ``act_offload.py``), checked
     on CPU in bf16, bf16-mixed and bf16-master; fp32 (CUDA's math path) is not."""
     return unmodelled(plan) is None and plan.precision in ("bf16", "bf16-mixed", "bf16-master")
+
+
+_TIED = "FSDP2 over tied embeddings with a pipeline or gradient accumulation"
+
+
+def _tied_root(workload: TrainingWorkload, plan: Plan) -> bool:
+    """FSDP2 over a tied model: the root group holding the embedding (the head's matrix) and the
+    final norm (``fsdp.py``), checked on CPU with one micro-batch a step and no pipeline (the CPU
+    meter, ``FSDPMemTracker``, refuses the trainer's accumulation there)."""
+    return plan.pp == 1 and accumulation(workload, plan) == 1
 
 
 def _offload_modelled(plan: Plan) -> bool:

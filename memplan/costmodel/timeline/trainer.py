@@ -135,7 +135,7 @@ class _Run:
             )
             self.fsdp = self.pipe.fsdp
         elif sharded:
-            self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, zero >= 3, offload)
+            self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, zero >= 3, offload, tied=tied)
         self.ddp = None
         if self.pipe is not None and self.fsdp is None:
             self.shapes = self.pipe.build()
