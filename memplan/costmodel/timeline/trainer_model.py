@@ -135,7 +135,7 @@ class Model:
         return tpar.gather_seq(self.tape, x, self.d.tp if self.d.sp else 1, self.d.b, tag)
 
     def scatter_seq(self, x: Tensor, tag: str) -> Tensor:
-        if not self.d.sp:
+        if self.d.tp > 1 and not self.d.sp:
             return tpar.all_reduce(self.tape, x, self.d.tp, tag)
         return tpar.scatter_seq(self.tape, x, self.d.tp, tag)
 
