@@ -219,7 +219,7 @@ class Fsdp:
         kept its parameters (``reshard_after_forward=False``: ``unshard`` is a no-op)."""
         self.unshard(g, forward=False)
         prior = len(self.groups) - 1 if self.tied and g == 0 else g - 1  # the post-forward order, backwards
-        if prior > 0 and not self.groups[prior].unsharded:
+        if prior >= 0 and not self.groups[prior].unsharded:
             self.all_gather(prior)
 
     def post_backward(self, g: int) -> None:
