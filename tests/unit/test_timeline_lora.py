@@ -107,17 +107,19 @@ def test_adapter_gradients_are_fp32_and_no_base_weight_gets_one(timeline):
 
 
 def test_a_frozen_linear_keeps_no_input():
-    """``should_compute_output``: with a frozen weight only the weight is saved (for dX)."""
+    """``should_compute_output``: with a frozen weight only the weight is saved (for dX, as
+    ``w.t()``: a transposed view over its storage)."""
     tape = Tape(Builder())
     x = tape.new(8, 2, "x")
     x.fn = ops.leaf({}, "x")
     frozen = tape.managed(4, 2, "w", Category.PARAMETERS)
     out = ops.linear(tape, x, frozen, 16, "y")
-    assert out.fn.saved == [frozen]
+    assert [(t.st, t.transposed) for t in out.fn.saved] == [(frozen.st, True)]
     trained = tape.managed(4, 2, "w2", Category.PARAMETERS)
     trained.fn = ops.leaf({}, "w2")
     out = ops.linear(tape, x, trained, 16, "y2")
-    assert out.fn.saved == [x, trained]
+    assert [(t.st, t.transposed) for t in out.fn.saved] == [(x.st, False), (trained.st, True)]
+    assert out.fn.saved[0] is x
 
 
 def test_the_backward_keeps_the_embedding_output_and_its_grad_until_del_loss(timeline):

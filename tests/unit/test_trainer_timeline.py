@@ -141,9 +141,9 @@ def test_steady_steps_leave_what_they_found(timelines, name):
         (dict(pp=2, pp_schedule="interleaved", virtual_stages=2, global_batch=32), "pipeline"),
         (dict(zero=1, offload_optimizer="cpu"), "offload"),
         (dict(precision="fp16-master"), "precision"),
-        (dict(tp=2, sequence_parallel=False, dp=4, global_batch=4), "without sequence parallel"),
+        (dict(attention="eager", precision="bf16-mixed"), "eager attention"),
     ],
-    ids=["pipeline", "zero1-offload", "fp16-master", "tp-without-sp"],
+    ids=["pipeline", "zero1-offload", "fp16-master", "eager-autocast"],
 )
 def test_plans_it_cannot_follow_get_none(changes, reason):
     job = _job("t8_sel", **changes)

@@ -3,20 +3,47 @@ tests/unit/test_timeline_recompute.py and test_timeline_pipeline.py compare with
 
 from __future__ import annotations
 
+from memplan.costmodel.timeline.act_offload import STAGING
+from memplan.costmodel.timeline.eager import SOFTMAX_TMP
 from memplan.costmodel.timeline.events import ALLOC, FREE, MARK, Category, Timeline
+from memplan.costmodel.timeline.ops import FLASH_OUT_COPY, HEADS_MAJOR_COPY
+
+# ``embedding_dense_backward_cuda``'s index buffers and scratch (ops.embedding): the CPU kernel
+# makes the weight gradient alone
+CUDA_EMBEDDING_SCRATCH = frozenset(
+    {
+        "sorted_ids", "sort_order", "iota", "radix_sort_scratch", "segment_offsets", "num_segments", "segment_tmp",
+        "scan_scratch", "partials_per_segment", "partial_offsets", "num_partials", "partial_segment_offsets",
+        "grad_weight_per_segment",
+    }
+)  # fmt: skip
+
+
+# CUDA's kernels' temporaries (from source): activation offload's staging copies of non-contiguous
+# saves and flash's copies of unpacked saves; the sum-to-weight staging buffer and its semaphores
+# (autograd.REDUCE_WORKSPACE_CAP); the softmax backward's ``grad * output`` (eager.py)
+CUDA_TEMPORARIES = frozenset(
+    {STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP}
+)
+
+
+def _cuda_only(tag: str) -> bool:
+    last = tag.rpartition(".")[2]
+    return tag.startswith("cublas_workspace") or last in CUDA_EMBEDDING_SCRATCH or last in CUDA_TEMPORARIES
 
 
 def steady_peaks(timeline: Timeline | None) -> tuple[int, int]:
     """The run's highest live bytes over the steady steps, and outside the optimizer step (the
     forward's and backward's: the live bytes when an optimizer temporary is allocated do not
-    count), cuBLAS's workspaces (CUDA's) left out."""
+    count), CUDA's allocations left out: cuBLAS's workspaces, the embedding backward's index
+    buffers and the kernels' temporaries (:data:`CUDA_TEMPORARIES`)."""
     assert timeline is not None
     live = best = passes = 0
     steady = False
     for e in timeline:
         if e.op == MARK:
             steady = steady or e.tag == "step0"
-        elif e.tag.startswith("cublas_workspace"):
+        elif _cuda_only(e.tag):
             continue
         elif e.op == ALLOC:
             live += e.size

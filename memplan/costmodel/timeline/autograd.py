@@ -19,6 +19,9 @@ free order the CUDA caching allocator sees (tests/data/gpu-traces):
 - non-reentrant checkpointing (``torch.utils.checkpoint``) keeps no saved tensors in the
   forward; the first unpack in the backward re-runs the region's forward, stopping right
   after its last saved tensor is packed; an unpacked tensor goes at the end of its node's apply;
+- under saved-tensor hooks (``act_offload.py``: ``save_on_cpu``) a save keeps a host copy, not
+  the tensor; the node's apply unpacks a device copy of each first and frees it as it returns, and
+  a checkpoint packs its inputs too, its re-run running on their copies;
 - under a selective-checkpoint policy (``create_selective_checkpoint_contexts``) the forward
   also keeps the outputs of the ops the policy saves (:meth:`Tape.keep`), and the re-run hands
   them back instead of computing them (:meth:`Tape.cached`); what the re-run never reached
@@ -33,6 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
 
+from memplan.costmodel.timeline import act_offload
+from memplan.costmodel.timeline.act_offload import Packed, SaveOnCpu
 from memplan.costmodel.timeline.events import Builder, Category, Stream
 
 FIRST = 1 << 62  # AccumulateGrad's sequence number: it runs as soon as it is ready
@@ -61,6 +66,8 @@ class Tensor:
     fn: Node | None = None  # the node that receives this tensor's gradient
     view: bool = False  # shares its base's storage (which then has two users)
     dtensor: bool = False  # a DTensor: never added into in place
+    transposed: bool = False  # not contiguous: a transpose's view, or heads-major over token-major memory
+    heads_major: bool = False  # flash's dv off an unpacked (contiguous) v: its view back is a copy
 
 
 @dataclass(eq=False, slots=True)
@@ -81,10 +88,11 @@ class Node:
 
 @dataclass(eq=False, slots=True)
 class Region:
-    """A non-reentrant checkpoint: ``rerun`` replays the region's forward for recompute."""
+    """A non-reentrant checkpoint: ``rerun(*inputs)`` replays the region's forward for recompute
+    (on its inputs, or on their device copies where they were packed: ``frame.get_inputs()``)."""
 
-    rerun: Callable[[], None]
-    inputs: list[Tensor]
+    rerun: Callable[..., None]
+    inputs: list[Tensor | Packed]
     slots: int = 0
     storage: dict[int, Tensor] = field(default_factory=dict)
     unpacked: int = 0
@@ -115,6 +123,7 @@ class Tape:
         # InputBuffer adds a second gradient into the held one in place when it may (False: a
         # measurement that holds every storage's Python object makes each sum out of place)
         self.inplace_accumulate = True
+        self.hooks: SaveOnCpu | None = None  # the forward's saved-tensor hooks (act_offload.py)
 
     @contextmanager
     def scoped(self, scope: str) -> Iterator[None]:
@@ -154,6 +163,7 @@ class Tape:
     def view(self, t: Tensor, numel: int | None = None) -> Tensor:
         """A view of ``t``: a new handle on its storage (held by the caller)."""
         v = Tensor(t.numel if numel is None else numel, t.itemsize, t.st, view=True, dtensor=t.dtensor)
+        v.transposed = t.transposed
         v.st.refs += 1
         if self._recompute is not None:
             self._pyrefs.append(v)
@@ -218,6 +228,8 @@ class Tape:
             node.saved.append(self.region.slots)
             node.region = self.region
             self.region.slots += 1
+        elif self.hooks is not None:
+            node.saved.append(self.hooks.pack(self, t))
         else:
             node.saved.append(t if t.st.managed else self.hold(t))
 
@@ -226,8 +238,11 @@ class Tape:
     ) -> object:
         """Run ``forward`` as a non-reentrant checkpoint over ``inputs`` (held until the
         region's last saved tensor is unpacked); ``rerun`` (default ``forward``) replays it;
-        ``policy(op, recompute)``: a selective checkpoint's (True: the op's outputs are kept)."""
-        region = Region(rerun=rerun or forward, inputs=[self.hold(t) for t in inputs], policy=policy)
+        ``policy(op, recompute)``: a selective checkpoint's (True: the op's outputs are kept).
+        Under saved-tensor hooks the inputs are packed (``_CheckpointFrame.save_inputs``)."""
+        hooks = self.hooks
+        held = [hooks.pack(self, t) if hooks is not None else self.hold(t) for t in inputs]
+        region = Region(rerun=rerun or (lambda *_: forward()), inputs=held, policy=policy)
         outer, self.region = self.region, region
         try:
             return forward()
@@ -253,12 +268,17 @@ class Tape:
 
     def _alias_of(self, t: Tensor) -> Tensor:
         t.st.refs += 1
-        return Tensor(t.numel, t.itemsize, t.st)
+        return Tensor(t.numel, t.itemsize, t.st, transposed=t.transposed)
 
     def _rerun(self, region: Region) -> None:
+        """The re-run on ``frame.get_inputs()``: the inputs, or device copies of packed ones
+        (the unpack hook's locals: they go after the re-run's frames)."""
+        copies = [act_offload.unpack(self, t, "checkpoint_input") for t in region.inputs if isinstance(t, Packed)]
+        it = iter(copies)
+        args = [next(it) if isinstance(t, Packed) else t for t in region.inputs]
         self._recompute, self._slot, self._pyrefs = region, 0, []
         try:
-            region.rerun()
+            region.rerun(*args)
         except _StopRecompute:
             pass
         finally:
@@ -266,6 +286,8 @@ class Tape:
             for t in reversed(self._pyrefs):  # the unwound frames' locals, innermost first
                 self.drop(t)
             self._pyrefs = []
+        for t in copies:
+            self.drop(t)
         region.done = True
 
     def end_apply(self) -> None:
@@ -316,13 +338,16 @@ class Tape:
         self.scope = node.scope
         if node.pre is not None:
             node.pre()
-        saved = node.saved
+        saved = held = node.saved  # held: the node's own references, dropped after its apply
         if node.region is not None:
             if not node.region.done:
                 self._rerun(node.region)
                 self.scope = node.scope
             saved = [node.region.storage.pop(k) for k in node.saved]
             self._apply_saved = saved
+        elif any(isinstance(t, Packed) for t in saved):
+            held = [t for t in saved if isinstance(t, Tensor)]
+            saved = self._unpack(saved)
         if grads.count(None) == len(grads):  # no gradient flows in
             outs = [None] * len(node.nexts)
         else:
@@ -338,7 +363,7 @@ class Tape:
         for g in grads:
             drop(g)
         if node.region is None:
-            for t in saved:
+            for t in held:
                 drop(t)
         else:
             region = node.region
@@ -349,10 +374,27 @@ class Tape:
                         self.drop(t)
                 region.kept = {}
                 for t in region.inputs:
-                    self.drop(t)
+                    if isinstance(t, Packed):
+                        t.hooks.release(t)
+                    else:
+                        self.drop(t)
                 region.inputs = []
         node.saved = []
         return outs
+
+    def _unpack(self, saved: list) -> list[Tensor]:
+        """The apply's unpacked saves: device copies of the packed ones (their host copies go
+        with the node), freed as the apply returns; held ones stay the node's to drop."""
+        out, copies = [], []
+        for t in saved:
+            if isinstance(t, Packed):
+                t.hooks.release(t)
+                copies.append(act_offload.unpack(self, t))
+                out.append(copies[-1])
+            else:
+                out.append(t)
+        self._apply_saved = copies
+        return out
 
     def _validate(self, g: Tensor | None, meta: tuple[int, int, bool] | None) -> Tensor | None:
         """``validate_outputs``: sum a broadcast gradient down to its input, cast its dtype.

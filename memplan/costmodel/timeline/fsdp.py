@@ -75,6 +75,7 @@ class Fsdp:
         offload: bool = False,
         first: bool = True,
         last: bool = True,
+        tied: bool = False,
     ) -> None:
         self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
         self.offload = offload  # CPUOffloadPolicy: shards, gradients and the optimizer on the host
@@ -82,9 +83,12 @@ class Fsdp:
         self.rd = d.pd  # reduce dtype: fp32 under the mixed policy, else the parameters' own
         layers = [[f"layers.{i}.{name}.weight" for name in LAYER_PARAMS] for i in range(d.layers)]
         self.first, self.last = first, last  # a pipeline chunk holds the embedding or the head (pipeline.py)
-        self.groups = [_Group(["tok_embeddings.weight"], reshard)] if first else []
+        # a tied model: the root group holds the embedding (the head's matrix too) and the final norm
+        self.tied = tied and first and last
+        root = ["tok_embeddings.weight", "norm.weight"] if self.tied else ["tok_embeddings.weight"]
+        self.groups = [_Group(root, False if self.tied else reshard)] if first else []
         self.groups += [_Group(names, reshard) for names in layers]
-        if last:
+        if last and not self.tied:
             self.groups.append(_Group(["norm.weight", "output.weight"], False))
         self.sync = True  # under pipelining off for every micro-batch's backward (``keep_unsharded``)
         self.accumulated: dict[str, Tensor] = {}  # ``unsharded_accumulated_grad`` (reduce dtype)
@@ -162,6 +166,8 @@ class Fsdp:
                 p = t.managed(rows * cols, self.d.cd, f"{name}.unsharded", Category.GATHERED)
                 p.fn = self.leaves[name]
                 group.unsharded[name] = self.model.weights[name] = p
+                if self.tied and name == "tok_embeddings.weight":
+                    self.model.weights["output.weight"] = p
             t.done(t.new(COPY_OUT_META[self._kind(g)], 1, f"{group.tag}.copy_out_meta"))
         if forward:
             if self.kept is not None:
@@ -178,7 +184,11 @@ class Fsdp:
         group.unsharded = {}
 
     def pre_forward(self, g: int, x: Tensor | None = None) -> Tensor | None:
-        """Unshard; wrap the group's input in the post-backward hook (``RegisterPostBackwardFunction``)."""
+        """Unshard; wrap the group's input in the post-backward hook (``RegisterPostBackwardFunction``).
+        A tied model's head is the root's: unsharded since the root's pre-forward, its input the
+        root's (the ids: no post-backward hook there)."""
+        if self.tied and g == len(self.groups):
+            return self.tape.alias(x) if x is not None else None
         self.unshard(g, forward=True)
         if x is None:
             return None
@@ -192,7 +202,12 @@ class Fsdp:
         return out
 
     def post_forward(self, g: int, out: Tensor) -> None:
-        """Reshard (unless the group keeps its parameters); the pre-backward hook on the output."""
+        """Reshard (unless the group keeps its parameters); the pre-backward hook on the output.
+        A tied model's root runs its post-forward after the head: its hook goes on the logits."""
+        if self.tied and g in (0, len(self.groups)):
+            if g == 0:
+                return
+            g = 0
         if self.groups[g].reshard_after_forward:
             self.reshard(g)
         if out.fn is not None:
@@ -209,8 +224,9 @@ class Fsdp:
         """Unshard (its all-gather was prefetched), then prefetch the next group's unless it
         kept its parameters (``reshard_after_forward=False``: ``unshard`` is a no-op)."""
         self.unshard(g, forward=False)
-        if g > 0 and not self.groups[g - 1].unsharded:
-            self.all_gather(g - 1)
+        prior = len(self.groups) - 1 if self.tied and g == 0 else g - 1  # the post-forward order, backwards
+        if prior >= 0 and not self.groups[prior].unsharded:
+            self.all_gather(prior)
 
     def post_backward(self, g: int) -> None:
         """Reshard, then reduce-scatter the unsharded gradients into the sharded one."""
@@ -222,7 +238,7 @@ class Fsdp:
         for name in reversed(group.names):  # the list of them goes last first (``foreach_reduce``)
             if name in self.accumulated:
                 self.grads[name] = self.accumulated.pop(name)
-        if self.d.tp > 1:
+        if self.d.tp > 1 and self.d.sp:
             self._replicate_norm_grads(group)
         self.reshard(g)
         if self.reduce_input is not None:

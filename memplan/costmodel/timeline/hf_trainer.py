@@ -302,7 +302,7 @@ class _HfRun:
         if self.d.recompute != "full":
             return m.layer(x, cos, sin, i)
 
-        def rerun() -> None:
+        def rerun(x: Tensor, _pos: Tensor, cos: Tensor, sin: Tensor, *_masks: Tensor) -> None:  # the frame's inputs
             cache, m.cache = m.cache, ({} if self.d.autocast else None)
             try:
                 m.layer(x, cos, sin, i)

@@ -15,6 +15,9 @@ from memplan.costmodel.timeline.events import Category
 SDPA_SCRATCH = 256  # flash attention's forward scratch allocation (traces)
 PHILOX = 8  # the rng seed and offset tensors SDPA returns (traces)
 _GRADIENTS, _ACTIVATIONS = Category.GRADIENTS, Category.ACTIVATIONS  # read once: a member on its class is a slow lookup
+# CUDA only, from source (act_offload.py: saves unpacked contiguous): flash's backward copy of a
+# heads-major output, and the view back of a heads-major dv
+FLASH_OUT_COPY, HEADS_MAJOR_COPY = "flash_out_contiguous", "grad_heads_major_copy"
 
 
 def _is_leaf(t: Tensor | None) -> bool:
@@ -58,6 +61,7 @@ def to(tape: Tape, x: Tensor, itemsize: int, tag: str, category: Category | None
 
     t = tape.new(numel, itemsize, tag, category)
     t.fn = tape.node(tag, apply, [x])
+    t.transposed = x.transposed  # _to_copy keeps a dense tensor's strides
     return t
 
 
@@ -69,10 +73,13 @@ def heads_view(tape: Tape, x: Tensor, tag: str, copy_grad: bool) -> Tensor:
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         if copy_grad:
             return [tape.new(g[0].numel, g[0].itemsize, "grad_contiguous")]
+        if g[0].heads_major:  # flash's dv off an unpacked v (act_offload.py)
+            return [tape.new(g[0].numel, g[0].itemsize, HEADS_MAJOR_COPY)]
         return [tape.view(g[0])]
 
     v = tape.view(x)
     v.fn = tape.node(tag, apply, [x])
+    v.transposed = True
     return v
 
 
@@ -102,7 +109,7 @@ def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor
                 tape.on_first_mm()
         return [dx, dw]
 
-    saved = ([x] if _needs(w) else []) + ([w] if _needs(x) else [])
+    saved = ([x] if _needs(w) else []) + ([_transpose(w)] if _needs(x) else [])
     node = tape.node(tag, apply, [x, w], saved=saved)
     kept = tape.cached("mm")
     if kept is not None:
@@ -113,6 +120,12 @@ def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor
         tape.on_first_mm()
     tape.keep("mm", [out])
     return out
+
+
+def _transpose(w: Tensor) -> Tensor:
+    """``w.t()``, the ``mat2`` that ``mm`` saves: a transposed view over ``w``'s storage (the node
+    that saves it takes the reference)."""
+    return Tensor(w.numel, w.itemsize, w.st, view=True, dtensor=w.dtensor, transposed=True)
 
 
 # --- elementwise ---------------------------------------------------------------------------------------
@@ -219,9 +232,14 @@ def sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) 
     qn, kn, vn = q.numel, k.numel, v.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        # an unpacked output is heads-major: ``out.transpose(1, 2).contiguous()`` copies it
+        # (``_flash_attention_backward``), and dq, dk, dv follow the unpacked q, k, v's layout
+        out_copy = tape.new(qn, q.itemsize, FLASH_OUT_COPY) if saved and not saved[3].transposed else None
         dq, dk, dv = (tape.new(n, q.itemsize, name) for n, name in ((qn, "dq"), (kn, "dk"), (vn, "dv")))
+        dv.heads_major = bool(saved) and not saved[2].transposed
         ws = tape.new(2 * qn * 4 + lse_numel * 4 + SDPA_SCRATCH, 1, "workspace")
         tape.drop(ws)
+        tape.drop(out_copy)
         return [dq, dk, dv]
 
     node = tape.node(tag, apply, [q, k, v], saved=[q, k, v])
@@ -232,6 +250,7 @@ def sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) 
     else:
         seed, offset = tape.new(1, PHILOX, f"{tag}.philox_seed"), tape.new(1, PHILOX, f"{tag}.philox_offset")
         out = result(tape, qn, q.itemsize, f"{tag}.out", node)
+        out.transposed = True  # flash writes (b, s, heads, d) and returns its transpose
         lse = tape.new(lse_numel, 4, f"{tag}.lse")
         scratch = tape.new(SDPA_SCRATCH, 1, f"{tag}.scratch")
         tape.done(scratch)
@@ -300,15 +319,17 @@ def log_softmax(tape: Tape, f: Tensor) -> Tensor:
     return out
 
 
-def nll_loss(tape: Tape, ls: Tensor) -> tuple[Tensor, Tensor]:
-    """``nll_loss`` (mean): the loss and total_weight scalars, total_weight saved. Backward:
-    a zeroed (b s, V) fp32 gradient with the picked entries set."""
+def nll_loss(tape: Tape, ls: Tensor, target: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``nll_loss`` (mean): the loss and total_weight scalars. Saves its input (log_softmax's
+    result, which that node holds too) and the ``target`` (the labels, which the step holds too)
+    before its output, total_weight after (NllLossBackward0: what ``save_on_cpu`` copies,
+    act_offload.py). Backward: a zeroed (b s, V) fp32 gradient with the picked entries set."""
     numel = ls.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         return [tape.new(numel, 4, "grad", Category.LOGITS)]
 
-    node = tape.node("nll_loss", apply, [ls])
+    node = tape.node("nll_loss", apply, [ls], saved=[ls] if target is None else [ls, target])
     out = result(tape, 1, 4, "nll_loss", node)
     weight = tape.new(1, 4, "total_weight")
     if node is not None:

@@ -57,7 +57,7 @@ def layer(
     if not checkpointed(mode, i, recompute_layers):
         return m.block(x, cos, sin, i)
 
-    def rerun() -> None:
+    def rerun(x: Tensor, cos: Tensor, sin: Tensor) -> None:  # the frame's inputs (act_offload.py: copies)
         cache, m.cache = m.cache, ({} if m.d.autocast else None)
         try:
             m.block(x, cos, sin, i)

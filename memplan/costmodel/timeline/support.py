@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.quant import GEMM_4BIT_CUSTOM_MAX_M
+from memplan.costmodel.trainer_offload import unmodelled
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
@@ -34,7 +35,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head, optionally with
     tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU offload of
     parameters and optimizer together (h200_b_off8b); FSDP2 in fp32 without offload (the
-    trainer on CPU). Without offload also: any number of micro-batches per step (gradient
+    trainer on CPU); a tied embedding under FSDP2 without accumulation (one root group holding
+    it, checked on CPU). Without offload also: any number of micro-batches per step (gradient
     accumulation; DDP's ``no_sync``), selective-op and full recompute of the first
     ``recompute_layers`` (``recompute.py``; CPU: test_timeline_recompute.py,
     test_timeline_zero1.py). In bf16 or bf16-mixed also pipeline parallelism, one rank's chunks
@@ -44,43 +46,75 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     frozen bf16 base on one rank, one micro-batch per step, without dropout or
     ``modules_to_save`` (h200_a_lora8b); the same over an nf4 base with double quantization
     computing in bf16 (``quant.py``, QLoRA: an fp32 stream on SDPA's math path) over more than
-    1536 tokens a micro-batch (h200_a_qlora8b).
+    1536 tokens a micro-batch (h200_a_qlora8b). Activation offload (``save_on_cpu``,
+    ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed or bf16-master, one
+    micro-batch a step; eager attention (``eager.py``) in full training, bf16, bf16-master or
+    fp32; tensor parallel without sequence parallel under FSDP2 (``tensor_parallel.all_reduce``;
+    all three checked on CPU: no GPU trace).
 
     Not modelled: context or expert parallelism; pipelines with DDP, ZeRO-1, TP, or FSDP2 over
-    interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32
-    without GQA (the memory-efficient kernel) or with offload (not checked); fp16-master, fp8;
-    offload of one side alone or NVMe; tensor parallel without FSDP2 or without sequence
-    parallel; accumulation, selective-op or partial recompute with offload (not checked); FSDP2
-    over a tied embedding (one root group holding it); LLM.int8 bases; fp4 or single-quantized
-    4-bit bases, and 4-bit ones over at most 1536 tokens (bitsandbytes' fused kernel); LoRA with
-    dropout, modules_to_save, autocast, gradient accumulation or over a sharded base."""
+    interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention under
+    autocast or with LoRA; activation offload in fp32 or with accumulation; fp32 SDPA without GQA
+    (the memory-efficient kernel) or fp32 with offload (not checked); fp16-master, fp8; offload
+    of one side alone or NVMe; tensor parallel without FSDP2; accumulation, selective-op or
+    partial recompute with offload (not checked); FSDP2 over a tied embedding with accumulation or
+    a pipeline; LLM.int8 bases; fp4 or single-quantized 4-bit bases, and 4-bit ones over at most
+    1536 tokens (bitsandbytes' fused kernel); LoRA with dropout, modules_to_save, autocast,
+    gradient accumulation or over a sharded base."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.qkv_bias or model.attn_out_bias or model.mlp_bias or model.qk_norm), "biases or QK-norm"),
-        (plan.attention == "flash", f"{plan.attention} attention"),
+        (plan.attention == "flash" or _eager_modelled(plan), f"{plan.attention} attention with this precision"),
         (plan.quant != "int8", _INT8),
         (_quant_modelled(workload, plan), "a 4-bit base other than nf4 with double quantization over > 1536 tokens"),
         (plan.finetune == "full" or _plain_lora(plan), "LoRA other than adapters over a bf16 or nf4 base on one rank"),
         (plan.finetune == "full" or accumulation(workload, plan) == 1, "LoRA with gradient accumulation"),
-        (plan.offload_activations == "none", "activation offload"),
+        (plan.offload_activations == "none" or _act_offload_modelled(plan), "activation offload with this plan"),
         (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
-        (not _fp32_stream(plan) or sdpa_kernel(model, plan) == "math", "fp32 SDPA on the memory-efficient kernel"),
+        (
+            not _fp32_stream(plan) or plan.attention == "eager" or sdpa_kernel(model, plan) == "math",
+            "fp32 SDPA on the memory-efficient kernel",
+        ),
         (plan.precision != "fp32" or _no_offload(plan), "precision fp32 with offload"),
         (_no_offload(plan) or _basic_recompute(plan), "this recompute with offload"),
         (_no_offload(plan) or accumulation(workload, plan) == 1, "gradient accumulation with offload"),
+        (plan.offload_activations == "none" or _plain(plan) or accumulation(workload, plan) == 1, _OFFLOAD_ACCUM),
         (plan.tp == 1 or _fsdp(plan), "tensor parallel without FSDP2"),
-        (plan.tp == 1 or plan.sequence_parallel, "tensor parallel without sequence parallel"),
-        (not _fsdp(plan) or not model.tied_embeddings, "FSDP2 over tied embeddings"),
+        (not _fsdp(plan) or not model.tied_embeddings or _tied_root(workload, plan), _TIED),
         (_divides(model, workload, plan), "dimensions that tensor parallel does not divide"),
     ]
     for ok, what in checks:
         if not ok:
             return what
     return None
+
+
+def _eager_modelled(plan: Plan) -> bool:
+    """``attention: eager`` (``eager.py``) without autocast: in bf16, bf16-master or fp32, full
+    training (checked on CPU: no GPU trace)."""
+    return plan.attention == "eager" and plan.precision in ("bf16", "bf16-master", "fp32") and plan.finetune == "full"
+
+
+def _act_offload_modelled(plan: Plan) -> bool:
+    """``save_on_cpu`` as the trainer runs it (``trainer_offload.unmodelled`` says where: one
+    rank or DDP, recompute none or full, full training, flash SDPA; ``act_offload.py``), checked
+    on CPU in bf16, bf16-mixed and bf16-master; fp32 (CUDA's math path) is not."""
+    return unmodelled(plan) is None and plan.precision in ("bf16", "bf16-mixed", "bf16-master")
+
+
+_OFFLOAD_ACCUM = "activation offload with accumulation outside bf16 / bf16-mixed on one rank"
+_TIED = "FSDP2 over tied embeddings with a pipeline or gradient accumulation"
+
+
+def _tied_root(workload: TrainingWorkload, plan: Plan) -> bool:
+    """FSDP2 over a tied model: the root group holding the embedding (the head's matrix) and the
+    final norm (``fsdp.py``), checked on CPU with one micro-batch a step and no pipeline (the CPU
+    meter, ``FSDPMemTracker``, refuses the trainer's accumulation there)."""
+    return plan.pp == 1 and accumulation(workload, plan) == 1
 
 
 def _offload_modelled(plan: Plan) -> bool:

@@ -1,10 +1,15 @@
-"""Tensor parallel with sequence parallel (``parallel.apply_tp``) on one rank, as tape ops.
+"""Tensor parallel (``parallel.apply_tp``) on one rank, as tape ops.
 
-The residual stream and the norms hold ``s / tp`` tokens. ``PrepareModuleInput`` gathers the
-sequence before the column-parallel matmuls and ``RowwiseParallel(output_layouts=Shard(1))``
-reduce-scatters after the row-parallel ones, both through funcol on the compute stream. The
-embedding is vocabulary-parallel and the loss runs under ``loss_parallel()``. Order and sizes:
-the t8_tp2_x trace (tests/data/gpu-traces).
+With sequence parallel the residual stream and the norms hold ``s / tp`` tokens.
+``PrepareModuleInput`` gathers the sequence before the column-parallel matmuls and
+``RowwiseParallel(output_layouts=Shard(1))`` reduce-scatters after the row-parallel ones, both
+through funcol on the compute stream. The embedding is vocabulary-parallel and the loss runs under
+``loss_parallel()``. Order and sizes: the t8_tp2_x trace (tests/data/gpu-traces).
+
+Without sequence parallel (``Replicate()`` layouts) the stream is whole on every rank: no gather,
+the row-parallel outputs and the embedding's partial lookup are all-reduced instead
+(:func:`all_reduce`), and the norms run on plain tensors. No GPU trace: checked against the
+trainer on CPU (tests/unit/test_timeline_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ def scatter_seq(tape: Tape, x: Tensor, tp: int, tag: str) -> Tensor:
     return reduce_scatter(tape, x, tp, f"{tag}.reduce_scatter", tape.node(f"{tag}.reduce_scatter", apply, [x]))
 
 
-def vocab_embedding(tape: Tape, ids: Tensor, w: Tensor, tokens: int, h: int, tp: int) -> Tensor:
+def vocab_embedding(tape: Tape, ids: Tensor, w: Tensor, tokens: int, h: int, tp: int, sp: bool = True) -> Tensor:
     """``RowwiseParallel`` on ``nn.Embedding``: three bool masks of the ids outside this rank's
     vocabulary range, the shifted ids (int64, twice), the partial (b, s, h) lookup, then the
     reduce-scatter to the sequence shard. Its gradient comes out in fp32 (then cast)."""
@@ -70,9 +75,19 @@ def vocab_embedding(tape: Tape, ids: Tensor, w: Tensor, tokens: int, h: int, tp:
     tape.done(shifted[0])
     full = ops.embedding(tape, ids, w, tokens * h, "embedding", fp32_grad=True)
     tape.done(shifted[1], masks[2])
-    out = scatter_seq(tape, full, tp, "embedding")
+    out = scatter_seq(tape, full, tp, "embedding") if sp else all_reduce(tape, full, tp, "embedding")
     tape.done(full)
     return out
+
+
+def all_reduce(tape: Tape, x: Tensor, tp: int, tag: str) -> Tensor:
+    """A row-parallel output to Replicate without sequence parallel: funcol ``all_reduce`` (a
+    copy of x, reduced in place). Backward: the gradient passes."""
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.hold(g[0])]
+
+    return ops.result(tape, x.numel, x.itemsize, f"{tag}.all_reduce", tape.node(f"{tag}.all_reduce", apply, [x]))
 
 
 # A run of allocations ("+name:size") and frees ("-name") transcribed from the t8_tp2_x trace;

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from memplan.costmodel.lora import ADAPTER_BYTES
-from memplan.costmodel.timeline import ops, pipeline, recompute, zero1
+from memplan.costmodel.timeline import act_offload, ops, pipeline, recompute, zero1
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
@@ -50,13 +50,21 @@ def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
         model,
         workload,
         tp=plan.tp,
+        sp=plan.sequence_parallel,
         cd=4 if plan.precision == "fp32" else 2,
         pd=2 if plan.precision in ("bf16", "bf16-master") else 4,
         autocast=plan.precision == "bf16-mixed" and not fsdp,
         recompute=plan.recompute,
-        attention="math" if sdpa_kernel(model, plan) == "math" else "flash",
+        attention=_attention(model, plan),
         recompute_layers=plan.recompute_layers,
     )
+
+
+def _attention(model: ModelSpec, plan: Plan) -> str:
+    """The attention the trainer runs: eager (``eager.py``), or SDPA's kernel (flash, or math)."""
+    if plan.attention == "eager":
+        return "eager"
+    return "math" if sdpa_kernel(model, plan) == "math" else "flash"
 
 
 def trainer_run(
@@ -80,6 +88,8 @@ def trainer_run(
     run = _Run(
         d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora_config(plan)
     )
+    if plan.offload_activations == "cpu":  # save_on_cpu around the forward and the loss
+        run.saves = act_offload.SaveOnCpu()
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
@@ -113,6 +123,7 @@ class _Run:
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
         self.lora = Lora(self.tape, lora, d.tokens) if lora is not None else None
+        self.saves: act_offload.SaveOnCpu | None = None  # activation offload's hooks (act_offload.py)
         if self.lora is not None:
             self.model.adapter = self.lora.adapt
         self.quant = Quant(self.tape, lora.quant) if lora is not None and lora.quant is not None else None
@@ -129,7 +140,7 @@ class _Run:
             )
             self.fsdp = self.pipe.fsdp
         elif sharded:
-            self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, zero >= 3, offload)
+            self.fsdp = Fsdp(self.tape, d, dp, self.shapes, self.model, self.grads, zero >= 3, offload, tied=tied)
         self.ddp = None
         if self.pipe is not None and self.fsdp is None:
             self.shapes = self.pipe.build()
@@ -192,8 +203,9 @@ class _Run:
             self.ddp.pre_forward()
         if first:
             t.on_first_mm = self._workspace("forward")
-        logits = self.forward(ids)
-        loss, keep = self.model.loss(logits)
+        with act_offload.saving(t, self.saves):
+            logits = self.forward(ids)
+            loss, keep = self.model.loss(logits, labels)
         if first:
             t.on_first_mm = self._workspace("backward")
         self.b.mark("phase:backward")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import eager, ops
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
@@ -37,12 +37,13 @@ class Dims:
     vocab: int
     layers: int
     tp: int = 1
+    sp: bool = True  # sequence parallel (under tp > 1): else the residual stream is replicated
     cd: int = 2  # compute dtype
     pd: int = 4  # parameter dtype
     autocast: bool = False  # bf16-mixed without FSDP: torch.autocast casts at each matmul
     recompute: str = "none"  # none | full | selective | selective-op (recompute.py)
     recompute_layers: int | None = None  # full: the first n layers only
-    attention: str = "flash"  # the SDPA kernel: flash, or math (fp32 with GQA on CUDA: precision.py)
+    attention: str = "flash"  # the SDPA kernel: flash, or math (fp32 with GQA on CUDA: precision.py); or eager
 
     @classmethod
     def of(cls, model: ModelSpec, workload: TrainingWorkload, **rest: object) -> Dims:
@@ -134,9 +135,11 @@ class Model:
         return out
 
     def gather_seq(self, x: Tensor, tag: str) -> Tensor:
-        return tpar.gather_seq(self.tape, x, self.d.tp, self.d.b, tag)
+        return tpar.gather_seq(self.tape, x, self.d.tp if self.d.sp else 1, self.d.b, tag)
 
     def scatter_seq(self, x: Tensor, tag: str) -> Tensor:
+        if self.d.tp > 1 and not self.d.sp:
+            return tpar.all_reduce(self.tape, x, self.d.tp, tag)
         return tpar.scatter_seq(self.tape, x, self.d.tp, tag)
 
     # --- the block -------------------------------------------------------------------------------
@@ -146,7 +149,7 @@ class Model:
         t = self.tape
         with t.scoped(name):
             x32 = ops.to(t, x, 4, "x_fp32")
-            with t.dtensor_ops(self.d.tp > 1):
+            with t.dtensor_ops(self.d.tp > 1 and self.d.sp):
                 p = ops.unary(t, x32, "pow", temps=2, save_input=True)
                 m = ops.unary(t, p, "mean", out_numel=x.numel // self.d.h)
                 t.done(p)
@@ -173,6 +176,7 @@ class Model:
         b = ops.mul(t, rot, sin, f"{tag}.sin")
         t.done(rot)
         out = ops.add(t, a, b, tag)
+        out.transposed = x.transposed  # TensorIterator keeps x's (heads-major over token-major) layout
         t.done(a, b)
         return out
 
@@ -191,6 +195,8 @@ class Model:
         t, d = self.tape, self.d
         if d.attention == "math":
             return prec.math_sdpa(t, q, k, v, d.b, d.heads // d.tp, d.s)
+        if d.attention == "eager":  # attention: eager (eager.py)
+            return eager.attention(t, q, k, v, d.b, d.heads // d.tp, d.s)
         k2 = ops.to(t, k, 2, "k_cast") if self.cache is not None else t.alias(k)
         q2 = ops.to(t, q, 2, "q_cast") if self.cache is not None else t.alias(q)
         out = ops.sdpa(t, q2, k2, v, d.b * d.heads // d.tp * d.s, "sdpa")
@@ -204,16 +210,16 @@ class Model:
             xg = self.gather_seq(x, "input")
             q = self.projection(xg, f"{prefix}.attention.wq.weight", d.q // d.tp, "wq", True)
             k = self.projection(xg, f"{prefix}.attention.wk.weight", d.kv // d.tp, "wk", True)
-            # dv comes heads-major from the math path (its sum over the groups): reshaped by a copy
-            v = self.projection(xg, f"{prefix}.attention.wv.weight", d.kv // d.tp, "wv", d.attention == "math")
+            # dv comes heads-major from the math and eager paths (their sum over the groups): a copy
+            v = self.projection(xg, f"{prefix}.attention.wv.weight", d.kv // d.tp, "wv", d.attention != "flash")
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             t.done(k, q)  # `q, k = ...` stores k first (CPython 3.11: STORE_FAST k, STORE_FAST q)
             if d.recompute == "selective":
                 out = t.checkpoint(lambda: self.core(qr, kr, v), [qr, kr, v])
             else:
                 out = self.core(qr, kr, v)
-            # the reshape of out.transpose(1, 2) is a view of flash's output, a copy of math's
-            flat = prec.merge_heads(t, out) if d.attention == "math" else t.alias(out)
+            # the reshape of out.transpose(1, 2) is a view of flash's output, a copy of math's and eager's
+            flat = prec.merge_heads(t, out) if d.attention != "flash" else t.alias(out)
             y = self.linear(flat, f"{prefix}.attention.wo.weight", d.h, "wo")
             t.done(flat)
             ys = self.scatter_seq(y, "wo")  # RowwiseParallel's output hook, inside wo's call
@@ -266,7 +272,7 @@ class Model:
         with t.scoped("tok_embeddings"):
             if d.tp == 1:
                 return ops.embedding(t, ids, w, d.tokens * d.h, "embedding")
-            return tpar.vocab_embedding(t, ids, w, d.tokens, d.h, d.tp)
+            return tpar.vocab_embedding(t, ids, w, d.tokens, d.h, d.tp, d.sp)
 
     def rope_tables(self, itemsize: int) -> tuple[Tensor, Tensor]:
         """``rope_tables``: inverse frequencies (hd/2 fp32, a few temporaries), the angles
@@ -304,10 +310,10 @@ class Model:
         t.done(ng, n)
         return logits
 
-    def loss(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+    def loss(self, logits: Tensor, labels: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``loss_fn(logits, labels) / m``: ``.float()`` of the (b s, V) logits, log_softmax
-        (saved), nll_loss, the division by m (a 4-byte loss). Returns the loss and the
-        4-byte scalar the step keeps beside it until ``del loss``."""
+        (saved), nll_loss (saving the ``labels``), the division by m (a 4-byte loss). Returns
+        the loss and the 4-byte scalar the step keeps beside it until ``del loss``."""
         t, d = self.tape, self.d
         with t.scoped("loss"):
             if d.tp > 1:
@@ -315,7 +321,7 @@ class Model:
             else:
                 f = ops.to(t, logits, 4, "logits_fp32", Category.LOGITS)
                 ls = ops.log_softmax(t, f)
-                nll, weight = ops.nll_loss(t, ls)
+                nll, weight = ops.nll_loss(t, ls, labels)
                 t.done(f, ls, logits)
             loss = ops.unary(t, nll, "div_accumulation", temps=-1)
             t.done(nll, weight)

@@ -1,0 +1,114 @@
+"""Eager attention (``attention: eager``): the bundled trainer's ``_eager_attention``, op by op.
+
+``memplan/train/model.py`` (transformers' eager path, scores materialised) on (b, heads, s, d) ``q``
+and unrepeated ``k``, ``v``:
+
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)    # GQA: to q's heads
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    return probs @ v
+
+Autograd records each op (``tools/autograd/derivatives.yaml``): ``repeat_interleave`` is
+``unsqueeze``, ``expand`` and a contiguous ``clone`` (``aten/src/ATen/native/Repeat.cpp``), its
+backward a sum over the groups; ``matmul`` folds the batch dims to ``bmm``
+(``aten/src/ATen/native/LinearAlgebra.cpp``, ``_matmul_impl``): ``q``, laid out as RoPE left it, is
+cloned contiguous first (a key or value that is not repeated too), and ``bmm`` saves both inputs;
+the division by a Python scalar saves nothing; ``masked_fill`` saves the mask; ``softmax(dtype=
+float32)`` of a 16-bit input converts it first (``toType``; CUDA's half-to-float shortcut is fp16's
+only) and saves its fp32 result, whose 16-bit cast ``probs`` the second ``bmm`` saves. The frame's
+locals go as it returns (k, v, scores, mask, probs: what no node saved). Without autocast: under
+bf16-mixed the matmuls cast their fp32 inputs, not followed here.
+
+CUDA only, from source (left out of the CPU comparison): the softmax backward's ``grad * output``
+temporary (``softmax_backward_cuda_out``, as on the math path: ``precision._safe_softmax``).
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import precision as prec
+from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+
+SOFTMAX_TMP = "grad_times_output"  # CUDA's softmax backward temporary
+
+
+def _masked_fill(tape: Tape, x: Tensor, mask: Tensor, tag: str) -> Tensor:
+    """``x.masked_fill(mask, -inf)``: saves the mask; backward ``grad.masked_fill(mask, 0)``."""
+    numel, itemsize = x.numel, x.itemsize
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(numel, itemsize, "grad")]
+
+    return ops.result(tape, numel, itemsize, tag, tape.node(tag, apply, [x], saved=[mask]))
+
+
+def _softmax(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``_softmax(x, -1)``: saves its result. Backward (``_softmax_backward_data``): the
+    gradient, then CUDA's ``grad * output`` temporary, freed."""
+    numel, itemsize = x.numel, x.itemsize
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        out = tape.new(numel, itemsize, "grad")
+        tape.drop(tape.new(numel, itemsize, SOFTMAX_TMP))
+        return [out]
+
+    node = tape.node(tag, apply, [x])
+    out = ops.result(tape, numel, itemsize, tag, node)
+    if node is not None:
+        tape.save(node, out)
+    return out
+
+
+def _repeated(tape: Tape, x: Tensor, groups: int, numel: int, tag: str) -> Tensor:
+    """``x.repeat_interleave(groups, 1)`` (a contiguous copy), or ``x`` itself for one group."""
+    return prec._repeat_heads(tape, x, numel, tag) if groups > 1 else tape.alias(x)
+
+
+def _batched(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``matmul``'s fold of a (b, heads, ...) operand to 3-D: a view of a contiguous one, else a
+    contiguous clone (its gradient goes back as a view)."""
+    return prec._contiguous(tape, x, tag, copy_grad=False) if x.transposed else tape.alias(x)
+
+
+def _view(tape: Tape, raw: Tensor, tag: str) -> Tensor:
+    """``_unsafe_view`` of the scores' ``bmm``: its gradient comes contiguous, a view back."""
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.view(g[0])]
+
+    out = tape.view(raw)
+    out.fn = tape.node(tag, apply, [raw])
+    tape.done(raw)
+    return out
+
+
+def attention(tape: Tape, q: Tensor, k: Tensor, v: Tensor, b: int, heads: int, s: int) -> Tensor:
+    """``_eager_attention`` on (b, heads, s, d) ``q`` and unrepeated ``k``, ``v``; returns
+    ``probs @ v`` (its ``_unsafe_view``: the caller's transposed reshape is a copy)."""
+    n, groups, scores_numel = q.numel, q.numel // k.numel, b * heads * s * s
+    kx = _repeated(tape, k, groups, n, "eager.k_repeated")
+    vx = _repeated(tape, v, groups, n, "eager.v_repeated")
+    qc, kc = _batched(tape, q, "eager.q_contiguous"), _batched(tape, kx, "eager.k_contiguous")
+    raw = prec._bmm(tape, qc, kc, scores_numel, "eager.scores")
+    tape.done(kc, qc)
+    raw = _view(tape, raw, "eager.scores_view")
+    scores = prec._scaled(tape, raw, scores_numel, "eager.scaled")
+    tape.done(raw)  # the matmul's result, a temporary of the statement
+    ones = tape.new(s * s, 1, "eager.mask_ones")
+    mask = tape.new(s * s, 1, "eager.mask")
+    tape.done(ones)
+    masked = _masked_fill(tape, scores, mask, "eager.masked")
+    tape.done(scores)
+    converted = ops.to(tape, masked, 4, "eager.scores_fp32")
+    soft = _softmax(tape, converted, "eager.softmax")
+    tape.done(converted)
+    probs = ops.to(tape, soft, q.itemsize, "eager.probs")
+    tape.done(soft)
+    vc = _batched(tape, vx, "eager.v_contiguous")
+    raw = prec._bmm(tape, probs, vc, n, "eager.out")
+    tape.done(vc)
+    out = prec._unsafe_view(tape, raw, "eager.out_view")
+    tape.done(kx, vx, masked, mask, probs)  # the frame's locals: k, v, scores, mask, probs
+    return out

@@ -1,0 +1,75 @@
+"""Eager attention (``attention: eager``) in the op-level run (``costmodel/timeline/eager.py``).
+
+No GPU trace ran eager attention: the run is held against the bundled trainer itself on CPU,
+measured the way tests/validate measures it (MemTracker, the steady peak over the measured steps),
+CUDA's temporaries left out (``timeline_peaks.steady_peaks``; here the softmax backward's
+``grad * output``). The eager path is the same composite on both devices. The cases are sized so
+that most peak inside a layer's attention backward (the s x s scores beside the softmax's fp32
+gradient), a small MLP and vocabulary.
+
+Measured 2026-11-27 (torch 2.13.0+cpu), predicted - measured: -156 B in every case (at most
+0.0010%), for the step and for the forward and backward alone. Measured step peaks: bf16 at 256
+tokens 24,967,204 B; fp32 without GQA 36,488,100; selective recompute 15,038,500; full recompute
+with 2 micro-batches 12,340,900; fp32 with 2 x 128 tokens 29,689,252; ZeRO-3 dp 2 22,751,908; DDP
+dp 2 with full recompute 14,666,404; TP 2 + SP over ZeRO-3 dp 2 11,873,444.
+"""
+
+from __future__ import annotations
+
+import pytest
+from timeline_peaks import steady_peaks
+
+from memplan.costmodel.reserve import plan_run
+from memplan.costmodel.timeline.trainer import MICRO_BATCHES_MODELLED, supported, trainer_run
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.resolve import resolve_job
+from memplan.specs.workload import TrainingWorkload
+
+CPU_BOUND = 0.0001  # 0.01% of the trainer's peak, as test_timeline_recompute.py
+
+SMALL = ModelSpec(
+    name="tiny-gqa", hidden_size=192, num_layers=4, num_attention_heads=6, num_kv_heads=2, ffn_size=256, vocab_size=256
+)
+MHA = SMALL.model_copy(update=dict(name="tiny-mha", num_kv_heads=6))  # no repeat: k and v cloned by matmul
+
+EAGER = dict(attention="eager")
+# name: (model, plan, (seq_len, micro_batch, global_batch))
+CASES = {
+    "bf16-s256": (SMALL, dict(precision="bf16", **EAGER), (256, 1, None)),
+    "fp32-mha-s256": (MHA, dict(precision="fp32", **EAGER), (256, 1, None)),
+    "bf16-selective": (SMALL, dict(precision="bf16", recompute="selective", **EAGER), (128, 2, None)),
+    "bf16-full-accum2": (SMALL, dict(precision="bf16", recompute="full", **EAGER), (128, 2, 4)),
+    "fp32": (SMALL, dict(precision="fp32", **EAGER), (128, 2, None)),
+    "zero3-dp2-bf16-s256": (SMALL, dict(precision="bf16", dp=2, zero=3, **EAGER), (256, 1, None)),
+    "ddp2-full-bf16-s256": (SMALL, dict(precision="bf16", dp=2, zero=0, recompute="full", **EAGER), (256, 1, None)),
+    "tp2-sp-zero3-dp2-bf16-s256": (
+        SMALL, dict(precision="bf16", tp=2, sequence_parallel=True, dp=2, zero=3, **EAGER), (256, 1, None)
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_bundled_trainer_on_cpu_with_eager_attention_peaks_where_the_run_does(name):
+    pytest.importorskip("torch")
+    from memplan.train.runner import run
+    from memplan.validate.spec import RunSpec
+
+    model, changes, (seq, micro_batch, global_batch) = CASES[name]
+    plan, workload = Plan(**changes), TrainingWorkload(seq_len=seq, micro_batch=micro_batch, global_batch=global_batch)
+    assert supported(model, workload, plan) is None
+    peak, passes = steady_peaks(trainer_run(model, workload, plan, max_micro_batches=MICRO_BATCHES_MODELLED))
+    record = run(RunSpec(model=model, workload=workload, plan=plan, rank=0, steps=2))
+    assert record.status == "ok", record.reason
+    measured = (record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward")))
+    for what, predicted, got in zip(("step", "forward and backward"), (peak, passes), measured, strict=True):
+        assert abs(predicted / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {predicted:,}, measured {got:,}"
+
+
+def test_the_estimate_answers_eager_plans_with_the_op_level_run():
+    for changes in (dict(precision="bf16"), dict(precision="bf16-master", recompute="full")):
+        job = resolve_job("llama3-8b", None, dict(seq_len=2048, attention="eager", **changes), False)
+        _, which = plan_run(job.model, job.workload, job.plan, "memplan")
+        assert which == "trainer", (changes, which)
+    job = resolve_job("llama3-8b", None, dict(seq_len=2048, attention="eager", precision="bf16-mixed"), False)
+    assert supported(job.model, job.workload, job.plan) == "eager attention with this precision"
