@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from memplan.costmodel.lora import ADAPTER_BYTES, HF_NAMES, resolve_targets
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.dropout import dropout
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.quant import QuantConfig
 from memplan.costmodel.timeline.quant import config as quant_config
@@ -46,15 +47,19 @@ class LoraConfig:
     modules: frozenset[str]
     input_grad: bool  # full recompute: the embedding's output requires grad (enable_input_require_grads)
     quant: QuantConfig | None = None  # a 4-bit base (quant.py): PEFT's lora.Linear4bit clones its output
+    dropout: bool = False  # lora_dropout > 0: nn.Dropout over the adapters' fp32 input (dropout.py)
+    cuda: bool = True  # dropout's kernel: CUDA's fused one, else CPU's composite
 
 
-def config(plan: Plan) -> LoraConfig | None:
-    """The plan's adapters (``finetune: lora``), or None for full training."""
+def config(plan: Plan, cuda: bool = True) -> LoraConfig | None:
+    """The plan's adapters (``finetune: lora``), or None for full training; ``cuda``: the device
+    whose kernels run (dropout's differ)."""
     if plan.finetune == "full":
         return None
     chosen = set(resolve_targets(plan.lora_targets))
     modules = frozenset(path for path, hf in HF_NAMES.items() if hf in chosen)
-    return LoraConfig(plan.lora_rank, modules, plan.recompute == "full", quant_config(plan))
+    input_grad = plan.recompute == "full"
+    return LoraConfig(plan.lora_rank, modules, input_grad, quant_config(plan), plan.lora_dropout > 0, cuda)
 
 
 @dataclass
@@ -107,6 +112,9 @@ class Lora:
                 t.done(out)
                 out = c
             a = ops.to(t, x, ADAPTER_BYTES, "input_fp32")
+            if self.cfg.dropout:  # ``self.dropout(x.to(fp32))``: the cast is the call's temporary
+                cast, a = a, dropout(t, a, self.cfg.cuda)
+                t.done(cast)
             ya = ops.linear(t, a, a_w, self.tokens * self.cfg.rank, "A")
             yb = ops.linear(t, ya, b_w, self.tokens * rows, "B")
             t.done(ya)

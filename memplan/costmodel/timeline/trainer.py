@@ -66,10 +66,12 @@ def trainer_run(
     steady_steps: int = 2,
     max_micro_batches: int = MICRO_BATCHES_MODELLED,
     stage: int | None = None,
+    cuda: bool = True,
 ) -> Timeline | None:
     """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps,
     each of at most ``max_micro_batches`` micro-batches (under pipelining all of them). Pipeline
-    rank ``stage``, by default the most-loaded one. None for a plan :func:`supported` rejects."""
+    rank ``stage``, by default the most-loaded one; ``cuda``: CUDA's kernels, else CPU's where
+    the run models both (LoRA's dropout). None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan) is not None:
         return None
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
@@ -77,9 +79,8 @@ def trainer_run(
     d, pipe = dims(model, workload, plan), None
     if plan.pp > 1:  # the schedule runs every micro-batch (pipeline.py)
         micro_batches, pipe = accumulation(workload, plan), pipeline.factory(d, model, workload, plan, stage)
-    run = _Run(
-        d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora_config(plan)
-    )
+    lora = lora_config(plan, cuda)
+    run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora)
     run.b.mark("build")
     for step in range(steady_steps + 1):
         run.step(first=step == 0)

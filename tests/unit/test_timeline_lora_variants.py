@@ -1,0 +1,90 @@
+"""LoRA beyond h200_a_lora8b's plan in the op-level run (``timeline/lora.py``, ``dropout.py``):
+gradient accumulation, ``lora_dropout``, full recompute with both.
+
+No GPU ran these plans: each is held against the bundled trainer itself, run on CPU and measured
+the way tests/validate measures it (MemTracker, the steady peak over the measured steps), as
+tests/unit/test_timeline_zero1.py does, cuBLAS's workspaces and the CUDA kernels' scratch left out.
+The run compared is the one with CPU's kernels where the run models both (``trainer_run(...,
+cuda=False)``: dropout's composite ``input * noise``, the fp32 noise kept, instead of CUDA's fused
+kernel and its bool mask). Measured 2026-11-27 (torch 2.13.0+cpu): every case below within 224 B
+of the trainer's peak, for the step and for the forward and backward alone."""
+
+from __future__ import annotations
+
+import pytest
+from timeline_peaks import steady_peaks
+
+from memplan.costmodel.lora import HF_NAMES
+from memplan.costmodel.timeline.events import ALLOC
+from memplan.costmodel.timeline.trainer import supported, trainer_run
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
+
+CPU_BOUND = 0.0001  # 0.01% of the trainer's peak, as test_timeline_recompute.py
+SEQ = 128
+
+TINY = ModelSpec(
+    name="tiny-gqa", hidden_size=192, num_layers=4, num_attention_heads=6, num_kv_heads=2, ffn_size=512, vocab_size=3000
+)
+# the CUDA kernels' scratch, as test_timeline_zero1.py (tags' last component)
+CUDA_ONLY = {
+    "sorted_ids", "sort_order", "iota", "radix_sort_scratch", "segment_offsets", "num_segments", "segment_tmp",
+    "scan_scratch", "partials_per_segment", "partial_offsets", "num_partials", "partial_segment_offsets",
+    "grad_weight_per_segment", "reduce_workspace", "reduce_semaphores", "grad_times_output",
+}  # fmt: skip
+LORA = dict(finetune="lora", lora_rank=8, lora_targets=("all-linear",))
+
+# name: (plan, (micro_batch, global_batch)); the tiny model, sequences of 128 tokens
+CPU_CASES = {
+    "accum2-bf16": (dict(precision="bf16"), (1, 2)),
+    "accum3-full-bf16": (dict(precision="bf16", recompute="full"), (2, 6)),
+    "dropout-bf16": (dict(precision="bf16", lora_dropout=0.1), (1, None)),
+    "dropout-full-accum2-bf16": (dict(precision="bf16", lora_dropout=0.05, recompute="full"), (1, 2)),
+    "dropout-q-v-selective-bf16": (
+        dict(precision="bf16", lora_dropout=0.1, lora_targets=("q_proj", "v_proj"), recompute="selective"), (2, None)
+    ),
+}  # fmt: skip
+
+
+def _plan(changes: dict) -> Plan:
+    return Plan(**dict(LORA, **changes))
+
+
+def _predicted(workload: TrainingWorkload, plan: Plan) -> tuple[int, int]:
+    run = trainer_run(TINY, workload, plan, cuda=False)
+    assert run is not None
+    return steady_peaks([e for e in run if e.tag.rsplit(".", 1)[-1] not in CUDA_ONLY])
+
+
+def _measured(workload: TrainingWorkload, plan: Plan) -> tuple[int, int]:
+    pytest.importorskip("torch")
+    from memplan.train.runner import run
+    from memplan.validate.spec import RunSpec
+
+    record = run(RunSpec(model=TINY, workload=workload, plan=plan, rank=0, steps=2))
+    assert record.status == "ok", record.reason
+    return record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward"))
+
+
+@pytest.mark.parametrize("name", CPU_CASES)
+def test_the_bundled_trainer_on_cpu_peaks_where_the_run_does(name):
+    changes, (micro_batch, global_batch) = CPU_CASES[name]
+    plan, workload = _plan(changes), TrainingWorkload(seq_len=SEQ, micro_batch=micro_batch, global_batch=global_batch)
+    assert supported(TINY, workload, plan) is None  # the estimate follows it op by op
+    predicted, measured = _predicted(workload, plan), _measured(workload, plan)
+    for what, p, got in zip(("step", "forward and backward"), predicted, measured, strict=True):
+        assert abs(p / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {p:,}, measured {got:,}"
+
+
+def test_cuda_dropout_keeps_a_bool_mask_per_adapter_input():
+    """On CUDA the fused ``native_dropout`` keeps a 1-byte mask of each adapter's (b, s, in) input
+    where CPU keeps the fp32 noise: one per targeted linear of each layer, each forward."""
+    plan, workload = _plan(dict(precision="bf16", lora_dropout=0.1)), TrainingWorkload(seq_len=SEQ, micro_batch=2)
+    cuda, cpu = trainer_run(TINY, workload, plan), trainer_run(TINY, workload, plan, cuda=False)
+    masks = [e.size for e in cuda if e.op == ALLOC and e.tag.endswith("dropout_mask")]
+    noise = [e.size for e in cpu if e.op == ALLOC and e.tag.endswith("dropout_noise")]
+    tokens, h, f = 2 * SEQ, TINY.hidden_size, TINY.ffn_size
+    inputs = [f if path == "feed_forward.w2" else h for path in HF_NAMES]  # w2 takes the (b, s, f) gate
+    assert masks == [tokens * n for n in inputs] * TINY.num_layers * 3  # three forwards
+    assert noise == [4 * size for size in masks]
