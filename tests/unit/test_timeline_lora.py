@@ -135,7 +135,7 @@ def test_the_backward_keeps_the_embedding_output_and_its_grad_until_del_loss(tim
     ("changes", "reason"),
     [
         (dict(dp=2, global_batch=8), "on one rank"),
-        (dict(modules_to_save=("lm_head",)), "LoRA other than adapters"),
+        (dict(modules_to_save=("embed_tokens",)), "modules_to_save other than an untied lm_head"),
         (dict(dp=2, zero=3, global_batch=8), "on one rank"),
         (dict(precision="bf16-mixed"), "LoRA other than adapters"),
         (dict(finetune="qlora", quant="fp4"), "a 4-bit base other than nf4"),

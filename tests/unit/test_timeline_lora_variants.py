@@ -1,5 +1,7 @@
 """LoRA beyond h200_a_lora8b's plan in the op-level run (``timeline/lora.py``, ``dropout.py``):
-gradient accumulation, ``lora_dropout``, full recompute with both.
+gradient accumulation, ``lora_dropout``, a trained LM head copy (``modules_to_save``), over an
+fp32 base, and bf16-master (AdamW over the fp32 adapters; MasterAdamW beside a 16-bit copy,
+``master.py``), each with full or selective recompute.
 
 No GPU ran these plans: each is held against the bundled trainer itself, run on CPU and measured
 the way tests/validate measures it (MemTracker, the steady peak over the measured steps), as
@@ -10,6 +12,8 @@ kernel and its bool mask). Measured 2026-11-27 (torch 2.13.0+cpu): every case be
 of the trainer's peak, for the step and for the forward and backward alone."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 from timeline_peaks import steady_peaks
@@ -44,6 +48,16 @@ CPU_CASES = {
     "dropout-q-v-selective-bf16": (
         dict(precision="bf16", lora_dropout=0.1, lora_targets=("q_proj", "v_proj"), recompute="selective"), (2, None)
     ),
+    "lm-head-copy-bf16": (dict(precision="bf16", modules_to_save=("lm_head",)), (1, None)),
+    "lm-head-copy-dropout-full-accum2-bf16": (
+        dict(precision="bf16", modules_to_save=("lm_head",), lora_dropout=0.1, recompute="full"), (1, 2)
+    ),
+    "bf16-master": (dict(precision="bf16-master"), (1, None)),
+    "bf16-master-lm-head-copy-accum2": (dict(precision="bf16-master", modules_to_save=("lm_head",)), (1, 2)),
+    "fp32": (dict(precision="fp32"), (1, None)),
+    "fp32-lm-head-copy-dropout-full": (
+        dict(precision="fp32", modules_to_save=("lm_head",), lora_dropout=0.1, recompute="full"), (1, None)
+    ),
 }  # fmt: skip
 
 
@@ -58,11 +72,16 @@ def _predicted(workload: TrainingWorkload, plan: Plan) -> tuple[int, int]:
 
 
 def _measured(workload: TrainingWorkload, plan: Plan) -> tuple[int, int]:
+    """The bundled trainer on CPU, in fp32 on SDPA's math backend (CUDA's for fp32 with GQA)."""
     pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from memplan.train.runner import run
     from memplan.validate.spec import RunSpec
 
-    record = run(RunSpec(model=TINY, workload=workload, plan=plan, rank=0, steps=2))
+    math = sdpa_kernel(SDPBackend.MATH) if plan.precision == "fp32" else contextlib.nullcontext()
+    with math:
+        record = run(RunSpec(model=TINY, workload=workload, plan=plan, rank=0, steps=2))
     assert record.status == "ok", record.reason
     return record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward"))
 

@@ -47,6 +47,7 @@ class LoraConfig:
     modules: frozenset[str]
     input_grad: bool  # full recompute: the embedding's output requires grad (enable_input_require_grads)
     quant: QuantConfig | None = None  # a 4-bit base (quant.py): PEFT's lora.Linear4bit clones its output
+    save_head: bool = False  # modules_to_save: lm_head (a trained copy of the LM head)
     dropout: bool = False  # lora_dropout > 0: nn.Dropout over the adapters' fp32 input (dropout.py)
     cuda: bool = True  # dropout's kernel: CUDA's fused one, else CPU's composite
 
@@ -58,8 +59,8 @@ def config(plan: Plan, cuda: bool = True) -> LoraConfig | None:
         return None
     chosen = set(resolve_targets(plan.lora_targets))
     modules = frozenset(path for path, hf in HF_NAMES.items() if hf in chosen)
-    input_grad = plan.recompute == "full"
-    return LoraConfig(plan.lora_rank, modules, input_grad, quant_config(plan), plan.lora_dropout > 0, cuda)
+    input_grad, save_head = plan.recompute == "full", "lm_head" in plan.modules_to_save
+    return LoraConfig(plan.lora_rank, modules, input_grad, quant_config(plan), save_head, plan.lora_dropout > 0, cuda)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Lora:
     cfg: LoraConfig
     tokens: int
     adapters: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # base weight -> (A, B)
+    trained: list[tuple[str, Tensor]] = field(default_factory=list)  # model.parameters() order
     grads: dict[str, Tensor] = field(default_factory=dict)
     held: list[Tensor] = field(default_factory=list)  # what the graph keeps until ``del loss``
 
@@ -77,25 +79,37 @@ class Lora:
         parts = weight.split(".")  # layers.{i}.{owner}.{attr}.weight
         return parts[0] == "layers" and ".".join(parts[2:4]) in self.cfg.modules
 
-    def build(self, weight: str, rows: int, cols: int) -> None:
-        """``to_empty`` after the base weight (out ``rows`` x in ``cols``): A (r x in), B (out x r)."""
+    def build(self, base: Tensor, weight: str, rows: int, cols: int) -> Tensor:
+        """``to_empty`` after the base weight (out ``rows`` x in ``cols``): A (r x in), B (out x r);
+        after the LM head's, under ``modules_to_save``, its trained copy (``SavedModule``: the
+        frozen original, then the copy, in the base's dtype). Returns what the forward reads."""
+        if weight == "output.weight" and self.cfg.save_head:
+            copy = self._param("output.trained.weight", rows * cols, base.itemsize)
+            return copy
         if not self._targeted(weight):
-            return
+            return base
         r, prefix = self.cfg.rank, weight.removesuffix(".weight")
-        pair = []
-        for name, numel in ((f"{prefix}.lora_A", r * cols), (f"{prefix}.lora_B", rows * r)):
-            p = self.tape.managed(numel, ADAPTER_BYTES, name, Category.PARAMETERS)
-            p.fn = ops.leaf(self.grads, name)
-            pair.append(p)
-        self.adapters[weight] = (pair[0], pair[1])
+        a = self._param(f"{prefix}.lora_A", r * cols, ADAPTER_BYTES)
+        self.adapters[weight] = (a, self._param(f"{prefix}.lora_B", rows * r, ADAPTER_BYTES))
+        return base
+
+    def _param(self, name: str, numel: int, itemsize: int) -> Tensor:
+        p = self.tape.managed(numel, itemsize, name, Category.PARAMETERS)
+        p.fn = ops.leaf(self.grads, name)
+        self.trained.append((name, p))
+        return p
 
     def params(self) -> list[tuple[str, int]]:
         """(name, elements) of the trainable parameters in ``model.parameters()`` order."""
-        out = []
-        for weight, pair in self.adapters.items():
-            prefix = weight.removesuffix(".weight")
-            out += [(f"{prefix}.lora_{k}", p.numel) for k, p in zip("AB", pair, strict=True)]
-        return out
+        return [(name, p.numel) for name, p in self.trained]
+
+    def fp32(self) -> frozenset[str]:
+        """The trainable parameters already fp32 (the adapters): MasterAdamW's own masters."""
+        return frozenset(name for name, p in self.trained if p.itemsize == ADAPTER_BYTES)
+
+    def sizes(self) -> list[tuple[str, int]]:
+        """(name, bytes) of the trainable parameters, in order: fp32 adapters, a 16-bit head copy."""
+        return [(name, p.numel * p.itemsize) for name, p in self.trained]
 
     def adapt(self, x: Tensor, out: Tensor, weight: str) -> Tensor:
         """``LoraLinear.forward`` after ``self.base(x)`` returned ``out`` (over a 4-bit base

@@ -64,6 +64,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (_quant_modelled(workload, plan), "a 4-bit base other than nf4 with double quantization over > 1536 tokens"),
         (plan.finetune == "full" or _plain_lora(plan), "LoRA other than adapters over a bf16 or nf4 base on one rank"),
         (plan.finetune == "full" or _lora_variant(workload, plan), "LoRA over a 4-bit base with these options"),
+        (plan.finetune == "full" or _saved_head(model, plan), "modules_to_save other than an untied lm_head"),
         (plan.offload_activations == "none", "activation offload"),
         (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
         (_offload_modelled(plan), "offload"),
@@ -175,14 +176,21 @@ def _quant_modelled(workload: TrainingWorkload, plan: Plan) -> bool:
 
 
 def _plain_lora(plan: Plan) -> bool:
-    """LoRA as h200_a_lora8b and h200_a_qlora8b ran it: one rank, a bf16 base (or a 4-bit one
-    computing in bf16), no trained copy of a module (``modules_to_save``)."""
-    return not plan.modules_to_save and plan.dp == 1 and plan.tp == 1 and plan.precision == "bf16"
+    """LoRA on one rank as h200_a_lora8b and h200_a_qlora8b ran it (a bf16 base, or a 4-bit one
+    computing in bf16), or over an fp32 base, or bf16-master's (AdamW over the fp32 adapters,
+    MasterAdamW beside a 16-bit ``modules_to_save`` copy): the bundled trainer on CPU."""
+    return plan.dp == 1 and plan.tp == 1 and plan.precision in ("bf16", "bf16-master", "fp32")
 
 
 def _lora_variant(workload: TrainingWorkload, plan: Plan) -> bool:
-    """Over a bf16 base also gradient accumulation and dropout (``dropout.py``; the bundled
-    trainer on CPU: tests/unit/test_timeline_lora_variants.py); over a 4-bit base, whose CUDA
-    kernels the CPU run does not share, neither (not checked)."""
-    plain = plan.lora_dropout == 0 and accumulation(workload, plan) == 1
-    return plan.quant == "none" or plain
+    """Over an unquantized base also gradient accumulation, dropout (``dropout.py``) and a
+    trained LM head copy (the bundled trainer on CPU: tests/unit/test_timeline_lora_variants.py);
+    over a 4-bit base, whose CUDA kernels the CPU run does not share, none (not checked)."""
+    plain = plan.lora_dropout == 0 and accumulation(workload, plan) == 1 and not plan.modules_to_save
+    return plan.quant == "none" or (plain and plan.precision == "bf16")
+
+
+def _saved_head(model: ModelSpec, plan: Plan) -> bool:
+    """``modules_to_save``: none, or the LM head of an untied model (the bundled trainer trains no
+    other copy, nor one over a tied embedding: ``validate.support``)."""
+    return set(plan.modules_to_save) <= {"lm_head"} and not (plan.modules_to_save and model.tied_embeddings)

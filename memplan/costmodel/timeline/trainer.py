@@ -75,6 +75,7 @@ def trainer_run(
     if supported(model, workload, plan) is not None:
         return None
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
+    master = master and (plan.finetune == "full" or bool(plan.modules_to_save))  # build_optimizer_from
     micro_batches = min(accumulation(workload, plan), max_micro_batches)
     d, pipe = dims(model, workload, plan), None
     if plan.pp > 1:  # the schedule runs every micro-batch (pipeline.py)
@@ -147,7 +148,7 @@ class _Run:
             p = t.managed(rows * cols, pd, name, Category.PARAMETERS)
             self.model.weights[name] = p
             if self.lora is not None:  # a frozen base: no AccumulateGrad
-                self.lora.build(name, rows, cols)
+                self.model.weights[name] = self.lora.build(p, name, rows, cols)
             else:
                 p.fn = ops.leaf(self.grads, name)
         if tied:
@@ -248,9 +249,9 @@ class _Run:
         t, pd = self.tape, self.d.pd if self.lora is None else ADAPTER_BYTES
         t.scope = ""
         if self.master is not None:
-            self.master.step(self.optimizer_params(), first)
+            self.master.step(self.optimizer_params(), first, self.lora.fp32() if self.lora is not None else ())
             return
-        sizes = [(name, n * pd) for name, n in self.optimizer_params()]
+        sizes = [(name, n * pd) for name, n in self.optimizer_params()] if self.lora is None else self.lora.sizes()
         if first:
             for name, size in sizes:
                 for state in ("exp_avg", "exp_avg_sq"):
