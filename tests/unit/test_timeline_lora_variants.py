@@ -1,6 +1,6 @@
 """LoRA beyond h200_a_lora8b's plan in the op-level run (``timeline/lora.py``, ``dropout.py``):
 gradient accumulation, ``lora_dropout``, a trained LM head copy (``modules_to_save``), over an
-fp32 base, and bf16-master (AdamW over the fp32 adapters; MasterAdamW beside a 16-bit copy,
+fp32 base, under autocast (bf16-mixed), and bf16-master (AdamW over the fp32 adapters; MasterAdamW beside a 16-bit copy,
 ``master.py``), each with full or selective recompute.
 
 No GPU ran these plans: each is held against the bundled trainer itself, run on CPU and measured
@@ -57,6 +57,18 @@ CPU_CASES = {
     "fp32": (dict(precision="fp32"), (1, None)),
     "fp32-lm-head-copy-dropout-full": (
         dict(precision="fp32", modules_to_save=("lm_head",), lora_dropout=0.1, recompute="full"), (1, None)
+    ),
+    "bf16-mixed": (dict(precision="bf16-mixed"), (1, None)),
+    "bf16-mixed-full": (dict(precision="bf16-mixed", recompute="full"), (1, None)),
+    "bf16-mixed-lm-head-copy-dropout-accum2": (
+        dict(precision="bf16-mixed", modules_to_save=("lm_head",), lora_dropout=0.1), (1, 2)
+    ),
+    "bf16-mixed-q-v-selective": (
+        dict(precision="bf16-mixed", recompute="selective", lora_targets=("q_proj", "v_proj")), (2, None)
+    ),
+    "bf16-mixed-selective-op": (dict(precision="bf16-mixed", recompute="selective-op"), (1, None)),
+    "bf16-mixed-full-2-layers-dropout": (
+        dict(precision="bf16-mixed", recompute="full", recompute_layers=2, lora_dropout=0.1), (1, None)
     ),
 }  # fmt: skip
 

@@ -36,6 +36,7 @@ from memplan.costmodel.timeline.dropout import dropout
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.quant import QuantConfig
 from memplan.costmodel.timeline.quant import config as quant_config
+from memplan.costmodel.timeline.trainer_model import Model
 from memplan.specs.plan import Plan
 
 
@@ -70,6 +71,7 @@ class Lora:
     tape: Tape
     cfg: LoraConfig
     tokens: int
+    model: Model | None = None  # the adapters' matmuls go through its ``linear`` (autocast's casts)
     adapters: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # base weight -> (A, B)
     trained: list[tuple[str, Tensor]] = field(default_factory=list)  # model.parameters() order
     grads: dict[str, Tensor] = field(default_factory=dict)
@@ -118,9 +120,9 @@ class Lora:
         pair = self.adapters.get(weight)
         if pair is None:
             return out
-        t, (a_w, b_w) = self.tape, pair
+        t, (a_w, b_w), prefix = self.tape, pair, weight.removesuffix(".weight")
         rows = b_w.numel // self.cfg.rank
-        with t.scoped(f"{weight.removesuffix('.weight')}.lora"):
+        with t.scoped(f"{prefix}.lora"):
             if self.cfg.quant is not None:  # ``result = result.clone()``: CloneBackward passes the gradient
                 c = ops.unary(t, out, "base_clone", temps=-1)
                 t.done(out)
@@ -129,15 +131,27 @@ class Lora:
             if self.cfg.dropout:  # ``self.dropout(x.to(fp32))``: the cast is the call's temporary
                 cast, a = a, dropout(t, a, self.cfg.cuda)
                 t.done(cast)
-            ya = ops.linear(t, a, a_w, self.tokens * self.cfg.rank, "A")
-            yb = ops.linear(t, ya, b_w, self.tokens * rows, "B")
+            ya = self._mm(a, a_w, f"{prefix}.lora_A", self.cfg.rank, "A")
+            yb = self._mm(ya, b_w, f"{prefix}.lora_B", rows, "B")
             t.done(ya)
             delta = ops.unary(t, yb, "scaling")  # * alpha / r: a Python scalar, nothing saved
             t.done(yb)
-            total = ops.add(t, out, delta, "sum")  # promoted to fp32
+            total = ops.add(t, out, delta, "sum")  # promoted to fp32 (bf16 + bf16 under autocast)
             y = ops.to(t, total, out.itemsize, "out_cast")
             t.done(total)
             t.done(out, a, delta)
+        return y
+
+    def _mm(self, x: Tensor, w: Tensor, name: str, out_features: int, tag: str) -> Tensor:
+        """``F.linear(x, w)``; under autocast (bf16-mixed) as the model's (``Model.linear``): the
+        fp32 adapter's bf16 cast, cached for the forward, then the input's cast, a bf16 output."""
+        t, m = self.tape, self.model
+        if m is None or m.cache is None:
+            return ops.linear(t, x, w, self.tokens * out_features, tag)
+        wc = m.weight(name, w)
+        xin = ops.to(t, x, 2, f"{tag}.input_cast")
+        y = ops.linear(t, xin, wc, self.tokens * out_features, tag)
+        t.done(xin, wc)
         return y
 
     def require_input_grad(self, x: Tensor) -> None:

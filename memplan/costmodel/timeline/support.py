@@ -177,9 +177,11 @@ def _quant_modelled(workload: TrainingWorkload, plan: Plan) -> bool:
 
 def _plain_lora(plan: Plan) -> bool:
     """LoRA on one rank as h200_a_lora8b and h200_a_qlora8b ran it (a bf16 base, or a 4-bit one
-    computing in bf16), or over an fp32 base, or bf16-master's (AdamW over the fp32 adapters,
-    MasterAdamW beside a 16-bit ``modules_to_save`` copy): the bundled trainer on CPU."""
-    return plan.dp == 1 and plan.tp == 1 and plan.precision in ("bf16", "bf16-master", "fp32")
+    computing in bf16), or over an fp32 base, under autocast (bf16-mixed: the frozen base's
+    weights cast anew at each matmul, the adapters' cached) or bf16-master's (AdamW over the
+    fp32 adapters, MasterAdamW beside a 16-bit ``modules_to_save`` copy): the bundled trainer
+    on CPU (tests/unit/test_timeline_lora_variants.py)."""
+    return plan.dp == 1 and plan.tp == 1 and plan.precision in ("bf16", "bf16-mixed", "bf16-master", "fp32")
 
 
 def _lora_variant(workload: TrainingWorkload, plan: Plan) -> bool:

@@ -114,7 +114,7 @@ class _Run:
         self.master = MasterAdamW(self.tape) if master else None  # bf16-master (master.py)
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
-        self.lora = Lora(self.tape, lora, d.tokens) if lora is not None else None
+        self.lora = Lora(self.tape, lora, d.tokens, self.model) if lora is not None else None
         if self.lora is not None:
             self.model.adapter = self.lora.adapt
         self.quant = Quant(self.tape, lora.quant) if lora is not None and lora.quant is not None else None
