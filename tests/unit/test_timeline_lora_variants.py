@@ -1,15 +1,19 @@
 """LoRA beyond h200_a_lora8b's plan in the op-level run (``timeline/lora.py``, ``dropout.py``):
 gradient accumulation, ``lora_dropout``, a trained LM head copy (``modules_to_save``), over an
-fp32 base, under autocast (bf16-mixed), and bf16-master (AdamW over the fp32 adapters; MasterAdamW beside a 16-bit copy,
-``master.py``), each with full or selective recompute.
+fp32 base, under autocast (bf16-mixed), and bf16-master (AdamW over the fp32 adapters;
+MasterAdamW beside a 16-bit copy, ``master.py``), each with full or selective recompute; and
+under DDP and ZeRO-1 (``ddp.py``: the reducer over the adapters, the broadcast over every
+parameter, grouped by dtype).
 
 No GPU ran these plans: each is held against the bundled trainer itself, run on CPU and measured
 the way tests/validate measures it (MemTracker, the steady peak over the measured steps), as
 tests/unit/test_timeline_zero1.py does, cuBLAS's workspaces and the CUDA kernels' scratch left out.
 The run compared is the one with CPU's kernels where the run models both (``trainer_run(...,
 cuda=False)``: dropout's composite ``input * noise``, the fp32 noise kept, instead of CUDA's fused
-kernel and its bool mask). Measured 2026-11-27 (torch 2.13.0+cpu): every case below within 224 B
-of the trainer's peak, for the step and for the forward and backward alone."""
+kernel and its bool mask). Under ZeRO-1 the trainer runs the rank the run follows
+(``zero1.most_loaded`` over the adapters). Measured 2026-11-27 (torch 2.13.0+cpu): every case
+below within 228 B of the trainer's peak, for the step and for the forward and backward alone
+(at most 0.002%; those few bytes are not traced to a tensor, as in test_timeline_recompute.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +23,12 @@ import pytest
 from timeline_peaks import steady_peaks
 
 from memplan.costmodel.lora import HF_NAMES
-from memplan.costmodel.timeline.events import ALLOC
-from memplan.costmodel.timeline.trainer import supported, trainer_run
+from memplan.costmodel.timeline import zero1
+from memplan.costmodel.timeline.autograd import Tape
+from memplan.costmodel.timeline.events import ALLOC, Builder
+from memplan.costmodel.timeline.lora import Lora, config
+from memplan.costmodel.timeline.trainer import dims, supported, trainer_run
+from memplan.costmodel.timeline.trainer_model import param_shapes
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
@@ -70,6 +78,17 @@ CPU_CASES = {
     "bf16-mixed-full-2-layers-dropout": (
         dict(precision="bf16-mixed", recompute="full", recompute_layers=2, lora_dropout=0.1), (1, None)
     ),
+    "ddp-dp2-bf16": (dict(precision="bf16", dp=2), (1, None)),
+    "ddp-dp2-bf16-mixed-accum2": (dict(precision="bf16-mixed", dp=2), (1, 4)),
+    "ddp-dp2-full-dropout-bf16": (dict(precision="bf16", dp=2, recompute="full", lora_dropout=0.1), (1, None)),
+    "ddp-dp2-bf16-mixed-lm-head-copy": (dict(precision="bf16-mixed", dp=2, modules_to_save=("lm_head",)), (1, None)),
+    "zero1-dp2-bf16": (dict(precision="bf16", dp=2, zero=1), (1, None)),
+    "zero1-dp3-fp32-lm-head-copy-full": (
+        dict(precision="fp32", dp=3, zero=1, modules_to_save=("lm_head",), recompute="full"), (1, None)
+    ),
+    "zero1-dp2-bf16-master-selective-op-accum2": (
+        dict(precision="bf16-master", dp=2, zero=1, recompute="selective-op"), (1, 4)
+    ),
 }  # fmt: skip
 
 
@@ -83,6 +102,18 @@ def _predicted(workload: TrainingWorkload, plan: Plan) -> tuple[int, int]:
     return steady_peaks([e for e in run if e.tag.rsplit(".", 1)[-1] not in CUDA_ONLY])
 
 
+def _rank(workload: TrainingWorkload, plan: Plan) -> int:
+    """The data rank the run follows: under ZeRO-1 the most-loaded partition's (of the
+    trainable parameters: the adapters and a head copy), else 0."""
+    if plan.zero != 1 or plan.dp == 1:
+        return 0
+    d = dims(TINY, workload, plan)
+    lora, scratch = Lora(Tape(Builder()), config(plan), d.tokens), Tape(Builder())
+    for name, (rows, cols) in param_shapes(d, TINY.tied_embeddings).items():
+        lora.build(scratch.new(rows * cols, d.pd, name), name, rows, cols)
+    return zero1.most_loaded(lora.params(), plan.dp)
+
+
 def _measured(workload: TrainingWorkload, plan: Plan) -> tuple[int, int]:
     """The bundled trainer on CPU, in fp32 on SDPA's math backend (CUDA's for fp32 with GQA)."""
     pytest.importorskip("torch")
@@ -93,7 +124,7 @@ def _measured(workload: TrainingWorkload, plan: Plan) -> tuple[int, int]:
 
     math = sdpa_kernel(SDPBackend.MATH) if plan.precision == "fp32" else contextlib.nullcontext()
     with math:
-        record = run(RunSpec(model=TINY, workload=workload, plan=plan, rank=0, steps=2))
+        record = run(RunSpec(model=TINY, workload=workload, plan=plan, rank=_rank(workload, plan), steps=2))
     assert record.status == "ok", record.reason
     return record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward"))
 
@@ -119,3 +150,20 @@ def test_cuda_dropout_keeps_a_bool_mask_per_adapter_input():
     inputs = [f if path == "feed_forward.w2" else h for path in HF_NAMES]  # w2 takes the (b, s, f) gate
     assert masks == [tokens * n for n in inputs] * TINY.num_layers * 3  # three forwards
     assert noise == [4 * size for size in masks]
+
+
+@pytest.mark.parametrize(
+    ("model", "changes", "reason"),
+    [
+        (TINY, dict(precision="bf16", dp=2, modules_to_save=("lm_head",)), "16-bit modules_to_save copy"),
+        (TINY, dict(precision="bf16", dp=2, zero=3), "LoRA other than adapters"),
+        (TINY.model_copy(update=dict(tied_embeddings=True)), dict(modules_to_save=("lm_head",)), "untied lm_head"),
+    ],
+    ids=["ddp-bf16-head-copy", "fsdp2", "tied-head-copy"],
+)
+def test_lora_plans_it_does_not_follow_stay_on_the_phase_model(model, changes, reason):
+    """DDP's reducer over two dtypes (fp32 adapters, a bf16 head copy) is not modelled; the bundled
+    trainer runs LoRA without FSDP2 and trains no head copy over a tied embedding."""
+    plan, workload = _plan(changes), TrainingWorkload(seq_len=SEQ, micro_batch=1)
+    assert reason in (supported(model, workload, plan) or "")
+    assert trainer_run(model, workload, plan) is None

@@ -65,11 +65,43 @@ def assign_buckets(sizes: list[int], limits: list[int]) -> list[list[int]]:
     return out
 
 
+def take_tensors(states: list[tuple[int, int]], limit: int) -> list[list[int]]:
+    """``take_tensors`` (``torch/csrc/utils/tensor_flatten.cpp``, not fine-grained): indices into
+    ``states`` (bytes, itemsize) grouped by dtype, a group emitted once it reaches ``limit``, the
+    rest at the end in the dtypes' ``type_id`` order (fp32's ScalarType 6 before bf16's 15);
+    one dtype: :func:`assign_buckets`."""
+    out: list[list[int]] = []
+    groups: dict[int, tuple[list[int], int]] = {}
+    for i, (size, itemsize) in enumerate(states):
+        members, total = groups.get(itemsize, ([], 0))
+        members.append(i)
+        groups[itemsize] = (members, total + size)
+        if total + size >= limit:
+            out.append(members)
+            del groups[itemsize]
+    return out + [groups[k][0] for k in sorted(groups, key=_SCALAR_TYPE.__getitem__)]
+
+
+_SCALAR_TYPE = {4: 6, 2: 15, 1: 0}  # itemsize -> c10::ScalarType: Float, BFloat16, Byte
+
+
 class Ddp:
     """The reducer of one rank: its buckets and the order gradients became ready."""
 
-    def __init__(self, tape: Tape, dp: int, shapes: dict, weights: dict[str, Tensor], itemsize: int) -> None:
+    def __init__(
+        self,
+        tape: Tape,
+        dp: int,
+        shapes: dict,
+        weights: dict[str, Tensor],
+        itemsize: int,
+        states: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """``shapes``: the parameters that require grad (the reducer's), in order; ``states``:
+        (bytes, itemsize) of every parameter in ``named_parameters()`` order, frozen ones
+        included (LoRA's base), for the broadcast; by default the reducer's own."""
         self.tape, self.dp, self.shapes, self.itemsize = tape, dp, shapes, itemsize
+        self.states = states if states is not None else [(self._bytes(n), itemsize) for n in shapes]
         self.names = list(shapes)
         self.ready: list[str] = []  # the first backward's gradient-ready order
         self.rebuilt = False
@@ -122,8 +154,8 @@ class Ddp:
     def _broadcast(self) -> None:
         """``_broadcast_coalesced`` of the parameters from rank 0, two buckets in flight."""
         t, flights = self.tape, []
-        sizes = [self._bytes(n) for n in self.names]
-        for bucket in assign_buckets(sizes, [BROADCAST_BUCKET]):
+        sizes = [size for size, _ in self.states]
+        for bucket in take_tensors(self.states, BROADCAST_BUCKET):
             if len(flights) == IN_FLIGHT:
                 t.done(flights.pop(0))
             size = sum(sizes[i] for i in bucket) if len(bucket) > 1 else 0  # one tensor: its own view

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from memplan.costmodel.lora import ADAPTER_BYTES, HF_NAMES, resolve_targets
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.dropout import dropout
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.quant import QuantConfig
@@ -109,9 +110,29 @@ class Lora:
         """The trainable parameters already fp32 (the adapters): MasterAdamW's own masters."""
         return frozenset(name for name, p in self.trained if p.itemsize == ADAPTER_BYTES)
 
-    def sizes(self) -> list[tuple[str, int]]:
-        """(name, bytes) of the trainable parameters, in order: fp32 adapters, a 16-bit head copy."""
-        return [(name, p.numel * p.itemsize) for name, p in self.trained]
+    def itemsize(self, name: str) -> int:
+        """A trainable parameter's bytes per element: 4 (an adapter), the base's (a head copy)."""
+        return dict(self.trained)[name].itemsize
+
+    def ddp(self, dp: int, shapes: dict[str, tuple[int, int]], itemsize: int) -> Ddp:
+        """``DistributedDataParallel`` over the adapted model: the reducer over the adapters (the
+        parameters that require grad, ``_build_params_for_reducer``), the broadcast over every
+        parameter (``_sync_module_states``: ``named_parameters()``, the frozen base included)."""
+        trained = dict(self.trained)
+        reducer = {name: (p.numel, 1) for name, p in trained.items()}
+        return Ddp(self.tape, dp, reducer, trained, ADAPTER_BYTES, self._states(shapes, itemsize))
+
+    def _states(self, shapes: dict[str, tuple[int, int]], itemsize: int) -> list[tuple[int, int]]:
+        """(bytes, itemsize) of every parameter in ``named_parameters()`` order (``named_modules``
+        is pre-order: a ``LoraLinear``'s adapters before its base's weight; the head's copy after
+        the original); ``shapes``: the base's, of dtype ``itemsize``."""
+        out = []
+        for name, (rows, cols) in shapes.items():
+            out += [(p.numel * p.itemsize, p.itemsize) for p in self.adapters.get(name, ())]
+            out.append((rows * cols * itemsize, itemsize))
+            if name == "output.weight" and self.cfg.save_head:
+                out.append((rows * cols * itemsize, itemsize))
+        return out
 
     def adapt(self, x: Tensor, out: Tensor, weight: str) -> Tensor:
         """``LoraLinear.forward`` after ``self.base(x)`` returned ``out`` (over a 4-bit base

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memplan.costmodel.lora import ADAPTER_BYTES
 from memplan.costmodel.timeline import ops, pipeline, recompute, zero1
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
@@ -137,7 +136,9 @@ class _Run:
             self.shapes = self.pipe.build()
         elif self.fsdp is None:
             self._build_params(tied)
-        if dp > 1 and not sharded:
+        if dp > 1 and not sharded and self.lora is not None:  # the adapters' reducer (lora.py)
+            self.ddp = self.lora.ddp(dp, self.shapes, d.pd)
+        elif dp > 1 and not sharded:
             self.ddp = Ddp(self.tape, dp, self.shapes, self.model.weights, d.pd)
 
     def _build_params(self, tied: bool) -> None:
@@ -246,12 +247,13 @@ class _Run:
         """Foreach AdamW over ``model.parameters()`` (local shards): on the first step the
         states (exp_avg, exp_avg_sq per parameter, zeros_like, in parameter order); each step
         one ``_foreach_sqrt`` temporary per parameter, all live together."""
-        t, pd = self.tape, self.d.pd if self.lora is None else ADAPTER_BYTES
+        t, pd = self.tape, self.d.pd
         t.scope = ""
         if self.master is not None:
             self.master.step(self.optimizer_params(), first, self.lora.fp32() if self.lora is not None else ())
             return
-        sizes = [(name, n * pd) for name, n in self.optimizer_params()] if self.lora is None else self.lora.sizes()
+        itemsize = self.lora.itemsize if self.lora is not None else lambda _: pd
+        sizes = [(name, n * itemsize(name)) for name, n in self.optimizer_params()]
         if first:
             for name, size in sizes:
                 for state in ("exp_avg", "exp_avg_sq"):
@@ -264,9 +266,8 @@ class _Run:
         under ZeRO-1 the most-loaded rank's partition, in its order."""
         if self.fsdp is not None:
             return self.fsdp.shard_numels()
-        if self.lora is not None:
-            return self.lora.params()
         params = [(name, rows * cols) for name, (rows, cols) in self.shapes.items()]
+        params = self.lora.params() if self.lora is not None else params  # the adapters (and a head copy)
         return zero1.shard(params, self.dp) if self.zero1 else params
 
     def zero_grad(self) -> None:
