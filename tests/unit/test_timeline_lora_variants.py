@@ -23,14 +23,17 @@ import pytest
 from timeline_peaks import steady_peaks
 
 from memplan.costmodel.lora import HF_NAMES
+from memplan.costmodel.reserve import plan_run
 from memplan.costmodel.timeline import zero1
 from memplan.costmodel.timeline.autograd import Tape
+from memplan.costmodel.timeline.ddp import assign_buckets, assign_buckets_by_dtype, take_tensors
 from memplan.costmodel.timeline.events import ALLOC, Builder
 from memplan.costmodel.timeline.lora import Lora, config
 from memplan.costmodel.timeline.trainer import dims, supported, trainer_run
 from memplan.costmodel.timeline.trainer_model import param_shapes
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
+from memplan.specs.resolve import resolve_job
 from memplan.specs.workload import TrainingWorkload
 
 CPU_BOUND = 0.0001  # 0.01% of the trainer's peak, as test_timeline_recompute.py
@@ -82,6 +85,10 @@ CPU_CASES = {
     "ddp-dp2-bf16-mixed-accum2": (dict(precision="bf16-mixed", dp=2), (1, 4)),
     "ddp-dp2-full-dropout-bf16": (dict(precision="bf16", dp=2, recompute="full", lora_dropout=0.1), (1, None)),
     "ddp-dp2-bf16-mixed-lm-head-copy": (dict(precision="bf16-mixed", dp=2, modules_to_save=("lm_head",)), (1, None)),
+    "ddp-dp2-bf16-lm-head-copy-accum2": (dict(precision="bf16", dp=2, modules_to_save=("lm_head",)), (1, 4)),
+    "ddp-dp2-bf16-master-lm-head-copy": (
+        dict(precision="bf16-master", dp=2, modules_to_save=("lm_head",), recompute="full"), (1, None)
+    ),
     "zero1-dp2-bf16": (dict(precision="bf16", dp=2, zero=1), (1, None)),
     "zero1-dp3-fp32-lm-head-copy-full": (
         dict(precision="fp32", dp=3, zero=1, modules_to_save=("lm_head",), recompute="full"), (1, None)
@@ -155,15 +162,40 @@ def test_cuda_dropout_keeps_a_bool_mask_per_adapter_input():
 @pytest.mark.parametrize(
     ("model", "changes", "reason"),
     [
-        (TINY, dict(precision="bf16", dp=2, modules_to_save=("lm_head",)), "16-bit modules_to_save copy"),
+        (TINY, dict(precision="bf16", dp=2, zero=1, modules_to_save=("lm_head",)), "16-bit modules_to_save copy"),
         (TINY, dict(precision="bf16", dp=2, zero=3), "LoRA other than adapters"),
         (TINY.model_copy(update=dict(tied_embeddings=True)), dict(modules_to_save=("lm_head",)), "untied lm_head"),
     ],
-    ids=["ddp-bf16-head-copy", "fsdp2", "tied-head-copy"],
+    ids=["zero1-bf16-head-copy", "fsdp2", "tied-head-copy"],
 )
 def test_lora_plans_it_does_not_follow_stay_on_the_phase_model(model, changes, reason):
-    """DDP's reducer over two dtypes (fp32 adapters, a bf16 head copy) is not modelled; the bundled
-    trainer runs LoRA without FSDP2 and trains no head copy over a tied embedding."""
+    """The bundled trainer fails on ZeRO-1 over two dtypes (fp32 adapters, a bf16 head copy:
+    ``ZeroRedundancyOptimizer`` takes one), runs LoRA without FSDP2 and trains no head copy over a
+    tied embedding."""
     plan, workload = _plan(changes), TrainingWorkload(seq_len=SEQ, micro_batch=1)
     assert reason in (supported(model, workload, plan) or "")
     assert trainer_run(model, workload, plan) is None
+
+
+def test_ddp_groups_its_buckets_by_dtype():
+    """``compute_bucket_assignment_by_size``: a bucket per dtype, each with its own limits, the
+    full ones in the order they close, the open ones last; one dtype as ``assign_buckets``.
+    ``take_tensors`` (the broadcast): per dtype, fp32's group before bf16's at the end."""
+    assert assign_buckets_by_dtype([5, 5, 5], [4, 2, 4], [8]) == [[0, 2], [1]]
+    assert assign_buckets_by_dtype([1, 3, 4, 2, 10], [4] * 5, [2, 6]) == assign_buckets([1, 3, 4, 2, 10], [2, 6])
+    assert assign_buckets_by_dtype([3, 3, 1, 1], [2, 4, 2, 4], [2, 6]) == [[0], [1], [2], [3]]
+    assert take_tensors([(5, 2), (5, 4), (3, 4)], 100) == [[1, 2], [0]]
+    assert take_tensors([(5, 2), (5, 2), (3, 4)], 8) == [[0, 1], [2]]
+
+
+def test_the_estimate_answers_these_plans_with_the_op_level_run():
+    for changes in (
+        dict(lora_dropout=0.05, global_batch=8, recompute="full"),
+        dict(precision="bf16-mixed", modules_to_save=("lm_head",)),
+        dict(dp=4, zero=1, precision="bf16-master", recompute="selective-op"),
+    ):
+        plan = dict(LORA, seq_len=4096, micro_batch=2, **changes)
+        job = resolve_job("llama3-8b", None, plan, inference=False)
+        assert supported(job.model, job.workload, job.plan) is None
+        _, which = plan_run(job.model, job.workload, job.plan, "memplan")
+        assert which == "trainer", which

@@ -40,6 +40,8 @@ hook, built after ``to_empty`` / ``tie_weights`` / ``init_weights``. What it all
 
 from __future__ import annotations
 
+import sys
+
 from memplan.costmodel.timeline.autograd import FIRST, Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 
@@ -63,6 +65,25 @@ def assign_buckets(sizes: list[int], limits: list[int]) -> list[list[int]]:
     if bucket:
         out.append(bucket)
     return out
+
+
+def assign_buckets_by_dtype(sizes: list[int], dtypes: list[int], limits: list[int]) -> list[list[int]]:
+    """``compute_bucket_assignment_by_size`` (``reducer.cpp``) over several dtypes: a bucket per
+    dtype, each closing once it reaches its own next limit (:func:`assign_buckets` per dtype,
+    interleaved in the order they close), the open ones last (in first-seen order: the C++ keeps
+    them in an ``unordered_map``; their order moves no byte of the peak). The initial assignment
+    (no limit: one bucket per dtype) is sorted by each bucket's first index by the caller."""
+    out: list[list[int]] = []
+    open_: dict[int, tuple[list[int], int, int]] = {}  # dtype -> (indices, bytes, limit index)
+    for i, (size, dtype) in enumerate(zip(sizes, dtypes, strict=True)):
+        bucket, total, k = open_.get(dtype, ([], 0, 0))
+        bucket.append(i)
+        if total + size >= limits[k]:
+            out.append(bucket)
+            open_[dtype] = ([], 0, min(k + 1, len(limits) - 1))
+        else:
+            open_[dtype] = (bucket, total + size, k)
+    return out + [bucket for bucket, _, _ in open_.values() if bucket]
 
 
 def take_tensors(states: list[tuple[int, int]], limit: int) -> list[list[int]]:
@@ -96,11 +117,14 @@ class Ddp:
         weights: dict[str, Tensor],
         itemsize: int,
         states: list[tuple[int, int]] | None = None,
+        itemsizes: dict[str, int] | None = None,
     ) -> None:
-        """``shapes``: the parameters that require grad (the reducer's), in order; ``states``:
-        (bytes, itemsize) of every parameter in ``named_parameters()`` order, frozen ones
-        included (LoRA's base), for the broadcast; by default the reducer's own."""
+        """``shapes``: the parameters that require grad (the reducer's), in order, of dtype
+        ``itemsize`` unless ``itemsizes`` says otherwise (LoRA's 16-bit head copy beside fp32
+        adapters); ``states``: (bytes, itemsize) of every parameter in ``named_parameters()``
+        order, frozen ones included (LoRA's base), for the broadcast; by default the reducer's."""
         self.tape, self.dp, self.shapes, self.itemsize = tape, dp, shapes, itemsize
+        self.itemsizes = {name: (itemsizes or {}).get(name, itemsize) for name in shapes}
         self.states = states if states is not None else [(self._bytes(n), itemsize) for n in shapes]
         self.names = list(shapes)
         self.ready: list[str] = []  # the first backward's gradient-ready order
@@ -111,11 +135,16 @@ class Ddp:
             weights[name].fn = self._leaf(name)
         self._verify()
         self._broadcast()
-        self.buckets = [self._bucket(self.names, "reducer.bucket")]
+        sizes = [self._bytes(n) for n in self.names]  # bucket_size_limits=[sys.maxsize]: one per dtype
+        first = assign_buckets_by_dtype(sizes, self._dtypes(self.names), [sys.maxsize])
+        self.buckets = [self._bucket([self.names[i] for i in b], "reducer.bucket") for b in sorted(first)]
 
     def _bytes(self, name: str) -> int:
         rows, cols = self.shapes[name]
-        return rows * cols * self.itemsize
+        return rows * cols * self.itemsizes[name]
+
+    def _dtypes(self, names: list[str]) -> list[int]:
+        return [self.itemsizes[n] for n in names]
 
     def _bucket(self, names: list[str], tag: str) -> Tensor:
         return self.tape.managed(sum(self._bytes(n) for n in names), 1, tag, Category.GRADIENTS)
@@ -169,7 +198,7 @@ class Ddp:
             return
         t, self.rebuilt = self.tape, True
         sizes = [self._bytes(n) for n in self.ready]
-        order = assign_buckets(sizes, [FIRST_BUCKET, BUCKET_CAP])
+        order = assign_buckets_by_dtype(sizes, self._dtypes(self.ready), [FIRST_BUCKET, BUCKET_CAP])
         with t.scoped("ddp.sync_bucket_indices"):
             indices = t.new(len(self.ready) + 1, 4, "indices", Category.COMM)
             t.done(t.new(len(order), 4, "bucket_sizes", Category.COMM), indices)

@@ -120,7 +120,8 @@ class Lora:
         parameter (``_sync_module_states``: ``named_parameters()``, the frozen base included)."""
         trained = dict(self.trained)
         reducer = {name: (p.numel, 1) for name, p in trained.items()}
-        return Ddp(self.tape, dp, reducer, trained, ADAPTER_BYTES, self._states(shapes, itemsize))
+        itemsizes = {name: p.itemsize for name, p in trained.items()}  # a 16-bit head copy: its own bucket
+        return Ddp(self.tape, dp, reducer, trained, ADAPTER_BYTES, self._states(shapes, itemsize), itemsizes)
 
     def _states(self, shapes: dict[str, tuple[int, int]], itemsize: int) -> list[tuple[int, int]]:
         """(bytes, itemsize) of every parameter in ``named_parameters()`` order (``named_modules``

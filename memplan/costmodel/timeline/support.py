@@ -56,8 +56,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     over a tied embedding (one root group holding it); LLM.int8 bases; fp4 or single-quantized
     4-bit bases, and 4-bit ones over at most 1536 tokens (bitsandbytes' fused kernel); LoRA under
     FSDP2, TP or PP (the trainer refuses them), over a 4-bit base with dropout, accumulation,
-    modules_to_save or dp > 1, under DDP beside a 16-bit modules_to_save copy (one reducer
-    bucket per dtype), a copy over a tied embedding or of another module."""
+    modules_to_save or dp > 1, under ZeRO-1 beside a 16-bit modules_to_save copy (the trainer
+    fails: ZeroRedundancyOptimizer takes one dtype), a copy over a tied embedding or of another
+    module."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -191,18 +192,20 @@ def _plain_lora(plan: Plan) -> bool:
 
 
 _LORA_PLAIN = "LoRA other than adapters on one rank or under DDP (FSDP2, TP, PP)"
-_LORA_VARIANT = "LoRA with these options over a 4-bit base, or under DDP beside a 16-bit modules_to_save copy"
+_LORA_VARIANT = "LoRA with these options over a 4-bit base, or under ZeRO-1 beside a 16-bit modules_to_save copy"
 
 
 def _lora_variant(workload: TrainingWorkload, plan: Plan) -> bool:
     """Over an unquantized base also gradient accumulation, dropout (``dropout.py``) and a
-    trained LM head copy, under DDP in fp32 or bf16-mixed only (a 16-bit copy beside the fp32
-    adapters makes DDP's reducer two buckets, one per dtype: not modelled); over a 4-bit base,
+    trained LM head copy (under DDP a 16-bit copy beside the fp32 adapters: one reducer bucket
+    per dtype, ``ddp.assign_buckets_by_dtype``), but not a 16-bit copy under ZeRO-1
+    (``ZeroRedundancyOptimizer`` refuses mixed dtypes: the trainer fails); over a 4-bit base,
     whose CUDA kernels the CPU run does not share, none of them and one rank (not checked)."""
     plain = plan.lora_dropout == 0 and accumulation(workload, plan) == 1 and not plan.modules_to_save
     if plan.quant != "none":
         return plain and plan.precision == "bf16" and plan.dp == 1
-    return plan.dp == 1 or not plan.modules_to_save or plan.precision in ("bf16-mixed", "fp32")
+    zero1 = plan.dp > 1 and plan.zero == 1
+    return not (zero1 and plan.modules_to_save and plan.precision in ("bf16", "bf16-master"))
 
 
 def _saved_head(model: ModelSpec, plan: Plan) -> bool:
