@@ -136,13 +136,13 @@ def test_the_backward_keeps_the_embedding_output_and_its_grad_until_del_loss(tim
 @pytest.mark.parametrize(
     ("changes", "reason"),
     [
-        (dict(lora_dropout=0.1), "LoRA other than adapters"),
-        (dict(modules_to_save=("lm_head",)), "LoRA other than adapters"),
+        (dict(dp=2, zero=2, global_batch=8), "on one rank"),
+        (dict(modules_to_save=("embed_tokens",)), "modules_to_save other than an untied lm_head"),
         (dict(dp=2, zero=3, global_batch=8), "on one rank"),
-        (dict(precision="bf16-mixed"), "LoRA other than adapters"),
+        (dict(tp=2, sequence_parallel=True), "LoRA other than adapters"),
         (dict(finetune="qlora", quant="fp4"), "a 4-bit base other than nf4"),
     ],
-    ids=["dropout", "modules-to-save", "fsdp", "autocast", "qlora-fp4"],
+    ids=["zero2", "modules-to-save", "fsdp", "tp", "qlora-fp4"],
 )
 def test_lora_plans_it_cannot_follow_get_none(changes, reason):
     job = _job(**changes)

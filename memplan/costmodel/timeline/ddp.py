@@ -40,6 +40,8 @@ hook, built after ``to_empty`` / ``tie_weights`` / ``init_weights``. What it all
 
 from __future__ import annotations
 
+import sys
+
 from memplan.costmodel.timeline.autograd import FIRST, Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 
@@ -65,11 +67,65 @@ def assign_buckets(sizes: list[int], limits: list[int]) -> list[list[int]]:
     return out
 
 
+def assign_buckets_by_dtype(sizes: list[int], dtypes: list[int], limits: list[int]) -> list[list[int]]:
+    """``compute_bucket_assignment_by_size`` (``reducer.cpp``) over several dtypes: a bucket per
+    dtype, each closing once it reaches its own next limit (:func:`assign_buckets` per dtype,
+    interleaved in the order they close), the open ones last (in first-seen order: the C++ keeps
+    them in an ``unordered_map``; their order moves no byte of the peak). The initial assignment
+    (no limit: one bucket per dtype) is sorted by each bucket's first index by the caller."""
+    out: list[list[int]] = []
+    open_: dict[int, tuple[list[int], int, int]] = {}  # dtype -> (indices, bytes, limit index)
+    for i, (size, dtype) in enumerate(zip(sizes, dtypes, strict=True)):
+        bucket, total, k = open_.get(dtype, ([], 0, 0))
+        bucket.append(i)
+        if total + size >= limits[k]:
+            out.append(bucket)
+            open_[dtype] = ([], 0, min(k + 1, len(limits) - 1))
+        else:
+            open_[dtype] = (bucket, total + size, k)
+    return out + [bucket for bucket, _, _ in open_.values() if bucket]
+
+
+def take_tensors(states: list[tuple[int, int]], limit: int) -> list[list[int]]:
+    """``take_tensors`` (``torch/csrc/utils/tensor_flatten.cpp``, not fine-grained): indices into
+    ``states`` (bytes, itemsize) grouped by dtype, a group emitted once it reaches ``limit``, the
+    rest at the end in the dtypes' ``type_id`` order (fp32's ScalarType 6 before bf16's 15);
+    one dtype: :func:`assign_buckets`."""
+    out: list[list[int]] = []
+    groups: dict[int, tuple[list[int], int]] = {}
+    for i, (size, itemsize) in enumerate(states):
+        members, total = groups.get(itemsize, ([], 0))
+        members.append(i)
+        groups[itemsize] = (members, total + size)
+        if total + size >= limit:
+            out.append(members)
+            del groups[itemsize]
+    return out + [groups[k][0] for k in sorted(groups, key=_SCALAR_TYPE.__getitem__)]
+
+
+_SCALAR_TYPE = {4: 6, 2: 15, 1: 0}  # itemsize -> c10::ScalarType: Float, BFloat16, Byte
+
+
 class Ddp:
     """The reducer of one rank: its buckets and the order gradients became ready."""
 
-    def __init__(self, tape: Tape, dp: int, shapes: dict, weights: dict[str, Tensor], itemsize: int) -> None:
+    def __init__(
+        self,
+        tape: Tape,
+        dp: int,
+        shapes: dict,
+        weights: dict[str, Tensor],
+        itemsize: int,
+        states: list[tuple[int, int]] | None = None,
+        itemsizes: dict[str, int] | None = None,
+    ) -> None:
+        """``shapes``: the parameters that require grad (the reducer's), in order, of dtype
+        ``itemsize`` unless ``itemsizes`` says otherwise (LoRA's 16-bit head copy beside fp32
+        adapters); ``states``: (bytes, itemsize) of every parameter in ``named_parameters()``
+        order, frozen ones included (LoRA's base), for the broadcast; by default the reducer's."""
         self.tape, self.dp, self.shapes, self.itemsize = tape, dp, shapes, itemsize
+        self.itemsizes = {name: (itemsizes or {}).get(name, itemsize) for name in shapes}
+        self.states = states if states is not None else [(self._bytes(n), itemsize) for n in shapes]
         self.names = list(shapes)
         self.ready: list[str] = []  # the first backward's gradient-ready order
         self.rebuilt = False
@@ -79,11 +135,16 @@ class Ddp:
             weights[name].fn = self._leaf(name)
         self._verify()
         self._broadcast()
-        self.buckets = [self._bucket(self.names, "reducer.bucket")]
+        sizes = [self._bytes(n) for n in self.names]  # bucket_size_limits=[sys.maxsize]: one per dtype
+        first = assign_buckets_by_dtype(sizes, self._dtypes(self.names), [sys.maxsize])
+        self.buckets = [self._bucket([self.names[i] for i in b], "reducer.bucket") for b in sorted(first)]
 
     def _bytes(self, name: str) -> int:
         rows, cols = self.shapes[name]
-        return rows * cols * self.itemsize
+        return rows * cols * self.itemsizes[name]
+
+    def _dtypes(self, names: list[str]) -> list[int]:
+        return [self.itemsizes[n] for n in names]
 
     def _bucket(self, names: list[str], tag: str) -> Tensor:
         return self.tape.managed(sum(self._bytes(n) for n in names), 1, tag, Category.GRADIENTS)
@@ -122,8 +183,8 @@ class Ddp:
     def _broadcast(self) -> None:
         """``_broadcast_coalesced`` of the parameters from rank 0, two buckets in flight."""
         t, flights = self.tape, []
-        sizes = [self._bytes(n) for n in self.names]
-        for bucket in assign_buckets(sizes, [BROADCAST_BUCKET]):
+        sizes = [size for size, _ in self.states]
+        for bucket in take_tensors(self.states, BROADCAST_BUCKET):
             if len(flights) == IN_FLIGHT:
                 t.done(flights.pop(0))
             size = sum(sizes[i] for i in bucket) if len(bucket) > 1 else 0  # one tensor: its own view
@@ -137,7 +198,7 @@ class Ddp:
             return
         t, self.rebuilt = self.tape, True
         sizes = [self._bytes(n) for n in self.ready]
-        order = assign_buckets(sizes, [FIRST_BUCKET, BUCKET_CAP])
+        order = assign_buckets_by_dtype(sizes, self._dtypes(self.ready), [FIRST_BUCKET, BUCKET_CAP])
         with t.scoped("ddp.sync_bucket_indices"):
             indices = t.new(len(self.ready) + 1, 4, "indices", Category.COMM)
             t.done(t.new(len(order), 4, "bucket_sizes", Category.COMM), indices)

@@ -32,9 +32,12 @@ from dataclasses import dataclass, field
 from memplan.costmodel.lora import ADAPTER_BYTES, HF_NAMES, resolve_targets
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.ddp import Ddp
+from memplan.costmodel.timeline.dropout import dropout
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.quant import QuantConfig
 from memplan.costmodel.timeline.quant import config as quant_config
+from memplan.costmodel.timeline.trainer_model import Model
 from memplan.specs.plan import Plan
 
 
@@ -46,15 +49,20 @@ class LoraConfig:
     modules: frozenset[str]
     input_grad: bool  # full recompute: the embedding's output requires grad (enable_input_require_grads)
     quant: QuantConfig | None = None  # a 4-bit base (quant.py): PEFT's lora.Linear4bit clones its output
+    save_head: bool = False  # modules_to_save: lm_head (a trained copy of the LM head)
+    dropout: bool = False  # lora_dropout > 0: nn.Dropout over the adapters' fp32 input (dropout.py)
+    cuda: bool = True  # dropout's kernel: CUDA's fused one, else CPU's composite
 
 
-def config(plan: Plan) -> LoraConfig | None:
-    """The plan's adapters (``finetune: lora``), or None for full training."""
+def config(plan: Plan, cuda: bool = True) -> LoraConfig | None:
+    """The plan's adapters (``finetune: lora``), or None for full training; ``cuda``: the device
+    whose kernels run (dropout's differ)."""
     if plan.finetune == "full":
         return None
     chosen = set(resolve_targets(plan.lora_targets))
     modules = frozenset(path for path, hf in HF_NAMES.items() if hf in chosen)
-    return LoraConfig(plan.lora_rank, modules, plan.recompute == "full", quant_config(plan))
+    input_grad, save_head = plan.recompute == "full", "lm_head" in plan.modules_to_save
+    return LoraConfig(plan.lora_rank, modules, input_grad, quant_config(plan), save_head, plan.lora_dropout > 0, cuda)
 
 
 @dataclass
@@ -64,7 +72,9 @@ class Lora:
     tape: Tape
     cfg: LoraConfig
     tokens: int
+    model: Model | None = None  # the adapters' matmuls go through its ``linear`` (autocast's casts)
     adapters: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # base weight -> (A, B)
+    trained: list[tuple[str, Tensor]] = field(default_factory=list)  # model.parameters() order
     grads: dict[str, Tensor] = field(default_factory=dict)
     held: list[Tensor] = field(default_factory=list)  # what the graph keeps until ``del loss``
 
@@ -72,24 +82,57 @@ class Lora:
         parts = weight.split(".")  # layers.{i}.{owner}.{attr}.weight
         return parts[0] == "layers" and ".".join(parts[2:4]) in self.cfg.modules
 
-    def build(self, weight: str, rows: int, cols: int) -> None:
-        """``to_empty`` after the base weight (out ``rows`` x in ``cols``): A (r x in), B (out x r)."""
+    def build(self, base: Tensor, weight: str, rows: int, cols: int) -> Tensor:
+        """``to_empty`` after the base weight (out ``rows`` x in ``cols``): A (r x in), B (out x r);
+        after the LM head's, under ``modules_to_save``, its trained copy (``SavedModule``: the
+        frozen original, then the copy, in the base's dtype). Returns what the forward reads."""
+        if weight == "output.weight" and self.cfg.save_head:
+            copy = self._param("output.trained.weight", rows * cols, base.itemsize)
+            return copy
         if not self._targeted(weight):
-            return
+            return base
         r, prefix = self.cfg.rank, weight.removesuffix(".weight")
-        pair = []
-        for name, numel in ((f"{prefix}.lora_A", r * cols), (f"{prefix}.lora_B", rows * r)):
-            p = self.tape.managed(numel, ADAPTER_BYTES, name, Category.PARAMETERS)
-            p.fn = ops.leaf(self.grads, name)
-            pair.append(p)
-        self.adapters[weight] = (pair[0], pair[1])
+        a = self._param(f"{prefix}.lora_A", r * cols, ADAPTER_BYTES)
+        self.adapters[weight] = (a, self._param(f"{prefix}.lora_B", rows * r, ADAPTER_BYTES))
+        return base
+
+    def _param(self, name: str, numel: int, itemsize: int) -> Tensor:
+        p = self.tape.managed(numel, itemsize, name, Category.PARAMETERS)
+        p.fn = ops.leaf(self.grads, name)
+        self.trained.append((name, p))
+        return p
 
     def params(self) -> list[tuple[str, int]]:
         """(name, elements) of the trainable parameters in ``model.parameters()`` order."""
+        return [(name, p.numel) for name, p in self.trained]
+
+    def fp32(self) -> frozenset[str]:
+        """The trainable parameters already fp32 (the adapters): MasterAdamW's own masters."""
+        return frozenset(name for name, p in self.trained if p.itemsize == ADAPTER_BYTES)
+
+    def itemsize(self, name: str) -> int:
+        """A trainable parameter's bytes per element: 4 (an adapter), the base's (a head copy)."""
+        return dict(self.trained)[name].itemsize
+
+    def ddp(self, dp: int, shapes: dict[str, tuple[int, int]], itemsize: int) -> Ddp:
+        """``DistributedDataParallel`` over the adapted model: the reducer over the adapters (the
+        parameters that require grad, ``_build_params_for_reducer``), the broadcast over every
+        parameter (``_sync_module_states``: ``named_parameters()``, the frozen base included)."""
+        trained = dict(self.trained)
+        reducer = {name: (p.numel, 1) for name, p in trained.items()}
+        itemsizes = {name: p.itemsize for name, p in trained.items()}  # a 16-bit head copy: its own bucket
+        return Ddp(self.tape, dp, reducer, trained, ADAPTER_BYTES, self._states(shapes, itemsize), itemsizes)
+
+    def _states(self, shapes: dict[str, tuple[int, int]], itemsize: int) -> list[tuple[int, int]]:
+        """(bytes, itemsize) of every parameter in ``named_parameters()`` order (``named_modules``
+        is pre-order: a ``LoraLinear``'s adapters before its base's weight; the head's copy after
+        the original); ``shapes``: the base's, of dtype ``itemsize``."""
         out = []
-        for weight, pair in self.adapters.items():
-            prefix = weight.removesuffix(".weight")
-            out += [(f"{prefix}.lora_{k}", p.numel) for k, p in zip("AB", pair, strict=True)]
+        for name, (rows, cols) in shapes.items():
+            out += [(p.numel * p.itemsize, p.itemsize) for p in self.adapters.get(name, ())]
+            out.append((rows * cols * itemsize, itemsize))
+            if name == "output.weight" and self.cfg.save_head:
+                out.append((rows * cols * itemsize, itemsize))
         return out
 
     def adapt(self, x: Tensor, out: Tensor, weight: str) -> Tensor:
@@ -99,23 +142,38 @@ class Lora:
         pair = self.adapters.get(weight)
         if pair is None:
             return out
-        t, (a_w, b_w) = self.tape, pair
+        t, (a_w, b_w), prefix = self.tape, pair, weight.removesuffix(".weight")
         rows = b_w.numel // self.cfg.rank
-        with t.scoped(f"{weight.removesuffix('.weight')}.lora"):
+        with t.scoped(f"{prefix}.lora"):
             if self.cfg.quant is not None:  # ``result = result.clone()``: CloneBackward passes the gradient
                 c = ops.unary(t, out, "base_clone", temps=-1)
                 t.done(out)
                 out = c
             a = ops.to(t, x, ADAPTER_BYTES, "input_fp32")
-            ya = ops.linear(t, a, a_w, self.tokens * self.cfg.rank, "A")
-            yb = ops.linear(t, ya, b_w, self.tokens * rows, "B")
+            if self.cfg.dropout:  # ``self.dropout(x.to(fp32))``: the cast is the call's temporary
+                cast, a = a, dropout(t, a, self.cfg.cuda)
+                t.done(cast)
+            ya = self._mm(a, a_w, f"{prefix}.lora_A", self.cfg.rank, "A")
+            yb = self._mm(ya, b_w, f"{prefix}.lora_B", rows, "B")
             t.done(ya)
             delta = ops.unary(t, yb, "scaling")  # * alpha / r: a Python scalar, nothing saved
             t.done(yb)
-            total = ops.add(t, out, delta, "sum")  # promoted to fp32
+            total = ops.add(t, out, delta, "sum")  # promoted to fp32 (bf16 + bf16 under autocast)
             y = ops.to(t, total, out.itemsize, "out_cast")
             t.done(total)
             t.done(out, a, delta)
+        return y
+
+    def _mm(self, x: Tensor, w: Tensor, name: str, out_features: int, tag: str) -> Tensor:
+        """``F.linear(x, w)``; under autocast (bf16-mixed) as the model's (``Model.linear``): the
+        fp32 adapter's bf16 cast, cached for the forward, then the input's cast, a bf16 output."""
+        t, m = self.tape, self.model
+        if m is None or m.cache is None:
+            return ops.linear(t, x, w, self.tokens * out_features, tag)
+        wc = m.weight(name, w)
+        xin = ops.to(t, x, 2, f"{tag}.input_cast")
+        y = ops.linear(t, xin, wc, self.tokens * out_features, tag)
+        t.done(xin, wc)
         return y
 
     def require_input_grad(self, x: Tensor) -> None:

@@ -22,6 +22,8 @@ from the last parameter to the embedding; then the copies' frees, in the same or
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 
@@ -35,17 +37,20 @@ class MasterAdamW:
         self.tape = tape
         self.states: list[Tensor] = []
 
-    def step(self, params: list[tuple[str, int]], first: bool) -> None:
-        """One ``optimizer.step()`` over ``params`` (name, local elements)."""
+    def step(self, params: list[tuple[str, int]], first: bool, fp32: Collection[str] = ()) -> None:
+        """One ``optimizer.step()`` over ``params`` (name, local elements); those named in ``fp32``
+        (LoRA's adapters beside a ``modules_to_save`` copy) are their own masters
+        (``p.detach()``) and their gradients' ``.float()`` is the gradient itself."""
         t = self.tape
         if first:
             for name, n in params:
-                upcast = t.new(n, FP32, f"{name}.float")
-                self.states.append(t.managed(n, FP32, f"{name}.master", Category.OPTIMIZER_STATES))
-                t.done(upcast)
+                if name not in fp32:
+                    upcast = t.new(n, FP32, f"{name}.float")
+                    self.states.append(t.managed(n, FP32, f"{name}.master", Category.OPTIMIZER_STATES))
+                    t.done(upcast)
                 for state in ("exp_avg", "exp_avg_sq"):
                     self.states.append(t.managed(n, FP32, f"{name}.{state}", Category.OPTIMIZER_STATES))
-        grads = [t.new(n, FP32, f"{name}.grad_fp32", Category.OPTIMIZER_TEMP) for name, n in params]
+        grads = [t.new(n, FP32, f"{name}.grad_fp32", Category.OPTIMIZER_TEMP) for name, n in params if name not in fp32]
         roots = [t.new(n, FP32, f"{name}.sqrt_tmp", Category.OPTIMIZER_TEMP) for name, n in params]
         t.done(*reversed(roots))
         t.done(*reversed(grads))

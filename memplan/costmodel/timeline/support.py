@@ -43,24 +43,28 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     under GPipe, 1F1B or the interleaved schedule (``pipeline.py``, the bundled trainer's
     ``StageReplay``), on one data rank, or under FSDP2 (ZeRO-2 or ZeRO-3) with one chunk per
     rank and no TP (h200_b_pp4 with the old StageReplay). LoRA adapters (``lora.py``) over a
-    frozen bf16 base on one rank, one micro-batch per step, without dropout or
-    ``modules_to_save`` (h200_a_lora8b); the same over an nf4 base with double quantization
-    computing in bf16 (``quant.py``, QLoRA: an fp32 stream on SDPA's math path) over more than
-    1536 tokens a micro-batch (h200_a_qlora8b). Activation offload (``save_on_cpu``,
-    ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed or bf16-master, one
-    micro-batch a step; eager attention (``eager.py``) in full training, bf16, bf16-master or
-    fp32; tensor parallel without sequence parallel under FSDP2 (``tensor_parallel.all_reduce``;
-    all three checked on CPU: no GPU trace).
+    frozen bf16 base on one rank (h200_a_lora8b), and over a bf16, fp32, bf16-mixed or
+    bf16-master base with any number of micro-batches, dropout (``dropout.py``), a trained LM
+    head copy (``modules_to_save``), under DDP or ZeRO-1 (the bundled trainer on CPU); an nf4
+    base with double quantization computing in bf16 (``quant.py``, QLoRA: an fp32 stream on
+    SDPA's math path) over more than 1536 tokens a micro-batch, one rank, one micro-batch, no
+    dropout or copy (h200_a_qlora8b). Activation offload (``save_on_cpu``, ``act_offload.py``)
+    where the trainer runs it, in bf16, bf16-mixed or bf16-master; eager attention (``eager.py``)
+    in full training, bf16, bf16-master or fp32; tensor parallel without sequence parallel under
+    FSDP2 (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace).
 
     Not modelled: context or expert parallelism; pipelines with DDP, ZeRO-1, TP, or FSDP2 over
     interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention under
-    autocast or with LoRA; activation offload in fp32 or with accumulation; fp32 SDPA without GQA
-    (the memory-efficient kernel) or fp32 with offload (not checked); fp16-master, fp8; offload
-    of one side alone or NVMe; tensor parallel without FSDP2; accumulation, selective-op or
-    partial recompute with offload (not checked); FSDP2 over a tied embedding with accumulation or
-    a pipeline; LLM.int8 bases; fp4 or single-quantized 4-bit bases, and 4-bit ones over at most
-    1536 tokens (bitsandbytes' fused kernel); LoRA with dropout, modules_to_save, autocast,
-    gradient accumulation or over a sharded base."""
+    autocast or with LoRA; activation offload in fp32, or with accumulation outside bf16 /
+    bf16-mixed on one rank; fp32 SDPA without GQA (the memory-efficient kernel) or fp32 with
+    offload (not checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel
+    without FSDP2; accumulation, selective-op or partial recompute with offload (not checked);
+    FSDP2 over a tied embedding with accumulation or a pipeline; LLM.int8 bases; fp4 or
+    single-quantized 4-bit bases, and 4-bit ones over at most 1536 tokens (bitsandbytes' fused
+    kernel); LoRA under FSDP2, TP or PP (the trainer refuses them), over a 4-bit base with
+    dropout, accumulation, modules_to_save or dp > 1, under ZeRO-1 beside a 16-bit
+    modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes one dtype), a copy
+    over a tied embedding or of another module."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -69,8 +73,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.attention == "flash" or _eager_modelled(plan), f"{plan.attention} attention with this precision"),
         (plan.quant != "int8", _INT8),
         (_quant_modelled(workload, plan), "a 4-bit base other than nf4 with double quantization over > 1536 tokens"),
-        (plan.finetune == "full" or _plain_lora(plan), "LoRA other than adapters over a bf16 or nf4 base on one rank"),
-        (plan.finetune == "full" or accumulation(workload, plan) == 1, "LoRA with gradient accumulation"),
+        (plan.finetune == "full" or _plain_lora(plan), _LORA_PLAIN),
+        (plan.finetune == "full" or _lora_variant(workload, plan), _LORA_VARIANT),
+        (plan.finetune == "full" or _saved_head(model, plan), "modules_to_save other than an untied lm_head"),
         (plan.offload_activations == "none" or _act_offload_modelled(plan), "activation offload with this plan"),
         (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
         (_offload_modelled(plan), "offload"),
@@ -209,12 +214,34 @@ def _quant_modelled(workload: TrainingWorkload, plan: Plan) -> bool:
 
 
 def _plain_lora(plan: Plan) -> bool:
-    """LoRA as h200_a_lora8b and h200_a_qlora8b ran it: one rank, a bf16 base (or a 4-bit one
-    computing in bf16), no dropout (its masks), no trained copy of a module (``modules_to_save``)."""
-    return (
-        plan.lora_dropout == 0
-        and not plan.modules_to_save
-        and plan.dp == 1
-        and plan.tp == 1
-        and plan.precision == "bf16"
-    )
+    """LoRA as h200_a_lora8b and h200_a_qlora8b ran it (one rank, a bf16 base, or a 4-bit one
+    computing in bf16), or over an fp32 base, under autocast (bf16-mixed: the frozen base's
+    weights cast anew at each matmul, the adapters' cached) or bf16-master's (AdamW over the
+    fp32 adapters, MasterAdamW beside a 16-bit ``modules_to_save`` copy), on one rank or under
+    DDP or ZeRO-1 (the reducer over the adapters): the bundled trainer on CPU
+    (tests/unit/test_timeline_lora_variants.py). The trainer runs LoRA without FSDP2, TP or PP."""
+    ranks = plan.dp == 1 or plan.zero < 2
+    return ranks and plan.tp == 1 and plan.pp == 1 and plan.precision in ("bf16", "bf16-mixed", "bf16-master", "fp32")
+
+
+_LORA_PLAIN = "LoRA other than adapters on one rank or under DDP (FSDP2, TP, PP)"
+_LORA_VARIANT = "LoRA with these options over a 4-bit base, or under ZeRO-1 beside a 16-bit modules_to_save copy"
+
+
+def _lora_variant(workload: TrainingWorkload, plan: Plan) -> bool:
+    """Over an unquantized base also gradient accumulation, dropout (``dropout.py``) and a
+    trained LM head copy (under DDP a 16-bit copy beside the fp32 adapters: one reducer bucket
+    per dtype, ``ddp.assign_buckets_by_dtype``), but not a 16-bit copy under ZeRO-1
+    (``ZeroRedundancyOptimizer`` refuses mixed dtypes: the trainer fails); over a 4-bit base,
+    whose CUDA kernels the CPU run does not share, none of them and one rank (not checked)."""
+    plain = plan.lora_dropout == 0 and accumulation(workload, plan) == 1 and not plan.modules_to_save
+    if plan.quant != "none":
+        return plain and plan.precision == "bf16" and plan.dp == 1
+    zero1 = plan.dp > 1 and plan.zero == 1
+    return not (zero1 and plan.modules_to_save and plan.precision in ("bf16", "bf16-master"))
+
+
+def _saved_head(model: ModelSpec, plan: Plan) -> bool:
+    """``modules_to_save``: none, or the LM head of an untied model (the bundled trainer trains no
+    other copy, nor one over a tied embedding: ``validate.support``)."""
+    return set(plan.modules_to_save) <= {"lm_head"} and not (plan.modules_to_save and model.tied_embeddings)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memplan.costmodel.lora import ADAPTER_BYTES
 from memplan.costmodel.timeline import act_offload, ops, pipeline, recompute, zero1
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
@@ -74,20 +73,22 @@ def trainer_run(
     steady_steps: int = 2,
     max_micro_batches: int = MICRO_BATCHES_MODELLED,
     stage: int | None = None,
+    cuda: bool = True,
 ) -> Timeline | None:
     """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps,
     each of at most ``max_micro_batches`` micro-batches (under pipelining all of them). Pipeline
-    rank ``stage``, by default the most-loaded one. None for a plan :func:`supported` rejects."""
+    rank ``stage``, by default the most-loaded one; ``cuda``: CUDA's kernels, else CPU's where
+    the run models both (LoRA's dropout). None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan) is not None:
         return None
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
+    master = master and (plan.finetune == "full" or bool(plan.modules_to_save))  # build_optimizer_from
     micro_batches = min(accumulation(workload, plan), max_micro_batches)
     d, pipe = dims(model, workload, plan), None
     if plan.pp > 1:  # the schedule runs every micro-batch (pipeline.py)
         micro_batches, pipe = accumulation(workload, plan), pipeline.factory(d, model, workload, plan, stage)
-    run = _Run(
-        d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora_config(plan)
-    )
+    lora = lora_config(plan, cuda)
+    run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora)
     if plan.offload_activations == "cpu":  # save_on_cpu around the forward and the loss
         run.saves = act_offload.SaveOnCpu()
     run.b.mark("build")
@@ -122,7 +123,7 @@ class _Run:
         self.master = MasterAdamW(self.tape) if master else None  # bf16-master (master.py)
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
-        self.lora = Lora(self.tape, lora, d.tokens) if lora is not None else None
+        self.lora = Lora(self.tape, lora, d.tokens, self.model) if lora is not None else None
         self.saves: act_offload.SaveOnCpu | None = None  # activation offload's hooks (act_offload.py)
         if self.lora is not None:
             self.model.adapter = self.lora.adapt
@@ -146,7 +147,9 @@ class _Run:
             self.shapes = self.pipe.build()
         elif self.fsdp is None:
             self._build_params(tied)
-        if dp > 1 and not sharded:
+        if dp > 1 and not sharded and self.lora is not None:  # the adapters' reducer (lora.py)
+            self.ddp = self.lora.ddp(dp, self.shapes, d.pd)
+        elif dp > 1 and not sharded:
             self.ddp = Ddp(self.tape, dp, self.shapes, self.model.weights, d.pd)
 
     def _build_params(self, tied: bool) -> None:
@@ -157,7 +160,7 @@ class _Run:
             p = t.managed(rows * cols, pd, name, Category.PARAMETERS)
             self.model.weights[name] = p
             if self.lora is not None:  # a frozen base: no AccumulateGrad
-                self.lora.build(name, rows, cols)
+                self.model.weights[name] = self.lora.build(p, name, rows, cols)
             else:
                 p.fn = ops.leaf(self.grads, name)
         if tied:
@@ -256,12 +259,13 @@ class _Run:
         """Foreach AdamW over ``model.parameters()`` (local shards): on the first step the
         states (exp_avg, exp_avg_sq per parameter, zeros_like, in parameter order); each step
         one ``_foreach_sqrt`` temporary per parameter, all live together."""
-        t, pd = self.tape, self.d.pd if self.lora is None else ADAPTER_BYTES
+        t, pd = self.tape, self.d.pd
         t.scope = ""
         if self.master is not None:
-            self.master.step(self.optimizer_params(), first)
+            self.master.step(self.optimizer_params(), first, self.lora.fp32() if self.lora is not None else ())
             return
-        sizes = [(name, n * pd) for name, n in self.optimizer_params()]
+        itemsize = self.lora.itemsize if self.lora is not None else lambda _: pd
+        sizes = [(name, n * itemsize(name)) for name, n in self.optimizer_params()]
         if first:
             for name, size in sizes:
                 for state in ("exp_avg", "exp_avg_sq"):
@@ -274,9 +278,8 @@ class _Run:
         under ZeRO-1 the most-loaded rank's partition, in its order."""
         if self.fsdp is not None:
             return self.fsdp.shard_numels()
-        if self.lora is not None:
-            return self.lora.params()
         params = [(name, rows * cols) for name, (rows, cols) in self.shapes.items()]
+        params = self.lora.params() if self.lora is not None else params  # the adapters (and a head copy)
         return zero1.shard(params, self.dp) if self.zero1 else params
 
     def zero_grad(self) -> None:

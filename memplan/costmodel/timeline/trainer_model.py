@@ -110,11 +110,15 @@ class Model:
     base: Callable[[Tensor, str, int, str], Tensor | None] | None = None  # a 4-bit linear (quant.py) or None
 
     # --- helpers -------------------------------------------------------------------------------
-    def weight(self, name: str) -> Tensor:
-        """The weight a matmul uses: under autocast its bf16 cast, cached for the forward."""
-        w = self.weights[name]
+    def weight(self, name: str, w: Tensor | None = None) -> Tensor:
+        """The weight a matmul uses (``w``, else ``weights[name]``): under autocast its bf16 cast,
+        cached for the forward; a frozen one's (LoRA's base) anew at each use (``cached_cast``
+        caches leaves that require grad)."""
+        w = self.weights[name] if w is None else w
         if self.cache is None:
             return self.tape.alias(w)
+        if w.fn is None:
+            return ops.to(self.tape, w, 2, f"{name}.autocast", Category.AUTOCAST)
         if name not in self.cache:
             with self.tape.scoped(""):
                 self.cache[name] = ops.to(self.tape, w, 2, f"{name}.autocast", Category.AUTOCAST)
