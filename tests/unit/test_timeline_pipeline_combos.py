@@ -1,0 +1,101 @@
+"""Pipelines combined with the other mechanisms in the op-level run (``costmodel/timeline/pipeline.py``):
+fp32 and bf16-master on a pipeline rank, alone and under FSDP2.
+
+No GPU ran these plans: each is held against the bundled trainer itself, run on CPU under rank
+simulation and measured the way tests/validate measures it (MemTracker, the steady peak over the
+measured steps), as tests/unit/test_timeline_pipeline.py and test_timeline_zero1.py do. What only
+CUDA allocates is left out of the run (cuBLAS's workspaces, the CUDA kernels' scratch named in
+test_timeline_zero1.py's ``CUDA_ONLY``); in fp32 the trainer runs under SDPA's math backend, the
+kernel CUDA takes for fp32 with GQA (``support.sdpa_kernel``). Measured 2026-11-27
+(torch 2.13.0+cpu): every case below within 96 B of the trainer's peak, for the step and for the
+forward and backward alone (at most 0.0003%; those bytes are not traced to a tensor, as in
+test_timeline_pipeline.py).
+
+The trainer refuses pipelines over DDP or ZeRO-1 (``validate.support.check_plan``: "with pipeline
+parallel the trainer shards data parallel with FSDP2"): there is nothing to hold such a run
+against, and those plans stay on the phase model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from test_timeline_zero1 import CUDA_ONLY, TIED, TINY
+from timeline_peaks import steady_peaks
+
+from memplan.costmodel.reserve import plan_run
+from memplan.costmodel.timeline.trainer import supported, trainer_run
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.resolve import resolve_job
+from memplan.specs.workload import TrainingWorkload
+
+CPU_BOUND = 0.0001  # 0.01% of the trainer's peak
+
+# name: (model, plan, global batch, pipeline rank); micro-batches of 1 x 128 tokens
+CPU_CASES = {
+    "1f1b-pp2-first-fp32": (TINY, dict(precision="fp32", pp=2), 4, 0),
+    "1f1b-pp2-last-fp32-full": (TINY, dict(precision="fp32", pp=2, recompute="full"), 4, 1),
+    "gpipe-pp2-last-tied-fp32-selective-op": (
+        TIED, dict(precision="fp32", pp=2, pp_schedule="gpipe", recompute="selective-op"), 4, 1
+    ),
+    "1f1b-pp2-last-bf16-master": (TINY, dict(precision="bf16-master", pp=2), 4, 1),
+    "interleaved-pp2-v2-first-bf16-master": (
+        TINY, dict(precision="bf16-master", pp=2, pp_schedule="interleaved", virtual_stages=2), 4, 0
+    ),
+    "1f1b-pp2-last-zero2-dp2-fp32": (TINY, dict(precision="fp32", pp=2, dp=2, zero=2), 8, 1),
+    "1f1b-pp2-first-zero3-dp2-bf16-master": (TINY, dict(precision="bf16-master", pp=2, dp=2, zero=3), 8, 0),
+}  # fmt: skip
+
+
+def _run_peaks(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: int) -> tuple[int, int]:
+    """The steady peaks of pipeline rank ``stage``'s run, what only CUDA allocates left out."""
+    run = trainer_run(model, workload, plan, stage=stage)
+    assert run is not None
+    return steady_peaks([e for e in run if e.tag.rsplit(".", 1)[-1] not in CUDA_ONLY])
+
+
+def _measure(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: int) -> tuple[int, int]:
+    """The bundled trainer on CPU, the first rank of pipeline stage ``stage``: the steady peak,
+    and the forward's and backward's."""
+    pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from memplan.train.runner import run
+    from memplan.validate.spec import RunSpec
+
+    math = sdpa_kernel(SDPBackend.MATH) if plan.precision == "fp32" else contextlib.nullcontext()
+    with math:
+        record = run(RunSpec(model=model, workload=workload, plan=plan, rank=stage * plan.dp * plan.tp, steps=2))
+    assert record.status == "ok", record.reason
+    return record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward"))
+
+
+@pytest.mark.parametrize("name", CPU_CASES)
+def test_the_bundled_trainer_on_cpu_peaks_where_the_run_does(name):
+    model, changes, global_batch, stage = CPU_CASES[name]
+    plan, workload = Plan(**changes), TrainingWorkload(seq_len=128, micro_batch=1, global_batch=global_batch)
+    assert supported(model, workload, plan) is None  # the estimate follows it op by op
+    predicted, measured = _run_peaks(model, workload, plan, stage), _measure(model, workload, plan, stage)
+    for what, p, got in zip(("step", "forward and backward"), predicted, measured, strict=True):
+        assert abs(p / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {p:,}, measured {got:,}"
+
+
+def test_the_estimate_answers_these_pipelines_with_the_op_level_run():
+    for changes in (
+        dict(pp=4, precision="fp32", recompute="full"),
+        dict(pp=4, precision="bf16-master", dp=2, zero=3, global_batch=16),
+    ):
+        job = resolve_job("llama3-8b", None, dict(dict(seq_len=4096, global_batch=8), **changes), inference=False)
+        assert supported(job.model, job.workload, job.plan) is None
+        _, which = plan_run(job.model, job.workload, job.plan, "memplan")
+        assert which == "trainer", which
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_pipelines_over_ddp_or_zero1_stay_on_the_phase_model(zero):
+    """The trainer refuses them (``validate.support.check_plan``): nothing to hold the run against."""
+    job = resolve_job("llama3-8b", None, dict(pp=4, dp=2, zero=zero, global_batch=16), inference=False)
+    assert "pipeline" in (supported(job.model, job.workload, job.plan) or "")
+    assert trainer_run(job.model, job.workload, job.plan) is None
