@@ -1,5 +1,6 @@
 """Pipelines combined with the other mechanisms in the op-level run (``costmodel/timeline/pipeline.py``):
-fp32 and bf16-master on a pipeline rank, alone and under FSDP2.
+fp32 and bf16-master on a pipeline rank, alone and under FSDP2; FSDP2 over interleaved chunks
+(``apply_fsdp`` per chunk, each its own root).
 
 No GPU ran these plans: each is held against the bundled trainer itself, run on CPU under rank
 simulation and measured the way tests/validate measures it (MemTracker, the steady peak over the
@@ -33,6 +34,7 @@ from memplan.specs.workload import TrainingWorkload
 
 CPU_BOUND = 0.0001  # 0.01% of the trainer's peak
 
+V2 = dict(pp=2, pp_schedule="interleaved", virtual_stages=2)
 # name: (model, plan, global batch, pipeline rank); micro-batches of 1 x 128 tokens
 CPU_CASES = {
     "1f1b-pp2-first-fp32": (TINY, dict(precision="fp32", pp=2), 4, 0),
@@ -42,10 +44,18 @@ CPU_CASES = {
     ),
     "1f1b-pp2-last-bf16-master": (TINY, dict(precision="bf16-master", pp=2), 4, 1),
     "interleaved-pp2-v2-first-bf16-master": (
-        TINY, dict(precision="bf16-master", pp=2, pp_schedule="interleaved", virtual_stages=2), 4, 0
+        TINY, dict(V2, precision="bf16-master"), 4, 0
     ),
     "1f1b-pp2-last-zero2-dp2-fp32": (TINY, dict(precision="fp32", pp=2, dp=2, zero=2), 8, 1),
     "1f1b-pp2-first-zero3-dp2-bf16-master": (TINY, dict(precision="bf16-master", pp=2, dp=2, zero=3), 8, 0),
+    "interleaved-pp2-v2-first-zero2-dp2-bf16-mixed": (TINY, dict(V2, precision="bf16-mixed", dp=2, zero=2), 8, 0),
+    "interleaved-pp2-v2-last-zero3-dp2-bf16": (TINY, dict(V2, precision="bf16", dp=2, zero=3), 8, 1),
+    "interleaved-pp2-v2-last-zero3-dp2-full": (
+        TINY, dict(V2, precision="bf16-mixed", dp=2, zero=3, recompute="full"), 8, 1
+    ),
+    "interleaved-pp2-v2-first-zero2-dp2-fp32-selective-op": (
+        TINY, dict(V2, precision="fp32", dp=2, zero=2, recompute="selective-op"), 8, 0
+    ),
 }  # fmt: skip
 
 
@@ -86,6 +96,7 @@ def test_the_estimate_answers_these_pipelines_with_the_op_level_run():
     for changes in (
         dict(pp=4, precision="fp32", recompute="full"),
         dict(pp=4, precision="bf16-master", dp=2, zero=3, global_batch=16),
+        dict(pp=2, virtual_stages=2, pp_schedule="interleaved", precision="bf16-mixed", dp=4, zero=2, global_batch=16),
     ):
         job = resolve_job("llama3-8b", None, dict(dict(seq_len=4096, global_batch=8), **changes), inference=False)
         assert supported(job.model, job.workload, job.plan) is None

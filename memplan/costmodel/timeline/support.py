@@ -39,23 +39,22 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     ``recompute_layers`` (``recompute.py``; CPU: test_timeline_recompute.py,
     test_timeline_zero1.py). In every precision above also pipeline parallelism, one rank's
     chunks under GPipe, 1F1B or the interleaved schedule (``pipeline.py``, the bundled trainer's
-    ``StageReplay``), on one data rank, or under FSDP2 (ZeRO-2 or ZeRO-3) with one chunk per
-    rank and no TP (h200_b_pp4 with the old StageReplay; fp32 and bf16-master: the trainer on
-    CPU, test_timeline_pipeline_combos.py). LoRA adapters (``lora.py``) over a
+    ``StageReplay``), on one data rank, or under FSDP2 (ZeRO-2 or ZeRO-3, each chunk its own
+    root) without TP (h200_b_pp4 with the old StageReplay; fp32, bf16-master and FSDP2 over
+    interleaved chunks: the trainer on CPU, test_timeline_pipeline_combos.py). LoRA adapters (``lora.py``) over a
     frozen bf16 base on one rank, one micro-batch per step, without dropout or
     ``modules_to_save`` (h200_a_lora8b); the same over an nf4 base with double quantization
     computing in bf16 (``quant.py``, QLoRA: an fp32 stream on SDPA's math path) over more than
     1536 tokens a micro-batch (h200_a_qlora8b).
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
-    refuses them), TP, or FSDP2 over interleaved chunks; MoE; a plain MLP, LayerNorm, biases,
-    QK-norm; eager attention; fp32 without GQA (the memory-efficient kernel) or with offload
-    (not checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel without
-    FSDP2 or without sequence parallel; accumulation, selective-op or partial recompute with
-    offload (not checked); FSDP2 over a tied embedding (one root group holding it); LLM.int8
-    bases; fp4 or single-quantized 4-bit bases, and 4-bit ones over at most 1536 tokens
-    (bitsandbytes' fused kernel); LoRA with dropout, modules_to_save, autocast, gradient
-    accumulation or over a sharded base."""
+    refuses them) or TP; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32
+    without GQA (the memory-efficient kernel) or with offload (not checked); fp16-master, fp8;
+    offload of one side alone or NVMe; tensor parallel without FSDP2 or without sequence
+    parallel; accumulation, selective-op or partial recompute with offload (not checked); FSDP2
+    over a tied embedding (one root group holding it); LLM.int8 bases; fp4 or single-quantized
+    4-bit bases, and 4-bit ones over at most 1536 tokens (bitsandbytes' fused kernel); LoRA with
+    dropout, modules_to_save, autocast, gradient accumulation or over a sharded base."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -101,16 +100,16 @@ _PARALLEL = "pipeline, context or expert parallelism"  # a pipeline: see _pipeli
 
 
 def _pipeline_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
-    """One pipeline rank (``pipeline.py``) on one data rank or under FSDP2 with one chunk per
-    rank and no TP, no offload; its chunks even (``validate.support``: the
-    trainer refuses others); at most :data:`PIPELINE_LAYER_PASSES` layer forwards a step (the
-    schedule runs every micro-batch: GPipe's peak grows with each)."""
+    """One pipeline rank (``pipeline.py``) on one data rank, or under FSDP2 over each of its
+    chunks (one root per chunk) without TP; no offload; its chunks even (``validate.support``:
+    the trainer refuses others); at most :data:`PIPELINE_LAYER_PASSES` layer forwards a step
+    (the schedule runs every micro-batch: GPipe's peak grows with each)."""
     if plan.pp == 1:
         return True
-    one_chunk_fsdp = _fsdp(plan) and plan.virtual_stages == 1 and plan.tp == 1
+    fsdp = _fsdp(plan) and plan.tp == 1
     passes = accumulation(workload, plan) * model.num_layers // plan.pp
     even = model.num_layers % plan.stages == 0
-    return (plan.dp == 1 or one_chunk_fsdp) and _plain(plan) and even and passes <= PIPELINE_LAYER_PASSES
+    return (plan.dp == 1 or fsdp) and _plain(plan) and even and passes <= PIPELINE_LAYER_PASSES
 
 
 def _plain(plan: Plan) -> bool:

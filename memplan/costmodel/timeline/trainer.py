@@ -121,10 +121,10 @@ class _Run:
         sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
         self.pipe = pipe(self.tape, self.grads) if pipe is not None else None  # one pipeline rank's chunks
         self.fsdp = None
-        if sharded and self.pipe is not None:  # FSDP2 on the rank's one chunk
+        if sharded and self.pipe is not None:  # FSDP2 on each of the rank's chunks
             self.shapes, self.model = self.pipe.sharded(
-                lambda shapes, model, first, last: Fsdp(
-                    self.tape, model.d, dp, shapes, model, self.grads, zero >= 3, offload, first, last
+                lambda shapes, model, grads, first, last: Fsdp(
+                    self.tape, model.d, dp, shapes, model, grads, zero >= 3, offload, first, last
                 )
             )
             self.fsdp = self.pipe.fsdp
