@@ -87,6 +87,18 @@ def trainer_run(
     return run.b.build()
 
 
+def followed_rank(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: int) -> int:
+    """The global rank :func:`trainer_run` follows on pipeline rank ``stage``, in the trainer's
+    (pp, dp, tp) mesh (``parallel.build_meshes``: stage x dp x tp + data rank x tp): tensor rank
+    0, and data rank 0 but under ZeRO-1, where the ranks differ in their optimizer's share alone
+    and the run follows the largest (``zero1.most_loaded``), so ``memplan validate`` measures it."""
+    data_rank = 0
+    if plan.zero == 1 and plan.dp > 1:
+        shapes = param_shapes(dims(model, workload, plan), model.tied_embeddings)
+        data_rank = zero1.most_loaded([(name, rows * cols) for name, (rows, cols) in shapes.items()], plan.dp)
+    return (stage * plan.dp + data_rank) * plan.tp
+
+
 class _Run:
     """One rank: parameters, gradients, optimizer states, and the step."""
 
