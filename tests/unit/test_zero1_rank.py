@@ -49,6 +49,22 @@ def test_the_estimate_names_the_zero1_rank_its_run_follows():
     assert memory.model_states.optimizer_states == shares[2] * 12  # rank 2's masters and moments
 
 
+def test_tune_validates_the_rank_the_replayed_run_follows():
+    """``tune --validate`` runs ``peak_rank`` of the plans a search reports (their runs replayed)."""
+    from memplan.search.evaluate import Context, evaluate, replayed
+    from memplan.search.space import Candidate
+    from memplan.specs.hardware import ClusterSpec
+    from memplan.specs.loader import load_gpu, load_model
+    from memplan.specs.plan import Plan
+    from memplan.specs.workload import TrainingWorkload
+
+    ctx = Context(load_model("llama3-8b"), load_gpu("h200"), ClusterSpec(gpus_per_node=8))
+    candidate = Candidate(Plan(dp=8, zero=1, precision="bf16-master"), TrainingWorkload(seq_len=4096))
+    screened = evaluate(candidate, ctx)
+    assert screened.peak_rank == 0  # the fast form: the phase model's even shares
+    assert replayed(screened, ctx).peak_rank == 2
+
+
 @pytest.mark.parametrize(
     ("changes", "rank"),
     [
