@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from memplan.costmodel.timeline import ops, recompute
+from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.fsdp import Fsdp
@@ -280,7 +281,7 @@ class Pipeline:
         sent.forward(out, not ch.last)
         loss = None
         if ch.last:
-            loss = _loss(t, out, labels)
+            loss = _loss(t, out, labels, self.d)
             losses.append(t.hold(loss))
         cache[(c, i)] = (out, loss)
         t.done(labels, loss)
@@ -356,10 +357,18 @@ def chunk_forward(t: Tape, m: Model, x: Tensor, first: bool, last: bool, fsdp: F
     return h
 
 
-def _loss(t: Tape, logits: Tensor, labels: Tensor) -> Tensor:
+def _loss(t: Tape, logits: Tensor, labels: Tensor, d: Dims) -> Tensor:
     """``loss_fn``: ``cross_entropy(logits.flatten(0, 1).float(), labels.flatten())``, unscaled;
-    nll_loss saves the labels and total_weight."""
+    nll_loss saves the labels and total_weight. Under TP the vocabulary-parallel loss
+    (``loss_parallel()``, ``tensor_parallel.loss_parallel``) on the local logits, kept by the
+    cache."""
     with t.scoped("loss"):
+        if d.tp > 1:
+            nll, weight = tpar.loss_parallel(t, t.hold(logits), d.tokens, d.vocab // d.tp)
+            if nll.fn is not None:
+                t.save(nll.fn, labels)
+            t.done(weight)
+            return nll
         f = ops.to(t, logits, 4, "logits_fp32", Category.LOGITS)
         ls = ops.log_softmax(t, f)
         nll, weight = ops.nll_loss(t, ls)

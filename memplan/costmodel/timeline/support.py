@@ -40,21 +40,23 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     test_timeline_zero1.py). In every precision above also pipeline parallelism, one rank's
     chunks under GPipe, 1F1B or the interleaved schedule (``pipeline.py``, the bundled trainer's
     ``StageReplay``), on one data rank, or under FSDP2 (ZeRO-2 or ZeRO-3, each chunk its own
-    root) without TP (h200_b_pp4 with the old StageReplay; fp32, bf16-master and FSDP2 over
-    interleaved chunks: the trainer on CPU, test_timeline_pipeline_combos.py). LoRA adapters (``lora.py``) over a
-    frozen bf16 base on one rank, one micro-batch per step, without dropout or
+    root), optionally with TP + SP (h200_b_pp4 with the old StageReplay; fp32, bf16-master,
+    FSDP2 over interleaved chunks and TP: the trainer on CPU, test_timeline_pipeline_combos.py).
+    TP + SP on one data rank too, but in bf16-master (the trainer on CPU, the same tests). LoRA
+    adapters (``lora.py``) over a frozen bf16 base on one rank, one micro-batch per step, without dropout or
     ``modules_to_save`` (h200_a_lora8b); the same over an nf4 base with double quantization
     computing in bf16 (``quant.py``, QLoRA: an fp32 stream on SDPA's math path) over more than
     1536 tokens a micro-batch (h200_a_qlora8b).
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
-    refuses them) or TP; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32
-    without GQA (the memory-efficient kernel) or with offload (not checked); fp16-master, fp8;
-    offload of one side alone or NVMe; tensor parallel without FSDP2 or without sequence
-    parallel; accumulation, selective-op or partial recompute with offload (not checked); FSDP2
-    over a tied embedding (one root group holding it); LLM.int8 bases; fp4 or single-quantized
-    4-bit bases, and 4-bit ones over at most 1536 tokens (bitsandbytes' fused kernel); LoRA with
-    dropout, modules_to_save, autocast, gradient accumulation or over a sharded base."""
+    refuses them); MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32 without
+    GQA (the memory-efficient kernel) or with offload (not checked); fp16-master, fp8; offload
+    of one side alone or NVMe; tensor parallel over DDP, on one data rank in bf16-master, or
+    without sequence parallel; accumulation, selective-op or partial recompute with offload (not
+    checked); FSDP2 over a tied embedding (one root group holding it); LLM.int8 bases; fp4 or
+    single-quantized 4-bit bases, and 4-bit ones over at most 1536 tokens (bitsandbytes' fused
+    kernel); LoRA with dropout, modules_to_save, autocast, gradient accumulation or over a
+    sharded base."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -73,7 +75,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.precision != "fp32" or _no_offload(plan), "precision fp32 with offload"),
         (_no_offload(plan) or _basic_recompute(plan), "this recompute with offload"),
         (_no_offload(plan) or accumulation(workload, plan) == 1, "gradient accumulation with offload"),
-        (plan.tp == 1 or _fsdp(plan), "tensor parallel without FSDP2"),
+        (plan.tp == 1 or _fsdp(plan) or _tp_one_rank(plan), _TP_WITHOUT_FSDP),
         (plan.tp == 1 or plan.sequence_parallel, "tensor parallel without sequence parallel"),
         (not _fsdp(plan) or not model.tied_embeddings, "FSDP2 over tied embeddings"),
         (_divides(model, workload, plan), "dimensions that tensor parallel does not divide"),
@@ -82,6 +84,17 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         if not ok:
             return what
     return None
+
+
+_TP_WITHOUT_FSDP = "tensor parallel without FSDP2 over dp > 1 (DDP) or in bf16-master"
+
+
+def _tp_one_rank(plan: Plan) -> bool:
+    """TP on one data rank (the trainer refuses it over DDP), held against the trainer on CPU
+    (tests/unit/test_timeline_pipeline_combos.py); not in bf16-master, whose MasterAdamW casts
+    the embedding's whole-vocabulary ``Replicate`` gradient (``ops.embedding``) to fp32: the
+    trainer's optimizer step 1,152,076 B over the run's at pp 2 tp 2 + SP on CPU."""
+    return plan.dp == 1 and plan.precision != "bf16-master"
 
 
 def _offload_modelled(plan: Plan) -> bool:
@@ -101,12 +114,12 @@ _PARALLEL = "pipeline, context or expert parallelism"  # a pipeline: see _pipeli
 
 def _pipeline_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
     """One pipeline rank (``pipeline.py``) on one data rank, or under FSDP2 over each of its
-    chunks (one root per chunk) without TP; no offload; its chunks even (``validate.support``:
+    chunks (one root per chunk), optionally with TP + SP; no offload; its chunks even (``validate.support``:
     the trainer refuses others); at most :data:`PIPELINE_LAYER_PASSES` layer forwards a step
     (the schedule runs every micro-batch: GPipe's peak grows with each)."""
     if plan.pp == 1:
         return True
-    fsdp = _fsdp(plan) and plan.tp == 1
+    fsdp = _fsdp(plan)  # with TP, sequence parallel: the checks of every plan
     passes = accumulation(workload, plan) * model.num_layers // plan.pp
     even = model.num_layers % plan.stages == 0
     return (plan.dp == 1 or fsdp) and _plain(plan) and even and passes <= PIPELINE_LAYER_PASSES
