@@ -42,7 +42,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     ``StageReplay``), on one data rank, or under FSDP2 (ZeRO-2 or ZeRO-3, each chunk its own
     root), optionally with TP + SP (h200_b_pp4 with the old StageReplay; fp32, bf16-master,
     FSDP2 over interleaved chunks and TP: the trainer on CPU, test_timeline_pipeline_combos.py).
-    TP + SP on one data rank too, but in bf16-master (the trainer on CPU, the same tests). LoRA
+    TP + SP on one data rank too (the trainer on CPU, the same tests). LoRA
     adapters (``lora.py``) over a frozen bf16 base on one rank, one micro-batch per step, without dropout or
     ``modules_to_save`` (h200_a_lora8b); the same over an nf4 base with double quantization
     computing in bf16 (``quant.py``, QLoRA: an fp32 stream on SDPA's math path) over more than
@@ -51,7 +51,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
     refuses them); MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention; fp32 without
     GQA (the memory-efficient kernel) or with offload (not checked); fp16-master, fp8; offload
-    of one side alone or NVMe; tensor parallel over DDP, on one data rank in bf16-master, or
+    of one side alone or NVMe; tensor parallel over DDP or
     without sequence parallel; accumulation, selective-op or partial recompute with offload (not
     checked); FSDP2 over a tied embedding (one root group holding it); LLM.int8 bases; fp4 or
     single-quantized 4-bit bases, and 4-bit ones over at most 1536 tokens (bitsandbytes' fused
@@ -86,15 +86,13 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     return None
 
 
-_TP_WITHOUT_FSDP = "tensor parallel without FSDP2 over dp > 1 (DDP) or in bf16-master"
+_TP_WITHOUT_FSDP = "tensor parallel without FSDP2 over dp > 1 (DDP)"
 
 
 def _tp_one_rank(plan: Plan) -> bool:
     """TP on one data rank (the trainer refuses it over DDP), held against the trainer on CPU
-    (tests/unit/test_timeline_pipeline_combos.py); not in bf16-master, whose MasterAdamW casts
-    the embedding's whole-vocabulary ``Replicate`` gradient (``ops.embedding``) to fp32: the
-    trainer's optimizer step 1,152,076 B over the run's at pp 2 tp 2 + SP on CPU."""
-    return plan.dp == 1 and plan.precision != "bf16-master"
+    (tests/unit/test_timeline_pipeline_combos.py)."""
+    return plan.dp == 1
 
 
 def _offload_modelled(plan: Plan) -> bool:

@@ -259,7 +259,7 @@ class _Run:
         t, pd = self.tape, self.d.pd if self.lora is None else ADAPTER_BYTES
         t.scope = ""
         if self.master is not None:
-            self.master.step(self.optimizer_params(), first)
+            self.master.step(self.optimizer_params(), first, {n: g.numel for n, g in self.grads.items()})
             return
         sizes = [(name, n * pd) for name, n in self.optimizer_params()]
         if first:
