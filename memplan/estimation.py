@@ -127,6 +127,10 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
     )
     update: dict[str, Any] = {"reserved": v.reserved, "reserved_detail": detail}
     figures: dict[str, Any] = {}
+    if v.timeline == "trainer":  # the rank it followed: the one ``memplan validate`` runs
+        from memplan.costmodel.timeline.trainer import followed_rank
+
+        update["rank"] = followed_rank(job.model, job.workload, job.plan, report.peak.stage)
     if device == "cuda" and v.timeline in OP_LEVEL_RUNS:
         update.update(allocated=v.replay.max_allocated, breakdown=peak_breakdown(v))
         figures = _run_figures(v, report)

@@ -185,15 +185,19 @@ def replayed(ev: Evaluation, ctx: Context) -> Evaluation:
     capacity_spread = ctx.gpu.capacity_spread_bytes
     b = band(v.timeline, ev.plan, ctx.runtime, v.reserved, spread, capacity_spread)
     tight = v.fits and headroom < b.bytes
-    return ev.model_copy(
-        update={
-            "peak_reserved_bytes": v.reserved,
-            "fits": v.fits and (ctx.allow_tight or not tight),
-            "headroom_bytes": headroom,
-            "tight": tight,
-            "band_bytes": b.bytes,
-        }
-    )
+    update = {
+        "peak_reserved_bytes": v.reserved,
+        "fits": v.fits and (ctx.allow_tight or not tight),
+        "headroom_bytes": headroom,
+        "tight": tight,
+        "band_bytes": b.bytes,
+    }
+    if v.timeline == "trainer":  # the rank the replayed run followed, which ``tune --validate`` runs
+        from memplan.costmodel.timeline.trainer import followed_rank
+
+        plan = ev.plan
+        update["peak_rank"] = followed_rank(ctx.model, ev.workload, plan, ev.peak_rank // (plan.dp * plan.tp * plan.cp))
+    return ev.model_copy(update=update)
 
 
 def evaluate_all(

@@ -138,8 +138,8 @@ def test_pipelines_past_the_layer_budget_stay_on_the_phase_model():
 
 def test_pipelines_it_cannot_follow_stay_on_the_phase_model():
     for changes in (
-        dict(dp=2, zero=2, pp_schedule="interleaved", virtual_stages=2),
-        dict(precision="fp32"),
+        dict(dp=2, zero=2, pp_schedule="interleaved", virtual_stages=2, global_batch=512),  # past the layer budget
+        dict(dp=2, zero=3, offload_params="cpu", offload_optimizer="cpu"),
         dict(dp=2, zero=0),
         dict(dp=2, zero=1),
     ):
@@ -192,7 +192,7 @@ class _OldStageReplay(Pipeline):
         self._buffers(m)
         for key in list(self.recv_grads):  # buf.grad = None
             t.drop(self.recv_grads.pop(key))
-        self.fsdp.sync = False
+        self.fsdp.no_sync()
         t.on_first_mm = workspace("forward") if first else None
         cache, backward_seen = {}, False
         for kind, c, i in schedule_actions(self.schedule, self.pp, self.v, self.stage, m):
@@ -202,10 +202,10 @@ class _OldStageReplay(Pipeline):
                     ids = t.new(self.d.tokens, 8, "ids") if ch.first else None
                     labels = t.new(self.d.tokens, 8, "labels") if ch.last else None
                 x = ids if ch.first else t.alias(self.recv_act[c][i])
-                out = chunk_forward(t, ch.model, x, ch.first, ch.last, self.fsdp)
+                out = chunk_forward(t, ch.model, x, ch.first, ch.last, ch.fsdp)
                 t.done(x)
                 if ch.last:
-                    nll = pipeline_module._loss(t, out, labels)
+                    nll = pipeline_module._loss(t, out, labels, self.d)
                     t.done(out)
                     out = ops.unary(t, nll, "div_accumulation", temps=-1)
                     t.done(nll)
@@ -218,7 +218,7 @@ class _OldStageReplay(Pipeline):
             out = cache.pop((c, i))
             seed = t.new(1, 4, "grad_seed") if ch.last else t.hold(self.recv_grad[c][i])
             t.backward(out, seed)
-            self.fsdp.finish_backward()
+            ch.fsdp.finish_backward()
             t.done(out)
         self.fsdp.reduce_all()
 

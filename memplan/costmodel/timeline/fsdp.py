@@ -240,6 +240,7 @@ class Fsdp:
                 self.grads[name] = self.accumulated.pop(name)
         if self.d.tp > 1 and self.d.sp:
             self._replicate_norm_grads(group)
+            self._shard_vocab_grad(group)
         self.reshard(g)
         if self.reduce_input is not None:
             t.free(self.reduce_input)
@@ -302,6 +303,18 @@ class Fsdp:
                 with t.scoped(""):
                     self.grads[name] = t.new(old.numel, old.itemsize, f"{name}.grad", Category.GRADIENTS)
                 t.drop(old)
+
+    def _shard_vocab_grad(self, group: _Group) -> None:
+        """The vocabulary-parallel embedding's ``Replicate`` gradient (``ops.embedding``) taken
+        to the weight's ``Shard(0)`` (``FSDPParam._get_grad_inner_tensor``: a copy of this
+        rank's rows), then ``unsharded_param.grad = None`` frees the whole one."""
+        t, name = self.tape, "tok_embeddings.weight"
+        if name in group.names and name in self.grads:
+            rows, cols = self.shapes[name]
+            old = self.grads[name]
+            with t.scoped(""):
+                self.grads[name] = t.new(rows * cols, old.itemsize, f"{name}.grad_shard", Category.GRADIENTS)
+            t.drop(old)
 
     def finish_backward(self) -> None:
         """The root's final callback: post-backward of the groups whose inputs need no

@@ -37,10 +37,19 @@ class MasterAdamW:
         self.tape = tape
         self.states: list[Tensor] = []
 
-    def step(self, params: list[tuple[str, int]], first: bool, fp32: Collection[str] = ()) -> None:
+    def step(
+        self,
+        params: list[tuple[str, int]],
+        first: bool,
+        fp32: Collection[str] = (),
+        grads: dict[str, int] | None = None,
+    ) -> None:
         """One ``optimizer.step()`` over ``params`` (name, local elements); those named in ``fp32``
         (LoRA's adapters beside a ``modules_to_save`` copy) are their own masters
-        (``p.detach()``) and their gradients' ``.float()`` is the gradient itself."""
+        (``p.detach()``) and their gradients' ``.float()`` is the gradient itself; ``grads``: the
+        elements of a gradient that differs from its parameter's (``p.grad.float()`` copies the
+        gradient: under TP without FSDP2 the embedding's is the whole vocabulary's,
+        ``ops.embedding``)."""
         t = self.tape
         if first:
             for name, n in params:
@@ -50,7 +59,12 @@ class MasterAdamW:
                     t.done(upcast)
                 for state in ("exp_avg", "exp_avg_sq"):
                     self.states.append(t.managed(n, FP32, f"{name}.{state}", Category.OPTIMIZER_STATES))
-        grads = [t.new(n, FP32, f"{name}.grad_fp32", Category.OPTIMIZER_TEMP) for name, n in params if name not in fp32]
+        sizes = grads or {}
+        grads_fp32 = [
+            t.new(sizes.get(name, n), FP32, f"{name}.grad_fp32", Category.OPTIMIZER_TEMP)
+            for name, n in params
+            if name not in fp32
+        ]
         roots = [t.new(n, FP32, f"{name}.sqrt_tmp", Category.OPTIMIZER_TEMP) for name, n in params]
         t.done(*reversed(roots))
-        t.done(*reversed(grads))
+        t.done(*reversed(grads_fp32))

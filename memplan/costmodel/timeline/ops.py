@@ -265,12 +265,16 @@ def sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) 
 
 
 # --- vocabulary-sized ops --------------------------------------------------------------------------------
-def embedding(tape: Tape, ids: Tensor, w: Tensor, numel: int, tag: str, fp32_grad: bool = False) -> Tensor:
+def embedding(tape: Tape, ids: Tensor, w: Tensor, numel: int, tag: str, vocab_shards: int = 1) -> Tensor:
     """``F.embedding``: saves the ids. Backward (``embedding_dense_backward_cuda``) over N ids:
     int64 sort buffers and cub's radix-sort scratch (16.25 N + 16895 B, traces), the zeroed
     weight gradient, segment offsets, and fp32 partial sums of ``N + N // 10`` segments
-    (N unique ids at most, split every 10 rows) x h. ``fp32_grad``: the gradient comes out in
-    fp32 and is cast to the weight's dtype (the vocabulary-parallel lookup, t8_tp2_x)."""
+    (N unique ids at most, split every 10 rows) x h. ``vocab_shards``: the vocabulary-parallel
+    lookup over ``w``, one of that many row shards, whose DTensor backward runs over the whole
+    vocabulary: a ``Replicate`` gradient of every row in the weight's dtype (torch 2.13:
+    ``embedding_dense_backward`` with ``num_weights`` V; FSDP2 redistributes it to the weight's
+    ``Shard(0)``, ``fsdp.py``). On t8_tp2_x (tp 2, bf16) it and its shard are the two tensors
+    read before as an fp32 gradient and its cast, of the same sizes, in the same order."""
     n, h = ids.numel, numel // ids.numel
     parts = n + n // 10
     # cub's scan scratch (traces: N <= 8192 the H100 runs and h200_a_ddp1b, 16384 h200_b_z2_8b, 32768 t1b_full_x)
@@ -283,7 +287,7 @@ def embedding(tape: Tape, ids: Tensor, w: Tensor, numel: int, tag: str, fp32_gra
         sorted_ids, order, iota = index(n, "sorted_ids"), index(n, "sort_order"), index(n, "iota")
         tape.drop(tape.new(n * 65 // 4 + 16895, 1, "radix_sort_scratch"))
         tape.drop(iota)
-        gw = tape.new(w.numel, 4 if fp32_grad else w.itemsize, "grad_weight", grad_category(w))
+        gw = tape.new(w.numel * vocab_shards, w.itemsize, "grad_weight", grad_category(w))
         held = [index(n, "segment_offsets"), index(1, "num_segments")]
         tmp = index(n, "segment_tmp")
         tape.drop(tape.new(scans[0], 1, "scan_scratch"))
@@ -294,10 +298,6 @@ def embedding(tape: Tape, ids: Tensor, w: Tensor, numel: int, tag: str, fp32_gra
         tape.drop(tape.new(parts * h, 4, "grad_weight_per_segment"))
         for t in [*reversed(held), order, sorted_ids]:
             tape.drop(t)
-        if fp32_grad:
-            cast = tape.new(w.numel, w.itemsize, "grad_weight_cast", grad_category(w))
-            tape.drop(gw)
-            gw = cast
         return [gw]
 
     node = tape.node(tag, apply, [w], saved=[ids])

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from memplan.costmodel.timeline import ops, recompute
+from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.fsdp import Fsdp
@@ -153,6 +154,32 @@ class _Chunk:
     last: bool
     model: Model
     names: dict[str, str]  # the chunk module's parameter name -> the run's (``c{index}.`` prefixed)
+    fsdp: Fsdp | None = None  # FSDP2 over this chunk, its own root (``sharded``)
+
+
+class _ShardedChunks:
+    """FSDP2 over each chunk of the rank (``_build_chunks``: ``apply_fsdp`` per chunk, each its
+    own root), as the run and the schedule see them: the optimizer steps the chunks' shards in
+    chunk order (``runner._train``'s ``params``), ``zero_grad`` and ``StageReplay``'s flags and
+    ``_reduce_grads`` go over the chunks in order."""
+
+    def __init__(self, roots: list[Fsdp]) -> None:
+        self.roots = roots
+
+    def shard_numels(self) -> list[tuple[str, int]]:
+        return [(f"c{c}.{name}", n) for c, root in enumerate(self.roots) for name, n in root.shard_numels()]
+
+    def no_sync(self) -> None:
+        for root in self.roots:
+            root.sync = False
+
+    def reduce_all(self) -> None:
+        for root in self.roots:
+            root.reduce_all()
+
+    def zero_grad(self) -> None:
+        for root in self.roots:
+            root.zero_grad()
 
 
 class Pipeline:
@@ -172,15 +199,17 @@ class Pipeline:
         self.recv_act: dict[int, list[Tensor]] = {}
         self.recv_grad: dict[int, list[Tensor]] = {}
         self.recv_grads: dict[str, Tensor] = {}  # the received activations' ``.grad`` (AccumulateGrad)
-        self.fsdp: Fsdp | None = None  # FSDP2 over the one chunk (``sharded``)
+        self.fsdp: _ShardedChunks | None = None  # FSDP2 over each chunk (``sharded``)
 
-    def sharded(self, make: Callable[[dict, Model, bool, bool], Fsdp]) -> tuple[dict, Model]:
-        """FSDP2 on the rank's one chunk (``apply_fsdp``): ``make(shapes, model, first, last)``
-        builds the shards; the chunk's shapes (its module's names) and model for the run."""
-        ch = self.chunks[0]
-        shapes = _chunk_shapes(ch.model.d, ch.first, ch.last)
-        self.fsdp = make(shapes, ch.model, ch.first, ch.last)
-        return shapes, ch.model
+    def sharded(self, make: Callable[[dict, Model, dict, bool, bool], Fsdp]) -> tuple[dict, Model]:
+        """FSDP2 on each chunk (``apply_fsdp``), chunk after chunk: ``make(shapes, model, grads,
+        first, last)`` builds one chunk's shards, its gradients in ``grads`` under its module's
+        names; the first chunk's shapes and model for the run."""
+        for ch in self.chunks:
+            ch.fsdp = make(_chunk_shapes(ch.model.d, ch.first, ch.last), ch.model, {}, ch.first, ch.last)
+        self.fsdp = _ShardedChunks([ch.fsdp for ch in self.chunks])
+        first = self.chunks[0]
+        return _chunk_shapes(first.model.d, first.first, first.last), first.model
 
     def build(self) -> dict[str, tuple[int, int]]:
         """Each chunk's ``to_empty`` in module order, chunk after chunk (``_build_chunks``)."""
@@ -222,7 +251,7 @@ class Pipeline:
         losses: list[Tensor] = []
         backward_seen = False
         if self.fsdp is not None:  # set_requires_gradient_sync(False), set_reshard_after_backward(False)
-            self.fsdp.sync = False
+            self.fsdp.no_sync()
         if first:
             t.on_first_mm = workspace("forward")
         for kind, c, i in actions:
@@ -247,12 +276,12 @@ class Pipeline:
             labels = t.new(self.d.tokens, 8, "labels") if ch.last else None
         x = ids if ch.first else t.alias(self.recv_act[c][i])
         with t.scoped(f"c{ch.index}"):
-            out = chunk_forward(t, ch.model, x, ch.first, ch.last, self.fsdp)
+            out = chunk_forward(t, ch.model, x, ch.first, ch.last, ch.fsdp)
         t.done(x)
         sent.forward(out, not ch.last)
         loss = None
         if ch.last:
-            loss = _loss(t, out, labels)
+            loss = _loss(t, out, labels, self.d)
             losses.append(t.hold(loss))
         cache[(c, i)] = (out, loss)
         t.done(labels, loss)
@@ -266,8 +295,8 @@ class Pipeline:
             t.backward(loss, seed)
         else:
             t.backward(out, t.hold(self.recv_grad[c][i]))
-        if self.fsdp is not None:
-            self.fsdp.finish_backward()  # the root's final callback
+        if ch.fsdp is not None:
+            ch.fsdp.finish_backward()  # the chunk's root's final callback
         t.done(out, loss)
         grad = self.recv_grads.pop(f"{c}.{i}", None) if not ch.first else None
         sent.backward(grad)
@@ -328,10 +357,18 @@ def chunk_forward(t: Tape, m: Model, x: Tensor, first: bool, last: bool, fsdp: F
     return h
 
 
-def _loss(t: Tape, logits: Tensor, labels: Tensor) -> Tensor:
+def _loss(t: Tape, logits: Tensor, labels: Tensor, d: Dims) -> Tensor:
     """``loss_fn``: ``cross_entropy(logits.flatten(0, 1).float(), labels.flatten())``, unscaled;
-    nll_loss saves the labels and total_weight."""
+    nll_loss saves the labels and total_weight. Under TP the vocabulary-parallel loss
+    (``loss_parallel()``, ``tensor_parallel.loss_parallel``) on the local logits, kept by the
+    cache."""
     with t.scoped("loss"):
+        if d.tp > 1:
+            nll, weight = tpar.loss_parallel(t, t.hold(logits), d.tokens, d.vocab // d.tp)
+            if nll.fn is not None:
+                t.save(nll.fn, labels)
+            t.done(weight)
+            return nll
         f = ops.to(t, logits, 4, "logits_fp32", Category.LOGITS)
         ls = ops.log_softmax(t, f)
         nll, weight = ops.nll_loss(t, ls)

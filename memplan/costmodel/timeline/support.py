@@ -39,32 +39,35 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     it, checked on CPU). Without offload also: any number of micro-batches per step (gradient
     accumulation; DDP's ``no_sync``), selective-op and full recompute of the first
     ``recompute_layers`` (``recompute.py``; CPU: test_timeline_recompute.py,
-    test_timeline_zero1.py). In bf16 or bf16-mixed also pipeline parallelism, one rank's chunks
-    under GPipe, 1F1B or the interleaved schedule (``pipeline.py``, the bundled trainer's
-    ``StageReplay``), on one data rank, or under FSDP2 (ZeRO-2 or ZeRO-3) with one chunk per
-    rank and no TP (h200_b_pp4 with the old StageReplay). LoRA adapters (``lora.py``) over a
-    frozen bf16 base on one rank (h200_a_lora8b), and over a bf16, fp32, bf16-mixed or
-    bf16-master base with any number of micro-batches, dropout (``dropout.py``), a trained LM
-    head copy (``modules_to_save``), under DDP or ZeRO-1 (the bundled trainer on CPU); an nf4
-    base with double quantization computing in bf16 (``quant.py``, QLoRA: an fp32 stream on
-    SDPA's math path) over more than 1536 tokens a micro-batch, one rank, one micro-batch, no
+    test_timeline_zero1.py). In every precision above also pipeline parallelism, one rank's
+    chunks under GPipe, 1F1B or the interleaved schedule (``pipeline.py``, the bundled trainer's
+    ``StageReplay``), on one data rank, or under FSDP2 (ZeRO-2 or ZeRO-3, each chunk its own
+    root), optionally with TP + SP (h200_b_pp4 with the old StageReplay; fp32, bf16-master,
+    FSDP2 over interleaved chunks and TP: the trainer on CPU, test_timeline_pipeline_combos.py).
+    TP + SP on one data rank too (the trainer on CPU, the same tests). LoRA adapters
+    (``lora.py``) over a frozen bf16 base on one rank (h200_a_lora8b), and over a bf16, fp32,
+    bf16-mixed or bf16-master base with any number of micro-batches, dropout (``dropout.py``), a
+    trained LM head copy (``modules_to_save``), under DDP or ZeRO-1 (the bundled trainer on CPU);
+    an nf4 base with double quantization computing in bf16 (``quant.py``, QLoRA: an fp32 stream
+    on SDPA's math path) over more than 1536 tokens a micro-batch, one rank, one micro-batch, no
     dropout or copy (h200_a_qlora8b). Activation offload (``save_on_cpu``, ``act_offload.py``)
     where the trainer runs it, in bf16, bf16-mixed or bf16-master; eager attention (``eager.py``)
     in full training, bf16, bf16-master or fp32; tensor parallel without sequence parallel under
-    FSDP2 (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace).
+    FSDP2 without a pipeline (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU
+    trace).
 
-    Not modelled: context or expert parallelism; pipelines with DDP, ZeRO-1, TP, or FSDP2 over
-    interleaved chunks; MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention under
-    autocast or with LoRA; activation offload in fp32, or with accumulation outside bf16 /
-    bf16-mixed on one rank; fp32 SDPA without GQA (the memory-efficient kernel) or fp32 with
-    offload (not checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel
-    without FSDP2; accumulation, selective-op or partial recompute with offload (not checked);
-    FSDP2 over a tied embedding with accumulation or a pipeline; LLM.int8 bases; fp4 or
-    single-quantized 4-bit bases, and 4-bit ones over at most 1536 tokens (bitsandbytes' fused
-    kernel); LoRA under FSDP2, TP or PP (the trainer refuses them), over a 4-bit base with
-    dropout, accumulation, modules_to_save or dp > 1, under ZeRO-1 beside a 16-bit
-    modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes one dtype), a copy
-    over a tied embedding or of another module."""
+    Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
+    refuses them); MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention under autocast
+    or with LoRA; activation offload in fp32, or with accumulation outside bf16 / bf16-mixed on
+    one rank; fp32 SDPA without GQA (the memory-efficient kernel) or fp32 with offload (not
+    checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
+    without sequence parallel outside FSDP2 without a pipeline; accumulation, selective-op or
+    partial recompute with offload (not checked); FSDP2 over a tied embedding with accumulation
+    or a pipeline; LLM.int8 bases; fp4 or single-quantized 4-bit bases, and 4-bit ones over at
+    most 1536 tokens (bitsandbytes' fused kernel); LoRA under FSDP2, TP or PP (the trainer
+    refuses them), over a 4-bit base with dropout, accumulation, modules_to_save or dp > 1, under
+    ZeRO-1 beside a 16-bit modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes
+    one dtype), a copy over a tied embedding or of another module."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -88,7 +91,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (_no_offload(plan) or _basic_recompute(plan), "this recompute with offload"),
         (_no_offload(plan) or accumulation(workload, plan) == 1, "gradient accumulation with offload"),
         (plan.offload_activations == "none" or _plain(plan) or accumulation(workload, plan) == 1, _OFFLOAD_ACCUM),
-        (plan.tp == 1 or _fsdp(plan), "tensor parallel without FSDP2"),
+        (plan.tp == 1 or _fsdp(plan) or _tp_one_rank(plan), _TP_WITHOUT_FSDP),
+        (plan.tp == 1 or plan.sequence_parallel or (_fsdp(plan) and plan.pp == 1), _TP_WITHOUT_SP),
         (not _fsdp(plan) or not model.tied_embeddings or _tied_root(workload, plan), _TIED),
         (_divides(model, workload, plan), "dimensions that tensor parallel does not divide"),
     ]
@@ -113,6 +117,8 @@ def _act_offload_modelled(plan: Plan) -> bool:
 
 _OFFLOAD_ACCUM = "activation offload with accumulation outside bf16 / bf16-mixed on one rank"
 _TIED = "FSDP2 over tied embeddings with a pipeline or gradient accumulation"
+_TP_WITHOUT_FSDP = "tensor parallel without FSDP2 over dp > 1 (DDP)"
+_TP_WITHOUT_SP = "tensor parallel without sequence parallel outside FSDP2 without a pipeline"
 
 
 def _tied_root(workload: TrainingWorkload, plan: Plan) -> bool:
@@ -120,6 +126,12 @@ def _tied_root(workload: TrainingWorkload, plan: Plan) -> bool:
     final norm (``fsdp.py``), checked on CPU with one micro-batch a step and no pipeline (the CPU
     meter, ``FSDPMemTracker``, refuses the trainer's accumulation there)."""
     return plan.pp == 1 and accumulation(workload, plan) == 1
+
+
+def _tp_one_rank(plan: Plan) -> bool:
+    """TP on one data rank (the trainer refuses it over DDP), held against the trainer on CPU
+    (tests/unit/test_timeline_pipeline_combos.py)."""
+    return plan.dp == 1
 
 
 def _offload_modelled(plan: Plan) -> bool:
@@ -138,22 +150,23 @@ _PARALLEL = "pipeline, context or expert parallelism"  # a pipeline: see _pipeli
 
 
 def _pipeline_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
-    """One pipeline rank (``pipeline.py``) on one data rank or under FSDP2 with one chunk per
-    rank and no TP, bf16 or bf16-mixed, no offload; its chunks even (``validate.support``: the
-    trainer refuses others); at most :data:`PIPELINE_LAYER_PASSES` layer forwards a step (the
-    schedule runs every micro-batch: GPipe's peak grows with each)."""
+    """One pipeline rank (``pipeline.py``) on one data rank, or under FSDP2 over each of its
+    chunks (one root per chunk), optionally with TP + SP; no offload; its chunks even (``validate.support``:
+    the trainer refuses others); at most :data:`PIPELINE_LAYER_PASSES` layer forwards a step
+    (the schedule runs every micro-batch: GPipe's peak grows with each)."""
     if plan.pp == 1:
         return True
-    one_chunk_fsdp = _fsdp(plan) and plan.virtual_stages == 1 and plan.tp == 1
+    fsdp = _fsdp(plan)  # with TP, sequence parallel: the checks of every plan
     passes = accumulation(workload, plan) * model.num_layers // plan.pp
     even = model.num_layers % plan.stages == 0
-    return (plan.dp == 1 or one_chunk_fsdp) and _plain(plan) and even and passes <= PIPELINE_LAYER_PASSES
+    return (plan.dp == 1 or fsdp) and _plain(plan) and even and passes <= PIPELINE_LAYER_PASSES
 
 
 def _plain(plan: Plan) -> bool:
-    """Where pipelines were checked (``pipeline.py``): bf16 or bf16-mixed, no offload, one
-    rank or FSDP2."""
-    return plan.precision in ("bf16", "bf16-mixed") and _no_offload(plan) and (plan.dp == 1 or _fsdp(plan))
+    """Where pipelines were checked (``pipeline.py``): every precision the run follows (fp32 and
+    bf16-master too: tests/unit/test_timeline_pipeline_combos.py), no offload, one data rank or
+    FSDP2 (the trainer refuses DDP and ZeRO-1 under a pipeline: ``validate.support.check_plan``)."""
+    return _no_offload(plan) and (plan.dp == 1 or _fsdp(plan))
 
 
 def _no_offload(plan: Plan) -> bool:

@@ -68,12 +68,13 @@ def scatter_seq(tape: Tape, x: Tensor, tp: int, tag: str) -> Tensor:
 def vocab_embedding(tape: Tape, ids: Tensor, w: Tensor, tokens: int, h: int, tp: int, sp: bool = True) -> Tensor:
     """``RowwiseParallel`` on ``nn.Embedding``: three bool masks of the ids outside this rank's
     vocabulary range, the shifted ids (int64, twice), the partial (b, s, h) lookup, then the
-    reduce-scatter to the sequence shard. Its gradient comes out in fp32 (then cast)."""
+    reduce-scatter to the sequence shard. Its gradient covers the whole vocabulary
+    (``ops.embedding``'s ``vocab_shards``)."""
     masks = [tape.new(tokens, 1, f"vocab_mask{i}") for i in range(3)]
     tape.done(masks[0], masks[1])
     shifted = [tape.new(tokens, 8, f"shifted_ids{i}") for i in range(2)]
     tape.done(shifted[0])
-    full = ops.embedding(tape, ids, w, tokens * h, "embedding", fp32_grad=True)
+    full = ops.embedding(tape, ids, w, tokens * h, "embedding", vocab_shards=tp)
     tape.done(shifted[1], masks[2])
     out = scatter_seq(tape, full, tp, "embedding") if sp else all_reduce(tape, full, tp, "embedding")
     tape.done(full)

@@ -98,6 +98,18 @@ def trainer_run(
     return run.b.build()
 
 
+def followed_rank(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: int) -> int:
+    """The global rank :func:`trainer_run` follows on pipeline rank ``stage``, in the trainer's
+    (pp, dp, tp) mesh (``parallel.build_meshes``: stage x dp x tp + data rank x tp): tensor rank
+    0, and data rank 0 but under ZeRO-1, where the ranks differ in their optimizer's share alone
+    and the run follows the largest (``zero1.most_loaded``), so ``memplan validate`` measures it."""
+    data_rank = 0
+    if plan.zero == 1 and plan.dp > 1:
+        shapes = param_shapes(dims(model, workload, plan), model.tied_embeddings)
+        data_rank = zero1.most_loaded([(name, rows * cols) for name, (rows, cols) in shapes.items()], plan.dp)
+    return (stage * plan.dp + data_rank) * plan.tp
+
+
 class _Run:
     """One rank: parameters, gradients, optimizer states, and the step."""
 
@@ -133,10 +145,10 @@ class _Run:
         sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
         self.pipe = pipe(self.tape, self.grads) if pipe is not None else None  # one pipeline rank's chunks
         self.fsdp = None
-        if sharded and self.pipe is not None:  # FSDP2 on the rank's one chunk
+        if sharded and self.pipe is not None:  # FSDP2 on each of the rank's chunks
             self.shapes, self.model = self.pipe.sharded(
-                lambda shapes, model, first, last: Fsdp(
-                    self.tape, model.d, dp, shapes, model, self.grads, zero >= 3, offload, first, last
+                lambda shapes, model, grads, first, last: Fsdp(
+                    self.tape, model.d, dp, shapes, model, grads, zero >= 3, offload, first, last
                 )
             )
             self.fsdp = self.pipe.fsdp
@@ -262,7 +274,8 @@ class _Run:
         t, pd = self.tape, self.d.pd
         t.scope = ""
         if self.master is not None:
-            self.master.step(self.optimizer_params(), first, self.lora.fp32() if self.lora is not None else ())
+            fp32 = self.lora.fp32() if self.lora is not None else ()
+            self.master.step(self.optimizer_params(), first, fp32, {n: g.numel for n, g in self.grads.items()})
             return
         itemsize = self.lora.itemsize if self.lora is not None else lambda _: pd
         sizes = [(name, n * itemsize(name)) for name, n in self.optimizer_params()]
