@@ -64,7 +64,11 @@ class _Recorded(act_offload.SaveOnCpu):
         _Recorded.made.append(self)
 
 
-@pytest.mark.parametrize("name", CASES)
+# in the default run: each mechanism once; the other cases under -m slow (the default suite's time)
+DEFAULT = {"bf16", "full-bf16", "ddp2-full-bf16"}
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_the_bundled_trainer_offloading_on_cpu_peaks_where_the_run_does(name, monkeypatch):
     pytest.importorskip("torch")
     from memplan.train.runner import run

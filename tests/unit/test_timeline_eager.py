@@ -49,7 +49,11 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", CASES)
+# in the default run: each mechanism once; the other cases under -m slow (the default suite's time)
+DEFAULT = {"bf16-s256", "fp32-mha-s256", "zero3-dp2-bf16-s256"}
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_the_bundled_trainer_on_cpu_with_eager_attention_peaks_where_the_run_does(name):
     pytest.importorskip("torch")
     from memplan.train.runner import run

@@ -136,7 +136,20 @@ def _measured(workload: TrainingWorkload, plan: Plan) -> tuple[int, int]:
     return record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward"))
 
 
-@pytest.mark.parametrize("name", CPU_CASES)
+# in the default run: each mechanism once; the other cases under -m slow (the default suite's time)
+DEFAULT = {
+    "dropout-bf16",
+    "lm-head-copy-bf16",
+    "bf16-master",
+    "fp32",
+    "bf16-mixed",
+    "ddp-dp2-bf16",
+    "zero1-dp2-bf16",
+    "accum2-bf16",
+}
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CPU_CASES])
 def test_the_bundled_trainer_on_cpu_peaks_where_the_run_does(name):
     changes, (micro_batch, global_batch) = CPU_CASES[name]
     plan, workload = _plan(changes), TrainingWorkload(seq_len=SEQ, micro_batch=micro_batch, global_batch=global_batch)

@@ -96,6 +96,14 @@ SLOW = {
     "interleaved-pp2-v2-last-zero3-dp2-full", "gpipe-pp2-last-tp2-sp-zero3-dp2-bf16-mixed",
     "interleaved-pp2-v2-last-tp2-sp-zero3-dp2-selective", "tp4-sp-zero2-dp2-bf16-mixed", "tp2-sp-bf16-mixed",
     "tp2-sp-bf16-master-selective",
+    "1f1b-pp2-last-fp32-full",
+    "1f1b-pp2-last-zero2-dp2-fp32",
+    "interleaved-pp2-v2-first-zero2-dp2-fp32-selective-op",
+    "1f1b-pp2-last-tp2-sp-zero2-dp2-bf16",
+    "interleaved-pp2-v2-first-tp2-sp-zero2-dp2-fp32",
+    "1f1b-pp2-first-tp4-sp-zero3-dp2-bf16-mixed",
+    "1f1b-pp2-last-tp2-sp-bf16",
+    "interleaved-pp2-v2-first-tp2-sp-bf16-master",
 }  # fmt: skip
 
 

@@ -41,7 +41,11 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", CASES)
+# in the default run: each mechanism once; the other cases under -m slow (the default suite's time)
+DEFAULT = {"zero3-bf16", "zero2-bf16-mixed"}
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_the_bundled_trainer_on_cpu_with_tp_without_sp_peaks_where_the_run_does(name):
     pytest.importorskip("torch")
     from memplan.train.runner import run
