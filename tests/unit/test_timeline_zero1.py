@@ -140,7 +140,7 @@ def _check(name: str, model: ModelSpec, changes: dict, batch: tuple[int, int | N
 
 # in the default run: each mechanism once (ZeRO-1 alone and tied; DDP's no_sync; fp32 over FSDP2 and TP); the
 # others under -m slow (the default suite's time)
-DEFAULT = {"zero1-dp2-bf16", "zero1-dp4-tied-bf16", "ddp-dp2-bf16-accum2", "zero3-dp2-fp32", "tp2-sp-dp2-zero3-fp32"}  # fmt: skip
+DEFAULT = {"zero1-dp2-bf16", "zero1-dp4-tied-bf16", "ddp-dp2-bf16-accum2", "zero3-dp2-fp32", "tp2-sp-dp2-zero3-fp32"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in DEFAULT else [pytest.mark.slow]) for n in CPU_CASES])
