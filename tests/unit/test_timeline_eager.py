@@ -17,16 +17,14 @@ dp 2 with full recompute 14,666,404; TP 2 + SP over ZeRO-3 dp 2 11,873,444.
 from __future__ import annotations
 
 import pytest
-from timeline_peaks import steady_peaks
+from timeline_peaks import assert_the_trainer_peaks_where_the_run_does
 
 from memplan.costmodel.reserve import plan_run
-from memplan.costmodel.timeline.trainer import MICRO_BATCHES_MODELLED, supported, trainer_run
+from memplan.costmodel.timeline.trainer import supported
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.resolve import resolve_job
 from memplan.specs.workload import TrainingWorkload
-
-CPU_BOUND = 0.0001  # 0.01% of the trainer's peak, as test_timeline_recompute.py
 
 SMALL = ModelSpec(
     name="tiny-gqa", hidden_size=192, num_layers=4, num_attention_heads=6, num_kv_heads=2, ffn_size=256, vocab_size=256
@@ -56,18 +54,10 @@ DEFAULT = {"bf16-s256", "fp32-mha-s256", "zero3-dp2-bf16-s256"}
 @pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_the_bundled_trainer_on_cpu_with_eager_attention_peaks_where_the_run_does(name):
     pytest.importorskip("torch")
-    from memplan.train.runner import run
-    from memplan.validate.spec import RunSpec
 
     model, changes, (seq, micro_batch, global_batch) = CASES[name]
     plan, workload = Plan(**changes), TrainingWorkload(seq_len=seq, micro_batch=micro_batch, global_batch=global_batch)
-    assert supported(model, workload, plan) is None
-    peak, passes = steady_peaks(trainer_run(model, workload, plan, max_micro_batches=MICRO_BATCHES_MODELLED))
-    record = run(RunSpec(model=model, workload=workload, plan=plan, rank=0, steps=2))
-    assert record.status == "ok", record.reason
-    measured = (record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward")))
-    for what, predicted, got in zip(("step", "forward and backward"), (peak, passes), measured, strict=True):
-        assert abs(predicted / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {predicted:,}, measured {got:,}"
+    assert_the_trainer_peaks_where_the_run_does(name, model, workload, plan)
 
 
 def test_the_estimate_answers_eager_plans_with_the_op_level_run():

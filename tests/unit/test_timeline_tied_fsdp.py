@@ -15,14 +15,12 @@ full recompute 17,628,256; selective-op 26,463,904; CPU offload 19,204,488.
 from __future__ import annotations
 
 import pytest
-from timeline_peaks import steady_peaks
+from timeline_peaks import assert_the_trainer_peaks_where_the_run_does
 
-from memplan.costmodel.timeline.trainer import MICRO_BATCHES_MODELLED, supported, trainer_run
+from memplan.costmodel.timeline.trainer import supported, trainer_run
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
-
-CPU_BOUND = 0.0001  # 0.01% of the trainer's peak, as test_timeline_recompute.py
 
 TIED = ModelSpec(
     name="tiny-tied", hidden_size=192, num_layers=4, num_attention_heads=6, num_kv_heads=2, ffn_size=512,
@@ -51,18 +49,10 @@ DEFAULT = {"zero3-bf16", "zero2-bf16", "zero3-full-bf16"}
 @pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_the_bundled_trainer_on_cpu_with_a_tied_root_group_peaks_where_the_run_does(name):
     pytest.importorskip("torch")
-    from memplan.train.runner import run
-    from memplan.validate.spec import RunSpec
 
     changes, micro_batch = CASES[name]
     plan, workload = Plan(**changes), TrainingWorkload(seq_len=128, micro_batch=micro_batch)
-    assert supported(TIED, workload, plan) is None
-    peak, passes = steady_peaks(trainer_run(TIED, workload, plan, max_micro_batches=MICRO_BATCHES_MODELLED))
-    record = run(RunSpec(model=TIED, workload=workload, plan=plan, rank=0, steps=2))
-    assert record.status == "ok", record.reason
-    measured = (record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward")))
-    for what, predicted, got in zip(("step", "forward and backward"), (peak, passes), measured, strict=True):
-        assert abs(predicted / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {predicted:,}, measured {got:,}"
+    assert_the_trainer_peaks_where_the_run_does(name, TIED, workload, plan)
 
 
 def test_the_root_group_gathers_the_shared_matrix_once():

@@ -53,3 +53,23 @@ def steady_peaks(timeline: Timeline | None) -> tuple[int, int]:
         elif e.op == FREE:
             live -= e.size
     return best, passes
+
+
+CPU_BOUND = 0.0001  # 0.01% of the trainer's peak, as test_timeline_recompute.py
+
+
+def assert_the_trainer_peaks_where_the_run_does(name: str, model, workload, plan) -> None:  # noqa: ANN001
+    """The bundled trainer on CPU (rank 0, two measured steps) against the op-level run the estimate
+    replays: the step's steady peak and the forward's and backward's, each within :data:`CPU_BOUND`."""
+    from memplan.costmodel.timeline.support import supported
+    from memplan.costmodel.timeline.trainer import MICRO_BATCHES_MODELLED, trainer_run
+    from memplan.train.runner import run
+    from memplan.validate.spec import RunSpec
+
+    assert supported(model, workload, plan) is None
+    peak, passes = steady_peaks(trainer_run(model, workload, plan, max_micro_batches=MICRO_BATCHES_MODELLED))
+    record = run(RunSpec(model=model, workload=workload, plan=plan, rank=0, steps=2))
+    assert record.status == "ok", record.reason
+    measured = (record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward")))
+    for what, predicted, got in zip(("step", "forward and backward"), (peak, passes), measured, strict=True):
+        assert abs(predicted / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {predicted:,}, measured {got:,}"
