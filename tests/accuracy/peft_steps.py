@@ -24,6 +24,8 @@ from hf_steps import _CLASSES  # the tiny Llama / Mistral / Qwen2 classes the hf
 from storage_tracker import StorageTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from memplan.specs.plan import Plan
+
 
 @dataclass(frozen=True)
 class PeftCase:
@@ -298,3 +300,23 @@ CASES = [
     PeftCase("lora-fp32-ckpt-all-linear-dropout", **TINY, checkpointing=True, targets=("all-linear",), dropout=0.1),
     PeftCase("qlora-int8", **TINY, quant="int8"),
 ]
+
+
+def plan_of(case: PeftCase) -> Plan:
+    """memplan's plan for a case; the Trainer's ``bf16=True`` is ``bf16-mixed`` (over an fp32 base);
+    over a 4-bit base the precision is the compute dtype's."""
+    if case.quant != "none":
+        dtype = "fp32" if case.compute_dtype == "float32" else "bf16"
+        fields = dict(finetune="qlora", quant=case.quant, double_quant=case.double_quant)
+    else:
+        dtype = "fp32" if case.dtype == "float32" else "bf16"
+        fields = dict(finetune="lora")
+    return Plan(
+        precision="bf16-mixed" if case.autocast else dtype,
+        recompute="full" if case.checkpointing else "none",
+        lora_rank=case.rank,
+        lora_targets=case.targets,
+        lora_dropout=case.dropout,
+        modules_to_save=case.modules_to_save,
+        **fields,
+    )

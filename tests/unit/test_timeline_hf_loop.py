@@ -83,29 +83,9 @@ def test_peak_equals_the_loops(case: hf_steps.Case) -> None:
 PEFT_CASES = [c for c in peft_steps.CASES if c.quant != "int8"]  # LLM.int8 bases: not modelled
 
 
-def _peft_plan(case: peft_steps.PeftCase) -> Plan:
-    """The case's plan (tests/unit/test_timeline_hf_peft.py's ``plan_of``): over a 4-bit base the
-    precision is the compute dtype's."""
-    if case.quant != "none":
-        dtype = "fp32" if case.compute_dtype == "float32" else "bf16"
-        fields = dict(finetune="qlora", quant=case.quant, double_quant=case.double_quant)
-    else:
-        dtype = "fp32" if case.dtype == "float32" else "bf16"
-        fields = dict(finetune="lora")
-    return Plan(
-        precision="bf16-mixed" if case.autocast else dtype,
-        recompute="full" if case.checkpointing else "none",
-        lora_rank=case.rank,
-        lora_targets=case.targets,
-        lora_dropout=case.dropout,
-        modules_to_save=case.modules_to_save,
-        **fields,
-    )
-
-
 def predict_peft(case: peft_steps.PeftCase) -> int:
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = _peft_plan(case)
+    plan = peft_steps.plan_of(case)
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
     quant = Bnb4bit.of(plan)
     if quant is not None:  # loaded in the case's dtype (the plan assumes its compute dtype)

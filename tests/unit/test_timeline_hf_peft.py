@@ -21,14 +21,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
-from peft_steps import TINY, PeftCase  # noqa: E402
+from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
 
 from memplan.costmodel.timeline.events import ALLOC  # noqa: E402
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit  # noqa: E402
 from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
@@ -93,26 +92,6 @@ CASES = [
         double_quant=True,
     ),
 ]
-
-
-def plan_of(case: PeftCase) -> Plan:
-    """memplan's plan for a case; the Trainer's ``bf16=True`` is ``bf16-mixed`` (over an fp32 base);
-    over a 4-bit base the precision is the compute dtype's."""
-    if case.quant != "none":
-        dtype = "fp32" if case.compute_dtype == "float32" else "bf16"
-        fields = dict(finetune="qlora", quant=case.quant, double_quant=case.double_quant)
-    else:
-        dtype = "fp32" if case.dtype == "float32" else "bf16"
-        fields = dict(finetune="lora")
-    return Plan(
-        precision="bf16-mixed" if case.autocast else dtype,
-        recompute="full" if case.checkpointing else "none",
-        lora_rank=case.rank,
-        lora_targets=case.targets,
-        lora_dropout=case.dropout,
-        modules_to_save=case.modules_to_save,
-        **fields,
-    )
 
 
 def predict(case: PeftCase, ga: int = 1) -> int:
