@@ -134,8 +134,8 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
     if device == "cuda" and v.timeline in OP_LEVEL_RUNS:
         update.update(allocated=v.replay.max_allocated, breakdown=peak_breakdown(v))
         figures = _run_figures(v, report)
-        if "phases" in figures:
-            update["phase"] = max(figures["phases"], key=figures["phases"].__getitem__)
+        if "phases" in figures:  # where the whole run peaks: a steady step's phase, or the build
+            update["phase"] = v.replay.peak_phase or max(figures["phases"], key=figures["phases"].__getitem__)
     peak = report.peak.model_copy(update=update)
     model, reason = _which_model(v.timeline, device)
     return report.model_copy(update={"peak": peak, "model": model, "model_reason": reason, **figures}), v

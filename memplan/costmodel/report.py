@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-Phase = Literal["forward", "backward", "optimizer", "prefill", "decode"]
+# "setup": the model's build, before the first step (a base quantized on the device can peak there)
+Phase = Literal["forward", "backward", "optimizer", "prefill", "decode", "setup"]
 
 
 class _Frozen(BaseModel):

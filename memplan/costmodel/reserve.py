@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator
 from memplan.costmodel.memory import serving_run, stage_moments
 from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline, collection_paused
-from memplan.costmodel.timeline.phases import PHASE_MARKS, STEADY
+from memplan.costmodel.timeline.phases import PHASE_MARKS, SETUP, STEADY
 from memplan.costmodel.timeline.step import build_run
 from memplan.costmodel.timeline.support import supported
 from memplan.specs.model import ModelSpec
@@ -56,6 +56,10 @@ class Replay:
     # each phase's peak allocated over the steady steps, where the run names its phases
     # (``timeline.phases``: the meter's figures, the counter reset at each phase's start)
     phase_peaks: dict[str, int] | None = None
+    # the phase in force at ``peak_event`` where the run names its phases: "setup" before the
+    # first step's first mark (the model's build: a QLoRA base quantized on the device), None
+    # between a step's end and the next one's first mark, or in a run without marks
+    peak_phase: str | None = None
 
 
 def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | None = None) -> Replay:
@@ -76,7 +80,8 @@ def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | N
     malloc, free, streams = alloc.malloc, alloc.free, STREAM_IDS
     compute = Stream.COMPUTE
     peaks: dict[str, int] = {}
-    phase, steady, highest = None, False, 0
+    phase, steady, highest = SETUP, False, 0
+    peak_phase = None
     for i, (op, tensor, size, category, stream, tag) in enumerate(timeline.events):
         if op == ALLOC:
             try:
@@ -85,7 +90,7 @@ def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | N
                 failure = Failure(size, str(category), tag, stream.value, oom.reserved, oom.allocated, oom.cached_free)
                 break
             if alloc.allocated > high:
-                high, peak_event, pending = alloc.allocated, i, True
+                high, peak_event, pending, peak_phase = alloc.allocated, i, True, phase
         elif op == FREE:
             if pending:
                 at_peak, pending = alloc.stats(), False
@@ -110,6 +115,7 @@ def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | N
         failure=failure,
         peak_event=peak_event,
         phase_peaks=peaks or None,
+        peak_phase=peak_phase if peaks else None,
     )
 
 

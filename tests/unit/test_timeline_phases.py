@@ -93,3 +93,22 @@ def test_the_phase_models_runs_name_no_phases():
     memory = _estimate(["mixtral-8x7b", "--gpus", "8", "--zero", "3"])  # MoE: the phase model's
     assert memory["model"] == "phase"
     assert set(memory["phases"]) == {"forward", "backward", "optimizer"}
+
+
+def test_a_base_quantized_on_the_device_peaks_in_the_setup():
+    """The bundled trainer quantizes a QLoRA base on the device, its 16-bit weights there first
+    (``train/quant.py``): on 2 x 1024 tokens the build is the whole run's peak. The report names it
+    ("setup") and ``memplan validate`` holds the steady steps' peak, what the meter measures,
+    against the meter (``validate.compare.steady_peak``)."""
+    from memplan.costmodel.report import MemoryReport
+    from memplan.validate.compare import steady_peak
+
+    args = ["llama3-8b", "--runtime", "memplan", "--finetune", "lora", "--quant", "nf4", "--double-quant"]
+    args += ["--recompute", "full", "--precision", "bf16", "--micro-batch", "2", "--seq-len", "1024"]
+    memory = _estimate(args)
+    assert memory["model"] == "op-level"
+    peak, phases = memory["peak"], memory["phases"]
+    assert peak["phase"] == "setup" and peak["breakdown"]["parameters"] > 0.99 * peak["allocated"]
+    assert peak["allocated"] > max(phases.values())
+    report = MemoryReport.model_validate(memory)
+    assert steady_peak(report) == (phases["backward"], "backward") == (max(phases.values()), "backward")

@@ -18,6 +18,7 @@ from memplan.costmodel.timeline.events import ALLOC, FREE, Category, Timeline
 
 PHASES = ("forward", "backward", "optimizer")
 PHASE_MARKS = {f"phase:{p}": p for p in PHASES} | {"phase:end": None}  # the mark's tag -> the phase it opens
+SETUP = "setup"  # before the first step's first mark: the model's build (``Replay.peak_phase``)
 STEADY = "step0"  # the warm-up step's end: the meter measures the steps after it
 _STATES = {
     "parameters": (Category.PARAMETERS,),
