@@ -85,9 +85,9 @@ class Lora:
 
     def build(self, base: Tensor, weight: str, rows: int, cols: int) -> Tensor:
         """``to_empty`` after the base weight (and its bias: ``qkv_bias.py``), for a base of out
-        ``rows`` x in ``cols``: A (r x in), B (out x r);
-        after the LM head's, under ``modules_to_save``, its trained copy (``SavedModule``: the
-        frozen original, then the copy, in the base's dtype). Returns what the forward reads."""
+        ``rows`` x in ``cols``: A (r x in), B (out x r); after the LM head's, under
+        ``modules_to_save``, its trained copy (``SavedModule``: the frozen original, then the copy,
+        in the base's dtype). Returns what the forward reads."""
         if weight == "output.weight" and self.cfg.save_head:
             copy = self._param("output.trained.weight", rows * cols, base.itemsize)
             return copy
