@@ -1,7 +1,8 @@
 """Qwen2-style q, k, v biases in the op-level run (``costmodel/timeline/qkv_bias.py``): ``addmm`` in
 the forward, dX before dW and the bias's sum over tokens in the backward, the biases in every
 state mechanism (DDP's buckets, ZeRO-1's partitions, FSDP2's groups, TP's column shards, AdamW's
-states, bf16-master's masters, LoRA over a biased base, pipeline chunks).
+states, bf16-master's masters, LoRA over a biased base, pipeline chunks), with activation offload,
+eager attention and a tied embedding.
 
 No GPU ran a biased plan (tests/data/gpu-traces holds none; no device was lent to this work): each
 case is held against the bundled trainer itself, run on CPU under rank simulation and measured the
@@ -27,6 +28,7 @@ from memplan.costmodel.timeline.events import ALLOC, Category
 from memplan.costmodel.timeline.qkv_bias import column_sum_staging
 from memplan.costmodel.timeline.trainer import dims, followed_rank, supported, trainer_run
 from memplan.costmodel.timeline.trainer_model import param_shapes
+from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.resolve import resolve_job
 from memplan.specs.workload import TrainingWorkload
@@ -34,8 +36,10 @@ from memplan.specs.workload import TrainingWorkload
 _QUANTIZED = "q, k, v biases over a quantized base"
 CPU_BOUND = 0.0001  # 0.01% of the trainer's peak, as test_timeline_recompute.py
 QWEN = TINY.model_copy(update=dict(name="tiny-qwen2", qkv_bias=True))
+TIED_QWEN = QWEN.model_copy(update=dict(name="tiny-qwen2-tied", tied_embeddings=True))
 LORA = dict(finetune="lora", lora_rank=8, lora_targets=("all-linear",))
 TP2 = dict(tp=2, sequence_parallel=True, dp=2)
+V2 = dict(pp=2, pp_schedule="interleaved", virtual_stages=2)
 
 # name: (plan, (micro_batch, global_batch), pipeline rank); the tiny biased model, sequences of 128 tokens
 CPU_CASES = {
@@ -56,6 +60,19 @@ CPU_CASES = {
     "lora-bf16-mixed-dropout-full": (
         dict(LORA, precision="bf16-mixed", lora_dropout=0.1, recompute="full"), (1, None), 0
     ),
+    "act-offload-bf16": (dict(precision="bf16", offload_activations="cpu"), (1, None), 0),
+    "eager-bf16": (dict(precision="bf16", attention="eager"), (1, None), 0),
+    "eager-fp32-selective": (dict(precision="fp32", attention="eager", recompute="selective"), (1, None), 0),
+    "interleaved-pp2-v2-first-zero2-dp2-bf16-mixed": (dict(V2, precision="bf16-mixed", dp=2, zero=2), (1, 8), 0),
+    "gpipe-pp2-last-tp2-sp-zero3-dp2-bf16-mixed": (
+        dict(TP2, pp=2, pp_schedule="gpipe", precision="bf16-mixed", zero=3), (1, 8), 1
+    ),
+    "tp2-no-sp-zero3-dp2-bf16": (dict(TP2, sequence_parallel=False, zero=3, precision="bf16"), (1, None), 0),
+    "zero1-dp3-bf16-master-selective-op-accum2": (
+        dict(precision="bf16-master", dp=3, zero=1, recompute="selective-op"), (1, 6), 0
+    ),
+    "lora-zero1-dp2-bf16": (dict(LORA, precision="bf16", dp=2, zero=1), (1, None), 0),
+    "tied-zero3-dp2-bf16-mixed": (dict(precision="bf16-mixed", dp=2, zero=3), (1, None), 0),
     "lora-q-v-bf16-master-lm-head-copy": (
         dict(LORA, precision="bf16-master", lora_targets=("q_proj", "v_proj"), modules_to_save=("lm_head",)),
         (1, None), 0,
@@ -66,15 +83,19 @@ CPU_CASES = {
 DEFAULT = {"bf16", "zero3-dp2-bf16-mixed", "lora-ddp-dp2-bf16"}
 
 
-def _run_peaks(workload: TrainingWorkload, plan: Plan, stage: int) -> tuple[int, int]:
+def _model(name: str) -> ModelSpec:
+    return TIED_QWEN if name.startswith("tied") else QWEN
+
+
+def _run_peaks(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: int) -> tuple[int, int]:
     """The steady peaks of the run the estimate replays (CPU's dropout kernel), what only CUDA
     allocates left out."""
-    run = trainer_run(QWEN, workload, plan, stage=stage if plan.pp > 1 else None, cuda=False)
+    run = trainer_run(model, workload, plan, stage=stage if plan.pp > 1 else None, cuda=False)
     assert run is not None
     return steady_peaks([e for e in run if e.tag.rsplit(".", 1)[-1] not in CUDA_ONLY])
 
 
-def _measure(workload: TrainingWorkload, plan: Plan, stage: int) -> tuple[int, int]:
+def _measure(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: int) -> tuple[int, int]:
     """The bundled trainer on CPU, on the rank the run follows: the steady peak, and the forward's
     and backward's."""
     pytest.importorskip("torch")
@@ -83,10 +104,10 @@ def _measure(workload: TrainingWorkload, plan: Plan, stage: int) -> tuple[int, i
     from memplan.train.runner import run
     from memplan.validate.spec import RunSpec
 
-    rank = followed_rank(QWEN, workload, plan, stage)
+    rank = followed_rank(model, workload, plan, stage)
     math = sdpa_kernel(SDPBackend.MATH) if plan.precision == "fp32" else contextlib.nullcontext()
     with math:
-        record = run(RunSpec(model=QWEN, workload=workload, plan=plan, rank=rank, steps=2))
+        record = run(RunSpec(model=model, workload=workload, plan=plan, rank=rank, steps=2))
     assert record.status == "ok", record.reason
     return record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward"))
 
@@ -96,8 +117,9 @@ def test_the_bundled_trainer_on_cpu_peaks_where_the_run_does(name):
     changes, (micro_batch, global_batch), stage = CPU_CASES[name]
     plan = Plan(**changes)
     workload = TrainingWorkload(seq_len=128, micro_batch=micro_batch, global_batch=global_batch)
-    assert supported(QWEN, workload, plan) is None  # the estimate follows it op by op
-    predicted, measured = _run_peaks(workload, plan, stage), _measure(workload, plan, stage)
+    model = _model(name)
+    assert supported(model, workload, plan) is None  # the estimate follows it op by op
+    predicted, measured = _run_peaks(model, workload, plan, stage), _measure(model, workload, plan, stage)
     for what, p, got in zip(("step", "forward and backward"), predicted, measured, strict=True):
         assert abs(p / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {p:,}, measured {got:,}"
 
