@@ -176,7 +176,7 @@ class Ddp:
         t = self.tape
         with t.scoped("ddp.verify"):
             counts = [t.new(1, 8, "param_count", Category.COMM) for _ in range(self.dp + 1)]
-            ndims = sum(1 if name.endswith("norm.weight") else 2 for name in self.names)
+            ndims = sum(1 if name.endswith(("norm.weight", ".bias")) else 2 for name in self.names)
             t.done(t.new(2 * ndims, 8, "metadata", Category.COMM))
             t.done(*counts[1:], counts[0])
 

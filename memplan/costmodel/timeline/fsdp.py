@@ -41,7 +41,7 @@ from __future__ import annotations
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category, Stream
-from memplan.costmodel.timeline.trainer_model import LAYER_PARAMS, Dims, Model
+from memplan.costmodel.timeline.trainer_model import Dims, Model, layer_param_names
 
 # Small metadata tensors of the copy-out (split sizes) and the reduce-scatter copy-in (chunk
 # offsets), in the small pool either way: per layer group / per embedding or head group, as
@@ -81,7 +81,7 @@ class Fsdp:
         self.offload = offload  # CPUOffloadPolicy: shards, gradients and the optimizer on the host
         self.mixed = d.pd == 4 and d.cd == 2  # MixedPrecisionPolicy(param bf16, reduce fp32)
         self.rd = d.pd  # reduce dtype: fp32 under the mixed policy, else the parameters' own
-        layers = [[f"layers.{i}.{name}.weight" for name in LAYER_PARAMS] for i in range(d.layers)]
+        layers = [[f"layers.{i}.{name}" for name in layer_param_names(d)] for i in range(d.layers)]
         self.first, self.last = first, last  # a pipeline chunk holds the embedding or the head (pipeline.py)
         # a tied model: the root group holds the embedding (the head's matrix too) and the final norm
         self.tied = tied and first and last

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.costmodel.lora import ADAPTER_BYTES, HF_NAMES, resolve_targets
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import ops, qkv_bias
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.dropout import dropout
@@ -77,24 +77,34 @@ class Lora:
     trained: list[tuple[str, Tensor]] = field(default_factory=list)  # model.parameters() order
     grads: dict[str, Tensor] = field(default_factory=dict)
     held: list[Tensor] = field(default_factory=list)  # what the graph keeps until ``del loss``
+    pending: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # bias -> its weight's adapters
 
     def _targeted(self, weight: str) -> bool:
         parts = weight.split(".")  # layers.{i}.{owner}.{attr}.weight
-        return parts[0] == "layers" and ".".join(parts[2:4]) in self.cfg.modules
+        return parts[0] == "layers" and parts[-1] == "weight" and ".".join(parts[2:4]) in self.cfg.modules
 
     def build(self, base: Tensor, weight: str, rows: int, cols: int) -> Tensor:
-        """``to_empty`` after the base weight (out ``rows`` x in ``cols``): A (r x in), B (out x r);
-        after the LM head's, under ``modules_to_save``, its trained copy (``SavedModule``: the
-        frozen original, then the copy, in the base's dtype). Returns what the forward reads."""
+        """``to_empty`` after the base weight (and its bias: ``qkv_bias.py``), for a base of out
+        ``rows`` x in ``cols``: A (r x in), B (out x r); after the LM head's, under
+        ``modules_to_save``, its trained copy (``SavedModule``: the frozen original, then the copy,
+        in the base's dtype). Returns what the forward reads."""
         if weight == "output.weight" and self.cfg.save_head:
             copy = self._param("output.trained.weight", rows * cols, base.itemsize)
             return copy
-        if not self._targeted(weight):
-            return base
+        if weight in self.pending:  # a biased base (qkv_bias.py): its adapters after its bias
+            self._adapters(*self.pending.pop(weight))
+        elif self._targeted(weight):
+            bias = qkv_bias.bias_name(weight) if self.model is not None and self.model.d.qkv_bias else None
+            if bias is None:
+                self._adapters(weight, rows, cols)
+            else:
+                self.pending[bias] = (weight, rows, cols)
+        return base
+
+    def _adapters(self, weight: str, rows: int, cols: int) -> None:
         r, prefix = self.cfg.rank, weight.removesuffix(".weight")
         a = self._param(f"{prefix}.lora_A", r * cols, ADAPTER_BYTES)
         self.adapters[weight] = (a, self._param(f"{prefix}.lora_B", rows * r, ADAPTER_BYTES))
-        return base
 
     def _param(self, name: str, numel: int, itemsize: int) -> Tensor:
         p = self.tape.managed(numel, itemsize, name, Category.PARAMETERS)

@@ -25,7 +25,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     """What keeps the timeline from following this plan faithfully, or None.
 
     Modelled (the traces cover each mechanism): one pipeline stage; a dense Llama-family decoder
-    (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA, or in fp32 with GQA
+    (RMSNorm, RoPE, gated SiLU MLP, no QK-norm, no biases but Qwen2's on q, k and v:
+    ``qkv_bias.py``, in every mechanism below but a 4-bit base, checked against the trainer on CPU,
+    test_timeline_qkv_bias.py) with flash SDPA, or in fp32 with GQA
     SDPA's math path (``precision.py``, h200_a_fp32full); AdamW (foreach), or bf16-master's
     MasterAdamW (``master.py``, h200_a_master1b); recompute none, full (every layer) or
     selective; in bf16, bf16-master or bf16-mixed (autocast without FSDP2, else
@@ -57,7 +59,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     trace).
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
-    refuses them); MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention under autocast
+    refuses them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them),
+    q, k, v biases over a 4-bit base (not checked), QK-norm; eager attention under autocast
     or with LoRA; activation offload in fp32, or with accumulation outside bf16 / bf16-mixed on
     one rank; fp32 SDPA without GQA (the memory-efficient kernel) or fp32 with offload (not
     checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
@@ -72,7 +75,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
-        (not (model.qkv_bias or model.attn_out_bias or model.mlp_bias or model.qk_norm), "biases or QK-norm"),
+        (not (model.attn_out_bias or model.mlp_bias or model.qk_norm), "output or MLP biases, or QK-norm"),
+        (not model.qkv_bias or plan.quant == "none", "q, k, v biases over a quantized base"),
         (plan.attention == "flash" or _eager_modelled(plan), f"{plan.attention} attention with this precision"),
         (plan.quant != "int8", _INT8),
         (_quant_modelled(workload, plan), "a 4-bit base other than nf4 with double quantization over > 1536 tokens"),

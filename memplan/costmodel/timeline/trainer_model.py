@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memplan.costmodel.timeline import eager, ops
+from memplan.costmodel.timeline import eager, ops, qkv_bias
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
@@ -44,6 +44,7 @@ class Dims:
     recompute: str = "none"  # none | full | selective | selective-op (recompute.py)
     recompute_layers: int | None = None  # full: the first n layers only
     attention: str = "flash"  # the SDPA kernel: flash, or math (fp32 with GQA on CUDA: precision.py); or eager
+    qkv_bias: bool = False  # wq, wk, wv with biases (Qwen2: qkv_bias.py)
 
     @classmethod
     def of(cls, model: ModelSpec, workload: TrainingWorkload, **rest: object) -> Dims:
@@ -59,6 +60,7 @@ class Dims:
             head_dim=model.head_size,
             vocab=model.vocab_size,
             layers=model.num_layers,
+            qkv_bias=model.qkv_bias,
             **rest,  # type: ignore[arg-type]
         )
 
@@ -80,17 +82,31 @@ LAYER_PARAMS = (
 )
 
 
+def layer_param_names(d: Dims) -> tuple[str, ...]:
+    """A layer's parameters in module order, relative to ``layers.{i}``: each module's weight,
+    and after wq's, wk's and wv's their biases under ``qkv_bias``."""
+    names = []
+    for name in LAYER_PARAMS:
+        names.append(f"{name}.weight")
+        if d.qkv_bias and name in qkv_bias.QKV:
+            names.append(f"{name}.bias")
+    return tuple(names)
+
+
 def param_shapes(d: Dims, tied: bool) -> dict[str, tuple[int, int]]:
     """Each parameter's local shape (rows, cols) in module order (``model.parameters()``):
-    under TP the column-parallel weights split their rows, the row-parallel ones (wo, w2) their
-    columns, the embedding and the head the vocabulary; norms are replicated. A tied LM head
-    is the embedding (left out)."""
+    under TP the column-parallel weights split their rows (and so their biases), the
+    row-parallel ones (wo, w2) their columns, the embedding and the head the vocabulary; norms
+    are replicated. A tied LM head is the embedding (left out)."""
     tp = d.tp
     layer = ((d.h, 1), (d.q // tp, d.h), (d.kv // tp, d.h), (d.kv // tp, d.h), (d.h, d.q // tp))
     layer += ((d.h, 1), (d.f // tp, d.h), (d.h, d.f // tp), (d.f // tp, d.h))
+    shapes = dict(zip((f"{name}.weight" for name in LAYER_PARAMS), layer, strict=True))
+    shapes.update({f"{name}.bias": (shapes[f"{name}.weight"][0], 1) for name in qkv_bias.QKV})
+    names = layer_param_names(d)
     out = {"tok_embeddings.weight": (d.vocab // tp, d.h)}
     for i in range(d.layers):
-        out.update({f"layers.{i}.{name}.weight": shape for name, shape in zip(LAYER_PARAMS, layer, strict=True)})
+        out.update({f"layers.{i}.{name}": shapes[name] for name in names})
     out["norm.weight"] = (d.h, 1)
     if not tied:
         out["output.weight"] = (d.vocab // tp, d.h)
@@ -125,15 +141,19 @@ class Model:
         return self.tape.alias(self.cache[name])
 
     def linear(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
-        """``nn.Linear`` (no bias), or a 4-bit base's ``Linear4bit`` (``base``); under autocast the
-        weight cast, then the input cast; under LoRA the adapter over the output (``LoraLinear``)."""
+        """``nn.Linear``, or a 4-bit base's ``Linear4bit`` (``base``); under autocast the bias cast
+        (``qkv_bias.py``), the weight cast, then the input cast; under LoRA the adapter over the
+        output (``LoraLinear``)."""
         t = self.tape
         out = self.base(x, name, out_features, tag) if self.base is not None else None
         if out is None:
+            bias = qkv_bias.bias_name(name) if self.d.qkv_bias else None
+            b = self.weight(bias) if bias is not None else None
             w = self.weight(name)
             xin = ops.to(t, x, 2, f"{tag}.input_cast") if self.cache is not None else t.alias(x)
-            out = ops.linear(t, xin, w, x.numel // (w.numel // out_features) * out_features, tag)
-            t.done(xin, w)
+            numel = x.numel // (w.numel // out_features) * out_features
+            out = ops.linear(t, xin, w, numel, tag) if b is None else qkv_bias.addmm(t, xin, w, b, numel, tag)
+            t.done(xin, w, b)
         if self.adapter is not None:
             out = self.adapter(x, out, name)
         return out
