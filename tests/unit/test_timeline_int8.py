@@ -2,12 +2,17 @@
 
 No GPU trace ran an 8-bit base. The bundled trainer's run with CPU's kernels (``trainer_run(...,
 cuda=False)``: bitsandbytes' ``MatMul8bitFp``) is held against the bundled trainer itself on CPU,
-as tests/unit/test_timeline_lora_variants.py does; CUDA's ``MatMul8bitLt`` is checked against what
+as tests/unit/test_timeline_lora_variants.py does; the ``hf`` run against the real
+``transformers.Trainer`` over a PEFT LoRA on an 8-bit base (a random Llama saved and loaded back with
+``BitsAndBytesConfig(load_in_8bit=True)``, tests/accuracy/hf_peft_steps.py), as
+tests/unit/test_timeline_hf_peft.py does; CUDA's ``MatMul8bitLt`` is checked against what
 bitsandbytes 0.50.2's source allocates, tensor by tensor. Measured 2026-11-27 (torch 2.13.0+cpu,
-bitsandbytes 0.50.2), tiny GQA Llama, 128 tokens: every case below 224 B under the trainer's peak
-(0.001%), the step's and the forward's and backward's, as the other LoRA cases. The real run's
-outlier columns (the inputs' |x| >= 6.0, which CUDA's kernel keeps apart) are counted in the same
-run: none, as ``int8.OUTLIER_COLUMNS`` says.
+bitsandbytes 0.50.2, transformers 5.23.0, peft 0.21.2): the bundled trainer's cases 224 B under its
+peak (112 B on the small model; 0.001%), the step's and the forward's and backward's, as the other
+LoRA cases; the Trainer's equal to the byte (fp32 stream, checkpointing, ``bf16=True``, a bf16-loaded
+base, all linears with dropout, the recipe of all three, accumulation). The real run's outlier
+columns (the inputs' |x| >= 6.0, which CUDA's kernel keeps apart) are counted in the bundled
+trainer's run: none, as ``int8.OUTLIER_COLUMNS`` says.
 """
 
 from __future__ import annotations
@@ -179,10 +184,60 @@ def test_cpu_forward_dequantizes_the_weight():
     assert allocs[i + 1 : i + 4] == [("weight_dq", 65536), ("weight_dq_scale", 1024), ("w1", 32768)]
 
 
-def test_the_estimate_answers_int8_with_the_op_level_run():
+@pytest.mark.parametrize(("runtime", "which"), [("memplan", "trainer"), ("hf", "hf")])
+def test_the_estimate_answers_int8_with_the_op_level_run(runtime, which):
     job = resolve_job("llama3-8b", None, dict(INT8, precision="bf16", seq_len=1024, micro_batch=1), inference=False)
-    _, which = plan_run(job.model, job.workload, job.plan, "memplan")
-    assert which == "trainer"
+    _, answered = plan_run(job.model, job.workload, job.plan, runtime)
+    assert answered == which
+
+
+# the Trainer over PEFT on an 8-bit base (peft_steps.TINY: Llama h 64, 2 layers, 2 x 64 tokens)
+HF_CASES = {
+    "int8-recipe": dict(dtype="bfloat16", autocast=True, checkpointing=True),
+    "int8": {},
+    "int8-ckpt": dict(checkpointing=True),
+    "int8-autocast": dict(autocast=True),
+    "int8-bf16-base": dict(dtype="bfloat16"),
+    "int8-all-linear-dropout": dict(targets=("all-linear",), dropout=0.1),
+}
+HF_DEFAULT = {"int8-recipe"}  # bf16 base, bf16=True, checkpointing: the usual recipe over an 8-bit base
+
+
+def _hf_predict(case, ga: int = 1) -> int:
+    """The ``hf`` run's peak on CPU's kernels, as test_timeline_hf_peft.predict."""
+    from peft_steps import plan_of
+
+    from memplan.costmodel.timeline.hf_bnb import Bnb8bit
+    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
+    from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run
+    from memplan.specs.loader import model_from_data
+
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = plan_of(case)
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
+    timeline = hf_run(
+        d, model.tied_embeddings, "cpu_flash", steps=3, batches=3 * ga, qkv_bias=model.qkv_bias, ga=ga,
+        lora=HfLoraConfig.of(plan), quant=Bnb8bit.of(plan), inplace_accumulate=False,
+    )  # fmt: skip
+    return timeline.peak()[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "ga"),
+    [(n, 1) if n in HF_DEFAULT else pytest.param(n, 1, marks=pytest.mark.slow) for n in HF_CASES]
+    + [pytest.param("int8-ckpt", 2, marks=pytest.mark.slow)],
+)
+def test_the_trainer_over_an_8bit_base_peaks_where_the_hf_run_does(name, ga):
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    import hf_peft_steps  # tests/accuracy, on sys.path by tests/conftest.py
+    from peft_steps import TINY as PEFT_TINY
+    from peft_steps import PeftCase
+
+    case = PeftCase(f"hf-{name}", **{**PEFT_TINY, **HF_CASES[name]}, quant="int8")
+    measured = hf_peft_steps.measure(case, ga=ga, steps=3)
+    assert _hf_predict(case, ga) == measured
 
 
 @pytest.mark.parametrize(

@@ -126,8 +126,10 @@ class Int8:
         self.weights[name] = (cb, rows)
         self.state.append(scb)
 
-    def linear(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor | None:
-        """``Linear8bitLt.forward`` on ``x``; None when ``name`` is not an int8 weight."""
+    def linear(self, x: Tensor, name: str, out_features: int, tag: str, autocast: bool = False) -> Tensor | None:
+        """``Linear8bitLt.forward`` on ``x``; None when ``name`` is not an int8 weight. ``autocast``:
+        CPU's bf16 autocast around it (the Trainer's ``bf16=True``): ``MatMul8bitFp``'s ``F.linear``
+        runs in bf16 (CUDA's int8 kernels are custom ops autocast leaves alone)."""
         entry = self.weights.get(name)
         if entry is None:
             return None
@@ -135,20 +137,31 @@ class Int8:
         t, tokens = self.tape, x.numel // (cb.numel // rows)
         cols = cb.numel // rows
         node = t.node(f"{tag}.MatMul8bit", _backward(rows, cols, x.itemsize), [x])
-        out = self._cuda(x, node, tokens, rows, tag) if self.cuda else self._cpu(x, node, tokens, rows, cols, tag)
+        if self.cuda:
+            out = self._cuda(x, node, tokens, rows, tag)
+        else:
+            out = self._cpu(x, node, tokens, rows, cols, tag, autocast)
         if node is not None:  # ctx.A = A: an attribute, held while the graph lives
             a = t.alias(x)
             if not t.recomputing:  # a re-run's graph goes with the re-run (its Python references)
                 self.held.append(a)
         return out
 
-    def _cpu(self, x: Tensor, node: Node | None, tokens: int, rows: int, cols: int, tag: str) -> Tensor:
-        """``MatMul8bitFp.forward``: the dequantized weight, ``F.linear``, the weight freed."""
+    def _cpu(self, x: Tensor, node: Node | None, tokens: int, rows: int, cols: int, tag: str, autocast: bool) -> Tensor:
+        """``MatMul8bitFp.forward``: the dequantized weight, ``F.linear``, the weight freed. Under
+        autocast ``F.linear`` casts the weight, then the input (arguments right to left, as
+        ``Model.linear``), to bf16 (neither is a leaf that requires grad: not cached) and returns bf16."""
         t = self.tape
         w = _dequantize(t, rows, cols, x.itemsize, f"{tag}.weight_dq")
-        out = ops.result(t, tokens * rows, x.itemsize, tag, node)
+        casts = (
+            [t.new(rows * cols, 2, f"{tag}.weight_autocast"), t.new(x.numel, 2, f"{tag}.input_cast")]
+            if autocast
+            else []
+        )
+        out = ops.result(t, tokens * rows, 2 if autocast else x.itemsize, tag, node)
         if t.on_first_mm is not None:
             t.on_first_mm()
+        t.done(*reversed(casts))
         t.done(w)
         return out
 
