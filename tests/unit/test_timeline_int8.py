@@ -77,7 +77,8 @@ def _measured(model: ModelSpec, workload: TrainingWorkload, plan: Plan, monkeypa
     forward = bnb.nn.Linear8bitLt.forward
 
     def counting(self, x):  # noqa: ANN001, ANN202
-        with torch.no_grad():
+        # outside the meter's dispatch mode: the count's own tensors stay out of the measured peak
+        with torch.no_grad(), torch.utils._python_dispatch._disable_current_modes():
             columns = (x.detach().abs() >= THRESHOLD).reshape(-1, x.shape[-1]).any(dim=0).sum()
         seen[0] = max(seen[0], int(columns))
         return forward(self, x)
