@@ -10,9 +10,9 @@ bitsandbytes 0.50.2's source allocates, tensor by tensor. Measured 2026-11-27 (t
 bitsandbytes 0.50.2, transformers 5.23.0, peft 0.21.2): the bundled trainer's cases 224 B under its
 peak (112 B on the small model; 0.001%), the step's and the forward's and backward's, as the other
 LoRA cases; the Trainer's equal to the byte (fp32 stream, checkpointing, ``bf16=True``, a bf16-loaded
-base, all linears with dropout, the recipe of all three, accumulation). The real run's outlier
-columns (the inputs' |x| >= 6.0, which CUDA's kernel keeps apart) are counted in the bundled
-trainer's run: none, as ``int8.OUTLIER_COLUMNS`` says.
+base, all linears with dropout, the recipe of all three, accumulation, a trained lm_head copy, Qwen2's
+frozen q/k/v biases). The real run's outlier columns (the inputs' |x| >= 6.0, which CUDA's kernel
+keeps apart) are counted in the bundled trainer's run: none, as ``int8.OUTLIER_COLUMNS`` says.
 """
 
 from __future__ import annotations
@@ -200,6 +200,8 @@ HF_CASES = {
     "int8-autocast": dict(autocast=True),
     "int8-bf16-base": dict(dtype="bfloat16"),
     "int8-all-linear-dropout": dict(targets=("all-linear",), dropout=0.1),
+    "int8-ckpt-save-head": dict(checkpointing=True, modules_to_save=("lm_head",)),
+    "int8-qwen2-attention": dict(arch="qwen2", targets=("q_proj", "k_proj", "v_proj", "o_proj")),
 }
 HF_DEFAULT = {"int8-recipe"}  # bf16 base, bf16=True, checkpointing: the usual recipe over an 8-bit base
 
