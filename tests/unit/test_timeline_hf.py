@@ -167,7 +167,6 @@ def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> N
     [
         (["qwen3-30b-a3b", "--runtime", "hf"], "the qwen3-moe family"),
         ([LLAMA1B, "--runtime", "hf", "--dp", "2"], "more than one rank"),
-        ([LLAMA1B, "--runtime", "hf", "--finetune", "lora", "--quant", "int8"], "an LLM.int8 base"),
         ([LLAMA1B, "--runtime", "hf", "--finetune", "qlora", "--seq-len", "512", "--micro-batch", "2"], "1536 tokens"),
         ([LLAMA1B, "--runtime", "hf", "--attention", "eager"], "eager attention"),
         ([LLAMA1B, "--runtime", "hf-loop", "--global-batch", "8"], "the hf-loop runtime's loop has none"),

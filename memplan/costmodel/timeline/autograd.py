@@ -198,6 +198,11 @@ class Tape:
             self._pyrefs.append(t)
         return self.hold(t)
 
+    @property
+    def recomputing(self) -> bool:
+        """Inside a checkpoint's re-run: what its graph holds goes with it."""
+        return self._recompute is not None
+
     def free(self, t: Tensor) -> None:
         """An owner frees a managed tensor (FSDP2's ``resize_(0)``, ``tie_weights``)."""
         self.b.free(t.st.tid)

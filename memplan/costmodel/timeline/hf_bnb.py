@@ -27,11 +27,13 @@ the input's gradient. Checked on CPU against the real Trainer (tests/unit/test_t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
+from memplan.costmodel.timeline.int8 import OUTLIER_COLUMNS, Int8
 
 BLOCK = 64  # bnb_4bit's blocksize (transformers' BitsAndBytesConfig: 64)
 NESTED_BLOCK = 256  # double quantization's blocksize for the absmax (bitsandbytes.functional.quantize_4bit)
@@ -47,6 +49,7 @@ class Bnb4bit:
     double_quant: bool
     compute: int  # bnb_4bit_compute_dtype: 2 (bf16) or 4 (fp32)
     stored: int = 4  # quant_state.dtype: the weights' dtype when quantized (from_pretrained's dtype)
+    clones: ClassVar[bool] = True  # PEFT's lora.Linear4bit clones the base's result
 
     @classmethod
     def of(cls, plan) -> Bnb4bit | None:
@@ -62,8 +65,9 @@ class Bnb4bit:
         """A decoder layer's linear (``model.layers.{i}.{self_attn|mlp}.{proj}``)."""
         return name.startswith("model.layers.") and name.endswith("_proj")
 
-    def build(self, tape: Tape, name: str, numel: int) -> Tensor:
+    def build(self, tape: Tape, name: str, rows: int, cols: int) -> Tensor:
         """The packed weight, then its quantization state (``quant_state_tensors`` order)."""
+        numel = rows * cols
         w = tape.managed(numel // 2, 1, name, Category.PARAMETERS)
         blocks = -(-numel // BLOCK)
         if self.double_quant:
@@ -115,3 +119,49 @@ class Bnb4bit:
         out = ops.result(t, tokens * rows, x.itemsize, tag, node)
         t.done(*reversed(temps))
         return out
+
+
+@dataclass
+class Bnb8bit:
+    """An LLM.int8 base (``BitsAndBytesConfig(load_in_8bit=True)``: ``Linear8bitLt(has_fp16_weights=False,
+    threshold=6.0)`` in every decoder-layer linear), its matmuls ``int8.py``'s on the run's tape.
+
+    ``prepare_model_for_kbit_training`` casts every other parameter to fp32, so the stream is fp32 and
+    ``Linear8bitLt.forward`` takes it as is. Each weight: ``CB`` (int8, the parameter's storage) and
+    ``SCB`` (fp32 per output row; ``quant_state_tensors``). PEFT's ``lora.bnb.Linear8bitLt.forward``
+    is ``lora.Linear4bit``'s without the clone. The load's fp16 copy per weight (CUDA) is left out, as
+    the 4-bit load's temporaries are: the CPU count starts once the model is built."""
+
+    outliers: int = OUTLIER_COLUMNS  # per linear call, CUDA's MatMul8bitLt (int8.OUTLIER_COLUMNS)
+    int8: Int8 | None = field(default=None, repr=False)  # the run's linears, made on its tape
+    clones: ClassVar[bool] = False
+
+    @classmethod
+    def of(cls, plan) -> Bnb8bit | None:
+        """A plan's int8 base (``quant: int8``), or None."""
+        return cls() if plan.quant == "int8" else None
+
+    quantized = staticmethod(Bnb4bit.quantized)
+
+    def build(self, tape: Tape, name: str, rows: int, cols: int) -> Tensor:
+        """``CB`` (rows x cols int8), then ``SCB``."""
+        if self.int8 is None:
+            self.int8 = Int8(tape, outliers=self.outliers)
+        cb = tape.managed(rows * cols, 1, name, Category.PARAMETERS)
+        self.int8.state.append(tape.managed(rows, 4, f"{name}.SCB", Category.PARAMETERS))
+        self.int8.weights[name.removesuffix(".weight")] = (cb, rows)
+        return cb
+
+    def linear(self, model, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
+        """``Linear8bitLt.forward``: ``MatMul8bitFp`` on CPU (under ``bf16=True`` its ``F.linear``
+        in bf16), ``MatMul8bitLt`` on CUDA."""
+        assert self.int8 is not None
+        self.int8.cuda = not model.cpu
+        out = self.int8.linear(x, name, out_features, tag, autocast=model.cpu and model.cache is not None)
+        assert out is not None
+        return out
+
+    def free_graph(self) -> None:
+        """``training_step`` returns: the graph goes, each int8 linear's ``ctx.A`` with it."""
+        if self.int8 is not None:
+            self.int8.free_graph()

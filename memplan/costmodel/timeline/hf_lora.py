@@ -125,14 +125,16 @@ class HfLora:
         return y
 
     def _adapt_bnb(self, model, x: Tensor, out: Tensor, name: str) -> Tensor:
-        """``lora.bnb.Linear4bit.forward``: the base's result cloned; unless ``torch.is_autocast_enabled()``
-        the input cast to the adapters' dtype and their output cast to the result's before the sum.
-        That call asks about CUDA's autocast alone: on CPU the casts run under ``bf16=True`` too. Its
-        ``output`` stays a local until the return."""
+        """``lora.bnb.Linear4bit.forward`` (``Linear8bitLt``'s: no clone): the base's result cloned;
+        unless ``torch.is_autocast_enabled()`` the input cast to the adapters' dtype and their output
+        cast to the result's before the sum. That call asks about CUDA's autocast alone: on CPU the
+        casts run under ``bf16=True`` too. Its ``output`` stays a local until the return."""
         t, r, cast = self.tape, self.cfg.rank, model.cache is None or model.cpu
         with t.scoped(f"{name}.lora"):
-            result = ops.unary(t, out, "clone", temps=-1)  # CloneBackward passes the gradient on
-            t.done(out)
+            result = out
+            if model.quant.clones:  # lora.Linear4bit: CloneBackward passes the gradient on (8-bit: none)
+                result = ops.unary(t, out, "clone", temps=-1)
+                t.done(out)
             a = ops.to(t, x, ADAPTER_BYTES, "input_fp32") if cast else t.alias(x)
             dropped = self._dropout(a) if self.cfg.dropout else t.alias(a)
             ya = model.dense(dropped, f"{name}.lora_A", r, "lora_A")

@@ -14,12 +14,13 @@ any of the decoder layers' linears, any rank, dropout, ``modules_to_save`` lm_he
 embed_tokens). On CUDA the kernels are those of the bundled trainer's traces (``support.sdpa_kernel``),
 and LoRA's dropout is ``native_dropout`` from its source: not yet checked on a GPU against transformers.
 A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) over more than 1536 tokens a micro-batch
-(CUDA's dequantize-then-``F.linear`` path, read from bitsandbytes' source); an 8-bit base stays on the
-phase model.
+(CUDA's dequantize-then-``F.linear`` path, read from bitsandbytes' source); an LLM.int8 base
+(``hf_bnb.Bnb8bit``, ``int8.py``: CPU's ``MatMul8bitFp`` equal to the byte, tests/unit/test_timeline_int8.py;
+CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLUMNS``).
 
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
-4-bit bases, with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing).
+4-bit bases (not int8), with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ EAGER = ("gemma2",)
 # families whose sliding layers, with a window the sequence does not reach, run as full causal ones:
 # masking_utils._ignore_causal_mask_sdpa skips the mask (kv_length < window), SDPA runs is_causal
 WINDOW_SKIPPED = ("phi3", "gemma3")
+
+
+# the hand-written loop keeps ``out`` (and its graph) to the next forward: an int8 linear's ``ctx.A``
+# would live that long (memory.py: the loop's ``retained``), not followed
+_INT8_LOOP = "an LLM.int8 base under the hf-loop runtime (its kept graph holds the int8 linears' inputs)"
 
 
 def _layout(model: ModelSpec) -> tuple:
@@ -91,9 +97,9 @@ def hf_supported(
         (not model.qkv_bias or model.architecture == "qwen2", "Q/K/V biases outside Qwen2"),
         (_attention_ok(model, seq_len), "sliding or chunked attention (a window the sequence reaches)"),
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
-        (plan.quant in ("none", "nf4", "fp4"), "an LLM.int8 base (bitsandbytes' 8-bit matmul is not modelled)"),
+        (plan.quant != "int8" or runtime == "hf", _INT8_LOOP),
         (
-            plan.quant == "none" or tokens is None or tokens > CUDA_DEQUANT_TOKENS,
+            plan.quant in ("none", "int8") or tokens is None or tokens > CUDA_DEQUANT_TOKENS,
             f"a 4-bit base over {CUDA_DEQUANT_TOKENS} tokens or fewer (CUDA's gemm_4bit picks a fused kernel per GPU)",
         ),
         (plan.finetune == "full" or model.architecture in PEFT_FAMILIES, f"PEFT over the {model.architecture} family"),

@@ -36,7 +36,7 @@ from __future__ import annotations
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
-from memplan.costmodel.timeline.hf_bnb import Bnb4bit
+from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit
 from memplan.costmodel.timeline.hf_families import family, family_config
 from memplan.costmodel.timeline.hf_lora import HfLora, HfLoraConfig
 from memplan.costmodel.timeline.hf_model import is_norm, param_shapes, scalar_div
@@ -54,7 +54,7 @@ def hf_dims(model, workload, plan) -> Dims:
         model,
         workload,
         cd=itemsize,
-        pd=4 if mixed or plan.quant in ("nf4", "fp4") else itemsize,
+        pd=4 if mixed or plan.quant != "none" else itemsize,
         autocast=mixed,
         recompute=plan.recompute,
     )
@@ -86,7 +86,7 @@ def hf_plan_run(model, workload, plan) -> Timeline:
     kernel = hf_kernel(model, plan, "cuda")
     assert kernel is not None
     d = hf_dims(model, workload, plan)
-    lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan)
+    lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan) or Bnb8bit.of(plan)
     ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model)
     return hf_run(
         d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=ga, arch=arch, extra=extra, lora=lora, quant=quant
@@ -104,14 +104,14 @@ def hf_run(
     arch: str = "llama",
     extra: dict | None = None,
     lora: HfLoraConfig | None = None,
-    quant: Bnb4bit | None = None,
+    quant: Bnb4bit | Bnb8bit | None = None,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
     ``batches`` batches (None: enough that the prefetch never runs dry); ``qkv_bias``: Qwen2's
     attention biases; ``arch``: the family (``hf_families.py``) and ``extra`` its further
     config (``hf_families.family_config``); ``lora``: PEFT's adapters over the frozen base
-    (``hf_lora.py``); ``quant``: a 4-bit base (``hf_bnb.py``).
+    (``hf_lora.py``); ``quant``: a 4-bit or int8 base (``hf_bnb.py``).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
     run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant)
@@ -175,7 +175,7 @@ class _HfRun:
         quant = self.model.quant
         for name, (rows, cols) in self.shapes.items():
             if quant is not None and quant.quantized(name.removesuffix(".weight")):
-                self.model.weights[name] = quant.build(t, name, rows * cols)
+                self.model.weights[name] = quant.build(t, name, rows, cols)
                 continue
             p = t.managed(rows * cols, d.pd, name, Category.PARAMETERS)
             if self.lora is None:  # get_peft_model freezes the base
@@ -269,6 +269,8 @@ class _HfRun:
         t.backward(scaled, t.hold(seed))  # torch.autograd.backward holds it until it returns
         t.scope = ""
         t.done(seed, scaled)
+        if isinstance(self.model.quant, Bnb8bit):  # the int8 linears' ctx.A go with the graph
+            self.model.quant.free_graph()
         if self.lora is not None:
             self.lora.free_graph()
         t.done(self.prev_loss)

@@ -52,6 +52,7 @@ class LoraConfig:
     save_head: bool = False  # modules_to_save: lm_head (a trained copy of the LM head)
     dropout: bool = False  # lora_dropout > 0: nn.Dropout over the adapters' fp32 input (dropout.py)
     cuda: bool = True  # dropout's kernel: CUDA's fused one, else CPU's composite
+    int8: bool = False  # an LLM.int8 base (int8.py): MatMul8bitLt on CUDA, MatMul8bitFp on CPU
 
 
 def config(plan: Plan, cuda: bool = True) -> LoraConfig | None:
@@ -62,7 +63,8 @@ def config(plan: Plan, cuda: bool = True) -> LoraConfig | None:
     chosen = set(resolve_targets(plan.lora_targets))
     modules = frozenset(path for path, hf in HF_NAMES.items() if hf in chosen)
     input_grad, save_head = plan.recompute == "full", "lm_head" in plan.modules_to_save
-    return LoraConfig(plan.lora_rank, modules, input_grad, quant_config(plan), save_head, plan.lora_dropout > 0, cuda)
+    quant, dropout = quant_config(plan), plan.lora_dropout > 0
+    return LoraConfig(plan.lora_rank, modules, input_grad, quant, save_head, dropout, cuda, plan.quant == "int8")
 
 
 @dataclass

@@ -52,8 +52,11 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     trained LM head copy (``modules_to_save``), under DDP or ZeRO-1 (the bundled trainer on CPU);
     an nf4 base with double quantization computing in bf16 (``quant.py``, QLoRA: an fp32 stream
     on SDPA's math path) over more than 1536 tokens a micro-batch, one rank, one micro-batch, no
-    dropout or copy (h200_a_qlora8b). Activation offload (``save_on_cpu``, ``act_offload.py``)
-    where the trainer runs it, in bf16, bf16-mixed or bf16-master; eager attention (``eager.py``)
+    dropout or copy (h200_a_qlora8b); an LLM.int8 base (``int8.py``: CPU's ``MatMul8bitFp`` checked
+    against the trainer on CPU, CUDA's ``MatMul8bitLt`` from bitsandbytes' source, no trace) on one
+    rank or DDP, recompute none, full or selective, with accumulation or dropout. Activation offload
+    (``save_on_cpu``, ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed or
+    bf16-master; eager attention (``eager.py``)
     in full training, bf16, bf16-master or fp32; tensor parallel without sequence parallel under
     FSDP2 without a pipeline (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU
     trace).
@@ -66,7 +69,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
     without sequence parallel outside FSDP2 without a pipeline; accumulation, selective-op or
     partial recompute with offload (not checked); FSDP2 over a tied embedding with accumulation
-    or a pipeline; LLM.int8 bases; fp4 or single-quantized 4-bit bases, and 4-bit ones over at
+    or a pipeline; LLM.int8 bases with selective-op or partial recompute, a trained head copy,
+    autocast or ZeRO (``_int8_modelled``); fp4 or single-quantized 4-bit bases, and 4-bit ones over at
     most 1536 tokens (bitsandbytes' fused kernel); LoRA under FSDP2, TP or PP (the trainer
     refuses them), over a 4-bit base with dropout, accumulation, modules_to_save or dp > 1, under
     ZeRO-1 beside a 16-bit modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes
@@ -78,7 +82,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (not (model.attn_out_bias or model.mlp_bias or model.qk_norm), "output or MLP biases, or QK-norm"),
         (not model.qkv_bias or plan.quant == "none", "q, k, v biases over a quantized base"),
         (plan.attention == "flash" or _eager_modelled(plan), f"{plan.attention} attention with this precision"),
-        (plan.quant != "int8", _INT8),
+        (plan.quant != "int8" or _int8_modelled(plan), _INT8),
         (_quant_modelled(workload, plan), "a 4-bit base other than nf4 with double quantization over > 1536 tokens"),
         (plan.finetune == "full" or _plain_lora(plan), _LORA_PLAIN),
         (plan.finetune == "full" or _lora_variant(workload, plan), _LORA_VARIANT),
@@ -214,17 +218,27 @@ def _fp32_stream(plan: Plan) -> bool:
     return plan.precision == "fp32" or plan.quant != "none"
 
 
-_INT8 = (
-    "LLM.int8 bases (no GPU trace; MatMul8bitLt's outlier columns over the 6.0 threshold, which it "
-    "gathers and dequantizes apart, depend on the activations' values, not on their shapes)"
-)
+_INT8 = "an LLM.int8 base with selective-op or partial recompute, a modules_to_save copy, autocast, ZeRO or FSDP2"
+
+
+def _int8_modelled(plan: Plan) -> bool:
+    """An LLM.int8 base (``int8.py``) under LoRA as the bundled trainer on CPU was checked
+    (tests/unit/test_timeline_int8.py, within 224 B): fp32, bf16 or bf16-master (the stream is fp32
+    either way), recompute none, full or selective, accumulation, dropout, one rank or DDP. Not:
+    selective-op (its policy counts ``mm``s: CPU's ``MatMul8bitFp`` runs one, CUDA's int8 kernel
+    none), a trained head copy (``prepare_model_for_kbit_training`` casts it and the frozen
+    original to fp32: not followed), partial recompute or ZeRO-1 (not checked), autocast (the
+    trainer refuses it)."""
+    plain = _basic_recompute(plan) and not plan.modules_to_save and plan.precision != "bf16-mixed"
+    return plain and (plan.dp == 1 or plan.zero == 0)
 
 
 def _quant_modelled(workload: TrainingWorkload, plan: Plan) -> bool:
-    """None, or a 4-bit base as h200_a_qlora8b ran it (``quant.py``): nf4 with double
-    quantization, over more than 1536 tokens a micro-batch (bitsandbytes' dequantize + F.linear;
-    fewer run its fused ``gemm_4bit`` kernel, whose choice depends on the GPU)."""
-    if plan.quant == "none":
+    """None, an int8 base (:func:`_int8_modelled` says which), or a 4-bit base as h200_a_qlora8b
+    ran it (``quant.py``): nf4 with double quantization, over more than 1536 tokens a micro-batch
+    (bitsandbytes' dequantize + F.linear; fewer run its fused ``gemm_4bit`` kernel, whose choice
+    depends on the GPU)."""
+    if plan.quant in ("none", "int8"):
         return True
     tokens = workload.micro_batch * workload.seq_len
     return plan.quant == "nf4" and plan.double_quant and tokens > GEMM_4BIT_CUSTOM_MAX_M
@@ -252,6 +266,8 @@ def _lora_variant(workload: TrainingWorkload, plan: Plan) -> bool:
     (``ZeroRedundancyOptimizer`` refuses mixed dtypes: the trainer fails); over a 4-bit base,
     whose CUDA kernels the CPU run does not share, none of them and one rank (not checked)."""
     plain = plan.lora_dropout == 0 and accumulation(workload, plan) == 1 and not plan.modules_to_save
+    if plan.quant == "int8":  # its own rule: _int8_modelled
+        return True
     if plan.quant != "none":
         return plain and plan.precision == "bf16" and plan.dp == 1
     zero1 = plan.dp > 1 and plan.zero == 1

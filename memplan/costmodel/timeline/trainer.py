@@ -22,6 +22,7 @@ from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
+from memplan.costmodel.timeline.int8 import Int8
 from memplan.costmodel.timeline.lora import Lora, LoraConfig
 from memplan.costmodel.timeline.lora import config as lora_config
 from memplan.costmodel.timeline.master import MasterAdamW
@@ -142,6 +143,9 @@ class _Run:
         self.quant = Quant(self.tape, lora.quant) if lora is not None and lora.quant is not None else None
         if self.quant is not None:  # a 4-bit base (quant.py)
             self.model.base = self.quant.linear
+        self.int8 = Int8(self.tape, lora.cuda) if lora is not None and lora.int8 else None
+        if self.int8 is not None:  # an LLM.int8 base (int8.py)
+            self.model.base = self.int8.linear
         sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
         self.pipe = pipe(self.tape, self.grads) if pipe is not None else None  # one pipeline rank's chunks
         self.fsdp = None
@@ -182,6 +186,8 @@ class _Run:
             self.model.weights["output.weight"] = self.model.weights["tok_embeddings.weight"]
         if self.quant is not None:  # lora.init_adapters -> quant.quantize_base
             self.quant.build(self.model.weights)
+        if self.int8 is not None:
+            self.int8.build(self.model.weights, self.shapes)
 
     def _workspace(self, thread: str):
         def allocate() -> None:
@@ -230,6 +236,8 @@ class _Run:
         if self.fsdp is not None:
             self.fsdp.finish_backward()
         t.done(loss)
+        if self.int8 is not None:  # the int8 linears' ctx.A go with their nodes
+            self.int8.free_graph()
         if self.lora is not None:
             self.lora.free_graph()
         t.done(keep)
