@@ -8,7 +8,7 @@ phase model's moments (``step.py``), and the trainer's modules stay unimported.
 from __future__ import annotations
 
 from memplan.costmodel.attention import sdpa_backend
-from memplan.costmodel.quant import GEMM_4BIT_CUSTOM_MAX_M
+from memplan.costmodel.quant import gemm_4bit_kernel
 from memplan.costmodel.trainer_offload import unmodelled
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -75,9 +75,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (not (model.qkv_bias or model.attn_out_bias or model.mlp_bias or model.qk_norm), "biases or QK-norm"),
         (plan.attention == "flash" or _eager_modelled(plan), f"{plan.attention} attention with this precision"),
         (plan.quant != "int8", _INT8),
-        (_quant_modelled(workload, plan), "a 4-bit base other than nf4 with double quantization over > 1536 tokens"),
+        (_quant_modelled(model, workload, plan), _QUANT),
         (plan.finetune == "full" or _plain_lora(plan), _LORA_PLAIN),
-        (plan.finetune == "full" or _lora_variant(workload, plan), _LORA_VARIANT),
+        (plan.finetune == "full" or _lora_variant(plan), _LORA_VARIANT),
         (plan.finetune == "full" or _saved_head(model, plan), "modules_to_save other than an untied lm_head"),
         (plan.offload_activations == "none" or _act_offload_modelled(plan), "activation offload with this plan"),
         (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
@@ -216,14 +216,24 @@ _INT8 = (
 )
 
 
-def _quant_modelled(workload: TrainingWorkload, plan: Plan) -> bool:
-    """None, or a 4-bit base as h200_a_qlora8b ran it (``quant.py``): nf4 with double
-    quantization, over more than 1536 tokens a micro-batch (bitsandbytes' dequantize + F.linear;
-    fewer run its fused ``gemm_4bit`` kernel, whose choice depends on the GPU)."""
+_QUANT = "a 4-bit base whose gemm_4bit kernel the GPU picks (<= 1536 tokens), or under autocast"
+
+
+def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
+    """None, or a 4-bit base (``quant.py``): nf4 (h200_a_qlora8b) or fp4, with or without double
+    quantization, computing in bf16 (bf16, bf16-master) or fp32, where CUDA's ``gemm_4bit`` takes
+    the same path on every GPU for each decoder linear (``costmodel.quant.gemm_4bit_kernel``: over
+    1536 tokens a micro-batch dequantize + F.linear, at most 4 its fused kernel; between, by the
+    weight's shape and the compute dtype, or by the GPU's architecture: declined). Not under
+    autocast (bf16-mixed: the trainer's fp32 base quantized from fp32, computed in bf16)."""
     if plan.quant == "none":
         return True
-    tokens = workload.micro_batch * workload.seq_len
-    return plan.quant == "nf4" and plan.double_quant and tokens > GEMM_4BIT_CUSTOM_MAX_M
+    if plan.quant not in ("nf4", "fp4") or plan.precision not in ("bf16", "bf16-master", "fp32"):
+        return False
+    tokens, h = workload.micro_batch * workload.seq_len, model.hidden_size
+    shapes = {(model.q_size, h), (model.kv_size, h), (h, model.q_size), (model.ffn_size, h), (h, model.ffn_size)}
+    compute = 4 if plan.precision == "fp32" else 2
+    return all(gemm_4bit_kernel(tokens, n, k, compute) is not None for n, k in shapes)
 
 
 def _plain_lora(plan: Plan) -> bool:
@@ -238,20 +248,20 @@ def _plain_lora(plan: Plan) -> bool:
 
 
 _LORA_PLAIN = "LoRA other than adapters on one rank or under DDP (FSDP2, TP, PP)"
-_LORA_VARIANT = "LoRA with these options over a 4-bit base, or under ZeRO-1 beside a 16-bit modules_to_save copy"
+_LORA_VARIANT = "LoRA under ZeRO-1 beside a 16-bit modules_to_save copy"
 
 
-def _lora_variant(workload: TrainingWorkload, plan: Plan) -> bool:
-    """Over an unquantized base also gradient accumulation, dropout (``dropout.py``) and a
-    trained LM head copy (under DDP a 16-bit copy beside the fp32 adapters: one reducer bucket
-    per dtype, ``ddp.assign_buckets_by_dtype``), but not a 16-bit copy under ZeRO-1
-    (``ZeroRedundancyOptimizer`` refuses mixed dtypes: the trainer fails); over a 4-bit base,
-    whose CUDA kernels the CPU run does not share, none of them and one rank (not checked)."""
-    plain = plan.lora_dropout == 0 and accumulation(workload, plan) == 1 and not plan.modules_to_save
-    if plan.quant != "none":
-        return plain and plan.precision == "bf16" and plan.dp == 1
+def _lora_variant(plan: Plan) -> bool:
+    """Gradient accumulation, dropout (``dropout.py``) and a trained LM head copy (under DDP a
+    16-bit copy beside the fp32 adapters: one reducer bucket per dtype,
+    ``ddp.assign_buckets_by_dtype``), but not a 16-bit copy under ZeRO-1
+    (``ZeroRedundancyOptimizer`` refuses mixed dtypes: the trainer fails). Over a 4-bit base the
+    copy is fp32 (``prepare_model_for_kbit_training``), so ZeRO-1 takes it; the base's CUDA-only
+    temporaries come from bitsandbytes' source, the rest checked against the trainer on CPU
+    (tests/unit/test_timeline_quant_variants.py)."""
     zero1 = plan.dp > 1 and plan.zero == 1
-    return not (zero1 and plan.modules_to_save and plan.precision in ("bf16", "bf16-master"))
+    sixteen_bit_copy = plan.quant == "none" and plan.precision in ("bf16", "bf16-master")
+    return not (zero1 and plan.modules_to_save and sixteen_bit_copy)
 
 
 def _saved_head(model: ModelSpec, plan: Plan) -> bool:
