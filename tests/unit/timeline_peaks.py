@@ -24,9 +24,10 @@ CUDA_EMBEDDING_SCRATCH = frozenset(
 # saves and flash's copies of unpacked saves; the sum-to-weight staging buffer and its semaphores
 # (autograd.REDUCE_WORKSPACE_CAP); the softmax backward's ``grad * output`` (eager.py); bitsandbytes'
 # dequantize + F.linear inside its gemm_4bit custom op (quant.py)
-CUDA_TEMPORARIES = frozenset(
-    {STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP}
-) | CUDA_FALLBACK
+CUDA_TEMPORARIES = (
+    frozenset({STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP})
+    | CUDA_FALLBACK
+)
 
 
 def _cuda_only(tag: str) -> bool:

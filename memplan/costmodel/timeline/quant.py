@@ -107,9 +107,7 @@ class Quant:
     state: list[Tensor] = field(default_factory=list)  # QuantState tensors (kept for the run)
     dynamic_map: bool = False  # name2qmap["dynamic"] made (the first double quantization)
 
-    def build(
-        self, weights: dict[str, Tensor], before: dict[str, Tensor] | None = None
-    ) -> list[tuple[Tensor, Tensor]]:
+    def build(self, weights: dict[str, Tensor], before: dict[str, Tensor] | None = None) -> list[tuple[Tensor, Tensor]]:
         """``quantize_base`` over the built ``weights`` (names in module order): quantize every
         decoder linear, free their 16-bit weights last one first, cast the rest to fp32 when
         16-bit; ``before[name]``: a frozen parameter just before ``weights[name]`` in parameter
