@@ -97,7 +97,6 @@ def broadcast_buckets(states: list[tuple[int, int]], limit: int) -> list[list[in
     return sorted(assign_buckets_by_dtype(sizes, dtypes, [limit]), key=lambda bucket: bucket[0])
 
 
-
 class Ddp:
     """The reducer of one rank: its buckets and the order gradients became ready."""
 

@@ -48,13 +48,15 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (``lora.py``) over a frozen bf16 base on one rank (h200_a_lora8b), and over a bf16, fp32,
     bf16-mixed or bf16-master base with any number of micro-batches, dropout (``dropout.py``), a
     trained LM head copy (``modules_to_save``), under DDP or ZeRO-1 (the bundled trainer on CPU);
-    an nf4 base with double quantization computing in bf16 (``quant.py``, QLoRA: an fp32 stream
-    on SDPA's math path) over more than 1536 tokens a micro-batch, one rank, one micro-batch, no
-    dropout or copy (h200_a_qlora8b). Activation offload (``save_on_cpu``, ``act_offload.py``)
-    where the trainer runs it, in bf16, bf16-mixed or bf16-master; eager attention (``eager.py``)
-    in full training, bf16, bf16-master or fp32; tensor parallel without sequence parallel under
-    FSDP2 without a pipeline (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU
-    trace).
+    a 4-bit base (``quant.py``, QLoRA: an fp32 stream on SDPA's math path), nf4 with double
+    quantization computing in bf16 over more than 1536 tokens (h200_a_qlora8b), and fp4, single
+    quantization, bf16-master or fp32 compute, with the LoRA variants above, under DDP or ZeRO-1
+    (a head copy fp32 there), wherever CUDA's ``gemm_4bit`` takes one path on every GPU (the
+    trainer on CPU, bitsandbytes' CUDA-only temporaries from its source). Activation offload
+    (``save_on_cpu``, ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed or
+    bf16-master; eager attention (``eager.py``) in full training, bf16, bf16-master or fp32;
+    tensor parallel without sequence parallel under FSDP2 without a pipeline
+    (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace).
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
     refuses them); MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention under autocast
@@ -63,11 +65,10 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
     without sequence parallel outside FSDP2 without a pipeline; accumulation, selective-op or
     partial recompute with offload (not checked); FSDP2 over a tied embedding with accumulation
-    or a pipeline; LLM.int8 bases; fp4 or single-quantized 4-bit bases, and 4-bit ones over at
-    most 1536 tokens (bitsandbytes' fused kernel); LoRA under FSDP2, TP or PP (the trainer
-    refuses them), over a 4-bit base with dropout, accumulation, modules_to_save or dp > 1, under
-    ZeRO-1 beside a 16-bit modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes
-    one dtype), a copy over a tied embedding or of another module."""
+    or a pipeline; LLM.int8 bases; 4-bit bases under autocast, or whose ``gemm_4bit`` kernel the
+    GPU's architecture picks (5 to 1536 tokens, by the weights' shapes); LoRA under FSDP2, TP or
+    PP (the trainer refuses them), under ZeRO-1 beside a 16-bit modules_to_save copy (the trainer
+    fails: ZeroRedundancyOptimizer takes one dtype), a copy over a tied embedding or of another module."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -238,8 +239,9 @@ def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) ->
 
 def _plain_lora(plan: Plan) -> bool:
     """LoRA as h200_a_lora8b and h200_a_qlora8b ran it (one rank, a bf16 base, or a 4-bit one
-    computing in bf16), or over an fp32 base, under autocast (bf16-mixed: the frozen base's
-    weights cast anew at each matmul, the adapters' cached) or bf16-master's (AdamW over the
+    computing in bf16; other 4-bit bases: :func:`_quant_modelled`), or over an fp32 base, under
+    autocast (bf16-mixed: the frozen base's weights cast anew at each matmul, the adapters'
+    cached) or bf16-master's (AdamW over the
     fp32 adapters, MasterAdamW beside a 16-bit ``modules_to_save`` copy), on one rank or under
     DDP or ZeRO-1 (the reducer over the adapters): the bundled trainer on CPU
     (tests/unit/test_timeline_lora_variants.py). The trainer runs LoRA without FSDP2, TP or PP."""
