@@ -132,17 +132,16 @@ class Quant:
         CUDA kernel's absmax, then the packed codes; the code table; the nested state."""
         t, blocks = self.tape, -(-n // BLOCK_4BIT)
         with t.scoped(name.removesuffix(".weight")):
-            if not self.cfg.double_quant:  # QuantState(absmax=_absmax): the fp32 absmax is kept
-                keep = [t.managed(blocks, 4, "absmax", Category.PARAMETERS)]
-                self.packed[name] = t.managed(-(-n // 2), 1, "weight_4bit", Category.PARAMETERS)
-                keep.append(t.managed(CODE_4BIT, 1, "code", Category.PARAMETERS))
-                t.done(t.new(CODE_4BIT, 1, "code_abs"), t.new(1, 4, "code_max"))
-                self.state += keep
-                return
-            absmax = t.new(blocks, 4, "absmax")
+            if self.cfg.double_quant:  # the absmax goes once nested
+                absmax = t.new(blocks, 4, "absmax")
+            else:  # QuantState(absmax=_absmax): the fp32 absmax is the state
+                absmax = t.managed(blocks, 4, "absmax", Category.PARAMETERS)
             self.packed[name] = t.managed(-(-n // 2), 1, "weight_4bit", Category.PARAMETERS)
             keep = [t.managed(CODE_4BIT, 1, "code", Category.PARAMETERS)]
             t.done(t.new(CODE_4BIT, 1, "code_abs"), t.new(1, 4, "code_max"))  # data.div_(data.abs().max())
+            if not self.cfg.double_quant:
+                self.state += [absmax, *keep]
+                return
             keep.append(t.managed(1, 4, "offset", Category.PARAMETERS))
             staging = mean_staging(blocks)
             if staging:
