@@ -328,8 +328,8 @@ def test_the_estimate_replays_the_op_level_run():
 )
 def test_4bit_plans_it_does_not_follow_stay_on_the_phase_model(changes, reason):
     """Between 5 and 512 rows (and for small weights up to 1536) ``_gemm_4bit_use_custom_cuda``
-    picks the kernel by the GPU's architecture and SM count, which the run does not know; autocast
-    over the trainer's fp32-quantized base is not modelled."""
+    picks the kernel by the GPU's architecture and SM count, which the run does not know; the
+    bundled trainer refuses autocast over a quantized base (``validate.support``)."""
     job = _job(**changes)
     assert reason in (supported(job.model, job.workload, job.plan) or "")
     assert trainer_run(job.model, job.workload, job.plan) is None

@@ -226,7 +226,7 @@ def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) ->
     the same path on every GPU for each decoder linear (``costmodel.quant.gemm_4bit_kernel``: over
     1536 tokens a micro-batch dequantize + F.linear, at most 4 its fused kernel; between, by the
     weight's shape and the compute dtype, or by the GPU's architecture: declined). Not under
-    autocast (bf16-mixed: the trainer's fp32 base quantized from fp32, computed in bf16)."""
+    autocast (bf16-mixed): the bundled trainer refuses it (``validate.support.check_plan``)."""
     if plan.quant == "none":
         return True
     if plan.quant not in ("nf4", "fp4") or plan.precision not in ("bf16", "bf16-master", "fp32"):
