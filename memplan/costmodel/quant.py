@@ -17,6 +17,32 @@ OFFSET_NESTED = 4  # QuantState.offset: mean of the absmaxes subtracted before n
 # bitsandbytes 0.50.2 backends/cuda/ops.py ``_gemm_4bit_custom_max_m``: over this many rows (tokens)
 # CUDA's gemm_4bit dequantizes the weight and calls F.linear; at or under it a fused kernel may run
 GEMM_4BIT_CUSTOM_MAX_M = 1536
+GEMM_4BIT_CUSTOM_FLOOR_M = 4  # ``_GEMM_4BIT_CUSTOM_FLOOR_M``: at or under it the fused kernel, on every GPU
+SMALL_WEIGHT = 4 * 1024 * 1024  # ``_gemm_4bit_use_custom_cuda``'s small-weight path: N x K under this
+FUSED_MAX_M = 512  # its cap for other weights: over it dequantize + F.linear on every architecture
+FP32_FUSED_BELOW_M = 8  # fp32 (no MMA kernel): the fused SIMT kernel only under 8 rows
+DEQUANTIZE, FUSED = "dequantize", "fused"
+
+
+def gemm_4bit_kernel(tokens: int, out_features: int, in_features: int, compute_bytes: int) -> str | None:
+    """Which path CUDA's ``bitsandbytes::gemm_4bit`` (bitsandbytes 0.50.2 ``backends/cuda/ops.py``)
+    takes for ``tokens`` rows (M) of a 4-bit weight N x K in the compute dtype: :data:`DEQUANTIZE`
+    (``_dequant_linear_fallback``) or :data:`FUSED` (``_gemm_4bit_kernel_impl``), or None where
+    ``_gemm_4bit_use_custom_cuda`` decides by the GPU's architecture and SM count. The rules that
+    hold on every CUDA GPU: over ``_gemm_4bit_custom_max_m`` rows, or K not a multiple of the
+    blocksize, the fallback; at most ``_GEMM_4BIT_CUSTOM_FLOOR_M`` rows the fused kernel; in fp32
+    (``dtype == torch.float32 or major < 7: return M < 8``) the fused kernel under 8 rows, else the
+    fallback; past the small-weight path (N x K of 4 Mi and more) the fallback over 512 rows
+    (``if M > 512: return False``, after the sm100 / sm87 / pre-sm75 exits, which all refuse it)."""
+    if tokens > GEMM_4BIT_CUSTOM_MAX_M or in_features % BLOCK_4BIT:
+        return DEQUANTIZE
+    if tokens <= GEMM_4BIT_CUSTOM_FLOOR_M:
+        return FUSED
+    if compute_bytes == 4:
+        return FUSED if tokens < FP32_FUSED_BELOW_M else DEQUANTIZE
+    if out_features * in_features >= SMALL_WEIGHT and tokens > FUSED_MAX_M:
+        return DEQUANTIZE
+    return None
 
 
 def packed_4bit_bytes(elements: int) -> int:

@@ -140,9 +140,9 @@ def test_the_backward_keeps_the_embedding_output_and_its_grad_until_del_loss(tim
         (dict(modules_to_save=("embed_tokens",)), "modules_to_save other than an untied lm_head"),
         (dict(dp=2, zero=3, global_batch=8), "on one rank"),
         (dict(tp=2, sequence_parallel=True), "LoRA other than adapters"),
-        (dict(finetune="qlora", quant="fp4"), "a 4-bit base other than nf4"),
+        (dict(finetune="qlora", quant="fp4", precision="bf16-mixed"), "or under autocast"),
     ],
-    ids=["zero2", "modules-to-save", "fsdp", "tp", "qlora-fp4"],
+    ids=["zero2", "modules-to-save", "fsdp", "tp", "qlora-fp4-autocast"],
 )
 def test_lora_plans_it_cannot_follow_get_none(changes, reason):
     job = _job(**changes)

@@ -26,7 +26,7 @@ from memplan.costmodel.lora import HF_NAMES
 from memplan.costmodel.reserve import plan_run
 from memplan.costmodel.timeline import zero1
 from memplan.costmodel.timeline.autograd import Tape
-from memplan.costmodel.timeline.ddp import assign_buckets, assign_buckets_by_dtype, take_tensors
+from memplan.costmodel.timeline.ddp import assign_buckets, assign_buckets_by_dtype, broadcast_buckets
 from memplan.costmodel.timeline.events import ALLOC, Builder
 from memplan.costmodel.timeline.lora import Lora, config
 from memplan.costmodel.timeline.trainer import dims, supported, trainer_run
@@ -193,12 +193,13 @@ def test_lora_plans_it_does_not_follow_stay_on_the_phase_model(model, changes, r
 def test_ddp_groups_its_buckets_by_dtype():
     """``compute_bucket_assignment_by_size``: a bucket per dtype, each with its own limits, the
     full ones in the order they close, the open ones last; one dtype as ``assign_buckets``.
-    ``take_tensors`` (the broadcast): per dtype, fp32's group before bf16's at the end."""
+    The broadcast's (``broadcast_coalesced``): the same per dtype, sorted by each one's first index."""
     assert assign_buckets_by_dtype([5, 5, 5], [4, 2, 4], [8]) == [[0, 2], [1]]
     assert assign_buckets_by_dtype([1, 3, 4, 2, 10], [4] * 5, [2, 6]) == assign_buckets([1, 3, 4, 2, 10], [2, 6])
     assert assign_buckets_by_dtype([3, 3, 1, 1], [2, 4, 2, 4], [2, 6]) == [[0], [1], [2], [3]]
-    assert take_tensors([(5, 2), (5, 4), (3, 4)], 100) == [[1, 2], [0]]
-    assert take_tensors([(5, 2), (5, 2), (3, 4)], 8) == [[0, 1], [2]]
+    assert broadcast_buckets([(5, 2), (5, 4), (3, 4)], 100) == [[0], [1, 2]]
+    assert broadcast_buckets([(5, 2), (5, 2), (3, 4)], 8) == [[0, 1], [2]]
+    assert broadcast_buckets([(3, 4), (5, 1), (5, 1), (3, 4)], 8) == [[0, 3], [1, 2]]
 
 
 def test_the_estimate_answers_these_plans_with_the_op_level_run():

@@ -116,15 +116,11 @@ def test_the_absmax_mean_stages_as_the_trace_shows(values, staging):
 @pytest.mark.parametrize(
     ("changes", "reason"),
     [
-        (dict(quant="fp4"), "a 4-bit base other than nf4"),
-        (dict(double_quant=False), "a 4-bit base other than nf4"),
-        (dict(micro_batch=1, seq_len=1024, global_batch=1), "over > 1536 tokens"),
+        (dict(micro_batch=1, seq_len=512, global_batch=1), "kernel the GPU picks"),
         (dict(quant="int8", double_quant=False, modules_to_save=("lm_head",)), "LLM.int8"),
-        (dict(precision="bf16-mixed"), "LoRA with these options over a 4-bit base"),
-        (dict(lora_dropout=0.1), "LoRA with these options over a 4-bit base"),
-        (dict(global_batch=8), "LoRA with these options over a 4-bit base"),
+        (dict(precision="bf16-mixed"), "or under autocast"),
     ],
-    ids=["fp4", "no-double-quant", "few-tokens", "int8-head-copy", "autocast", "dropout", "accumulation"],
+    ids=["few-tokens", "int8-head-copy", "autocast"],
 )
 def test_quantized_plans_it_cannot_follow_get_none(changes, reason):
     job = _job(**changes)

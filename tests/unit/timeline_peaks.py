@@ -7,6 +7,7 @@ from memplan.costmodel.timeline.act_offload import STAGING
 from memplan.costmodel.timeline.eager import SOFTMAX_TMP
 from memplan.costmodel.timeline.events import ALLOC, FREE, MARK, Category, Timeline
 from memplan.costmodel.timeline.ops import FLASH_OUT_COPY, HEADS_MAJOR_COPY
+from memplan.costmodel.timeline.quant import CUDA_FALLBACK
 
 # ``embedding_dense_backward_cuda``'s index buffers and scratch (ops.embedding): the CPU kernel
 # makes the weight gradient alone
@@ -21,9 +22,11 @@ CUDA_EMBEDDING_SCRATCH = frozenset(
 
 # CUDA's kernels' temporaries (from source): activation offload's staging copies of non-contiguous
 # saves and flash's copies of unpacked saves; the sum-to-weight staging buffer and its semaphores
-# (autograd.REDUCE_WORKSPACE_CAP); the softmax backward's ``grad * output`` (eager.py)
-CUDA_TEMPORARIES = frozenset(
-    {STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP}
+# (autograd.REDUCE_WORKSPACE_CAP); the softmax backward's ``grad * output`` (eager.py); bitsandbytes'
+# dequantize + F.linear inside its gemm_4bit custom op (quant.py)
+CUDA_TEMPORARIES = (
+    frozenset({STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP})
+    | CUDA_FALLBACK
 )
 
 

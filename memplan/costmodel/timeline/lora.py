@@ -37,6 +37,7 @@ from memplan.costmodel.timeline.dropout import dropout
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.quant import QuantConfig
 from memplan.costmodel.timeline.quant import config as quant_config
+from memplan.costmodel.timeline.quant import is_linear as _is_4bit
 from memplan.costmodel.timeline.trainer_model import Model
 from memplan.specs.plan import Plan
 
@@ -80,6 +81,7 @@ class Lora:
     grads: dict[str, Tensor] = field(default_factory=dict)
     held: list[Tensor] = field(default_factory=list)  # what the graph keeps until ``del loss``
     pending: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # bias -> its weight's adapters
+    originals: dict[str, Tensor] = field(default_factory=dict)  # a trained copy's name -> its frozen original
 
     def _targeted(self, weight: str) -> bool:
         parts = weight.split(".")  # layers.{i}.{owner}.{attr}.weight
@@ -91,8 +93,8 @@ class Lora:
         ``modules_to_save``, its trained copy (``SavedModule``: the frozen original, then the copy,
         in the base's dtype). Returns what the forward reads."""
         if weight == "output.weight" and self.cfg.save_head:
-            copy = self._param("output.trained.weight", rows * cols, base.itemsize)
-            return copy
+            self.originals[weight] = base
+            return self._param("output.trained.weight", rows * cols, base.itemsize)
         if weight in self.pending:  # a biased base (qkv_bias.py): its adapters after its bias
             self._adapters(*self.pending.pop(weight))
         elif self._targeted(weight):
@@ -113,6 +115,14 @@ class Lora:
         p.fn = ops.leaf(self.grads, name)
         self.trained.append((name, p))
         return p
+
+    def retarget(self, casts: list[tuple[Tensor, Tensor]]) -> None:
+        """A 4-bit base's fp32 cast (``quant.Quant.build``) of a trained 16-bit parameter (the head
+        copy): the optimizer, the reducer and the gradient see the fp32 one, a leaf as it was."""
+        for i, (name, p) in enumerate(self.trained):
+            new = next((new for old, new in casts if old is p), None)
+            if new is not None:
+                new.fn, self.trained[i] = p.fn, (name, new)
 
     def params(self) -> list[tuple[str, int]]:
         """(name, elements) of the trainable parameters in ``model.parameters()`` order."""
@@ -138,13 +148,15 @@ class Lora:
     def _states(self, shapes: dict[str, tuple[int, int]], itemsize: int) -> list[tuple[int, int]]:
         """(bytes, itemsize) of every parameter in ``named_parameters()`` order (``named_modules``
         is pre-order: a ``LoraLinear``'s adapters before its base's weight; the head's copy after
-        the original); ``shapes``: the base's, of dtype ``itemsize``."""
+        the original); ``shapes``: the base's, of dtype ``itemsize``. Over a 4-bit base a decoder
+        linear is its packed uint8 codes (``Params4bit``), the rest fp32, the copy too."""
         out = []
         for name, (rows, cols) in shapes.items():
             out += [(p.numel * p.itemsize, p.itemsize) for p in self.adapters.get(name, ())]
-            out.append((rows * cols * itemsize, itemsize))
+            n, size = rows * cols, itemsize if self.cfg.quant is None else 4
+            out.append((-(-n // 2), 1) if self.cfg.quant is not None and _is_4bit(name) else (n * size, size))
             if name == "output.weight" and self.cfg.save_head:
-                out.append((rows * cols * itemsize, itemsize))
+                out.append((n * size, size))
         return out
 
     def adapt(self, x: Tensor, out: Tensor, weight: str) -> Tensor:

@@ -29,6 +29,23 @@ from 4972 (layer 31's w3, w2, w1, wo, wv, wk, wq, ...); the fp32 embedding 5197 
 layer 0's wq forward 5367-5378 (134,217,728 input cast, 1,048,576 twice, 33,554,432 weight,
 134,217,728 output, cuBLAS's 32 MiB, the three temporaries freed, 268,435,456 output cast), then
 PEFT's clone (5379).
+
+The other 4-bit bases the trainer builds, from bitsandbytes 0.50.2's source (no GPU trace): fp4
+allocates as nf4 does (``get_4bit_type``: a 16-entry fp32 table either way; the same kernels,
+``quant_type`` picks the table). Single quantization (``compress_statistics=False``): the fp32
+absmax is the state itself (``QuantState(absmax=_absmax)``), no offset, nested state or dynamic
+map; the fallback and ``dequantize_4bit`` read it as it is (no temporary). Under ``precision:
+fp32`` the weights are quantized from fp32 (``quant_state.dtype``), computed in fp32: the casts
+around ``MatMul4Bit`` are the input itself, the dequantized weight is fp32 (4 B an element), and
+``prepare_model_for_kbit_training`` casts nothing (every other parameter is fp32 already). A
+trained LM head copy (``modules_to_save``) is a 16-bit parameter: it is cast to fp32 after the
+original, and trained in fp32. At most 1536 rows ``gemm_4bit`` may take the fused kernel
+(``costmodel.quant.gemm_4bit_kernel`` says where every CUDA GPU does): it allocates its output
+alone (``_gemm_4bit_kernel_impl``: ``A.contiguous()`` of the contiguous cast input, the fp32
+offset's ``.to(float32)`` is itself) and calls no cuBLAS. The fallback's forward temporaries run
+inside the custom op, which a CPU count does not see (bitsandbytes' CPU ``gemm_4bit`` is
+``_gemm_4bit_default_impl``): they are tagged :data:`CUDA_FALLBACK` so that the comparison with
+the trainer on CPU leaves them out; the backward's (``MatMul4Bit.backward`` in Python) are shared.
 """
 
 from __future__ import annotations
@@ -36,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.costmodel.lora import HF_NAMES
-from memplan.costmodel.quant import BLOCK_4BIT, BLOCK_NESTED, CODE_4BIT, CODE_NESTED
+from memplan.costmodel.quant import BLOCK_4BIT, BLOCK_NESTED, CODE_4BIT, CODE_NESTED, FUSED, gemm_4bit_kernel
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
@@ -46,20 +63,27 @@ DYNAMIC_MAP = CODE_NESTED  # create_dynamic_map(): name2qmap["dynamic"], made on
 # torch's Reduce.cuh (setReduceConfig) for a full reduction of contiguous fp32 values to one: 512
 # threads a block, and a grid of SMs x 2048 / 512 blocks at most (132 SMs: H100 SXM and H200)
 REDUCE_THREADS, TARGET_GRID = 512, 132 * 4
+# the fallback's forward temporaries (``_dequant_linear_fallback``), inside the custom op: CUDA's only
+FALLBACK_ABSMAX_DQ, FALLBACK_ABSMAX, FALLBACK_WEIGHT = "fallback_absmax_dq", "fallback_absmax", "fallback_weight_dq"
+CUDA_FALLBACK = frozenset({FALLBACK_ABSMAX_DQ, FALLBACK_ABSMAX, FALLBACK_WEIGHT})
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """The plan's 4-bit base: bitsandbytes' compute dtype, in bytes (the stream is fp32)."""
+    """The plan's 4-bit base: bitsandbytes' compute dtype and the weights' dtype when quantized,
+    in bytes (the stream is fp32), and double quantization."""
 
     compute: int  # bnb_4bit_compute_dtype: bf16, fp32 under precision fp32
+    stored: int = 2  # quant_state.dtype: the trainer's param dtype (parallel.param_dtype)
+    double_quant: bool = True  # bnb_4bit_use_double_quant (compress_statistics)
 
 
 def config(plan: Plan) -> QuantConfig | None:
-    """The 4-bit base of a plan (``quant``: nf4 or fp4), or None."""
+    """The 4-bit base of a plan (``quant``: nf4 or fp4: the same bytes), or None."""
     if plan.quant not in ("nf4", "fp4"):
         return None
-    return QuantConfig(4 if plan.precision == "fp32" else 2)
+    stored = 2 if plan.precision in ("bf16", "bf16-master") else 4
+    return QuantConfig(4 if plan.precision == "fp32" else 2, stored, plan.double_quant)
 
 
 def mean_staging(numel: int) -> int:
@@ -81,39 +105,52 @@ class Quant:
     cfg: QuantConfig
     packed: dict[str, Tensor] = field(default_factory=dict)  # weight name -> packed codes
     state: list[Tensor] = field(default_factory=list)  # QuantState tensors (kept for the run)
+    dynamic_map: bool = False  # name2qmap["dynamic"] made (the first double quantization)
 
-    def build(self, weights: dict[str, Tensor]) -> None:
-        """``quantize_base`` over the built bf16 ``weights`` (names in module order): quantize
-        every decoder linear, free their bf16 weights last one first, cast the rest to fp32."""
-        t = self.tape
-        names = [n for n in weights if _is_linear(n)]
+    def build(self, weights: dict[str, Tensor], before: dict[str, Tensor] | None = None) -> list[tuple[Tensor, Tensor]]:
+        """``quantize_base`` over the built ``weights`` (names in module order): quantize every
+        decoder linear, free their 16-bit weights last one first, cast the rest to fp32 when
+        16-bit; ``before[name]``: a frozen parameter just before ``weights[name]`` in parameter
+        order (the original LM head before its trained copy). Returns the (old, new) casts."""
+        t, before = self.tape, before or {}
+        names = [n for n in weights if is_linear(n)]
         for name in names:
             self._quantize(name, weights[name].numel)
         for name in reversed(names):
             t.free(weights.pop(name))
-        cast: dict[int, Tensor] = {}  # a tied head is the embedding: one parameter, one cast
+        casts: list[tuple[Tensor, Tensor]] = []  # a tied head is the embedding: one parameter, one cast
         for name, w in list(weights.items()):  # prepare_model_for_kbit_training's fp32 cast
-            if id(w) not in cast:
-                cast[id(w)] = t.managed(w.numel, 4, name, Category.PARAMETERS)
-                t.free(w)
-            weights[name] = cast[id(w)]
+            for p in [before[name], w] if name in before else [w]:
+                if p.itemsize != 4 and not any(old is p for old, _ in casts):
+                    casts.append((p, t.managed(p.numel, 4, name, Category.PARAMETERS)))
+                    t.free(p)
+            weights[name] = next((new for old, new in casts if old is w), w)
+        return casts
 
     def _quantize(self, name: str, n: int) -> None:
-        """``Params4bit._quantize`` -> ``quantize_4bit(compress_statistics=True)``."""
+        """``Params4bit._quantize`` -> ``quantize_4bit(compress_statistics=double_quant)``: the
+        CUDA kernel's absmax, then the packed codes; the code table; the nested state."""
         t, blocks = self.tape, -(-n // BLOCK_4BIT)
         with t.scoped(name.removesuffix(".weight")):
-            absmax = t.new(blocks, 4, "absmax")
+            if self.cfg.double_quant:  # the absmax goes once nested
+                absmax = t.new(blocks, 4, "absmax")
+            else:  # QuantState(absmax=_absmax): the fp32 absmax is the state
+                absmax = t.managed(blocks, 4, "absmax", Category.PARAMETERS)
             self.packed[name] = t.managed(-(-n // 2), 1, "weight_4bit", Category.PARAMETERS)
             keep = [t.managed(CODE_4BIT, 1, "code", Category.PARAMETERS)]
             t.done(t.new(CODE_4BIT, 1, "code_abs"), t.new(1, 4, "code_max"))  # data.div_(data.abs().max())
+            if not self.cfg.double_quant:
+                self.state += [absmax, *keep]
+                return
             keep.append(t.managed(1, 4, "offset", Category.PARAMETERS))
             staging = mean_staging(blocks)
             if staging:
                 buffer = t.new(staging, 1, "mean_staging")
                 t.done(t.new(1, 4, "mean_semaphore"), buffer)
             centered = t.new(blocks, 4, "absmax_centered")
-            if not self.state:  # name2qmap["dynamic"], made once per process
+            if not self.dynamic_map:  # name2qmap["dynamic"], made once per process
                 keep.append(t.managed(DYNAMIC_MAP, 1, "dynamic_map", Category.PARAMETERS))
+                self.dynamic_map = True
             keep.append(t.managed(-(-blocks // BLOCK_NESTED), 4, "nested_absmax", Category.PARAMETERS))
             keep.append(t.managed(blocks, 1, "absmax_8bit", Category.PARAMETERS))
             keep.append(t.managed(DYNAMIC_MAP, 1, "nested_code", Category.PARAMETERS))
@@ -128,35 +165,48 @@ class Quant:
         t, cd = self.tape, self.cfg.compute
         n = packed.numel * 2
         xc = ops.to(t, x, cd, f"{tag}.input_cast")
-        y = self._matmul(xc, n, x.numel // (n // out_features) * out_features, tag)
+        y = self._matmul(xc, n, out_features, tag)
         out = ops.to(t, y, x.itemsize, f"{tag}.output_cast")
         t.done(y, xc)  # the call's temporary, then the rebound local x
         return out
 
-    def _matmul(self, x: Tensor, n: int, out_numel: int, tag: str) -> Tensor:
-        """``MatMul4Bit`` over ``x`` (compute dtype) of more than ``GEMM_4BIT_CUSTOM_MAX_M`` rows
-        (``costmodel.quant``; support.py declines fewer)."""
+    def _matmul(self, x: Tensor, n: int, out_features: int, tag: str) -> Tensor:
+        """``MatMul4Bit`` over ``x`` (compute dtype): ``gemm_4bit``'s path for its rows
+        (:func:`gemm_4bit_kernel`; support.py declines the shapes where the GPU decides), then
+        the output; the backward dequantizes the weight whatever the forward took."""
         t, cd, blocks, x_numel = self.tape, x.itemsize, -(-n // BLOCK_4BIT), x.numel
+        nested, stored = self.cfg.double_quant, self.cfg.stored
+        rows = x_numel // (n // out_features)  # M: the tokens
 
         def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
-            absmax = tape.new(blocks, 4, "absmax_dq")  # dequantize_blockwise, += offset in place
-            w = tape.new(n, cd, "weight_dq")
-            tape.drop(absmax)  # dequantize_4bit returns
-            dx = tape.new(x_numel, cd, "dX")
+            # F.dequantize_4bit: nested, the absmax dequantized (+= offset in place), freed at its return
+            absmax = tape.new(blocks, 4, "absmax_dq") if nested else None
+            w = tape.new(n, stored, "weight_dq")  # quant_state.dtype
+            tape.drop(absmax)
+            if stored != g[0].itemsize:  # .to(grad_output.dtype)
+                w, dequantized = tape.new(n, g[0].itemsize, "weight_cast"), w
+                tape.drop(dequantized)
+            dx = tape.new(x_numel, g[0].itemsize, "dX")
             if tape.on_first_mm is not None:
                 tape.on_first_mm()
             tape.drop(w)
             return [dx]
 
-        absmax_dq, absmax = t.new(blocks, 4, f"{tag}.absmax_dq"), t.new(blocks, 4, f"{tag}.absmax")
-        w = t.new(n, cd, f"{tag}.weight_dq")
-        out = ops.result(t, out_numel, cd, tag, t.node(f"{tag}.MatMul4Bit", apply, [x]))
+        node = t.node(f"{tag}.MatMul4Bit", apply, [x])
+        if gemm_4bit_kernel(rows, out_features, n // out_features, cd) == FUSED:
+            return ops.result(t, rows * out_features, cd, tag, node)  # _gemm_4bit_kernel_impl: its output
+        temps = []
+        if nested:  # absmax_dq (a local until the return), then its sum with the offset
+            temps = [t.new(blocks, 4, f"{tag}.{FALLBACK_ABSMAX_DQ}"), t.new(blocks, 4, f"{tag}.{FALLBACK_ABSMAX}")]
+        temps.append(t.new(n, cd, f"{tag}.{FALLBACK_WEIGHT}"))  # B_dq in A's dtype
+        out = ops.result(t, rows * out_features, cd, tag, node)
         if t.on_first_mm is not None:
             t.on_first_mm()
-        t.done(absmax, absmax_dq, w)  # the fallback's frame: its locals in order
+        t.done(*temps[1::-1], *temps[2:])  # the frame's locals as the trace frees them: sum, absmax_dq, B_dq
         return out
 
 
-def _is_linear(name: str) -> bool:
+def is_linear(name: str) -> bool:
+    """A decoder layer's linear weight: the ones ``quantize_base`` makes 4-bit."""
     parts = name.split(".")  # layers.{i}.{owner}.{attr}.weight
     return parts[0] == "layers" and ".".join(parts[2:4]) in HF_NAMES  # every decoder linear (train.quant.LINEARS)

@@ -8,7 +8,7 @@ phase model's moments (``step.py``), and the trainer's modules stay unimported.
 from __future__ import annotations
 
 from memplan.costmodel.attention import sdpa_backend
-from memplan.costmodel.quant import GEMM_4BIT_CUSTOM_MAX_M
+from memplan.costmodel.quant import gemm_4bit_kernel
 from memplan.costmodel.trainer_offload import unmodelled
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -50,16 +50,18 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (``lora.py``) over a frozen bf16 base on one rank (h200_a_lora8b), and over a bf16, fp32,
     bf16-mixed or bf16-master base with any number of micro-batches, dropout (``dropout.py``), a
     trained LM head copy (``modules_to_save``), under DDP or ZeRO-1 (the bundled trainer on CPU);
-    an nf4 base with double quantization computing in bf16 (``quant.py``, QLoRA: an fp32 stream
-    on SDPA's math path) over more than 1536 tokens a micro-batch, one rank, one micro-batch, no
-    dropout or copy (h200_a_qlora8b); an LLM.int8 base (``int8.py``: CPU's ``MatMul8bitFp`` checked
-    against the trainer on CPU, CUDA's ``MatMul8bitLt`` from bitsandbytes' source, no trace) on one
-    rank or DDP, recompute none, full or selective, with accumulation or dropout. Activation offload
+    a 4-bit base (``quant.py``, QLoRA: an fp32 stream on SDPA's math path), nf4 with double
+    quantization computing in bf16 over more than 1536 tokens (h200_a_qlora8b), and fp4, single
+    quantization, bf16-master or fp32 compute, with the LoRA variants above, under DDP or ZeRO-1
+    (a head copy fp32 there), wherever CUDA's ``gemm_4bit`` takes one path on every GPU (the
+    trainer on CPU, bitsandbytes' CUDA-only temporaries from its source). Activation offload
     (``save_on_cpu``, ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed or
-    bf16-master; eager attention (``eager.py``)
-    in full training, bf16, bf16-master or fp32; tensor parallel without sequence parallel under
-    FSDP2 without a pipeline (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU
-    trace).
+    bf16-master; eager attention (``eager.py``) in full training, bf16, bf16-master or fp32;
+    tensor parallel without sequence parallel under FSDP2 without a pipeline
+    (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace). An LLM.int8 base
+    (``int8.py``: CPU's ``MatMul8bitFp`` checked against the trainer on CPU, CUDA's
+    ``MatMul8bitLt`` from bitsandbytes' source, no trace) on one rank or DDP, recompute none, full
+    or selective, with accumulation or dropout.
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
     refuses them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them),
@@ -69,12 +71,11 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
     without sequence parallel outside FSDP2 without a pipeline; accumulation, selective-op or
     partial recompute with offload (not checked); FSDP2 over a tied embedding with accumulation
-    or a pipeline; LLM.int8 bases with selective-op or partial recompute, a trained head copy,
-    autocast or ZeRO (``_int8_modelled``); fp4 or single-quantized 4-bit bases, and 4-bit ones over at
-    most 1536 tokens (bitsandbytes' fused kernel); LoRA under FSDP2, TP or PP (the trainer
-    refuses them), over a 4-bit base with dropout, accumulation, modules_to_save or dp > 1, under
-    ZeRO-1 beside a 16-bit modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes
-    one dtype), a copy over a tied embedding or of another module."""
+    or a pipeline; LLM.int8 bases with selective-op or partial recompute, a trained head
+    copy, autocast or ZeRO (``_int8_modelled``); 4-bit bases under autocast, or whose ``gemm_4bit`` kernel the
+    GPU's architecture picks (5 to 1536 tokens, by the weights' shapes); LoRA under FSDP2, TP or
+    PP (the trainer refuses them), under ZeRO-1 beside a 16-bit modules_to_save copy (the trainer
+    fails: ZeroRedundancyOptimizer takes one dtype), a copy over a tied embedding or of another module."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -83,9 +84,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (not model.qkv_bias or plan.quant == "none", "q, k, v biases over a quantized base"),
         (plan.attention == "flash" or _eager_modelled(plan), f"{plan.attention} attention with this precision"),
         (plan.quant != "int8" or _int8_modelled(plan), _INT8),
-        (_quant_modelled(workload, plan), "a 4-bit base other than nf4 with double quantization over > 1536 tokens"),
+        (_quant_modelled(model, workload, plan), _QUANT),
         (plan.finetune == "full" or _plain_lora(plan), _LORA_PLAIN),
-        (plan.finetune == "full" or _lora_variant(workload, plan), _LORA_VARIANT),
+        (plan.finetune == "full" or _lora_variant(plan), _LORA_VARIANT),
         (plan.finetune == "full" or _saved_head(model, plan), "modules_to_save other than an untied lm_head"),
         (plan.offload_activations == "none" or _act_offload_modelled(plan), "activation offload with this plan"),
         (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
@@ -233,21 +234,31 @@ def _int8_modelled(plan: Plan) -> bool:
     return plain and (plan.dp == 1 or plan.zero == 0)
 
 
-def _quant_modelled(workload: TrainingWorkload, plan: Plan) -> bool:
-    """None, an int8 base (:func:`_int8_modelled` says which), or a 4-bit base as h200_a_qlora8b
-    ran it (``quant.py``): nf4 with double quantization, over more than 1536 tokens a micro-batch
-    (bitsandbytes' dequantize + F.linear; fewer run its fused ``gemm_4bit`` kernel, whose choice
-    depends on the GPU)."""
-    if plan.quant in ("none", "int8"):
+_QUANT = "a 4-bit base whose gemm_4bit kernel the GPU picks (<= 1536 tokens), or under autocast"
+
+
+def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
+    """None, an int8 base (:func:`_int8_modelled` says which), or a 4-bit base (``quant.py``): nf4
+    (h200_a_qlora8b) or fp4, with or without double quantization, computing in bf16 (bf16, bf16-master) or fp32, where CUDA's ``gemm_4bit`` takes
+    the same path on every GPU for each decoder linear (``costmodel.quant.gemm_4bit_kernel``: over
+    1536 tokens a micro-batch dequantize + F.linear, at most 4 its fused kernel; between, by the
+    weight's shape and the compute dtype, or by the GPU's architecture: declined). Not under
+    autocast (bf16-mixed): the bundled trainer refuses it (``validate.support.check_plan``)."""
+    if plan.quant in ("none", "int8"):  # int8: _int8_modelled
         return True
-    tokens = workload.micro_batch * workload.seq_len
-    return plan.quant == "nf4" and plan.double_quant and tokens > GEMM_4BIT_CUSTOM_MAX_M
+    if plan.quant not in ("nf4", "fp4") or plan.precision not in ("bf16", "bf16-master", "fp32"):
+        return False
+    tokens, h = workload.micro_batch * workload.seq_len, model.hidden_size
+    shapes = {(model.q_size, h), (model.kv_size, h), (h, model.q_size), (model.ffn_size, h), (h, model.ffn_size)}
+    compute = 4 if plan.precision == "fp32" else 2
+    return all(gemm_4bit_kernel(tokens, n, k, compute) is not None for n, k in shapes)
 
 
 def _plain_lora(plan: Plan) -> bool:
     """LoRA as h200_a_lora8b and h200_a_qlora8b ran it (one rank, a bf16 base, or a 4-bit one
-    computing in bf16), or over an fp32 base, under autocast (bf16-mixed: the frozen base's
-    weights cast anew at each matmul, the adapters' cached) or bf16-master's (AdamW over the
+    computing in bf16; other 4-bit bases: :func:`_quant_modelled`), or over an fp32 base, under
+    autocast (bf16-mixed: the frozen base's weights cast anew at each matmul, the adapters'
+    cached) or bf16-master's (AdamW over the
     fp32 adapters, MasterAdamW beside a 16-bit ``modules_to_save`` copy), on one rank or under
     DDP or ZeRO-1 (the reducer over the adapters): the bundled trainer on CPU
     (tests/unit/test_timeline_lora_variants.py). The trainer runs LoRA without FSDP2, TP or PP."""
@@ -256,22 +267,20 @@ def _plain_lora(plan: Plan) -> bool:
 
 
 _LORA_PLAIN = "LoRA other than adapters on one rank or under DDP (FSDP2, TP, PP)"
-_LORA_VARIANT = "LoRA with these options over a 4-bit base, or under ZeRO-1 beside a 16-bit modules_to_save copy"
+_LORA_VARIANT = "LoRA under ZeRO-1 beside a 16-bit modules_to_save copy"
 
 
-def _lora_variant(workload: TrainingWorkload, plan: Plan) -> bool:
-    """Over an unquantized base also gradient accumulation, dropout (``dropout.py``) and a
-    trained LM head copy (under DDP a 16-bit copy beside the fp32 adapters: one reducer bucket
-    per dtype, ``ddp.assign_buckets_by_dtype``), but not a 16-bit copy under ZeRO-1
-    (``ZeroRedundancyOptimizer`` refuses mixed dtypes: the trainer fails); over a 4-bit base,
-    whose CUDA kernels the CPU run does not share, none of them and one rank (not checked)."""
-    plain = plan.lora_dropout == 0 and accumulation(workload, plan) == 1 and not plan.modules_to_save
-    if plan.quant == "int8":  # its own rule: _int8_modelled
-        return True
-    if plan.quant != "none":
-        return plain and plan.precision == "bf16" and plan.dp == 1
+def _lora_variant(plan: Plan) -> bool:
+    """Gradient accumulation, dropout (``dropout.py``) and a trained LM head copy (under DDP a
+    16-bit copy beside the fp32 adapters: one reducer bucket per dtype,
+    ``ddp.assign_buckets_by_dtype``), but not a 16-bit copy under ZeRO-1
+    (``ZeroRedundancyOptimizer`` refuses mixed dtypes: the trainer fails). Over a 4-bit base the
+    copy is fp32 (``prepare_model_for_kbit_training``), so ZeRO-1 takes it; the base's CUDA-only
+    temporaries come from bitsandbytes' source, the rest checked against the trainer on CPU
+    (tests/unit/test_timeline_quant_variants.py)."""
     zero1 = plan.dp > 1 and plan.zero == 1
-    return not (zero1 and plan.modules_to_save and plan.precision in ("bf16", "bf16-master"))
+    sixteen_bit_copy = plan.quant == "none" and plan.precision in ("bf16", "bf16-master")
+    return not (zero1 and plan.modules_to_save and sixteen_bit_copy)
 
 
 def _saved_head(model: ModelSpec, plan: Plan) -> bool:

@@ -184,8 +184,8 @@ class _Run:
             copy = t.managed(rows * cols, pd, "output.weight", Category.PARAMETERS)
             t.free(copy)
             self.model.weights["output.weight"] = self.model.weights["tok_embeddings.weight"]
-        if self.quant is not None:  # lora.init_adapters -> quant.quantize_base
-            self.quant.build(self.model.weights)
+        if self.quant is not None:  # lora.init_adapters -> quant.quantize_base (a head copy: fp32)
+            self.lora.retarget(self.quant.build(self.model.weights, self.lora.originals))
         if self.int8 is not None:
             self.int8.build(self.model.weights, self.shapes)
 
