@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
-from memplan.costmodel.timeline.quant import _is_linear
+from memplan.costmodel.timeline.quant import is_linear
 
 THRESHOLD = 6.0  # BitsAndBytesConfig(llm_int8_threshold=6.0), train.quant.INT8_THRESHOLD
 # Outlier columns per int8 linear call (inputs with |x| >= THRESHOLD in some token). Random weights
@@ -85,7 +85,7 @@ class Int8:
         (out, in)): quantize every decoder linear, free their 16-bit weights last one first, cast
         the rest to fp32 where it is 16-bit (a tied head is the embedding: one cast)."""
         t = self.tape
-        names = [n for n in weights if _is_linear(n)]
+        names = [n for n in weights if is_linear(n)]
         for name in names:
             rows, cols = shapes[name]
             with t.scoped(name.removesuffix(".weight")):

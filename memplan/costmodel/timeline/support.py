@@ -239,11 +239,12 @@ _QUANT = "a 4-bit base whose gemm_4bit kernel the GPU picks (<= 1536 tokens), or
 
 def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
     """None, an int8 base (:func:`_int8_modelled` says which), or a 4-bit base (``quant.py``): nf4
-    (h200_a_qlora8b) or fp4, with or without double quantization, computing in bf16 (bf16, bf16-master) or fp32, where CUDA's ``gemm_4bit`` takes
-    the same path on every GPU for each decoder linear (``costmodel.quant.gemm_4bit_kernel``: over
-    1536 tokens a micro-batch dequantize + F.linear, at most 4 its fused kernel; between, by the
-    weight's shape and the compute dtype, or by the GPU's architecture: declined). Not under
-    autocast (bf16-mixed): the bundled trainer refuses it (``validate.support.check_plan``)."""
+    (h200_a_qlora8b) or fp4, with or without double quantization, computing in bf16 (bf16,
+    bf16-master) or fp32, where CUDA's ``gemm_4bit`` takes the same path on every GPU for each
+    decoder linear (``costmodel.quant.gemm_4bit_kernel``: over 1536 tokens a micro-batch
+    dequantize + F.linear, at most 4 its fused kernel; between, by the weight's shape and the
+    compute dtype, or by the GPU's architecture: declined). Not under autocast (bf16-mixed): the
+    bundled trainer refuses it (``validate.support.check_plan``)."""
     if plan.quant in ("none", "int8"):  # int8: _int8_modelled
         return True
     if plan.quant not in ("nf4", "fp4") or plan.precision not in ("bf16", "bf16-master", "fp32"):
