@@ -68,9 +68,7 @@ CASES = {
     "tied-accum-zero3-bf16": (TIED, dict(dp=2, zero=3, precision="bf16"), 1, 4, 0),
     "tied-accum-zero2-bf16-mixed": (TIED, dict(dp=2, zero=2, precision="bf16-mixed"), 1, 4, 0),
     "tied-accum-tp2-sp-zero3-bf16-mixed": (TIED, dict(dp=2, zero=3, **TP2, precision="bf16-mixed"), 1, 4, 0),
-    "tied-offload-accum-selective-op-bf16-mixed": (
-        TIED, dict(OFFLOAD, **SEL_OP), 1, 4, 0
-    ),
+    "tied-offload-accum-selective-op-bf16-mixed": (TIED, dict(OFFLOAD, **SEL_OP), 1, 4, 0),
     "tied-1f1b-pp2-last-zero3-bf16": (TIED, dict(dp=2, zero=3, pp=2, precision="bf16"), 1, 8, 1),
     "tied-interleaved-pp2-v2-first-zero2-bf16-mixed": (TIED, dict(V2, dp=2, zero=2, precision="bf16-mixed"), 1, 8, 0),
 }  # fmt: skip
