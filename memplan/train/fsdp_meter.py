@@ -79,6 +79,7 @@ class GroupedFSDPMemTracker(FSDPMemTracker):
             self._instrument_fsdp_sharded_params_grads(group)
 
             def pre(module, args, kwargs, state=state):  # noqa: ANN001, ANN202 - a forward pre-hook
+                self._restart_root(module)
                 return self._fsdp_state_pre_forward(module, state._pre_forward)(module, args, kwargs)
 
             def post(module, args, output, state=state):  # noqa: ANN001, ANN202 - a forward hook
@@ -90,6 +91,19 @@ class GroupedFSDPMemTracker(FSDPMemTracker):
             group.post_backward = self._fsdp_param_group_post_backward(first, group.post_backward)
         for buffer in self._root_mod.buffers():
             self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
+
+    def _restart_root(self, module: nn.Module) -> None:
+        """A top-level module with parameters (the root group of a tied model, which holds the
+        embedding) called again in the forward is the next micro-batch of gradient accumulation:
+        restart its per-module stats, as the meter does for MemTracker's module hooks
+        (``tracker._tracker_class``), where FSDPMemTracker refuses it ("multiple iterative calls",
+        ``_fsdp_state_pre_forward``, torch 2.13). Per-module snapshots alone go; the totals the
+        meter reads are the dispatch mode's and are unaffected."""
+        if module not in self.memory_tracking or self._mod_tracker.is_bw:
+            return
+        name = self._mod_tracker.get_known_fqn(module)
+        if set(self._mod_tracker.parents) - {name} == {"Global"}:
+            del self.memory_tracking[module]
 
     def _tag_grads(self, group: object, unsharded: bool) -> None:
         """FSDPMemTracker's tagging of a group's gradients, holding none after it returns."""

@@ -33,7 +33,12 @@ its stream (``FSDPParam.all_gather_inputs``: ``sharded_param_data.to(device)``),
 bf16 at once under the mixed policy (the fp32 copy freed), then the output, then the inputs go in
 reverse order; the reduce-scatter output is copied to the host and freed on its stream right
 after the last unsharded gradient goes (``foreach_reduce``: ``new_sharded_grad.to(cpu)``), so
-no gradient and no optimizer state stays on the device. Order and sizes: h200_b_off8b.
+no gradient and no optimizer state stays on the device. Order and sizes: h200_b_off8b. Under
+gradient accumulation every micro-batch does the same on the device; a later one's host copy is
+added into the host gradient (``sharded_param.grad._local_tensor += new_sharded_grad``; the copy
+then blocks instead of overlapping: torch 2.13 ``_fsdp_collectives.foreach_reduce``), nothing more
+on the device (held against the trainer on CPU with selective-op and partial recompute too:
+tests/unit/test_timeline_fsdp_variants.py).
 """
 
 from __future__ import annotations

@@ -37,11 +37,13 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head, optionally with
     tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU offload of
     parameters and optimizer together (h200_b_off8b); FSDP2 in fp32 without offload (the
-    trainer on CPU); a tied embedding under FSDP2 without accumulation (one root group holding
-    it, checked on CPU). Without offload also: any number of micro-batches per step (gradient
-    accumulation; DDP's ``no_sync``), selective-op and full recompute of the first
-    ``recompute_layers`` (``recompute.py``; CPU: test_timeline_recompute.py,
-    test_timeline_zero1.py). In every precision above also pipeline parallelism, one rank's
+    trainer on CPU); a tied embedding under FSDP2 (one root group holding it; under a pipeline
+    each chunk its own root, the head its own matrix: checked on CPU). With offload or without:
+    any number of micro-batches per step (gradient accumulation; DDP's ``no_sync``; under offload
+    every reduce-scatter output copied to the host, added there), selective-op and full recompute
+    of the first ``recompute_layers`` (``recompute.py``; CPU: test_timeline_recompute.py,
+    test_timeline_zero1.py, test_timeline_fsdp_variants.py).
+    In every precision above also pipeline parallelism, one rank's
     chunks under GPipe, 1F1B or the interleaved schedule (``pipeline.py``, the bundled trainer's
     ``StageReplay``), on one data rank, or under FSDP2 (ZeRO-2 or ZeRO-3, each chunk its own
     root), optionally with TP + SP (h200_b_pp4 with the old StageReplay; fp32, bf16-master,
@@ -69,13 +71,12 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     or with LoRA; activation offload in fp32, or with accumulation outside bf16 / bf16-mixed on
     one rank; fp32 SDPA without GQA (the memory-efficient kernel) or fp32 with offload (not
     checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
-    without sequence parallel outside FSDP2 without a pipeline; accumulation, selective-op or
-    partial recompute with offload (not checked); FSDP2 over a tied embedding with accumulation
-    or a pipeline; LLM.int8 bases with selective-op or partial recompute, a trained head
-    copy, autocast or ZeRO (``_int8_modelled``); 4-bit bases under autocast, or whose ``gemm_4bit`` kernel the
-    GPU's architecture picks (5 to 1536 tokens, by the weights' shapes); LoRA under FSDP2, TP or
-    PP (the trainer refuses them), under ZeRO-1 beside a 16-bit modules_to_save copy (the trainer
-    fails: ZeroRedundancyOptimizer takes one dtype), a copy over a tied embedding or of another module."""
+    without sequence parallel outside FSDP2 without a pipeline; LLM.int8 bases with selective-op
+    or partial recompute, a trained head copy, autocast or ZeRO (``_int8_modelled``); 4-bit bases
+    under autocast, or whose ``gemm_4bit`` kernel the GPU's architecture picks (5 to 1536 tokens,
+    by the weights' shapes); LoRA under FSDP2, TP or PP (the trainer refuses them), under ZeRO-1
+    beside a 16-bit modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes one
+    dtype), a copy over a tied embedding or of another module."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -97,12 +98,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
             "fp32 SDPA on the memory-efficient kernel",
         ),
         (plan.precision != "fp32" or _no_offload(plan), "precision fp32 with offload"),
-        (_no_offload(plan) or _basic_recompute(plan), "this recompute with offload"),
-        (_no_offload(plan) or accumulation(workload, plan) == 1, "gradient accumulation with offload"),
         (plan.offload_activations == "none" or _plain(plan) or accumulation(workload, plan) == 1, _OFFLOAD_ACCUM),
         (plan.tp == 1 or _fsdp(plan) or _tp_one_rank(plan), _TP_WITHOUT_FSDP),
         (plan.tp == 1 or plan.sequence_parallel or (_fsdp(plan) and plan.pp == 1), _TP_WITHOUT_SP),
-        (not _fsdp(plan) or not model.tied_embeddings or _tied_root(workload, plan), _TIED),
         (_divides(model, workload, plan), "dimensions that tensor parallel does not divide"),
     ]
     for ok, what in checks:
@@ -125,16 +123,8 @@ def _act_offload_modelled(plan: Plan) -> bool:
 
 
 _OFFLOAD_ACCUM = "activation offload with accumulation outside bf16 / bf16-mixed on one rank"
-_TIED = "FSDP2 over tied embeddings with a pipeline or gradient accumulation"
 _TP_WITHOUT_FSDP = "tensor parallel without FSDP2 over dp > 1 (DDP)"
 _TP_WITHOUT_SP = "tensor parallel without sequence parallel outside FSDP2 without a pipeline"
-
-
-def _tied_root(workload: TrainingWorkload, plan: Plan) -> bool:
-    """FSDP2 over a tied model: the root group holding the embedding (the head's matrix) and the
-    final norm (``fsdp.py``), checked on CPU with one micro-batch a step and no pipeline (the CPU
-    meter, ``FSDPMemTracker``, refuses the trainer's accumulation there)."""
-    return plan.pp == 1 and accumulation(workload, plan) == 1
 
 
 def _tp_one_rank(plan: Plan) -> bool:
@@ -179,14 +169,9 @@ def _plain(plan: Plan) -> bool:
 
 
 def _no_offload(plan: Plan) -> bool:
-    """Where accumulation, selective-op and partial recompute were checked (``recompute.py``,
-    DDP's ``no_sync`` in ``ddp.py``): every precision the run follows, on one rank, DDP, ZeRO-1
-    or FSDP2, without offload (tests/unit/test_timeline_recompute.py, test_timeline_zero1.py)."""
+    """No FSDP2 CPU offload: where pipelines (the trainer refuses offload there) and fp32 (not
+    checked) were followed."""
     return plan.offload_params == "none" and plan.offload_optimizer == "none"
-
-
-def _basic_recompute(plan: Plan) -> bool:
-    return plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None
 
 
 def accumulation(workload: TrainingWorkload, plan: Plan) -> int:
