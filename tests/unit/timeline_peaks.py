@@ -23,7 +23,7 @@ CUDA_EMBEDDING_SCRATCH = frozenset(
 # saves and flash's copies of unpacked saves; the sum-to-weight staging buffer and its semaphores
 # (autograd.REDUCE_WORKSPACE_CAP); the softmax backward's ``grad * output`` (eager.py)
 CUDA_TEMPORARIES = frozenset(
-    {STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP}
+    {STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP, "h2d"}
 )
 
 

@@ -33,7 +33,10 @@ its stream (``FSDPParam.all_gather_inputs``: ``sharded_param_data.to(device)``),
 bf16 at once under the mixed policy (the fp32 copy freed), then the output, then the inputs go in
 reverse order; the reduce-scatter output is copied to the host and freed on its stream right
 after the last unsharded gradient goes (``foreach_reduce``: ``new_sharded_grad.to(cpu)``), so
-no gradient and no optimizer state stays on the device. Order and sizes: h200_b_off8b.
+no gradient and no optimizer state stays on the device. Order and sizes: h200_b_off8b. In fp32
+(no ``param_dtype``) each copy is the all-gather input itself (``_to_dtype_if_needed`` returns it;
+``_get_param_all_gather_inputs`` takes this per-parameter path under offload either way): held
+against the trainer on CPU, where the copies are no-ops (tests/unit/test_timeline_fp32_corners.py).
 """
 
 from __future__ import annotations

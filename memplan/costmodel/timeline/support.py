@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.quant import GEMM_4BIT_CUSTOM_MAX_M
-from memplan.costmodel.trainer_offload import unmodelled
+from memplan.costmodel.trainer_offload import unmodelled, unmodelled_accumulation
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
@@ -34,7 +34,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     no trace, the trainer on CPU); or FSDP2 over dp > 1, ZeRO-3 or ZeRO-2
     (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head, optionally with
     tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU offload of
-    parameters and optimizer together (h200_b_off8b); FSDP2 in fp32 without offload (the
+    parameters and optimizer together (h200_b_off8b), in fp32 too (the trainer on CPU:
+    test_timeline_fp32_corners.py); FSDP2 in fp32 without offload (the
     trainer on CPU); a tied embedding under FSDP2 without accumulation (one root group holding
     it, checked on CPU). Without offload also: any number of micro-batches per step (gradient
     accumulation; DDP's ``no_sync``), selective-op and full recompute of the first
@@ -51,16 +52,16 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     an nf4 base with double quantization computing in bf16 (``quant.py``, QLoRA: an fp32 stream
     on SDPA's math path) over more than 1536 tokens a micro-batch, one rank, one micro-batch, no
     dropout or copy (h200_a_qlora8b). Activation offload (``save_on_cpu``, ``act_offload.py``)
-    where the trainer runs it, in bf16, bf16-mixed or bf16-master; eager attention (``eager.py``)
+    where the trainer runs it, in bf16, bf16-mixed, bf16-master or fp32 (the math path's saves),
+    with accumulation on one rank (the trainer refuses it over DDP); eager attention (``eager.py``)
     in full training, bf16, bf16-master or fp32; tensor parallel without sequence parallel under
     FSDP2 without a pipeline (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU
     trace).
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
     refuses them); MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention under autocast
-    or with LoRA; activation offload in fp32, or with accumulation outside bf16 / bf16-mixed on
-    one rank; fp32 SDPA without GQA (the memory-efficient kernel) or fp32 with offload (not
-    checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
+    or with LoRA; fp32 SDPA without GQA (the memory-efficient kernel); fp16-master, fp8; offload
+    of one side alone or NVMe; tensor parallel over DDP, or
     without sequence parallel outside FSDP2 without a pipeline; accumulation, selective-op or
     partial recompute with offload (not checked); FSDP2 over a tied embedding with accumulation
     or a pipeline; LLM.int8 bases; fp4 or single-quantized 4-bit bases, and 4-bit ones over at
@@ -87,10 +88,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
             not _fp32_stream(plan) or plan.attention == "eager" or sdpa_kernel(model, plan) == "math",
             "fp32 SDPA on the memory-efficient kernel",
         ),
-        (plan.precision != "fp32" or _no_offload(plan), "precision fp32 with offload"),
         (_no_offload(plan) or _basic_recompute(plan), "this recompute with offload"),
         (_no_offload(plan) or accumulation(workload, plan) == 1, "gradient accumulation with offload"),
-        (plan.offload_activations == "none" or _plain(plan) or accumulation(workload, plan) == 1, _OFFLOAD_ACCUM),
+        (plan.offload_activations == "none" or _offload_accumulation(workload, plan), _OFFLOAD_ACCUM),
         (plan.tp == 1 or _fsdp(plan) or _tp_one_rank(plan), _TP_WITHOUT_FSDP),
         (plan.tp == 1 or plan.sequence_parallel or (_fsdp(plan) and plan.pp == 1), _TP_WITHOUT_SP),
         (not _fsdp(plan) or not model.tied_embeddings or _tied_root(workload, plan), _TIED),
@@ -110,12 +110,20 @@ def _eager_modelled(plan: Plan) -> bool:
 
 def _act_offload_modelled(plan: Plan) -> bool:
     """``save_on_cpu`` as the trainer runs it (``trainer_offload.unmodelled`` says where: one
-    rank or DDP, recompute none or full, full training, flash SDPA; ``act_offload.py``), checked
-    on CPU in bf16, bf16-mixed and bf16-master; fp32 (CUDA's math path) is not."""
-    return unmodelled(plan) is None and plan.precision in ("bf16", "bf16-mixed", "bf16-master")
+    rank or DDP, recompute none or full, full training, SDPA; ``act_offload.py``), checked on
+    CPU in bf16, bf16-mixed, bf16-master and fp32 (CUDA's math path, whose saves are packed like
+    any other: test_timeline_act_offload.py, test_timeline_fp32_corners.py)."""
+    return unmodelled(plan) is None and plan.precision in ("bf16", "bf16-mixed", "bf16-master", "fp32")
 
 
-_OFFLOAD_ACCUM = "activation offload with accumulation outside bf16 / bf16-mixed on one rank"
+def _offload_accumulation(workload: TrainingWorkload, plan: Plan) -> bool:
+    """Activation offload with accumulation where the trainer runs it: one rank, in any precision
+    above (checked on CPU in bf16, bf16-master and fp32); over data parallel the trainer refuses it
+    (``trainer_offload.unmodelled_accumulation``, ``validate.support``)."""
+    return unmodelled_accumulation(plan, accumulation(workload, plan)) is None
+
+
+_OFFLOAD_ACCUM = "activation offload with accumulation over data parallel (the trainer refuses it)"
 _TIED = "FSDP2 over tied embeddings with a pipeline or gradient accumulation"
 _TP_WITHOUT_FSDP = "tensor parallel without FSDP2 over dp > 1 (DDP)"
 _TP_WITHOUT_SP = "tensor parallel without sequence parallel outside FSDP2 without a pipeline"

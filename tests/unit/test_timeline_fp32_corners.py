@@ -1,0 +1,155 @@
+"""fp32 corners of the op-level run: FSDP2's CPU offload in fp32 (``fsdp.py``, ``offload=True``
+without a mixed-precision policy) and activation offload (``save_on_cpu``, ``act_offload.py``) in
+fp32, where SDPA runs its math path on CUDA (``precision.py``), and with gradient accumulation on
+one rank.
+
+No GPU trace ran these plans: each is held against the bundled trainer itself, run on CPU under
+rank simulation and measured the way tests/validate measures it (MemTracker, the steady peak over
+the measured steps, FSDP2's host-side categories taken out: ``train.tracker``), in fp32 under SDPA's
+math backend (the kernel CUDA takes for fp32 with GQA; on CPU fp32 would take the CPU flash kernel).
+Left out of the comparison are the run's CUDA-only allocations (``timeline_peaks.steady_peaks``):
+besides those every CPU comparison leaves out, FSDP2's per-parameter host-to-device copies of the
+offloaded shards (``FSDPParam.all_gather_inputs``: ``sharded_param_data.to(device)``, a no-op on a
+CPU-only machine) and activation offload's staging copy of the math path's strided key (the scaled
+``k.transpose(-2, -1)`` that ``bmm`` saves: ``copy_requires_temporaries``, ``Copy.cu``).
+
+Measured 2026-11-27 (torch 2.13.0+cpu), predicted - measured, for the step and for the forward and
+backward alone: FSDP2 offload in fp32 0 B (31,555,336 B both; full recompute: see the case), activation
+offload in fp32 -156 B (step 80,652,188 B, forward and backward 77,694,628 B), with full recompute -156 B
+(86,382,244 B), with 2 micro-batches -156 B (80,652,188 / 80,645,284 B), bf16-master with 2
+micro-batches -156 B (96,780,956 / 72,584,356 B): the same 156 B as every bf16 offload case of
+test_timeline_act_offload.py, not traced to a tensor. The host copies: the trainer's exactly in fp32
+(the math path saves no philox seed or offset); in bf16-master, 16 B a layer above it (flash's seeds,
+which the CPU kernel does not make).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from timeline_peaks import CPU_BOUND, steady_peaks
+
+from memplan.costmodel.reserve import plan_run
+from memplan.costmodel.timeline import act_offload
+from memplan.costmodel.timeline.events import ALLOC
+from memplan.costmodel.timeline.ops import PHILOX
+from memplan.costmodel.timeline.support import supported
+from memplan.costmodel.timeline.trainer import MICRO_BATCHES_MODELLED, trainer_run
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.resolve import resolve_job
+from memplan.specs.workload import TrainingWorkload
+
+TINY = ModelSpec(
+    name="tiny-gqa", hidden_size=192, num_layers=4, num_attention_heads=6, num_kv_heads=2, ffn_size=512, vocab_size=3000
+)
+SHALLOW = TINY.model_copy(update=dict(name="tiny-2-layers", num_layers=2))  # the default run's FSDP2 case
+# the widest moment inside a layer's backward (the MLP's), where the unpacked copies are live
+WIDE = TINY.model_copy(update=dict(name="tiny-wide", ffn_size=1536, vocab_size=256))
+
+FSDP_OFFLOAD = dict(dp=2, zero=3, offload_params="cpu", offload_optimizer="cpu")
+ACT_OFFLOAD = dict(offload_activations="cpu")
+# name: (model, plan, (micro_batch, global_batch)); sequences of 128 tokens
+CASES = {
+    "fsdp2-offload-fp32": (SHALLOW, dict(precision="fp32", **FSDP_OFFLOAD), (1, None)),
+    "fsdp2-offload-fp32-full": (TINY, dict(precision="fp32", recompute="full", **FSDP_OFFLOAD), (2, None)),
+    "act-offload-fp32": (WIDE, dict(precision="fp32", **ACT_OFFLOAD), (2, None)),
+    "act-offload-fp32-full": (WIDE, dict(precision="fp32", recompute="full", **ACT_OFFLOAD), (4, None)),
+    "act-offload-fp32-accum2": (WIDE, dict(precision="fp32", **ACT_OFFLOAD), (4, 8)),
+    "act-offload-bf16-master-accum2": (WIDE, dict(precision="bf16-master", **ACT_OFFLOAD), (4, 8)),
+    "act-offload-ddp2-fp32-full": (
+        WIDE, dict(precision="fp32", dp=2, zero=0, recompute="full", **ACT_OFFLOAD), (4, None)
+    ),
+}  # fmt: skip
+
+# in the default run: each mechanism once; the other cases under -m slow (the default suite's time)
+DEFAULT = {"fsdp2-offload-fp32", "act-offload-fp32"}
+
+
+class _Recorded(act_offload.SaveOnCpu):
+    """The run's hooks, kept for their host bytes."""
+
+    made: list[act_offload.SaveOnCpu] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        _Recorded.made.append(self)
+
+
+def _measure(model: ModelSpec, workload: TrainingWorkload, plan: Plan):  # noqa: ANN202 - a RunRecord
+    """The bundled trainer on CPU, rank 0, two measured steps; fp32 under SDPA's math backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from memplan.train.runner import run
+    from memplan.validate.spec import RunSpec
+
+    math = sdpa_kernel(SDPBackend.MATH) if plan.precision == "fp32" else contextlib.nullcontext()
+    with math:
+        record = run(RunSpec(model=model, workload=workload, plan=plan, rank=0, steps=2))
+    assert record.status == "ok", record.reason
+    return record
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+def test_the_bundled_trainer_on_cpu_peaks_where_the_run_does(name, monkeypatch):
+    pytest.importorskip("torch")
+    model, changes, (micro_batch, global_batch) = CASES[name]
+    plan, workload = Plan(**changes), TrainingWorkload(seq_len=128, micro_batch=micro_batch, global_batch=global_batch)
+    assert supported(model, workload, plan) is None
+    _Recorded.made = []
+    monkeypatch.setattr(act_offload, "SaveOnCpu", _Recorded)
+    peak, passes = steady_peaks(trainer_run(model, workload, plan, max_micro_batches=MICRO_BATCHES_MODELLED))
+    record = _measure(model, workload, plan)
+    measured = (record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward")))
+    for what, predicted, got in zip(("step", "forward and backward"), (peak, passes), measured, strict=True):
+        assert abs(predicted / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {predicted:,}, measured {got:,}"
+    if plan.offload_activations == "cpu":  # the host copies; CUDA's flash also saves its seeds (bf16)
+        philox = 0 if plan.precision == "fp32" or plan.recompute == "full" else 2 * PHILOX * model.num_layers
+        assert [h.host_peak - philox for h in _Recorded.made] == [record.offload_host_bytes]
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(precision="fp32", dp=8, zero=3, offload_params="cpu", offload_optimizer="cpu", recompute="full"),
+        dict(precision="fp32", offload_activations="cpu"),
+        dict(precision="fp32", offload_activations="cpu", recompute="full", global_batch=4),
+        dict(precision="bf16-master", offload_activations="cpu", global_batch=4),
+    ],
+    ids=["fsdp2-offload", "act-offload", "act-offload-full-accum4", "act-offload-bf16-master-accum4"],
+)
+def test_the_estimate_answers_these_plans_with_the_op_level_run(changes):
+    job = resolve_job("llama3-8b", None, dict(seq_len=4096, micro_batch=1, **changes), False)
+    assert supported(job.model, job.workload, job.plan) is None
+    _, which = plan_run(job.model, job.workload, job.plan, "memplan")
+    assert which == "trainer", which
+
+
+def test_accumulation_over_data_parallel_with_activation_offload_stays_refused():
+    """The trainer refuses it (``trainer_offload.unmodelled_accumulation``): no run to follow."""
+    plan = Plan(precision="bf16", dp=2, zero=0, offload_activations="cpu")
+    why = supported(WIDE, TrainingWorkload(seq_len=128, micro_batch=1, global_batch=4), plan)
+    assert why is not None and "accumulation over data parallel" in why
+
+
+def test_fsdp2_offload_in_fp32_copies_each_shard_once_and_casts_nothing():
+    """Without a mixed-precision policy ``all_gather_inputs`` is the host-to-device copy itself
+    (``_to_dtype_if_needed`` with no ``param_dtype``): one fp32 copy per parameter, no bf16 input."""
+    plan, workload = Plan(precision="fp32", **FSDP_OFFLOAD), TrainingWorkload(seq_len=128, micro_batch=1)
+    events = [e for e in trainer_run(TINY, workload, plan, steady_steps=1) if e.op == ALLOC]
+    copies = [e for e in events if e.tag.endswith(".h2d")]
+    assert copies and not [e for e in events if e.tag.endswith("all_gather_input")]
+    layer = [e.size for e in copies if e.tag.startswith("fsdp.layers.0.layers.0.attention.wq")]
+    assert layer and set(layer) == {192 * 192 // 2 * 4}  # wq's shard of dp 2, fp32
+
+
+def test_activation_offload_in_fp32_stages_the_math_paths_strided_key_on_cuda():
+    """Each layer's ``bmm`` saves the scaled key as the transpose's strided view: packing it copies
+    it contiguous on the device first (CUDA only, left out of the CPU comparison); the
+    probabilities (saved by the softmax and by the second ``bmm``) are contiguous and copied as they are."""
+    plan, workload = Plan(precision="fp32", **ACT_OFFLOAD), TrainingWorkload(seq_len=128, micro_batch=1)
+    events = [e for e in trainer_run(WIDE, workload, plan, steady_steps=1) if e.op == ALLOC]
+    layer0 = [e for e in events if e.tag.startswith("layers.0.") and e.tag.endswith(act_offload.STAGING)]
+    key_bytes = 128 * WIDE.num_attention_heads * WIDE.head_size * 4  # k repeated to q's heads, fp32
+    assert key_bytes in {e.size for e in layer0}
