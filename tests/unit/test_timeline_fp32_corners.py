@@ -31,8 +31,9 @@ import pytest
 from timeline_peaks import CPU_BOUND, steady_peaks
 
 from memplan.costmodel.reserve import plan_run
-from memplan.costmodel.timeline import act_offload
+from memplan.costmodel.timeline import act_offload, mem_efficient
 from memplan.costmodel.timeline.events import ALLOC
+from memplan.costmodel.timeline.mem_efficient import DELTA, DELTA_PRODUCT, DELTA_SUM, WORKSPACE
 from memplan.costmodel.timeline.ops import PHILOX
 from memplan.costmodel.timeline.support import supported
 from memplan.costmodel.timeline.trainer import MICRO_BATCHES_MODELLED, trainer_run
@@ -48,6 +49,9 @@ SHALLOW = TINY.model_copy(update=dict(name="tiny-2-layers", num_layers=2))  # th
 # the widest moment inside a layer's backward (the MLP's), where the unpacked copies are live
 WIDE = TINY.model_copy(update=dict(name="tiny-wide", ffn_size=1536, vocab_size=256))
 
+# as many KV heads as query heads: fp32 SDPA takes the memory-efficient kernel on CUDA
+MHA = TINY.model_copy(update=dict(name="tiny-mha", num_kv_heads=6))
+
 FSDP_OFFLOAD = dict(dp=2, zero=3, offload_params="cpu", offload_optimizer="cpu")
 ACT_OFFLOAD = dict(offload_activations="cpu")
 # name: (model, plan, (micro_batch, global_batch)); sequences of 128 tokens
@@ -61,10 +65,18 @@ CASES = {
     "act-offload-ddp2-fp32-full": (
         WIDE, dict(precision="fp32", dp=2, zero=0, recompute="full", **ACT_OFFLOAD), (4, None)
     ),
+    "efficient-fp32": (MHA, dict(precision="fp32"), (2, None)),
+    "efficient-fp32-full": (MHA, dict(precision="fp32", recompute="full"), (2, None)),
+    "efficient-fp32-selective": (MHA, dict(precision="fp32", recompute="selective"), (2, None)),
+    "efficient-fp32-selective-op": (MHA, dict(precision="fp32", recompute="selective-op"), (2, None)),
+    "efficient-fp32-act-offload": (MHA, dict(precision="fp32", **ACT_OFFLOAD), (2, None)),
 }  # fmt: skip
 
 # in the default run: each mechanism once; the other cases under -m slow (the default suite's time)
-DEFAULT = {"fsdp2-offload-fp32", "act-offload-fp32"}
+DEFAULT = {"fsdp2-offload-fp32", "act-offload-fp32", "efficient-fp32"}
+
+
+CUDA_ONLY = (DELTA_PRODUCT, DELTA_SUM, DELTA, WORKSPACE)  # mem_efficient.py's backward temporaries
 
 
 class _Recorded(act_offload.SaveOnCpu):
@@ -84,7 +96,8 @@ def _measure(model: ModelSpec, workload: TrainingWorkload, plan: Plan):  # noqa:
     from memplan.train.runner import run
     from memplan.validate.spec import RunSpec
 
-    math = sdpa_kernel(SDPBackend.MATH) if plan.precision == "fp32" else contextlib.nullcontext()
+    gqa = model.num_kv_heads != model.num_attention_heads  # else CPU's flash stands in for CUDA's efficient kernel
+    math = sdpa_kernel(SDPBackend.MATH) if plan.precision == "fp32" and gqa else contextlib.nullcontext()
     with math:
         record = run(RunSpec(model=model, workload=workload, plan=plan, rank=0, steps=2))
     assert record.status == "ok", record.reason
@@ -153,3 +166,44 @@ def test_activation_offload_in_fp32_stages_the_math_paths_strided_key_on_cuda():
     layer0 = [e for e in events if e.tag.startswith("layers.0.") and e.tag.endswith(act_offload.STAGING)]
     key_bytes = 128 * WIDE.num_attention_heads * WIDE.head_size * 4  # k repeated to q's heads, fp32
     assert key_bytes in {e.size for e in layer0}
+
+
+def test_the_memory_efficient_kernel_allocates_what_its_source_says():
+    """One layer's SDPA of an MHA Llama-3.2-1B-shaped fp32 step (b 2, s 4096, 32 heads of 64; the
+    sizes ``_efficient_attention_forward/backward`` allocate, mem_efficient.py): forward the fp32
+    output, then the log-sum-exp padded to 32 rows (no device philox tensors); backward dq, dk, dv,
+    delta's product, sum and transposed copy, then dQ's workspace of the 64 x 64 kernel: 64 query
+    blocks of (16 B + 64 x 64 fp32) per (batch, head)."""
+    job = resolve_job("llama3-8b", None, dict(precision="fp32", seq_len=4096, micro_batch=2), False)
+    model = job.model.model_copy(update=dict(hidden_size=2048, num_attention_heads=32, num_kv_heads=32, num_layers=2))
+    assert supported(model, job.workload, job.plan) is None
+    events = [e for e in trainer_run(model, job.workload, job.plan, steady_steps=1) if e.op == ALLOC]
+    sdpa = [
+        (e.tag.rpartition(".")[2], e.size) for e in events if e.tag.startswith("layers.0.attention.sdpa_efficient.")
+    ]
+    qkv, rows = 2 * 4096 * 2048 * 4, 2 * 32 * 4096 * 4
+    forward = [item for item in sdpa if item[0] in ("out", "lse")][:2]
+    assert forward == [("out", qkv), ("lse", rows)]
+    backward = [item for item in sdpa if item[0] in ("dq", "dk", "dv", *CUDA_ONLY)][:7]
+    workspace = 2 * 32 * 64 * (16 + 64 * 64 * 4)
+    assert backward == [
+        ("dq", qkv), ("dk", qkv), ("dv", qkv), ("delta_product", qkv), ("delta_sum", rows), ("delta", rows),
+        ("grad_q_workspace", workspace),
+    ]  # fmt: skip
+    assert not [e for e in events if "philox" in e.tag and e.tag.startswith("layers.")]
+
+
+def test_the_log_sum_exp_pads_to_the_backward_block_and_the_workspace_follows_the_head_dim():
+    """``kAlignLSE = 32``; the kernel ``dispatch_cutlassB_f32_sm80`` takes first for the head dim."""
+    assert mem_efficient.lse_numel(1, 2, 100) == 2 * 128
+    assert mem_efficient.workspace_bytes(1, 1, 128, 64) == 2 * (16 + 64 * 64 * 4)  # 64 x 64: 2 query blocks
+    assert mem_efficient.workspace_bytes(1, 1, 256, 128) == 2 * 2 * (16 + 128 * 64 * 4)  # 128 x 64: 2 x 2 tiles
+
+
+def test_fp32_without_gqa_is_answered_by_the_run_but_not_over_a_quantized_base():
+    job = resolve_job("llama3-8b", None, dict(precision="fp32", seq_len=4096, micro_batch=1, recompute="full"), False)
+    mha = job.model.model_copy(update=dict(num_kv_heads=job.model.num_attention_heads))
+    _, which = plan_run(mha, job.workload, job.plan, "memplan")
+    assert which == "trainer", which
+    qlora = job.plan.model_copy(update=dict(finetune="qlora", quant="nf4", double_quant=True, precision="bf16"))
+    assert "memory-efficient kernel over a quantized base" in (supported(mha, job.workload, qlora) or "")

@@ -26,7 +26,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
 
     Modelled (the traces cover each mechanism): one pipeline stage; a dense Llama-family decoder
     (RMSNorm, RoPE, gated SiLU MLP, no biases, no QK-norm) with flash SDPA, or in fp32 with GQA
-    SDPA's math path (``precision.py``, h200_a_fp32full); AdamW (foreach), or bf16-master's
+    SDPA's math path (``precision.py``, h200_a_fp32full), without GQA its memory-efficient kernel
+    (``mem_efficient.py``, from PyTorch's source: no trace); AdamW (foreach), or bf16-master's
     MasterAdamW (``master.py``, h200_a_master1b); recompute none, full (every layer) or
     selective; in bf16, bf16-master or bf16-mixed (autocast without FSDP2, else
     MixedPrecisionPolicy), or fp32: one data rank without sharding; DDP over dp > 1 (ZeRO-0,
@@ -60,7 +61,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
     refuses them); MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention under autocast
-    or with LoRA; fp32 SDPA without GQA (the memory-efficient kernel); fp16-master, fp8; offload
+    or with LoRA; fp32 SDPA without GQA (the memory-efficient kernel) over a quantized base;
+    fp16-master, fp8; offload
     of one side alone or NVMe; tensor parallel over DDP, or
     without sequence parallel outside FSDP2 without a pipeline; accumulation, selective-op or
     partial recompute with offload (not checked); FSDP2 over a tied embedding with accumulation
@@ -84,10 +86,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
-        (
-            not _fp32_stream(plan) or plan.attention == "eager" or sdpa_kernel(model, plan) == "math",
-            "fp32 SDPA on the memory-efficient kernel",
-        ),
+        (not _fp32_stream(plan) or plan.attention == "eager" or _fp32_sdpa_modelled(model, plan), _EFFICIENT_QUANT),
         (_no_offload(plan) or _basic_recompute(plan), "this recompute with offload"),
         (_no_offload(plan) or accumulation(workload, plan) == 1, "gradient accumulation with offload"),
         (plan.offload_activations == "none" or _offload_accumulation(workload, plan), _OFFLOAD_ACCUM),
@@ -100,6 +99,17 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         if not ok:
             return what
     return None
+
+
+def _fp32_sdpa_modelled(model: ModelSpec, plan: Plan) -> bool:
+    """fp32 SDPA on CUDA: the math path (GQA, ``precision.py``), or the memory-efficient kernel
+    (``mem_efficient.py``: from source, no GPU trace) over an unquantized base (a 4-bit base's
+    fp32 stream beside its bf16 compute is not followed there)."""
+    kernel = sdpa_kernel(model, plan)
+    return kernel == "math" or (kernel == "efficient" and plan.quant == "none")
+
+
+_EFFICIENT_QUANT = "fp32 SDPA on the memory-efficient kernel over a quantized base"
 
 
 def _eager_modelled(plan: Plan) -> bool:
