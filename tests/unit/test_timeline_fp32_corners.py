@@ -1,26 +1,33 @@
 """fp32 corners of the op-level run: FSDP2's CPU offload in fp32 (``fsdp.py``, ``offload=True``
-without a mixed-precision policy) and activation offload (``save_on_cpu``, ``act_offload.py``) in
+without a mixed-precision policy); activation offload (``save_on_cpu``, ``act_offload.py``) in
 fp32, where SDPA runs its math path on CUDA (``precision.py``), and with gradient accumulation on
-one rank.
+one rank; fp32 SDPA without GQA, CUDA's memory-efficient kernel (``mem_efficient.py``).
 
 No GPU trace ran these plans: each is held against the bundled trainer itself, run on CPU under
 rank simulation and measured the way tests/validate measures it (MemTracker, the steady peak over
-the measured steps, FSDP2's host-side categories taken out: ``train.tracker``), in fp32 under SDPA's
-math backend (the kernel CUDA takes for fp32 with GQA; on CPU fp32 would take the CPU flash kernel).
-Left out of the comparison are the run's CUDA-only allocations (``timeline_peaks.steady_peaks``):
-besides those every CPU comparison leaves out, FSDP2's per-parameter host-to-device copies of the
-offloaded shards (``FSDPParam.all_gather_inputs``: ``sharded_param_data.to(device)``, a no-op on a
-CPU-only machine) and activation offload's staging copy of the math path's strided key (the scaled
-``k.transpose(-2, -1)`` that ``bmm`` saves: ``copy_requires_temporaries``, ``Copy.cu``).
+the measured steps, FSDP2's host-side categories taken out: ``train.tracker``), in fp32 with GQA
+under SDPA's math backend (the kernel CUDA takes; on CPU fp32 would take the CPU flash kernel); in
+fp32 without GQA the CPU flash kernel stands in for the memory-efficient one (the same output and
+log-sum-exp at 128 tokens, a multiple of its 32-row padding). Left out of the comparison are the
+run's CUDA-only allocations (``timeline_peaks.steady_peaks``): besides those every CPU comparison
+leaves out, FSDP2's per-parameter host-to-device copies of the offloaded shards
+(``FSDPParam.all_gather_inputs``: ``sharded_param_data.to(device)``, a no-op on a CPU-only
+machine), activation offload's staging copy of the math path's strided key (the scaled
+``k.transpose(-2, -1)`` that ``bmm`` saves: ``copy_requires_temporaries``, ``Copy.cu``), and the
+memory-efficient backward's delta temporaries and dQ workspace (from source, mem_efficient.py).
 
-Measured 2026-11-27 (torch 2.13.0+cpu), predicted - measured, for the step and for the forward and
-backward alone: FSDP2 offload in fp32 0 B (31,555,336 B both; full recompute: see the case), activation
-offload in fp32 -156 B (step 80,652,188 B, forward and backward 77,694,628 B), with full recompute -156 B
-(86,382,244 B), with 2 micro-batches -156 B (80,652,188 / 80,645,284 B), bf16-master with 2
-micro-batches -156 B (96,780,956 / 72,584,356 B): the same 156 B as every bf16 offload case of
-test_timeline_act_offload.py, not traced to a tensor. The host copies: the trainer's exactly in fp32
-(the math path saves no philox seed or offset); in bf16-master, 16 B a layer above it (flash's seeds,
-which the CPU kernel does not make).
+Measured 2026-11-27 (torch 2.13.0+cpu), the trainer's steady peak for the step and for the forward
+and backward, predicted - measured: FSDP2 offload in fp32 12,999,432 B both (0 B), with full
+recompute (4 layers, 2 x 128) 12,934,920 B (0 B); activation offload in fp32 80,648,092 /
+69,629,604 B, with full recompute 86,382,244 B, with 2 micro-batches 80,652,188 / 80,645,284 B,
+bf16-master with 2 micro-batches 96,780,956 / 72,584,356 B, DDP dp 2 with full recompute
+89,332,900 B (each -156 B, the same 156 B as every bf16 offload case of
+test_timeline_act_offload.py, not traced to a tensor); the memory-efficient kernel's plans
+61,207,972 B, full recompute 58,468,252 / 48,443,044 B, selective 61,183,396 B, selective-op
+58,468,252 / 50,976,164 B, with activation offload 58,468,252 / 46,974,116 B (each -156 B). Host
+copies: the trainer's exactly in fp32 (the math path makes no philox seed; the memory-efficient
+kernel's are CPU tensors, whose 16 B a layer CUDA would pack to pinned memory too, not counted);
+in bf16-master 16 B a layer above it (flash's device seeds, which the CPU kernel does not make).
 """
 
 from __future__ import annotations
