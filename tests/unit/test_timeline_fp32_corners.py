@@ -24,7 +24,8 @@ bf16-master with 2 micro-batches 96,780,956 / 72,584,356 B, DDP dp 2 with full r
 89,332,900 B (each -156 B, the same 156 B as every bf16 offload case of
 test_timeline_act_offload.py, not traced to a tensor); the memory-efficient kernel's plans
 61,207,972 B, full recompute 58,468,252 / 48,443,044 B, selective 61,183,396 B, selective-op
-58,468,252 / 50,976,164 B, with activation offload 58,468,252 / 46,974,116 B (each -156 B). Host
+58,468,252 / 50,976,164 B, with activation offload 58,468,252 / 46,974,116 B, TP 2 + SP over ZeRO-3
+25,440,044 B (each -156 B), LoRA r 8 33,135,432 B (-64 B), FSDP2 offload 28,434,184 B (0 B). Host
 copies: the trainer's exactly in fp32 (the math path makes no philox seed; the memory-efficient
 kernel's are CPU tensors, whose 16 B a layer CUDA would pack to pinned memory too, not counted);
 in bf16-master 16 B a layer above it (flash's device seeds, which the CPU kernel does not make).
@@ -77,6 +78,9 @@ CASES = {
     "efficient-fp32-selective": (MHA, dict(precision="fp32", recompute="selective"), (2, None)),
     "efficient-fp32-selective-op": (MHA, dict(precision="fp32", recompute="selective-op"), (2, None)),
     "efficient-fp32-act-offload": (MHA, dict(precision="fp32", **ACT_OFFLOAD), (2, None)),
+    "efficient-fp32-lora": (MHA, dict(precision="fp32", finetune="lora", lora_rank=8), (2, None)),
+    "efficient-fp32-tp2-sp-zero3": (MHA, dict(precision="fp32", dp=2, zero=3, tp=2, sequence_parallel=True), (2, None)),
+    "efficient-fp32-fsdp2-offload": (MHA, dict(precision="fp32", **FSDP_OFFLOAD), (2, None)),
 }  # fmt: skip
 
 # in the default run: each mechanism once; the other cases under -m slow (the default suite's time)
