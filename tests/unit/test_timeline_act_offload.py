@@ -101,7 +101,7 @@ def test_the_estimate_answers_offloaded_plans_with_the_op_level_run():
         )
         _, which = plan_run(job.model, job.workload, job.plan, "memplan")
         assert which == "trainer", (changes, which)
-    job = resolve_job("llama3-8b", None, dict(precision="fp32", seq_len=4096, offload_activations="cpu"), False)
+    job = resolve_job("llama3-8b", None, dict(seq_len=4096, offload_activations="cpu", recompute="selective"), False)
     assert supported(job.model, job.workload, job.plan) == "activation offload with this plan"
 
 

@@ -102,11 +102,14 @@ def test_fp32_attention_keeps_the_probabilities_for_the_backward(timelines):
 @pytest.mark.parametrize(
     ("changes", "reason"),
     [
-        (dict(kv_heads=32), "memory-efficient"),
-        (dict(dp=2, zero=3, offload_params="cpu", offload_optimizer="cpu"), "precision fp32 with offload"),
+        (dict(kv_heads=32, finetune="qlora", quant="nf4", precision="bf16"), "efficient kernel over a quantized"),
+        (
+            dict(dp=2, zero=3, offload_params="cpu", offload_optimizer="cpu", recompute="selective-op"),
+            "this recompute with offload",
+        ),
         (dict(precision="fp16-master"), "precision"),
     ],
-    ids=["mha-efficient", "fsdp2-offload", "fp16-master"],
+    ids=["mha-efficient-qlora", "fsdp2-offload-selective-op", "fp16-master"],
 )
 def test_precisions_it_does_not_follow_get_none(changes, reason):
     kv = changes.pop("kv_heads", None)

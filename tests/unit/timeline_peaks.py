@@ -6,6 +6,7 @@ from __future__ import annotations
 from memplan.costmodel.timeline.act_offload import STAGING
 from memplan.costmodel.timeline.eager import SOFTMAX_TMP
 from memplan.costmodel.timeline.events import ALLOC, FREE, MARK, Category, Timeline
+from memplan.costmodel.timeline.mem_efficient import DELTA, DELTA_PRODUCT, DELTA_SUM, WORKSPACE
 from memplan.costmodel.timeline.ops import FLASH_OUT_COPY, HEADS_MAJOR_COPY
 from memplan.costmodel.timeline.quant import CUDA_FALLBACK
 
@@ -22,10 +23,13 @@ CUDA_EMBEDDING_SCRATCH = frozenset(
 
 # CUDA's kernels' temporaries (from source): activation offload's staging copies of non-contiguous
 # saves and flash's copies of unpacked saves; the sum-to-weight staging buffer and its semaphores
-# (autograd.REDUCE_WORKSPACE_CAP); the softmax backward's ``grad * output`` (eager.py); bitsandbytes'
+# (autograd.REDUCE_WORKSPACE_CAP); the softmax backward's ``grad * output`` (eager.py); FSDP2's
+# host-to-device copies of offloaded shards (fsdp.py: ``.to(device)`` is a no-op on a CPU-only
+# machine); the memory-efficient kernel's backward temporaries (mem_efficient.py); bitsandbytes'
 # dequantize + F.linear inside its gemm_4bit custom op (quant.py)
 CUDA_TEMPORARIES = (
-    frozenset({STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP})
+    frozenset({STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP, "h2d"})
+    | {DELTA_PRODUCT, DELTA_SUM, DELTA, WORKSPACE}
     | CUDA_FALLBACK
 )
 

@@ -21,7 +21,9 @@ Checked on CPU against the trainer's emulation (``EmulatedSaveOnCpu``: the host 
 torch's allocator, the device copy inside it), which makes the same device requests: peaks and
 host bytes (tests/unit/test_timeline_act_offload.py). No GPU trace ran activation offload; what
 CUDA does besides is from source, not a trace: a pinned host tensor is the host allocator's
-(``CachingHostAllocator``), never the device's.
+(``CachingHostAllocator``), never the device's. In fp32 the saves are SDPA's math path's
+(``precision.py``), its strided scaled key staged as it is packed (tests/unit/
+test_timeline_fp32_corners.py).
 """
 
 from __future__ import annotations

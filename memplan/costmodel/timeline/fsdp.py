@@ -38,7 +38,10 @@ gradient accumulation every micro-batch does the same on the device; a later one
 added into the host gradient (``sharded_param.grad._local_tensor += new_sharded_grad``; the copy
 then blocks instead of overlapping: torch 2.13 ``_fsdp_collectives.foreach_reduce``), nothing more
 on the device (held against the trainer on CPU with selective-op and partial recompute too:
-tests/unit/test_timeline_fsdp_variants.py).
+tests/unit/test_timeline_fsdp_variants.py). In fp32 (no ``param_dtype``) each copy is the
+all-gather input itself (``_to_dtype_if_needed`` returns it; ``_get_param_all_gather_inputs``
+takes this per-parameter path under offload either way): held against the trainer on CPU, where
+the copies are no-ops (tests/unit/test_timeline_fp32_corners.py).
 """
 
 from __future__ import annotations

@@ -140,6 +140,9 @@ def math_sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, b: int, heads: int, s
     k_exp = _repeat_heads(tape, k, n, "sdpa_math.k_exp")
     v_exp = _repeat_heads(tape, v, n, "sdpa_math.v_exp")
     key = _scaled(tape, k_exp, n, "sdpa_math.key_t")
+    # ``k_exp.transpose(-2, -1) * c`` keeps the transpose's strides (TensorIterator), and ``bmm``
+    # takes it as a strided mat2 and saves it so: activation offload stages it (act_offload.pack)
+    key.transposed = True
     qc = _contiguous(tape, query, "sdpa_math.query_contiguous", copy_grad=False)
     attn = _bmm(tape, qc, key, scores, "sdpa_math.scores")
     tape.done(qc, key)  # matmul's clone, then the statement's temporary

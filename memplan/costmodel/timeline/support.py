@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.quant import gemm_4bit_kernel
-from memplan.costmodel.trainer_offload import unmodelled
+from memplan.costmodel.trainer_offload import unmodelled, unmodelled_accumulation
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
@@ -28,7 +28,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (RMSNorm, RoPE, gated SiLU MLP, no QK-norm, no biases but Qwen2's on q, k and v:
     ``qkv_bias.py``, in every mechanism below but a 4-bit base, checked against the trainer on CPU,
     test_timeline_qkv_bias.py) with flash SDPA, or in fp32 with GQA
-    SDPA's math path (``precision.py``, h200_a_fp32full); AdamW (foreach), or bf16-master's
+    SDPA's math path (``precision.py``, h200_a_fp32full), without GQA its memory-efficient kernel
+    (``mem_efficient.py``, from PyTorch's source: no trace); AdamW (foreach), or bf16-master's
     MasterAdamW (``master.py``, h200_a_master1b); recompute none, full (every layer) or
     selective; in bf16, bf16-master or bf16-mixed (autocast without FSDP2, else
     MixedPrecisionPolicy), or fp32: one data rank without sharding; DDP over dp > 1 (ZeRO-0,
@@ -36,7 +37,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     no trace, the trainer on CPU); or FSDP2 over dp > 1, ZeRO-3 or ZeRO-2
     (``reshard_after_forward=False``: h200_b_z2_8b), with an untied LM head, optionally with
     tensor and sequence parallel, and under ZeRO-3 optionally with FSDP2's CPU offload of
-    parameters and optimizer together (h200_b_off8b); FSDP2 in fp32 without offload (the
+    parameters and optimizer together (h200_b_off8b), in fp32 too (the trainer on CPU:
+    test_timeline_fp32_corners.py); FSDP2 in fp32 without offload (the
     trainer on CPU); a tied embedding under FSDP2 (one root group holding it; under a pipeline
     each chunk its own root, the head its own matrix: checked on CPU). With offload or without:
     any number of micro-batches per step (gradient accumulation; DDP's ``no_sync``; under offload
@@ -57,8 +59,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     quantization, bf16-master or fp32 compute, with the LoRA variants above, under DDP or ZeRO-1
     (a head copy fp32 there), wherever CUDA's ``gemm_4bit`` takes one path on every GPU (the
     trainer on CPU, bitsandbytes' CUDA-only temporaries from its source). Activation offload
-    (``save_on_cpu``, ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed or
-    bf16-master; eager attention (``eager.py``) in full training, bf16, bf16-master or fp32;
+    (``save_on_cpu``, ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed,
+    bf16-master or fp32 (the math path's saves), with accumulation on one rank (the trainer refuses
+    it over DDP); eager attention (``eager.py``) in full training, bf16, bf16-master or fp32;
     tensor parallel without sequence parallel under FSDP2 without a pipeline
     (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace). An LLM.int8 base
     (``int8.py``: CPU's ``MatMul8bitFp`` checked against the trainer on CPU, CUDA's
@@ -68,9 +71,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
     refuses them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them),
     q, k, v biases over a 4-bit base (not checked), QK-norm; eager attention under autocast
-    or with LoRA; activation offload in fp32, or with accumulation outside bf16 / bf16-mixed on
-    one rank; fp32 SDPA without GQA (the memory-efficient kernel) or fp32 with offload (not
-    checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
+    or with LoRA; fp32 SDPA without GQA (the memory-efficient kernel) over a quantized base;
+    fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
     without sequence parallel outside FSDP2 without a pipeline; LLM.int8 bases with selective-op
     or partial recompute, a trained head copy, autocast or ZeRO (``_int8_modelled``); 4-bit bases
     under autocast, or whose ``gemm_4bit`` kernel the GPU's architecture picks (5 to 1536 tokens,
@@ -93,12 +95,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
-        (
-            not _fp32_stream(plan) or plan.attention == "eager" or sdpa_kernel(model, plan) == "math",
-            "fp32 SDPA on the memory-efficient kernel",
-        ),
-        (plan.precision != "fp32" or _no_offload(plan), "precision fp32 with offload"),
-        (plan.offload_activations == "none" or _plain(plan) or accumulation(workload, plan) == 1, _OFFLOAD_ACCUM),
+        (not _fp32_stream(plan) or plan.attention == "eager" or _fp32_sdpa_modelled(model, plan), _EFFICIENT_QUANT),
+        (plan.offload_activations == "none" or _offload_accumulation(workload, plan), _OFFLOAD_ACCUM),
         (plan.tp == 1 or _fsdp(plan) or _tp_one_rank(plan), _TP_WITHOUT_FSDP),
         (plan.tp == 1 or plan.sequence_parallel or (_fsdp(plan) and plan.pp == 1), _TP_WITHOUT_SP),
         (_divides(model, workload, plan), "dimensions that tensor parallel does not divide"),
@@ -109,6 +107,17 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     return None
 
 
+def _fp32_sdpa_modelled(model: ModelSpec, plan: Plan) -> bool:
+    """fp32 SDPA on CUDA: the math path (GQA, ``precision.py``), or the memory-efficient kernel
+    (``mem_efficient.py``: from source, no GPU trace) over an unquantized base (a 4-bit base's
+    fp32 stream beside its bf16 compute is not followed there)."""
+    kernel = sdpa_kernel(model, plan)
+    return kernel == "math" or (kernel == "efficient" and plan.quant == "none")
+
+
+_EFFICIENT_QUANT = "fp32 SDPA on the memory-efficient kernel over a quantized base"
+
+
 def _eager_modelled(plan: Plan) -> bool:
     """``attention: eager`` (``eager.py``) without autocast: in bf16, bf16-master or fp32, full
     training (checked on CPU: no GPU trace)."""
@@ -117,12 +126,20 @@ def _eager_modelled(plan: Plan) -> bool:
 
 def _act_offload_modelled(plan: Plan) -> bool:
     """``save_on_cpu`` as the trainer runs it (``trainer_offload.unmodelled`` says where: one
-    rank or DDP, recompute none or full, full training, flash SDPA; ``act_offload.py``), checked
-    on CPU in bf16, bf16-mixed and bf16-master; fp32 (CUDA's math path) is not."""
-    return unmodelled(plan) is None and plan.precision in ("bf16", "bf16-mixed", "bf16-master")
+    rank or DDP, recompute none or full, full training, SDPA; ``act_offload.py``), checked on
+    CPU in bf16, bf16-mixed, bf16-master and fp32 (CUDA's math path, whose saves are packed like
+    any other: test_timeline_act_offload.py, test_timeline_fp32_corners.py)."""
+    return unmodelled(plan) is None and plan.precision in ("bf16", "bf16-mixed", "bf16-master", "fp32")
 
 
-_OFFLOAD_ACCUM = "activation offload with accumulation outside bf16 / bf16-mixed on one rank"
+def _offload_accumulation(workload: TrainingWorkload, plan: Plan) -> bool:
+    """Activation offload with accumulation where the trainer runs it: one rank, in any precision
+    above (checked on CPU in bf16, bf16-master and fp32); over data parallel the trainer refuses it
+    (``trainer_offload.unmodelled_accumulation``, ``validate.support``)."""
+    return unmodelled_accumulation(plan, accumulation(workload, plan)) is None
+
+
+_OFFLOAD_ACCUM = "activation offload with accumulation over data parallel (the trainer refuses it)"
 _TP_WITHOUT_FSDP = "tensor parallel without FSDP2 over dp > 1 (DDP)"
 _TP_WITHOUT_SP = "tensor parallel without sequence parallel outside FSDP2 without a pipeline"
 
@@ -215,7 +232,8 @@ def _int8_modelled(plan: Plan) -> bool:
     none), a trained head copy (``prepare_model_for_kbit_training`` casts it and the frozen
     original to fp32: not followed), partial recompute or ZeRO-1 (not checked), autocast (the
     trainer refuses it)."""
-    plain = _basic_recompute(plan) and not plan.modules_to_save and plan.precision != "bf16-mixed"
+    basic = plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None
+    plain = basic and not plan.modules_to_save and plan.precision != "bf16-mixed"
     return plain and (plan.dp == 1 or plan.zero == 0)
 
 

@@ -61,10 +61,12 @@ def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
 
 
 def _attention(model: ModelSpec, plan: Plan) -> str:
-    """The attention the trainer runs: eager (``eager.py``), or SDPA's kernel (flash, or math)."""
+    """The attention the trainer runs: eager (``eager.py``), or SDPA's kernel (flash, math, or
+    fp32's memory-efficient one: ``mem_efficient.py``)."""
     if plan.attention == "eager":
         return "eager"
-    return "math" if sdpa_kernel(model, plan) == "math" else "flash"
+    kernel = sdpa_kernel(model, plan)
+    return kernel if kernel in ("math", "efficient") else "flash"
 
 
 def trainer_run(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memplan.costmodel.timeline import eager, ops, qkv_bias
+from memplan.costmodel.timeline import eager, mem_efficient, ops, qkv_bias
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
@@ -43,7 +43,7 @@ class Dims:
     autocast: bool = False  # bf16-mixed without FSDP: torch.autocast casts at each matmul
     recompute: str = "none"  # none | full | selective | selective-op (recompute.py)
     recompute_layers: int | None = None  # full: the first n layers only
-    attention: str = "flash"  # the SDPA kernel: flash, or math (fp32 with GQA on CUDA: precision.py); or eager
+    attention: str = "flash"  # the SDPA kernel: flash, math (fp32 with GQA on CUDA: precision.py), efficient; or eager
     qkv_bias: bool = False  # wq, wk, wv with biases (Qwen2: qkv_bias.py)
 
     @classmethod
@@ -221,6 +221,8 @@ class Model:
             return prec.math_sdpa(t, q, k, v, d.b, d.heads // d.tp, d.s)
         if d.attention == "eager":  # attention: eager (eager.py)
             return eager.attention(t, q, k, v, d.b, d.heads // d.tp, d.s)
+        if d.attention == "efficient":  # fp32 without GQA on CUDA (mem_efficient.py)
+            return mem_efficient.sdpa(t, q, k, v, d.b, d.heads // d.tp, d.s, d.head_dim)
         k2 = ops.to(t, k, 2, "k_cast") if self.cache is not None else t.alias(k)
         q2 = ops.to(t, q, 2, "q_cast") if self.cache is not None else t.alias(q)
         out = ops.sdpa(t, q2, k2, v, d.b * d.heads // d.tp * d.s, "sdpa")
@@ -235,7 +237,8 @@ class Model:
             q = self.projection(xg, f"{prefix}.attention.wq.weight", d.q // d.tp, "wq", True)
             k = self.projection(xg, f"{prefix}.attention.wk.weight", d.kv // d.tp, "wk", True)
             # dv comes heads-major from the math and eager paths (their sum over the groups): a copy
-            v = self.projection(xg, f"{prefix}.attention.wv.weight", d.kv // d.tp, "wv", d.attention != "flash")
+            copied = d.attention in ("math", "eager")
+            v = self.projection(xg, f"{prefix}.attention.wv.weight", d.kv // d.tp, "wv", copied)
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             t.done(k, q)  # `q, k = ...` stores k first (CPython 3.11: STORE_FAST k, STORE_FAST q)
             if d.recompute == "selective":
@@ -243,7 +246,7 @@ class Model:
             else:
                 out = self.core(qr, kr, v)
             # the reshape of out.transpose(1, 2) is a view of flash's output, a copy of math's and eager's
-            flat = prec.merge_heads(t, out) if d.attention != "flash" else t.alias(out)
+            flat = prec.merge_heads(t, out) if d.attention in ("math", "eager") else t.alias(out)
             y = self.linear(flat, f"{prefix}.attention.wo.weight", d.h, "wo")
             t.done(flat)
             ys = self.scatter_seq(y, "wo")  # RowwiseParallel's output hook, inside wo's call
