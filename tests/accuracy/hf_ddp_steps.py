@@ -61,6 +61,14 @@ def _plain_cpu_device() -> None:
     PartialState.set_device = plain
 
 
+def _quant_state(model) -> list[torch.Tensor]:
+    """A 4-bit base's quantization state (not parameters or buffers: handed to the tracker, as
+    hf_peft_steps.measure does)."""
+    from peft_steps import quant_state_tensors
+
+    return quant_state_tensors(model)
+
+
 def _rank(rank: int, case, ga: int, steps: int, port: int, out: str, log: bool) -> None:
     """One rank: the environment torchrun sets, the Trainer, rank 0's tracker."""
     import transformers
@@ -103,6 +111,7 @@ def _rank(rank: int, case, ga: int, steps: int, port: int, out: str, log: bool) 
             trainer.train()
         else:
             tracker.track_module(model)
+            tracker.track(*_quant_state(model))
             with tracker:
                 trainer.train()
     if tracker is not None:

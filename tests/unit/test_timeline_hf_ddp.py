@@ -7,7 +7,8 @@ checkpointing: the first buckets 1 MiB then 25 MiB, never rebuilt, ``_DDPSink``'
 the logits) and without it (checkpointing: one bucket, rebuilt in gradient-ready order at the second
 forward), ``bf16=True``, bf16, tied embeddings, Qwen2's biases, gradient accumulation under ``no_sync()``;
 PEFT LoRA (always ``find_unused_parameters``: a ``PeftModel`` is no ``PreTrainedModel``) with checkpointing,
-``modules_to_save`` (a bf16 head copy beside fp32 adapters: a bucket per dtype), autocast, accumulation.
+``modules_to_save`` (a bf16 head copy beside fp32 adapters: a bucket per dtype), autocast, accumulation;
+bitsandbytes nf4 / fp4 bases (their CPU backend; the quantization state handed to the tracker).
 The run is compared as in test_timeline_hf.py (``inplace_accumulate=False``: the tracker holds each
 storage's Python object). The two-process cases take 10-40 s each: one small case runs by default.
 """
@@ -28,6 +29,8 @@ import hf_steps  # noqa: E402
 from peft_steps import TINY, PeftCase  # noqa: E402
 from test_timeline_hf import LLAMA1B  # noqa: E402
 from test_timeline_hf import predict as predict_full  # noqa: E402
+from test_timeline_hf_families import CASES as FAMILY_CASES  # noqa: E402
+from test_timeline_hf_families import predict as predict_family  # noqa: E402
 from test_timeline_hf_peft import predict as predict_peft  # noqa: E402
 
 from memplan.costmodel.timeline.events import ALLOC  # noqa: E402
@@ -59,6 +62,8 @@ FULL = [
     (_full("tied", **SMALL, tied=True), 1),
     (_full("qwen2-gqa", **{**SMALL, "kv_heads": 1}, arch="qwen2"), 1),
 ]
+# families of hf_families.py, each with its own parameters and buffers (Gemma's rotary tables per layer type)
+FAMILY_NAMES = ("hffam-qwen3-fp32", "hffam-gemma3-fp32", "hffam-gemma2-bf16-ckpt", "hffam-phi3-bf16")
 PEFT = [
     (_peft("lora-qv"), 1),
     (_peft("lora-ckpt", checkpointing=True), 1),
@@ -66,7 +71,14 @@ PEFT = [
     (_peft("lora-bf16-save-head", dtype="bfloat16", modules_to_save=("lm_head",)), 1),
     (_peft("lora-tied-save-head", tied=True, modules_to_save=("lm_head",)), 1),
     (_peft("lora-autocast-all-linear-ga2", autocast=True, targets=("all-linear",)), 2),
+    # bitsandbytes 4-bit bases (CPU backend): the packed weights broadcast as a uint8 bucket
+    (_peft("qlora-nf4-dq", quant="nf4", double_quant=True), 1),
+    (_peft("qlora-recipe", quant="nf4", double_quant=True, dtype="bfloat16", autocast=True, checkpointing=True), 1),
+    (_peft("qlora-fp4-all-linear-ga2", quant="fp4", targets=("all-linear",)), 2),
 ]
+
+
+FAMILIES = [c for c in FAMILY_CASES if c.name in FAMILY_NAMES]
 
 
 def test_the_small_case_equals_rank_0s_peak() -> None:
@@ -82,6 +94,19 @@ def test_full_fine_tuning_equals_rank_0s_peak(case: hf_steps.Case, ga: int) -> N
     measured = hf_ddp_steps.measure(case, ga)
     predicted = predict_full(case, ga=ga, dp=DP)
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FAMILIES, ids=lambda c: c.name)
+def test_families_equal_rank_0s_peak(case: hf_steps.Case) -> None:
+    measured = hf_ddp_steps.measure(case)
+    predicted = predict_family(case, dp=DP)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+def test_the_case_lists_hold_what_they_name() -> None:
+    assert len(FAMILIES) == len(FAMILY_NAMES)
+    assert {c.quant for c, _ in PEFT} == {"none", "nf4", "fp4"}
 
 
 @pytest.mark.slow

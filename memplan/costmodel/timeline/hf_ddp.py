@@ -37,6 +37,9 @@ tests/unit/test_timeline_hf_ddp.py):
   ``sync_context``); the hooks then return at once and the gradients accumulate in ``.grad`` as on one
   rank.
 
+Only the Trainer's defaults are followed: not ``ddp_find_unused_parameters``, ``ddp_bucket_cap_mb``,
+``ddp_broadcast_buffers`` or ``ddp_static_graph`` set by hand, nor a communication hook.
+
 On CPU the real run also copies each parameter (``model.to("cpu:0")``, an index the parameters lack),
 each batch and the count once more, and keeps host copies of the verify metadata and bucket indices:
 transients below the step's peak that a CUDA run does not have, left out here.

@@ -27,7 +27,9 @@ for the forward) and its input to bf16, SDPA casts k then q, and ``convert_outpu
 the bf16 logits to fp32 after the forward. With ``gradient_accumulation_steps`` the update's batches
 are fetched together (accelerate one ahead) and freed at the next update's fetch, and from the second
 micro-batch on each gradient is added into ``.grad`` and freed. The model is the family's
-(``hf_families.py``: Qwen3, Phi-3, OLMo 2, Gemma 3 beside Llama's layout). Not modelled here: eager
+(``hf_families.py``: Qwen3, Phi-3, OLMo 2, Gemma 3 beside Llama's layout). Over ``dp`` > 1 ranks
+(``torchrun``) the model is accelerate's ``DistributedDataParallel`` (``hf_ddp.py``: the reducer's
+buckets beside ``.grad``, the forward's hooks, the gathered token count). Not modelled here: eager
 attention (Gemma 2), what the model's build leaves cached.
 """
 
