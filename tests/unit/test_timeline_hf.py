@@ -57,9 +57,9 @@ CASES = [
 ]
 
 
-def predict(case: hf_steps.Case, inplace_accumulate: bool = False, ga: int = 1) -> int:
+def predict(case: hf_steps.Case, inplace_accumulate: bool = False, ga: int = 1, dp: int = 1) -> int:
     """The run's peak for the case's config.json, workload and precision, on CPU's kernels, with
-    ``ga`` micro-batches per optimizer step."""
+    ``ga`` micro-batches per optimizer step, on one of ``dp`` ranks (DDP)."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = Plan(precision=case.precision, recompute="full" if case.checkpointing else "none")
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
@@ -72,6 +72,7 @@ def predict(case: hf_steps.Case, inplace_accumulate: bool = False, ga: int = 1) 
         qkv_bias=model.qkv_bias,
         ga=ga,
         inplace_accumulate=inplace_accumulate,
+        dp=dp,
     )
     return timeline.peak()[0]
 
@@ -166,7 +167,8 @@ def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> N
     ("args", "reason"),
     [
         (["qwen3-30b-a3b", "--runtime", "hf"], "the qwen3-moe family"),
-        ([LLAMA1B, "--runtime", "hf", "--dp", "2"], "more than one rank"),
+        ([LLAMA1B, "--runtime", "hf", "--dp", "2", "--zero", "1"], "ZeRO over more than one rank"),
+        ([LLAMA1B, "--runtime", "hf", "--tp", "2"], "more than one rank"),
         ([LLAMA1B, "--runtime", "hf", "--finetune", "qlora", "--seq-len", "512", "--micro-batch", "2"], "1536 tokens"),
         ([LLAMA1B, "--runtime", "hf", "--attention", "eager"], "eager attention"),
         ([LLAMA1B, "--runtime", "hf-loop", "--global-batch", "8"], "the hf-loop runtime's loop has none"),

@@ -74,10 +74,11 @@ CASES = [
 ]
 
 
-def predict(case: hf_steps.Case) -> int:
-    """The run's peak for the case's config.json (its family read from it), on CPU's kernels."""
+def predict(case: hf_steps.Case, dp: int = 1) -> int:
+    """The run's peak for the case's config.json (its family read from it), on CPU's kernels, on one of
+    ``dp`` ranks (DDP)."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = Plan(precision=case.precision, recompute="full" if case.checkpointing else "none")
+    plan = Plan(precision=case.precision, recompute="full" if case.checkpointing else "none", dp=dp)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload) is None, case.name
     d = hf_dims(model, workload, plan)
@@ -91,6 +92,7 @@ def predict(case: hf_steps.Case) -> int:
         arch=model.architecture,
         extra=family_config(model),
         inplace_accumulate=False,
+        dp=dp,
     )
     return timeline.peak()[0]
 

@@ -94,8 +94,9 @@ CASES = [
 ]
 
 
-def predict(case: PeftCase, ga: int = 1) -> int:
-    """The run's peak for the case, on CPU's kernels, ``ga`` micro-batches per optimizer step."""
+def predict(case: PeftCase, ga: int = 1, dp: int = 1) -> int:
+    """The run's peak for the case, on CPU's kernels, ``ga`` micro-batches per optimizer step, on one
+    of ``dp`` ranks (DDP)."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = plan_of(case)
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
@@ -115,6 +116,7 @@ def predict(case: PeftCase, ga: int = 1) -> int:
         lora=HfLoraConfig.of(plan),
         quant=quant,
         inplace_accumulate=False,
+        dp=dp,
     )
     return timeline.peak()[0]
 

@@ -97,6 +97,40 @@ def broadcast_buckets(states: list[tuple[int, int]], limit: int) -> list[list[in
     return sorted(assign_buckets_by_dtype(sizes, dtypes, [limit]), key=lambda bucket: bucket[0])
 
 
+def verify_params(tape: Tape, dp: int, ndims: int) -> None:
+    """``verify_params_across_processes`` over parameters of ``ndims`` dimensions in all: the count
+    (8 B), its all-gather into ``dp`` 8-byte tensors, the shapes' and strides' metadata (int64, 2
+    per dimension), freed at once."""
+    t = tape
+    with t.scoped("ddp.verify"):
+        counts = [t.new(1, 8, "param_count", Category.COMM) for _ in range(dp + 1)]
+        t.done(t.new(2 * ndims, 8, "metadata", Category.COMM))
+        t.done(*counts[1:], counts[0])
+
+
+def broadcast_coalesced(tape: Tape, states: list[tuple[int, int]], tag: str) -> None:
+    """``_broadcast_coalesced`` of ``states`` (bytes, itemsize) from rank 0 (``comm.cpp``):
+    :func:`broadcast_buckets` of 250 MiB, each of more than one tensor flattened into one
+    (a bucket of one tensor is its own view), two in flight, the older freed when a third starts."""
+    t, flights = tape, []
+    sizes = [size for size, _ in states]
+    for bucket in broadcast_buckets(states, BROADCAST_BUCKET):
+        if len(flights) == IN_FLIGHT:
+            t.done(flights.pop(0))
+        size = sum(sizes[i] for i in bucket) if len(bucket) > 1 else 0
+        flights.append(t.new(size, 1, tag, Category.COMM) if size else None)
+    t.done(*flights)
+
+
+def sync_bucket_indices(tape: Tape, params: int, buckets: int) -> None:
+    """``Reducer::sync_bucket_indices`` before a rebuild: the indices (int32, one per parameter
+    plus one) and the bucket sizes (int32, one per bucket) on the device, freed at once."""
+    t = tape
+    with t.scoped("ddp.sync_bucket_indices"):
+        indices = t.new(params + 1, 4, "indices", Category.COMM)
+        t.done(t.new(buckets, 4, "bucket_sizes", Category.COMM), indices)
+
+
 class Ddp:
     """The reducer of one rank: its buckets and the order gradients became ready."""
 
@@ -163,24 +197,14 @@ class Ddp:
 
     # --- construction ------------------------------------------------------------------------------
     def _verify(self) -> None:
-        """``verify_params_across_processes``: the count, its all-gather, the shapes' metadata."""
-        t = self.tape
-        with t.scoped("ddp.verify"):
-            counts = [t.new(1, 8, "param_count", Category.COMM) for _ in range(self.dp + 1)]
-            ndims = sum(1 if name.endswith(("norm.weight", ".bias")) else 2 for name in self.names)
-            t.done(t.new(2 * ndims, 8, "metadata", Category.COMM))
-            t.done(*counts[1:], counts[0])
+        """``verify_params_across_processes`` over the reducer's parameters (a norm's weight and a
+        bias one dimension, the rest two)."""
+        ndims = sum(1 if name.endswith(("norm.weight", ".bias")) else 2 for name in self.names)
+        verify_params(self.tape, self.dp, ndims)
 
     def _broadcast(self) -> None:
-        """``_broadcast_coalesced`` of the parameters from rank 0, two buckets in flight."""
-        t, flights = self.tape, []
-        sizes = [size for size, _ in self.states]
-        for bucket in broadcast_buckets(self.states, BROADCAST_BUCKET):
-            if len(flights) == IN_FLIGHT:
-                t.done(flights.pop(0))
-            size = sum(sizes[i] for i in bucket) if len(bucket) > 1 else 0  # one tensor: its own view
-            flights.append(t.new(size, 1, "ddp.broadcast_flat", Category.COMM) if size else None)
-        t.done(*flights)
+        """``_broadcast_coalesced`` of the parameters from rank 0."""
+        broadcast_coalesced(self.tape, self.states, "ddp.broadcast_flat")
 
     # --- steps ---------------------------------------------------------------------------------------
     def pre_forward(self) -> None:
@@ -190,9 +214,7 @@ class Ddp:
         t, self.rebuilt = self.tape, True
         sizes = [self._bytes(n) for n in self.ready]
         order = assign_buckets_by_dtype(sizes, self._dtypes(self.ready), [FIRST_BUCKET, BUCKET_CAP])
-        with t.scoped("ddp.sync_bucket_indices"):
-            indices = t.new(len(self.ready) + 1, 4, "indices", Category.COMM)
-            t.done(t.new(len(order), 4, "bucket_sizes", Category.COMM), indices)
+        sync_bucket_indices(t, len(self.ready), len(order))
         for bucket in self.buckets:
             t.free(bucket)
         self.buckets = [self._bucket([self.ready[i] for i in b], f"reducer.bucket{k}") for k, b in enumerate(order)]

@@ -16,11 +16,15 @@ and LoRA's dropout is ``native_dropout`` from its source: not yet checked on a G
 A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) over more than 1536 tokens a micro-batch
 (CUDA's dequantize-then-``F.linear`` path, read from bitsandbytes' source); an LLM.int8 base
 (``hf_bnb.Bnb8bit``, ``int8.py``: CPU's ``MatMul8bitFp`` equal to the byte, tests/unit/test_timeline_int8.py;
-CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLUMNS``).
+CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLUMNS``). Any of these over
+``dp`` > 1 ranks under DDP (``zero: 0``: the Trainer under ``torchrun``, ``hf_ddp.py``;
+tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's); ZeRO (the
+Trainer's FSDP or DeepSpeed) and tensor, pipeline, context or expert parallelism are not modelled.
 
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
-4-bit bases (not int8), with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing).
+4-bit bases (not int8), with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing),
+on one rank.
 """
 
 from __future__ import annotations
@@ -107,7 +111,9 @@ def hf_supported(
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         (plan.offload_activations == "none", "activation offload"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
-        (plan.dp == plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank"),
+        (plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank (tensor, pipeline, context or expert)"),
+        (plan.dp == 1 or plan.zero == 0, "ZeRO over more than one rank (the Trainer's FSDP or DeepSpeed)"),
+        (plan.dp == 1 or runtime == "hf", "more than one rank under the hf-loop runtime (its loop has no DDP)"),
         (plan.optimizer == "adamw" and plan.precision in ("fp32", "bf16", "bf16-mixed"), "this optimizer or precision"),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
         (

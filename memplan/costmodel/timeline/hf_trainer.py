@@ -27,16 +27,19 @@ for the forward) and its input to bf16, SDPA casts k then q, and ``convert_outpu
 the bf16 logits to fp32 after the forward. With ``gradient_accumulation_steps`` the update's batches
 are fetched together (accelerate one ahead) and freed at the next update's fetch, and from the second
 micro-batch on each gradient is added into ``.grad`` and freed. The model is the family's
-(``hf_families.py``: Qwen3, Phi-3, OLMo 2, Gemma 3 beside Llama's layout). Not modelled here: eager
+(``hf_families.py``: Qwen3, Phi-3, OLMo 2, Gemma 3 beside Llama's layout). Over ``dp`` > 1 ranks
+(``torchrun``) the model is accelerate's ``DistributedDataParallel`` (``hf_ddp.py``: the reducer's
+buckets beside ``.grad``, the forward's hooks, the gathered token count). Not modelled here: eager
 attention (Gemma 2), what the model's build leaves cached.
 """
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import hf_ddp, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit
+from memplan.costmodel.timeline.hf_ddp import HfDdp
 from memplan.costmodel.timeline.hf_families import family, family_config
 from memplan.costmodel.timeline.hf_lora import HfLora, HfLoraConfig
 from memplan.costmodel.timeline.hf_model import is_norm, param_shapes, scalar_div
@@ -89,7 +92,16 @@ def hf_plan_run(model, workload, plan) -> Timeline:
     lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan) or Bnb8bit.of(plan)
     ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model)
     return hf_run(
-        d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, ga=ga, arch=arch, extra=extra, lora=lora, quant=quant
+        d,
+        model.tied_embeddings,
+        kernel,
+        qkv_bias=model.qkv_bias,
+        ga=ga,
+        arch=arch,
+        extra=extra,
+        lora=lora,
+        quant=quant,
+        dp=plan.dp,
     )
 
 
@@ -105,16 +117,17 @@ def hf_run(
     extra: dict | None = None,
     lora: HfLoraConfig | None = None,
     quant: Bnb4bit | Bnb8bit | None = None,
+    dp: int = 1,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
     ``batches`` batches (None: enough that the prefetch never runs dry); ``qkv_bias``: Qwen2's
     attention biases; ``arch``: the family (``hf_families.py``) and ``extra`` its further
     config (``hf_families.family_config``); ``lora``: PEFT's adapters over the frozen base
-    (``hf_lora.py``); ``quant``: a 4-bit or int8 base (``hf_bnb.py``).
+    (``hf_lora.py``); ``quant``: a 4-bit or int8 base (``hf_bnb.py``); ``dp``: ranks under DDP (``hf_ddp.py``).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
-    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant)
+    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -136,6 +149,7 @@ class _HfRun:
         extra: dict | None = None,
         lora: HfLoraConfig | None = None,
         quant: Bnb4bit | None = None,
+        dp: int = 1,
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -161,11 +175,19 @@ class _HfRun:
             self.lora = HfLora(self.tape, lora, d.tokens, cuda, input_grad=ckpt)
             self.model.adapter = self.lora.adapt
             self.model.tied = tied and "lm_head" not in lora.modules_to_save  # the trained copy is untied
+        self.dp = dp
+        self.ddp: HfDdp | None = None  # DDP over dp > 1 ranks (hf_ddp.py), wrapped in _build
         self._build()
 
     def _build(self) -> None:
-        """Parameters in ``model.parameters()`` order, the two rotary buffers, ``tr_loss``."""
+        """Parameters in ``model.parameters()`` order, the two rotary buffers, DDP's wrapping
+        (``accelerator.prepare``, over ``self.dp`` > 1 ranks), ``tr_loss``."""
         self._params()
+        if self.dp > 1:
+            buffers = [self.model.weights[name] for name, _ in self.model.buffers()]
+            cuda, ckpt = self.model.kernel != "cpu_flash", self.d.recompute == "full"
+            args = (self.model.weights, self.shapes, self.trainable, buffers, self.lora is not None, ckpt, cuda)
+            self.ddp = hf_ddp.wrap(self.tape, self.dp, *args)
         self.tape.managed(1, 4, "tr_loss", Category.LOGITS)
 
     def _params(self) -> None:
@@ -219,6 +241,9 @@ class _HfRun:
                 t.done(ne)
                 acc, old = t.new(1, 8, "add"), acc
                 t.done(old, total)
+            if self.ddp is not None:
+                acc, old = self.ddp.gather_count(acc), acc
+                t.done(old)
             out = t.new(1, 4, "div")
             t.done(acc, self.num_items)
         self.num_items = out
@@ -235,6 +260,8 @@ class _HfRun:
                 t.done(*batch)
             self.data = self.data[ga:]
         for i in range(ga):
+            if self.ddp is not None:  # the Trainer's sync_context: no_sync() but for the last
+                self.ddp.sync = i == ga - 1
             self.training_step(self.data[i][0], first=k == 0 and i == 0)
         self.clip()
         self.optimizer_step(first=k == 0)
@@ -250,6 +277,8 @@ class _HfRun:
             t.on_first_mm = self._workspace("forward")
         m = self.model
         m.cache = {} if self.d.autocast else None
+        if self.ddp is not None:
+            self.ddp.pre_forward()
         logits, hidden = self.forward(ids)
         loss = m.loss(logits, self.num_items)
         t.done(hidden)  # LlamaForCausalLM.forward's hidden_states, at its return
@@ -260,6 +289,8 @@ class _HfRun:
                 converted = t.new(logits.numel, 4, "logits_to_fp32", Category.LOGITS)
             t.done(logits)
             logits = converted
+        if self.ddp is not None:
+            loss, logits = self.ddp.post_forward([loss, logits])
         t.done(logits)  # compute_loss returns the loss alone
         with t.scoped("accelerate"):
             scaled = scalar_div(t, loss, "div_accumulation", temps=0)
@@ -268,6 +299,8 @@ class _HfRun:
             t.on_first_mm = self._workspace("backward")
         t.backward(scaled, t.hold(seed))  # torch.autograd.backward holds it until it returns
         t.scope = ""
+        if self.ddp is not None:
+            self.ddp.backward_done(self.grads)
         t.done(seed, scaled)
         if isinstance(self.model.quant, Bnb8bit):  # the int8 linears' ctx.A go with the graph
             self.model.quant.free_graph()
