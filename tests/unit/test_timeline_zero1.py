@@ -242,12 +242,12 @@ def test_the_estimate_answers_these_plans_with_the_op_level_run():
     ("changes", "reason"),
     [
         (
-            dict(dp=2, zero=3, precision="fp32", offload_params="cpu", offload_optimizer="cpu", global_batch=4),
-            "gradient accumulation with offload",
+            dict(dp=2, zero=0, offload_activations="cpu", global_batch=4),
+            "activation offload with accumulation over data parallel",
         ),
         (dict(dp=2, zero=1, offload_optimizer="cpu"), "offload"),
     ],
-    ids=["fp32-offload-accum2", "zero1-offload"],
+    ids=["act-offload-ddp-accum2", "zero1-offload"],
 )
 def test_what_is_not_checked_stays_on_the_phase_model(changes, reason):
     job = resolve_job("llama3-8b", None, dict(seq_len=4096, micro_batch=1, **changes), False)
