@@ -66,10 +66,12 @@ def _repeated(tape: Tape, x: Tensor, groups: int, numel: int, tag: str) -> Tenso
     return prec._repeat_heads(tape, x, numel, tag) if groups > 1 else tape.alias(x)
 
 
-def _batched(tape: Tape, x: Tensor, tag: str) -> Tensor:
-    """``matmul``'s fold of a (b, heads, ...) operand to 3-D: a view of a contiguous one, else a
-    contiguous clone (its gradient goes back as a view)."""
-    return prec._contiguous(tape, x, tag, copy_grad=False) if x.transposed else tape.alias(x)
+def _batched(tape: Tape, x: Tensor, folds: bool, tag: str) -> Tensor:
+    """``matmul``'s fold of a (b, heads, ...) operand to (b heads, ...) (``reshape``): a view of
+    a contiguous one, or of one laid out (b, s, heads, d) when the fold is a view there too
+    (``folds``: one sequence or one head, whose dims then merge), else a contiguous clone (its
+    gradient goes back as a view)."""
+    return prec._contiguous(tape, x, tag, copy_grad=False) if x.transposed and not folds else tape.alias(x)
 
 
 def _view(tape: Tape, raw: Tensor, tag: str) -> Tensor:
@@ -84,15 +86,27 @@ def _view(tape: Tape, raw: Tensor, tag: str) -> Tensor:
     return out
 
 
-def attention(tape: Tape, q: Tensor, k: Tensor, v: Tensor, b: int, heads: int, s: int) -> Tensor:
+def _cast(tape: Tape, x: Tensor, autocast: bool, tag: str) -> Tensor:
+    """Autocast's ``cached_cast`` of a ``matmul`` operand to bf16 (a new tensor of ``x``'s
+    layout for an fp32 one, ``x`` itself for a bf16 one; no cache: not a leaf), or ``x``."""
+    return ops.to(tape, x, 2, tag) if autocast else tape.alias(x)
+
+
+def attention(
+    tape: Tape, q: Tensor, k: Tensor, v: Tensor, b: int, heads: int, s: int, autocast: bool = False
+) -> Tensor:
     """``_eager_attention`` on (b, heads, s, d) ``q`` and unrepeated ``k``, ``v``; returns
-    ``probs @ v`` (its ``_unsafe_view``: the caller's transposed reshape is a copy)."""
+    ``probs @ v`` (its ``_unsafe_view``: the caller's transposed reshape is a copy). Under
+    ``autocast`` (bf16-mixed) each ``matmul`` casts its operands first (``_casts``)."""
     n, groups, scores_numel = q.numel, q.numel // k.numel, b * heads * s * s
     kx = _repeated(tape, k, groups, n, "eager.k_repeated")
     vx = _repeated(tape, v, groups, n, "eager.v_repeated")
-    qc, kc = _batched(tape, q, "eager.q_contiguous"), _batched(tape, kx, "eager.k_contiguous")
+    k2 = _cast(tape, kx, autocast, "eager.k_autocast")  # the wrapper casts its last operand first
+    q2 = _cast(tape, q, autocast, "eager.q_autocast")
+    folds = b == 1 or heads == 1  # strides (s h d, d, h d, 1): b and heads merge only then
+    qc, kc = _batched(tape, q2, folds, "eager.q_contiguous"), _batched(tape, k2, folds, "eager.k_contiguous")
     raw = prec._bmm(tape, qc, kc, scores_numel, "eager.scores")
-    tape.done(kc, qc)
+    tape.done(kc, qc, q2, k2)  # matmul's folds, then the wrapper's casts
     raw = _view(tape, raw, "eager.scores_view")
     scores = prec._scaled(tape, raw, scores_numel, "eager.scaled")
     tape.done(raw)  # the matmul's result, a temporary of the statement
@@ -106,9 +120,11 @@ def attention(tape: Tape, q: Tensor, k: Tensor, v: Tensor, b: int, heads: int, s
     tape.done(converted)
     probs = ops.to(tape, soft, q.itemsize, "eager.probs")
     tape.done(soft)
-    vc = _batched(tape, vx, "eager.v_contiguous")
-    raw = prec._bmm(tape, probs, vc, n, "eager.out")
-    tape.done(vc)
+    v2 = _cast(tape, vx, autocast, "eager.v_autocast")
+    p2 = _cast(tape, probs, autocast, "eager.probs_autocast")
+    vc = _batched(tape, v2, folds, "eager.v_contiguous")
+    raw = prec._bmm(tape, p2, vc, n, "eager.out")
+    tape.done(vc, p2, v2)
     out = prec._unsafe_view(tape, raw, "eager.out_view")
     tape.done(kx, vx, masked, mask, probs)  # the frame's locals: k, v, scores, mask, probs
     return out
