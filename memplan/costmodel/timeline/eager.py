@@ -18,8 +18,24 @@ cloned contiguous first (a key or value that is not repeated too), and ``bmm`` s
 the division by a Python scalar saves nothing; ``masked_fill`` saves the mask; ``softmax(dtype=
 float32)`` of a 16-bit input converts it first (``toType``; CUDA's half-to-float shortcut is fp16's
 only) and saves its fp32 result, whose 16-bit cast ``probs`` the second ``bmm`` saves. The frame's
-locals go as it returns (k, v, scores, mask, probs: what no node saved). Without autocast: under
-bf16-mixed the matmuls cast their fp32 inputs, not followed here.
+locals go as it returns (k, v, scores, mask, probs: what no node saved). The fold is a view when
+the (b, heads) dims merge: a contiguous operand, or one of a single sequence or head
+(``_batched``; CPU, torch 2.13: at b = 1 RoPE's q and an unrepeated k fold as views).
+
+Under autocast (bf16-mixed without FSDP2: ``torch.autocast`` around the forward) RoPE's product
+with the fp32 tables makes q and k fp32 (type promotion; v stays the linear's bf16), so k is
+repeated in fp32. ``matmul`` is on autocast's lower-precision list (``ATen/autocast_mode.h``,
+``AT_FORALL_LOWER_PRECISION_FP``, registered for CUDA and CPU): its wrapper casts each fp32
+operand to a bf16 tensor of the same strides (``cached_cast``: no cache, not a leaf),
+``k.transpose(-1, -2)`` before ``q`` (the wrapper's ``cached_cast(...)...`` arguments, evaluated
+right to left by GCC's builds: the aten log on CPU shows k's ``_to_copy`` first, as the H200
+traces show SDPA's k cast before q's), and ``bmm`` saves the casts' folds; the casts' backward
+(ToCopyBackward0) is the gradient cast back to fp32, q's first (its node is the later one).
+``softmax(-1, dtype=float32)`` runs as without autocast (``AT_FORALL_FP32_SET_OPT_DTYPE``:
+an explicit dtype is kept); ``.to(q.dtype)`` is then a no-op (q is fp32) and ``probs @ v`` casts the fp32
+probabilities to bf16 (saved) while v passes as it is: the same bytes saved as in bf16, with an
+fp32 s x s gradient cast in the backward. A selective checkpoint's re-run restores the forward's
+autocast state (``torch.utils.checkpoint``), so the re-run casts too (``trainer_model.core``).
 
 CUDA only, from source (left out of the CPU comparison): the softmax backward's ``grad * output``
 temporary (``softmax_backward_cuda_out``, as on the math path: ``precision._safe_softmax``).

@@ -52,28 +52,30 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     on SDPA's math path) over more than 1536 tokens a micro-batch, one rank, one micro-batch, no
     dropout or copy (h200_a_qlora8b). Activation offload (``save_on_cpu``, ``act_offload.py``)
     where the trainer runs it, in bf16, bf16-mixed or bf16-master; eager attention (``eager.py``)
-    in full training, bf16, bf16-master or fp32; tensor parallel without sequence parallel under
-    FSDP2 without a pipeline (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU
-    trace).
+    in every precision above, under autocast too (bf16-mixed), in full training or under LoRA
+    over an unquantized base, in every rank layout and recompute the run follows for flash
+    attention; tensor parallel without sequence parallel under FSDP2 without a pipeline
+    (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace).
 
-    Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
-    refuses them); MoE; a plain MLP, LayerNorm, biases, QK-norm; eager attention under autocast
-    or with LoRA; activation offload in fp32, or with accumulation outside bf16 / bf16-mixed on
-    one rank; fp32 SDPA without GQA (the memory-efficient kernel) or fp32 with offload (not
-    checked); fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
-    without sequence parallel outside FSDP2 without a pipeline; accumulation, selective-op or
-    partial recompute with offload (not checked); FSDP2 over a tied embedding with accumulation
-    or a pipeline; LLM.int8 bases; fp4 or single-quantized 4-bit bases, and 4-bit ones over at
-    most 1536 tokens (bitsandbytes' fused kernel); LoRA under FSDP2, TP or PP (the trainer
-    refuses them), over a 4-bit base with dropout, accumulation, modules_to_save or dp > 1, under
-    ZeRO-1 beside a 16-bit modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes
-    one dtype), a copy over a tied embedding or of another module."""
+    Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer refuses
+    them); MoE; a plain MLP, LayerNorm, biases, QK-norm; memplan's Triton attention; eager attention
+    over a 4-bit base (not checked: bitsandbytes' CUDA kernels); activation offload in fp32, or with
+    accumulation outside bf16 / bf16-mixed on one rank; fp32 SDPA without GQA (the memory-efficient
+    kernel) or fp32 with offload (not checked); fp16-master, fp8; offload of one side alone or NVMe;
+    tensor parallel over DDP, or without sequence parallel outside FSDP2 without a pipeline;
+    accumulation, selective-op or partial recompute with offload (not checked); FSDP2 over a tied
+    embedding with accumulation or a pipeline; LLM.int8 bases; fp4 or single-quantized 4-bit bases,
+    and 4-bit ones over at most 1536 tokens (bitsandbytes' fused kernel); LoRA under FSDP2, TP or PP
+    (the trainer refuses them), over a 4-bit base with dropout, accumulation, modules_to_save or dp
+    > 1, under ZeRO-1 beside a 16-bit modules_to_save copy (the trainer fails:
+    ZeroRedundancyOptimizer takes one dtype), a copy over a tied embedding or of another module."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.qkv_bias or model.attn_out_bias or model.mlp_bias or model.qk_norm), "biases or QK-norm"),
-        (plan.attention == "flash" or _eager_modelled(plan), f"{plan.attention} attention with this precision"),
+        (plan.attention != "triton", "triton attention"),
+        (plan.attention != "eager" or _eager_modelled(plan), "eager attention over a 4-bit base"),
         (plan.quant != "int8", _INT8),
         (_quant_modelled(workload, plan), "a 4-bit base other than nf4 with double quantization over > 1536 tokens"),
         (plan.finetune == "full" or _plain_lora(plan), _LORA_PLAIN),
@@ -103,9 +105,12 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
 
 
 def _eager_modelled(plan: Plan) -> bool:
-    """``attention: eager`` (``eager.py``) without autocast: in bf16, bf16-master or fp32, full
-    training (checked on CPU: no GPU trace)."""
-    return plan.attention == "eager" and plan.precision in ("bf16", "bf16-master", "fp32") and plan.finetune == "full"
+    """``attention: eager`` (``eager.py``) in every precision the run follows, under autocast
+    (bf16-mixed) too, in full training or under LoRA over an unquantized base (the bundled
+    trainer on CPU: tests/unit/test_timeline_eager.py, test_timeline_eager_variants.py; no GPU
+    trace). Over a 4-bit base the layers' inputs are fp32 and bitsandbytes' CUDA kernels run:
+    not checked."""
+    return plan.attention == "eager" and plan.quant == "none"
 
 
 def _act_offload_modelled(plan: Plan) -> bool:
