@@ -10,8 +10,8 @@ tests/unit/test_timeline_eager.py), the forward's alone: it peaks inside a layer
 where matmul's fold of RoPE's q is a view at one sequence and a copy at two.
 
 Measured 2026-11-27 (torch 2.13.0+cpu), predicted - measured, for the step, the forward and
-backward, and the forward: -156 B in full training, -224 to -228 B under LoRA, -76 B on the
-pipeline rank (at most 0.0023%; the few bytes are not traced to a tensor, as in
+backward, and the forward: -156 B in full training (-80 B under ZeRO-1, -76 B on the pipeline
+rank), -224 to -228 B under LoRA (at most 0.0028%; the few bytes are not traced to a tensor, as in
 test_timeline_recompute.py). Before this module followed autocast, bf16-mixed at 256 tokens was
 1,573,020 B (4.4%) under the trainer: k repeated in fp32, its and q's bf16 casts, the fp32
 probabilities' cast. Before the fold was a view at b = 1, the bf16 forward of the MHA model at
