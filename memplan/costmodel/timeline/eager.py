@@ -113,7 +113,7 @@ def attention(
 ) -> Tensor:
     """``_eager_attention`` on (b, heads, s, d) ``q`` and unrepeated ``k``, ``v``; returns
     ``probs @ v`` (its ``_unsafe_view``: the caller's transposed reshape is a copy). Under
-    ``autocast`` (bf16-mixed) each ``matmul`` casts its operands first (``_casts``)."""
+    ``autocast`` (bf16-mixed) each ``matmul`` casts its operands first (``_cast``)."""
     n, groups, scores_numel = q.numel, q.numel // k.numel, b * heads * s * s
     kx = _repeated(tape, k, groups, n, "eager.k_repeated")
     vx = _repeated(tape, v, groups, n, "eager.v_repeated")
