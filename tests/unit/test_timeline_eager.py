@@ -20,7 +20,6 @@ import pytest
 from timeline_peaks import assert_the_trainer_peaks_where_the_run_does
 
 from memplan.costmodel.reserve import plan_run
-from memplan.costmodel.timeline.trainer import supported
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.resolve import resolve_job
@@ -61,9 +60,8 @@ def test_the_bundled_trainer_on_cpu_with_eager_attention_peaks_where_the_run_doe
 
 
 def test_the_estimate_answers_eager_plans_with_the_op_level_run():
+    # bf16-mixed (autocast) and LoRA: test_timeline_eager_variants.py
     for changes in (dict(precision="bf16"), dict(precision="bf16-master", recompute="full")):
         job = resolve_job("llama3-8b", None, dict(seq_len=2048, attention="eager", **changes), False)
         _, which = plan_run(job.model, job.workload, job.plan, "memplan")
         assert which == "trainer", (changes, which)
-    job = resolve_job("llama3-8b", None, dict(seq_len=2048, attention="eager", precision="bf16-mixed"), False)
-    assert supported(job.model, job.workload, job.plan) == "eager attention with this precision"

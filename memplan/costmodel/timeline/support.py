@@ -61,7 +61,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     trainer on CPU, bitsandbytes' CUDA-only temporaries from its source). Activation offload
     (``save_on_cpu``, ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed,
     bf16-master or fp32 (the math path's saves), with accumulation on one rank (the trainer refuses
-    it over DDP); eager attention (``eager.py``) in full training, bf16, bf16-master or fp32;
+    it over DDP); eager attention (``eager.py``) in every precision above, under autocast too (bf16-mixed), in full
+    training or under LoRA over an unquantized base;
     tensor parallel without sequence parallel under FSDP2 without a pipeline
     (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace). An LLM.int8 base
     (``int8.py``: CPU's ``MatMul8bitFp`` checked against the trainer on CPU, CUDA's
@@ -70,8 +71,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
     refuses them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them),
-    q, k, v biases over a 4-bit base (not checked), QK-norm; eager attention under autocast
-    or with LoRA; fp32 SDPA without GQA (the memory-efficient kernel) over a quantized base;
+    q, k, v biases over a 4-bit base (not checked), QK-norm; memplan's Triton attention; eager attention over a quantized base (not checked:
+    bitsandbytes' CUDA kernels); fp32 SDPA without GQA (the memory-efficient kernel) over a quantized base;
     fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
     without sequence parallel outside FSDP2 without a pipeline; LLM.int8 bases with selective-op
     or partial recompute, a trained head copy, autocast or ZeRO (``_int8_modelled``); 4-bit bases
@@ -85,7 +86,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.attn_out_bias or model.mlp_bias or model.qk_norm), "output or MLP biases, or QK-norm"),
         (not model.qkv_bias or plan.quant == "none", "q, k, v biases over a quantized base"),
-        (plan.attention == "flash" or _eager_modelled(plan), f"{plan.attention} attention with this precision"),
+        (plan.attention != "triton", "triton attention"),
+        (plan.attention != "eager" or _eager_modelled(plan), "eager attention over a quantized base"),
         (plan.quant != "int8" or _int8_modelled(plan), _INT8),
         (_quant_modelled(model, workload, plan), _QUANT),
         (plan.finetune == "full" or _plain_lora(plan), _LORA_PLAIN),
@@ -119,9 +121,12 @@ _EFFICIENT_QUANT = "fp32 SDPA on the memory-efficient kernel over a quantized ba
 
 
 def _eager_modelled(plan: Plan) -> bool:
-    """``attention: eager`` (``eager.py``) without autocast: in bf16, bf16-master or fp32, full
-    training (checked on CPU: no GPU trace)."""
-    return plan.attention == "eager" and plan.precision in ("bf16", "bf16-master", "fp32") and plan.finetune == "full"
+    """``attention: eager`` (``eager.py``) in every precision the run follows, under autocast
+    (bf16-mixed) too, in full training or under LoRA over an unquantized base (the bundled
+    trainer on CPU: tests/unit/test_timeline_eager.py, test_timeline_eager_variants.py; no GPU
+    trace). Over a 4-bit base the layers' inputs are fp32 and bitsandbytes' CUDA kernels run:
+    not checked."""
+    return plan.attention == "eager" and plan.quant == "none"
 
 
 def _act_offload_modelled(plan: Plan) -> bool:

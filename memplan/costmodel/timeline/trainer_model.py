@@ -213,18 +213,19 @@ class Model:
         self.tape.done(y)
         return v
 
-    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """SDPA (flash, or the math path: ``precision.math_sdpa``); under autocast k and q are
-        cast to bf16 first (traces: k, then q)."""
+    def core(self, q: Tensor, k: Tensor, v: Tensor, autocast: bool) -> Tensor:
+        """SDPA (flash, or the math path: ``precision.math_sdpa``) or eager attention; under
+        ``autocast`` (the forward's state, which a selective checkpoint's re-run restores) k and
+        q are cast to bf16 first (traces: k, then q)."""
         t, d = self.tape, self.d
         if d.attention == "math":
             return prec.math_sdpa(t, q, k, v, d.b, d.heads // d.tp, d.s)
         if d.attention == "eager":  # attention: eager (eager.py)
-            return eager.attention(t, q, k, v, d.b, d.heads // d.tp, d.s)
+            return eager.attention(t, q, k, v, d.b, d.heads // d.tp, d.s, autocast)
         if d.attention == "efficient":  # fp32 without GQA on CUDA (mem_efficient.py)
             return mem_efficient.sdpa(t, q, k, v, d.b, d.heads // d.tp, d.s, d.head_dim)
-        k2 = ops.to(t, k, 2, "k_cast") if self.cache is not None else t.alias(k)
-        q2 = ops.to(t, q, 2, "q_cast") if self.cache is not None else t.alias(q)
+        k2 = ops.to(t, k, 2, "k_cast") if autocast else t.alias(k)
+        q2 = ops.to(t, q, 2, "q_cast") if autocast else t.alias(q)
         out = ops.sdpa(t, q2, k2, v, d.b * d.heads // d.tp * d.s, "sdpa")
         t.done(k2, q2)
         return out
@@ -242,9 +243,10 @@ class Model:
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             t.done(k, q)  # `q, k = ...` stores k first (CPython 3.11: STORE_FAST k, STORE_FAST q)
             if d.recompute == "selective":
-                out = t.checkpoint(lambda: self.core(qr, kr, v), [qr, kr, v])
+                autocast = self.cache is not None
+                out = t.checkpoint(lambda: self.core(qr, kr, v, autocast), [qr, kr, v])
             else:
-                out = self.core(qr, kr, v)
+                out = self.core(qr, kr, v, self.cache is not None)
             # the reshape of out.transpose(1, 2) is a view of flash's output, a copy of math's and eager's
             flat = prec.merge_heads(t, out) if d.attention in ("math", "eager") else t.alias(out)
             y = self.linear(flat, f"{prefix}.attention.wo.weight", d.h, "wo")
