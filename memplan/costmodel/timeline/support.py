@@ -69,17 +69,17 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     ``MatMul8bitLt`` from bitsandbytes' source, no trace) on one rank or DDP, recompute none, full
     or selective, with accumulation or dropout.
 
-    Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer
-    refuses them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them),
-    q, k, v biases over a 4-bit base (not checked), QK-norm; memplan's Triton attention; eager attention over a quantized base (not checked:
-    bitsandbytes' CUDA kernels); fp32 SDPA without GQA (the memory-efficient kernel) over a quantized base;
-    fp16-master, fp8; offload of one side alone or NVMe; tensor parallel over DDP, or
-    without sequence parallel outside FSDP2 without a pipeline; LLM.int8 bases with selective-op
-    or partial recompute, a trained head copy, autocast or ZeRO (``_int8_modelled``); 4-bit bases
-    under autocast, or whose ``gemm_4bit`` kernel the GPU's architecture picks (5 to 1536 tokens,
-    by the weights' shapes); LoRA under FSDP2, TP or PP (the trainer refuses them), under ZeRO-1
-    beside a 16-bit modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes one
-    dtype), a copy over a tied embedding or of another module."""
+    Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer refuses
+    them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them), q, k, v
+    biases over a 4-bit base (not checked), QK-norm; memplan's Triton attention; eager attention
+    over a quantized base (not checked: bitsandbytes' CUDA kernels); fp32 SDPA without GQA (the
+    memory-efficient kernel) over a quantized base; fp16-master, fp8; offload of one side alone or
+    NVMe; tensor parallel over DDP, or without sequence parallel outside FSDP2 without a pipeline;
+    LLM.int8 bases with selective-op or partial recompute, a trained head copy, autocast or ZeRO
+    (``_int8_modelled``); 4-bit bases under autocast, or whose ``gemm_4bit`` kernel the GPU's
+    architecture picks (5 to 1536 tokens, by the weights' shapes); LoRA under FSDP2, TP or PP (the
+    trainer refuses them), under ZeRO-1 beside a 16-bit modules_to_save copy (the trainer fails:
+    ZeroRedundancyOptimizer takes one dtype), a copy over a tied embedding or of another module."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
