@@ -23,7 +23,7 @@ from memplan.costmodel.time import Efficiency, TimeMemo, step_speed
 from memplan.search.space import Candidate
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan
+from memplan.specs.plan import Plan, PlanFields
 from memplan.specs.workload import TrainingWorkload
 
 Objective = Literal["throughput", "memory", "pareto"]
@@ -119,7 +119,8 @@ def peak_bytes(peak: TrainingPeak, peak_ratio: float) -> tuple[int, int]:
 
 def peak_reserved(candidate: Candidate, ctx: Context) -> int:
     """The reserved peak alone (no step time): scans for what comes closest to fitting."""
-    peak = training_peak(ctx.model, candidate.workload, candidate.plan, ctx.runtime, ctx.device, ctx.memory_memo)
+    plan = PlanFields(candidate.plan)  # read field by field: plain attributes (PlanFields)
+    peak = training_peak(ctx.model, candidate.workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)  # type: ignore[arg-type]
     return peak_bytes(peak, ctx.peak_ratio)[1]
 
 
@@ -127,15 +128,16 @@ def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
     """Predicted peak memory, fit and speed of one plan: ``memory.training_peak`` and
     ``time.step_speed``, the figures of ``estimate_memory`` and ``estimate_time`` without
     their reports (tests/search/test_fast_form.py holds them equal)."""
-    plan, workload = candidate.plan, candidate.workload
-    peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)
+    workload = candidate.workload
+    plan = PlanFields(candidate.plan)  # read field by field: plain attributes (PlanFields)
+    peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)  # type: ignore[arg-type]
     allocated, reserved = peak_bytes(peak, ctx.peak_ratio)
-    speed = step_speed(ctx.model, workload, plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.time_efficiency, ctx.time_memo)
+    speed = step_speed(ctx.model, workload, plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.time_efficiency, ctx.time_memo)  # type: ignore[arg-type]
     capacity, limit, overhead = ctx.capacity_bytes, ctx.limit_bytes, peak.overhead
     return constructed(
         Evaluation,
         {
-            "plan": plan,
+            "plan": candidate.plan,
             "workload": workload,
             "peak_allocated_bytes": allocated,
             "peak_reserved_bytes": reserved,

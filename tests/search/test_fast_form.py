@@ -16,10 +16,10 @@ from memplan.costmodel import time as T
 from memplan.costmodel.memory import estimate_memory
 from memplan.costmodel.time import Efficiency, estimate_time
 from memplan.search.evaluate import Context, Evaluation, evaluate
-from memplan.search.space import SpaceOptions, enumerate_space
+from memplan.search.space import Candidate, SpaceOptions, enumerate_space
 from memplan.specs.hardware import ClusterSpec
 from memplan.specs.loader import load_gpu, load_model
-from memplan.specs.plan import Plan
+from memplan.specs.plan import Plan, PlanFields
 from memplan.specs.workload import TrainingWorkload
 
 GiB = 2**30
@@ -180,3 +180,19 @@ def test_constructed_evaluation_is_pydantics():
         assert Evaluation.model_validate(ev.model_dump()) == ev
         assert ev.model_copy(update={"fits": not ev.fits}).fits is not ev.fits
         assert ev.__pydantic_extra__ is None and ev.__pydantic_private__ is None
+
+
+def test_plan_fields_read_as_the_plan():
+    """``evaluate`` hands the cost model a :class:`PlanFields` (plain attributes) for its plan:
+    every field and both properties read as on the plan, and the evaluation keeps the plan."""
+    plan = Plan(dp=2, tp=2, pp=4, virtual_stages=2, pp_schedule="interleaved", zero=1, recompute="full")
+    fields = PlanFields(plan)
+    for name in [*Plan.model_fields, "world_size", "stages"]:
+        assert getattr(fields, name) == getattr(plan, name), name
+    assert fields.world_size == 16 and fields.stages == 8
+    with pytest.raises(AttributeError):
+        fields.not_a_field  # noqa: B018
+    model, gpu = load_model("llama3-8b"), load_gpu("h100-sxm")
+    ctx = Context(model, gpu, ClusterSpec(gpus_per_node=8, nodes=2))
+    workload = TrainingWorkload(seq_len=2048, micro_batch=1, global_batch=64)
+    assert evaluate(Candidate(plan, workload), ctx).plan is plan

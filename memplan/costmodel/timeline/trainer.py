@@ -16,23 +16,22 @@ optimizer step, AdamW's states.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from memplan.costmodel.timeline import act_offload, ops, pipeline, recompute, zero1
+from memplan.costmodel.timeline import act_offload, ops, recompute
 from memplan.costmodel.timeline.autograd import Tape, Tensor
-from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
-from memplan.costmodel.timeline.int8 import Int8
-from memplan.costmodel.timeline.lora import Lora, LoraConfig
-from memplan.costmodel.timeline.lora import config as lora_config
 from memplan.costmodel.timeline.master import MasterAdamW
-from memplan.costmodel.timeline.pipeline import Pipeline
-from memplan.costmodel.timeline.quant import Quant
 from memplan.costmodel.timeline.support import accumulation, sdpa_kernel, supported
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
+
+if TYPE_CHECKING:  # the mechanisms a plan may not use are imported where a run uses them (a cold estimate's cost)
+    from memplan.costmodel.timeline.lora import LoraConfig
+    from memplan.costmodel.timeline.pipeline import Pipeline
 
 CUBLAS_WORKSPACE = 32 * 2**20  # per thread and stream (CUBLAS_WORKSPACE_CONFIG default on Hopper)
 # Micro-batches of a step the run follows. The first creates the gradients; every later one starts
@@ -89,8 +88,14 @@ def trainer_run(
     micro_batches = min(accumulation(workload, plan), max_micro_batches)
     d, pipe = dims(model, workload, plan), None
     if plan.pp > 1:  # the schedule runs every micro-batch (pipeline.py)
+        from memplan.costmodel.timeline import pipeline
+
         micro_batches, pipe = accumulation(workload, plan), pipeline.factory(d, model, workload, plan, stage)
-    lora = lora_config(plan, cuda)
+    lora = None
+    if plan.finetune != "full":  # adapters (lora.config: none for full training)
+        from memplan.costmodel.timeline.lora import config as lora_config
+
+        lora = lora_config(plan, cuda)
     run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora)
     if plan.offload_activations == "cpu":  # save_on_cpu around the forward and the loss
         run.saves = act_offload.SaveOnCpu()
@@ -108,6 +113,8 @@ def followed_rank(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stag
     and the run follows the largest (``zero1.most_loaded``), so ``memplan validate`` measures it."""
     data_rank = 0
     if plan.zero == 1 and plan.dp > 1:
+        from memplan.costmodel.timeline import zero1
+
         shapes = param_shapes(dims(model, workload, plan), model.tied_embeddings)
         data_rank = zero1.most_loaded([(name, rows * cols) for name, (rows, cols) in shapes.items()], plan.dp)
     return (stage * plan.dp + data_rank) * plan.tp
@@ -138,14 +145,26 @@ class _Run:
         self.master = MasterAdamW(self.tape) if master else None  # bf16-master (master.py)
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
-        self.lora = Lora(self.tape, lora, d.tokens, self.model) if lora is not None else None
+        self.lora = None
+        if lora is not None:
+            from memplan.costmodel.timeline.lora import Lora
+
+            self.lora = Lora(self.tape, lora, d.tokens, self.model)
         self.saves: act_offload.SaveOnCpu | None = None  # activation offload's hooks (act_offload.py)
         if self.lora is not None:
             self.model.adapter = self.lora.adapt
-        self.quant = Quant(self.tape, lora.quant) if lora is not None and lora.quant is not None else None
+        self.quant = None
+        if lora is not None and lora.quant is not None:
+            from memplan.costmodel.timeline.quant import Quant
+
+            self.quant = Quant(self.tape, lora.quant)
         if self.quant is not None:  # a 4-bit base (quant.py)
             self.model.base = self.quant.linear
-        self.int8 = Int8(self.tape, lora.cuda) if lora is not None and lora.int8 else None
+        self.int8 = None
+        if lora is not None and lora.int8:
+            from memplan.costmodel.timeline.int8 import Int8
+
+            self.int8 = Int8(self.tape, lora.cuda)
         if self.int8 is not None:  # an LLM.int8 base (int8.py)
             self.model.base = self.int8.linear
         sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
@@ -168,6 +187,8 @@ class _Run:
         if dp > 1 and not sharded and self.lora is not None:  # the adapters' reducer (lora.py)
             self.ddp = self.lora.ddp(dp, self.shapes, d.pd)
         elif dp > 1 and not sharded:
+            from memplan.costmodel.timeline.ddp import Ddp
+
             self.ddp = Ddp(self.tape, dp, self.shapes, self.model.weights, d.pd)
 
     def _build_params(self, tied: bool) -> None:
@@ -303,7 +324,11 @@ class _Run:
             return self.fsdp.shard_numels()
         params = [(name, rows * cols) for name, (rows, cols) in self.shapes.items()]
         params = self.lora.params() if self.lora is not None else params  # the adapters (and a head copy)
-        return zero1.shard(params, self.dp) if self.zero1 else params
+        if not self.zero1:
+            return params
+        from memplan.costmodel.timeline import zero1
+
+        return zero1.shard(params, self.dp)
 
     def zero_grad(self) -> None:
         """``zero_grad(set_to_none=True)``: every gradient goes, in parameter order."""
