@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from memplan.costmodel import fast_run as FR
 from memplan.costmodel import overhead as O
 from memplan.costmodel.allocator import AllocatorConfig
 from memplan.costmodel.memory import MemoryMemo, TrainingPeak, training_peak
@@ -55,6 +56,11 @@ class Context:
     def memory_memo(self) -> MemoryMemo:
         """What this search's plans share in the memory model (``memory.training_peak``)."""
         return MemoryMemo()
+
+    @cached_property
+    def run_peaks(self) -> dict[Candidate, FR.RunPeak | None]:
+        """The op-level run's peak of each plan ``fast_run`` answers, once per plan (``fast_peak``)."""
+        return {}
 
     @cached_property
     def time_memo(self) -> TimeMemo:
@@ -117,18 +123,35 @@ def peak_bytes(peak: TrainingPeak, peak_ratio: float) -> tuple[int, int]:
     return allocated, O.fast_reserved_bytes(allocated)
 
 
+def fast_peak(candidate: Candidate, ctx: Context) -> TrainingPeak:
+    """The search's fast form of a plan's peak: ``memory.training_peak``, its allocated peak and
+    phase taken from the op-level run (``costmodel/fast_run.py``: the run cut to a few layers,
+    extrapolated) for the fine-tuning and fp32 plans that module answers, where the phase
+    model's sums are off by up to 61% (docs/cost-model.md, "The search's fast form against the
+    run")."""
+    plan, workload = candidate.plan, candidate.workload
+    peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)
+    if not FR.applies(ctx.model, plan, ctx.runtime, ctx.device):
+        return peak
+    runs = ctx.run_peaks
+    if candidate not in runs:
+        runs[candidate] = FR.run_peak(ctx.model, workload, plan, ctx.runtime, ctx.device)
+    found = runs[candidate]
+    return peak if found is None else peak._replace(allocated=found.allocated, phase=found.phase)
+
+
 def peak_reserved(candidate: Candidate, ctx: Context) -> int:
     """The reserved peak alone (no step time): scans for what comes closest to fitting."""
-    peak = training_peak(ctx.model, candidate.workload, candidate.plan, ctx.runtime, ctx.device, ctx.memory_memo)
-    return peak_bytes(peak, ctx.peak_ratio)[1]
+    return peak_bytes(fast_peak(candidate, ctx), ctx.peak_ratio)[1]
 
 
 def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
     """Predicted peak memory, fit and speed of one plan: ``memory.training_peak`` and
     ``time.step_speed``, the figures of ``estimate_memory`` and ``estimate_time`` without
-    their reports (tests/search/test_fast_form.py holds them equal)."""
+    their reports (tests/search/test_fast_form.py holds them equal), the peak ``fast_peak``'s
+    (tests/search/test_fast_form_finetune.py holds it to the op-level run's)."""
     plan, workload = candidate.plan, candidate.workload
-    peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)
+    peak = fast_peak(candidate, ctx)
     allocated, reserved = peak_bytes(peak, ctx.peak_ratio)
     speed = step_speed(ctx.model, workload, plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.time_efficiency, ctx.time_memo)
     capacity, limit, overhead = ctx.capacity_bytes, ctx.limit_bytes, peak.overhead
