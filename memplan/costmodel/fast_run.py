@@ -129,9 +129,10 @@ def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
     peak allocated; the spans of the layers between the second and the next to last are left out
     (``_position``). A span opens at each mark of the run (the build's end, each step's, the
     meter's phases), where the allocations pass from one layer to another or out of the layers, and
-    at the first gradient and the first optimizer allocation after a mark (where the backward and
-    the optimizer's step begin in the runs without phase marks: transformers' Trainer, the hand
-    loop; the later spans of the step carry them in their label)."""
+    at the backward's seed (``grad_seed``, the loss's ``torch.ones_like`` in ``backward()``) or
+    first gradient and the first optimizer allocation after a mark (where the backward and the
+    optimizer's step begin in the runs without phase marks: transformers' Trainer, the hand loop;
+    the later spans of the step carry them in their label)."""
     from memplan.costmodel.reserve import STREAM_IDS
 
     with collection_paused():
@@ -145,7 +146,8 @@ def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
             if op != ALLOC:  # a free never raises the peak: it stays in the span it falls in
                 alloc.free(blocks.pop(tensor))
                 continue
-            position, group = _position(tag, layers), _OPENS.get(category)
+            position = _position(tag, layers)
+            group = "gradients" if tag.endswith("grad_seed") else _OPENS.get(category)
             if position != where or (group is not None and group not in opened):
                 spans.append((f"{mark}|{where}|{'+'.join(sorted(opened))}", alloc.max_allocated))
                 if group is not None:
