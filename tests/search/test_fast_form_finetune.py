@@ -103,3 +103,17 @@ def test_the_evaluation_reports_the_runs_peak():
     assert ev.peak_allocated_bytes == replay(run, AllocatorConfig()).max_allocated
     assert ev.peak_phase in ("setup", "forward", "backward", "optimizer")
     assert list(ctx.run_peaks) == [Candidate(plan, wl)]
+
+
+def test_the_tuner_counts_the_runs_seconds_when_it_chooses_how_to_search():
+    """Predicting every plan is chosen by its time: the plans whose peak comes from the run
+    (``tune.RUN_PLANS_PER_S``) weigh in it as they do in the study's trials."""
+    from types import SimpleNamespace
+
+    from memplan.search.tune import search_mode
+
+    req = SimpleNamespace(exhaustive=None, study=None, trials=300)
+    assert search_mode(req, 60_000)[0]  # 7.5 s of the phase model's plans against 9 s of trials
+    every, reason = search_mode(req, 60_000, run_plans=600)  # and 600 plans run: 2 minutes more
+    assert not every and "would take longer than 300 trials" in reason
+    assert search_mode(req, 60, run_plans=60)[0]  # a one-GPU fine-tuning space: 12 s against 69 s
