@@ -1,7 +1,7 @@
 """The search's fast form for fine-tuning and fp32 plans, taken from the op-level run.
 
-For a plan the op-level run models (the bundled trainer's ``timeline.trainer``, transformers'
-Trainer ``timeline.hf_trainer`` or the hand loop ``timeline.hf_loop``) on one rank, over a dense
+For a plan the op-level run models (the bundled trainer's ``timeline.trainer`` or transformers'
+Trainer ``timeline.hf_trainer``) on one rank, over a dense
 model whose layers are all alike: the run of the model cut to two depths (``cut_depths``: 4 and
 6 layers, or 5 and 7), each replayed through the allocator model and cut into spans
 (``span_peaks``) that mean the same at every depth: between the run's marks (the build, each
@@ -56,7 +56,7 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     every layer treated alike (no ``recompute_layers``), for the runtimes the run models. The
     plans of full bf16 training stay on the phase model's sums, which equal the run there
     within 0.1% (docs/cost-model.md) at a thousandth of the cost."""
-    if device != "cuda" or runtime not in ("memplan", "hf", "hf-loop"):
+    if device != "cuda" or runtime not in ("memplan", "hf"):  # hf-loop: 48 of 50 exact (docs/cost-model.md)
         return False
     if plan.finetune == "full" and plan.precision != "fp32":
         return False
@@ -132,7 +132,8 @@ def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
     at the backward's seed (``grad_seed``, the loss's ``torch.ones_like`` in ``backward()``) or
     first gradient and the first optimizer allocation after a mark (where the backward and the
     optimizer's step begin in the runs without phase marks: transformers' Trainer, the hand loop;
-    the later spans of the step carry them in their label)."""
+    the later spans of the step carry them in their label). An allocation outside the layers
+    between two of the middle ones (the hand loop's) belongs to them."""
     from memplan.costmodel.reserve import STREAM_IDS
 
     with collection_paused():
@@ -146,7 +147,8 @@ def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
             if op != ALLOC:  # a free never raises the peak: it stays in the span it falls in
                 alloc.free(blocks.pop(tensor))
                 continue
-            position = _position(tag, layers)
+            # an allocation outside the layers between two of the middle ones is theirs
+            position = _position(tag, layers) or ("other" if where == "other" else "")
             group = "gradients" if tag.endswith("grad_seed") else _OPENS.get(category)
             if position != where or (group is not None and group not in opened):
                 spans.append((f"{mark}|{where}|{'+'.join(sorted(opened))}", alloc.max_allocated))
