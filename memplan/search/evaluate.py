@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -25,6 +25,9 @@ from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan, PlanFields
 from memplan.specs.workload import TrainingWorkload
+
+if TYPE_CHECKING:
+    from memplan.costmodel.fast_run import RunPeak
 
 Objective = Literal["throughput", "memory", "pareto"]
 M = TypeVar("M", bound=BaseModel)
@@ -55,6 +58,11 @@ class Context:
     def memory_memo(self) -> MemoryMemo:
         """What this search's plans share in the memory model (``memory.training_peak``)."""
         return MemoryMemo()
+
+    @cached_property
+    def run_peaks(self) -> dict[Candidate, RunPeak | None]:
+        """The op-level run's peak of each plan ``fast_run`` answers, once per plan (``fast_peak``)."""
+        return {}
 
     @cached_property
     def time_memo(self) -> TimeMemo:
@@ -117,20 +125,47 @@ def peak_bytes(peak: TrainingPeak, peak_ratio: float) -> tuple[int, int]:
     return allocated, O.fast_reserved_bytes(allocated)
 
 
-def peak_reserved(candidate: Candidate, ctx: Context) -> int:
-    """The reserved peak alone (no step time): scans for what comes closest to fitting."""
+def fast_peak(candidate: Candidate, ctx: Context) -> TrainingPeak:
+    """The search's fast form of a plan's peak: ``memory.training_peak``, its allocated peak and
+    phase taken from the op-level run for the fine-tuning and fp32 plans ``from_run`` answers."""
     plan = PlanFields(candidate.plan)  # read field by field: plain attributes (PlanFields)
     peak = training_peak(ctx.model, candidate.workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)  # type: ignore[arg-type]
-    return peak_bytes(peak, ctx.peak_ratio)[1]
+    return from_run(peak, candidate, ctx) if plan.finetune != "full" or plan.precision == "fp32" else peak
+
+
+def from_run(peak: TrainingPeak, candidate: Candidate, ctx: Context) -> TrainingPeak:
+    """``peak`` with the op-level run's allocated peak and phase (``costmodel/fast_run.py``: the
+    run cut to two depths, each span's peak extrapolated) where that module answers the plan: the
+    fine-tuning and fp32 plans of one rank, where the phase model's sums are off by up to 61%
+    (docs/cost-model.md, "The search's fast form against the run"). Once per plan; the module
+    (and the run's, the allocator's) is imported only when a search meets such a plan."""
+    from memplan.costmodel import fast_run as FR
+
+    plan = candidate.plan
+    if not FR.applies(ctx.model, plan, ctx.runtime, ctx.device):
+        return peak
+    runs = ctx.run_peaks
+    if candidate not in runs:
+        runs[candidate] = FR.run_peak(ctx.model, candidate.workload, plan, ctx.runtime, ctx.device)
+    found = runs[candidate]
+    return peak if found is None else peak._replace(allocated=found.allocated, phase=found.phase)
+
+
+def peak_reserved(candidate: Candidate, ctx: Context) -> int:
+    """The reserved peak alone (no step time): scans for what comes closest to fitting."""
+    return peak_bytes(fast_peak(candidate, ctx), ctx.peak_ratio)[1]
 
 
 def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
     """Predicted peak memory, fit and speed of one plan: ``memory.training_peak`` and
     ``time.step_speed``, the figures of ``estimate_memory`` and ``estimate_time`` without
-    their reports (tests/search/test_fast_form.py holds them equal)."""
+    their reports (tests/search/test_fast_form.py holds them equal), the peak ``fast_peak``'s
+    (tests/search/test_fast_form_finetune.py holds it to the op-level run's)."""
     workload = candidate.workload
     plan = PlanFields(candidate.plan)  # read field by field: plain attributes (PlanFields)
     peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)  # type: ignore[arg-type]
+    if plan.finetune != "full" or plan.precision == "fp32":  # fast_peak, inline: the grid's cost
+        peak = from_run(peak, candidate, ctx)
     allocated, reserved = peak_bytes(peak, ctx.peak_ratio)
     speed = step_speed(ctx.model, workload, plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.time_efficiency, ctx.time_memo)  # type: ignore[arg-type]
     capacity, limit, overhead = ctx.capacity_bytes, ctx.limit_bytes, peak.overhead

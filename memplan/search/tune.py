@@ -37,6 +37,9 @@ CLI = "command line"
 # a study trial (multivariate TPE, SQLite) takes ~32 ms (300 trials of llama3-8b on 8 GPUs: 9.6 s)
 PLANS_PER_S = 8_000
 TRIAL_S = 0.03
+# the plans whose peak comes from the op-level run (``evaluate.from_run``: fine-tuning and fp32 on
+# one rank): 10-20 plans/s on the same machine (docs/cost-model.md), kept low here
+RUN_PLANS_PER_S = 5
 MAX_EXHAUSTIVE = 100_000  # ~12 s at PLANS_PER_S
 
 
@@ -45,15 +48,18 @@ def study_name(req: TuneRequest) -> str:
     return f"{req.ctx.model.name}-{req.options.gpus}x{req.ctx.gpu.name}-{stamp}"
 
 
-def search_mode(req: TuneRequest, plans: int) -> tuple[bool, str]:
+def search_mode(req: TuneRequest, plans: int, run_plans: int = 0) -> tuple[bool, str]:
     """Whether to predict every plan, and why: as asked (``exhaustive`` True or False); a named
     study is resumed or joined; else every plan when that takes no longer than the study's trials
-    would (``PLANS_PER_S``, ``TRIAL_S``), the same answer or a better one, sooner."""
+    would (``PLANS_PER_S``, ``TRIAL_S``; ``RUN_PLANS_PER_S`` for the ``run_plans`` of them whose
+    peak comes from the op-level run, in both), the same answer or a better one, sooner."""
     if req.exhaustive is not None:
         return req.exhaustive, "as asked" + (" (--exhaustive)" if req.exhaustive else " (--no-exhaustive)")
     if req.study is not None:
         return False, f"study {req.study!r} named (--study): resumed or joined"
-    every, study = plans / PLANS_PER_S, req.trials * TRIAL_S
+    from_run = run_plans / plans / RUN_PLANS_PER_S if plans else 0.0  # a plan's share of the run's seconds
+    every = plans / PLANS_PER_S + run_plans / RUN_PLANS_PER_S
+    study = req.trials * (TRIAL_S + from_run)
     if every <= study and plans <= MAX_EXHAUSTIVE:
         return (
             True,
@@ -223,11 +229,21 @@ def _replay_until(
     return out
 
 
+def _run_plans(req: TuneRequest, space: Space) -> int:
+    """How many of the plans take their peak from the op-level run (``evaluate.from_run``)."""
+    ctx = req.ctx
+    if not any(c.plan.finetune != "full" or c.plan.precision == "fp32" for c in space.candidates):
+        return 0
+    from memplan.costmodel.fast_run import applies
+
+    return sum(applies(ctx.model, c.plan, ctx.runtime, ctx.device) for c in space.candidates)
+
+
 def tune(req: TuneRequest, hooks: Hooks | None = None) -> TuneResult:
     """Search, validate the best ``req.validate`` plans, rank, recommend (see the module)."""
     hooks = hooks or Hooks()
     space, valid = _space(req)
-    exhaustive, reason = search_mode(req, len(space))
+    exhaustive, reason = search_mode(req, len(space), _run_plans(req, space))
     found = _search(req, space, hooks, exhaustive)
     fitting, closest = _fitting(req, space, found.evaluations)
     keep = None

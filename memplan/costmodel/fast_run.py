@@ -1,0 +1,184 @@
+"""The search's fast form for fine-tuning and fp32 plans, taken from the op-level run.
+
+For a plan the op-level run models (the bundled trainer's ``timeline.trainer`` or transformers'
+Trainer ``timeline.hf_trainer``) on one rank, over a dense
+model whose layers are all alike: the run of the model cut to two depths (``cut_depths``: 4 and
+6 layers, or 5 and 7), each replayed through the allocator model and cut into spans
+(``span_peaks``) that mean the same at every depth: between the run's marks (the build, each
+step, the meter's phases), and within those by the layer the allocations belong to (the first,
+the second, the next to last, the last, or none). Each span's peak allocated is an affine
+function of the depth: every layer adds the same parameters, adapters, quantization state,
+saved activations and gradients, and the moment a span peaks at has the same tensors around it
+at every depth. So a span's peak at the model's depth ``L`` is ``a + (b - a) (L - d) / 2`` from
+its peaks ``a`` and ``b`` at depths ``d`` and ``d + 2``, and the step's peak is the highest span's.
+
+Why spans and not the run's single peak: the moment that peaks moves with the depth. The QLoRA
+build (a 16-bit base quantized on the device) peaks while the embedding and the head are cast
+at 4 layers, after the last layer's quantization at 32 (16-bit and 4-bit copies of every layer).
+Why the layer positions: within a span of layers, a layer's peak is affine in its index, so the
+layers between the second and the next to last never peak above both. Why two depths apart: on
+a small model the adapters' blocks, served unsplit from cached segments, repeat every other
+layer (the increments alternate 336,368,640 and 334,271,488 B on an 8-layer, 1,024-wide Llama
+with LoRA on every linear layer); the two depths share the model's parity.
+
+Measured against the whole run: equal to the byte on every plan of
+tests/search/test_fast_form_finetune.py (docs/cost-model.md, "The search's fast form against the
+run"). A search computes each plan's once (``search.evaluate.Context.run_peaks``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from memplan.costmodel.allocator import AllocatorConfig, CachingAllocator
+from memplan.costmodel.timeline.events import ALLOC, MARK, Category, Timeline, collection_paused
+from memplan.costmodel.timeline.phases import PHASE_MARKS
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
+
+SHALLOWEST = 4  # the first two and the last two layers, and none between
+STEP = 2  # the two depths' difference: the allocator's blocks repeat every other layer (below)
+
+
+class RunPeak(NamedTuple):
+    """The allocated peak the op-level run reaches (``max_memory_allocated``), and in which span."""
+
+    allocated: int
+    phase: str  # "setup" (the build), "forward", "backward" or "optimizer"
+
+
+def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
+    """Whether this fast form answers the plan: the fine-tuning (LoRA, QLoRA) and fp32 plans on
+    CUDA of one pipeline stage and one data-parallel rank, over a model whose layers repeat
+    (no MoE, latent attention, per-layer attention or RoPE pattern, multi-token prediction), with
+    every layer treated alike (no ``recompute_layers``), for the runtimes the run models. The
+    plans of full bf16 training stay on the phase model's sums, which equal the run there
+    within 0.1% (docs/cost-model.md) at a thousandth of the cost."""
+    if device != "cuda" or runtime not in ("memplan", "hf"):  # hf-loop: 48 of 50 exact (docs/cost-model.md)
+        return False
+    if plan.finetune == "full" and plan.precision != "fp32":
+        return False
+    if plan.pp > 1 or plan.dp * plan.tp * plan.cp * plan.ep > 1 or plan.recompute_layers is not None:
+        return False
+    repeats = not (model.moe or model.mla or model.rope_pattern or model.attention_pattern)
+    return repeats and model.num_mtp_layers == 0 and model.num_layers >= SHALLOWEST + 2 * STEP - 1
+
+
+def run_peak(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str) -> RunPeak | None:
+    """The op-level run's allocated peak for ``applies`` plans, from the runs cut to
+    ``cut_depths`` layers; None where the run does not model the plan (``reserve.plan_run`` falls back to the
+    phases) or the cut runs' spans do not line up."""
+    if not _modelled(model, workload, plan, runtime):
+        return None
+    depths = cut_depths(model.num_layers)
+    cut = [_span_peaks(model.model_copy(update={"num_layers": n}), workload, plan, runtime, device) for n in depths]
+    if cut[0] is None or cut[1] is None or [p for p, _ in cut[0]] != [p for p, _ in cut[1]]:
+        return None
+    steps = (model.num_layers - depths[0]) // STEP
+    spans = [(a + (b - a) * steps, label) for (label, a), (_, b) in zip(*cut, strict=True)]
+    allocated, label = max(spans, key=lambda s: s[0])  # the first of equals: the step's order
+    return RunPeak(allocated, _phase(label))
+
+
+def cut_depths(layers: int) -> tuple[int, int]:
+    """The two depths the run is taken at for a ``layers``-deep model: ``STEP`` apart, the
+    shallower at least ``SHALLOWEST``, both of the model's parity."""
+    shallow = SHALLOWEST + (layers - SHALLOWEST) % STEP
+    return shallow, shallow + STEP
+
+
+def _phase(label: str) -> str:
+    """The step's phase a span (``span_peaks``) lies in: ``setup`` before the run's first mark
+    (the build), the meter's phase after its marks; in the runs without them, the optimizer's
+    step from its first allocation, the backward where a gradient was made, else the forward."""
+    mark, _, groups = label.split("|")
+    if mark in PHASE_MARKS:
+        return PHASE_MARKS[mark] or "optimizer"  # phase:end: zero_grad, after the step
+    if mark == "setup":
+        return "setup"
+    return "optimizer" if "optimizer" in groups else "backward" if "gradients" in groups else "forward"
+
+
+def _modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str) -> bool:
+    """Whether ``reserve.plan_run`` takes the op-level run for the whole model (on CUDA)."""
+    if runtime == "memplan":
+        from memplan.costmodel.timeline.support import supported
+
+        return supported(model, workload, plan) is None
+    from memplan.costmodel.timeline.hf_support import hf_supported
+
+    return hf_supported(model, plan, workload, runtime) is None
+
+
+def _span_peaks(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str
+) -> list[tuple[str, int]] | None:
+    """Each span's peak allocated in the run of ``model`` (None where the phases answer)."""
+    from memplan.costmodel.reserve import plan_run
+
+    run, which = plan_run(model, workload, plan, runtime, device)
+    return None if which.startswith("phases") else span_peaks(run, model.num_layers)
+
+
+def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
+    """The run of a ``layers``-deep model replayed through the default caching allocator
+    (``reserve.replay``'s loop; the allocated bytes are the blocks', as
+    ``torch.cuda.max_memory_allocated`` counts them), cut into spans, each with its label and
+    peak allocated; the spans of the layers between the second and the next to last are left out
+    (``_position``). A span opens at each mark of the run (the build's end, each step's, the
+    meter's phases), where the allocations pass from one layer to another or out of the layers, and
+    at the backward's seed (``grad_seed``, the loss's ``torch.ones_like`` in ``backward()``) or
+    first gradient and the first optimizer allocation after a mark (where the backward and the
+    optimizer's step begin in the runs without phase marks: transformers' Trainer, the hand loop;
+    the later spans of the step carry them in their label). An allocation outside the layers
+    between two of the middle ones (the hand loop's) belongs to them."""
+    from memplan.costmodel.reserve import STREAM_IDS
+
+    with collection_paused():
+        alloc = CachingAllocator(AllocatorConfig())
+        blocks, spans, mark, where, opened = {}, [], "setup", "", set()
+        for op, tensor, size, category, stream, tag in run.events:
+            if op == MARK:
+                spans.append((f"{mark}|{where}|{'+'.join(sorted(opened))}", alloc.max_allocated))
+                alloc.max_allocated, mark, where, opened = alloc.allocated, tag, "", set()
+                continue
+            if op != ALLOC:  # a free never raises the peak: it stays in the span it falls in
+                alloc.free(blocks.pop(tensor))
+                continue
+            # an allocation outside the layers between two of the middle ones is theirs
+            position = _position(tag, layers) or ("other" if where == "other" else "")
+            group = "gradients" if tag.endswith("grad_seed") else _OPENS.get(category)
+            if position != where or (group is not None and group not in opened):
+                spans.append((f"{mark}|{where}|{'+'.join(sorted(opened))}", alloc.max_allocated))
+                if group is not None:
+                    opened.add(group)
+                alloc.max_allocated, where = alloc.allocated, position
+            blocks[tensor] = alloc.malloc(size, STREAM_IDS[stream])
+        spans.append((f"{mark}|{where}|{'+'.join(sorted(opened))}", alloc.max_allocated))
+    return [(label, peak) for label, peak in spans if "|other|" not in label]
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _position(tag: str, layers: int) -> str:
+    """Which layer an event belongs to by its tag (``layers.3.attention.wq``): ``first``,
+    ``second``, ``next_to_last``, ``last``, ``other`` between them, or "" outside the layers. Each
+    layer's spans peak at an affine function of its index (the same tensors, more of the earlier
+    layers' activations or gradients around), so the layers between the second and the next to
+    last never peak above both."""
+    m = _LAYER.search(tag)
+    if m is None:
+        return ""
+    i = int(m.group(1))
+    return {0: "first", 1: "second", layers - 2: "next_to_last", layers - 1: "last"}.get(i, "other")
+
+
+# the categories whose first allocation in a span opens a new one
+_OPENS = {
+    Category.GRADIENTS: "gradients",
+    Category.OPTIMIZER_STATES: "optimizer",
+    Category.OPTIMIZER_TEMP: "optimizer",
+}
