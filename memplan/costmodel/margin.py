@@ -39,8 +39,10 @@ OP_LEVEL_SOURCE = (
     "reserved; the mechanisms added since (DDP, ZeRO-2, CPU offload, bf16-master, fp32, selective-op, LoRA, "
     "QLoRA) replay the H200 runs they were read from within 0.006%; those checked against the bundled trainer "
     "on CPU only (ZeRO-1, accumulation under DDP, fp32 over dp > 1, LoRA variants, activation offload, eager "
-    "attention, TP without SP, FSDP2 over tied embeddings, pipelines with TP, fp32 or bf16-master) have no GPU "
-    "run yet and take the same band"
+    "attention, also under autocast and LoRA, TP without SP, FSDP2 over tied embeddings, pipelines with TP, fp32 "
+    "or bf16-master, q, k, v biases, CPU offload with accumulation or recompute, QLoRA variants, LLM.int8) and "
+    "the CUDA kernels read from source only (the memory-efficient SDPA kernel, bitsandbytes' MatMul8bitLt and "
+    "fused gemm_4bit) have no GPU run yet and take the same band"
 )
 HF_OP_LEVEL_SOURCE = (
     "transformers' Trainer op by op: equal to the real Trainer's peak on CPU (tests/unit/test_timeline_hf.py), "

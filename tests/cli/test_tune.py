@@ -217,7 +217,7 @@ def test_calibration_is_applied(tmp_path: Path):
     assert a["plan"] == b["plan"] and a["tokens_per_s"] == pytest.approx(b["tokens_per_s"] / 2)
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])  # 20 s each
 def test_two_workers_share_one_study(backend: str, tmp_path: Path, request: pytest.FixtureRequest):
     """Two workers start at once on a new database: both create it (the loser of that race
     retries), each runs its 15 trials, and the study holds 30 distinct, complete trials."""

@@ -559,6 +559,7 @@ def test_list_prints_the_quick_schedule_and_a_dry_run_refuses_one_past_its_limit
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.slow  # about 40 s: run it (-m slow) before a GPU session uses the script
 def test_dry_run_end_to_end_and_resume(tmp_path: Path):
     """A tiny plan list through every step on CPU (tests collected, benchmark skipped, two plans,
     a sweep to its simulated OOM), then a rerun that finds everything recorded (about 40 s)."""
