@@ -108,6 +108,10 @@ def test_table_and_exhaustive():
     assert "Best plans" in out and "every plan predicted (860)" in out and "recommended" in out
     assert f"written to {WORK / 'best-plan.yaml'}" in out  # the plan, in the working directory the output names
     assert (WORK / "best-plan.yaml").is_file() and [p.name for p in Path().iterdir()] == ["memplan-tune"]
+
+
+@pytest.mark.slow  # a second exhaustive search (about 9 s): its JSON
+def test_exhaustive_json_needs_no_study():
     code, out, _ = memplan("tune", *LLAMA8B, "--exhaustive", "--format", "json", "--top", "3")
     data = json.loads(out)
     assert data["exhaustive"] and data["study"] is None and data["trials"] == 0 and len(data["top"]) == 3
@@ -266,6 +270,7 @@ def tiny(tmp_path: Path) -> Path:
 TINY_TUNE = ["--gpus", "2", "--seq-len", "64", "--global-batch", "8", "--validate-device", "cpu", "--trials", "12"]
 
 
+@pytest.mark.slow  # real CPU runs of the top plans (about 12 s); test_failed_validation_runs_are_failed_trials stays
 def test_validate_top_plans_on_cpu(tiny: Path, tmp_path: Path):
     pytest.importorskip("torch")
     storage = f"sqlite:///{tmp_path / 'v.db'}"
@@ -331,6 +336,7 @@ def test_a_hung_run_is_a_failed_trial(tiny: Path, tmp_path: Path):
     assert trial.state == TrialState.FAIL and trial.user_attrs["status"] == "timeout"
 
 
+@pytest.mark.slow  # an exhaustive search and a torchtitan file (about 19 s); the DeepSpeed export test stays
 def test_export_writes_the_recommended_plan_for_a_trainer(tmp_path: Path):
     from memplan.export import parse
 
@@ -463,8 +469,11 @@ def _best_plans_lines(out: str) -> list[str]:
     [
         ["llama3-70b", "--gpus", "64"],  # issue 26 item 4: tokens/s and recompute were cut to "toke…", "selec…"
         # a study (the trial column), several precisions, offload and global batches: columns are left out
-        ["llama3-8b", "--gpus", "16", "--max-cp", "2", "--trials", "40", "--precision", "bf16-mixed,bf16-master",
-         "--allow-offload", "--global-batch", "64-128", "--no-exhaustive"],
+        pytest.param(
+            ["llama3-8b", "--gpus", "16", "--max-cp", "2", "--trials", "40", "--precision", "bf16-mixed,bf16-master",
+             "--allow-offload", "--global-batch", "64-128", "--no-exhaustive"],
+            marks=pytest.mark.slow,  # a 40-trial study, twice (about 9 s)
+        ),
     ],
 )  # fmt: skip
 def test_no_cell_of_the_best_plans_is_cut_at_80_columns(monkeypatch: pytest.MonkeyPatch, flags: list[str]):
