@@ -177,3 +177,17 @@ def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> N
 def test_an_hf_plan_the_run_does_not_model_says_so(capsys, args: list[str], reason: str) -> None:
     memory = _estimate(capsys, args)
     assert memory["model"] == "phase" and reason in memory["model_reason"]
+
+
+def test_the_default_precision_says_which_the_trainer_runs():
+    """memplan's default precision, bf16-master, keeps fp32 masters the plain Trainer does not: the
+    hf run declines it and says which precisions it follows."""
+    from memplan.costmodel.timeline.hf_support import hf_supported
+    from memplan.specs.resolve import resolve_job
+
+    job = resolve_job("llama3-8b", None, dict(finetune="lora"), False)
+    assert job.runtime == "hf" and job.plan.precision == "bf16-master"
+    why = hf_supported(job.model, job.plan, job.workload, job.runtime)
+    assert why is not None and "DeepSpeed's" in why and "--precision bf16" in why
+    bf16 = job.plan.model_copy(update={"precision": "bf16"})
+    assert hf_supported(job.model, bf16, job.workload, job.runtime) is None

@@ -114,7 +114,8 @@ def hf_supported(
         (plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank (tensor, pipeline, context or expert)"),
         (plan.dp == 1 or plan.zero == 0, "ZeRO over more than one rank (the Trainer's FSDP or DeepSpeed)"),
         (plan.dp == 1 or runtime == "hf", "more than one rank under the hf-loop runtime (its loop has no DDP)"),
-        (plan.optimizer == "adamw" and plan.precision in ("fp32", "bf16", "bf16-mixed"), "this optimizer or precision"),
+        (plan.optimizer == "adamw", "this optimizer"),
+        (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
         (
             plan.precision != "fp32" or sdpa_kernel(model, plan) == "math" or model.architecture in EAGER,
@@ -131,3 +132,12 @@ def accumulation(workload: TrainingWorkload, plan: Plan) -> int:
     """Micro-batches per optimizer step (``gradient_accumulation_steps``)."""
     total = workload.global_batch or workload.micro_batch * plan.dp
     return max(1, total // (workload.micro_batch * plan.dp))
+
+
+def _precision_reason(precision: str) -> str:
+    """Why the Trainer's run does not follow ``precision``, and the precisions it runs: the plain
+    Trainer keeps no fp32 master copy (``bf16-master``, memplan's default, is DeepSpeed's bf16)."""
+    runs = "--precision bf16 (bf16 weights), bf16-mixed (bf16=True over fp32 weights) or fp32"
+    if precision in ("bf16-master", "fp16-master"):
+        return f"precision {precision} (fp32 master weights: DeepSpeed's, not the plain Trainer's; {runs})"
+    return f"precision {precision} (the Trainer's run follows {runs})"
