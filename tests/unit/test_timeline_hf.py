@@ -191,3 +191,19 @@ def test_the_default_precision_says_which_the_trainer_runs():
     assert why is not None and "DeepSpeed's" in why and "--precision bf16" in why
     bf16 = job.plan.model_copy(update={"precision": "bf16"})
     assert hf_supported(job.model, bf16, job.workload, job.runtime) is None
+
+
+def test_a_4bit_base_is_followed_where_every_linear_dequantizes():
+    """bitsandbytes' CUDA ``gemm_4bit`` dequantizes and calls ``F.linear`` over 1536 rows, and over
+    512 for weights of 4 Mi elements or more (``costmodel.quant.gemm_4bit_kernel``): llama3-8b's
+    smallest, k_proj and v_proj, have 4 Mi, so 1024 tokens are followed and 512 are not."""
+    from memplan.costmodel.timeline.hf_support import hf_supported
+    from memplan.specs.resolve import resolve_job
+
+    def why(seq_len: int) -> str | None:
+        flags = dict(finetune="qlora", precision="bf16", seq_len=seq_len, micro_batch=1)
+        job = resolve_job("llama3-8b", None, flags, False)
+        return hf_supported(job.model, job.plan, job.workload, job.runtime)
+
+    assert why(1024) is None and why(1537) is None
+    assert "fused kernel" in why(512)

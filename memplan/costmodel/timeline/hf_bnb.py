@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from memplan.costmodel.quant import DEQUANTIZE, gemm_4bit_kernel
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
@@ -39,7 +40,6 @@ BLOCK = 64  # bnb_4bit's blocksize (transformers' BitsAndBytesConfig: 64)
 NESTED_BLOCK = 256  # double quantization's blocksize for the absmax (bitsandbytes.functional.quantize_4bit)
 CODE_4BIT = 16  # entries of the nf4 / fp4 code (fp32)
 CODE_8BIT = 256  # entries of the dynamic map of the nested absmax (fp32)
-CUDA_DEQUANT_TOKENS = 1536  # _gemm_4bit_custom_max_m: past it CUDA dequantizes and calls F.linear
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,8 @@ class Bnb4bit:
                 t.done(raw)  # a temporary of the sum
             else:
                 temps.append(raw)  # absmax_dq stays a local until the fallback returns
-        if not cpu and tokens <= CUDA_DEQUANT_TOKENS:
-            raise ValueError(f"{tokens} tokens: CUDA's gemm_4bit picks its fused kernel per architecture")
+        if not cpu and gemm_4bit_kernel(tokens, rows, cols, x.itemsize) != DEQUANTIZE:
+            raise ValueError(f"{tokens} tokens: CUDA's gemm_4bit runs a fused kernel here, or picks one per GPU")
         temps.append(t.new(numel, x.itemsize, f"{tag}.weight_dequant"))
         out = ops.result(t, tokens * rows, x.itemsize, tag, node)
         t.done(*reversed(temps))

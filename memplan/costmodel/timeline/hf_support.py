@@ -13,8 +13,9 @@ layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/
 any of the decoder layers' linears, any rank, dropout, ``modules_to_save`` lm_head or an untied
 embed_tokens). On CUDA the kernels are those of the bundled trainer's traces (``support.sdpa_kernel``),
 and LoRA's dropout is ``native_dropout`` from its source: not yet checked on a GPU against transformers.
-A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) over more than 1536 tokens a micro-batch
-(CUDA's dequantize-then-``F.linear`` path, read from bitsandbytes' source); an LLM.int8 base
+A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) where every linear takes CUDA's dequantize path
+(over 1536 tokens a micro-batch, or over 512 where each weight has 4 Mi elements or more: ``_dequantizes``;
+bitsandbytes' dequantize-then-``F.linear`` fallback, read from its source); an LLM.int8 base
 (``hf_bnb.Bnb8bit``, ``int8.py``: CPU's ``MatMul8bitFp`` equal to the byte, tests/unit/test_timeline_int8.py;
 CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLUMNS``). Any of these over
 ``dp`` > 1 ranks under DDP (``zero: 0``: the Trainer under ``torchrun``, ``hf_ddp.py``;
@@ -30,7 +31,7 @@ on one rank.
 from __future__ import annotations
 
 from memplan.costmodel.lora import SAVABLE
-from memplan.costmodel.timeline.hf_bnb import CUDA_DEQUANT_TOKENS
+from memplan.costmodel.quant import DEQUANTIZE, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -103,8 +104,9 @@ def hf_supported(
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
         (plan.quant != "int8" or runtime == "hf", _INT8_LOOP),
         (
-            plan.quant in ("none", "int8") or tokens is None or tokens > CUDA_DEQUANT_TOKENS,
-            f"a 4-bit base over {CUDA_DEQUANT_TOKENS} tokens or fewer (CUDA's gemm_4bit picks a fused kernel per GPU)",
+            plan.quant in ("none", "int8") or tokens is None or _dequantizes(model, plan, tokens),
+            f"a 4-bit base over {tokens} tokens a micro-batch, where CUDA's gemm_4bit runs its fused kernel or picks "
+            "one per GPU (every linear dequantizes over 1536 tokens; over 512 for weights of 4 Mi elements or more)",
         ),
         (plan.finetune == "full" or model.architecture in PEFT_FAMILIES, f"PEFT over the {model.architecture} family"),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
@@ -141,3 +143,12 @@ def _precision_reason(precision: str) -> str:
     if precision in ("bf16-master", "fp16-master"):
         return f"precision {precision} (fp32 master weights: DeepSpeed's, not the plain Trainer's; {runs})"
     return f"precision {precision} (the Trainer's run follows {runs})"
+
+
+def _dequantizes(model: ModelSpec, plan: Plan, tokens: int) -> bool:
+    """Every decoder linear of a 4-bit base takes bitsandbytes' dequantize + ``F.linear`` fallback on
+    CUDA at ``tokens`` rows, on any GPU (``costmodel.quant.gemm_4bit_kernel``), the path ``hf_bnb``
+    follows: over 1536 rows, or over 512 where each weight has 4 Mi elements or more."""
+    h, compute = model.hidden_size, 4 if plan.precision == "fp32" else 2
+    shapes = {(model.q_size, h), (model.kv_size, h), (h, model.q_size), (model.ffn_size, h), (h, model.ffn_size)}
+    return all(gemm_4bit_kernel(tokens, n, k, compute) == DEQUANTIZE for n, k in shapes)
