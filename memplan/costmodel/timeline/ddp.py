@@ -131,7 +131,39 @@ def sync_bucket_indices(tape: Tape, params: int, buckets: int) -> None:
         t.done(t.new(buckets, 4, "bucket_sizes", Category.COMM), indices)
 
 
-class Ddp:
+class Reducer:
+    """What the bundled trainer's DDP (:class:`Ddp`) and the Trainer's (``hf_ddp.HfDdp``) share: a
+    bucket's flat allocation and ``Reducer::rebuild_buckets``. A subclass sets ``tape``, ``ready``
+    (the first synced backward's gradient-ready order) and ``buckets``, and says a parameter's
+    bytes and dtype (``_bytes``, ``_dtypes``)."""
+
+    tape: Tape
+    ready: list[str]
+    buckets: list[Tensor]
+
+    def _bytes(self, name: str) -> int:
+        raise NotImplementedError
+
+    def _dtypes(self, names: list[str]) -> list[int]:
+        raise NotImplementedError
+
+    def _bucket(self, names: list[str], tag: str) -> Tensor:
+        return self.tape.managed(sum(self._bytes(n) for n in names), 1, tag, Category.GRADIENTS)
+
+    def _rebuild(self) -> None:
+        """``_rebuild_buckets`` in the ready order (a 1 MiB first bucket, then 25 MiB, per dtype):
+        the indices synced, the old buckets freed, the new ones allocated."""
+        t, ready = self.tape, self.ready
+        order = assign_buckets_by_dtype(
+            [self._bytes(n) for n in ready], self._dtypes(ready), [FIRST_BUCKET, BUCKET_CAP]
+        )
+        sync_bucket_indices(t, len(ready), len(order))
+        for bucket in self.buckets:
+            t.free(bucket)
+        self.buckets = [self._bucket([ready[i] for i in b], f"reducer.bucket{k}") for k, b in enumerate(order)]
+
+
+class Ddp(Reducer):
     """The reducer of one rank: its buckets and the order gradients became ready."""
 
     def __init__(
@@ -171,9 +203,6 @@ class Ddp:
     def _dtypes(self, names: list[str]) -> list[int]:
         return [self.itemsizes[n] for n in names]
 
-    def _bucket(self, names: list[str], tag: str) -> Tensor:
-        return self.tape.managed(sum(self._bytes(n) for n in names), 1, tag, Category.GRADIENTS)
-
     def _leaf(self, name: str) -> Node:
         """``AccumulateGrad`` and the reducer's hook: the gradient is copied into its bucket view
         and freed when the node returns; the first synced backward records the ready order.
@@ -211,10 +240,5 @@ class Ddp:
         """``_rebuild_buckets`` at the first forward after a backward (once)."""
         if self.rebuilt or not self.ready:
             return
-        t, self.rebuilt = self.tape, True
-        sizes = [self._bytes(n) for n in self.ready]
-        order = assign_buckets_by_dtype(sizes, self._dtypes(self.ready), [FIRST_BUCKET, BUCKET_CAP])
-        sync_bucket_indices(t, len(self.ready), len(order))
-        for bucket in self.buckets:
-            t.free(bucket)
-        self.buckets = [self._bucket([self.ready[i] for i in b], f"reducer.bucket{k}") for k, b in enumerate(order)]
+        self.rebuilt = True
+        self._rebuild()

@@ -53,15 +53,15 @@ from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.ddp import (
     BUCKET_CAP,
     FIRST_BUCKET,
+    Reducer,
     assign_buckets_by_dtype,
     broadcast_coalesced,
-    sync_bucket_indices,
     verify_params,
 )
 from memplan.costmodel.timeline.events import Category
 
 
-class HfDdp:
+class HfDdp(Reducer):
     """The reducer of one rank under the Trainer: buckets, the local-used map, the forward's hooks."""
 
     def __init__(
@@ -104,9 +104,6 @@ class HfDdp:
     def _dtypes(self, names: list[str]) -> list[int]:
         return [self.reducer[n][1] for n in names]
 
-    def _bucket(self, names: list[str], tag: str) -> Tensor:
-        return self.tape.managed(sum(self._bytes(n) for n in names), 1, tag, Category.GRADIENTS)
-
     # --- the step ------------------------------------------------------------------------------------
     def gather_count(self, count: Tensor) -> Tensor:
         """``accelerator.gather(count).sum()`` (``_gpu_gather_one``): the clone of the 0-d count,
@@ -131,12 +128,7 @@ class HfDdp:
         t = self.tape
         if not self.rebuilt and self.ready:
             self.rebuilt = True
-            sizes = [self._bytes(n) for n in self.ready]
-            order = assign_buckets_by_dtype(sizes, self._dtypes(self.ready), [FIRST_BUCKET, BUCKET_CAP])
-            sync_bucket_indices(t, len(self.ready), len(order))
-            for bucket in self.buckets:
-                t.free(bucket)
-            self.buckets = [self._bucket([self.ready[i] for i in b], f"reducer.bucket{k}") for k, b in enumerate(order)]
+            self._rebuild()
         if self.param_sync:
             broadcast_coalesced(t, self.buffers, "ddp.sync_buffers_flat")
 
