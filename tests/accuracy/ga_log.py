@@ -19,21 +19,7 @@ def measure(case: hf_steps.Case, ga: int, steps: int = 3, log: AllocLog | None =
     rows = [{"input_ids": row, "labels": row} for row in ids]
     tracker = log or hf_steps.StorageTracker()
     with tempfile.TemporaryDirectory() as out:
-        args = transformers.TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=case.batch,
-            gradient_accumulation_steps=ga,
-            max_steps=steps,
-            learning_rate=1e-4,
-            use_cpu=True,
-            bf16=case.autocast,
-            gradient_checkpointing=case.checkpointing,
-            report_to=[],
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-        )
+        args = hf_steps.training_args(out, case, steps, ga)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
         tracker.track_module(model)
         with tracker:

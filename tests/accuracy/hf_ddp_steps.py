@@ -73,6 +73,7 @@ def _quant_state(model) -> list[torch.Tensor]:
 
 def _rank(rank: int, case, ga: int, steps: int, port: int, out: str, log: bool) -> None:
     """One rank: the environment torchrun sets, the Trainer, rank 0's tracker."""
+    import hf_steps
     import transformers
     from alloc_log import AllocLog
     from storage_tracker import StorageTracker
@@ -92,21 +93,7 @@ def _rank(rank: int, case, ga: int, steps: int, port: int, out: str, log: bool) 
     ids = torch.randint(0, case.vocab, (case.batch * ga * steps * WORLD, case.seq))
     rows = [{"input_ids": row, "labels": row} for row in ids]
     with tempfile.TemporaryDirectory() as tmp:
-        args = transformers.TrainingArguments(
-            output_dir=tmp,
-            per_device_train_batch_size=case.batch,
-            gradient_accumulation_steps=ga,
-            max_steps=steps,
-            learning_rate=1e-4,
-            use_cpu=True,
-            bf16=case.autocast,
-            gradient_checkpointing=case.checkpointing,
-            report_to=[],
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-        )
+        args = hf_steps.training_args(tmp, case, steps, ga)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
         tracker = (AllocLog() if log else StorageTracker()) if rank == 0 else None
         if tracker is None:

@@ -16,6 +16,7 @@ import dataclasses
 import sys
 import tempfile
 
+import hf_steps
 import peft_steps
 import torch
 import transformers
@@ -38,21 +39,7 @@ def measure(case: peft_steps.PeftCase, ga: int = 1, steps: int = 3, tracker: Sto
     rows = [{"input_ids": row, "labels": row} for row in ids]
     tracker = tracker or StorageTracker()
     with tempfile.TemporaryDirectory() as out:
-        args = transformers.TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=case.batch,
-            gradient_accumulation_steps=ga,
-            max_steps=steps,
-            learning_rate=1e-4,
-            use_cpu=True,
-            bf16=case.autocast,
-            gradient_checkpointing=case.checkpointing,
-            report_to=[],
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-        )
+        args = hf_steps.training_args(out, case, steps, ga)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
         tracker.track_module(model)
         tracker.track(*peft_steps.quant_state_tensors(model))

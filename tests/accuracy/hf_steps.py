@@ -163,20 +163,7 @@ def _measure_trainer(case: Case, steps: int) -> int:
     ids = torch.randint(0, case.vocab, (case.batch, case.seq))
     rows = [{"input_ids": row, "labels": row} for row in ids] * steps
     with tempfile.TemporaryDirectory() as out:
-        args = transformers.TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=case.batch,
-            max_steps=steps,
-            learning_rate=1e-4,
-            use_cpu=True,
-            bf16=case.autocast,
-            gradient_checkpointing=case.checkpointing,
-            report_to=[],
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-        )
+        args = training_args(out, case, steps)
         tracker = StorageTracker()
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
         tracker.track_module(model)
@@ -287,3 +274,24 @@ def predict_report(case: Case):
     )
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     return estimate_training(model, workload, plan, runtime=case.runtime, device=case.device)
+
+
+def training_args(out: str, case, steps: int, ga: int = 1) -> transformers.TrainingArguments:
+    """The ``TrainingArguments`` every CPU harness of the Trainer runs: the case's batch, ``bf16``
+    (autocast) and checkpointing, ``ga`` micro-batches an update, ``steps`` updates, the defaults'
+    optimizer and clipping, nothing logged or saved, no loader workers."""
+    return transformers.TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=case.batch,
+        gradient_accumulation_steps=ga,
+        max_steps=steps,
+        learning_rate=1e-4,
+        use_cpu=True,
+        bf16=case.autocast,
+        gradient_checkpointing=case.checkpointing,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
