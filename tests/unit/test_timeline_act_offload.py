@@ -21,12 +21,12 @@ not on CPU. (``step`` / ``forward and backward`` / host, measured: bf16 40,330,2
 from __future__ import annotations
 
 import pytest
-from timeline_peaks import steady_peaks
+from timeline_peaks import assert_the_trainer_peaks_where_the_run_does
 
 from memplan.costmodel.reserve import plan_run
 from memplan.costmodel.timeline import act_offload
 from memplan.costmodel.timeline.ops import FLASH_OUT_COPY, PHILOX
-from memplan.costmodel.timeline.trainer import MICRO_BATCHES_MODELLED, supported, trainer_run
+from memplan.costmodel.timeline.trainer import supported, trainer_run
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.resolve import resolve_job
@@ -71,20 +71,11 @@ DEFAULT = {"bf16", "full-bf16", "ddp2-full-bf16"}
 @pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_the_bundled_trainer_offloading_on_cpu_peaks_where_the_run_does(name, monkeypatch):
     pytest.importorskip("torch")
-    from memplan.train.runner import run
-    from memplan.validate.spec import RunSpec
-
     model, changes, (micro_batch, global_batch) = CASES[name]
     plan, workload = Plan(**changes), TrainingWorkload(seq_len=128, micro_batch=micro_batch, global_batch=global_batch)
-    assert supported(model, workload, plan) is None
     _Recorded.made = []
     monkeypatch.setattr(act_offload, "SaveOnCpu", _Recorded)
-    peak, passes = steady_peaks(trainer_run(model, workload, plan, max_micro_batches=MICRO_BATCHES_MODELLED))
-    record = run(RunSpec(model=model, workload=workload, plan=plan, rank=0, steps=2))
-    assert record.status == "ok", record.reason
-    measured = (record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward")))
-    for what, predicted, got in zip(("step", "forward and backward"), (peak, passes), measured, strict=True):
-        assert abs(predicted / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {predicted:,}, measured {got:,}"
+    record = assert_the_trainer_peaks_where_the_run_does(name, model, workload, plan)
     # the host copies: CUDA's flash also saves its philox seed and offset (the CPU kernel has none)
     philox = 0 if plan.recompute == "full" else 2 * PHILOX * model.num_layers
     assert [h.host_peak - philox for h in _Recorded.made] == [record.offload_host_bytes]

@@ -17,10 +17,8 @@ below within 228 B of the trainer's peak, for the step and for the forward and b
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-from timeline_peaks import steady_peaks
+from timeline_peaks import measured_peaks, steady_peaks, trainer_record
 
 from memplan.costmodel.lora import HF_NAMES
 from memplan.costmodel.reserve import plan_run
@@ -124,16 +122,8 @@ def _rank(workload: TrainingWorkload, plan: Plan) -> int:
 def _measured(workload: TrainingWorkload, plan: Plan) -> tuple[int, int]:
     """The bundled trainer on CPU, in fp32 on SDPA's math backend (CUDA's for fp32 with GQA)."""
     pytest.importorskip("torch")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from memplan.train.runner import run
-    from memplan.validate.spec import RunSpec
-
-    math = sdpa_kernel(SDPBackend.MATH) if plan.precision == "fp32" else contextlib.nullcontext()
-    with math:
-        record = run(RunSpec(model=TINY, workload=workload, plan=plan, rank=_rank(workload, plan), steps=2))
-    assert record.status == "ok", record.reason
-    return record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward"))
+    rank = _rank(workload, plan)
+    return measured_peaks(trainer_record(TINY, workload, plan, rank, math=plan.precision == "fp32"))
 
 
 # in the default run: each mechanism once; the other cases under -m slow (the default suite's time)

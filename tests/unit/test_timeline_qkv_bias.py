@@ -16,11 +16,9 @@ bytes are not traced to a tensor)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 from test_timeline_zero1 import CUDA_ONLY, TINY
-from timeline_peaks import steady_peaks
+from timeline_peaks import measured_peaks, steady_peaks, trainer_record
 
 from memplan.costmodel.reserve import plan_run
 from memplan.costmodel.timeline.autograd import REDUCE_WORKSPACE_CAP
@@ -99,17 +97,8 @@ def _measure(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: in
     """The bundled trainer on CPU, on the rank the run follows: the steady peak, and the forward's
     and backward's."""
     pytest.importorskip("torch")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from memplan.train.runner import run
-    from memplan.validate.spec import RunSpec
-
     rank = followed_rank(model, workload, plan, stage)
-    math = sdpa_kernel(SDPBackend.MATH) if plan.precision == "fp32" else contextlib.nullcontext()
-    with math:
-        record = run(RunSpec(model=model, workload=workload, plan=plan, rank=rank, steps=2))
-    assert record.status == "ok", record.reason
-    return record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward"))
+    return measured_peaks(trainer_record(model, workload, plan, rank, math=plan.precision == "fp32"))
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in DEFAULT else [pytest.mark.slow]) for n in CPU_CASES])

@@ -21,12 +21,11 @@ within 156 B of the trainer's peak, for the step and for the forward and backwar
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
 import pytest
-from timeline_peaks import steady_peaks
+from timeline_peaks import measured_peaks, steady_peaks, trainer_record
 
 from memplan.costmodel.allocator import AllocatorConfig
 from memplan.costmodel.reserve import plan_run, replay
@@ -118,16 +117,8 @@ def _rank(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> int:
 def _measure(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> tuple[int, int]:
     """The bundled trainer on CPU: the steady peak, and the forward's and backward's."""
     pytest.importorskip("torch")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from memplan.train.runner import run
-    from memplan.validate.spec import RunSpec
-
-    math = sdpa_kernel(SDPBackend.MATH) if plan.precision == "fp32" else contextlib.nullcontext()
-    with math:
-        record = run(RunSpec(model=model, workload=workload, plan=plan, rank=_rank(model, workload, plan), steps=2))
-    assert record.status == "ok", record.reason
-    return record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward"))
+    rank = _rank(model, workload, plan)
+    return measured_peaks(trainer_record(model, workload, plan, rank, math=plan.precision == "fp32"))
 
 
 def _check(name: str, model: ModelSpec, changes: dict, batch: tuple[int, int | None]) -> None:

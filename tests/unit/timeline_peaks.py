@@ -65,18 +65,42 @@ def steady_peaks(timeline: Timeline | None) -> tuple[int, int]:
 CPU_BOUND = 0.0001  # 0.01% of the trainer's peak, as test_timeline_recompute.py
 
 
-def assert_the_trainer_peaks_where_the_run_does(name: str, model, workload, plan) -> None:  # noqa: ANN001
-    """The bundled trainer on CPU (rank 0, two measured steps) against the op-level run the estimate
-    replays: the step's steady peak and the forward's and backward's, each within :data:`CPU_BOUND`."""
-    from memplan.costmodel.timeline.support import supported
-    from memplan.costmodel.timeline.trainer import MICRO_BATCHES_MODELLED, trainer_run
+def trainer_record(model, workload, plan, rank: int = 0, math: bool = False):  # noqa: ANN001, ANN201 - a RunRecord
+    """The bundled trainer on CPU, rank ``rank``, two measured steps; with ``math`` on SDPA's math
+    backend (CUDA's kernel for fp32 with GQA, where CPU would take its flash kernel)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from memplan.train.runner import run
     from memplan.validate.spec import RunSpec
 
-    assert supported(model, workload, plan) is None
-    peak, passes = steady_peaks(trainer_run(model, workload, plan, max_micro_batches=MICRO_BATCHES_MODELLED))
-    record = run(RunSpec(model=model, workload=workload, plan=plan, rank=0, steps=2))
+    with sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext():
+        record = run(RunSpec(model=model, workload=workload, plan=plan, rank=rank, steps=2))
     assert record.status == "ok", record.reason
-    measured = (record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward")))
-    for what, predicted, got in zip(("step", "forward and backward"), (peak, passes), measured, strict=True):
-        assert abs(predicted / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {predicted:,}, measured {got:,}"
+    return record
+
+
+def measured_peaks(record) -> tuple[int, int]:  # noqa: ANN001 - a RunRecord
+    """The meter's steady peak, and the higher of the forward's and backward's."""
+    return record.peak_allocated, max(record.phases[p].allocated for p in ("forward", "backward"))
+
+
+def assert_peaks(name: str, predicted: tuple[int, int], measured: tuple[int, int]) -> None:
+    """The run's (step, forward and backward) peaks within :data:`CPU_BOUND` of the trainer's."""
+    for what, want, got in zip(("step", "forward and backward"), predicted, measured, strict=True):
+        assert abs(want / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {want:,}, measured {got:,}"
+
+
+def assert_the_trainer_peaks_where_the_run_does(name: str, model, workload, plan):  # noqa: ANN001, ANN201
+    """The bundled trainer on CPU (rank 0, two measured steps) against the op-level run the estimate
+    replays: the step's steady peak and the forward's and backward's, each within :data:`CPU_BOUND`;
+    the trainer's record."""
+    from memplan.costmodel.timeline.support import supported
+    from memplan.costmodel.timeline.trainer import MICRO_BATCHES_MODELLED, trainer_run
+
+    assert supported(model, workload, plan) is None
+    peaks = steady_peaks(trainer_run(model, workload, plan, max_micro_batches=MICRO_BATCHES_MODELLED))
+    record = trainer_record(model, workload, plan)
+    assert_peaks(name, peaks, measured_peaks(record))
+    return record
