@@ -101,9 +101,16 @@ def test_hang_is_ended_and_reported(tiny: Path):
     assert data["status"] == "timeout" and "[0]" in data["reason"]
 
 
-REAL_RANKS_JITTER = 1024  # bytes: what a real run's gloo timing added at most (520 B, docstring below)
+# what a finished gloo collective can still hold when the next allocation comes (docstring below): the
+# largest FSDP2 reduce-scatter input of the tiny model, fp32 at dp 2 (no padding: every dim-0 is even).
+# A block: q and o 128 x 128, k and v 64 x 128, three 256 x 128 MLP weights, two 128-wide norms; the
+# root group [norm, output]: 128 + 1000 x 128.
+_BLOCK_GRADS = 2 * 128 * 128 + 2 * 64 * 128 + 3 * 256 * 128 + 2 * 128
+_ROOT_GRADS = 128 + 1000 * 128
+REAL_RANKS_JITTER = 4 * max(_BLOCK_GRADS, _ROOT_GRADS)  # 590,848 B
 
 
+@pytest.mark.slow
 def test_real_gloo_ranks_match_simulation(tiny: Path):
     """Rank simulation, which every ``memplan validate`` figure rests on, against real gloo ranks:
     every rank's measured peak, and the reported rank's every phase, equal to the byte (dp 2 ZeRO-2
@@ -125,11 +132,22 @@ def test_real_gloo_ranks_match_simulation(tiny: Path):
 
     Equal to the byte in 11 of 12 real runs in a row (2026-11-27, 2 cores, torch 2.13.0+cpu); in the
     twelfth, both ranks measured 520 B more at the peak (9,502,052 B) and their forward phase took
-    the backward's first moments (9,502,044 B against 8,990,036 B): the phase boundary moves with
-    when the ranks' gloo work completes, which the fake process group does not reproduce. So the
-    real peak may exceed the simulated one by :data:`REAL_RANKS_JITTER` and no more, the
-    optimizer phase is equal, and the forward lies between the simulated forward and the backward.
-    The tensor behind the 520 B is not identified yet (issue 29).
+    the backward's first moments (9,502,044 B against 8,990,036 B). In CI's full suite on 2 loaded
+    cores (2026-11-27), rank 0 measured 512,512 B more (10,014,044 B against 9,501,532 B): exactly the
+    fp32 gradients of the root group ``fully_shard([norm, output])``, 128 + 1000 x 128 elements, i.e.
+    FSDP2's ``reduce_scatter_input`` for that group (``_fsdp_collectives.foreach_reduce``). FSDP2
+    drops its own reference at the next group's post-backward, as the simulation does; but the gloo
+    ``AsyncWork`` holds its input and output tensors too, and ProcessGroupGloo's worker thread drops
+    the finished work only when it takes the work queue's lock again, after ``wait()`` has already
+    returned to Python. On a loaded machine the main thread allocates the next group's buffers first,
+    so one finished collective's input outlives its last Python reference by a thread switch. The
+    fake process group keeps no such reference, and NCCL's stream-ordered frees on a GPU do not
+    depend on a host thread. So the real peak may exceed the simulated one by at most the largest
+    reduce-scatter input (:data:`REAL_RANKS_JITTER`), the optimizer phase is equal, and the forward
+    lies between the simulated forward and the backward. ``slow`` again since then: a real
+    two-process gloo run whose peak depends on thread scheduling is not a default CI case; the
+    default suite keeps the launcher's line tests below and the simulated meter checked against a
+    hook-free run (tests/validate/test_meter_independent.py).
     """
     from memplan.train.runner import run
     from memplan.validate.spec import RunSpec
