@@ -117,10 +117,10 @@ def test_the_absmax_mean_stages_as_the_trace_shows(values, staging):
     ("changes", "reason"),
     [
         (dict(micro_batch=1, seq_len=512, global_batch=1), "kernel the GPU picks"),
-        (dict(quant="int8", double_quant=False, modules_to_save=("lm_head",)), "LLM.int8"),
+        (dict(quant="int8", double_quant=False, precision="bf16-mixed"), "LLM.int8"),
         (dict(precision="bf16-mixed"), "or under autocast"),
     ],
-    ids=["few-tokens", "int8-head-copy", "autocast"],
+    ids=["few-tokens", "int8-autocast", "autocast"],
 )
 def test_quantized_plans_it_cannot_follow_get_none(changes, reason):
     job = _job(**changes)

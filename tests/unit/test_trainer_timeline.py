@@ -141,9 +141,9 @@ def test_steady_steps_leave_what_they_found(timelines, name):
         (dict(pp=2, zero=0, global_batch=32), "pipeline"),  # over DDP: the trainer refuses it
         (dict(zero=1, offload_optimizer="cpu"), "offload"),
         (dict(precision="fp16-master"), "precision"),
-        (dict(attention="eager", finetune="qlora"), "eager attention over a quantized base"),
+        (dict(finetune="qlora", quant="int8", precision="bf16-mixed"), "LLM.int8 base under autocast"),
     ],
-    ids=["pipeline", "zero1-offload", "fp16-master", "eager-4-bit"],
+    ids=["pipeline", "zero1-offload", "fp16-master", "int8-autocast"],
 )
 def test_plans_it_cannot_follow_get_none(changes, reason):
     job = _job("t8_sel", **changes)

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
-from memplan.costmodel.timeline.quant import is_linear
+from memplan.costmodel.timeline.quant import cast_to_fp32, clone_bias, is_linear
 
 THRESHOLD = 6.0  # BitsAndBytesConfig(llm_int8_threshold=6.0), train.quant.INT8_THRESHOLD
 # Outlier columns per int8 linear call (inputs with |x| >= THRESHOLD in some token). Random weights
@@ -80,26 +80,27 @@ class Int8:
     idx: dict[str, Tensor] = field(default_factory=dict)  # each linear's state.idx when k > 0
     held: list[Tensor] = field(default_factory=list)  # ctx.A / ctx.tensors, until the graph goes
 
-    def build(self, weights: dict[str, Tensor], shapes: dict[str, tuple[int, int]]) -> None:
+    def build(
+        self, weights: dict[str, Tensor], shapes: dict[str, tuple[int, int]], before: dict[str, Tensor] | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
         """``quantize_base`` over the built ``weights`` (names in module order; ``shapes``:
-        (out, in)): quantize every decoder linear, free their 16-bit weights last one first, cast
-        the rest to fp32 where it is 16-bit (a tied head is the embedding: one cast)."""
+        (out, in)): quantize every decoder linear (a bias copied after its weight), free the
+        replaced linears' 16-bit parameters last one first, cast the rest to fp32 where it is
+        16-bit (``quant.cast_to_fp32``: a trained LM head copy and its frozen original, ``before``,
+        both). Returns the (old, new) casts."""
         t = self.tape
         names = [n for n in weights if is_linear(n)]
+        originals = []
         for name in names:
             rows, cols = shapes[name]
             with t.scoped(name.removesuffix(".weight")):
                 self._quantize(name, rows, cols)
-        for name in reversed(names):
-            t.free(weights.pop(name))
-        cast: dict[int, Tensor] = {}
-        for name, w in list(weights.items()):
-            if w.itemsize == 4:
-                continue
-            if id(w) not in cast:
-                cast[id(w)] = t.managed(w.numel, 4, name, Category.PARAMETERS)
-                t.free(w)
-            weights[name] = cast[id(w)]
+            originals.append(clone_bias(t, weights, name))
+        for name, bias in zip(reversed(names), reversed(originals), strict=True):
+            t.free(weights.pop(name))  # the replaced nn.Linear's parameters: its weight, then its bias
+            if bias is not None:
+                t.free(bias)
+        return cast_to_fp32(t, weights, before or {})
 
     def _quantize(self, name: str, rows: int, cols: int) -> None:
         """``Int8Params._quantize``: the fp16 copy, ``int8_vectorwise_quant`` (CUDA's kernel or the
@@ -158,9 +159,7 @@ class Int8:
             if autocast
             else []
         )
-        out = ops.result(t, tokens * rows, 2 if autocast else x.itemsize, tag, node)
-        if t.on_first_mm is not None:
-            t.on_first_mm()
+        out = _linear(t, tokens * rows, 2 if autocast else x.itemsize, tag, node)
         t.done(*reversed(casts))
         t.done(w)
         return out
@@ -225,6 +224,22 @@ class Int8:
         for x in reversed(self.held):
             self.tape.drop(x)
         self.held = []
+
+
+def _linear(t: Tape, numel: int, itemsize: int, tag: str, node: Node | None) -> Tensor:
+    """``MatMul8bitFp``'s ``F.linear(A, CB, bias)``: an ``mm`` (``addmm`` with a bias) that a
+    selective-op checkpoint sees, ``MatMul8bitFp`` being Python ops under its dispatch mode
+    (``parallel.op_sac_policy`` counts it): kept in the forward when the count is odd, handed back
+    in the re-run (CUDA's ``int8_scaled_mm`` is a custom op, not a matmul to the policy)."""
+    kept = t.cached("mm")
+    if kept is not None:
+        kept[0].fn = node
+        return kept[0]
+    out = ops.result(t, numel, itemsize, tag, node)
+    if t.on_first_mm is not None:
+        t.on_first_mm()
+    t.keep("mm", [out])
+    return out
 
 
 def _dequantize(t: Tape, rows: int, cols: int, itemsize: int, tag: str) -> Tensor:

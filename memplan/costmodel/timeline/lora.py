@@ -149,12 +149,16 @@ class Lora:
         """(bytes, itemsize) of every parameter in ``named_parameters()`` order (``named_modules``
         is pre-order: a ``LoraLinear``'s adapters before its base's weight; the head's copy after
         the original); ``shapes``: the base's, of dtype ``itemsize``. Over a 4-bit base a decoder
-        linear is its packed uint8 codes (``Params4bit``), the rest fp32, the copy too."""
-        out = []
+        linear is its packed uint8 codes (``Params4bit``), over an int8 one its int8 ``CB``
+        (``Int8Params``: n bytes, ``SCB`` is no parameter), the rest fp32, the copy too."""
+        out, quantized = [], self.cfg.quant is not None or self.cfg.int8
         for name, (rows, cols) in shapes.items():
             out += [(p.numel * p.itemsize, p.itemsize) for p in self.adapters.get(name, ())]
-            n, size = rows * cols, itemsize if self.cfg.quant is None else 4
-            out.append((-(-n // 2), 1) if self.cfg.quant is not None and _is_4bit(name) else (n * size, size))
+            n, size = rows * cols, 4 if quantized else itemsize
+            if quantized and _is_4bit(name):  # a quantized decoder linear (quant.is_linear)
+                out.append((-(-n // 2) if self.cfg.quant is not None else n, 1))
+            else:
+                out.append((n * size, size))
             if name == "output.weight" and self.cfg.save_head:
                 out.append((n * size, size))
         return out

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from memplan.costmodel.lora import HF_NAMES
 from memplan.costmodel.quant import BLOCK_4BIT, BLOCK_NESTED, CODE_4BIT, CODE_NESTED, FUSED, gemm_4bit_kernel
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import ops, qkv_bias
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.specs.plan import Plan
@@ -106,6 +106,7 @@ class Quant:
     packed: dict[str, Tensor] = field(default_factory=dict)  # weight name -> packed codes
     state: list[Tensor] = field(default_factory=list)  # QuantState tensors (kept for the run)
     dynamic_map: bool = False  # name2qmap["dynamic"] made (the first double quantization)
+    weights: dict[str, Tensor] = field(default_factory=dict)  # the model's, its q, k, v biases among them
 
     def build(self, weights: dict[str, Tensor], before: dict[str, Tensor] | None = None) -> list[tuple[Tensor, Tensor]]:
         """``quantize_base`` over the built ``weights`` (names in module order): quantize every
@@ -114,18 +115,16 @@ class Quant:
         order (the original LM head before its trained copy). Returns the (old, new) casts."""
         t, before = self.tape, before or {}
         names = [n for n in weights if is_linear(n)]
+        originals = []
         for name in names:
             self._quantize(name, weights[name].numel)
-        for name in reversed(names):
-            t.free(weights.pop(name))
-        casts: list[tuple[Tensor, Tensor]] = []  # a tied head is the embedding: one parameter, one cast
-        for name, w in list(weights.items()):  # prepare_model_for_kbit_training's fp32 cast
-            for p in [before[name], w] if name in before else [w]:
-                if p.itemsize != 4 and not any(old is p for old, _ in casts):
-                    casts.append((p, t.managed(p.numel, 4, name, Category.PARAMETERS)))
-                    t.free(p)
-            weights[name] = next((new for old, new in casts if old is w), w)
-        return casts
+            originals.append(clone_bias(t, weights, name))
+        for name, bias in zip(reversed(names), reversed(originals), strict=True):
+            t.free(weights.pop(name))  # the replaced nn.Linear's parameters: its weight, then its bias
+            if bias is not None:
+                t.free(bias)
+        self.weights = weights
+        return cast_to_fp32(t, weights, before)
 
     def _quantize(self, name: str, n: int) -> None:
         """``Params4bit._quantize`` -> ``quantize_4bit(compress_statistics=double_quant)``: the
@@ -165,10 +164,24 @@ class Quant:
         t, cd = self.tape, self.cfg.compute
         n = packed.numel * 2
         xc = ops.to(t, x, cd, f"{tag}.input_cast")
+        self._bias_to(name, cd)
         y = self._matmul(xc, n, out_features, tag)
         out = ops.to(t, y, x.itemsize, f"{tag}.output_cast")
         t.done(y, xc)  # the call's temporary, then the rebound local x
         return out
+
+    def _bias_to(self, weight: str, itemsize: int) -> None:
+        """``Linear4bit.forward``'s ``bias.data = bias.data.to(x.dtype)`` when the (fp32) bias is
+        not in the compute dtype: the parameter's data replaced for good, the old one freed. Its
+        add is in the matmul's output (``F.linear(A, B_dq, bias)``, the fused kernel's
+        ``out.add_(bias)``): nothing more; frozen, it has no gradient (``MatMul4Bit.backward``)."""
+        name = qkv_bias.bias_name(weight)
+        old = self.weights.get(name) if name is not None else None
+        if old is None or old.itemsize == itemsize:
+            return
+        with self.tape.scoped(""):  # a parameter's name, not the call's
+            self.weights[name] = self.tape.managed(old.numel, itemsize, name, Category.PARAMETERS)
+        self.tape.free(old)
 
     def _matmul(self, x: Tensor, n: int, out_features: int, tag: str) -> Tensor:
         """``MatMul4Bit`` over ``x`` (compute dtype): ``gemm_4bit``'s path for its rows
@@ -207,6 +220,34 @@ class Quant:
 
 
 def is_linear(name: str) -> bool:
-    """A decoder layer's linear weight: the ones ``quantize_base`` makes 4-bit."""
+    """A decoder layer's linear weight (not its bias): the ones ``quantize_base`` quantizes."""
     parts = name.split(".")  # layers.{i}.{owner}.{attr}.weight
-    return parts[0] == "layers" and ".".join(parts[2:4]) in HF_NAMES  # every decoder linear (train.quant.LINEARS)
+    linear = parts[0] == "layers" and ".".join(parts[2:4]) in HF_NAMES  # every decoder linear (train.quant.LINEARS)
+    return linear and parts[-1] == "weight"
+
+
+def cast_to_fp32(t: Tape, weights: dict[str, Tensor], before: dict[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """``prepare_model_for_kbit_training``'s cast (``train.quant.quantize_base``'s last loop): every
+    16-bit parameter left in ``weights`` (names in ``model.parameters()`` order) to fp32, each old
+    one freed as its new one comes; ``before[name]``: a frozen parameter just before
+    ``weights[name]`` (the original LM head before its trained copy). A tied head is the
+    embedding: one parameter, one cast. Returns the (old, new) casts."""
+    casts: list[tuple[Tensor, Tensor]] = []
+    for name, w in list(weights.items()):
+        for p in [before[name], w] if name in before else [w]:
+            if p.itemsize != 4 and not any(old is p for old, _ in casts):
+                casts.append((p, t.managed(p.numel, 4, name, Category.PARAMETERS)))
+                t.free(p)
+        weights[name] = next((new for old, new in casts if old is w), w)
+    return casts
+
+
+def clone_bias(t: Tape, weights: dict[str, Tensor], weight: str) -> Tensor | None:
+    """``quantize_linear``'s ``layer.bias = nn.Parameter(linear.bias.detach().clone())`` once
+    ``weight`` is quantized: the copy takes the bias's place in ``weights``; returns the original
+    (the replaced ``nn.Linear``'s, freed with it), or None for an unbiased linear."""
+    name = qkv_bias.bias_name(weight)
+    original = weights.get(name) if name is not None else None
+    if original is not None:
+        weights[name] = t.managed(original.numel, original.itemsize, name, Category.PARAMETERS)
+    return original

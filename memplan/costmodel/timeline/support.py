@@ -26,10 +26,12 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
 
     Modelled (the traces cover each mechanism): one pipeline stage; a dense Llama-family decoder
     (RMSNorm, RoPE, gated SiLU MLP, no QK-norm, no biases but Qwen2's on q, k and v:
-    ``qkv_bias.py``, in every mechanism below but a 4-bit base, checked against the trainer on CPU,
-    test_timeline_qkv_bias.py) with flash SDPA, or in fp32 with GQA
+    ``qkv_bias.py``, in every mechanism below, checked against the trainer on CPU,
+    test_timeline_qkv_bias.py; over a 4-bit or int8 base too, frozen, added in the base's kernel:
+    test_timeline_quant_compose.py) with flash SDPA, or in fp32 with GQA
     SDPA's math path (``precision.py``, h200_a_fp32full), without GQA its memory-efficient kernel
-    (``mem_efficient.py``, from PyTorch's source: no trace); AdamW (foreach), or bf16-master's
+    (``mem_efficient.py``, from PyTorch's source: no trace; over a quantized base's fp32 stream
+    too: test_timeline_quant_compose.py); AdamW (foreach), or bf16-master's
     MasterAdamW (``master.py``, h200_a_master1b); recompute none, full (every layer) or
     selective; in bf16, bf16-master or bf16-mixed (autocast without FSDP2, else
     MixedPrecisionPolicy), or fp32: one data rank without sharding; DDP over dp > 1 (ZeRO-0,
@@ -61,33 +63,31 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     trainer on CPU, bitsandbytes' CUDA-only temporaries from its source). Activation offload
     (``save_on_cpu``, ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed,
     bf16-master or fp32 (the math path's saves), with accumulation on one rank (the trainer refuses
-    it over DDP); eager attention (``eager.py``) in every precision above, under autocast too (bf16-mixed), in full
-    training or under LoRA over an unquantized base;
-    tensor parallel without sequence parallel under FSDP2 without a pipeline
+    it over DDP); eager attention (``eager.py``) in every precision above, under autocast too
+    (bf16-mixed), in full training or under LoRA over any base above (a quantized one:
+    test_timeline_quant_compose.py); tensor parallel without sequence parallel under FSDP2 without
+    a pipeline
     (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace). An LLM.int8 base
     (``int8.py``: CPU's ``MatMul8bitFp`` checked against the trainer on CPU, CUDA's
-    ``MatMul8bitLt`` from bitsandbytes' source, no trace) on one rank or DDP, recompute none, full
-    or selective, with accumulation or dropout.
+    ``MatMul8bitLt`` from bitsandbytes' source, no trace) on one rank, DDP or ZeRO-1, any
+    recompute (selective-op, the first ``recompute_layers``), with accumulation, dropout or a
+    trained head copy (test_timeline_quant_compose.py).
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer refuses
-    them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them), q, k, v
-    biases over a 4-bit base (not checked), QK-norm; memplan's Triton attention; eager attention
-    over a quantized base (not checked: bitsandbytes' CUDA kernels); fp32 SDPA without GQA (the
-    memory-efficient kernel) over a quantized base; fp16-master, fp8; offload of one side alone or
+    them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them),
+    QK-norm; memplan's Triton attention; fp16-master, fp8; offload of one side alone or
     NVMe; tensor parallel over DDP, or without sequence parallel outside FSDP2 without a pipeline;
-    LLM.int8 bases with selective-op or partial recompute, a trained head copy, autocast or ZeRO
-    (``_int8_modelled``); 4-bit bases under autocast, or whose ``gemm_4bit`` kernel the GPU's
-    architecture picks (5 to 1536 tokens, by the weights' shapes); LoRA under FSDP2, TP or PP (the
-    trainer refuses them), under ZeRO-1 beside a 16-bit modules_to_save copy (the trainer fails:
-    ZeroRedundancyOptimizer takes one dtype), a copy over a tied embedding or of another module."""
+    LLM.int8 bases under autocast (``_int8_modelled``: the trainer refuses it); 4-bit bases under
+    autocast, or whose ``gemm_4bit`` kernel the GPU's architecture picks (5 to 1536 tokens, by the
+    weights' shapes); LoRA under FSDP2, TP or PP (the trainer refuses them), under ZeRO-1 beside a
+    16-bit modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes one dtype), a
+    copy over a tied embedding or of another module."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.attn_out_bias or model.mlp_bias or model.qk_norm), "output or MLP biases, or QK-norm"),
-        (not model.qkv_bias or plan.quant == "none", "q, k, v biases over a quantized base"),
         (plan.attention != "triton", "triton attention"),
-        (plan.attention != "eager" or _eager_modelled(plan), "eager attention over a quantized base"),
         (plan.quant != "int8" or _int8_modelled(plan), _INT8),
         (_quant_modelled(model, workload, plan), _QUANT),
         (plan.finetune == "full" or _plain_lora(plan), _LORA_PLAIN),
@@ -111,22 +111,12 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
 
 def _fp32_sdpa_modelled(model: ModelSpec, plan: Plan) -> bool:
     """fp32 SDPA on CUDA: the math path (GQA, ``precision.py``), or the memory-efficient kernel
-    (``mem_efficient.py``: from source, no GPU trace) over an unquantized base (a 4-bit base's
-    fp32 stream beside its bf16 compute is not followed there)."""
-    kernel = sdpa_kernel(model, plan)
-    return kernel == "math" or (kernel == "efficient" and plan.quant == "none")
+    (``mem_efficient.py``: from source, no GPU trace), over a quantized base's fp32 stream too
+    (the bundled trainer on CPU: tests/unit/test_timeline_quant_compose.py)."""
+    return sdpa_kernel(model, plan) in ("math", "efficient")
 
 
-_EFFICIENT_QUANT = "fp32 SDPA on the memory-efficient kernel over a quantized base"
-
-
-def _eager_modelled(plan: Plan) -> bool:
-    """``attention: eager`` (``eager.py``) in every precision the run follows, under autocast
-    (bf16-mixed) too, in full training or under LoRA over an unquantized base (the bundled
-    trainer on CPU: tests/unit/test_timeline_eager.py, test_timeline_eager_variants.py; no GPU
-    trace). Over a 4-bit base the layers' inputs are fp32 and bitsandbytes' CUDA kernels run:
-    not checked."""
-    return plan.attention == "eager" and plan.quant == "none"
+_EFFICIENT_QUANT = "fp32 SDPA on a kernel other than the math or memory-efficient one"
 
 
 def _act_offload_modelled(plan: Plan) -> bool:
@@ -226,20 +216,18 @@ def _fp32_stream(plan: Plan) -> bool:
     return plan.precision == "fp32" or plan.quant != "none"
 
 
-_INT8 = "an LLM.int8 base with selective-op or partial recompute, a modules_to_save copy, autocast, ZeRO or FSDP2"
+_INT8 = "an LLM.int8 base under autocast or FSDP2"
 
 
 def _int8_modelled(plan: Plan) -> bool:
     """An LLM.int8 base (``int8.py``) under LoRA as the bundled trainer on CPU was checked
-    (tests/unit/test_timeline_int8.py, within 224 B): fp32, bf16 or bf16-master (the stream is fp32
-    either way), recompute none, full or selective, accumulation, dropout, one rank or DDP. Not:
-    selective-op (its policy counts ``mm``s: CPU's ``MatMul8bitFp`` runs one, CUDA's int8 kernel
-    none), a trained head copy (``prepare_model_for_kbit_training`` casts it and the frozen
-    original to fp32: not followed), partial recompute or ZeRO-1 (not checked), autocast (the
-    trainer refuses it)."""
-    basic = plan.recompute in ("none", "full", "selective") and plan.recompute_layers is None
-    plain = basic and not plan.modules_to_save and plan.precision != "bf16-mixed"
-    return plain and (plan.dp == 1 or plan.zero == 0)
+    (tests/unit/test_timeline_int8.py, test_timeline_quant_compose.py: within the AdamW ``step``
+    scalars): fp32, bf16 or bf16-master (the stream is fp32 either way), any recompute (selective-op:
+    CPU's ``MatMul8bitFp`` runs an ``mm`` the policy counts, CUDA's int8 kernels none; the first
+    ``recompute_layers``), accumulation, dropout, a trained head copy (fp32 after
+    ``prepare_model_for_kbit_training``, its frozen original too), one rank, DDP or ZeRO-1. Not
+    under autocast (the trainer refuses it) nor FSDP2 (the trainer runs LoRA without it)."""
+    return plan.precision != "bf16-mixed" and (plan.dp == 1 or plan.zero <= 1)
 
 
 _QUANT = "a 4-bit base whose gemm_4bit kernel the GPU picks (<= 1536 tokens), or under autocast"

@@ -210,7 +210,7 @@ class _Run:
         if self.quant is not None:  # lora.init_adapters -> quant.quantize_base (a head copy: fp32)
             self.lora.retarget(self.quant.build(self.model.weights, self.lora.originals))
         if self.int8 is not None:
-            self.int8.build(self.model.weights, self.shapes)
+            self.lora.retarget(self.int8.build(self.model.weights, self.shapes, self.lora.originals))
 
     def _workspace(self, thread: str):
         def allocate() -> None:
