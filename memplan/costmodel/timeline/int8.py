@@ -11,6 +11,10 @@ int64 indices), ``.float()``, ``127 / row_stats``, the fp32 product, ``round``, 
 bf16 weights go once the loop ends (``list(model.modules())`` holds the replaced linears), then
 ``prepare_model_for_kbit_training``'s cast makes the embedding, norms and head fp32: the residual
 stream is fp32, and ``Linear8bitLt.forward`` passes it as is (no compute dtype, unlike 4-bit).
+A trained LM head copy is cast with its frozen original (``quant.cast_to_fp32``); a q, k or v bias is
+copied after its weight and cast as over a 4-bit base (``quant.clone_bias``), fp32 as the stream
+(``Linear8bitLt.forward`` casts nothing), added in ``F.linear`` (CPU) or ``int8_mm_dequant``'s
+``out.add_(bias)`` (CUDA, in place).
 
 The forward, ``bnb.matmul(x, weight, state=state)`` in training (``autograd/_functions.py``):
 
@@ -27,7 +31,9 @@ The forward, ``bnb.matmul(x, weight, state=state)`` in training (``autograd/_fun
   ``ctx.tensors``), ``CB[:, cols]`` (out x k int8), its dequantization (out x k fp32) and
   ``output.addmm(subA, subB)``: a second output (tokens x out) while the first goes.
 
-Both keep their input as a ctx attribute (``ctx.A = A``; ``ctx.tensors = (CAt, subA, A)``), not
+Under a selective-op checkpoint CPU's ``F.linear`` is an ``mm`` the policy counts (``MatMul8bitFp``
+is Python ops under its dispatch mode), CUDA's ``int8_scaled_mm`` a custom op it does not
+(:func:`_linear`). Both keep their input as a ctx attribute (``ctx.A = A``; ``ctx.tensors = (CAt, subA, A)``), not
 through ``save_for_backward``: it lives until the step's graph goes (``del loss``), outlives the
 backward, and a non-reentrant checkpoint's hooks never see it, so a checkpointed layer's int8
 linears keep their inputs through the forward (``memory.checkpointed_int8_inputs``). A re-run's

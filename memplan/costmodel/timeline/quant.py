@@ -13,6 +13,12 @@ the loop ends (``list(model.modules())`` holds the replaced ``nn.Linear``s; the 
 last item first), then ``prepare_model_for_kbit_training``'s cast puts every other parameter
 (embedding, norms, head) in fp32, in parameter order, each bf16 copy freed as its fp32 one comes:
 the residual stream, q, k, v and the logits are fp32 (``support.sdpa_kernel``: the math path).
+A q, k or v bias (Qwen2) is not quantized: ``quantize_linear`` copies it after its weight
+(``nn.Parameter(linear.bias.detach().clone())``), the original goes with the replaced linear (its
+weight, then its bias), the copy is cast to fp32 with the rest, and ``Linear4bit.forward`` turns it
+into the compute dtype for good at the first call (``bias.data = bias.data.to(x.dtype)``); the
+add is in ``gemm_4bit``'s output (the fallback's ``F.linear(A, B_dq, bias)``, the fused kernel's
+``out.add_(bias)``), frozen: no gradient (tests/unit/test_timeline_quant_compose.py).
 
 Each 4-bit linear (``Linear4bit.forward``): ``x.to(bf16)``, ``MatMul4Bit`` and ``.to(fp32)``.
 Over ``_gemm_4bit_custom_max_m`` (1536) rows ``gemm_4bit`` is ``_dequant_linear_fallback``
