@@ -27,7 +27,11 @@ import pytest
 
 from memplan.costmodel.gemm_4bit_rule import CudaArch, use_custom_cuda
 from memplan.costmodel.quant import DEQUANTIZE, FUSED, cuda_arch, gemm_4bit_kernel
+from memplan.costmodel.timeline.events import ALLOC
 from memplan.specs.loader import profile_names
+from memplan.specs.model import ModelSpec
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
 
 LLAMA3_8B = {"q": (4096, 4096), "k/v": (1024, 4096), "o": (4096, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
 BOUNDARY_M = (1, 4, 5, 6, 7, 8, 16, 17, 32, 33, 48, 49, 64, 65, 512, 513, 1536, 1537)
@@ -85,9 +89,48 @@ def test_the_rule_is_bitsandbytes_own_on_every_bundled_gpu_at_llama3_8b_shapes(b
 
 
 # every branch's architectures, with SM counts either side of the shapes' wave thresholds
-ARCHS = [CudaArch(s, *cc) for cc in [(6, 1), (7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (11, 0), (12, 0), (12, 1)] for s in (20, 46, 58, 84, 132)]
+ARCHS = [
+    CudaArch(s, *cc)
+    for cc in [(6, 1), (7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (11, 0), (12, 0), (12, 1)]
+    for s in (20, 46, 58, 84, 132)
+]
 SHAPES = [(n, k) for n in (128, 512, 1024, 2560, 3072, 4096, 8192, 12800) for k in (256, 1024, 2048, 3072, 4096, 12288)]
-M_GRID = (5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17, 23, 24, 32, 33, 48, 49, 64, 65, 96, 97, 128, 129, 192, 193, 256, 257, 320, 321, 384, 385, 512, 513, 1536)
+M_GRID = (
+    5,
+    6,
+    7,
+    8,
+    9,
+    10,
+    11,
+    12,
+    13,
+    16,
+    17,
+    23,
+    24,
+    32,
+    33,
+    48,
+    49,
+    64,
+    65,
+    96,
+    97,
+    128,
+    129,
+    192,
+    193,
+    256,
+    257,
+    320,
+    321,
+    384,
+    385,
+    512,
+    513,
+    1536,
+)
 
 
 def test_the_rule_is_bitsandbytes_own_on_every_branch(bnb):
@@ -129,3 +172,113 @@ def test_without_a_gpu_only_what_holds_on_every_gpu_is_decided():
     assert gemm_4bit_kernel(512, 4096, 4096, 2) is None
     assert gemm_4bit_kernel(513, 4096, 4096, 2) == DEQUANTIZE
     assert gemm_4bit_kernel(7, 4096, 4096, 4) == FUSED and gemm_4bit_kernel(8, 4096, 4096, 4) == DEQUANTIZE
+
+
+# a model whose linears take different paths on one GPU: on sm90 at 16 rows q, o and down dequantize
+# (n_blocks 32 < 66 = 132 // 2), k and v (a small weight at a quarter wave: M <= 32) and gate and up
+# (n_blocks 128 >= 66, K < N: M <= 16) run the fused kernel; on an A100 (sm80, 108 SMs) down alone
+# dequantizes (``K >= N * 3 and n_blocks * 4 > num_sms``: 32 * 4 > 108), the rest fuse (under half a wave)
+MID = ModelSpec(
+    name="mid", hidden_size=2048, num_layers=2, num_attention_heads=16, num_kv_heads=4, ffn_size=8192, vocab_size=512
+)
+QLORA = dict(finetune="qlora", quant="nf4", lora_rank=8, lora_targets=("all-linear",), precision="bf16")
+STEPS = 3  # trainer_run / hf_plan_run: a warm-up step and two steady ones
+
+
+def _linears(model: ModelSpec) -> list[tuple[int, int]]:
+    """One decoder layer's linears (N, K), as both trainers call them: q, k, v, o, gate, up, down."""
+    h = model.hidden_size
+    return [(model.q_size, h), (model.kv_size, h), (model.kv_size, h), (h, model.q_size)] + [
+        (model.ffn_size, h),
+        (model.ffn_size, h),
+        (h, model.ffn_size),
+    ]
+
+
+def _dequantized(model: ModelSpec, tokens: int, arch: CudaArch) -> list[tuple[int, int]]:
+    """The linears of a whole forward whose ``gemm_4bit`` the rule sends to the fallback."""
+    layer = [(n, k) for n, k in _linears(model) if gemm_4bit_kernel(tokens, n, k, 2, arch) == DEQUANTIZE]
+    return layer * model.num_layers
+
+
+@pytest.mark.parametrize("gpu", ["h100-sxm", "a100-80gb", "l40s", "b200"])
+def test_the_bundled_trainers_run_dequantizes_in_the_forward_where_the_rule_says(gpu):
+    """``timeline/quant.py``: each forward's fallback weight (``_dequant_linear_fallback``'s ``B_dq``, in
+    bf16) for the linears the rule sends there, none for the fused ones (``_gemm_4bit_kernel_impl``: the
+    output alone); the backward dequantizes every weight whatever the forward took."""
+    from memplan.costmodel.timeline.quant import FALLBACK_WEIGHT
+    from memplan.costmodel.timeline.trainer import trainer_run
+
+    arch, workload = _profiles()[gpu], TrainingWorkload(seq_len=16, micro_batch=1)
+    run = trainer_run(MID, workload, Plan(**QLORA), gpu_arch=arch)
+    assert run is not None
+    got = sorted(e.size for e in run if e.op == ALLOC and e.tag.endswith(f".{FALLBACK_WEIGHT}"))
+    assert got == sorted(n * k * 2 for n, k in _dequantized(MID, 16, arch) * STEPS)
+    if gpu == "h100-sxm":
+        assert len(got) == STEPS * MID.num_layers * 3  # q, o and down
+    if gpu == "a100-80gb":
+        assert got == [MID.hidden_size * MID.ffn_size * 2] * STEPS * MID.num_layers  # down
+
+
+@pytest.mark.parametrize("gpu", ["h100-sxm", "a100-80gb", "l40s", "b200"])
+def test_the_trainers_run_under_hf_dequantizes_in_the_forward_where_the_rule_says(gpu):
+    """``timeline/hf_bnb.py`` on CUDA: the fallback's ``absmax_dq + absmax_offset`` (fp32, one per 64
+    weights; forward only) for the linears the rule sends there; the fused kernel's output alone."""
+    from memplan.costmodel.timeline.hf_support import hf_supported
+    from memplan.costmodel.timeline.hf_trainer import hf_plan_run
+
+    arch, workload, plan = _profiles()[gpu], TrainingWorkload(seq_len=16, micro_batch=1), Plan(**QLORA)
+    assert hf_supported(MID, plan, workload, "hf") is not None  # the GPU decides here
+    assert hf_supported(MID, plan, workload, "hf", arch) is None
+    run = hf_plan_run(MID, workload, plan, arch)
+    got = sorted(e.size for e in run if e.op == ALLOC and e.tag.endswith("_proj.absmax"))
+    assert got == sorted(n * k // 64 * 4 for n, k in _dequantized(MID, 16, arch) * STEPS)
+
+
+SMALL = ModelSpec(
+    name="small-gqa", hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_size=128, vocab_size=512
+)
+STEP_BYTES = 4  # AdamW's step: a host fp32 scalar per trained parameter (counted on CPU, not on the GPU)
+
+
+def test_the_bundled_trainer_on_cpu_peaks_where_the_run_does_at_a_token_count_the_gpu_decides():
+    """24 tokens of bf16 QLoRA: on an H100 every SMALL linear runs the fused kernel (small weights at a
+    quarter wave: ``M <= 32``). The run on CPU's kernels (``cuda=False``) against the bundled trainer on
+    CPU, as tests/unit/test_timeline_quant_variants.py measures it (the dynamic map set apart, AdamW's
+    host ``step`` scalars added: two adapters per linear), within ``timeline_peaks.CPU_BOUND``."""
+    pytest.importorskip("bitsandbytes")
+    from timeline_peaks import assert_peaks, measured_peaks, steady_peaks, trainer_record
+
+    from memplan.costmodel.timeline.support import supported
+    from memplan.costmodel.timeline.trainer import trainer_run
+
+    arch, workload, plan = _profiles()["h100-sxm"], TrainingWorkload(seq_len=24, micro_batch=1), Plan(**QLORA)
+    assert supported(SMALL, workload, plan) is not None and supported(SMALL, workload, plan, arch) is None
+    assert {gemm_4bit_kernel(24, n, k, 2, arch) for n, k in _linears(SMALL)} == {FUSED}
+    run = trainer_run(SMALL, workload, plan, cuda=False, gpu_arch=arch)
+    assert run is not None
+    step, passes = steady_peaks([e for e in run if not e.tag.endswith("dynamic_map")])
+    host = STEP_BYTES * 2 * len(_linears(SMALL)) * SMALL.num_layers
+    record = trainer_record(SMALL, workload, plan, math=True)
+    assert_peaks("bf16 nf4 24 tokens", (step + host, passes + host), measured_peaks(record))
+
+
+LLAMA3_8B_QLORA = ["llama3-8b", "--finetune", "qlora", "--precision", "bf16", "--micro-batch", "1", "--format", "json"]
+
+
+@pytest.mark.parametrize("gpu", ["h100-sxm", "h200"])
+@pytest.mark.parametrize("runtime", ["memplan", "hf"])
+def test_the_estimate_answers_8b_qlora_at_512_tokens_from_the_op_level_run(capsys, gpu, runtime):
+    """``memplan estimate llama3-8b --finetune qlora --micro-batch 1 --seq-len 512``: 512 tokens is where
+    every 8B linear's kernel is the GPU's choice (5 to 512 rows past the small-weight path); 1024 tokens
+    dequantize on every GPU and were op-level already. With the profile's SMs and compute capability the
+    bundled trainer's run and the Trainer's answer."""
+    import json
+
+    from memplan.cli.app import run
+
+    code = run(["estimate", *LLAMA3_8B_QLORA, "--seq-len", "512", "--gpu", gpu, "--runtime", runtime])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    memory = json.loads(out)["memory"]
+    assert memory["model"] == "op-level", memory.get("model_reason")

@@ -53,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.costmodel.lora import HF_NAMES
-from memplan.costmodel.quant import BLOCK_4BIT, BLOCK_NESTED, CODE_4BIT, CODE_NESTED, FUSED, gemm_4bit_kernel
+from memplan.costmodel.quant import BLOCK_4BIT, BLOCK_NESTED, CODE_4BIT, CODE_NESTED, FUSED, CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
@@ -76,14 +76,15 @@ class QuantConfig:
     compute: int  # bnb_4bit_compute_dtype: bf16, fp32 under precision fp32
     stored: int = 2  # quant_state.dtype: the trainer's param dtype (parallel.param_dtype)
     double_quant: bool = True  # bnb_4bit_use_double_quant (compress_statistics)
+    gpu_arch: CudaArch | None = None  # the GPU's SMs and compute capability: gemm_4bit's kernel (quant.cuda_arch)
 
 
-def config(plan: Plan) -> QuantConfig | None:
-    """The 4-bit base of a plan (``quant``: nf4 or fp4: the same bytes), or None."""
+def config(plan: Plan, gpu_arch: CudaArch | None = None) -> QuantConfig | None:
+    """The 4-bit base of a plan (``quant``: nf4 or fp4: the same bytes), or None; ``gpu_arch``: the GPU's."""
     if plan.quant not in ("nf4", "fp4"):
         return None
     stored = 2 if plan.precision in ("bf16", "bf16-master") else 4
-    return QuantConfig(4 if plan.precision == "fp32" else 2, stored, plan.double_quant)
+    return QuantConfig(4 if plan.precision == "fp32" else 2, stored, plan.double_quant, gpu_arch)
 
 
 def mean_staging(numel: int) -> int:
@@ -193,7 +194,7 @@ class Quant:
             return [dx]
 
         node = t.node(f"{tag}.MatMul4Bit", apply, [x])
-        if gemm_4bit_kernel(rows, out_features, n // out_features, cd) == FUSED:
+        if gemm_4bit_kernel(rows, out_features, n // out_features, cd, self.cfg.gpu_arch) == FUSED:
             return ops.result(t, rows * out_features, cd, tag, node)  # _gemm_4bit_kernel_impl: its output
         temps = []
         if nested:  # absmax_dq (a local until the return), then its sum with the offset

@@ -8,7 +8,7 @@ phase model's moments (``step.py``), and the trainer's modules stay unimported.
 from __future__ import annotations
 
 from memplan.costmodel.attention import sdpa_backend
-from memplan.costmodel.quant import gemm_4bit_kernel
+from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.trainer_offload import unmodelled, unmodelled_accumulation
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -21,8 +21,9 @@ _PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-master")  # fp8, fp16-master:
 PIPELINE_LAYER_PASSES = 1024
 
 
-def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str | None:
-    """What keeps the timeline from following this plan faithfully, or None.
+def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch: CudaArch | None = None) -> str | None:
+    """What keeps the timeline from following this plan faithfully, or None (``gpu_arch``: the GPU's
+    SMs and compute capability, ``quant.cuda_arch``; they pick bitsandbytes' 4-bit kernel).
 
     Modelled (the traces cover each mechanism): one pipeline stage; a dense Llama-family decoder
     (RMSNorm, RoPE, gated SiLU MLP, no QK-norm, no biases but Qwen2's on q, k and v:
@@ -89,7 +90,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (plan.attention != "triton", "triton attention"),
         (plan.attention != "eager" or _eager_modelled(plan), "eager attention over a quantized base"),
         (plan.quant != "int8" or _int8_modelled(plan), _INT8),
-        (_quant_modelled(model, workload, plan), _QUANT),
+        (_quant_modelled(model, workload, plan, gpu_arch), _QUANT),
         (plan.finetune == "full" or _plain_lora(plan), _LORA_PLAIN),
         (plan.finetune == "full" or _lora_variant(plan), _LORA_VARIANT),
         (plan.finetune == "full" or _saved_head(model, plan), "modules_to_save other than an untied lm_head"),
@@ -242,10 +243,13 @@ def _int8_modelled(plan: Plan) -> bool:
     return plain and (plan.dp == 1 or plan.zero == 0)
 
 
-_QUANT = "a 4-bit base whose gemm_4bit kernel the GPU picks (<= 1536 tokens), or under autocast"
+_QUANT = (
+    "a 4-bit base whose gemm_4bit kernel the GPU picks (5 to 1536 tokens) on a GPU of unknown SMs or compute "
+    "capability, or under autocast"
+)
 
 
-def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
+def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch: CudaArch | None) -> bool:
     """None, an int8 base (:func:`_int8_modelled` says which), or a 4-bit base (``quant.py``): nf4
     (h200_a_qlora8b) or fp4, with or without double quantization, computing in bf16 (bf16,
     bf16-master) or fp32, where CUDA's ``gemm_4bit`` takes the same path on every GPU for each
@@ -260,7 +264,7 @@ def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) ->
     tokens, h = workload.micro_batch * workload.seq_len, model.hidden_size
     shapes = {(model.q_size, h), (model.kv_size, h), (h, model.q_size), (model.ffn_size, h), (h, model.ffn_size)}
     compute = 4 if plan.precision == "fp32" else 2
-    return all(gemm_4bit_kernel(tokens, n, k, compute) is not None for n, k in shapes)
+    return all(gemm_4bit_kernel(tokens, n, k, compute, gpu_arch) is not None for n, k in shapes)
 
 
 def _plain_lora(plan: Plan) -> bool:
