@@ -13,9 +13,10 @@ layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/
 any of the decoder layers' linears, any rank, dropout, ``modules_to_save`` lm_head or an untied
 embed_tokens). On CUDA the kernels are those of the bundled trainer's traces (``support.sdpa_kernel``),
 and LoRA's dropout is ``native_dropout`` from its source: not yet checked on a GPU against transformers.
-A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) where every linear takes CUDA's dequantize path
-(over 1536 tokens a micro-batch, or over 512 where each weight has 4 Mi elements or more: ``_dequantizes``;
-bitsandbytes' dequantize-then-``F.linear`` fallback, read from its source); an LLM.int8 base
+A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) wherever CUDA's ``gemm_4bit`` path is known for
+every linear (``_kernel_known``: over 1536 tokens a micro-batch bitsandbytes' dequantize-then-``F.linear``
+fallback on every GPU; up to it the fused kernel or the fallback as its rule picks on the GPU's SMs and
+compute capability, ``costmodel.gemm_4bit_rule``; both read from its source); an LLM.int8 base
 (``hf_bnb.Bnb8bit``, ``int8.py``: CPU's ``MatMul8bitFp`` equal to the byte, tests/unit/test_timeline_int8.py;
 CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLUMNS``). Any of these over
 ``dp`` > 1 ranks under DDP (``zero: 0``: the Trainer under ``torchrun``, ``hf_ddp.py``;

@@ -40,7 +40,9 @@ around ``MatMul4Bit`` are the input itself, the dequantized weight is fp32 (4 B 
 ``prepare_model_for_kbit_training`` casts nothing (every other parameter is fp32 already). A
 trained LM head copy (``modules_to_save``) is a 16-bit parameter: it is cast to fp32 after the
 original, and trained in fp32. At most 1536 rows ``gemm_4bit`` may take the fused kernel
-(``costmodel.quant.gemm_4bit_kernel`` says where every CUDA GPU does): it allocates its output
+(``costmodel.quant.gemm_4bit_kernel``: where every CUDA GPU does, and on a GPU of known SMs and
+compute capability, ``QuantConfig.gpu_arch``, wherever bitsandbytes' rule picks it,
+``costmodel.gemm_4bit_rule``): it allocates its output
 alone (``_gemm_4bit_kernel_impl``: ``A.contiguous()`` of the contiguous cast input, the fp32
 offset's ``.to(float32)`` is itself) and calls no cuBLAS. The fallback's forward temporaries run
 inside the custom op, which a CPU count does not see (bitsandbytes' CPU ``gemm_4bit`` is
@@ -173,8 +175,8 @@ class Quant:
 
     def _matmul(self, x: Tensor, n: int, out_features: int, tag: str) -> Tensor:
         """``MatMul4Bit`` over ``x`` (compute dtype): ``gemm_4bit``'s path for its rows
-        (:func:`gemm_4bit_kernel`; support.py declines the shapes where the GPU decides), then
-        the output; the backward dequantizes the weight whatever the forward took."""
+        (:func:`gemm_4bit_kernel` on the config's GPU; support.py declines the shapes where an unknown
+        GPU decides), then the output; the backward dequantizes the weight whatever the forward took."""
         t, cd, blocks, x_numel = self.tape, x.itemsize, -(-n // BLOCK_4BIT), x.numel
         nested, stored = self.cfg.double_quant, self.cfg.stored
         rows = x_numel // (n // out_features)  # M: the tokens

@@ -58,8 +58,11 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
     a 4-bit base (``quant.py``, QLoRA: an fp32 stream on SDPA's math path), nf4 with double
     quantization computing in bf16 over more than 1536 tokens (h200_a_qlora8b), and fp4, single
     quantization, bf16-master or fp32 compute, with the LoRA variants above, under DDP or ZeRO-1
-    (a head copy fp32 there), wherever CUDA's ``gemm_4bit`` takes one path on every GPU (the
-    trainer on CPU, bitsandbytes' CUDA-only temporaries from its source). Activation offload
+    (a head copy fp32 there), wherever CUDA's ``gemm_4bit`` takes one path on every GPU, and at
+    5 to 1536 tokens on a GPU of known SMs and compute capability, the fused kernel or the fallback
+    per linear as bitsandbytes' rule picks (``costmodel.gemm_4bit_rule``; the trainer on CPU,
+    bitsandbytes' CUDA-only temporaries and its rule from its source: test_timeline_quant_gpu.py).
+    Activation offload
     (``save_on_cpu``, ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed,
     bf16-master or fp32 (the math path's saves), with accumulation on one rank (the trainer refuses
     it over DDP); eager attention (``eager.py``) in every precision above, under autocast too (bf16-mixed), in full
@@ -78,7 +81,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
     NVMe; tensor parallel over DDP, or without sequence parallel outside FSDP2 without a pipeline;
     LLM.int8 bases with selective-op or partial recompute, a trained head copy, autocast or ZeRO
     (``_int8_modelled``); 4-bit bases under autocast, or whose ``gemm_4bit`` kernel the GPU's
-    architecture picks (5 to 1536 tokens, by the weights' shapes); LoRA under FSDP2, TP or PP (the
+    architecture picks (5 to 1536 tokens, by the weights' shapes) where ``gpu_arch`` is not given (no
+    profile, or a ROCm one: bitsandbytes' ROCm rule reads the gfx architecture); LoRA under FSDP2, TP or PP (the
     trainer refuses them), under ZeRO-1 beside a 16-bit modules_to_save copy (the trainer fails:
     ZeroRedundancyOptimizer takes one dtype), a copy over a tied embedding or of another module."""
     checks = [
@@ -252,10 +256,10 @@ _QUANT = (
 def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch: CudaArch | None) -> bool:
     """None, an int8 base (:func:`_int8_modelled` says which), or a 4-bit base (``quant.py``): nf4
     (h200_a_qlora8b) or fp4, with or without double quantization, computing in bf16 (bf16,
-    bf16-master) or fp32, where CUDA's ``gemm_4bit`` takes the same path on every GPU for each
-    decoder linear (``costmodel.quant.gemm_4bit_kernel``: over 1536 tokens a micro-batch
-    dequantize + F.linear, at most 4 its fused kernel; between, by the weight's shape and the
-    compute dtype, or by the GPU's architecture: declined). Not under autocast (bf16-mixed): the
+    bf16-master) or fp32, where CUDA's ``gemm_4bit`` path is known for each decoder linear
+    (``costmodel.quant.gemm_4bit_kernel``: over 1536 tokens a micro-batch dequantize + F.linear, at
+    most 4 its fused kernel; between, bitsandbytes' rule on ``gpu_arch``, or without it the shapes
+    and compute dtypes where every GPU agrees: else declined). Not under autocast (bf16-mixed): the
     bundled trainer refuses it (``validate.support.check_plan``)."""
     if plan.quant in ("none", "int8"):  # int8: _int8_modelled
         return True
