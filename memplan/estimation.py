@@ -108,7 +108,7 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
     peak and the live set there are ``peak.allocated`` and the breakdown (they hold CUDA
     kernels' workspaces and transients the phase model, exact on CPU, does not)."""
     if isinstance(job.workload, TrainingWorkload):
-        v = plan_verdict(job.model, job.workload, job.plan, job.runtime, job.allocator, limit, device)
+        v = plan_verdict(job.model, job.workload, job.plan, job.runtime, job.allocator, limit, device, job.gpu)
     else:
         v = serving_verdict(job.model, job.workload, job.plan, job.allocator, limit)
     detail = ReservedDetail(

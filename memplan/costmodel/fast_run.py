@@ -29,14 +29,18 @@ run"). A search computes each plan's once (``search.evaluate.Context.run_peaks``
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from memplan.costmodel.allocator import AllocatorConfig, CachingAllocator
+from memplan.costmodel.quant import CudaArch, cuda_arch
 from memplan.costmodel.timeline.events import ALLOC, MARK, Category, Timeline, collection_paused
 from memplan.costmodel.timeline.phases import PHASE_MARKS
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
+
+if TYPE_CHECKING:
+    from memplan.specs.hardware import GPUSpec
 
 SHALLOWEST = 4  # the first two and the last two layers, and none between
 STEP = 2  # the two depths' difference: the allocator's blocks repeat every other layer (below)
@@ -66,14 +70,19 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     return repeats and model.num_mtp_layers == 0 and model.num_layers >= SHALLOWEST + 2 * STEP - 1
 
 
-def run_peak(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str) -> RunPeak | None:
+def run_peak(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu: GPUSpec | None = None
+) -> RunPeak | None:
     """The op-level run's allocated peak for ``applies`` plans, from the runs cut to
     ``cut_depths`` layers; None where the run does not model the plan (``reserve.plan_run`` falls back to the
-    phases) or the cut runs' spans do not line up."""
-    if not _modelled(model, workload, plan, runtime):
+    phases) or the cut runs' spans do not line up. ``gpu``: its SMs and compute capability pick a 4-bit
+    base's kernel (``quant.cuda_arch``)."""
+    if not _modelled(model, workload, plan, runtime, cuda_arch(gpu)):
         return None
     depths = cut_depths(model.num_layers)
-    cut = [_span_peaks(model.model_copy(update={"num_layers": n}), workload, plan, runtime, device) for n in depths]
+    cut = [
+        _span_peaks(model.model_copy(update={"num_layers": n}), workload, plan, runtime, device, gpu) for n in depths
+    ]
     if cut[0] is None or cut[1] is None or [p for p, _ in cut[0]] != [p for p, _ in cut[1]]:
         return None
     steps = (model.num_layers - depths[0]) // STEP
@@ -101,24 +110,26 @@ def _phase(label: str) -> str:
     return "optimizer" if "optimizer" in groups else "backward" if "gradients" in groups else "forward"
 
 
-def _modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str) -> bool:
+def _modelled(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, gpu_arch: CudaArch | None
+) -> bool:
     """Whether ``reserve.plan_run`` takes the op-level run for the whole model (on CUDA)."""
     if runtime == "memplan":
         from memplan.costmodel.timeline.support import supported
 
-        return supported(model, workload, plan) is None
+        return supported(model, workload, plan, gpu_arch) is None
     from memplan.costmodel.timeline.hf_support import hf_supported
 
-    return hf_supported(model, plan, workload, runtime) is None
+    return hf_supported(model, plan, workload, runtime, gpu_arch) is None
 
 
 def _span_peaks(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu: GPUSpec | None
 ) -> list[tuple[str, int]] | None:
     """Each span's peak allocated in the run of ``model`` (None where the phases answer)."""
     from memplan.costmodel.reserve import plan_run
 
-    run, which = plan_run(model, workload, plan, runtime, device)
+    run, which = plan_run(model, workload, plan, runtime, device, gpu)
     return None if which.startswith("phases") else span_peaks(run, model.num_layers)
 
 

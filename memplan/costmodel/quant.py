@@ -9,6 +9,13 @@ every non-quantized parameter to fp32.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from memplan.costmodel.gemm_4bit_rule import CudaArch, use_custom_cuda
+
+if TYPE_CHECKING:
+    from memplan.specs.hardware import GPUSpec
+
 BLOCK_4BIT = 64  # bitsandbytes' 4-bit blocksize (Params4bit(blocksize=None) -> 64 in 0.50)
 BLOCK_NESTED = 256  # double quantization: one fp32 scale per 256 first-level absmaxes
 CODE_4BIT = 16 * 4  # QuantState.code: the 16-entry NF4 / FP4 table, fp32
@@ -24,20 +31,35 @@ FP32_FUSED_BELOW_M = 8  # fp32 (no MMA kernel): the fused SIMT kernel only under
 DEQUANTIZE, FUSED = "dequantize", "fused"
 
 
-def gemm_4bit_kernel(tokens: int, out_features: int, in_features: int, compute_bytes: int) -> str | None:
+def cuda_arch(gpu: GPUSpec | None) -> CudaArch | None:
+    """What bitsandbytes reads of the GPU (``_gpu_dispatch_props``) from its profile: the SMs and
+    the compute capability; None for no profile, or one without them (not CUDA: a ROCm build of
+    bitsandbytes decides by the gfx architecture, ``_gemm_4bit_use_custom_rocm``, not followed)."""
+    if gpu is None or gpu.compute_capability is None or gpu.sm_count is None:
+        return None
+    return CudaArch(gpu.sm_count, *gpu.compute_capability)
+
+
+def gemm_4bit_kernel(
+    tokens: int, out_features: int, in_features: int, compute_bytes: int, arch: CudaArch | None = None
+) -> str | None:
     """Which path CUDA's ``bitsandbytes::gemm_4bit`` (bitsandbytes 0.50.2 ``backends/cuda/ops.py``)
-    takes for ``tokens`` rows (M) of a 4-bit weight N x K in the compute dtype: :data:`DEQUANTIZE`
-    (``_dequant_linear_fallback``) or :data:`FUSED` (``_gemm_4bit_kernel_impl``), or None where
-    ``_gemm_4bit_use_custom_cuda`` decides by the GPU's architecture and SM count. The rules that
-    hold on every CUDA GPU: over ``_gemm_4bit_custom_max_m`` rows, or K not a multiple of the
-    blocksize, the fallback; at most ``_GEMM_4BIT_CUSTOM_FLOOR_M`` rows the fused kernel; in fp32
-    (``dtype == torch.float32 or major < 7: return M < 8``) the fused kernel under 8 rows, else the
-    fallback; past the small-weight path (N x K of 4 Mi and more) the fallback over 512 rows
-    (``if M > 512: return False``, after the sm100 / sm87 / pre-sm75 exits, which all refuse it)."""
+    takes for ``tokens`` rows (M) of a 4-bit weight N x K in the compute dtype (2 B: bf16, the
+    16-bit compute dtype memplan's plans run; 4 B: fp32) on the GPU ``arch``: :data:`DEQUANTIZE`
+    (``_dequant_linear_fallback``) or :data:`FUSED` (``_gemm_4bit_kernel_impl``). Over
+    ``_gemm_4bit_custom_max_m`` rows, or K not a multiple of the blocksize, the fallback; at most
+    ``_GEMM_4BIT_CUSTOM_FLOOR_M`` rows the fused kernel; between, ``_gemm_4bit_use_custom_cuda``
+    (``gemm_4bit_rule.use_custom_cuda``). Without ``arch`` the rule is followed as far as it holds
+    on every CUDA GPU (fp32: ``dtype == torch.float32 or major < 7: return M < 8``; past the
+    small-weight path the fallback over 512 rows, ``if M > 512: return False``, after the sm100 /
+    sm87 / pre-sm75 exits, which all refuse it), and None where the GPU decides."""
     if tokens > GEMM_4BIT_CUSTOM_MAX_M or in_features % BLOCK_4BIT:
         return DEQUANTIZE
     if tokens <= GEMM_4BIT_CUSTOM_FLOOR_M:
         return FUSED
+    if arch is not None:
+        dtype = "fp32" if compute_bytes == 4 else "bf16"
+        return FUSED if use_custom_cuda(tokens, out_features, in_features, dtype, arch) else DEQUANTIZE
     if compute_bytes == 4:
         return FUSED if tokens < FP32_FUSED_BELOW_M else DEQUANTIZE
     if out_features * in_features >= SMALL_WEIGHT and tokens > FUSED_MAX_M:

@@ -11,9 +11,11 @@ outside the allocator (CUDA context, NCCL, workspaces: ``overhead.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator
 from memplan.costmodel.memory import serving_run, stage_moments
+from memplan.costmodel.quant import CudaArch, cuda_arch
 from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline, collection_paused
 from memplan.costmodel.timeline.phases import PHASE_MARKS, SETUP, STEADY
 from memplan.costmodel.timeline.step import build_run
@@ -21,6 +23,9 @@ from memplan.costmodel.timeline.support import supported
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
+
+if TYPE_CHECKING:
+    from memplan.specs.hardware import GPUSpec
 
 STREAM_IDS = {Stream.COMPUTE: 0, Stream.ALL_GATHER: 1, Stream.REDUCE_SCATTER: 2}
 GiB = 2**30
@@ -185,14 +190,20 @@ def plan_verdict(
     config: AllocatorConfig,
     limit_bytes: int,
     device: str = "cuda",
+    gpu: GPUSpec | None = None,
 ) -> Verdict:
     """The most-loaded stage's run (build, first step, steady steps) replayed: see :func:`verdict`."""
-    run, which = plan_run(model, workload, plan, runtime, device)
+    run, which = plan_run(model, workload, plan, runtime, device, gpu)
     return replace(verdict(run, config, limit_bytes), timeline=which, run=run)
 
 
 def plan_run(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str = "cuda"
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    runtime: str,
+    device: str = "cuda",
+    gpu: GPUSpec | None = None,
 ) -> tuple[Timeline, str]:
     """The run to replay, and which: the bundled trainer's op by op (``timeline.trainer``,
     exact on the six H100 traces) where it models the plan; for ``--runtime hf`` on CUDA
@@ -200,34 +211,35 @@ def plan_run(
     ``hf_support.hf_supported`` accepts the plan, for ``--runtime hf-loop`` the hand-written loop
     (``timeline.hf_loop``, exact on CPU) likewise; else the phase model's moments cut into tensors
     (``timeline.step``). The second item names it: ``trainer``, ``hf``, ``hf-loop`` or ``phases``
-    (with the reason the op-level run does not apply)."""
+    (with the reason the op-level run does not apply). ``gpu``: the GPU's profile, whose SMs and
+    compute capability pick bitsandbytes' 4-bit kernel (``quant.cuda_arch``)."""
     with collection_paused():  # tens of thousands of events, tensors and graph nodes
-        return _plan_run(model, workload, plan, runtime, device)
+        return _plan_run(model, workload, plan, runtime, device, cuda_arch(gpu))
 
 
 def _plan_run(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu_arch: CudaArch | None
 ) -> tuple[Timeline, str]:
     if runtime == "memplan":
-        why = supported(model, workload, plan)
+        why = supported(model, workload, plan, gpu_arch)
         if why is None:
             from memplan.costmodel.timeline.trainer import trainer_run  # its op-by-op model: only when it applies
 
-            run = trainer_run(model, workload, plan)
+            run = trainer_run(model, workload, plan, gpu_arch=gpu_arch)
             if run is not None:
                 return run, "trainer"
     elif runtime in ("hf", "hf-loop") and device == "cuda":
         from memplan.costmodel.timeline.hf_support import hf_supported
 
-        why = hf_supported(model, plan, workload, runtime)
+        why = hf_supported(model, plan, workload, runtime, gpu_arch)
         if why is None and runtime == "hf-loop":
             from memplan.costmodel.timeline.hf_loop import hf_loop_plan_run  # the hand-written loop op by op
 
-            return hf_loop_plan_run(model, workload, plan), "hf-loop"
+            return hf_loop_plan_run(model, workload, plan, gpu_arch), "hf-loop"
         if why is None:
             from memplan.costmodel.timeline.hf_trainer import hf_plan_run  # transformers' Trainer op by op
 
-            return hf_plan_run(model, workload, plan), "hf"
+            return hf_plan_run(model, workload, plan, gpu_arch), "hf"
     else:
         why = f"the {runtime} runtime"
     sm = stage_moments(model, workload, plan, runtime, device=device)

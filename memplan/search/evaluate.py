@@ -146,7 +146,7 @@ def from_run(peak: TrainingPeak, candidate: Candidate, ctx: Context) -> Training
         return peak
     runs = ctx.run_peaks
     if candidate not in runs:
-        runs[candidate] = FR.run_peak(ctx.model, candidate.workload, plan, ctx.runtime, ctx.device)
+        runs[candidate] = FR.run_peak(ctx.model, candidate.workload, plan, ctx.runtime, ctx.device, ctx.gpu)
     found = runs[candidate]
     return peak if found is None else peak._replace(allocated=found.allocated, phase=found.phase)
 
@@ -216,7 +216,7 @@ def replayed(ev: Evaluation, ctx: Context) -> Evaluation:
     from memplan.costmodel.reserve import plan_verdict
 
     limit = ctx.limit_bytes - ev.overhead_bytes
-    v = plan_verdict(ctx.model, ev.workload, ev.plan, ctx.runtime, ctx.allocator, limit, ctx.device)
+    v = plan_verdict(ctx.model, ev.workload, ev.plan, ctx.runtime, ctx.allocator, limit, ctx.device, ctx.gpu)
     headroom = ctx.gpu.capacity_bytes - ev.overhead_bytes - v.reserved
     spread = O.outside_memory(0).spread
     capacity_spread = ctx.gpu.capacity_spread_bytes

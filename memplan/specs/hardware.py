@@ -81,6 +81,12 @@ class GPUSpec(BaseModel):
         None,
         description="CUDA compute capability (major, minor): which kernels PyTorch's SDPA may pick; None: not CUDA.",
     )
+    sm_count: int | None = Field(
+        None,
+        gt=0,
+        description="Streaming multiprocessors (torch.cuda.get_device_properties().multi_processor_count): "
+        "bitsandbytes' gemm_4bit picks its kernel by them; None: not known.",
+    )
     efficiency: KernelEfficiency | None = Field(
         None, description="Measured kernel efficiencies for the step-time model; None: the model's defaults."
     )
@@ -97,6 +103,8 @@ class GPUSpec(BaseModel):
             figures.append("torch_capacity_bytes")
         if self.compute_capability is not None:
             figures.append("compute_capability")
+        if self.sm_count is not None:
+            figures.append("sm_count")
         missing = [f for f in figures if f not in self.sources]
         if missing:
             raise ValueError(f"sources: no source given for {', '.join(missing)}")

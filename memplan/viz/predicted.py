@@ -18,7 +18,7 @@ from memplan.viz.track import Track, replay_timeline
 def predicted_run(job: Job, device: str = "cuda") -> tuple[Timeline, str]:
     """The most-loaded rank's run and which model made it (``trainer``, ``phases (...)``, ``serving``)."""
     if isinstance(job.workload, TrainingWorkload):
-        return plan_run(job.model, job.workload, job.plan, job.runtime, device)
+        return plan_run(job.model, job.workload, job.plan, job.runtime, device, job.gpu)
     return serving_run(job.model, job.workload, job.plan), "serving"
 
 

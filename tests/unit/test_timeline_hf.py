@@ -152,6 +152,20 @@ def _estimate(capsys, args: list[str]) -> dict:
         [LLAMA1B, "--runtime", "hf", "--precision", "bf16-mixed", "--recompute", "full", "--global-batch", "8"],
         [LLAMA1B, "--runtime", "hf", "--precision", "bf16", "--finetune", "lora", "--recompute", "full"],
         [LLAMA1B, "--runtime", "hf", "--precision", "bf16-mixed", "--finetune", "qlora", "--seq-len", "2048"],
+        # 1024 tokens: the kernel bitsandbytes picks on the default profile's GPU (test_timeline_quant_gpu.py)
+        [
+            LLAMA1B,
+            "--runtime",
+            "hf",
+            "--precision",
+            "bf16",
+            "--finetune",
+            "qlora",
+            "--seq-len",
+            "512",
+            "--micro-batch",
+            "2",
+        ],
     ],
 )
 def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> None:
@@ -169,7 +183,22 @@ def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> N
         (["qwen3-30b-a3b", "--runtime", "hf"], "the qwen3-moe family"),
         ([LLAMA1B, "--runtime", "hf", "--dp", "2", "--zero", "1"], "ZeRO over more than one rank"),
         ([LLAMA1B, "--runtime", "hf", "--tp", "2"], "more than one rank"),
-        ([LLAMA1B, "--runtime", "hf", "--finetune", "qlora", "--seq-len", "512", "--micro-batch", "2"], "1536 tokens"),
+        (
+            [
+                LLAMA1B,
+                "--runtime",
+                "hf",
+                "--finetune",
+                "qlora",
+                "--seq-len",
+                "512",
+                "--micro-batch",
+                "2",
+                "--gpu",
+                "mi300x",
+            ],
+            "1536 tokens",  # a ROCm profile: no compute capability or SMs for bitsandbytes' CUDA rule
+        ),
         ([LLAMA1B, "--runtime", "hf", "--attention", "eager"], "eager attention"),
         ([LLAMA1B, "--runtime", "hf-loop", "--global-batch", "8"], "the hf-loop runtime's loop has none"),
     ],

@@ -14,10 +14,14 @@ grad and saves no activation; the result is cast back to the input's dtype. ``ge
 - CPU (``backends/default/ops.py: _gemm_4bit_default_impl``): with double quantization the
   dequantized absmax (fp32) plus the offset, the dequantized weight in the compute dtype, ``F.linear``;
   these run inside the custom op, below a dispatch-level count, which sees the output alone;
-- CUDA over more than 1536 tokens (``backends/cuda/ops.py``: ``_dequant_linear_fallback``, from the
-  source, not checked on a GPU): the dequantized absmax kept as a local beside its sum with the offset,
-  the dequantized weight, ``F.linear``. Up to 1536 tokens a per-architecture rule picks a fused kernel
-  instead (``_gemm_4bit_use_custom_cuda``): not modelled (``hf_support``).
+- CUDA, where ``_gemm_4bit_use_custom_cuda`` refuses the fused kernel (always over 1536 tokens; up to
+  it by the weight's shape and the GPU's SMs and compute capability: ``costmodel.quant.gemm_4bit_kernel``,
+  ``gemm_4bit_rule``), ``_dequant_linear_fallback`` (``backends/cuda/ops.py`` l. 904-917, from the source,
+  not checked on a GPU): the dequantized absmax kept as a local beside its sum with the offset, the
+  dequantized weight, ``F.linear``;
+- CUDA's fused kernel (``_gemm_4bit_kernel_impl``, l. 846-901): its output alone (``A.contiguous()`` of
+  the contiguous cast input and the fp32 offset's ``.to(float32)`` are the tensors themselves; the
+  kernel, called through ctypes with data pointers, takes no memory of PyTorch's allocator).
 
 ``MatMul4Bit.backward``: ``matmul(grad, F.dequantize_4bit(W, state).to(grad.dtype))``: with double
 quantization the absmax dequantized first (fp32, offset added in place), the weight dequantized in the
@@ -30,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from memplan.costmodel.quant import DEQUANTIZE, gemm_4bit_kernel
+from memplan.costmodel.quant import FUSED, CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
@@ -49,16 +53,17 @@ class Bnb4bit:
     double_quant: bool
     compute: int  # bnb_4bit_compute_dtype: 2 (bf16) or 4 (fp32)
     stored: int = 4  # quant_state.dtype: the weights' dtype when quantized (from_pretrained's dtype)
+    gpu_arch: CudaArch | None = None  # the GPU's SMs and compute capability: gemm_4bit's kernel on CUDA
     clones: ClassVar[bool] = True  # PEFT's lora.Linear4bit clones the base's result
 
     @classmethod
-    def of(cls, plan) -> Bnb4bit | None:
+    def of(cls, plan, gpu_arch: CudaArch | None = None) -> Bnb4bit | None:
         """A plan's 4-bit base (``quant: nf4 | fp4``), loaded in its compute dtype (``precision``: fp32,
-        or bf16 with or without ``bf16=True``, the usual QLoRA recipe), or None."""
+        or bf16 with or without ``bf16=True``, the usual QLoRA recipe), or None; ``gpu_arch``: the GPU's."""
         if plan.quant not in ("nf4", "fp4"):
             return None
         compute = 4 if plan.precision == "fp32" else 2
-        return cls(plan.double_quant, compute, stored=compute)
+        return cls(plan.double_quant, compute, stored=compute, gpu_arch=gpu_arch)
 
     @staticmethod
     def quantized(name: str) -> bool:
@@ -104,6 +109,12 @@ class Bnb4bit:
             return [dx]
 
         node = t.node(tag, apply, [x])
+        if not cpu:
+            path = gemm_4bit_kernel(tokens, rows, cols, x.itemsize, self.gpu_arch)
+            if path is None:
+                raise ValueError(f"{tokens} tokens: CUDA's gemm_4bit picks its kernel by the GPU, not given")
+            if path == FUSED:  # _gemm_4bit_kernel_impl: its output alone
+                return ops.result(t, tokens * rows, x.itemsize, tag, node)
         blocks = -(-numel // BLOCK)
         temps = []
         if nested:
@@ -113,8 +124,6 @@ class Bnb4bit:
                 t.done(raw)  # a temporary of the sum
             else:
                 temps.append(raw)  # absmax_dq stays a local until the fallback returns
-        if not cpu and gemm_4bit_kernel(tokens, rows, cols, x.itemsize) != DEQUANTIZE:
-            raise ValueError(f"{tokens} tokens: CUDA's gemm_4bit runs a fused kernel here, or picks one per GPU")
         temps.append(t.new(numel, x.itemsize, f"{tag}.weight_dequant"))
         out = ops.result(t, tokens * rows, x.itemsize, tag, node)
         t.done(*reversed(temps))

@@ -13,9 +13,10 @@ layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/
 any of the decoder layers' linears, any rank, dropout, ``modules_to_save`` lm_head or an untied
 embed_tokens). On CUDA the kernels are those of the bundled trainer's traces (``support.sdpa_kernel``),
 and LoRA's dropout is ``native_dropout`` from its source: not yet checked on a GPU against transformers.
-A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) where every linear takes CUDA's dequantize path
-(over 1536 tokens a micro-batch, or over 512 where each weight has 4 Mi elements or more: ``_dequantizes``;
-bitsandbytes' dequantize-then-``F.linear`` fallback, read from its source); an LLM.int8 base
+A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) wherever CUDA's ``gemm_4bit`` path is known for
+every linear (``_kernel_known``: over 1536 tokens a micro-batch bitsandbytes' dequantize-then-``F.linear``
+fallback on every GPU; up to it the fused kernel or the fallback as its rule picks on the GPU's SMs and
+compute capability, ``costmodel.gemm_4bit_rule``; both read from its source); an LLM.int8 base
 (``hf_bnb.Bnb8bit``, ``int8.py``: CPU's ``MatMul8bitFp`` equal to the byte, tests/unit/test_timeline_int8.py;
 CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLUMNS``). Any of these over
 ``dp`` > 1 ranks under DDP (``zero: 0``: the Trainer under ``torchrun``, ``hf_ddp.py``;
@@ -31,7 +32,7 @@ on one rank.
 from __future__ import annotations
 
 from memplan.costmodel.lora import SAVABLE
-from memplan.costmodel.quant import DEQUANTIZE, gemm_4bit_kernel
+from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -79,11 +80,15 @@ def _attention_ok(model: ModelSpec, seq_len: int | None) -> bool:
 
 
 def hf_supported(
-    model: ModelSpec, plan: Plan, workload: TrainingWorkload | None = None, runtime: str = "hf"
+    model: ModelSpec,
+    plan: Plan,
+    workload: TrainingWorkload | None = None,
+    runtime: str = "hf",
+    gpu_arch: CudaArch | None = None,
 ) -> str | None:
     """What keeps the op-level run from following this ``hf`` (or ``hf-loop``) plan, or None
-    (``workload``: the micro-batch, whose tokens decide bitsandbytes' CUDA path and whether a
-    sliding window is reached)."""
+    (``workload``: the micro-batch, whose tokens decide bitsandbytes' CUDA path with the GPU's SMs and
+    compute capability, ``gpu_arch``, and whether a sliding window is reached)."""
     tokens = None if workload is None else workload.micro_batch * workload.seq_len
     seq_len = None if workload is None else workload.seq_len
     if runtime == "hf-loop" and workload is not None and accumulation(workload, plan) > 1:
@@ -104,9 +109,9 @@ def hf_supported(
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
         (plan.quant != "int8" or runtime == "hf", _INT8_LOOP),
         (
-            plan.quant in ("none", "int8") or tokens is None or _dequantizes(model, plan, tokens),
-            f"a 4-bit base over {tokens} tokens a micro-batch, where CUDA's gemm_4bit runs its fused kernel or picks "
-            "one per GPU (every linear dequantizes over 1536 tokens; over 512 for weights of 4 Mi elements or more)",
+            plan.quant in ("none", "int8") or tokens is None or _kernel_known(model, plan, tokens, gpu_arch),
+            f"a 4-bit base over {tokens} tokens a micro-batch on a GPU of unknown SMs or compute capability, where "
+            "CUDA's gemm_4bit picks its fused kernel or the fallback by these (5 to 1536 tokens, by the shapes)",
         ),
         (plan.finetune == "full" or model.architecture in PEFT_FAMILIES, f"PEFT over the {model.architecture} family"),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
@@ -145,10 +150,11 @@ def _precision_reason(precision: str) -> str:
     return f"precision {precision} (the Trainer's run follows {runs})"
 
 
-def _dequantizes(model: ModelSpec, plan: Plan, tokens: int) -> bool:
-    """Every decoder linear of a 4-bit base takes bitsandbytes' dequantize + ``F.linear`` fallback on
-    CUDA at ``tokens`` rows, on any GPU (``costmodel.quant.gemm_4bit_kernel``), the path ``hf_bnb``
-    follows: over 1536 rows, or over 512 where each weight has 4 Mi elements or more."""
+def _kernel_known(model: ModelSpec, plan: Plan, tokens: int, gpu_arch: CudaArch | None) -> bool:
+    """Which kernel CUDA's ``gemm_4bit`` runs for every decoder linear of a 4-bit base at ``tokens``
+    rows is known (``costmodel.quant.gemm_4bit_kernel``): on a known GPU always; without one where
+    every GPU takes the same path (over 1536 rows; over 512 for weights of 4 Mi elements or more; at
+    most 4 the fused kernel). ``hf_bnb`` follows both paths."""
     h, compute = model.hidden_size, 4 if plan.precision == "fp32" else 2
     shapes = {(model.q_size, h), (model.kv_size, h), (h, model.q_size), (model.ffn_size, h), (h, model.ffn_size)}
-    return all(gemm_4bit_kernel(tokens, n, k, compute) == DEQUANTIZE for n, k in shapes)
+    return all(gemm_4bit_kernel(tokens, n, k, compute, gpu_arch) is not None for n, k in shapes)

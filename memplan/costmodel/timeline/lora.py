@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.costmodel.lora import ADAPTER_BYTES, HF_NAMES, resolve_targets
+from memplan.costmodel.quant import CudaArch
 from memplan.costmodel.timeline import ops, qkv_bias
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
@@ -56,15 +57,15 @@ class LoraConfig:
     int8: bool = False  # an LLM.int8 base (int8.py): MatMul8bitLt on CUDA, MatMul8bitFp on CPU
 
 
-def config(plan: Plan, cuda: bool = True) -> LoraConfig | None:
+def config(plan: Plan, cuda: bool = True, gpu_arch: CudaArch | None = None) -> LoraConfig | None:
     """The plan's adapters (``finetune: lora``), or None for full training; ``cuda``: the device
-    whose kernels run (dropout's differ)."""
+    whose kernels run (dropout's differ); ``gpu_arch``: the GPU's (a 4-bit base's kernel)."""
     if plan.finetune == "full":
         return None
     chosen = set(resolve_targets(plan.lora_targets))
     modules = frozenset(path for path, hf in HF_NAMES.items() if hf in chosen)
     input_grad, save_head = plan.recompute == "full", "lm_head" in plan.modules_to_save
-    quant, dropout = quant_config(plan), plan.lora_dropout > 0
+    quant, dropout = quant_config(plan, gpu_arch), plan.lora_dropout > 0
     return LoraConfig(plan.lora_rank, modules, input_grad, quant, save_head, dropout, cuda, plan.quant == "int8")
 
 

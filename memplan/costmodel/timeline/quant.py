@@ -46,7 +46,9 @@ around ``MatMul4Bit`` are the input itself, the dequantized weight is fp32 (4 B 
 ``prepare_model_for_kbit_training`` casts nothing (every other parameter is fp32 already). A
 trained LM head copy (``modules_to_save``) is a 16-bit parameter: it is cast to fp32 after the
 original, and trained in fp32. At most 1536 rows ``gemm_4bit`` may take the fused kernel
-(``costmodel.quant.gemm_4bit_kernel`` says where every CUDA GPU does): it allocates its output
+(``costmodel.quant.gemm_4bit_kernel``: where every CUDA GPU does, and on a GPU of known SMs and
+compute capability, ``QuantConfig.gpu_arch``, wherever bitsandbytes' rule picks it,
+``costmodel.gemm_4bit_rule``): it allocates its output
 alone (``_gemm_4bit_kernel_impl``: ``A.contiguous()`` of the contiguous cast input, the fp32
 offset's ``.to(float32)`` is itself) and calls no cuBLAS. The fallback's forward temporaries run
 inside the custom op, which a CPU count does not see (bitsandbytes' CPU ``gemm_4bit`` is
@@ -59,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.costmodel.lora import HF_NAMES
-from memplan.costmodel.quant import BLOCK_4BIT, BLOCK_NESTED, CODE_4BIT, CODE_NESTED, FUSED, gemm_4bit_kernel
+from memplan.costmodel.quant import BLOCK_4BIT, BLOCK_NESTED, CODE_4BIT, CODE_NESTED, FUSED, CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline import ops, qkv_bias
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
@@ -82,14 +84,15 @@ class QuantConfig:
     compute: int  # bnb_4bit_compute_dtype: bf16, fp32 under precision fp32
     stored: int = 2  # quant_state.dtype: the trainer's param dtype (parallel.param_dtype)
     double_quant: bool = True  # bnb_4bit_use_double_quant (compress_statistics)
+    gpu_arch: CudaArch | None = None  # the GPU's SMs and compute capability: gemm_4bit's kernel (quant.cuda_arch)
 
 
-def config(plan: Plan) -> QuantConfig | None:
-    """The 4-bit base of a plan (``quant``: nf4 or fp4: the same bytes), or None."""
+def config(plan: Plan, gpu_arch: CudaArch | None = None) -> QuantConfig | None:
+    """The 4-bit base of a plan (``quant``: nf4 or fp4: the same bytes), or None; ``gpu_arch``: the GPU's."""
     if plan.quant not in ("nf4", "fp4"):
         return None
     stored = 2 if plan.precision in ("bf16", "bf16-master") else 4
-    return QuantConfig(4 if plan.precision == "fp32" else 2, stored, plan.double_quant)
+    return QuantConfig(4 if plan.precision == "fp32" else 2, stored, plan.double_quant, gpu_arch)
 
 
 def mean_staging(numel: int) -> int:
@@ -191,8 +194,8 @@ class Quant:
 
     def _matmul(self, x: Tensor, n: int, out_features: int, tag: str) -> Tensor:
         """``MatMul4Bit`` over ``x`` (compute dtype): ``gemm_4bit``'s path for its rows
-        (:func:`gemm_4bit_kernel`; support.py declines the shapes where the GPU decides), then
-        the output; the backward dequantizes the weight whatever the forward took."""
+        (:func:`gemm_4bit_kernel` on the config's GPU; support.py declines the shapes where an unknown
+        GPU decides), then the output; the backward dequantizes the weight whatever the forward took."""
         t, cd, blocks, x_numel = self.tape, x.itemsize, -(-n // BLOCK_4BIT), x.numel
         nested, stored = self.cfg.double_quant, self.cfg.stored
         rows = x_numel // (n // out_features)  # M: the tokens
@@ -212,7 +215,7 @@ class Quant:
             return [dx]
 
         node = t.node(f"{tag}.MatMul4Bit", apply, [x])
-        if gemm_4bit_kernel(rows, out_features, n // out_features, cd) == FUSED:
+        if gemm_4bit_kernel(rows, out_features, n // out_features, cd, self.cfg.gpu_arch) == FUSED:
             return ops.result(t, rows * out_features, cd, tag, node)  # _gemm_4bit_kernel_impl: its output
         temps = []
         if nested:  # absmax_dq (a local until the return), then its sum with the offset

@@ -8,7 +8,7 @@ phase model's moments (``step.py``), and the trainer's modules stay unimported.
 from __future__ import annotations
 
 from memplan.costmodel.attention import sdpa_backend
-from memplan.costmodel.quant import gemm_4bit_kernel
+from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.trainer_offload import unmodelled, unmodelled_accumulation
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -21,8 +21,9 @@ _PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-master")  # fp8, fp16-master:
 PIPELINE_LAYER_PASSES = 1024
 
 
-def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str | None:
-    """What keeps the timeline from following this plan faithfully, or None.
+def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch: CudaArch | None = None) -> str | None:
+    """What keeps the timeline from following this plan faithfully, or None (``gpu_arch``: the GPU's
+    SMs and compute capability, ``quant.cuda_arch``; they pick bitsandbytes' 4-bit kernel).
 
     Modelled (the traces cover each mechanism): one pipeline stage; a dense Llama-family decoder
     (RMSNorm, RoPE, gated SiLU MLP, no QK-norm, no biases but Qwen2's on q, k and v:
@@ -59,8 +60,11 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     a 4-bit base (``quant.py``, QLoRA: an fp32 stream on SDPA's math path), nf4 with double
     quantization computing in bf16 over more than 1536 tokens (h200_a_qlora8b), and fp4, single
     quantization, bf16-master or fp32 compute, with the LoRA variants above, under DDP or ZeRO-1
-    (a head copy fp32 there), wherever CUDA's ``gemm_4bit`` takes one path on every GPU (the
-    trainer on CPU, bitsandbytes' CUDA-only temporaries from its source). Activation offload
+    (a head copy fp32 there), wherever CUDA's ``gemm_4bit`` takes one path on every GPU, and at
+    5 to 1536 tokens on a GPU of known SMs and compute capability, the fused kernel or the fallback
+    per linear as bitsandbytes' rule picks (``costmodel.gemm_4bit_rule``; the trainer on CPU,
+    bitsandbytes' CUDA-only temporaries and its rule from its source: test_timeline_quant_gpu.py).
+    Activation offload
     (``save_on_cpu``, ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed,
     bf16-master or fp32 (the math path's saves), with accumulation on one rank (the trainer refuses
     it over DDP); eager attention (``eager.py``) in every precision above, under autocast too
@@ -79,9 +83,10 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     NVMe; tensor parallel over DDP, or without sequence parallel outside FSDP2 without a pipeline;
     LLM.int8 bases under autocast (``_int8_modelled``: the trainer refuses it); 4-bit bases under
     autocast, or whose ``gemm_4bit`` kernel the GPU's architecture picks (5 to 1536 tokens, by the
-    weights' shapes); LoRA under FSDP2, TP or PP (the trainer refuses them), under ZeRO-1 beside a
-    16-bit modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes one dtype), a
-    copy over a tied embedding or of another module."""
+    weights' shapes) where ``gpu_arch`` is not given (no profile, or a ROCm one: bitsandbytes' ROCm
+    rule reads the gfx architecture); LoRA under FSDP2, TP or PP (the trainer refuses them), under
+    ZeRO-1 beside a 16-bit modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes
+    one dtype), a copy over a tied embedding or of another module."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
@@ -89,7 +94,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (not (model.attn_out_bias or model.mlp_bias or model.qk_norm), "output or MLP biases, or QK-norm"),
         (plan.attention != "triton", "triton attention"),
         (plan.quant != "int8" or _int8_modelled(plan), _INT8),
-        (_quant_modelled(model, workload, plan), _QUANT),
+        (_quant_modelled(model, workload, plan, gpu_arch), _QUANT),
         (plan.finetune == "full" or _plain_lora(plan), _LORA_PLAIN),
         (plan.finetune == "full" or _lora_variant(plan), _LORA_VARIANT),
         (plan.finetune == "full" or _saved_head(model, plan), "modules_to_save other than an untied lm_head"),
@@ -230,16 +235,19 @@ def _int8_modelled(plan: Plan) -> bool:
     return plan.precision != "bf16-mixed" and (plan.dp == 1 or plan.zero <= 1)
 
 
-_QUANT = "a 4-bit base whose gemm_4bit kernel the GPU picks (<= 1536 tokens), or under autocast"
+_QUANT = (
+    "a 4-bit base whose gemm_4bit kernel the GPU picks (5 to 1536 tokens) on a GPU of unknown SMs or compute "
+    "capability, or under autocast"
+)
 
 
-def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
+def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch: CudaArch | None) -> bool:
     """None, an int8 base (:func:`_int8_modelled` says which), or a 4-bit base (``quant.py``): nf4
     (h200_a_qlora8b) or fp4, with or without double quantization, computing in bf16 (bf16,
-    bf16-master) or fp32, where CUDA's ``gemm_4bit`` takes the same path on every GPU for each
-    decoder linear (``costmodel.quant.gemm_4bit_kernel``: over 1536 tokens a micro-batch
-    dequantize + F.linear, at most 4 its fused kernel; between, by the weight's shape and the
-    compute dtype, or by the GPU's architecture: declined). Not under autocast (bf16-mixed): the
+    bf16-master) or fp32, where CUDA's ``gemm_4bit`` path is known for each decoder linear
+    (``costmodel.quant.gemm_4bit_kernel``: over 1536 tokens a micro-batch dequantize + F.linear, at
+    most 4 its fused kernel; between, bitsandbytes' rule on ``gpu_arch``, or without it the shapes
+    and compute dtypes where every GPU agrees: else declined). Not under autocast (bf16-mixed): the
     bundled trainer refuses it (``validate.support.check_plan``)."""
     if plan.quant in ("none", "int8"):  # int8: _int8_modelled
         return True
@@ -248,7 +256,7 @@ def _quant_modelled(model: ModelSpec, workload: TrainingWorkload, plan: Plan) ->
     tokens, h = workload.micro_batch * workload.seq_len, model.hidden_size
     shapes = {(model.q_size, h), (model.kv_size, h), (h, model.q_size), (model.ffn_size, h), (h, model.ffn_size)}
     compute = 4 if plan.precision == "fp32" else 2
-    return all(gemm_4bit_kernel(tokens, n, k, compute) is not None for n, k in shapes)
+    return all(gemm_4bit_kernel(tokens, n, k, compute, gpu_arch) is not None for n, k in shapes)
 
 
 def _plain_lora(plan: Plan) -> bool:

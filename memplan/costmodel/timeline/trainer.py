@@ -30,6 +30,7 @@ from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
 if TYPE_CHECKING:  # the mechanisms a plan may not use are imported where a run uses them (a cold estimate's cost)
+    from memplan.costmodel.quant import CudaArch
     from memplan.costmodel.timeline.lora import LoraConfig
     from memplan.costmodel.timeline.pipeline import Pipeline
 
@@ -76,12 +77,14 @@ def trainer_run(
     max_micro_batches: int = MICRO_BATCHES_MODELLED,
     stage: int | None = None,
     cuda: bool = True,
+    gpu_arch: CudaArch | None = None,
 ) -> Timeline | None:
     """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps,
     each of at most ``max_micro_batches`` micro-batches (under pipelining all of them). Pipeline
     rank ``stage``, by default the most-loaded one; ``cuda``: CUDA's kernels, else CPU's where
-    the run models both (LoRA's dropout). None for a plan :func:`supported` rejects."""
-    if supported(model, workload, plan) is not None:
+    the run models both (LoRA's dropout); ``gpu_arch``: the GPU's SMs and compute capability
+    (``quant.cuda_arch``: a 4-bit base's kernel). None for a plan :func:`supported` rejects."""
+    if supported(model, workload, plan, gpu_arch) is not None:
         return None
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
     master = master and (plan.finetune == "full" or bool(plan.modules_to_save))  # build_optimizer_from
@@ -95,7 +98,7 @@ def trainer_run(
     if plan.finetune != "full":  # adapters (lora.config: none for full training)
         from memplan.costmodel.timeline.lora import config as lora_config
 
-        lora = lora_config(plan, cuda)
+        lora = lora_config(plan, cuda, gpu_arch)
     run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora)
     if plan.offload_activations == "cpu":  # save_on_cpu around the forward and the loss
         run.saves = act_offload.SaveOnCpu()
