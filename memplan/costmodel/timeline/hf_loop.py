@@ -51,9 +51,9 @@ from memplan.costmodel.timeline.trainer_model import Dims
 def hf_loop_plan_run(model, workload, plan) -> Timeline:
     """The CUDA run of an ``hf-loop`` plan ``hf_support.hf_supported(..., runtime="hf-loop")``
     accepts: a first step and two steady ones."""
-    kernel = hf_kernel(model, plan, "cuda")
+    kernel = hf_kernel(model, plan, "cuda", "hf-loop")
     assert kernel is not None
-    d, lora, quant = hf_dims(model, workload, plan), HfLoraConfig.of(plan), Bnb4bit.of(plan)
+    d, lora, quant = hf_dims(model, workload, plan, "hf-loop"), HfLoraConfig.of(plan), Bnb4bit.of(plan)
     return hf_loop_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, lora=lora, quant=quant)
 
 
