@@ -209,10 +209,16 @@ def verdict(result: EstimateResult) -> str:
     return f"[red]does not fit[/]: {figures}; {result.fits_reason.removeprefix('does not fit: ')}"
 
 
+# the loop each op-level run follows (``reserve.plan_run``'s names)
+RUNS = {"trainer": "the bundled trainer", "hf": "transformers' Trainer", "hf-loop": "the hand-written loop"}
+
+
 def _which_model(mem: MemoryReport) -> str:
     """The line above the table: which model answered (``memory.model``)."""
     if mem.model == "op-level":
-        return "memory model: the op-level run (the bundled trainer op by op, replayed through the allocator)"
+        detail = mem.peak.reserved_detail
+        which = RUNS.get(detail.timeline if detail is not None else "", RUNS["trainer"])
+        return f"memory model: the op-level run ({which} op by op, replayed through the allocator)"
     return f"memory model: the phase model, approximate (not the op-level run: {mem.model_reason})"
 
 

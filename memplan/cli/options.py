@@ -15,6 +15,7 @@ import typer
 from pydantic import BaseModel
 
 from memplan.specs.plan import Plan
+from memplan.specs.resolve import TRAINER_PRECISION
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
 Opt = typer.Option
@@ -40,8 +41,9 @@ DEFAULT_PRECISION: str = Plan.model_fields["precision"].default
 
 
 def precision_help(names: str) -> str:
-    """The precisions a command takes, and the default."""
-    return f"{names} (default: {DEFAULT_PRECISION})."
+    """The precisions a command takes, and the default (transformers' loops: the Trainer's recipe,
+    ``specs.resolve.TRAINER_PRECISION``)."""
+    return f"{names} (default: {DEFAULT_PRECISION}; {TRAINER_PRECISION} under --runtime hf or hf-loop)."
 
 
 PlanFileOpt = Annotated[str | None, Opt("--plan", help="Plan YAML (flags override it).")]

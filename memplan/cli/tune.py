@@ -38,6 +38,7 @@ from memplan.search.tuning import (
     plan_yaml,
 )
 from memplan.specs.loader import load_model, short
+from memplan.specs.resolve import TRAINER_PRECISION
 from memplan.specs.workload import TrainingWorkload
 from memplan.units import format_bytes
 
@@ -95,8 +96,8 @@ def tune(
         str | None,
         Opt(
             help=f"Precisions allowed, comma-separated (e.g. bf16-mixed,bf16). Default: {DEFAULT_PRECISION}, as "
-            "memplan estimate and plan files; with --export, bf16-mixed and bf16-master, whichever the target can "
-            "express.",
+            f"memplan estimate and plan files ({TRAINER_PRECISION} under --runtime hf or hf-loop); with --export, "
+            "bf16-mixed and bf16-master, whichever the target can express.",
             rich_help_panel=SPACE,
         ),
     ] = None,

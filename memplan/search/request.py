@@ -25,7 +25,15 @@ from memplan.specs.job import check_compatible, suspicious
 from memplan.specs.loader import short, validation_error
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan, PrecisionName
-from memplan.specs.resolve import CLI, alloc_conf_text, blame_flags, plan_from_flags, resolve_allocator
+from memplan.specs.resolve import (
+    CLI,
+    TRAINER_PRECISION,
+    TRANSFORMERS_RUNTIMES,
+    alloc_conf_text,
+    blame_flags,
+    plan_from_flags,
+    resolve_allocator,
+)
 from memplan.specs.values import gpu_and_count, host_memory_bytes, memory_limit_bytes, name_list
 from memplan.specs.workload import TrainingWorkload
 from memplan.units import parse_bytes
@@ -224,8 +232,10 @@ def tune_request(
 ) -> TuneSetup:
     """The request ``memplan tune`` runs for these flags (each keyword is the flag of that name;
     the defaults are the command's) and ``spec``, the model ``model_ref`` names."""
-    if precision is None:
-        precision = "bf16-mixed,bf16-master" if export is not None else DEFAULT_PRECISION
+    runtime = runtime or ("hf" if finetune != "full" else "memplan")  # as estimate resolves a fine-tuning plan
+    if precision is None:  # as estimate: transformers' loops keep no fp32 masters (specs.resolve)
+        default = TRAINER_PRECISION if runtime in TRANSFORMERS_RUNTIMES else DEFAULT_PRECISION
+        precision = "bf16-mixed,bf16-master" if export is not None else default
     batches = parse_global_batch(global_batch)
     warnings = tuple(suspicious(spec, _workload_bounds(seq_len, micro_batch, max_micro_batch, batches)))
     chosen, gpus = _chosen(gpu, gpus)
@@ -234,7 +244,6 @@ def tune_request(
     cluster = _cluster(gpus, nodes)
     limit = memory_limit_bytes(memory_limit)
     host_bytes, host_source = host_memory_bytes(host_memory, chosen.note)
-    runtime = runtime or ("hf" if finetune != "full" else "memplan")  # as estimate resolves a fine-tuning plan
     options = SpaceOptions(
         gpus=gpus,
         gpus_per_node=cluster.gpus_per_node,

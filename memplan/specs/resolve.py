@@ -24,6 +24,11 @@ from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
 CLI = "command line"
+# transformers' loops keep no fp32 master weights (``bf16-master``, Plan's default, is DeepSpeed's):
+# their default precision is the Trainer's usual recipe, a bfloat16 model under ``bf16=True``
+# (``export/hf_trainer.py``'s ``bf16``; the hand loop trains the bfloat16 model as it is)
+TRANSFORMERS_RUNTIMES = ("hf", "hf-loop")
+TRAINER_PRECISION = "bf16"
 PLAN_FIELDS = set(Plan.model_fields)
 TRAINING_FIELDS = {"seq_len", "micro_batch", "global_batch"}
 INFERENCE_FIELDS = {"batch", "prompt_tokens", "generated_tokens", "kv_dtype", "block_size", "prefill_chunk"}
@@ -180,6 +185,11 @@ def job_from(
                 field=field,
             ) from None
     plan = _validate_section(Plan, plan_data, set(flags), source, "plan")
+    # adapters over a frozen base are what transformers' Trainer runs (the bundled trainer trains
+    # every weight), so a fine-tuning plan defaults to its step
+    runtime = sizes.runtime or pf.runtime or ("hf" if plan.finetune != "full" else "memplan")
+    if not inference and "precision" not in plan_data and runtime in TRANSFORMERS_RUNTIMES:
+        plan = _validate_section(Plan, {**plan_data, "precision": TRAINER_PRECISION}, set(flags), source, "plan")
     if gpus is not None and plan.world_size != gpus:
         where, field = blame("gpus")
         raise MemplanError(f"dp x tp x pp x cp = {plan.world_size} but gpus is {gpus}", source=where, field=field)
@@ -213,9 +223,6 @@ def job_from(
         check_compatible(model, workload, plan)
     except MemplanError as err:
         raise _blame_flag(err.located(source), set(flags), from_file) from None
-    # adapters over a frozen base are what transformers' Trainer runs (the bundled trainer trains
-    # every weight), so a fine-tuning plan defaults to its step
-    runtime = sizes.runtime or pf.runtime or ("hf" if plan.finetune != "full" else "memplan")
     allocator = resolve_allocator(sizes.allocator or pf.allocator)
     return Job(model, workload, plan, gpu, cluster, runtime, allocator, tuple(suspicious(model, workload)), gpu_note)
 

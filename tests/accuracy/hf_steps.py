@@ -60,7 +60,7 @@ class Case:
     dtype: str = "float32"
     checkpointing: bool = False
     attention: str = "sdpa"
-    autocast: bool = False  # fp32 model, forward under torch.autocast(bfloat16): bf16-mixed
+    autocast: bool = False  # forward under torch.autocast(bfloat16) (bf16=True): over fp32, bf16-mixed
     slow: bool = False  # runs under ``-m slow`` only; a smaller twin runs by default (see below)
     # the device predicted for: "cuda" cases run on CPU with SDPA forced to the backend CUDA's
     # dispatch picks (attention.sdpa_backend), which the CPU has for the math path
@@ -76,8 +76,11 @@ class Case:
 
     @property
     def precision(self) -> str:
+        """memplan's precision: ``bf16=True`` over a bf16 model is the Trainer's ``bf16`` (the
+        exporters' recipe), over an fp32 one ``bf16-mixed``; a bf16 model without it is ``bf16``
+        for the hand loop (under the Trainer no plan names it: its tests set the run's autocast)."""
         if self.autocast:
-            return "bf16-mixed"
+            return "bf16" if self.dtype == "bfloat16" else "bf16-mixed"
         return "fp32" if self.dtype == "float32" else "bf16"
 
     def hf_config(self) -> dict:

@@ -302,9 +302,16 @@ CASES = [
 ]
 
 
-def plan_of(case: PeftCase) -> Plan:
-    """memplan's plan for a case; the Trainer's ``bf16=True`` is ``bf16-mixed`` (over an fp32 base);
-    over a 4-bit base the precision is the compute dtype's."""
+def _autocast_precision(case: PeftCase, dtype: str, runtime: str) -> str:
+    """The precision of an autocast case: the Trainer's ``bf16`` over a bf16 or quantized base."""
+    return "bf16" if runtime == "hf" and (case.quant != "none" or dtype == "bf16") else "bf16-mixed"
+
+
+def plan_of(case: PeftCase, runtime: str = "hf") -> Plan:
+    """memplan's plan for a case under ``runtime``; the Trainer's ``bf16=True`` is ``bf16`` over a bf16
+    or quantized base (the exporters' recipe) and ``bf16-mixed`` over an fp32 one, the hand loop's
+    autocast ``bf16-mixed``; without it over a 4-bit base the precision is the compute dtype's (the
+    Trainer's tests set the run's autocast from the case)."""
     if case.quant != "none":
         dtype = "fp32" if case.compute_dtype == "float32" else "bf16"
         fields = dict(finetune="qlora", quant=case.quant, double_quant=case.double_quant)
@@ -312,7 +319,7 @@ def plan_of(case: PeftCase) -> Plan:
         dtype = "fp32" if case.dtype == "float32" else "bf16"
         fields = dict(finetune="lora")
     return Plan(
-        precision="bf16-mixed" if case.autocast else dtype,
+        precision=_autocast_precision(case, dtype, runtime) if case.autocast else dtype,
         recompute="full" if case.checkpointing else "none",
         lora_rank=case.rank,
         lora_targets=case.targets,

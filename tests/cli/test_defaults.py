@@ -78,7 +78,7 @@ def test_help_shows_the_specs_defaults(capsys, name: str):
     assert (seq_len, micro_batch) == (2048, 1)
     assert f"tokens per sequence (default: {seq_len})" in text
     assert f"sequences per micro-batch (default: {micro_batch})" in text
-    assert f"(default: {Plan.model_fields['precision'].default})" in text
+    assert f"(default: {Plan.model_fields['precision'].default}; bf16 under --runtime hf or hf-loop)" in text
     assert "ZeRO stage 0-3 (default: 0)" in text and "(default: none)" in text
 
 
@@ -113,6 +113,28 @@ def test_one_default_precision_for_training(capsys, tmp_path: Path):
     code, out, err = memplan(capsys, "check", str(budgets), "--format", "json")
     assert code == 1, err  # llama3-8b without ZeRO does not fit 80 GiB: the verdict, not an error
     assert json.loads(out)["entries"][0]["plan"] == f"dp=8 zero=0 {DEFAULT_PRECISION}"
+
+
+@pytest.mark.parametrize("finetune", ["lora", "qlora"])
+def test_fine_tuning_defaults_to_the_trainers_recipe_answered_op_level(capsys, finetune: str):
+    """Fine-tuning defaults to transformers' Trainer (``--runtime hf``), which keeps no fp32 masters:
+    its default precision is its usual recipe, ``bf16`` (a bfloat16 model under ``bf16=True``, as
+    ``memplan export --to hf-trainer`` writes it), shown in the resolved plan and the header, and the
+    op-level run of the Trainer answers it. ``bf16-master`` given explicitly is declined with why."""
+    code, out, err = memplan(capsys, "estimate", "llama3-8b", "--finetune", finetune, "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["plan"]["precision"] == "bf16" and data["plan"]["runtime"] == "hf"
+    assert data["memory"]["model"] == "op-level" and data["memory"]["model_reason"] is None
+    code, out, err = memplan(capsys, "estimate", "llama3-8b", "--finetune", finetune)
+    assert code == 0, err
+    assert {"precision=bf16", "runtime=hf"} <= set(out.splitlines()[0].split())
+    code, out, err = memplan(
+        capsys, "estimate", "llama3-8b", "--finetune", finetune, "--precision", "bf16-master", "--format", "json"
+    )
+    assert code == 0, err
+    memory = json.loads(out)["memory"]
+    assert memory["model"] == "phase" and "DeepSpeed's" in memory["model_reason"]
 
 
 # --- the report header -------------------------------------------------------------------------

@@ -63,6 +63,7 @@ def predict(case: hf_steps.Case, inplace_accumulate: bool = False, ga: int = 1, 
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = Plan(precision=case.precision, recompute="full" if case.checkpointing else "none")
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
+    d = dataclasses.replace(d, autocast=case.autocast)  # a bf16 model without bf16=True: no plan names it
     timeline = hf_run(
         d,
         model.tied_embeddings,
@@ -208,18 +209,26 @@ def test_an_hf_plan_the_run_does_not_model_says_so(capsys, args: list[str], reas
     assert memory["model"] == "phase" and reason in memory["model_reason"]
 
 
-def test_the_default_precision_says_which_the_trainer_runs():
-    """memplan's default precision, bf16-master, keeps fp32 masters the plain Trainer does not: the
-    hf run declines it and says which precisions it follows."""
+def test_the_default_precision_is_the_trainers_recipe():
+    """A fine-tuning plan given no precision runs transformers' Trainer (``hf``) in its usual recipe,
+    ``bf16`` (a bfloat16 model under ``bf16=True``), which the hf run follows; ``bf16-master`` (the
+    plan's default elsewhere) given explicitly keeps fp32 masters the plain Trainer does not: the hf
+    run declines it and says which precisions it follows."""
     from memplan.costmodel.timeline.hf_support import hf_supported
     from memplan.specs.resolve import resolve_job
 
-    job = resolve_job("llama3-8b", None, dict(finetune="lora"), False)
+    for finetune in ("lora", "qlora"):
+        job = resolve_job("llama3-8b", None, dict(finetune=finetune), False)
+        assert job.runtime == "hf" and job.plan.precision == "bf16"
+        assert hf_supported(job.model, job.plan, job.workload, job.runtime) is None
+    job = resolve_job("llama3-8b", None, dict(finetune="lora", precision="bf16-master"), False)
     assert job.runtime == "hf" and job.plan.precision == "bf16-master"
     why = hf_supported(job.model, job.plan, job.workload, job.runtime)
     assert why is not None and "DeepSpeed's" in why and "--precision bf16" in why
-    bf16 = job.plan.model_copy(update={"precision": "bf16"})
-    assert hf_supported(job.model, bf16, job.workload, job.runtime) is None
+    loop = resolve_job("llama3-8b", None, dict(runtime="hf-loop"), False)
+    assert loop.plan.precision == "bf16"
+    bundled = resolve_job("llama3-8b", None, dict(finetune="lora", runtime="memplan"), False)
+    assert bundled.plan.precision == "bf16-master"
 
 
 def test_a_4bit_base_is_followed_where_every_linear_dequantizes():

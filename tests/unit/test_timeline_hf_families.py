@@ -81,7 +81,7 @@ def predict(case: hf_steps.Case, dp: int = 1) -> int:
     plan = Plan(precision=case.precision, recompute="full" if case.checkpointing else "none", dp=dp)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload) is None, case.name
-    d = hf_dims(model, workload, plan)
+    d = dataclasses.replace(hf_dims(model, workload, plan), autocast=case.autocast)  # bf16 without bf16=True
     timeline = hf_run(
         d,
         model.tied_embeddings,

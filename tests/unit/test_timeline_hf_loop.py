@@ -57,7 +57,7 @@ def predict(case: hf_steps.Case, inplace_accumulate: bool = False, window_layers
     """The run's peak for the case's config.json, workload and precision, on CPU's kernels (Mistral's
     config.json has a ``sliding_window``: its cache layers are sliding ones, unless told)."""
     model = _spec(case)
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), _plan(case))
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), _plan(case), "hf-loop")
     timeline = hf_loop_run(
         d,
         model.tied_embeddings,
@@ -85,8 +85,8 @@ PEFT_CASES = [c for c in peft_steps.CASES if c.quant != "int8"]  # LLM.int8 base
 
 def predict_peft(case: peft_steps.PeftCase) -> int:
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = peft_steps.plan_of(case)
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
+    plan = peft_steps.plan_of(case, "hf-loop")
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan, "hf-loop")
     quant = Bnb4bit.of(plan)
     if quant is not None:  # loaded in the case's dtype (the plan assumes its compute dtype)
         quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2)
@@ -154,7 +154,7 @@ def test_mistral_window_tensors() -> None:
 
 def _run(case: hf_steps.Case, kernel: str):
     model = _spec(case)
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), _plan(case))
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), _plan(case), "hf-loop")
     return hf_loop_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias)
 
 

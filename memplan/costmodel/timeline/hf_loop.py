@@ -51,9 +51,9 @@ from memplan.costmodel.timeline.trainer_model import Dims
 def hf_loop_plan_run(model, workload, plan, gpu_arch=None) -> Timeline:
     """The CUDA run of an ``hf-loop`` plan ``hf_support.hf_supported(..., runtime="hf-loop")``
     accepts: a first step and two steady ones (``gpu_arch``: the GPU's, a 4-bit base's kernel)."""
-    kernel = hf_kernel(model, plan, "cuda")
+    kernel = hf_kernel(model, plan, "cuda", "hf-loop")
     assert kernel is not None
-    d, lora, quant = hf_dims(model, workload, plan), HfLoraConfig.of(plan), Bnb4bit.of(plan, gpu_arch)
+    d, lora, quant = hf_dims(model, workload, plan, "hf-loop"), HfLoraConfig.of(plan), Bnb4bit.of(plan, gpu_arch)
     return hf_loop_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, lora=lora, quant=quant)
 
 

@@ -7,7 +7,8 @@ Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transfo
 (Qwen3 without attention biases or sliding layers, Phi-3 with full rotary embeddings, OLMo 2 without
 attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
 the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
-Gemma 2 under the eager attention transformers gives it; fp32, bf16,
+Gemma 2 under the eager attention transformers gives it; fp32, ``bf16`` (a bf16 model under
+``bf16=True``, the exporters' recipe: ``hf_trainer.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py),
 or ``bf16=True`` over fp32 (``bf16-mixed``); the default fused AdamW; gradient checkpointing of every
 layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/unit/test_timeline_hf_peft.py:
 any of the decoder layers' linears, any rank, dropout, ``modules_to_save`` lm_head or an untied
@@ -26,7 +27,7 @@ Trainer's FSDP or DeepSpeed) and tensor, pipeline, context or expert parallelism
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
 4-bit bases (not int8), with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing),
-on one rank.
+on one rank; there ``bf16`` is the bf16 model without autocast (the loop has none).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def accumulation(workload: TrainingWorkload, plan: Plan) -> int:
 def _precision_reason(precision: str) -> str:
     """Why the Trainer's run does not follow ``precision``, and the precisions it runs: the plain
     Trainer keeps no fp32 master copy (``bf16-master``, memplan's default, is DeepSpeed's bf16)."""
-    runs = "--precision bf16 (bf16 weights), bf16-mixed (bf16=True over fp32 weights) or fp32"
+    runs = "--precision bf16 (bf16 weights under bf16=True), bf16-mixed (bf16=True over fp32 weights) or fp32"
     if precision in ("bf16-master", "fp16-master"):
         return f"precision {precision} (fp32 master weights: DeepSpeed's, not the plain Trainer's; {runs})"
     return f"precision {precision} (the Trainer's run follows {runs})"

@@ -22,10 +22,12 @@ real ``Trainer`` (``tests/accuracy/alloc_log.py``):
   ``use_reentrant=False``): each decoder layer a non-reentrant checkpoint over its hidden
   states, ``position_ids`` and the rotary tables.
 
-Under ``bf16=True`` (accelerate's autocast over the fp32 model) each matmul casts its weight (cached
-for the forward) and its input to bf16, SDPA casts k then q, and ``convert_outputs_to_fp32`` copies
-the bf16 logits to fp32 after the forward. With ``gradient_accumulation_steps`` the update's batches
-are fetched together (accelerate one ahead) and freed at the next update's fetch, and from the second
+Under ``bf16=True`` (accelerate's autocast; ``trainer_autocast``: ``bf16-mixed`` over the fp32 model,
+``bf16`` over the bf16 one) each matmul casts an fp32 weight (cached for the forward) and an fp32
+input to bf16 (a bf16 one is taken as it is), SDPA casts k then q where they are fp32, and
+``convert_outputs_to_fp32`` copies the bf16 logits to fp32 after the forward. With
+``gradient_accumulation_steps`` the update's batches are fetched together (accelerate one ahead)
+and freed at the next update's fetch, and from the second
 micro-batch on each gradient is added into ``.grad`` and freed. The model is the family's
 (``hf_families.py``: Qwen3, Phi-3, OLMo 2, Gemma 3 beside Llama's layout). Over ``dp`` > 1 ranks
 (``torchrun``) the model is accelerate's ``DistributedDataParallel`` (``hf_ddp.py``: the reducer's
@@ -47,10 +49,18 @@ from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
 
 
-def hf_dims(model, workload, plan) -> Dims:
-    """One rank's shapes: bf16 or fp32 weights and compute, or (``bf16-mixed``: the Trainer's
-    ``bf16=True``) fp32 weights under bf16 autocast; over a 4-bit base the other weights are fp32
-    (``prepare_model_for_kbit_training`` casts them)."""
+def trainer_autocast(plan, runtime: str = "hf") -> bool:
+    """Whether the forward runs under accelerate's bf16 autocast: the Trainer's ``bf16=True``, which
+    ``--runtime hf`` takes for ``bf16`` (a bfloat16 model: memplan's exporters' recipe,
+    ``export/hf_trainer.py`` ``PRECISION``) and ``bf16-mixed`` (an fp32 one); the hand-written loop
+    (``hf-loop``) only for ``bf16-mixed`` (its ``bf16`` is a bfloat16 model trained as it is)."""
+    return plan.precision == "bf16-mixed" or (runtime == "hf" and plan.precision == "bf16")
+
+
+def hf_dims(model, workload, plan, runtime: str = "hf") -> Dims:
+    """One rank's shapes: bf16 or fp32 weights and compute, under bf16 autocast where
+    ``trainer_autocast`` says so (``bf16-mixed``: over fp32 weights); over a 4-bit or int8 base
+    the other weights are fp32 (``prepare_model_for_kbit_training`` casts them)."""
     itemsize = 4 if plan.precision == "fp32" else 2
     mixed = plan.precision == "bf16-mixed"
     return Dims.of(
@@ -58,12 +68,12 @@ def hf_dims(model, workload, plan) -> Dims:
         workload,
         cd=itemsize,
         pd=4 if mixed or plan.quant != "none" else itemsize,
-        autocast=mixed,
+        autocast=trainer_autocast(plan, runtime),
         recompute=plan.recompute,
     )
 
 
-def hf_kernel(model, plan, device: str) -> str | None:
+def hf_kernel(model, plan, device: str, runtime: str = "hf") -> str | None:
     """The SDPA kernel the run models: CPU's flash, or on CUDA the bundled trainer's rule
     (``support.sdpa_kernel``: flash in 16-bit, as its traces show; math for fp32 with GQA, and over
     a 4-bit base's fp32 stream) unless ``bf16=True``'s autocast hands SDPA bf16 inputs (flash);
@@ -73,7 +83,7 @@ def hf_kernel(model, plan, device: str) -> str | None:
         return "cpu_flash"
     if model.architecture == "gemma2":
         return "eager"
-    if plan.precision == "bf16-mixed":  # autocast casts SDPA's inputs to bf16 (its fp16/bf16 op list): flash
+    if trainer_autocast(plan, runtime):  # autocast casts SDPA's inputs to bf16 (its fp16/bf16 op list): flash
         return "flash"
     from memplan.costmodel.timeline.support import sdpa_kernel
 
@@ -199,7 +209,7 @@ class _HfRun:
             if quant is not None and quant.quantized(name.removesuffix(".weight")):
                 self.model.weights[name] = quant.build(t, name, rows, cols)
                 continue
-            p = t.managed(rows * cols, d.pd, name, Category.PARAMETERS)
+            p = t.managed(rows * cols, self._param_itemsize(name), name, Category.PARAMETERS)
             if self.lora is None:  # get_peft_model freezes the base
                 p.fn = ops.leaf(self.grads, name)
             self.model.weights[name] = p
@@ -210,6 +220,17 @@ class _HfRun:
             self.trainable = self.lora.trainable
         for name, numel in self.model.buffers():
             self.model.weights[name] = t.managed(numel, d.pd, name, Category.PARAMETERS)
+
+    def _param_itemsize(self, name: str) -> int:
+        """A parameter's bytes per element: the model's, but a 4-bit linear's bias (Qwen2's q, k, v)
+        in the compute dtype: ``Linear4bit.forward`` recasts it in place at the first call
+        (``bias.data = bias.data.to(x.dtype)`` after ``x.to(self.compute_dtype)``, bitsandbytes 0.50
+        ``nn/modules.py``), so from the first forward on it is stored so (the fp32 one of the build,
+        ``prepare_model_for_kbit_training``'s, goes then)."""
+        module, quant = name.removesuffix(".bias"), self.model.quant
+        if name.endswith(".bias") and isinstance(quant, Bnb4bit) and quant.quantized(module):
+            return quant.compute
+        return self.d.pd
 
     def _workspace(self, thread: str):
         """cuBLAS's workspace, allocated at a thread's first matmul and never freed (``trainer.py``)."""
