@@ -63,8 +63,10 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     bf16-master or fp32 (the math path's saves), with accumulation on one rank (the trainer refuses
     it over DDP); eager attention (``eager.py``) in every precision above, under autocast too (bf16-mixed), in full
     training or under LoRA over an unquantized base;
-    tensor parallel without sequence parallel under FSDP2 without a pipeline
-    (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace). An LLM.int8 base
+    tensor parallel without sequence parallel wherever the trainer runs it: under FSDP2, on one
+    data rank, with a pipeline or without (``tensor_parallel.all_reduce``, the plain norms' own
+    parameter group, whole-sequence receive buffers; checked on CPU: test_timeline_tensor_parallel.py,
+    test_timeline_tp_nosp.py, no GPU trace). An LLM.int8 base
     (``int8.py``: CPU's ``MatMul8bitFp`` checked against the trainer on CPU, CUDA's
     ``MatMul8bitLt`` from bitsandbytes' source, no trace) on one rank or DDP, recompute none, full
     or selective, with accumulation or dropout.
@@ -74,7 +76,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     biases over a 4-bit base (not checked), QK-norm; memplan's Triton attention; eager attention
     over a quantized base (not checked: bitsandbytes' CUDA kernels); fp32 SDPA without GQA (the
     memory-efficient kernel) over a quantized base; fp16-master, fp8; offload of one side alone or
-    NVMe; tensor parallel over DDP, or without sequence parallel outside FSDP2 without a pipeline;
+    NVMe; tensor parallel over DDP (the trainer refuses it);
     LLM.int8 bases with selective-op or partial recompute, a trained head copy, autocast or ZeRO
     (``_int8_modelled``); 4-bit bases under autocast, or whose ``gemm_4bit`` kernel the GPU's
     architecture picks (5 to 1536 tokens, by the weights' shapes); LoRA under FSDP2, TP or PP (the
@@ -100,7 +102,6 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (not _fp32_stream(plan) or plan.attention == "eager" or _fp32_sdpa_modelled(model, plan), _EFFICIENT_QUANT),
         (plan.offload_activations == "none" or _offload_accumulation(workload, plan), _OFFLOAD_ACCUM),
         (plan.tp == 1 or _fsdp(plan) or _tp_one_rank(plan), _TP_WITHOUT_FSDP),
-        (plan.tp == 1 or plan.sequence_parallel or (_fsdp(plan) and plan.pp == 1), _TP_WITHOUT_SP),
         (_divides(model, workload, plan), "dimensions that tensor parallel does not divide"),
     ]
     for ok, what in checks:
@@ -146,7 +147,6 @@ def _offload_accumulation(workload: TrainingWorkload, plan: Plan) -> bool:
 
 _OFFLOAD_ACCUM = "activation offload with accumulation over data parallel (the trainer refuses it)"
 _TP_WITHOUT_FSDP = "tensor parallel without FSDP2 over dp > 1 (DDP)"
-_TP_WITHOUT_SP = "tensor parallel without sequence parallel outside FSDP2 without a pipeline"
 
 
 def _tp_one_rank(plan: Plan) -> bool:
@@ -203,9 +203,10 @@ def accumulation(workload: TrainingWorkload, plan: Plan) -> int:
 
 
 def _divides(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
+    """``validate.support``: TP splits the heads, the FFN and the vocabulary; SP the sequence."""
     tp = plan.tp
     sizes = (model.q_size, model.kv_size, model.ffn_size, model.vocab_size, model.num_attention_heads, model.kv_heads)
-    return all(n % tp == 0 for n in sizes) and workload.seq_len % tp == 0
+    return all(n % tp == 0 for n in sizes) and (workload.seq_len % tp == 0 or not plan.sequence_parallel)
 
 
 def sdpa_kernel(model: ModelSpec, plan: Plan) -> str:
