@@ -151,7 +151,7 @@ _TP_WITHOUT_FSDP = "tensor parallel without FSDP2 over dp > 1 (DDP)"
 
 def _tp_one_rank(plan: Plan) -> bool:
     """TP on one data rank (the trainer refuses it over DDP), held against the trainer on CPU
-    (tests/unit/test_timeline_pipeline_combos.py)."""
+    (tests/unit/test_timeline_pipeline_combos.py; without SP test_timeline_tp_nosp.py)."""
     return plan.dp == 1
 
 
