@@ -21,7 +21,7 @@ below within 204 B (at most 0.002%), for the step and for the forward and backwa
 from __future__ import annotations
 
 import pytest
-from test_timeline_zero1 import TINY
+from test_timeline_zero1 import TIED, TINY
 from timeline_peaks import CPU_BOUND, assert_peaks, measured_peaks, steady_peaks, trainer_record
 
 from memplan.costmodel.reserve import plan_run
@@ -62,6 +62,10 @@ CPU_CASES = {
         TINY, dict(TP, pp=2, dp=2, zero=3, precision="bf16-mixed"), (128, 8), 0
     ),
     "1f1b-pp2-last-tp2-zero2-dp2-bf16": (TINY, dict(TP, pp=2, dp=2, zero=2, precision="bf16"), (128, 8), 1),
+    "tp2-zero3-dp2-cpu-offload-bf16": (
+        TINY, dict(TP, dp=2, zero=3, offload_params="cpu", offload_optimizer="cpu", precision="bf16"), (128, None), 0
+    ),
+    "tp2-zero3-dp2-tied-accum2-bf16-mixed": (TIED, dict(TP, dp=2, zero=3, precision="bf16-mixed"), (128, 4), 0),
     "interleaved-pp2-v2-last-tp2-zero3-dp2-selective-op": (
         TINY, dict(TP, **V2, dp=2, zero=3, precision="bf16-mixed", recompute="selective-op"), (128, 8), 1
     ),
