@@ -101,8 +101,10 @@ def optimizer_groups(params: list[tuple[str, int]]) -> list[list[tuple[str, int]
     SP), each stepped in turn (``AdamW.step`` / ``MasterAdamW.step``: ``for group in
     self.param_groups``): the second group's states and temporaries come after the first's are
     freed. ``params``: (name, elements) in ``model.parameters()`` order."""
-    plain = [p for p in params if p[0].endswith("norm.weight")]
-    return [g for g in ([p for p in params if p not in plain], plain) if g]
+    groups: tuple[list, list] = ([], [])
+    for p in params:
+        groups[p[0].endswith("norm.weight")].append(p)
+    return [g for g in groups if g]
 
 
 # A run of allocations ("+name:size") and frees ("-name") transcribed from the t8_tp2_x trace;
