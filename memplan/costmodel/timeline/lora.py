@@ -35,11 +35,11 @@ from memplan.costmodel.timeline import ops, qkv_bias
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.ddp import Ddp
 from memplan.costmodel.timeline.dropout import dropout
-from memplan.costmodel.timeline.events import Category
+from memplan.costmodel.timeline.events import Builder, Category
 from memplan.costmodel.timeline.quant import QuantConfig
 from memplan.costmodel.timeline.quant import config as quant_config
 from memplan.costmodel.timeline.quant import is_linear as _is_4bit
-from memplan.costmodel.timeline.trainer_model import Model
+from memplan.costmodel.timeline.trainer_model import Dims, Model
 from memplan.specs.plan import Plan
 
 
@@ -67,6 +67,18 @@ def config(plan: Plan, cuda: bool = True, gpu_arch: CudaArch | None = None) -> L
     input_grad, save_head = plan.recompute == "full", "lm_head" in plan.modules_to_save
     quant, dropout = quant_config(plan, gpu_arch), plan.lora_dropout > 0
     return LoraConfig(plan.lora_rank, modules, input_grad, quant, save_head, dropout, cuda, plan.quant == "int8")
+
+
+def trained_params(cfg: LoraConfig, d: Dims, shapes: dict[str, tuple[int, int]]) -> list[tuple[str, int]]:
+    """(name, elements) of what the trainer's optimizer steps (``lora.trainable``: the parameters
+    that require grad, in ``model.parameters()`` order), without a run: :meth:`Lora.build` over the
+    base's ``shapes`` on a scratch tape. Under ZeRO-1 ``ZeroRedundancyOptimizer`` partitions this
+    list, not the base (``trainer.followed_rank``)."""
+    tape = Tape(Builder())
+    lora = Lora(tape, cfg, d.tokens, Model(tape, d, {}))
+    for name, (rows, cols) in shapes.items():
+        lora.build(tape.new(rows * cols, d.pd, name), name, rows, cols)
+    return lora.params()
 
 
 @dataclass

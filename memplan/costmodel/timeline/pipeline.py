@@ -227,7 +227,7 @@ class Pipeline:
         """``StageReplay._buffers``: zeroed once, at the first step."""
         if self.recv_act or self.recv_grad:
             return
-        t, numel = self.t, self.d.tokens // self.d.tp * self.d.h
+        t, numel = self.t, self.d.tokens // (self.d.tp if self.d.sp else 1) * self.d.h  # runner: s_local
         for c, ch in enumerate(self.chunks):
             if not ch.first:
                 self.recv_act[c] = []

@@ -69,9 +69,10 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
     bf16-master or fp32 (the math path's saves), with accumulation on one rank (the trainer refuses
     it over DDP); eager attention (``eager.py``) in every precision above, under autocast too
     (bf16-mixed), in full training or under LoRA over any base above (a quantized one:
-    test_timeline_quant_compose.py); tensor parallel without sequence parallel under FSDP2 without
-    a pipeline
-    (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace). An LLM.int8 base
+    test_timeline_quant_compose.py); tensor parallel without sequence parallel wherever the trainer
+    runs it: under FSDP2, on one data rank, with a pipeline or without (``tensor_parallel.all_reduce``,
+    the plain norms' own parameter group, whole-sequence receive buffers; checked on CPU:
+    test_timeline_tensor_parallel.py, test_timeline_tp_nosp.py, no GPU trace). An LLM.int8 base
     (``int8.py``: CPU's ``MatMul8bitFp`` checked against the trainer on CPU, CUDA's
     ``MatMul8bitLt`` from bitsandbytes' source, no trace) on one rank, DDP or ZeRO-1, any
     recompute (selective-op, the first ``recompute_layers``), with accumulation, dropout or a
@@ -80,7 +81,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer refuses
     them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them),
     QK-norm; memplan's Triton attention; fp16-master, fp8; offload of one side alone or
-    NVMe; tensor parallel over DDP, or without sequence parallel outside FSDP2 without a pipeline;
+    NVMe; tensor parallel over DDP (the trainer refuses it);
     LLM.int8 bases under autocast (``_int8_modelled``: the trainer refuses it); 4-bit bases under
     autocast, or whose ``gemm_4bit`` kernel the GPU's architecture picks (5 to 1536 tokens, by the
     weights' shapes) where ``gpu_arch`` is not given (no profile, or a ROCm one: bitsandbytes' ROCm
@@ -105,7 +106,6 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
         (not _fp32_stream(plan) or plan.attention == "eager" or _fp32_sdpa_modelled(model, plan), _EFFICIENT_QUANT),
         (plan.offload_activations == "none" or _offload_accumulation(workload, plan), _OFFLOAD_ACCUM),
         (plan.tp == 1 or _fsdp(plan) or _tp_one_rank(plan), _TP_WITHOUT_FSDP),
-        (plan.tp == 1 or plan.sequence_parallel or (_fsdp(plan) and plan.pp == 1), _TP_WITHOUT_SP),
         (_divides(model, workload, plan), "dimensions that tensor parallel does not divide"),
     ]
     for ok, what in checks:
@@ -141,12 +141,11 @@ def _offload_accumulation(workload: TrainingWorkload, plan: Plan) -> bool:
 
 _OFFLOAD_ACCUM = "activation offload with accumulation over data parallel (the trainer refuses it)"
 _TP_WITHOUT_FSDP = "tensor parallel without FSDP2 over dp > 1 (DDP)"
-_TP_WITHOUT_SP = "tensor parallel without sequence parallel outside FSDP2 without a pipeline"
 
 
 def _tp_one_rank(plan: Plan) -> bool:
     """TP on one data rank (the trainer refuses it over DDP), held against the trainer on CPU
-    (tests/unit/test_timeline_pipeline_combos.py)."""
+    (tests/unit/test_timeline_pipeline_combos.py; without SP test_timeline_tp_nosp.py)."""
     return plan.dp == 1
 
 
@@ -198,9 +197,10 @@ def accumulation(workload: TrainingWorkload, plan: Plan) -> int:
 
 
 def _divides(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
+    """``validate.support``: TP splits the heads, the FFN and the vocabulary; SP the sequence."""
     tp = plan.tp
     sizes = (model.q_size, model.kv_size, model.ffn_size, model.vocab_size, model.num_attention_heads, model.kv_heads)
-    return all(n % tp == 0 for n in sizes) and workload.seq_len % tp == 0
+    return all(n % tp == 0 for n in sizes) and (workload.seq_len % tp == 0 or not plan.sequence_parallel)
 
 
 def sdpa_kernel(model: ModelSpec, plan: Plan) -> str:

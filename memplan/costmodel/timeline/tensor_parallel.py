@@ -8,8 +8,11 @@ through funcol on the compute stream. The embedding is vocabulary-parallel and t
 
 Without sequence parallel (``Replicate()`` layouts) the stream is whole on every rank: no gather,
 the row-parallel outputs and the embedding's partial lookup are all-reduced instead
-(:func:`all_reduce`), and the norms run on plain tensors. No GPU trace: checked against the
-trainer on CPU (tests/unit/test_timeline_tensor_parallel.py).
+(:func:`all_reduce`), and the norms run on plain tensors: without FSDP2 their weights are plain
+too, a parameter group of their own (:func:`optimizer_groups`), and a pipeline's receive buffers
+hold the whole sequence (``runner._train``'s ``s_local``). No GPU trace: checked against the
+trainer on CPU (tests/unit/test_timeline_tensor_parallel.py under FSDP2,
+test_timeline_tp_nosp.py on one data rank and under a pipeline).
 """
 
 from __future__ import annotations
@@ -89,6 +92,19 @@ def all_reduce(tape: Tape, x: Tensor, tp: int, tag: str) -> Tensor:
         return [tape.hold(g[0])]
 
     return ops.result(tape, x.numel, x.itemsize, f"{tag}.all_reduce", tape.node(f"{tag}.all_reduce", apply, [x]))
+
+
+def optimizer_groups(params: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """``parallel.build_optimizer_from`` under TP without SP or FSDP2: foreach kernels take no mix
+    of DTensors and plain tensors, so the optimizer gets two parameter groups, the DTensors (every
+    matrix, the q, k, v biases), then the plain norms (``apply_tp`` gives them no layout without
+    SP), each stepped in turn (``AdamW.step`` / ``MasterAdamW.step``: ``for group in
+    self.param_groups``): the second group's states and temporaries come after the first's are
+    freed. ``params``: (name, elements) in ``model.parameters()`` order."""
+    groups: tuple[list, list] = ([], [])
+    for p in params:
+        groups[p[0].endswith("norm.weight")].append(p)
+    return [g for g in groups if g]
 
 
 # A run of allocations ("+name:size") and frees ("-name") transcribed from the t8_tp2_x trace;

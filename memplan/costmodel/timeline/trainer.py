@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from memplan.costmodel.timeline import act_offload, ops, recompute
+from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
@@ -113,13 +114,20 @@ def followed_rank(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stag
     """The global rank :func:`trainer_run` follows on pipeline rank ``stage``, in the trainer's
     (pp, dp, tp) mesh (``parallel.build_meshes``: stage x dp x tp + data rank x tp): tensor rank
     0, and data rank 0 but under ZeRO-1, where the ranks differ in their optimizer's share alone
-    and the run follows the largest (``zero1.most_loaded``), so ``memplan validate`` measures it."""
+    and the run follows the largest (``zero1.most_loaded``) of what the optimizer partitions (under
+    LoRA the adapters and a head copy: ``lora.trained_params``), so ``memplan validate`` measures it."""
     data_rank = 0
     if plan.zero == 1 and plan.dp > 1:
         from memplan.costmodel.timeline import zero1
 
-        shapes = param_shapes(dims(model, workload, plan), model.tied_embeddings)
-        data_rank = zero1.most_loaded([(name, rows * cols) for name, (rows, cols) in shapes.items()], plan.dp)
+        d = dims(model, workload, plan)
+        shapes = param_shapes(d, model.tied_embeddings)
+        params = [(name, rows * cols) for name, (rows, cols) in shapes.items()]
+        if plan.finetune != "full":
+            from memplan.costmodel.timeline.lora import config, trained_params
+
+            params = trained_params(config(plan), d, shapes)
+        data_rank = zero1.most_loaded(params, plan.dp)
     return (stage * plan.dp + data_rank) * plan.tp
 
 
@@ -305,14 +313,21 @@ class _Run:
         """Foreach AdamW over ``model.parameters()`` (local shards): on the first step the
         states (exp_avg, exp_avg_sq per parameter, zeros_like, in parameter order); each step
         one ``_foreach_sqrt`` temporary per parameter, all live together."""
+        self.tape.scope = ""
+        params = self.optimizer_params()
+        plain_norms = self.d.tp > 1 and not self.d.sp and self.fsdp is None  # two groups (tensor_parallel.py)
+        for group in tpar.optimizer_groups(params) if plain_norms else [params]:
+            self._group_step(group, first)
+
+    def _group_step(self, params: list[tuple[str, int]], first: bool) -> None:
+        """One parameter group's step: its states on the first step, its temporaries."""
         t, pd = self.tape, self.d.pd
-        t.scope = ""
         if self.master is not None:
             fp32 = self.lora.fp32() if self.lora is not None else ()
-            self.master.step(self.optimizer_params(), first, fp32, {n: g.numel for n, g in self.grads.items()})
+            self.master.step(params, first, fp32, {n: g.numel for n, g in self.grads.items()})
             return
         itemsize = self.lora.itemsize if self.lora is not None else lambda _: pd
-        sizes = [(name, n * itemsize(name)) for name, n in self.optimizer_params()]
+        sizes = [(name, n * itemsize(name)) for name, n in params]
         if first:
             for name, size in sizes:
                 for state in ("exp_avg", "exp_avg_sq"):
