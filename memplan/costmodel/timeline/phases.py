@@ -9,7 +9,7 @@ is the most allocated from the moment it starts, over the measured (steady) step
 runs mark the same points (:data:`PHASE_MARKS`); ``reserve.replay`` resets the allocator model's
 peak at each and keeps each phase's highest (``Replay.phase_peaks``: the allocator's block sizes,
 the bytes ``torch.cuda.max_memory_allocated`` counts); :func:`model_states` reads the states off
-the run.
+the run, :func:`saved_activations` what its forwards keep for their backwards.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ PHASES = ("forward", "backward", "optimizer")
 PHASE_MARKS = {f"phase:{p}": p for p in PHASES} | {"phase:end": None}  # the mark's tag -> the phase it opens
 SETUP = "setup"  # before the first step's first mark: the model's build (``Replay.peak_phase``)
 STEADY = "step0"  # the warm-up step's end: the meter measures the steps after it
+WORKSPACES = "cublas_workspace"  # cuBLAS's workspaces: activations by category, kept by no step (trainer.py)
+_SAVED = (Category.ACTIVATIONS, Category.LOGITS)  # saved_activations' categories
 _STATES = {
     "parameters": (Category.PARAMETERS,),
     "gradients": (Category.GRADIENTS,),
@@ -41,3 +43,52 @@ def model_states(timeline: Timeline) -> dict[str, int]:
         elif tag == "phase:optimizer":
             at = dict(live)
     return {k: sum(at.get(c, 0) for c in cats) for k, cats in _STATES.items()}
+
+
+def saved_activations(timeline: Timeline) -> tuple[int, int]:
+    """(per_layer, total): what the run's forwards keep for their backwards, read off its
+    activation tensors (categories ``activations`` and ``logits_and_loss``: the loss's fp32
+    log-softmax is saved for its backward; cuBLAS's workspaces left out) at the
+    ``phase:backward`` mark of the steady steps where most of them are live (without a pipeline,
+    one micro-batch's forward and loss done, before ``loss.backward()``; under a schedule, every
+    micro-batch then in flight). ``total``: those bytes, as allocated. ``per_layer``: of the
+    tensors the last forward before that mark allocated (one micro-batch, or one chunk of it) and
+    still live there, the most any one decoder layer did (its tags' ``layers.<i>.``: the saves
+    under the plan's recomputation, a checkpointed layer's kept input included)."""
+    live: dict[int, tuple[int, str, int]] = {}
+    acts = best = per_layer = 0
+    steady, since = False, 0
+    for i, (op, tensor, size, category, _stream, tag) in enumerate(timeline.events):
+        if op == ALLOC:
+            if category in _SAVED and not tag.startswith(WORKSPACES):
+                live[tensor] = (size, tag, i)
+                acts += size
+        elif op == FREE:
+            if live.pop(tensor, None) is not None:
+                acts -= size
+        elif tag == "phase:forward":
+            since = i
+        elif tag == STEADY:
+            steady = True
+        elif tag == "phase:backward" and steady and acts > best:
+            best, per_layer = acts, _largest_layer(live.values(), since)
+    return per_layer, best
+
+
+def _largest_layer(live, since: int) -> int:  # noqa: ANN001 (values of saved_activations' live)
+    """The most bytes one decoder layer's tags hold among ``live`` tensors allocated after ``since``."""
+    layers: dict[str, int] = {}
+    for size, tag, born in live:
+        if born > since and (index := _layer(tag)) is not None:
+            layers[index] = layers.get(index, 0) + size
+    return max(layers.values(), default=0)
+
+
+def _layer(tag: str) -> str | None:
+    """The decoder layer index a tag names (``layers.3.attn.q``, ``c0.layers.3...``,
+    ``model.layers.3...``), or None."""
+    head, sep, rest = tag.partition("layers.")
+    if not sep or (head and not head.endswith(".")):
+        return None
+    index = rest.partition(".")[0]
+    return index if index.isdigit() else None
