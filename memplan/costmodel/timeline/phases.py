@@ -21,7 +21,8 @@ PHASE_MARKS = {f"phase:{p}": p for p in PHASES} | {"phase:end": None}  # the mar
 SETUP = "setup"  # before the first step's first mark: the model's build (``Replay.peak_phase``)
 STEADY = "step0"  # the warm-up step's end: the meter measures the steps after it
 WORKSPACES = "cublas_workspace"  # cuBLAS's workspaces: activations by category, kept by no step (trainer.py)
-_SAVED = (Category.ACTIVATIONS, Category.LOGITS)  # saved_activations' categories
+# saved_activations' categories (the hand-written loop's ``use_cache`` copies are kv_cache)
+_SAVED = (Category.ACTIVATIONS, Category.LOGITS, Category.KV_CACHE)
 _STATES = {
     "parameters": (Category.PARAMETERS,),
     "gradients": (Category.GRADIENTS,),
@@ -47,14 +48,16 @@ def model_states(timeline: Timeline) -> dict[str, int]:
 
 def saved_activations(timeline: Timeline) -> tuple[int, int]:
     """(per_layer, total): what the run's forwards keep for their backwards, read off its
-    activation tensors (categories ``activations`` and ``logits_and_loss``: the loss's fp32
-    log-softmax is saved for its backward; cuBLAS's workspaces left out) at the
-    ``phase:backward`` mark of the steady steps where most of them are live (without a pipeline,
-    one micro-batch's forward and loss done, before ``loss.backward()``; under a schedule, every
-    micro-batch then in flight). ``total``: those bytes, as allocated. ``per_layer``: of the
-    tensors the last forward before that mark allocated (one micro-batch, or one chunk of it) and
-    still live there, the most any one decoder layer did (its tags' ``layers.<i>.``: the saves
-    under the plan's recomputation, a checkpointed layer's kept input included)."""
+    tensors of the categories ``activations``, ``logits_and_loss`` (the loss's fp32 log-softmax,
+    saved for its backward) and ``kv_cache`` (the hand-written loop's ``use_cache`` copies, held
+    until the next forward), cuBLAS's workspaces left out, at the ``phase:backward`` mark of the
+    steady steps where most of them are live: without a pipeline one micro-batch's forward and
+    loss done, before ``loss.backward()``; under a schedule, every micro-batch then in flight.
+    ``total``: those bytes, as allocated. ``per_layer``: of the tensors the last forward before
+    that mark allocated (one micro-batch, or one chunk of it) and still live there, the bytes
+    each decoder layer's tags (``layers.<i>.``) hold, the median layer's (the lower of two): one
+    layer's saves under the plan's recomputation (a checkpointed layer's kept input), without
+    what a chunk's last layer holds beyond them (its output, kept for the pipeline's send)."""
     live: dict[int, tuple[int, str, int]] = {}
     acts = best = per_layer = 0
     steady, since = False, 0
@@ -71,17 +74,19 @@ def saved_activations(timeline: Timeline) -> tuple[int, int]:
         elif tag == STEADY:
             steady = True
         elif tag == "phase:backward" and steady and acts > best:
-            best, per_layer = acts, _largest_layer(live.values(), since)
+            best, per_layer = acts, _median_layer(live.values(), since)
     return per_layer, best
 
 
-def _largest_layer(live, since: int) -> int:  # noqa: ANN001 (values of saved_activations' live)
-    """The most bytes one decoder layer's tags hold among ``live`` tensors allocated after ``since``."""
+def _median_layer(live, since: int) -> int:  # noqa: ANN001 (values of saved_activations' live)
+    """The median (low) of the bytes each decoder layer's tags hold among ``live`` tensors
+    allocated after ``since``; 0 where none is a layer's."""
     layers: dict[str, int] = {}
     for size, tag, born in live:
         if born > since and (index := _layer(tag)) is not None:
             layers[index] = layers.get(index, 0) + size
-    return max(layers.values(), default=0)
+    sizes = sorted(layers.values())
+    return sizes[(len(sizes) - 1) // 2] if sizes else 0
 
 
 def _layer(tag: str) -> str | None:
