@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from memplan.costmodel import memory
-from memplan.costmodel.reserve import peak_breakdown, plan_verdict
+from memplan.costmodel.reserve import peak_breakdown
 from memplan.costmodel.timeline import phases
 from memplan.costmodel.timeline.events import Builder, Category
 from memplan.estimation import estimate, memory_verdict
