@@ -1083,8 +1083,15 @@ def stage_states(
     the caching allocator; on CPU bitsandbytes falls back to ``torch.zeros_like``). No phase sum:
     the op-level estimate reads its host and paged bytes here (``costmodel.run_report``)."""
     memo = MemoryMemo() if memo is None else memo
-    policy = POLICIES[plan.precision]
     layout, _, layout_key = memo.layout(model, plan, stage)
+    return _states(model, plan, layout, layout_key, POLICIES[plan.precision], device, memo)
+
+
+def _states(
+    model: ModelSpec, plan: Plan, layout: StageLayout, layout_key: tuple, policy: PrecisionPolicy, device: Device,
+    memo: MemoryMemo,
+) -> _States:  # fmt: skip
+    """:func:`stage_states` of a stage whose layout the caller has (``_stage_phases``)."""
     factored = 1 / model.hidden_size + 1 / model.ffn_size
     if plan.finetune != "full":
         st = finetune_states(layout, model, plan, policy, factored)
@@ -1114,7 +1121,7 @@ def _stage_phases(
     fsdp2 = _fsdp2(rt, plan)
     layout, moe_fraction, layout_key = memo.layout(model, plan, stage)
     finetune = plan.finetune != "full"
-    st = stage_states(model, plan, stage, device, memo)
+    st = _states(model, plan, layout, layout_key, policy, device, memo)
     x, shape_key = memo.shape(model, workload, plan, rt, device) if shape is None else shape
     terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
     full_layer, live_layer = terms.full_layer, terms.live_layer
