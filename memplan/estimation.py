@@ -159,7 +159,8 @@ def _detail(job: Job, v: Verdict, limit: int) -> ReservedDetail:
 
 def _which_model(timeline: str, device: Device) -> tuple[str, str | None]:
     """``memory.model`` and why not the op-level run: it answers for CUDA plans of the bundled
-    trainer that ``timeline.support.supported`` accepts; the phase model for the rest."""
+    trainer that ``timeline.support.supported`` accepts (and of transformers' runs that
+    ``hf_support.hf_supported`` accepts); the phase model for the rest."""
     if timeline in OP_LEVEL_RUNS:
         if device == "cuda":
             return "op-level", None
