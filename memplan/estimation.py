@@ -11,10 +11,11 @@ from memplan.costmodel.host import HostMemory, host_memory
 from memplan.costmodel.margin import band as margin_band
 from memplan.costmodel.margin import state as margin_state
 from memplan.costmodel.memory import estimate_memory, sdpa_kind
+from memplan.costmodel.overhead import communicators, fixed_overhead_bytes
 from memplan.costmodel.params import active_params, total_params
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.report import MemoryReport, ReservedDetail
-from memplan.costmodel.reserve import Verdict, peak_breakdown, plan_verdict, serving_verdict
+from memplan.costmodel.reserve import Verdict, plan_verdict, serving_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
 from memplan.costmodel.timeline.events import Timeline
 from memplan.specs.hardware import GPUSpec
@@ -101,17 +102,46 @@ def _with_attention_kernel(plan: dict[str, Any], job: Job, device: Device) -> di
 OP_LEVEL_RUNS = ("trainer", "hf", "hf-loop")
 
 
-def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Device) -> tuple[MemoryReport, Verdict]:
-    """The run (training: build, a first step, steady steps; serving: weights, KV cache,
-    prefills) replayed through the caching allocator model decides reserved and fits. On CUDA,
-    when the run is the bundled trainer's op by op (``timeline == "trainer"``), its allocated
-    peak and the live set there are ``peak.allocated`` and the breakdown (they hold CUDA
-    kernels' workspaces and transients the phase model, exact on CPU, does not)."""
-    if isinstance(job.workload, TrainingWorkload):
+def memory_verdict(job: Job, device: Device, limit: int | None = None) -> tuple[MemoryReport, Verdict, int]:
+    """The memory report of ``job`` on ``device``, the allocator's verdict on its run within
+    ``limit`` (by default the capacity less the memory outside the allocator), and that limit.
+
+    The run (training: build, a first step, steady steps; serving: weights, KV cache, prefills)
+    replayed through the caching allocator model decides reserved and fits. Where the run is
+    op-level on CUDA (``OP_LEVEL_RUNS``) the report is built from it alone
+    (``costmodel.run_report``) and the phase model is not computed; else the phase model's report
+    (``memory.estimate_memory``) with the replay's reserved, fits and detail."""
+    training = isinstance(job.workload, TrainingWorkload)
+    if training:
+        if limit is None:
+            plan = job.plan
+            limit = job.gpu.capacity_bytes - fixed_overhead_bytes(
+                communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep)
+            )
         v = plan_verdict(job.model, job.workload, job.plan, job.runtime, job.allocator, limit, device, job.gpu)
+        if device == "cuda" and v.timeline in OP_LEVEL_RUNS:
+            from memplan.costmodel.run_report import run_report
+
+            report = run_report(job.model, job.workload, job.plan, job.runtime, v, _detail(job, v, limit))
+            return report, v, limit
+        report = estimate_memory(job.model, job.workload, job.plan, job.runtime, device)
     else:
+        report = estimate_memory(job.model, job.workload, job.plan, job.runtime, device)
+        limit = job.gpu.capacity_bytes - report.overhead if limit is None else limit
         v = serving_verdict(job.model, job.workload, job.plan, job.allocator, limit)
-    detail = ReservedDetail(
+    update: dict[str, Any] = {"reserved": v.reserved, "reserved_detail": _detail(job, v, limit)}
+    if v.timeline == "trainer":  # on CPU: the rank it followed, the one ``memplan validate`` runs
+        from memplan.costmodel.timeline.trainer import followed_rank
+
+        update["rank"] = followed_rank(job.model, job.workload, job.plan, report.peak.stage)
+    peak = report.peak.model_copy(update=update)
+    model, reason = _which_model(v.timeline, device)
+    return report.model_copy(update={"peak": peak, "model": model, "model_reason": reason}), v, limit
+
+
+def _detail(job: Job, v: Verdict, limit: int) -> ReservedDetail:
+    """The allocator's state at the allocated peak of its replay of the run (``ReservedDetail``)."""
+    return ReservedDetail(
         allocator="expandable" if job.allocator.expandable_segments else "default",
         segments=v.replay.segments,
         cached_free=v.replay.cached_free,
@@ -125,43 +155,12 @@ def _allocator_verdict(job: Job, report: MemoryReport, limit: int, device: Devic
         timeline=v.timeline,
         timeline_allocated=v.replay.max_allocated,
     )
-    update: dict[str, Any] = {"reserved": v.reserved, "reserved_detail": detail}
-    figures: dict[str, Any] = {}
-    if v.timeline == "trainer":  # the rank it followed: the one ``memplan validate`` runs
-        from memplan.costmodel.timeline.trainer import followed_rank
-
-        update["rank"] = followed_rank(job.model, job.workload, job.plan, report.peak.stage)
-    if device == "cuda" and v.timeline in OP_LEVEL_RUNS:
-        update.update(allocated=v.replay.max_allocated, breakdown=peak_breakdown(v))
-        figures = _run_figures(v, report)
-        if "phases" in figures:  # where the whole run peaks: a steady step's phase, or the build
-            update["phase"] = v.replay.peak_phase or max(figures["phases"], key=figures["phases"].__getitem__)
-    peak = report.peak.model_copy(update=update)
-    model, reason = _which_model(v.timeline, device)
-    return report.model_copy(update={"peak": peak, "model": model, "model_reason": reason, **figures}), v
-
-
-def _run_figures(v: Verdict, report: MemoryReport) -> dict[str, Any]:
-    """What the op-level run says of the figures the phase model also reports: each phase's peak
-    over the steady steps, as the bundled trainer's meter measures them (the replay's
-    ``phase_peaks``: ``timeline.phases``), that peak as the examined stage's, and the rank's
-    parameters, gradients and optimizer states (``phases.model_states``). A run that does not
-    name its phases (transformers' Trainer's) keeps the phase model's figures."""
-    from memplan.costmodel.timeline.phases import model_states
-
-    peaks = v.replay.phase_peaks
-    if not peaks or v.run is None:
-        return {}
-    return {
-        "phases": dict(peaks),
-        "stage_peaks": {report.peak.stage: max(peaks.values())},
-        "model_states": report.model_states.model_copy(update=model_states(v.run)),
-    }
 
 
 def _which_model(timeline: str, device: Device) -> tuple[str, str | None]:
     """``memory.model`` and why not the op-level run: it answers for CUDA plans of the bundled
-    trainer that ``timeline.support.supported`` accepts; the phase model for the rest."""
+    trainer that ``timeline.support.supported`` accepts (and of transformers' runs that
+    ``hf_support.hf_supported`` accepts); the phase model for the rest."""
     if timeline in OP_LEVEL_RUNS:
         if device == "cuda":
             return "op-level", None
@@ -190,8 +189,7 @@ def _verified(
         plan = Plan.model_validate({**job.plan.model_dump(), **dict(s.plan_update)})
         workload = job.workload.model_copy(update=dict(s.workload_update))
         changed = replace(job, plan=plan, workload=workload)
-        full = estimate_memory(changed.model, changed.workload, changed.plan, changed.runtime, device)
-        full, v = _allocator_verdict(changed, full, limit, device)
+        full, v, _ = memory_verdict(changed, device, limit)
         reserved = full.peak.reserved
         out.append((replace(s, reserved=reserved, saved=current - reserved, fits=v.fits), True))
     return out
@@ -238,13 +236,11 @@ def estimate_with_run(
     """:func:`estimate`, with the run its allocator verdict replayed (the most-loaded rank's) and
     which model made it (``trainer``, ``phases (...)`` or ``serving``): what ``--timeline`` draws,
     so that the run is built once."""
-    report = estimate_memory(job.model, job.workload, job.plan, job.runtime, device)
     time = None
     if isinstance(job.workload, TrainingWorkload):
         time = estimate_time(job.model, job.workload, job.plan, job.gpu, job.cluster, job.runtime, efficiency)
     capacity = job.gpu.capacity_bytes
-    limit = capacity - report.overhead
-    report, v = _allocator_verdict(job, report, limit, device)
+    report, v, limit = memory_verdict(job, device)
     fits, reason = v.fits, v.reason
     host = None
     if isinstance(job.workload, TrainingWorkload):

@@ -1074,6 +1074,34 @@ def _largest(candidates: list[dict[str, int]]) -> tuple[dict[str, int], int]:
     return best, total
 
 
+def stage_states(
+    model: ModelSpec, plan: Plan, stage: int, device: Device = "cuda", memo: MemoryMemo | None = None
+) -> _States:
+    """The model states of pipeline rank ``stage`` in closed form (the ZeRO partition of
+    :func:`model_states`, or :func:`finetune_states`): what lives on the device, what is offloaded
+    to the host or NVMe, and bitsandbytes' paged optimizer states (CUDA managed memory, outside
+    the caching allocator; on CPU bitsandbytes falls back to ``torch.zeros_like``). No phase sum:
+    the op-level estimate reads its host and paged bytes here (``costmodel.run_report``)."""
+    memo = MemoryMemo() if memo is None else memo
+    layout, _, layout_key = memo.layout(model, plan, stage)
+    return _states(model, plan, layout, layout_key, POLICIES[plan.precision], device, memo)
+
+
+def _states(
+    model: ModelSpec, plan: Plan, layout: StageLayout, layout_key: tuple, policy: PrecisionPolicy, device: Device,
+    memo: MemoryMemo,
+) -> _States:  # fmt: skip
+    """:func:`stage_states` of a stage whose layout the caller has (``_stage_phases``)."""
+    factored = 1 / model.hidden_size + 1 / model.ffn_size
+    if plan.finetune != "full":
+        st = finetune_states(layout, model, plan, policy, factored)
+    else:
+        st = memo.model_states(layout, plan, policy, factored, layout_key)
+    if device == "cuda" and is_paged(plan.optimizer) and (paged := paged_state_bytes(model, layout, plan)):
+        st = st._replace(optimizer=st.optimizer - paged, paged=paged)
+    return st
+
+
 def _stage_phases(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -1092,15 +1120,8 @@ def _stage_phases(
     policy = POLICIES[plan.precision]
     fsdp2 = _fsdp2(rt, plan)
     layout, moe_fraction, layout_key = memo.layout(model, plan, stage)
-    factored = 1 / model.hidden_size + 1 / model.ffn_size
     finetune = plan.finetune != "full"
-    if finetune:
-        st = finetune_states(layout, model, plan, policy, factored)
-    else:
-        st = memo.model_states(layout, plan, policy, factored, layout_key)
-    if device == "cuda" and is_paged(plan.optimizer) and (paged := paged_state_bytes(model, layout, plan)):
-        # bitsandbytes' paged states leave the allocator (on CPU it falls back to torch.zeros_like)
-        st = st._replace(optimizer=st.optimizer - paged, paged=paged)
+    st = _states(model, plan, layout, layout_key, policy, device, memo)
     x, shape_key = memo.shape(model, workload, plan, rt, device) if shape is None else shape
     terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
     full_layer, live_layer = terms.full_layer, terms.live_layer
@@ -1447,7 +1468,7 @@ def estimate_training(
             phase=peak.phase,
             rank=peak.rank,
             stage=peak.stage,
-            rank_role=_role(peak.stage, plan.pp),
+            rank_role=stage_role(peak.stage, plan.pp),
             breakdown=breakdown,
         ),
         offload=Offload.model_construct(cpu=st.cpu, nvme=st.nvme),
@@ -1487,7 +1508,8 @@ def _stages_to_examine(model: ModelSpec, plan: Plan, rt: RuntimeProfile) -> list
     return sorted({0, plan.pp - 1} | middle)
 
 
-def _role(stage: int, pp: int) -> str:
+def stage_role(stage: int, pp: int) -> str:
+    """``Peak.rank_role`` of pipeline rank ``stage`` of ``pp``."""
     if pp == 1:
         return "every rank (no pipeline)"
     if stage in (0, pp - 1):
@@ -1580,7 +1602,7 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
             phase="prefill",
             rank=stage * plan.tp,
             stage=stage,
-            rank_role=_role(stage, plan.pp),
+            rank_role=stage_role(stage, plan.pp),
             breakdown={k: v for k, v in {"parameters": weights, "kv_cache": kv, "activations": work}.items() if v},
         ),
         offload=Offload.model_construct(cpu=0, nvme=0),

@@ -48,9 +48,10 @@ class Prefill(_Frozen):
 class ReservedDetail(_Frozen):
     """The caching allocator's state at the allocated peak of its replay of the run (what was
     cached but free there is the fragmentation the peak paid for). ``timeline_allocated`` is
-    that run's own allocated peak: on CUDA the trainer's run (``timeline == "trainer"``) holds
-    kernels' workspaces and transients that ``peak.allocated`` (the phase model, exact on CPU)
-    does not.
+    that run's own allocated peak: ``peak.allocated`` itself where the run is op-level on CUDA
+    (``MemoryReport.model``); on CPU the bundled trainer's run (``timeline == "trainer"``) holds
+    CUDA kernels' workspaces and transients that ``peak.allocated`` (the phase model, exact on
+    CPU) does not.
 
     ``limit`` is what the allocator may use: the capacity PyTorch sees less the memory outside
     it (``MemoryReport.overhead``). ``failed_request`` is the allocation that could not be
@@ -115,8 +116,8 @@ class MemoryReport(_Frozen):
     # instructions to build (benchmarks/bench_estimate.py --instructions)
     outside: dict[str, int | str] | None = None
     prefill: Prefill | None = None  # serving only: the prefill forward the activations are of
-    # which model answered: "op-level" (the bundled trainer's run op by op: allocated, breakdown
-    # and reserved are its replay) or "phase" (the phase model's moments; ``model_reason`` says
-    # what keeps the op-level run off this plan)
+    # which model answered: "op-level" (the bundled trainer's, transformers' Trainer's or loop's
+    # run op by op: every figure of the step is the run's, ``costmodel.run_report``) or "phase"
+    # (the phase model's moments; ``model_reason`` says what keeps the op-level run off this plan)
     model: Literal["op-level", "phase"] = "phase"
     model_reason: str | None = None

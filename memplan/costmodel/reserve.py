@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator
 from memplan.costmodel.memory import serving_run, stage_moments
 from memplan.costmodel.quant import CudaArch, cuda_arch
-from memplan.costmodel.timeline.events import ALLOC, FREE, Stream, Timeline, collection_paused
-from memplan.costmodel.timeline.phases import PHASE_MARKS, SETUP, STEADY
+from memplan.costmodel.timeline.events import ALLOC, FREE, STEADY, Stream, Timeline, collection_paused
+from memplan.costmodel.timeline.phases import PHASE_MARKS, SETUP
 from memplan.costmodel.timeline.step import build_run
 from memplan.costmodel.timeline.support import supported
 from memplan.specs.model import ModelSpec

@@ -216,7 +216,10 @@ def test_the_table_says_fits_tight_with_the_numbers_and_what_buys_headroom(capsy
     assert run(["estimate", *PLAN, "--gpu", card]) == 0
     out = capsys.readouterr().out
     verdicts = [line for line in out.splitlines() if line.startswith(("fits", "does not fit"))]
-    assert len(verdicts) == 1 and verdicts[0].startswith("fits, tight: ") and "band of the phase model" in out
+    assert len(verdicts) == 1 and verdicts[0].startswith("fits, tight: ")
+    # the Trainer's op-level run answers this LoRA plan (bf16, the Trainer's recipe), and has no GPU
+    # measurement yet: its band is the hf phase model's measured error, and the line says so
+    assert "band of the op-level run's measured error" in out and "hf phase model" in " ".join(out.split())
     assert "Changes that buy the headroom" in out
     tight = estimate(capsys, [*PLAN, "--gpu", card])
     assert tight["suggestions"] and any(s["fits"] for s in tight["suggestions"])

@@ -167,10 +167,14 @@ def _estimate(capsys, args: list[str]) -> dict:
 @pytest.mark.parametrize("extra", [[], ["--finetune", "lora", "--recompute", "full"]])
 def test_estimate_answers_an_hf_ddp_plan_op_level(capsys, extra: list[str]) -> None:
     """``memplan estimate --runtime hf --dp 2`` replays the Trainer's rank; it holds the reducer's
-    buckets beside the gradients, so more than the one-rank run by at least the trained bytes."""
+    buckets beside the gradients, so more than the one-rank run by at least the trained bytes (the
+    one-rank run's gradients; the DDP rank's model states count the buckets among its gradients, as
+    the run files them: ``ddp.Reducer._bucket``)."""
     args = [LLAMA1B, "--runtime", "hf", "--precision", "bf16", *extra]
     one = _estimate(capsys, args)
     two = _estimate(capsys, [*args, "--dp", "2"])
     assert two["model"] == "op-level" and two["model_reason"] is None
     assert two["peak"]["reserved_detail"]["timeline"] == "hf"
-    assert two["peak"]["allocated"] - one["peak"]["allocated"] >= two["model_states"]["gradients"]
+    trained = one["model_states"]["gradients"]
+    assert two["peak"]["allocated"] - one["peak"]["allocated"] >= trained
+    assert two["model_states"]["gradients"] == 2 * trained  # each gradient and its bucket copy

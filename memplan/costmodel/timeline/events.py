@@ -68,11 +68,30 @@ class Event(NamedTuple):
 _event = tuple.__new__
 
 
+STEADY = "step0"  # the warm-up step's end mark: the meter measures the steps after it (timeline.phases)
+FORWARD_MARK = "phase:forward"  # a forward starts (timeline.phases)
+SNAPSHOT_MARKS = frozenset({"phase:backward", "phase:optimizer"})  # the live set kept at these, once steady
+
+
+class Snapshot(NamedTuple):
+    """The tensors live at a steady step's mark in :data:`SNAPSHOT_MARKS` (``timeline.phases``
+    reads the saved activations and the model states there without walking the events again).
+    ``since``: the first tensor id of the forward that the last ``phase:forward`` mark began
+    (ids only grow, so a tensor with an id at least ``since`` was allocated since that mark)."""
+
+    index: int  # the mark's position in the events
+    tag: str
+    since: int
+    live: tuple[Event, ...]
+
+
 @dataclass(frozen=True)
 class Timeline:
-    """The events of one rank, in order. Build with :class:`Builder`."""
+    """The events of one rank, in order, and the live sets at its steady marks. Build with
+    :class:`Builder`."""
 
     events: tuple[Event, ...]
+    snapshots: tuple[Snapshot, ...] = ()
 
     def __iter__(self) -> Iterator[Event]:
         return iter(self.events)
@@ -122,7 +141,10 @@ class Builder:
 
     events: list[Event] = field(default_factory=list)
     live: dict[int, Event] = field(default_factory=dict)
+    snapshots: list[Snapshot] = field(default_factory=list)
     _next: int = 0
+    _since: int = 0  # ``_next`` at the last phase:forward mark
+    _steady: bool = False  # past the warm-up step's end mark
 
     def alloc(self, size: int, category: Category, tag: str, stream: Stream = Stream.COMPUTE) -> int:
         """A new tensor of ``size`` bytes (nothing is recorded for an empty one); its id."""
@@ -141,13 +163,19 @@ class Builder:
             self.events.append(_event(Event, (FREE, tensor, size, category, stream, tag)))
 
     def mark(self, moment: str) -> None:
+        if moment == FORWARD_MARK:
+            self._since = self._next
+        elif moment == STEADY:
+            self._steady = True
+        elif self._steady and moment in SNAPSHOT_MARKS:
+            self.snapshots.append(Snapshot(len(self.events), moment, self._since, tuple(self.live.values())))
         self.events.append(Event(MARK, -1, 0, None, Stream.COMPUTE, moment))
 
     def live_bytes(self, category: Category) -> int:
         return sum(e.size for e in self.live.values() if e.category == category)
 
     def build(self) -> Timeline:
-        return Timeline(tuple(self.events))
+        return Timeline(tuple(self.events), tuple(self.snapshots))
 
 
 @contextmanager

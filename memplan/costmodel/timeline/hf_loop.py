@@ -127,6 +127,7 @@ class _HfLoopRun(_HfRun):
     def step(self, k: int) -> None:
         """One iteration: the forward (``out`` rebound), backward, ``opt.step()``, ``zero_grad``."""
         t, m = self.tape, self.model
+        self.b.mark("phase:forward")  # the meter's phases (timeline.phases)
         if self.model.kernel != "cpu_flash" and k == 0:
             t.on_first_mm = self._workspace("forward")
         m.cache = {} if self.d.autocast else None
@@ -146,13 +147,16 @@ class _HfLoopRun(_HfRun):
             m.cache = None
         if self.model.kernel != "cpu_flash" and k == 0:
             t.on_first_mm = self._workspace("backward")
+        self.b.mark("phase:backward")
         seed = t.new(1, 4, "grad_seed")
         t.backward(loss, t.hold(seed))  # torch.autograd.backward holds it until it returns
         t.scope = ""
         t.done(seed)
+        self.b.mark("phase:optimizer")
         self.optimizer_step(first=k == 0)
         for name in self.trainable:
             t.drop(self.grads.pop(name, None))
+        self.b.mark("phase:end")
 
     def _graph(self):
         """What the previous step's graph holds beyond its saved tensors: under gradient checkpointing

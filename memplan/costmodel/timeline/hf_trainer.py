@@ -274,6 +274,7 @@ class _HfRun:
         """``get_batch_samples`` (the update's ``ga`` batches; accelerate keeps one more fetched),
         ``ga`` training steps, then clip, the optimizer and ``zero_grad``."""
         t, ga = self.tape, self.ga
+        self.b.mark("phase:forward")  # the meter's phases (timeline.phases), as the bundled trainer's
         self._fetch_until((k + 1) * ga + 1)
         self._count_items()
         if k > 0:
@@ -284,15 +285,18 @@ class _HfRun:
             if self.ddp is not None:  # the Trainer's sync_context: no_sync() but for the last
                 self.ddp.sync = i == ga - 1
             self.training_step(self.data[i][0], first=k == 0 and i == 0)
+        self.b.mark("phase:optimizer")
         self.clip()
         self.optimizer_step(first=k == 0)
         for name in self.trainable:
             t.drop(self.grads.pop(name, None))
+        self.b.mark("phase:end")
 
     def training_step(self, ids: Tensor, first: bool) -> None:
         """``compute_loss`` (keeping the loss alone), ``accelerator.backward``, the loss checks;
         from the second micro-batch on ``AccumulateGrad`` adds each gradient into ``.grad``."""
         t = self.tape
+        self.b.mark("phase:forward")
         cuda = self.model.kernel != "cpu_flash"
         if cuda and first:
             t.on_first_mm = self._workspace("forward")
@@ -313,6 +317,7 @@ class _HfRun:
         if self.ddp is not None:
             loss, logits = self.ddp.post_forward([loss, logits])
         t.done(logits)  # compute_loss returns the loss alone
+        self.b.mark("phase:backward")  # accelerator.backward: the division by ga, then backward
         with t.scoped("accelerate"):
             scaled = scalar_div(t, loss, "div_accumulation", temps=0)
             seed = t.new(1, 4, "grad_seed")

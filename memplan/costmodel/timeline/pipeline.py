@@ -380,11 +380,11 @@ def _loss(t: Tape, logits: Tensor, labels: Tensor, d: Dims) -> Tensor:
 
 def factory(d: Dims, model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: int | None):
     """The run's :class:`Pipeline` maker for pipeline rank ``stage``, by default the most-loaded
-    one (the phase model's ``training_peak``: the rank ``memplan validate`` runs)."""
+    one (``most_loaded_stage``: the rank ``memplan validate`` runs)."""
     if stage is None:
-        from memplan.costmodel.memory import training_peak  # the phase model, only when pipelined
+        from memplan.costmodel.timeline.trainer import most_loaded_stage
 
-        stage = training_peak(model, workload, plan).stage
+        stage = most_loaded_stage(model, workload, plan)
 
     def make(tape: Tape, grads: dict) -> Pipeline:
         return Pipeline(tape, d, grads, plan.pp, plan.virtual_stages, stage, plan.pp_schedule)

@@ -110,6 +110,18 @@ def trainer_run(
     return run.b.build()
 
 
+def most_loaded_stage(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> int:
+    """The pipeline rank the run follows: 0 without a pipeline, else the phase model's most-loaded
+    stage (``memory.training_peak``, the bundled trainer's profile on CUDA: the rank ``memplan
+    validate`` runs). The one place an op-level estimate still asks the phase model: which rank,
+    not its bytes (following every stage would cost a run each)."""
+    if plan.pp == 1:
+        return 0
+    from memplan.costmodel.memory import training_peak  # the phase model, only when pipelined
+
+    return training_peak(model, workload, plan).stage
+
+
 def followed_rank(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: int) -> int:
     """The global rank :func:`trainer_run` follows on pipeline rank ``stage``, in the trainer's
     (pp, dp, tp) mesh (``parallel.build_meshes``: stage x dp x tp + data rank x tp): tensor rank
