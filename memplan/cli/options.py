@@ -167,6 +167,15 @@ OffloadActivationsOpt = Annotated[
     str | None,
     Opt(help="none or cpu: saved activations kept in host memory (default: none).", rich_help_panel=PLAN),
 ]
+ModelBuildOpt = Annotated[
+    str | None,
+    Opt(
+        help="runtime hf / hf-loop: how the model reached the GPU: from_pretrained (with a device_map: one warmup "
+        "segment the weights are carved from) or to_device (model.to('cuda'): one allocation per parameter) "
+        "(default: from_pretrained).",
+        rich_help_panel=FINETUNE_PANEL,
+    ),
+]
 
 
 MicroBatchOpt = Annotated[

@@ -21,6 +21,9 @@ a small model the adapters' blocks, served unsplit from cached segments, repeat 
 layer (the increments alternate 336,368,640 and 334,271,488 B on an 8-layer, 1,024-wide Llama
 with LoRA on every linear layer); the two depths share the model's parity.
 
+A quantized base loaded by ``from_pretrained`` (``_loads_quantized``) is the exception: its load leaves
+holes whose rests are not affine in the depth, so the whole run answers it.
+
 Measured against the whole run: equal to the byte on every plan of
 tests/search/test_fast_form_finetune.py (docs/cost-model.md, "The search's fast form against the
 run"). A search computes each plan's once (``search.evaluate.Context.run_peaks``).
@@ -79,6 +82,8 @@ def run_peak(
     base's kernel (``quant.cuda_arch``)."""
     if not _modelled(model, workload, plan, runtime, cuda_arch(gpu)):
         return None
+    if _loads_quantized(plan, runtime):
+        return _whole_run_peak(model, workload, plan, runtime, device)
     depths = cut_depths(model.num_layers)
     cut = [
         _span_peaks(model.model_copy(update={"num_layers": n}), workload, plan, runtime, device, gpu) for n in depths
@@ -89,6 +94,24 @@ def run_peak(
     spans = [(a + (b - a) * steps, label) for (label, a), (_, b) in zip(*cut, strict=True)]
     allocated, label = max(spans, key=lambda s: s[0])  # the first of equals: the step's order
     return RunPeak(allocated, _phase(label))
+
+
+def _loads_quantized(plan: Plan, runtime: str) -> bool:
+    """A quantized base loaded by transformers' ``from_pretrained`` (``timeline/hf_build.py``): its 16-bit
+    weights arrive in the warmup segment and leave holes the quantized ones are carved from, so where a
+    block is served whole (its rest under 1 MiB) depends on the depth, not affinely (Llama 3 8B cut to 5,
+    7 and 9 layers, QLoRA over a bf16 load: 0.5, 0 and 1 MiB of such rests at the peak). The whole run
+    answers these plans."""
+    return runtime in ("hf", "hf-loop") and plan.quant != "none" and plan.model_build == "from_pretrained"
+
+
+def _whole_run_peak(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str) -> RunPeak:
+    """The whole run's allocated peak, in the phase of the highest span outside the middle layers."""
+    from memplan.costmodel.reserve import plan_run, replay
+
+    run, _ = plan_run(model, workload, plan, runtime, device)
+    label = max(span_peaks(run, model.num_layers), key=lambda s: s[1])[0]
+    return RunPeak(replay(run, AllocatorConfig()).max_allocated, _phase(label))
 
 
 def cut_depths(layers: int) -> tuple[int, int]:

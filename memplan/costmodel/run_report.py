@@ -18,10 +18,11 @@ step comes from the run and its replay (``reserve.verdict``), not from the phase
 - the stage and rank: the rank the run follows (``trainer.most_loaded_stage`` and
   ``followed_rank`` for the bundled trainer; transformers' runs have one stage, rank 0).
 
-What the run does not hold keeps its own source, none of them a phase sum: the host's and NVMe's
-bytes and bitsandbytes' paged states (``memory.stage_states``: the ZeRO partition in closed form),
-the memory outside the allocator (``overhead.outside_memory``) and the micro-batches per step
-(``memory.gradient_accumulation``).
+The host's bytes of activation offload are the run's (``Timeline.host_peak``: the pinned copies
+``save_on_cpu`` holds at most, ``act_offload.SaveOnCpu``). What the run does not hold keeps its own
+source, none of them a phase sum: the states' host and NVMe bytes and bitsandbytes' paged states
+(``memory.stage_states``: the ZeRO partition in closed form), the memory outside the allocator
+(``overhead.outside_memory``) and the micro-batches per step (``memory.gradient_accumulation``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def run_report(
         activations=Activations(per_layer=per_layer, total=total),
         kv_cache=0,
         peak=peak,
-        offload=Offload(cpu=states.cpu, nvme=states.nvme),
+        offload=Offload(cpu=states.cpu + run.host_peak, nvme=states.nvme),
         paged_optimizer_states=states.paged,
         phases=phases,
         stage_peaks={stage: max(phases.values())},

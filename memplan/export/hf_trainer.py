@@ -5,7 +5,9 @@ Sections (each the keyword arguments of one class, checked by constructing it wi
 5.23, PEFT 0.21 and bitsandbytes 0.50 in the tests):
 
 - ``model``: ``AutoModelForCausalLM.from_pretrained(**model, quantization_config=...)``
-  (``dtype``, ``attn_implementation``: ``sdpa`` for memplan's ``flash``, whose kernel SDPA picks);
+  (``dtype``, ``attn_implementation``: ``sdpa`` for memplan's ``flash``, whose kernel SDPA picks); the
+  notes pass each rank's ``device_map`` for ``model_build: from_pretrained`` (without ZeRO), none for
+  ``to_device`` (the Trainer moves the model);
 - ``quantization``: ``transformers.BitsAndBytesConfig`` (only with a quantized base);
 - ``lora``: ``peft.LoraConfig`` (only with adapters; ``lora_alpha`` = 2r is a learning-rate
   scale, not a memory parameter);
@@ -306,11 +308,23 @@ def _precision_for(job: Job, kind: str) -> str:
 def notes(job: Job, kind: str) -> tuple[str, ...]:
     """What the script must do with the sections."""
     p, f = job.plan, finetune_fields(job)
-    quant = "quantization_config=BitsAndBytesConfig(**quantization)" if p.quant != "none" else ""
+    extra = ["quantization_config=BitsAndBytesConfig(**quantization)"] if p.quant != "none" else []
+    if kind == "none" and p.model_build == "from_pretrained":  # ZeRO-3 / FSDP load without a device_map
+        extra.append("device_map={'': int(os.environ.get('LOCAL_RANK', 0))}")
     out = [
-        f"model: AutoModelForCausalLM.from_pretrained(**model{', ' + quant if quant else ''})"
+        f"model: AutoModelForCausalLM.from_pretrained({', '.join(['**model', *extra])})"
         + ("" if hf_model_id(job) else f" (replace {job.model.name!r} with the model's Hub id or path)"),
     ]
+    if kind == "none" and p.model_build == "to_device":
+        out.append(
+            "model_build to_device: load without a device map; the Trainer moves the model to the GPU (model.to), one "
+            "allocation per parameter, as estimated"
+        )
+    elif kind == "none":
+        out.append(
+            "model_build from_pretrained: the device_map makes transformers warm the caching allocator with one "
+            "segment the size of the weights and load them into it, as estimated"
+        )
     if p.quant != "none":
         out.append(
             "quantized base: model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing="

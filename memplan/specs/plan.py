@@ -22,6 +22,7 @@ Finetune = Literal["full", "lora", "qlora"]
 Quant = Literal["none", "int8", "nf4", "fp4"]
 ActivationOffload = Literal["none", "cpu"]
 Fp8Recipe = Literal["auto", "tensorwise", "rowwise", "delayed"]
+ModelBuild = Literal["from_pretrained", "to_device"]
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
 
 
@@ -102,6 +103,17 @@ class Plan(BaseModel):
     offload_activations: ActivationOffload = Field(
         "none", description="Saved activations moved to CPU memory during the forward (save_on_cpu)."
     )
+    # The default: a bitsandbytes base always loads this way (transformers' quantizer_bnb_4bit.py /
+    # quantizer_bnb_8bit.py ``update_device_map`` sets {"": current device} when none is given), and a
+    # dense model loaded with a device_map goes straight to the GPU the same way. A script that loads on
+    # the CPU and lets the Trainer move the model (``_move_model_to_device``) is ``to_device``.
+    model_build: ModelBuild = Field(
+        "from_pretrained",
+        description="How the transformers Trainer's model reached the GPU (runtime hf / hf-loop): from_pretrained "
+        "with a device_map (transformers' caching-allocator warmup: one segment the size of the weights, the "
+        "weights carved from it); to_device: each parameter its own allocation (loaded on the CPU then "
+        "model.to('cuda'), as the Trainer moves a model loaded without a device_map).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -139,6 +151,11 @@ class Plan(BaseModel):
                 )
         if self.double_quant and self.quant not in ("nf4", "fp4"):
             raise ValueError(f"double_quant: quantizes the 4-bit scales; needs quant: nf4 or fp4 (got {self.quant})")
+        if self.quant != "none" and self.model_build != "from_pretrained":
+            raise ValueError(
+                f"model_build: a {self.quant} base is always loaded by from_pretrained with a device_map "
+                "(transformers gives bitsandbytes one when none is passed)"
+            )
         if self.finetune == "qlora" and self.quant == "none":
             raise ValueError("quant: qlora is LoRA over a quantized base; use finetune: lora for an unquantized one")
         if self.quant != "none" and self.precision == "fp8":

@@ -630,6 +630,8 @@ def test_trace_file_that_is_not_one(tmp_path):
         (["--finetune", "qlora", "--quant", "none"], "--quant", "use finetune: lora"),
         (["--finetune", "qlora", "--precision", "fp8"], "--precision", "not fp8"),
         (["--offload-activations", "gpu"], "--offload-activations", "'cpu'"),
+        (["--model-build", "from_config"], "--model-build", "'to_device'"),
+        (["--finetune", "qlora", "--model-build", "to_device"], "--model-build", "always loaded by from_pretrained"),
     ],
 )
 def test_bad_finetune_flag(tmp_path, args, flag, reason):

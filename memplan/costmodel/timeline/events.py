@@ -92,6 +92,7 @@ class Timeline:
 
     events: tuple[Event, ...]
     snapshots: tuple[Snapshot, ...] = ()
+    host_peak: int = 0  # activation offload's pinned host copies at most (``act_offload.SaveOnCpu``)
 
     def __iter__(self) -> Iterator[Event]:
         return iter(self.events)
@@ -174,8 +175,8 @@ class Builder:
     def live_bytes(self, category: Category) -> int:
         return sum(e.size for e in self.live.values() if e.category == category)
 
-    def build(self) -> Timeline:
-        return Timeline(tuple(self.events), tuple(self.snapshots))
+    def build(self, host_peak: int = 0) -> Timeline:
+        return Timeline(tuple(self.events), tuple(self.snapshots), host_peak)
 
 
 @contextmanager

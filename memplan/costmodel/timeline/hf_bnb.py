@@ -138,8 +138,8 @@ class Bnb8bit:
     ``prepare_model_for_kbit_training`` casts every other parameter to fp32, so the stream is fp32 and
     ``Linear8bitLt.forward`` takes it as is. Each weight: ``CB`` (int8, the parameter's storage) and
     ``SCB`` (fp32 per output row; ``quant_state_tensors``). PEFT's ``lora.bnb.Linear8bitLt.forward``
-    is ``lora.Linear4bit``'s without the clone. The load's fp16 copy per weight (CUDA) is left out, as
-    the 4-bit load's temporaries are: the CPU count starts once the model is built."""
+    is ``lora.Linear4bit``'s without the clone. The load's fp16 copy per weight (CUDA) is
+    ``hf_build.quantize_8bit``'s (``model_build: from_pretrained``); the CPU count starts once the model is built."""
 
     outliers: int = OUTLIER_COLUMNS  # per linear call, CUDA's MatMul8bitLt (int8.OUTLIER_COLUMNS)
     int8: Int8 | None = field(default=None, repr=False)  # the run's linears, made on its tape
@@ -154,12 +154,16 @@ class Bnb8bit:
 
     def build(self, tape: Tape, name: str, rows: int, cols: int) -> Tensor:
         """``CB`` (rows x cols int8), then ``SCB``."""
+        cb = tape.managed(rows * cols, 1, name, Category.PARAMETERS)
+        self.adopt(tape, name, cb, tape.managed(rows, 4, f"{name}.SCB", Category.PARAMETERS), rows)
+        return cb
+
+    def adopt(self, tape: Tape, name: str, cb: Tensor, scb: Tensor, rows: int) -> None:
+        """A quantized weight's ``CB`` and ``SCB`` (``rows`` outputs) as the run's linear ``name``'s."""
         if self.int8 is None:
             self.int8 = Int8(tape, outliers=self.outliers)
-        cb = tape.managed(rows * cols, 1, name, Category.PARAMETERS)
-        self.int8.state.append(tape.managed(rows, 4, f"{name}.SCB", Category.PARAMETERS))
+        self.int8.state.append(scb)
         self.int8.weights[name.removesuffix(".weight")] = (cb, rows)
-        return cb
 
     def linear(self, model, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
         """``Linear8bitLt.forward``: ``MatMul8bitFp`` on CPU (under ``bf16=True`` its ``F.linear``

@@ -54,7 +54,8 @@ def hf_loop_plan_run(model, workload, plan, gpu_arch=None) -> Timeline:
     kernel = hf_kernel(model, plan, "cuda", "hf-loop")
     assert kernel is not None
     d, lora, quant = hf_dims(model, workload, plan, "hf-loop"), HfLoraConfig.of(plan), Bnb4bit.of(plan, gpu_arch)
-    return hf_loop_run(d, model.tied_embeddings, kernel, qkv_bias=model.qkv_bias, lora=lora, quant=quant)
+    tied, build = model.tied_embeddings, plan.model_build
+    return hf_loop_run(d, tied, kernel, qkv_bias=model.qkv_bias, lora=lora, quant=quant, build=build)
 
 
 def hf_loop_run(
@@ -66,6 +67,7 @@ def hf_loop_run(
     window_layers: bool = False,
     lora: HfLoraConfig | None = None,
     quant: Bnb4bit | None = None,
+    build: str = "to_device",
     **tape_flags,
 ) -> Timeline:
     """The loop for ``steps`` steps (``tape_flags``: :class:`Tape` attributes, as ``hf_run``'s).
@@ -74,8 +76,8 @@ def hf_loop_run(
     int64 ``_sliding_window_tensor`` made with the cache (after the embedding; on CUDA its device copy
     at the layer's first update). A :class:`ModelSpec` does not carry a window that spans the
     positions: plans leave them out (8 B a layer). ``lora``, ``quant``: PEFT's adapters over the
-    frozen (or 4-bit) base, as in ``hf_run``, AdamW over the adapters."""
-    run = _HfLoopRun(d, tied, kernel, 0, tape_flags, qkv_bias, 1, lora=lora, quant=quant)
+    frozen (or 4-bit) base, as in ``hf_run``, AdamW over the adapters; ``build``: as ``hf_run``'s."""
+    run = _HfLoopRun(d, tied, kernel, 0, tape_flags, qkv_bias, 1, lora=lora, quant=quant, build=build)
     run.window_layers = window_layers and d.recompute != "full"
     run.b.mark("build")
     for k in range(steps):

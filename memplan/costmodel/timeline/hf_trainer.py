@@ -31,13 +31,15 @@ and freed at the next update's fetch, and from the second
 micro-batch on each gradient is added into ``.grad`` and freed. The model is the family's
 (``hf_families.py``: Qwen3, Phi-3, OLMo 2, Gemma 3 beside Llama's layout). Over ``dp`` > 1 ranks
 (``torchrun``) the model is accelerate's ``DistributedDataParallel`` (``hf_ddp.py``: the reducer's
-buckets beside ``.grad``, the forward's hooks, the gathered token count). Not modelled here: eager
-attention (Gemma 2), what the model's build leaves cached.
+buckets beside ``.grad``, the forward's hooks, the gathered token count). The model is built as
+``plan.model_build`` says (``hf_build.py``): ``from_pretrained`` with a ``device_map`` (the caching
+allocator's warmup segment, the checkpoint's weights carved from it, a quantized base quantized as it
+loads) or ``to_device`` (each parameter its own allocation).
 """
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import hf_ddp, ops
+from memplan.costmodel.timeline import hf_build, hf_ddp, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit
@@ -112,6 +114,7 @@ def hf_plan_run(model, workload, plan, gpu_arch=None) -> Timeline:
         lora=lora,
         quant=quant,
         dp=plan.dp,
+        build=plan.model_build,
     )
 
 
@@ -128,16 +131,18 @@ def hf_run(
     lora: HfLoraConfig | None = None,
     quant: Bnb4bit | Bnb8bit | None = None,
     dp: int = 1,
+    build: str = "to_device",
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
     ``batches`` batches (None: enough that the prefetch never runs dry); ``qkv_bias``: Qwen2's
     attention biases; ``arch``: the family (``hf_families.py``) and ``extra`` its further
     config (``hf_families.family_config``); ``lora``: PEFT's adapters over the frozen base
-    (``hf_lora.py``); ``quant``: a 4-bit or int8 base (``hf_bnb.py``); ``dp``: ranks under DDP (``hf_ddp.py``).
+    (``hf_lora.py``); ``quant``: a 4-bit or int8 base (``hf_bnb.py``); ``dp``: ranks under DDP (``hf_ddp.py``);
+    ``build``: how the model was built (``hf_build.BUILDS``; the CPU runs count from a built model).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
-    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp)
+    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -160,6 +165,7 @@ class _HfRun:
         lora: HfLoraConfig | None = None,
         quant: Bnb4bit | None = None,
         dp: int = 1,
+        build: str = "to_device",
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -185,7 +191,7 @@ class _HfRun:
             self.lora = HfLora(self.tape, lora, d.tokens, cuda, input_grad=ckpt)
             self.model.adapter = self.lora.adapt
             self.model.tied = tied and "lm_head" not in lora.modules_to_save  # the trained copy is untied
-        self.dp = dp
+        self.dp, self.build = dp, build
         self.ddp: HfDdp | None = None  # DDP over dp > 1 ranks (hf_ddp.py), wrapped in _build
         self._build()
 
@@ -201,18 +207,19 @@ class _HfRun:
         self.tape.managed(1, 4, "tr_loss", Category.LOGITS)
 
     def _params(self) -> None:
-        """Parameters in ``model.parameters()`` order (a PEFT model's: the adapters too), the two
-        rotary buffers."""
+        """The base's weights as ``self.build`` allocates them (``hf_build.py``), then a PEFT model's
+        adapters, the two rotary buffers."""
         t, d = self.tape, self.d
         quant = self.model.quant
-        for name, (rows, cols) in self.shapes.items():
-            if quant is not None and quant.quantized(name.removesuffix(".weight")):
-                self.model.weights[name] = quant.build(t, name, rows, cols)
-                continue
-            p = t.managed(rows * cols, self._param_itemsize(name), name, Category.PARAMETERS)
-            if self.lora is None:  # get_peft_model freezes the base
-                p.fn = ops.leaf(self.grads, name)
-            self.model.weights[name] = p
+        if self.build == "from_pretrained":
+            loaded = quant.stored if isinstance(quant, Bnb4bit) else d.cd if quant is not None else d.pd
+            self.model.weights.update(hf_build.from_pretrained(t, self.shapes, loaded, quant, self._param))
+        else:
+            for name, (rows, cols) in self.shapes.items():
+                if quant is not None and quant.quantized(name.removesuffix(".weight")):
+                    self.model.weights[name] = quant.build(t, name, rows, cols)
+                else:
+                    self.model.weights[name] = self._param(name, rows * cols, d.pd)
         if self.lora is None:
             self.trainable = {name: (rows * cols, d.pd) for name, (rows, cols) in self.shapes.items()}
         else:
@@ -221,16 +228,20 @@ class _HfRun:
         for name, numel in self.model.buffers():
             self.model.weights[name] = t.managed(numel, d.pd, name, Category.PARAMETERS)
 
-    def _param_itemsize(self, name: str) -> int:
-        """A parameter's bytes per element: the model's, but a 4-bit linear's bias (Qwen2's q, k, v)
-        in the compute dtype: ``Linear4bit.forward`` recasts it in place at the first call
-        (``bias.data = bias.data.to(x.dtype)`` after ``x.to(self.compute_dtype)``, bitsandbytes 0.50
+    def _param(self, name: str, numel: int, itemsize: int) -> Tensor:
+        """A base parameter on the device (its gradient's leaf unless ``get_peft_model`` froze it), in
+        ``itemsize`` bytes, but a 4-bit linear's bias (Qwen2's q, k, v) in the compute dtype:
+        ``Linear4bit.forward`` recasts it in place at the first call (``bias.data =
+        bias.data.to(x.dtype)`` after ``x.to(self.compute_dtype)``, bitsandbytes 0.50
         ``nn/modules.py``), so from the first forward on it is stored so (the fp32 one of the build,
         ``prepare_model_for_kbit_training``'s, goes then)."""
         module, quant = name.removesuffix(".bias"), self.model.quant
         if name.endswith(".bias") and isinstance(quant, Bnb4bit) and quant.quantized(module):
-            return quant.compute
-        return self.d.pd
+            itemsize = quant.compute
+        p = self.tape.managed(numel, itemsize, name, Category.PARAMETERS)
+        if self.lora is None:
+            p.fn = ops.leaf(self.grads, name)
+        return p
 
     def _workspace(self, thread: str):
         """cuBLAS's workspace, allocated at a thread's first matmul and never freed (``trainer.py``)."""

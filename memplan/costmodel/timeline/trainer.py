@@ -107,7 +107,7 @@ def trainer_run(
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
         run.b.mark(f"step{step}")
-    return run.b.build()
+    return run.b.build(run.saves.host_peak if run.saves is not None else 0)
 
 
 def most_loaded_stage(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> int:
