@@ -62,7 +62,10 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     (``save_on_cpu``, ``act_offload.py``) where the trainer runs it, in bf16, bf16-mixed,
     bf16-master or fp32 (the math path's saves), with accumulation on one rank (the trainer refuses
     it over DDP); eager attention (``eager.py``) in every precision above, under autocast too (bf16-mixed), in full
-    training or under LoRA over an unquantized base;
+    training or under LoRA over an unquantized base; memplan's Triton attention
+    (``triton_attention.py``, the kernel's tensors from its source) over an unquantized base, the
+    trainer on CPU under Triton's interpreter (test_timeline_triton.py: every precision above,
+    recompute none, full, selective and selective-op, accumulation, ZeRO-3, DDP, LoRA);
     tensor parallel without sequence parallel under FSDP2 without a pipeline
     (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace). An LLM.int8 base
     (``int8.py``: CPU's ``MatMul8bitFp`` checked against the trainer on CPU, CUDA's
@@ -71,7 +74,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer refuses
     them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them), q, k, v
-    biases over a 4-bit base (not checked), QK-norm; memplan's Triton attention; eager attention
+    biases over a 4-bit base (not checked), QK-norm; memplan's Triton attention or eager attention
     over a quantized base (not checked: bitsandbytes' CUDA kernels); fp32 SDPA without GQA (the
     memory-efficient kernel) over a quantized base; fp16-master, fp8; offload of one side alone or
     NVMe; tensor parallel over DDP, or without sequence parallel outside FSDP2 without a pipeline;
@@ -86,7 +89,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.attn_out_bias or model.mlp_bias or model.qk_norm), "output or MLP biases, or QK-norm"),
         (not model.qkv_bias or plan.quant == "none", "q, k, v biases over a quantized base"),
-        (plan.attention != "triton", "triton attention"),
+        (plan.attention != "triton" or _triton_modelled(plan), "memplan's Triton attention over a quantized base"),
         (plan.attention != "eager" or _eager_modelled(plan), "eager attention over a quantized base"),
         (plan.quant != "int8" or _int8_modelled(plan), _INT8),
         (_quant_modelled(model, workload, plan), _QUANT),
@@ -118,6 +121,14 @@ def _fp32_sdpa_modelled(model: ModelSpec, plan: Plan) -> bool:
 
 
 _EFFICIENT_QUANT = "fp32 SDPA on the memory-efficient kernel over a quantized base"
+
+
+def _triton_modelled(plan: Plan) -> bool:
+    """``attention: triton`` (``triton_attention.py``: memplan's own kernel, its tensors read off
+    its source) over an unquantized base, checked against the bundled trainer on CPU under
+    Triton's interpreter (tests/unit/test_timeline_triton.py; no GPU trace). Over a 4-bit or
+    int8 base the layers' fp32 stream and bitsandbytes' kernels are not checked with it."""
+    return plan.attention == "triton" and plan.quant == "none"
 
 
 def _eager_modelled(plan: Plan) -> bool:
