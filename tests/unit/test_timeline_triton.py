@@ -37,7 +37,9 @@ import pytest
 from timeline_peaks import assert_peaks, steady_peaks
 
 from memplan.costmodel.reserve import plan_run
+from memplan.costmodel.timeline import triton_attention as ta
 from memplan.costmodel.timeline.events import ALLOC
+from memplan.costmodel.timeline.phases import STEADY
 from memplan.costmodel.timeline.support import supported
 from memplan.costmodel.timeline.trainer import MICRO_BATCHES_MODELLED, trainer_run
 from memplan.specs.model import ModelSpec
@@ -158,3 +160,37 @@ def test_the_estimate_answers_triton_plans_with_the_op_level_run():
         assert which == "trainer", (changes, which)
     job = resolve_job("llama3-8b", None, dict(seq_len=2048, attention="triton", finetune="qlora", quant="nf4"), False)
     assert supported(job.model, job.workload, job.plan) == "memplan's Triton attention over a quantized base"
+
+
+def test_the_autotuners_configs_are_the_kernels():
+    """``triton_attention.CONFIGS`` and ``benchmarked`` against the kernels' own table and pruner."""
+    pytest.importorskip("triton")
+    torch = pytest.importorskip("torch")
+    from memplan.kernels import fused_attention as fa
+
+    if fa.INTERPRETED:
+        pytest.skip("the interpreter's autotuner has one config")
+    assert {k: {b: set(c) for b, c in t.items()} for k, t in ta.CONFIGS.items()} == {
+        k: {b: set(c) for b, c in t.items()} for k, t in fa._CONFIGS.items()
+    }
+    assert ta.SMEM_BUDGET_BYTES == fa._SMEM_BUDGET_BYTES
+    for kind in ("fwd", "dkdv", "dq"):
+        for dtype in (torch.bfloat16, torch.float32):
+            for head_dim in (16, 64, 80, 128, 256):
+                for seq in (16, 64, 100, 4096):
+                    args = {"Q": torch.empty(0, dtype=dtype), "HEAD_DIM_PAD": max(16, 1 << (head_dim - 1).bit_length())}
+                    kept = len(fa._pruner(kind)(fa._configs(kind), {**args, "N_CTX": seq}))
+                    want = ta.benchmarked(kind, head_dim, seq, dtype.itemsize)
+                    assert want == (kept if kept > 1 else 0), (kind, dtype, head_dim, seq)
+
+
+def test_the_warm_up_benchmarks_each_kernel_once():
+    # llama3-8b-like heads (128), bf16, 4096 tokens: 4 forward, 4 dK/dV and 3 dQ configs survive the pruner
+    model = GQA.model_copy(update=dict(head_dim=128))
+    workload, plan = TrainingWorkload(seq_len=4096, micro_batch=1), Plan(precision="bf16", **TRITON)
+    timeline = trainer_run(model, workload, plan)
+    steady = next(i for i, e in enumerate(timeline) if e.tag == STEADY)
+    flushes = [i for i, e in enumerate(timeline) if e.op == ALLOC and e.tag.endswith(ta.AUTOTUNE_FLUSH)]
+    assert [ta.benchmarked(k, 128, 4096, 2) for k in ("fwd", "dkdv", "dq")] == [4, 4, 3]
+    assert len(flushes) == 11 and max(flushes) < steady
+    assert {e.size for e in timeline if e.tag.endswith(ta.AUTOTUNE_FLUSH)} == {256 * 1024 * 1024}

@@ -225,7 +225,7 @@ class Model:
         if d.attention == "efficient":  # fp32 without GQA on CUDA (mem_efficient.py)
             return mem_efficient.sdpa(t, q, k, v, d.b, d.heads // d.tp, d.s, d.head_dim)
         if d.attention == "triton":  # memplan's Triton FlashAttention-2 (triton_attention.py)
-            return triton_attention.attention(t, q, k, v, d.b * d.heads // d.tp * d.s, autocast)
+            return triton_attention.attention(t, q, k, v, d.b * d.heads // d.tp * d.s, (d.head_dim, d.s), autocast)
         k2 = ops.to(t, k, 2, "k_cast") if autocast else t.alias(k)
         q2 = ops.to(t, q, 2, "q_cast") if autocast else t.alias(q)
         out = ops.sdpa(t, q2, k2, v, d.b * d.heads // d.tp * d.s, "sdpa")
