@@ -13,16 +13,16 @@ alive until the garbage collector next runs (measured: the dQ kernel's q, k, v, 
 +91,648 B on a 2-layer bf16 run at 64 tokens). Compiled kernels on a GPU take no such copy, so
 the harness collects the youngest generation after each launch.
 
-The 32-wide cases are sized so that the backward peaks inside a layer's attention backward (at
-dv, after lse's materialised zero gradient, dq and dk): q, k, v widths over a 32-wide residual, a
-tiny MLP and vocabulary, each peak over 840 KB so that 84 B stays within ``CPU_BOUND``. Measured
-2026-11-27 (torch 2.13.0+cpu, Triton 3.8.0), predicted - measured, for the step and for the
-forward and backward alone: -84 B in every case (as the flash and eager runs of the same models)
-but LoRA's, -32 B. Step peaks measured: bf16-mha 947,100 B; bf16-mixed-selective 1,210,332; fp32
-1,271,772; bf16-mixed 1,134,556; bf16-selective (b 2) 971,420; bf16-full-accum2 (b 3) 996,444;
-bf16-selective-op (b 2) 915,036; bf16-master 1,184,596; lora 490,336; zero3-dp2 4,121,308;
-ddp2-full 5,908,948; tp2-sp-zero3-dp2-s256 3,637,660 (at 64 tokens TP 2 + SP misses by 0.1 MB
-under flash and eager too).
+The 32-wide cases are sized so that the backward peaks inside a layer's attention backward (at dv,
+after lse's materialised zero gradient, dq and dk): q, k, v widths over a 32-wide residual, a tiny
+MLP and vocabulary, each peak over 840 KB so that 84 B stays within ``CPU_BOUND``. Measured
+2026-11-27 (torch 2.13.0+cpu, Triton 3.8.0), predicted - measured, for the step and for the forward
+and backward alone: -84 B in every case (as the flash and eager runs of the same models) but LoRA's,
+-32 B, ZeRO-1's, -44 B, and the pipeline rank's, -40 B. Step peaks measured: bf16-mha 947,100 B;
+bf16-mixed-selective 1,210,332; fp32 1,271,772; bf16-mixed 1,134,556; bf16-selective (b 2) 971,420;
+bf16-full-accum2 (b 3) 996,444; bf16-selective-op (b 2) 915,036; bf16-master 1,184,596; lora
+490,336; zero3-dp2 4,121,308; ddp2-full 5,908,948; zero1-dp2 4,640,052; pp2 3,086,376;
+tp2-sp-zero3-dp2-s256 3,637,660 (at 64 tokens TP 2 + SP misses by 0.1 MB under flash and eager too).
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ CASES = {
     "lora": ("gqa", dict(precision="bf16", finetune="lora", lora_rank=4, **TRITON), (64, 1, None)),
     "zero3-dp2": ("wide", dict(precision="bf16", dp=2, zero=3, **TRITON), (64, 1, None)),
     "ddp2-full": ("wide", dict(precision="bf16", dp=2, zero=0, recompute="full", **TRITON), (64, 1, None)),
+    "zero1-dp2": ("wide", dict(precision="bf16", dp=2, zero=1, **TRITON), (64, 1, None)),
+    "pp2": ("wide", dict(precision="bf16", pp=2, **TRITON), (64, 1, 2)),
     "tp2-sp-zero3-dp2-s256": (
         "wide",
         dict(precision="bf16", tp=2, sequence_parallel=True, dp=2, zero=3, **TRITON),

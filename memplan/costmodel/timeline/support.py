@@ -65,7 +65,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> str |
     training or under LoRA over an unquantized base; memplan's Triton attention
     (``triton_attention.py``, the kernel's tensors from its source) over an unquantized base, the
     trainer on CPU under Triton's interpreter (test_timeline_triton.py: every precision above,
-    recompute none, full, selective and selective-op, accumulation, ZeRO-3, DDP, TP + SP, LoRA);
+    recompute none, full, selective and selective-op, accumulation, ZeRO-1, ZeRO-3, DDP, TP + SP,
+    a pipeline rank, LoRA);
     tensor parallel without sequence parallel under FSDP2 without a pipeline
     (``tensor_parallel.all_reduce``; all three checked on CPU: no GPU trace). An LLM.int8 base
     (``int8.py``: CPU's ``MatMul8bitFp`` checked against the trainer on CPU, CUDA's
