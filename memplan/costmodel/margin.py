@@ -40,9 +40,10 @@ OP_LEVEL_SOURCE = (
     "QLoRA) replay the H200 runs they were read from within 0.006%; those checked against the bundled trainer "
     "on CPU only (ZeRO-1, accumulation under DDP, fp32 over dp > 1, LoRA variants, activation offload, eager "
     "attention, also under autocast and LoRA, TP without SP, FSDP2 over tied embeddings, pipelines with TP, fp32 "
-    "or bf16-master, q, k, v biases, CPU offload with accumulation or recompute, QLoRA variants, LLM.int8) and "
-    "the CUDA kernels read from source only (the memory-efficient SDPA kernel, bitsandbytes' MatMul8bitLt and "
-    "fused gemm_4bit) have no GPU run yet and take the same band"
+    "or bf16-master, q, k, v biases, CPU offload with accumulation or recompute, QLoRA variants, LLM.int8, "
+    "memplan's Triton attention under Triton's interpreter) and the CUDA kernels read from source only (the "
+    "memory-efficient SDPA kernel, bitsandbytes' MatMul8bitLt and fused gemm_4bit, Triton's autotuning buffer) "
+    "have no GPU run yet and take the same band"
 )
 HF_OP_LEVEL_SOURCE = (
     "transformers' Trainer op by op: equal to the real Trainer's peak on CPU (tests/unit/test_timeline_hf.py), "

@@ -9,6 +9,8 @@ from memplan.costmodel.timeline.events import ALLOC, FREE, MARK, Category, Timel
 from memplan.costmodel.timeline.mem_efficient import DELTA, DELTA_PRODUCT, DELTA_SUM, WORKSPACE
 from memplan.costmodel.timeline.ops import FLASH_OUT_COPY, HEADS_MAJOR_COPY
 from memplan.costmodel.timeline.quant import CUDA_FALLBACK
+from memplan.costmodel.timeline.triton_attention import AUTOTUNE_FLUSH
+from memplan.costmodel.timeline.triton_attention import DELTA as TRITON_DELTA
 
 # ``embedding_dense_backward_cuda``'s index buffers and scratch (ops.embedding): the CPU kernel
 # makes the weight gradient alone
@@ -26,10 +28,12 @@ CUDA_EMBEDDING_SCRATCH = frozenset(
 # (autograd.REDUCE_WORKSPACE_CAP); the softmax backward's ``grad * output`` (eager.py); FSDP2's
 # host-to-device copies of offloaded shards (fsdp.py: ``.to(device)`` is a no-op on a CPU-only
 # machine); the memory-efficient kernel's backward temporaries (mem_efficient.py); bitsandbytes'
-# dequantize + F.linear inside its gemm_4bit custom op (quant.py)
+# dequantize + F.linear inside its gemm_4bit custom op (quant.py); and memplan's Triton backward's
+# delta (triton_attention.py), allocated on both devices but inside its custom op, below the
+# dispatch mode the CPU meter (MemTracker) watches, and its autotuner's benchmark buffer
 CUDA_TEMPORARIES = (
     frozenset({STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP, "h2d"})
-    | {DELTA_PRODUCT, DELTA_SUM, DELTA, WORKSPACE}
+    | {DELTA_PRODUCT, DELTA_SUM, DELTA, WORKSPACE, TRITON_DELTA, AUTOTUNE_FLUSH}
     | CUDA_FALLBACK
 )
 

@@ -69,10 +69,14 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
     bf16-master or fp32 (the math path's saves), with accumulation on one rank (the trainer refuses
     it over DDP); eager attention (``eager.py``) in every precision above, under autocast too
     (bf16-mixed), in full training or under LoRA over any base above (a quantized one:
-    test_timeline_quant_compose.py); tensor parallel without sequence parallel wherever the trainer
-    runs it: under FSDP2, on one data rank, with a pipeline or without (``tensor_parallel.all_reduce``,
-    the plain norms' own parameter group, whole-sequence receive buffers; checked on CPU:
-    test_timeline_tensor_parallel.py, test_timeline_tp_nosp.py, no GPU trace). An LLM.int8 base
+    test_timeline_quant_compose.py); memplan's Triton attention (``triton_attention.py``, the
+    kernel's tensors from its source) over an unquantized base, the trainer on CPU under Triton's
+    interpreter (test_timeline_triton.py: every precision above, recompute none, full, selective
+    and selective-op, accumulation, ZeRO-1, ZeRO-3, DDP, TP + SP, a pipeline rank, LoRA); tensor
+    parallel without sequence parallel wherever the trainer runs it: under FSDP2, on one data rank,
+    with a pipeline or without (``tensor_parallel.all_reduce``, the plain norms' own parameter
+    group, whole-sequence receive buffers; checked on CPU: test_timeline_tensor_parallel.py,
+    test_timeline_tp_nosp.py, no GPU trace). An LLM.int8 base
     (``int8.py``: CPU's ``MatMul8bitFp`` checked against the trainer on CPU, CUDA's
     ``MatMul8bitLt`` from bitsandbytes' source, no trace) on one rank, DDP or ZeRO-1, any
     recompute (selective-op, the first ``recompute_layers``), with accumulation, dropout or a
@@ -80,8 +84,8 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer refuses
     them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them),
-    QK-norm; memplan's Triton attention; fp16-master, fp8; offload of one side alone or
-    NVMe; tensor parallel over DDP (the trainer refuses it);
+    QK-norm; memplan's Triton attention over a quantized base (not checked); fp16-master, fp8;
+    offload of one side alone or NVMe; tensor parallel over DDP (the trainer refuses it);
     LLM.int8 bases under autocast (``_int8_modelled``: the trainer refuses it); 4-bit bases under
     autocast, or whose ``gemm_4bit`` kernel the GPU's architecture picks (5 to 1536 tokens, by the
     weights' shapes) where ``gpu_arch`` is not given (no profile, or a ROCm one: bitsandbytes' ROCm
@@ -93,7 +97,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.attn_out_bias or model.mlp_bias or model.qk_norm), "output or MLP biases, or QK-norm"),
-        (plan.attention != "triton", "triton attention"),
+        (plan.attention != "triton" or _triton_modelled(plan), "memplan's Triton attention over a quantized base"),
         (plan.quant != "int8" or _int8_modelled(plan), _INT8),
         (_quant_modelled(model, workload, plan, gpu_arch), _QUANT),
         (plan.finetune == "full" or _plain_lora(plan), _LORA_PLAIN),
@@ -122,6 +126,14 @@ def _fp32_sdpa_modelled(model: ModelSpec, plan: Plan) -> bool:
 
 
 _EFFICIENT_QUANT = "fp32 SDPA on a kernel other than the math or memory-efficient one"
+
+
+def _triton_modelled(plan: Plan) -> bool:
+    """``attention: triton`` (``triton_attention.py``: memplan's own kernel, its tensors read off
+    its source) over an unquantized base, checked against the bundled trainer on CPU under
+    Triton's interpreter (tests/unit/test_timeline_triton.py; no GPU trace). Over a 4-bit or
+    int8 base the layers' fp32 stream and bitsandbytes' kernels are not checked with it."""
+    return plan.attention == "triton" and plan.quant == "none"
 
 
 def _act_offload_modelled(plan: Plan) -> bool:

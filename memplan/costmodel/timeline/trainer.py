@@ -63,9 +63,9 @@ def dims(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> Dims:
 
 def _attention(model: ModelSpec, plan: Plan) -> str:
     """The attention the trainer runs: eager (``eager.py``), or SDPA's kernel (flash, math, or
-    fp32's memory-efficient one: ``mem_efficient.py``)."""
-    if plan.attention == "eager":
-        return "eager"
+    fp32's memory-efficient one: ``mem_efficient.py``), or memplan's Triton kernel (``triton_attention.py``)."""
+    if plan.attention in ("eager", "triton"):
+        return plan.attention
     kernel = sdpa_kernel(model, plan)
     return kernel if kernel in ("math", "efficient") else "flash"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memplan.costmodel.timeline import eager, mem_efficient, ops, qkv_bias
+from memplan.costmodel.timeline import eager, mem_efficient, ops, qkv_bias, triton_attention
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
@@ -43,7 +43,7 @@ class Dims:
     autocast: bool = False  # bf16-mixed without FSDP: torch.autocast casts at each matmul
     recompute: str = "none"  # none | full | selective | selective-op (recompute.py)
     recompute_layers: int | None = None  # full: the first n layers only
-    attention: str = "flash"  # the SDPA kernel: flash, math (fp32 with GQA on CUDA: precision.py), efficient; or eager
+    attention: str = "flash"  # SDPA kernel: flash, math (fp32 GQA on CUDA: precision.py), efficient; eager; triton
     qkv_bias: bool = False  # wq, wk, wv with biases (Qwen2: qkv_bias.py)
 
     @classmethod
@@ -224,6 +224,8 @@ class Model:
             return eager.attention(t, q, k, v, d.b, d.heads // d.tp, d.s, autocast)
         if d.attention == "efficient":  # fp32 without GQA on CUDA (mem_efficient.py)
             return mem_efficient.sdpa(t, q, k, v, d.b, d.heads // d.tp, d.s, d.head_dim)
+        if d.attention == "triton":  # memplan's Triton FlashAttention-2 (triton_attention.py)
+            return triton_attention.attention(t, q, k, v, d.b * d.heads // d.tp * d.s, (d.head_dim, d.s), autocast)
         k2 = ops.to(t, k, 2, "k_cast") if autocast else t.alias(k)
         q2 = ops.to(t, q, 2, "q_cast") if autocast else t.alias(q)
         out = ops.sdpa(t, q2, k2, v, d.b * d.heads // d.tp * d.s, "sdpa")
