@@ -15,7 +15,9 @@ free order the CUDA caching allocator sees (tests/data/gpu-traces):
 - a second gradient into one input buffer is added in place when the held one is a plain
   tensor (not a view, not a DTensor) with no other reference, else out of place: for dense
   gradients ``InputBuffer::accumulate`` never adds into the new one (a tied weight's head dW,
-  a transposed view, and its embedding gradient: traces h200_a_master1b, h200_a_fp32full);
+  a transposed view, and its embedding gradient: traces h200_a_master1b, h200_a_fp32full); a
+  DTensor sum whose new part is Replicate over a sharded one's rows (a tied head under TP: the
+  vocabulary-parallel embedding's gradient) first clones this rank's chunk of it;
 - non-reentrant checkpointing (``torch.utils.checkpoint``) keeps no saved tensors in the
   forward; the first unpack in the backward re-runs the region's forward, stopping right
   after its last saved tensor is packed; an unpacked tensor goes at the end of its node's apply;
@@ -441,8 +443,13 @@ class Tape:
         elif self.inplace_accumulate and _reusable(old):
             self.drop(g)  # old.add_(g)
         else:
+            # a Replicate gradient of every row into a row shard's (a tied head under TP): the DTensor
+            # add redistributes it first, a clone of this rank's chunk (``Shard._replicate_to_shard``)
+            chunk = self.new(old.numel, g.itemsize, "grad_replicate_to_shard") if g.numel > old.numel else None
             out = self.new(old.numel, old.itemsize, "grad_sum", self._sum_category(old, g))
             out.dtensor = old.dtensor or g.dtensor
+            if chunk is not None:
+                self.drop(chunk)  # the dispatch's local argument, gone as the op returns
             self.drop(old)
             self.drop(g)
             buffer[0] = out

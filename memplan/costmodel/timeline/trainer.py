@@ -79,12 +79,15 @@ def trainer_run(
     stage: int | None = None,
     cuda: bool = True,
     gpu_arch: CudaArch | None = None,
+    inplace_accumulate: bool = True,
 ) -> Timeline | None:
     """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps,
     each of at most ``max_micro_batches`` micro-batches (under pipelining all of them). Pipeline
     rank ``stage``, by default the most-loaded one; ``cuda``: CUDA's kernels, else CPU's where
     the run models both (LoRA's dropout); ``gpu_arch``: the GPU's SMs and compute capability
-    (``quant.cuda_arch``: a 4-bit base's kernel). None for a plan :func:`supported` rejects."""
+    (``quant.cuda_arch``: a 4-bit base's kernel); ``inplace_accumulate`` False: every second
+    gradient summed out of place, as on CPU under the meter (:class:`Tape`; a tied embedding's
+    sum, docs/cost-model.md). None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan, gpu_arch) is not None:
         return None
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
@@ -101,6 +104,7 @@ def trainer_run(
 
         lora = lora_config(plan, cuda, gpu_arch)
     run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora)
+    run.tape.inplace_accumulate = inplace_accumulate
     if plan.offload_activations == "cpu":  # save_on_cpu around the forward and the loss
         run.saves = act_offload.SaveOnCpu()
     run.b.mark("build")

@@ -337,7 +337,8 @@ class Model:
         n = self.rms_norm(x, "norm")
         with t.scoped("output"):
             ng = self.gather_seq(n, "input")
-            logits = self.linear(ng, "output.weight", d.vocab // d.tp, "logits")
+            with t.dtensor_ops(d.tp > 1):  # ColwiseParallel over the vocabulary: a DTensor weight (and cast)
+                logits = self.linear(ng, "output.weight", d.vocab // d.tp, "logits")
         t.done(ng, n)
         return logits
 
