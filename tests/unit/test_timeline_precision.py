@@ -102,11 +102,11 @@ def test_fp32_attention_keeps_the_probabilities_for_the_backward(timelines):
 @pytest.mark.parametrize(
     ("changes", "reason"),
     [
-        (dict(kv_heads=32, finetune="qlora", quant="nf4", precision="bf16"), "efficient kernel over a quantized"),
+        # the memory-efficient kernel over a quantized base is followed since test_timeline_quant_compose.py
         (dict(dp=2, zero=3, offload_params="cpu", offload_optimizer="none"), "offload"),
         (dict(precision="fp16-master"), "precision"),
     ],
-    ids=["mha-efficient-qlora", "fp32-offload-params-alone", "fp16-master"],
+    ids=["fp32-offload-params-alone", "fp16-master"],
 )
 def test_precisions_it_does_not_follow_get_none(changes, reason):
     kv = changes.pop("kv_heads", None)
