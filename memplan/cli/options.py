@@ -98,6 +98,16 @@ PrecisionOpt = Annotated[
     str | None,
     Opt(help=precision_help("fp32, bf16-mixed, bf16-master, fp16-master, bf16, fp8"), rich_help_panel=PLAN),
 ]
+AutocastOpt = Annotated[
+    bool | None,
+    Opt(
+        "--autocast/--no-autocast",
+        help="With precision bf16 under --runtime hf or hf-loop: the forward under bf16 autocast (the Trainer's "
+        "bf16=True) or not (a bfloat16 model trained as it is) (default: the runtime's recipe: on under hf, off "
+        "under hf-loop).",
+        rich_help_panel=PLAN,
+    ),
+]
 Fp8RecipeOpt = Annotated[
     str | None,
     Opt(

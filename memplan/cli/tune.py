@@ -65,6 +65,7 @@ EXCLUDED = {
     "micro_batch": "tune's own --micro-batch: fixed when given, else searched up to --max-micro-batch",
     "sequence_parallel": "tune's own --sequence-parallel: on by default for the plans with tp > 1",
     "runtime": "tune's own --runtime: the loops the search models, checked as given",
+    "autocast": "the searched plans take each precision's recipe (bf16 under --runtime hf: the Trainer's bf16=True)",
     "model_build": "the searched plans load the model with from_pretrained and a device_map (the default)",
     "attention": "the searched plans run the device's default attention kernel (--device)",
     **{name: "the searched plans take fp8's defaults where --precision allows fp8" for name in FP8},

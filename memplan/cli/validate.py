@@ -41,6 +41,7 @@ EXCLUDED = {
     "ep": "the bundled trainer builds dense models: no expert parallelism",
     "optimizer": "the bundled trainer runs adamw",
     "runtime": "the bundled trainer's step is the runtime (memplan)",
+    "autocast": "the bundled trainer's precision is its recipe (autocast is the transformers Trainer's bf16=True)",
     "model_build": "the bundled trainer builds its model itself (model_build is the transformers Trainer's)",
     **{name: "the bundled trainer runs no fp8 matmuls" for name in FP8},
     **{name: "validate runs training steps, not serving" for name in SERVING},

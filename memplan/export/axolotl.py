@@ -21,7 +21,10 @@ Precision: axolotl loads the weights in bf16 whenever ``bf16`` is on (its ``torc
 ``bf16: true`` is the plan's ``bf16`` (bf16 weights and optimizer states) and bf16-mixed (fp32
 weights under autocast) exists only as DeepSpeed's ``torch_autocast`` (``bf16: false``) or FSDP2
 (Accelerate upcasts the trainable weights to fp32). ``bf16-master`` / ``fp16-master`` are
-DeepSpeed's ``bf16`` / ``fp16`` sections.
+DeepSpeed's ``bf16`` / ``fp16`` sections. A bfloat16 model trained without autocast (``bf16`` with
+the plan's ``autocast`` off) is ``bfloat16: true`` with ``bf16: false``: the schema's non-AMP switch
+(``AxolotlInputConfig.bfloat16``, "for non-AMP cases"), which sets ``torch_dtype`` as ``bf16`` does
+(``utils/config/__init__.py``: ``if cfg.bf16 or cfg.bfloat16: cfg.torch_dtype = torch.bfloat16``).
 
 Not expressible, beyond what the Trainer under it cannot do (memplan.export.hf_trainer): axolotl's
 own tensor and context parallelism (transformers' tp_plan and ring attention, whose layouts
@@ -40,6 +43,7 @@ from memplan.export import deepspeed
 from memplan.export.common import (
     GRADIENT_CLIPPING,
     Exported,
+    autocast_off,
     comment_block,
     finetune_fields,
     header_world,
@@ -86,7 +90,7 @@ def check(job: Job, sharding: str | None) -> str:
             "autocast need zero >= 1 (DeepSpeed's torch_autocast, or --sharding fsdp)",
         )
     bf16, fp16 = PRECISION[kind][p.precision]
-    if p.quant == "int8" and not (bf16 or fp16):
+    if p.quant == "int8" and not (bf16 or fp16):  # bfloat16 (autocast off) loads it in bf16 too
         raise refuse(
             "precision",
             TARGET,
@@ -106,6 +110,7 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
     p, f = job.plan, finetune_fields(job)
     bf16, fp16 = PRECISION[kind][p.precision]
     out: dict[str, Any] = {"base_model": hf_model_id(job) or job.model.name}
+    off = autocast_off(job)  # bf16 weights without AMP: axolotl's bfloat16 (its torch_dtype), bf16 off
     if p.quant == "int8":
         out["load_in_8bit"] = True
     elif p.quant != "none":
@@ -141,7 +146,8 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
     out.update(
         activation_offloading=p.offload_activations == "cpu",
-        bf16=bf16,
+        bf16=bf16 and not off,
+        **({"bfloat16": True} if off else {}),
         fp16=fp16,
         optimizer=OPTIM[p.optimizer],
         max_grad_norm=gradient_clipping,
@@ -215,7 +221,7 @@ def parse(text: str) -> dict[str, Any]:
         recompute = recompute or bool(fsdp.get("activation_checkpointing"))
         precision = "bf16-mixed" if cfg.get("bf16") is True else "fp32"
     else:
-        precision = "bf16" if cfg.get("bf16") is True else "fp32"
+        precision = "bf16" if cfg.get("bf16") is True or cfg.get("bfloat16") is True else "fp32"
     gpus, nodes = world or (1, 1)
     attention = cfg.get("attn_implementation")
     if attention is None:  # axolotl's deprecated booleans
@@ -233,6 +239,8 @@ def parse(text: str) -> dict[str, Any]:
         "offload_params": offload_par,
         "recompute": "full" if recompute else "none",
         "precision": precision,
+        # bfloat16 without bf16: bf16 weights, no autocast (axolotl's "for non-AMP cases")
+        "autocast": False if cfg.get("bfloat16") is True and cfg.get("bf16") is not True else None,
         "optimizer": OPTIM_BACK[cfg.get("optimizer", "adamw_torch")],
         "attention": ATTENTION_BACK[attention],
         "micro_batch": micro,

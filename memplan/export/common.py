@@ -19,7 +19,7 @@ from memplan.costmodel.layout import stage_layout
 from memplan.costmodel.memory import ZERO3_PREFETCH_LAYERS, gradient_accumulation
 from memplan.errors import MemplanError
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan
+from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan, trainer_autocast
 from memplan.specs.resolve import Job
 from memplan.specs.workload import TrainingWorkload
 
@@ -269,8 +269,36 @@ def canonical_finetune(plan: Plan) -> str:
 
 
 def finetune_fields(job: Job) -> dict[str, Any]:
-    """:func:`fields` with the fine-tuning mode in its one form (:func:`canonical_finetune`)."""
-    return {**fields(job), "finetune": canonical_finetune(job.plan)}
+    """:func:`fields` with the fine-tuning mode and the Trainer's autocast each in its one form
+    (:func:`canonical_finetune`; ``autocast`` False where :func:`autocast_off`, else None: the
+    Trainer's ``bf16=True`` over a bf16 model is the ``bf16`` recipe's default)."""
+    off = False if autocast_off(job) else None
+    return {**fields(job), "finetune": canonical_finetune(job.plan), "autocast": off}
+
+
+def autocast_off(job: Job) -> bool:
+    """A bfloat16 model the Trainer trains without ``bf16=True`` (no autocast): precision ``bf16``
+    whose ``autocast`` is off under the job's transformers runtime (``specs.plan.trainer_autocast``:
+    the plan's, else the runtime's recipe), on the plain Trainer (no ZeRO: under DeepSpeed accelerate
+    runs no autocast, its ``bf16`` section sets the precision; :func:`refuse_autocast_sharded`)."""
+    p = job.plan
+    if p.precision != "bf16" or p.zero > 0 or job.runtime not in TRANSFORMERS_RUNTIMES:
+        return False
+    return not trainer_autocast(p, job.runtime)
+
+
+def refuse_autocast_sharded(p: Plan, target: str) -> None:
+    """The plan's ``autocast`` says whether the plain Trainer's ``bf16=True`` is on; under ZeRO the
+    precision is DeepSpeed's or FSDP2's section (accelerate's ``Accelerator`` turns native autocast
+    on only outside DeepSpeed: ``native_amp``), which the choice does not reach."""
+    if p.autocast is not None and p.zero > 0:
+        raise refuse(
+            "autocast",
+            target,
+            f"autocast={'on' if p.autocast else 'off'} with zero={p.zero}",
+            "the Trainer's bf16=True is accelerate's autocast without sharding; under DeepSpeed or FSDP their own "
+            "precision section decides (leave autocast unset)",
+        )
 
 
 def hf_model_id(job: Job) -> str | None:

@@ -40,6 +40,7 @@ from memplan.export import deepspeed
 from memplan.export.common import (
     GRADIENT_CLIPPING,
     Exported,
+    autocast_off,
     comment_block,
     finetune_fields,
     hf_attention,
@@ -49,6 +50,7 @@ from memplan.export.common import (
     lora_defaults,
     preamble,
     refuse,
+    refuse_autocast_sharded,
 )
 from memplan.specs.plan import ALL_LINEAR
 from memplan.specs.resolve import Job
@@ -60,6 +62,7 @@ CARRIES = frozenset(
         "gpus", "nodes", "dp", "tp", "pp", "cp", "ep", "zero", "offload_optimizer", "offload_params", "recompute",
         "precision", "optimizer", "attention", "micro_batch", "global_batch", "seq_len", "finetune", "lora_rank",
         "lora_targets", "lora_dropout", "modules_to_save", "quant", "double_quant", "offload_activations",
+        "autocast",
     }
 )  # fmt: skip
 SHARDING = ("deepspeed", "fsdp")
@@ -174,6 +177,7 @@ def check(job: Job, target: str, sharding: str | None) -> str:
             "the NVMe mount is machine-specific: export --to deepspeed --nvme-path and point the trainer's "
             "deepspeed key at that file",
         )
+    refuse_autocast_sharded(p, target)
     kind = backend(job, target, sharding)
     if p.quant == "int8" and (kind == "fsdp" or p.zero == 3):
         raise refuse(
@@ -260,6 +264,7 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
     kind = check(job, TARGET, sharding)
     p, f = job.plan, finetune_fields(job)
     bf16, fp16, dtype = PRECISION[kind][_precision_for(job, kind)]
+    bf16 = bf16 and not autocast_off(job)  # a bfloat16 model trained as it is
     args: dict[str, Any] = {
         "per_device_train_batch_size": f["micro_batch"],
         "gradient_accumulation_steps": f["gradient_accumulation"],
@@ -390,7 +395,7 @@ def parse(text: str) -> dict[str, Any]:
         recompute = recompute or bool(fsdp.get("activation_checkpointing"))
         precision = "bf16-mixed" if args.get("bf16") else "fp32"
     else:
-        precision = ("bf16" if dtype == "bfloat16" else "bf16-mixed") if args.get("bf16") else "fp32"
+        precision = "bf16" if dtype == "bfloat16" else ("bf16-mixed" if args.get("bf16") else "fp32")
     dp = gpus
     out = {
         "gpus": gpus,
@@ -405,6 +410,8 @@ def parse(text: str) -> dict[str, Any]:
         "offload_params": offload_par,
         "recompute": "full" if recompute else "none",
         "precision": precision,
+        # a bfloat16 model without bf16=True: the plain Trainer runs no autocast
+        "autocast": False if precision == "bf16" and not (ds or fsdp is not None or args.get("bf16")) else None,
         "optimizer": OPTIM_BACK[args.get("optim", "adamw_torch")],
         "attention": ATTENTION_BACK[cfg["model"].get("attn_implementation", "sdpa")],
         "micro_batch": micro,

@@ -10,7 +10,8 @@ At ``on_train_begin`` the plan is read from the live objects (no YAML to write):
 - PEFT's ``peft_config`` (LoRA only: ``r``, ``target_modules``, ``lora_dropout``,
   ``modules_to_save``);
 - ``TrainingArguments``: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
-  ``world_size``, ``bf16`` / ``fp16``, ``gradient_checkpointing``, ``optim``, ``deepspeed``
+  ``world_size``, ``bf16`` / ``fp16`` (the plan's ``autocast`` over a 16-bit model),
+  ``gradient_checkpointing``, ``optim``, ``deepspeed``
   (ZeRO stage and offload) and ``fsdp`` (``full_shard``: ZeRO-3, ``shard_grad_op``: ZeRO-2,
   ``offload``);
 - the sequence length: the callback's ``seq_len``, else TRL's ``max_length`` on the arguments.
@@ -156,18 +157,21 @@ def _finetune(model: Any, quant: dict[str, Any] | None) -> dict[str, Any]:
     return parse_finetune(lora, quant)
 
 
-def _precision(args: Any, model: torch.nn.Module, quant: dict[str, Any] | None) -> str:
-    """memplan's precision for the Trainer's: autocast (``bf16`` / ``fp16``, the same bytes) over
-    an fp32 model is bf16-mixed; a bf16 or fp16 model trains in bf16; a quantized base computes in
-    its ``bnb_4bit_compute_dtype`` (4-bit) or the model's dtype (8-bit)."""
+def _precision(args: Any, model: torch.nn.Module, quant: dict[str, Any] | None) -> dict[str, Any]:
+    """memplan's precision for the Trainer's, and its ``autocast``: ``bf16=True`` / ``fp16=True``
+    (accelerate's autocast, the same bytes) over an fp32 model is bf16-mixed; a bf16 or fp16 model
+    trains in bf16, under autocast as the arguments say (``autocast`` off without them: a 16-bit
+    model trained as it is); a quantized base computes in its ``bnb_4bit_compute_dtype`` (4-bit) or
+    the model's dtype (8-bit), likewise."""
     autocast = bool(args.bf16 or args.fp16)
     if quant is not None and quant.get("load_in_4bit"):
         compute = str(quant.get("bnb_4bit_compute_dtype") or "float32").removeprefix("torch.")
-        return "fp32" if compute == "float32" and not autocast else ("bf16-mixed" if compute == "float32" else "bf16")
-    dtype = _dominant_dtype(model)
-    if dtype == torch.float32:
-        return "bf16-mixed" if autocast else "fp32"
-    return "bf16"
+        wide = compute == "float32"
+    else:
+        wide = _dominant_dtype(model) == torch.float32
+    if wide:
+        return {"precision": "bf16-mixed" if autocast else "fp32"}
+    return {"precision": "bf16", "autocast": autocast}
 
 
 def _sharding(args: Any) -> dict[str, Any]:
@@ -210,7 +214,7 @@ def trainer_plan(model: Any, args: Any, seq_len: int | None = None) -> dict[str,
         "dp": dp,
         **_sharding(args),
         "recompute": "full" if args.gradient_checkpointing else "none",
-        "precision": _precision(args, model, quant),
+        **_precision(args, model, quant),
         "optimizer": OPTIM[optim],
         "attention": ATTENTION.get(attn, "flash"),
         **_finetune(model, quant),

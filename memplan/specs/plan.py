@@ -115,6 +115,15 @@ class Plan(BaseModel):
         "model.to('cuda'), as the Trainer moves a model loaded without a device_map).",
     )
 
+    # None: the precision's recipe under transformers' loops (``trainer_autocast``); a bf16 model can
+    # train either way, and the forward's casts (and LoRA's adapters, fp32 under PEFT) differ
+    autocast: StrictBool | None = Field(
+        None,
+        description="runtime hf / hf-loop with precision bf16: whether the forward runs under bf16 autocast (the "
+        "Trainer's bf16=True, accelerate's autocast) over the bfloat16 model. Default: the precision's recipe (hf: "
+        "on, as the exporters write it; hf-loop: off).",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _qlora_defaults(cls, data: object) -> object:
@@ -175,6 +184,8 @@ class Plan(BaseModel):
             raise ValueError(
                 f"fp8_all_gather: the fp8 all-gather is FSDP2's, which needs zero 2 or 3 (got zero: {self.zero})"
             )
+        if self.autocast is not None and self.precision != "bf16":
+            raise ValueError(f"autocast: only meaningful with precision: bf16 ({_NO_CHOICE[self.precision]})")
         targets = self.lora_targets
         if ALL_LINEAR in targets and len(targets) > 1:
             raise ValueError(f"lora_targets: {ALL_LINEAR} already names every linear layer; give it alone")
@@ -192,6 +203,27 @@ class Plan(BaseModel):
     def stages(self) -> int:
         """Model chunks in the whole pipeline: pp x virtual stages."""
         return self.pp * self.virtual_stages
+
+
+# why autocast cannot be chosen for the other precisions
+_NO_CHOICE = {
+    "bf16-mixed": "bf16-mixed is bf16 autocast over fp32 weights by definition",
+    "fp32": "fp32 runs no autocast; the Trainer's bf16=True over fp32 weights is bf16-mixed",
+    "bf16-master": "bf16-master keeps fp32 master weights: DeepSpeed's bf16, not the Trainer's bf16=True",
+    "fp16-master": "fp16-master keeps fp32 master weights: DeepSpeed's fp16, not the Trainer's fp16=True",
+    "fp8": "fp8's matmuls are scaled, not autocast",
+}
+TRANSFORMERS_RUNTIMES = ("hf", "hf-loop")
+
+
+def trainer_autocast(plan, runtime: str) -> bool:
+    """Whether a transformers loop's forward runs under bf16 autocast: ``bf16-mixed`` (fp32
+    weights) always; ``bf16`` (a bfloat16 model) as ``plan.autocast`` says, else by the runtime's
+    recipe: the Trainer's (``hf``) ``bf16=True``, as memplan's exporters write it
+    (``export/hf_trainer.py`` ``PRECISION``), the hand-written loop's (``hf-loop``) none."""
+    if plan.precision != "bf16":
+        return plan.precision == "bf16-mixed"
+    return plan.autocast if plan.autocast is not None else runtime == "hf"
 
 
 @cache

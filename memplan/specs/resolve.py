@@ -20,14 +20,13 @@ from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import PlanFile, RuntimeName, check_compatible, suspicious
 from memplan.specs.loader import load_gpu, load_model, read_data, short, validate, validation_error
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan
+from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
 CLI = "command line"
 # transformers' loops keep no fp32 master weights (``bf16-master``, Plan's default, is DeepSpeed's):
 # their default precision is the Trainer's usual recipe, a bfloat16 model under ``bf16=True``
 # (``export/hf_trainer.py``'s ``bf16``; the hand loop trains the bfloat16 model as it is)
-TRANSFORMERS_RUNTIMES = ("hf", "hf-loop")
 TRAINER_PRECISION = "bf16"
 PLAN_FIELDS = set(Plan.model_fields)
 TRAINING_FIELDS = {"seq_len", "micro_batch", "global_batch"}
@@ -38,6 +37,7 @@ TRAINING_PLAN_FIELDS = {
     "zero", "offload_optimizer", "offload_params", "recompute", "recompute_layers", "optimizer", "sequence_parallel",
     "cp", "pp_schedule", "virtual_stages", "attention", "finetune", "lora_rank", "lora_targets", "lora_dropout",
     "modules_to_save", "quant", "double_quant", "offload_activations", "fp8_recipe", "fp8_all_gather", "model_build",
+    "autocast",
 }  # fmt: skip
 
 
@@ -163,6 +163,21 @@ def job_from(
     nodes_given = sizes.nodes if sizes.nodes is not None else pf.nodes
 
     plan_data = {**(pf.plan or {}), **{k: v for k, v in flags.items() if k in PLAN_FIELDS}}
+    # adapters over a frozen base are what transformers' Trainer runs (the bundled trainer trains
+    # every weight), so a fine-tuning plan defaults to its step
+    runtime = sizes.runtime or pf.runtime or ("hf" if plan_data.get("finetune", "full") != "full" else "memplan")
+    if not inference and "precision" not in plan_data and runtime in TRANSFORMERS_RUNTIMES:
+        plan_data["precision"] = TRAINER_PRECISION
+    if plan_data.get("autocast") is not None and runtime not in TRANSFORMERS_RUNTIMES:
+        raise _blame_flag(
+            MemplanError(
+                f"the Trainer's bf16=True: only meaningful under runtime hf or hf-loop (got {runtime})",
+                source=source,
+                field="plan.autocast",
+            ),
+            set(flags),
+            from_file,
+        )
     if gpus is not None and "dp" not in plan_data:
         degrees = {k: plan_data[k] for k in ("tp", "pp", "cp") if k in plan_data}
         partial = _validate_section(Plan, degrees, set(flags), source, "plan")
@@ -185,11 +200,6 @@ def job_from(
                 field=field,
             ) from None
     plan = _validate_section(Plan, plan_data, set(flags), source, "plan")
-    # adapters over a frozen base are what transformers' Trainer runs (the bundled trainer trains
-    # every weight), so a fine-tuning plan defaults to its step
-    runtime = sizes.runtime or pf.runtime or ("hf" if plan.finetune != "full" else "memplan")
-    if not inference and "precision" not in plan_data and runtime in TRANSFORMERS_RUNTIMES:
-        plan = _validate_section(Plan, {**plan_data, "precision": TRAINER_PRECISION}, set(flags), source, "plan")
     if gpus is not None and plan.world_size != gpus:
         where, field = blame("gpus")
         raise MemplanError(f"dp x tp x pp x cp = {plan.world_size} but gpus is {gpus}", source=where, field=field)

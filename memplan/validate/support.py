@@ -48,6 +48,10 @@ def check_plan(plan: Plan) -> None:
         check_lora(plan)
     if plan.offload_activations != "none":
         check_offload(plan)
+    if plan.autocast is not None:
+        raise TrainerUnsupported(
+            "autocast: the transformers Trainer's bf16=True; the bundled trainer runs its precision's recipe"
+        )
     if plan.cp > 1:
         raise TrainerUnsupported("cp: context parallelism is not implemented by the bundled trainer")
     if plan.ep > 1:

@@ -76,12 +76,18 @@ class Case:
 
     @property
     def precision(self) -> str:
-        """memplan's precision: ``bf16=True`` over a bf16 model is the Trainer's ``bf16`` (the
-        exporters' recipe), over an fp32 one ``bf16-mixed``; a bf16 model without it is ``bf16``
-        for the hand loop (under the Trainer no plan names it: its tests set the run's autocast)."""
+        """memplan's precision: autocast (the Trainer's ``bf16=True``) over a bf16 model is ``bf16``
+        (with :attr:`plan_autocast`), over an fp32 one ``bf16-mixed``; a bf16 model without it is
+        ``bf16`` with ``autocast`` off."""
         if self.autocast:
             return "bf16" if self.dtype == "bfloat16" else "bf16-mixed"
         return "fp32" if self.dtype == "float32" else "bf16"
+
+    @property
+    def plan_autocast(self) -> bool | None:
+        """The plan's ``autocast``: said for a bf16 model (the runtime's recipe is not the case's
+        under the Trainer without ``bf16=True``, nor under the hand loop with it), else None."""
+        return self.autocast if self.precision == "bf16" else None
 
     def hf_config(self) -> dict:
         """The config.json transformers would write for this case."""
@@ -272,6 +278,7 @@ def predict_report(case: Case):
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = Plan(
         precision=case.precision,
+        autocast=case.plan_autocast,
         recompute="full" if case.checkpointing else "none",
         attention="eager" if case.attention == "eager" else "flash",
     )

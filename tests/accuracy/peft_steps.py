@@ -310,16 +310,19 @@ def _autocast_precision(case: PeftCase, dtype: str, runtime: str) -> str:
 def plan_of(case: PeftCase, runtime: str = "hf") -> Plan:
     """memplan's plan for a case under ``runtime``; the Trainer's ``bf16=True`` is ``bf16`` over a bf16
     or quantized base (the exporters' recipe) and ``bf16-mixed`` over an fp32 one, the hand loop's
-    autocast ``bf16-mixed``; without it over a 4-bit base the precision is the compute dtype's (the
-    Trainer's tests set the run's autocast from the case)."""
+    autocast ``bf16-mixed``; without it over a 4-bit base the precision is the compute dtype's. Under
+    ``bf16`` the plan's ``autocast`` says whether the case runs ``bf16=True`` (a bf16 base without it:
+    off)."""
     if case.quant != "none":
         dtype = "fp32" if case.compute_dtype == "float32" else "bf16"
         fields = dict(finetune="qlora", quant=case.quant, double_quant=case.double_quant)
     else:
         dtype = "fp32" if case.dtype == "float32" else "bf16"
         fields = dict(finetune="lora")
+    precision = _autocast_precision(case, dtype, runtime) if case.autocast else dtype
     return Plan(
-        precision=_autocast_precision(case, dtype, runtime) if case.autocast else dtype,
+        precision=precision,
+        autocast=case.autocast if precision == "bf16" else None,
         recompute="full" if case.checkpointing else "none",
         lora_rank=case.rank,
         lora_targets=case.targets,

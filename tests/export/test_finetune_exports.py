@@ -42,6 +42,11 @@ GRID = [
     (dict(gpus=1, finetune="qlora", quant="int8", precision="bf16"), {}),  # reads back as lora (8-bit base)
     (dict(gpus=1, finetune="lora", quant="nf4", precision="bf16"), {}),  # reads back as qlora (4-bit base)
     (dict(gpus=1, finetune="qlora", precision="fp32"), {}),
+    # a bfloat16 model without the Trainer's bf16=True (autocast off): the plan's, or hf-loop's recipe
+    (dict(gpus=1, finetune="lora", precision="bf16", autocast=False, recompute="full"), {}),
+    (dict(gpus=1, finetune="qlora", precision="bf16", autocast=False), {}),
+    (dict(gpus=1, finetune="lora", quant="int8", precision="bf16", autocast=False), {}),
+    (dict(gpus=1, finetune="lora", precision="bf16", runtime="hf-loop"), {}),
     (dict(gpus=1, finetune="lora", precision="bf16-master"), {}),  # fp32 master weights: DeepSpeed stage 0
     (dict(gpus=8, zero=2, finetune="lora", precision="bf16-mixed", seq_len=4096, micro_batch=2, global_batch=64), {}),
     (dict(gpus=8, zero=3, finetune="qlora", lora_targets=("all-linear",), precision="bf16-master", recompute="full"),
@@ -220,6 +225,17 @@ SFT_CONFIG_FIELDS = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize(("flags", "bf16"), [(dict(autocast=False), False), ({}, True), (dict(autocast=True), True)])
+def test_a_bf16_model_without_autocast_is_written_without_bf16(make_job, flags, bf16):
+    """Precision bf16 is a bfloat16 model either way; the Trainer's ``bf16`` (axolotl's ``bf16``, else its
+    non-AMP ``bfloat16``) is the plan's ``autocast``, on by default under ``--runtime hf``."""
+    job = make_job(L8, gpus=1, finetune="lora", precision="bf16", **flags)
+    cfg = _sections(job)
+    assert cfg["model"]["dtype"] == "bfloat16" and cfg["training_arguments"]["bf16"] is bf16
+    axolotl = yaml.safe_load(render(job, "axolotl").text)
+    assert axolotl["bf16"] is bf16 and axolotl.get("bfloat16", False) is not bf16
+
+
 def test_sft_section_is_sft_config_fields(make_job):
     for flags, opts in GRID + HF_ONLY:
         cfg = _sections(_job(make_job, flags), **opts)
@@ -253,7 +269,8 @@ AXOLOTL_KEYS = {
     "base_model", "load_in_8bit", "load_in_4bit", "bnb_config_kwargs", "adapter", "lora_r", "lora_alpha",
     "lora_dropout", "lora_target_modules", "lora_target_linear", "lora_modules_to_save",
     "sequence_len", "pad_to_sequence_len", "sample_packing", "micro_batch_size", "gradient_accumulation_steps",
-    "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "bf16", "fp16", "optimizer",
+    "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "bf16", "bfloat16", "fp16",
+    "optimizer",
     "max_grad_norm", "attn_implementation", "deepspeed", "fsdp_version", "fsdp_config",
 }  # fmt: skip
 AXOLOTL_FSDP_KEYS = {
@@ -318,6 +335,7 @@ REFUSALS = [
      "CPU Adam"),
     (dict(gpus=1, finetune="lora", attention="triton"), {}, "plan.attention", "bundled trainer"),
     (dict(gpus=1, finetune="lora"), {"sharding": "zero"}, "--sharding", "zero"),
+    (dict(gpus=8, zero=2, finetune="lora", precision="bf16", autocast=False), {}, "plan.autocast", "DeepSpeed"),
 ]  # fmt: skip
 AXOLOTL_REFUSALS = [
     (dict(gpus=1, finetune="qlora", precision="bf16-mixed"), {}, "plan.precision", "torch_autocast"),

@@ -35,9 +35,9 @@ def _config():
     return cfg
 
 
-def _model(lora: bool = False):
+def _model(lora: bool = False, dtype: torch.dtype = torch.float32):
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(_config())
+    model = transformers.LlamaForCausalLM(_config()).to(dtype)
     if lora:
         import peft
 
@@ -86,6 +86,20 @@ def test_the_callback_predicts_trains_and_compares(caplog, lora, checkpointing):
     assert abs(comparison.allocated_error) <= 0.02, comparison
     assert comparison.reserved_error is None  # the CPU has no caching allocator
     assert any("steps 2-3 on cpu: allocated predicted" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["bf16-model", "bf16-model-bf16-true"])
+def test_a_bf16_model_is_predicted_with_or_without_the_trainers_bf16(bf16):
+    """LoRA over a bfloat16 model: without ``bf16=True`` the plan is ``bf16`` with ``autocast`` off (the
+    forward as the model's dtype runs it), with it ``autocast`` on (accelerate's autocast: PEFT's fp32
+    adapters run in bf16); each prediction within the issue's bound of the measured steps."""
+    callback = MemplanCallback(seq_len=S)
+    trainer = _train(_model(lora=True, dtype=torch.bfloat16), callback, bf16=bf16)
+    assert trainer.state.global_step == 3
+    result, comparison = callback.result, callback.comparison
+    assert result is not None and comparison is not None
+    assert (result.plan["precision"], result.plan["autocast"]) == ("bf16", bf16)
+    assert abs(comparison.allocated_error) <= 0.02, comparison
 
 
 def test_a_run_that_will_not_fit_is_warned_with_changes_that_would(caplog):

@@ -61,9 +61,10 @@ def predict(case: hf_steps.Case, inplace_accumulate: bool = False, ga: int = 1, 
     """The run's peak for the case's config.json, workload and precision, on CPU's kernels, with
     ``ga`` micro-batches per optimizer step, on one of ``dp`` ranks (DDP)."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = Plan(precision=case.precision, recompute="full" if case.checkpointing else "none")
+    plan = Plan(
+        precision=case.precision, autocast=case.plan_autocast, recompute="full" if case.checkpointing else "none"
+    )
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    d = dataclasses.replace(d, autocast=case.autocast)  # a bf16 model without bf16=True: no plan names it
     timeline = hf_run(
         d,
         model.tied_embeddings,

@@ -78,10 +78,12 @@ def predict(case: hf_steps.Case, dp: int = 1) -> int:
     """The run's peak for the case's config.json (its family read from it), on CPU's kernels, on one of
     ``dp`` ranks (DDP)."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = Plan(precision=case.precision, recompute="full" if case.checkpointing else "none", dp=dp)
+    plan = Plan(
+        precision=case.precision, autocast=case.plan_autocast, recompute="full" if case.checkpointing else "none", dp=dp
+    )
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload) is None, case.name
-    d = dataclasses.replace(hf_dims(model, workload, plan), autocast=case.autocast)  # bf16 without bf16=True
+    d = hf_dims(model, workload, plan)
     timeline = hf_run(
         d,
         model.tied_embeddings,

@@ -46,7 +46,9 @@ HEAVY = ("vocab-fp32", "layers-fp32-ckpt", "mistral-fp32-ckpt")
 
 
 def _plan(case: hf_steps.Case) -> Plan:
-    return Plan(precision=case.precision, recompute="full" if case.checkpointing else "none")
+    return Plan(
+        precision=case.precision, autocast=case.plan_autocast, recompute="full" if case.checkpointing else "none"
+    )
 
 
 def _spec(case: hf_steps.Case):

@@ -100,7 +100,6 @@ def predict(case: PeftCase, ga: int = 1, dp: int = 1) -> int:
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = plan_of(case)
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    d = dataclasses.replace(d, autocast=case.autocast)  # a bf16 base without bf16=True: no plan names it
     quant = Bnb4bit.of(plan)
     if quant is not None:  # loaded in the case's dtype (the plan assumes its compute dtype)
         quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2)

@@ -208,7 +208,6 @@ HF_DEFAULT = {"int8-recipe"}  # bf16 base, bf16=True, checkpointing: the usual r
 
 def _hf_predict(case, ga: int = 1) -> int:
     """The ``hf`` run's peak on CPU's kernels, as test_timeline_hf_peft.predict."""
-    import dataclasses
 
     from peft_steps import plan_of
 
@@ -220,7 +219,6 @@ def _hf_predict(case, ga: int = 1) -> int:
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = plan_of(case)
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    d = dataclasses.replace(d, autocast=case.autocast)  # a bf16 base without bf16=True: no plan names it
     timeline = hf_run(
         d, model.tied_embeddings, "cpu_flash", steps=3, batches=3 * ga, qkv_bias=model.qkv_bias, ga=ga,
         lora=HfLoraConfig.of(plan), quant=Bnb8bit.of(plan), inplace_accumulate=False,

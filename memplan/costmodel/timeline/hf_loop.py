@@ -4,7 +4,7 @@ The loop of docs/cost-model.md ("hf-loop runtime") and tests/accuracy/hf_steps.p
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     for ids in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=<bf16-mixed>):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=<bf16-mixed, or the plan's autocast>):
             out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         opt.step()

@@ -8,8 +8,9 @@ Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transfo
 attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
 the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
 Gemma 2 under the eager attention transformers gives it; fp32, ``bf16`` (a bf16 model under
-``bf16=True``, the exporters' recipe: ``hf_trainer.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py),
-or ``bf16=True`` over fp32 (``bf16-mixed``); the default fused AdamW; gradient checkpointing of every
+``bf16=True``, the exporters' recipe: ``hf_trainer.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
+without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
+fused AdamW; gradient checkpointing of every
 layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/unit/test_timeline_hf_peft.py:
 any of the decoder layers' linears, any rank, dropout, ``modules_to_save`` lm_head or an untied
 embed_tokens). On CUDA the kernels are those of the bundled trainer's traces (``support.sdpa_kernel``),
@@ -27,7 +28,8 @@ Trainer's FSDP or DeepSpeed) and tensor, pipeline, context or expert parallelism
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
 4-bit bases (not int8), with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing),
-on one rank; there ``bf16`` is the bf16 model without autocast (the loop has none).
+on one rank; there ``bf16`` is the bf16 model without autocast unless the plan's ``autocast`` puts the
+forward under ``torch.autocast`` (tests/unit/test_plan_autocast.py).
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ real ``Trainer`` (``tests/accuracy/alloc_log.py``):
   states, ``position_ids`` and the rotary tables.
 
 Under ``bf16=True`` (accelerate's autocast; ``trainer_autocast``: ``bf16-mixed`` over the fp32 model,
-``bf16`` over the bf16 one) each matmul casts an fp32 weight (cached for the forward) and an fp32
-input to bf16 (a bf16 one is taken as it is), SDPA casts k then q where they are fp32, and
+``bf16`` over the bf16 one unless the plan's ``autocast`` is off: a bf16 model without
+``bf16=True``) each matmul casts an fp32 weight (cached for the forward) and an fp32 input to
+bf16 (a bf16 one is taken as it is), SDPA casts k then q where they are fp32, and
 ``convert_outputs_to_fp32`` copies the bf16 logits to fp32 after the forward. With
 ``gradient_accumulation_steps`` the update's batches are fetched together (accelerate one ahead)
 and freed at the next update's fetch, and from the second
@@ -49,14 +50,16 @@ from memplan.costmodel.timeline.hf_lora import HfLora, HfLoraConfig
 from memplan.costmodel.timeline.hf_model import is_norm, param_shapes, scalar_div
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
+from memplan.specs.plan import trainer_autocast as plan_autocast
 
 
 def trainer_autocast(plan, runtime: str = "hf") -> bool:
-    """Whether the forward runs under accelerate's bf16 autocast: the Trainer's ``bf16=True``, which
-    ``--runtime hf`` takes for ``bf16`` (a bfloat16 model: memplan's exporters' recipe,
-    ``export/hf_trainer.py`` ``PRECISION``) and ``bf16-mixed`` (an fp32 one); the hand-written loop
-    (``hf-loop``) only for ``bf16-mixed`` (its ``bf16`` is a bfloat16 model trained as it is)."""
-    return plan.precision == "bf16-mixed" or (runtime == "hf" and plan.precision == "bf16")
+    """Whether the forward runs under accelerate's bf16 autocast (the Trainer's ``bf16=True``):
+    ``specs.plan.trainer_autocast``, ``bf16-mixed`` (an fp32 model) always, ``bf16`` (a bfloat16
+    model) as the plan's ``autocast`` says, by default under ``--runtime hf`` (memplan's exporters'
+    recipe, ``export/hf_trainer.py`` ``PRECISION``) and not under ``hf-loop`` (a bfloat16 model
+    trained as it is)."""
+    return plan_autocast(plan, runtime)
 
 
 def hf_dims(model, workload, plan, runtime: str = "hf") -> Dims:
