@@ -40,7 +40,7 @@ declined them).
 from __future__ import annotations
 
 import pytest
-from timeline_peaks import steady_peaks
+from timeline_peaks import ddp_broadcast_flats, steady_peaks
 
 from memplan.costmodel.reserve import plan_run
 from memplan.costmodel.timeline import ops, zero1
@@ -287,37 +287,10 @@ def test_ddp_broadcasts_a_biased_quantized_base_by_dtype(changes):
     adapters, head) first, then the 1-byte one (int8 ``CB`` or packed 4-bit codes); then the
     reducer's bucket of the adapters. Seen in the real ``DistributedDataParallel`` built on CPU by
     the trainer's own steps (fake process group), at the dispatcher."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("bitsandbytes")
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from memplan.train import lora, parallel
-    from memplan.train.model import Transformer
-
     plan, workload = Plan(**dict(changes, dp=2)), TrainingWorkload(seq_len=4, micro_batch=1)
-    seen: list[tuple[str, int]] = []
-
-    class Flats(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.cat.default, torch.ops.aten.empty.memory_format) and out.numel() > 1:
-                seen.append((str(out.dtype), out.untyped_storage().nbytes()))
-            return out
-
-    dist.init_process_group("fake", rank=0, world_size=plan.dp, store=FakeStore())
-    try:
-        with torch.device("meta"):
-            model = Transformer(QWEN, list(range(QWEN.num_layers)), first=True, last=True).to(torch.bfloat16)
-        lora.apply_lora(model, plan)
-        model.to_empty(device="cpu")
-        model.init_weights(0)
-        lora.init_adapters(model)
-        with Flats():
-            parallel.apply_ddp(model, parallel.build_meshes(plan, "cpu").dp)
-    finally:
-        dist.destroy_process_group()
     flats = [e.size for e in trainer_run(QWEN, workload, plan) if e.op == ALLOC and e.tag in BROADCAST]
-    assert [size for dtype, size in seen if dtype != "torch.int64"] == flats
-    assert [dtype for dtype, _ in seen if dtype != "torch.int64"][:1] == ["torch.float32"]
+    seen = ddp_broadcast_flats(QWEN, plan)
+    assert [size for _, size in seen] == flats
+    assert [dtype for dtype, _ in seen][:1] == ["torch.float32"]

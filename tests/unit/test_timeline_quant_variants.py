@@ -28,7 +28,7 @@ below equal to the trainer's peak to the byte, for the step and for the forward 
 from __future__ import annotations
 
 import pytest
-from timeline_peaks import steady_peaks
+from timeline_peaks import ddp_broadcast_flats, steady_peaks
 
 from memplan.costmodel.lora import ADAPTER_BYTES, HF_NAMES
 from memplan.costmodel.quant import DEQUANTIZE, FUSED, absmax_4bit_bytes, gemm_4bit_kernel, packed_4bit_bytes
@@ -154,41 +154,14 @@ def test_ddp_broadcasts_the_packed_weights_apart_after_the_fp32_group():
     as it holds the first parameter, then the uint8 one (the packed weights); then the reducer's one
     bucket of the fp32 trainable parameters. Seen in the real ``DistributedDataParallel`` built on
     CPU by the trainer's own steps (fake process group), at the dispatcher."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("bitsandbytes")
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from memplan.train import lora, parallel
-    from memplan.train.model import Transformer
-
     plan, workload = _case("ddp2-bf16-master-head-copy-fused")
-    seen: list[tuple[str, int]] = []
-
-    class Flats(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.cat.default, torch.ops.aten.empty.memory_format) and out.numel() > 1:
-                seen.append((str(out.dtype), out.untyped_storage().nbytes()))
-            return out
-
-    dist.init_process_group("fake", rank=0, world_size=plan.dp, store=FakeStore())
-    try:
-        with torch.device("meta"):
-            model = Transformer(SMALL, list(range(SMALL.num_layers)), first=True, last=True).to(torch.bfloat16)
-        lora.apply_lora(model, plan)
-        model.to_empty(device="cpu")
-        model.init_weights(0)
-        lora.init_adapters(model)
-        with Flats():
-            parallel.apply_ddp(model, parallel.build_meshes(plan, "cpu").dp)
-    finally:
-        dist.destroy_process_group()
     run = trainer_run(SMALL, workload, plan)
     flats = [e.size for e in run if e.op == ALLOC and e.tag in ("ddp.broadcast_flat", "reducer.bucket")]
-    assert [size for dtype, size in seen if dtype != "torch.int64"] == flats
-    assert [dtype for dtype, _ in seen if dtype != "torch.int64"] == ["torch.float32", "torch.uint8", "torch.float32"]
+    seen = ddp_broadcast_flats(SMALL, plan)
+    assert [size for _, size in seen] == flats
+    assert [dtype for dtype, _ in seen] == ["torch.float32", "torch.uint8", "torch.float32"]
 
 
 H200_PLAN = dict(QLORA, lora_rank=16, precision="bf16", recompute="full", seq_len=4096, micro_batch=4, global_batch=4)

@@ -108,3 +108,40 @@ def assert_the_trainer_peaks_where_the_run_does(name: str, model, workload, plan
     record = trainer_record(model, workload, plan)
     assert_peaks(name, peaks, measured_peaks(record))
     return record
+
+
+def ddp_broadcast_flats(model, plan) -> list[tuple[str, int]]:  # noqa: ANN001 - a ModelSpec and a Plan
+    """(dtype, bytes) of the flat buffers the real ``DistributedDataParallel`` allocates as the bundled
+    trainer wraps ``model`` (``parallel.apply_ddp``, fake process group, on CPU): ``_sync_module_states``'
+    ``broadcast_coalesced`` buckets, then the reducer's, each ``cat`` / ``empty`` of more than one
+    element seen at the dispatcher, int64 index buffers left out."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memplan.train import lora, parallel
+    from memplan.train.model import Transformer
+
+    seen: list[tuple[str, int]] = []
+
+    class Flats(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.cat.default, torch.ops.aten.empty.memory_format) and out.numel() > 1:
+                seen.append((str(out.dtype), out.untyped_storage().nbytes()))
+            return out
+
+    dist.init_process_group("fake", rank=0, world_size=plan.dp, store=FakeStore())
+    try:
+        with torch.device("meta"):
+            module = Transformer(model, list(range(model.num_layers)), first=True, last=True).to(torch.bfloat16)
+        lora.apply_lora(module, plan)
+        module.to_empty(device="cpu")
+        module.init_weights(0)
+        lora.init_adapters(module)
+        with Flats():
+            parallel.apply_ddp(module, parallel.build_meshes(plan, "cpu").dp)
+    finally:
+        dist.destroy_process_group()
+    return [(dtype, size) for dtype, size in seen if dtype != "torch.int64"]
