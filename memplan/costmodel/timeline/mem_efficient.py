@@ -87,19 +87,10 @@ def sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, b: int, heads: int, s: int
         return [dq, dk, dv]
 
     node = tape.node("sdpa_efficient", apply, [q, k, v], saved=[q, k, v])
-    kept = tape.cached("sdpa")
-    if kept is not None:
-        out, lse = kept
-        out.fn = node
-    else:
+
+    def forward() -> list[Tensor]:
         out = ops.result(tape, qn, q.itemsize, "sdpa_efficient.out", node)
         out.transposed = True  # written (b, s, heads, d), returned transposed
-        lse = tape.new(lse_numel(b, heads, s), 4, "sdpa_efficient.lse")
-        tape.keep("sdpa", [out, lse])
-    try:
-        if node is not None:
-            for t in (out, lse):
-                tape.save(node, t)
-    finally:
-        tape.done(lse)  # the composite returns only out
-    return out
+        return [out, tape.new(lse_numel(b, heads, s), 4, "sdpa_efficient.lse")]
+
+    return ops.attention_output(tape, node, forward)

@@ -9,6 +9,8 @@ compute the last input's gradient first (tests/data/gpu-traces).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from memplan.costmodel.timeline.autograd import FIRST, Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 
@@ -243,24 +245,38 @@ def sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) 
         return [dq, dk, dv]
 
     node = tape.node(tag, apply, [q, k, v], saved=[q, k, v])
-    kept = tape.cached("sdpa")
-    if kept is not None:
-        seed, offset, out, lse = kept
-        out.fn = node
-    else:
+
+    def forward() -> list[Tensor]:
         seed, offset = tape.new(1, PHILOX, f"{tag}.philox_seed"), tape.new(1, PHILOX, f"{tag}.philox_offset")
         out = result(tape, qn, q.itemsize, f"{tag}.out", node)
         out.transposed = True  # flash writes (b, s, heads, d) and returns its transpose
         lse = tape.new(lse_numel, 4, f"{tag}.lse")
         scratch = tape.new(SDPA_SCRATCH, 1, f"{tag}.scratch")
         tape.done(scratch)
-        tape.keep("sdpa", [seed, offset, out, lse])
+        return [out, lse, seed, offset]
+
+    return attention_output(tape, node, forward)
+
+
+def attention_output(tape: Tape, node: Node | None, forward: Callable[[], list[Tensor]]) -> Tensor:
+    """An attention kernel's output, and what it keeps for its backward (``forward()``'s list,
+    out first): under a selective checkpoint that saved them, the first run's, handed back
+    (``tape.cached("sdpa")``); else ``forward()``'s, kept for the recompute. All are saved to
+    ``node``, and all but out freed as the composite returns out alone (SDPA's flash and
+    memory-efficient kernels, memplan's Triton kernel)."""
+    kept = tape.cached("sdpa")
+    if kept is not None:
+        kept[0].fn = node
+    else:
+        kept = forward()
+        tape.keep("sdpa", kept)
+    out, *rest = kept
     try:
         if node is not None:
-            for t in (out, lse, seed, offset):
+            for t in kept:
                 tape.save(node, t)
     finally:
-        tape.done(lse, seed, offset)  # the composite returns only out
+        tape.done(*rest)
     return out
 
 

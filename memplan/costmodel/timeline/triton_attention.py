@@ -134,20 +134,12 @@ def _forward(tape: Tape, q: Tensor, k: Tensor, v: Tensor, rows: int, shape: tupl
         return [dq, dk, dv]
 
     node = tape.node("flash_attention_forward", apply, [q, k, v], saved=[q, k, v])
-    kept = tape.cached("sdpa")
-    if kept is not None:
-        out, lse = kept
-        out.fn = node
-    else:
+
+    def forward() -> list[Tensor]:
         out = ops.result(tape, qn, itemsize, "flash_attention.out", node)
         out.transposed = q.transposed  # empty_like(q)
         lse = tape.new(rows, 4, "flash_attention.lse")
         _autotune(tape, "fwd", tune)
-        tape.keep("sdpa", [out, lse])
-    try:
-        if node is not None:
-            for t in (out, lse):
-                tape.save(node, t)
-    finally:
-        tape.done(lse)  # flash_attention returns out alone
-    return out
+        return [out, lse]
+
+    return ops.attention_output(tape, node, forward)  # flash_attention returns out alone
