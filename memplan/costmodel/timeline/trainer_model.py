@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memplan.costmodel.timeline import eager, mem_efficient, ops, qkv_bias, triton_attention
+from memplan.costmodel.timeline import ops, qkv_bias
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
@@ -220,11 +220,18 @@ class Model:
         t, d = self.tape, self.d
         if d.attention == "math":
             return prec.math_sdpa(t, q, k, v, d.b, d.heads // d.tp, d.s)
+        # the other kernels' modules only for the plans that run them: the estimate imports what it uses
         if d.attention == "eager":  # attention: eager (eager.py)
+            from memplan.costmodel.timeline import eager
+
             return eager.attention(t, q, k, v, d.b, d.heads // d.tp, d.s, autocast)
         if d.attention == "efficient":  # fp32 without GQA on CUDA (mem_efficient.py)
+            from memplan.costmodel.timeline import mem_efficient
+
             return mem_efficient.sdpa(t, q, k, v, d.b, d.heads // d.tp, d.s, d.head_dim)
         if d.attention == "triton":  # memplan's Triton FlashAttention-2 (triton_attention.py)
+            from memplan.costmodel.timeline import triton_attention
+
             return triton_attention.attention(t, q, k, v, d.b * d.heads // d.tp * d.s, (d.head_dim, d.s), autocast)
         k2 = ops.to(t, k, 2, "k_cast") if autocast else t.alias(k)
         q2 = ops.to(t, q, 2, "q_cast") if autocast else t.alias(q)
