@@ -19,8 +19,7 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 
 from memplan.cli.app import run
-from memplan.costmodel.timeline.hf_trainer import trainer_autocast
-from memplan.specs.plan import Plan
+from memplan.specs.plan import Plan, trainer_autocast
 
 PREFIX = "memplan: error: "
 

@@ -8,7 +8,7 @@ Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transfo
 attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
 the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
 Gemma 2 under the eager attention transformers gives it; fp32, ``bf16`` (a bf16 model under
-``bf16=True``, the exporters' recipe: ``hf_trainer.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
+``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
 fused AdamW; gradient checkpointing of every
 layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/unit/test_timeline_hf_peft.py:

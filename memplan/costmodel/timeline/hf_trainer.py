@@ -50,16 +50,7 @@ from memplan.costmodel.timeline.hf_lora import HfLora, HfLoraConfig
 from memplan.costmodel.timeline.hf_model import is_norm, param_shapes, scalar_div
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
-from memplan.specs.plan import trainer_autocast as plan_autocast
-
-
-def trainer_autocast(plan, runtime: str = "hf") -> bool:
-    """Whether the forward runs under accelerate's bf16 autocast (the Trainer's ``bf16=True``):
-    ``specs.plan.trainer_autocast``, ``bf16-mixed`` (an fp32 model) always, ``bf16`` (a bfloat16
-    model) as the plan's ``autocast`` says, by default under ``--runtime hf`` (memplan's exporters'
-    recipe, ``export/hf_trainer.py`` ``PRECISION``) and not under ``hf-loop`` (a bfloat16 model
-    trained as it is)."""
-    return plan_autocast(plan, runtime)
+from memplan.specs.plan import trainer_autocast
 
 
 def hf_dims(model, workload, plan, runtime: str = "hf") -> Dims:
