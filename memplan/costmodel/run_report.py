@@ -15,8 +15,8 @@ step comes from the run and its replay (``reserve.verdict``), not from the phase
 - ``model_states``: the categories ``parameters``, ``gradients`` and ``optimizer_states`` live
   as the last step's optimizer phase starts (``phases.model_states``);
 - ``activations``: what the forwards keep for their backwards (``phases.saved_activations``);
-- the stage and rank: the rank the run follows (``trainer.most_loaded_stage`` and
-  ``followed_rank`` for the bundled trainer; transformers' runs have one stage, rank 0).
+- the stage and rank: the rank the run follows (its ``Timeline.stage``, ``trainer.most_loaded_stage``
+  by default, and ``followed_rank`` for the bundled trainer; transformers' runs have one stage, rank 0).
 
 The host's bytes of activation offload are the run's (``Timeline.host_peak``: the pinned copies
 ``save_on_cpu`` holds at most, ``act_offload.SaveOnCpu``). What the run does not hold keeps its own
@@ -37,13 +37,13 @@ from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
 
-def followed(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str) -> tuple[int, int]:
-    """(pipeline stage, global rank) the op-level run of ``runtime`` follows."""
+def followed(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, stage: int) -> tuple[int, int]:
+    """(pipeline stage, global rank) the op-level run of ``runtime`` follows on pipeline rank
+    ``stage`` (the run's ``Timeline.stage``)."""
     if runtime != "memplan":  # transformers' Trainer and loop: one stage, data and tensor rank 0
         return 0, 0
-    from memplan.costmodel.timeline.trainer import followed_rank, most_loaded_stage
+    from memplan.costmodel.timeline.trainer import followed_rank
 
-    stage = most_loaded_stage(model, workload, plan)
     return stage, followed_rank(model, workload, plan, stage)
 
 
@@ -54,7 +54,7 @@ def run_report(
     ``detail``: the allocator's state at its peak."""
     run, replay = v.run, v.replay
     assert run is not None and replay.phase_peaks, "an op-level run names its phases"
-    stage, rank = followed(model, workload, plan, runtime)
+    stage, rank = followed(model, workload, plan, runtime, run.stage)
     phases = dict(replay.phase_peaks)
     per_layer, total = saved_activations(run)
     states = stage_states(model, plan, stage)

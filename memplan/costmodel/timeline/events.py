@@ -93,6 +93,7 @@ class Timeline:
     events: tuple[Event, ...]
     snapshots: tuple[Snapshot, ...] = ()
     host_peak: int = 0  # activation offload's pinned host copies at most (``act_offload.SaveOnCpu``)
+    stage: int = 0  # the pipeline rank the run follows
 
     def __iter__(self) -> Iterator[Event]:
         return iter(self.events)
@@ -175,8 +176,8 @@ class Builder:
     def live_bytes(self, category: Category) -> int:
         return sum(e.size for e in self.live.values() if e.category == category)
 
-    def build(self, host_peak: int = 0) -> Timeline:
-        return Timeline(tuple(self.events), tuple(self.snapshots), host_peak)
+    def build(self, host_peak: int = 0, stage: int = 0) -> Timeline:
+        return Timeline(tuple(self.events), tuple(self.snapshots), host_peak, stage)
 
 
 @contextmanager

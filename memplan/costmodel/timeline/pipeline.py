@@ -36,9 +36,7 @@ from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.fsdp import Fsdp
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
-from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
-from memplan.specs.workload import TrainingWorkload
 
 Action = tuple[str, int, int]  # ("F" | "B", local chunk index, micro-batch)
 
@@ -378,13 +376,9 @@ def _loss(t: Tape, logits: Tensor, labels: Tensor, d: Dims) -> Tensor:
     return nll
 
 
-def factory(d: Dims, model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: int | None):
-    """The run's :class:`Pipeline` maker for pipeline rank ``stage``, by default the most-loaded
-    one (``most_loaded_stage``: the rank ``memplan validate`` runs)."""
-    if stage is None:
-        from memplan.costmodel.timeline.trainer import most_loaded_stage
-
-        stage = most_loaded_stage(model, workload, plan)
+def factory(d: Dims, plan: Plan, stage: int):
+    """The run's :class:`Pipeline` maker for pipeline rank ``stage`` (``trainer_run`` picks it: by
+    default ``most_loaded_stage``, the rank ``memplan validate`` runs)."""
 
     def make(tape: Tape, grads: dict) -> Pipeline:
         return Pipeline(tape, d, grads, plan.pp, plan.virtual_stages, stage, plan.pp_schedule)

@@ -83,11 +83,11 @@ def trainer_run(
 ) -> Timeline | None:
     """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps,
     each of at most ``max_micro_batches`` micro-batches (under pipelining all of them). Pipeline
-    rank ``stage``, by default the most-loaded one; ``cuda``: CUDA's kernels, else CPU's where
-    the run models both (LoRA's dropout); ``gpu_arch``: the GPU's SMs and compute capability
-    (``quant.cuda_arch``: a 4-bit base's kernel); ``inplace_accumulate`` False: every second
-    gradient summed out of place, as on CPU under the meter (:class:`Tape`; a tied embedding's
-    sum, docs/cost-model.md). None for a plan :func:`supported` rejects."""
+    rank ``stage``, by default the most-loaded one (``Timeline.stage`` says which); ``cuda``:
+    CUDA's kernels, else CPU's where the run models both (LoRA's dropout); ``gpu_arch``: the
+    GPU's SMs and compute capability (``quant.cuda_arch``: a 4-bit base's kernel);
+    ``inplace_accumulate`` False: every second gradient summed out of place, as on CPU under the
+    meter (:class:`Tape`; a tied embedding's sum, docs/cost-model.md). None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan, gpu_arch) is not None:
         return None
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
@@ -97,7 +97,8 @@ def trainer_run(
     if plan.pp > 1:  # the schedule runs every micro-batch (pipeline.py)
         from memplan.costmodel.timeline import pipeline
 
-        micro_batches, pipe = accumulation(workload, plan), pipeline.factory(d, model, workload, plan, stage)
+        stage = most_loaded_stage(model, workload, plan) if stage is None else stage
+        micro_batches, pipe = accumulation(workload, plan), pipeline.factory(d, plan, stage)
     lora = None
     if plan.finetune != "full":  # adapters (lora.config: none for full training)
         from memplan.costmodel.timeline.lora import config as lora_config
@@ -111,7 +112,7 @@ def trainer_run(
     for step in range(steady_steps + 1):
         run.step(first=step == 0)
         run.b.mark(f"step{step}")
-    return run.b.build(run.saves.host_peak if run.saves is not None else 0)
+    return run.b.build(run.saves.host_peak if run.saves is not None else 0, stage or 0)
 
 
 def most_loaded_stage(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> int:
