@@ -109,8 +109,9 @@ def memory_verdict(job: Job, device: Device, limit: int | None = None) -> tuple[
     ``limit`` (by default the capacity less the memory outside the allocator), and that limit.
 
     The run (training: build, a first step, steady steps; serving: weights, KV cache, prefills)
-    replayed through the caching allocator model decides reserved and fits. Where the run is
-    op-level on CUDA (``OP_LEVEL_RUNS``) the report is built from it alone
+    replayed through the caching allocator model decides reserved and fits (on CPU, an op-level
+    run's live bytes: ``cpu_reserve``, no caching allocator). Where the run is op-level
+    (``OP_LEVEL_RUNS``, on CUDA or on CPU with CPU's kernels) the report is built from it alone
     (``costmodel.run_report``) and the phase model is not computed; else the phase model's report
     (``memory.estimate_memory``) with the replay's reserved, fits and detail."""
     training = isinstance(job.workload, TrainingWorkload)
@@ -121,7 +122,7 @@ def memory_verdict(job: Job, device: Device, limit: int | None = None) -> tuple[
                 communicators(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep)
             )
         v = plan_verdict(job.model, job.workload, job.plan, job.runtime, job.allocator, limit, device, job.gpu)
-        if device == "cuda" and v.timeline in OP_LEVEL_RUNS:
+        if v.timeline in OP_LEVEL_RUNS:
             from memplan.costmodel.run_report import run_report
 
             report = run_report(job.model, job.workload, job.plan, job.runtime, v, _detail(job, v, limit))
@@ -132,12 +133,8 @@ def memory_verdict(job: Job, device: Device, limit: int | None = None) -> tuple[
         limit = job.gpu.capacity_bytes - report.overhead if limit is None else limit
         v = serving_verdict(job.model, job.workload, job.plan, job.allocator, limit)
     update: dict[str, Any] = {"reserved": v.reserved, "reserved_detail": _detail(job, v, limit)}
-    if v.timeline == "trainer":  # on CPU: the rank it followed, the one ``memplan validate`` runs
-        from memplan.costmodel.timeline.trainer import followed_rank
-
-        update["rank"] = followed_rank(job.model, job.workload, job.plan, report.peak.stage)
     peak = report.peak.model_copy(update=update)
-    model, reason = _which_model(v.timeline, device)
+    model, reason = _which_model(v.timeline)
     return report.model_copy(update={"peak": peak, "model": model, "model_reason": reason}), v, limit
 
 
@@ -159,14 +156,9 @@ def _detail(job: Job, v: Verdict, limit: int) -> ReservedDetail:
     )
 
 
-def _which_model(timeline: str, device: Device) -> tuple[str, str | None]:
-    """``memory.model`` and why not the op-level run: it answers for CUDA plans of the bundled
-    trainer that ``timeline.support.supported`` accepts (and of transformers' runs that
-    ``hf_support.hf_supported`` accepts); the phase model for the rest."""
-    if timeline in OP_LEVEL_RUNS:
-        if device == "cuda":
-            return "op-level", None
-        return "phase", "on CPU (the op-level run follows CUDA's kernels and allocator)"
+def _which_model(timeline: str) -> tuple[str, str | None]:
+    """``memory.model`` of a report the op-level run does not build (``memory_verdict``), and why
+    not: inference, or the reason ``reserve.plan_run`` gave for the phase model's run."""
     if timeline == "serving":
         return "phase", "inference (the op-level run follows training steps)"
     return "phase", timeline.removeprefix("phases (").removesuffix(")")

@@ -192,8 +192,13 @@ def plan_verdict(
     device: str = "cuda",
     gpu: GPUSpec | None = None,
 ) -> Verdict:
-    """The most-loaded stage's run (build, first step, steady steps) replayed: see :func:`verdict`."""
+    """The most-loaded stage's run (build, first step, steady steps) replayed: see :func:`verdict`.
+    On CPU an op-level run's live bytes decide (``cpu_reserve.cpu_verdict``: no caching allocator)."""
     run, which = plan_run(model, workload, plan, runtime, device, gpu)
+    if device == "cpu" and not which.startswith("phases"):
+        from memplan.costmodel.cpu_reserve import cpu_verdict
+
+        return replace(cpu_verdict(run, limit_bytes), timeline=which, run=run)
     return replace(verdict(run, config, limit_bytes), timeline=which, run=run)
 
 
@@ -206,13 +211,16 @@ def plan_run(
     gpu: GPUSpec | None = None,
 ) -> tuple[Timeline, str]:
     """The run to replay, and which: the bundled trainer's op by op (``timeline.trainer``,
-    exact on the six H100 traces) where it models the plan; for ``--runtime hf`` on CUDA
+    exact on the six H100 traces) where it models the plan; for ``--runtime hf``
     transformers' Trainer op by op (``timeline.hf_trainer``, exact on CPU) where
     ``hf_support.hf_supported`` accepts the plan, for ``--runtime hf-loop`` the hand-written loop
     (``timeline.hf_loop``, exact on CPU) likewise; else the phase model's moments cut into tensors
     (``timeline.step``). The second item names it: ``trainer``, ``hf``, ``hf-loop`` or ``phases``
     (with the reason the op-level run does not apply). ``gpu``: the GPU's profile, whose SMs and
-    compute capability pick bitsandbytes' 4-bit kernel (``quant.cuda_arch``)."""
+    compute capability pick bitsandbytes' 4-bit kernel (``quant.cuda_arch``). On ``device`` cpu
+    the op-level runs take CPU's kernels (SDPA's CPU flash kernel in every dtype, LoRA's dropout,
+    bitsandbytes' CPU paths) and come as the CPU's view of them (``timeline.cpu.cpu_view``: the
+    tensors only CUDA's kernels make left out)."""
     with collection_paused():  # tens of thousands of events, tensors and graph nodes
         return _plan_run(model, workload, plan, runtime, device, cuda_arch(gpu))
 
@@ -225,25 +233,35 @@ def _plan_run(
         if why is None:
             from memplan.costmodel.timeline.trainer import trainer_run  # its op-by-op model: only when it applies
 
-            run = trainer_run(model, workload, plan, gpu_arch=gpu_arch)
+            cuda = device == "cuda"
+            run = trainer_run(model, workload, plan, cuda=cuda, gpu_arch=gpu_arch, cpu_sdpa=not cuda)
             if run is not None:
-                return run, "trainer"
-    elif runtime in ("hf", "hf-loop") and device == "cuda":
+                return _on(run, device), "trainer"
+    elif runtime in ("hf", "hf-loop"):
         from memplan.costmodel.timeline.hf_support import hf_supported
 
-        why = hf_supported(model, plan, workload, runtime, gpu_arch)
+        why = hf_supported(model, plan, workload, runtime, gpu_arch, device)
         if why is None and runtime == "hf-loop":
             from memplan.costmodel.timeline.hf_loop import hf_loop_plan_run  # the hand-written loop op by op
 
-            return hf_loop_plan_run(model, workload, plan, gpu_arch), "hf-loop"
+            return _on(hf_loop_plan_run(model, workload, plan, gpu_arch, device), device), "hf-loop"
         if why is None:
             from memplan.costmodel.timeline.hf_trainer import hf_plan_run  # transformers' Trainer op by op
 
-            return hf_plan_run(model, workload, plan, gpu_arch), "hf"
+            return _on(hf_plan_run(model, workload, plan, gpu_arch, device), device), "hf"
     else:
         why = f"the {runtime} runtime"
     sm = stage_moments(model, workload, plan, runtime, device=device)
     return build_run(sm.moments, sm.granularity, sm.build_grads), f"phases ({why})"
+
+
+def _on(run: Timeline, device: str) -> Timeline:
+    """The op-level run as ``device`` allocates it: on CPU without CUDA's own tensors."""
+    if device == "cuda":
+        return run
+    from memplan.costmodel.timeline.cpu import cpu_view
+
+    return cpu_view(run)
 
 
 def serving_verdict(

@@ -31,13 +31,27 @@ def build(case: peft_steps.PeftCase):
     return peft_steps.build(dataclasses.replace(case, checkpointing=False))
 
 
+# measured peaks by (case less its name, ga, steps), as hf_steps._MEASURED: the op-level run's tests
+# (test_timeline_hf_peft.py, test_timeline_int8.py, test_cpu_estimate.py) measure some of the same shapes
+_MEASURED: dict[tuple[str, int, int], int] = {}
+
+
 def measure(case: peft_steps.PeftCase, ga: int = 1, steps: int = 3, tracker: StorageTracker | None = None) -> int:
-    """Peak live bytes of ``Trainer.train()`` over ``steps`` optimizer steps of ``ga`` micro-batches."""
+    """Peak live bytes of ``Trainer.train()`` over ``steps`` optimizer steps of ``ga`` micro-batches;
+    without a ``tracker`` of the caller's, measured once per shape in a session (:data:`_MEASURED`)."""
+    if tracker is not None:
+        return _measure(case, ga, steps, tracker)
+    key = (repr(dataclasses.replace(case, name="")), ga, steps)
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure(case, ga, steps, StorageTracker())
+    return _MEASURED[key]
+
+
+def _measure(case: peft_steps.PeftCase, ga: int, steps: int, tracker: StorageTracker) -> int:
     model = build(case)
     torch.manual_seed(1)
     ids = torch.randint(0, case.vocab, (case.batch * ga * steps, case.seq))
     rows = [{"input_ids": row, "labels": row} for row in ids]
-    tracker = tracker or StorageTracker()
     with tempfile.TemporaryDirectory() as out:
         args = hf_steps.training_args(out, case, steps, ga)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)

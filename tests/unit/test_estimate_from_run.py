@@ -137,8 +137,22 @@ def test_a_plan_the_run_does_not_answer_computes_the_phase_model(tiny, monkeypat
     report, v, _ = memory_verdict(_job(tiny, precision="bf16", runtime="megatron"), "cuda")
     assert v.timeline.startswith("phases") and report.model == "phase" and calls
     calls.clear()
-    report, v, _ = memory_verdict(_job(tiny, precision="bf16"), "cpu")  # the run, on CPU: phase figures
-    assert v.timeline == "trainer" and report.model == "phase" and calls
+    report, v, _ = memory_verdict(_job(tiny, precision="bf16", runtime="megatron"), "cpu")  # on CPU likewise
+    assert v.timeline.startswith("phases") and report.model == "phase" and calls
+
+
+@pytest.mark.parametrize("runtime", ["memplan", "hf", "hf-loop"])
+def test_a_cpu_estimate_the_run_answers_does_not_compute_the_phase_model(tiny, no_phase_model, runtime):
+    """On CPU the run answers as on CUDA, from CPU's kernels (``timeline.cpu``), with no caching
+    allocator: reserved is its allocated peak (``cpu_reserve``), nothing cached, no segment."""
+    job = _job(tiny, precision="bf16", runtime=runtime)
+    report, v, limit = memory_verdict(job, "cpu")
+    assert v.timeline == ("trainer" if runtime == "memplan" else runtime)
+    _assert_the_report_is_the_runs(job, report, v)
+    assert report.peak.reserved == report.peak.allocated and "allocator_rounding" not in report.peak.breakdown
+    detail = report.peak.reserved_detail
+    assert (detail.segments, detail.cached_free, detail.reserved_by_stream, detail.limit) == (0, 0, {}, limit)
+    assert not any(e.tag.startswith("cublas_workspace") for e in v.run)  # CUDA's own tensors left out
 
 
 def test_saved_activations_reads_the_saves_at_the_backward_mark():

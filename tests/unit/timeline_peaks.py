@@ -3,44 +3,16 @@ tests/unit/test_timeline_recompute.py and test_timeline_pipeline.py compare with
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline.act_offload import STAGING
-from memplan.costmodel.timeline.eager import SOFTMAX_TMP
+from memplan.costmodel.timeline.cpu import cuda_only, cuda_temporaries
 from memplan.costmodel.timeline.events import ALLOC, FREE, MARK, Category, Timeline
-from memplan.costmodel.timeline.mem_efficient import DELTA, DELTA_PRODUCT, DELTA_SUM, WORKSPACE
-from memplan.costmodel.timeline.ops import FLASH_OUT_COPY, HEADS_MAJOR_COPY
-from memplan.costmodel.timeline.quant import CUDA_FALLBACK
-from memplan.costmodel.timeline.triton_attention import AUTOTUNE_FLUSH
-from memplan.costmodel.timeline.triton_attention import DELTA as TRITON_DELTA
 
-# ``embedding_dense_backward_cuda``'s index buffers and scratch (ops.embedding): the CPU kernel
-# makes the weight gradient alone
-CUDA_EMBEDDING_SCRATCH = frozenset(
-    {
-        "sorted_ids", "sort_order", "iota", "radix_sort_scratch", "segment_offsets", "num_segments", "segment_tmp",
-        "scan_scratch", "partials_per_segment", "partial_offsets", "num_partials", "partial_segment_offsets",
-        "grad_weight_per_segment",
-    }
-)  # fmt: skip
-
-
-# CUDA's kernels' temporaries (from source): activation offload's staging copies of non-contiguous
-# saves and flash's copies of unpacked saves; the sum-to-weight staging buffer and its semaphores
-# (autograd.REDUCE_WORKSPACE_CAP); the softmax backward's ``grad * output`` (eager.py); FSDP2's
-# host-to-device copies of offloaded shards (fsdp.py: ``.to(device)`` is a no-op on a CPU-only
-# machine); the memory-efficient kernel's backward temporaries (mem_efficient.py); bitsandbytes'
-# dequantize + F.linear inside its gemm_4bit custom op (quant.py); and memplan's Triton backward's
-# delta (triton_attention.py), allocated on both devices but inside its custom op, below the
-# dispatch mode the CPU meter (MemTracker) watches, and its autotuner's benchmark buffer
-CUDA_TEMPORARIES = (
-    frozenset({STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP, "h2d"})
-    | {DELTA_PRODUCT, DELTA_SUM, DELTA, WORKSPACE, TRITON_DELTA, AUTOTUNE_FLUSH}
-    | CUDA_FALLBACK
-)
+# CUDA's kernels' temporaries, which the CPU comparisons leave out (``timeline.cpu``: the same set
+# the CPU estimate's view of the run leaves out)
+CUDA_TEMPORARIES = cuda_temporaries()
 
 
 def _cuda_only(tag: str) -> bool:
-    last = tag.rpartition(".")[2]
-    return tag.startswith("cublas_workspace") or last in CUDA_EMBEDDING_SCRATCH or last in CUDA_TEMPORARIES
+    return cuda_only(tag, CUDA_TEMPORARIES)
 
 
 def steady_peaks(timeline: Timeline | None) -> tuple[int, int]:

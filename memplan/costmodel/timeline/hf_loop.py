@@ -48,10 +48,10 @@ from memplan.costmodel.timeline.hf_trainer import _HfRun, hf_dims, hf_kernel
 from memplan.costmodel.timeline.trainer_model import Dims
 
 
-def hf_loop_plan_run(model, workload, plan, gpu_arch=None) -> Timeline:
-    """The CUDA run of an ``hf-loop`` plan ``hf_support.hf_supported(..., runtime="hf-loop")``
+def hf_loop_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> Timeline:
+    """The run on ``device`` of an ``hf-loop`` plan ``hf_support.hf_supported(..., runtime="hf-loop")``
     accepts: a first step and two steady ones (``gpu_arch``: the GPU's, a 4-bit base's kernel)."""
-    kernel = hf_kernel(model, plan, "cuda", "hf-loop")
+    kernel = hf_kernel(model, plan, device, "hf-loop")
     assert kernel is not None
     d, lora, quant = hf_dims(model, workload, plan, "hf-loop"), HfLoraConfig.of(plan), Bnb4bit.of(plan, gpu_arch)
     tied, build = model.tied_embeddings, plan.model_build

@@ -88,11 +88,15 @@ def hf_supported(
     workload: TrainingWorkload | None = None,
     runtime: str = "hf",
     gpu_arch: CudaArch | None = None,
+    device: str = "cuda",
 ) -> str | None:
-    """What keeps the op-level run from following this ``hf`` (or ``hf-loop``) plan, or None
-    (``workload``: the micro-batch, whose tokens decide bitsandbytes' CUDA path with the GPU's SMs and
-    compute capability, ``gpu_arch``, and whether a sliding window is reached)."""
-    tokens = None if workload is None else workload.micro_batch * workload.seq_len
+    """What keeps the op-level run from following this ``hf`` (or ``hf-loop``) plan on ``device``,
+    or None (``workload``: the micro-batch, whose tokens decide bitsandbytes' CUDA path with the GPU's
+    SMs and compute capability, ``gpu_arch``, and whether a sliding window is reached). On CPU neither
+    CUDA question arises: bitsandbytes' CPU backend takes one path at every size, and SDPA runs the
+    CPU flash kernel in fp32 with and without GQA (``hf_kernel``: ``cpu_flash``)."""
+    cpu = device == "cpu"
+    tokens = None if workload is None or cpu else workload.micro_batch * workload.seq_len
     seq_len = None if workload is None else workload.seq_len
     if runtime == "hf-loop" and workload is not None and accumulation(workload, plan) > 1:
         return "gradient accumulation (the hf-loop runtime's loop has none)"
@@ -128,7 +132,7 @@ def hf_supported(
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
         (
-            plan.precision != "fp32" or sdpa_kernel(model, plan) == "math" or model.architecture in EAGER,
+            cpu or plan.precision != "fp32" or sdpa_kernel(model, plan) == "math" or model.architecture in EAGER,
             "fp32 SDPA on the memory-efficient kernel",
         ),
     ]

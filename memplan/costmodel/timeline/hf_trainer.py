@@ -87,12 +87,12 @@ def hf_kernel(model, plan, device: str, runtime: str = "hf") -> str | None:
     return kernel if kernel in ("flash", "math") else None
 
 
-def hf_plan_run(model, workload, plan, gpu_arch=None) -> Timeline:
-    """The CUDA run of an ``hf`` plan ``hf_support.hf_supported`` accepts: a first step and two
-    steady ones, the data never running dry (``gpu_arch``: the GPU's, a 4-bit base's kernel)."""
+def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> Timeline:
+    """The run on ``device`` of an ``hf`` plan ``hf_support.hf_supported`` accepts: a first step and
+    two steady ones, the data never running dry (``gpu_arch``: the GPU's, a 4-bit base's kernel)."""
     from memplan.costmodel.timeline.hf_support import accumulation
 
-    kernel = hf_kernel(model, plan, "cuda")
+    kernel = hf_kernel(model, plan, device)
     assert kernel is not None
     d = hf_dims(model, workload, plan)
     lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan)

@@ -16,6 +16,7 @@ optimizer step, AdamW's states.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from memplan.costmodel.timeline import act_offload, ops, recompute
@@ -80,6 +81,7 @@ def trainer_run(
     cuda: bool = True,
     gpu_arch: CudaArch | None = None,
     inplace_accumulate: bool = True,
+    cpu_sdpa: bool = False,
 ) -> Timeline | None:
     """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps,
     each of at most ``max_micro_batches`` micro-batches (under pipelining all of them). Pipeline
@@ -87,13 +89,18 @@ def trainer_run(
     CUDA's kernels, else CPU's where the run models both (LoRA's dropout); ``gpu_arch``: the
     GPU's SMs and compute capability (``quant.cuda_arch``: a 4-bit base's kernel);
     ``inplace_accumulate`` False: every second gradient summed out of place, as on CPU under the
-    meter (:class:`Tape`; a tied embedding's sum, docs/cost-model.md). None for a plan :func:`supported` rejects."""
+    meter (:class:`Tape`; a tied embedding's sum, docs/cost-model.md); ``cpu_sdpa``: SDPA on CPU's
+    flash kernel in every dtype, as ``scaled_dot_product_attention`` runs on CPU (the run's flash
+    op, whose CUDA-only copies ``timeline.cpu`` leaves out), not CUDA's fp32 math or
+    memory-efficient kernel. None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan, gpu_arch) is not None:
         return None
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
     master = master and (plan.finetune == "full" or bool(plan.modules_to_save))  # build_optimizer_from
     micro_batches = min(accumulation(workload, plan), max_micro_batches)
     d, pipe = dims(model, workload, plan), None
+    if cpu_sdpa and d.attention in ("math", "efficient"):
+        d = replace(d, attention="flash")
     if plan.pp > 1:  # the schedule runs every micro-batch (pipeline.py)
         from memplan.costmodel.timeline import pipeline
 
