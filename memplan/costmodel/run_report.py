@@ -1,8 +1,9 @@
 """The memory report of a plan the op-level run answers, built from that run alone.
 
 Where ``reserve.plan_run`` follows the plan op by op (the bundled trainer's run, transformers'
-Trainer's or the hand-written loop's: ``estimation.OP_LEVEL_RUNS``) on CUDA, every figure of the
-step comes from the run and its replay (``reserve.verdict``), not from the phase model's sums
+Trainer's or the hand-written loop's: ``estimation.OP_LEVEL_RUNS``), on CUDA or on CPU, every figure of
+the step comes from the run and its replay (``reserve.verdict``; on CPU the run's CPU view replayed
+without a caching allocator, ``cpu_reserve.cpu_verdict``), not from the phase model's sums
 (``memory.training_peak``, which is then not computed):
 
 - ``peak.allocated``: the replay's allocated peak (``torch.cuda.max_memory_allocated``), over the
@@ -50,7 +51,7 @@ def followed(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: 
 def run_report(
     model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, v: Verdict, detail: ReservedDetail | None
 ) -> MemoryReport:
-    """The CUDA memory report of a plan whose replayed run ``v`` is op-level (module docstring);
+    """The memory report of a plan whose replayed run ``v`` is op-level (module docstring);
     ``detail``: the allocator's state at its peak."""
     run, replay = v.run, v.replay
     assert run is not None and replay.phase_peaks, "an op-level run names its phases"
