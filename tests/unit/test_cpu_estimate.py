@@ -81,6 +81,14 @@ TRAINER_PLANS = [
     pytest.param(dict(precision="bf16-mixed", recompute="selective"), id="autocast-selective", marks=pytest.mark.slow),
     pytest.param(dict(precision="fp32", finetune="qlora", quant="int8"), id="int8", marks=pytest.mark.slow),
     pytest.param(dict(precision="bf16", global_batch=4), id="accumulation", marks=pytest.mark.slow),
+    pytest.param(dict(precision="bf16", dp=2, zero=0), id="ddp", marks=pytest.mark.slow),
+    pytest.param(dict(precision="bf16", dp=2, zero=1), id="zero1", marks=pytest.mark.slow),
+    pytest.param(dict(precision="bf16-mixed", dp=2, zero=2), id="zero2", marks=pytest.mark.slow),
+    pytest.param(dict(precision="bf16", pp=2, global_batch=4), id="pipeline", marks=pytest.mark.slow),
+    pytest.param(dict(precision="bf16", tp=2), id="tp-sp", marks=pytest.mark.slow),
+    pytest.param(dict(precision="fp32", attention="eager"), id="eager-fp32", marks=pytest.mark.slow),
+    pytest.param(dict(precision="bf16", recompute="selective-op"), id="selective-op", marks=pytest.mark.slow),
+    pytest.param(dict(precision="bf16", offload_activations="cpu"), id="save-on-cpu", marks=pytest.mark.slow),
 ]
 
 
@@ -89,7 +97,7 @@ def test_a_cpu_estimate_of_the_bundled_trainer_is_its_run(tmp_path, plan):
     job = _job(_config(tmp_path, TINY), 128, 2, runtime="memplan", **plan)
     report, v = _cpu_estimate(job)
     assert v.timeline == "trainer"
-    record = trainer_record(job.model, job.workload, job.plan)
+    record = trainer_record(job.model, job.workload, job.plan, rank=report.peak.rank)
     step, passes = measured_peaks(record)
     dynamic = _dynamic_map(v)
     phases = report.phases
