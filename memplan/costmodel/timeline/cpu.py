@@ -49,12 +49,18 @@ def cuda_temporaries() -> frozenset[str]:
     return frozenset(kernels | CUDA_FALLBACK)
 
 
+# transformers' ``caching_allocator_warmup`` (``modeling_utils.py``, 5.23) keeps only accelerator devices
+# (``is_accelerator_device``) and returns at once for a model loaded on the CPU (hf_build.py's warmup tensor)
+WARMUP = "caching_allocator_warmup"
+
+
 def cuda_only(tag: str, temporaries: frozenset[str] | None = None) -> bool:
     """Whether the tensor tagged ``tag`` is one only CUDA allocates: cuBLAS's workspaces, the
-    embedding backward's index buffers, the kernels' temporaries (:func:`cuda_temporaries`)."""
+    embedding backward's index buffers, the kernels' temporaries (:func:`cuda_temporaries`), the
+    loader's warmup segment (:data:`WARMUP`)."""
     last = tag.rpartition(".")[2]
     temporaries = cuda_temporaries() if temporaries is None else temporaries
-    return tag.startswith("cublas_workspace") or last in CUDA_EMBEDDING_SCRATCH or last in temporaries
+    return tag.startswith("cublas_workspace") or last in CUDA_EMBEDDING_SCRATCH or last in temporaries or tag == WARMUP
 
 
 def cpu_view(timeline: Timeline) -> Timeline:
