@@ -213,11 +213,13 @@ def verdict(result: EstimateResult) -> str:
 RUNS = {"trainer": "the bundled trainer", "hf": "transformers' Trainer", "hf-loop": "the hand-written loop"}
 
 
-def _which_model(mem: MemoryReport) -> str:
-    """The line above the table: which model answered (``memory.model``)."""
+def _which_model(mem: MemoryReport, device: str) -> str:
+    """The line above the table: which model answered (``memory.model``), on ``device``."""
     if mem.model == "op-level":
         detail = mem.peak.reserved_detail
         which = RUNS.get(detail.timeline if detail is not None else "", RUNS["trainer"])
+        if device == "cpu":  # costmodel.cpu_reserve
+            return f"memory model: the op-level run ({which} op by op on CPU's kernels; no caching allocator)"
         return f"memory model: the op-level run ({which} op by op, replayed through the allocator)"
     return f"memory model: the phase model, approximate (not the op-level run: {mem.model_reason})"
 
@@ -230,7 +232,8 @@ def render(result: EstimateResult, console: Console) -> None:
         console.print(result.gpu["auto"], soft_wrap=True)
     if mem.prefill is not None:
         console.print(_prefill_setting(result), soft_wrap=True)
-    console.print(_which_model(mem), soft_wrap=True, highlight=False)
+    cpu_run = result.gpu.get("device") == "cpu" and mem.model == "op-level"
+    console.print(_which_model(mem, "cpu" if cpu_run else "cuda"), soft_wrap=True, highlight=False)
     table = Table(title=f"Peak: {peak.phase} phase, rank {peak.rank} ({peak.rank_role})")
     table.add_column("component")
     table.add_column("bytes", justify="right")
@@ -245,17 +248,14 @@ def render(result: EstimateResult, console: Console) -> None:
     table.add_row("outside the allocator (CUDA context, NCCL)", _gib(mem.overhead), "")
     console.print(table)
     detail = peak.reserved_detail
-    if detail is not None:
+    if cpu_run:
+        console.print("CPU allocator: caches nothing (c10's alloc_cpu / free_cpu): reserved is the allocated peak")
+    elif detail is not None:
         streams = ", ".join(f"{k} {_gib(v)}" for k, v in detail.reserved_by_stream.items())
         console.print(
             f"allocator ({detail.allocator}): at the allocated peak {detail.segments} segments, reserved {streams}; "
             f"{_gib(detail.cached_free)} cached but free, largest free block {_gib(detail.largest_free)}"
         )
-        if detail.timeline == "trainer" and detail.timeline_allocated != peak.allocated:
-            console.print(
-                f"the bundled trainer's run, op by op, peaks at {_gib(detail.timeline_allocated)} allocated on CUDA "
-                "(its kernels' workspaces and transients; peak allocated above is the phase model's)"
-            )
     states = mem.model_states
     if mem.prefill is not None:
         console.print(_serving_memory(mem))

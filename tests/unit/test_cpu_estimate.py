@@ -121,6 +121,10 @@ def test_the_cli_answers_a_cpu_plan_from_the_run(tmp_path, capsys):
     peak = memory_json["peak"]
     assert (peak["allocated"], peak["reserved"]) == (report.peak.allocated, report.peak.allocated)
     assert peak["reserved_detail"]["timeline"] == "trainer" and memory_json["phases"] == report.phases
+    assert run(["estimate", *args, "--micro-batch", "2", "--gpu", "h100-sxm"]) == 0
+    table = capsys.readouterr().out
+    assert "the op-level run (the bundled trainer op by op on CPU's kernels; no caching allocator)" in table
+    assert "CPU allocator: caches nothing" in table and "segments" not in table
 
 
 # --- transformers' Trainer and the hand loop ------------------------------------------------------------
