@@ -72,6 +72,11 @@ def check_plan(plan: Plan) -> None:
             "offload_params: FSDP2's CPUOffloadPolicy offloads parameters, gradients and the optimizer "
             "step together; set offload_params and offload_optimizer both to cpu"
         )
+    if offload == ("cpu", "cpu") and plan.dp == 1:  # parallel.uses_fsdp: FSDP2 over dp > 1 only
+        raise TrainerUnsupported(
+            "offload_params: the trainer offloads through FSDP2's CPUOffloadPolicy, which it applies over dp > 1 "
+            "(on one rank it would train without offload); use dp 2 or more, or no offload"
+        )
     if plan.pp > 1 and plan.dp > 1 and plan.zero in (0, 1):
         raise TrainerUnsupported(
             "zero: with pipeline parallel the trainer shards data parallel with FSDP2; use zero 2 or 3"
@@ -106,6 +111,21 @@ def check_lora(plan: Plan) -> None:
         raise TrainerUnsupported("pp: the bundled trainer runs LoRA without pipeline parallel; use pp 1")
     if plan.zero >= 2 and plan.dp > 1 or plan.offload_params != "none":
         raise TrainerUnsupported("zero: the bundled trainer runs LoRA with DDP or ZeRO-1 (no FSDP); use zero 0 or 1")
+    if _sixteen_bit_copy_under_zero1(plan):
+        raise TrainerUnsupported(
+            "modules_to_save: a bf16 lm_head copy beside fp32 adapters under zero 1 fails in ZeroRedundancyOptimizer "
+            "(one dtype for all parameters); use zero 0, or precision fp32 or bf16-mixed"
+        )
+
+
+def _sixteen_bit_copy_under_zero1(plan: Plan) -> bool:
+    """A trained head copy in bf16 (bf16, bf16-master over an unquantized base; over a quantized one
+    ``prepare_model_for_kbit_training`` casts it to fp32) beside the fp32 adapters under ZeRO-1:
+    ``ZeroRedundancyOptimizer`` raises "only supports using the same dense type for all parameters"
+    (measured on CPU, torch 2.13, 2026-11-28)."""
+    zero1 = plan.dp > 1 and plan.zero == 1
+    sixteen_bit = plan.quant == "none" and plan.precision in ("bf16", "bf16-master")
+    return zero1 and bool(plan.modules_to_save) and sixteen_bit
 
 
 def check_workload(spec: RunSpec) -> None:

@@ -97,6 +97,7 @@ CPU_CASES = {
         SMALL, dict(INT8, precision="bf16", recompute="full", recompute_layers=1), (64, 1, None)
     ),
     "int8-qwen2-zero1-dp2": (QWEN, dict(INT8, precision="bf16", dp=2, zero=1), (64, 1, None)),
+    "int8-ddp2-dropout-accum2": (SMALL, dict(INT8, precision="bf16", dp=2, lora_dropout=0.1), (64, 1, 4)),
     "int8-mha-efficient-selective-op": (MHA, dict(INT8, precision="bf16", recompute="selective-op"), (64, 1, None)),
     "int8-eager-selective": (
         SMALL, dict(INT8, precision="bf16", attention="eager", recompute="selective"), (64, 1, None)

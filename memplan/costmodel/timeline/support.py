@@ -70,9 +70,10 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
     it over DDP); eager attention (``eager.py``) in every precision above, under autocast too
     (bf16-mixed), in full training or under LoRA over any base above (a quantized one:
     test_timeline_quant_compose.py); memplan's Triton attention (``triton_attention.py``, the
-    kernel's tensors from its source) over an unquantized base, the trainer on CPU under Triton's
-    interpreter (test_timeline_triton.py: every precision above, recompute none, full, selective
-    and selective-op, accumulation, ZeRO-1, ZeRO-3, DDP, TP + SP, a pipeline rank, LoRA); tensor
+    kernel's tensors from its source), the trainer on CPU under Triton's interpreter
+    (test_timeline_triton.py: every precision above, recompute none, full, selective and
+    selective-op, accumulation, ZeRO-1, ZeRO-3, DDP, TP + SP, a pipeline rank, LoRA), over a 4-bit
+    or int8 base too (fp32 q, k, v from the base's fp32 stream; test_timeline_triton_quant.py); tensor
     parallel without sequence parallel wherever the trainer runs it: under FSDP2, on one data rank,
     with a pipeline or without (``tensor_parallel.all_reduce``, the plain norms' own parameter
     group, whole-sequence receive buffers; checked on CPU: test_timeline_tensor_parallel.py,
@@ -84,14 +85,14 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
 
     Not modelled: context or expert parallelism; pipelines with DDP or ZeRO-1 (the trainer refuses
     them); MoE; a plain MLP, LayerNorm, output or MLP biases (the trainer refuses them),
-    QK-norm; memplan's Triton attention over a quantized base (not checked); fp16-master, fp8;
-    offload of one side alone or NVMe; tensor parallel over DDP (the trainer refuses it);
+    QK-norm; fp16-master, fp8; offload of one side alone or NVMe, or on one data rank (the trainer
+    refuses it); tensor parallel over DDP (the trainer refuses it);
     LLM.int8 bases under autocast (``_int8_modelled``: the trainer refuses it); 4-bit bases under
     autocast, or whose ``gemm_4bit`` kernel the GPU's architecture picks (5 to 1536 tokens, by the
     weights' shapes) where ``gpu_arch`` is not given (no profile, or a ROCm one: bitsandbytes' ROCm
     rule reads the gfx architecture); LoRA under FSDP2, TP or PP (the trainer refuses them), under
-    ZeRO-1 beside a 16-bit modules_to_save copy (the trainer fails: ZeroRedundancyOptimizer takes
-    one dtype), a copy over a tied embedding or of another module; on CPU (``--device cpu``, where the
+    ZeRO-1 beside a 16-bit modules_to_save copy (the trainer refuses it: ZeroRedundancyOptimizer
+    takes one dtype), a copy over a tied embedding or of another module; on CPU (``--device cpu``, where the
     run takes CPU's kernels: ``timeline.cpu``) FSDP2 ZeRO-3 as well (``cpu.cpu_unmodelled``, asked by
     ``reserve.plan_run``)."""
     checks = [
@@ -99,7 +100,6 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
         (not (model.attn_out_bias or model.mlp_bias or model.qk_norm), "output or MLP biases, or QK-norm"),
-        (plan.attention != "triton" or _triton_modelled(plan), "memplan's Triton attention over a quantized base"),
         (plan.quant != "int8" or _int8_modelled(plan), _INT8),
         (_quant_modelled(model, workload, plan, gpu_arch), _QUANT),
         (plan.finetune == "full" or _plain_lora(plan), _LORA_PLAIN),
@@ -107,6 +107,7 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
         (plan.finetune == "full" or _saved_head(model, plan), "modules_to_save other than an untied lm_head"),
         (plan.offload_activations == "none" or _act_offload_modelled(plan), "activation offload with this plan"),
         (plan.cp == 1 and plan.ep == 1 and _pipeline_modelled(model, workload, plan), _PARALLEL),
+        (plan.offload_params == "none" or plan.dp > 1, _OFFLOAD_ONE_RANK),
         (_offload_modelled(plan), "offload"),
         (plan.optimizer == "adamw" and plan.precision in _PRECISIONS, "this optimizer or precision"),
         (not _fp32_stream(plan) or plan.attention == "eager" or _fp32_sdpa_modelled(model, plan), _EFFICIENT_QUANT),
@@ -128,14 +129,6 @@ def _fp32_sdpa_modelled(model: ModelSpec, plan: Plan) -> bool:
 
 
 _EFFICIENT_QUANT = "fp32 SDPA on a kernel other than the math or memory-efficient one"
-
-
-def _triton_modelled(plan: Plan) -> bool:
-    """``attention: triton`` (``triton_attention.py``: memplan's own kernel, its tensors read off
-    its source) over an unquantized base, checked against the bundled trainer on CPU under
-    Triton's interpreter (tests/unit/test_timeline_triton.py; no GPU trace). Over a 4-bit or
-    int8 base the layers' fp32 stream and bitsandbytes' kernels are not checked with it."""
-    return plan.attention == "triton" and plan.quant == "none"
 
 
 def _act_offload_modelled(plan: Plan) -> bool:
@@ -161,6 +154,11 @@ def _tp_one_rank(plan: Plan) -> bool:
     """TP on one data rank (the trainer refuses it over DDP), held against the trainer on CPU
     (tests/unit/test_timeline_pipeline_combos.py; without SP test_timeline_tp_nosp.py)."""
     return plan.dp == 1
+
+
+# FSDP2's CPUOffloadPolicy on one data rank: the trainer applies FSDP2 over dp > 1 only
+# (``parallel.uses_fsdp``), so ``validate.support.check_plan`` refuses the plan
+_OFFLOAD_ONE_RANK = "CPU offload on one data rank (the trainer refuses it: FSDP2 over dp > 1 only)"
 
 
 def _offload_modelled(plan: Plan) -> bool:
@@ -286,7 +284,7 @@ def _plain_lora(plan: Plan) -> bool:
 
 
 _LORA_PLAIN = "LoRA other than adapters on one rank or under DDP (FSDP2, TP, PP)"
-_LORA_VARIANT = "LoRA under ZeRO-1 beside a 16-bit modules_to_save copy"
+_LORA_VARIANT = "LoRA under ZeRO-1 beside a 16-bit modules_to_save copy (the trainer refuses it)"
 
 
 def _lora_variant(plan: Plan) -> bool:
