@@ -16,49 +16,54 @@ from memplan.specs.resolve import resolve_job
 
 LLAMA_1B = str(Path(__file__).parents[1] / "data" / "gpu-traces" / "llama1b.config.json")  # tied embeddings
 
-# name: (plan, pipeline rank or None for the most-loaded)
+# name: (plan, further trainer_run arguments)
 GRID = {
-    "fsdp2_zero3": (dict(dp=8, zero=3), None),
-    "fsdp2_zero3_accumulation": (dict(dp=8, zero=3, global_batch=32), None),
-    "fsdp2_zero2_bf16": (dict(dp=8, zero=2, precision="bf16"), None),
-    "ddp_full_recompute": (dict(dp=2, zero=0, precision="bf16-mixed", recompute="full"), None),
-    "ddp_accumulation": (dict(dp=2, zero=0, precision="bf16-mixed", global_batch=8), None),
-    "zero1": (dict(dp=2, zero=1), None),
-    "tp_sp_selective": (dict(dp=2, tp=2, sequence_parallel=True, zero=3, recompute="selective"), None),
-    "tp_without_sp": (dict(tp=2), None),
+    "fsdp2_zero3": (dict(dp=8, zero=3), {}),
+    "fsdp2_zero3_accumulation": (dict(dp=8, zero=3, global_batch=32), {}),
+    "fsdp2_zero2_bf16": (dict(dp=8, zero=2, precision="bf16"), {}),
+    "ddp_full_recompute": (dict(dp=2, zero=0, precision="bf16-mixed", recompute="full"), {}),
+    "ddp_accumulation": (dict(dp=2, zero=0, precision="bf16-mixed", global_batch=8), {}),
+    "zero1": (dict(dp=2, zero=1), {}),
+    "tp_sp_selective": (dict(dp=2, tp=2, sequence_parallel=True, zero=3, recompute="selective"), {}),
+    "tp_without_sp": (dict(tp=2), {}),
     "pipeline_1f1b_last_rank": (
         dict(pp=4, dp=2, zero=2, precision="bf16-mixed", recompute="full", global_batch=16),
-        3,
+        {"stage": 3},
     ),
-    "pipeline_1f1b_first_rank": (dict(pp=4, dp=1, precision="bf16-mixed", global_batch=8), None),
-    "pipeline_interleaved": (dict(pp=2, pp_schedule="interleaved", virtual_stages=2, global_batch=8), None),
-    "pipeline_gpipe_zero2": (dict(pp=2, dp=2, zero=2, pp_schedule="gpipe", global_batch=8), None),
-    "lora_full_recompute": (dict(finetune="lora", lora_rank=16, recompute="full"), None),
-    "lora_ddp": (dict(dp=2, finetune="lora", lora_rank=8), None),
+    "pipeline_1f1b_first_rank": (dict(pp=4, dp=1, precision="bf16-mixed", global_batch=8), {}),
+    "pipeline_interleaved": (dict(pp=2, pp_schedule="interleaved", virtual_stages=2, global_batch=8), {}),
+    "pipeline_gpipe_zero2": (dict(pp=2, dp=2, zero=2, pp_schedule="gpipe", global_batch=8), {}),
+    "lora_full_recompute": (dict(finetune="lora", lora_rank=16, recompute="full"), {}),
+    "lora_ddp": (dict(dp=2, finetune="lora", lora_rank=8), {}),
     "qlora_nf4": (
         dict(finetune="qlora", quant="nf4", lora_rank=16, precision="bf16", recompute="full", seq_len=2048),
-        None,
+        {},
     ),
-    "lora_int8": (dict(finetune="lora", quant="int8", lora_rank=8), None),
+    "lora_int8": (dict(finetune="lora", quant="int8", lora_rank=8), {}),
     "fsdp2_cpu_offload": (
         dict(dp=8, zero=3, offload_params="cpu", offload_optimizer="cpu", precision="bf16-mixed", recompute="full"),
-        None,
+        {},
     ),
-    "activation_offload": (dict(offload_activations="cpu", recompute="full"), None),
-    "selective_op": (dict(recompute="selective-op", precision="bf16-mixed"), None),
-    "recompute_layers": (dict(recompute="full", recompute_layers=3), None),
-    "fp32_full": (dict(precision="fp32", recompute="full"), None),
-    "bf16_master": (dict(precision="bf16-master"), None),
-    "eager_attention": (dict(attention="eager", precision="bf16-mixed"), None),
+    "activation_offload": (dict(offload_activations="cpu", recompute="full"), {}),
+    "selective_op": (dict(recompute="selective-op", precision="bf16-mixed"), {}),
+    "recompute_layers": (dict(recompute="full", recompute_layers=3), {}),
+    "fp32_full": (dict(precision="fp32", recompute="full"), {}),
+    "bf16_master": (dict(precision="bf16-master"), {}),
+    "eager_attention": (dict(attention="eager", precision="bf16-mixed"), {}),
+    "triton_attention": (dict(attention="triton", precision="bf16-mixed"), {}),
+    "lora_dropout_cpu": (dict(finetune="lora", lora_rank=8, lora_dropout=0.1), {"cuda": False}),
+    "lora_zero1": (dict(dp=2, zero=1, finetune="lora", lora_rank=8), {}),
+    "ddp_activation_offload": (dict(dp=2, zero=0, offload_activations="cpu", recompute="full"), {}),
+    "tied_sum_out_of_place": (dict(precision="bf16-mixed"), {"inplace_accumulate": False}),
 }
 
 
 @pytest.mark.parametrize("name", sorted(GRID))
 def test_a_repeated_step_equals_the_step_built_op_by_op(name):
-    plan, stage = GRID[name]
+    plan, kwargs = GRID[name]
     job = resolve_job(LLAMA_1B, None, {"seq_len": 512, "micro_batch": 1, **plan}, inference=False)
-    built = trainer_run(job.model, job.workload, job.plan, steady_steps=3, stage=stage, repeated=False)
-    copied = trainer_run(job.model, job.workload, job.plan, steady_steps=3, stage=stage)
+    built = trainer_run(job.model, job.workload, job.plan, steady_steps=3, repeated=False, **kwargs)
+    copied = trainer_run(job.model, job.workload, job.plan, steady_steps=3, **kwargs)
     assert built is not None, name  # a plan the op-level run models
     assert copied.events == built.events
     assert copied.snapshots == built.snapshots
