@@ -147,6 +147,7 @@ class Builder:
     _next: int = 0
     _since: int = 0  # ``_next`` at the last phase:forward mark
     _steady: bool = False  # past the warm-up step's end mark
+    mark_ids: list[int] = field(default_factory=list)  # ``_next`` at each mark (``repeat.py``)
 
     def alloc(self, size: int, category: Category, tag: str, stream: Stream = Stream.COMPUTE) -> int:
         """A new tensor of ``size`` bytes (nothing is recorded for an empty one); its id."""
@@ -165,6 +166,7 @@ class Builder:
             self.events.append(_event(Event, (FREE, tensor, size, category, stream, tag)))
 
     def mark(self, moment: str) -> None:
+        self.mark_ids.append(self._next)
         if moment == FORWARD_MARK:
             self._since = self._next
         elif moment == STEADY:
@@ -172,6 +174,10 @@ class Builder:
         elif self._steady and moment in SNAPSHOT_MARKS:
             self.snapshots.append(Snapshot(len(self.events), moment, self._since, tuple(self.live.values())))
         self.events.append(Event(MARK, -1, 0, None, Stream.COMPUTE, moment))
+
+    def position(self) -> tuple[int, int, int]:
+        """(events, tensor ids, marks) so far: where a block of the run starts or ends (``repeat.py``)."""
+        return len(self.events), self._next, len(self.mark_ids)
 
     def live_bytes(self, category: Category) -> int:
         return sum(e.size for e in self.live.values() if e.category == category)

@@ -25,6 +25,7 @@ from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
 from memplan.costmodel.timeline.master import MasterAdamW
+from memplan.costmodel.timeline.repeat import repeat
 from memplan.costmodel.timeline.support import accumulation, sdpa_kernel, supported
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
 from memplan.specs.model import ModelSpec
@@ -82,6 +83,7 @@ def trainer_run(
     gpu_arch: CudaArch | None = None,
     inplace_accumulate: bool = True,
     cpu_sdpa: bool = False,
+    repeated: bool = True,
 ) -> Timeline | None:
     """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps,
     each of at most ``max_micro_batches`` micro-batches (under pipelining all of them). Pipeline
@@ -92,7 +94,8 @@ def trainer_run(
     meter (:class:`Tape`; a tied embedding's sum, docs/cost-model.md); ``cpu_sdpa``: SDPA on CPU's
     flash kernel in every dtype, as ``scaled_dot_product_attention`` runs on CPU (the run's flash
     op, whose CUDA-only copies ``timeline.cpu`` leaves out), not CUDA's fp32 math or
-    memory-efficient kernel. None for a plan :func:`supported` rejects."""
+    memory-efficient kernel; ``repeated`` False: every steady step built op by op (:func:`steps`).
+    None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan, gpu_arch) is not None:
         return None
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
@@ -116,10 +119,26 @@ def trainer_run(
     if plan.offload_activations == "cpu":  # save_on_cpu around the forward and the loss
         run.saves = act_offload.SaveOnCpu()
     run.b.mark("build")
-    for step in range(steady_steps + 1):
-        run.step(first=step == 0)
-        run.b.mark(f"step{step}")
+    steps(run.b, run.step, steady_steps, repeated)
     return run.b.build(run.saves.host_peak if run.saves is not None else 0, stage or 0)
+
+
+def steps(b: Builder, step: Callable[[bool], None], steady_steps: int, repeated: bool = True) -> None:
+    """The warm-up step and ``steady_steps`` steps, each closed by its ``step{k}`` mark. The first
+    steady step is built op by op; with ``repeated``, each later one is the one before emitted
+    again from its events (``repeat.py``: the same requests, renumbered), else built too. A
+    repeated step leaves the run's Python state (the tape's tensors) at the step before: no step
+    is built after one."""
+    span, repeating = None, False
+    for k in range(steady_steps + 1):
+        start = b.position()
+        if repeated and span is not None and repeat(b, *span):
+            repeating = True
+        else:
+            assert not repeating, "a step built after a repeated one would start from stale state"
+            step(k == 0)
+        span = (start, b.position()) if k >= 1 else None
+        b.mark(f"step{k}")
 
 
 def most_loaded_stage(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> int:
