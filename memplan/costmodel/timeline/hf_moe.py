@@ -1,0 +1,286 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE) in the op-level run of ``transformers.Trainer``.
+
+The layer is Llama's (Mixtral: ``modeling_mixtral.py``) or Qwen3's (``modeling_qwen3_moe.py``) with the
+MLP replaced by the sparse block, read from transformers 5.23:
+
+- the router (``MixtralTopKRouter.forward``, l.103-110; ``Qwen3MoeTopKRouter.forward``, l.257-266):
+  ``F.linear(x, gate.weight)`` (an ``mm``: T x E logits, the block's local ``_`` until it returns), fp32
+  probabilities (Mixtral ``softmax(logits.float())``, Qwen3 ``softmax(logits, dtype=float)``: a 16-bit
+  model's fp32 copy, freed once softmax has saved its output), ``topk`` (fp32 values, int64 indices
+  saved by its backward), the in-place renormalisation ``values /= values.sum(-1, keepdim=True)``
+  (Mixtral always, Qwen3 with ``norm_topk_prob``: the sum and a clone of the values saved by
+  ``DivBackward0``), and for Qwen3 the cast back to the logits' dtype; Mixtral keeps the scores fp32;
+- the experts: 3-D parameters ``gate_up_proj`` (E, 2f, h) and ``down_proj`` (E, h, f) (l.56-66) run by
+  ``config._experts_implementation``, which ``PreTrainedModel.get_correct_experts_implementation``
+  (modeling_utils.py l.1883) sets to ``grouped_mm`` for every model whose experts class carries
+  ``@use_experts_implementation``; ``integrations/moe.py: _can_use_grouped_mm`` (l.302-352) then takes
+  ``torch.nn.functional.grouped_mm`` on CPU for torch > 2.10 and on CUDA at compute capability 8.0 or
+  more. So the loop over experts with ``index_add_`` (the ``eager`` forward) does not run;
+  ``grouped_mm_experts_forward`` (l.424-535) does: ``sort`` of the S = T x top_k expert ids, the rows
+  ``x[perm // top_k]`` (S x h, IndexBackward0 saves the index), the scores ``w[perm]``, the offsets
+  (``histc`` over the ids as fp32 on CPU, int32 on CUDA; ``cumsum`` int32, saved by both products),
+  ``grouped_mm`` up (S x 2f), ``silu(gate) * up`` over its ``chunk(2)``, ``grouped_mm`` down (S x h),
+  ``* scores`` (fp32 under Mixtral's fp32 scores: type promotion), the inverse permutation
+  (``empty_like`` + ``arange``), the rows put back (``[inv_perm]``, S x h), ``view(T, k, h).sum(1)`` and
+  ``.to(x.dtype)``.
+
+Every tensor of the grouped path is sized by S = T x top_k, whatever the routing: the tokens each expert
+receives move rows between the groups of one product, not bytes. So the estimate needs no assumption on
+the routing (the eager loop's per-expert temporaries would depend on it; it is not the path transformers
+takes). Backward formulas (observed on CPU with ``tests/accuracy/alloc_log.py``, read from
+``derivatives.yaml``): ``_grouped_mm``'s weight gradient (E x n x k, stolen into ``.grad``) before its
+input's; IndexBackward0 a ``new_zeros`` then an out-of-place ``index_put``; the sum's backward an expanded
+view whose reshape to S x h is a copy; TopkBackward0 ``new_zeros`` + ``scatter``.
+
+Not modelled: the load-balancing loss (``output_router_logits``: off in both configs' defaults and the
+published Mixtral-8x7B / Qwen3-30B-A3B configs), router jitter (``router_jitter_noise`` 0), Qwen3-MoE's
+dense layers (``mlp_only_layers``, ``decoder_sparse_step`` > 1), Qwen2-MoE's shared expert.
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.hf_families import QWEN3_PARAMS, HfQwen3, chunk2
+from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
+
+INDEX = 8  # int64 ids, permutations and indices
+OFFSET = 4  # histc's fp32 (CPU) or int32 (CUDA) counts, cumsum's int32 offsets
+
+# the sparse block's parameters in registration order (param_shapes appends ``.weight`` to each name)
+MIXTRAL_PARAMS = (
+    *LAYER_PARAMS[:4],
+    ("mlp.gate", "E", "h"),
+    ("mlp.experts.gate_up_proj", "E2fe", "h"),
+    ("mlp.experts.down_proj", "Eh", "fe"),
+    *LAYER_PARAMS[7:],
+)
+QWEN3_MOE_PARAMS = (
+    *QWEN3_PARAMS[:6],
+    ("mlp.experts.gate_up_proj", "E2fe", "h"),
+    ("mlp.experts.down_proj", "Eh", "fe"),
+    ("mlp.gate", "E", "h"),
+    *QWEN3_PARAMS[9:],
+)
+
+
+def moe_sizes(extra: dict | None, h: int) -> dict[str, int]:
+    """The experts' dimensions for ``hf_model.param_shapes`` (none for a dense family)."""
+    if not extra or "experts" not in extra:
+        return {}
+    e, fe = extra["experts"], extra["expert_ffn"]
+    return {"E": e, "E2fe": e * 2 * fe, "Eh": e * h, "fe": fe}
+
+
+def sort(tape: Tape, n: int) -> tuple[Tensor, Tensor]:
+    """``torch.sort`` of n int64 ids (no gradient): the values, then the permutation."""
+    return tape.new(n, INDEX, "sort.values"), tape.new(n, INDEX, "sort.indices")
+
+
+def index_rows(tape: Tape, x: Tensor, idx: Tensor, out_numel: int, tag: str) -> Tensor:
+    """``x[idx]``: IndexBackward0 saves ``idx``; backward ``new_zeros`` of x's shape, then the
+    out-of-place ``index_put`` (the zeros go as it returns)."""
+    numel = x.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        zeros = tape.new(numel, g[0].itemsize, "new_zeros")
+        out = tape.new(numel, g[0].itemsize, "index_put")
+        tape.drop(zeros)
+        return [out]
+
+    node = tape.node(tag, apply, [x], saved=[idx])
+    return ops.result(tape, out_numel, x.itemsize, tag, node)
+
+
+def grouped_mm(tape: Tape, x: Tensor, w: Tensor, offs: Tensor, out_numel: int, tag: str) -> Tensor:
+    """``F.grouped_mm(x, w.transpose(-2, -1), offs=offs)``: saves the offsets and x (and w). Backward:
+    the weight's gradient (E x n x k, reaching ``.grad`` through the transpose's view), then x's."""
+    x_numel, w_numel = x.numel, w.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        itemsize = g[0].itemsize
+        dw = tape.new(w_numel, itemsize, "dW", ops.grad_category(w)) if node.nexts[1] is not None else None
+        if dw is not None:
+            dw.view = True
+        dx = tape.new(x_numel, itemsize, "dX") if node.nexts[0] is not None else None
+        return [dx, dw]
+
+    node = tape.node(tag, apply, [x, w], saved=[offs, x])
+    return ops.result(tape, out_numel, x.itemsize, tag, node)
+
+
+def reshape_copy(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``x.view(T, k, h)`` under ``.sum(dim=1)``: the sum's gradient is expanded over k, and
+    ViewBackward0's reshape of it to S x h copies."""
+    numel = x.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(numel, g[0].itemsize, "grad_reshape_copy")]
+
+    v = tape.view(x)
+    v.fn = tape.node(tag, apply, [x])
+    return v
+
+
+def row_sum(tape: Tape, x: Tensor, out_numel: int, tag: str) -> Tensor:
+    """``x.sum(dim, keepdim)`` to ``out_numel`` elements: saves nothing; backward an expanded view
+    of the gradient."""
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.view(g[0])]
+
+    return ops.result(tape, out_numel, x.itemsize, tag, tape.node(tag, apply, [x]))
+
+
+def renormalise(tape: Tape, values: Tensor, tokens: int) -> Tensor:
+    """``values /= values.sum(dim=-1, keepdim=True)``: the sum (T), then ``div_``, whose autograd
+    kernel saves a clone of ``values`` and the sum. Backward (DivBackward0, CPU log): the other's
+    gradient ``-grad * ((self / other) / other)`` (two quotients, the negation, the product), then
+    the values' ``grad / other``, then the product summed to T; returns the values with the node."""
+    numel, itemsize = values.numel, values.itemsize
+    total = row_sum(tape, values, tokens, "topk_sum")
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        q1, q2 = tape.new(numel, itemsize, "div"), tape.new(numel, itemsize, "div")
+        neg = tape.new(numel, itemsize, "neg")
+        prod = tape.new(numel, itemsize, "mul")
+        for t in (neg, q2, q1):
+            tape.drop(t)
+        grad_self = tape.new(numel, itemsize, "grad_self")
+        grad_other = tape.new(tokens, itemsize, "grad_other_sum")
+        tape.drop(prod)
+        return [grad_self, grad_other]
+
+    node = tape.node("renormalise", apply, [values, total])
+    if node is not None:
+        clone = tape.new(numel, itemsize, "div_.self_clone")
+        tape.save(node, clone)
+        tape.done(clone)
+        tape.save(node, total)
+    tape.done(total)
+    values.fn = node
+    return values
+
+
+def topk(tape: Tape, probs: Tensor, tokens: int, k: int) -> tuple[Tensor, Tensor]:
+    """``torch.topk(probs, k)``: fp32 values, int64 indices (saved). Backward: ``new_zeros`` of
+    probs' shape, then the out-of-place ``scatter``."""
+    numel = probs.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        zeros = tape.new(numel, g[0].itemsize, "new_zeros")
+        out = tape.new(numel, g[0].itemsize, "scatter")
+        tape.drop(zeros)
+        return [out]
+
+    node = tape.node("topk", apply, [probs])
+    values = ops.result(tape, tokens * k, probs.itemsize, "topk.values", node)
+    indices = tape.new(tokens * k, INDEX, "topk.indices")
+    if node is not None:
+        tape.save(node, indices)
+    return values, indices
+
+
+def softmax(tape: Tape, x: Tensor, tag: str) -> Tensor:
+    """``softmax(x, -1)``: saves its output; backward ``_softmax_backward_data`` (x's shape)."""
+    numel, itemsize = x.numel, x.itemsize
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(numel, itemsize, "softmax_backward")]
+
+    node = tape.node(tag, apply, [x])
+    out = ops.result(tape, numel, itemsize, tag, node)
+    if node is not None:
+        tape.save(node, out)
+    return out
+
+
+class MoeBlock:
+    """The sparse block of a MoE family (a mixin before the dense family's class): ``extra`` holds
+    ``experts``, ``top_k``, ``expert_ffn``, ``norm_topk`` and ``fp32_scores`` (Mixtral's)."""
+
+    def mlp(self: HfLlama, x: Tensor, prefix: str) -> Tensor:
+        """``SparseMoeBlock.forward``: the router, then the experts (module docstring)."""
+        t, d, cfg = self.tape, self.d, self.extra
+        name = f"{prefix}.mlp"
+        with t.scoped(name):
+            logits = self.linear(x, f"{name}.gate", cfg["experts"], "router")
+            scores, ids = self.route(logits)
+            out = self.experts(x, scores, ids, f"{name}.experts")
+            t.done(logits, scores, ids)  # the block's locals: ``_``, the scores, the ids
+        return out
+
+    def route(self: HfLlama, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """The router after its logits: fp32 probabilities, top-k, the renormalisation, Qwen3's cast."""
+        t, d, cfg = self.tape, self.d, self.extra
+        x32 = ops.to(t, logits, 4, "logits_fp32")
+        probs = softmax(t, x32, "softmax")
+        t.done(x32)
+        values, ids = topk(t, probs, d.tokens, cfg["top_k"])
+        t.done(probs)
+        if cfg["norm_topk"]:
+            values = renormalise(t, values, d.tokens)
+        if cfg["fp32_scores"]:
+            return values, ids
+        scores = ops.to(t, values, logits.itemsize, "scores_cast")
+        t.done(values)
+        return scores, ids
+
+    def experts(self: HfLlama, x: Tensor, scores: Tensor, ids: Tensor, name: str) -> Tensor:
+        """``grouped_mm_experts_forward`` (integrations/moe.py l.424-535)."""
+        t, d, cfg = self.tape, self.d, self.extra
+        s, h, fe = d.tokens * cfg["top_k"], d.h, cfg["expert_ffn"]
+        ids_sorted, perm = sort(t, s)
+        rows = t.new(s, INDEX, "perm_div_top_k")
+        selected = index_rows(t, x, rows, s * h, "selected_hidden_states")
+        t.done(rows)
+        weights = index_rows(t, scores, perm, s, "sample_weights")
+        counts_in = t.new(s, OFFSET, "histc_input")
+        counts = t.new(cfg["experts"], OFFSET, "tokens_per_expert")
+        offs = t.new(cfg["experts"], OFFSET, "offsets")
+        gate_up = self.weights[f"{name}.gate_up_proj.weight"]
+        up = grouped_mm(t, selected, gate_up, offs, s * 2 * fe, "gate_up_proj")
+        gate_half, up_half = chunk2(t, up, "chunk")
+        act = ops.unary(t, gate_half, "silu", save_input=True)
+        gated = ops.mul(t, act, up_half, "gated")
+        t.done(act, up_half, gate_half, up)  # ``_apply_gate``'s locals, then the rebound proj_out
+        down = grouped_mm(t, gated, self.weights[f"{name}.down_proj.weight"], offs, s * h, "down_proj")
+        t.done(gated)
+        weighted = ops.mul(t, down, weights, "weighted")
+        inv_perm = t.new(s, INDEX, "inv_perm")
+        t.done(t.new(s, INDEX, "arange"))
+        back = index_rows(t, weighted, inv_perm, s * h, "restore_order")
+        t.done(weighted)
+        per_token = reshape_copy(t, back, "view")
+        summed = row_sum(t, per_token, d.tokens * h, "sum_top_k")
+        t.done(per_token)
+        out = ops.to(t, summed, x.itemsize, "out")
+        # the frame's locals at return, in the order the function names them
+        t.done(ids_sorted, perm, selected, weights, counts_in, counts, offs, down, back, inv_perm, summed)
+        return out
+
+
+class HfMixtral(MoeBlock, HfLlama):
+    """``MixtralForCausalLM``: Mistral's layer with the sparse block."""
+
+
+class HfQwen3Moe(MoeBlock, HfQwen3):
+    """``Qwen3MoeForCausalLM``: Qwen3's layer with the sparse block."""
+
+
+def moe_config(model) -> dict:
+    """What the sparse block reads from the spec (``MoeBlock``)."""
+    moe = model.moe
+    return {
+        "experts": moe.num_experts,
+        "top_k": moe.top_k,
+        "expert_ffn": moe.expert_ffn_size,
+        "norm_topk": moe.norm_topk_prob,
+        "fp32_scores": model.architecture == "mixtral",
+    }
+
+
+MOE_FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
+    "mixtral": (HfMixtral, MIXTRAL_PARAMS),
+    "qwen3-moe": (HfQwen3Moe, QWEN3_MOE_PARAMS),
+}
