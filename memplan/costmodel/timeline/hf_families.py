@@ -241,13 +241,13 @@ class HfOlmo2(HfLlama):
 MOE = ("mixtral", "qwen3-moe")  # hf_moe.py, which builds on this module's classes
 
 
-def family_config(model) -> dict | None:
+def family_config(model, gpu_arch=None) -> dict | None:
     """What a family's run reads from the spec beyond the dims: Gemma's layer kinds and soft-caps, a
-    MoE family's experts (``hf_moe.moe_config``)."""
+    MoE family's experts (``hf_moe.moe_config``, with the GPU's ``gpu_arch``)."""
     if model.architecture in MOE:
         from memplan.costmodel.timeline.hf_moe import moe_config
 
-        return moe_config(model)
+        return moe_config(model, gpu_arch)
     if model.architecture not in ("gemma2", "gemma3"):
         return None
     return {

@@ -46,6 +46,7 @@ from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
 
 INDEX = 8  # int64 ids, permutations and indices
 OFFSET = 4  # histc's fp32 (CPU) or int32 (CUDA) counts, cumsum's int32 offsets
+GROUPED_MM_ARGS = "grouped_mm_args"  # CUDA only: the CUTLASS kernel's argument buffer
 
 # the sparse block's parameters in registration order (param_shapes appends ``.weight`` to each name)
 MIXTRAL_PARAMS = (
@@ -92,21 +93,41 @@ def index_rows(tape: Tape, x: Tensor, idx: Tensor, out_numel: int, tag: str) -> 
     return ops.result(tape, out_numel, x.itemsize, tag, node)
 
 
-def grouped_mm(tape: Tape, x: Tensor, w: Tensor, offs: Tensor, out_numel: int, tag: str) -> Tensor:
+def cutlass_args_bytes(experts: int) -> int:
+    """The argument buffer CUDA's bf16 grouped GEMM allocates per call (``GroupMM.cu``,
+    ``bf16bf16_grouped_gemm_impl_sm90_sm100``: ``input_args_size`` = A, B and output pointers over
+    the group count rounded up to 2, the problem shapes (3 int32 each) and three 8-byte strides per
+    group), freed as the call returns."""
+    return -(-experts // 2) * 2 * 3 * 8 + experts * 12 + 3 * experts * 8
+
+
+def grouped_mm(tape: Tape, x: Tensor, w: Tensor, offs: Tensor, out_numel: int, tag: str, args: int = 0) -> Tensor:
     """``F.grouped_mm(x, w.transpose(-2, -1), offs=offs)``: saves the offsets and x (and w). Backward:
-    the weight's gradient (E x n x k, reaching ``.grad`` through the transpose's view), then x's."""
+    the weight's gradient (E x n x k, reaching ``.grad`` through the transpose's view), then x's.
+    ``args``: the bytes of CUDA's CUTLASS argument buffer each call allocates after its output and
+    frees (``cutlass_args_bytes``; 0 on the CPU and on CUDA's fallback, ``_grouped_mm_fallback``'s
+    ``mm_out`` into slices of the output, which allocates nothing on the device)."""
     x_numel, w_numel = x.numel, w.numel
+
+    def scratch(tape: Tape) -> None:
+        if args:
+            tape.drop(tape.new(args, 1, GROUPED_MM_ARGS))
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         itemsize = g[0].itemsize
         dw = tape.new(w_numel, itemsize, "dW", ops.grad_category(w)) if node.nexts[1] is not None else None
         if dw is not None:
             dw.view = True
+            scratch(tape)
         dx = tape.new(x_numel, itemsize, "dX") if node.nexts[0] is not None else None
+        if dx is not None:
+            scratch(tape)
         return [dx, dw]
 
     node = tape.node(tag, apply, [x, w], saved=[offs, x])
-    return ops.result(tape, out_numel, x.itemsize, tag, node)
+    out = ops.result(tape, out_numel, x.itemsize, tag, node)
+    scratch(tape)
+    return out
 
 
 def reshape_copy(tape: Tape, x: Tensor, tag: str) -> Tensor:
@@ -201,7 +222,7 @@ class MoeBlock:
 
     def mlp(self: HfLlama, x: Tensor, prefix: str) -> Tensor:
         """``SparseMoeBlock.forward``: the router, then the experts (module docstring)."""
-        t, d, cfg = self.tape, self.d, self.extra
+        t, cfg = self.tape, self.extra
         name = f"{prefix}.mlp"
         with t.scoped(name):
             logits = self.linear(x, f"{name}.gate", cfg["experts"], "router")
@@ -239,12 +260,15 @@ class MoeBlock:
         counts = t.new(cfg["experts"], OFFSET, "tokens_per_expert")
         offs = t.new(cfg["experts"], OFFSET, "offsets")
         gate_up = self.weights[f"{name}.gate_up_proj.weight"]
-        up = grouped_mm(t, selected, gate_up, offs, s * 2 * fe, "gate_up_proj")
+        # CUDA's CUTLASS path: bf16 operands on compute capability 9.x / 10.x (``_grouped_mm_cuda``:
+        # ``scaled_mm_arch_allowed(sm90_only, sm100_only) && a_b_and_out_are_bf16``)
+        args = cutlass_args_bytes(cfg["experts"]) if not self.cpu and cfg.get("sm90") and gate_up.itemsize == 2 else 0
+        up = grouped_mm(t, selected, gate_up, offs, s * 2 * fe, "gate_up_proj", args)
         gate_half, up_half = chunk2(t, up, "chunk")
         act = ops.unary(t, gate_half, "silu", save_input=True)
         gated = ops.mul(t, act, up_half, "gated")
         t.done(act, up_half, gate_half, up)  # ``_apply_gate``'s locals, then the rebound proj_out
-        down = grouped_mm(t, gated, self.weights[f"{name}.down_proj.weight"], offs, s * h, "down_proj")
+        down = grouped_mm(t, gated, self.weights[f"{name}.down_proj.weight"], offs, s * h, "down_proj", args)
         t.done(gated)
         weighted = ops.mul(t, down, weights, "weighted")
         inv_perm = t.new(s, INDEX, "inv_perm")
@@ -268,8 +292,10 @@ class HfQwen3Moe(MoeBlock, HfQwen3):
     """``Qwen3MoeForCausalLM``: Qwen3's layer with the sparse block."""
 
 
-def moe_config(model) -> dict:
-    """What the sparse block reads from the spec (``MoeBlock``)."""
+def moe_config(model, gpu_arch=None) -> dict:
+    """What the sparse block reads from the spec (``MoeBlock``); ``sm90``: on CUDA, whether the GPU
+    (``gpu_arch``, a ``CudaArch``) runs the bf16 grouped GEMM's CUTLASS path (compute capability
+    9.x or 10.x; an unknown GPU is taken as the H100 / H200 class)."""
     moe = model.moe
     return {
         "experts": moe.num_experts,
@@ -277,6 +303,7 @@ def moe_config(model) -> dict:
         "expert_ffn": moe.expert_ffn_size,
         "norm_topk": moe.norm_topk_prob,
         "fp32_scores": model.architecture == "mixtral",
+        "sm90": gpu_arch is None or gpu_arch.major in (9, 10),
     }
 
 

@@ -97,7 +97,7 @@ def hf_plan_run(model, workload, plan, gpu_arch=None) -> Timeline:
     assert kernel is not None
     d = hf_dims(model, workload, plan)
     lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan)
-    ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model)
+    ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model, gpu_arch)
     return hf_run(
         d,
         model.tied_embeddings,
