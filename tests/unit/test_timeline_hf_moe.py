@@ -4,7 +4,9 @@ fp32, bf16 and under ``bf16=True`` (over fp32 and over bf16 weights), with and w
 checkpointing, Qwen3-MoE with and without ``norm_topk_prob``, shapes where the experts' tensors (S = tokens x
 top_k rows) and not the logits decide the peak; the peak of live storages over three steps
 (``StorageTracker``, tests/accuracy/hf_steps.py's harness) equal to the byte on every case. As in
-tests/unit/test_timeline_hf_families.py the run is compared with ``inplace_accumulate=False``.
+tests/unit/test_timeline_hf_families.py the run is compared with ``inplace_accumulate=False``, and with
+``subclass_like=True``: under the tracker's dispatch mode two backward formulas write out of place
+(``test_a_dispatch_mode_puts_index_and_topk_gradients_out_of_place``).
 
 transformers runs the experts as ``grouped_mm`` (``hf_moe.py``): every tensor is sized by S whatever the
 router picks, so the peak does not depend on the routing. ``test_the_routing_moves_no_bytes`` measures it:
@@ -62,13 +64,14 @@ CASES = [
 ]
 
 
-def predict(case: hf_steps.Case) -> int:
-    """The run's peak for the case's config.json (its family read from it), on CPU's kernels."""
+def predict(case: hf_steps.Case, dp: int = 1) -> int:
+    """The run's peak for the case's config.json (its family read from it), on CPU's kernels, on one of
+    ``dp`` ranks (DDP)."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     recompute = "full" if case.checkpointing else "none"
     plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
-    assert hf_supported(model, plan, workload) is None, case.name
+    assert dp > 1 or hf_supported(model, plan, workload) is None, case.name
     timeline = hf_run(
         hf_dims(model, workload, plan),
         model.tied_embeddings,
@@ -78,6 +81,8 @@ def predict(case: hf_steps.Case) -> int:
         arch=model.architecture,
         extra=family_config(model),
         inplace_accumulate=False,
+        subclass_like=True,  # the tracker is a dispatch mode (hf_moe.zeros_then_put)
+        dp=dp,
     )
     return timeline.peak()[0]
 
@@ -97,6 +102,22 @@ def test_the_cases_cover_both_families_precisions_and_checkpointing() -> None:
         assert {c.precision for c in mine} >= {"fp32", "bf16", "bf16-mixed"}
         assert any(c.checkpointing for c in mine) and any(not c.slow for c in mine)
     assert len({dataclasses.astuple(c)[1:] for c in CASES}) == len(CASES)
+
+
+# DDP over two gloo ranks (tests/accuracy/hf_ddp_steps.py, 10 s a case): rank 0's peak
+DDP = ("hfmoe-mixtral-fp32", "hfmoe-mixtral-bf16-ckpt", "hfmoe-mixtral-autocast", "hfmoe-qwen3_moe-bf16")
+DDP += ("hfmoe-qwen3_moe-raw-fp32-ckpt",)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DDP)
+def test_ddp_equals_rank_0s_peak(name: str) -> None:
+    import hf_ddp_steps
+
+    case = next(c for c in CASES if c.name == name)
+    measured = hf_ddp_steps.measure(case)
+    predicted = predict(case, dp=hf_ddp_steps.WORLD)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 
 def _routing(model, ids) -> list[int]:
@@ -140,6 +161,36 @@ def test_the_routing_moves_no_bytes() -> None:
     assert spread == skewed == predict(case), (spread, skewed)
 
 
+def _backward_allocations(op, mode) -> list[int]:
+    """The CPU allocator's allocations (torch.profiler, no dispatch mode of its own) in the backward of
+    ``op`` over a 64 x 32 fp32 input (8192 B), under ``mode`` or none."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64, 32, requires_grad=True)
+    y = op(x)
+    seed = torch.ones_like(y)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with mode if mode is not None else contextlib.nullcontext():
+            y.backward(seed)
+    events = prof.profiler.kineto_results.events()
+    return [e.nbytes() for e in events if e.name() == "[memory]" and e.nbytes() > 0]
+
+
+@pytest.mark.parametrize("op", ["index", "topk"])
+def test_a_dispatch_mode_puts_index_and_topk_gradients_out_of_place(op: str) -> None:
+    """``index_backward`` and ``value_selecting_reduction_backward`` zero x's shape and write in place,
+    one buffer (what ``Tape.subclass_like=False`` models, the GPU's case); under a dispatch mode (the CPU
+    tracker) ``isTensorSubclassLike`` holds and they write into a second one."""
+    from storage_tracker import StorageTracker
+
+    rows = torch.arange(64).repeat(2)
+    fn = (lambda x: x[rows]) if op == "index" else (lambda x: torch.topk(x, 4, dim=-1).values)
+    assert _backward_allocations(fn, None) == [8192]
+    assert _backward_allocations(fn, StorageTracker()) == [8192, 8192]
+
+
 def _estimate(capsys, args: list[str]) -> dict:
     from memplan.cli.app import run
 
@@ -167,7 +218,8 @@ BLOCK = "this MoE block"
         ("qwen3-30b-a3b", {"layer_freq": 2}, {}, BLOCK),
         ("qwen3-30b-a3b", {"num_shared_experts": 1}, {}, BLOCK),
         ("mixtral-8x7b", {"router_bias": True}, {}, BLOCK),
-        ("mixtral-8x7b", {}, {"dp": 2, "zero": 0}, "a MoE model over more than one rank"),
+        ("mixtral-8x7b", {}, {"dp": 2, "ep": 2}, "more than one rank (tensor, pipeline, context or expert)"),
+        ("mixtral-8x7b", {}, {"dp": 2, "zero": 3}, "ZeRO over more than one rank"),
         ("mixtral-8x7b", {}, {"finetune": "lora"}, "PEFT over the mixtral family"),
         ("deepseek-v2-lite", {}, {}, "the deepseek-v2 family"),
     ],

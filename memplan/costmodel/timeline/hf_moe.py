@@ -29,8 +29,10 @@ receives move rows between the groups of one product, not bytes. So the estimate
 the routing (the eager loop's per-expert temporaries would depend on it; it is not the path transformers
 takes). Backward formulas (observed on CPU with ``tests/accuracy/alloc_log.py``, read from
 ``derivatives.yaml``): ``_grouped_mm``'s weight gradient (E x n x k, stolen into ``.grad``) before its
-input's; IndexBackward0 a ``new_zeros`` then an out-of-place ``index_put``; the sum's backward an expanded
-view whose reshape to S x h is a copy; TopkBackward0 ``new_zeros`` + ``scatter``.
+input's; IndexBackward0 a ``new_zeros`` and ``index_put_`` into it, TopkBackward0 ``new_zeros`` and
+``scatter_`` (``FunctionsManual.cpp``: ``index_backward``, ``value_selecting_reduction_backward``; out of
+place into a second buffer when ``isTensorSubclassLike``, which any dispatch mode makes true: the CPU
+tracker's, ``Tape.subclass_like``); the sum's backward an expanded view whose reshape to S x h is a copy.
 
 Not modelled: the load-balancing loss (``output_router_logits``: off in both configs' defaults and the
 published Mixtral-8x7B / Qwen3-30B-A3B configs), router jitter (``router_jitter_noise`` 0), Qwen3-MoE's
@@ -78,16 +80,26 @@ def sort(tape: Tape, n: int) -> tuple[Tensor, Tensor]:
     return tape.new(n, INDEX, "sort.values"), tape.new(n, INDEX, "sort.indices")
 
 
+def zeros_then_put(tape: Tape, numel: int, itemsize: int, op: str) -> Tensor:
+    """A backward that zeroes its input's shape and writes the gradient in (``index_backward``:
+    ``index_put_``, ``value_selecting_reduction_backward``: ``scatter_``; FunctionsManual.cpp): in place,
+    but out of place into a second buffer under a dispatch mode (``Tape.subclass_like``: the CPU
+    tracker's; the zeros go as the op returns)."""
+    zeros = tape.new(numel, itemsize, "new_zeros")
+    if not tape.subclass_like:
+        return zeros
+    out = tape.new(numel, itemsize, op)
+    tape.drop(zeros)
+    return out
+
+
 def index_rows(tape: Tape, x: Tensor, idx: Tensor, out_numel: int, tag: str) -> Tensor:
-    """``x[idx]``: IndexBackward0 saves ``idx``; backward ``new_zeros`` of x's shape, then the
-    out-of-place ``index_put`` (the zeros go as it returns)."""
+    """``x[idx]``: IndexBackward0 saves ``idx``; backward ``new_zeros`` of x's shape, then
+    ``index_put_(accumulate=True)`` (``zeros_then_put``)."""
     numel = x.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
-        zeros = tape.new(numel, g[0].itemsize, "new_zeros")
-        out = tape.new(numel, g[0].itemsize, "index_put")
-        tape.drop(zeros)
-        return [out]
+        return [zeros_then_put(tape, numel, g[0].itemsize, "index_put")]
 
     node = tape.node(tag, apply, [x], saved=[idx])
     return ops.result(tape, out_numel, x.itemsize, tag, node)
@@ -185,14 +197,11 @@ def renormalise(tape: Tape, values: Tensor, tokens: int) -> Tensor:
 
 def topk(tape: Tape, probs: Tensor, tokens: int, k: int) -> tuple[Tensor, Tensor]:
     """``torch.topk(probs, k)``: fp32 values, int64 indices (saved). Backward: ``new_zeros`` of
-    probs' shape, then the out-of-place ``scatter``."""
+    probs' shape, then ``scatter_`` (``zeros_then_put``)."""
     numel = probs.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
-        zeros = tape.new(numel, g[0].itemsize, "new_zeros")
-        out = tape.new(numel, g[0].itemsize, "scatter")
-        tape.drop(zeros)
-        return [out]
+        return [zeros_then_put(tape, numel, g[0].itemsize, "scatter")]
 
     node = tape.node("topk", apply, [probs])
     values = ops.result(tape, tokens * k, probs.itemsize, "topk.values", node)

@@ -8,8 +8,8 @@ Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transfo
 attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
 the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
 Gemma 2 under the eager attention transformers gives it, and Mixtral and Qwen3-MoE with every layer sparse
-(``hf_moe.py``: the router and the ``grouped_mm`` experts, full fine-tuning on one rank, no shared experts,
-dense layers or router biases; tests/unit/test_timeline_hf_moe.py); fp32, ``bf16`` (a bf16 model under
+(``hf_moe.py``: the router and the ``grouped_mm`` experts, full fine-tuning, no shared experts, dense
+layers or router biases; tests/unit/test_timeline_hf_moe.py); fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
 fused AdamW; gradient checkpointing of every
@@ -107,7 +107,6 @@ def hf_supported(
         (model.mla is None, "MLA models"),
         (_moe_ok(model), "this MoE block (shared experts, dense layers, router biases or fused experts)"),
         (model.moe is None or plan.quant == "none", "a quantized MoE base"),
-        (model.moe is None or plan.dp == 1, "a MoE model over more than one rank"),
         (
             model.moe is None or gpu_arch is None or gpu_arch.major >= 8,
             "MoE experts below compute capability 8.0 (transformers' own grouped_mm fallback)",
