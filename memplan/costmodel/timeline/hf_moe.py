@@ -34,7 +34,10 @@ input's; IndexBackward0 a ``new_zeros`` and ``index_put_`` into it, TopkBackward
 place into a second buffer when ``isTensorSubclassLike``, which any dispatch mode makes true: the CPU
 tracker's, ``Tape.subclass_like``); the sum's backward an expanded view whose reshape to S x h is a copy.
 
-Not modelled: the load-balancing loss (``output_router_logits``: off in both configs' defaults and the
+Not modelled on CUDA (transient inside one op, of order S x 8 B): the CUTLASS workspace, ``sort``'s
+scratch over more than 4096 ids (``SortStable.cu``: an int64 iota, cub's radix-sort storage), the sort of
+``index_put_(accumulate=True)`` in the gathers' backward, ``cumsum``'s scan storage. Not modelled: the
+load-balancing loss (``output_router_logits``: off in both configs' defaults and the
 published Mixtral-8x7B / Qwen3-30B-A3B configs), router jitter (``router_jitter_noise`` 0), Qwen3-MoE's
 dense layers (``mlp_only_layers``, ``decoder_sparse_step`` > 1), Qwen2-MoE's shared expert.
 """
