@@ -81,7 +81,7 @@ def predict(case: hf_steps.Case, dp: int = 1) -> int:
         arch=model.architecture,
         extra=family_config(model),
         inplace_accumulate=False,
-        subclass_like=True,  # the tracker is a dispatch mode (hf_moe.zeros_then_put)
+        subclass_like=True,  # the tracker is a dispatch mode (hf_moe_ops.zeros_then_put)
         dp=dp,
     )
     return timeline.peak()[0]
@@ -118,6 +118,19 @@ def test_ddp_equals_rank_0s_peak(name: str) -> None:
     measured = hf_ddp_steps.measure(case)
     predicted = predict(case, dp=hf_ddp_steps.WORLD)
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+def test_the_readers_take_transformers_5s_config_json() -> None:
+    """transformers 5 writes Qwen3-MoE's expert count as ``num_local_experts`` (its ``attribute_map``);
+    ``norm_topk_prob`` as it is; Mixtral always renormalises."""
+    qwen = _case("qwen3_moe", "reader", QWEN3).hf_config()
+    assert "num_experts" not in qwen and qwen["num_local_experts"] == 8
+    moe = model_from_data(qwen, "qwen/config.json", "qwen").moe
+    assert (moe.num_experts, moe.top_k, moe.expert_ffn_size, moe.norm_topk_prob) == (8, 2, 64, True)
+    raw = model_from_data(_case("qwen3_moe", "raw", QWEN3_RAW).hf_config(), "raw/config.json", "raw").moe
+    assert not raw.norm_topk_prob
+    mixtral = model_from_data(_case("mixtral", "reader", MIXTRAL).hf_config(), "m/config.json", "m").moe
+    assert (mixtral.num_experts, mixtral.top_k, mixtral.norm_topk_prob) == (4, 2, True)
 
 
 def _routing(model, ids) -> list[int]:
@@ -236,10 +249,10 @@ def test_a_moe_plan_the_run_does_not_follow_stays_on_the_phase_model(
 
 def test_cuda_bf16_grouped_mm_allocates_its_argument_buffer() -> None:
     """On an H100 (compute capability 9.0) each bf16 ``grouped_mm`` call allocates CUTLASS's argument
-    buffer (``hf_moe.cutlass_args_bytes``: 480 B for 8 experts) and frees it; on an A100 (8.0) the
+    buffer (``hf_moe_ops.cutlass_args_bytes``: 480 B for 8 experts) and frees it; on an A100 (8.0) the
     fallback allocates none."""
     from memplan.costmodel.gemm_4bit_rule import CudaArch
-    from memplan.costmodel.timeline.hf_moe import GROUPED_MM_ARGS, cutlass_args_bytes
+    from memplan.costmodel.timeline.hf_moe_ops import GROUPED_MM_ARGS, cutlass_args_bytes
 
     model = load_model("mixtral-8x7b").model_copy(update={"num_layers": 2})
     plan, workload = Plan(precision="bf16"), TrainingWorkload(seq_len=256, micro_batch=1)

@@ -127,7 +127,7 @@ class Tape:
         self.inplace_accumulate = True
         # a TorchDispatchMode is on (a CPU measurement's): ``isTensorSubclassLike`` is then true of every
         # tensor, and the backward formulas with a subclass branch (``index_backward``,
-        # ``value_selecting_reduction_backward``) write out of place into a second buffer (hf_moe.py)
+        # ``value_selecting_reduction_backward``) write out of place into a second buffer (hf_moe_ops.py)
         self.subclass_like = False
         self.hooks: SaveOnCpu | None = None  # the forward's saved-tensor hooks (act_offload.py)
 
