@@ -149,6 +149,7 @@ def _mixtral(cfg: Config) -> dict[str, Any]:
         num_experts=cfg.get("num_local_experts", 8),
         top_k=cfg.get("num_experts_per_tok", 2),
         expert_ffn_size=cfg["intermediate_size"],
+        norm_topk_prob=True,  # MixtralTopKRouter.forward always divides by the top-k sum
     )
     return fields
 
@@ -188,9 +189,11 @@ def _qwen3_moe(cfg: Config) -> dict[str, Any]:
     fields["attn_out_bias"] = bias
     fields["qk_norm"] = True
     fields["moe"] = MoESpec(
-        num_experts=cfg.get("num_experts", 128),
+        # transformers 5.x writes the count as num_local_experts (Qwen3MoeConfig.attribute_map)
+        num_experts=cfg.get("num_experts", cfg.get("num_local_experts", 128)),
         top_k=cfg.get("num_experts_per_tok", 8),
         expert_ffn_size=cfg.get("moe_intermediate_size", 768),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         **_qwen_moe_layers(cfg),
     )
     return fields

@@ -27,6 +27,11 @@ class MoESpec(BaseModel):
         False, description="A sigmoid gate (hidden -> 1) on the shared expert (Qwen2-MoE)."
     )
     router_bias: bool = Field(False, description="The router linear has a bias.")
+    norm_topk_prob: bool = Field(
+        False,
+        description="The top-k routing weights are renormalised to sum to 1 (Mixtral always; Qwen2/3-MoE "
+        "norm_topk_prob): the in-place division transformers' op-level run follows (timeline/hf_moe.py).",
+    )
     router_score_bias: bool = Field(
         False,
         description="A per-expert score-correction bias steers the routing (DeepSeek-V3 e_score_correction_bias): "

@@ -41,6 +41,8 @@ _CLASSES = {
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
 }
 
 
@@ -178,15 +180,19 @@ def _measure_peak(case: Case, steps: int) -> int:
     return tracker.peak
 
 
-def _measure_trainer(case: Case, steps: int) -> int:
+def _measure_trainer(case: Case, steps: int, prepare=None) -> int:
     """``transformers.Trainer(...).train()`` for ``steps`` steps under ``StorageTracker``, with the
     Trainer's defaults (optimizer, gradient clipping, zero_grad); bf16-mixed cases set
-    ``bf16=True`` (accelerate's autocast over the fp32 model), bf16 cases train a bf16 model."""
+    ``bf16=True`` (accelerate's autocast over the fp32 model), bf16 cases train a bf16 model.
+    ``prepare(model, args, ids)``, if given, runs before the Trainer is built (a MoE test's router
+    weights and learning rate; tests/unit/test_timeline_hf_moe.py)."""
     model = _model(case)
     ids = torch.randint(0, case.vocab, (case.batch, case.seq))
     rows = [{"input_ids": row, "labels": row} for row in ids] * steps
     with tempfile.TemporaryDirectory() as out:
         args = training_args(out, case, steps)
+        if prepare is not None:
+            prepare(model, args, ids)
         tracker = StorageTracker()
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
         tracker.track_module(model)

@@ -125,6 +125,10 @@ class Tape:
         # InputBuffer adds a second gradient into the held one in place when it may (False: a
         # measurement that holds every storage's Python object makes each sum out of place)
         self.inplace_accumulate = True
+        # a TorchDispatchMode is on (a CPU measurement's): ``isTensorSubclassLike`` is then true of every
+        # tensor, and the backward formulas with a subclass branch (``index_backward``,
+        # ``value_selecting_reduction_backward``) write out of place into a second buffer (hf_moe_ops.py)
+        self.subclass_like = False
         self.hooks: SaveOnCpu | None = None  # the forward's saved-tensor hooks (act_offload.py)
 
     @contextmanager

@@ -238,8 +238,16 @@ class HfOlmo2(HfLlama):
         return out
 
 
-def family_config(model) -> dict | None:
-    """What a family's run reads from the spec beyond the dims: Gemma's layer kinds and soft-caps."""
+MOE = ("mixtral", "qwen3-moe")  # hf_moe.py, which builds on this module's classes
+
+
+def family_config(model, gpu_arch=None) -> dict | None:
+    """What a family's run reads from the spec beyond the dims: Gemma's layer kinds and soft-caps, a
+    MoE family's experts (``hf_moe.moe_config``, with the GPU's ``gpu_arch``)."""
+    if model.architecture in MOE:
+        from memplan.costmodel.timeline.hf_moe import moe_config
+
+        return moe_config(model, gpu_arch)
     if model.architecture not in ("gemma2", "gemma3"):
         return None
     return {
@@ -263,4 +271,8 @@ FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
 
 def family(name: str) -> tuple[type[HfLlama], tuple]:
     """The model class and the layer's parameters (name, rows, cols) of a family the run models."""
+    if name in MOE:
+        from memplan.costmodel.timeline.hf_moe import MOE_FAMILIES
+
+        return MOE_FAMILIES[name]
     return FAMILIES[name]

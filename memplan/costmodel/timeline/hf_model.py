@@ -56,12 +56,13 @@ QKV_BIAS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # Qwen2
 
 
 def param_shapes(
-    d: Dims, tied: bool, qkv_bias: bool = False, layer_params: tuple = LAYER_PARAMS
+    d: Dims, tied: bool, qkv_bias: bool = False, layer_params: tuple = LAYER_PARAMS, sizes: dict | None = None
 ) -> dict[str, tuple[int, int]]:
     """``model.parameters()`` in order (a tied ``lm_head`` is the embedding, left out); with
     ``qkv_bias`` (Qwen2) each of q, k, v has its bias after its weight; ``layer_params``: a
-    family's layer (``hf_families.py``)."""
+    family's layer (``hf_families.py``), whose further dimensions ``sizes`` gives."""
     size = {"h": d.h, "q": d.q, "kv": d.kv, "f": d.f, "1": 1, "hd": d.head_dim, "qkv": d.q + 2 * d.kv, "2f": 2 * d.f}
+    size.update(sizes or {})  # a MoE family's experts (hf_moe.moe_sizes)
     out = {"model.embed_tokens.weight": (d.vocab, d.h)}
     for i in range(d.layers):
         for name, rows, cols in layer_params:

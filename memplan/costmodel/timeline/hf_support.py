@@ -7,7 +7,9 @@ Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transfo
 (Qwen3 without attention biases or sliding layers, Phi-3 with full rotary embeddings, OLMo 2 without
 attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
 the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
-Gemma 2 under the eager attention transformers gives it; fp32, ``bf16`` (a bf16 model under
+Gemma 2 under the eager attention transformers gives it, and Mixtral and Qwen3-MoE with every layer sparse
+(``hf_moe.py``: the router and the ``grouped_mm`` experts, full fine-tuning, no shared experts, dense
+layers or router biases; tests/unit/test_timeline_hf_moe.py); fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
 fused AdamW; gradient checkpointing of every
@@ -41,10 +43,12 @@ from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")  # hf_families.py
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "mixtral", "qwen3-moe")
+MOE_FAMILIES = ("mixtral", "qwen3-moe")  # hf_moe.py: the sparse block on Mistral's or Qwen3's layer
 # each family's layer as transformers writes it: (layer norms, q/k norm scope or None, (fused qkv, fused gate-up))
 LAYOUT = {
     "qwen3": ("pre", "head", (False, False)),
+    "qwen3-moe": ("pre", "head", (False, False)),
     "phi3": ("pre", None, (True, True)),
     "olmo2": ("post", "full", (False, False)),
     "gemma2": ("sandwich", None, (False, False)),
@@ -104,7 +108,13 @@ def hf_supported(
         return f"the {model.architecture} family under the hf-loop runtime (its loop is followed for Llama's layout)"
     checks = [
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
-        (model.moe is None and model.mla is None, "MoE or MLA models"),
+        (model.mla is None, "MLA models"),
+        (_moe_ok(model), "this MoE block (shared experts, dense layers, router biases or fused experts)"),
+        (model.moe is None or plan.quant == "none", "a quantized MoE base"),
+        (
+            model.moe is None or gpu_arch is None or gpu_arch.major >= 8,
+            "MoE experts below compute capability 8.0 (transformers' own grouped_mm fallback)",
+        ),
         (model.mlp == "gated" and model.activation == ACTIVATION.get(model.architecture, "silu"), "this MLP"),
         (model.attn_logit_softcapping is None or model.architecture in EAGER, "attention logit soft-capping"),
         (model.norm == "rmsnorm" and model.position_embedding == "rope", "LayerNorm or non-RoPE models"),
@@ -140,6 +150,16 @@ def hf_supported(
         if not ok:
             return what
     return None
+
+
+def _moe_ok(model: ModelSpec) -> bool:
+    """No experts, or the sparse block ``hf_moe.py`` follows: every layer sparse, top-k routed experts
+    alone, a router without biases, gate and up in one 3-D parameter as transformers 5 stores them."""
+    moe = model.moe
+    if moe is None:
+        return True
+    plain = moe.num_shared_experts == 0 and not (moe.router_bias or moe.router_score_bias or moe.fused_gate_up)
+    return model.architecture in MOE_FAMILIES and plain and moe.layer_freq == 1 and not moe.dense_layers
 
 
 def accumulation(workload: TrainingWorkload, plan: Plan) -> int:

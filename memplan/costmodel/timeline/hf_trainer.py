@@ -48,6 +48,7 @@ from memplan.costmodel.timeline.hf_ddp import HfDdp
 from memplan.costmodel.timeline.hf_families import family, family_config
 from memplan.costmodel.timeline.hf_lora import HfLora, HfLoraConfig
 from memplan.costmodel.timeline.hf_model import is_norm, param_shapes, scalar_div
+from memplan.costmodel.timeline.hf_moe import moe_sizes
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
 from memplan.specs.plan import trainer_autocast
@@ -96,7 +97,7 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
     assert kernel is not None
     d = hf_dims(model, workload, plan)
     lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan)
-    ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model)
+    ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model, gpu_arch)
     return hf_run(
         d,
         model.tied_embeddings,
@@ -168,7 +169,7 @@ class _HfRun:
             setattr(self.tape, key, value)
         self.d, self.batches = d, batches
         model_class, layer_params = family(arch)
-        self.shapes = param_shapes(d, tied, qkv_bias, layer_params)
+        self.shapes = param_shapes(d, tied, qkv_bias, layer_params, moe_sizes(extra, d.h))
         self.grads: dict[str, Tensor] = {}
         self.model = model_class(self.tape, d, {}, kernel, tied, quant=quant)
         self.model.extra = extra

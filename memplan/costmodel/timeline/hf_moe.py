@@ -1,0 +1,185 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE) in the op-level run of ``transformers.Trainer``.
+
+The layer is Llama's (Mixtral: ``modeling_mixtral.py``) or Qwen3's (``modeling_qwen3_moe.py``) with the
+MLP replaced by the sparse block, read from transformers 5.23:
+
+- the router (``MixtralTopKRouter.forward``, l.103-110; ``Qwen3MoeTopKRouter.forward``, l.257-266):
+  ``F.linear(x, gate.weight)`` (an ``mm``: T x E logits, the block's local ``_`` until it returns), fp32
+  probabilities (Mixtral ``softmax(logits.float())``, Qwen3 ``softmax(logits, dtype=float)``: a 16-bit
+  model's fp32 copy, freed once softmax has saved its output), ``topk`` (fp32 values, int64 indices
+  saved by its backward), the in-place renormalisation ``values /= values.sum(-1, keepdim=True)``
+  (Mixtral always, Qwen3 with ``norm_topk_prob``: the sum and a clone of the values saved by
+  ``DivBackward0``), and for Qwen3 the cast back to the logits' dtype; Mixtral keeps the scores fp32;
+- the experts: 3-D parameters ``gate_up_proj`` (E, 2f, h) and ``down_proj`` (E, h, f) (l.56-66) run by
+  ``config._experts_implementation``, which ``PreTrainedModel.get_correct_experts_implementation``
+  (modeling_utils.py l.1883) sets to ``grouped_mm`` for every model whose experts class carries
+  ``@use_experts_implementation``; ``integrations/moe.py: _can_use_grouped_mm`` (l.302-352) then takes
+  ``torch.nn.functional.grouped_mm`` on CPU for torch > 2.10 and on CUDA at compute capability 8.0 or
+  more. So the loop over experts with ``index_add_`` (the ``eager`` forward) does not run;
+  ``grouped_mm_experts_forward`` (l.424-535) does: ``sort`` of the S = T x top_k expert ids, the rows
+  ``x[perm // top_k]`` (S x h, IndexBackward0 saves the index), the scores ``w[perm]``, the offsets
+  (``histc`` over the ids as fp32 on CPU, int32 on CUDA; ``cumsum`` int32, saved by both products),
+  ``grouped_mm`` up (S x 2f), ``silu(gate) * up`` over its ``chunk(2)``, ``grouped_mm`` down (S x h),
+  ``* scores`` (fp32 under Mixtral's fp32 scores: type promotion), the inverse permutation
+  (``empty_like`` + ``arange``), the rows put back (``[inv_perm]``, S x h), ``view(T, k, h).sum(1)`` and
+  ``.to(x.dtype)``.
+
+Every tensor of the grouped path is sized by S = T x top_k, whatever the routing: the tokens each expert
+receives move rows between the groups of one product, not bytes. So the estimate needs no assumption on
+the routing (the eager loop's per-expert temporaries would depend on it; it is not the path transformers
+takes). Backward formulas (observed on CPU with ``tests/accuracy/alloc_log.py``, read from
+``derivatives.yaml``): ``_grouped_mm``'s weight gradient (E x n x k, stolen into ``.grad``) before its
+input's; IndexBackward0 a ``new_zeros`` and ``index_put_`` into it, TopkBackward0 ``new_zeros`` and
+``scatter_`` (``FunctionsManual.cpp``: ``index_backward``, ``value_selecting_reduction_backward``; out of
+place into a second buffer when ``isTensorSubclassLike``, which any dispatch mode makes true: the CPU
+tracker's, ``Tape.subclass_like``); the sum's backward an expanded view whose reshape to S x h is a copy.
+
+Not modelled on CUDA (transient inside one op, of order S x 8 B): the CUTLASS workspace, ``sort``'s
+scratch over more than 4096 ids (``SortStable.cu``: an int64 iota, cub's radix-sort storage), the sort of
+``index_put_(accumulate=True)`` in the gathers' backward, ``cumsum``'s scan storage. Not modelled: the
+load-balancing loss (``output_router_logits``: off in both configs' defaults and the
+published Mixtral-8x7B / Qwen3-30B-A3B configs), router jitter (``router_jitter_noise`` 0), Qwen3-MoE's
+dense layers (``mlp_only_layers``, ``decoder_sparse_step`` > 1), Qwen2-MoE's shared expert.
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline.autograd import Tensor
+from memplan.costmodel.timeline.hf_families import QWEN3_PARAMS, HfQwen3, chunk2
+from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
+from memplan.costmodel.timeline.hf_moe_ops import (
+    INDEX,
+    cutlass_args_bytes,
+    grouped_mm,
+    index_rows,
+    renormalise,
+    reshape_copy,
+    row_sum,
+    softmax,
+    sort,
+    topk,
+)
+
+OFFSET = 4  # histc's fp32 (CPU) or int32 (CUDA) counts, cumsum's int32 offsets
+
+# the sparse block's parameters in registration order (param_shapes appends ``.weight`` to each name)
+MIXTRAL_PARAMS = (
+    *LAYER_PARAMS[:4],
+    ("mlp.gate", "E", "h"),
+    ("mlp.experts.gate_up_proj", "E2fe", "h"),
+    ("mlp.experts.down_proj", "Eh", "fe"),
+    *LAYER_PARAMS[7:],
+)
+QWEN3_MOE_PARAMS = (
+    *QWEN3_PARAMS[:6],
+    ("mlp.experts.gate_up_proj", "E2fe", "h"),
+    ("mlp.experts.down_proj", "Eh", "fe"),
+    ("mlp.gate", "E", "h"),
+    *QWEN3_PARAMS[9:],
+)
+
+
+def moe_sizes(extra: dict | None, h: int) -> dict[str, int]:
+    """The experts' dimensions for ``hf_model.param_shapes`` (none for a dense family)."""
+    if not extra or "experts" not in extra:
+        return {}
+    e, fe = extra["experts"], extra["expert_ffn"]
+    return {"E": e, "E2fe": e * 2 * fe, "Eh": e * h, "fe": fe}
+
+
+class MoeBlock:
+    """The sparse block of a MoE family (a mixin before the dense family's class): ``extra`` holds
+    ``experts``, ``top_k``, ``expert_ffn``, ``norm_topk`` and ``fp32_scores`` (Mixtral's)."""
+
+    def mlp(self: HfLlama, x: Tensor, prefix: str) -> Tensor:
+        """``SparseMoeBlock.forward``: the router, then the experts (module docstring)."""
+        t, cfg = self.tape, self.extra
+        name = f"{prefix}.mlp"
+        with t.scoped(name):
+            logits = self.linear(x, f"{name}.gate", cfg["experts"], "router")
+            scores, ids = self.route(logits)
+            out = self.experts(x, scores, ids, f"{name}.experts")
+            t.done(logits, scores, ids)  # the block's locals: ``_``, the scores, the ids
+        return out
+
+    def route(self: HfLlama, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """The router after its logits: fp32 probabilities, top-k, the renormalisation, Qwen3's cast."""
+        t, d, cfg = self.tape, self.d, self.extra
+        x32 = ops.to(t, logits, 4, "logits_fp32")
+        probs = softmax(t, x32, "softmax")
+        t.done(x32)
+        values, ids = topk(t, probs, d.tokens, cfg["top_k"])
+        t.done(probs)
+        if cfg["norm_topk"]:
+            values = renormalise(t, values, d.tokens)
+        if cfg["fp32_scores"]:
+            return values, ids
+        scores = ops.to(t, values, logits.itemsize, "scores_cast")
+        t.done(values)
+        return scores, ids
+
+    def experts(self: HfLlama, x: Tensor, scores: Tensor, ids: Tensor, name: str) -> Tensor:
+        """``grouped_mm_experts_forward`` (integrations/moe.py l.424-535)."""
+        t, d, cfg = self.tape, self.d, self.extra
+        s, h, fe = d.tokens * cfg["top_k"], d.h, cfg["expert_ffn"]
+        ids_sorted, perm = sort(t, s)
+        rows = t.new(s, INDEX, "perm_div_top_k")
+        selected = index_rows(t, x, rows, s * h, "selected_hidden_states")
+        t.done(rows)
+        weights = index_rows(t, scores, perm, s, "sample_weights")
+        counts_in = t.new(s, OFFSET, "histc_input")
+        counts = t.new(cfg["experts"], OFFSET, "tokens_per_expert")
+        offs = t.new(cfg["experts"], OFFSET, "offsets")
+        gate_up = self.weights[f"{name}.gate_up_proj.weight"]
+        # CUDA's CUTLASS path: bf16 operands on compute capability 9.x / 10.x (``_grouped_mm_cuda``:
+        # ``scaled_mm_arch_allowed(sm90_only, sm100_only) && a_b_and_out_are_bf16``)
+        args = cutlass_args_bytes(cfg["experts"]) if not self.cpu and cfg.get("sm90") and gate_up.itemsize == 2 else 0
+        up = grouped_mm(t, selected, gate_up, offs, s * 2 * fe, "gate_up_proj", args)
+        gate_half, up_half = chunk2(t, up, "chunk")
+        act = ops.unary(t, gate_half, "silu", save_input=True)
+        gated = ops.mul(t, act, up_half, "gated")
+        t.done(act, up_half, gate_half, up)  # ``_apply_gate``'s locals, then the rebound proj_out
+        down = grouped_mm(t, gated, self.weights[f"{name}.down_proj.weight"], offs, s * h, "down_proj", args)
+        t.done(gated)
+        weighted = ops.mul(t, down, weights, "weighted")
+        inv_perm = t.new(s, INDEX, "inv_perm")
+        t.done(t.new(s, INDEX, "arange"))
+        back = index_rows(t, weighted, inv_perm, s * h, "restore_order")
+        t.done(weighted)
+        per_token = reshape_copy(t, back, "view")
+        summed = row_sum(t, per_token, d.tokens * h, "sum_top_k")
+        t.done(per_token)
+        out = ops.to(t, summed, x.itemsize, "out")
+        # the frame's locals at return, in the order the function names them
+        t.done(ids_sorted, perm, selected, weights, counts_in, counts, offs, down, back, inv_perm, summed)
+        return out
+
+
+class HfMixtral(MoeBlock, HfLlama):
+    """``MixtralForCausalLM``: Mistral's layer with the sparse block."""
+
+
+class HfQwen3Moe(MoeBlock, HfQwen3):
+    """``Qwen3MoeForCausalLM``: Qwen3's layer with the sparse block."""
+
+
+def moe_config(model, gpu_arch=None) -> dict:
+    """What the sparse block reads from the spec (``MoeBlock``); ``sm90``: on CUDA, whether the GPU
+    (``gpu_arch``, a ``CudaArch``) runs the bf16 grouped GEMM's CUTLASS path (compute capability
+    9.x or 10.x; an unknown GPU is taken as the H100 / H200 class)."""
+    moe = model.moe
+    return {
+        "experts": moe.num_experts,
+        "top_k": moe.top_k,
+        "expert_ffn": moe.expert_ffn_size,
+        "norm_topk": moe.norm_topk_prob,
+        "fp32_scores": model.architecture == "mixtral",
+        "sm90": gpu_arch is None or gpu_arch.major in (9, 10),
+    }
+
+
+MOE_FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
+    "mixtral": (HfMixtral, MIXTRAL_PARAMS),
+    "qwen3-moe": (HfQwen3Moe, QWEN3_MOE_PARAMS),
+}

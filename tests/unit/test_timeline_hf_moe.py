@@ -1,0 +1,266 @@
+"""The op-level run of ``transformers.Trainer`` over MoE models (``costmodel/timeline/hf_moe.py``: Mixtral,
+Qwen3-MoE) against the real Trainer on CPU: tiny random models from their config.json, full fine-tuning in
+fp32, bf16 and under ``bf16=True`` (over fp32 and over bf16 weights), with and without gradient
+checkpointing, Qwen3-MoE with and without ``norm_topk_prob``, shapes where the experts' tensors (S = tokens x
+top_k rows) and not the logits decide the peak; the peak of live storages over three steps
+(``StorageTracker``, tests/accuracy/hf_steps.py's harness) equal to the byte on every case. As in
+tests/unit/test_timeline_hf_families.py the run is compared with ``inplace_accumulate=False``, and with
+``subclass_like=True``: under the tracker's dispatch mode two backward formulas write out of place
+(``test_a_dispatch_mode_puts_index_and_topk_gradients_out_of_place``).
+
+transformers runs the experts as ``grouped_mm`` (``hf_moe.py``): every tensor is sized by S whatever the
+router picks, so the peak does not depend on the routing. ``test_the_routing_moves_no_bytes`` measures it:
+the same Trainer run with every token sent to the same two experts and with the random router's spread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import hf_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
+
+from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
+from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
+from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
+from memplan.specs.loader import load_model, model_from_data  # noqa: E402
+from memplan.specs.plan import Plan  # noqa: E402
+from memplan.specs.workload import TrainingWorkload  # noqa: E402
+
+STEPS = 3
+# small vocabulary, several layers: the experts' activations and gradients, not the logits, dominate
+SHAPE = dict(hidden=64, layers=3, heads=2, kv_heads=1, ffn=128, vocab=64, batch=2, seq=64)
+MIXTRAL = (("num_local_experts", 4), ("num_experts_per_tok", 2))
+QWEN3 = (("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64), ("norm_topk_prob", True))
+QWEN3_RAW = (*QWEN3[:3], ("norm_topk_prob", False))  # top-k scores not renormalised: no division
+
+
+def _case(arch: str, tag: str, extra: tuple, slow: bool = False, **fields) -> hf_steps.Case:
+    fields = {**SHAPE, **fields}
+    return hf_steps.Case(f"hfmoe-{arch}-{tag}", arch=arch, loop="trainer", extra=extra, slow=slow, **fields)
+
+
+BF16 = dict(dtype="bfloat16")
+CASES = [
+    _case("mixtral", "fp32", MIXTRAL),
+    _case("mixtral", "bf16-ckpt", MIXTRAL, **BF16, checkpointing=True, layers=4, batch=1, seq=96),
+    _case("mixtral", "autocast", MIXTRAL, autocast=True, layers=2),
+    _case("qwen3_moe", "bf16", QWEN3, **BF16, seq=128, hidden=32, layers=2),
+    _case("qwen3_moe", "raw-fp32-ckpt", QWEN3_RAW, checkpointing=True, layers=2),
+    _case("mixtral", "bf16", MIXTRAL, slow=True, **BF16),
+    _case("mixtral", "fp32-ckpt", MIXTRAL, slow=True, checkpointing=True),
+    _case("mixtral", "bf16-autocast", MIXTRAL, slow=True, **BF16, autocast=True, layers=2),
+    _case("mixtral", "top1-fp32", (("num_local_experts", 8), ("num_experts_per_tok", 1)), slow=True, seq=128),
+    _case("qwen3_moe", "fp32", QWEN3, slow=True),
+    _case("qwen3_moe", "bf16-ckpt", QWEN3, slow=True, **BF16, checkpointing=True),
+    _case("qwen3_moe", "autocast-ckpt", QWEN3, slow=True, autocast=True, checkpointing=True, layers=2),
+    _case("qwen3_moe", "bf16-autocast", QWEN3, slow=True, **BF16, autocast=True, layers=2),
+    _case("qwen3_moe", "raw-bf16", QWEN3_RAW, slow=True, **BF16),
+]
+
+
+def predict(case: hf_steps.Case, dp: int = 1) -> int:
+    """The run's peak for the case's config.json (its family read from it), on CPU's kernels, on one of
+    ``dp`` ranks (DDP)."""
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    recompute = "full" if case.checkpointing else "none"
+    plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute)
+    workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+    assert dp > 1 or hf_supported(model, plan, workload) is None, case.name
+    timeline = hf_run(
+        hf_dims(model, workload, plan),
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        batches=STEPS,  # the harness's dataset holds the steps' batches: the last prefetch finds none
+        arch=model.architecture,
+        extra=family_config(model),
+        inplace_accumulate=False,
+        subclass_like=True,  # the tracker is a dispatch mode (hf_moe_ops.zeros_then_put)
+        dp=dp,
+    )
+    return timeline.peak()[0]
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c.slow else c for c in CASES], ids=lambda c: c.name
+)
+def test_peak_equals_the_trainers(case: hf_steps.Case) -> None:
+    measured = hf_steps.measure_peak(case, steps=STEPS)
+    predicted = predict(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+def test_the_cases_cover_both_families_precisions_and_checkpointing() -> None:
+    for arch in ("mixtral", "qwen3_moe"):
+        mine = [c for c in CASES if c.arch == arch]
+        assert {c.precision for c in mine} >= {"fp32", "bf16", "bf16-mixed"}
+        assert any(c.checkpointing for c in mine) and any(not c.slow for c in mine)
+    assert len({dataclasses.astuple(c)[1:] for c in CASES}) == len(CASES)
+
+
+# DDP over two gloo ranks (tests/accuracy/hf_ddp_steps.py, 10 s a case): rank 0's peak
+DDP = ("hfmoe-mixtral-fp32", "hfmoe-mixtral-bf16-ckpt", "hfmoe-mixtral-autocast", "hfmoe-qwen3_moe-bf16")
+DDP += ("hfmoe-qwen3_moe-raw-fp32-ckpt",)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DDP)
+def test_ddp_equals_rank_0s_peak(name: str) -> None:
+    import hf_ddp_steps
+
+    case = next(c for c in CASES if c.name == name)
+    measured = hf_ddp_steps.measure(case)
+    predicted = predict(case, dp=hf_ddp_steps.WORLD)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+def test_the_readers_take_transformers_5s_config_json() -> None:
+    """transformers 5 writes Qwen3-MoE's expert count as ``num_local_experts`` (its ``attribute_map``);
+    ``norm_topk_prob`` as it is; Mixtral always renormalises."""
+    qwen = _case("qwen3_moe", "reader", QWEN3).hf_config()
+    assert "num_experts" not in qwen and qwen["num_local_experts"] == 8
+    moe = model_from_data(qwen, "qwen/config.json", "qwen").moe
+    assert (moe.num_experts, moe.top_k, moe.expert_ffn_size, moe.norm_topk_prob) == (8, 2, 64, True)
+    raw = model_from_data(_case("qwen3_moe", "raw", QWEN3_RAW).hf_config(), "raw/config.json", "raw").moe
+    assert not raw.norm_topk_prob
+    mixtral = model_from_data(_case("mixtral", "reader", MIXTRAL).hf_config(), "m/config.json", "m").moe
+    assert (mixtral.num_experts, mixtral.top_k, mixtral.norm_topk_prob) == (4, 2, True)
+
+
+def _routing(model, ids) -> list[int]:
+    """Top-k assignments per expert over every layer in one forward of ``ids`` (no tracker on)."""
+    counts: list[int] = []
+
+    def hook(module, args, out) -> None:
+        per_expert = torch.bincount(out[2].flatten(), minlength=module.num_experts).tolist()
+        counts[:] = [a + b for a, b in zip(counts or [0] * len(per_expert), per_expert, strict=True)]
+
+    handles = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for handle in handles:
+        handle.remove()
+    return counts
+
+
+def test_the_routing_moves_no_bytes() -> None:
+    """The real Trainer's peak with every token on the same two of four experts (zero router weights:
+    tied scores) equals its peak under the random router's spread, and the run's. The learning rate
+    is 0 in both so that the routing measured after the steps is the one they ran."""
+    case = CASES[0]
+    routes: dict[str, list[int]] = {}
+
+    def prepare(skew: bool):
+        def apply(model, args, ids) -> None:
+            args.learning_rate = 0.0
+            if skew:
+                for layer in model.model.layers:
+                    layer.mlp.gate.weight.data.zero_()
+            routes["skew" if skew else "spread"] = _routing(model, ids)
+
+        return apply
+
+    spread = hf_steps._measure_trainer(case, STEPS, prepare(False))
+    skewed = hf_steps._measure_trainer(case, STEPS, prepare(True))
+    total = sum(routes["skew"])
+    assert sorted(routes["skew"])[-2:] == [total // 2, total // 2]  # two experts take every token
+    assert max(routes["spread"]) < 0.5 * total and min(routes["spread"]) > 0
+    assert spread == skewed == predict(case), (spread, skewed)
+
+
+def _backward_allocations(op, mode) -> list[int]:
+    """The CPU allocator's allocations (torch.profiler, no dispatch mode of its own) in the backward of
+    ``op`` over a 64 x 32 fp32 input (8192 B), under ``mode`` or none."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64, 32, requires_grad=True)
+    y = op(x)
+    seed = torch.ones_like(y)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with mode if mode is not None else contextlib.nullcontext():
+            y.backward(seed)
+    events = prof.profiler.kineto_results.events()
+    return [e.nbytes() for e in events if e.name() == "[memory]" and e.nbytes() > 0]
+
+
+@pytest.mark.parametrize("op", ["index", "topk"])
+def test_a_dispatch_mode_puts_index_and_topk_gradients_out_of_place(op: str) -> None:
+    """``index_backward`` and ``value_selecting_reduction_backward`` zero x's shape and write in place,
+    one buffer (what ``Tape.subclass_like=False`` models, the GPU's case); under a dispatch mode (the CPU
+    tracker) ``isTensorSubclassLike`` holds and they write into a second one."""
+    from storage_tracker import StorageTracker
+
+    rows = torch.arange(64).repeat(2)
+    fn = (lambda x: x[rows]) if op == "index" else (lambda x: torch.topk(x, 4, dim=-1).values)
+    assert _backward_allocations(fn, None) == [8192]
+    assert _backward_allocations(fn, StorageTracker()) == [8192, 8192]
+
+
+def _estimate(capsys, args: list[str]) -> dict:
+    from memplan.cli.app import run
+
+    code = run(["estimate", *args, "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)["memory"]
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("precision", ["bf16", "bf16-mixed"])
+def test_estimate_answers_moe_op_level(capsys, name: str, precision: str) -> None:
+    memory = _estimate(capsys, [name, "--runtime", "hf", "--precision", precision, "--seq-len", "1024"])
+    assert memory["model"] == "op-level" and memory["model_reason"] is None
+    assert memory["peak"]["reserved_detail"]["timeline"] == "hf"
+
+
+BLOCK = "this MoE block"
+
+
+@pytest.mark.parametrize(
+    ("name", "moe", "plan", "reason"),
+    [
+        ("qwen3-30b-a3b", {"dense_layers": (0,)}, {}, BLOCK),
+        ("qwen3-30b-a3b", {"layer_freq": 2}, {}, BLOCK),
+        ("qwen3-30b-a3b", {"num_shared_experts": 1}, {}, BLOCK),
+        ("mixtral-8x7b", {"router_bias": True}, {}, BLOCK),
+        ("mixtral-8x7b", {}, {"dp": 2, "ep": 2}, "more than one rank (tensor, pipeline, context or expert)"),
+        ("mixtral-8x7b", {}, {"dp": 2, "zero": 3}, "ZeRO over more than one rank"),
+        ("mixtral-8x7b", {}, {"finetune": "lora"}, "PEFT over the mixtral family"),
+        ("deepseek-v2-lite", {}, {}, "the deepseek-v2 family"),
+    ],
+)
+def test_a_moe_plan_the_run_does_not_follow_stays_on_the_phase_model(
+    name: str, moe: dict, plan: dict, reason: str
+) -> None:
+    model = load_model(name)
+    model = model.model_copy(update={"moe": model.moe.model_copy(update=moe)})
+    workload = TrainingWorkload(seq_len=512, micro_batch=1)
+    why = hf_supported(model, Plan(precision="bf16", **plan), workload)
+    assert why is not None and why.startswith(reason), why
+
+
+def test_cuda_bf16_grouped_mm_allocates_its_argument_buffer() -> None:
+    """On an H100 (compute capability 9.0) each bf16 ``grouped_mm`` call allocates CUTLASS's argument
+    buffer (``hf_moe_ops.cutlass_args_bytes``: 480 B for 8 experts) and frees it; on an A100 (8.0) the
+    fallback allocates none."""
+    from memplan.costmodel.gemm_4bit_rule import CudaArch
+    from memplan.costmodel.timeline.hf_moe_ops import GROUPED_MM_ARGS, cutlass_args_bytes
+
+    model = load_model("mixtral-8x7b").model_copy(update={"num_layers": 2})
+    plan, workload = Plan(precision="bf16"), TrainingWorkload(seq_len=256, micro_batch=1)
+    sizes = {}
+    for arch in (CudaArch(132, 9, 0), CudaArch(108, 8, 0)):
+        d = hf_dims(model, workload, plan)
+        timeline = hf_run(d, False, "flash", steps=1, arch="mixtral", extra=family_config(model, arch))
+        sizes[arch.major] = [e.size for e in timeline if e.tag.endswith(GROUPED_MM_ARGS)]
+    assert cutlass_args_bytes(8) == 480
+    # two products a layer forward, two each backward (weight, input): 6 per layer, 2 layers, allocs and frees
+    assert sizes[9] == [480] * 24 and sizes[8] == []
