@@ -71,6 +71,8 @@ class _Group:
 class Fsdp:
     """The groups of one rank; drives unshard / reshard / reduce-scatter."""
 
+    metadata = True  # the copy-out's and copy-in's small metadata tensors (CUDA's; hf_fsdp.py: not on CPU)
+
     def __init__(
         self,
         tape: Tape,
@@ -176,7 +178,8 @@ class Fsdp:
                 group.unsharded[name] = self.model.weights[name] = p
                 if self.tied and name == "tok_embeddings.weight":
                     self.model.weights["output.weight"] = p
-            t.done(t.new(COPY_OUT_META[self._kind(g)], 1, f"{group.tag}.copy_out_meta"))
+            if self.metadata:
+                t.done(t.new(COPY_OUT_META[self._kind(g)], 1, f"{group.tag}.copy_out_meta"))
         if forward:
             if self.kept is not None:
                 t.free(self.kept)
@@ -255,7 +258,8 @@ class Fsdp:
         numel = sum(self.shard(n) for n in group.names)
         with t.scoped(group.tag):
             self.reduce_input = t.managed(numel * self.dp, self.rd, "reduce_scatter_input", Category.COMM)
-            t.done(t.new(COPY_IN_META[self._kind(g)] * self.rd // 2, 1, "copy_in_meta"))
+            if self.metadata:
+                t.done(t.new(COPY_IN_META[self._kind(g)] * self.rd // 2, 1, "copy_in_meta"))
             last = group.names[-1]
             for name in [n for n in self.grads if n in group.names and n != last]:  # in the order produced
                 t.drop(self.grads.pop(name))

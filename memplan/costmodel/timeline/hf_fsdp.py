@@ -1,0 +1,123 @@
+"""FSDP2 as ``transformers.Trainer`` applies it through accelerate (``fsdp=True``, ``fsdp_config={"version": 2}``),
+on one rank: full fine-tuning in fp32 (transformers 5.23, accelerate 1.15, torch 2.13).
+
+The Trainer turns ``fsdp_config`` into accelerate's ``FullyShardedDataParallelPlugin``
+(``TrainingArguments._process_fsdp_args``, transformers/training_args.py:2775-2885: version 2 by
+default; ``reshard_after_forward`` True unless set, the legacy ``fsdp="shard_grad_op"`` False,
+``"full_shard"`` True, training_args.py:2914-2925; the transformer auto-wrap policy over the model's
+``_no_split_modules``). Under FSDP2 it creates the optimizer before ``accelerator.prepare(model,
+optimizer)`` (trainer.py:1717-1722). accelerate's ``_prepare_fsdp2`` (accelerate/accelerator.py:1674-1770)
+then, before sharding, replaces each optimizer parameter by ``torch.empty(1, dtype=p.dtype)`` (one
+element per parameter, kept until the optimizer is pointed at the sharded parameters), and
+``fsdp2_prepare_model`` (accelerate/utils/fsdp_utils.py:751-917) holds ``model.state_dict()`` while it
+calls ``fully_shard`` on each decoder layer (bottom-up: layer 0 first), on the input embedding, on
+``[final norm, lm_head]`` with ``reshard_after_forward=False`` (a tied model: ``[final norm, embedding,
+lm_head]``, the embedding not on its own), then on the model (the root: no parameters of its own
+left). Each ``fully_shard`` allocates its parameters' padded shards (``FSDPParam._init_sharded_param``:
+``new_zeros`` of dim 0 padded to a multiple of dp); the full parameters go when ``prepare`` returns.
+So the build holds the whole model and its shards at once.
+
+From there the groups run as the bundled trainer's (``fsdp.Fsdp``: the same groups, all-gather,
+copy-out, reshard, reduce-scatter; ``MixedPrecisionPolicy()`` in fp32, so no cast copies): checked
+against the real Trainer on CPU (tests/unit/test_timeline_hf_fsdp.py). Around them, the Trainer's step:
+
+- ``clip_grad_norm_``: accelerate's ``_clip_grad_norm_dtensor_aware`` (accelerator.py:2957-2987) hands
+  one mesh's gradients to ``torch.nn.utils.clip_grad_norm_`` over the DTensor gradients: the same
+  scalars per parameter as on one rank;
+- fused AdamW over the DTensor parameters: its states are shard-sized (``zeros_like`` of the local
+  shard); ``zero_grad`` frees each group's sharded gradients (views of its reduce-scatter output);
+- ``num_items_in_batch`` gathered over the ranks as under DDP (``hf_ddp.HfDdp.gather_count``);
+- gradient accumulation: every micro-batch but the last under ``accelerator.no_sync``, which on an
+  FSDP2 model is ``set_requires_gradient_sync(False)`` (accelerator.py:1166-1171): each group reshards
+  after its backward but keeps its unsharded gradients (``FSDPParamGroup.post_backward``: no
+  reduce-scatter), the next micro-batch's added into them; the last micro-batch reduce-scatters.
+
+The copy-out's and copy-in's metadata tensors (``fsdp.COPY_OUT_META``, from the GPU traces) are
+CUDA's: not on CPU. On CPU each group's ``DeviceMesh`` (``fully_shard`` without a mesh builds the
+default one: ``torch.arange(world, dtype=torch.int)``, torch/distributed/device_mesh.py:1582) is
+counted, as the host's; on a GPU it is host memory.
+"""
+
+from __future__ import annotations
+
+from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.events import Category
+from memplan.costmodel.timeline.fsdp import Fsdp, _Group
+from memplan.costmodel.timeline.hf_ddp import HfDdp
+from memplan.costmodel.timeline.trainer_model import Dims
+
+
+class HfFsdp(Fsdp):
+    """accelerate's FSDP2 groups over the Trainer's model (HF parameter names), and its build."""
+
+    gather_count = HfDdp.gather_count  # get_batch_samples' accelerator.gather, as under DDP
+
+    def __init__(
+        self,
+        tape: Tape,
+        d: Dims,
+        dp: int,
+        shapes: dict[str, tuple[int, int]],
+        model,  # noqa: ANN001 - an hf_model.HfLlama
+        grads: dict,
+        reshard: bool,
+        tied: bool,
+        cuda: bool,
+    ) -> None:
+        self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
+        self.cuda, self.metadata = cuda, cuda
+        self.offload = False
+        self.mixed = False  # fp32: MixedPrecisionPolicy()
+        self.rd = d.pd
+        self.first = self.last = True
+        self.tied = tied
+        self.groups = _groups(shapes, d.layers, reshard, tied)
+        self.sync = True
+        self.accumulated: dict[str, Tensor] = {}
+        self.leaves = {name: ops.leaf(grads, name) for name in shapes}
+        self.kept: Tensor | None = None
+        self.reduce_input: Tensor | None = None
+        self.reduced: set[int] = set()
+
+    def shard_numels(self) -> dict[str, tuple[int, int]]:
+        """(elements, itemsize) of each parameter's local shard: what the optimizer steps."""
+        return {name: (self.shard(name), self.d.pd) for name in self.shapes}
+
+    def build(self, weights: dict[str, Tensor], optimizer_order: list[str]) -> None:
+        """``_prepare_fsdp2``: the optimizer's one-element placeholders (in its parameter groups'
+        order), the shards in ``fully_shard`` order (layers, then the embedding, then the tail: the
+        groups bottom-up), then the full parameters go, then the placeholders."""
+        t = self.tape
+        with t.scoped("accelerate.prepare"):
+            holders = [t.new(1, self.d.pd, f"{name}.optimizer_placeholder") for name in optimizer_order]
+        order = self.groups[1:-1] + [self.groups[0], self.groups[-1]] if not self.tied else self.groups
+        for group in order:
+            if not self.cuda:  # the group's DeviceMesh: its ranks, an int32 arange(dp) on the host
+                t.managed(self.dp, 4, f"{group.tag}.device_mesh", Category.COMM)
+            for name in group.names:
+                t.managed(self.shard(name), self.d.pd, f"{name}.shard", Category.PARAMETERS)
+        for name in self.shapes:
+            t.free(weights.pop(name))
+        t.done(*holders)
+
+    def post_backward(self, g: int) -> None:
+        """Under ``set_requires_gradient_sync(False)``: reshard, keep the unsharded gradients
+        (``FSDPParamGroup.post_backward`` returns before the reduce-scatter)."""
+        if self.sync:
+            super().post_backward(g)
+            return
+        self.reshard(g)
+        self.reduced.add(g)
+
+
+def _groups(shapes: dict[str, tuple[int, int]], layers: int, reshard: bool, tied: bool) -> list[_Group]:
+    """The groups in forward order: the embedding (alone unless tied), each decoder layer, the tail
+    ``[model.norm, lm_head]`` (``reshard_after_forward=False``). A tied model's tail holds the norm and
+    the embedding and runs first (its pre-forward at the embedding): ``Fsdp``'s tied root group."""
+    per_layer = [[n for n in shapes if n.startswith(f"model.layers.{i}.")] for i in range(layers)]
+    layer_groups = [_Group(names, reshard) for names in per_layer]
+    if tied:
+        return [_Group(["model.norm.weight", "model.embed_tokens.weight"], False), *layer_groups]
+    tail = _Group(["model.norm.weight", "lm_head.weight"], False)
+    return [_Group(["model.embed_tokens.weight"], reshard), *layer_groups, tail]
