@@ -38,7 +38,7 @@ from memplan.costmodel.lora import SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan
+from memplan.specs.plan import Plan, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")  # hf_families.py
@@ -122,7 +122,11 @@ def hf_supported(
         (plan.offload_activations == "none", "activation offload"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
         (plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank (tensor, pipeline, context or expert)"),
-        (plan.dp == 1 or plan.zero == 0, "ZeRO over more than one rank (the Trainer's FSDP or DeepSpeed)"),
+        (
+            plan.dp == 1 or plan.zero != 1,
+            "ZeRO over more than one rank at stage 1 (DeepSpeed's; the Trainer's FSDP is 2 or 3)",
+        ),
+        (plan.dp == 1 or plan.zero == 0 or _fsdp_ok(model, plan, runtime), _fsdp_reason(model, plan)),
         (plan.dp == 1 or runtime == "hf", "more than one rank under the hf-loop runtime (its loop has no DDP)"),
         (plan.optimizer == "adamw", "this optimizer"),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
@@ -136,6 +140,31 @@ def hf_supported(
         if not ok:
             return what
     return None
+
+
+# families whose FSDP2 groups were checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py)
+FSDP_FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
+    """The Trainer's FSDP2 as ``hf_fsdp.py`` follows it: full fine-tuning of a dense base without
+    ``bf16=True`` (fp32, or a bf16 model with the plan's ``autocast`` off: ``MixedPrecisionPolicy()``)."""
+    return (
+        runtime == "hf"
+        and model.architecture in FSDP_FAMILIES
+        and plan.finetune == "full"
+        and plan.quant == "none"
+        and not trainer_autocast(plan, runtime)
+    )
+
+
+def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
+    """Why the Trainer's FSDP2 run does not follow the plan."""
+    if model.architecture not in FSDP_FAMILIES:
+        return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
+    if plan.finetune != "full" or plan.quant != "none":
+        return "PEFT or a quantized base under the Trainer's FSDP"
+    return "bf16=True under the Trainer's FSDP (accelerate's MixedPrecisionPolicy, fp32 master weights)"
 
 
 def accumulation(workload: TrainingWorkload, plan: Plan) -> int:

@@ -1,0 +1,190 @@
+"""The op-level run of ``transformers.Trainer`` under FSDP2 (``timeline/hf_fsdp.py``) against the real Trainer
+on CPU: rank 0 of two (or four) under torch's fake process group (tests/accuracy/hf_fsdp_steps.py), its peak of
+live storages over three optimizer steps, counted from ``trainer.train()`` on (the sharding inside
+``accelerator.prepare`` included), equal to the byte.
+
+What the cases cover: ``reshard_after_forward`` True (``full_shard``, ``--zero 3``) and False
+(``shard_grad_op``, ``--zero 2``), the Trainer's gradient checkpointing inside the FSDP layers, tied
+embeddings (the tail group holding the embedding), gradient accumulation under
+``set_requires_gradient_sync(False)``, Qwen2's q/k/v biases with GQA, a bf16 model without ``bf16=True``,
+four ranks (padded shards: 344 rows over 4), a layer-dominated shape. The run is compared as in
+test_timeline_hf.py (``inplace_accumulate=False``: the tracker holds each storage's Python object). Each case
+takes 1-3 s in one process: two run by default, the rest under ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import hf_fsdp_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
+import hf_steps  # noqa: E402
+from test_timeline_hf import LLAMA1B  # noqa: E402
+
+from memplan.costmodel.timeline.events import ALLOC, FREE  # noqa: E402
+from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
+from memplan.specs.loader import model_from_data  # noqa: E402
+from memplan.specs.plan import Plan  # noqa: E402
+from memplan.specs.workload import TrainingWorkload  # noqa: E402
+
+STEPS = 3
+SMALL = dict(hf_steps.BASE_SMALL)
+
+
+def _case(name: str, **fields) -> hf_steps.Case:
+    return hf_steps.Case(f"hffsdp-{name}", loop="trainer", **{**SMALL, **fields})
+
+
+def predict(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD) -> int:
+    """The run's peak for the case on rank 0 of ``dp`` under FSDP2 (``zero`` 3: ``full_shard``, 2:
+    ``shard_grad_op``), on CPU's kernels, the dataset holding the steps' batches."""
+    return _timeline(case, zero, ga, dp).peak()[0]
+
+
+def _timeline(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD):  # noqa: ANN202
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = Plan(
+        precision=case.precision, autocast=case.plan_autocast, recompute="full" if case.checkpointing else "none"
+    )
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
+    return hf_run(
+        d,
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        batches=STEPS * ga,
+        qkv_bias=model.qkv_bias,
+        ga=ga,
+        inplace_accumulate=False,
+        dp=dp,
+        zero=zero,
+    )
+
+
+def _check(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD) -> None:
+    measured = hf_fsdp_steps.measure(case, ga, STEPS, reshard=zero >= 3, world=dp)
+    predicted = predict(case, zero, ga, dp)
+    assert predicted == measured, f"{case.name} zero {zero}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+FAST = [(_case("fp32"), 3), (_case("fp32-ckpt", checkpointing=True), 2)]
+# (case, zero, ga, ranks)
+SLOW = [
+    (_case("fp32-shard-grad-op"), 2, 1, 2),
+    (_case("fp32-ckpt-full-shard", checkpointing=True), 3, 1, 2),
+    (_case("tied", tied=True), 3, 1, 2),
+    (_case("tied-shard-grad-op", tied=True), 2, 1, 2),
+    (_case("ga2"), 3, 2, 2),
+    (_case("ckpt-ga2-shard-grad-op", checkpointing=True), 2, 2, 2),
+    (_case("qwen2-gqa", arch="qwen2", kv_heads=1), 3, 1, 2),
+    (_case("bf16", dtype="bfloat16"), 3, 1, 2),
+    (_case("four-ranks"), 3, 1, 4),
+    (hf_steps.Case("hffsdp-layers", loop="trainer", **hf_steps.LAYERS_SMALL), 3, 1, 2),
+]
+
+
+@pytest.mark.parametrize(("case", "zero"), FAST, ids=lambda c: getattr(c, "name", str(c)))
+def test_the_small_cases_equal_rank_0s_peak(case: hf_steps.Case, zero: int) -> None:
+    """The default suite's cases: ``full_shard``, and ``shard_grad_op`` with checkpointing."""
+    _check(case, zero)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "zero", "ga", "dp"), SLOW, ids=lambda c: getattr(c, "name", str(c)))
+def test_fsdp_variants_equal_rank_0s_peak(case: hf_steps.Case, zero: int, ga: int, dp: int) -> None:
+    _check(case, zero, ga, dp)
+
+
+def _allocated(case: hf_steps.Case, zero: int, part: str) -> list[int]:
+    return [e.size for e in _timeline(case, zero).events if e.op == ALLOC and part in e.tag]
+
+
+def test_the_shards_are_fsdp2s_padded_chunks() -> None:
+    """The build allocates each parameter's rank-0 shard as ``FSDPParam`` pads it: dim 0 rounded up to
+    a multiple of the ranks (``torch.chunk`` of the padded rows), over 4 ranks 344 FFN rows as 86 each."""
+    case = _case("shards")
+    rows = {"gate_proj": case.ffn, "q_proj": case.hidden, "embed_tokens": case.vocab}
+    events = [e for e in _timeline(case, 3, 1, 4).events if e.op == ALLOC and e.tag.endswith(".shard")]
+    for module, n in rows.items():
+        size = next(e.size for e in events if module in e.tag)
+        assert size == -(-n // 4) * case.hidden * 4
+
+
+def test_full_shard_frees_what_shard_grad_op_keeps() -> None:
+    """``reshard_after_forward=False`` (``shard_grad_op``) keeps each layer's unsharded parameters from its
+    forward to its backward: no all-gather in its backward, so fewer all-gathers than ``full_shard``."""
+    case = _case("reshard")
+    three, two = (_allocated(case, zero, "all_gather_output") for zero in (3, 2))
+    assert len(three) > len(two)
+    assert predict(case, 3) < predict(case, 2)
+
+
+def test_the_build_holds_the_model_and_its_shards() -> None:
+    """``fsdp2_prepare_model`` holds ``model.state_dict()`` while it shards: at the build's end the live
+    bytes are the full parameters plus every shard, before the full ones go."""
+    case = _case("build")
+    live = best = 0
+    for e in _timeline(case).events:
+        if e.op == ALLOC:
+            live += e.size
+            best = max(best, live)
+        elif e.op == FREE:
+            live -= e.size
+        elif e.tag == "build":
+            break
+    full = sum(rows * cols * 4 for rows, cols in _shapes(case).values())
+    shards = sum(-(-rows // 2) * cols * 4 for rows, cols in _shapes(case).values())
+    assert best >= full + shards
+    assert live < full  # the full parameters gone
+
+
+def _shapes(case: hf_steps.Case) -> dict:
+    from memplan.costmodel.timeline.hf_model import param_shapes
+
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), Plan(precision="fp32"))
+    return param_shapes(d, model.tied_embeddings)
+
+
+def _estimate(capsys, args: list[str]) -> dict:
+    from memplan.cli.app import run
+
+    code = run(["estimate", *args, "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)["memory"]
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_estimate_answers_an_hf_fsdp_plan_op_level(capsys, zero: int) -> None:
+    """``memplan estimate --runtime hf --dp 2 --zero 2|3`` replays the Trainer's rank under FSDP2: its model
+    states are the shards, half the one-rank run's parameters and optimizer states."""
+    args = [LLAMA1B, "--runtime", "hf", "--precision", "fp32"]
+    one = _estimate(capsys, args)
+    two = _estimate(capsys, [*args, "--dp", "2", "--zero", str(zero)])
+    assert two["model"] == "op-level" and two["model_reason"] is None
+    assert two["peak"]["reserved_detail"]["timeline"] == "hf"
+    for state in ("parameters", "optimizer_states"):
+        assert abs(2 * two["model_states"][state] - one["model_states"][state]) <= 1024
+    assert two["peak"]["allocated"] < one["peak"]["allocated"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (["--zero", "3"], "bf16=True under the Trainer's FSDP"),  # the Trainer's recipe: bf16 under bf16=True
+        (
+            ["--zero", "3", "--precision", "fp32", "--finetune", "lora"],
+            "PEFT or a quantized base under the Trainer's FSDP",
+        ),
+        (["--zero", "1", "--precision", "fp32"], "ZeRO over more than one rank at stage 1"),
+    ],
+)
+def test_an_hf_fsdp_plan_the_run_does_not_model_says_so(capsys, extra: list[str], reason: str) -> None:
+    memory = _estimate(capsys, [LLAMA1B, "--runtime", "hf", "--dp", "2", *extra])
+    assert memory["model"] == "phase" and reason in memory["model_reason"]
