@@ -151,20 +151,42 @@ def fake_rank(world: int = WORLD):
         os.environ.update(saved)
 
 
-def fsdp_args(out: str, case, steps: int, ga: int, reshard: bool):  # noqa: ANN001, ANN201
+def fsdp_args(out: str, case, steps: int, ga: int, reshard: bool, fsdp_ac: bool = False, config: dict | None = None):  # noqa: ANN001, ANN201, E501
     """hf_steps.training_args with FSDP2 as the Trainer's docs configure it (``fsdp=True``,
     ``fsdp_config={"version": 2, "reshard_after_forward": ...}``: ``full_shard`` is True,
-    ``shard_grad_op`` False; the decoder layer class from ``_no_split_modules``)."""
+    ``shard_grad_op`` False; the decoder layer class from ``_no_split_modules``); with ``fsdp_ac`` a
+    checkpointed case checkpoints through ``fsdp_config["activation_checkpointing"]`` (accelerate's
+    ``fsdp2_apply_ac``, as ``memplan export --to hf-trainer --sharding fsdp`` writes it) instead of the
+    Trainer's ``gradient_checkpointing``; ``config``: further ``fsdp_config`` entries (an exported one)."""
+    import dataclasses
+
     import hf_steps
 
-    args = hf_steps.training_args(out, case, steps, ga)
+    ac = fsdp_ac and case.checkpointing
+    args = hf_steps.training_args(
+        out, dataclasses.replace(case, checkpointing=case.checkpointing and not ac), steps, ga
+    )
     args.fsdp = True
-    args.fsdp_config = {"version": 2, "reshard_after_forward": reshard}
+    args.fsdp_config = {
+        "version": 2,
+        "reshard_after_forward": reshard,
+        "activation_checkpointing": ac,
+        **(config or {}),
+    }
     args.fsdp_plugin_args = args._process_fsdp_args()
     return args
 
 
-def run(case, ga: int = 1, steps: int = 3, reshard: bool = True, world: int = WORLD, log: bool = False):  # noqa: ANN001, ANN201
+def run(
+    case,
+    ga: int = 1,
+    steps: int = 3,
+    reshard: bool = True,
+    world: int = WORLD,
+    log: bool = False,
+    fsdp_ac: bool = False,
+    config: dict | None = None,
+):  # noqa: ANN001, ANN201, E501
     """Rank 0's tracker after ``steps`` optimizer steps of ``ga`` micro-batches (its ``peak``; with
     ``log`` its ``events``), counted from ``trainer.train()`` on: the sharding inside
     ``accelerator.prepare`` is counted."""
@@ -177,7 +199,7 @@ def run(case, ga: int = 1, steps: int = 3, reshard: bool = True, world: int = WO
         ids = torch.randint(0, case.vocab, (case.batch * ga * steps * world, case.seq))
         rows = [{"input_ids": row, "labels": row} for row in ids]
         with tempfile.TemporaryDirectory() as tmp:
-            args = fsdp_args(tmp, case, steps, ga, reshard)
+            args = fsdp_args(tmp, case, steps, ga, reshard, fsdp_ac, config)
             trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
             tracker = FsdpTracker(log)
             tracker.track_module(model)
@@ -188,9 +210,9 @@ def run(case, ga: int = 1, steps: int = 3, reshard: bool = True, world: int = WO
     return tracker
 
 
-def measure(case, ga: int = 1, steps: int = 3, reshard: bool = True, world: int = WORLD) -> int:  # noqa: ANN001
+def measure(case, ga: int = 1, steps: int = 3, reshard: bool = True, world: int = WORLD, fsdp_ac: bool = False) -> int:  # noqa: ANN001, E501
     """Rank 0's peak live bytes over ``steps`` optimizer steps of ``ga`` micro-batches."""
-    return run(case, ga, steps, reshard, world).peak
+    return run(case, ga, steps, reshard, world, fsdp_ac=fsdp_ac).peak
 
 
 if __name__ == "__main__":

@@ -66,8 +66,8 @@ def _timeline(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp
     )
 
 
-def _check(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD) -> None:
-    measured = hf_fsdp_steps.measure(case, ga, STEPS, reshard=zero >= 3, world=dp)
+def _check(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD, ac: bool = False) -> None:
+    measured = hf_fsdp_steps.measure(case, ga, STEPS, reshard=zero >= 3, world=dp, fsdp_ac=ac)
     predicted = predict(case, zero, ga, dp)
     assert predicted == measured, f"{case.name} zero {zero}: {predicted:,} B predicted, {measured:,} B measured"
 
@@ -86,6 +86,16 @@ SLOW = [
     (_case("four-ranks"), 3, 1, 4),
     (hf_steps.Case("hffsdp-layers", loop="trainer", **hf_steps.LAYERS_SMALL), 3, 1, 2),
 ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("zero", "ga"), [(3, 1), (2, 2)])
+def test_fsdps_own_checkpointing_equals_the_trainers(zero: int, ga: int) -> None:
+    """``fsdp_config["activation_checkpointing"]`` (accelerate's ``fsdp2_apply_ac``: a non-reentrant
+    ``checkpoint_wrapper`` under each layer's ``fully_shard``; what ``memplan export --to hf-trainer
+    --sharding fsdp`` writes for full recomputation) holds what the Trainer's ``gradient_checkpointing``
+    holds: the same run, ``recompute: full``, equal to the byte."""
+    _check(_case("fsdp-ac", checkpointing=True), zero, ga, ac=True)
 
 
 @pytest.mark.parametrize(("case", "zero"), FAST, ids=lambda c: getattr(c, "name", str(c)))
@@ -188,3 +198,28 @@ def test_estimate_answers_an_hf_fsdp_plan_op_level(capsys, zero: int) -> None:
 def test_an_hf_fsdp_plan_the_run_does_not_model_says_so(capsys, extra: list[str], reason: str) -> None:
     memory = _estimate(capsys, [LLAMA1B, "--runtime", "hf", "--dp", "2", *extra])
     assert memory["model"] == "phase" and reason in memory["model_reason"]
+
+
+@pytest.mark.parametrize("zero", [2])
+def test_an_exported_fsdp_config_runs_what_the_estimate_replays(tmp_path, zero: int) -> None:
+    """``memplan export --to hf-trainer --sharding fsdp`` of an fp32 plan over two ranks, its
+    ``fsdp_config`` handed to the real Trainer as written (``version`` 2, ``reshard_after_forward``
+    from the ZeRO stage, ``cpu_ram_efficient_loading``: a model already on the device is sharded from
+    the same state dict, no other copy) runs to the op-level run's peak for the plan, to the byte."""
+    import yaml
+
+    from memplan.export import parse, render
+    from memplan.specs.resolve import resolve_job
+
+    case = _case("exported")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(case.hf_config()))
+    flags = dict(gpus=2, zero=zero, precision="fp32", seq_len=case.seq, micro_batch=case.batch)
+    job = resolve_job(str(path), None, flags)
+    text = render(job, "hf-trainer", sharding="fsdp").text
+    args = yaml.safe_load(text)["training_arguments"]
+    assert args["fsdp"] is True and args["fsdp_config"]["version"] == 2
+    assert args["fsdp_config"]["reshard_after_forward"] == (zero == 3)
+    assert (parse("hf-trainer", text)["zero"], job.plan.dp) == (zero, 2)
+    measured = hf_fsdp_steps.run(case, reshard=zero == 3, config=args["fsdp_config"]).peak
+    assert predict(case, zero) == measured
