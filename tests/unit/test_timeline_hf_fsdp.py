@@ -29,7 +29,7 @@ from test_timeline_hf import LLAMA1B  # noqa: E402
 from memplan.costmodel.timeline.events import ALLOC, FREE  # noqa: E402
 from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.plan import Plan  # noqa: E402
+from memplan.specs.plan import Plan, trainer_autocast  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
@@ -48,9 +48,8 @@ def predict(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_s
 
 def _timeline(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD):  # noqa: ANN202
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = Plan(
-        precision=case.precision, autocast=case.plan_autocast, recompute="full" if case.checkpointing else "none"
-    )
+    recompute = "full" if case.checkpointing else "none"
+    plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, dp=dp, zero=zero)
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
     return hf_run(
         d,
@@ -63,6 +62,7 @@ def _timeline(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp
         inplace_accumulate=False,
         dp=dp,
         zero=zero,
+        mixed=trainer_autocast(plan, "hf"),
     )
 
 
@@ -72,7 +72,7 @@ def _check(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_st
     assert predicted == measured, f"{case.name} zero {zero}: {predicted:,} B predicted, {measured:,} B measured"
 
 
-FAST = [(_case("fp32"), 3), (_case("fp32-ckpt", checkpointing=True), 2)]
+FAST = [(_case("fp32"), 3), (_case("fp32-ckpt", checkpointing=True), 2), (_case("bf16-true", autocast=True), 3)]
 # (case, zero, ga, ranks)
 SLOW = [
     (_case("fp32-shard-grad-op"), 2, 1, 2),
@@ -83,6 +83,14 @@ SLOW = [
     (_case("ckpt-ga2-shard-grad-op", checkpointing=True), 2, 2, 2),
     (_case("qwen2-gqa", arch="qwen2", kv_heads=1), 3, 1, 2),
     (_case("bf16", dtype="bfloat16"), 3, 1, 2),
+    # bf16=True: accelerate's MixedPrecisionPolicy(bf16, bf16, output bf16) over fp32 master shards
+    (_case("bf16-true-shard-grad-op", autocast=True), 2, 1, 2),
+    (_case("bf16-true-ckpt", autocast=True, checkpointing=True), 3, 1, 2),
+    (_case("bf16-true-ga2", autocast=True), 3, 2, 2),
+    (_case("bf16-model-bf16-true-tied", autocast=True, dtype="bfloat16", tied=True), 3, 1, 2),
+    (_case("bf16-model-bf16-true-ckpt-ga2", autocast=True, dtype="bfloat16", checkpointing=True), 2, 2, 2),
+    (_case("bf16-true-qwen2", autocast=True, arch="qwen2", kv_heads=1), 3, 1, 2),
+    (hf_steps.Case("hffsdp-bf16-true-layers", loop="trainer", **hf_steps.LAYERS_SMALL, autocast=True), 3, 1, 4),
     (_case("four-ranks"), 3, 1, 4),
     (hf_steps.Case("hffsdp-layers", loop="trainer", **hf_steps.LAYERS_SMALL), 3, 1, 2),
 ]
@@ -100,7 +108,8 @@ def test_fsdps_own_checkpointing_equals_the_trainers(zero: int, ga: int) -> None
 
 @pytest.mark.parametrize(("case", "zero"), FAST, ids=lambda c: getattr(c, "name", str(c)))
 def test_the_small_cases_equal_rank_0s_peak(case: hf_steps.Case, zero: int) -> None:
-    """The default suite's cases: ``full_shard``, and ``shard_grad_op`` with checkpointing."""
+    """The default suite's cases: ``full_shard`` in fp32 and under ``bf16=True``, and ``shard_grad_op``
+    with checkpointing."""
     _check(case, zero)
 
 
@@ -170,11 +179,12 @@ def _estimate(capsys, args: list[str]) -> dict:
     return json.loads(out)["memory"]
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_estimate_answers_an_hf_fsdp_plan_op_level(capsys, zero: int) -> None:
+@pytest.mark.parametrize(("zero", "precision"), [(2, "fp32"), (3, "fp32"), (3, "bf16-mixed")])
+def test_estimate_answers_an_hf_fsdp_plan_op_level(capsys, zero: int, precision: str) -> None:
     """``memplan estimate --runtime hf --dp 2 --zero 2|3`` replays the Trainer's rank under FSDP2: its model
-    states are the shards, half the one-rank run's parameters and optimizer states."""
-    args = [LLAMA1B, "--runtime", "hf", "--precision", "fp32"]
+    states are the shards, half the one-rank run's parameters and optimizer states (fp32 master shards
+    under ``bf16=True`` as over the fp32 model)."""
+    args = [LLAMA1B, "--runtime", "hf", "--precision", precision]
     one = _estimate(capsys, args)
     two = _estimate(capsys, [*args, "--dp", "2", "--zero", str(zero)])
     assert two["model"] == "op-level" and two["model_reason"] is None
@@ -187,7 +197,7 @@ def test_estimate_answers_an_hf_fsdp_plan_op_level(capsys, zero: int) -> None:
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [
-        (["--zero", "3"], "bf16=True under the Trainer's FSDP"),  # the Trainer's recipe: bf16 under bf16=True
+        (["--zero", "3", "--model-build", "to_device"], "a model loaded on the CPU"),
         (
             ["--zero", "3", "--precision", "fp32", "--finetune", "lora"],
             "PEFT or a quantized base under the Trainer's FSDP",
@@ -223,3 +233,18 @@ def test_an_exported_fsdp_config_runs_what_the_estimate_replays(tmp_path, zero: 
     assert (parse("hf-trainer", text)["zero"], job.plan.dp) == (zero, 2)
     measured = hf_fsdp_steps.run(case, reshard=zero == 3, config=args["fsdp_config"]).peak
     assert predict(case, zero) == measured
+
+
+def test_the_trainers_bf16_recipe_under_fsdp_keeps_fp32_master_shards(capsys) -> None:
+    """``--precision bf16`` (a bf16 model under ``bf16=True``, the Trainer's recipe) over FSDP2: accelerate
+    upcasts the trained parameters to fp32 before sharding (``fsdp2_prepare_model``), so the rank's shards
+    and optimizer states are the fp32 ones of ``bf16-mixed`` (the rotary buffers, not sharded, stay in the
+    model's dtype: 128 B apart), as large as the one-rank bf16 model's whole parameters."""
+    base = [LLAMA1B, "--runtime", "hf", "--dp", "2", "--zero", "3"]
+    bf16 = _estimate(capsys, [*base, "--precision", "bf16"])
+    mixed = _estimate(capsys, [*base, "--precision", "bf16-mixed"])
+    one = _estimate(capsys, [LLAMA1B, "--runtime", "hf", "--precision", "bf16"])
+    assert bf16["model"] == "op-level"
+    assert abs(bf16["model_states"]["parameters"] - mixed["model_states"]["parameters"]) <= 1024
+    assert bf16["model_states"]["optimizer_states"] == mixed["model_states"]["optimizer_states"]
+    assert abs(bf16["model_states"]["parameters"] - one["model_states"]["parameters"]) <= 1024

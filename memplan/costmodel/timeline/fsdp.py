@@ -265,6 +265,7 @@ class Fsdp:
                 t.drop(self.grads.pop(name))
             rs = Stream.REDUCE_SCATTER
             out = t.managed(numel, self.rd, "reduce_scatter_output", Category.GRADIENTS, rs)
+            out = self._to_orig_dtype(out)
             t.drop(self.grads.pop(last, None))
             if self.offload:  # copied to the host (added there under accumulation): the device copy goes
                 t.free(out)
@@ -273,6 +274,11 @@ class Fsdp:
             else:  # a later micro-batch: ``sharded_param.grad._local_tensor += new_sharded_grad``
                 t.free(out)
         self.reduced.add(g)
+
+    def _to_orig_dtype(self, out: Tensor) -> Tensor:
+        """The reduce-scatter output as the sharded gradient: in the reduce dtype here (the bundled
+        trainer's policy reduces in the parameters' dtype; ``hf_fsdp.py`` casts)."""
+        return out
 
     def _keep_unsharded(self, group: _Group) -> None:
         """``post_backward`` without gradient sync or resharding (pipelining, ``StageReplay``):

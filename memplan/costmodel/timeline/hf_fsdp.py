@@ -40,6 +40,8 @@ counted, as the host's; on a GPU it is host memory.
 
 from __future__ import annotations
 
+import dataclasses
+
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
@@ -64,12 +66,19 @@ class HfFsdp(Fsdp):
         reshard: bool,
         tied: bool,
         cuda: bool,
+        mixed: bool = False,
     ) -> None:
+        """``d``: the model as loaded (its parameters' dtype ``d.pd``); ``mixed``: ``bf16=True``
+        (accelerate's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` over fp32 master
+        shards: the trained parameters upcast first)."""
+        self.loaded = d.pd
+        if mixed:
+            d = dataclasses.replace(d, pd=4, cd=2)
         self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
         self.cuda, self.metadata = cuda, cuda
         self.offload = False
-        self.mixed = False  # fp32: MixedPrecisionPolicy()
-        self.rd = d.pd
+        self.mixed = mixed
+        self.rd = 2 if mixed else d.pd
         self.first = self.last = True
         self.tied = tied
         self.groups = _groups(shapes, d.layers, reshard, tied)
@@ -90,7 +99,14 @@ class HfFsdp(Fsdp):
         groups bottom-up), then the full parameters go, then the placeholders."""
         t = self.tape
         with t.scoped("accelerate.prepare"):
-            holders = [t.new(1, self.d.pd, f"{name}.optimizer_placeholder") for name in optimizer_order]
+            holders = [t.new(1, self.loaded, f"{name}.optimizer_placeholder") for name in optimizer_order]
+            if self.loaded != self.d.pd:  # fsdp2_prepare_model's upcast: param.data = param.data.to(float32)
+                for name, (rows, cols) in self.shapes.items():
+                    old, weights[name] = (
+                        weights[name],
+                        t.managed(rows * cols, self.d.pd, f"{name}.fp32", Category.PARAMETERS),
+                    )
+                    t.free(old)
         order = self.groups[1:-1] + [self.groups[0], self.groups[-1]] if not self.tied else self.groups
         for group in order:
             if not self.cuda:  # the group's DeviceMesh: its ranks, an int32 arange(dp) on the host
@@ -100,6 +116,39 @@ class HfFsdp(Fsdp):
         for name in self.shapes:
             t.free(weights.pop(name))
         t.done(*holders)
+
+    def cast_inputs(self, num_items: Tensor) -> Tensor:
+        """The root's pre-forward under the mixed policy (``cast_forward_inputs``): the floating
+        ``num_items_in_batch`` kwarg cast to bf16 (``_cast_fp_tensor``), the model's divisor; else
+        the count itself."""
+        if not self.mixed:
+            return self.tape.alias(num_items)
+        with self.tape.scoped("fsdp"):
+            return self.tape.new(1, 2, "num_items_in_batch.cast")
+
+    def end_root_forward(self, loss: Tensor) -> Tensor:
+        """The root's post-forward: under the mixed policy ``output_dtype=bf16`` casts the model's
+        floating outputs (the fp32 loss to bf16; the logits are bf16 already), then the last
+        all-gather output goes; the fp32 loss goes as the output holds its cast."""
+        t = self.tape
+        if not self.mixed:
+            self.end_forward()
+            return loss
+        with t.scoped("fsdp"):
+            cast = ops.to(t, loss, 2, "output_dtype_cast", Category.LOGITS)
+        self.end_forward()
+        t.done(loss)
+        return cast
+
+    def _to_orig_dtype(self, out: Tensor) -> Tensor:
+        """``foreach_reduce``: a bf16 reduce-scatter output cast whole to the fp32 of the master
+        shards (``_to_dtype_if_needed(reduce_output, orig_dtype)``), the bf16 one let go."""
+        if self.rd == self.d.pd:
+            return out
+        with self.tape.scoped(""):
+            cast = self.tape.managed(out.numel, self.d.pd, "reduce_scatter_output.fp32", Category.GRADIENTS)
+        self.tape.free(out)
+        return cast
 
     def post_backward(self, g: int) -> None:
         """Under ``set_requires_gradient_sync(False)``: reshard, keep the unsharded gradients

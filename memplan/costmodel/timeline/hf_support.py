@@ -38,7 +38,7 @@ from memplan.costmodel.lora import SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, trainer_autocast
+from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")  # hf_families.py
@@ -148,15 +148,14 @@ FSDP_FAMILIES = ("llama", "mistral", "qwen2")
 
 def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
     """The Trainer's FSDP2 as ``hf_fsdp.py`` follows it: full fine-tuning of a dense base loaded onto the
-    rank's GPU (``from_pretrained`` with a device_map) without ``bf16=True`` (fp32, or a bf16 model with the
-    plan's ``autocast`` off: ``MixedPrecisionPolicy()``)."""
+    rank's GPU (``from_pretrained`` with a device_map), in fp32, a bf16 model without ``bf16=True``
+    (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16 policy over fp32 master shards)."""
     return (
         runtime == "hf"
         and model.architecture in FSDP_FAMILIES
         and plan.finetune == "full"
         and plan.quant == "none"
         and plan.model_build == "from_pretrained"
-        and not trainer_autocast(plan, runtime)
     )
 
 
@@ -166,12 +165,10 @@ def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
     if plan.finetune != "full" or plan.quant != "none":
         return "PEFT or a quantized base under the Trainer's FSDP"
-    if plan.model_build != "from_pretrained":
-        return (
-            "the Trainer's FSDP over a model loaded on the CPU (model_build to_device: under FSDP the Trainer "
-            "leaves it there and fully_shard moves each group to the GPU as it shards it)"
-        )
-    return "bf16=True under the Trainer's FSDP (accelerate's MixedPrecisionPolicy, fp32 master weights)"
+    return (
+        "the Trainer's FSDP over a model loaded on the CPU (model_build to_device: under FSDP the Trainer "
+        "leaves it there and fully_shard moves each group to the GPU as it shards it)"
+    )
 
 
 def accumulation(workload: TrainingWorkload, plan: Plan) -> int:

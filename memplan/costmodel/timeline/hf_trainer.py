@@ -59,12 +59,13 @@ def hf_dims(model, workload, plan, runtime: str = "hf") -> Dims:
     the other weights are fp32 (``prepare_model_for_kbit_training`` casts them)."""
     itemsize = 4 if plan.precision == "fp32" else 2
     mixed = plan.precision == "bf16-mixed"
+    fsdp = runtime == "hf" and plan.dp > 1 and plan.zero >= 2  # bf16=True is FSDP2's policy, not autocast
     return Dims.of(
         model,
         workload,
         cd=itemsize,
         pd=4 if mixed or plan.quant != "none" else itemsize,
-        autocast=trainer_autocast(plan, runtime),
+        autocast=trainer_autocast(plan, runtime) and not fsdp,
         recompute=plan.recompute,
     )
 
@@ -96,6 +97,7 @@ def hf_plan_run(model, workload, plan, gpu_arch=None) -> Timeline:
     assert kernel is not None
     d = hf_dims(model, workload, plan)
     lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan)
+    mixed = trainer_autocast(plan, "hf")  # under FSDP2: accelerate's MixedPrecisionPolicy (hf_fsdp.py)
     ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model)
     return hf_run(
         d,
@@ -110,6 +112,7 @@ def hf_plan_run(model, workload, plan, gpu_arch=None) -> Timeline:
         dp=plan.dp,
         build=plan.model_build,
         zero=plan.zero,
+        mixed=mixed,
     )
 
 
@@ -128,6 +131,7 @@ def hf_run(
     dp: int = 1,
     build: str = "to_device",
     zero: int = 0,
+    mixed: bool = False,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
@@ -136,10 +140,11 @@ def hf_run(
     config (``hf_families.family_config``); ``lora``: PEFT's adapters over the frozen base
     (``hf_lora.py``); ``quant``: a 4-bit or int8 base (``hf_bnb.py``); ``dp``: ranks under DDP (``hf_ddp.py``);
     ``build``: how the model was built (``hf_build.BUILDS``; the CPU runs count from a built model);
-    ``zero``: over ``dp`` ranks, 2 or 3 for accelerate's FSDP2 (``hf_fsdp.py``; 3: ``full_shard``), 0 DDP.
+    ``zero``: over ``dp`` ranks, 2 or 3 for accelerate's FSDP2 (``hf_fsdp.py``; 3: ``full_shard``), 0 DDP;
+    ``mixed``: under FSDP2, ``bf16=True`` (its mixed-precision policy over fp32 master shards).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
-    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build, zero)
+    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build, zero, mixed)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -164,6 +169,7 @@ class _HfRun:
         dp: int = 1,
         build: str = "to_device",
         zero: int = 0,
+        mixed: bool = False,
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -189,7 +195,7 @@ class _HfRun:
             self.lora = HfLora(self.tape, lora, d.tokens, cuda, input_grad=ckpt)
             self.model.adapter = self.lora.adapt
             self.model.tied = tied and "lm_head" not in lora.modules_to_save  # the trained copy is untied
-        self.dp, self.build, self.zero = dp, build, zero
+        self.dp, self.build, self.zero, self.mixed = dp, build, zero, mixed
         self.ddp: HfDdp | None = None  # DDP over dp > 1 ranks (hf_ddp.py), wrapped in _build
         self.fsdp: hf_fsdp.HfFsdp | None = None  # FSDP2 over dp > 1 ranks under ZeRO-2/3 (hf_fsdp.py)
         self._build()
@@ -211,9 +217,8 @@ class _HfRun:
         """``accelerator.prepare`` under FSDP2 (``hf_fsdp.py``): the optimizer, made before it, then
         steps the local shards."""
         cuda, reshard = self.model.kernel != "cpu_flash", self.zero >= 3
-        fsdp = hf_fsdp.HfFsdp(
-            self.tape, self.d, self.dp, self.shapes, self.model, self.grads, reshard, self.model.tied, cuda
-        )
+        args = (self.d, self.dp, self.shapes, self.model, self.grads, reshard, self.model.tied, cuda, self.mixed)
+        fsdp = hf_fsdp.HfFsdp(self.tape, *args)
         fsdp.build(self.model.weights, self._optimizer_order())
         self.trainable = fsdp.shard_numels()
         self.fsdp = fsdp
@@ -331,11 +336,13 @@ class _HfRun:
         m.cache = {} if self.d.autocast else None
         if self.ddp is not None:
             self.ddp.pre_forward()
+        items = self.num_items if self.fsdp is None else self.fsdp.cast_inputs(self.num_items)
         logits, hidden = self.forward(ids)
-        loss = m.loss(logits, self.num_items)
+        loss = m.loss(logits, items)
         t.done(hidden)  # LlamaForCausalLM.forward's hidden_states, at its return
-        if self.fsdp is not None:  # the root's post-forward
-            self.fsdp.end_forward()
+        if self.fsdp is not None:  # the root's post-forward (its policy's output_dtype cast first)
+            loss = self.fsdp.end_root_forward(loss)
+            t.done(items)  # the forward's kwargs (a cast count lives on in the loss's division)
         if m.cache is not None:  # accelerate's autocast exits, then its convert_outputs_to_fp32
             t.done(*m.cache.values())
             m.cache = None
@@ -349,7 +356,7 @@ class _HfRun:
         self.b.mark("phase:backward")  # accelerator.backward: the division by ga, then backward
         with t.scoped("accelerate"):
             scaled = scalar_div(t, loss, "div_accumulation", temps=0)
-            seed = t.new(1, 4, "grad_seed")
+            seed = t.new(1, scaled.itemsize, "grad_seed")
         if cuda and first:
             t.on_first_mm = self._workspace("backward")
         t.backward(scaled, t.hold(seed))  # torch.autograd.backward holds it until it returns
