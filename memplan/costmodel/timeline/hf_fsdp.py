@@ -1,41 +1,60 @@
 """FSDP2 as ``transformers.Trainer`` applies it through accelerate (``fsdp=True``, ``fsdp_config={"version": 2}``),
-on one rank: full fine-tuning in fp32 (transformers 5.23, accelerate 1.15, torch 2.13).
+on one rank: full fine-tuning in fp32, of a bf16 model without ``bf16=True``, or under ``bf16=True``
+(transformers 5.23, accelerate 1.15, torch 2.13; file:line below are of those installed versions).
 
 The Trainer turns ``fsdp_config`` into accelerate's ``FullyShardedDataParallelPlugin``
 (``TrainingArguments._process_fsdp_args``, transformers/training_args.py:2775-2885: version 2 by
 default; ``reshard_after_forward`` True unless set, the legacy ``fsdp="shard_grad_op"`` False,
 ``"full_shard"`` True, training_args.py:2914-2925; the transformer auto-wrap policy over the model's
-``_no_split_modules``). Under FSDP2 it creates the optimizer before ``accelerator.prepare(model,
-optimizer)`` (trainer.py:1717-1722). accelerate's ``_prepare_fsdp2`` (accelerate/accelerator.py:1674-1770)
-then, before sharding, replaces each optimizer parameter by ``torch.empty(1, dtype=p.dtype)`` (one
-element per parameter, kept until the optimizer is pointed at the sharded parameters), and
-``fsdp2_prepare_model`` (accelerate/utils/fsdp_utils.py:751-917) holds ``model.state_dict()`` while it
-calls ``fully_shard`` on each decoder layer (bottom-up: layer 0 first), on the input embedding, on
-``[final norm, lm_head]`` with ``reshard_after_forward=False`` (a tied model: ``[final norm, embedding,
-lm_head]``, the embedding not on its own), then on the model (the root: no parameters of its own
-left). Each ``fully_shard`` allocates its parameters' padded shards (``FSDPParam._init_sharded_param``:
-``new_zeros`` of dim 0 padded to a multiple of dp); the full parameters go when ``prepare`` returns.
-So the build holds the whole model and its shards at once.
+``_no_split_modules``; ``cpu_ram_efficient_loading`` off unless set, 2847-2850). Under FSDP the Trainer
+leaves the model where it was loaded (``place_model_on_device`` False, trainer.py:480-494) and creates
+the optimizer before ``accelerator.prepare(model, optimizer)`` (trainer.py:1717-1722, 1765).
+accelerate's ``_prepare_fsdp2`` (accelerate/accelerator.py:1674-1767) then replaces each optimizer
+parameter by ``torch.empty(1, dtype=p.dtype)`` (1718-1727; kept until the optimizer is pointed at the
+sharded parameters), and ``fsdp2_prepare_model`` (accelerate/utils/fsdp_utils.py:751-917) upcasts the
+trained parameters to fp32 when mixed precision is on (815-825: ``param.data = param.data.to(float32)``),
+holds ``model.state_dict()`` (828) while it calls ``fully_shard`` on each decoder layer (850-855,
+bottom-up: layer 0 first), on the input embedding (865-866), on ``[final norm, lm_head]`` with
+``reshard_after_forward=False`` (868-879; a tied model: ``[final norm, embedding, lm_head]``, the
+embedding not on its own), then on the model (881-885: the root, no parameters of its own left). Each
+``fully_shard`` allocates its parameters' padded shards (``FSDPParam._init_sharded_param``: ``new_zeros``
+of dim 0 padded to a multiple of dp); the full parameters go when ``prepare`` returns. So the build holds
+the whole model and its shards at once (with ``cpu_ram_efficient_loading`` the model goes to the meta
+device first, but the state dict still holds the device copies: the same peak, measured on CPU).
 
 From there the groups run as the bundled trainer's (``fsdp.Fsdp``: the same groups, all-gather,
-copy-out, reshard, reduce-scatter; ``MixedPrecisionPolicy()`` in fp32, so no cast copies): checked
-against the real Trainer on CPU (tests/unit/test_timeline_hf_fsdp.py). Around them, the Trainer's step:
+copy-out, reshard, reduce-scatter). Without mixed precision the policy is ``MixedPrecisionPolicy()``
+(no cast copies, everything in the parameters' dtype). Under ``bf16=True`` accelerate does not autocast
+an FSDP2 model (``prepare_model``, where its autocast wrapper lives, is not called on that path) but
+sets ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)``
+(``FullyShardedDataParallelPlugin.set_mixed_precision``, accelerate/utils/dataclasses.py:2109-2143):
+each all-gather casts the fp32 shards to bf16 (``fsdp.Fsdp``'s mixed path), the model computes in bf16
+as a bf16 model does, the unsharded gradients are bf16 and accumulate so (``to_accumulated_grad_if_needed``
+returns when the gradient's dtype is the reduce dtype, torch/distributed/fsdp/_fully_shard/_fsdp_param.py:802-810),
+the bf16 reduce-scatter output is cast whole to fp32 before the last unsharded gradient goes
+(``foreach_reduce``: ``_to_dtype_if_needed(reduce_output, orig_dtype)``, _fsdp_collectives.py:696); the
+root's ``cast_forward_inputs`` casts the ``num_items_in_batch`` kwarg to bf16 (kept by the loss's
+division for its backward) and its ``output_dtype`` casts the fp32 loss to bf16 (_fsdp_state.py:312-344).
+Around the groups, the Trainer's step:
 
 - ``clip_grad_norm_``: accelerate's ``_clip_grad_norm_dtensor_aware`` (accelerator.py:2957-2987) hands
   one mesh's gradients to ``torch.nn.utils.clip_grad_norm_`` over the DTensor gradients: the same
   scalars per parameter as on one rank;
 - fused AdamW over the DTensor parameters: its states are shard-sized (``zeros_like`` of the local
-  shard); ``zero_grad`` frees each group's sharded gradients (views of its reduce-scatter output);
+  shard, fp32 under the mixed policy); ``zero_grad`` frees each group's sharded gradients (views of its
+  reduce-scatter output);
 - ``num_items_in_batch`` gathered over the ranks as under DDP (``hf_ddp.HfDdp.gather_count``);
 - gradient accumulation: every micro-batch but the last under ``accelerator.no_sync``, which on an
   FSDP2 model is ``set_requires_gradient_sync(False)`` (accelerator.py:1166-1171): each group reshards
-  after its backward but keeps its unsharded gradients (``FSDPParamGroup.post_backward``: no
-  reduce-scatter), the next micro-batch's added into them; the last micro-batch reduce-scatters.
+  after its backward but keeps its unsharded gradients (``FSDPParamGroup.post_backward`` returns before
+  the reduce-scatter, _fsdp_param_group.py:607-612), the next micro-batch's added into them; the last
+  micro-batch reduce-scatters.
 
-The copy-out's and copy-in's metadata tensors (``fsdp.COPY_OUT_META``, from the GPU traces) are
-CUDA's: not on CPU. On CPU each group's ``DeviceMesh`` (``fully_shard`` without a mesh builds the
-default one: ``torch.arange(world, dtype=torch.int)``, torch/distributed/device_mesh.py:1582) is
-counted, as the host's; on a GPU it is host memory.
+Checked against the real Trainer on CPU, rank 0 of two or four under the fake process group
+(tests/unit/test_timeline_hf_fsdp.py). The copy-out's and copy-in's metadata tensors
+(``fsdp.COPY_OUT_META``, from the GPU traces) are CUDA's: not on CPU. On CPU each group's ``DeviceMesh``
+(``fully_shard`` without a mesh builds the default one: ``torch.arange(world, dtype=torch.int)``,
+torch/distributed/device_mesh.py:1582) is counted, as the host's; on a GPU it is host memory.
 """
 
 from __future__ import annotations

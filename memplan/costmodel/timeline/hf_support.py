@@ -22,8 +22,15 @@ compute capability, ``costmodel.gemm_4bit_rule``; both read from its source); an
 (``hf_bnb.Bnb8bit``, ``int8.py``: CPU's ``MatMul8bitFp`` equal to the byte, tests/unit/test_timeline_int8.py;
 CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLUMNS``). Any of these over
 ``dp`` > 1 ranks under DDP (``zero: 0``: the Trainer under ``torchrun``, ``hf_ddp.py``;
-tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's); ZeRO (the
-Trainer's FSDP or DeepSpeed) and tensor, pipeline, context or expert parallelism are not modelled.
+tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's). The Trainer's
+FSDP2 (``--zero 3``: ``full_shard``, ``--zero 2``: ``shard_grad_op``; ``hf_fsdp.py``;
+tests/unit/test_timeline_hf_fsdp.py, rank 0 of two or four under the fake process group on CPU, equal to the
+real Trainer's peak) for full fine-tuning of Llama, Mistral and Qwen2 loaded onto the GPU
+(``model_build: from_pretrained``), in fp32, a bf16 model without ``bf16=True``, or under ``bf16=True``
+(accelerate's bf16 policy over fp32 master shards), with the Trainer's or FSDP's own checkpointing and
+accumulation. Not modelled: PEFT or a quantized base under FSDP, FSDP over the other families or over a
+model loaded on the CPU (``to_device``: ``fully_shard`` moves it group by group), ZeRO-1 (DeepSpeed's), and
+tensor, pipeline, context or expert parallelism.
 
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and

@@ -32,7 +32,9 @@ and freed at the next update's fetch, and from the second
 micro-batch on each gradient is added into ``.grad`` and freed. The model is the family's
 (``hf_families.py``: Qwen3, Phi-3, OLMo 2, Gemma 3 beside Llama's layout). Over ``dp`` > 1 ranks
 (``torchrun``) the model is accelerate's ``DistributedDataParallel`` (``hf_ddp.py``: the reducer's
-buckets beside ``.grad``, the forward's hooks, the gathered token count). The model is built as
+buckets beside ``.grad``, the forward's hooks, the gathered token count), or under ``--zero 2|3``
+accelerate's FSDP2 (``hf_fsdp.py``: the groups' hooks around the embedding, each layer and the tail;
+the shards built inside ``prepare``; the sharded gradients and states). The model is built as
 ``plan.model_build`` says (``hf_build.py``): ``from_pretrained`` with a ``device_map`` (the caching
 allocator's warmup segment, the checkpoint's weights carved from it, a quantized base quantized as it
 loads) or ``to_device`` (each parameter its own allocation).
