@@ -24,9 +24,11 @@ pytest.importorskip("accelerate")
 
 import hf_fsdp_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import hf_steps  # noqa: E402
+import peft_steps  # noqa: E402
 from test_timeline_hf import LLAMA1B  # noqa: E402
 
 from memplan.costmodel.timeline.events import ALLOC, FREE  # noqa: E402
+from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
 from memplan.specs.plan import Plan, trainer_autocast  # noqa: E402
@@ -198,9 +200,10 @@ def test_estimate_answers_an_hf_fsdp_plan_op_level(capsys, zero: int, precision:
     ("extra", "reason"),
     [
         (["--zero", "3", "--model-build", "to_device"], "a model loaded on the CPU"),
+        (["--zero", "3", "--precision", "bf16", "--finetune", "lora"], "PEFT under the Trainer's FSDP other than fp32"),
         (
-            ["--zero", "3", "--precision", "fp32", "--finetune", "lora"],
-            "PEFT or a quantized base under the Trainer's FSDP",
+            ["--zero", "3", "--precision", "fp32", "--finetune", "lora", "--modules-to-save", "lm_head"],
+            "modules_to_save",
         ),
         (["--zero", "1", "--precision", "fp32"], "ZeRO over more than one rank at stage 1"),
     ],
@@ -248,3 +251,56 @@ def test_the_trainers_bf16_recipe_under_fsdp_keeps_fp32_master_shards(capsys) ->
     assert abs(bf16["model_states"]["parameters"] - mixed["model_states"]["parameters"]) <= 1024
     assert bf16["model_states"]["optimizer_states"] == mixed["model_states"]["optimizer_states"]
     assert abs(bf16["model_states"]["parameters"] - one["model_states"]["parameters"]) <= 1024
+
+
+# PEFT LoRA over an fp32 base: the frozen base sharded and gathered, only the adapters reduce-scattered; the
+# final norm in the root's group (accelerate's _find_final_norm scans PeftModel's own children)
+def _lora(name: str, **fields) -> peft_steps.PeftCase:
+    return peft_steps.PeftCase(f"hffsdp-{name}", **{**peft_steps.TINY, **fields})
+
+
+def predict_lora(case: peft_steps.PeftCase, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD) -> int:
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = peft_steps.plan_of(case).model_copy(update=dict(dp=dp, zero=zero))
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
+    lora = HfLoraConfig.of(plan)
+    kw = dict(qkv_bias=model.qkv_bias, ga=ga, inplace_accumulate=False, dp=dp, zero=zero, lora=lora)
+    return hf_run(d, model.tied_embeddings, "cpu_flash", steps=STEPS, batches=STEPS * ga, **kw).peak()[0]
+
+
+LORA_SLOW = [
+    (_lora("lora-shard-grad-op"), 2, 1),
+    (_lora("lora-ckpt", checkpointing=True), 3, 1),
+    (_lora("lora-all-linear", targets=("all-linear",)), 3, 1),
+    (_lora("lora-ga2"), 3, 2),
+    (_lora("lora-tied", tied=True), 3, 1),
+    (_lora("lora-all-linear-ckpt-ga2", checkpointing=True, targets=("all-linear",)), 2, 2),
+    (_lora("lora-dropout", dropout=0.1), 3, 1),
+    (_lora("lora-qwen2", arch="qwen2"), 3, 1),
+]
+
+
+def test_lora_equals_rank_0s_peak() -> None:
+    """The default suite's LoRA case: q/v adapters over an fp32 base, ``full_shard``."""
+    case = _lora("lora-qv")
+    measured = hf_fsdp_steps.measure(case)
+    assert predict_lora(case) == measured
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "zero", "ga"), LORA_SLOW, ids=lambda c: getattr(c, "name", str(c)))
+def test_lora_variants_equal_rank_0s_peak(case: peft_steps.PeftCase, zero: int, ga: int) -> None:
+    measured = hf_fsdp_steps.measure(case, ga, STEPS, reshard=zero >= 3)
+    predicted = predict_lora(case, zero, ga)
+    assert predicted == measured, f"{case.name} zero {zero}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+def test_estimate_answers_an_hf_fsdp_lora_plan_op_level(capsys) -> None:
+    """fp32 LoRA under ``--zero 3``: op-level; the frozen base's shards are half its parameters, the
+    adapters' states fewer than the one-rank run's."""
+    args = [LLAMA1B, "--runtime", "hf", "--precision", "fp32", "--finetune", "lora"]
+    one = _estimate(capsys, args)
+    two = _estimate(capsys, [*args, "--dp", "2", "--zero", "3"])
+    assert two["model"] == "op-level" and two["model_reason"] is None
+    assert abs(2 * two["model_states"]["parameters"] - one["model_states"]["parameters"]) <= 64 * 1024
+    assert two["model_states"]["optimizer_states"] < one["model_states"]["optimizer_states"]

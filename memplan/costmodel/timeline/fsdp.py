@@ -72,6 +72,7 @@ class Fsdp:
     """The groups of one rank; drives unshard / reshard / reduce-scatter."""
 
     metadata = True  # the copy-out's and copy-in's small metadata tensors (CUDA's; hf_fsdp.py: not on CPU)
+    frozen: frozenset[str] = frozenset()  # parameters without gradients (hf_fsdp.py: a PEFT model's base)
 
     def __init__(
         self,
@@ -174,7 +175,7 @@ class Fsdp:
             for name in group.names:
                 rows, cols = self.shapes[name]
                 p = t.managed(rows * cols, self.d.cd, f"{name}.unsharded", Category.GATHERED)
-                p.fn = self.leaves[name]
+                p.fn = self.leaves.get(name)
                 group.unsharded[name] = self.model.weights[name] = p
                 if self.tied and name == "tok_embeddings.weight":
                     self.model.weights["output.weight"] = p
@@ -253,15 +254,19 @@ class Fsdp:
             self._replicate_norm_grads(group)
             self._shard_vocab_grad(group)
         self.reshard(g)
+        names = [n for n in group.names if n not in self.frozen]
+        if not names:  # nothing to reduce: FSDPParamGroup.post_backward returns after resharding
+            self.reduced.add(g)
+            return
         if self.reduce_input is not None:
             t.free(self.reduce_input)
-        numel = sum(self.shard(n) for n in group.names)
+        numel = sum(self.shard(n) for n in names)
         with t.scoped(group.tag):
             self.reduce_input = t.managed(numel * self.dp, self.rd, "reduce_scatter_input", Category.COMM)
             if self.metadata:
                 t.done(t.new(COPY_IN_META[self._kind(g)] * self.rd // 2, 1, "copy_in_meta"))
-            last = group.names[-1]
-            for name in [n for n in self.grads if n in group.names and n != last]:  # in the order produced
+            last = names[-1]
+            for name in [n for n in self.grads if n in names and n != last]:  # in the order produced
                 t.drop(self.grads.pop(name))
             rs = Stream.REDUCE_SCATTER
             out = t.managed(numel, self.rd, "reduce_scatter_output", Category.GRADIENTS, rs)

@@ -86,10 +86,12 @@ class HfFsdp(Fsdp):
         tied: bool,
         cuda: bool,
         mixed: bool = False,
+        frozen: frozenset[str] = frozenset(),
     ) -> None:
         """``d``: the model as loaded (its parameters' dtype ``d.pd``); ``mixed``: ``bf16=True``
         (accelerate's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` over fp32 master
-        shards: the trained parameters upcast first)."""
+        shards: the trained parameters upcast first); ``frozen``: a PEFT model's base parameters (sharded
+        and gathered, never reduced)."""
         self.loaded = d.pd
         if mixed:
             d = dataclasses.replace(d, pd=4, cd=2)
@@ -100,17 +102,20 @@ class HfFsdp(Fsdp):
         self.rd = 2 if mixed else d.pd
         self.first = self.last = True
         self.tied = tied
-        self.groups = _groups(shapes, d.layers, reshard, tied)
+        peft = bool(frozen)  # a PeftModel: accelerate's _find_final_norm finds no norm, the root keeps it
+        self.groups = _groups(shapes, d.layers, reshard, tied, peft)
+        self.root = _Group(["model.norm.weight"], False) if peft else None
         self.sync = True
         self.accumulated: dict[str, Tensor] = {}
-        self.leaves = {name: ops.leaf(grads, name) for name in shapes}
+        self.frozen = frozen
+        self.leaves = {name: ops.leaf(grads, name) for name in shapes if name not in frozen}
         self.kept: Tensor | None = None
         self.reduce_input: Tensor | None = None
         self.reduced: set[int] = set()
 
     def shard_numels(self) -> dict[str, tuple[int, int]]:
         """(elements, itemsize) of each parameter's local shard: what the optimizer steps."""
-        return {name: (self.shard(name), self.d.pd) for name in self.shapes}
+        return {name: (self.shard(name), self.d.pd) for name in self.shapes if name not in self.frozen}
 
     def build(self, weights: dict[str, Tensor], optimizer_order: list[str]) -> None:
         """``_prepare_fsdp2``: the optimizer's one-element placeholders (in its parameter groups'
@@ -121,13 +126,15 @@ class HfFsdp(Fsdp):
             holders = [t.new(1, self.loaded, f"{name}.optimizer_placeholder") for name in optimizer_order]
             if self.loaded != self.d.pd:  # fsdp2_prepare_model's upcast: param.data = param.data.to(float32)
                 for name, (rows, cols) in self.shapes.items():
+                    if name in self.frozen:  # only what requires grad
+                        continue
                     old, weights[name] = (
                         weights[name],
                         t.managed(rows * cols, self.d.pd, f"{name}.fp32", Category.PARAMETERS),
                     )
                     t.free(old)
         order = self.groups[1:-1] + [self.groups[0], self.groups[-1]] if not self.tied else self.groups
-        for group in order:
+        for group in order + ([self.root] if self.root else []):
             if not self.cuda:  # the group's DeviceMesh: its ranks, an int32 arange(dp) on the host
                 t.managed(self.dp, 4, f"{group.tag}.device_mesh", Category.COMM)
             for name in group.names:
@@ -169,6 +176,28 @@ class HfFsdp(Fsdp):
         self.tape.free(out)
         return cast
 
+    def finish_backward(self) -> None:
+        """The root's final callback: the root's own group first (``all_states`` order; a PEFT
+        model's norm, frozen: resharded only), then ``fsdp.Fsdp``'s, then ``finalize_backward``'s
+        stale prefetches."""
+        if self.root is not None:
+            for p in self.root.unsharded.values():
+                self.tape.free(p)
+            self.root.unsharded = {}
+        super().finish_backward()
+        finish_backward_frozen(self)
+
+    def pre_forward(self, g: int, x: Tensor | None = None) -> Tensor | None:
+        """``fsdp.Fsdp.pre_forward``; a PEFT model's root group unshards first, at the model's forward
+        (``reshard_after_forward=None``: the root keeps it to the end of the backward)."""
+        if g == 0 and self.root is not None and not self.root.unsharded:
+            self.groups.append(self.root)
+            try:
+                self.unshard(len(self.groups) - 1, forward=True)
+            finally:
+                self.groups.pop()
+        return super().pre_forward(g, x)
+
     def post_backward(self, g: int) -> None:
         """Under ``set_requires_gradient_sync(False)``: reshard, keep the unsharded gradients
         (``FSDPParamGroup.post_backward`` returns before the reduce-scatter)."""
@@ -179,13 +208,38 @@ class HfFsdp(Fsdp):
         self.reduced.add(g)
 
 
-def _groups(shapes: dict[str, tuple[int, int]], layers: int, reshard: bool, tied: bool) -> list[_Group]:
+def finish_backward_frozen(fsdp: HfFsdp) -> None:
+    """``finalize_backward``: an all-gather prefetched for a group whose backward never ran (a frozen
+    embedding's) is let go."""
+    for group in fsdp.groups:
+        if group.gathered is not None:
+            fsdp.tape.free(group.gathered)
+            group.gathered = None
+
+
+def _groups(shapes: dict[str, tuple[int, int]], layers: int, reshard: bool, tied: bool, peft: bool) -> list[_Group]:
     """The groups in forward order: the embedding (alone unless tied), each decoder layer, the tail
     ``[model.norm, lm_head]`` (``reshard_after_forward=False``). A tied model's tail holds the norm and
-    the embedding and runs first (its pre-forward at the embedding): ``Fsdp``'s tied root group."""
+    the embedding and runs first (its pre-forward at the embedding): ``Fsdp``'s tied root group. Under
+    ``peft`` the norm is the root's (``_find_final_norm`` scans ``PeftModel``'s own children)."""
     per_layer = [[n for n in shapes if n.startswith(f"model.layers.{i}.")] for i in range(layers)]
     layer_groups = [_Group(names, reshard) for names in per_layer]
+    norm = [] if peft else ["model.norm.weight"]
     if tied:
-        return [_Group(["model.norm.weight", "model.embed_tokens.weight"], False), *layer_groups]
-    tail = _Group(["model.norm.weight", "lm_head.weight"], False)
+        return [_Group([*norm, "model.embed_tokens.weight"], False), *layer_groups]
+    tail = _Group([*norm, "lm_head.weight"], False)
     return [_Group(["model.embed_tokens.weight"], reshard), *layer_groups, tail]
+
+
+def peft_shapes(shapes: dict[str, tuple[int, int]], lora) -> dict[str, tuple[int, int]]:  # noqa: ANN001 - an HfLora
+    """The base's parameters with each targeted linear's ``lora_A`` (r x in) and ``lora_B`` (out x r)
+    after its weight, as ``LoraLayer`` registers them after ``base_layer``."""
+    out: dict[str, tuple[int, int]] = {}
+    r = lora.cfg.rank
+    for name, (rows, cols) in shapes.items():
+        out[name] = (rows, cols)
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and lora.targeted(module):
+            out[f"{module}.lora_A.weight"] = (r, cols)
+            out[f"{module}.lora_B.weight"] = (rows, r)
+    return out

@@ -27,8 +27,9 @@ FSDP2 (``--zero 3``: ``full_shard``, ``--zero 2``: ``shard_grad_op``; ``hf_fsdp.
 tests/unit/test_timeline_hf_fsdp.py, rank 0 of two or four under the fake process group on CPU, equal to the
 real Trainer's peak) for full fine-tuning of Llama, Mistral and Qwen2 loaded onto the GPU
 (``model_build: from_pretrained``), in fp32, a bf16 model without ``bf16=True``, or under ``bf16=True``
-(accelerate's bf16 policy over fp32 master shards), with the Trainer's or FSDP's own checkpointing and
-accumulation. Not modelled: PEFT or a quantized base under FSDP, FSDP over the other families or over a
+(accelerate's bf16 policy over fp32 master shards), and PEFT LoRA in fp32 (any targets, dropout, without
+``modules_to_save``), with the Trainer's or FSDP's own checkpointing and accumulation. Not modelled: other
+PEFT plans or a quantized base under FSDP, FSDP over the other families or over a
 model loaded on the CPU (``to_device``: ``fully_shard`` moves it group by group), ZeRO-1 (DeepSpeed's), and
 tensor, pipeline, context or expert parallelism.
 
@@ -156,22 +157,33 @@ FSDP_FAMILIES = ("llama", "mistral", "qwen2")
 def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
     """The Trainer's FSDP2 as ``hf_fsdp.py`` follows it: full fine-tuning of a dense base loaded onto the
     rank's GPU (``from_pretrained`` with a device_map), in fp32, a bf16 model without ``bf16=True``
-    (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16 policy over fp32 master shards)."""
+    (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16 policy over fp32 master
+    shards); PEFT LoRA in fp32 (:func:`_fsdp_lora_ok`)."""
     return (
         runtime == "hf"
         and model.architecture in FSDP_FAMILIES
-        and plan.finetune == "full"
+        and (plan.finetune == "full" or _fsdp_lora_ok(plan))
         and plan.quant == "none"
         and plan.model_build == "from_pretrained"
     )
+
+
+def _fsdp_lora_ok(plan: Plan) -> bool:
+    """PEFT LoRA under the Trainer's FSDP2 as checked: fp32 adapters over an fp32 base, no
+    ``modules_to_save`` (under ``bf16=True`` the policy all-gathers the adapters in bf16, which the
+    run's adapters, fp32 as PEFT makes them, do not follow)."""
+    return plan.finetune == "lora" and plan.precision == "fp32" and not plan.modules_to_save
 
 
 def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
     """Why the Trainer's FSDP2 run does not follow the plan."""
     if model.architecture not in FSDP_FAMILIES:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
-    if plan.finetune != "full" or plan.quant != "none":
-        return "PEFT or a quantized base under the Trainer's FSDP"
+    if plan.finetune != "full" and not _fsdp_lora_ok(plan) or plan.quant != "none":
+        return (
+            "PEFT under the Trainer's FSDP other than fp32 LoRA without modules_to_save (bf16 adapters under "
+            "its mixed-precision policy, a quantized base)"
+        )
     return (
         "the Trainer's FSDP over a model loaded on the CPU (model_build to_device: under FSDP the Trainer "
         "leaves it there and fully_shard moves each group to the GPU as it shards it)"

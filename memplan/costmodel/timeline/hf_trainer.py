@@ -219,7 +219,10 @@ class _HfRun:
         """``accelerator.prepare`` under FSDP2 (``hf_fsdp.py``): the optimizer, made before it, then
         steps the local shards."""
         cuda, reshard = self.model.kernel != "cpu_flash", self.zero >= 3
-        args = (self.d, self.dp, self.shapes, self.model, self.grads, reshard, self.model.tied, cuda, self.mixed)
+        shapes, frozen = self.shapes, frozenset()
+        if self.lora is not None:  # the adapters beside the frozen base, in named_parameters() order
+            shapes, frozen = hf_fsdp.peft_shapes(self.shapes, self.lora), frozenset(self.shapes)
+        args = (self.d, self.dp, shapes, self.model, self.grads, reshard, self.model.tied, cuda, self.mixed, frozen)
         fsdp = hf_fsdp.HfFsdp(self.tape, *args)
         fsdp.build(self.model.weights, self._optimizer_order())
         self.trainable = fsdp.shard_numels()
