@@ -48,7 +48,15 @@ Around the groups, the Trainer's step:
   FSDP2 model is ``set_requires_gradient_sync(False)`` (accelerator.py:1166-1171): each group reshards
   after its backward but keeps its unsharded gradients (``FSDPParamGroup.post_backward`` returns before
   the reduce-scatter, _fsdp_param_group.py:607-612), the next micro-batch's added into them; the last
-  micro-batch reduce-scatters.
+  micro-batch reduce-scatters;
+- PEFT LoRA over an fp32 base (the Trainer creates the optimizer first under FSDP2, so accelerate's
+  ``update_fsdp_plugin_peft`` is not called, trainer.py:1751-1754): the frozen base is sharded and
+  gathered like the rest, only the adapters reduce-scatter (``FSDPParamGroup.post_backward`` reshards
+  and returns for a group without gradients); ``_find_final_norm`` (fsdp_utils.py:733-748) scans the
+  ``PeftModel``'s own children, finds no norm, so the final norm stays with the root's group (gathered
+  at the model's forward, ``reshard_after_forward=None`` keeps it to the final callback) and the tail is
+  ``[lm_head]``; a frozen embedding's all-gather, prefetched by layer 0's pre-backward and never used,
+  goes at ``finalize_backward``.
 
 Checked against the real Trainer on CPU, rank 0 of two or four under the fake process group
 (tests/unit/test_timeline_hf_fsdp.py). The copy-out's and copy-in's metadata tensors
