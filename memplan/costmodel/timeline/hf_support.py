@@ -25,13 +25,13 @@ CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLU
 tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's). The Trainer's
 FSDP2 (``--zero 3``: ``full_shard``, ``--zero 2``: ``shard_grad_op``; ``hf_fsdp.py``;
 tests/unit/test_timeline_hf_fsdp.py, rank 0 of two or four under the fake process group on CPU, equal to the
-real Trainer's peak) for full fine-tuning of Llama, Mistral and Qwen2 loaded onto the GPU
-(``model_build: from_pretrained``), in fp32, a bf16 model without ``bf16=True``, or under ``bf16=True``
-(accelerate's bf16 policy over fp32 master shards), and PEFT LoRA in fp32 (any targets, dropout, without
+real Trainer's peak) for full fine-tuning of every family above loaded onto the GPU (``model_build:
+from_pretrained``), in fp32, a bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16
+policy over fp32 master shards; not for Gemma 2 / 3), and PEFT LoRA in fp32 (any targets, dropout, without
 ``modules_to_save``), with the Trainer's or FSDP's own checkpointing and accumulation. Not modelled: other
-PEFT plans or a quantized base under FSDP, FSDP over the other families or over a
-model loaded on the CPU (``to_device``: ``fully_shard`` moves it group by group), ZeRO-1 (DeepSpeed's), and
-tensor, pipeline, context or expert parallelism.
+PEFT plans or a quantized base under FSDP, FSDP over a model loaded on the CPU (``to_device``:
+``fully_shard`` moves it group by group), Gemma 2 / 3 under FSDP with ``bf16=True``, ZeRO-1 (DeepSpeed's),
+and tensor, pipeline, context or expert parallelism.
 
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
@@ -46,7 +46,7 @@ from memplan.costmodel.lora import SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan
+from memplan.specs.plan import Plan, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")  # hf_families.py
@@ -150,8 +150,10 @@ def hf_supported(
     return None
 
 
-# families whose FSDP2 groups were checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py)
-FSDP_FAMILIES = ("llama", "mistral", "qwen2")
+# families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): all of
+# them, but Gemma 2 and 3 under bf16=True (the policy's bf16 compute without autocast: not followed there)
+FSDP_FAMILIES = FAMILIES
+FSDP_NO_MIXED = ("gemma2", "gemma3")
 
 
 def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
@@ -162,6 +164,7 @@ def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
     return (
         runtime == "hf"
         and model.architecture in FSDP_FAMILIES
+        and not (model.architecture in FSDP_NO_MIXED and trainer_autocast(plan, runtime))
         and (plan.finetune == "full" or _fsdp_lora_ok(plan))
         and plan.quant == "none"
         and plan.model_build == "from_pretrained"
@@ -179,6 +182,8 @@ def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
     """Why the Trainer's FSDP2 run does not follow the plan."""
     if model.architecture not in FSDP_FAMILIES:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
+    if model.architecture in FSDP_NO_MIXED and trainer_autocast(plan, "hf"):
+        return f"bf16=True under the Trainer's FSDP over the {model.architecture} family"
     if plan.finetune != "full" and not _fsdp_lora_ok(plan) or plan.quant != "none":
         return (
             "PEFT under the Trainer's FSDP other than fp32 LoRA without modules_to_save (bf16 adapters under "
