@@ -71,6 +71,9 @@ class _Group:
 class Fsdp:
     """The groups of one rank; drives unshard / reshard / reduce-scatter."""
 
+    metadata = True  # the copy-out's and copy-in's small metadata tensors (CUDA's; hf_fsdp.py: not on CPU)
+    frozen: frozenset[str] = frozenset()  # parameters without gradients (hf_fsdp.py: a PEFT model's base)
+
     def __init__(
         self,
         tape: Tape,
@@ -172,11 +175,12 @@ class Fsdp:
             for name in group.names:
                 rows, cols = self.shapes[name]
                 p = t.managed(rows * cols, self.d.cd, f"{name}.unsharded", Category.GATHERED)
-                p.fn = self.leaves[name]
+                p.fn = self.leaves.get(name)
                 group.unsharded[name] = self.model.weights[name] = p
                 if self.tied and name == "tok_embeddings.weight":
                     self.model.weights["output.weight"] = p
-            t.done(t.new(COPY_OUT_META[self._kind(g)], 1, f"{group.tag}.copy_out_meta"))
+            if self.metadata:
+                t.done(t.new(COPY_OUT_META[self._kind(g)], 1, f"{group.tag}.copy_out_meta"))
         if forward:
             if self.kept is not None:
                 t.free(self.kept)
@@ -250,17 +254,23 @@ class Fsdp:
             self._replicate_norm_grads(group)
             self._shard_vocab_grad(group)
         self.reshard(g)
+        names = [n for n in group.names if n not in self.frozen]
+        if not names:  # nothing to reduce: FSDPParamGroup.post_backward returns after resharding
+            self.reduced.add(g)
+            return
         if self.reduce_input is not None:
             t.free(self.reduce_input)
-        numel = sum(self.shard(n) for n in group.names)
+        numel = sum(self.shard(n) for n in names)
         with t.scoped(group.tag):
             self.reduce_input = t.managed(numel * self.dp, self.rd, "reduce_scatter_input", Category.COMM)
-            t.done(t.new(COPY_IN_META[self._kind(g)] * self.rd // 2, 1, "copy_in_meta"))
-            last = group.names[-1]
-            for name in [n for n in self.grads if n in group.names and n != last]:  # in the order produced
+            if self.metadata:
+                t.done(t.new(COPY_IN_META[self._kind(g)] * self.rd // 2, 1, "copy_in_meta"))
+            last = names[-1]
+            for name in [n for n in self.grads if n in names and n != last]:  # in the order produced
                 t.drop(self.grads.pop(name))
             rs = Stream.REDUCE_SCATTER
             out = t.managed(numel, self.rd, "reduce_scatter_output", Category.GRADIENTS, rs)
+            out = self._to_orig_dtype(out)
             t.drop(self.grads.pop(last, None))
             if self.offload:  # copied to the host (added there under accumulation): the device copy goes
                 t.free(out)
@@ -269,6 +279,11 @@ class Fsdp:
             else:  # a later micro-batch: ``sharded_param.grad._local_tensor += new_sharded_grad``
                 t.free(out)
         self.reduced.add(g)
+
+    def _to_orig_dtype(self, out: Tensor) -> Tensor:
+        """The reduce-scatter output as the sharded gradient: in the reduce dtype here (the bundled
+        trainer's policy reduces in the parameters' dtype; ``hf_fsdp.py`` casts)."""
+        return out
 
     def _keep_unsharded(self, group: _Group) -> None:
         """``post_backward`` without gradient sync or resharding (pipelining, ``StageReplay``):

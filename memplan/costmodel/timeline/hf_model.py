@@ -160,16 +160,19 @@ def nll_loss(tape: Tape, ls: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     return out, weight
 
 
-def scalar_div(tape: Tape, x: Tensor, tag: str, temps: int) -> Tensor:
-    """``loss / n`` on a 4-byte loss; backward allocates ``temps`` scalars then the gradient."""
+def scalar_div(tape: Tape, x: Tensor, tag: str, temps: int, divisor: Tensor | None = None) -> Tensor:
+    """``loss / n`` on a 0-d loss (4 bytes; 2 where FSDP2's ``output_dtype`` cast it to bf16: hf_fsdp.py);
+    backward allocates ``temps`` scalars then the gradient; a tensor ``divisor`` is saved for it."""
+    size = x.itemsize
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
-        ts = [tape.new(1, 4, f"grad_tmp{i}") for i in range(temps)]
-        out = tape.new(1, 4, "grad")
+        ts = [tape.new(1, size, f"grad_tmp{i}") for i in range(temps)]
+        out = tape.new(1, size, "grad")
         tape.done(*ts)
         return [out]
 
-    return ops.result(tape, 1, 4, tag, tape.node(tag, apply, [x]))
+    saved = [] if divisor is None else [divisor]
+    return ops.result(tape, 1, size, tag, tape.node(tag, apply, [x], saved=saved))
 
 
 @dataclass
@@ -424,6 +427,6 @@ class HfLlama:
             if num_items is None:
                 loss = t.alias(nll)
             else:
-                loss = scalar_div(t, nll, "div_num_items", temps=1)
+                loss = scalar_div(t, nll, "div_num_items", temps=1, divisor=num_items)
             t.done(nll, weight, f, pad, target)  # the rebound loss, then the frame's locals
         return loss

@@ -24,8 +24,16 @@ compute capability, ``costmodel.gemm_4bit_rule``; both read from its source); an
 (``hf_bnb.Bnb8bit``, ``int8.py``: CPU's ``MatMul8bitFp`` equal to the byte, tests/unit/test_timeline_int8.py;
 CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLUMNS``). Any of these over
 ``dp`` > 1 ranks under DDP (``zero: 0``: the Trainer under ``torchrun``, ``hf_ddp.py``;
-tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's); ZeRO (the
-Trainer's FSDP or DeepSpeed) and tensor, pipeline, context or expert parallelism are not modelled.
+tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's). The Trainer's
+FSDP2 (``--zero 3``: ``full_shard``, ``--zero 2``: ``shard_grad_op``; ``hf_fsdp.py``;
+tests/unit/test_timeline_hf_fsdp.py, rank 0 of two or four under the fake process group on CPU, equal to the
+real Trainer's peak) for full fine-tuning of every family above loaded onto the GPU (``model_build:
+from_pretrained``), in fp32, a bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16
+policy over fp32 master shards; not for Gemma 2 / 3), and PEFT LoRA in fp32 (any targets, dropout, without
+``modules_to_save``), with the Trainer's or FSDP's own checkpointing and accumulation. Not modelled: other
+PEFT plans or a quantized base under FSDP, FSDP over a model loaded on the CPU (``to_device``:
+``fully_shard`` moves it group by group), Gemma 2 / 3 under FSDP with ``bf16=True``, ZeRO-1 (DeepSpeed's),
+and tensor, pipeline, context or expert parallelism.
 
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
@@ -40,7 +48,7 @@ from memplan.costmodel.lora import SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan
+from memplan.specs.plan import Plan, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "mixtral", "qwen3-moe")
@@ -136,7 +144,11 @@ def hf_supported(
         (plan.offload_activations == "none", "activation offload"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
         (plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank (tensor, pipeline, context or expert)"),
-        (plan.dp == 1 or plan.zero == 0, "ZeRO over more than one rank (the Trainer's FSDP or DeepSpeed)"),
+        (
+            plan.dp == 1 or plan.zero != 1,
+            "ZeRO over more than one rank at stage 1 (DeepSpeed's; the Trainer's FSDP is 2 or 3)",
+        ),
+        (plan.dp == 1 or plan.zero == 0 or _fsdp_ok(model, plan, runtime), _fsdp_reason(model, plan)),
         (plan.dp == 1 or runtime == "hf", "more than one rank under the hf-loop runtime (its loop has no DDP)"),
         (plan.optimizer == "adamw", "this optimizer"),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
@@ -160,6 +172,54 @@ def _moe_ok(model: ModelSpec) -> bool:
         return True
     plain = moe.num_shared_experts == 0 and not (moe.router_bias or moe.router_score_bias or moe.fused_gate_up)
     return model.architecture in MOE_FAMILIES and plain and moe.layer_freq == 1 and not moe.dense_layers
+
+
+# families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): all of
+# the dense ones, but Gemma 2 and 3 under bf16=True (the policy's bf16 compute without autocast: not followed there)
+FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MOE_FAMILIES)
+FSDP_NO_MIXED = ("gemma2", "gemma3")
+
+
+def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
+    """The Trainer's FSDP2 as ``hf_fsdp.py`` follows it: full fine-tuning of a dense base loaded onto the
+    rank's GPU (``from_pretrained`` with a device_map), in fp32, a bf16 model without ``bf16=True``
+    (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16 policy over fp32 master
+    shards); PEFT LoRA in fp32 (:func:`_fsdp_lora_ok`)."""
+    return (
+        runtime == "hf"
+        and model.moe is None
+        and model.architecture in FSDP_FAMILIES
+        and not (model.architecture in FSDP_NO_MIXED and trainer_autocast(plan, runtime))
+        and (plan.finetune == "full" or _fsdp_lora_ok(plan))
+        and plan.quant == "none"
+        and plan.model_build == "from_pretrained"
+    )
+
+
+def _fsdp_lora_ok(plan: Plan) -> bool:
+    """PEFT LoRA under the Trainer's FSDP2 as checked: fp32 adapters over an fp32 base, no
+    ``modules_to_save`` (under ``bf16=True`` the policy all-gathers the adapters in bf16, which the
+    run's adapters, fp32 as PEFT makes them, do not follow)."""
+    return plan.finetune == "lora" and plan.precision == "fp32" and not plan.modules_to_save
+
+
+def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
+    """Why the Trainer's FSDP2 run does not follow the plan."""
+    if model.moe is not None:
+        return "the Trainer's FSDP over an MoE model (not checked)"
+    if model.architecture not in FSDP_FAMILIES:
+        return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
+    if model.architecture in FSDP_NO_MIXED and trainer_autocast(plan, "hf"):
+        return f"bf16=True under the Trainer's FSDP over the {model.architecture} family"
+    if plan.finetune != "full" and not _fsdp_lora_ok(plan) or plan.quant != "none":
+        return (
+            "PEFT under the Trainer's FSDP other than fp32 LoRA without modules_to_save (bf16 adapters under "
+            "its mixed-precision policy, a quantized base)"
+        )
+    return (
+        "the Trainer's FSDP over a model loaded on the CPU (model_build to_device: under FSDP the Trainer "
+        "leaves it there and fully_shard moves each group to the GPU as it shards it)"
+    )
 
 
 def accumulation(workload: TrainingWorkload, plan: Plan) -> int:

@@ -32,7 +32,9 @@ and freed at the next update's fetch, and from the second
 micro-batch on each gradient is added into ``.grad`` and freed. The model is the family's
 (``hf_families.py``: Qwen3, Phi-3, OLMo 2, Gemma 3 beside Llama's layout). Over ``dp`` > 1 ranks
 (``torchrun``) the model is accelerate's ``DistributedDataParallel`` (``hf_ddp.py``: the reducer's
-buckets beside ``.grad``, the forward's hooks, the gathered token count). The model is built as
+buckets beside ``.grad``, the forward's hooks, the gathered token count), or under ``--zero 2|3``
+accelerate's FSDP2 (``hf_fsdp.py``: the groups' hooks around the embedding, each layer and the tail;
+the shards built inside ``prepare``; the sharded gradients and states). The model is built as
 ``plan.model_build`` says (``hf_build.py``): ``from_pretrained`` with a ``device_map`` (the caching
 allocator's warmup segment, the checkpoint's weights carved from it, a quantized base quantized as it
 loads) or ``to_device`` (each parameter its own allocation).
@@ -40,7 +42,7 @@ loads) or ``to_device`` (each parameter its own allocation).
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import hf_build, hf_ddp, ops
+from memplan.costmodel.timeline import hf_build, hf_ddp, hf_fsdp, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit
@@ -60,12 +62,13 @@ def hf_dims(model, workload, plan, runtime: str = "hf") -> Dims:
     the other weights are fp32 (``prepare_model_for_kbit_training`` casts them)."""
     itemsize = 4 if plan.precision == "fp32" else 2
     mixed = plan.precision == "bf16-mixed"
+    fsdp = runtime == "hf" and plan.dp > 1 and plan.zero >= 2  # bf16=True is FSDP2's policy, not autocast
     return Dims.of(
         model,
         workload,
         cd=itemsize,
         pd=4 if mixed or plan.quant != "none" else itemsize,
-        autocast=trainer_autocast(plan, runtime),
+        autocast=trainer_autocast(plan, runtime) and not fsdp,
         recompute=plan.recompute,
     )
 
@@ -97,6 +100,7 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
     assert kernel is not None
     d = hf_dims(model, workload, plan)
     lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan)
+    mixed = trainer_autocast(plan, "hf")  # under FSDP2: accelerate's MixedPrecisionPolicy (hf_fsdp.py)
     ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model, gpu_arch)
     return hf_run(
         d,
@@ -110,6 +114,8 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
         quant=quant,
         dp=plan.dp,
         build=plan.model_build,
+        zero=plan.zero,
+        mixed=mixed,
     )
 
 
@@ -127,6 +133,8 @@ def hf_run(
     quant: Bnb4bit | Bnb8bit | None = None,
     dp: int = 1,
     build: str = "to_device",
+    zero: int = 0,
+    mixed: bool = False,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
@@ -134,10 +142,12 @@ def hf_run(
     attention biases; ``arch``: the family (``hf_families.py``) and ``extra`` its further
     config (``hf_families.family_config``); ``lora``: PEFT's adapters over the frozen base
     (``hf_lora.py``); ``quant``: a 4-bit or int8 base (``hf_bnb.py``); ``dp``: ranks under DDP (``hf_ddp.py``);
-    ``build``: how the model was built (``hf_build.BUILDS``; the CPU runs count from a built model).
+    ``build``: how the model was built (``hf_build.BUILDS``; the CPU runs count from a built model);
+    ``zero``: over ``dp`` ranks, 2 or 3 for accelerate's FSDP2 (``hf_fsdp.py``; 3: ``full_shard``), 0 DDP;
+    ``mixed``: under FSDP2, ``bf16=True`` (its mixed-precision policy over fp32 master shards).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
-    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build)
+    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build, zero, mixed)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -161,6 +171,8 @@ class _HfRun:
         quant: Bnb4bit | None = None,
         dp: int = 1,
         build: str = "to_device",
+        zero: int = 0,
+        mixed: bool = False,
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -186,20 +198,36 @@ class _HfRun:
             self.lora = HfLora(self.tape, lora, d.tokens, cuda, input_grad=ckpt)
             self.model.adapter = self.lora.adapt
             self.model.tied = tied and "lm_head" not in lora.modules_to_save  # the trained copy is untied
-        self.dp, self.build = dp, build
+        self.dp, self.build, self.zero, self.mixed = dp, build, zero, mixed
         self.ddp: HfDdp | None = None  # DDP over dp > 1 ranks (hf_ddp.py), wrapped in _build
+        self.fsdp: hf_fsdp.HfFsdp | None = None  # FSDP2 over dp > 1 ranks under ZeRO-2/3 (hf_fsdp.py)
         self._build()
 
     def _build(self) -> None:
         """Parameters in ``model.parameters()`` order, the two rotary buffers, DDP's wrapping
         (``accelerator.prepare``, over ``self.dp`` > 1 ranks), ``tr_loss``."""
         self._params()
-        if self.dp > 1:
+        if self.dp > 1 and self.zero >= 2:
+            self._shard()
+        elif self.dp > 1:
             buffers = [self.model.weights[name] for name, _ in self.model.buffers()]
             cuda, ckpt = self.model.kernel != "cpu_flash", self.d.recompute == "full"
             args = (self.model.weights, self.shapes, self.trainable, buffers, self.lora is not None, ckpt, cuda)
             self.ddp = hf_ddp.wrap(self.tape, self.dp, *args)
         self.tape.managed(1, 4, "tr_loss", Category.LOGITS)
+
+    def _shard(self) -> None:
+        """``accelerator.prepare`` under FSDP2 (``hf_fsdp.py``): the optimizer, made before it, then
+        steps the local shards."""
+        cuda, reshard = self.model.kernel != "cpu_flash", self.zero >= 3
+        shapes, frozen = self.shapes, frozenset()
+        if self.lora is not None:  # the adapters beside the frozen base, in named_parameters() order
+            shapes, frozen = hf_fsdp.peft_shapes(self.shapes, self.lora), frozenset(self.shapes)
+        args = (self.d, self.dp, shapes, self.model, self.grads, reshard, self.model.tied, cuda, self.mixed, frozen)
+        fsdp = hf_fsdp.HfFsdp(self.tape, *args)
+        fsdp.build(self.model.weights, self._optimizer_order())
+        self.trainable = fsdp.shard_numels()
+        self.fsdp = fsdp
 
     def _params(self) -> None:
         """The base's weights as ``self.build`` allocates them (``hf_build.py``), then a PEFT model's
@@ -268,8 +296,9 @@ class _HfRun:
                 t.done(ne)
                 acc, old = t.new(1, 8, "add"), acc
                 t.done(old, total)
-            if self.ddp is not None:
-                acc, old = self.ddp.gather_count(acc), acc
+            ranks = self.ddp or self.fsdp
+            if ranks is not None:
+                acc, old = ranks.gather_count(acc), acc
                 t.done(old)
             out = t.new(1, 4, "div")
             t.done(acc, self.num_items)
@@ -288,12 +317,15 @@ class _HfRun:
                 t.done(*batch)
             self.data = self.data[ga:]
         for i in range(ga):
-            if self.ddp is not None:  # the Trainer's sync_context: no_sync() but for the last
-                self.ddp.sync = i == ga - 1
+            ranks = self.ddp or self.fsdp
+            if ranks is not None:  # the Trainer's sync_context: no_sync() but for the last
+                ranks.sync = i == ga - 1
             self.training_step(self.data[i][0], first=k == 0 and i == 0)
         self.b.mark("phase:optimizer")
         self.clip()
         self.optimizer_step(first=k == 0)
+        if self.fsdp is not None:  # the sharded gradients, group by group
+            self.fsdp.zero_grad()
         for name in self.trainable:
             t.drop(self.grads.pop(name, None))
         self.b.mark("phase:end")
@@ -310,9 +342,13 @@ class _HfRun:
         m.cache = {} if self.d.autocast else None
         if self.ddp is not None:
             self.ddp.pre_forward()
+        items = self.num_items if self.fsdp is None else self.fsdp.cast_inputs(self.num_items)
         logits, hidden = self.forward(ids)
-        loss = m.loss(logits, self.num_items)
+        loss = m.loss(logits, items)
         t.done(hidden)  # LlamaForCausalLM.forward's hidden_states, at its return
+        if self.fsdp is not None:  # the root's post-forward (its policy's output_dtype cast first)
+            loss = self.fsdp.end_root_forward(loss)
+            t.done(items)  # the forward's kwargs (a cast count lives on in the loss's division)
         if m.cache is not None:  # accelerate's autocast exits, then its convert_outputs_to_fp32
             t.done(*m.cache.values())
             m.cache = None
@@ -326,11 +362,13 @@ class _HfRun:
         self.b.mark("phase:backward")  # accelerator.backward: the division by ga, then backward
         with t.scoped("accelerate"):
             scaled = scalar_div(t, loss, "div_accumulation", temps=0)
-            seed = t.new(1, 4, "grad_seed")
+            seed = t.new(1, scaled.itemsize, "grad_seed")
         if cuda and first:
             t.on_first_mm = self._workspace("backward")
         t.backward(scaled, t.hold(seed))  # torch.autograd.backward holds it until it returns
         t.scope = ""
+        if self.fsdp is not None:  # the root's final callback, inside the backward
+            self.fsdp.finish_backward()
         if self.ddp is not None:
             self.ddp.backward_done(self.grads)
         t.done(seed, scaled)
@@ -345,21 +383,33 @@ class _HfRun:
 
     def forward(self, ids: Tensor) -> Tensor:
         """``LlamaForCausalLM.forward`` up to the logits."""
-        t, m, d = self.tape, self.model, self.d
+        t, m, d, fsdp = self.tape, self.model, self.d, self.fsdp
+        if fsdp:
+            fsdp.pre_forward(0)
         emb = m.embed(ids)
         if self.lora is not None:
             self.lora.require_input_grad(emb)
+        if fsdp:
+            fsdp.post_forward(0, emb)
         pos = m.positions()
         cos, sin = m.rope_tables(emb)
         x = t.alias(emb)
         for i in range(d.layers):
-            out = self._layer(x, pos, cos, sin, i)
+            xi = fsdp.pre_forward(i + 1, x) if fsdp else t.alias(x)
+            out = self._layer(xi, pos, cos, sin, i)
+            t.done(xi)
+            if fsdp:
+                fsdp.post_forward(i + 1, out)
             t.done(x)
             x = out
-        n = m.rms_norm(x, "model.norm")
-        t.done(x)
+        xi = fsdp.pre_forward(d.layers + 1, x) if fsdp else t.alias(x)
+        n = m.rms_norm(xi, "model.norm")
+        t.done(xi, x)
         t.done(pos, emb, cos, sin)  # LlamaModel.forward's locals
-        return m.head(n), n
+        logits = m.head(n)
+        if fsdp:
+            fsdp.post_forward(d.layers + 1, logits)
+        return logits, n
 
     def _layer(self, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
         """A decoder layer, or a non-reentrant checkpoint of one (its recompute runs under a fresh
@@ -387,7 +437,7 @@ class _HfRun:
         t, g = self.tape, next(iter(self.trainable.values()))[1]
         with t.scoped("clip_grad_norm"):
             t.done(self.total_norm)
-            n = len(self.grads)
+            n = len(self.grads) if self.fsdp is None else len(self.trainable)
             norms = [t.new(1, g, "foreach_norm") for _ in range(n)]
             stack = t.new(n, g, "stack")
             self.total_norm = t.new(1, g, "total_norm")
@@ -404,9 +454,12 @@ class _HfRun:
             return
         t = self.tape
         t.scope = ""
-        order = [n for n in self.trainable if not is_norm(n)] + [n for n in self.trainable if is_norm(n)]
-        for name in order:
+        for name in self._optimizer_order():
             numel, itemsize = self.trainable[name]
             self.states.append(t.managed(1, 4, f"{name}.step", Category.OPTIMIZER_STATES))
             for state in ("exp_avg", "exp_avg_sq"):
                 self.states.append(t.managed(numel, itemsize, f"{name}.{state}", Category.OPTIMIZER_STATES))
+
+    def _optimizer_order(self) -> list[str]:
+        """The trained parameters in the optimizer's order: the decay group, then the no-decay one."""
+        return [n for n in self.trainable if not is_norm(n)] + [n for n in self.trainable if is_norm(n)]
