@@ -229,7 +229,7 @@ def _plan_run(
     model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu_arch: CudaArch | None
 ) -> tuple[Timeline, str]:
     if runtime == "memplan":
-        why = supported(model, workload, plan, gpu_arch) or _cpu_unmodelled(plan, device)
+        why = supported(model, workload, plan, gpu_arch)
         if why is None:
             from memplan.costmodel.timeline.trainer import trainer_run  # its op-by-op model: only when it applies
 
@@ -253,15 +253,6 @@ def _plan_run(
         why = f"the {runtime} runtime"
     sm = stage_moments(model, workload, plan, runtime, device=device)
     return build_run(sm.moments, sm.granularity, sm.build_grads), f"phases ({why})"
-
-
-def _cpu_unmodelled(plan: Plan, device: str) -> str | None:
-    """On CPU, what the bundled trainer's run declines beyond ``supported`` (``timeline.cpu``)."""
-    if device == "cuda":
-        return None
-    from memplan.costmodel.timeline.cpu import cpu_unmodelled
-
-    return cpu_unmodelled(plan)
 
 
 def _on(run: Timeline, device: str) -> Timeline:

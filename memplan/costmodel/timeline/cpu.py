@@ -12,7 +12,6 @@ this view against the real trainers on CPU.
 from __future__ import annotations
 
 from memplan.costmodel.timeline.events import MARK, Snapshot, Timeline
-from memplan.specs.plan import Plan
 
 # ``embedding_dense_backward_cuda``'s index buffers and scratch (ops.embedding): the CPU kernel
 # makes the weight gradient alone
@@ -34,10 +33,13 @@ def cuda_temporaries() -> frozenset[str]:
     (mem_efficient.py); bitsandbytes' dequantize + F.linear inside its gemm_4bit custom op
     (quant.py); and memplan's Triton backward's delta (triton_attention.py), allocated on both
     devices but inside its custom op, below the dispatch mode the CPU meter (MemTracker) watches,
-    and its autotuner's benchmark buffer. (A function: the kernels' modules are imported only for
-    a CPU view, not by the CUDA estimate.)"""
+    and its autotuner's benchmark buffer; FSDP2's copy-out and reduce-scatter copy-in metadata, which
+    CUDA's ``split_with_sizes_copy`` and ``_chunk_cat`` kernels pack onto the device and CPU's
+    composites never make (fsdp.py: ``COPY_OUT``, ``COPY_IN``). (A function: the kernels' modules
+    are imported only for a CPU view, not by the CUDA estimate.)"""
     from memplan.costmodel.timeline.act_offload import STAGING
     from memplan.costmodel.timeline.eager import SOFTMAX_TMP
+    from memplan.costmodel.timeline.fsdp import COPY_IN, COPY_OUT
     from memplan.costmodel.timeline.mem_efficient import DELTA, DELTA_PRODUCT, DELTA_SUM, WORKSPACE
     from memplan.costmodel.timeline.ops import FLASH_OUT_COPY, HEADS_MAJOR_COPY
     from memplan.costmodel.timeline.quant import CUDA_FALLBACK
@@ -45,7 +47,7 @@ def cuda_temporaries() -> frozenset[str]:
     from memplan.costmodel.timeline.triton_attention import DELTA as TRITON_DELTA
 
     kernels = {STAGING, FLASH_OUT_COPY, HEADS_MAJOR_COPY, "reduce_workspace", "reduce_semaphores", SOFTMAX_TMP, "h2d"}
-    kernels |= {DELTA_PRODUCT, DELTA_SUM, DELTA, WORKSPACE, TRITON_DELTA, AUTOTUNE_FLUSH}
+    kernels |= {DELTA_PRODUCT, DELTA_SUM, DELTA, WORKSPACE, TRITON_DELTA, AUTOTUNE_FLUSH, COPY_OUT, COPY_IN}
     return frozenset(kernels | CUDA_FALLBACK)
 
 
@@ -77,21 +79,3 @@ def cpu_view(timeline: Timeline) -> Timeline:
         for s in timeline.snapshots
     )
     return Timeline(tuple(events), snapshots, timeline.host_peak, timeline.stage)
-
-
-ZERO3_ON_CPU = (
-    "FSDP2 ZeRO-3 on CPU (at 128 tokens a micro-batch the trainer on CPU peaks 0.2-0.3 MB below the run, "
-    "not traced to a tensor: docs/cost-model.md)"
-)
-
-
-def cpu_unmodelled(plan: Plan) -> str | None:
-    """What keeps the bundled trainer's op-level run from answering a CPU estimate of ``plan`` that
-    ``support.supported`` accepts, or None. FSDP2 with ``reshard_after_forward`` (ZeRO-3 over dp > 1)
-    is declined: the CPU trainer at 2 x 64 and 4 x 32 tokens (tiny GQA Llama, rank simulation, torch
-    2.13, 2026-11-28) peaked 199,316 B (bf16-mixed) and 298,388 B (fp32) below the run, while ZeRO-2,
-    DDP and one rank agree to ~100 B there and ZeRO-3 does at 256 tokens; the same family of miss as
-    TP 2 + SP over ZeRO-3 at 1 x 128 tokens (docs/cost-model.md). The phase model answers them."""
-    if plan.dp > 1 and plan.zero == 3:
-        return ZERO3_ON_CPU
-    return None

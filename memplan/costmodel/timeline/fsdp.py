@@ -9,7 +9,8 @@ allocates (sizes from the local parameter shapes; FSDP2 pads dim 0 to a multiple
 - all-gather (its own stream): under ``MixedPrecisionPolicy(bf16, fp32)`` the bf16 copy of
   the fp32 shard (freed at once), then the output, dp x the padded shard in bf16;
 - copy-out (compute stream): each unsharded parameter in bf16, freed at reshard
-  (``storage.resize_(0)``, whatever still refers to it); a small metadata tensor. In the
+  (``storage.resize_(0)``, whatever still refers to it), its storage the padded shard x dp
+  (``FSDPParam.init_all_gather_outputs``; checked on CPU at dp 3); a small metadata tensor. In the
   forward a group's all-gather output lives until the next group's copy-out, in the backward
   until its own; the backward prefetches the next group's all-gather in its pre-backward;
 - post-backward: reshard, then the reduce-scatter input (compute stream, reduce dtype: fp32
@@ -56,6 +57,16 @@ from memplan.costmodel.timeline.trainer_model import Dims, Model, layer_param_na
 # in the dp = 8 traces (7.8 to 32 KB and 0.2 to 1 MB elsewhere); the copy-in's doubles in fp32.
 COPY_OUT_META = (30760, 32104, 32144)  # layer, embedding, head
 COPY_IN_META = (213456, 513088, 513144)
+# Their tags. Both are CUDA's alone (``timeline.cpu``): FSDP2's ``fsdp::split_with_sizes_copy`` and
+# ``fsdp::chunk_cat`` (torch 2.13 ``_fsdp_collectives.py``) call ``split_with_sizes_copy_out_cuda``
+# and ``_chunk_cat_out_cuda`` (aten/src/ATen/native/cuda/TensorShape.cu), whose fast paths pack
+# their addresses and block maps into one int64 device tensor (``detail::pack_vecs``:
+# ``packed.to(device, non_blocking=True)``; ``get_chunk_cat_metadata``). On CPU the ops are the
+# composite ``split_with_sizes_copy_out`` and ``_chunk_cat_out`` (views of the inputs, ``cat_out``
+# into the reduce-scatter input): nothing allocated where dim 0 divides by dp (a dispatch-level
+# record of the trainer's ZeRO-3 step on CPU: only the all-gather outputs, the unsharded
+# parameters and the reduce-scatter buffers under ``_fully_shard``; docs/cost-model.md).
+COPY_OUT, COPY_IN = "copy_out_meta", "copy_in_meta"
 
 
 class _Group:
@@ -173,14 +184,17 @@ class Fsdp:
             self.all_gather(g)
         with t.scoped(""):
             for name in group.names:
+                # a view of its own padded all-gather output (``FSDPParam.init_all_gather_outputs``:
+                # the padded shard's numel x world size), rows x cols of it (dim 0 padded to dp)
+                p = t.managed(self.shard(name) * self.dp, self.d.cd, f"{name}.unsharded", Category.GATHERED)
                 rows, cols = self.shapes[name]
-                p = t.managed(rows * cols, self.d.cd, f"{name}.unsharded", Category.GATHERED)
+                p.numel = rows * cols
                 p.fn = self.leaves.get(name)
                 group.unsharded[name] = self.model.weights[name] = p
                 if self.tied and name == "tok_embeddings.weight":
                     self.model.weights["output.weight"] = p
             if self.metadata:
-                t.done(t.new(COPY_OUT_META[self._kind(g)], 1, f"{group.tag}.copy_out_meta"))
+                t.done(t.new(COPY_OUT_META[self._kind(g)], 1, f"{group.tag}.{COPY_OUT}"))
         if forward:
             if self.kept is not None:
                 t.free(self.kept)
@@ -264,7 +278,7 @@ class Fsdp:
         with t.scoped(group.tag):
             self.reduce_input = t.managed(numel * self.dp, self.rd, "reduce_scatter_input", Category.COMM)
             if self.metadata:
-                t.done(t.new(COPY_IN_META[self._kind(g)] * self.rd // 2, 1, "copy_in_meta"))
+                t.done(t.new(COPY_IN_META[self._kind(g)] * self.rd // 2, 1, COPY_IN))
             last = names[-1]
             for name in [n for n in self.grads if n in names and n != last]:  # in the order produced
                 t.drop(self.grads.pop(name))

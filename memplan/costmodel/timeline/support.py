@@ -92,9 +92,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
     weights' shapes) where ``gpu_arch`` is not given (no profile, or a ROCm one: bitsandbytes' ROCm
     rule reads the gfx architecture); LoRA under FSDP2, TP or PP (the trainer refuses them), under
     ZeRO-1 beside a 16-bit modules_to_save copy (the trainer refuses it: ZeroRedundancyOptimizer
-    takes one dtype), a copy over a tied embedding or of another module; on CPU (``--device cpu``, where the
-    run takes CPU's kernels: ``timeline.cpu``) FSDP2 ZeRO-3 as well (``cpu.cpu_unmodelled``, asked by
-    ``reserve.plan_run``)."""
+    takes one dtype), a copy over a tied embedding or of another module. On CPU (``--device cpu``,
+    where the run takes CPU's kernels and leaves CUDA's own tensors out: ``timeline.cpu``) the same
+    plans, FSDP2 ZeRO-3 included."""
     checks = [
         (model.moe is None, "MoE models"),
         (model.mlp == "gated" and model.activation == "silu", "a non-gated or non-SiLU MLP"),
