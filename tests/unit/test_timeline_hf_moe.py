@@ -232,7 +232,7 @@ BLOCK = "this MoE block"
         ("qwen3-30b-a3b", {"num_shared_experts": 1}, {}, BLOCK),
         ("mixtral-8x7b", {"router_bias": True}, {}, BLOCK),
         ("mixtral-8x7b", {}, {"dp": 2, "ep": 2}, "more than one rank (tensor, pipeline, context or expert)"),
-        ("mixtral-8x7b", {}, {"dp": 2, "zero": 3}, "ZeRO over more than one rank"),
+        ("mixtral-8x7b", {}, {"dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
         ("mixtral-8x7b", {}, {"finetune": "lora"}, "PEFT over the mixtral family"),
         ("deepseek-v2-lite", {}, {}, "the deepseek-v2 family"),
     ],
