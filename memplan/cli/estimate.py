@@ -91,7 +91,7 @@ def estimate(
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
-        render(result, Console())
+        render(result, _console())
         if target is not None:
             Console().print(f"timeline: {target[0]} (the predicted run of rank {result.memory.peak.rank})")
 
@@ -109,6 +109,14 @@ def _write_timeline(job: Job, result: EstimateResult, run: Timeline, which: str,
         write_snapshot(track, path)
     else:
         write_panels([predicted_panel(track, job, which, result.memory.overhead)], path, kind)
+
+
+def _console() -> Console:
+    """The report's console. Where it writes no styles (not a terminal: a pipe or a file; ``NO_COLOR``),
+    one without rich's automatic highlighting: it only adds styles, and its first use compiles its
+    regular expressions (~20 M instructions of a cold estimate: benchmarks/bench_estimate.py)."""
+    console = Console()
+    return console if console.color_system is not None else Console(highlight=False)
 
 
 def _gib(n: int) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 from memplan.costmodel.allocator.config import AllocatorConfig, kMinBlockSize, kRoundLarge, kSmallSize
 from memplan.costmodel.allocator.expandable import ExpandableSegment, ExpandableSegments
-from memplan.costmodel.allocator.pool import Block, BlockPool, key_size, key_stream, merge_into, splice_after
+from memplan.costmodel.allocator.pool import Block, BlockPool, key_size, key_stream, merge_into
 from memplan.costmodel.allocator.sizing import get_allocation_size, round_size
 from memplan.costmodel.allocator.stats import AllocatorOOM, AllocatorStats
 from memplan.errors import MemplanError
@@ -109,13 +109,31 @@ class CachingAllocator(ExpandableSegments):
             raise AllocatorOOM(
                 requested=size, alloc_size=alloc_size, stream=stream, stats=self.stats(), capacity=self.capacity_bytes
             )
-        # should_split (sizing.py), inlined: this runs for every request of a replay
-        remaining = block.size - rounded
+        # should_split (sizing.py) and alloc_found_block, inlined: this runs for every request of a
+        # replay, and a Python call costs ~430 instructions (benchmarks/bench_estimate.py --instructions)
+        left = block.size - rounded
         if small or config.expandable_segments:
-            split = remaining >= kMinBlockSize
+            split = left >= kMinBlockSize
         else:
-            split = rounded < self._max_split and remaining > kSmallSize
-        return self._alloc_found_block(block, rounded, size, split)
+            split = rounded < self._max_split and left > kSmallSize
+        if split:  # hand out the front ``rounded`` bytes and cache the rest
+            remaining = block
+            block = Block(rounded, remaining.stream, remaining.addr, remaining.small, remaining.segment)
+            block.expandable = remaining.expandable
+            prev = block.prev = remaining.prev  # splice_after, inlined
+            if prev is not None:
+                prev.next = block
+            block.next = remaining
+            remaining.prev = block
+            remaining.addr += rounded
+            remaining.size = left
+            self._pools[remaining.small].insert(remaining)
+        block.allocated = True
+        block.requested = size
+        allocated = self.allocated = self.allocated + block.size
+        if allocated > self.max_allocated:
+            self.max_allocated = allocated
+        return block
 
     def _get_free_block(self, pool: BlockPool, stream: int, size: int) -> Block | None:
         """``get_free_block``: the smallest cached block of this stream with >= size bytes, within the
@@ -179,23 +197,6 @@ class CachingAllocator(ExpandableSegments):
         self._record("segment_alloc", block.segment, addr, alloc_size, stream)
         return block
 
-    def _alloc_found_block(self, block: Block, size: int, requested: int, split: bool) -> Block:
-        """``alloc_found_block``: hand out the front ``size`` bytes, keeping the rest cached if ``split``."""
-        if split:
-            remaining = block
-            block = Block(size, remaining.stream, remaining.addr, remaining.small, remaining.segment)
-            block.expandable = remaining.expandable
-            splice_after(block, remaining)
-            remaining.addr += size
-            remaining.size -= size
-            self._pools[remaining.small].insert(remaining)
-        block.allocated = True
-        block.requested = requested
-        self.allocated += block.size
-        if self.allocated > self.max_allocated:
-            self.max_allocated = self.allocated
-        return block
-
     # --- free --------------------------------------------------------------------------------
 
     def free(self, block: Block, pending_streams: Iterable[int] = ()) -> None:
@@ -246,7 +247,14 @@ class CachingAllocator(ExpandableSegments):
             merge_into(block, prev, pool)
         if nxt is not None and not nxt.allocated:
             merge_into(block, nxt, pool)
-        pool.insert(block)
+        # pool.insert, inlined (every free of a replay comes here)
+        block.gc_count_base = pool.get_free_blocks_call_count
+        keys = pool.keys
+        k = block.stream << 128 | block.size << 64 | block.addr
+        i = bisect_left(keys, k)
+        keys.insert(i, k)
+        pool.blocks.insert(i, block)
+        pool.free_bytes += block.size
 
     # --- giving memory back ------------------------------------------------------------------
 
