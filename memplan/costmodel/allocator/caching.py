@@ -95,7 +95,22 @@ class CachingAllocator(ExpandableSegments):
             sizes = self._sizes[size] = (rounded, rounded <= kSmallSize, get_allocation_size(rounded, config))
         rounded, small, alloc_size = sizes
         pool = self._pools[small]
-        block = self._get_free_block(pool, stream, rounded)
+        # get_free_block, inlined (every request of a replay): the smallest cached block of this stream
+        # with >= rounded bytes, within the max_split_size rules (fits_oversize_rules, sizing.py)
+        if self._gc:
+            pool.get_free_blocks_call_count += 1
+        keys, blocks = pool.keys, pool.blocks
+        i = bisect_left(keys, stream << 128 | rounded << 64)  # pool.lower_bound: key(stream, rounded), inlined
+        block = None
+        if i != len(keys) and keys[i] >> 128 == stream:  # key_stream, inlined
+            if blocks[i].expandable:
+                i = self._expandable_fit(pool, stream, i)
+            if i is not None:
+                found, max_split = blocks[i], self._max_split
+                if found.size < max_split if rounded < max_split else found.size < rounded + self._non_split_rounding:
+                    del keys[i], blocks[i]
+                    pool.free_bytes -= found.size
+                    block = found
         if block is None:
             if self._gc:
                 self._garbage_collect_cached_blocks()
@@ -135,43 +150,27 @@ class CachingAllocator(ExpandableSegments):
             self.max_allocated = allocated
         return block
 
-    def _get_free_block(self, pool: BlockPool, stream: int, size: int) -> Block | None:
-        """``get_free_block``: the smallest cached block of this stream with >= size bytes, within the
-        ``max_split_size`` rules; for expandable blocks, the smallest counting the unmapped space after it."""
-        if self._gc:
-            pool.get_free_blocks_call_count += 1
-        keys = pool.keys
-        i = bisect_left(keys, stream << 128 | size << 64)  # pool.lower_bound: key(stream, size), inlined
-        if i == len(keys) or keys[i] >> 128 != stream:  # key_stream, inlined
+    def _expandable_fit(self, pool: BlockPool, stream: int, i: int) -> int | None:
+        """``get_free_block`` from the expandable block at ``i`` (the lower bound of this stream's
+        request): with expandable segments, the smallest counting the unmapped space after it; with
+        them turned off since, the first non-expandable block of the stream (``None`` if none)."""
+        keys, blocks = pool.keys, pool.blocks
+        if self.config.expandable_segments:
+            j = i + 1
+            while (
+                blocks[i].expandable
+                and j < len(keys)
+                and key_stream(keys[j]) == stream
+                and _expandable_size(blocks[j]) < _expandable_size(blocks[i])
+            ):
+                i, j = j, j + 1
+            return i
+        i += 1
+        while i < len(keys) and blocks[i].expandable and key_stream(keys[i]) == stream:
+            i += 1
+        if i == len(keys) or key_stream(keys[i]) != stream:
             return None
-        blocks = pool.blocks
-        if blocks[i].expandable:
-            if self.config.expandable_segments:
-                j = i + 1
-                while (
-                    blocks[i].expandable
-                    and j < len(keys)
-                    and key_stream(keys[j]) == stream
-                    and _expandable_size(blocks[j]) < _expandable_size(blocks[i])
-                ):
-                    i, j = j, j + 1
-            else:  # expandable segments turned off since: only non-expandable blocks
-                i += 1
-                while i < len(keys) and blocks[i].expandable and key_stream(keys[i]) == stream:
-                    i += 1
-                if i == len(keys) or key_stream(keys[i]) != stream:
-                    return None
-        block = blocks[i]
-        # fits_oversize_rules (sizing.py), inlined
-        max_split = self._max_split
-        if size < max_split:
-            if block.size >= max_split:
-                return None
-        elif block.size >= size + self._non_split_rounding:
-            return None
-        del keys[i], blocks[i]
-        pool.free_bytes -= block.size
-        return block
+        return i
 
     def _alloc_block(
         self, pool: BlockPool, stream: int, size: int, alloc_size: int, retry: bool = False
