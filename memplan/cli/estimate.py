@@ -112,11 +112,13 @@ def _write_timeline(job: Job, result: EstimateResult, run: Timeline, which: str,
 
 
 def _console() -> Console:
-    """The report's console. Where it writes no styles (not a terminal: a pipe or a file; ``NO_COLOR``),
-    one without rich's automatic highlighting: it only adds styles, and its first use compiles its
-    regular expressions (~20 M instructions of a cold estimate: benchmarks/bench_estimate.py)."""
-    console = Console()
-    return console if console.color_system is not None else Console(highlight=False)
+    """The report's console, without rich's emoji codes (a name such as ``:fire:`` in a model or file
+    name is printed as written: ~13 M instructions of a cold estimate spent looking for them,
+    benchmarks/bench_estimate.py); where it writes no styles (not a terminal: a pipe or a file;
+    ``NO_COLOR``), also without its automatic highlighting, which only adds styles and whose first
+    use compiles its regular expressions (~20 M instructions)."""
+    plain = Console(emoji=False, highlight=False)
+    return plain if plain.color_system is None else Console(emoji=False)
 
 
 def _gib(n: int) -> str:
