@@ -207,7 +207,7 @@ class CachingAllocator(ExpandableSegments):
             raise ValueError(f"block at {block.addr:#x} is not allocated")
         block.allocated = False
         self.allocated -= block.size
-        if pending_streams == ():  # the common case: used on its own stream only
+        if not pending_streams:  # the common case (no streams given): used on its own stream only
             self._free_block(block)
             return
         streams = set(pending_streams) - {block.stream}
