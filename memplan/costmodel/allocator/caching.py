@@ -135,7 +135,7 @@ class CachingAllocator(ExpandableSegments):
             remaining = block
             block = Block(rounded, remaining.stream, remaining.addr, remaining.small, remaining.segment)
             block.expandable = remaining.expandable
-            prev = block.prev = remaining.prev  # splice_after, inlined
+            prev = block.prev = remaining.prev  # the new block goes before the rest in its segment
             if prev is not None:
                 prev.next = block
             block.next = remaining
