@@ -173,8 +173,8 @@ def test_table_says_whether_it_fits_and_the_phase(capsys):
 
 
 def test_table_console_writes_names_as_given(capsys, monkeypatch):
-    """The table's console: rich's emoji codes off (``:fire:`` stays as written), and where no styles
-    are written (captured here, not a terminal) no highlighting; with colours forced, highlighted."""
+    """The table's console: rich's emoji codes off (``:fire:`` stays as written), plain where no styles
+    are written (captured here, not a terminal), highlighted with colours forced."""
     from memplan.cli.estimate import _console
 
     plain = _console()
