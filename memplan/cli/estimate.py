@@ -91,7 +91,7 @@ def estimate(
     if format == "json":
         typer.echo(result.model_dump_json(indent=2))
     else:
-        render(result, Console())
+        render(result, _console())
         if target is not None:
             Console().print(f"timeline: {target[0]} (the predicted run of rank {result.memory.peak.rank})")
 
@@ -109,6 +109,16 @@ def _write_timeline(job: Job, result: EstimateResult, run: Timeline, which: str,
         write_snapshot(track, path)
     else:
         write_panels([predicted_panel(track, job, which, result.memory.overhead)], path, kind)
+
+
+def _console() -> Console:
+    """The report's console, without rich's emoji codes (a name such as ``:fire:`` in a model or file
+    name is printed as written: ~13 M instructions of a cold estimate spent looking for them,
+    benchmarks/bench_estimate.py); where it writes no styles (not a terminal: a pipe or a file;
+    ``NO_COLOR``), also without its automatic highlighting, which only adds styles and whose first
+    use compiles its regular expressions (~20 M instructions)."""
+    plain = Console(emoji=False, highlight=False)
+    return plain if plain.color_system is None else Console(emoji=False)
 
 
 def _gib(n: int) -> str:

@@ -172,6 +172,22 @@ def test_table_says_whether_it_fits_and_the_phase(capsys):
     assert "llama3-8b" in out and "8 x h100-sxm" in out
 
 
+def test_table_console_writes_names_as_given(capsys, monkeypatch):
+    """The table's console: rich's emoji codes off (``:fire:`` stays as written), plain where no styles
+    are written (captured here, not a terminal), highlighted with colours forced."""
+    from memplan.cli.estimate import _console
+
+    plain = _console()
+    plain.print(":fire: 1.5 GiB")
+    assert capsys.readouterr().out == ":fire: 1.5 GiB\n"
+    assert plain.color_system is None
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    coloured = _console()
+    coloured.print(":fire: 1.5 GiB")
+    out = capsys.readouterr().out
+    assert coloured.color_system is not None and ":fire:" in out and "\x1b[" in out  # the number highlighted
+
+
 def test_table_does_not_fit(capsys):
     out = memplan(capsys, "estimate", "llama3-70b", "--gpus", "8", "--zero", "0")
     assert "does not fit" in out

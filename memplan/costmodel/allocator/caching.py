@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 from memplan.costmodel.allocator.config import AllocatorConfig, kMinBlockSize, kRoundLarge, kSmallSize
 from memplan.costmodel.allocator.expandable import ExpandableSegment, ExpandableSegments
-from memplan.costmodel.allocator.pool import Block, BlockPool, key_size, key_stream, merge_into, splice_after
+from memplan.costmodel.allocator.pool import Block, BlockPool, key_size, key_stream, merge_into
 from memplan.costmodel.allocator.sizing import get_allocation_size, round_size
 from memplan.costmodel.allocator.stats import AllocatorOOM, AllocatorStats
 from memplan.errors import MemplanError
@@ -95,7 +95,22 @@ class CachingAllocator(ExpandableSegments):
             sizes = self._sizes[size] = (rounded, rounded <= kSmallSize, get_allocation_size(rounded, config))
         rounded, small, alloc_size = sizes
         pool = self._pools[small]
-        block = self._get_free_block(pool, stream, rounded)
+        # get_free_block, inlined (every request of a replay): the smallest cached block of this stream
+        # with >= rounded bytes, within the max_split_size rules (fits_oversize_rules, sizing.py)
+        if self._gc:
+            pool.get_free_blocks_call_count += 1
+        keys, blocks = pool.keys, pool.blocks
+        i = bisect_left(keys, stream << 128 | rounded << 64)  # pool.lower_bound: key(stream, rounded), inlined
+        block = None
+        if i != len(keys) and keys[i] >> 128 == stream:  # key_stream, inlined
+            if blocks[i].expandable:
+                i = self._expandable_fit(pool, stream, i)
+            if i is not None:
+                found, max_split = blocks[i], self._max_split
+                if found.size < max_split if rounded < max_split else found.size < rounded + self._non_split_rounding:
+                    del keys[i], blocks[i]
+                    pool.free_bytes -= found.size
+                    block = found
         if block is None:
             if self._gc:
                 self._garbage_collect_cached_blocks()
@@ -109,51 +124,53 @@ class CachingAllocator(ExpandableSegments):
             raise AllocatorOOM(
                 requested=size, alloc_size=alloc_size, stream=stream, stats=self.stats(), capacity=self.capacity_bytes
             )
-        # should_split (sizing.py), inlined: this runs for every request of a replay
-        remaining = block.size - rounded
+        # should_split (sizing.py) and alloc_found_block, inlined: this runs for every request of a
+        # replay, and a Python call costs ~430 instructions (benchmarks/bench_estimate.py --instructions)
+        left = block.size - rounded
         if small or config.expandable_segments:
-            split = remaining >= kMinBlockSize
+            split = left >= kMinBlockSize
         else:
-            split = rounded < self._max_split and remaining > kSmallSize
-        return self._alloc_found_block(block, rounded, size, split)
-
-    def _get_free_block(self, pool: BlockPool, stream: int, size: int) -> Block | None:
-        """``get_free_block``: the smallest cached block of this stream with >= size bytes, within the
-        ``max_split_size`` rules; for expandable blocks, the smallest counting the unmapped space after it."""
-        if self._gc:
-            pool.get_free_blocks_call_count += 1
-        keys = pool.keys
-        i = bisect_left(keys, stream << 128 | size << 64)  # pool.lower_bound: key(stream, size), inlined
-        if i == len(keys) or keys[i] >> 128 != stream:  # key_stream, inlined
-            return None
-        blocks = pool.blocks
-        if blocks[i].expandable:
-            if self.config.expandable_segments:
-                j = i + 1
-                while (
-                    blocks[i].expandable
-                    and j < len(keys)
-                    and key_stream(keys[j]) == stream
-                    and _expandable_size(blocks[j]) < _expandable_size(blocks[i])
-                ):
-                    i, j = j, j + 1
-            else:  # expandable segments turned off since: only non-expandable blocks
-                i += 1
-                while i < len(keys) and blocks[i].expandable and key_stream(keys[i]) == stream:
-                    i += 1
-                if i == len(keys) or key_stream(keys[i]) != stream:
-                    return None
-        block = blocks[i]
-        # fits_oversize_rules (sizing.py), inlined
-        max_split = self._max_split
-        if size < max_split:
-            if block.size >= max_split:
-                return None
-        elif block.size >= size + self._non_split_rounding:
-            return None
-        del keys[i], blocks[i]
-        pool.free_bytes -= block.size
+            split = rounded < self._max_split and left > kSmallSize
+        if split:  # hand out the front ``rounded`` bytes and cache the rest
+            remaining = block
+            block = Block(rounded, remaining.stream, remaining.addr, remaining.small, remaining.segment)
+            block.expandable = remaining.expandable
+            prev = block.prev = remaining.prev  # the new block goes before the rest in its segment
+            if prev is not None:
+                prev.next = block
+            block.next = remaining
+            remaining.prev = block
+            remaining.addr += rounded
+            remaining.size = left
+            self._pools[remaining.small].insert(remaining)
+        block.allocated = True
+        block.requested = size
+        allocated = self.allocated = self.allocated + block.size
+        if allocated > self.max_allocated:
+            self.max_allocated = allocated
         return block
+
+    def _expandable_fit(self, pool: BlockPool, stream: int, i: int) -> int | None:
+        """``get_free_block`` from the expandable block at ``i`` (the lower bound of this stream's
+        request): with expandable segments, the smallest counting the unmapped space after it; with
+        them turned off since, the first non-expandable block of the stream (``None`` if none)."""
+        keys, blocks = pool.keys, pool.blocks
+        if self.config.expandable_segments:
+            j = i + 1
+            while (
+                blocks[i].expandable
+                and j < len(keys)
+                and key_stream(keys[j]) == stream
+                and _expandable_size(blocks[j]) < _expandable_size(blocks[i])
+            ):
+                i, j = j, j + 1
+            return i
+        i += 1
+        while i < len(keys) and blocks[i].expandable and key_stream(keys[i]) == stream:
+            i += 1
+        if i == len(keys) or key_stream(keys[i]) != stream:
+            return None
+        return i
 
     def _alloc_block(
         self, pool: BlockPool, stream: int, size: int, alloc_size: int, retry: bool = False
@@ -179,23 +196,6 @@ class CachingAllocator(ExpandableSegments):
         self._record("segment_alloc", block.segment, addr, alloc_size, stream)
         return block
 
-    def _alloc_found_block(self, block: Block, size: int, requested: int, split: bool) -> Block:
-        """``alloc_found_block``: hand out the front ``size`` bytes, keeping the rest cached if ``split``."""
-        if split:
-            remaining = block
-            block = Block(size, remaining.stream, remaining.addr, remaining.small, remaining.segment)
-            block.expandable = remaining.expandable
-            splice_after(block, remaining)
-            remaining.addr += size
-            remaining.size -= size
-            self._pools[remaining.small].insert(remaining)
-        block.allocated = True
-        block.requested = requested
-        self.allocated += block.size
-        if self.allocated > self.max_allocated:
-            self.max_allocated = self.allocated
-        return block
-
     # --- free --------------------------------------------------------------------------------
 
     def free(self, block: Block, pending_streams: Iterable[int] = ()) -> None:
@@ -207,7 +207,7 @@ class CachingAllocator(ExpandableSegments):
             raise ValueError(f"block at {block.addr:#x} is not allocated")
         block.allocated = False
         self.allocated -= block.size
-        if pending_streams == ():  # the common case: used on its own stream only
+        if not pending_streams:  # the common case (no streams given): used on its own stream only
             self._free_block(block)
             return
         streams = set(pending_streams) - {block.stream}
@@ -246,7 +246,14 @@ class CachingAllocator(ExpandableSegments):
             merge_into(block, prev, pool)
         if nxt is not None and not nxt.allocated:
             merge_into(block, nxt, pool)
-        pool.insert(block)
+        # pool.insert, inlined (every free of a replay comes here)
+        block.gc_count_base = pool.get_free_blocks_call_count
+        keys = pool.keys
+        k = block.stream << 128 | block.size << 64 | block.addr
+        i = bisect_left(keys, k)
+        keys.insert(i, k)
+        pool.blocks.insert(i, block)
+        pool.free_bytes += block.size
 
     # --- giving memory back ------------------------------------------------------------------
 

@@ -125,15 +125,6 @@ class BlockPool:
         return best
 
 
-def splice_after(block: Block, remaining: Block) -> None:
-    """Put the new ``block`` in front of ``remaining`` in its segment's list (``alloc_found_block``)."""
-    block.prev = remaining.prev
-    if block.prev is not None:
-        block.prev.next = block
-    block.next = remaining
-    remaining.prev = block
-
-
 def merge_into(dst: Block, src: Block | None, pool: BlockPool) -> int:
     """``try_merge_blocks``: absorb free neighbour ``src`` into ``dst``; the bytes absorbed (0 if none).
 
@@ -142,8 +133,13 @@ def merge_into(dst: Block, src: Block | None, pool: BlockPool) -> int:
     """
     if src is None or src.allocated or src.event_count or src.mapped != dst.mapped:  # not free_to_merge()
         return 0
-    if src.mapped:
-        pool.remove(src)
+    if src.mapped:  # pool.remove, inlined
+        keys = pool.keys
+        i = bisect_left(keys, src.stream << 128 | src.size << 64 | src.addr)
+        if i == len(keys) or pool.blocks[i] is not src:
+            raise KeyError(f"block at {src.addr:#x} is not in the pool")
+        del keys[i], pool.blocks[i]
+        pool.free_bytes -= src.size
     else:
         pool.remove_unmapped(src)
     if dst.prev is src:
