@@ -1374,6 +1374,9 @@ def _stage_phases(
         layer_grads = st.grads * layout.largest_layer_params // layout.params if layout.params else 0
         last = {**bwd_end, "gradients": max(end_grads - layer_grads, 0), "activations": end_acts + fp8.backward_extra}
         candidates += [first, last]
+    if workspaces := O.cublas_workspaces(rt.name, device):  # beside every phase, as activations (the run's)
+        for moment in (fwd, opt, *candidates):
+            moment["activations"] = moment.get("activations", 0) + workspaces
     bwd, bwd_total = _largest(candidates)
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     totals = {"forward": sum(fwd.values()), "backward": bwd_total, "optimizer": sum(opt.values())}
