@@ -94,12 +94,15 @@ def inflight_microbatches(plan: Plan, stage: int, accumulation: int) -> int:
     return min(plan.pp - stage, accumulation)
 
 
-def model_states(layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float) -> _States:
+def model_states(
+    layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float, optimizer_shard: int | None = None
+) -> _States:
     """Bytes of params, grads and optimizer states on one rank (ZeRO, Rajbhandari et al. 2020).
 
     Dense params shard over the dp x cp ranks, routed experts over dp x cp / ep. Stage 1
     shards optimizer states (with fp32 master weights), 2 also gradients, 3 also params.
-    Offloaded states move to CPU or NVMe with their shard.
+    Offloaded states move to CPU or NVMe with their shard. ``optimizer_shard``: the elements
+    the rank's optimizer steps where the partition is not even (:func:`zero1_shard`).
     """
     group = plan.dp * plan.cp
     shard = layout.dense_params / group + layout.expert_params / (group // plan.ep)
@@ -107,6 +110,8 @@ def model_states(layout: StageLayout, plan: Plan, policy: PrecisionPolicy, facto
     params_n = shard if plan.zero >= 3 else full
     grads_n = shard if plan.zero >= 2 else full
     opt_n = shard if plan.zero >= 1 else full
+    if optimizer_shard is not None:
+        opt_n = optimizer_shard
     opt_bytes = int(opt_n * state_bytes_per_param(plan.optimizer, policy, factored))
     params_bytes = int(params_n * policy.param_bytes)
     cpu = nvme = 0
@@ -120,6 +125,27 @@ def model_states(layout: StageLayout, plan: Plan, policy: PrecisionPolicy, facto
         params_bytes = 0
     temp = 0 if plan.offload_optimizer != "none" else int(opt_n * foreach_temp_bytes_per_param(plan.optimizer, policy))
     return _States(params_bytes, int(grads_n * policy.grad_bytes), opt_bytes, temp, cpu, nvme, opt_n)
+
+
+def zero1_shard(model: ModelSpec, plan: Plan, rt: RuntimeProfile) -> int | None:
+    """The elements the most-loaded rank's optimizer steps under the bundled trainer's ZeRO-1
+    (``ZeroRedundancyOptimizer`` over DDP, one stage, no TP, a dense model: the plans its run
+    models), or None where the partition is the even ``1 / dp`` of :func:`model_states`.
+    ``ZeroRedundancyOptimizer._partition_parameters`` (torch/distributed/optim/zero_redundancy_optimizer.py)
+    gives whole parameters, largest first, to the rank holding the fewest elements so far
+    (``timeline/zero1.py``, the run's), so one rank holds the embedding's states, another the LM head's:
+    at dp 8 on a 1B Llama the most-loaded rank holds 1.7 times the even share (the run's states at
+    its peak: docs/cost-model.md, "The search's fast form against the run")."""
+    if rt.name != "memplan" or plan.zero != 1 or plan.dp == 1 or plan.pp * plan.tp * plan.cp * plan.ep > 1:
+        return None
+    if model.moe:
+        return None
+    from memplan.costmodel.timeline.zero1 import partition  # no imports of its own
+
+    h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_size
+    layer = [h, q * h, kv * h, kv * h, h * q, h, f * h, h * f, f * h] + ([q, kv, kv] if model.qkv_bias else [])
+    numels = [model.vocab_size * h, h] + layer * model.num_layers + ([] if model.tied_embeddings else [model.vocab_size * h])
+    return max(sum(n for _, n in rank) for rank in partition([("", n) for n in numels], plan.dp))
 
 
 # LoRA adapters are fp32 whatever the base (PEFT's autocast_adapter_dtype), with fp32 states
@@ -1000,12 +1026,13 @@ class MemoryMemo:
         return found
 
     def model_states(
-        self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float, layout_key: tuple
-    ) -> _States:
+        self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float, layout_key: tuple,
+        optimizer_shard: int | None = None,
+    ) -> _States:  # fmt: skip
         """``model_states`` of a stage (full training); ``layout_key``: :meth:`layout`'s."""
-        key = (layout_key, _state_fields(plan))
+        key = (layout_key, _state_fields(plan), optimizer_shard)
         if (found := self.states.get(key)) is None:
-            found = self.states[key] = model_states(layout, plan, policy, factored)
+            found = self.states[key] = model_states(layout, plan, policy, factored, optimizer_shard)
         return found
 
     def fsdp2_unsharded(
@@ -1089,14 +1116,15 @@ def stage_states(
 
 def _states(
     model: ModelSpec, plan: Plan, layout: StageLayout, layout_key: tuple, policy: PrecisionPolicy, device: Device,
-    memo: MemoryMemo,
+    memo: MemoryMemo, optimizer_shard: int | None = None,
 ) -> _States:  # fmt: skip
-    """:func:`stage_states` of a stage whose layout the caller has (``_stage_phases``)."""
+    """:func:`stage_states` of a stage whose layout the caller has (``_stage_phases``; ``optimizer_shard``:
+    :func:`zero1_shard`'s)."""
     factored = 1 / model.hidden_size + 1 / model.ffn_size
     if plan.finetune != "full":
         st = finetune_states(layout, model, plan, policy, factored)
     else:
-        st = memo.model_states(layout, plan, policy, factored, layout_key)
+        st = memo.model_states(layout, plan, policy, factored, layout_key, optimizer_shard)
     if device == "cuda" and is_paged(plan.optimizer) and (paged := paged_state_bytes(model, layout, plan)):
         st = st._replace(optimizer=st.optimizer - paged, paged=paged)
     return st
@@ -1121,7 +1149,8 @@ def _stage_phases(
     fsdp2 = _fsdp2(rt, plan)
     layout, moe_fraction, layout_key = memo.layout(model, plan, stage)
     finetune = plan.finetune != "full"
-    st = _states(model, plan, layout, layout_key, policy, device, memo)
+    zero1 = zero1_shard(model, plan, rt) if plan.zero == 1 and plan.finetune == "full" else None
+    st = _states(model, plan, layout, layout_key, policy, device, memo, zero1)
     x, shape_key = memo.shape(model, workload, plan, rt, device) if shape is None else shape
     terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
     full_layer, live_layer = terms.full_layer, terms.live_layer
