@@ -144,7 +144,8 @@ def zero1_shard(model: ModelSpec, plan: Plan, rt: RuntimeProfile) -> int | None:
 
     h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_size
     layer = [h, q * h, kv * h, kv * h, h * q, h, f * h, h * f, f * h] + ([q, kv, kv] if model.qkv_bias else [])
-    numels = [model.vocab_size * h, h] + layer * model.num_layers + ([] if model.tied_embeddings else [model.vocab_size * h])
+    head = [] if model.tied_embeddings else [model.vocab_size * h]
+    numels = [model.vocab_size * h, h, *layer * model.num_layers, *head]
     return max(sum(n for _, n in rank) for rank in partition([("", n) for n in numels], plan.dp))
 
 
