@@ -55,7 +55,12 @@ WITHIN = [
     (dict(dp=8, zero=1, precision="bf16", recompute="none"), 2048, 4),  # ZeRO-1's partition (zero1_shard)
     (dict(dp=8, zero=0, precision="fp32", recompute="full"), 4096, 1),  # from the cut runs (fast_run)
     (dict(dp=8, zero=1, precision="fp32", recompute="selective"), 4096, 1),
-    *[(dict(dp=d, zero=z, precision=p, recompute="full"), 4096, 1) for d, z in ((8, 3), (64, 2)) for p in PRECISIONS[:3]],
+    *[
+        (dict(dp=d, zero=z, precision=p, recompute="full"), 4096, 1)
+        for d, z in ((8, 3), (64, 2))
+        for p in PRECISIONS[:3]
+    ],
+    (dict(tp=8, precision="bf16-master", recompute="full"), 4096, 1),  # the replicated embedding's fp32 grad
     (dict(dp=8, zero=3, precision="fp32", recompute="none"), 2048, 1),
     (dict(dp=8, zero=3, precision="bf16", recompute="selective"), 2048, 4),
     (dict(dp=8, tp=2, zero=3, sequence_parallel=True, precision="bf16-mixed", recompute="none"), 4096, 1),
@@ -119,14 +124,64 @@ def test_the_phase_model_counts_the_runs_cublas_workspaces():
     assert O.cublas_workspaces("memplan", "cpu") == 0
 
 
+# llama3-8b (-m slow): the plans within the bound, by mechanism, and those outside it
+SLOW_WITHIN = [
+    *[
+        dict(precision=p, recompute=r)
+        for p in PRECISIONS
+        for r in ("none", "full", "selective", "selective-op")
+        if (p, r) != ("bf16-mixed", "selective")
+    ],
+    *[dict(dp=8, zero=0, precision=p, recompute=r) for p in ("bf16", "bf16-master", "fp32") for r in ("none", "full")],
+    *[dict(dp=8, zero=1, precision=p, recompute=r) for p in ("bf16", "bf16-master") for r in ("none", "full")],
+    *[
+        dict(dp=d, zero=z, precision="bf16-master", recompute=r)
+        for d in (8, 64)
+        for z in (2, 3)
+        for r in ("none", "selective")
+    ],
+    *[
+        dict(dp=8, tp=2, zero=3, sequence_parallel=True, precision=p, recompute="selective")
+        for p in ("bf16", "bf16-master")
+    ],
+    *[dict(tp=t, sequence_parallel=True, precision="bf16-master", recompute="full") for t in (2, 8)],
+    *[dict(offload_activations="cpu", precision=p) for p in PRECISIONS],
+    *[dict(dp=8, finetune=f, precision="bf16", recompute="full") for f in ("lora", "qlora")],
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["bf16", "bf16-master"])
-def test_the_fast_form_is_the_run_on_llama3_8b(precision):
-    """llama3-8b over DDP, ZeRO-1, FSDP2 (ZeRO-2 and ZeRO-3, dp 8 and 64, TP 2 + SP), accumulation,
-    recompute none, selective and full, 2,048 and 4,096 tokens."""
-    model = load_model("llama3-8b")
-    for dp, zero, tp in ((8, 0, 1), (8, 1, 1), (8, 2, 1), (64, 3, 1), (8, 3, 2)):
-        for recompute in ("none", "selective", "full"):
-            plan = Plan(dp=dp, zero=zero, tp=tp, sequence_parallel=tp > 1, precision=precision, recompute=recompute)
-            for seq, accumulation in ((2048, 1), (4096, 2)):
-                _assert_within(model, plan, seq, accumulation=accumulation)
+@pytest.mark.parametrize("fields", SLOW_WITHIN)
+def test_the_fast_form_is_the_run_on_llama3_8b(fields):
+    """llama3-8b at 2,048 and 4,096 tokens (micro-batch 1), and with four micro-batches a step."""
+    model, plan = load_model("llama3-8b"), Plan(**fields)
+    for seq, accumulation in ((2048, 1), (4096, 1), (2048, 4)):
+        if accumulation > 1 and plan.offload_activations != "none" and plan.dp > 1:
+            continue
+        _assert_within(model, plan, seq, accumulation=accumulation)
+
+
+# measured 2026-11-28 on llama3-8b, 2,048 tokens, micro-batch 1
+SLOW_MISSES = [
+    _miss(dict(precision="bf16-mixed", recompute="selective"), 2048, 4,
+          "-0.41% (-671 MB): autocast's selective recompute with four micro-batches (the 1B's miss above)"),
+    _miss(dict(dp=8, zero=1, precision="fp32", recompute="none"), 2048, 1,
+          "-3.25%: fp32 ZeRO-1, the phase model (the cut runs' spans do not line up); not yet identified"),
+    _miss(dict(dp=8, zero=3, precision="bf16", recompute="full"), 2048, 1,
+          "+2.05%: FSDP2 ZeRO-3 full recompute at dp 8, the sums' backward above the run's"),
+    _miss(dict(dp=64, zero=3, precision="bf16", recompute="full"), 2048, 1,
+          "-0.15% (-8.6 MB): the sums equal the run's requested bytes (to 520 B at recompute none); the "
+          "rest is the allocator's blocks (unsplit rests), which the phase model does not pack"),
+    _miss(dict(dp=8, tp=8, zero=3, sequence_parallel=True, precision="bf16", recompute="full"), 2048, 1,
+          "-35.8% (-0.87 GB): the embedding's backward under FSDP2 + TP: DTensor's replicated V x h "
+          "gradient (tok_embeddings.embedding.grad_weight, 1.05 GB) beside its shard and the last "
+          "reduce-scatter output; no such moment in the sums"),
+    _miss(dict(dp=8, zero=1, finetune="qlora", precision="bf16", recompute="full"), 2048, 1,
+          "-38.1%: QLoRA under ZeRO-1, the phase model (its build's peak: the cut runs' spans do not line up)"),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields,seq,accumulation", SLOW_MISSES)
+def test_the_plans_still_outside_the_bound_on_llama3_8b(fields, seq, accumulation):
+    _assert_within(load_model("llama3-8b"), Plan(**fields), seq, accumulation=accumulation)
