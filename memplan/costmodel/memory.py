@@ -140,13 +140,20 @@ def zero1_shard(model: ModelSpec, plan: Plan, rt: RuntimeProfile) -> int | None:
         return None
     if model.moe:
         return None
+    shape = (model.hidden_size, model.q_size, model.kv_size, model.ffn_size, model.vocab_size, model.num_layers)
+    return _zero1_most_loaded(shape, model.qkv_bias, model.tied_embeddings, plan.dp)
+
+
+@lru_cache(maxsize=64)
+def _zero1_most_loaded(shape: tuple[int, ...], qkv_bias: bool, tied: bool, dp: int) -> int:
+    """:func:`zero1_shard` of a dense Llama's parameters (``timeline.trainer_model.param_shapes`` at
+    TP 1), once per shape and degree: the greedy partition walks every parameter."""
     from memplan.costmodel.timeline.zero1 import partition  # no imports of its own
 
-    h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_size
-    layer = [h, q * h, kv * h, kv * h, h * q, h, f * h, h * f, f * h] + ([q, kv, kv] if model.qkv_bias else [])
-    head = [] if model.tied_embeddings else [model.vocab_size * h]
-    numels = [model.vocab_size * h, h, *layer * model.num_layers, *head]
-    return max(sum(n for _, n in rank) for rank in partition([("", n) for n in numels], plan.dp))
+    h, q, kv, f, vocab, layers = shape
+    layer = [h, q * h, kv * h, kv * h, h * q, h, f * h, h * f, f * h] + ([q, kv, kv] if qkv_bias else [])
+    numels = [vocab * h, h, *layer * layers, *([] if tied else [vocab * h])]
+    return max(sum(n for _, n in rank) for rank in partition([("", n) for n in numels], dp))
 
 
 # LoRA adapters are fp32 whatever the base (PEFT's autocast_adapter_dtype), with fp32 states
@@ -1240,7 +1247,10 @@ def _stage_phases(
     if rt.pytorch_parallel and plan.tp > 1 and layout.is_first and not fsdp2 and not tied_here and not finetune:
         # DTensor's embedding backward under RowwiseParallel yields a replicated V x h grad
         # (tied, it is summed into the LM head's vocab-sharded one)
-        grads_full += (model.vocab_size * model.hidden_size - vocab_shard_params(model, plan.tp)) * policy.grad_bytes
+        replicated = model.vocab_size * model.hidden_size - vocab_shard_params(model, plan.tp)
+        grads_full += replicated * policy.grad_bytes
+        if master_grads:  # and MasterAdamW's fp32 cast of it is as wide (tok_embeddings.weight.grad_fp32)
+            master_grads += replicated * 4
     weight_copies = autocast_weight_copies(model, layout, plan, x.d) if x.autocast else 0
     if lora_acts is not None:
         weight_copies = lora_acts.weight_copies
@@ -1279,6 +1289,10 @@ def _stage_phases(
     head_grads = 0
     if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
         head_grads = (vocab_shard_params(model, plan.tp) + P.norm_params(model)) * policy.grad_bytes
+    # cuBLAS's workspaces beside every moment, as activations (the run's): each moment's activations
+    # below count ``embed``, and the optimizer step's and a tied embedding's backward's get them alone
+    workspaces = O.cublas_workspaces(rt.name, device)
+    embed += workspaces
     fwd = {
         **base,
         "gradients": grads_in_step,
@@ -1345,6 +1359,8 @@ def _stage_phases(
         "comm_buffers": (0 if ddp_buckets else ddp_copy) + p2p_opt,
         "retained_outputs": retained,
     }
+    if workspaces:
+        opt["activations"] = workspaces
     candidates = [bwd_start, bwd_end]
     if mlp_backward is not None:
         # the bundled trainer offloading: the first layer's backward walked node by node
@@ -1397,6 +1413,8 @@ def _stage_phases(
                 "gathered_params": (tied + P.norm_params(model)) * bytes_ if fsdp2 else 0,
             }
         )
+        if workspaces:
+            candidates[-1]["activations"] = workspaces
     if fp8.backward_extra and layers and lora_acts is None and plan.offload_activations == "none":
         acts = fwd_acts + embed + live_layer - per_layer
         first = fp8_first_backward_layer(bwd_start, fp8, acts, x, head_grads, retained, unsharded.backward_end)
@@ -1404,13 +1422,10 @@ def _stage_phases(
         layer_grads = st.grads * layout.largest_layer_params // layout.params if layout.params else 0
         last = {**bwd_end, "gradients": max(end_grads - layer_grads, 0), "activations": end_acts + fp8.backward_extra}
         candidates += [first, last]
-    if workspaces := O.cublas_workspaces(rt.name, device):  # beside every phase, as activations (the run's)
-        for moment in (fwd, opt, *candidates):
-            moment["activations"] = moment.get("activations", 0) + workspaces
     bwd, bwd_total = _largest(candidates)
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     totals = {"forward": sum(fwd.values()), "backward": bwd_total, "optimizer": sum(opt.values())}
-    total_acts = layer_acts + embed + head
+    total_acts = layer_acts + embed - workspaces + head
     moments = {_FORWARD: fwd, _BACKWARD_START: bwd_start, _BACKWARD: bwd, _OPTIMIZER: opt}
     build_grads = st.grads if (rt.grads_persistent or ddp_buckets) else 0
     return StageMoments(phases, totals, moments, None, build_grads, st, per_layer, total_acts, offload_host)
