@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from heapq import heapreplace
 from operator import attrgetter
 from typing import Literal, NamedTuple
 
@@ -147,13 +148,16 @@ def zero1_shard(model: ModelSpec, plan: Plan, rt: RuntimeProfile) -> int | None:
 @lru_cache(maxsize=64)
 def _zero1_most_loaded(shape: tuple[int, ...], qkv_bias: bool, tied: bool, dp: int) -> int:
     """:func:`zero1_shard` of a dense Llama's parameters (``timeline.trainer_model.param_shapes`` at
-    TP 1), once per shape and degree: the greedy partition walks every parameter."""
-    from memplan.costmodel.timeline.zero1 import partition  # no imports of its own
-
+    TP 1), once per shape and degree: ``timeline.zero1.partition``'s greedy walk (largest first, to the
+    rank of the fewest elements, the lowest of equals) over a heap of (elements, rank), the same
+    choice each time (tests/search/test_fast_form_grid.py holds the two equal)."""
     h, q, kv, f, vocab, layers = shape
     layer = [h, q * h, kv * h, kv * h, h * q, h, f * h, h * f, f * h] + ([q, kv, kv] if qkv_bias else [])
-    numels = [vocab * h, h, *layer * layers, *([] if tied else [vocab * h])]
-    return max(sum(n for _, n in rank) for rank in partition([("", n) for n in numels], dp))
+    numels = sorted([vocab * h, h, *layer * layers, *([] if tied else [vocab * h])], reverse=True)
+    loads = [(0, rank) for rank in range(dp)]
+    for n in numels:
+        heapreplace(loads, (loads[0][0] + n, loads[0][1]))
+    return max(loads)[0]
 
 
 # LoRA adapters are fp32 whatever the base (PEFT's autocast_adapter_dtype), with fp32 states

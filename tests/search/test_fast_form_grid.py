@@ -116,6 +116,21 @@ def test_the_plans_still_outside_the_bound(fields, seq, accumulation):
     _assert_within(LLAMA1B, Plan(**fields), seq, accumulation=accumulation)
 
 
+@pytest.mark.parametrize("name,dp", [("llama3-8b", 8), ("llama3-70b", 4), ("qwen2.5-7b", 8), ("mistral-7b", 2)])
+def test_zero1s_partition_is_the_runs(name, dp):
+    """The phase model's most-loaded ZeRO-1 rank steps the elements the run's does (``timeline.zero1``)."""
+    from memplan.costmodel.memory import zero1_shard
+    from memplan.costmodel.runtimes import RUNTIMES
+    from memplan.costmodel.timeline import zero1
+    from memplan.costmodel.timeline.trainer_model import Dims, param_shapes
+
+    model, plan = load_model(name), Plan(dp=dp, zero=1)
+    shapes = param_shapes(Dims.of(model, TrainingWorkload()), model.tied_embeddings)
+    params = [(n, rows * cols) for n, (rows, cols) in shapes.items()]
+    assert zero1_shard(model, plan, RUNTIMES["memplan"]) == sum(n for _, n in zero1.shard(params, dp))
+    assert zero1_shard(model, plan, RUNTIMES["megatron"]) is None  # an even flat partition
+
+
 def test_the_phase_model_counts_the_runs_cublas_workspaces():
     """The phase model's cuBLAS workspaces are the run's: two of the run's size on CUDA, none on CPU."""
     from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
