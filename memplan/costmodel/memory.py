@@ -128,6 +128,9 @@ def model_states(
     return _States(params_bytes, int(grads_n * policy.grad_bytes), opt_bytes, temp, cpu, nvme, opt_n)
 
 
+_CUBLAS_WORKSPACES = O.cublas_workspaces("memplan", "cuda")  # read once: the search's cost (``_stage_phases``)
+
+
 def zero1_shard(model: ModelSpec, plan: Plan, rt: RuntimeProfile) -> int | None:
     """The elements the most-loaded rank's optimizer steps under the bundled trainer's ZeRO-1
     (``ZeroRedundancyOptimizer`` over DDP, one stage, no TP, a dense model: the plans its run
@@ -1161,7 +1164,7 @@ def _stage_phases(
     fsdp2 = _fsdp2(rt, plan)
     layout, moe_fraction, layout_key = memo.layout(model, plan, stage)
     finetune = plan.finetune != "full"
-    zero1 = zero1_shard(model, plan, rt) if plan.zero == 1 and plan.finetune == "full" else None
+    zero1 = zero1_shard(model, plan, rt) if plan.zero == 1 and plan.pp == 1 and plan.finetune == "full" else None
     st = _states(model, plan, layout, layout_key, policy, device, memo, zero1)
     x, shape_key = memo.shape(model, workload, plan, rt, device) if shape is None else shape
     terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
@@ -1295,7 +1298,7 @@ def _stage_phases(
         head_grads = (vocab_shard_params(model, plan.tp) + P.norm_params(model)) * policy.grad_bytes
     # cuBLAS's workspaces beside every moment, as activations (the run's): each moment's activations
     # below count ``embed``, and the optimizer step's and a tied embedding's backward's get them alone
-    workspaces = O.cublas_workspaces(rt.name, device)
+    workspaces = _CUBLAS_WORKSPACES if device == "cuda" and rt.name == "memplan" else 0  # overhead.cublas_workspaces
     embed += workspaces
     fwd = {
         **base,
