@@ -13,7 +13,7 @@ import pytest
 from memplan.costmodel import memory as M
 from memplan.costmodel import overhead as O
 from memplan.costmodel import time as T
-from memplan.costmodel.fast_run import applies, run_peak
+from memplan.costmodel.fast_run import applies
 from memplan.costmodel.memory import estimate_memory
 from memplan.costmodel.time import Efficiency, estimate_time
 from memplan.search.evaluate import Context, Evaluation, evaluate
@@ -67,7 +67,7 @@ def test_fast_form_is_the_full_estimate(name, gpus, fields):
             speed = estimate_time(model, c.workload, c.plan, gpu, cluster, runtime, ctx.time_efficiency)
             allocated, reserved, phase = mem.peak.allocated, mem.peak.reserved, mem.peak.phase
             if applies(model, c.plan, runtime, device):  # the run's peak (tests/search/test_fast_form_finetune.py)
-                run = run_peak(model, c.workload, c.plan, runtime, device, gpu)
+                run = ctx.run_peaks[c]  # fast_run.run_peak's, once per plan
                 if run is not None:
                     allocated, reserved, phase = run.allocated, O.fast_reserved_bytes(run.allocated), run.phase
             if ratio != 1.0:
