@@ -58,19 +58,33 @@ class RunPeak(NamedTuple):
 
 def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     """Whether this fast form answers the plan: the fine-tuning (LoRA, QLoRA) and fp32 plans on
-    CUDA of one pipeline stage and one data-parallel rank, over a model whose layers repeat
-    (no MoE, latent attention, per-layer attention or RoPE pattern, multi-token prediction), with
-    every layer treated alike (no ``recompute_layers``), for the runtimes the run models. The
-    plans of full bf16 training stay on the phase model's sums, which equal the run there
-    within 0.1% (docs/cost-model.md) at a thousandth of the cost."""
+    CUDA of one pipeline stage without tensor parallelism, on one data-parallel rank or, under the
+    bundled trainer, over DDP (ZeRO-0) or ZeRO-1 (``_over_ranks``), over a model whose layers
+    repeat (no MoE, latent attention, per-layer attention or RoPE pattern, multi-token
+    prediction), with every layer treated alike (no ``recompute_layers``), for the runtimes the
+    run models. The plans of full bf16 training stay on the phase model's sums (the 768-plan
+    grid's cost; how far they are from the run: docs/cost-model.md)."""
     if device != "cuda" or runtime not in ("memplan", "hf"):  # hf-loop: 48 of 50 exact (docs/cost-model.md)
         return False
     if plan.finetune == "full" and plan.precision != "fp32":
         return False
-    if plan.pp > 1 or plan.dp * plan.tp * plan.cp * plan.ep > 1 or plan.recompute_layers is not None:
+    if plan.pp > 1 or plan.tp * plan.cp * plan.ep > 1 or plan.recompute_layers is not None:
+        return False
+    if plan.dp > 1 and not _over_ranks(plan, runtime):
         return False
     repeats = not (model.moe or model.mla or model.rope_pattern or model.attention_pattern)
     return repeats and model.num_mtp_layers == 0 and model.num_layers >= SHALLOWEST + 2 * STEP - 1
+
+
+def _over_ranks(plan: Plan, runtime: str) -> bool:
+    """The plans over several data ranks the cut runs answer: the bundled trainer's DDP (ZeRO-0)
+    and ZeRO-1, whose gradient buckets and optimizer shards add the same per layer, where the
+    phase model's sums miss the run by up to -19% (fp32, ZeRO-1, full recompute, 4,096 tokens) and
+    -67% (QLoRA under DDP: docs/cost-model.md, "The search's fast form against the run"). Not
+    FSDP2 (ZeRO-2, ZeRO-3): its shards are carved from segments whose packing does not repeat
+    layer by layer (ZeRO-3's cut runs' spans do not line up; ZeRO-2's miss the run by up to
+    4.7 MB)."""
+    return runtime == "memplan" and plan.zero <= 1
 
 
 def run_peak(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from heapq import heapreplace
 from operator import attrgetter
 from typing import Literal, NamedTuple
 
@@ -94,12 +95,15 @@ def inflight_microbatches(plan: Plan, stage: int, accumulation: int) -> int:
     return min(plan.pp - stage, accumulation)
 
 
-def model_states(layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float) -> _States:
+def model_states(
+    layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float, optimizer_shard: int | None = None
+) -> _States:
     """Bytes of params, grads and optimizer states on one rank (ZeRO, Rajbhandari et al. 2020).
 
     Dense params shard over the dp x cp ranks, routed experts over dp x cp / ep. Stage 1
     shards optimizer states (with fp32 master weights), 2 also gradients, 3 also params.
-    Offloaded states move to CPU or NVMe with their shard.
+    Offloaded states move to CPU or NVMe with their shard. ``optimizer_shard``: the elements
+    the rank's optimizer steps where the partition is not even (:func:`zero1_shard`).
     """
     group = plan.dp * plan.cp
     shard = layout.dense_params / group + layout.expert_params / (group // plan.ep)
@@ -107,6 +111,8 @@ def model_states(layout: StageLayout, plan: Plan, policy: PrecisionPolicy, facto
     params_n = shard if plan.zero >= 3 else full
     grads_n = shard if plan.zero >= 2 else full
     opt_n = shard if plan.zero >= 1 else full
+    if optimizer_shard is not None:
+        opt_n = optimizer_shard
     opt_bytes = int(opt_n * state_bytes_per_param(plan.optimizer, policy, factored))
     params_bytes = int(params_n * policy.param_bytes)
     cpu = nvme = 0
@@ -120,6 +126,41 @@ def model_states(layout: StageLayout, plan: Plan, policy: PrecisionPolicy, facto
         params_bytes = 0
     temp = 0 if plan.offload_optimizer != "none" else int(opt_n * foreach_temp_bytes_per_param(plan.optimizer, policy))
     return _States(params_bytes, int(grads_n * policy.grad_bytes), opt_bytes, temp, cpu, nvme, opt_n)
+
+
+_CUBLAS_WORKSPACES = O.cublas_workspaces("memplan", "cuda")  # read once: the search's cost (``_stage_phases``)
+
+
+def zero1_shard(model: ModelSpec, plan: Plan, rt: RuntimeProfile) -> int | None:
+    """The elements the most-loaded rank's optimizer steps under the bundled trainer's ZeRO-1
+    (``ZeroRedundancyOptimizer`` over DDP, one stage, no TP, a dense model: the plans its run
+    models), or None where the partition is the even ``1 / dp`` of :func:`model_states`.
+    ``ZeroRedundancyOptimizer._partition_parameters`` (torch/distributed/optim/zero_redundancy_optimizer.py)
+    gives whole parameters, largest first, to the rank holding the fewest elements so far
+    (``timeline/zero1.py``, the run's), so one rank holds the embedding's states, another the LM head's:
+    at dp 8 on a 1B Llama the most-loaded rank holds 1.7 times the even share (the run's states at
+    its peak: docs/cost-model.md, "The search's fast form against the run")."""
+    if rt.name != "memplan" or plan.zero != 1 or plan.dp == 1 or plan.pp * plan.tp * plan.cp * plan.ep > 1:
+        return None
+    if model.moe:
+        return None
+    shape = (model.hidden_size, model.q_size, model.kv_size, model.ffn_size, model.vocab_size, model.num_layers)
+    return _zero1_most_loaded(shape, model.qkv_bias, model.tied_embeddings, plan.dp)
+
+
+@lru_cache(maxsize=64)
+def _zero1_most_loaded(shape: tuple[int, ...], qkv_bias: bool, tied: bool, dp: int) -> int:
+    """:func:`zero1_shard` of a dense Llama's parameters (``timeline.trainer_model.param_shapes`` at
+    TP 1), once per shape and degree: ``timeline.zero1.partition``'s greedy walk (largest first, to the
+    rank of the fewest elements, the lowest of equals) over a heap of (elements, rank), the same
+    choice each time (tests/search/test_fast_form_grid.py holds the two equal)."""
+    h, q, kv, f, vocab, layers = shape
+    layer = [h, q * h, kv * h, kv * h, h * q, h, f * h, h * f, f * h] + ([q, kv, kv] if qkv_bias else [])
+    numels = sorted([vocab * h, h, *layer * layers, *([] if tied else [vocab * h])], reverse=True)
+    loads = [(0, rank) for rank in range(dp)]
+    for n in numels:
+        heapreplace(loads, (loads[0][0] + n, loads[0][1]))
+    return max(loads)[0]
 
 
 # LoRA adapters are fp32 whatever the base (PEFT's autocast_adapter_dtype), with fp32 states
@@ -1000,12 +1041,13 @@ class MemoryMemo:
         return found
 
     def model_states(
-        self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float, layout_key: tuple
-    ) -> _States:
+        self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float, layout_key: tuple,
+        optimizer_shard: int | None = None,
+    ) -> _States:  # fmt: skip
         """``model_states`` of a stage (full training); ``layout_key``: :meth:`layout`'s."""
-        key = (layout_key, _state_fields(plan))
+        key = (layout_key, _state_fields(plan), optimizer_shard)
         if (found := self.states.get(key)) is None:
-            found = self.states[key] = model_states(layout, plan, policy, factored)
+            found = self.states[key] = model_states(layout, plan, policy, factored, optimizer_shard)
         return found
 
     def fsdp2_unsharded(
@@ -1089,14 +1131,15 @@ def stage_states(
 
 def _states(
     model: ModelSpec, plan: Plan, layout: StageLayout, layout_key: tuple, policy: PrecisionPolicy, device: Device,
-    memo: MemoryMemo,
+    memo: MemoryMemo, optimizer_shard: int | None = None,
 ) -> _States:  # fmt: skip
-    """:func:`stage_states` of a stage whose layout the caller has (``_stage_phases``)."""
+    """:func:`stage_states` of a stage whose layout the caller has (``_stage_phases``; ``optimizer_shard``:
+    :func:`zero1_shard`'s)."""
     factored = 1 / model.hidden_size + 1 / model.ffn_size
     if plan.finetune != "full":
         st = finetune_states(layout, model, plan, policy, factored)
     else:
-        st = memo.model_states(layout, plan, policy, factored, layout_key)
+        st = memo.model_states(layout, plan, policy, factored, layout_key, optimizer_shard)
     if device == "cuda" and is_paged(plan.optimizer) and (paged := paged_state_bytes(model, layout, plan)):
         st = st._replace(optimizer=st.optimizer - paged, paged=paged)
     return st
@@ -1121,7 +1164,8 @@ def _stage_phases(
     fsdp2 = _fsdp2(rt, plan)
     layout, moe_fraction, layout_key = memo.layout(model, plan, stage)
     finetune = plan.finetune != "full"
-    st = _states(model, plan, layout, layout_key, policy, device, memo)
+    zero1 = zero1_shard(model, plan, rt) if plan.zero == 1 and plan.pp == 1 and plan.finetune == "full" else None
+    st = _states(model, plan, layout, layout_key, policy, device, memo, zero1)
     x, shape_key = memo.shape(model, workload, plan, rt, device) if shape is None else shape
     terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
     full_layer, live_layer = terms.full_layer, terms.live_layer
@@ -1210,7 +1254,10 @@ def _stage_phases(
     if rt.pytorch_parallel and plan.tp > 1 and layout.is_first and not fsdp2 and not tied_here and not finetune:
         # DTensor's embedding backward under RowwiseParallel yields a replicated V x h grad
         # (tied, it is summed into the LM head's vocab-sharded one)
-        grads_full += (model.vocab_size * model.hidden_size - vocab_shard_params(model, plan.tp)) * policy.grad_bytes
+        replicated = model.vocab_size * model.hidden_size - vocab_shard_params(model, plan.tp)
+        grads_full += replicated * policy.grad_bytes
+        if master_grads:  # and MasterAdamW's fp32 cast of it is as wide (tok_embeddings.weight.grad_fp32)
+            master_grads += replicated * 4
     weight_copies = autocast_weight_copies(model, layout, plan, x.d) if x.autocast else 0
     if lora_acts is not None:
         weight_copies = lora_acts.weight_copies
@@ -1249,6 +1296,10 @@ def _stage_phases(
     head_grads = 0
     if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
         head_grads = (vocab_shard_params(model, plan.tp) + P.norm_params(model)) * policy.grad_bytes
+    # cuBLAS's workspaces beside every moment, as activations (the run's): each moment's activations
+    # below count ``embed``, and the optimizer step's and a tied embedding's backward's get them alone
+    workspaces = _CUBLAS_WORKSPACES if device == "cuda" and rt.name == "memplan" else 0  # overhead.cublas_workspaces
+    embed += workspaces
     fwd = {
         **base,
         "gradients": grads_in_step,
@@ -1315,6 +1366,8 @@ def _stage_phases(
         "comm_buffers": (0 if ddp_buckets else ddp_copy) + p2p_opt,
         "retained_outputs": retained,
     }
+    if workspaces:
+        opt["activations"] = workspaces
     candidates = [bwd_start, bwd_end]
     if mlp_backward is not None:
         # the bundled trainer offloading: the first layer's backward walked node by node
@@ -1367,6 +1420,8 @@ def _stage_phases(
                 "gathered_params": (tied + P.norm_params(model)) * bytes_ if fsdp2 else 0,
             }
         )
+        if workspaces:
+            candidates[-1]["activations"] = workspaces
     if fp8.backward_extra and layers and lora_acts is None and plan.offload_activations == "none":
         acts = fwd_acts + embed + live_layer - per_layer
         first = fp8_first_backward_layer(bwd_start, fp8, acts, x, head_grads, retained, unsharded.backward_end)
@@ -1377,7 +1432,7 @@ def _stage_phases(
     bwd, bwd_total = _largest(candidates)
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     totals = {"forward": sum(fwd.values()), "backward": bwd_total, "optimizer": sum(opt.values())}
-    total_acts = layer_acts + embed + head
+    total_acts = layer_acts + embed - workspaces + head
     moments = {_FORWARD: fwd, _BACKWARD_START: bwd_start, _BACKWARD: bwd, _OPTIMIZER: opt}
     build_grads = st.grads if (rt.grads_persistent or ddp_buckets) else 0
     return StageMoments(phases, totals, moments, None, build_grads, st, per_layer, total_acts, offload_host)

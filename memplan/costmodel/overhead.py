@@ -31,6 +31,21 @@ GiB = 2**30
 NCCL_COMMUNICATOR_BYTES = 512 * MiB
 ALLOCATOR_SLACK = 0.07  # midpoint-ish of the 1.05-1.10x reserved/allocated range
 SEGMENT_BYTES = 2 * MiB
+# cuBLAS's workspace per handle and stream without CUBLAS_WORKSPACE_CONFIG: 4096 * 8 * 1024 B on
+# compute capability 9 and later (aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize's
+# default); the op-level run's ``timeline.trainer.CUBLAS_WORKSPACE`` (tests/search/test_fast_form_grid.py)
+CUBLAS_WORKSPACE_BYTES = 32 * MiB
+
+
+def cublas_workspaces(runtime: str, device: str) -> int:
+    """The bytes of cuBLAS's workspaces a training step of the bundled trainer holds on CUDA: the
+    forward thread's and the autograd thread's (each its own handle), allocated through the caching
+    allocator at each thread's first matmul and never freed (``CublasHandlePool.cpp`` keeps them per
+    handle and stream), so beside every phase of the steady steps. The op-level run allocates them
+    (``timeline/trainer.py``, ``cublas_workspace.forward`` / ``.backward``); the phase model's sums
+    (``memory._stage_phases``) count them for that runtime, where they were the run's largest term
+    they lacked (docs/cost-model.md, "The search's fast form against the run"). 0 on CPU."""
+    return 2 * CUBLAS_WORKSPACE_BYTES if runtime == "memplan" and device == "cuda" else 0
 
 
 class ContextFigure:

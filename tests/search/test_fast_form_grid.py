@@ -1,0 +1,202 @@
+"""The search's fast form of full training and of plans over several ranks against the op-level run.
+
+``evaluate.fast_peak`` answers these plans with the phase model's sums (``memory.training_peak``)
+or, for fp32 and LoRA plans over DDP or ZeRO-1, with the run cut to two depths
+(``costmodel/fast_run.py``). Here its allocated peak is held to the whole run's replayed through
+the allocator model (``reserve.replay``'s ``max_allocated``) within 0.1%, over a grid of plans the
+run models, on the 1B Llama of the H200 traces (tests/data/gpu-traces/llama1b.config.json) by
+default and on llama3-8b under ``-m slow``. The plans still outside the bound are strict xfails,
+each with its figure and the tensor that makes it (docs/cost-model.md, "The search's fast form
+against the run", the table of 2026-11-28)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from memplan.costmodel import overhead as O
+from memplan.costmodel.allocator import AllocatorConfig
+from memplan.costmodel.reserve import plan_run, replay
+from memplan.costmodel.timeline.support import supported
+from memplan.search.evaluate import Context, fast_peak
+from memplan.search.space import Candidate
+from memplan.specs.hardware import ClusterSpec
+from memplan.specs.loader import load_gpu, load_model
+from memplan.specs.plan import Plan
+from memplan.specs.workload import TrainingWorkload
+
+LLAMA1B = load_model(str(Path(__file__).parents[1] / "data" / "gpu-traces" / "llama1b.config.json"))
+BOUND = 0.001  # issue 27: the fast form's peak equals the run's; the phase model's sums within 0.1%
+PRECISIONS = ("bf16", "bf16-mixed", "bf16-master", "fp32")
+
+
+def _gap(model, plan: Plan, seq: int, micro_batch: int = 1, accumulation: int = 1) -> tuple[int, int]:
+    """(the fast form's allocated peak, the run's) of one plan the run models."""
+    wl = TrainingWorkload(seq_len=seq, micro_batch=micro_batch, global_batch=micro_batch * plan.dp * accumulation)
+    assert supported(model, wl, plan) is None, plan
+    ctx = Context(model, load_gpu("h200"), ClusterSpec(gpus_per_node=8, nodes=8))
+    run, which = plan_run(model, wl, plan, "memplan")
+    assert which == "trainer"
+    return fast_peak(Candidate(plan, wl), ctx).allocated, replay(run, AllocatorConfig()).max_allocated
+
+
+def _assert_within(model, plan: Plan, seq: int, micro_batch: int = 1, accumulation: int = 1) -> None:
+    fast, run = _gap(model, plan, seq, micro_batch, accumulation)
+    assert abs(fast - run) <= BOUND * run, (plan, seq, f"{fast - run:+,} B", f"{(fast - run) / run:+.3%}")
+
+
+# (plan fields, seq, accumulation): one or two per mechanism and precision, within the bound
+WITHIN = [
+    *[(dict(precision=p, recompute=r), 2048, 1) for p in PRECISIONS[:3] for r in ("none", "full")],
+    (dict(precision="bf16-master", recompute="selective-op"), 4096, 1),
+    (dict(precision="bf16", recompute="selective"), 4096, 1),
+    *[(dict(dp=8, zero=z, precision=p, recompute="full"), 4096, 1) for z in (0, 1) for p in ("bf16", "bf16-master")],
+    (dict(dp=8, zero=1, precision="bf16", recompute="none"), 2048, 4),  # ZeRO-1's partition (zero1_shard)
+    (dict(dp=8, zero=0, precision="fp32", recompute="full"), 4096, 1),  # from the cut runs (fast_run)
+    (dict(dp=8, zero=1, precision="fp32", recompute="selective"), 4096, 1),
+    *[
+        (dict(dp=d, zero=z, precision=p, recompute="full"), 4096, 1)
+        for d, z in ((8, 3), (64, 2))
+        for p in PRECISIONS[:3]
+    ],
+    (dict(tp=8, precision="bf16-master", recompute="full"), 4096, 1),  # the replicated embedding's fp32 grad
+    (dict(dp=8, zero=3, precision="fp32", recompute="none"), 2048, 1),
+    (dict(dp=8, zero=3, precision="bf16", recompute="selective"), 2048, 4),
+    (dict(dp=8, tp=2, zero=3, sequence_parallel=True, precision="bf16-mixed", recompute="none"), 4096, 1),
+    (dict(dp=8, zero=3, offload_params="cpu", offload_optimizer="cpu", precision="bf16", recompute="full"), 4096, 1),
+    (dict(offload_activations="cpu", precision="bf16-master"), 4096, 1),
+    (dict(dp=8, finetune="lora", precision="bf16", recompute="full"), 4096, 1),
+    (dict(dp=8, finetune="qlora", precision="bf16", recompute="none"), 2048, 1),
+]
+
+
+@pytest.mark.parametrize("fields,seq,accumulation", WITHIN)
+def test_the_fast_form_is_the_run_within_a_thousandth(fields, seq, accumulation):
+    _assert_within(LLAMA1B, Plan(**fields), seq, accumulation=accumulation)
+
+
+def _miss(fields: dict, seq: int, accumulation: int, why: str):
+    return pytest.param(fields, seq, accumulation, marks=pytest.mark.xfail(strict=True, reason=why))
+
+
+# measured 2026-11-28 on the 1B config, micro-batch 1 (docs/cost-model.md): the phase model's peak - the run's
+MISSES = [
+    _miss(dict(precision="bf16-mixed", recompute="selective"), 4096, 1,
+          "-1.03% (-335.5 MB): autocast's selective recompute; the run's backward holds more than the sums"),
+    _miss(dict(precision="bf16-mixed", recompute="selective-op"), 4096, 1,
+          "+5.9% (+1.47 GB): the phase model's backward over the run's optimizer-step peak"),
+    _miss(dict(dp=8, precision="bf16-mixed", recompute="full"), 4096, 1,
+          "+6.15% (+1.68 GB): the sums keep every layer's autocast cast at the backward's start; the run "
+          "only the LM head's (output.weight.autocast), and its layer inputs in fp32 (layers.residual_ffn)"),
+    _miss(dict(pp=2, precision="bf16", recompute="none"), 4096, 8,
+          "-5.5% (1F1B): the last stage's bf16 logits (output.logits, 1.05 GB) beside the loss's fp32 tensors"),
+    _miss(dict(pp=2, pp_schedule="gpipe", precision="bf16", recompute="full"), 4096, 8,
+          "-23.2% (GPipe): every micro-batch's forward held, with the logits above"),
+    _miss(dict(dp=2, pp=2, zero=3, pp_schedule="interleaved", virtual_stages=2, precision="bf16-master",
+               recompute="full"), 4096, 8, "-9.9%: FSDP2 under the interleaved schedule"),  # fmt: skip
+    _miss(dict(dp=8, zero=3, precision="fp32", recompute="full"), 4096, 1,
+          "-26.5% (-3.79 GB): SDPA's math backward holds four s x s tensors per head (probs, out.grad_self, "
+          "probs.grad, grad_times_output: 8.6 GB) with FSDP2's buffers and the head's dW beside them"),
+    _miss(dict(dp=8, zero=3, offload_params="cpu", offload_optimizer="cpu", precision="fp32", recompute="full"),
+          4096, 1, "-35.1%: the math backward above, under FSDP2's CPU offload"),
+    _miss(dict(tp=8, precision="bf16-master", recompute="none"), 2048, 1,
+          "-0.14% (-5.4 MB): TP 8 on one data rank; not yet identified"),
+    _miss(dict(dp=8, tp=8, zero=3, sequence_parallel=True, precision="bf16-master", recompute="none"), 2048, 1,
+          "-0.23% (-3.7 MB): FSDP2 with TP 8 + SP; not yet identified"),
+    _miss(dict(dp=8, zero=1, finetune="lora", precision="fp32", recompute="none"), 4096, 1,
+          "+0.97%: LoRA under ZeRO-1, the phase model (the cut runs' spans do not line up)"),
+    _miss(dict(dp=8, zero=1, finetune="qlora", precision="bf16", recompute="none"), 4096, 1,
+          "-66.6%: QLoRA under ZeRO-1, the phase model (as LoRA above)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields,seq,accumulation", MISSES)
+def test_the_plans_still_outside_the_bound(fields, seq, accumulation):
+    _assert_within(LLAMA1B, Plan(**fields), seq, accumulation=accumulation)
+
+
+@pytest.mark.parametrize("name,dp", [("llama3-8b", 8), ("llama3-70b", 4), ("qwen2.5-7b", 8), ("mistral-7b", 2)])
+def test_zero1s_partition_is_the_runs(name, dp):
+    """The phase model's most-loaded ZeRO-1 rank steps the elements the run's does (``timeline.zero1``)."""
+    from memplan.costmodel.memory import zero1_shard
+    from memplan.costmodel.runtimes import RUNTIMES
+    from memplan.costmodel.timeline import zero1
+    from memplan.costmodel.timeline.trainer_model import Dims, param_shapes
+
+    model, plan = load_model(name), Plan(dp=dp, zero=1)
+    shapes = param_shapes(Dims.of(model, TrainingWorkload()), model.tied_embeddings)
+    params = [(n, rows * cols) for n, (rows, cols) in shapes.items()]
+    assert zero1_shard(model, plan, RUNTIMES["memplan"]) == sum(n for _, n in zero1.shard(params, dp))
+    assert zero1_shard(model, plan, RUNTIMES["megatron"]) is None  # an even flat partition
+
+
+def test_the_phase_model_counts_the_runs_cublas_workspaces():
+    """The phase model's cuBLAS workspaces are the run's: two of the run's size on CUDA, none on CPU."""
+    from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
+
+    assert O.cublas_workspaces("memplan", "cuda") == 2 * CUBLAS_WORKSPACE
+    assert O.cublas_workspaces("memplan", "cpu") == 0
+
+
+# llama3-8b (-m slow): the plans within the bound, by mechanism, and those outside it
+SLOW_WITHIN = [
+    *[
+        dict(precision=p, recompute=r)
+        for p in PRECISIONS
+        for r in ("none", "full", "selective", "selective-op")
+        if (p, r) != ("bf16-mixed", "selective")
+    ],
+    *[dict(dp=8, zero=0, precision=p, recompute=r) for p in ("bf16", "bf16-master", "fp32") for r in ("none", "full")],
+    *[dict(dp=8, zero=1, precision=p, recompute=r) for p in ("bf16", "bf16-master") for r in ("none", "full")],
+    *[
+        dict(dp=d, zero=z, precision="bf16-master", recompute=r)
+        for d in (8, 64)
+        for z in (2, 3)
+        for r in ("none", "selective")
+    ],
+    *[
+        dict(dp=8, tp=2, zero=3, sequence_parallel=True, precision=p, recompute="selective")
+        for p in ("bf16", "bf16-master")
+    ],
+    *[dict(tp=t, sequence_parallel=True, precision="bf16-master", recompute="full") for t in (2, 8)],
+    *[dict(offload_activations="cpu", precision=p) for p in PRECISIONS],
+    *[dict(dp=8, finetune=f, precision="bf16", recompute="full") for f in ("lora", "qlora")],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields", SLOW_WITHIN)
+def test_the_fast_form_is_the_run_on_llama3_8b(fields):
+    """llama3-8b at 2,048 and 4,096 tokens (micro-batch 1), and with four micro-batches a step."""
+    model, plan = load_model("llama3-8b"), Plan(**fields)
+    for seq, accumulation in ((2048, 1), (4096, 1), (2048, 4)):
+        if accumulation > 1 and plan.offload_activations != "none" and plan.dp > 1:
+            continue
+        _assert_within(model, plan, seq, accumulation=accumulation)
+
+
+# measured 2026-11-28 on llama3-8b, 2,048 tokens, micro-batch 1
+SLOW_MISSES = [
+    _miss(dict(precision="bf16-mixed", recompute="selective"), 2048, 4,
+          "-0.41% (-671 MB): autocast's selective recompute with four micro-batches (the 1B's miss above)"),
+    _miss(dict(dp=8, zero=1, precision="fp32", recompute="none"), 2048, 1,
+          "-3.25%: fp32 ZeRO-1, the phase model (the cut runs' spans do not line up); not yet identified"),
+    _miss(dict(dp=8, zero=3, precision="bf16", recompute="full"), 2048, 1,
+          "+2.05%: FSDP2 ZeRO-3 full recompute at dp 8, the sums' backward above the run's"),
+    _miss(dict(dp=64, zero=3, precision="bf16", recompute="full"), 2048, 1,
+          "-0.15% (-8.6 MB): the sums equal the run's requested bytes (to 520 B at recompute none); the "
+          "rest is the allocator's blocks (unsplit rests), which the phase model does not pack"),
+    _miss(dict(dp=8, tp=8, zero=3, sequence_parallel=True, precision="bf16", recompute="full"), 2048, 1,
+          "-35.8% (-0.87 GB): the embedding's backward under FSDP2 + TP: DTensor's replicated V x h "
+          "gradient (tok_embeddings.embedding.grad_weight, 1.05 GB) beside its shard and the last "
+          "reduce-scatter output; no such moment in the sums"),
+    _miss(dict(dp=8, zero=1, finetune="qlora", precision="bf16", recompute="full"), 2048, 1,
+          "-38.1%: QLoRA under ZeRO-1, the phase model (its build's peak: the cut runs' spans do not line up)"),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields,seq,accumulation", SLOW_MISSES)
+def test_the_plans_still_outside_the_bound_on_llama3_8b(fields, seq, accumulation):
+    _assert_within(load_model("llama3-8b"), Plan(**fields), seq, accumulation=accumulation)
