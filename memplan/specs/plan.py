@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from functools import cache
 from typing import Literal
 
@@ -224,6 +225,17 @@ def trainer_autocast(plan, runtime: str) -> bool:
     if plan.precision != "bf16":
         return plan.precision == "bf16-mixed"
     return plan.autocast if plan.autocast is not None else runtime == "hf"
+
+
+def fsdp_build(plan: Plan, given: Collection[str], runtime: str) -> Plan:
+    """``model_build`` left out (not among the fields ``given``) of an FSDP plan of the Trainer (runtime
+    ``hf``, ``dp`` > 1, ZeRO-2/3, an unquantized base): ``to_device``, the model loaded on the CPU and
+    sharded by accelerate's ``cpu_ram_efficient_loading``, as FSDP users load it and as ``memplan export
+    --to hf-trainer | accelerate | axolotl`` write it (``costmodel/timeline/hf_fsdp_load.py``; ``memplan
+    tune``'s searched plans too); otherwise ``Plan``'s default, ``from_pretrained`` with a device_map."""
+    if "model_build" in given or runtime != "hf" or plan.dp < 2 or plan.zero < 2 or plan.quant != "none":
+        return plan
+    return plan.model_copy(update={"model_build": "to_device"})
 
 
 @cache

@@ -20,7 +20,7 @@ from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import PlanFile, RuntimeName, check_compatible, suspicious
 from memplan.specs.loader import load_gpu, load_model, read_data, short, validate, validation_error
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan
+from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan, fsdp_build
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
 CLI = "command line"
@@ -235,17 +235,6 @@ def job_from(
         raise _blame_flag(err.located(source), set(flags), from_file) from None
     allocator = resolve_allocator(sizes.allocator or pf.allocator)
     return Job(model, workload, plan, gpu, cluster, runtime, allocator, tuple(suspicious(model, workload)), gpu_note)
-
-
-def fsdp_build(plan: Plan, given: dict[str, Any], runtime: str) -> Plan:
-    """``model_build`` left out of an FSDP plan of the Trainer (runtime ``hf``, ``dp`` > 1, ZeRO-2/3, an
-    unquantized base): ``to_device``, the model loaded on the CPU and sharded by accelerate's
-    ``cpu_ram_efficient_loading``, as FSDP users load it and as ``memplan export --to hf-trainer |
-    accelerate | axolotl`` write it (``costmodel/timeline/hf_fsdp_load.py``); otherwise ``Plan``'s
-    default, ``from_pretrained`` with a device_map."""
-    if "model_build" in given or runtime != "hf" or plan.dp < 2 or plan.zero < 2 or plan.quant != "none":
-        return plan
-    return plan.model_copy(update={"model_build": "to_device"})
 
 
 def _gpu(ref: str) -> tuple[GPUSpec, str]:
