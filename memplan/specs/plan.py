@@ -112,8 +112,10 @@ class Plan(BaseModel):
         "from_pretrained",
         description="How the transformers Trainer's model reached the GPU (runtime hf / hf-loop): from_pretrained "
         "with a device_map (transformers' caching-allocator warmup: one segment the size of the weights, the "
-        "weights carved from it); to_device: each parameter its own allocation (loaded on the CPU then "
-        "model.to('cuda'), as the Trainer moves a model loaded without a device_map).",
+        "weights carved from it); to_device: loaded on the CPU, each parameter its own allocation (model.to('cuda'), "
+        "as the Trainer moves a model loaded without a device_map; under the Trainer's FSDP2 sharded onto the GPUs "
+        "by accelerate's cpu_ram_efficient_loading). Default: to_device for runtime hf over dp > 1 at zero 2/3 "
+        "with an unquantized base (fsdp_build), else from_pretrained.",
     )
 
     # None: the precision's recipe under transformers' loops (``trainer_autocast``); a bf16 model can

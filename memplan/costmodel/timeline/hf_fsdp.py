@@ -20,7 +20,9 @@ embedding not on its own), then on the model (881-885: the root, no parameters o
 ``fully_shard`` allocates its parameters' padded shards (``FSDPParam._init_sharded_param``: ``new_zeros``
 of dim 0 padded to a multiple of dp); the full parameters go when ``prepare`` returns. So the build holds
 the whole model and its shards at once (with ``cpu_ram_efficient_loading`` the model goes to the meta
-device first, but the state dict still holds the device copies: the same peak, measured on CPU).
+device first, but the state dict still holds the device copies: the same peak, measured on CPU). That is
+the build of a model loaded onto the GPU (``model_build: from_pretrained``); one loaded on the CPU, the
+default for these plans, is ``hf_fsdp_load.py``'s.
 
 From there the groups run as the bundled trainer's (``fsdp.Fsdp``: the same groups, all-gather,
 copy-out, reshard, reduce-scatter). Without mixed precision the policy is ``MixedPrecisionPolicy()``
