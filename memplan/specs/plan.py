@@ -240,6 +240,21 @@ def fsdp_build(plan: Plan, given: Collection[str], runtime: str) -> Plan:
     return plan.model_copy(update={"model_build": "to_device"})
 
 
+def changed_plan(plan: Plan, update: dict, runtime: str) -> Plan:
+    """``plan`` with ``update`` applied and validated (advice's and tune's changed plans); a ``model_build``
+    that was ``plan``'s default (:func:`fsdp_build`) is resolved again for the changed plan (the Trainer's
+    FSDP over a model loaded on the CPU; a quantized base or DDP with a device_map)."""
+    data = {**plan.model_dump(), **update}
+    if "model_build" in update or plan.model_build != fsdp_build(_loaded_on_gpu(plan), (), runtime).model_build:
+        return Plan.model_validate(data)
+    del data["model_build"]
+    return fsdp_build(Plan.model_validate(data), (), runtime)
+
+
+def _loaded_on_gpu(plan: Plan) -> Plan:
+    return plan.model_copy(update={"model_build": "from_pretrained"})
+
+
 @cache
 def _defaults() -> dict[str, object]:
     """Each field's default, read once: ``Plan.model_fields`` goes through pydantic's

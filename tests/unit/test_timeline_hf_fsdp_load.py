@@ -148,3 +148,20 @@ def test_the_fsdp_exports_load_as_the_plan_does(build: str | None, efficient: bo
     assert yaml.safe_load(render(job, "axolotl", sharding="fsdp").text)["fsdp_config"]["cpu_ram_efficient_loading"] is (
         efficient
     )
+
+
+def test_advice_resolves_a_default_build_again() -> None:
+    """A changed plan (advice, its check) takes the build its own default gives where the plan's was the
+    default: DDP -> FSDP loads on the CPU, FSDP -> a 4-bit base with a device_map (no error); a build given
+    otherwise stays."""
+    from memplan.specs.plan import changed_plan, fsdp_build
+
+    ddp, fsdp = Plan(dp=8), fsdp_build(Plan(dp=8, zero=3), (), "hf")
+    assert fsdp.model_build == "to_device"
+    assert changed_plan(ddp, {"zero": 3}, "hf").model_build == "to_device"
+    assert changed_plan(ddp, {"zero": 3}, "memplan").model_build == "from_pretrained"
+    qlora = changed_plan(fsdp, {"finetune": "lora", "quant": "nf4"}, "hf")
+    assert (qlora.quant, qlora.model_build) == ("nf4", "from_pretrained")
+    given = Plan(dp=8, zero=3, model_build="from_pretrained")
+    assert changed_plan(given, {"zero": 2}, "hf").model_build == "from_pretrained"
+    assert changed_plan(Plan(dp=8, model_build="to_device"), {"recompute": "full"}, "hf").model_build == "to_device"
