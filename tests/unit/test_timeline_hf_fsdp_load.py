@@ -72,6 +72,27 @@ def test_cpu_load_variants_equal_rank_0s_shards_and_peak(fields: dict, zero: int
     _check(_case("-".join(fields) or "fp32", **fields), zero, dp)
 
 
+@pytest.mark.parametrize(("fields", "zero", "dp"), [({"targets": ("all-linear",)}, 2, 3), ({"tied": True}, 3, 2)])
+def test_a_lora_cpu_load_equals_rank_0s_shards_and_peak(fields: dict, zero: int, dp: int) -> None:
+    """PEFT LoRA in fp32: the frozen base's keys and each adapter's (``lora_A``, ``lora_B`` after its
+    ``base_layer``) loaded in ``state_dict()`` order."""
+    pytest.importorskip("accelerate")
+    hf_fsdp_steps, peft_steps = pytest.importorskip("hf_fsdp_steps"), pytest.importorskip("peft_steps")
+    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
+
+    case = peft_steps.PeftCase("hffsdp-load-lora", **{**peft_steps.TINY, **fields})
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = peft_steps.plan_of(case).model_copy(update=dict(dp=dp, zero=zero))
+    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
+    kw = dict(qkv_bias=model.qkv_bias, inplace_accumulate=False, dp=dp, zero=zero, lora=HfLoraConfig.of(plan))
+    timeline = hf_run(d, model.tied_embeddings, "cpu_flash", steps=3, batches=3, host_load=True, **kw)
+    config = {"cpu_ram_efficient_loading": True}
+    measured = hf_fsdp_steps.run(case, steps=3, reshard=zero == 3, world=dp, log=True, config=config)
+    predicted = _loaded(timeline)
+    assert [size for _, size, op, _ in measured.events if op in LOADED][: len(predicted)] == predicted
+    assert timeline.peak()[0] == measured.peak
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_on_cuda_the_build_holds_the_shards_and_one_full_parameter(tied: bool) -> None:
     """On CUDA nothing of the model is on the GPU before ``prepare``; the load holds one full fp32 parameter
