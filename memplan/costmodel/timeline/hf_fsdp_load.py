@@ -38,8 +38,8 @@ So the build's GPU peak is every shard plus one full parameter (the largest: the
 fp32 under ``bf16=True``), not the whole model. On CPU the device is the host: the full parameters are
 the loaded model itself (``.to("cpu")`` returns it), so the CPU measurement of the real Trainer with
 ``cpu_ram_efficient_loading`` (tests/unit/test_timeline_hf_fsdp_load.py) checks the deep-copied
-buffers, the meshes, the shards' order and sizes (LoRA's adapters among them), the tied model's extra shard and the steps; the full
-copies on the GPU (tagged ``.full``) are from the source above only.
+buffers, the meshes, the shards' order and sizes (LoRA's adapters among them), the tied model's extra
+shard and the steps; the full copies on the GPU (tagged ``.full``) are from the source above only.
 """
 
 from __future__ import annotations
