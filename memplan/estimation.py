@@ -19,7 +19,7 @@ from memplan.costmodel.reserve import Verdict, plan_verdict, serving_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
 from memplan.costmodel.timeline.events import Timeline
 from memplan.specs.hardware import GPUSpec
-from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan, trainer_autocast
+from memplan.specs.plan import TRANSFORMERS_RUNTIMES, changed_plan, trainer_autocast
 from memplan.specs.resolve import TRAINING_PLAN_FIELDS, Job
 from memplan.specs.workload import TrainingWorkload
 
@@ -180,7 +180,7 @@ def _verified(
             out.append((s, False))
             continue
         budget -= 1
-        plan = Plan.model_validate({**job.plan.model_dump(), **dict(s.plan_update)})
+        plan = changed_plan(job.plan, dict(s.plan_update), job.runtime)
         workload = job.workload.model_copy(update=dict(s.workload_update))
         changed = replace(job, plan=plan, workload=workload)
         full, v, _ = memory_verdict(changed, device, limit)

@@ -181,8 +181,9 @@ ModelBuildOpt = Annotated[
     str | None,
     Opt(
         help="runtime hf / hf-loop: how the model reached the GPU: from_pretrained (with a device_map: one warmup "
-        "segment the weights are carved from) or to_device (model.to('cuda'): one allocation per parameter) "
-        "(default: from_pretrained).",
+        "segment the weights are carved from) or to_device (loaded on the CPU: model.to('cuda'), one allocation "
+        "per parameter; under the Trainer's FSDP2 sharded onto the GPUs by cpu_ram_efficient_loading) (default: "
+        "to_device for hf FSDP plans (dp > 1, zero 2/3), else from_pretrained).",
         rich_help_panel=FINETUNE_PANEL,
     ),
 ]

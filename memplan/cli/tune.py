@@ -66,7 +66,8 @@ EXCLUDED = {
     "sequence_parallel": "tune's own --sequence-parallel: on by default for the plans with tp > 1",
     "runtime": "tune's own --runtime: the loops the search models, checked as given",
     "autocast": "the searched plans take each precision's recipe (bf16 under --runtime hf: the Trainer's bf16=True)",
-    "model_build": "the searched plans load the model with from_pretrained and a device_map (the default)",
+    "model_build": "the searched plans load the model as a plan does by default (with a device_map; on the CPU for "
+    "the Trainer's FSDP2)",
     "attention": "the searched plans run the device's default attention kernel (--device)",
     **{name: "the searched plans take fp8's defaults where --precision allows fp8" for name in FP8},
     **{name: "tune searches training plans, not serving" for name in SERVING},

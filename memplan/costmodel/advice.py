@@ -28,7 +28,7 @@ from memplan.errors import MemplanError
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import check_compatible
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan
+from memplan.specs.plan import Plan, changed_plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
 MAX_COMBINED = 3  # changes in one combination
@@ -128,7 +128,7 @@ class _Estimator:
 
     def __call__(self, change: str, plan_update: dict, workload_update: dict) -> Suggestion | None:
         try:
-            new_plan = Plan.model_validate({**self.plan.model_dump(), **plan_update})
+            new_plan = changed_plan(self.plan, plan_update, self.runtime)
             new_workload = self.workload.model_copy(update=workload_update)
             check_compatible(self.model, new_workload, new_plan)
         except (MemplanError, ValueError):
@@ -251,7 +251,7 @@ def host_suggestions(
     out = []
     for change, plan_update, _ in _host_candidates(plan):
         try:
-            new_plan = Plan.model_validate({**plan.model_dump(), **plan_update})
+            new_plan = changed_plan(plan, plan_update, runtime)
             check_compatible(model, workload, new_plan)
         except (MemplanError, ValueError):
             continue

@@ -24,7 +24,16 @@ from typing import Any
 
 import yaml
 
-from memplan.export.common import Exported, comment_block, fields, hf_layer_class, layers_per_chunk, preamble, refuse
+from memplan.export.common import (
+    Exported,
+    comment_block,
+    fields,
+    fsdp_cpu_load,
+    hf_layer_class,
+    layers_per_chunk,
+    preamble,
+    refuse,
+)
 from memplan.specs.resolve import Job
 
 TARGET = "accelerate"
@@ -97,8 +106,9 @@ def config(job: Job) -> dict[str, Any]:
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "fsdp_transformer_layer_cls_to_wrap": hf_layer_class(job, TARGET),
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-        "fsdp_cpu_ram_efficient_loading": True,
-        "fsdp_sync_module_states": True,  # accelerate launch requires it with cpu_ram_efficient_loading
+        "fsdp_cpu_ram_efficient_loading": fsdp_cpu_load(job),
+        # accelerate launch requires it with cpu_ram_efficient_loading
+        "fsdp_sync_module_states": fsdp_cpu_load(job),
         "fsdp_activation_checkpointing": p.recompute == "full",
     }
     out: dict[str, Any] = {

@@ -46,6 +46,7 @@ from memplan.export.common import (
     autocast_off,
     comment_block,
     finetune_fields,
+    fsdp_cpu_load,
     header_world,
     hf_attention,
     hf_layer_class,
@@ -163,7 +164,7 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
             "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "transformer_layer_cls_to_wrap": hf_layer_class(job, TARGET),
             "activation_checkpointing": p.recompute == "full",
-            "cpu_ram_efficient_loading": True,
+            "cpu_ram_efficient_loading": fsdp_cpu_load(job),
             "state_dict_type": "SHARDED_STATE_DICT",
         }
     return out

@@ -234,6 +234,14 @@ def refuse_model_features(model: ModelSpec, target: str, supported: frozenset[st
             )
 
 
+def fsdp_cpu_load(job: Job) -> bool:
+    """Whether an FSDP2 export loads the model on the CPU (``cpu_ram_efficient_loading``): what FSDP users
+    do and the Trainer's FSDP plans assume unless given otherwise (``specs.plan.fsdp_build``: ``model_build:
+    to_device``); an ``hf`` plan given ``model_build: from_pretrained`` loads onto each rank's GPU with a
+    ``device_map`` instead, as estimated (``costmodel/timeline/hf_fsdp.py``)."""
+    return not (job.runtime == "hf" and job.plan.model_build == "from_pretrained")
+
+
 def hf_layer_class(job: Job, target: str) -> str:
     """The transformers decoder-layer class of the job's model (modeling_<arch>.py in transformers)."""
     name = HF_LAYER_CLASS.get(job.model.architecture)

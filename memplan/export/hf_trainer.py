@@ -6,8 +6,9 @@ Sections (each the keyword arguments of one class, checked by constructing it wi
 
 - ``model``: ``AutoModelForCausalLM.from_pretrained(**model, quantization_config=...)``
   (``dtype``, ``attn_implementation``: ``sdpa`` for memplan's ``flash``, whose kernel SDPA picks); the
-  notes pass each rank's ``device_map`` for ``model_build: from_pretrained`` (without ZeRO), none for
-  ``to_device`` (the Trainer moves the model);
+  notes pass each rank's ``device_map`` for ``model_build: from_pretrained`` (without ZeRO, or under FSDP
+  given so), none for ``to_device`` (the Trainer moves the model; under FSDP ``cpu_ram_efficient_loading``
+  shards it from the CPU, ``export.common.fsdp_cpu_load``);
 - ``quantization``: ``transformers.BitsAndBytesConfig`` (only with a quantized base);
 - ``lora``: ``peft.LoraConfig`` (only with adapters; ``lora_alpha`` = 2r is a learning-rate
   scale, not a memory parameter);
@@ -43,6 +44,7 @@ from memplan.export.common import (
     autocast_off,
     comment_block,
     finetune_fields,
+    fsdp_cpu_load,
     hf_attention,
     hf_layer_class,
     hf_model_id,
@@ -217,7 +219,7 @@ def fsdp_config(job: Job, target: str) -> dict[str, Any]:
         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "transformer_layer_cls_to_wrap": [hf_layer_class(job, target)],
         "activation_checkpointing": p.recompute == "full",
-        "cpu_ram_efficient_loading": True,
+        "cpu_ram_efficient_loading": fsdp_cpu_load(job),
         "state_dict_type": "SHARDED_STATE_DICT",
     }
 
@@ -314,7 +316,8 @@ def notes(job: Job, kind: str) -> tuple[str, ...]:
     """What the script must do with the sections."""
     p, f = job.plan, finetune_fields(job)
     extra = ["quantization_config=BitsAndBytesConfig(**quantization)"] if p.quant != "none" else []
-    if kind == "none" and p.model_build == "from_pretrained":  # ZeRO-3 / FSDP load without a device_map
+    on_gpu = kind == "fsdp" and not fsdp_cpu_load(job)  # FSDP over a model loaded onto each rank's GPU
+    if kind == "none" and p.model_build == "from_pretrained" or on_gpu:  # ZeRO-3 / FSDP load without one
         extra.append("device_map={'': int(os.environ.get('LOCAL_RANK', 0))}")
     out = [
         f"model: AutoModelForCausalLM.from_pretrained({', '.join(['**model', *extra])})"
@@ -329,6 +332,16 @@ def notes(job: Job, kind: str) -> tuple[str, ...]:
         out.append(
             "model_build from_pretrained: the device_map makes transformers warm the caching allocator with one "
             "segment the size of the weights and load them into it, as estimated"
+        )
+    elif kind == "fsdp" and fsdp_cpu_load(job):
+        out.append(
+            "FSDP: load without a device map (rank 0 on the CPU, the others on the meta device under "
+            "cpu_ram_efficient_loading); accelerate's prepare shards it onto the GPUs one parameter at a time"
+        )
+    elif kind == "fsdp":
+        out.append(
+            "model_build from_pretrained under FSDP: each rank loads the whole model onto its GPU (the device_map) "
+            "and fully_shard shards it there, as estimated (cpu_ram_efficient_loading off)"
         )
     if p.quant != "none":
         out.append(

@@ -57,7 +57,7 @@ from memplan.costmodel.memory import OFFLOAD_MECHANISM
 from memplan.errors import MemplanError
 from memplan.specs.job import check_compatible
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import ActivationOffload, Finetune, OptimizerName, Plan, PrecisionName, Quant
+from memplan.specs.plan import ActivationOffload, Finetune, OptimizerName, Plan, PrecisionName, Quant, fsdp_build
 from memplan.specs.workload import TrainingWorkload
 
 CP_FROM_SEQ_LEN = 16384  # context parallelism is offered from this sequence length up
@@ -405,6 +405,7 @@ def enumerate_space(model: ModelSpec, options: SpaceOptions) -> Space:
                                         )  # fmt: skip
                                         if plan is None or not _compatible(model, workload, plan):
                                             continue
+                                        plan = fsdp_build(plan, (), options.offload_runtime or "")
                                         if act != "none" and not _offloadable(plan, accumulation, options):
                                             continue
                                         out.append(Candidate(plan, workload))

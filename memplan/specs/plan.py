@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from functools import cache
 from typing import Literal
 
@@ -111,8 +112,10 @@ class Plan(BaseModel):
         "from_pretrained",
         description="How the transformers Trainer's model reached the GPU (runtime hf / hf-loop): from_pretrained "
         "with a device_map (transformers' caching-allocator warmup: one segment the size of the weights, the "
-        "weights carved from it); to_device: each parameter its own allocation (loaded on the CPU then "
-        "model.to('cuda'), as the Trainer moves a model loaded without a device_map).",
+        "weights carved from it); to_device: loaded on the CPU, each parameter its own allocation (model.to('cuda'), "
+        "as the Trainer moves a model loaded without a device_map; under the Trainer's FSDP2 sharded onto the GPUs "
+        "by accelerate's cpu_ram_efficient_loading). Default: to_device for runtime hf over dp > 1 at zero 2/3 "
+        "with an unquantized base (fsdp_build), else from_pretrained.",
     )
 
     # None: the precision's recipe under transformers' loops (``trainer_autocast``); a bf16 model can
@@ -224,6 +227,32 @@ def trainer_autocast(plan, runtime: str) -> bool:
     if plan.precision != "bf16":
         return plan.precision == "bf16-mixed"
     return plan.autocast if plan.autocast is not None else runtime == "hf"
+
+
+def fsdp_build(plan: Plan, given: Collection[str], runtime: str) -> Plan:
+    """``model_build`` left out (not among the fields ``given``) of an FSDP plan of the Trainer (runtime
+    ``hf``, ``dp`` > 1, ZeRO-2/3, an unquantized base): ``to_device``, the model loaded on the CPU and
+    sharded by accelerate's ``cpu_ram_efficient_loading``, as FSDP users load it and as ``memplan export
+    --to hf-trainer | accelerate | axolotl`` write it (``costmodel/timeline/hf_fsdp_load.py``; ``memplan
+    tune``'s searched plans too); otherwise ``Plan``'s default, ``from_pretrained`` with a device_map."""
+    if "model_build" in given or runtime != "hf" or plan.dp < 2 or plan.zero < 2 or plan.quant != "none":
+        return plan
+    return plan.model_copy(update={"model_build": "to_device"})
+
+
+def changed_plan(plan: Plan, update: dict, runtime: str) -> Plan:
+    """``plan`` with ``update`` applied and validated (advice's and tune's changed plans); a ``model_build``
+    that was ``plan``'s default (:func:`fsdp_build`) is resolved again for the changed plan (the Trainer's
+    FSDP over a model loaded on the CPU; a quantized base or DDP with a device_map)."""
+    data = {**plan.model_dump(), **update}
+    if "model_build" in update or plan.model_build != fsdp_build(_loaded_on_gpu(plan), (), runtime).model_build:
+        return Plan.model_validate(data)
+    del data["model_build"]
+    return fsdp_build(Plan.model_validate(data), (), runtime)
+
+
+def _loaded_on_gpu(plan: Plan) -> Plan:
+    return plan.model_copy(update={"model_build": "from_pretrained"})
 
 
 @cache

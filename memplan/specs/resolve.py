@@ -20,7 +20,7 @@ from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import PlanFile, RuntimeName, check_compatible, suspicious
 from memplan.specs.loader import load_gpu, load_model, read_data, short, validate, validation_error
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan
+from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan, fsdp_build
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
 CLI = "command line"
@@ -199,7 +199,7 @@ def job_from(
                 source=where,
                 field=field,
             ) from None
-    plan = _validate_section(Plan, plan_data, set(flags), source, "plan")
+    plan = fsdp_build(_validate_section(Plan, plan_data, set(flags), source, "plan"), plan_data, runtime)
     if gpus is not None and plan.world_size != gpus:
         where, field = blame("gpus")
         raise MemplanError(f"dp x tp x pp x cp = {plan.world_size} but gpus is {gpus}", source=where, field=field)

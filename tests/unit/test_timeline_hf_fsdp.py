@@ -199,7 +199,6 @@ def test_estimate_answers_an_hf_fsdp_plan_op_level(capsys, zero: int, precision:
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [
-        (["--zero", "3", "--model-build", "to_device"], "a model loaded on the CPU"),
         (["--zero", "3", "--precision", "bf16", "--finetune", "lora"], "PEFT under the Trainer's FSDP other than fp32"),
         (
             ["--zero", "3", "--precision", "fp32", "--finetune", "lora", "--modules-to-save", "lm_head"],

@@ -40,7 +40,9 @@ a model loaded on the host (``model.to("cuda")``: what the Trainer does to a mod
 without a ``device_map``), a tied weight once. ``from_config`` under ``torch.device("cuda")`` allocates the
 same way but for two things not modelled: the rotary table's few temporaries and, with tied embeddings, the
 untied ``lm_head`` allocated then freed by ``tie_weights``. A quantized base is loaded with a ``device_map``
-(transformers gives bitsandbytes one when none is passed), so a plan refuses ``to_device`` over one.
+(transformers gives bitsandbytes one when none is passed), so a plan refuses ``to_device`` over one. Under
+the Trainer's FSDP2 a model loaded on the CPU is not moved by the Trainer but sharded onto the GPU by
+accelerate (``hf_fsdp_load.py``); there the parameters made here are the host's.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ embedding not on its own), then on the model (881-885: the root, no parameters o
 ``fully_shard`` allocates its parameters' padded shards (``FSDPParam._init_sharded_param``: ``new_zeros``
 of dim 0 padded to a multiple of dp); the full parameters go when ``prepare`` returns. So the build holds
 the whole model and its shards at once (with ``cpu_ram_efficient_loading`` the model goes to the meta
-device first, but the state dict still holds the device copies: the same peak, measured on CPU).
+device first, but the state dict still holds the device copies: the same peak, measured on CPU). That is
+the build of a model loaded onto the GPU (``model_build: from_pretrained``); one loaded on the CPU, the
+default for these plans, is ``hf_fsdp_load.py``'s.
 
 From there the groups run as the bundled trainer's (``fsdp.Fsdp``: the same groups, all-gather,
 copy-out, reshard, reduce-scatter). Without mixed precision the policy is ``MixedPrecisionPolicy()``
@@ -69,7 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import hf_fsdp_load, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.fsdp import Fsdp, _Group
@@ -95,12 +97,14 @@ class HfFsdp(Fsdp):
         cuda: bool,
         mixed: bool = False,
         frozen: frozenset[str] = frozenset(),
+        host: bool = False,
     ) -> None:
         """``d``: the model as loaded (its parameters' dtype ``d.pd``); ``mixed``: ``bf16=True``
         (accelerate's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` over fp32 master
         shards: the trained parameters upcast first); ``frozen``: a PEFT model's base parameters (sharded
-        and gathered, never reduced)."""
-        self.loaded = d.pd
+        and gathered, never reduced); ``host``: the model loaded on the CPU and sharded through
+        ``cpu_ram_efficient_loading`` (``hf_fsdp_load.py``)."""
+        self.loaded, self.host = d.pd, host
         if mixed:
             d = dataclasses.replace(d, pd=4, cd=2)
         self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
@@ -128,8 +132,30 @@ class HfFsdp(Fsdp):
     def build(self, weights: dict[str, Tensor], optimizer_order: list[str]) -> None:
         """``_prepare_fsdp2``: the optimizer's one-element placeholders (in its parameter groups'
         order), the shards in ``fully_shard`` order (layers, then the embedding, then the tail: the
-        groups bottom-up), then the full parameters go, then the placeholders."""
+        groups bottom-up), then the full parameters go, then the placeholders. A model loaded on the
+        CPU (``host``): ``hf_fsdp_load.load`` between the same placeholders."""
         t = self.tape
+        holders = self.prepare_params(weights, optimizer_order)
+        if self.host:
+            hf_fsdp_load.load(self, weights)
+        else:
+            for group in self.shard_order():
+                if not self.cuda:  # the group's DeviceMesh: its ranks, an int32 arange(dp) on the host
+                    t.managed(self.dp, 4, f"{group.tag}.device_mesh", Category.COMM)
+                for name in group.names:
+                    t.managed(self.shard(name), self.d.pd, f"{name}.shard", Category.PARAMETERS)
+            for name in self.shapes:
+                t.free(weights.pop(name))
+        t.done(*holders)
+
+    def prepare_params(self, weights: dict[str, Tensor], optimizer_order: list[str]) -> list[Tensor]:
+        """The optimizer's placeholders (``torch.empty(1, dtype=p.dtype, device=p.device)``,
+        accelerator.py:1718-1727) and ``fsdp2_prepare_model``'s upcast of the trained parameters under
+        mixed precision (fsdp_utils.py:815-825), both where the model is: none on the GPU for a model
+        loaded on the CPU (``host``); the placeholders."""
+        t = self.tape
+        if self.host and self.cuda:
+            return []
         with t.scoped("accelerate.prepare"):
             holders = [t.new(1, self.loaded, f"{name}.optimizer_placeholder") for name in optimizer_order]
             if self.loaded != self.d.pd:  # fsdp2_prepare_model's upcast: param.data = param.data.to(float32)
@@ -141,15 +167,13 @@ class HfFsdp(Fsdp):
                         t.managed(rows * cols, self.d.pd, f"{name}.fp32", Category.PARAMETERS),
                     )
                     t.free(old)
+        return holders
+
+    def shard_order(self) -> list[_Group]:
+        """The groups in ``fully_shard`` order: the layers bottom-up, the embedding, the tail (a tied
+        model's tail first), a PEFT model's root last."""
         order = self.groups[1:-1] + [self.groups[0], self.groups[-1]] if not self.tied else self.groups
-        for group in order + ([self.root] if self.root else []):
-            if not self.cuda:  # the group's DeviceMesh: its ranks, an int32 arange(dp) on the host
-                t.managed(self.dp, 4, f"{group.tag}.device_mesh", Category.COMM)
-            for name in group.names:
-                t.managed(self.shard(name), self.d.pd, f"{name}.shard", Category.PARAMETERS)
-        for name in self.shapes:
-            t.free(weights.pop(name))
-        t.done(*holders)
+        return order + ([self.root] if self.root else [])
 
     def cast_inputs(self, num_items: Tensor) -> Tensor:
         """The root's pre-forward under the mixed policy (``cast_forward_inputs``): the floating

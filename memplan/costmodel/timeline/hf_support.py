@@ -28,12 +28,16 @@ tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal t
 FSDP2 (``--zero 3``: ``full_shard``, ``--zero 2``: ``shard_grad_op``; ``hf_fsdp.py``;
 tests/unit/test_timeline_hf_fsdp.py, rank 0 of two or four under the fake process group on CPU, equal to the
 real Trainer's peak) for full fine-tuning of every family above loaded onto the GPU (``model_build:
-from_pretrained``), in fp32, a bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16
-policy over fp32 master shards; not for Gemma 2 / 3), and PEFT LoRA in fp32 (any targets, dropout, without
-``modules_to_save``), with the Trainer's or FSDP's own checkpointing and accumulation. Not modelled: other
-PEFT plans or a quantized base under FSDP, FSDP over a model loaded on the CPU (``to_device``:
-``fully_shard`` moves it group by group), Gemma 2 / 3 under FSDP with ``bf16=True``, ZeRO-1 (DeepSpeed's),
-and tensor, pipeline, context or expert parallelism.
+from_pretrained``) or on the CPU and sharded by ``cpu_ram_efficient_loading`` (``model_build: to_device``,
+the default for these plans, ``specs/resolve.py``; ``hf_fsdp_load.py``, tests/unit/test_timeline_hf_fsdp_load.py:
+the shards' order and sizes and the peak equal on CPU, the full copies on the GPU from source), in fp32, a
+bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16 policy over fp32 master shards;
+not for Gemma 2 / 3), and PEFT LoRA in fp32 (any targets, dropout, without ``modules_to_save``), with the
+Trainer's or FSDP's own checkpointing and accumulation. Not modelled: other PEFT plans or a quantized base
+under FSDP, Gemma 2 / 3 under FSDP with ``bf16=True``, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context
+or expert parallelism. A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
+moving each group to the GPU full-size as it shards it) is run as with it: the build differs by a group's
+full parameters, never the steps.
 
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
@@ -182,7 +186,8 @@ FSDP_NO_MIXED = ("gemma2", "gemma3")
 
 def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
     """The Trainer's FSDP2 as ``hf_fsdp.py`` follows it: full fine-tuning of a dense base loaded onto the
-    rank's GPU (``from_pretrained`` with a device_map), in fp32, a bf16 model without ``bf16=True``
+    rank's GPU (``from_pretrained`` with a device_map) or on the CPU (``to_device``: sharded through
+    ``cpu_ram_efficient_loading``, ``hf_fsdp_load.py``), in fp32, a bf16 model without ``bf16=True``
     (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16 policy over fp32 master
     shards); PEFT LoRA in fp32 (:func:`_fsdp_lora_ok`)."""
     return (
@@ -192,7 +197,6 @@ def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
         and not (model.architecture in FSDP_NO_MIXED and trainer_autocast(plan, runtime))
         and (plan.finetune == "full" or _fsdp_lora_ok(plan))
         and plan.quant == "none"
-        and plan.model_build == "from_pretrained"
     )
 
 
@@ -211,14 +215,9 @@ def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
     if model.architecture in FSDP_NO_MIXED and trainer_autocast(plan, "hf"):
         return f"bf16=True under the Trainer's FSDP over the {model.architecture} family"
-    if plan.finetune != "full" and not _fsdp_lora_ok(plan) or plan.quant != "none":
-        return (
-            "PEFT under the Trainer's FSDP other than fp32 LoRA without modules_to_save (bf16 adapters under "
-            "its mixed-precision policy, a quantized base)"
-        )
     return (
-        "the Trainer's FSDP over a model loaded on the CPU (model_build to_device: under FSDP the Trainer "
-        "leaves it there and fully_shard moves each group to the GPU as it shards it)"
+        "PEFT under the Trainer's FSDP other than fp32 LoRA without modules_to_save (bf16 adapters under "
+        "its mixed-precision policy, a quantized base)"
     )
 
 

@@ -116,6 +116,7 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
         build=plan.model_build,
         zero=plan.zero,
         mixed=mixed,
+        host_load=plan.model_build == "to_device" and plan.dp > 1 and plan.zero >= 2,
     )
 
 
@@ -135,6 +136,7 @@ def hf_run(
     build: str = "to_device",
     zero: int = 0,
     mixed: bool = False,
+    host_load: bool = False,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
@@ -144,10 +146,13 @@ def hf_run(
     (``hf_lora.py``); ``quant``: a 4-bit or int8 base (``hf_bnb.py``); ``dp``: ranks under DDP (``hf_ddp.py``);
     ``build``: how the model was built (``hf_build.BUILDS``; the CPU runs count from a built model);
     ``zero``: over ``dp`` ranks, 2 or 3 for accelerate's FSDP2 (``hf_fsdp.py``; 3: ``full_shard``), 0 DDP;
-    ``mixed``: under FSDP2, ``bf16=True`` (its mixed-precision policy over fp32 master shards).
+    ``mixed``: under FSDP2, ``bf16=True`` (its mixed-precision policy over fp32 master shards);
+    ``host_load``: under FSDP2, the model loaded on the CPU and sharded by ``cpu_ram_efficient_loading``
+    (``hf_fsdp_load.py``: on CUDA the build puts one full parameter at a time on the GPU).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
-    run = _HfRun(d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build, zero, mixed)
+    args = (d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build, zero, mixed)
+    run = _HfRun(*args, host_load=host_load)
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -173,6 +178,7 @@ class _HfRun:
         build: str = "to_device",
         zero: int = 0,
         mixed: bool = False,
+        host_load: bool = False,
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -201,12 +207,21 @@ class _HfRun:
         self.dp, self.build, self.zero, self.mixed = dp, build, zero, mixed
         self.ddp: HfDdp | None = None  # DDP over dp > 1 ranks (hf_ddp.py), wrapped in _build
         self.fsdp: hf_fsdp.HfFsdp | None = None  # FSDP2 over dp > 1 ranks under ZeRO-2/3 (hf_fsdp.py)
+        self.host_load = host_load and dp > 1 and zero >= 2  # under FSDP2, loaded on the CPU (hf_fsdp_load.py)
         self._build()
 
     def _build(self) -> None:
-        """Parameters in ``model.parameters()`` order, the two rotary buffers, DDP's wrapping
-        (``accelerator.prepare``, over ``self.dp`` > 1 ranks), ``tr_loss``."""
-        self._params()
+        """Parameters in ``model.parameters()`` order, the two rotary buffers (on CUDA a model loaded on
+        the CPU for FSDP2 is made on the host, its tensors holding no device bytes, until
+        ``hf_fsdp_load.load`` shards it), DDP's wrapping or FSDP2's sharding (``accelerator.prepare``,
+        over ``self.dp`` > 1 ranks), ``tr_loss``."""
+        real = self.tape.b
+        if self.host_load and self.model.kernel != "cpu_flash":
+            self.tape.b = _Host(real)  # type: ignore[assignment]
+        try:
+            self._params()
+        finally:
+            self.tape.b = real
         if self.dp > 1 and self.zero >= 2:
             self._shard()
         elif self.dp > 1:
@@ -224,7 +239,7 @@ class _HfRun:
         if self.lora is not None:  # the adapters beside the frozen base, in named_parameters() order
             shapes, frozen = hf_fsdp.peft_shapes(self.shapes, self.lora), frozenset(self.shapes)
         args = (self.d, self.dp, shapes, self.model, self.grads, reshard, self.model.tied, cuda, self.mixed, frozen)
-        fsdp = hf_fsdp.HfFsdp(self.tape, *args)
+        fsdp = hf_fsdp.HfFsdp(self.tape, *args, host=self.host_load)
         fsdp.build(self.model.weights, self._optimizer_order())
         self.trainable = fsdp.shard_numels()
         self.fsdp = fsdp
@@ -463,3 +478,17 @@ class _HfRun:
     def _optimizer_order(self) -> list[str]:
         """The trained parameters in the optimizer's order: the decay group, then the no-decay one."""
         return [n for n in self.trainable if not is_norm(n)] + [n for n in self.trainable if is_norm(n)]
+
+
+class _Host:
+    """A builder whose tensors live on the host: each gets an id and no device bytes (``Builder.alloc``
+    records nothing for an empty tensor), so freeing one later records nothing either."""
+
+    def __init__(self, device: Builder) -> None:
+        self.device = device
+
+    def alloc(self, size: int, category: Category, tag: str, stream=None) -> int:  # noqa: ANN001, ARG002
+        return self.device.alloc(0, category, tag)
+
+    def free(self, tensor: int) -> None:
+        self.device.free(tensor)
