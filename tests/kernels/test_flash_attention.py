@@ -50,7 +50,7 @@ TOL_LSE = 1e-5  # lse comes from exact products of the inputs, summed in fp32
 SHAPES = [
     pytest.param(2, 2, 2, 64, 32, id="mha-b2-s64-d32"),
     pytest.param(1, 4, 2, 17, 16, id="gqa-s17-d16"),
-    pytest.param(1, 4, 1, 100, 64, id="mqa-s100-d64"),
+    pytest.param(1, 4, 1, 100, 64, id="mqa-s100-d64", marks=pytest.mark.slow),  # 10 s interpreted; GQA above
     pytest.param(1, 2, 2, 33, 24, id="mha-s33-d24-padded"),
     pytest.param(1, 2, 1, 1, 32, id="mqa-s1"),
 ]
@@ -346,10 +346,13 @@ def test_fallback_is_sdpa(causal, monkeypatch):
 
 
 @pytest.mark.skipif(KERNELS_HERE, reason="the kernel tests ran in this process")
-def test_kernel_tests_under_triton_interpreter():
-    """This file's kernel tests, in a fresh pytest process with TRITON_INTERPRET=1 from its start."""
+@pytest.mark.parametrize("which", ["not slow", pytest.param("slow", marks=pytest.mark.slow)])
+def test_kernel_tests_under_triton_interpreter(which):
+    """This file's kernel tests, in a fresh pytest process with TRITON_INTERPRET=1 from its start:
+    the default ones, and under ``-m slow`` the slow ones."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "kernels and not gpu", __file__]
+    marks = f"kernels and not gpu and {which}"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marks, __file__]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(__file__))
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

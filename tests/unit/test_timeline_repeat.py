@@ -58,7 +58,18 @@ GRID = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(GRID))
+# the default suite's share (one plan of each kind of carried tensor: accumulation under FSDP2 and DDP,
+# a pipeline's schedules, a quantized base, CPU's dropout, the host copies, an out-of-place sum); the
+# rest under -m slow
+DEFAULT = {
+    "fsdp2_zero3_accumulation", "ddp_accumulation", "pipeline_1f1b_last_rank", "pipeline_interleaved", "qlora_nf4",
+    "lora_dropout_cpu", "activation_offload", "tied_sum_out_of_place",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[] if n in DEFAULT else [pytest.mark.slow]) for n in sorted(GRID)]
+)
 def test_a_repeated_step_equals_the_step_built_op_by_op(name):
     plan, kwargs = GRID[name]
     job = resolve_job(LLAMA_1B, None, {"seq_len": 512, "micro_batch": 1, **plan}, inference=False)
