@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from timeline_peaks import assert_peaks, steady_peaks
+from timeline_peaks import assert_peaks, measured_peaks, steady_peaks, trainer_record
 
 from memplan.costmodel.reserve import plan_run
 from memplan.costmodel.timeline import triton_attention as ta
@@ -84,12 +84,11 @@ CASES = {
 # 2 shared cores); the others under -m slow (the interpreter is slow, the default suite bounded)
 DEFAULT = ("bf16-mixed-selective",)
 
-# run in a fresh interpreter with TRITON_INTERPRET=1: the trainer's measured peaks per case
+# run in a fresh interpreter with TRITON_INTERPRET=1: the trainer's measured peaks per case, each
+# by ``measure`` of the module named first (this one, test_timeline_triton_quant)
 _SCRIPT = """
-import gc, json, sys
+import gc, importlib, json, sys
 from triton.runtime.interpreter import GridExecutor
-from timeline_peaks import measured_peaks, trainer_record
-from test_timeline_triton import case
 
 launch = GridExecutor.__call__
 
@@ -100,7 +99,8 @@ def collected(self, *args, **kwargs):  # the launch's reference cycle of its arg
         gc.collect(0)
 
 GridExecutor.__call__ = collected
-print(json.dumps({name: measured_peaks(trainer_record(*case(name))) for name in sys.argv[1:]}))
+module = importlib.import_module(sys.argv[1])
+print(json.dumps({name: module.measure(name) for name in sys.argv[2:]}))
 """
 
 
@@ -110,13 +110,18 @@ def case(name: str) -> tuple[ModelSpec, TrainingWorkload, Plan]:
     return MODELS[model], workload, Plan(**changes)
 
 
-def interpreted_peaks(names: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """The bundled trainer on CPU, its Triton kernels interpreted, one process for ``names``."""
+def measure(name: str) -> tuple[int, int]:
+    """The trainer's measured peaks of case ``name`` (in the interpreted process)."""
+    return measured_peaks(trainer_record(*case(name)))
+
+
+def interpreted_peaks(names: tuple[str, ...], module: str = "test_timeline_triton") -> dict[str, tuple[int, int]]:
+    """The bundled trainer on CPU, its Triton kernels interpreted, one process for ``names``
+    measured by ``module``'s ``measure``."""
     path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, *names], env=env, capture_output=True, text=True, timeout=900, check=False
-    )
+    cmd = [sys.executable, "-c", _SCRIPT, module, *names]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return {name: tuple(peaks) for name, peaks in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 

@@ -24,15 +24,10 @@ peaks 2,048 B lower there, the size of lse's materialised zero gradient.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from test_timeline_quant_compose import HEAD, INT8, NF4, _predicted
+from test_timeline_quant_compose import HEAD, INT8, NF4, _measured, _predicted
 from test_timeline_triton import GQA, MHA
+from test_timeline_triton import interpreted_peaks as triton_peaks
 
 from memplan.costmodel.reserve import plan_run
 from memplan.costmodel.timeline import triton_attention as ta
@@ -71,25 +66,6 @@ CASES = {
 # slow, the default suite bounded); the rest, the int8 base among them, under -m slow
 DEFAULT = ("nf4-mha-fp32",)
 
-# run in a fresh interpreter with TRITON_INTERPRET=1: the trainer's measured peaks per case
-_SCRIPT = """
-import gc, json, sys
-from triton.runtime.interpreter import GridExecutor
-from test_timeline_quant_compose import _measured
-from test_timeline_triton_quant import case
-
-launch = GridExecutor.__call__
-
-def collected(self, *args, **kwargs):  # the launch's reference cycle of its arguments' storages
-    try:
-        return launch(self, *args, **kwargs)
-    finally:
-        gc.collect(0)
-
-GridExecutor.__call__ = collected
-print(json.dumps({name: _measured(*case(name)) for name in sys.argv[1:]}))
-"""
-
 
 def case(name: str) -> tuple[ModelSpec, TrainingWorkload, Plan]:
     model, changes, (seq, micro_batch, global_batch) = CASES[name]
@@ -97,15 +73,14 @@ def case(name: str) -> tuple[ModelSpec, TrainingWorkload, Plan]:
     return model, workload, Plan(**changes, **TRITON)
 
 
+def measure(name: str) -> tuple[int, int]:
+    """The trainer's measured peaks of case ``name`` over its quantized base (in the interpreted process)."""
+    return _measured(*case(name))
+
+
 def interpreted_peaks(names: tuple[str, ...]) -> dict[str, tuple[int, int]]:
     """The bundled trainer on CPU over a quantized base, its Triton kernels interpreted."""
-    path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, *names], env=env, capture_output=True, text=True, timeout=900, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {name: tuple(peaks) for name, peaks in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    return triton_peaks(names, "test_timeline_triton_quant")
 
 
 def assert_cases(names: tuple[str, ...]) -> None:
