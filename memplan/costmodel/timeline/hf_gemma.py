@@ -40,16 +40,7 @@ def _scaled(tape: Tape, x: Tensor, tag: str) -> Tensor:
 
 def _tanh(tape: Tape, x: Tensor, tag: str) -> Tensor:
     """``torch.tanh``: saves its result; backward (``tanh_backward``) allocates the gradient."""
-    numel, itemsize = x.numel, x.itemsize
-
-    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
-        return [tape.new(numel, itemsize, "grad")]
-
-    node = tape.node(tag, apply, [x])
-    out = ops.result(tape, numel, itemsize, tag, node)
-    if node is not None:
-        tape.save(node, out)
-    return out
+    return ops.output_saved(tape, x, tag)
 
 
 class HfGemma3(HfLlama):
@@ -331,14 +322,6 @@ def _repeat_kv(tape: Tape, x: Tensor, numel: int, kv_heads: int, tag: str) -> Te
 def _softmax(tape: Tape, x: Tensor, tag: str) -> Tensor:
     """``softmax(x, -1, dtype=float32)``: saves its fp32 result; backward allocates the gradient."""
     x32 = ops.to(tape, x, 4, f"{tag}_input")
-    numel = x.numel
-
-    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
-        return [tape.new(numel, 4, "grad")]
-
-    node = tape.node(tag, apply, [x32])
-    out = ops.result(tape, numel, 4, tag, node)
-    if node is not None:
-        tape.save(node, out)
+    out = ops.output_saved(tape, x32, tag)
     tape.done(x32)
     return out

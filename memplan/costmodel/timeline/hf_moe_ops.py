@@ -150,13 +150,4 @@ def topk(tape: Tape, probs: Tensor, tokens: int, k: int) -> tuple[Tensor, Tensor
 
 def softmax(tape: Tape, x: Tensor, tag: str) -> Tensor:
     """``softmax(x, -1)``: saves its output; backward ``_softmax_backward_data`` (x's shape)."""
-    numel, itemsize = x.numel, x.itemsize
-
-    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
-        return [tape.new(numel, itemsize, "softmax_backward")]
-
-    node = tape.node(tag, apply, [x])
-    out = ops.result(tape, numel, itemsize, tag, node)
-    if node is not None:
-        tape.save(node, out)
-    return out
+    return ops.output_saved(tape, x, tag, "softmax_backward")

@@ -182,6 +182,22 @@ def unary(tape: Tape, x: Tensor, tag: str, temps: int = 0, save_input: bool = Fa
     return result(tape, out_numel or numel, itemsize, tag, node)
 
 
+def output_saved(tape: Tape, x: Tensor, tag: str, grad_tag: str = "grad") -> Tensor:
+    """An op of ``x``'s shape and dtype that saves its result for the backward, whose backward
+    allocates the gradient: ``tanh`` (``tanh_backward``), ``softmax(x, -1)``
+    (``_softmax_backward_data``)."""
+    numel, itemsize = x.numel, x.itemsize
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.new(numel, itemsize, grad_tag)]
+
+    node = tape.node(tag, apply, [x])
+    out = result(tape, numel, itemsize, tag, node)
+    if node is not None:
+        tape.save(node, out)
+    return out
+
+
 def rsqrt(tape: Tape, x: Tensor, tag: str) -> Tensor:
     """``torch.rsqrt``: saves its result. Backward ``-0.5 * grad * result.pow(3)``: two
     temporaries, then the gradient."""
