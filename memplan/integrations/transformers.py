@@ -150,11 +150,32 @@ def _finetune(model: Any, quant: dict[str, Any] | None) -> dict[str, Any]:
         targets = cfg.target_modules
         lora = {
             "r": cfg.r,
-            "target_modules": targets if isinstance(targets, str) else sorted(targets),
+            "target_modules": targets if isinstance(targets, str) else _leaf_targets(model, targets),
             "lora_dropout": float(cfg.lora_dropout),
             "modules_to_save": sorted(cfg.modules_to_save or ()),
         }
     return parse_finetune(lora, quant)
+
+
+def _leaf_targets(model: Any, targets: Any) -> list[str]:
+    """PEFT's target names as memplan's (``q_proj``): PEFT resolves ``"all-linear"`` to every
+    adapted module's full name (``model.layers.0.self_attn.q_proj``, peft ``tuners_utils``'
+    ``_maybe_include_all_linear_layers``); a name matches a module whose name ends with it. memplan
+    adapts a kind of layer in every block, so each leaf name must cover all the modules it names."""
+    names = [n for n, _ in model.named_modules()] if hasattr(model, "named_modules") else []
+    leaves: set[str] = set()
+    for target in targets:
+        leaf = str(target).rsplit(".", 1)[-1]
+        if "." in str(target):
+            same = {n for n in names if n.rsplit(".", 1)[-1] == leaf and "lora_" not in n}
+            covered = {n for n in same if any(n == t or n.endswith("." + t) for t in targets)}
+            if covered != same:
+                raise MemplanError(
+                    f"targets some {leaf} layers and not others ({target}); memplan adapts a layer kind in every block",
+                    field="peft.target_modules",
+                )
+        leaves.add(leaf)
+    return sorted(leaves)
 
 
 def _precision(args: Any, model: torch.nn.Module, quant: dict[str, Any] | None) -> dict[str, Any]:
