@@ -1,7 +1,7 @@
 """``MemplanCallback`` on real ``transformers.Trainer`` runs: what it predicts against what CUDA measures.
 
     python benchmarks/gpu_callback.py --prepare DIR                  # random models saved once
-    python benchmarks/gpu_callback.py --case NAME --models DIR --out OUT.json [--cpu-tiny]
+    python benchmarks/gpu_callback.py --case NAME --models DIR --out OUT.json [--snapshot S.pickle] [--cpu-tiny]
 
 Issue 28 asks for the callback on a few Trainer runs on a GPU, with what it measured committed in
 docs/accuracy-gpu.md. Each case is one process: the model loaded the way fine-tuners load it
@@ -64,12 +64,12 @@ def _config(name: str, tiny: bool):
     return transformers.AutoConfig.for_model(**fields)
 
 
-def prepare(folder: Path, tiny: bool = False) -> None:
-    """Save each model once, random, in bf16 (a checkpoint's usual dtype)."""
+def prepare(folder: Path, tiny: bool = False, only: list[str] | None = None) -> None:
+    """Save each model (or those in ``only``) once, random, in bf16 (a checkpoint's usual dtype)."""
     import torch
     import transformers
 
-    for name in MODELS:
+    for name in only or MODELS:
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(_config(name, tiny), torch_dtype=torch.bfloat16)
         model.save_pretrained(folder / name)
@@ -93,7 +93,7 @@ def _load(folder: Path, model_name: str, dtype: str, quant: str | None, cuda: bo
     return transformers.AutoModelForCausalLM.from_pretrained(folder / model_name, **kwargs)
 
 
-def run_case(name: str, folder: Path, out: Path, tiny: bool) -> dict:
+def run_case(name: str, folder: Path, out: Path, tiny: bool, snapshot: Path | None = None) -> dict:
     import torch
     import transformers
 
@@ -117,7 +117,7 @@ def run_case(name: str, folder: Path, out: Path, tiny: bool) -> dict:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     rows = [{"input_ids": r, "labels": r} for r in torch.randint(0, vocab, (4 * b, s), generator=gen)]
-    callback = MemplanCallback(seq_len=s)
+    callback = MemplanCallback(seq_len=s, snapshot=snapshot if cuda else None)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         args = transformers.TrainingArguments(
@@ -163,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", type=Path)
     p.add_argument("--out", type=Path)
     p.add_argument("--cpu-tiny", action="store_true")
+    p.add_argument("--only", help="--prepare: these models only (comma-separated)")
+    p.add_argument("--snapshot", type=Path, help="CUDA: the measured steps' allocator snapshot, for memplan explain")
     a = p.parse_args(argv)
     if a.prepare:
-        prepare(a.prepare, a.cpu_tiny)
+        prepare(a.prepare, a.cpu_tiny, a.only.split(",") if a.only else None)
         return 0
     if not (a.case and a.models and a.out):
         p.error("--case, --models and --out go together")
-    doc = run_case(a.case, a.models, a.out, a.cpu_tiny)
+    doc = run_case(a.case, a.models, a.out, a.cpu_tiny, a.snapshot)
     c = doc["comparison"]
     print(f"{a.case}: {doc['memory_model']}: {c}", file=sys.stderr)
     return 0

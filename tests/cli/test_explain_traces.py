@@ -6,9 +6,8 @@ order and size, allocated within 0.5% and reserved within 1% of the measured pea
 category within 2% of its measured bytes at the peak (a category under 1% of the peak: within
 2% of 1% of the peak, so that a few KiB of rounding are not a miss). The six H100 traces are
 what the op-level run was transcribed from (a regression of that transcription); the ten H200
-ones were not used to build it. A plan the op-level run does not model yet is answered by the
-phase model, whose made-up tensors match almost nothing in order: each is a strict xfail with
-its figures (measured at commit f3cf59a), until its mechanism joins the run.
+ones were not used to build it. Every trace's plan is answered by the op-level run (h200_b_pp4
+re-recorded on 2026-11-28 with the current StageReplay).
 """
 
 from __future__ import annotations
@@ -49,13 +48,6 @@ def _plans() -> dict[str, list[str]]:
 
 PLANS = _plans()
 OOM = "h200_c_sel8b_s8k_m2"
-# not on the op-level run yet (the phase model answers): matched in order, allocated and reserved
-# error, at f3cf59a
-PHASE = {
-    # the op-level run answers (timeline/pipeline.py) but the trace ran StageReplay before its fix (4e861b9),
-    # which kept less: tests/unit/test_timeline_pipeline.py
-    "h200_b_pp4": "pipeline 1F1B, old StageReplay: 99.7% matched, allocated +2.5%, reserved +2.1% (activations)",
-}
 
 
 def explain(capsys, name: str) -> dict:
@@ -75,8 +67,7 @@ def _cases():
     for name in PLANS:
         if name == OOM:
             continue
-        marks = [pytest.mark.xfail(strict=True, reason=PHASE[name])] if name in PHASE else []
-        yield pytest.param(name, marks=marks, id=name)
+        yield pytest.param(name, id=name)
 
 
 @pytest.mark.parametrize("name", list(_cases()))

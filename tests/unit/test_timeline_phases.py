@@ -29,9 +29,6 @@ from memplan.specs.workload import TrainingWorkload
 TRACES = Path(__file__).parents[1] / "data" / "gpu-traces"
 H200 = json.loads((TRACES / "h200.json").read_text())["runs"]
 ALLOCATED_BOUND = 0.005  # issue 27: allocated within 0.5%
-MISSES = {
-    "h200_b_pp4": "trace recorded with the old StageReplay: forward -0.6%, backward +2.5%, optimizer -1.2%",
-}
 
 
 def _estimate(args: list[str]) -> dict:
@@ -45,8 +42,7 @@ def _estimate(args: list[str]) -> dict:
 def _cases():
     for name, r in H200.items():
         if "measured_phases" in r:
-            marks = [pytest.mark.xfail(strict=True, reason=MISSES[name])] if name in MISSES else []
-            yield pytest.param(name, marks=marks, id=name)
+            yield pytest.param(name, id=name)
 
 
 @pytest.mark.parametrize("name", list(_cases()))

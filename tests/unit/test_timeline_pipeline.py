@@ -7,11 +7,10 @@ tests/unit/test_timeline_recompute.py does; cuBLAS's two workspaces are CUDA's a
 Measured 2026-11-27 (torch 2.13.0+cpu): every case below within 76 B of the trainer's peak, for the
 step and for the forward and backward alone (at most 0.0006%; those bytes are not traced to a tensor).
 
-The one pipelined GPU trace, h200_b_pp4 (llama3-8b, dp 2, pp 4, FSDP2 ZeRO-2, bf16-mixed), was
-recorded with the StageReplay before its fix (commit 4e861b9), which kept less than the current
-one. The run of the current code is a strict xfail against it (its figures in the reason); the same
-run with the old StageReplay's lifetimes (:class:`_OldStageReplay`, the only difference) replays the
-trace within the issue's bounds, which checks every other op of the stage on the GPU.
+The pipelined GPU trace, h200_b_pp4 (llama3-8b, dp 2, pp 4, FSDP2 ZeRO-2, bf16-mixed, rank 6: the
+last stage), was re-recorded on an H200 on 2026-11-28 with the current StageReplay (the first
+recording ran the StageReplay before its fix, which kept less); the run replays it: allocated
+4,096 B under the measured 35,337,867,776 B, reserved exact (46,414,168,064 B).
 """
 
 from __future__ import annotations
@@ -25,9 +24,6 @@ from timeline_peaks import steady_peaks
 from memplan.costmodel.allocator import AllocatorConfig
 from memplan.costmodel.memory import training_peak
 from memplan.costmodel.reserve import plan_run, replay
-from memplan.costmodel.timeline import ops
-from memplan.costmodel.timeline import pipeline as pipeline_module
-from memplan.costmodel.timeline.pipeline import Pipeline, chunk_forward, schedule_actions
 from memplan.costmodel.timeline.support import PIPELINE_LAYER_PASSES
 from memplan.costmodel.timeline.trainer import supported, trainer_run
 from memplan.specs.model import ModelSpec
@@ -167,66 +163,8 @@ def _replays_the_pp4_trace(timeline) -> None:  # noqa: ANN001
     assert abs(result.max_reserved / reserved - 1) <= RESERVED_BOUND, (result.max_reserved, reserved)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the trace ran StageReplay before its fix (4e861b9); the current one keeps more on the last stage: "
-    "each micro-batch's bf16 logits (1,050,673,152 B) in fwd_cache until its backward and in 1F1B's `output` "
-    "until the next forward returns, the 16 losses until the step ends, the received gradients in the sends. "
-    "The run replays to 35,337,863,680 B allocated (+2.46%) and 46,414,168,064 B reserved (+2.11%)",
-)
 def test_the_h200_pp4_trace():
     job = _pp4_job()
     timeline, which = plan_run(job.model, job.workload, job.plan, "memplan")
     assert which == "trainer", which
     _replays_the_pp4_trace(timeline)
-
-
-class _OldStageReplay(Pipeline):
-    """``StageReplay`` at commit 4e861b9 (``git show 4e861b9:memplan/train/pipeline.py``), which
-    recorded h200_b_pp4: the last chunk's ``loss_fn(module(x), labels) / m`` kept in the cache until
-    its backward (the logits freed as the loss is computed), no sends, each received activation's
-    gradient left on its buffer until the next step's ``clear_runtime_states``."""
-
-    def step(self, m: int, first: bool, workspace) -> None:  # noqa: ANN001
-        t = self.t
-        self._buffers(m)
-        for key in list(self.recv_grads):  # buf.grad = None
-            t.drop(self.recv_grads.pop(key))
-        self.fsdp.no_sync()
-        t.on_first_mm = workspace("forward") if first else None
-        cache, backward_seen = {}, False
-        for kind, c, i in schedule_actions(self.schedule, self.pp, self.v, self.stage, m):
-            ch = self.chunks[c]
-            if kind == "F":
-                with t.scoped("batch"):
-                    ids = t.new(self.d.tokens, 8, "ids") if ch.first else None
-                    labels = t.new(self.d.tokens, 8, "labels") if ch.last else None
-                x = ids if ch.first else t.alias(self.recv_act[c][i])
-                out = chunk_forward(t, ch.model, x, ch.first, ch.last, ch.fsdp)
-                t.done(x)
-                if ch.last:
-                    nll = pipeline_module._loss(t, out, labels, self.d)
-                    t.done(out)
-                    out = ops.unary(t, nll, "div_accumulation", temps=-1)
-                    t.done(nll)
-                cache[(c, i)] = out
-                t.done(labels)
-                continue
-            if first and not backward_seen:
-                t.on_first_mm = workspace("backward")
-            backward_seen = True
-            out = cache.pop((c, i))
-            seed = t.new(1, 4, "grad_seed") if ch.last else t.hold(self.recv_grad[c][i])
-            t.backward(out, seed)
-            ch.fsdp.finish_backward()
-            t.done(out)
-        self.fsdp.reduce_all()
-
-
-def test_the_h200_pp4_trace_with_the_old_stage_replay(monkeypatch):
-    """Everything the fix did not touch (the stage's chunk under FSDP2 ZeRO-2 without gradient sync,
-    the fp32 accumulated gradients, the receive buffers, the reduction after the last micro-batch):
-    measured 34,488,550,400 / 45,455,769,600 B, replayed 34,488,517,120 (-33,280 B) / 45,455,769,600."""
-    monkeypatch.setattr(pipeline_module, "Pipeline", _OldStageReplay)
-    job = _pp4_job()
-    _replays_the_pp4_trace(trainer_run(job.model, job.workload, job.plan))
