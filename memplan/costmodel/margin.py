@@ -63,7 +63,6 @@ HF_LOOP_OP_LEVEL_SOURCE = (
 OP_LEVEL_MISSES: dict[str, dict[str, tuple[float, str]]] = {
     "trainer": {
         "LLM.int8": (0.060, "v-1b-qlora-int8 (the bundled trainer over an 8-bit base, H200, 2026-11-28): -5.98%"),
-        "interleaved": (0.012, "v-1b-pp2-interleaved-dp2-z2 (PP 2 x 2 chunks, DP 2, ZeRO-2, H200, 2026-11-28): -1.12%"),
     },
     "hf": {
         "LLM.int8": (0.027, "llama1b-lora-int8 (the Trainer over an 8-bit base, H200, 2026-11-28): -2.64%"),
@@ -76,7 +75,7 @@ def _op_level(which: str, plan: Plan | None, error: float, basis: str) -> tuple[
     if plan is None:
         return error, basis
     misses = OP_LEVEL_MISSES.get(which, {})
-    uses = {"LLM.int8": plan.quant == "int8", "interleaved": plan.pp > 1 and plan.pp_schedule == "interleaved"}
+    uses = {"LLM.int8": plan.quant == "int8"}
     for name, (miss, run) in misses.items():
         if uses[name]:
             error, basis = max(error, miss), f"{basis}; but {name} measured off: {run}"

@@ -27,7 +27,17 @@ from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 if TYPE_CHECKING:
     from memplan.specs.hardware import GPUSpec
 
-STREAM_IDS = {Stream.COMPUTE: 0, Stream.ALL_GATHER: 1, Stream.REDUCE_SCATTER: 2}
+
+class _StreamIds(dict):
+    """The allocator's number of each stream; a stream first seen (a further FSDP2 root's,
+    ``events.root_stream``) gets the next number."""
+
+    def __missing__(self, stream: str) -> int:
+        self[stream] = n = len(self)
+        return n
+
+
+STREAM_IDS = _StreamIds({Stream.COMPUTE: 0, Stream.ALL_GATHER: 1, Stream.REDUCE_SCATTER: 2})
 GiB = 2**30
 
 
@@ -75,7 +85,6 @@ def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | No
 
 def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | None) -> Replay:
     alloc = CachingAllocator(config, capacity_bytes=capacity_bytes)
-    names = {v: k.value for k, v in STREAM_IDS.items()}
     blocks = {}
     failure = None
     # The allocator's state at the allocated peak. Allocations only raise ``allocated``, so a run
@@ -92,7 +101,7 @@ def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | N
             try:
                 blocks[tensor] = malloc(size, 0 if stream is compute else streams[stream])
             except AllocatorOOM as oom:
-                failure = Failure(size, str(category), tag, stream.value, oom.reserved, oom.allocated, oom.cached_free)
+                failure = Failure(size, str(category), tag, str(stream), oom.reserved, oom.allocated, oom.cached_free)
                 break
             if alloc.allocated > high:
                 high, peak_event, pending, peak_phase = alloc.allocated, i, True, phase
@@ -110,6 +119,7 @@ def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | N
     if pending:
         at_peak = alloc.stats()
     final = alloc.stats()
+    names = {v: str(k) for k, v in STREAM_IDS.items()}
     return Replay(
         max_reserved=final.max_reserved,
         max_allocated=max(highest, final.max_allocated),

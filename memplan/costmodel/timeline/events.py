@@ -48,6 +48,17 @@ class Stream(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"
 
 
+def root_stream(kind: Stream, root: int) -> Stream | str:
+    """FSDP2's collective stream ``kind`` of a rank's ``root``-th ``fully_shard`` root, counted from 0.
+    Each root makes its own streams (torch ``_fsdp_state.py``: ``self._comm_ctx = FSDPCommContext()``
+    per state, ``FSDPCommContext.lazy_init`` creating ``all_gather_stream``, ``reduce_scatter_stream``;
+    only the states under a root share its context), so a pipeline rank with two chunks, each its own
+    root, has two of each: the H200 snapshot of an interleaved plan showed two all-gather and two
+    reduce-scatter streams (docs/cost-model.md). The caching allocator keeps each stream's blocks
+    apart, so what one root's stream cached the other cannot reuse."""
+    return kind if root == 0 else f"{kind.value}.{root}"
+
+
 ALLOC, FREE, MARK = 0, 1, 2
 
 

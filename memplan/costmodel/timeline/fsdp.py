@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
-from memplan.costmodel.timeline.events import Category, Stream
+from memplan.costmodel.timeline.events import Category, Stream, root_stream
 from memplan.costmodel.timeline.trainer_model import Dims, Model, layer_param_names
 
 # Small metadata tensors of the copy-out (split sizes) and the reduce-scatter copy-in (chunk
@@ -101,6 +101,7 @@ class Fsdp:
     ) -> None:
         self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
         self.offload = offload  # CPUOffloadPolicy: shards, gradients and the optimizer on the host
+        self.ag, self.rs = Stream.ALL_GATHER, Stream.REDUCE_SCATTER  # the root's streams (``on_root``)
         self.mixed = d.pd == 4 and d.cd == 2  # MixedPrecisionPolicy(param bf16, reduce fp32)
         self.rd = d.pd  # reduce dtype: fp32 under the mixed policy, else the parameters' own
         layers = [[f"layers.{i}.{name}" for name in layer_param_names(d)] for i in range(d.layers)]
@@ -121,6 +122,11 @@ class Fsdp:
         self._build()
 
     # --- sizes ---------------------------------------------------------------------------------------
+    def on_root(self, root: int) -> None:
+        """This ``fully_shard`` root is the rank's ``root``-th: its collectives run on streams of
+        its own (``events.root_stream``)."""
+        self.ag, self.rs = root_stream(Stream.ALL_GATHER, root), root_stream(Stream.REDUCE_SCATTER, root)
+
     def shard(self, name: str) -> int:
         """Elements of one rank's shard: dim 0 padded to a multiple of dp."""
         rows, cols = self.shapes[name]
@@ -153,16 +159,14 @@ class Fsdp:
             self._all_gather_from_host(group, numel)
             return
         with t.scoped(group.tag):
-            cast = t.new(numel, 2, "all_gather_input", Category.COMM, Stream.ALL_GATHER) if self.mixed else None
-            group.gathered = t.managed(
-                numel * self.dp, self.d.cd, "all_gather_output", Category.COMM, Stream.ALL_GATHER
-            )
+            cast = t.new(numel, 2, "all_gather_input", Category.COMM, self.ag) if self.mixed else None
+            group.gathered = t.managed(numel * self.dp, self.d.cd, "all_gather_output", Category.COMM, self.ag)
             t.drop(cast)
 
     def _all_gather_from_host(self, group: _Group, numel: int) -> None:
         """Offload: each shard copied to the device (and cast to bf16 under the mixed policy,
         the copy freed), the output, then the inputs freed last to first."""
-        t, ag, pd = self.tape, Stream.ALL_GATHER, self.d.pd
+        t, ag, pd = self.tape, self.ag, self.d.pd
         inputs = []
         with t.scoped(group.tag):
             for name in group.names:
@@ -282,7 +286,7 @@ class Fsdp:
             last = names[-1]
             for name in [n for n in self.grads if n in names and n != last]:  # in the order produced
                 t.drop(self.grads.pop(name))
-            rs = Stream.REDUCE_SCATTER
+            rs = self.rs
             out = t.managed(numel, self.rd, "reduce_scatter_output", Category.GRADIENTS, rs)
             out = self._to_orig_dtype(out)
             t.drop(self.grads.pop(last, None))

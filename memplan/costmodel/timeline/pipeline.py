@@ -203,8 +203,9 @@ class Pipeline:
         """FSDP2 on each chunk (``apply_fsdp``), chunk after chunk: ``make(shapes, model, grads,
         first, last)`` builds one chunk's shards, its gradients in ``grads`` under its module's
         names; the first chunk's shapes and model for the run."""
-        for ch in self.chunks:
+        for root, ch in enumerate(self.chunks):  # each chunk its own root, with streams of its own
             ch.fsdp = make(_chunk_shapes(ch.model.d, ch.first, ch.last), ch.model, {}, ch.first, ch.last)
+            ch.fsdp.on_root(root)
         self.fsdp = _ShardedChunks([ch.fsdp for ch in self.chunks])
         first = self.chunks[0]
         return _chunk_shapes(first.model.d, first.first, first.last), first.model
