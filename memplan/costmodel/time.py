@@ -335,15 +335,22 @@ def eager_score_bytes_per_token(
     return 3.0 * per_element * scores * layers
 
 
-def math_score_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int, layers: int, d: int) -> float:
+def math_score_bytes_per_token(
+    model: ModelSpec, plan: Plan, seq_len: int, layers: int, d: int, recompute: float = 0.0
+) -> float:
     """HBM traffic of SDPA's math path on its a x s x s scores, per token on a stage, forward
     and backward (``_scaled_dot_product_attention_math``, ATen ``attention.cpp``).
 
     Per element, forward: the causal mask added in place (2 d), then ``_safe_softmax``: softmax
-    (2 d), ``eq(-inf)`` (d + 1), ``all`` over the row (1), ``where`` (2 d); backward the
-    softmax's (read the gradient and the output, write: 3 d): 10 d + 2 (42 bytes in fp32)."""
+    (2 d), ``eq(-inf)`` (d + 1), ``all`` over the row (1), ``where`` (2 d): 7 d + 2; backward the
+    softmax's (read the gradient and the output, write: 3 d): 10 d + 2 (42 bytes in fp32).
+    ``recompute``: the forwards run again (``3 x Recomputation.attention``; full recomputation:
+    1), each the forward's 7 d + 2 bytes: unlike the GEMMs' a third, the forward is 30 of the 42
+    fp32 bytes (the H200 profile of the QLoRA step runs the mask add, softmax, ``isneginf``,
+    ``all`` and ``where`` kernels twice a layer and the softmax backward once)."""
     scores = model.num_attention_heads * seq_len / plan.tp
-    return (10 * d + 2) * scores * layers
+    forward, backward = 7 * d + 2, 3 * d
+    return (forward * (1 + recompute) + backward) * scores * layers
 
 
 def score_gemm_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int, layers: int, d: int) -> float:
@@ -799,7 +806,7 @@ def _stage_micro_batch(
     if materialised:
         traffic += (1 + extra.attention) * materialised_token_bytes(model, plan, layers, act, autocast)
     if backend == "math":
-        traffic += (1 + extra.attention) * math_score_bytes_per_token(model, plan, s, layers, act)
+        traffic += math_score_bytes_per_token(model, plan, s, layers, act, 3 * extra.attention)
     else:
         traffic += (1 + extra.attention) * eager_score_bytes_per_token(model, plan, s, layers, act, fused, dropout)
     memory = tokens_mb * traffic / hbm
@@ -809,7 +816,7 @@ def _stage_micro_batch(
         memory += autocast_weight_bytes(model, plan, stage) / hbm
     parts = {"compute": compute, "memory_bound": memory}
     if plan.finetune != "full":
-        parts.update(frozen_base_traffic_s(model, plan, layers, tokens_mb, act, extra, hbm))
+        parts.update(frozen_base_traffic_s(model, plan, layers, tokens_mb, act, extra, hbm, autocast))
     # TP (Megatron, Korthikanti Sec. 4.2.2): per layer, forward 2 all-reduces of b s h (with SP
     # 2 all-gathers + 2 reduce-scatters, the same bytes), backward the same; recomputation repeats
     # the forward's; not overlapped
@@ -852,18 +859,27 @@ def frozen_gemm_seconds(
 
 
 def frozen_base_traffic_s(
-    model: ModelSpec, plan: Plan, layers: int, tokens_mb: float, act: int, extra: Recomputation, hbm: float
+    model: ModelSpec,
+    plan: Plan,
+    layers: int,
+    tokens_mb: float,
+    act: int,
+    extra: Recomputation,
+    hbm: float,
+    autocast: bool = False,
 ) -> dict[str, float]:
     """One micro-batch's memory-bound seconds particular to LoRA / QLoRA on a stage (``hbm``:
-    the achievable bytes/s): the adapters' kernels (``lora_adapters``), bitsandbytes' casts around
+    the achievable bytes/s): the adapters' kernels (``lora_adapters``: fp32 adapters,
+    ``time_lora.ADAPTER_BYTES``, at the activations' dtype under autocast), bitsandbytes' casts around
     its matmuls (``quant_casts``) and its dequantizations (``dequant``), each under the plan's
     recomputation (the element-wise share for the kernels, the matmul share for dequantization)."""
     redo = 3 * extra.elementwise
     compute = POLICIES[plan.precision].compute_bytes
     # 4-bit weights dequantize to the dtype they were quantized from (the param dtype); int8 to the input's
     out_bytes = act if plan.quant == "int8" else POLICIES[plan.precision].param_bytes
+    adapter = act if autocast else Q.ADAPTER_BYTES
     return {
-        "lora_adapters": tokens_mb * Q.adapter_bytes_per_token(model, plan, layers, act, redo) / hbm,
+        "lora_adapters": tokens_mb * Q.adapter_bytes_per_token(model, plan, layers, act, redo, adapter) / hbm,
         "quant_casts": tokens_mb * Q.quant_cast_bytes_per_token(model, plan, layers, act, compute, redo) / hbm,
         "dequant": Q.dequant_bytes(model, plan, layers, out_bytes, 3 * extra.matmul) / hbm,
     }

@@ -78,25 +78,47 @@ def layer_linear_widths(model: ModelSpec) -> tuple[int, int, int]:
     return sum(i for i, _ in widths), sum(o for _, o in widths), sum(i * o for i, o in widths)
 
 
-def adapter_bytes_per_token(model: ModelSpec, plan: Plan, layers: int, d: int, recompute: float) -> float:
+ADAPTER_BYTES = 4
+"""The adapters' dtype: fp32 whatever the base. PEFT's ``get_peft_model(autocast_adapter_dtype=True)``
+(its default) upcasts fp16 / bf16 adapter weights to fp32 (peft 0.21 ``tuners/tuners_utils.py``,
+``cast_adapter_dtype``: ``dtypes_to_convert_to_fp32 = {torch.float16, torch.bfloat16}``), and the
+bundled trainer's ``LoraLinear`` builds them in fp32. Under ``torch.autocast`` the adapters' GEMMs
+and what follows them run in the autocast dtype instead (not profiled: priced at the activations'
+dtype, ``a = d``)."""
+
+
+def adapter_bytes_per_token(
+    model: ModelSpec, plan: Plan, layers: int, d: int, recompute: float, a: int = ADAPTER_BYTES
+) -> float:
     """HBM traffic of the LoRA adapters' memory-bound kernels, one token on a stage (PEFT's
-    ``lora.Linear.forward``: ``result + lora_B(lora_A(dropout(x))) * scaling``; the bundled
-    trainer's ``LoraLinear`` the same). The r-wide GEMMs (r = 16) move far more bytes than they
-    compute, so they run at HBM speed. Per adapted linear and token, d bytes an element:
-    forward, A reads x (d in), B writes out (d out), the scaling reads and writes it (2 d out),
-    the add reads both and writes (3 d out): d in + 6 d out. Backward: the scaling's gradient
-    (2 d out), B's two GEMMs read the gradient (2 d out), A's write the input gradient and read x
-    (2 d in), and the input gradient is summed with the base's (3 d in): 5 d in + 4 d out.
-    With ``lora_dropout`` > 0, ``nn.Dropout`` on the adapter's input writes its output and a 1-byte
-    mask (2 d + 1 per in element) and its backward reads the gradient and the mask and writes
-    (2 d + 1). ``recompute``: the share of the forward run again (full recomputation: 1). Split
-    over TP like the linears."""
+    ``lora.Linear.forward``: ``result = base(x)``, ``x = _cast_input_dtype(x, lora_A.weight.dtype)``,
+    ``result = result + lora_B(lora_A(dropout(x))) * scaling``, ``result.to(torch_result_dtype)``;
+    the bundled trainer's ``LoraLinear`` the same). ``d``: the activations' bytes an element, ``a``:
+    the adapters' (:data:`ADAPTER_BYTES`). The r-wide GEMMs (r = 16) move far more bytes than they
+    compute, so they run at HBM speed. Per adapted linear and token:
+
+    forward: the input cast to the adapter dtype (cast_bytes(d, a) per in element), A reads it
+    (a in), B writes the delta (a out), the scaling reads and writes it (2 a out), the add reads
+    the base output and the delta and writes in the promoted dtype (d + 2 a out: ``d <= a``), and
+    the cast back to the base's dtype (cast_bytes(a, d) out): cast(d, a) + a in, 4 a + d + a +
+    cast(a, d) out. Backward: the final cast's and the add's gradient casts (cast(d, a) + cast(a,
+    d) out), the scaling's (2 a out), B's two GEMMs read the gradient (2 a out), A's write the input
+    gradient and read x (2 a in), the input cast's gradient back to d (cast(a, d) in) and the sum
+    with the base's input gradient (3 d in). With d = a (a quantized base's fp32 stream) that is d
+    in + 6 d out forward and 5 d in + 4 d out backward; with a bf16 stream (d = 2) the casts and
+    the fp32 add make it 10 in + 28 out and 20 in + 28 out bytes (the H200 profile of the bf16 LoRA
+    step: ``bfloat16_copy`` and ``direct_copy`` kernels and fp32 ``CUDAFunctor_add``, 549 of 2553 ms,
+    docs/cost-model.md). With ``lora_dropout`` > 0, ``nn.Dropout`` on the cast input writes its
+    output and a 1-byte mask (2 a + 1 per in element) and its backward reads the gradient and the
+    mask and writes (2 a + 1). ``recompute``: the share of the forward run again (full
+    recomputation: 1). Split over TP like the linears."""
     if plan.finetune == "full":
         return 0.0
     ins, outs = adapted_widths(model, plan.lora_targets)
-    dropout = (2 * d + 1) * ins if plan.lora_dropout > 0 else 0
-    forward = d * ins + 6 * d * outs + dropout
-    backward = 5 * d * ins + 4 * d * outs + dropout
+    down, up = cast_bytes(d, a), cast_bytes(a, d)
+    dropout = (2 * a + 1) * ins if plan.lora_dropout > 0 else 0
+    forward = (down + a) * ins + (5 * a + d + up) * outs + dropout
+    backward = (2 * a + up + 3 * d) * ins + (down + up + 4 * a) * outs + dropout
     return (forward * (1 + recompute) + backward) * layers / plan.tp
 
 

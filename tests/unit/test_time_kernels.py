@@ -128,6 +128,9 @@ def test_math_path_traffic_grows_with_the_square_of_the_sequence():
     short = math_score_bytes_per_token(LLAMA1B, plan, 1024, 16, 4)
     assert math_score_bytes_per_token(LLAMA1B, plan, 2048, 16, 4) == pytest.approx(2 * short)  # per token: x s
     assert math_score_bytes_per_token(LLAMA1B, plan, 1024, 16, 4) == pytest.approx(42 * 32 * 1024 * 16)
+    # a recomputed forward runs the forward's 30 of the 42 bytes again (not a third of them)
+    redone = math_score_bytes_per_token(LLAMA1B, plan, 1024, 16, 4, 1.0)
+    assert redone == pytest.approx((42 + 30) * 32 * 1024 * 16)
 
 
 def test_score_gemms_are_memory_bound_in_bf16_and_compute_bound_in_fp32():

@@ -79,7 +79,28 @@ def test_a_quantized_base_runs_attention_and_the_head_in_fp32():
     assert Q.quantized_stream(qlora(), False) and not Q.quantized_stream(qlora(), True)
     q, l_ = step(qlora()), step(lora())
     assert q.breakdown["compute"] > 1.5 * l_.breakdown["compute"]
-    assert q.breakdown["lora_adapters"] == pytest.approx(2 * l_.breakdown["lora_adapters"])  # fp32 vs bf16
+    # the adapters are fp32 over either base (PEFT's autocast_adapter_dtype); over the bf16 stream their
+    # input is cast up and their sum back down, so the bf16 LoRA's adapters move more bytes than QLoRA's
+    assert q.breakdown["lora_adapters"] < l_.breakdown["lora_adapters"]
+
+
+def test_fp32_adapters_over_a_bf16_stream_cast_their_input_and_their_sum():
+    """Per adapted linear and token (``time_lora.adapter_bytes_per_token``): over the bf16 stream, forward
+    10 in + 28 out, backward 20 in + 28 out; over the fp32 stream (a quantized base), 4 in + 24 out and
+    20 in + 16 out; adapters in the activations' dtype (autocast, a = d = 2): 2 in + 12 out, 10 in + 8 out."""
+    ins, outs = Q.adapted_widths(MODEL, ("all-linear",))
+    assert Q.ADAPTER_BYTES == 4
+    assert Q.adapter_bytes_per_token(MODEL, lora(recompute="none"), 1, 2, 0.0) == 30 * ins + 56 * outs
+    assert Q.adapter_bytes_per_token(MODEL, qlora(recompute="none"), 1, 4, 0.0) == 24 * ins + 40 * outs
+    assert Q.adapter_bytes_per_token(MODEL, lora(recompute="none"), 1, 2, 0.0, a=2) == 12 * ins + 20 * outs
+    # full recomputation runs the forward's kernels again
+    assert Q.adapter_bytes_per_token(MODEL, lora(), 1, 2, 1.0) == 40 * ins + 84 * outs
+    # under autocast the adapters' GEMMs and what follows them run in the autocast dtype
+    mixed = step(lora(precision="bf16-mixed"), runtime="memplan").breakdown["lora_adapters"]
+    tokens = WORK.micro_batch * WORK.seq_len
+    hbm = GPU.hbm_bytes_per_s * T.Efficiency.for_gpu(GPU).hbm
+    per_token = Q.adapter_bytes_per_token(MODEL, lora(precision="bf16-mixed"), 32, 2, 1.0, a=2)
+    assert mixed == pytest.approx(tokens * per_token / hbm)
 
 
 def test_int8_casts_its_input_and_multiplies_in_int8():
@@ -130,22 +151,22 @@ def test_no_offload_no_host_terms():
 
 
 # measured on one NVIDIA H200, torch 2.11.0+cu130, bitsandbytes 0.50.2 (/work/shared/gpu-traces/README.md:
-# h200_a_qlora8b, h200_a_lora8b, h200_b_off8b; the first two shared the GPU with other processes)
+# h200_a_qlora8b, h200_a_lora8b, h200_b_off8b; the first two SHARED the GPU with other processes, and the LoRA
+# run's two steps differ by 19%). The same two plans measured with the GPU alone on 2026-11-28 (LoRA 2553 ms,
+# QLoRA 8156 ms: 3.19x, not 2.55x) are held in tests/unit/test_time_gpu_profiles.py.
 QLORA_MS, LORA_MS, OFFLOAD_MS = 8169, 3202, 11431
 
 
 def test_qlora_step_against_the_h200_run():
     predicted = step(qlora()).step_time_s * 1e3
-    assert abs(predicted / QLORA_MS - 1) < 0.15  # -11.9% (before: -69.7%, LoRA's time)
+    assert abs(predicted / QLORA_MS - 1) < 0.15  # -8.4% (before: -69.7%, LoRA's time; -11.9% before 2026-11-28)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reached +29.9% (3.31x predicted vs 2.55x measured; +18.6% against LoRA's first measured step, "
-    "2925 ms, the run shared the GPU; +25.2% before the cuDNN attention speed of abff6ab): the fp32 "
-    "math-path attention and fp32 head dominate the gap",
-)
 def test_qlora_over_lora_within_a_quarter_of_the_measured_ratio():
+    """2.86x predicted against the 2.55x of the shared-GPU runs (+12%; the GPU alone: 3.19x, -10.4%,
+    tests/unit/test_time_gpu_profiles.py). It was 3.31x (+29.9%) before the fp32 adapters' casts
+    (``time_lora.adapter_bytes_per_token``) and the math path's recomputed forward
+    (``time.math_score_bytes_per_token``) were priced."""
     ratio = step(qlora()).step_time_s / step(lora()).step_time_s
     assert abs(ratio / (QLORA_MS / LORA_MS) - 1) <= 0.25
 
