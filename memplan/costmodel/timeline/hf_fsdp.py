@@ -31,7 +31,8 @@ an FSDP2 model (``prepare_model``, where its autocast wrapper lives, is not call
 sets ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)``
 (``FullyShardedDataParallelPlugin.set_mixed_precision``, accelerate/utils/dataclasses.py:2109-2143):
 each all-gather casts the fp32 shards to bf16 (``fsdp.Fsdp``'s mixed path), the model computes in bf16
-as a bf16 model does, the unsharded gradients are bf16 and accumulate so (``to_accumulated_grad_if_needed``
+as a bf16 model does (its buffers stay fp32: Gemma's ``embed_scale`` is cast to the weight's dtype,
+``hf_gemma.py``), the unsharded gradients are bf16 and accumulate so (``to_accumulated_grad_if_needed``
 returns when the gradient's dtype is the reduce dtype, torch/distributed/fsdp/_fully_shard/_fsdp_param.py:802-810),
 the bf16 reduce-scatter output is cast whole to fp32 before the last unsharded gradient goes
 (``foreach_reduce``: ``_to_dtype_if_needed(reduce_output, orig_dtype)``, _fsdp_collectives.py:696); the

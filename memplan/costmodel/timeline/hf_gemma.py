@@ -12,6 +12,10 @@ against the real Trainer (tests/unit/test_timeline_hf_families.py):
 - Gemma 2: Gemma 3's layer without q/k norms, one pair of rotary tables, and the eager attention
   transformers gives it (``_supports_sdpa = False``): both float masks, ``repeat_kv``, ``matmul``'s
   clones, soft-capped scores, the fp32 softmax; under autocast each matmul's bf16 casts.
+
+Under the Trainer's FSDP2 with ``bf16=True`` (``hf_fsdp.py``: bf16 all-gathers, no autocast) the fp32
+``embed_scale`` buffer is copied to the bf16 weight's dtype, so the embedding, the residual stream and
+Gemma 2's masks are bf16 as in a bf16 model (tests/unit/test_timeline_hf_fsdp.py).
 """
 
 from __future__ import annotations
