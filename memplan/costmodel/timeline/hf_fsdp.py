@@ -31,7 +31,8 @@ an FSDP2 model (``prepare_model``, where its autocast wrapper lives, is not call
 sets ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)``
 (``FullyShardedDataParallelPlugin.set_mixed_precision``, accelerate/utils/dataclasses.py:2109-2143):
 each all-gather casts the fp32 shards to bf16 (``fsdp.Fsdp``'s mixed path), the model computes in bf16
-as a bf16 model does, the unsharded gradients are bf16 and accumulate so (``to_accumulated_grad_if_needed``
+as a bf16 model does (its buffers stay fp32: Gemma's ``embed_scale`` is cast to the weight's dtype,
+``hf_gemma.py``), the unsharded gradients are bf16 and accumulate so (``to_accumulated_grad_if_needed``
 returns when the gradient's dtype is the reduce dtype, torch/distributed/fsdp/_fully_shard/_fsdp_param.py:802-810),
 the bf16 reduce-scatter output is cast whole to fp32 before the last unsharded gradient goes
 (``foreach_reduce``: ``_to_dtype_if_needed(reduce_output, orig_dtype)``, _fsdp_collectives.py:696); the
@@ -73,7 +74,7 @@ import dataclasses
 
 from memplan.costmodel.timeline import hf_fsdp_load, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
-from memplan.costmodel.timeline.events import Category
+from memplan.costmodel.timeline.events import Category, Stream
 from memplan.costmodel.timeline.fsdp import Fsdp, _Group
 from memplan.costmodel.timeline.hf_ddp import HfDdp
 from memplan.costmodel.timeline.trainer_model import Dims
@@ -110,6 +111,7 @@ class HfFsdp(Fsdp):
         self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
         self.cuda, self.metadata = cuda, cuda
         self.offload = False
+        self.ag, self.rs = Stream.ALL_GATHER, Stream.REDUCE_SCATTER  # one root: ``Fsdp``'s own streams
         self.mixed = mixed
         self.rd = 2 if mixed else d.pd
         self.first = self.last = True

@@ -12,6 +12,10 @@ against the real Trainer (tests/unit/test_timeline_hf_families.py):
 - Gemma 2: Gemma 3's layer without q/k norms, one pair of rotary tables, and the eager attention
   transformers gives it (``_supports_sdpa = False``): both float masks, ``repeat_kv``, ``matmul``'s
   clones, soft-capped scores, the fp32 softmax; under autocast each matmul's bf16 casts.
+
+Under the Trainer's FSDP2 with ``bf16=True`` (``hf_fsdp.py``: bf16 all-gathers, no autocast) the fp32
+``embed_scale`` buffer is copied to the bf16 weight's dtype, so the embedding, the residual stream and
+Gemma 2's masks are bf16 as in a bf16 model (tests/unit/test_timeline_hf_fsdp.py).
 """
 
 from __future__ import annotations
@@ -62,12 +66,20 @@ class HfGemma3(HfLlama):
         return [("model.embed_tokens.embed_scale", 1), *rope]
 
     def embed(self, ids: Tensor) -> Tensor:
-        """``Gemma3TextScaledWordEmbedding``: the lookup times ``embed_scale`` (a buffer in the weight's dtype)."""
+        """``Gemma3TextScaledWordEmbedding.forward``: ``super().forward(input_ids) *
+        self.embed_scale.to(self.weight.dtype)``. The buffer is in the model's dtype; under FSDP2's
+        bf16 policy over an fp32 model the weight is the bf16 all-gather (buffers are not cast:
+        ``MixedPrecisionPolicy`` casts parameters only), so the scalar is copied to bf16 and the
+        product (a 0-dim tensor does not promote) is bf16, as the rest of the residual stream."""
         t = self.tape
         e = super().embed(ids)
         with t.scoped("model.embed_tokens"):
-            out = ops.mul(t, e, self.weights["model.embed_tokens.embed_scale"], "embed_scale")
+            w = self.weights["model.embed_tokens.weight"]
+            scale = ops.to(t, self.weights["model.embed_tokens.embed_scale"], w.itemsize, "embed_scale_cast")
+            out = ops.mul(t, e, scale, "embed_scale")
+            t.done(scale)
         t.done(e)
+        self.embeds_itemsize = out.itemsize  # ``inputs_embeds.dtype``: the eager masks' (HfGemma2)
         return out
 
     def positions(self) -> Tensor:
@@ -190,7 +202,9 @@ class HfGemma2(HfGemma3):
 
     def eager_mask(self, sliding: bool) -> Tensor:
         """``sdpa_mask`` (bool, (s, s) broadcast over the batch) from its index aranges, then
-        ``eager_mask``'s ``where(mask, 0, min)`` in the model's dtype (two scalar tensors)."""
+        ``eager_mask``'s ``where(mask, 0, min)`` in ``inputs_embeds.dtype`` (two scalar tensors;
+        masking_utils.py:632, the dtype from 975 / 1208): the model's, but bf16 under FSDP2's bf16
+        policy over an fp32 model (the embedding computed from the bf16 all-gather)."""
         t, d = self.tape, self.d
         square = d.s * d.s
         with t.scoped("model.masks"):
@@ -213,8 +227,9 @@ class HfGemma2(HfGemma3):
             else:
                 allowed = t.new(square, 1, "le")
             t.done(batch, head, *idx)
-            zero, low = t.new(1, d.pd, "zeros"), t.new(1, d.pd, "scalar_tensor")
-            mask = t.new(d.b * square, d.pd, "sliding" if sliding else "full")
+            dtype = self.embeds_itemsize
+            zero, low = t.new(1, dtype, "zeros"), t.new(1, dtype, "scalar_tensor")
+            mask = t.new(d.b * square, dtype, "sliding" if sliding else "full")
             t.done(low, zero, allowed)
         return mask
 

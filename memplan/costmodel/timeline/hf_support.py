@@ -32,10 +32,10 @@ from_pretrained``) or on the CPU and sharded by ``cpu_ram_efficient_loading`` (`
 the default for these plans, ``specs/resolve.py``; ``hf_fsdp_load.py``, tests/unit/test_timeline_hf_fsdp_load.py:
 the shards' order and sizes and the peak equal on CPU, the full copies on the GPU from source), in fp32, a
 bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16 policy over fp32 master shards;
-not for Gemma 2 / 3), and PEFT LoRA in fp32 (any targets, dropout, without ``modules_to_save``), with the
-Trainer's or FSDP's own checkpointing and accumulation. Not modelled: other PEFT plans or a quantized base
-under FSDP, Gemma 2 / 3 under FSDP with ``bf16=True``, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context
-or expert parallelism. A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
+Gemma 2 / 3 too: their bf16 residual stream, ``hf_gemma.py``), and PEFT LoRA in fp32 (any targets, dropout,
+without ``modules_to_save``), with the Trainer's or FSDP's own checkpointing and accumulation. Not modelled:
+other PEFT plans or a quantized base under FSDP, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or
+expert parallelism. A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
 moving each group to the GPU full-size as it shards it) is run as with it: the build differs by a group's
 full parameters, never the steps.
 
@@ -52,7 +52,7 @@ from memplan.costmodel.lora import SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, trainer_autocast
+from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "mixtral", "qwen3-moe")
@@ -178,10 +178,8 @@ def _moe_ok(model: ModelSpec) -> bool:
     return model.architecture in MOE_FAMILIES and plain and moe.layer_freq == 1 and not moe.dense_layers
 
 
-# families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): all of
-# the dense ones, but Gemma 2 and 3 under bf16=True (the policy's bf16 compute without autocast: not followed there)
+# families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): the dense ones
 FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MOE_FAMILIES)
-FSDP_NO_MIXED = ("gemma2", "gemma3")
 
 
 def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
@@ -194,7 +192,6 @@ def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
         runtime == "hf"
         and model.moe is None
         and model.architecture in FSDP_FAMILIES
-        and not (model.architecture in FSDP_NO_MIXED and trainer_autocast(plan, runtime))
         and (plan.finetune == "full" or _fsdp_lora_ok(plan))
         and plan.quant == "none"
     )
@@ -213,8 +210,6 @@ def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
         return "the Trainer's FSDP over an MoE model (not checked)"
     if model.architecture not in FSDP_FAMILIES:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
-    if model.architecture in FSDP_NO_MIXED and trainer_autocast(plan, "hf"):
-        return f"bf16=True under the Trainer's FSDP over the {model.architecture} family"
     return (
         "PEFT under the Trainer's FSDP other than fp32 LoRA without modules_to_save (bf16 adapters under "
         "its mixed-precision policy, a quantized base)"

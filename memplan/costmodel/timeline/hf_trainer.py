@@ -195,6 +195,7 @@ class _HfRun:
         self.fetched = 0
         self.ga = ga
         self.num_items: Tensor | None = None
+        self.items: Tensor | None = None  # the forward's ``num_items_in_batch`` kwarg (cast under FSDP2's bf16 policy)
         self.prev_loss: Tensor | None = None
         self.total_norm: Tensor | None = None
         self.states: list[Tensor] = []
@@ -358,6 +359,7 @@ class _HfRun:
         if self.ddp is not None:
             self.ddp.pre_forward()
         items = self.num_items if self.fsdp is None else self.fsdp.cast_inputs(self.num_items)
+        self.items = items
         logits, hidden = self.forward(ids)
         loss = m.loss(logits, items)
         t.done(hidden)  # LlamaForCausalLM.forward's hidden_states, at its return
@@ -441,7 +443,11 @@ class _HfRun:
             finally:
                 m.cache = cache
 
-        held = [x, pos, cos, sin, *m.layer_inputs(i)]  # the layer's arguments, held by the checkpoint
+        # the layer's arguments, held by the checkpoint; its ``**kwargs`` too (``GradientCheckpointingLayer``
+        # checkpoints ``partial(forward, self, **kwargs)``, transformers modeling_layers.py:120): the model's
+        # ``num_items_in_batch``, under FSDP2's bf16 policy the root's bf16 cast of it (alive to layer 0's backward)
+        kwargs = [self.items] if self.items is not None else []
+        held = [x, pos, cos, sin, *m.layer_inputs(i), *kwargs]
         return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), held, rerun=rerun)
 
     # --- clip, optimizer -----------------------------------------------------------------------
