@@ -68,6 +68,11 @@ def expected_columns(columns: int, tokens: int, p: float) -> int:
     return round(columns * -math.expm1(tokens * math.log1p(-p)))
 
 
+def is_down_projection(name: str) -> bool:
+    """Whether the linear (or its weight) ``name`` is a decoder layer's down projection."""
+    return name.removesuffix(".weight").rsplit(".", 1)[-1] in DOWN_PROJECTIONS
+
+
 @dataclass(frozen=True)
 class RandomInit:
     """The outlier columns of each int8 linear call over a base of random normal(0, ``std``)
@@ -78,7 +83,7 @@ class RandomInit:
 
     def columns(self, name: str, tokens: int, cols: int) -> int:
         """k for one call of linear ``name`` (its weight's name) over ``tokens`` tokens, ``cols`` inputs."""
-        if name.removesuffix(".weight").rsplit(".", 1)[-1] not in DOWN_PROJECTIONS:
+        if not is_down_projection(name):
             return 0
         sigma = self.std * math.sqrt(self.hidden)  # g = w . x, |x|**2 = hidden after the RMSNorm
         return expected_columns(cols, tokens, silu_product_tail(round(sigma, 12)))

@@ -79,7 +79,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
     group, whole-sequence receive buffers; checked on CPU: test_timeline_tensor_parallel.py,
     test_timeline_tp_nosp.py, no GPU trace). An LLM.int8 base
     (``int8.py``: CPU's ``MatMul8bitFp`` checked against the trainer on CPU, CUDA's
-    ``MatMul8bitLt`` from bitsandbytes' source, no trace) on one rank, DDP or ZeRO-1, any
+    ``MatMul8bitLt`` from bitsandbytes' source with the outlier columns ``int8_outliers.RandomInit``
+    counts over the trainer's random weights, held against an H200 run: test_timeline_int8_cuda.py)
+    on one rank, DDP or ZeRO-1, any
     recompute (selective-op, the first ``recompute_layers``), with accumulation, dropout or a
     trained head copy (test_timeline_quant_compose.py).
 
