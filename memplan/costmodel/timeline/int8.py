@@ -32,14 +32,15 @@ The forward, ``bnb.matmul(x, weight, state=state)`` in training (``autograd/_fun
   its dequantization (``_ops.py``: ``A * stats.view(-1, 1) * 7.874e-3``, two out x k fp32 products, the
   first freed) and ``output.addmm(subA, subB)``: a second output (tokens x out) while the first goes.
 
-Under a selective-op checkpoint CPU's ``F.linear`` is an ``mm`` the policy counts (``MatMul8bitFp``
-is Python ops under its dispatch mode), CUDA's ``int8_scaled_mm`` a custom op it does not
-(:func:`_linear`). Both keep their input as a ctx attribute (``ctx.A = A``; ``ctx.tensors = (CAt, subA, A)``), not
-through ``save_for_backward``: it lives until the step's graph goes (``del loss``), outlives the
-backward, and a non-reentrant checkpoint's hooks never see it, so a checkpointed layer's int8
-linears keep their inputs through the forward (``memory.checkpointed_int8_inputs``). A re-run's
-graph goes with the re-run. The backward (both): ``CB = state.CB.to(A.dtype, copy=True).mul_(...)``
-(n x 4 B and the row-scale temporary), ``grad_A = matmul(grad_output, CB).view(...)``; ``CB`` goes.
+Under a selective-op checkpoint CPU's ``F.linear`` is an ``mm`` the policy counts (``MatMul8bitFp`` is
+Python ops under its dispatch mode), CUDA's ``int8_scaled_mm`` a custom op it does not, but its
+``addmm`` over outlier columns it does (:func:`_linear`). Both keep their input as a ctx attribute
+(``ctx.A = A``; ``ctx.tensors = (CAt, subA, A)``), not through ``save_for_backward``: it lives until the
+step's graph goes (``del loss``), outlives the backward, and a non-reentrant checkpoint's hooks never
+see it, so a checkpointed layer's int8 linears keep their inputs through the forward
+(``memory.checkpointed_int8_inputs``). A re-run's graph goes with the re-run. The backward (both): ``CB
+= state.CB.to(A.dtype, copy=True).mul_(...)`` (n x 4 B and the row-scale temporary), ``grad_A =
+matmul(grad_output, CB).view(...)``; ``CB`` goes.
 
 The outlier count k comes from the activations' values, not their shapes: per call, :attr:`Int8.outliers`
 (``int8_outliers.RandomInit`` over the bundled trainer's random weights: the down projection's
@@ -222,10 +223,9 @@ class Int8:
             out = ops.result(t, tokens * rows, a, tag, node)
             t.done(f16)
         t.done(i32)
-        if k:  # output.addmm(subA, subB): a new output, the first goes
-            out2 = ops.result(t, tokens * rows, a, tag, node)
-            if t.on_first_mm is not None:
-                t.on_first_mm()
+        if k:  # output.addmm(subA, subB): a new output, the first goes; an aten matmul, which a
+            # selective-op policy counts as it counts CPU's F.linear (int8_mixed_scaled_mm is a custom op)
+            out2 = _linear(t, tokens * rows, a, tag, node)
             t.done(out)
             out = out2
             if node is not None:  # ctx.tensors' subA
@@ -253,7 +253,8 @@ def _linear(t: Tape, numel: int, itemsize: int, tag: str, node: Node | None) -> 
     """``MatMul8bitFp``'s ``F.linear(A, CB, bias)``: an ``mm`` (``addmm`` with a bias) that a
     selective-op checkpoint sees, ``MatMul8bitFp`` being Python ops under its dispatch mode
     (``parallel.op_sac_policy`` counts it): kept in the forward when the count is odd, handed back
-    in the re-run (CUDA's ``int8_scaled_mm`` is a custom op, not a matmul to the policy)."""
+    in the re-run (CUDA's ``int8_scaled_mm`` is a custom op, not a matmul to the policy; its
+    ``output.addmm(subA, subB)`` over outlier columns is one, taken here too)."""
     kept = t.cached("mm")
     if kept is not None:
         kept[0].fn = node

@@ -18,17 +18,17 @@ hidden 2048). The chance that one element reaches the threshold, ``P(|silu(g) u|
 one-dimensional integral over g (``erfc`` of the threshold over ``|silu(g)| sigma sqrt(2)``); a column
 of T tokens holds one with ``1 - (1 - p) ** T``, treating tokens as independent.
 
-Checked against the real model on CPU (/tmp experiment, 2026-11-28: the bundled trainer's Llama 1B
-layers, normal(0, 0.02), random tokens, fp32, the down projections' inputs cast to fp16 as the kernel
-casts them): the element probability is 4.9e-5 as predicted (4.6e-5 to 5.8e-5 over the 16 layers),
-but the columns are fewer: at 4 x 4,096 tokens 3,837 to 4,119 (the first layer 3,030) against 4,543
-predicted, at 1,024 tokens 331 to 418 (262) against 404. Tokens are not independent: the normed
-stream carries a component common to the tokens (at the third layer, 4,096 tokens, the token mean
-holds 10% of its energy), which offsets each column's g and u and gathers the outliers in fewer
-columns. That share comes from the random network's dynamics (the causal attention averages), not
-from the shapes: not modelled, so :class:`RandomInit` is an upper estimate of k (12% over on the
-1B step; the H200 run of tests/unit/test_timeline_int8_cuda.py). A trained checkpoint's outliers are
-a few feature dimensions (Dettmers et al. 2022, arXiv 2208.07339, Sec. 4): :class:`RandomInit`
+Counted on the real layers on CPU (benchmarks/int8_outlier_columns.py, 2026-11-28: the bundled
+trainer's Llama 1B, normal(0, 0.02), random tokens, the down projections' inputs cast to fp16 as the
+kernel casts them): the element rate is the predicted one (4.7e-5 to 5.0e-5 against 4.9e-5), the
+columns fewer: at 4 x 4,096 tokens 3,844 to 4,052 (the first layer 3,076) against 4,543, at 2 x 2,048
+1,283 to 1,390 (919) against 1,500. Tokens are not independent: the normed stream carries a
+component common to the tokens (at the third layer, 4,096 tokens, the token mean holds 10% of its
+energy), which offsets each column's g and u and gathers the outliers in fewer columns. That share
+comes from the random network's dynamics (the causal attention's averages), not from the shapes: not
+modelled, so :class:`RandomInit` is an upper estimate of k (about 12% over at these sizes; on the 1B
+H200 step +1.06% allocated, tests/unit/test_timeline_int8_cuda.py). A trained checkpoint's outliers
+are a few feature dimensions (Dettmers et al. 2022, arXiv 2208.07339, Sec. 4): :class:`RandomInit`
 describes random weights only.
 """
 

@@ -242,7 +242,8 @@ def _int8_modelled(plan: Plan) -> bool:
     """An LLM.int8 base (``int8.py``) under LoRA as the bundled trainer on CPU was checked
     (tests/unit/test_timeline_int8.py, test_timeline_quant_compose.py: within the AdamW ``step``
     scalars): fp32, bf16 or bf16-master (the stream is fp32 either way), any recompute (selective-op:
-    CPU's ``MatMul8bitFp`` runs an ``mm`` the policy counts, CUDA's int8 kernels none; the first
+    CPU's ``MatMul8bitFp`` runs an ``mm`` the policy counts, CUDA's int8 kernels none but the
+    ``addmm`` of outlier columns; the first
     ``recompute_layers``), accumulation, dropout, a trained head copy (fp32 after
     ``prepare_model_for_kbit_training``, its frozen original too), one rank, DDP or ZeRO-1. Not
     under autocast (the trainer refuses it) nor FSDP2 (the trainer runs LoRA without it)."""
