@@ -47,10 +47,12 @@ The outlier count k comes from the activations' values, not their shapes: per ca
 ``silu(g) * u`` reaches 6.0 in about half its 8,192 columns at 16k tokens on a 1B Llama, each column
 kept as ``subA``, 242 MB a layer in fp32, held with the graph; none over a trained checkpoint,
 :data:`OUTLIER_COLUMNS`). The CPU form is held against the bundled trainer on CPU
-(tests/unit/test_timeline_int8.py); the CUDA form against an H200 run of the bundled trainer and one
-of transformers' Trainer (tests/unit/test_timeline_int8_cuda.py: with the columns counted on the
-real layers, the step within 0.04%). Not modelled there: the sub-kilobyte scratch of ``any()``'s
-reduction, of ``argwhere`` (CUB's scan) and of ``out_row[:, outlier_cols] = 0``.
+(tests/unit/test_timeline_int8.py); the CUDA form against an H100 allocator trace of the bundled
+trainer (a down projection's events one for one; with the trace's own columns the step 33 KB under
+its measured peak, reserved exact) and H200 runs of it and of transformers' Trainer
+(tests/unit/test_timeline_int8_cuda.py). Not modelled there: the sub-kilobyte scratch of ``any()``'s
+reduction, of ``argwhere`` (``nonzero``'s count and CUB storage) and of ``out_row[:, outlier_cols] =
+0``, and ``any(dim=0)``'s split-reduction buffer (34,603,008 B on the H100 at 16k x 8,192: transient).
 """
 
 from __future__ import annotations
