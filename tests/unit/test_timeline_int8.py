@@ -12,7 +12,8 @@ peak (112 B on the small model; 0.001%), the step's and the forward's and backwa
 LoRA cases; the Trainer's equal to the byte (fp32 stream, checkpointing, ``bf16=True``, a bf16-loaded
 base, all linears with dropout, the recipe of all three, accumulation, a trained lm_head copy, Qwen2's
 frozen q/k/v biases). The real run's outlier columns (the inputs' |x| >= 6.0, which CUDA's kernel
-keeps apart) are counted in the bundled trainer's run: none, as ``int8.OUTLIER_COLUMNS`` says.
+keeps apart) are counted in the bundled trainer's run: none on these small models, as
+``int8_outliers.RandomInit`` counts them (the 1B model's are tests/unit/test_timeline_int8_cuda.py's).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from memplan.costmodel.reserve import plan_run
 from memplan.costmodel.timeline.autograd import Tape
 from memplan.costmodel.timeline.events import ALLOC, FREE, Builder
 from memplan.costmodel.timeline.int8 import OUTLIER_COLUMNS, THRESHOLD, Int8, outlier_bytes
+from memplan.costmodel.timeline.int8_outliers import RandomInit
 from memplan.costmodel.timeline.trainer import supported, trainer_run
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -99,7 +101,9 @@ def test_the_bundled_trainer_on_cpu_peaks_where_the_run_does(name, monkeypatch):
     assert supported(model, workload, plan) is None  # the estimate follows it op by op
     predicted = steady_peaks(trainer_run(model, workload, plan, cuda=False))
     step, passes, outliers = _measured(model, workload, plan, monkeypatch)
-    assert outliers == OUTLIER_COLUMNS  # random weights, synthetic tokens: the run's default holds
+    # random weights, synthetic tokens: as many as the run counts for the widest call (int8_outliers)
+    tokens = SEQ * micro_batch
+    assert outliers == RandomInit(model.hidden_size).columns("w2", tokens, model.ffn_size) == OUTLIER_COLUMNS
     for what, p, got in zip(("step", "forward and backward"), predicted, (step, passes), strict=True):
         assert abs(p / got - 1) <= CPU_BOUND, f"{name} {what}: predicted {p:,}, measured {got:,}"
 
@@ -166,13 +170,14 @@ def test_cuda_build_keeps_cb_and_scb_and_frees_the_fp16_copy():
 
 def test_outlier_columns_add_their_bytes_on_cuda():
     """k outlier columns: ``subA`` (tokens x k, kept with ``ctx.tensors``), ``state.idx`` (k int64),
-    ``CB[:, cols]`` and its fp32 dequantization, and the ``addmm``'s second output (tokens x out)."""
+    ``CB[:, cols]`` and its dequantization's two fp32 products, and the ``addmm``'s second output
+    (tokens x out)."""
     k = 3
     events, _ = _one_linear(cuda=True, outliers=k)
     sizes = {tag: size for op, tag, size in events if op == ALLOC}
     kept, transient = outlier_bytes(32, 256, 4)
     assert sizes["subA"] + sizes["outlier_cols"] == k * kept
-    assert sizes["CB_cols"] + sizes["subB"] == k * transient
+    assert sizes["CB_cols"] + sizes["subB_scaled"] + sizes["subB"] == k * transient
     outputs = [size for op, tag, size in events if op == ALLOC and tag == "w1"]
     assert outputs == [32 * 256 * 4, 32 * 256 * 4]
 

@@ -39,6 +39,7 @@ from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.int8 import OUTLIER_COLUMNS, Int8
+from memplan.costmodel.timeline.int8_outliers import RandomInit
 
 BLOCK = 64  # bnb_4bit's blocksize (transformers' BitsAndBytesConfig: 64)
 NESTED_BLOCK = 256  # double quantization's blocksize for the absmax (bitsandbytes.functional.quantize_4bit)
@@ -141,7 +142,9 @@ class Bnb8bit:
     is ``lora.Linear4bit``'s without the clone. The load's fp16 copy per weight (CUDA) is
     ``hf_build.quantize_8bit``'s (``model_build: from_pretrained``); the CPU count starts once the model is built."""
 
-    outliers: int = OUTLIER_COLUMNS  # per linear call, CUDA's MatMul8bitLt (int8.OUTLIER_COLUMNS)
+    # per linear call, CUDA's MatMul8bitLt: none over a loaded checkpoint, taken as trained (a random one's
+    # down projections keep thousands: int8_outliers.RandomInit, tests/unit/test_timeline_int8_cuda.py)
+    outliers: int | RandomInit = OUTLIER_COLUMNS
     int8: Int8 | None = field(default=None, repr=False)  # the run's linears, made on its tape
     clones: ClassVar[bool] = False
 

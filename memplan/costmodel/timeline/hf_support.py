@@ -22,7 +22,8 @@ every linear (``_kernel_known``: over 1536 tokens a micro-batch bitsandbytes' de
 fallback on every GPU; up to it the fused kernel or the fallback as its rule picks on the GPU's SMs and
 compute capability, ``costmodel.gemm_4bit_rule``; both read from its source); an LLM.int8 base
 (``hf_bnb.Bnb8bit``, ``int8.py``: CPU's ``MatMul8bitFp`` equal to the byte, tests/unit/test_timeline_int8.py;
-CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLUMNS``). Any of these over
+CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLUMNS``: a loaded checkpoint
+taken as trained; a random one keeps more, tests/unit/test_timeline_int8_cuda.py). Any of these over
 ``dp`` > 1 ranks under DDP (``zero: 0``: the Trainer under ``torchrun``, ``hf_ddp.py``;
 tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's). The Trainer's
 FSDP2 (``--zero 3``: ``full_shard``, ``--zero 2``: ``shard_grad_op``; ``hf_fsdp.py``;

@@ -27,25 +27,32 @@ The forward, ``bnb.matmul(x, weight, state=state)`` in training (``autograd/_fun
   (one byte); ``int8_mixed_scaled_mm`` then ``int8_scaled_mm``: ``int8_linear_matmul`` (int32
   output), ``int8_mm_dequant`` (fp16, then ``.to(A.dtype)``). With k outlier columns (|x| >= 6.0 in
   any token) also ``outliers.any(dim=0)`` (one byte per input feature), ``argwhere`` (k int64, kept
-  in ``state.idx`` until the next call), ``subA = A[:, cols]`` (tokens x k in A's dtype, kept by
-  ``ctx.tensors``), ``CB[:, cols]`` (out x k int8), its dequantization (out x k fp32) and
-  ``output.addmm(subA, subB)``: a second output (tokens x out) while the first goes.
+  in ``state.idx`` until the next call and in ``ctx.tensor_states`` while the graph lives), ``subA =
+  A[:, cols]`` (tokens x k in A's dtype, kept by ``ctx.tensors``), ``CB[:, cols]`` (out x k int8),
+  its dequantization (``_ops.py``: ``A * stats.view(-1, 1) * 7.874e-3``, two out x k fp32 products, the
+  first freed) and ``output.addmm(subA, subB)``: a second output (tokens x out) while the first goes.
 
-Under a selective-op checkpoint CPU's ``F.linear`` is an ``mm`` the policy counts (``MatMul8bitFp``
-is Python ops under its dispatch mode), CUDA's ``int8_scaled_mm`` a custom op it does not
-(:func:`_linear`). Both keep their input as a ctx attribute (``ctx.A = A``; ``ctx.tensors = (CAt, subA, A)``), not
-through ``save_for_backward``: it lives until the step's graph goes (``del loss``), outlives the
-backward, and a non-reentrant checkpoint's hooks never see it, so a checkpointed layer's int8
-linears keep their inputs through the forward (``memory.checkpointed_int8_inputs``). A re-run's
-graph goes with the re-run. The backward (both): ``CB = state.CB.to(A.dtype, copy=True).mul_(...)``
-(n x 4 B and the row-scale temporary), ``grad_A = matmul(grad_output, CB).view(...)``; ``CB`` goes.
+Under a selective-op checkpoint CPU's ``F.linear`` is an ``mm`` the policy counts (``MatMul8bitFp`` is
+Python ops under its dispatch mode), CUDA's ``int8_scaled_mm`` a custom op it does not, but its
+``addmm`` over outlier columns it does (:func:`_linear`). Both keep their input as a ctx attribute
+(``ctx.A = A``; ``ctx.tensors = (CAt, subA, A)``), not through ``save_for_backward``: it lives until the
+step's graph goes (``del loss``), outlives the backward, and a non-reentrant checkpoint's hooks never
+see it, so a checkpointed layer's int8 linears keep their inputs through the forward
+(``memory.checkpointed_int8_inputs``). A re-run's graph goes with the re-run. The backward (both): ``CB
+= state.CB.to(A.dtype, copy=True).mul_(...)`` (n x 4 B and the row-scale temporary), ``grad_A =
+matmul(grad_output, CB).view(...)``; ``CB`` goes.
 
-The outlier count k comes from the activations' values, not their shapes: :data:`OUTLIER_COLUMNS`,
-measured on the runs this project checks (random weights, synthetic tokens). The CPU form is held
-against the bundled trainer on CPU (tests/unit/test_timeline_int8.py); the CUDA form is read from
-bitsandbytes' source, not checked on a GPU (no trace). Not modelled there: the sub-kilobyte scratch of
-``any()``'s reduction, of ``argwhere`` and of ``out_row[:, outlier_cols] = 0`` (an empty index when
-k = 0).
+The outlier count k comes from the activations' values, not their shapes: per call, :attr:`Int8.outliers`
+(``int8_outliers.RandomInit`` over the bundled trainer's random weights: the down projection's
+``silu(g) * u`` reaches 6.0 in about half its 8,192 columns at 16k tokens on a 1B Llama, each column
+kept as ``subA``, 242 MB a layer in fp32, held with the graph; none over a trained checkpoint,
+:data:`OUTLIER_COLUMNS`). The CPU form is held against the bundled trainer on CPU
+(tests/unit/test_timeline_int8.py); the CUDA form against an H100 allocator trace of the bundled
+trainer (a down projection's events one for one; with the trace's own columns the step 33 KB under
+its measured peak, reserved exact) and H200 runs of it and of transformers' Trainer
+(tests/unit/test_timeline_int8_cuda.py). Not modelled there: the sub-kilobyte scratch of ``any()``'s
+reduction, of ``argwhere`` (``nonzero``'s count and CUB storage) and of ``out_row[:, outlier_cols] =
+0``, and ``any(dim=0)``'s split-reduction buffer (34,603,008 B on the H100 at 16k x 8,192: transient).
 """
 
 from __future__ import annotations
@@ -55,23 +62,22 @@ from dataclasses import dataclass, field
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
+from memplan.costmodel.timeline.int8_outliers import THRESHOLD, RandomInit  # noqa: F401 (THRESHOLD re-exported)
 from memplan.costmodel.timeline.quant import cast_to_fp32, clone_bias, is_linear
 
-THRESHOLD = 6.0  # BitsAndBytesConfig(llm_int8_threshold=6.0), train.quant.INT8_THRESHOLD
-# Outlier columns per int8 linear call (inputs with |x| >= THRESHOLD in some token). Random weights
-# and synthetic tokens, the runs checked here: none (tests/unit/test_timeline_int8.py measures the
-# tiny model's; the normed inputs are ~N(0, 1), P(|x| >= 6) ~ 2e-9 an element). A trained model's
-# come from its activations (Dettmers et al. 2022, arXiv 2208.07339, Sec. 4: a few per layer, more
-# past 6.7B parameters): pass them to :class:`Int8` (bytes each: :func:`outlier_bytes`).
+# Outlier columns per int8 linear call (inputs with |x| >= THRESHOLD in some token) where nothing says
+# more: a trained checkpoint's come from its activations (Dettmers et al. 2022, arXiv 2208.07339,
+# Sec. 4: a few feature dimensions), none here. Over random weights (the bundled trainer's, always)
+# ``int8_outliers.RandomInit`` counts them per linear (the down projection's: thousands at 16k tokens).
 OUTLIER_COLUMNS = 0
 
 
 def outlier_bytes(tokens: int, rows: int, itemsize: int) -> tuple[int, int]:
     """Per outlier column of one CUDA int8 linear (``rows`` outputs, its input of ``itemsize`` B):
     (kept until the graph goes: ``subA``'s column and ``state.idx``'s int64, transient: the
-    column of ``CB[:, cols]`` and of its fp32 dequantization). Any k > 0 also adds a second
-    output (tokens x rows x itemsize) for the ``addmm``, transient."""
-    return tokens * itemsize + 8, rows * (1 + 4)
+    column of ``CB[:, cols]`` and of the two fp32 products of its dequantization). Any k > 0 also
+    adds a second output (tokens x rows x itemsize) for the ``addmm``, transient."""
+    return tokens * itemsize + 8, rows * (1 + 4 + 4)
 
 
 @dataclass
@@ -80,7 +86,7 @@ class Int8:
 
     tape: Tape
     cuda: bool = True  # MatMul8bitLt (CUDA) or MatMul8bitFp (CPU)
-    outliers: int = OUTLIER_COLUMNS
+    outliers: int | RandomInit = OUTLIER_COLUMNS  # k of every call, or per linear (int8_outliers.py)
     weights: dict[str, tuple[Tensor, int]] = field(default_factory=dict)  # name -> (CB, output rows)
     state: list[Tensor] = field(default_factory=list)  # the SCBs
     idx: dict[str, Tensor] = field(default_factory=dict)  # each linear's state.idx when k > 0
@@ -145,14 +151,19 @@ class Int8:
         cols = cb.numel // rows
         node = t.node(f"{tag}.MatMul8bit", _backward(rows, cols, x.itemsize), [x])
         if self.cuda:
-            out = self._cuda(x, node, tokens, rows, tag)
+            out = self._cuda(x, node, tokens, rows, tag, self._columns(name, tokens, cols))
         else:
             out = self._cpu(x, node, tokens, rows, cols, tag, autocast)
         if node is not None:  # ctx.A = A: an attribute, held while the graph lives
-            a = t.alias(x)
-            if not t.recomputing:  # a re-run's graph goes with the re-run (its Python references)
-                self.held.append(a)
+            self._hold(x)
         return out
+
+    def _hold(self, x: Tensor) -> None:
+        """A ctx attribute's reference to ``x``, until the graph goes; a re-run's graph goes with
+        the re-run (the tape drops its Python references then)."""
+        a = self.tape.alias(x)
+        if not self.tape.recomputing:
+            self.held.append(a)
 
     def _cpu(self, x: Tensor, node: Node | None, tokens: int, rows: int, cols: int, tag: str, autocast: bool) -> Tensor:
         """``MatMul8bitFp.forward``: the dequantized weight, ``F.linear``, the weight freed. Under
@@ -170,9 +181,15 @@ class Int8:
         t.done(w)
         return out
 
-    def _cuda(self, x: Tensor, node: Node | None, tokens: int, rows: int, tag: str) -> Tensor:
-        """``MatMul8bitLt.forward``, frozen weight, threshold 6.0, :attr:`outliers` columns."""
-        t, n_in, a, k = self.tape, x.numel, x.itemsize, self.outliers
+    def _columns(self, name: str, tokens: int, cols: int) -> int:
+        """The outlier columns of this call of ``name``: :attr:`outliers` itself, or its count for the linear."""
+        if isinstance(self.outliers, int):
+            return self.outliers
+        return self.outliers.columns(name, tokens, cols)
+
+    def _cuda(self, x: Tensor, node: Node | None, tokens: int, rows: int, tag: str, k: int) -> Tensor:
+        """``MatMul8bitLt.forward``, frozen weight, threshold 6.0, ``k`` outlier columns."""
+        t, n_in, a = self.tape, x.numel, x.itemsize
         cols = n_in // tokens
         x16 = t.new(n_in, 2, f"{tag}.input_fp16") if a != 2 else t.alias(x)
         sca = t.new(tokens, 4, f"{tag}.row_stats")
@@ -183,17 +200,19 @@ class Int8:
         t.done(t.new(1, 1, f"{tag}.any"))
         if k:
             columns = t.new(cols, 1, f"{tag}.any_columns")
-            idx = t.managed(k, 8, f"{tag}.outlier_cols", Category.ACTIVATIONS)
+            idx = t.new(k, 8, f"{tag}.outlier_cols", Category.ACTIVATIONS)
             t.done(columns)
         t.done(mask)  # the kernel's frame returns
         t.done(x16)  # A.to(float16), the call's temporary
         sub = []
         if k:
-            self._outlier_index(tag, idx)
+            self._outlier_index(tag, idx, node)
             sub_a = t.new(tokens * k, a, f"{tag}.subA")
             cb_cols = t.new(rows * k, 1, f"{tag}.CB_cols")
-            sub_b = t.new(rows * k, 4, f"{tag}.subB")
-            t.done(cb_cols)
+            scaled = t.new(rows * k, 4, f"{tag}.subB_scaled")  # int8_vectorwise_dequant: A * stats.view(-1, 1)
+            sub_b = t.new(rows * k, 4, f"{tag}.subB")  # ... * 7.874015718698502e-3
+            t.done(scaled)
+            t.done(cb_cols)  # the dequant's argument, once it returns
             if a != 4:
                 sub_b, f32 = t.new(rows * k, a, f"{tag}.subB_cast"), sub_b
                 t.done(f32)
@@ -206,24 +225,24 @@ class Int8:
             out = ops.result(t, tokens * rows, a, tag, node)
             t.done(f16)
         t.done(i32)
-        if k:  # output.addmm(subA, subB): a new output, the first goes
-            out2 = ops.result(t, tokens * rows, a, tag, node)
-            if t.on_first_mm is not None:
-                t.on_first_mm()
+        if k:  # output.addmm(subA, subB): a new output, the first goes; an aten matmul, which a
+            # selective-op policy counts as it counts CPU's F.linear (int8_mixed_scaled_mm is a custom op)
+            out2 = _linear(t, tokens * rows, a, tag, node)
             t.done(out)
             out = out2
-            if node is not None:
-                self.held.append(t.alias(sub[0]))  # ctx.tensors' subA
+            if node is not None:  # ctx.tensors' subA
+                self._hold(sub[0])
             t.done(*reversed(sub))
         t.done(ca, sca)  # the forward's locals
         return out
 
-    def _outlier_index(self, tag: str, idx: Tensor) -> None:
-        """``state.idx = outlier_cols``: the linear's previous call's index goes."""
-        old = self.idx.get(tag)
-        if old is not None:
-            self.tape.free(old)
+    def _outlier_index(self, tag: str, idx: Tensor, node: Node | None) -> None:
+        """``state.idx = outlier_cols``, also ``ctx.tensor_states``' (while the graph lives): the
+        state lets go of the linear's previous call's index."""
+        self.tape.drop(self.idx.get(tag))
         self.idx[tag] = idx
+        if node is not None:
+            self._hold(idx)
 
     def free_graph(self) -> None:
         """``del loss``: the graph's nodes go from the loss down, each int8 linear's ctx with them."""
@@ -236,7 +255,8 @@ def _linear(t: Tape, numel: int, itemsize: int, tag: str, node: Node | None) -> 
     """``MatMul8bitFp``'s ``F.linear(A, CB, bias)``: an ``mm`` (``addmm`` with a bias) that a
     selective-op checkpoint sees, ``MatMul8bitFp`` being Python ops under its dispatch mode
     (``parallel.op_sac_policy`` counts it): kept in the forward when the count is odd, handed back
-    in the re-run (CUDA's ``int8_scaled_mm`` is a custom op, not a matmul to the policy)."""
+    in the re-run (CUDA's ``int8_scaled_mm`` is a custom op, not a matmul to the policy; its
+    ``output.addmm(subA, subB)`` over outlier columns is one, taken here too)."""
     kept = t.cached("mm")
     if kept is not None:
         kept[0].fn = node

@@ -79,7 +79,9 @@ def supported(model: ModelSpec, workload: TrainingWorkload, plan: Plan, gpu_arch
     group, whole-sequence receive buffers; checked on CPU: test_timeline_tensor_parallel.py,
     test_timeline_tp_nosp.py, no GPU trace). An LLM.int8 base
     (``int8.py``: CPU's ``MatMul8bitFp`` checked against the trainer on CPU, CUDA's
-    ``MatMul8bitLt`` from bitsandbytes' source, no trace) on one rank, DDP or ZeRO-1, any
+    ``MatMul8bitLt`` from bitsandbytes' source with the outlier columns ``int8_outliers.RandomInit``
+    counts over the trainer's random weights, held against an H200 run: test_timeline_int8_cuda.py)
+    on one rank, DDP or ZeRO-1, any
     recompute (selective-op, the first ``recompute_layers``), with accumulation, dropout or a
     trained head copy (test_timeline_quant_compose.py).
 
@@ -240,7 +242,8 @@ def _int8_modelled(plan: Plan) -> bool:
     """An LLM.int8 base (``int8.py``) under LoRA as the bundled trainer on CPU was checked
     (tests/unit/test_timeline_int8.py, test_timeline_quant_compose.py: within the AdamW ``step``
     scalars): fp32, bf16 or bf16-master (the stream is fp32 either way), any recompute (selective-op:
-    CPU's ``MatMul8bitFp`` runs an ``mm`` the policy counts, CUDA's int8 kernels none; the first
+    CPU's ``MatMul8bitFp`` runs an ``mm`` the policy counts, CUDA's int8 kernels none but the
+    ``addmm`` of outlier columns; the first
     ``recompute_layers``), accumulation, dropout, a trained head copy (fp32 after
     ``prepare_model_for_kbit_training``, its frozen original too), one rank, DDP or ZeRO-1. Not
     under autocast (the trainer refuses it) nor FSDP2 (the trainer runs LoRA without it)."""

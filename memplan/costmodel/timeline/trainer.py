@@ -217,8 +217,9 @@ class _Run:
         self.int8 = None
         if lora is not None and lora.int8:
             from memplan.costmodel.timeline.int8 import Int8
+            from memplan.costmodel.timeline.int8_outliers import RandomInit
 
-            self.int8 = Int8(self.tape, lora.cuda)
+            self.int8 = Int8(self.tape, lora.cuda, RandomInit(d.h))  # the trainer's weights are random
         if self.int8 is not None:  # an LLM.int8 base (int8.py)
             self.model.base = self.int8.linear
         sharded = dp > 1 and zero >= 2  # FSDP2, ZeRO-2 keeping the parameters after the forward
