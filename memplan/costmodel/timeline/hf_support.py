@@ -55,8 +55,9 @@ from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "mixtral", "qwen3-moe")
-MOE_FAMILIES = ("mixtral", "qwen3-moe")  # hf_moe.py: the sparse block on Mistral's or Qwen3's layer
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
+MOE_FAMILIES = ("mixtral", "qwen3-moe", "qwen2-moe")  # hf_moe.py: the sparse block on Mistral's, Qwen3's, Qwen2's layer
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 # each family's layer as transformers writes it: (layer norms, q/k norm scope or None, (fused qkv, fused gate-up))
 LAYOUT = {
     "qwen3": ("pre", "head", (False, False)),
@@ -67,6 +68,7 @@ LAYOUT = {
     "gemma3": ("sandwich", "head", (False, False)),
 }
 LLAMA_LAYOUT = ("pre", None, (False, False))
+QKV_BIAS_FAMILIES = ("qwen2", "qwen2-moe")  # q/k/v biases (hf_model.QKV_BIAS)
 PEFT_FAMILIES = ("llama", "mistral", "qwen2")  # LoRA and 4-bit bases checked (tests/unit/test_timeline_hf_peft.py)
 ACTIVATION = {"gemma2": "gelu_tanh", "gemma3": "gelu_tanh"}  # GeGLU (gelu_pytorch_tanh); the others SwiGLU
 # transformers runs Gemma 2 eagerly whatever is asked (_supports_sdpa = False: SDPA takes no soft-cap),
@@ -133,7 +135,7 @@ def hf_supported(
         (not (model.attn_out_bias or model.mlp_bias), "these biases"),
         (_layout(model) == LAYOUT.get(model.architecture, LLAMA_LAYOUT), f"this {model.architecture} layer layout"),
         (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
-        (not model.qkv_bias or model.architecture == "qwen2", "Q/K/V biases outside Qwen2"),
+        (not model.qkv_bias or model.architecture in QKV_BIAS_FAMILIES, "Q/K/V biases outside Qwen2 and Qwen2-MoE"),
         (_attention_ok(model, seq_len), "sliding or chunked attention (a window the sequence reaches)"),
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
         (plan.quant != "int8" or runtime == "hf", _INT8_LOOP),
@@ -169,13 +171,18 @@ def hf_supported(
 
 
 def _moe_ok(model: ModelSpec) -> bool:
-    """No experts, or the sparse block ``hf_moe.py`` follows: every layer sparse, top-k routed experts
-    alone, a router without biases, gate and up in one 3-D parameter as transformers 5 stores them."""
-    moe = model.moe
+    """No experts, or the sparse block ``hf_moe.py`` follows as transformers builds it for the family: a
+    router without biases, gate and up in one 3-D parameter as transformers 5 stores them, the top-k
+    routed experts alone (Mixtral, Qwen3-MoE) or beside one shared expert under its sigmoid gate
+    (Qwen2-MoE); dense layers (``mlp_only_layers``, ``decoder_sparse_step``) in the Qwen families, whose
+    decoder layer reads them, not in Mixtral's, which has none."""
+    moe, arch = model.moe, model.architecture
     if moe is None:
         return True
-    plain = moe.num_shared_experts == 0 and not (moe.router_bias or moe.router_score_bias or moe.fused_gate_up)
-    return model.architecture in MOE_FAMILIES and plain and moe.layer_freq == 1 and not moe.dense_layers
+    if moe.router_bias or moe.router_score_bias or moe.fused_gate_up or arch not in MOE_FAMILIES:
+        return False
+    shared = (moe.num_shared_experts, moe.shared_expert_gate) == ((1, True) if arch == "qwen2-moe" else (0, False))
+    return shared and (arch != "mixtral" or (moe.layer_freq == 1 and not moe.dense_layers))
 
 
 # families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): all of
