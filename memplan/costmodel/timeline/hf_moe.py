@@ -1,7 +1,8 @@
-"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE) in the op-level run of ``transformers.Trainer``.
+"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE, Qwen2-MoE) in the op-level run of ``transformers.Trainer``.
 
-The layer is Llama's (Mixtral: ``modeling_mixtral.py``) or Qwen3's (``modeling_qwen3_moe.py``) with the
-MLP replaced by the sparse block, read from transformers 5.23:
+The layer is Llama's (Mixtral: ``modeling_mixtral.py``), Qwen3's (``modeling_qwen3_moe.py``) or Qwen2's
+(``modeling_qwen2_moe.py``: q/k/v biases) with the MLP replaced by the sparse block, read from
+transformers 5.23 (Qwen2-MoE's router, l.310-328, is Qwen3's line for line):
 
 - the router (``MixtralTopKRouter.forward``, l.103-110; ``Qwen3MoeTopKRouter.forward``, l.257-266):
   ``F.linear(x, gate.weight)`` (an ``mm``: T x E logits, the block's local ``_`` until it returns), fp32
@@ -38,8 +39,13 @@ Not modelled on CUDA (transient inside one op, of order S x 8 B): the CUTLASS wo
 scratch over more than 4096 ids (``SortStable.cu``: an int64 iota, cub's radix-sort storage), the sort of
 ``index_put_(accumulate=True)`` in the gathers' backward, ``cumsum``'s scan storage. Not modelled: the
 load-balancing loss (``output_router_logits``: off in both configs' defaults and the
-published Mixtral-8x7B / Qwen3-30B-A3B configs), router jitter (``router_jitter_noise`` 0), Qwen3-MoE's
-dense layers (``mlp_only_layers``, ``decoder_sparse_step`` > 1), Qwen2-MoE's shared expert.
+published Mixtral-8x7B / Qwen3-30B-A3B / Qwen1.5-MoE-A2.7B configs), router jitter (``router_jitter_noise`` 0).
+
+Qwen2-MoE's shared expert (``Qwen2MoeSparseMoeBlock.forward``, l.339-350): ``Qwen2MoeMLP`` of
+``shared_expert_intermediate_size`` first, then the router and the experts, then ``F.sigmoid(
+shared_expert_gate(x)) * shared_expert_output`` and the sum with the experts' output. The Qwen families'
+dense layers (``mlp_only_layers``, ``decoder_sparse_step``; Qwen2-MoE l.357-362, Qwen3-MoE l.308-313) run
+the dense family's MLP of ``intermediate_size`` with its parameters (``layer_params``).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transfo
 (Qwen3 without attention biases or sliding layers, Phi-3 with full rotary embeddings, OLMo 2 without
 attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
 the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
-Gemma 2 under the eager attention transformers gives it, and Mixtral and Qwen3-MoE with every layer sparse
-(``hf_moe.py``: the router and the ``grouped_mm`` experts, full fine-tuning, no shared experts, dense
-layers or router biases; tests/unit/test_timeline_hf_moe.py); fp32, ``bf16`` (a bf16 model under
+Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE and Qwen2-MoE
+(``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
+gate, the Qwen families' dense layers; full fine-tuning, no router biases; tests/unit/test_timeline_hf_moe.py);
+fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
 fused AdamW; gradient checkpointing of every
