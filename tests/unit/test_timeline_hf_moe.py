@@ -256,6 +256,79 @@ def test_estimate_answers_moe_op_level(capsys, name: str, precision: str) -> Non
 
 
 BLOCK = "this MoE block"
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _lora_case(tag: str, arch: str, extra: tuple, slow: bool = False, **fields):
+    """A PEFT LoRA case over a tiny MoE model (tests/accuracy/peft_steps.py's harness)."""
+    from peft_steps import TINY, PeftCase
+
+    return PeftCase(f"hfmoe-lora-{arch}-{tag}", **{**TINY, "arch": arch, "extra": extra, "slow": slow, **fields})
+
+
+MIXTRAL4 = (("num_local_experts", 4),)
+LORA_CASES = [
+    # q/v adapters over Mixtral: the frozen experts' grouped_mm keeps no input (428,544 B more if it did)
+    ("qv-fp32", "mixtral", MIXTRAL, {}),
+    ("attn-fp32", "qwen2_moe", QWEN2, {"targets": ATTN}),
+    ("attn-bf16", "mixtral", MIXTRAL, {"targets": ATTN, "dtype": "bfloat16", "slow": True}),
+    ("attn-fp32-ckpt", "mixtral", MIXTRAL, {"targets": ATTN, "checkpointing": True, "slow": True}),
+    ("attn-autocast", "mixtral", MIXTRAL, {"targets": ATTN, "autocast": True, "slow": True}),
+    ("save-head", "mixtral", MIXTRAL4, {"modules_to_save": ("lm_head",), "slow": True}),
+    (
+        "save-embed-ckpt",
+        "mixtral",
+        MIXTRAL4,
+        {"modules_to_save": ("embed_tokens",), "checkpointing": True, "slow": True},
+    ),
+    ("attn-fp32", "qwen3_moe", QWEN3, {"targets": ATTN, "slow": True}),
+    (
+        "dense-bf16-ckpt",
+        "qwen3_moe",
+        QWEN3_DENSE,
+        {"targets": ATTN, "dtype": "bfloat16", "checkpointing": True, "slow": True},
+    ),
+    (
+        "dense-autocast-dropout",
+        "qwen2_moe",
+        QWEN2_DENSE,
+        {"targets": ATTN, "autocast": True, "dropout": 0.1, "layers": 4, "slow": True},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("tag", "arch", "extra", "fields"),
+    [pytest.param(*c, marks=[pytest.mark.slow] if c[3].get("slow") else [], id=f"{c[1]}-{c[0]}") for c in LORA_CASES],
+)
+def test_lora_on_attention_equals_the_trainers(tag: str, arch: str, extra: tuple, fields: dict) -> None:
+    """PEFT LoRA on the attention linears of Mixtral, Qwen3-MoE and Qwen2-MoE under the real Trainer
+    (tests/accuracy/hf_peft_steps.py), the frozen experts and router, equal to the byte."""
+    pytest.importorskip("peft")
+    import hf_peft_steps
+    from peft_steps import plan_of
+
+    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
+
+    case = _lora_case(tag, arch, extra, **fields)
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan, workload = plan_of(case), TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+    assert hf_supported(model, plan, workload) is None
+    timeline = hf_run(
+        hf_dims(model, workload, plan),
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        batches=STEPS,
+        qkv_bias=model.qkv_bias,
+        arch=model.architecture,
+        extra=family_config(model),
+        lora=HfLoraConfig.of(plan),
+        inplace_accumulate=False,
+        subclass_like=True,
+    )
+    measured, predicted = hf_peft_steps.measure(case, steps=STEPS), timeline.peak()[0]
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 
 def _qwen2_moe():
@@ -302,10 +375,13 @@ def test_estimate_answers_qwen2_moe_op_level(capsys, tmp_path) -> None:
         ("qwen2-moe", {"shared_expert_gate": False}, {}, BLOCK),  # Qwen2MoeSparseMoeBlock always gates it
         ("qwen2-moe", {"num_shared_experts": 2}, {}, BLOCK),
         ("qwen2-moe", {"router_bias": True}, {}, BLOCK),
-        ("qwen2-moe", {}, {"finetune": "lora"}, "PEFT over the qwen2-moe family"),
+        ("qwen2-moe", {}, {"finetune": "lora", "lora_targets": ("up_proj",)}, "PEFT over the qwen2-moe family"),
         ("mixtral-8x7b", {}, {"dp": 2, "ep": 2}, "more than one rank (tensor, pipeline, context or expert)"),
         ("mixtral-8x7b", {}, {"dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
-        ("mixtral-8x7b", {}, {"finetune": "lora"}, "PEFT over the mixtral family"),
+        ("mixtral-8x7b", {}, {"finetune": "lora", "lora_targets": ("all-linear",)}, "PEFT over the mixtral family"),
+        ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("q_proj", "gate_proj")}, "PEFT over the qwen3"),
+        ("mixtral-8x7b", {}, {"finetune": "lora", "dp": 2}, "PEFT over the mixtral family"),
+        ("mixtral-8x7b", {}, {"finetune": "qlora", "quant": "nf4"}, "a quantized MoE base"),
         ("deepseek-v2-lite", {}, {}, "the deepseek-v2 family"),
     ],
 )

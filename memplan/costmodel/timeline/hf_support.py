@@ -49,7 +49,7 @@ forward under ``torch.autocast`` (tests/unit/test_plan_autocast.py).
 
 from __future__ import annotations
 
-from memplan.costmodel.lora import SAVABLE
+from memplan.costmodel.lora import ATTENTION, SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
@@ -145,7 +145,10 @@ def hf_supported(
             f"a 4-bit base over {tokens} tokens a micro-batch on a GPU of unknown SMs or compute capability, where "
             "CUDA's gemm_4bit picks its fused kernel or the fallback by these (5 to 1536 tokens, by the shapes)",
         ),
-        (plan.finetune == "full" or model.architecture in PEFT_FAMILIES, f"PEFT over the {model.architecture} family"),
+        (
+            plan.finetune == "full" or model.architecture in PEFT_FAMILIES or _moe_lora_ok(model, plan),
+            f"PEFT over the {model.architecture} family" + (_MOE_LORA if model.architecture in MOE_FAMILIES else ""),
+        ),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         (plan.offload_activations == "none", "activation offload"),
@@ -184,6 +187,28 @@ def _moe_ok(model: ModelSpec) -> bool:
         return False
     shared = (moe.num_shared_experts, moe.shared_expert_gate) == ((1, True) if arch == "qwen2-moe" else (0, False))
     return shared and (arch != "mixtral" or (moe.layer_freq == 1 and not moe.dense_layers))
+
+
+# PEFT's all-linear over transformers 5's MoE blocks wraps the router and the 3-D experts in lora.ParamWrapper
+# (peft 0.21: a delta weight per parameter), which the run does not have; gate/up/down_proj name the shared
+# expert's and the dense layers' linears, not checked
+_MOE_LORA = (
+    " other than LoRA on attention linears (q/k/v/o_proj) on one rank (all-linear wraps the router and the "
+    "experts in PEFT's ParamWrapper)"
+)
+
+
+def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
+    """PEFT LoRA over a MoE model as tests/unit/test_timeline_hf_moe.py checks it against the real Trainer:
+    adapters on the attention linears alone (the frozen experts' ``grouped_mm`` keeping no input,
+    ``hf_moe_ops.grouped_mm``), with or without ``modules_to_save``, on one rank."""
+    return (
+        model.architecture in MOE_FAMILIES
+        and plan.finetune == "lora"
+        and bool(plan.lora_targets)
+        and set(plan.lora_targets) <= set(ATTENTION)
+        and plan.dp == 1
+    )
 
 
 # families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): all of
