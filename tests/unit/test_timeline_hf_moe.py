@@ -357,12 +357,22 @@ def test_qwen3_moes_dense_layers_are_followed(moe: dict) -> None:
     assert all(f"model.layers.{i}.mlp.gate.weight" in shapes for i in range(6) if i not in dense)
 
 
-def test_estimate_answers_qwen2_moe_op_level(capsys, tmp_path) -> None:
-    """A Qwen2-MoE config.json (shared expert, dense layers) is answered by the run."""
+def test_estimate_answers_a_tiny_qwen2_moe_op_level(capsys, tmp_path) -> None:
+    """A Qwen2-MoE config.json with dense layers is answered by the run."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_case("qwen2_moe", "cli", QWEN2_DENSE, layers=4).hf_config()))
     memory = _estimate(capsys, [str(path), "--runtime", "hf", "--precision", "bf16", "--seq-len", "256"])
     assert memory["model"] == "op-level" and memory["model_reason"] is None
+
+
+@pytest.mark.slow
+def test_estimate_answers_qwen2_moe_op_level(capsys) -> None:
+    """Qwen1.5-MoE-A2.7B's config.json (60 experts, top-4, the 5632-wide gated shared expert) is answered
+    by the run."""
+    path = "tests/data/hf/qwen2-moe-a2.7b.json"
+    memory = _estimate(capsys, [path, "--runtime", "hf", "--precision", "bf16", "--seq-len", "512"])
+    assert memory["model"] == "op-level" and memory["model_reason"] is None
+    assert memory["peak"]["reserved_detail"]["timeline"] == "hf"
 
 
 @pytest.mark.parametrize(
