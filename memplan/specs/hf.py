@@ -176,6 +176,7 @@ def _qwen2_moe(cfg: Config) -> dict[str, Any]:
         num_shared_experts=1 if shared else 0,
         shared_expert_ffn_size=shared or None,
         shared_expert_gate=bool(shared),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),  # Qwen2MoeConfig's default
         **_qwen_moe_layers(cfg),
     )
     return fields

@@ -43,6 +43,7 @@ _CLASSES = {
     "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
 }
 
 

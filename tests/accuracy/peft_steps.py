@@ -52,6 +52,7 @@ class PeftCase:
     double_quant: bool = False
     compute_dtype: str = "bfloat16"  # bnb_4bit_compute_dtype
     slow: bool = False
+    extra: tuple = ()  # further config.json fields (a MoE family's experts), as hf_steps.Case's
 
     @property
     def finetune(self) -> str:
@@ -79,6 +80,7 @@ class PeftCase:
             vocab_size=self.vocab,
             tie_word_embeddings=self.tied,
             max_position_embeddings=max(self.seq, 256),
+            **dict(self.extra),
         )
         data = cfg.to_dict()
         data["architectures"] = [model_cls.__name__]

@@ -1,7 +1,8 @@
 """The op-level run of ``transformers.Trainer`` over MoE models (``costmodel/timeline/hf_moe.py``: Mixtral,
-Qwen3-MoE) against the real Trainer on CPU: tiny random models from their config.json, full fine-tuning in
-fp32, bf16 and under ``bf16=True`` (over fp32 and over bf16 weights), with and without gradient
-checkpointing, Qwen3-MoE with and without ``norm_topk_prob``, shapes where the experts' tensors (S = tokens x
+Qwen3-MoE, Qwen2-MoE with its gated shared expert) against the real Trainer on CPU: tiny random models from
+their config.json, full fine-tuning in fp32, bf16 and under ``bf16=True`` (over fp32 and over bf16 weights),
+with and without gradient checkpointing, Qwen2/3-MoE with and without ``norm_topk_prob`` and with dense
+layers (``mlp_only_layers``, ``decoder_sparse_step``), shapes where the experts' tensors (S = tokens x
 top_k rows) and not the logits decide the peak; the peak of live storages over three steps
 (``StorageTracker``, tests/accuracy/hf_steps.py's harness) equal to the byte on every case. As in
 tests/unit/test_timeline_hf_families.py the run is compared with ``inplace_accumulate=False``, and with
@@ -38,6 +39,12 @@ SHAPE = dict(hidden=64, layers=3, heads=2, kv_heads=1, ffn=128, vocab=64, batch=
 MIXTRAL = (("num_local_experts", 4), ("num_experts_per_tok", 2))
 QWEN3 = (("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64), ("norm_topk_prob", True))
 QWEN3_RAW = (*QWEN3[:3], ("norm_topk_prob", False))  # top-k scores not renormalised: no division
+QWEN3_DENSE = (*QWEN3, ("mlp_only_layers", [1]))  # layer 1 keeps Qwen3MoeMLP (intermediate_size)
+# Qwen2-MoE: the shared expert (96) wider than a routed one (32); norm_topk_prob off, its config's default
+QWEN2 = (("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 32))
+QWEN2 += (("shared_expert_intermediate_size", 96),)
+QWEN2_NORM = (*QWEN2, ("norm_topk_prob", True))
+QWEN2_DENSE = (*QWEN2, ("mlp_only_layers", [0]), ("decoder_sparse_step", 2))  # layers 0 and 2 dense of 4
 
 
 def _case(arch: str, tag: str, extra: tuple, slow: bool = False, **fields) -> hf_steps.Case:
@@ -52,6 +59,10 @@ CASES = [
     _case("mixtral", "autocast", MIXTRAL, autocast=True, layers=2),
     _case("qwen3_moe", "bf16", QWEN3, **BF16, seq=128, hidden=32, layers=2),
     _case("qwen3_moe", "raw-fp32-ckpt", QWEN3_RAW, checkpointing=True, layers=2),
+    _case("qwen3_moe", "dense-fp32", QWEN3_DENSE),
+    _case("qwen2_moe", "fp32", QWEN2),
+    _case("qwen2_moe", "dense-autocast", QWEN2_DENSE, autocast=True, layers=4),
+    _case("qwen2_moe", "norm-bf16-ckpt", QWEN2_NORM, **BF16, checkpointing=True),
     _case("mixtral", "bf16", MIXTRAL, slow=True, **BF16),
     _case("mixtral", "fp32-ckpt", MIXTRAL, slow=True, checkpointing=True),
     _case("mixtral", "bf16-autocast", MIXTRAL, slow=True, **BF16, autocast=True, layers=2),
@@ -61,6 +72,12 @@ CASES = [
     _case("qwen3_moe", "autocast-ckpt", QWEN3, slow=True, autocast=True, checkpointing=True, layers=2),
     _case("qwen3_moe", "bf16-autocast", QWEN3, slow=True, **BF16, autocast=True, layers=2),
     _case("qwen3_moe", "raw-bf16", QWEN3_RAW, slow=True, **BF16),
+    _case("qwen3_moe", "dense-bf16-ckpt", (*QWEN3_DENSE, ("decoder_sparse_step", 2)), slow=True, **BF16, layers=4),
+    _case("qwen2_moe", "norm-bf16", QWEN2_NORM, slow=True, **BF16, seq=128),
+    _case("qwen2_moe", "fp32-ckpt", QWEN2, slow=True, checkpointing=True),
+    _case("qwen2_moe", "autocast-ckpt", QWEN2_NORM, slow=True, autocast=True, checkpointing=True, layers=2),
+    _case("qwen2_moe", "bf16-autocast", QWEN2, slow=True, **BF16, autocast=True, layers=2),
+    _case("qwen2_moe", "dense-fp32", QWEN2_DENSE, slow=True, layers=4),
 ]
 
 
@@ -79,6 +96,7 @@ def predict(case: hf_steps.Case, dp: int = 1) -> int:
         steps=STEPS,
         batches=STEPS,  # the harness's dataset holds the steps' batches: the last prefetch finds none
         arch=model.architecture,
+        qkv_bias=model.qkv_bias,  # Qwen2-MoE's q/k/v biases
         extra=family_config(model),
         inplace_accumulate=False,
         subclass_like=True,  # the tracker is a dispatch mode (hf_moe_ops.zeros_then_put)
@@ -97,16 +115,16 @@ def test_peak_equals_the_trainers(case: hf_steps.Case) -> None:
 
 
 def test_the_cases_cover_both_families_precisions_and_checkpointing() -> None:
-    for arch in ("mixtral", "qwen3_moe"):
+    for arch in ("mixtral", "qwen3_moe", "qwen2_moe"):
         mine = [c for c in CASES if c.arch == arch]
         assert {c.precision for c in mine} >= {"fp32", "bf16", "bf16-mixed"}
         assert any(c.checkpointing for c in mine) and any(not c.slow for c in mine)
-    assert len({dataclasses.astuple(c)[1:] for c in CASES}) == len(CASES)
+    assert len({repr(dataclasses.astuple(c)[1:]) for c in CASES}) == len(CASES)  # extra may hold lists
 
 
 # DDP over two gloo ranks (tests/accuracy/hf_ddp_steps.py, 10 s a case): rank 0's peak
 DDP = ("hfmoe-mixtral-fp32", "hfmoe-mixtral-bf16-ckpt", "hfmoe-mixtral-autocast", "hfmoe-qwen3_moe-bf16")
-DDP += ("hfmoe-qwen3_moe-raw-fp32-ckpt",)
+DDP += ("hfmoe-qwen3_moe-raw-fp32-ckpt", "hfmoe-qwen2_moe-fp32", "hfmoe-qwen2_moe-dense-autocast")
 
 
 @pytest.mark.slow
@@ -131,6 +149,22 @@ def test_the_readers_take_transformers_5s_config_json() -> None:
     assert not raw.norm_topk_prob
     mixtral = model_from_data(_case("mixtral", "reader", MIXTRAL).hf_config(), "m/config.json", "m").moe
     assert (mixtral.num_experts, mixtral.top_k, mixtral.norm_topk_prob) == (4, 2, True)
+
+
+def test_the_qwen2_moe_reader_takes_the_shared_expert_norm_and_dense_layers() -> None:
+    """Qwen2-MoE's config.json: the shared expert's width (its gate always built), ``norm_topk_prob``
+    (off by default in ``Qwen2MoeConfig``), ``mlp_only_layers`` and ``decoder_sparse_step``; the layers
+    the run keeps dense are those ``Qwen2MoeDecoderLayer`` builds ``Qwen2MoeMLP`` in."""
+    cfg = _case("qwen2_moe", "reader", QWEN2_DENSE, layers=4).hf_config()
+    model = model_from_data(cfg, "q2/config.json", "q2")
+    moe = model.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_ffn_size, moe.norm_topk_prob) == (8, 2, 32, False)
+    assert (moe.num_shared_experts, moe.shared_ffn_size, moe.shared_expert_gate) == (1, 96, True)
+    assert family_config(model)["dense"] == (0, 2) and family_config(model)["shared_ffn"] == 96
+    assert model_from_data(_case("qwen2_moe", "n", QWEN2_NORM).hf_config(), "n/config.json", "n").moe.norm_topk_prob
+    real = transformers.Qwen2MoeConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    built = [type(layer.mlp).__name__ for layer in transformers.Qwen2MoeForCausalLM(real).model.layers]
+    assert built == ["Qwen2MoeMLP", "Qwen2MoeSparseMoeBlock", "Qwen2MoeMLP", "Qwen2MoeSparseMoeBlock"]
 
 
 def _routing(model, ids) -> list[int]:
@@ -222,25 +256,149 @@ def test_estimate_answers_moe_op_level(capsys, name: str, precision: str) -> Non
 
 
 BLOCK = "this MoE block"
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _lora_case(tag: str, arch: str, extra: tuple, slow: bool = False, **fields):
+    """A PEFT LoRA case over a tiny MoE model (tests/accuracy/peft_steps.py's harness)."""
+    from peft_steps import TINY, PeftCase
+
+    return PeftCase(f"hfmoe-lora-{arch}-{tag}", **{**TINY, "arch": arch, "extra": extra, "slow": slow, **fields})
+
+
+MIXTRAL4 = (("num_local_experts", 4),)
+LORA_CASES = [
+    # q/v adapters over Mixtral: the frozen experts' grouped_mm keeps no input (428,544 B more if it did)
+    ("qv-fp32", "mixtral", MIXTRAL, {}),
+    ("attn-fp32", "qwen2_moe", QWEN2, {"targets": ATTN}),
+    ("attn-bf16", "mixtral", MIXTRAL, {"targets": ATTN, "dtype": "bfloat16", "slow": True}),
+    ("attn-fp32-ckpt", "mixtral", MIXTRAL, {"targets": ATTN, "checkpointing": True, "slow": True}),
+    ("attn-autocast", "mixtral", MIXTRAL, {"targets": ATTN, "autocast": True, "slow": True}),
+    ("save-head", "mixtral", MIXTRAL4, {"modules_to_save": ("lm_head",), "slow": True}),
+    (
+        "save-embed-ckpt",
+        "mixtral",
+        MIXTRAL4,
+        {"modules_to_save": ("embed_tokens",), "checkpointing": True, "slow": True},
+    ),
+    ("attn-fp32", "qwen3_moe", QWEN3, {"targets": ATTN, "slow": True}),
+    (
+        "dense-bf16-ckpt",
+        "qwen3_moe",
+        QWEN3_DENSE,
+        {"targets": ATTN, "dtype": "bfloat16", "checkpointing": True, "slow": True},
+    ),
+    (
+        "dense-autocast-dropout",
+        "qwen2_moe",
+        QWEN2_DENSE,
+        {"targets": ATTN, "autocast": True, "dropout": 0.1, "layers": 4, "slow": True},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("tag", "arch", "extra", "fields"),
+    [pytest.param(*c, marks=[pytest.mark.slow] if c[3].get("slow") else [], id=f"{c[1]}-{c[0]}") for c in LORA_CASES],
+)
+def test_lora_on_attention_equals_the_trainers(tag: str, arch: str, extra: tuple, fields: dict) -> None:
+    """PEFT LoRA on the attention linears of Mixtral, Qwen3-MoE and Qwen2-MoE under the real Trainer
+    (tests/accuracy/hf_peft_steps.py), the frozen experts and router, equal to the byte."""
+    pytest.importorskip("peft")
+    import hf_peft_steps
+    from peft_steps import plan_of
+
+    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
+
+    case = _lora_case(tag, arch, extra, **fields)
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan, workload = plan_of(case), TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+    assert hf_supported(model, plan, workload) is None
+    timeline = hf_run(
+        hf_dims(model, workload, plan),
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        batches=STEPS,
+        qkv_bias=model.qkv_bias,
+        arch=model.architecture,
+        extra=family_config(model),
+        lora=HfLoraConfig.of(plan),
+        inplace_accumulate=False,
+        subclass_like=True,
+    )
+    measured, predicted = hf_peft_steps.measure(case, steps=STEPS), timeline.peak()[0]
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+def _qwen2_moe():
+    """A tiny Qwen2-MoE from its config.json (no bundled profile)."""
+    return model_from_data(_case("qwen2_moe", "spec", QWEN2_DENSE, layers=4).hf_config(), "q2/config.json", "q2")
+
+
+@pytest.mark.parametrize("moe", [{"dense_layers": (0, 5)}, {"layer_freq": 2}, {"dense_layers": (1,), "layer_freq": 3}])
+def test_qwen3_moes_dense_layers_are_followed(moe: dict) -> None:
+    """Qwen3-MoE's dense layers (``mlp_only_layers``, ``decoder_sparse_step``): the run's (every case of
+    ``hfmoe-qwen3_moe-dense-*``), with the dense MLP's parameters in the layers the decoder keeps dense."""
+    model = load_model("qwen3-30b-a3b")
+    model = model.model_copy(update={"moe": model.moe.model_copy(update=moe), "num_layers": 6})
+    plan, workload = Plan(precision="bf16"), TrainingWorkload(seq_len=512, micro_batch=1)
+    assert hf_supported(model, plan, workload) is None
+    extra = family_config(model)
+    assert extra["dense"] == tuple(i for i in range(6) if not model.is_moe_layer(i)) and extra["dense"]
+    from memplan.costmodel.timeline.hf_families import family
+    from memplan.costmodel.timeline.hf_model import param_shapes
+    from memplan.costmodel.timeline.hf_moe import layer_params, moe_sizes
+
+    d, sparse = hf_dims(model, workload, plan), family("qwen3-moe")[1]
+    shapes = param_shapes(d, False, False, layer_params("qwen3-moe", sparse, extra), moe_sizes(extra, d.h))
+    dense = {i for i in range(6) if f"model.layers.{i}.mlp.gate_proj.weight" in shapes}
+    assert dense == set(extra["dense"])
+    assert all(f"model.layers.{i}.mlp.gate.weight" in shapes for i in range(6) if i not in dense)
+
+
+def test_estimate_answers_a_tiny_qwen2_moe_op_level(capsys, tmp_path) -> None:
+    """A Qwen2-MoE config.json with dense layers is answered by the run."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_case("qwen2_moe", "cli", QWEN2_DENSE, layers=4).hf_config()))
+    memory = _estimate(capsys, [str(path), "--runtime", "hf", "--precision", "bf16", "--seq-len", "256"])
+    assert memory["model"] == "op-level" and memory["model_reason"] is None
+
+
+@pytest.mark.slow
+def test_estimate_answers_qwen2_moe_op_level(capsys) -> None:
+    """Qwen1.5-MoE-A2.7B's config.json (60 experts, top-4, the 5632-wide gated shared expert) is answered
+    by the run."""
+    path = "tests/data/hf/qwen2-moe-a2.7b.json"
+    memory = _estimate(capsys, [path, "--runtime", "hf", "--precision", "bf16", "--seq-len", "512"])
+    assert memory["model"] == "op-level" and memory["model_reason"] is None
+    assert memory["peak"]["reserved_detail"]["timeline"] == "hf"
 
 
 @pytest.mark.parametrize(
     ("name", "moe", "plan", "reason"),
     [
-        ("qwen3-30b-a3b", {"dense_layers": (0,)}, {}, BLOCK),
-        ("qwen3-30b-a3b", {"layer_freq": 2}, {}, BLOCK),
+        ("mixtral-8x7b", {"dense_layers": (0,)}, {}, BLOCK),  # MixtralDecoderLayer has no dense MLP
+        ("mixtral-8x7b", {"layer_freq": 2}, {}, BLOCK),
         ("qwen3-30b-a3b", {"num_shared_experts": 1}, {}, BLOCK),
         ("mixtral-8x7b", {"router_bias": True}, {}, BLOCK),
+        ("qwen2-moe", {"shared_expert_gate": False}, {}, BLOCK),  # Qwen2MoeSparseMoeBlock always gates it
+        ("qwen2-moe", {"num_shared_experts": 2}, {}, BLOCK),
+        ("qwen2-moe", {"router_bias": True}, {}, BLOCK),
+        ("qwen2-moe", {}, {"finetune": "lora", "lora_targets": ("up_proj",)}, "PEFT over the qwen2-moe family"),
         ("mixtral-8x7b", {}, {"dp": 2, "ep": 2}, "more than one rank (tensor, pipeline, context or expert)"),
         ("mixtral-8x7b", {}, {"dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
-        ("mixtral-8x7b", {}, {"finetune": "lora"}, "PEFT over the mixtral family"),
+        ("mixtral-8x7b", {}, {"finetune": "lora", "lora_targets": ("all-linear",)}, "PEFT over the mixtral family"),
+        ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("q_proj", "gate_proj")}, "PEFT over the qwen3"),
+        ("mixtral-8x7b", {}, {"finetune": "lora", "dp": 2}, "PEFT over the mixtral family"),
+        ("mixtral-8x7b", {}, {"finetune": "qlora", "quant": "nf4"}, "a quantized MoE base"),
         ("deepseek-v2-lite", {}, {}, "the deepseek-v2 family"),
     ],
 )
 def test_a_moe_plan_the_run_does_not_follow_stays_on_the_phase_model(
     name: str, moe: dict, plan: dict, reason: str
 ) -> None:
-    model = load_model(name)
+    model = _qwen2_moe() if name == "qwen2-moe" else load_model(name)
     model = model.model_copy(update={"moe": model.moe.model_copy(update=moe)})
     workload = TrainingWorkload(seq_len=512, micro_batch=1)
     why = hf_supported(model, Plan(precision="bf16", **plan), workload)

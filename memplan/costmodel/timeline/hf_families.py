@@ -238,7 +238,7 @@ class HfOlmo2(HfLlama):
         return out
 
 
-MOE = ("mixtral", "qwen3-moe")  # hf_moe.py, which builds on this module's classes
+MOE = ("mixtral", "qwen3-moe", "qwen2-moe")  # hf_moe.py, which builds on this module's classes
 
 
 def family_config(model, gpu_arch=None) -> dict | None:

@@ -56,16 +56,21 @@ QKV_BIAS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # Qwen2
 
 
 def param_shapes(
-    d: Dims, tied: bool, qkv_bias: bool = False, layer_params: tuple = LAYER_PARAMS, sizes: dict | None = None
+    d: Dims,
+    tied: bool,
+    qkv_bias: bool = False,
+    layer_params: tuple | Callable[[int], tuple] = LAYER_PARAMS,
+    sizes: dict | None = None,
 ) -> dict[str, tuple[int, int]]:
     """``model.parameters()`` in order (a tied ``lm_head`` is the embedding, left out); with
     ``qkv_bias`` (Qwen2) each of q, k, v has its bias after its weight; ``layer_params``: a
-    family's layer (``hf_families.py``), whose further dimensions ``sizes`` gives."""
+    family's layer (``hf_families.py``), or layer i's (a MoE model's dense layers: ``hf_moe.layer_params``),
+    whose further dimensions ``sizes`` gives."""
     size = {"h": d.h, "q": d.q, "kv": d.kv, "f": d.f, "1": 1, "hd": d.head_dim, "qkv": d.q + 2 * d.kv, "2f": 2 * d.f}
     size.update(sizes or {})  # a MoE family's experts (hf_moe.moe_sizes)
     out = {"model.embed_tokens.weight": (d.vocab, d.h)}
     for i in range(d.layers):
-        for name, rows, cols in layer_params:
+        for name, rows, cols in layer_params(i) if callable(layer_params) else layer_params:
             out[f"model.layers.{i}.{name}.weight"] = (size[rows], size[cols])
             if qkv_bias and name in QKV_BIAS:
                 out[f"model.layers.{i}.{name}.bias"] = (size[rows], 1)
@@ -323,13 +328,16 @@ class HfLlama:
 
     def mlp(self, x: Tensor, prefix: str) -> Tensor:
         """``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+        return self.gated_mlp(x, f"{prefix}.mlp", self.d.f)
+
+    def gated_mlp(self, x: Tensor, name: str, width: int) -> Tensor:
+        """The gated MLP ``name`` of intermediate size ``width`` (a MoE block's shared expert: its own)."""
         t, d = self.tape, self.d
-        name = f"{prefix}.mlp"
         with t.scoped(name):
-            g = self.linear(x, f"{name}.gate_proj", d.f, "gate_proj")
+            g = self.linear(x, f"{name}.gate_proj", width, "gate_proj")
             s1 = ops.unary(t, g, self.act, save_input=True)
             t.done(g)
-            u = self.linear(x, f"{name}.up_proj", d.f, "up_proj")
+            u = self.linear(x, f"{name}.up_proj", width, "up_proj")
             m = ops.mul(t, s1, u, "gate")
             t.done(s1, u)
             y = self.linear(m, f"{name}.down_proj", d.h, "down_proj")

@@ -1,7 +1,8 @@
-"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE) in the op-level run of ``transformers.Trainer``.
+"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE, Qwen2-MoE) in the op-level run of ``transformers.Trainer``.
 
-The layer is Llama's (Mixtral: ``modeling_mixtral.py``) or Qwen3's (``modeling_qwen3_moe.py``) with the
-MLP replaced by the sparse block, read from transformers 5.23:
+The layer is Llama's (Mixtral: ``modeling_mixtral.py``), Qwen3's (``modeling_qwen3_moe.py``) or Qwen2's
+(``modeling_qwen2_moe.py``: q/k/v biases) with the MLP replaced by the sparse block, read from
+transformers 5.23 (Qwen2-MoE's router, l.310-328, is Qwen3's line for line):
 
 - the router (``MixtralTopKRouter.forward``, l.103-110; ``Qwen3MoeTopKRouter.forward``, l.257-266):
   ``F.linear(x, gate.weight)`` (an ``mm``: T x E logits, the block's local ``_`` until it returns), fp32
@@ -38,11 +39,18 @@ Not modelled on CUDA (transient inside one op, of order S x 8 B): the CUTLASS wo
 scratch over more than 4096 ids (``SortStable.cu``: an int64 iota, cub's radix-sort storage), the sort of
 ``index_put_(accumulate=True)`` in the gathers' backward, ``cumsum``'s scan storage. Not modelled: the
 load-balancing loss (``output_router_logits``: off in both configs' defaults and the
-published Mixtral-8x7B / Qwen3-30B-A3B configs), router jitter (``router_jitter_noise`` 0), Qwen3-MoE's
-dense layers (``mlp_only_layers``, ``decoder_sparse_step`` > 1), Qwen2-MoE's shared expert.
+published Mixtral-8x7B / Qwen3-30B-A3B / Qwen1.5-MoE-A2.7B configs), router jitter (``router_jitter_noise`` 0).
+
+Qwen2-MoE's shared expert (``Qwen2MoeSparseMoeBlock.forward``, l.339-350): ``Qwen2MoeMLP`` of
+``shared_expert_intermediate_size`` first, then the router and the experts, then ``F.sigmoid(
+shared_expert_gate(x)) * shared_expert_output`` and the sum with the experts' output. The Qwen families'
+dense layers (``mlp_only_layers``, ``decoder_sparse_step``; Qwen2-MoE l.357-362, Qwen3-MoE l.308-313) run
+the dense family's MLP of ``intermediate_size`` with its parameters (``layer_params``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tensor
@@ -71,6 +79,17 @@ MIXTRAL_PARAMS = (
     ("mlp.experts.down_proj", "Eh", "fe"),
     *LAYER_PARAMS[7:],
 )
+QWEN2_MOE_PARAMS = (  # Qwen2MoeSparseMoeBlock.__init__ (l.331-337): gate, experts, shared_expert, its gate
+    *LAYER_PARAMS[:4],
+    ("mlp.gate", "E", "h"),
+    ("mlp.experts.gate_up_proj", "E2fe", "h"),
+    ("mlp.experts.down_proj", "Eh", "fe"),
+    ("mlp.shared_expert.gate_proj", "fs", "h"),
+    ("mlp.shared_expert.up_proj", "fs", "h"),
+    ("mlp.shared_expert.down_proj", "h", "fs"),
+    ("mlp.shared_expert_gate", "1", "h"),
+    *LAYER_PARAMS[7:],
+)
 QWEN3_MOE_PARAMS = (
     *QWEN3_PARAMS[:6],
     ("mlp.experts.gate_up_proj", "E2fe", "h"),
@@ -85,23 +104,50 @@ def moe_sizes(extra: dict | None, h: int) -> dict[str, int]:
     if not extra or "experts" not in extra:
         return {}
     e, fe = extra["experts"], extra["expert_ffn"]
-    return {"E": e, "E2fe": e * 2 * fe, "Eh": e * h, "fe": fe}
+    return {"E": e, "E2fe": e * 2 * fe, "Eh": e * h, "fe": fe, "fs": extra.get("shared_ffn", 0)}
 
 
 class MoeBlock:
     """The sparse block of a MoE family (a mixin before the dense family's class): ``extra`` holds
-    ``experts``, ``top_k``, ``expert_ffn``, ``norm_topk`` and ``fp32_scores`` (Mixtral's)."""
+    ``experts``, ``top_k``, ``expert_ffn``, ``norm_topk``, ``fp32_scores`` (Mixtral's), ``shared_ffn``
+    (Qwen2-MoE's gated shared expert; 0: none) and ``dense`` (the layers with the dense MLP)."""
 
     def mlp(self: HfLlama, x: Tensor, prefix: str) -> Tensor:
-        """``SparseMoeBlock.forward``: the router, then the experts (module docstring)."""
+        """Layer i's MLP: the dense family's where ``mlp_only_layers`` / ``decoder_sparse_step`` leave it
+        dense (``Qwen2MoeDecoderLayer.__init__``, modeling_qwen2_moe.py l.357-362; Qwen3-MoE's l.308-313),
+        else ``SparseMoeBlock.forward``."""
+        if int(prefix.rsplit(".", 1)[1]) in self.extra.get("dense", ()):
+            return super().mlp(x, prefix)  # type: ignore[misc]
+        return self.sparse(x, f"{prefix}.mlp")
+
+    def sparse(self: HfLlama, x: Tensor, name: str) -> Tensor:
+        """``SparseMoeBlock.forward``: the router, then the experts (module docstring); with a shared
+        expert (Qwen2-MoE, l.339-350) that MLP first, and after the experts its sigmoid gate."""
         t, cfg = self.tape, self.extra
-        name = f"{prefix}.mlp"
         with t.scoped(name):
+            shared = self.gated_mlp(x, f"{name}.shared_expert", cfg["shared_ffn"]) if cfg.get("shared_ffn") else None
             logits = self.linear(x, f"{name}.gate", cfg["experts"], "router")
             scores, ids = self.route(logits)
             out = self.experts(x, scores, ids, f"{name}.experts")
-            t.done(logits, scores, ids)  # the block's locals: ``_``, the scores, the ids
+            if shared is not None:
+                out, shared = self.gate_shared(x, out, shared, name)
+            # the block's locals: ``shared_expert_output``, ``_``, the scores, the ids
+            t.done(*([shared] if shared is not None else []), logits, scores, ids)
         return out
+
+    def gate_shared(self: HfLlama, x: Tensor, out: Tensor, shared: Tensor, name: str) -> tuple[Tensor, Tensor]:
+        """``F.sigmoid(self.shared_expert_gate(x)) * shared_expert_output`` (a T x 1 linear, the sigmoid
+        saving its output, the product saving both: the gate's gradient summed down from T x h), then
+        ``expert_output + shared_expert_output`` (l.346-348); the sum and the gated shared output."""
+        t = self.tape
+        logit = self.linear(x, f"{name}.shared_expert_gate", 1, "shared_expert_gate")
+        gate = ops.output_saved(t, logit, "sigmoid", "sigmoid_backward")
+        t.done(logit)
+        gated = ops.mul(t, gate, shared, "shared_gated")
+        t.done(gate, shared)  # the temporary, then the rebound ``shared_expert_output``
+        total = ops.add(t, out, gated, "shared_add")
+        t.done(out)  # the rebound ``expert_output``
+        return total, gated
 
     def route(self: HfLlama, logits: Tensor) -> tuple[Tensor, Tensor]:
         """The router after its logits: fp32 probabilities, top-k, the renormalisation, Qwen3's cast."""
@@ -164,6 +210,10 @@ class HfQwen3Moe(MoeBlock, HfQwen3):
     """``Qwen3MoeForCausalLM``: Qwen3's layer with the sparse block."""
 
 
+class HfQwen2Moe(MoeBlock, HfLlama):
+    """``Qwen2MoeForCausalLM``: Qwen2's layer (q/k/v biases) with the sparse block and its shared expert."""
+
+
 def moe_config(model, gpu_arch=None) -> dict:
     """What the sparse block reads from the spec (``MoeBlock``); ``sm90``: on CUDA, whether the GPU
     (``gpu_arch``, a ``CudaArch``) runs the bf16 grouped GEMM's CUTLASS path (compute capability
@@ -176,10 +226,23 @@ def moe_config(model, gpu_arch=None) -> dict:
         "norm_topk": moe.norm_topk_prob,
         "fp32_scores": model.architecture == "mixtral",
         "sm90": gpu_arch is None or gpu_arch.major in (9, 10),
+        "shared_ffn": moe.shared_ffn_size if moe.num_shared_experts else 0,
+        "dense": tuple(i for i in range(model.num_layers) if not model.is_moe_layer(i)),
     }
 
 
 MOE_FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
     "mixtral": (HfMixtral, MIXTRAL_PARAMS),
     "qwen3-moe": (HfQwen3Moe, QWEN3_MOE_PARAMS),
+    "qwen2-moe": (HfQwen2Moe, QWEN2_MOE_PARAMS),
 }
+DENSE_PARAMS = {"qwen3-moe": QWEN3_PARAMS, "qwen2-moe": LAYER_PARAMS}  # a dense layer's: Qwen{2,3}MoeMLP
+
+
+def layer_params(arch: str, sparse: tuple, extra: dict | None) -> tuple | Callable[[int], tuple]:
+    """The layers' parameters for ``hf_model.param_shapes``: ``sparse`` on every layer, or layer i's
+    where some keep the dense MLP (``extra["dense"]``, ``moe_config``)."""
+    dense = (extra or {}).get("dense")
+    if not dense:
+        return sparse
+    return lambda i: DENSE_PARAMS[arch] if i in dense else sparse

@@ -51,7 +51,8 @@ def cutlass_args_bytes(experts: int) -> int:
 
 
 def grouped_mm(tape: Tape, x: Tensor, w: Tensor, offs: Tensor, out_numel: int, tag: str, args: int = 0) -> Tensor:
-    """``F.grouped_mm(x, w.transpose(-2, -1), offs=offs)``: saves the offsets and x (and w). Backward:
+    """``F.grouped_mm(x, w.transpose(-2, -1), offs=offs)``: saves the offsets and x (and w), x only
+    where w takes a gradient. Backward:
     the weight's gradient (E x n x k, reaching ``.grad`` through the transpose's view), then x's.
     ``args``: the bytes of CUDA's CUTLASS argument buffer each call allocates after its output and
     frees (``cutlass_args_bytes``; 0 on the CPU and on CUDA's fallback, ``_grouped_mm_fallback``'s
@@ -73,7 +74,9 @@ def grouped_mm(tape: Tape, x: Tensor, w: Tensor, offs: Tensor, out_numel: int, t
             scratch(tape)
         return [dx, dw]
 
-    node = tape.node(tag, apply, [x, w], saved=[offs, x])
+    # derivatives.yaml ``_grouped_mm``: self's formula reads mat2, mat2's reads self; the generated kernel
+    # saves self only where mat2's gradient is computed (a frozen expert's, under PEFT: not)
+    node = tape.node(tag, apply, [x, w], saved=[offs, x] if w.fn is not None else [offs])
     out = ops.result(tape, out_numel, x.itemsize, tag, node)
     scratch(tape)
     return out

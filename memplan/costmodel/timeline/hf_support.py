@@ -7,9 +7,10 @@ Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transfo
 (Qwen3 without attention biases or sliding layers, Phi-3 with full rotary embeddings, OLMo 2 without
 attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
 the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
-Gemma 2 under the eager attention transformers gives it, and Mixtral and Qwen3-MoE with every layer sparse
-(``hf_moe.py``: the router and the ``grouped_mm`` experts, full fine-tuning, no shared experts, dense
-layers or router biases; tests/unit/test_timeline_hf_moe.py); fp32, ``bf16`` (a bf16 model under
+Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE and Qwen2-MoE
+(``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
+gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA on the attention linears on one rank;
+no router biases; tests/unit/test_timeline_hf_moe.py); fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
 fused AdamW; gradient checkpointing of every
@@ -49,15 +50,16 @@ forward under ``torch.autocast`` (tests/unit/test_plan_autocast.py).
 
 from __future__ import annotations
 
-from memplan.costmodel.lora import SAVABLE
+from memplan.costmodel.lora import ATTENTION, SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "mixtral", "qwen3-moe")
-MOE_FAMILIES = ("mixtral", "qwen3-moe")  # hf_moe.py: the sparse block on Mistral's or Qwen3's layer
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
+MOE_FAMILIES = ("mixtral", "qwen3-moe", "qwen2-moe")  # hf_moe.py: the sparse block on Mistral's, Qwen3's, Qwen2's layer
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 # each family's layer as transformers writes it: (layer norms, q/k norm scope or None, (fused qkv, fused gate-up))
 LAYOUT = {
     "qwen3": ("pre", "head", (False, False)),
@@ -68,6 +70,7 @@ LAYOUT = {
     "gemma3": ("sandwich", "head", (False, False)),
 }
 LLAMA_LAYOUT = ("pre", None, (False, False))
+QKV_BIAS_FAMILIES = ("qwen2", "qwen2-moe")  # q/k/v biases (hf_model.QKV_BIAS)
 PEFT_FAMILIES = ("llama", "mistral", "qwen2")  # LoRA and 4-bit bases checked (tests/unit/test_timeline_hf_peft.py)
 ACTIVATION = {"gemma2": "gelu_tanh", "gemma3": "gelu_tanh"}  # GeGLU (gelu_pytorch_tanh); the others SwiGLU
 # transformers runs Gemma 2 eagerly whatever is asked (_supports_sdpa = False: SDPA takes no soft-cap),
@@ -134,7 +137,7 @@ def hf_supported(
         (not (model.attn_out_bias or model.mlp_bias), "these biases"),
         (_layout(model) == LAYOUT.get(model.architecture, LLAMA_LAYOUT), f"this {model.architecture} layer layout"),
         (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
-        (not model.qkv_bias or model.architecture == "qwen2", "Q/K/V biases outside Qwen2"),
+        (not model.qkv_bias or model.architecture in QKV_BIAS_FAMILIES, "Q/K/V biases outside Qwen2 and Qwen2-MoE"),
         (_attention_ok(model, seq_len), "sliding or chunked attention (a window the sequence reaches)"),
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
         (plan.quant != "int8" or runtime == "hf", _INT8_LOOP),
@@ -143,7 +146,10 @@ def hf_supported(
             f"a 4-bit base over {tokens} tokens a micro-batch on a GPU of unknown SMs or compute capability, where "
             "CUDA's gemm_4bit picks its fused kernel or the fallback by these (5 to 1536 tokens, by the shapes)",
         ),
-        (plan.finetune == "full" or model.architecture in PEFT_FAMILIES, f"PEFT over the {model.architecture} family"),
+        (
+            plan.finetune == "full" or model.architecture in PEFT_FAMILIES or _moe_lora_ok(model, plan),
+            f"PEFT over the {model.architecture} family" + (_MOE_LORA if model.architecture in MOE_FAMILIES else ""),
+        ),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         (plan.offload_activations == "none", "activation offload"),
@@ -170,13 +176,40 @@ def hf_supported(
 
 
 def _moe_ok(model: ModelSpec) -> bool:
-    """No experts, or the sparse block ``hf_moe.py`` follows: every layer sparse, top-k routed experts
-    alone, a router without biases, gate and up in one 3-D parameter as transformers 5 stores them."""
-    moe = model.moe
+    """No experts, or the sparse block ``hf_moe.py`` follows as transformers builds it for the family: a
+    router without biases, gate and up in one 3-D parameter as transformers 5 stores them, the top-k
+    routed experts alone (Mixtral, Qwen3-MoE) or beside one shared expert under its sigmoid gate
+    (Qwen2-MoE); dense layers (``mlp_only_layers``, ``decoder_sparse_step``) in the Qwen families, whose
+    decoder layer reads them, not in Mixtral's, which has none."""
+    moe, arch = model.moe, model.architecture
     if moe is None:
         return True
-    plain = moe.num_shared_experts == 0 and not (moe.router_bias or moe.router_score_bias or moe.fused_gate_up)
-    return model.architecture in MOE_FAMILIES and plain and moe.layer_freq == 1 and not moe.dense_layers
+    if moe.router_bias or moe.router_score_bias or moe.fused_gate_up or arch not in MOE_FAMILIES:
+        return False
+    shared = (moe.num_shared_experts, moe.shared_expert_gate) == ((1, True) if arch == "qwen2-moe" else (0, False))
+    return shared and (arch != "mixtral" or (moe.layer_freq == 1 and not moe.dense_layers))
+
+
+# PEFT's all-linear over transformers 5's MoE blocks wraps the router and the 3-D experts in lora.ParamWrapper
+# (peft 0.21: a delta weight per parameter), which the run does not have; gate/up/down_proj name the shared
+# expert's and the dense layers' linears, not checked
+_MOE_LORA = (
+    " other than LoRA on attention linears (q/k/v/o_proj) on one rank (all-linear wraps the router and the "
+    "experts in PEFT's ParamWrapper)"
+)
+
+
+def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
+    """PEFT LoRA over a MoE model as tests/unit/test_timeline_hf_moe.py checks it against the real Trainer:
+    adapters on the attention linears alone (the frozen experts' ``grouped_mm`` keeping no input,
+    ``hf_moe_ops.grouped_mm``), with or without ``modules_to_save``, on one rank."""
+    return (
+        model.architecture in MOE_FAMILIES
+        and plan.finetune == "lora"
+        and bool(plan.lora_targets)
+        and set(plan.lora_targets) <= set(ATTENTION)
+        and plan.dp == 1
+    )
 
 
 # families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): the dense ones

@@ -50,6 +50,7 @@ from memplan.costmodel.timeline.hf_ddp import HfDdp
 from memplan.costmodel.timeline.hf_families import family, family_config
 from memplan.costmodel.timeline.hf_lora import HfLora, HfLoraConfig
 from memplan.costmodel.timeline.hf_model import is_norm, param_shapes, scalar_div
+from memplan.costmodel.timeline.hf_moe import layer_params as moe_layer_params
 from memplan.costmodel.timeline.hf_moe import moe_sizes
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
@@ -187,7 +188,8 @@ class _HfRun:
             setattr(self.tape, key, value)
         self.d, self.batches = d, batches
         model_class, layer_params = family(arch)
-        self.shapes = param_shapes(d, tied, qkv_bias, layer_params, moe_sizes(extra, d.h))
+        layers = moe_layer_params(arch, layer_params, extra)  # a MoE model's dense layers (hf_moe.py)
+        self.shapes = param_shapes(d, tied, qkv_bias, layers, moe_sizes(extra, d.h))
         self.grads: dict[str, Tensor] = {}
         self.model = model_class(self.tape, d, {}, kernel, tied, quant=quant)
         self.model.extra = extra
