@@ -22,6 +22,16 @@ the summed device time of the kernels that term prices:
 - ``optimizer``: ``multi_tensor_apply`` kernels (``torch.optim.AdamW(foreach=True)``).
 
 A mapping of kernels to terms, by name; the profile's classes are benchmarks/gpu_step_profile.py's.
+
+Two readings beside the split (docs/cost-model.md, "The step time against kernel profiles"):
+
+- ``kernel_rate``: the model with its bf16 GEMMs at a cuBLAS kernel rate (``CUBLAS_KERNEL_FRACTION``,
+  a microbenchmark of one large GEMM, not a training step) in place of the GPU profile's fitted
+  whole-step ``matmul``: the GEMM term and the step each way.
+- ``memory_kinds``: the memory-bound kernels' time split by how ATen launches them
+  (:func:`memory_kind`): vectorised contiguous kernels, whose time follows HBM bandwidth, and the
+  non-vectorised TensorIterator kernels (broadcast, strided or dtype-casting operands), whose time
+  does not (the H100 and H200 run them in the same time: the same SMs and clocks, 1.43x the HBM).
 """
 
 from __future__ import annotations
@@ -46,6 +56,13 @@ TERMS = ("gemm (tensor cores)", "gemm (fp32, CUDA cores)", "attention (fused)", 
 FP32_GEMM = re.compile(r"f32f32|sgemm", re.I)
 OPTIMIZER = re.compile(r"multi_tensor_apply_kernel")
 CUDNN_HELPER = re.compile(r"cudnn::fusion")
+CUBLAS_KERNEL_FRACTION = 0.803
+"""cuBLAS's bf16 GEMM at its best shape on an H100 SXM: 80.3% of the dense peak (stas00/ml-engineering,
+compute/accelerator/benchmarks, the MAMF table: maximum achievable matmul FLOPS; the profile's own
+source for ``matmul``); the H200 is the same die (the table finds it the same). The device machine
+notes measure the same on the machines that took the profiles: an 8192^3 bf16 product on random data
+at 798 TFLOP/s on an H100 and 788 on an H200 (80.7%, 79.6% of 989.4)."""
+INDEX_BOUND = re.compile(r"^void at::native::(elementwise_kernel<|unrolled_elementwise_kernel<|.*CatArrayBatchedCopy<)")
 
 
 def job_of(args: list[str], gpu: str = GPU) -> Job:
@@ -62,15 +79,21 @@ def job_of(args: list[str], gpu: str = GPU) -> Job:
     return job_from(model, None, None, plan_overrides(flags), default_gpu=gpu)
 
 
-def model_terms(job: Job) -> dict[str, float]:
+def kernel_rate_efficiency(job: Job) -> T.Efficiency:
+    """The GPU profile's efficiencies with the bf16 GEMMs at ``CUBLAS_KERNEL_FRACTION`` of the peak."""
+    return T.Efficiency.for_gpu(job.gpu).model_copy(update={"matmul": CUBLAS_KERNEL_FRACTION})
+
+
+def model_terms(job: Job, eff: T.Efficiency | None = None) -> dict[str, float]:
     """The model's seconds per step by term (``TERMS``), single-micro-batch, single-stage plans as
     the profiled runs are: ``compute`` split into its GEMMs (tensor-core or fp32) and fused attention
-    by the same functions ``time._stage_micro_batch`` uses; the memory-bound keys summed."""
+    by the same functions ``time._stage_micro_batch`` uses; the memory-bound keys summed. ``eff``:
+    the efficiencies (default: the GPU profile's)."""
     model, plan, work, gpu = job.model, job.plan, job.workload, job.gpu
     assert plan.pp == 1 and plan.tp == 1 and plan.cp == 1, "one-stage, one-rank plans only"
-    report = T.estimate_time(model, work, plan, gpu, job.cluster, job.runtime)
+    eff = eff or T.Efficiency.for_gpu(gpu)
+    report = T.estimate_time(model, work, plan, gpu, job.cluster, job.runtime, eff)
     b, m = report.breakdown, T.gradient_accumulation(work, plan)
-    eff = T.Efficiency.for_gpu(gpu)
     autocast = T.runs_autocast(plan, job.runtime)
     backend = T.attention_backend(model, work, plan, gpu, autocast)
     materialised = backend in ("eager", "math")
@@ -111,6 +134,25 @@ def kernel_term(name: str, klass: str) -> str:
     return "memory-bound"
 
 
+def memory_kind(name: str) -> str:
+    """``index-bound``: ATen's non-vectorised TensorIterator kernels (``elementwise_kernel`` and
+    ``unrolled_elementwise_kernel``, launched when an operand is broadcast, strided or of another
+    dtype: RMSNorm's broadcast scale and weight multiplies, RoPE's products of bf16 q / k and fp32
+    tables, casts through ``LoadWithCast``) and ``CatArrayBatchedCopy`` (RoPE's ``rotate_half``),
+    which compute an offset per element and per operand; ``bandwidth-bound``: every other
+    memory-bound kernel (vectorised contiguous element-wise kernels, reductions, softmax, copies)."""
+    return "index-bound" if INDEX_BOUND.search(name) else "bandwidth-bound"
+
+
+def memory_kinds(profile: dict) -> dict[str, float]:
+    """Seconds per measured step of the memory-bound kernels, by :func:`memory_kind`."""
+    out = {"bandwidth-bound": 0.0, "index-bound": 0.0}
+    for k in profile["kernels"]:
+        if kernel_term(k["name"], k["class"]) == "memory-bound":
+            out[memory_kind(k["name"])] += k["us_per_step"] / 1e6
+    return out
+
+
 def measured_terms(profile: dict) -> dict[str, float]:
     """Seconds per measured step by term, summed over the profile's kernels."""
     out = dict.fromkeys(TERMS, 0.0)
@@ -133,6 +175,8 @@ def compare(runs_path: Path = RUNS) -> dict[str, dict]:
         profile = json.loads(profile_path.read_text())
         job = job_of(run["args"], PROFILES[device])
         predicted = T.estimate_time(job.model, job.workload, job.plan, job.gpu, job.cluster, job.runtime)
+        fast = kernel_rate_efficiency(job)
+        at_kernel_rate = T.estimate_time(job.model, job.workload, job.plan, job.gpu, job.cluster, job.runtime, fast)
         out[short] = {
             "gpu": job.gpu.name,
             "model_s": model_terms(job),
@@ -140,6 +184,8 @@ def compare(runs_path: Path = RUNS) -> dict[str, dict]:
             "predicted_step_s": predicted.step_time_s,
             "measured_step_s": run["measured_step_s"],
             "predicted_then_s": run["predicted_then"]["step_s"],
+            "kernel_rate": {"model_s": model_terms(job, fast), "predicted_step_s": at_kernel_rate.step_time_s},
+            "memory_kinds_s": memory_kinds(profile),
         }
     return out
 
@@ -162,6 +208,12 @@ def main(argv: list[str]) -> int:
         for term in TERMS:
             a, k = r["model_s"][term] * 1e3, r["kernels_s"][term] * 1e3
             print(f"  {term:26s} {a:9.1f} {k:10.1f} {a - k:+16.1f}")
+        fast = r["kernel_rate"]
+        gemm = fast["model_s"]["gemm (tensor cores)"] / r["kernels_s"]["gemm (tensor cores)"] - 1
+        print(f"  GEMMs at {CUBLAS_KERNEL_FRACTION:.1%} of peak: {gemm:+.1%} of their kernels; step "
+              f"{fast['predicted_step_s'] * 1e3:.0f} ms ({fast['predicted_step_s'] / meas - 1:+.1%})")  # fmt: skip
+        kinds = r["memory_kinds_s"]
+        print("  memory-bound kernels: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in kinds.items()))
     return 0
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from memplan.specs.loader import load_gpu
+
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "tests" / "data" / "gpu-runs" / "h200-2026-11-28.json"
 H100_RUNS = RUNS.with_name("h100-2026-11-28.json")
@@ -136,3 +138,55 @@ def test_each_large_term_within_a_quarter_of_its_kernels(rows, name):
     for term in ("gemm (tensor cores)", "memory-bound"):
         model, kernels = r["model_s"][term], r["kernels_s"][term]
         assert abs(model / kernels - 1) <= 0.25, f"{term}: {model * 1e3:.0f} / {kernels * 1e3:.0f} ms"
+
+
+@pytest.mark.parametrize("name", PROFILED)
+def test_bf16_gemms_at_a_cublas_kernel_rate_price_their_kernels(bench, rows, name):
+    """At the MAMF table's 80.3% of the dense peak (one large GEMM, a kernel benchmark, not a step:
+    ``time_vs_profile.CUBLAS_KERNEL_FRACTION``), the model's bf16 GEMM term is within 10% of the
+    cuBLAS kernels of every profile: +5.0% (t1b_full_x, H200), +5.7% (H100), +0.2% (t1b_none),
+    +1.2% (LoRA 8B), +3.0% (QLoRA 8B). The FLOP count and the shapes are right; the profiles' fitted
+    ``matmul`` 0.51 is not a GEMM rate."""
+    r = rows[name]
+    model = r["kernel_rate"]["model_s"]["gemm (tensor cores)"]
+    kernels = r["kernels_s"]["gemm (tensor cores)"]
+    assert abs(model / kernels - 1) <= 0.10, f"{model * 1e3:.0f} / {kernels * 1e3:.0f} ms"
+
+
+def test_index_bound_kernels_do_not_follow_hbm_bandwidth(bench, rows):
+    """The same step (t1b_full_x) on the H100 and the H200: the same SMs and clocks, 1.43x the HBM
+    bandwidth (the GPU profiles' datasheet figures). The vectorised memory-bound kernels take 1.39x
+    as long on the H100 (252.0 / 181.6 ms): bandwidth-bound. The non-vectorised TensorIterator
+    kernels (``time_vs_profile.memory_kind``: broadcast, strided and casting operands) take 1.05x
+    (188.0 / 179.2 ms): bound by per-element work on the SMs, not by HBM. A bandwidth, however
+    chosen, cannot price both halves: about half the memory-bound time of this step is the second."""
+    h100, h200 = rows["t1b_full_x-h100"], rows["t1b_full_x"]
+    hbm = load_gpu("h200").hbm_bytes_per_s / load_gpu("h100-sxm").hbm_bytes_per_s
+    bandwidth = h100["memory_kinds_s"]["bandwidth-bound"] / h200["memory_kinds_s"]["bandwidth-bound"]
+    index = h100["memory_kinds_s"]["index-bound"] / h200["memory_kinds_s"]["index-bound"]
+    assert bandwidth == pytest.approx(hbm, rel=0.10)
+    assert index == pytest.approx(1.0, abs=0.10)
+    assert h200["memory_kinds_s"]["index-bound"] >= 0.4 * sum(h200["memory_kinds_s"].values())
+
+
+KERNEL_RATE_MISSES = {  # the step with the GEMMs at the kernel rate and every other term as it is
+    "t1b_full_x": "-14.8% (833 / 978 ms): memory-bound -95 ms, cuDNN attention -42 ms",
+    "lora8b": "-18.0% (2094 / 2553 ms): the fp32 adapter GEMMs (350 ms) priced as bytes, memory-bound -66 ms",
+    "qlora8b": "-14.4% (6984 / 8156 ms): memory-bound -692 ms, fp32 GEMMs -458 ms",
+    "t1b_none-h100": "-14.8% (208 / 244 ms): memory-bound -16 ms, attention -7 ms, 14 ms outside kernels",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KERNEL_RATE_MISSES[n]))
+     if n in KERNEL_RATE_MISSES else n for n in PROFILED],
+)  # fmt: skip
+def test_single_gpu_step_within_10_pct_with_gemms_at_the_kernel_rate(rows, name):
+    """The structure issue 26 asks for: each term at a rate not fitted to steps. With the GEMMs at the
+    kernel rate and the other terms as they are, only t1b_full_x on the H100 is within 10% (-9.8%,
+    960 / 1063 ms); the rest fall 14-18% short, by the under-priced memory-bound (index-bound
+    kernels above), attention and fp32 terms. Not the model's default: the published multi-GPU
+    comparison moves by +37-42% on torchtitan's H100 rows (docs/cost-model.md)."""
+    r = rows[name]
+    assert abs(r["kernel_rate"]["predicted_step_s"] / r["measured_step_s"] - 1) <= 0.10
