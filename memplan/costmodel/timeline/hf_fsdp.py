@@ -73,7 +73,7 @@ import dataclasses
 
 from memplan.costmodel.timeline import hf_fsdp_load, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
-from memplan.costmodel.timeline.events import Category
+from memplan.costmodel.timeline.events import Category, Stream
 from memplan.costmodel.timeline.fsdp import Fsdp, _Group
 from memplan.costmodel.timeline.hf_ddp import HfDdp
 from memplan.costmodel.timeline.trainer_model import Dims
@@ -110,6 +110,7 @@ class HfFsdp(Fsdp):
         self.tape, self.d, self.dp, self.shapes, self.model, self.grads = tape, d, dp, shapes, model, grads
         self.cuda, self.metadata = cuda, cuda
         self.offload = False
+        self.ag, self.rs = Stream.ALL_GATHER, Stream.REDUCE_SCATTER  # one root: fsdp.Fsdp's streams
         self.mixed = mixed
         self.rd = 2 if mixed else d.pd
         self.first = self.last = True
