@@ -70,6 +70,8 @@ class HfLora:
     tokens: int
     cuda: bool = False
     input_grad: bool = False  # enable_input_require_grads (the Trainer's gradient checkpointing)
+    # the adapters' weights as their forward reads them: fp32, or bf16 as FSDP2's mixed policy gathers them
+    read_bytes: int = ADAPTER_BYTES
     trainable: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (numel, itemsize)
     input_grads: dict[str, Tensor] = field(default_factory=dict)
     held: list[Tensor] = field(default_factory=list)  # what the graph keeps until training_step returns
@@ -110,7 +112,7 @@ class HfLora:
             return self._adapt_bnb(model, x, out, name)
         t, r = self.tape, self.cfg.rank
         with t.scoped(f"{name}.lora"):
-            a = ops.to(t, x, ADAPTER_BYTES, "input_fp32")
+            a = ops.to(t, x, self.read_bytes, "input_fp32")
             dropped = self._dropout(a) if self.cfg.dropout else t.alias(a)
             ya = model.dense(dropped, f"{name}.lora_A", r, "lora_A")
             t.done(dropped)

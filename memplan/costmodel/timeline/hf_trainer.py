@@ -42,7 +42,7 @@ loads) or ``to_device`` (each parameter its own allocation).
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import hf_build, hf_ddp, hf_fsdp, ops
+from memplan.costmodel.timeline import hf_build, hf_ddp, hf_fsdp, hf_fsdp_peft, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit
@@ -199,6 +199,7 @@ class _HfRun:
         self.total_norm: Tensor | None = None
         self.states: list[Tensor] = []
         self.lora = None
+        self.layer_kwargs: list[Tensor] = []
         if lora is not None:
             cuda, ckpt = kernel != "cpu_flash", d.recompute == "full"
             self.lora = HfLora(self.tape, lora, d.tokens, cuda, input_grad=ckpt)
@@ -239,9 +240,12 @@ class _HfRun:
         if self.lora is not None:  # the adapters beside the frozen base, in named_parameters() order
             shapes, frozen = hf_fsdp.peft_shapes(self.shapes, self.lora), frozenset(self.shapes)
         args = (self.d, self.dp, shapes, self.model, self.grads, reshard, self.model.tied, cuda, self.mixed, frozen)
-        fsdp = hf_fsdp.HfFsdp(self.tape, *args, host=self.host_load)
+        kind = hf_fsdp.HfFsdp if self.lora is None else hf_fsdp_peft.HfFsdpPeft  # the adapters' own dtype
+        fsdp = kind(self.tape, *args, host=self.host_load)
         fsdp.build(self.model.weights, self._optimizer_order())
         self.trainable = fsdp.shard_numels()
+        if self.lora is not None and self.mixed:  # the adapters all-gathered in bf16 too (hf_fsdp.py)
+            self.lora.read_bytes = fsdp.d.cd
         self.fsdp = fsdp
 
     def _params(self) -> None:
@@ -358,6 +362,9 @@ class _HfRun:
         if self.ddp is not None:
             self.ddp.pre_forward()
         items = self.num_items if self.fsdp is None else self.fsdp.cast_inputs(self.num_items)
+        # LlamaModel.forward hands its **kwargs (num_items_in_batch) to each decoder layer: a checkpoint
+        # holds the root's cast count with the layer's arguments
+        self.layer_kwargs = [items] if self.fsdp is not None else []
         logits, hidden = self.forward(ids)
         loss = m.loss(logits, items)
         t.done(hidden)  # LlamaForCausalLM.forward's hidden_states, at its return
@@ -441,7 +448,7 @@ class _HfRun:
             finally:
                 m.cache = cache
 
-        held = [x, pos, cos, sin, *m.layer_inputs(i)]  # the layer's arguments, held by the checkpoint
+        held = [x, pos, cos, sin, *m.layer_inputs(i), *self.layer_kwargs]  # the layer's arguments, held by the checkpoint
         return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), held, rerun=rerun)
 
     # --- clip, optimizer -----------------------------------------------------------------------
