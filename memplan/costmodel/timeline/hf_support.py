@@ -201,10 +201,10 @@ def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
 
 
 def _fsdp_lora_ok(plan: Plan) -> bool:
-    """PEFT LoRA under the Trainer's FSDP2 as checked: fp32 adapters over an fp32 base, no
-    ``modules_to_save`` (under ``bf16=True`` the policy all-gathers the adapters in bf16, which the
-    run's adapters, fp32 as PEFT makes them, do not follow)."""
-    return plan.finetune == "lora" and plan.precision == "fp32" and not plan.modules_to_save
+    """PEFT LoRA under the Trainer's FSDP2 as checked (``hf_fsdp_peft.py``): fp32 adapters over an fp32
+    or bf16 base, with or without ``bf16=True`` (the policy gathers the adapters in bf16 and PEFT runs
+    them so), no ``modules_to_save``."""
+    return plan.finetune == "lora" and plan.precision in ("fp32", "bf16", "bf16-mixed") and not plan.modules_to_save
 
 
 def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
@@ -215,10 +215,7 @@ def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
     if model.architecture in FSDP_NO_MIXED and trainer_autocast(plan, "hf"):
         return f"bf16=True under the Trainer's FSDP over the {model.architecture} family"
-    return (
-        "PEFT under the Trainer's FSDP other than fp32 LoRA without modules_to_save (bf16 adapters under "
-        "its mixed-precision policy, a quantized base)"
-    )
+    return "PEFT under the Trainer's FSDP other than LoRA without modules_to_save (a quantized base, trained copies)"
 
 
 def accumulation(workload: TrainingWorkload, plan: Plan) -> int:

@@ -448,7 +448,14 @@ class _HfRun:
             finally:
                 m.cache = cache
 
-        held = [x, pos, cos, sin, *m.layer_inputs(i), *self.layer_kwargs]  # the layer's arguments, held by the checkpoint
+        held = [
+            x,
+            pos,
+            cos,
+            sin,
+            *m.layer_inputs(i),
+            *self.layer_kwargs,
+        ]  # the layer's arguments, held by the checkpoint
         return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), held, rerun=rerun)
 
     # --- clip, optimizer -----------------------------------------------------------------------
