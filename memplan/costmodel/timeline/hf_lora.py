@@ -20,7 +20,9 @@ the input's dtype, saved by the product when the input requires grad) and on CUD
 Under the Trainer's ``bf16=True`` (autocast) the adapters' matmuls cast their input to bf16 again
 (after PEFT's fp32 cast of a bf16 input) and their weights through autocast's cache; a frozen weight
 is not cached (``cached_cast`` caches fp32 leaves that require grad only), so each of its matmuls
-casts it anew (``hf_model.HfLlama.weight``). ``modules_to_save`` (``ModulesToSaveWrapper``) trains a
+casts it anew (``hf_model.HfLlama.weight``). Under FSDP2's ``bf16=True`` policy the forward reads the
+adapters as all-gathered, in bf16 (``read_bytes``; ``hf_fsdp_peft.py``): ``_cast_input_dtype`` casts
+nothing and the adapters run in bf16. ``modules_to_save`` (``ModulesToSaveWrapper``) trains a
 copy of the module in the base's dtype beside the frozen original (tied or not: the copy is untied).
 With gradient checkpointing the Trainer's ``activation_checkpointing_enable`` calls
 ``enable_input_require_grads``: the frozen embedding's output becomes a leaf that requires grad, held

@@ -32,9 +32,10 @@ from_pretrained``) or on the CPU and sharded by ``cpu_ram_efficient_loading`` (`
 the default for these plans, ``specs/resolve.py``; ``hf_fsdp_load.py``, tests/unit/test_timeline_hf_fsdp_load.py:
 the shards' order and sizes and the peak equal on CPU, the full copies on the GPU from source), in fp32, a
 bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16 policy over fp32 master shards;
-not for Gemma 2 / 3), and PEFT LoRA in fp32 (any targets, dropout, without ``modules_to_save``), with the
-Trainer's or FSDP's own checkpointing and accumulation. Not modelled: other PEFT plans or a quantized base
-under FSDP, Gemma 2 / 3 under FSDP with ``bf16=True``, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context
+not for Gemma 2 / 3), and PEFT LoRA (any targets, dropout, without ``modules_to_save``) over an fp32 or a
+bf16 base, with or without ``bf16=True`` (``hf_fsdp_peft.py``), with the Trainer's or FSDP's own
+checkpointing and accumulation. Not modelled: ``modules_to_save`` or a quantized base under FSDP, Gemma 2 / 3
+under FSDP with ``bf16=True``, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context
 or expert parallelism. A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
 moving each group to the GPU full-size as it shards it) is run as with it: the build differs by a group's
 full parameters, never the steps.
@@ -189,7 +190,7 @@ def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
     rank's GPU (``from_pretrained`` with a device_map) or on the CPU (``to_device``: sharded through
     ``cpu_ram_efficient_loading``, ``hf_fsdp_load.py``), in fp32, a bf16 model without ``bf16=True``
     (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16 policy over fp32 master
-    shards); PEFT LoRA in fp32 (:func:`_fsdp_lora_ok`)."""
+    shards); PEFT LoRA (:func:`_fsdp_lora_ok`)."""
     return (
         runtime == "hf"
         and model.moe is None
