@@ -15,6 +15,7 @@ takes 1-3 s in one process: two run by default, the rest under ``-m slow``.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -311,19 +312,53 @@ LORA_SLOW = [
         2,
     ),
 ]
+# modules_to_save lm_head (hf_fsdp_peft.py): the tail group holds the frozen original and the trained copy
+LORA_SLOW += [
+    (_lora("lora-lm-head", modules_to_save=("lm_head",)), 3, 1),
+    (_lora("lora-lm-head-ckpt-ga2", modules_to_save=("lm_head",), checkpointing=True), 3, 2),
+    (_lora("lora-lm-head-all-linear-shard-grad-op", modules_to_save=("lm_head",), targets=("all-linear",)), 2, 1),
+    (_lora("lora-lm-head-bf16-true-shard-grad-op-ga2", autocast=True, modules_to_save=("lm_head",)), 2, 2),
+    (_lora("lora-lm-head-bf16-true-ckpt", autocast=True, modules_to_save=("lm_head",), checkpointing=True), 3, 1),
+    (_lora("lora-lm-head-bf16-model", dtype="bfloat16", modules_to_save=("lm_head",)), 3, 1),
+    (_lora("lora-lm-head-bf16-model-shard-grad-op-ga2", dtype="bfloat16", modules_to_save=("lm_head",)), 2, 2),
+    (
+        _lora(
+            "lora-lm-head-bf16-model-ckpt-v8000",
+            dtype="bfloat16",
+            modules_to_save=("lm_head",),
+            checkpointing=True,
+            vocab=8000,
+        ),
+        3,
+        2,
+    ),
+    (
+        _lora(
+            "lora-lm-head-bf16-model-bf16-true-qwen2",
+            dtype="bfloat16",
+            autocast=True,
+            modules_to_save=("lm_head",),
+            arch="qwen2",
+        ),
+        2,
+        2,
+    ),
+]
 LORA_FAST = [
     _lora("lora-qv"),  # fp32
     _lora("lora-bf16-true", autocast=True),  # bf16=True over an fp32 base: the adapters gathered and run in bf16
     _lora("lora-bf16-model", dtype="bfloat16"),  # a bf16 base without bf16=True: uint8 all-gathers, fp32 adapters
     # a bf16 base under bf16=True, checkpointed: the checkpoints hold the root's bf16 num_items_in_batch
     _lora("lora-bf16-model-bf16-true-ckpt", dtype="bfloat16", autocast=True, checkpointing=True),
+    # modules_to_save lm_head over a bf16 base under bf16=True: the copy upcast to fp32 by accelerate
+    _lora("lora-lm-head-bf16-model-bf16-true", dtype="bfloat16", autocast=True, modules_to_save=("lm_head",)),
 ]
 
 
 @pytest.mark.parametrize("case", LORA_FAST, ids=lambda c: c.name)
 def test_lora_equals_rank_0s_peak(case: peft_steps.PeftCase) -> None:
     """The default suite's LoRA cases, q/v adapters under ``full_shard``: fp32; ``bf16=True`` over an fp32
-    base; a bf16 base without it; a bf16 base under it, checkpointed."""
+    base; a bf16 base without it; a bf16 base under it, checkpointed, and with a trained ``lm_head``."""
     measured = hf_fsdp_steps.measure(case)
     assert predict_lora(case) == measured, f"{case.name}: {predict_lora(case):,} B predicted, {measured:,} B measured"
 
@@ -346,6 +381,29 @@ def test_estimate_answers_an_hf_fsdp_lora_plan_op_level(capsys, precision: list[
     assert two["model"] == "op-level" and two["model_reason"] is None
     assert abs(2 * two["model_states"]["parameters"] - one["model_states"]["parameters"]) <= 64 * 1024
     assert two["model_states"]["optimizer_states"] < one["model_states"]["optimizer_states"]
+
+
+@pytest.mark.parametrize(
+    ("saved", "tied", "model"),
+    [("lm_head", False, "op-level"), ("lm_head", True, "phase"), ("embed_tokens", False, "phase")],
+)
+def test_estimate_answers_fsdp_lora_with_lm_head_op_level(capsys, tmp_path, saved: str, tied: bool, model: str) -> None:
+    """``--modules-to-save lm_head`` under ``--zero 3`` over an untied model: op-level, its fp32 copy's shard
+    (``bf16=True``: upcast by accelerate) beside the bf16 base's; over tied embeddings the Trainer cannot
+    shard it (``fully_shard`` refuses the shared original) and a trained embedding copy is not followed:
+    the phase model, saying why."""
+    config = json.loads(Path(LLAMA1B).read_text()) | {"tie_word_embeddings": tied}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    args = [str(path), "--runtime", "hf", "--precision", "bf16", "--finetune", "lora", "--dp", "2", "--zero", "3"]
+    plain = _estimate(capsys, args)
+    copy = _estimate(capsys, [*args, "--modules-to-save", saved])
+    assert copy["model"] == model and (model == "op-level") == (copy["model_reason"] is None)
+    if model == "op-level":
+        head = config["vocab_size"] * config["hidden_size"]
+        assert copy["model_states"]["parameters"] - plain["model_states"]["parameters"] == head // 2 * 4
+    else:
+        assert saved in copy["model_reason"]
 
 
 # the families of hf_families.py under FSDP2 (their own parameters, norms and rotary buffers; Gemma 2 eager)

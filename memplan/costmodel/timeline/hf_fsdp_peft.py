@@ -19,6 +19,12 @@ placeholders take each trained parameter's dtype (accelerator.py:1718-1727: fp32
   bytes times the ranks, no input copy), each unsharded parameter is a copy in its own dtype (the
   adapters fp32: PEFT casts the bf16 input to fp32 as on one rank), and the adapters' gradients
   reduce-scatter in their fp32.
+
+``modules_to_save=["lm_head"]`` (``ModulesToSaveWrapper``: ``original_module``, frozen, then
+``modules_to_save.default``, the trained copy): accelerate's ``get_output_embeddings`` is the wrapper, so the
+tail group ``[lm_head]`` holds both; both are all-gathered and unsharded though the forward reads the copy
+alone, only the copy reduce-scatters. Under ``bf16=True`` accelerate upcasts the copy (it requires grad) to
+fp32 before sharding.
 """
 
 from __future__ import annotations
@@ -27,7 +33,22 @@ from memplan.costmodel.lora import ADAPTER_BYTES
 from memplan.costmodel.timeline.autograd import Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.fsdp import COPY_OUT, COPY_OUT_META
-from memplan.costmodel.timeline.hf_fsdp import HfFsdp
+from memplan.costmodel.timeline.hf_fsdp import HfFsdp, peft_shapes
+
+HEAD, ORIGINAL = "lm_head.weight", "lm_head.original_module.weight"  # the trained copy and its frozen original
+
+
+def peft_params(shapes: dict[str, tuple[int, int]], lora, weights: dict[str, Tensor]) -> tuple[dict, frozenset]:  # noqa: ANN001 - an HfLora
+    """The ``PeftModel``'s parameters in ``named_parameters()`` order and the frozen ones: the base, each
+    targeted linear's adapters after its weight; a trained ``lm_head`` copy after its original (which
+    ``weights`` gets back under its own name: the copy took ``lm_head.weight``)."""
+    out = peft_shapes(shapes, lora)
+    if HEAD not in lora.originals:
+        return out, frozenset(shapes)
+    weights[ORIGINAL] = lora.originals[HEAD]
+    out = {ORIGINAL if name == HEAD else name: shape for name, shape in out.items()}
+    out[HEAD] = shapes[HEAD]
+    return out, frozenset(out) - {HEAD} - {n for n in out if ".lora_" in n}
 
 
 class HfFsdpPeft(HfFsdp):
@@ -36,17 +57,29 @@ class HfFsdpPeft(HfFsdp):
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - HfFsdp's
         super().__init__(*args, **kwargs)
         self.rd = 2 if self.mixed else ADAPTER_BYTES  # the reduce dtype: the policy's, else the adapters'
+        if ORIGINAL in self.shapes:  # the tail [lm_head] is the wrapper: its original, then the copy
+            self.groups[-1].names.insert(0, ORIGINAL)
 
     def itemsize(self, name: str) -> int:
-        """The frozen base as loaded; an adapter fp32."""
-        return self.loaded if name in self.frozen else ADAPTER_BYTES
+        """The frozen base as loaded; an adapter fp32; a trained copy as loaded, fp32 under the mixed policy."""
+        if name in self.frozen:
+            return self.loaded
+        return self.d.pd if name == HEAD else ADAPTER_BYTES
 
     def prepare_params(self, weights: dict[str, Tensor], optimizer_order: list[str]) -> list[Tensor]:
-        """The optimizer's placeholders in the adapters' fp32; no upcast (they are fp32 already)."""
+        """The optimizer's placeholders, each in its parameter's dtype, then under the mixed policy a
+        16-bit trained copy upcast (``param.data.to(float32)``); the adapters, fp32 already, are not."""
+        t = self.tape
         if self.host and self.cuda:
             return []
-        with self.tape.scoped("accelerate.prepare"):
-            return [self.tape.new(1, self.itemsize(n), f"{n}.optimizer_placeholder") for n in optimizer_order]
+        with t.scoped("accelerate.prepare"):
+            dtype = {n: self.loaded if n == HEAD else ADAPTER_BYTES for n in optimizer_order}
+            holders = [t.new(1, dtype[n], f"{n}.optimizer_placeholder") for n in optimizer_order]
+            if HEAD in dtype and dtype[HEAD] != self.itemsize(HEAD):
+                rows, cols = self.shapes[HEAD]
+                old, weights[HEAD] = weights[HEAD], t.managed(rows * cols, 4, f"{HEAD}.fp32", Category.PARAMETERS)
+                t.free(old)
+        return holders
 
     def all_gather(self, g: int) -> None:
         """Under the mixed policy the bf16 copies of the shards not bf16 already, then a bf16 output;
@@ -93,9 +126,18 @@ class HfFsdpPeft(HfFsdp):
             t.free(group.gathered)
         group.gathered = None
 
+    def post_backward(self, g: int) -> None:
+        """``HfFsdp.post_backward`` in the group's reduce dtype: the policy's bf16, else its trained
+        parameters' own (``FSDPParamGroup._init_mp_dtypes``: a bf16 copy's bf16, the adapters' fp32)."""
+        if not self.mixed:
+            trained = [n for n in self.groups[g].names if n not in self.frozen]
+            self.rd = self.itemsize(trained[0]) if trained else ADAPTER_BYTES
+        super().post_backward(g)
+
     def _to_orig_dtype(self, out: Tensor) -> Tensor:
-        """The bf16 reduce-scatter output cast to the adapters' fp32 (``foreach_reduce``); fp32 as is."""
-        if self.rd == ADAPTER_BYTES:
+        """The bf16 reduce-scatter output cast to the trained parameters' fp32 (``foreach_reduce``);
+        without a policy the reduce dtype is theirs."""
+        if not self.mixed:
             return out
         with self.tape.scoped(""):
             cast = self.tape.managed(out.numel, ADAPTER_BYTES, "reduce_scatter_output.fp32", Category.GRADIENTS)

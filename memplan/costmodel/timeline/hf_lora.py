@@ -77,6 +77,7 @@ class HfLora:
     trainable: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (numel, itemsize)
     input_grads: dict[str, Tensor] = field(default_factory=dict)
     held: list[Tensor] = field(default_factory=list)  # what the graph keeps until training_step returns
+    originals: dict[str, Tensor] = field(default_factory=dict)  # a trained copy's weight -> the frozen original
 
     def build(self, weights: dict[str, Tensor], shapes: dict[str, tuple[int, int]], grads: dict, pd: int) -> None:
         """After the frozen base: A and B per targeted linear (``model.parameters()`` order), then
@@ -92,6 +93,8 @@ class HfLora:
             if module not in SAVABLE:
                 continue
             rows, cols = shapes["model.embed_tokens.weight"]
+            if _copy_name(module) in weights:  # the original (a tied head's is the embedding)
+                self.originals[_copy_name(module)] = weights[_copy_name(module)]
             self._param(weights, grads, _copy_name(module), rows * cols, pd, f"{module}.modules_to_save")
 
     def _param(self, weights: dict, grads: dict, name: str, numel: int, itemsize: int, tag: str = "") -> None:

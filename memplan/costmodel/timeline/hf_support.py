@@ -196,16 +196,20 @@ def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
         and model.moe is None
         and model.architecture in FSDP_FAMILIES
         and not (model.architecture in FSDP_NO_MIXED and trainer_autocast(plan, runtime))
-        and (plan.finetune == "full" or _fsdp_lora_ok(plan))
+        and (plan.finetune == "full" or _fsdp_lora_ok(model, plan))
         and plan.quant == "none"
     )
 
 
-def _fsdp_lora_ok(plan: Plan) -> bool:
+def _fsdp_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     """PEFT LoRA under the Trainer's FSDP2 as checked (``hf_fsdp_peft.py``): fp32 adapters over an fp32
     or bf16 base, with or without ``bf16=True`` (the policy gathers the adapters in bf16 and PEFT runs
-    them so), no ``modules_to_save``."""
-    return plan.finetune == "lora" and plan.precision in ("fp32", "bf16", "bf16-mixed") and not plan.modules_to_save
+    them so), ``modules_to_save`` none or an untied ``lm_head`` (the tail group holds the original and
+    the copy). A tied one the Trainer cannot shard: ``fully_shard`` refuses the original, shared with the
+    embedding (torch 2.13: "is shared with a parameter already managed by another FSDP group")."""
+    saved = set(plan.modules_to_save)
+    lora = plan.finetune == "lora" and plan.precision in ("fp32", "bf16", "bf16-mixed")
+    return lora and saved <= {"lm_head"} and not (saved and model.tied_embeddings)
 
 
 def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
@@ -216,7 +220,15 @@ def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
     if model.architecture in FSDP_NO_MIXED and trainer_autocast(plan, "hf"):
         return f"bf16=True under the Trainer's FSDP over the {model.architecture} family"
-    return "PEFT under the Trainer's FSDP other than LoRA without modules_to_save (a quantized base, trained copies)"
+    if plan.finetune == "lora" and "lm_head" in plan.modules_to_save and model.tied_embeddings:
+        return (
+            "modules_to_save lm_head over tied embeddings under the Trainer's FSDP "
+            "(fully_shard refuses the shared weight)"
+        )
+    return (
+        "PEFT under the Trainer's FSDP other than LoRA with modules_to_save none or lm_head (a quantized base, "
+        "a trained embed_tokens copy)"
+    )
 
 
 def accumulation(workload: TrainingWorkload, plan: Plan) -> int:

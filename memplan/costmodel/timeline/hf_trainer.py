@@ -237,8 +237,8 @@ class _HfRun:
         steps the local shards."""
         cuda, reshard = self.model.kernel != "cpu_flash", self.zero >= 3
         shapes, frozen = self.shapes, frozenset()
-        if self.lora is not None:  # the adapters beside the frozen base, in named_parameters() order
-            shapes, frozen = hf_fsdp.peft_shapes(self.shapes, self.lora), frozenset(self.shapes)
+        if self.lora is not None:  # the adapters (and trained copies) beside the frozen base
+            shapes, frozen = hf_fsdp_peft.peft_params(self.shapes, self.lora, self.model.weights)
         args = (self.d, self.dp, shapes, self.model, self.grads, reshard, self.model.tied, cuda, self.mixed, frozen)
         kind = hf_fsdp.HfFsdp if self.lora is None else hf_fsdp_peft.HfFsdpPeft  # the adapters' own dtype
         fsdp = kind(self.tape, *args, host=self.host_load)
