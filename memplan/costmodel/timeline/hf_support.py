@@ -32,9 +32,9 @@ from_pretrained``) or on the CPU and sharded by ``cpu_ram_efficient_loading`` (`
 the default for these plans, ``specs/resolve.py``; ``hf_fsdp_load.py``, tests/unit/test_timeline_hf_fsdp_load.py:
 the shards' order and sizes and the peak equal on CPU, the full copies on the GPU from source), in fp32, a
 bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16 policy over fp32 master shards;
-not for Gemma 2 / 3), and PEFT LoRA (any targets, dropout, without ``modules_to_save``) over an fp32 or a
-bf16 base, with or without ``bf16=True`` (``hf_fsdp_peft.py``), with the Trainer's or FSDP's own
-checkpointing and accumulation. Not modelled: ``modules_to_save`` or a quantized base under FSDP, Gemma 2 / 3
+not for Gemma 2 / 3), and PEFT LoRA (any targets, dropout, ``modules_to_save`` none or an untied lm_head) over
+an fp32 or a bf16 base, with or without ``bf16=True`` (``hf_fsdp_peft.py``), with the Trainer's or FSDP's own
+checkpointing and accumulation. Not modelled: an embed_tokens copy or a quantized base under FSDP, Gemma 2 / 3
 under FSDP with ``bf16=True``, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context
 or expert parallelism. A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
 moving each group to the GPU full-size as it shards it) is run as with it: the build differs by a group's
