@@ -15,6 +15,7 @@ takes 1-3 s in one process: two run by default, the rest under ``-m slow``.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -199,7 +200,10 @@ def test_estimate_answers_an_hf_fsdp_plan_op_level(capsys, zero: int, precision:
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [
-        (["--zero", "3", "--precision", "bf16", "--finetune", "lora"], "PEFT under the Trainer's FSDP other than fp32"),
+        (
+            ["--zero", "3", "--precision", "bf16", "--finetune", "qlora"],
+            "PEFT under the Trainer's FSDP other than LoRA",
+        ),
         (
             ["--zero", "3", "--precision", "fp32", "--finetune", "lora", "--modules-to-save", "lm_head"],
             "modules_to_save",
@@ -264,6 +268,7 @@ def predict_lora(case: peft_steps.PeftCase, zero: int = 3, ga: int = 1, dp: int 
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
     lora = HfLoraConfig.of(plan)
     kw = dict(qkv_bias=model.qkv_bias, ga=ga, inplace_accumulate=False, dp=dp, zero=zero, lora=lora)
+    kw["mixed"] = trainer_autocast(plan, "hf")  # bf16=True: accelerate's policy, the adapters gathered in bf16
     return hf_run(d, model.tied_embeddings, "cpu_flash", steps=STEPS, batches=STEPS * ga, **kw).peak()[0]
 
 
@@ -276,14 +281,86 @@ LORA_SLOW = [
     (_lora("lora-all-linear-ckpt-ga2", checkpointing=True, targets=("all-linear",)), 2, 2),
     (_lora("lora-dropout", dropout=0.1), 3, 1),
     (_lora("lora-qwen2", arch="qwen2"), 3, 1),
+    # bf16 (hf_fsdp_peft.py): bf16=True's policy over an fp32 base (was 102,400 B over: the adapters ran in fp32),
+    # a bf16 base with and without it (groups of bf16 frozen weights and fp32 adapters)
+    (_lora("lora-bf16-true-shard-grad-op", autocast=True), 2, 1),
+    (_lora("lora-bf16-true-ckpt", autocast=True, checkpointing=True), 3, 1),
+    (_lora("lora-bf16-true-ga2", autocast=True), 3, 2),
+    (_lora("lora-bf16-true-all-linear-dropout", autocast=True, targets=("all-linear",), dropout=0.1), 3, 1),
+    (_lora("lora-bf16-true-tied", autocast=True, tied=True), 3, 1),
+    (_lora("lora-bf16-model-ckpt", dtype="bfloat16", checkpointing=True), 3, 1),
+    (_lora("lora-bf16-model-shard-grad-op-ga2", dtype="bfloat16"), 2, 2),
+    (_lora("lora-bf16-model-tied", dtype="bfloat16", tied=True), 3, 1),
+    (_lora("lora-bf16-model-all-linear-dropout", dtype="bfloat16", targets=("all-linear",), dropout=0.1), 3, 1),
+    (_lora("lora-bf16-model-qwen2", dtype="bfloat16", arch="qwen2"), 3, 1),
+    (_lora("lora-bf16-model-bf16-true-shard-grad-op-ga2", dtype="bfloat16", autocast=True), 2, 2),
+    (_lora("lora-bf16-model-bf16-true-tied", dtype="bfloat16", autocast=True, tied=True), 3, 1),
+    (
+        _lora("lora-bf16-model-bf16-true-all-linear", dtype="bfloat16", autocast=True, targets=("all-linear",)),
+        3,
+        1,
+    ),
+    (
+        _lora(
+            "lora-bf16-model-bf16-true-qwen2-ckpt-ga2",
+            dtype="bfloat16",
+            autocast=True,
+            arch="qwen2",
+            checkpointing=True,
+        ),
+        2,
+        2,
+    ),
+]
+# modules_to_save lm_head (hf_fsdp_peft.py): the tail group holds the frozen original and the trained copy
+LORA_SLOW += [
+    (_lora("lora-lm-head", modules_to_save=("lm_head",)), 3, 1),
+    (_lora("lora-lm-head-ckpt-ga2", modules_to_save=("lm_head",), checkpointing=True), 3, 2),
+    (_lora("lora-lm-head-all-linear-shard-grad-op", modules_to_save=("lm_head",), targets=("all-linear",)), 2, 1),
+    (_lora("lora-lm-head-bf16-true-shard-grad-op-ga2", autocast=True, modules_to_save=("lm_head",)), 2, 2),
+    (_lora("lora-lm-head-bf16-true-ckpt", autocast=True, modules_to_save=("lm_head",), checkpointing=True), 3, 1),
+    (_lora("lora-lm-head-bf16-model", dtype="bfloat16", modules_to_save=("lm_head",)), 3, 1),
+    (_lora("lora-lm-head-bf16-model-shard-grad-op-ga2", dtype="bfloat16", modules_to_save=("lm_head",)), 2, 2),
+    (
+        _lora(
+            "lora-lm-head-bf16-model-ckpt-v8000",
+            dtype="bfloat16",
+            modules_to_save=("lm_head",),
+            checkpointing=True,
+            vocab=8000,
+        ),
+        3,
+        2,
+    ),
+    (
+        _lora(
+            "lora-lm-head-bf16-model-bf16-true-qwen2",
+            dtype="bfloat16",
+            autocast=True,
+            modules_to_save=("lm_head",),
+            arch="qwen2",
+        ),
+        2,
+        2,
+    ),
+]
+LORA_FAST = [
+    _lora("lora-qv"),  # fp32
+    _lora("lora-bf16-true", autocast=True),  # bf16=True over an fp32 base: the adapters gathered and run in bf16
+    _lora("lora-bf16-model", dtype="bfloat16"),  # a bf16 base without bf16=True: uint8 all-gathers, fp32 adapters
+    # a bf16 base under bf16=True, checkpointed: the checkpoints hold the root's bf16 num_items_in_batch
+    _lora("lora-bf16-model-bf16-true-ckpt", dtype="bfloat16", autocast=True, checkpointing=True),
+    # modules_to_save lm_head over a bf16 base under bf16=True: the copy upcast to fp32 by accelerate
+    _lora("lora-lm-head-bf16-model-bf16-true", dtype="bfloat16", autocast=True, modules_to_save=("lm_head",)),
 ]
 
 
-def test_lora_equals_rank_0s_peak() -> None:
-    """The default suite's LoRA case: q/v adapters over an fp32 base, ``full_shard``."""
-    case = _lora("lora-qv")
+@pytest.mark.parametrize("case", LORA_FAST, ids=lambda c: c.name)
+def test_lora_equals_rank_0s_peak(case: peft_steps.PeftCase) -> None:
+    """The default suite's LoRA cases, q/v adapters under ``full_shard``: fp32; ``bf16=True`` over an fp32
+    base; a bf16 base without it; a bf16 base under it, checkpointed, and with a trained ``lm_head``."""
     measured = hf_fsdp_steps.measure(case)
-    assert predict_lora(case) == measured
+    assert predict_lora(case) == measured, f"{case.name}: {predict_lora(case):,} B predicted, {measured:,} B measured"
 
 
 @pytest.mark.slow
@@ -294,15 +371,39 @@ def test_lora_variants_equal_rank_0s_peak(case: peft_steps.PeftCase, zero: int, 
     assert predicted == measured, f"{case.name} zero {zero}: {predicted:,} B predicted, {measured:,} B measured"
 
 
-def test_estimate_answers_an_hf_fsdp_lora_plan_op_level(capsys) -> None:
-    """fp32 LoRA under ``--zero 3``: op-level; the frozen base's shards are half its parameters, the
-    adapters' states fewer than the one-rank run's."""
-    args = [LLAMA1B, "--runtime", "hf", "--precision", "fp32", "--finetune", "lora"]
+@pytest.mark.parametrize("precision", [["fp32"], ["bf16"], ["bf16", "--no-autocast"], ["bf16-mixed"]])
+def test_estimate_answers_an_hf_fsdp_lora_plan_op_level(capsys, precision: list[str]) -> None:
+    """LoRA under ``--zero 3`` over an fp32 or a bf16 base, with ``bf16=True`` or without: op-level; the
+    frozen base's shards are half its parameters, the adapters' states fewer than the one-rank run's."""
+    args = [LLAMA1B, "--runtime", "hf", "--precision", *precision, "--finetune", "lora"]
     one = _estimate(capsys, args)
     two = _estimate(capsys, [*args, "--dp", "2", "--zero", "3"])
     assert two["model"] == "op-level" and two["model_reason"] is None
     assert abs(2 * two["model_states"]["parameters"] - one["model_states"]["parameters"]) <= 64 * 1024
     assert two["model_states"]["optimizer_states"] < one["model_states"]["optimizer_states"]
+
+
+@pytest.mark.parametrize(
+    ("saved", "tied", "model"),
+    [("lm_head", False, "op-level"), ("lm_head", True, "phase"), ("embed_tokens", False, "phase")],
+)
+def test_estimate_answers_fsdp_lora_with_lm_head_op_level(capsys, tmp_path, saved: str, tied: bool, model: str) -> None:
+    """``--modules-to-save lm_head`` under ``--zero 3`` over an untied model: op-level, its fp32 copy's shard
+    (``bf16=True``: upcast by accelerate) beside the bf16 base's; over tied embeddings the Trainer cannot
+    shard it (``fully_shard`` refuses the shared original) and a trained embedding copy is not followed:
+    the phase model, saying why."""
+    config = json.loads(Path(LLAMA1B).read_text()) | {"tie_word_embeddings": tied}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    args = [str(path), "--runtime", "hf", "--precision", "bf16", "--finetune", "lora", "--dp", "2", "--zero", "3"]
+    plain = _estimate(capsys, args)
+    copy = _estimate(capsys, [*args, "--modules-to-save", saved])
+    assert copy["model"] == model and (model == "op-level") == (copy["model_reason"] is None)
+    if model == "op-level":
+        head = config["vocab_size"] * config["hidden_size"]
+        assert copy["model_states"]["parameters"] - plain["model_states"]["parameters"] == head // 2 * 4
+    else:
+        assert saved in copy["model_reason"]
 
 
 # the families of hf_families.py under FSDP2 (their own parameters, norms and rotary buffers; Gemma 2 eager)

@@ -129,7 +129,12 @@ class HfFsdp(Fsdp):
 
     def shard_numels(self) -> dict[str, tuple[int, int]]:
         """(elements, itemsize) of each parameter's local shard: what the optimizer steps."""
-        return {name: (self.shard(name), self.d.pd) for name in self.shapes if name not in self.frozen}
+        return {name: (self.shard(name), self.itemsize(name)) for name in self.shapes if name not in self.frozen}
+
+    def itemsize(self, name: str) -> int:
+        """A parameter's shard dtype: a frozen base's as loaded, a trained one's (fp32 under the mixed
+        policy; ``hf_fsdp_peft.HfFsdpPeft``: PEFT's fp32 adapters)."""
+        return self.loaded if name in self.frozen else self.d.pd
 
     def build(self, weights: dict[str, Tensor], optimizer_order: list[str]) -> None:
         """``_prepare_fsdp2``: the optimizer's one-element placeholders (in its parameter groups'
@@ -145,7 +150,7 @@ class HfFsdp(Fsdp):
                 if not self.cuda:  # the group's DeviceMesh: its ranks, an int32 arange(dp) on the host
                     t.managed(self.dp, 4, f"{group.tag}.device_mesh", Category.COMM)
                 for name in group.names:
-                    t.managed(self.shard(name), self.d.pd, f"{name}.shard", Category.PARAMETERS)
+                    t.managed(self.shard(name), self.itemsize(name), f"{name}.shard", Category.PARAMETERS)
             for name in self.shapes:
                 t.free(weights.pop(name))
         t.done(*holders)

@@ -90,7 +90,7 @@ def _load(fsdp: HfFsdp, key: str) -> Tensor:
     t = fsdp.tape
     name = EMBEDDING if key == TIED_HEAD and key not in fsdp.shapes else key
     rows, cols = fsdp.shapes[name]
-    itemsize = fsdp.loaded if name in fsdp.frozen else fsdp.d.pd
+    itemsize = fsdp.itemsize(name)
     full = t.new(rows * cols, itemsize, f"{key}.full") if fsdp.cuda else None
     chunk = -(-rows // fsdp.dp)
     short = [i for i in range(fsdp.dp) if min(chunk, max(0, rows - i * chunk)) < chunk]

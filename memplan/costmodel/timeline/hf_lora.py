@@ -20,7 +20,9 @@ the input's dtype, saved by the product when the input requires grad) and on CUD
 Under the Trainer's ``bf16=True`` (autocast) the adapters' matmuls cast their input to bf16 again
 (after PEFT's fp32 cast of a bf16 input) and their weights through autocast's cache; a frozen weight
 is not cached (``cached_cast`` caches fp32 leaves that require grad only), so each of its matmuls
-casts it anew (``hf_model.HfLlama.weight``). ``modules_to_save`` (``ModulesToSaveWrapper``) trains a
+casts it anew (``hf_model.HfLlama.weight``). Under FSDP2's ``bf16=True`` policy the forward reads the
+adapters as all-gathered, in bf16 (``read_bytes``; ``hf_fsdp_peft.py``): ``_cast_input_dtype`` casts
+nothing and the adapters run in bf16. ``modules_to_save`` (``ModulesToSaveWrapper``) trains a
 copy of the module in the base's dtype beside the frozen original (tied or not: the copy is untied).
 With gradient checkpointing the Trainer's ``activation_checkpointing_enable`` calls
 ``enable_input_require_grads``: the frozen embedding's output becomes a leaf that requires grad, held
@@ -70,9 +72,12 @@ class HfLora:
     tokens: int
     cuda: bool = False
     input_grad: bool = False  # enable_input_require_grads (the Trainer's gradient checkpointing)
+    # the adapters' weights as their forward reads them: fp32, or bf16 as FSDP2's mixed policy gathers them
+    read_bytes: int = ADAPTER_BYTES
     trainable: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (numel, itemsize)
     input_grads: dict[str, Tensor] = field(default_factory=dict)
     held: list[Tensor] = field(default_factory=list)  # what the graph keeps until training_step returns
+    originals: dict[str, Tensor] = field(default_factory=dict)  # a trained copy's weight -> the frozen original
 
     def build(self, weights: dict[str, Tensor], shapes: dict[str, tuple[int, int]], grads: dict, pd: int) -> None:
         """After the frozen base: A and B per targeted linear (``model.parameters()`` order), then
@@ -88,6 +93,8 @@ class HfLora:
             if module not in SAVABLE:
                 continue
             rows, cols = shapes["model.embed_tokens.weight"]
+            if _copy_name(module) in weights:  # the original (a tied head's is the embedding)
+                self.originals[_copy_name(module)] = weights[_copy_name(module)]
             self._param(weights, grads, _copy_name(module), rows * cols, pd, f"{module}.modules_to_save")
 
     def _param(self, weights: dict, grads: dict, name: str, numel: int, itemsize: int, tag: str = "") -> None:
@@ -110,7 +117,7 @@ class HfLora:
             return self._adapt_bnb(model, x, out, name)
         t, r = self.tape, self.cfg.rank
         with t.scoped(f"{name}.lora"):
-            a = ops.to(t, x, ADAPTER_BYTES, "input_fp32")
+            a = ops.to(t, x, self.read_bytes, "input_fp32")
             dropped = self._dropout(a) if self.cfg.dropout else t.alias(a)
             ya = model.dense(dropped, f"{name}.lora_A", r, "lora_A")
             t.done(dropped)

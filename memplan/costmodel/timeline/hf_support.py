@@ -34,9 +34,10 @@ from_pretrained``) or on the CPU and sharded by ``cpu_ram_efficient_loading`` (`
 the default for these plans, ``specs/resolve.py``; ``hf_fsdp_load.py``, tests/unit/test_timeline_hf_fsdp_load.py:
 the shards' order and sizes and the peak equal on CPU, the full copies on the GPU from source), in fp32, a
 bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16 policy over fp32 master shards;
-Gemma 2 / 3 too: their bf16 residual stream, ``hf_gemma.py``), and PEFT LoRA in fp32 (any targets, dropout,
-without ``modules_to_save``), with the Trainer's or FSDP's own checkpointing and accumulation. Not modelled:
-other PEFT plans or a quantized base under FSDP, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or
+Gemma 2 / 3 too: their bf16 residual stream, ``hf_gemma.py``), and PEFT LoRA (any targets, dropout,
+``modules_to_save`` none or an untied lm_head) over an fp32 or a bf16 base, with or without ``bf16=True``
+(``hf_fsdp_peft.py``), with the Trainer's or FSDP's own checkpointing and accumulation. Not modelled: an
+embed_tokens copy or a quantized base under FSDP, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or
 expert parallelism. A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
 moving each group to the GPU full-size as it shards it) is run as with it: the build differs by a group's
 full parameters, never the steps.
@@ -221,21 +222,25 @@ def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
     rank's GPU (``from_pretrained`` with a device_map) or on the CPU (``to_device``: sharded through
     ``cpu_ram_efficient_loading``, ``hf_fsdp_load.py``), in fp32, a bf16 model without ``bf16=True``
     (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16 policy over fp32 master
-    shards); PEFT LoRA in fp32 (:func:`_fsdp_lora_ok`)."""
+    shards); PEFT LoRA (:func:`_fsdp_lora_ok`)."""
     return (
         runtime == "hf"
         and model.moe is None
         and model.architecture in FSDP_FAMILIES
-        and (plan.finetune == "full" or _fsdp_lora_ok(plan))
+        and (plan.finetune == "full" or _fsdp_lora_ok(model, plan))
         and plan.quant == "none"
     )
 
 
-def _fsdp_lora_ok(plan: Plan) -> bool:
-    """PEFT LoRA under the Trainer's FSDP2 as checked: fp32 adapters over an fp32 base, no
-    ``modules_to_save`` (under ``bf16=True`` the policy all-gathers the adapters in bf16, which the
-    run's adapters, fp32 as PEFT makes them, do not follow)."""
-    return plan.finetune == "lora" and plan.precision == "fp32" and not plan.modules_to_save
+def _fsdp_lora_ok(model: ModelSpec, plan: Plan) -> bool:
+    """PEFT LoRA under the Trainer's FSDP2 as checked (``hf_fsdp_peft.py``): fp32 adapters over an fp32
+    or bf16 base, with or without ``bf16=True`` (the policy gathers the adapters in bf16 and PEFT runs
+    them so), ``modules_to_save`` none or an untied ``lm_head`` (the tail group holds the original and
+    the copy). A tied one the Trainer cannot shard: ``fully_shard`` refuses the original, shared with the
+    embedding (torch 2.13: "is shared with a parameter already managed by another FSDP group")."""
+    saved = set(plan.modules_to_save)
+    lora = plan.finetune == "lora" and plan.precision in ("fp32", "bf16", "bf16-mixed")
+    return lora and saved <= {"lm_head"} and not (saved and model.tied_embeddings)
 
 
 def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
@@ -244,9 +249,14 @@ def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
         return "the Trainer's FSDP over an MoE model (not checked)"
     if model.architecture not in FSDP_FAMILIES:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
+    if plan.finetune == "lora" and "lm_head" in plan.modules_to_save and model.tied_embeddings:
+        return (
+            "modules_to_save lm_head over tied embeddings under the Trainer's FSDP "
+            "(fully_shard refuses the shared weight)"
+        )
     return (
-        "PEFT under the Trainer's FSDP other than fp32 LoRA without modules_to_save (bf16 adapters under "
-        "its mixed-precision policy, a quantized base)"
+        "PEFT under the Trainer's FSDP other than LoRA with modules_to_save none or lm_head (a quantized base, "
+        "a trained embed_tokens copy)"
     )
 
 

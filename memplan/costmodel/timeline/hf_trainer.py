@@ -42,7 +42,7 @@ loads) or ``to_device`` (each parameter its own allocation).
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import hf_build, hf_ddp, hf_fsdp, ops
+from memplan.costmodel.timeline import hf_build, hf_ddp, hf_fsdp, hf_fsdp_peft, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit
@@ -239,12 +239,15 @@ class _HfRun:
         steps the local shards."""
         cuda, reshard = self.model.kernel != "cpu_flash", self.zero >= 3
         shapes, frozen = self.shapes, frozenset()
-        if self.lora is not None:  # the adapters beside the frozen base, in named_parameters() order
-            shapes, frozen = hf_fsdp.peft_shapes(self.shapes, self.lora), frozenset(self.shapes)
+        if self.lora is not None:  # the adapters (and trained copies) beside the frozen base
+            shapes, frozen = hf_fsdp_peft.peft_params(self.shapes, self.lora, self.model.weights)
         args = (self.d, self.dp, shapes, self.model, self.grads, reshard, self.model.tied, cuda, self.mixed, frozen)
-        fsdp = hf_fsdp.HfFsdp(self.tape, *args, host=self.host_load)
+        kind = hf_fsdp.HfFsdp if self.lora is None else hf_fsdp_peft.HfFsdpPeft  # the adapters' own dtype
+        fsdp = kind(self.tape, *args, host=self.host_load)
         fsdp.build(self.model.weights, self._optimizer_order())
         self.trainable = fsdp.shard_numels()
+        if self.lora is not None and self.mixed:  # the adapters all-gathered in bf16 too (hf_fsdp.py)
+            self.lora.read_bytes = fsdp.d.cd
         self.fsdp = fsdp
 
     def _params(self) -> None:
