@@ -36,7 +36,7 @@ from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Off
 from memplan.costmodel.report import Prefill as PrefillReport
 from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
 from memplan.costmodel.timeline.events import Moment, Timeline
-from memplan.costmodel.timeline.schedule import backward_first, chunks_in_flight, last_chunk_outputs
+from memplan.costmodel.timeline.schedule import backward_first, chunks_in_flight, last_chunk_outputs, sends_held
 from memplan.costmodel.timeline.step import Granularity, build_serving_run, pieces
 from memplan.errors import MemplanError
 from memplan.specs.model import ModelSpec
@@ -879,9 +879,16 @@ def pipeline_buffers(
         outputs -= inflight * not_first // v * a
     held = 1 if plan.pp_schedule == "1f1b" else m  # the received gradients the sends hold at most
     grads_end = min(m * not_first, held) * a
-    # the forward peak is the schedule's last forward: the backwards done before it (none
-    # for GPipe) have left their input gradients, non-first chunks' only
-    done = 0 if plan.pp_schedule == "gpipe" else max(m * v - inflight, 0)
+    if plan.pp_schedule != "1f1b":
+        # every sent output and input gradient held to the step's end (the in-flight outputs among
+        # them), counted over the run's schedule at its last forward and at its backward's peak
+        at_forward, at_backward = sends_held(plan.pp_schedule, plan.pp, v, stage, m)
+        shared = outputs - inflight * not_last // v * a  # the receive buffers counted as layer inputs
+        fwd = persistent + shared + at_forward * a
+        return fwd, persistent + shared + at_backward * a, persistent + max(grads_end - a, 0), persistent
+    # the forward peak is the schedule's last forward: the backwards done before it have left
+    # their input gradients, non-first chunks' only
+    done = max(m * v - inflight, 0)
     grads_fwd = min(done * not_first // v, held) * a
     fwd = persistent + outputs + grads_fwd
     return fwd, fwd, persistent + max(grads_end - a, 0), persistent

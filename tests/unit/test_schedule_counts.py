@@ -13,6 +13,7 @@ from memplan.costmodel.timeline.schedule import (
     in_flight,
     last_chunk_outputs,
     schedule_actions,
+    sends_held,
 )
 
 GRID = [
@@ -41,3 +42,15 @@ def test_gpipes_last_rank_holds_every_micro_batchs_logits():
     sees all ``m`` logits in ``fwd_cache``; 1F1B's last rank one (its backward follows each forward)."""
     assert in_flight(schedule_actions("gpipe", 2, 1, 1, 8), 1).per_chunk == (8,)
     assert in_flight(schedule_actions("1f1b", 2, 1, 1, 8), 1).per_chunk == (1,)
+
+
+def test_the_sends_held_to_the_steps_end():
+    """GPipe's and the interleaved schedule's sends keep every sent output (chunks but the global
+    last) and input gradient (chunks but the global first) to the step's end. The interleaved last
+    rank (pp 2, v 2, 8 micro-batches) holds chunk 1's 8 outputs and the 13 input gradients sent
+    before its last forward, as many at its last loss backward with three chunks in flight (the run
+    of this rank peaks there on the 1B: tests/search/test_fast_form_grid.py); GPipe's middle rank
+    holds its ``m`` outputs at its first backward, none of its gradients yet."""
+    assert sends_held("interleaved", 2, 2, 1, 8) == (21, 21)
+    assert sends_held("gpipe", 4, 1, 1, 8) == (8, 8)
+    assert sends_held("gpipe", 2, 1, 1, 8) == (0, 0)  # the last rank sends its gradients only

@@ -7,6 +7,7 @@ Pure Python: ``memplan estimate`` imports it.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 Action = tuple[str, int, int]  # ("F" | "B", local chunk index, micro-batch)
@@ -114,3 +115,30 @@ def last_chunk_outputs(schedule: str, microbatches: int) -> int:
     them): every micro-batch's under GPipe (all forwards first), one under 1F1B and the interleaved
     schedule, whose last chunk runs each micro-batch's backward right after its forward."""
     return microbatches if schedule == "gpipe" else 1
+
+
+@lru_cache(maxsize=1024)
+def sends_held(schedule: str, pp: int, virtual_stages: int, stage: int, microbatches: int) -> tuple[int, int]:
+    """The tensors GPipe's and the interleaved schedule's sends hold to the step's end on pipeline
+    rank ``stage`` (``timeline/pipeline.py`` ``_HeldToStepEnd``: every forward's output of a chunk but
+    the global last, every input gradient of a chunk but the global first), counted over
+    :func:`schedule_actions`: at the rank's last forward (its output included), and at its last
+    backward with the most chunks in flight (:func:`in_flight`'s ``most``), where its layers'
+    activations peak and the sends are the most they are beside them. A walk over the actions, each
+    rank's once (``lru_cache``); not 1F1B's, whose sends hold the latest only."""
+    last = pp * virtual_stages - 1
+    actions = schedule_actions(schedule, pp, virtual_stages, stage, microbatches)
+    most = in_flight(actions, virtual_stages).most
+    sent = total = at_forward = at_backward = 0
+    for kind, c, _ in actions:
+        k = c * pp + stage
+        if kind == "F":
+            total += 1
+            sent += k != last
+            at_forward = sent
+            continue
+        if total == most:
+            at_backward = sent
+        total -= 1
+        sent += k != 0
+    return at_forward, at_backward
