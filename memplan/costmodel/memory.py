@@ -849,20 +849,21 @@ def pipeline_activation_bytes(x: A.Shape) -> int:
 
 
 def pipeline_buffers(
-    x: A.Shape, plan: Plan, stage: int, accumulation: int, layers: int, checkpointed: bool = False
-) -> tuple[int, int, int, int]:
+    x: A.Shape, plan: Plan, stage: int, accumulation: int, layers: int
+) -> tuple[int, int, int, int, int]:
     """The bundled trainer's pipeline buffers at forward end, backward start, backward end and the
     optimizer step (``timeline/pipeline.py``, the run: ``StageReplay``, byte for byte
-    torch.distributed.pipelining's, tests/validate/test_pipeline_replay.py).
+    torch.distributed.pipelining's, tests/validate/test_pipeline_replay.py), and the receive buffers
+    of the chunks in flight, which a first layer saving its input as is (fp32's first norm, a
+    checkpoint) keeps as that input (the caller leaves them out of the first two then).
 
     One activation of b*s*h/(t if SP) in the stage's dtype is A. Each chunk but the global
     first keeps m receive buffers (allocated once), each chunk but the last m gradient receive
     buffers; a chunk's output waits in ``fwd_cache`` until its backward (in-flight
     micro-batches of non-last chunks). Each received activation's gradient is taken off its
     buffer and handed to the sends (``Pipeline._backward``): GPipe and the interleaved schedule
-    hold every one to the step's end (``_HeldToStepEnd``), 1F1B only the latest (``_Held1F1B``'s
-    ``bwd_sends``); all go before the optimizer's step (``sent.end()``). ``checkpointed``: the
-    layers are recomputed (``recompute: full``), their checkpoints saving each chunk's input.
+    hold every one to the step's end, with every sent output (``_HeldToStepEnd``), 1F1B only the
+    latest (``_Held1F1B``'s ``bwd_sends``); all go before the optimizer's step (``sent.end()``).
     """
     a = pipeline_activation_bytes(x)
     m, v = accumulation, plan.virtual_stages
@@ -871,27 +872,19 @@ def pipeline_buffers(
     not_last = sum(k != plan.stages - 1 for k in chunks)
     persistent = m * (not_first + not_last) * a
     inflight = round(inflight_layers(plan, stage, accumulation, layers) * v / layers) if layers else 0
-    outputs = inflight * not_last // v * a
-    if (x.d == 4 and not x.autocast) or checkpointed:
-        # the first layer saves its input, which is the receive buffer itself (fp32: the first
-        # norm's input; full recompute: the checkpoint's): the layer accounting already counts
-        # the in-flight micro-batches' buffers
-        outputs -= inflight * not_first // v * a
+    shared = inflight * not_first // v * a
     held = 1 if plan.pp_schedule == "1f1b" else m  # the received gradients the sends hold at most
-    grads_end = min(m * not_first, held) * a
+    end = persistent + max(min(m * not_first, held) * a - a, 0)
     if plan.pp_schedule != "1f1b":
         # every sent output and input gradient held to the step's end (the in-flight outputs among
         # them), counted over the run's schedule at its last forward and at its backward's peak
         at_forward, at_backward = sends_held(plan.pp_schedule, plan.pp, v, stage, m)
-        shared = outputs - inflight * not_last // v * a  # the receive buffers counted as layer inputs
-        fwd = persistent + shared + at_forward * a
-        return fwd, persistent + shared + at_backward * a, persistent + max(grads_end - a, 0), persistent
+        return persistent + at_forward * a, persistent + at_backward * a, end, persistent, shared
     # the forward peak is the schedule's last forward: the backwards done before it have left
     # their input gradients, non-first chunks' only
     done = max(m * v - inflight, 0)
-    grads_fwd = min(done * not_first // v, held) * a
-    fwd = persistent + outputs + grads_fwd
-    return fwd, fwd, persistent + max(grads_end - a, 0), persistent
+    fwd = persistent + inflight * not_last // v * a + min(done * not_first // v, held) * a
+    return fwd, fwd, end, persistent, shared
 
 
 def cached_logits(plan: Plan, accumulation: int, logits: int) -> tuple[int, int]:
@@ -1087,12 +1080,12 @@ class MemoryMemo:
         return found
 
     def pipeline(
-        self, x: A.Shape, shape_key: tuple, plan: Plan, stage: int, accumulation: int, layers: int, ckpt: bool
-    ) -> tuple[int, int, int, int]:
+        self, x: A.Shape, shape_key: tuple, plan: Plan, stage: int, accumulation: int, layers: int
+    ) -> tuple[int, int, int, int, int]:
         """``pipeline_buffers`` (which reads the schedule and the activation's size)."""
-        key = (shape_key, _pipeline_fields(plan), stage, accumulation, layers, ckpt)
+        key = (shape_key, _pipeline_fields(plan), stage, accumulation, layers)
         if (found := self.buffers.get(key)) is None:
-            found = self.buffers[key] = pipeline_buffers(x, plan, stage, accumulation, layers, ckpt)
+            found = self.buffers[key] = pipeline_buffers(x, plan, stage, accumulation, layers)
         return found
 
 
@@ -1241,9 +1234,11 @@ def _stage_phases(
     p2p = 2 * x.tokens * x.d * model.hidden_size // x.rep if plan.pp > 1 else 0
     p2p_fwd = p2p_bwd_start = p2p_bwd_end = p2p_opt = p2p
     if rt.pytorch_parallel and plan.pp > 1:
-        p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt = memo.pipeline(
-            x, shape_key, plan, stage, accumulation, layers, recomputed > 0
+        p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt, shared = memo.pipeline(
+            x, shape_key, plan, stage, accumulation, layers
         )
+        if recomputed or (x.d == 4 and not x.autocast):  # the first layer's input, counted in its layer
+            p2p_fwd, p2p_bwd_start = p2p_fwd - shared, p2p_bwd_start - shared
     # gradients exist during forward / early backward only if kept across steps or accumulated
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
     early_backward = bool(chunks and layers) and backward_first(
