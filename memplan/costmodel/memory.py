@@ -36,6 +36,7 @@ from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Off
 from memplan.costmodel.report import Prefill as PrefillReport
 from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
 from memplan.costmodel.timeline.events import Moment, Timeline
+from memplan.costmodel.timeline.schedule import backward_first, chunks_in_flight, last_chunk_outputs, sends_held
 from memplan.costmodel.timeline.step import Granularity, build_serving_run, pieces
 from memplan.errors import MemplanError
 from memplan.specs.model import ModelSpec
@@ -67,23 +68,13 @@ def gradient_accumulation(workload: TrainingWorkload, plan: Plan) -> int:
 
 
 def inflight_layers(plan: Plan, stage: int, accumulation: int, layers: int) -> float:
-    """Layers' worth of one micro-batch's activations held at once on pipeline rank ``stage``.
-
-    No pipeline: one micro-batch. 1F1B (Narayanan et al. 2021): rank i holds min(p - i, m)
-    micro-batches of its L/p layers. Interleaved (Megatron-LM schedules.py warm-up): rank i
-    holds min(2(p - i - 1) + (v - 1)p + 1, m v) chunks of L/(p v) layers, which for rank 0
-    is L(1 + (p - 1)/(p v)) (Korthikanti et al. 2022, Sec. 4.2.3). GPipe: all m micro-batches.
-    """
-    p, m = plan.pp, accumulation
-    if p == 1:
+    """Layers' worth of one micro-batch's activations held at once on pipeline rank ``stage``:
+    without a pipeline, one micro-batch; with one, the chunks in flight in the run's schedule
+    (``timeline.schedule.chunks_in_flight``) of L/(p v) layers each."""
+    if plan.pp == 1:
         return layers
-    if plan.pp_schedule == "gpipe":
-        return m * layers
-    if plan.pp_schedule == "1f1b":
-        return min(p - stage, m) * layers
     v = plan.virtual_stages
-    chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
-    return chunks * layers / v
+    return chunks_in_flight(plan.pp_schedule, plan.pp, v, stage, accumulation) * layers / v
 
 
 def inflight_microbatches(plan: Plan, stage: int, accumulation: int) -> int:
@@ -850,15 +841,6 @@ def llama4_moe_temp(x: A.Shape) -> int:
     return x.tokens * x.d * (2 * moe.num_experts * moe.expert_ffn_size // x.t + x.model.hidden_size // x.rep)
 
 
-def _backward_before_last_forward(plan: Plan, stage: int, accumulation: int, layers: int) -> bool:
-    """Whether the schedule runs a backward on this rank before its last forward (GPipe never;
-    1F1B and interleaved when there are more chunk-micro-batches than fit in flight)."""
-    if plan.pp_schedule == "gpipe" or not layers:
-        return False
-    inflight = round(inflight_layers(plan, stage, accumulation, layers) * plan.virtual_stages / layers)
-    return accumulation * plan.virtual_stages > inflight
-
-
 def pipeline_activation_bytes(x: A.Shape) -> int:
     """One activation torch.distributed.pipelining sends between stages: b*s*h/(t if SP) in
     the residual dtype (fp32 under autocast)."""
@@ -866,15 +848,22 @@ def pipeline_activation_bytes(x: A.Shape) -> int:
     return x.tokens * element * x.model.hidden_size // x.rep
 
 
-def pipeline_buffers(x: A.Shape, plan: Plan, stage: int, accumulation: int, layers: int) -> tuple[int, int, int, int]:
-    """torch.distributed.pipelining's stage buffers at forward end, backward start, backward
-    end and the optimizer step (torch/distributed/pipelining/stage.py, torch 2.13).
+def pipeline_buffers(
+    x: A.Shape, plan: Plan, stage: int, accumulation: int, layers: int
+) -> tuple[int, int, int, int, int]:
+    """The bundled trainer's pipeline buffers at forward end, backward start, backward end and the
+    optimizer step (``timeline/pipeline.py``, the run: ``StageReplay``, byte for byte
+    torch.distributed.pipelining's, tests/validate/test_pipeline_replay.py), and the receive buffers
+    of the chunks in flight, which a first layer saving its input as is (fp32's first norm, a
+    checkpoint) keeps as that input (the caller leaves them out of the first two then).
 
     One activation of b*s*h/(t if SP) in the stage's dtype is A. Each chunk but the global
     first keeps m receive buffers (allocated once), each chunk but the last m gradient receive
     buffers; a chunk's output waits in ``fwd_cache`` until its backward (in-flight
-    micro-batches of non-last chunks); each received activation's gradient accumulates in its
-    buffer's ``.grad`` until the next step clears it.
+    micro-batches of non-last chunks). Each received activation's gradient is taken off its
+    buffer and handed to the sends (``Pipeline._backward``): GPipe and the interleaved schedule
+    hold every one to the step's end, with every sent output (``_HeldToStepEnd``), 1F1B only the
+    latest (``_Held1F1B``'s ``bwd_sends``); all go before the optimizer's step (``sent.end()``).
     """
     a = pipeline_activation_bytes(x)
     m, v = accumulation, plan.virtual_stages
@@ -883,18 +872,30 @@ def pipeline_buffers(x: A.Shape, plan: Plan, stage: int, accumulation: int, laye
     not_last = sum(k != plan.stages - 1 for k in chunks)
     persistent = m * (not_first + not_last) * a
     inflight = round(inflight_layers(plan, stage, accumulation, layers) * v / layers) if layers else 0
-    outputs = inflight * not_last // v * a
-    if x.d == 4 and not x.autocast:
-        # in fp32 the first norm saves its input, which is the receive buffer itself: the
-        # layer accounting already counts the in-flight micro-batches' buffers
-        outputs -= inflight * not_first // v * a
-    grads_end = m * not_first * a
-    # the forward peak is the schedule's last forward: the backwards done before it (none
-    # for GPipe) have left their input gradients, non-first chunks' only
-    done = 0 if plan.pp_schedule == "gpipe" else max(m * v - inflight, 0)
-    grads_fwd = done * not_first * a // v
-    fwd = persistent + outputs + grads_fwd
-    return fwd, fwd, persistent + max(grads_end - a, 0), persistent + grads_end
+    shared = inflight * not_first // v * a
+    held = 1 if plan.pp_schedule == "1f1b" else m  # the received gradients the sends hold at most
+    end = persistent + max(min(m * not_first, held) * a - a, 0)
+    if plan.pp_schedule != "1f1b":
+        # every sent output and input gradient held to the step's end (the in-flight outputs among
+        # them), counted over the run's schedule at its last forward and at its backward's peak
+        at_forward, at_backward = sends_held(plan.pp_schedule, plan.pp, v, stage, m)
+        return persistent + at_forward * a, persistent + at_backward * a, end, persistent, shared
+    # the forward peak is the schedule's last forward: the backwards done before it have left
+    # their input gradients, non-first chunks' only
+    done = max(m * v - inflight, 0)
+    fwd = persistent + inflight * not_last // v * a + min(done * not_first // v, held) * a
+    return fwd, fwd, end, persistent, shared
+
+
+def cached_logits(plan: Plan, accumulation: int, logits: int) -> tuple[int, int]:
+    """The last pipeline rank's ``logits`` (b s V / t in the compute dtype) that ``fwd_cache`` holds
+    beyond the loss's own at its last forward's loss, and in all at its loss's backward: each
+    micro-batch's from its forward to its backward (``timeline/pipeline.py`` ``Pipeline._forward``;
+    ``loss_fn`` returns only the loss, the logits stay the stage's output), as many as the run's
+    schedule holds (``timeline.schedule.last_chunk_outputs``: all ``m`` under GPipe, one under
+    1F1B). Without a pipeline the loss frees them."""
+    held = last_chunk_outputs(plan.pp_schedule, accumulation)
+    return (held - 1) * logits, held * logits
 
 
 def _moe_fraction(model: ModelSpec, layout: StageLayout, plan: Plan) -> float:
@@ -967,6 +968,7 @@ class _MicroBatchTerms:
     loss_forward: int
     loss_backward: int
     temp: int  # layer_temp
+    logits: int  # the LM head's output in the compute dtype (a pipeline's last stage keeps them: cached_logits)
 
 
 @lru_cache(maxsize=8192)
@@ -989,6 +991,7 @@ def _micro_batch_terms(
         rt.loss_forward(x),
         rt.loss_backward(x),
         layer_temp(x),
+        A.logits(x, x.model.vocab_size),
     )
 
 
@@ -1078,7 +1081,7 @@ class MemoryMemo:
 
     def pipeline(
         self, x: A.Shape, shape_key: tuple, plan: Plan, stage: int, accumulation: int, layers: int
-    ) -> tuple[int, int, int, int]:
+    ) -> tuple[int, int, int, int, int]:
         """``pipeline_buffers`` (which reads the schedule and the activation's size)."""
         key = (shape_key, _pipeline_fields(plan), stage, accumulation, layers)
         if (found := self.buffers.get(key)) is None:
@@ -1185,13 +1188,17 @@ def _stage_phases(
     if lora_acts is not None:
         stored, per_layer, live_layer = lora_acts.stored, lora_acts.per_layer, lora_acts.live_layer
     mbs = inflight_microbatches(plan, stage, accumulation)
-    inflight = inflight_layers(plan, stage, accumulation, layers)
+    chunks = chunks_in_flight(plan.pp_schedule, plan.pp, plan.virtual_stages, stage, accumulation) if plan.pp > 1 else 0
+    inflight = chunks * layers / plan.virtual_stages if chunks else layers  # inflight_layers
     layer_acts = int(stored * inflight / layers) if layers else 0
     embed = terms.embedding * mbs if layout.is_first else 0
     if rt.per_chunk is not None and layers:
         # chunk-micro-batches in flight on this rank
         embed += terms.per_chunk * round(inflight * plan.virtual_stages / layers)
     head = terms.head * mbs if layout.is_last else 0
+    cached_fwd = cached = 0
+    if plan.pp > 1 and layout.is_last and rt.pytorch_parallel:
+        cached_fwd, cached = cached_logits(plan, accumulation, terms.logits)
     if lora_acts is not None and layout.is_last:
         head += lora_acts.head_delta * mbs
     loss_fwd = terms.loss_forward if layout.is_last else 0
@@ -1227,10 +1234,16 @@ def _stage_phases(
     p2p = 2 * x.tokens * x.d * model.hidden_size // x.rep if plan.pp > 1 else 0
     p2p_fwd = p2p_bwd_start = p2p_bwd_end = p2p_opt = p2p
     if rt.pytorch_parallel and plan.pp > 1:
-        p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt = memo.pipeline(x, shape_key, plan, stage, accumulation, layers)
+        p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt, shared = memo.pipeline(
+            x, shape_key, plan, stage, accumulation, layers
+        )
+        if recomputed or (x.d == 4 and not x.autocast):  # the first layer's input, counted in its layer
+            p2p_fwd, p2p_bwd_start = p2p_fwd - shared, p2p_bwd_start - shared
     # gradients exist during forward / early backward only if kept across steps or accumulated
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
-    early_backward = plan.pp > 1 and _backward_before_last_forward(plan, stage, accumulation, layers)
+    early_backward = bool(chunks and layers) and backward_first(
+        plan.pp_schedule, accumulation, plan.virtual_stages, chunks
+    )
     if plan.pp > 1 and not (rt.grads_persistent or ddp_buckets) and not early_backward:
         grads_in_step = 0  # every forward runs before the first backward creates a gradient
     grads_full = st.grads
@@ -1305,7 +1318,7 @@ def _stage_phases(
         "gradients": grads_in_step,
         "autocast_weights": fwd_copies,
         "activations": fwd_acts + embed + max(mlp_peak, fp8_forward),
-        "logits_and_loss": fwd_head + loss_fwd,
+        "logits_and_loss": fwd_head + loss_fwd + cached_fwd,
         "comm_buffers": gathered + p2p_fwd + ddp_copy,
         "gathered_params": unsharded.forward,
         "retained_outputs": retained,
@@ -1315,7 +1328,7 @@ def _stage_phases(
         "gradients": grads_in_step,
         "autocast_weights": bwd_copies,
         "activations": fwd_acts + embed,
-        "logits_and_loss": bwd_head + loss_bwd + head_back,
+        "logits_and_loss": bwd_head + loss_bwd + head_back + cached,
         "comm_buffers": gathered + p2p_bwd_start + ddp_copy,
         "gathered_params": unsharded.backward_start,
     }  # no reduce-scatter buffer yet: no layer has produced gradients

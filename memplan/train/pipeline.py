@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from memplan.costmodel.timeline.pipeline import Action, chunk_layers, schedule_actions  # pure: the estimate's too
+from memplan.costmodel.timeline.schedule import Action, chunk_layers, schedule_actions  # pure: the estimate's too
 from memplan.train.sends import send_holder
 
 __all__ = ["Action", "StageReplay", "chunk_layers", "schedule_actions"]

@@ -184,18 +184,21 @@ def test_autocast_dynamic_cache_is_counted_for_transformers_only(t: int):
 
 
 def test_a_middle_stage_with_many_micro_batches_is_the_peak():
-    """torch.distributed.pipelining keeps on a middle stage one activation receive buffer, one
-    gradient receive buffer and one accumulated input gradient per micro-batch (stage.py,
-    ``_setup_forward_recv_info`` / ``_setup_backward_recv_info``): 3m activations, against m on
-    the first stage and 2m on the last. With 64 micro-batches of 4096 tokens of Llama 2 7B (bf16,
-    b s h x 2 = 33,554,432 B each) the second stage holds 192 of them at its last forward (the
-    64 and 64 receive buffers, the input gradients of the 61 micro-batches already
-    back-propagated, 3 outputs in ``fwd_cache``), the first at most 68 and the last 128, which
-    outweighs the first's extra in-flight layer inputs and the last's logits: the report names
-    it. Measured on the bundled trainer at a small shape (docs/cost-model.md, Pipelines)."""
+    """torch.distributed.pipelining keeps on a middle stage one activation receive buffer and one
+    gradient receive buffer per micro-batch (stage.py, ``_setup_forward_recv_info`` /
+    ``_setup_backward_recv_info``): 2m activations, against m on the first stage and the last.
+    1F1B's sends hold only the latest input gradient (``Schedule1F1B``'s ``bwd_sends``; the op-level
+    run's ``pipeline._Held1F1B``: the run of this plan's stage 1 holds the 64 and 64 receive
+    buffers and no other input gradient). With 64 micro-batches of 4096 tokens of Llama 2 7B (bf16,
+    b s h x 2 = 33,554,432 B each) the second stage's pipeline buffers at its last forward are 129
+    of them (the 64 and 64 receive buffers and the latest input gradient; its 3 outputs in
+    ``fwd_cache`` stand where the checkpointed layers would count their first inputs, the receive
+    buffers themselves), which outweighs the first's extra in-flight layer inputs and the last's
+    logits: the report names it. Measured on the bundled trainer at a small shape
+    (docs/cost-model.md, Pipelines)."""
     model = load_model("llama2-7b")
     work = TrainingWorkload(seq_len=4096, micro_batch=1, global_batch=64)
     report = estimate_memory(model, work, Plan(pp=4, tp=8, recompute="full", precision="bf16"))
     assert report.peak.stage == 1 and report.peak.rank_role == "pipeline stage 1"
     assert report.peak.phase == "forward"
-    assert report.peak.breakdown["comm_buffers"] == (64 + 64 + 61 + 3) * 4096 * 4096 * 2
+    assert report.peak.breakdown["comm_buffers"] == (64 + 64 + 1) * 4096 * 4096 * 2

@@ -2,10 +2,10 @@
 
 ``runner._train`` builds the rank's chunks (``chunk_layers``: chunk ``c p + stage`` of ``p v``; the
 first holds the embedding, the last the final norm and the LM head; a tied head is its own matrix
-there, ``tie_weights`` finding one side only) and runs its schedule's actions (``schedule_actions``:
-GPipe, 1F1B, interleaved) over all ``m`` micro-batches of the step. What it keeps, in the order the
-allocator sees it (``StageReplay``, equal byte for byte to ``torch.distributed.pipelining`` on gloo
-ranks: tests/validate/test_pipeline_replay.py):
+there, ``tie_weights`` finding one side only) and runs its schedule's actions (``schedule.py``'s
+``schedule_actions``: GPipe, 1F1B, interleaved) over all ``m`` micro-batches of the step. What it
+keeps, in the order the allocator sees it (``StageReplay``, equal byte for byte to
+``torch.distributed.pipelining`` on gloo ranks: tests/validate/test_pipeline_replay.py):
 
 - at the first step, before any action, the receive buffers: per chunk, ``m`` activation buffers
   (``b x s x h`` in the compute dtype, fp32 under autocast; every chunk but the first), then ``m``
@@ -35,57 +35,9 @@ from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.fsdp import Fsdp
+from memplan.costmodel.timeline.schedule import Action, chunk_layers, schedule_actions
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
 from memplan.specs.plan import Plan
-
-Action = tuple[str, int, int]  # ("F" | "B", local chunk index, micro-batch)
-
-
-def chunk_layers(num_layers: int, pp: int, virtual_stages: int, stage: int) -> list[tuple[int, list[int]]]:
-    """(global chunk index, layer ids) of each chunk on pipeline rank ``stage``: chunk
-    c * pp + stage holds layers [k L / (p v), (k + 1) L / (p v))."""
-    per = num_layers // (pp * virtual_stages)
-    out = []
-    for c in range(virtual_stages):
-        k = c * pp + stage
-        out.append((k, list(range(k * per, (k + 1) * per))))
-    return out
-
-
-def schedule_actions(schedule: str, pp: int, virtual_stages: int, stage: int, microbatches: int) -> list[Action]:
-    """This rank's forward / backward order.
-
-    GPipe: all forwards, then all backwards. 1F1B (Narayanan et al. 2021): min(p - s - 1, m)
-    warm-up forwards, then one forward one backward, then the remaining backwards.
-    Interleaved (Megatron-LM's schedule): virtual micro-batch k runs chunk (k // p) mod v
-    forward and chunk v - 1 - (k // p) mod v backward, micro-batch (k // (p v)) p + k mod p,
-    after min(2 (p - s - 1) + (v - 1) p, m v) warm-up forwards.
-    """
-    p, v, m = pp, virtual_stages, microbatches
-    if schedule == "gpipe":
-        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
-    if schedule == "1f1b":
-        warm = min(p - stage - 1, m)
-        actions: list[Action] = [("F", 0, i) for i in range(warm)]
-        f, b = warm, 0
-        while f < m:
-            actions += [("F", 0, f), ("B", 0, b)]
-            f, b = f + 1, b + 1
-        actions += [("B", 0, i) for i in range(b, m)]
-        return actions
-
-    def micro(k: int) -> int:
-        return (k // (p * v)) * p + k % p
-
-    total = m * v
-    warm = min(2 * (p - stage - 1) + (v - 1) * p, total)
-    actions = [("F", (k // p) % v, micro(k)) for k in range(warm)]
-    for k in range(warm, total):
-        j = k - warm
-        actions += [("F", (k // p) % v, micro(k)), ("B", v - 1 - (j // p) % v, micro(j))]
-    for j in range(total - warm, total):
-        actions.append(("B", v - 1 - (j // p) % v, micro(j)))
-    return actions
 
 
 class _HeldToStepEnd:
