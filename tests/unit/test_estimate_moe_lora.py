@@ -35,7 +35,13 @@ def _estimate(capsys, *args: str) -> dict:
     ("name", "args", "targets", "saved"),
     [
         ("mixtral-8x7b", ["--lora-targets", ATTN, "--precision", "bf16", "--seq-len", "1024"], ATTN, ()),
-        ("qwen3-30b-a3b", ["--precision", "bf16-mixed", "--modules-to-save", "lm_head"], "q_proj,v_proj", ("lm_head",)),
+        pytest.param(
+            "qwen3-30b-a3b",
+            ["--precision", "bf16-mixed", "--modules-to-save", "lm_head"],
+            "q_proj,v_proj",
+            ("lm_head",),
+            marks=pytest.mark.slow,  # 48 layers: 3 s on 2 shared cores
+        ),
     ],
 )
 def test_lora_over_moe_is_answered_by_the_run(capsys, name: str, args: list[str], targets: str, saved: tuple):
