@@ -132,9 +132,9 @@ class _Estimator:
             new_plan = changed_plan(self.plan, plan_update, self.runtime)
             new_workload = self.workload.model_copy(update=workload_update)
             check_compatible(self.model, new_workload, new_plan, self.runtime)
+            reserved = self.reserved(new_workload, new_plan)  # a run_only plan the GPU's kernels decline: none
         except (MemplanError, ValueError):
             return None
-        reserved = self.reserved(new_workload, new_plan)
         fits = reserved <= self.capacity_bytes
         step = None
         if fits and self.gpu is not None and self.cluster is not None and isinstance(new_workload, TrainingWorkload):
