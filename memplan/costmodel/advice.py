@@ -23,6 +23,7 @@ from itertools import combinations
 from memplan.costmodel.host import host_memory
 from memplan.costmodel.inference import prefill_forward
 from memplan.costmodel.memory import estimate_memory
+from memplan.costmodel.reserve import plan_verdict, run_only
 from memplan.costmodel.time import estimate_time
 from memplan.errors import MemplanError
 from memplan.specs.hardware import ClusterSpec, GPUSpec
@@ -130,10 +131,10 @@ class _Estimator:
         try:
             new_plan = changed_plan(self.plan, plan_update, self.runtime)
             new_workload = self.workload.model_copy(update=workload_update)
-            check_compatible(self.model, new_workload, new_plan)
+            check_compatible(self.model, new_workload, new_plan, self.runtime)
+            reserved = self.reserved(new_workload, new_plan)  # a run_only plan the GPU's kernels decline: none
         except (MemplanError, ValueError):
             return None
-        reserved = estimate_memory(self.model, new_workload, new_plan, self.runtime, self.device).peak.reserved
         fits = reserved <= self.capacity_bytes
         step = None
         if fits and self.gpu is not None and self.cluster is not None and isinstance(new_workload, TrainingWorkload):
@@ -147,6 +148,18 @@ class _Estimator:
             tuple(plan_update.items()),
             tuple(workload_update.items()),
         )
+
+    def reserved(self, workload: TrainingWorkload | InferenceWorkload, plan: Plan) -> int:
+        """The changed plan's reserved peak: the phase model's (the fast form), or where the op-level
+        run alone answers the plan (``reserve.run_only``: LoRA over an MoE model) that run replayed
+        through the default caching allocator (the estimate of the change, ``estimation._verified``,
+        replays it again under the job's allocator)."""
+        if isinstance(workload, TrainingWorkload) and run_only(self.model, plan):
+            from memplan.costmodel.allocator import AllocatorConfig
+
+            config, limit = AllocatorConfig(), self.capacity_bytes
+            return plan_verdict(self.model, workload, plan, self.runtime, config, limit, self.device, self.gpu).reserved
+        return estimate_memory(self.model, workload, plan, self.runtime, self.device).peak.reserved
 
 
 def suggest(
@@ -252,7 +265,7 @@ def host_suggestions(
     for change, plan_update, _ in _host_candidates(plan):
         try:
             new_plan = changed_plan(plan, plan_update, runtime)
-            check_compatible(model, workload, new_plan)
+            check_compatible(model, workload, new_plan, runtime)
         except (MemplanError, ValueError):
             continue
         report = estimate_memory(model, workload, new_plan, runtime, device)

@@ -20,6 +20,7 @@ from memplan.costmodel.timeline.events import ALLOC, FREE, STEADY, Stream, Timel
 from memplan.costmodel.timeline.phases import PHASE_MARKS, SETUP
 from memplan.costmodel.timeline.step import build_run
 from memplan.costmodel.timeline.support import supported
+from memplan.errors import MemplanError
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
@@ -259,10 +260,23 @@ def _plan_run(
             from memplan.costmodel.timeline.hf_trainer import hf_plan_run  # transformers' Trainer op by op
 
             return _on(hf_plan_run(model, workload, plan, gpu_arch, device), device), "hf"
+        if run_only(model, plan):
+            raise MemplanError(
+                f"{plan.finetune} over an MoE model is modelled by the op-level run of transformers' Trainer alone, "
+                f"which does not follow {why}",
+                field="plan.finetune",
+            )
     else:
         why = f"the {runtime} runtime"
     sm = stage_moments(model, workload, plan, runtime, device=device)
     return build_run(sm.moments, sm.granularity, sm.build_grads), f"phases ({why})"
+
+
+def run_only(model: ModelSpec, plan: Plan) -> bool:
+    """Plans the phase model does not answer, which the op-level run alone estimates (or refuses,
+    never handing them to the phases): LoRA over an MoE model (``specs.job.check_moe_lora``: the phase
+    model's LoRA layer, ``lora.hf_layer``, counts a dense MLP of ``ffn_size`` where the experts are)."""
+    return model.moe is not None and plan.finetune != "full"
 
 
 def _on(run: Timeline, device: str) -> Timeline:

@@ -147,6 +147,16 @@ def _finetune(model: Any, quant: dict[str, Any] | None) -> dict[str, Any]:
         if kind != "LORA":
             method = kind or type(cfg).__name__
             raise MemplanError(f"PEFT method {method} is not one memplan models (LoRA)", field="peft")
+        wrapped = sorted(getattr(cfg, "target_parameters", None) or ())
+        if wrapped:
+            # peft 0.21 moves an MoE block's targets (Mixtral's router ``gate``, the experts' 3-D weights) from
+            # target_modules to target_parameters (utils/transformers_weight_conversion.py,
+            # ``_convert_peft_config_moe``) and wraps them in ``ParamWrapper``: not modelled
+            raise MemplanError(
+                f"adapters on parameters ({', '.join(wrapped)}, PEFT's ParamWrapper) are not modelled: "
+                "memplan models LoRA on linear layers",
+                field="peft.target_parameters",
+            )
         targets = cfg.target_modules
         lora = {
             "r": cfg.r,

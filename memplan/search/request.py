@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from memplan.costmodel.reserve import run_only
 from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
@@ -21,7 +22,7 @@ from memplan.search.tuning import STUDY_FILE, TuneRequest, sqlite_url, work_dir
 from memplan.search.validation import ValidationSettings
 from memplan.specs.detect import AutoGPU
 from memplan.specs.hardware import ClusterSpec, GPUSpec
-from memplan.specs.job import check_compatible, suspicious
+from memplan.specs.job import check_lora, suspicious
 from memplan.specs.loader import short, validation_error
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan, PrecisionName
@@ -131,6 +132,7 @@ def _finetune_options(
     modules_to_save: str | None,
     allow_quantization: bool,
     model: ModelSpec,
+    runtime: str,
 ) -> dict:
     """SpaceOptions' fine-tuning fields; the adapters are checked against the model here, once."""
     if finetune == "full":
@@ -149,9 +151,16 @@ def _finetune_options(
     )
     plan = plan_from_flags(fields)
     try:
-        check_compatible(model, TrainingWorkload(seq_len=1, micro_batch=1), plan)
+        check_lora(model, plan, runtime)  # the adapters alone: each plan of the space is checked whole
     except MemplanError as err:
         raise blame_flags(err, set(fields)) from None
+    if run_only(model, plan):
+        raise MemplanError(
+            f"{finetune} over an MoE model: the search ranks plans by the phase model's sums, which do not "
+            "answer it (its LoRA layer counts a dense MLP); estimate each plan with memplan estimate --runtime hf",
+            source=CLI,
+            field="--finetune",
+        )
     return {**fields, "quants": quants if allow_quantization else quants[:1]}
 
 
@@ -258,7 +267,9 @@ def tune_request(
         max_cp=max_cp,
         sequence_parallel=sequence_parallel,
         optimizer=optimizer,
-        **_finetune_options(finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, allow_quantization, spec),
+        **_finetune_options(
+            finetune, lora_rank, lora_targets, lora_dropout, modules_to_save, allow_quantization, spec, runtime
+        ),
     )
     cal_path = calibration_path()
     profile = load_calibration(cal_path).profiles.get(card.name) if calibration else None

@@ -403,7 +403,9 @@ def enumerate_space(model: ModelSpec, options: SpaceOptions) -> Space:
                                             offload_activations=act,
                                             **options.finetune_fields(quant),
                                         )  # fmt: skip
-                                        if plan is None or not _compatible(model, workload, plan):
+                                        if plan is None or not _compatible(
+                                            model, workload, plan, options.offload_runtime
+                                        ):
                                             continue
                                         plan = fsdp_build(plan, (), options.offload_runtime or "")
                                         if act != "none" and not _offloadable(plan, accumulation, options):
@@ -428,9 +430,9 @@ def _offloadable(plan: Plan, accumulation: int, options: SpaceOptions) -> bool:
     return TO.unmodelled(plan) is None and TO.unmodelled_accumulation(plan, accumulation) is None
 
 
-def _compatible(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> bool:
+def _compatible(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str | None) -> bool:
     try:
-        check_compatible(model, workload, plan)
+        check_compatible(model, workload, plan, runtime or "memplan")
     except MemplanError:
         return False
     return True

@@ -36,10 +36,13 @@ class PlanFile(BaseModel):
     plan: dict | None = Field(None, description="Plan fields (see memplan.specs.plan.Plan).")
 
 
-def check_compatible(model: ModelSpec, workload: TrainingWorkload | InferenceWorkload, plan: Plan) -> None:
+def check_compatible(
+    model: ModelSpec, workload: TrainingWorkload | InferenceWorkload, plan: Plan, runtime: str = "memplan"
+) -> None:
     """Raise MemplanError (field = the plan or workload field at fault) when the plan cannot
     run this model: TP must divide attention and KV heads, PP x virtual stages the layers,
-    CP the sequence, EP the experts, and the global batch must split into micro-batches."""
+    CP the sequence, EP the experts, and the global batch must split into micro-batches;
+    LoRA / QLoRA as :func:`check_lora` allows it under ``runtime`` (the training code)."""
     if model.num_attention_heads % plan.tp:
         raise MemplanError(
             f"tp={plan.tp} does not divide num_attention_heads={model.num_attention_heads} of {model.name}",
@@ -77,7 +80,7 @@ def check_compatible(model: ModelSpec, workload: TrainingWorkload | InferenceWor
         if model.moe.num_experts % plan.ep:
             raise MemplanError(f"ep={plan.ep} does not divide num_experts={model.moe.num_experts}", field="plan.ep")
     if plan.finetune != "full":
-        check_lora(model, plan)
+        check_lora(model, plan, runtime, workload if isinstance(workload, TrainingWorkload) else None)
     if isinstance(workload, TrainingWorkload):
         if workload.seq_len % plan.cp:
             raise MemplanError(f"cp={plan.cp} does not divide seq_len={workload.seq_len}", field="plan.cp")
@@ -114,18 +117,20 @@ def suspicious(model: ModelSpec, workload: TrainingWorkload | InferenceWorkload)
     return []
 
 
-def check_lora(model: ModelSpec, plan: Plan) -> None:
+def check_lora(
+    model: ModelSpec, plan: Plan, runtime: str = "memplan", workload: TrainingWorkload | None = None
+) -> None:
     """LoRA / QLoRA: the model must be one whose decoder layers memplan models under PEFT (a
-    dense Llama-family layer: transformers' q/k/v/o_proj and gate/up/down_proj), and every
-    target and module to save must name one of its modules (PEFT raises on a target that
-    matches nothing)."""
+    dense Llama-family layer: transformers' q/k/v/o_proj and gate/up/down_proj, or an MoE one
+    as :func:`check_moe_lora` allows it under ``runtime``), and every target and module to save
+    must name one of its modules (PEFT raises on a target that matches nothing)."""
     from memplan.costmodel import lora
 
-    if model.architecture not in lora.FAMILIES or model.mlp != "gated" or model.moe is not None:
-        kind = "an MoE" if model.moe is not None else f"a {model.architecture} ({model.mlp} MLP)"
+    if model.moe is None and (model.architecture not in lora.FAMILIES or model.mlp != "gated"):
         raise MemplanError(
             f"{plan.finetune} is modelled for dense Llama-family models ({', '.join(lora.FAMILIES)}: "
-            f"q/k/v/o_proj, gate/up/down_proj); {model.name} is {kind} model",
+            f"q/k/v/o_proj, gate/up/down_proj) and, under --runtime hf, Mixtral, Qwen3-MoE and Qwen2-MoE; "
+            f"{model.name} is a {model.architecture} ({model.mlp} MLP) model",
             field="plan.finetune",
         )
     valid = (*lora.LINEARS, lora.ALL_LINEAR)
@@ -141,4 +146,50 @@ def check_lora(model: ModelSpec, plan: Plan) -> None:
         raise MemplanError(
             f"{', '.join(unknown)} matches no module memplan trains in full; valid: {', '.join(lora.SAVABLE)}",
             field="plan.modules_to_save",
+        )
+    if model.moe is not None:
+        check_moe_lora(model, plan, runtime, workload)
+
+
+def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: TrainingWorkload | None) -> None:
+    """PEFT LoRA over an MoE model: answered by the op-level run of transformers' Trainer alone
+    (``timeline.hf_moe``, checked to the byte against the real Trainer on CPU:
+    tests/unit/test_timeline_hf_moe.py), with adapters on the attention linears of Mixtral, Qwen3-MoE or
+    Qwen2-MoE on one rank (``hf_support._moe_lora_ok``). The phase model's LoRA layer
+    (``lora.hf_layer``) counts a dense MLP of ``ffn_size`` where the experts are, and the bundled
+    trainer and Megatron build no MoE adapters: every other plan is refused here, before either model
+    runs. Without ``workload`` only the adapters are checked (family, runtime, targets). The questions that
+    depend on the GPU (its compute capability) are asked by the run
+    (``reserve.plan_run``), which refuses the plan rather than fall back to the phase model."""
+    from memplan.costmodel.lora import ATTENTION
+    from memplan.costmodel.timeline.hf_support import MOE_FAMILIES, hf_supported
+
+    name = f"{model.name} ({model.architecture})"
+    if model.architecture not in MOE_FAMILIES:
+        raise MemplanError(
+            f"{plan.finetune} over an MoE model is modelled for {', '.join(MOE_FAMILIES)} under --runtime hf; "
+            f"{name} is another MoE family",
+            field="plan.finetune",
+        )
+    if runtime != "hf":
+        raise MemplanError(
+            f"{plan.finetune} over an MoE model is modelled under --runtime hf alone (transformers' Trainer "
+            f"op by op); {name} is an MoE model and the runtime is {runtime}",
+            field="plan.finetune",
+        )
+    outside = [target for target in plan.lora_targets if target not in ATTENTION]
+    if outside:
+        raise MemplanError(
+            f"{', '.join(outside)} over the experts of {name} is not modelled: LoRA over an MoE model is "
+            f"modelled on the attention linears alone ({', '.join(ATTENTION)})",
+            field="plan.lora_targets",
+        )
+    if workload is None:  # the adapters alone (``memplan tune`` checks them before it builds plans)
+        return
+    why = hf_supported(model, plan, workload, runtime, device="cpu")
+    if why is not None:
+        raise MemplanError(
+            f"{plan.finetune} over an MoE model is modelled by the op-level run of transformers' Trainer "
+            f"alone, which does not follow {why}",
+            field="plan.finetune",
         )

@@ -230,7 +230,7 @@ def job_from(
             f"{world // nodes} GPUs per node: {reason} (give --nodes)", source=where, field=field
         ) from None
     try:
-        check_compatible(model, workload, plan)
+        check_compatible(model, workload, plan, runtime)
     except MemplanError as err:
         raise _blame_flag(err.located(source), set(flags), from_file) from None
     allocator = resolve_allocator(sizes.allocator or pf.allocator)

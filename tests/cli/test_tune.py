@@ -456,6 +456,14 @@ def test_allow_quantization_needs_a_finetune_mode(tmp_path):
     assert code == 2 and "--allow-quantization" in err and "--finetune lora or qlora" in err
 
 
+def test_lora_over_an_moe_model_is_refused_by_the_search():
+    """The search screens plans by the phase model's sums, whose LoRA layer counts a dense MLP where an MoE
+    model's experts are: estimate answers such a plan from the Trainer's op-level run; tune refuses it."""
+    code, _, err = memplan("tune", "mixtral-8x7b", "--gpus", "1", "--finetune", "lora", "--lora-targets", "q_proj")
+    assert code == 2 and "--finetune" in err and "memplan estimate --runtime hf" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def _best_plans_lines(out: str) -> list[str]:
     """The best-plans table's lines, its title to its bottom border."""
     lines = out.splitlines()

@@ -17,6 +17,7 @@ L8 = "llama3-8b"
 L70 = "llama3-70b"
 MIX = "mixtral-8x7b"
 TRAIN = dict(seq_len=4096, micro_batch=2, global_batch=64)
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 CASES = [
     # DeepSpeed: every ZeRO stage, precision and offload the JSON carries
@@ -82,6 +83,10 @@ CASES = [
     ("hf-trainer", L8, dict(gpus=8, zero=3, finetune="lora", precision="bf16-mixed", **TRAIN), {}),
     ("axolotl", L8, dict(gpus=1, finetune="qlora", quant="fp4", lora_rank=32, precision="bf16", recompute="full"), {}),
     ("axolotl", L8, dict(gpus=8, zero=2, finetune="lora", modules_to_save=("lm_head",), precision="bf16-master"), {}),
+    # LoRA on an MoE model's attention linears (the plans estimate answers from the Trainer's op-level run)
+    ("hf-trainer", MIX, dict(gpus=1, finetune="lora", lora_targets=ATTN, precision="bf16", recompute="full"), {}),
+    ("axolotl", "qwen3-30b-a3b", dict(gpus=1, finetune="lora", lora_targets=ATTN, precision="bf16", lora_rank=32,
+                                      modules_to_save=("lm_head",)), {}),
 ]  # fmt: skip
 
 
