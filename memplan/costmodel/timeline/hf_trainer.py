@@ -42,7 +42,7 @@ loads) or ``to_device`` (each parameter its own allocation).
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import hf_build, hf_ddp, hf_fsdp, hf_fsdp_peft, ops
+from memplan.costmodel.timeline import hf_build, hf_ddp, hf_fsdp, hf_fsdp_peft, hf_fsdp_qlora, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit
@@ -241,9 +241,13 @@ class _HfRun:
         shapes, frozen = self.shapes, frozenset()
         if self.lora is not None:  # the adapters (and trained copies) beside the frozen base
             shapes, frozen = hf_fsdp_peft.peft_params(self.shapes, self.lora, self.model.weights)
+        quant, extra = self.model.quant, {}
+        if isinstance(quant, Bnb4bit):  # the packed weights sharded in their storage dtype (hf_fsdp_qlora.py)
+            shapes, extra = hf_fsdp_qlora.packed_shapes(shapes, quant), dict(quant=quant, full=shapes)
         args = (self.d, self.dp, shapes, self.model, self.grads, reshard, self.model.tied, cuda, self.mixed, frozen)
         kind = hf_fsdp.HfFsdp if self.lora is None else hf_fsdp_peft.HfFsdpPeft  # the adapters' own dtype
-        fsdp = kind(self.tape, *args, host=self.host_load)
+        kind = hf_fsdp_qlora.HfFsdpQlora if extra else kind
+        fsdp = kind(self.tape, *args, host=self.host_load, **extra)
         fsdp.build(self.model.weights, self._optimizer_order())
         self.trainable = fsdp.shard_numels()
         if self.lora is not None and self.mixed:  # the adapters all-gathered in bf16 too (hf_fsdp.py)
