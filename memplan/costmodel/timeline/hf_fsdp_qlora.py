@@ -79,3 +79,17 @@ class HfFsdpQlora(HfFsdpPeft):
                     n = packed_state_bytes(self.quant, rows, cols)
                     holders.append(t.new(n, 1, f"{name}.quant_state.packed", Category.PARAMETERS))
         return holders
+
+    def all_gather(self, g: int) -> None:
+        """Without a policy a group of one dtype gathers in that dtype, the parameters' (an fp32 embedding or
+        head after ``prepare_model_for_kbit_training``), not the plan's compute dtype; of several, bytes
+        (``HfFsdpPeft``'s). Under the policy, ``HfFsdpPeft``'s."""
+        group, t = self.groups[g], self.tape
+        sizes = {self.itemsize(n) for n in group.names}
+        if self.mixed or len(sizes) > 1:
+            super().all_gather(g)
+            return
+        (itemsize,) = sizes
+        numel = sum(self.shard(n) for n in group.names)
+        with t.scoped(group.tag):
+            group.gathered = t.managed(numel * self.dp, itemsize, "all_gather_output", Category.COMM, self.ag)
