@@ -15,8 +15,9 @@ file:line of those installed versions.
   (bitsandbytes/functional.py:545-578), whose non-tensor items (quant type, block size, dtype, shape) are
   ``pack_dict_to_tensor``'s uint8 tensor of their JSON (bitsandbytes/utils.py:166-180: 77-78 B here), held
   with the state dict until ``prepare`` returns; with double quantization ``nested_quant_map`` is
-  ``state2.code.clone()`` (functional.py:563) and the JSON holds the offset's ``repr``, a float of the data:
-  not followed (the plan declines double quantization under FSDP).
+  ``state2.code.clone()`` (functional.py:563: 256 fp32, first) and the JSON adds the nested block size and
+  dtype and the offset's ``repr``, a float of the data, taken at 20 characters (17 significant digits of a
+  value in [0.01, 0.1); measured 18-21: a few bytes a weight, at the build).
 - The step: a decoder group holds packed weights of the storage dtype beside fp32 adapters and norms
   (``prepare_model_for_kbit_training``), so without a mixed policy ``foreach_all_gather`` gathers bytes
   (``hf_fsdp_peft.HfFsdpPeft.all_gather``); each unsharded packed weight is its own dtype's copy, dequantized by
@@ -31,10 +32,11 @@ import json
 
 from memplan.costmodel.timeline.autograd import Tensor
 from memplan.costmodel.timeline.events import Category
-from memplan.costmodel.timeline.hf_bnb import BLOCK, Bnb4bit
+from memplan.costmodel.timeline.hf_bnb import BLOCK, CODE_8BIT, NESTED_BLOCK, Bnb4bit
 from memplan.costmodel.timeline.hf_fsdp_peft import HfFsdpPeft
 
 _DTYPE = {4: "float32", 2: "bfloat16"}  # quant_state.dtype as as_dict writes it: str(dtype).strip("torch.")
+OFFSET_REPR = 20  # characters of the nested offset's repr (module docstring)
 
 
 def packed_shapes(shapes: dict[str, tuple[int, int]], quant: Bnb4bit) -> dict[str, tuple[int, int]]:
@@ -49,7 +51,10 @@ def packed_shapes(shapes: dict[str, tuple[int, int]], quant: Bnb4bit) -> dict[st
 def packed_state_bytes(quant: Bnb4bit, rows: int, cols: int) -> int:
     """``pack_dict_to_tensor``'s bytes for one weight: the JSON of ``as_dict``'s non-tensor items."""
     items = {"quant_type": quant.quant_type, "blocksize": BLOCK, "dtype": _DTYPE[quant.stored], "shape": [rows, cols]}
-    return len(json.dumps(items).encode())
+    if not quant.double_quant:
+        return len(json.dumps(items).encode())
+    items.update(nested_blocksize=NESTED_BLOCK, nested_dtype="float32", nested_offset=0)
+    return len(json.dumps(items).encode()) - 1 + OFFSET_REPR
 
 
 class HfFsdpQlora(HfFsdpPeft):
@@ -76,6 +81,8 @@ class HfFsdpQlora(HfFsdpPeft):
             for name in self.shapes:
                 if self.packed(name):
                     rows, cols = self.full[name]
+                    if self.quant.double_quant:  # nested_quant_map: state2.code.clone()
+                        holders.append(t.new(CODE_8BIT, 4, f"{name}.quant_state.nested_quant_map"))
                     n = packed_state_bytes(self.quant, rows, cols)
                     holders.append(t.new(n, 1, f"{name}.quant_state.packed", Category.PARAMETERS))
         return holders
