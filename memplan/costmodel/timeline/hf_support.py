@@ -228,8 +228,16 @@ def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
         and model.moe is None
         and model.architecture in FSDP_FAMILIES
         and (plan.finetune == "full" or _fsdp_lora_ok(model, plan))
-        and plan.quant == "none"
+        and (plan.quant == "none" or _fsdp_qlora_ok(model, plan))
     )
+
+
+def _fsdp_qlora_ok(model: ModelSpec, plan: Plan) -> bool:
+    """QLoRA under the Trainer's FSDP2 as checked (``hf_fsdp_qlora.py``): a 4-bit base (nf4 / fp4, with or
+    without double quantization) stored as the model's float dtype (``bnb_4bit_quant_storage``, the recipe
+    the exporters write), its packed weights sharded; not Qwen2's q/k/v biases (``Linear4bit`` recasts the
+    unsharded bias in place at each forward: not followed)."""
+    return plan.finetune == "qlora" and plan.quant in ("nf4", "fp4") and not model.qkv_bias
 
 
 def _fsdp_lora_ok(model: ModelSpec, plan: Plan) -> bool:
@@ -239,7 +247,7 @@ def _fsdp_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     the copy). A tied one the Trainer cannot shard: ``fully_shard`` refuses the original, shared with the
     embedding (torch 2.13: "is shared with a parameter already managed by another FSDP group")."""
     saved = set(plan.modules_to_save)
-    lora = plan.finetune == "lora" and plan.precision in ("fp32", "bf16", "bf16-mixed")
+    lora = plan.finetune in ("lora", "qlora") and plan.precision in ("fp32", "bf16", "bf16-mixed")
     return lora and saved <= {"lm_head"} and not (saved and model.tied_embeddings)
 
 
@@ -254,9 +262,15 @@ def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
             "modules_to_save lm_head over tied embeddings under the Trainer's FSDP "
             "(fully_shard refuses the shared weight)"
         )
+    if plan.quant != "none" and model.qkv_bias:
+        return (
+            "a 4-bit base with q/k/v biases under the Trainer's FSDP (Linear4bit's in-place bias recast, not followed)"
+        )
+    if plan.quant == "int8":
+        return "an LLM.int8 base under the Trainer's FSDP (not checked)"
     return (
-        "PEFT under the Trainer's FSDP other than LoRA with modules_to_save none or lm_head (a quantized base, "
-        "a trained embed_tokens copy)"
+        "PEFT under the Trainer's FSDP other than LoRA or QLoRA with modules_to_save none or lm_head "
+        "(a trained embed_tokens copy)"
     )
 
 

@@ -117,7 +117,9 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
         build=plan.model_build,
         zero=plan.zero,
         mixed=mixed,
-        host_load=plan.model_build == "to_device" and plan.dp > 1 and plan.zero >= 2,
+        # accelerate skips cpu_ram_efficient_loading for a model with Params4bit (fsdp_utils.py:830): a 4-bit
+        # base is quantized on the GPU and sharded there (hf_fsdp_qlora.py)
+        host_load=plan.model_build == "to_device" and plan.dp > 1 and plan.zero >= 2 and not isinstance(quant, Bnb4bit),
     )
 
 
