@@ -36,8 +36,10 @@ the shards' order and sizes and the peak equal on CPU, the full copies on the GP
 bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16 policy over fp32 master shards;
 Gemma 2 / 3 too: their bf16 residual stream, ``hf_gemma.py``), and PEFT LoRA (any targets, dropout,
 ``modules_to_save`` none or an untied lm_head) over an fp32 or a bf16 base, with or without ``bf16=True``
-(``hf_fsdp_peft.py``), with the Trainer's or FSDP's own checkpointing and accumulation. Not modelled: an
-embed_tokens copy or a quantized base under FSDP, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or
+(``hf_fsdp_peft.py``), with the Trainer's or FSDP's own checkpointing and accumulation, and QLoRA (nf4 / fp4,
+double quantization, the recipe's ``bnb_4bit_quant_storage``: the packed weights sharded, ``hf_fsdp_qlora.py``;
+tests/unit/test_timeline_hf_fsdp_qlora.py). Not modelled: an embed_tokens copy, an LLM.int8 base or Qwen2's q/k/v
+biases over a 4-bit base under FSDP, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or
 expert parallelism. A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
 moving each group to the GPU full-size as it shards it) is run as with it: the build differs by a group's
 full parameters, never the steps.
