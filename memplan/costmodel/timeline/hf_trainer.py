@@ -464,13 +464,17 @@ class _HfRun:
     # --- clip, optimizer -----------------------------------------------------------------------
     def clip(self) -> None:
         """``clip_grad_norm_(params, 1.0)`` (foreach): a norm per gradient, their stack, the total
-        (kept: the Trainer logs it), ``max_norm / (total + 1e-6)`` clamped to 1; each a scalar
-        of the gradients' dtype."""
-        t, g = self.tape, next(iter(self.trainable.values()))[1]
+        (kept: the Trainer logs it), ``max_norm / (total + 1e-6)`` clamped to 1; each norm a scalar
+        of its gradient's dtype, the stack and after of the widest (``torch.stack``'s type promotion:
+        a bf16 ``modules_to_save`` copy beside fp32 adapters gives fp32)."""
+        t = self.tape
+        sizes = [itemsize for _, itemsize in self.trainable.values()]
+        g = max(sizes)
         with t.scoped("clip_grad_norm"):
             t.done(self.total_norm)
             n = len(self.grads) if self.fsdp is None else len(self.trainable)
-            norms = [t.new(1, g, "foreach_norm") for _ in range(n)]
+            sizes = sizes if len(sizes) == n else [g] * n
+            norms = [t.new(1, size, "foreach_norm") for size in sizes]
             stack = t.new(n, g, "stack")
             self.total_norm = t.new(1, g, "total_norm")
             t.done(stack, *reversed(norms))
