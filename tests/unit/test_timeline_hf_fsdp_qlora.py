@@ -94,6 +94,7 @@ SLOW = [
     (_qlora("fp32-compute-fp32-storage", compute_dtype="float32", quant_storage="float32"), 3, 1),
     (_qlora("lm-head", modules_to_save=("lm_head",)), 3, 1),
     (_qlora("tied", tied=True), 3, 1),
+    (_qlora("embed", modules_to_save=("embed_tokens",)), 3, 1),
     # bf16=True: the policy gathers the adapters in bf16 and PEFT's lora.Linear4bit runs them so
     (_qlora("bf16-true", autocast=True), 3, 1),
     (_qlora("bf16-true-shard-grad-op-ga2", autocast=True), 2, 2),
