@@ -2,7 +2,7 @@
 under torch's fake process group (tests/accuracy/hf_fsdp_steps.py), a 4-bit base loaded through bitsandbytes
 0.50 (which runs 4-bit on CPU) with ``bnb_4bit_quant_storage`` the FSDP recipe's float dtype, its peak of live
 storages over three optimizer steps from ``trainer.train()`` on (the sharding included), equal to the byte.
-One case by default (about 3 s), the variants under ``-m slow``."""
+Two cases by default (about 3 s), the variants under ``-m slow``."""
 
 from __future__ import annotations
 
