@@ -51,6 +51,7 @@ class PeftCase:
     quant: str = "none"  # none, nf4, fp4 (bitsandbytes 4-bit) or int8 (LLM.int8)
     double_quant: bool = False
     compute_dtype: str = "bfloat16"  # bnb_4bit_compute_dtype
+    quant_storage: str = "uint8"  # bnb_4bit_quant_storage (bfloat16: FSDP's QLoRA recipe, the packed weights sharded)
     slow: bool = False
     extra: tuple = ()  # further config.json fields (a MoE family's experts), as hf_steps.Case's
 
@@ -120,6 +121,7 @@ def _quantized_base(case: PeftCase):
             bnb_4bit_quant_type=case.quant,
             bnb_4bit_use_double_quant=case.double_quant,
             bnb_4bit_compute_dtype=getattr(torch, case.compute_dtype),
+            bnb_4bit_quant_storage=getattr(torch, case.quant_storage),
         )
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)

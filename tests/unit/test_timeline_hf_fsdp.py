@@ -201,8 +201,8 @@ def test_estimate_answers_an_hf_fsdp_plan_op_level(capsys, zero: int, precision:
     ("extra", "reason"),
     [
         (
-            ["--zero", "3", "--precision", "bf16", "--finetune", "qlora"],
-            "PEFT under the Trainer's FSDP other than LoRA",
+            ["--zero", "3", "--precision", "bf16", "--finetune", "qlora", "--quant", "int8"],
+            "an LLM.int8 base under the Trainer's FSDP",
         ),
         (
             ["--zero", "3", "--precision", "fp32", "--finetune", "lora", "--modules-to-save", "lm_head"],
@@ -344,6 +344,28 @@ LORA_SLOW += [
         2,
     ),
 ]
+# modules_to_save embed_tokens (hf_fsdp_peft.peft_params): the embedding's group holds the frozen original and the
+# trained copy (was 66,052 B under: the copy taken as frozen, the original never sharded)
+LORA_SLOW += [
+    (_lora("lora-embed-ckpt", modules_to_save=("embed_tokens",), checkpointing=True), 3, 1),
+    (_lora("lora-embed-shard-grad-op-ga2", modules_to_save=("embed_tokens",)), 2, 2),
+    (_lora("lora-embed-bf16-true", autocast=True, modules_to_save=("embed_tokens",)), 3, 1),
+    # a bf16 copy beside fp32 adapters: clip_grad_norm_'s bf16 norm first, the stack promoted to fp32
+    (_lora("lora-embed-bf16-model", dtype="bfloat16", modules_to_save=("embed_tokens",)), 3, 1),
+    (_lora("lora-embed-bf16-model-qwen2", dtype="bfloat16", arch="qwen2", modules_to_save=("embed_tokens",)), 2, 1),
+    (
+        _lora(
+            "lora-embed-bf16-model-bf16-true-ckpt",
+            dtype="bfloat16",
+            autocast=True,
+            checkpointing=True,
+            modules_to_save=("embed_tokens",),
+        ),
+        3,
+        1,
+    ),
+    (_lora("lora-embed-and-head", modules_to_save=("embed_tokens", "lm_head")), 3, 1),
+]
 LORA_FAST = [
     _lora("lora-qv"),  # fp32
     _lora("lora-bf16-true", autocast=True),  # bf16=True over an fp32 base: the adapters gathered and run in bf16
@@ -352,6 +374,8 @@ LORA_FAST = [
     _lora("lora-bf16-model-bf16-true-ckpt", dtype="bfloat16", autocast=True, checkpointing=True),
     # modules_to_save lm_head over a bf16 base under bf16=True: the copy upcast to fp32 by accelerate
     _lora("lora-lm-head-bf16-model-bf16-true", dtype="bfloat16", autocast=True, modules_to_save=("lm_head",)),
+    # modules_to_save embed_tokens: the embedding's group holds the original and the copy
+    _lora("lora-embed", modules_to_save=("embed_tokens",)),
 ]
 
 
@@ -385,13 +409,13 @@ def test_estimate_answers_an_hf_fsdp_lora_plan_op_level(capsys, precision: list[
 
 @pytest.mark.parametrize(
     ("saved", "tied", "model"),
-    [("lm_head", False, "op-level"), ("lm_head", True, "phase"), ("embed_tokens", False, "phase")],
+    [("lm_head", False, "op-level"), ("lm_head", True, "phase"), ("embed_tokens", False, "op-level")],
 )
 def test_estimate_answers_fsdp_lora_with_lm_head_op_level(capsys, tmp_path, saved: str, tied: bool, model: str) -> None:
     """``--modules-to-save lm_head`` under ``--zero 3`` over an untied model: op-level, its fp32 copy's shard
     (``bf16=True``: upcast by accelerate) beside the bf16 base's; over tied embeddings the Trainer cannot
-    shard it (``fully_shard`` refuses the shared original) and a trained embedding copy is not followed:
-    the phase model, saying why."""
+    shard it (``fully_shard`` refuses the shared original): the phase model, saying why. An ``embed_tokens``
+    copy likewise, in the embedding's group (hf_fsdp_peft.peft_params)."""
     config = json.loads(Path(LLAMA1B).read_text()) | {"tie_word_embeddings": tied}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))

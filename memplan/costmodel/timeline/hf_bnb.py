@@ -55,6 +55,8 @@ class Bnb4bit:
     compute: int  # bnb_4bit_compute_dtype: 2 (bf16) or 4 (fp32)
     stored: int = 4  # quant_state.dtype: the weights' dtype when quantized (from_pretrained's dtype)
     gpu_arch: CudaArch | None = None  # the GPU's SMs and compute capability: gemm_4bit's kernel on CUDA
+    quant_type: str = "nf4"  # bnb_4bit_quant_type
+    storage: int = 1  # bnb_4bit_quant_storage's bytes: uint8, or the model's float dtype under FSDP (hf_fsdp_qlora.py)
     clones: ClassVar[bool] = True  # PEFT's lora.Linear4bit clones the base's result
 
     @classmethod
@@ -64,7 +66,9 @@ class Bnb4bit:
         if plan.quant not in ("nf4", "fp4"):
             return None
         compute = 4 if plan.precision == "fp32" else 2
-        return cls(plan.double_quant, compute, stored=compute, gpu_arch=gpu_arch)
+        storage = compute if plan.dp > 1 and plan.zero >= 2 else 1  # the FSDP recipe stores as the model's dtype
+        kind = dict(quant_type=plan.quant, storage=storage)
+        return cls(plan.double_quant, compute, stored=compute, gpu_arch=gpu_arch, **kind)
 
     @staticmethod
     def quantized(name: str) -> bool:

@@ -36,19 +36,26 @@ from memplan.costmodel.timeline.fsdp import COPY_OUT, COPY_OUT_META
 from memplan.costmodel.timeline.hf_fsdp import HfFsdp, peft_shapes
 
 HEAD, ORIGINAL = "lm_head.weight", "lm_head.original_module.weight"  # the trained copy and its frozen original
+EMBED, EMBED_ORIGINAL = "model.embed_tokens.weight", "model.embed_tokens.original_module.weight"  # likewise
+COPIES = {EMBED: EMBED_ORIGINAL, HEAD: ORIGINAL}
 
 
 def peft_params(shapes: dict[str, tuple[int, int]], lora, weights: dict[str, Tensor]) -> tuple[dict, frozenset]:  # noqa: ANN001 - an HfLora
     """The ``PeftModel``'s parameters in ``named_parameters()`` order and the frozen ones: the base, each
-    targeted linear's adapters after its weight; a trained ``lm_head`` copy after its original (which
-    ``weights`` gets back under its own name: the copy took ``lm_head.weight``)."""
+    targeted linear's adapters after its weight; a trained copy (``lm_head``, ``embed_tokens``) right after its
+    original (``ModulesToSaveWrapper``: ``original_module``, then ``modules_to_save.default``), which
+    ``weights`` gets back under its own name (the copy took the module's)."""
     out = peft_shapes(shapes, lora)
-    if HEAD not in lora.originals:
+    copies = {copy: original for copy, original in COPIES.items() if copy in lora.originals}
+    if not copies:
         return out, frozenset(shapes)
-    weights[ORIGINAL] = lora.originals[HEAD]
-    out = {ORIGINAL if name == HEAD else name: shape for name, shape in out.items()}
-    out[HEAD] = shapes[HEAD]
-    return out, frozenset(out) - {HEAD} - {n for n in out if ".lora_" in n}
+    ordered: dict[str, tuple[int, int]] = {}
+    for name, shape in out.items():
+        if name in copies:
+            weights[copies[name]] = lora.originals[name]
+            ordered[copies[name]] = shape
+        ordered[name] = shape
+    return ordered, frozenset(ordered) - set(copies) - {n for n in ordered if ".lora_" in n}
 
 
 class HfFsdpPeft(HfFsdp):
@@ -59,12 +66,14 @@ class HfFsdpPeft(HfFsdp):
         self.rd = 2 if self.mixed else ADAPTER_BYTES  # the reduce dtype: the policy's, else the adapters'
         if ORIGINAL in self.shapes:  # the tail [lm_head] is the wrapper: its original, then the copy
             self.groups[-1].names.insert(0, ORIGINAL)
+        if EMBED_ORIGINAL in self.shapes:  # get_input_embeddings is the wrapper too: the embedding's group
+            self.groups[0].names.insert(0, EMBED_ORIGINAL)
 
     def itemsize(self, name: str) -> int:
         """The frozen base as loaded; an adapter fp32; a trained copy as loaded, fp32 under the mixed policy."""
         if name in self.frozen:
             return self.loaded
-        return self.d.pd if name == HEAD else ADAPTER_BYTES
+        return self.d.pd if name in COPIES else ADAPTER_BYTES
 
     def prepare_params(self, weights: dict[str, Tensor], optimizer_order: list[str]) -> list[Tensor]:
         """The optimizer's placeholders, each in its parameter's dtype, then under the mixed policy a
@@ -73,13 +82,17 @@ class HfFsdpPeft(HfFsdp):
         if self.host and self.cuda:
             return []
         with t.scoped("accelerate.prepare"):
-            dtype = {n: self.loaded if n == HEAD else ADAPTER_BYTES for n in optimizer_order}
+            dtype = {n: self.loaded if n in COPIES else ADAPTER_BYTES for n in optimizer_order}
             holders = [t.new(1, dtype[n], f"{n}.optimizer_placeholder") for n in optimizer_order]
-            if HEAD in dtype and dtype[HEAD] != self.itemsize(HEAD):
-                rows, cols = self.shapes[HEAD]
-                old, weights[HEAD] = weights[HEAD], t.managed(rows * cols, 4, f"{HEAD}.fp32", Category.PARAMETERS)
+            for copy in self.upcast(dtype):  # in named_parameters() order
+                rows, cols = self.shapes[copy]
+                old, weights[copy] = weights[copy], t.managed(rows * cols, 4, f"{copy}.fp32", Category.PARAMETERS)
                 t.free(old)
         return holders
+
+    def upcast(self, dtype: dict[str, int]) -> list[str]:
+        """The trained copies ``fsdp2_prepare_model`` upcasts to fp32 (16-bit ones under the mixed policy)."""
+        return [n for n in self.shapes if n in COPIES and n in dtype and dtype[n] != self.itemsize(n)]
 
     def all_gather(self, g: int) -> None:
         """Under the mixed policy the bf16 copies of the shards not bf16 already, then a bf16 output;

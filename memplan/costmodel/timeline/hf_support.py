@@ -35,10 +35,12 @@ the default for these plans, ``specs/resolve.py``; ``hf_fsdp_load.py``, tests/un
 the shards' order and sizes and the peak equal on CPU, the full copies on the GPU from source), in fp32, a
 bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16 policy over fp32 master shards;
 Gemma 2 / 3 too: their bf16 residual stream, ``hf_gemma.py``), and PEFT LoRA (any targets, dropout,
-``modules_to_save`` none or an untied lm_head) over an fp32 or a bf16 base, with or without ``bf16=True``
-(``hf_fsdp_peft.py``), with the Trainer's or FSDP's own checkpointing and accumulation. Not modelled: an
-embed_tokens copy or a quantized base under FSDP, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or
-expert parallelism. A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
+``modules_to_save`` none, an untied lm_head or embed_tokens) over an fp32 or a bf16 base, with or without
+``bf16=True`` (``hf_fsdp_peft.py``), with the Trainer's or FSDP's own checkpointing and accumulation, and
+QLoRA (nf4 / fp4, double quantization, the recipe's ``bnb_4bit_quant_storage``: the packed weights sharded,
+``hf_fsdp_qlora.py``; tests/unit/test_timeline_hf_fsdp_qlora.py). Not modelled: an LLM.int8 base or Qwen2's
+q/k/v biases over a 4-bit base under FSDP, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or expert
+parallelism. A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
 moving each group to the GPU full-size as it shards it) is run as with it: the build differs by a group's
 full parameters, never the steps.
 
@@ -228,19 +230,28 @@ def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
         and model.moe is None
         and model.architecture in FSDP_FAMILIES
         and (plan.finetune == "full" or _fsdp_lora_ok(model, plan))
-        and plan.quant == "none"
+        and (plan.quant == "none" or _fsdp_qlora_ok(model, plan))
     )
+
+
+def _fsdp_qlora_ok(model: ModelSpec, plan: Plan) -> bool:
+    """QLoRA under the Trainer's FSDP2 as checked (``hf_fsdp_qlora.py``): a 4-bit base (nf4 / fp4, with or
+    without double quantization) stored as the model's float dtype (``bnb_4bit_quant_storage``, the recipe
+    the exporters write), its packed weights sharded; not Qwen2's q/k/v biases (``Linear4bit`` recasts the
+    unsharded bias in place at each forward: not followed)."""
+    return plan.finetune == "qlora" and plan.quant in ("nf4", "fp4") and not model.qkv_bias
 
 
 def _fsdp_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     """PEFT LoRA under the Trainer's FSDP2 as checked (``hf_fsdp_peft.py``): fp32 adapters over an fp32
     or bf16 base, with or without ``bf16=True`` (the policy gathers the adapters in bf16 and PEFT runs
-    them so), ``modules_to_save`` none or an untied ``lm_head`` (the tail group holds the original and
-    the copy). A tied one the Trainer cannot shard: ``fully_shard`` refuses the original, shared with the
-    embedding (torch 2.13: "is shared with a parameter already managed by another FSDP group")."""
+    them so), ``modules_to_save`` none, an untied ``lm_head`` (the tail group holds the original and
+    the copy) or ``embed_tokens`` (the embedding's group likewise), or both. A tied head the Trainer
+    cannot shard: ``fully_shard`` refuses the original, shared with the embedding (torch 2.13: "is shared
+    with a parameter already managed by another FSDP group")."""
     saved = set(plan.modules_to_save)
-    lora = plan.finetune == "lora" and plan.precision in ("fp32", "bf16", "bf16-mixed")
-    return lora and saved <= {"lm_head"} and not (saved and model.tied_embeddings)
+    lora = plan.finetune in ("lora", "qlora") and plan.precision in ("fp32", "bf16", "bf16-mixed")
+    return lora and saved <= {"lm_head", "embed_tokens"} and not (saved and model.tied_embeddings)
 
 
 def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
@@ -249,15 +260,18 @@ def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
         return "the Trainer's FSDP over an MoE model (not checked)"
     if model.architecture not in FSDP_FAMILIES:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
-    if plan.finetune == "lora" and "lm_head" in plan.modules_to_save and model.tied_embeddings:
+    if plan.finetune != "full" and "lm_head" in plan.modules_to_save and model.tied_embeddings:
         return (
             "modules_to_save lm_head over tied embeddings under the Trainer's FSDP "
             "(fully_shard refuses the shared weight)"
         )
-    return (
-        "PEFT under the Trainer's FSDP other than LoRA with modules_to_save none or lm_head (a quantized base, "
-        "a trained embed_tokens copy)"
-    )
+    if plan.quant != "none" and model.qkv_bias:
+        return (
+            "a 4-bit base with q/k/v biases under the Trainer's FSDP (Linear4bit's in-place bias recast, not followed)"
+        )
+    if plan.quant == "int8":
+        return "an LLM.int8 base under the Trainer's FSDP (not checked)"
+    return "PEFT under the Trainer's FSDP other than LoRA or QLoRA (modules_to_save lm_head, embed_tokens or none)"
 
 
 def accumulation(workload: TrainingWorkload, plan: Plan) -> int:

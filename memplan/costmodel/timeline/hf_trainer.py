@@ -42,7 +42,7 @@ loads) or ``to_device`` (each parameter its own allocation).
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import hf_build, hf_ddp, hf_fsdp, hf_fsdp_peft, ops
+from memplan.costmodel.timeline import hf_build, hf_ddp, hf_fsdp, hf_fsdp_peft, hf_fsdp_qlora, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit
@@ -117,7 +117,9 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
         build=plan.model_build,
         zero=plan.zero,
         mixed=mixed,
-        host_load=plan.model_build == "to_device" and plan.dp > 1 and plan.zero >= 2,
+        # accelerate skips cpu_ram_efficient_loading for a model with Params4bit (fsdp_utils.py:830): a 4-bit
+        # base is quantized on the GPU and sharded there (hf_fsdp_qlora.py)
+        host_load=plan.model_build == "to_device" and plan.dp > 1 and plan.zero >= 2 and not isinstance(quant, Bnb4bit),
     )
 
 
@@ -241,9 +243,13 @@ class _HfRun:
         shapes, frozen = self.shapes, frozenset()
         if self.lora is not None:  # the adapters (and trained copies) beside the frozen base
             shapes, frozen = hf_fsdp_peft.peft_params(self.shapes, self.lora, self.model.weights)
+        quant, extra = self.model.quant, {}
+        if isinstance(quant, Bnb4bit):  # the packed weights sharded in their storage dtype (hf_fsdp_qlora.py)
+            shapes, extra = hf_fsdp_qlora.packed_shapes(shapes, quant), dict(quant=quant, full=shapes)
         args = (self.d, self.dp, shapes, self.model, self.grads, reshard, self.model.tied, cuda, self.mixed, frozen)
         kind = hf_fsdp.HfFsdp if self.lora is None else hf_fsdp_peft.HfFsdpPeft  # the adapters' own dtype
-        fsdp = kind(self.tape, *args, host=self.host_load)
+        kind = hf_fsdp_qlora.HfFsdpQlora if extra else kind
+        fsdp = kind(self.tape, *args, host=self.host_load, **extra)
         fsdp.build(self.model.weights, self._optimizer_order())
         self.trainable = fsdp.shard_numels()
         if self.lora is not None and self.mixed:  # the adapters all-gathered in bf16 too (hf_fsdp.py)
@@ -458,13 +464,17 @@ class _HfRun:
     # --- clip, optimizer -----------------------------------------------------------------------
     def clip(self) -> None:
         """``clip_grad_norm_(params, 1.0)`` (foreach): a norm per gradient, their stack, the total
-        (kept: the Trainer logs it), ``max_norm / (total + 1e-6)`` clamped to 1; each a scalar
-        of the gradients' dtype."""
-        t, g = self.tape, next(iter(self.trainable.values()))[1]
+        (kept: the Trainer logs it), ``max_norm / (total + 1e-6)`` clamped to 1; each norm a scalar
+        of its gradient's dtype, the stack and after of the widest (``torch.stack``'s type promotion:
+        a bf16 ``modules_to_save`` copy beside fp32 adapters gives fp32)."""
+        t = self.tape
+        sizes = [itemsize for _, itemsize in self.trainable.values()]
+        g = max(sizes)
         with t.scoped("clip_grad_norm"):
             t.done(self.total_norm)
             n = len(self.grads) if self.fsdp is None else len(self.trainable)
-            norms = [t.new(1, g, "foreach_norm") for _ in range(n)]
+            sizes = sizes if len(sizes) == n else [g] * n
+            norms = [t.new(1, size, "foreach_norm") for size in sizes]
             stack = t.new(n, g, "stack")
             self.total_norm = t.new(1, g, "total_norm")
             t.done(stack, *reversed(norms))
