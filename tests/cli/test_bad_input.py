@@ -674,10 +674,21 @@ def test_validate_refuses_adapters_the_trainer_does_not_build(tmp_path):
 
 def test_activation_offload_is_refused_by_the_estimate_where_the_trainer_does_not_offload(tmp_path):
     """Modelled for the loops that run it (hf: TRL's activation_offloading, hf-loop and the bundled
-    trainer: save_on_cpu); the trainer's is measured with recompute none or full only, and the default
-    plan recomputes selectively: an error naming the field, not a silent number."""
-    proc = memplan("estimate", "llama3-8b", "--offload-activations", "cpu", cwd=tmp_path)
+    trainer: save_on_cpu); the trainer's is measured with recompute none or full only: an error naming
+    the field, not a silent number. (The default plan recomputes nothing, and offloads: a suggestion
+    that would recompute selectively is no suggestion, not an error; test_advice_that_the_run_declines.)"""
+    proc = memplan("estimate", "llama3-8b", "--offload-activations", "cpu", "--recompute", "selective", cwd=tmp_path)
     error_line(proc, "plan.offload_activations", None, "recompute selective", "use none or full")
+
+
+def test_advice_that_the_run_declines_is_no_suggestion(tmp_path):
+    """The default plan with activation offload estimates: the suggestions that would recompute
+    selectively (which the trainer's offload does not run) are left out, not raised as the plan's error."""
+    proc = memplan("estimate", "llama3-8b", "--offload-activations", "cpu", "--format", "json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["plan"]["offload_activations"] == "cpu" and d["plan"]["recompute"] == "none"
+    assert all("selective" not in s["change"] for s in d["suggestions"]), d["suggestions"]
 
 
 def test_validate_refuses_offload_the_trainer_does_not_run_in_one_line(tmp_path):
