@@ -535,8 +535,9 @@ _MODEL_CHANGES = st.dictionaries(
 _TPS = st.sampled_from(["1", "2", "3", "4", "0"])
 
 
-# a model that estimates runs its op-level run (about 1 s on 2 cores): 20 examples by default, 300 under -m slow
-@settings(max_examples=20, **_MODEL_FUZZ)
+# a model that estimates runs its op-level run (about 1 s on 2 cores): 6 examples and the two below by
+# default (the suite's time), 300 under -m slow
+@settings(max_examples=6, **_MODEL_FUZZ)
 @given(changes=_MODEL_CHANGES, tp=_TPS)
 @example(changes={}, tp="2")  # the model as written estimates: the result path runs every time
 @example(changes={"num_layers": 3}, tp="1")
