@@ -138,6 +138,7 @@ vocab_size: 1000
 """
 
 
+@pytest.mark.slow  # the default suite's time: a real validate run
 def test_validate_gpus_default_to_the_detected_count(nvml, capsys, tmp_path):
     pytest.importorskip("torch")
     (tmp_path / "tiny.yaml").write_text(TINY)

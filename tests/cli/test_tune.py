@@ -238,6 +238,7 @@ def test_two_workers_share_one_study(backend: str, tmp_path: Path, request: pyte
     assert {t.state for t in trials} == {TrialState.COMPLETE}
 
 
+@pytest.mark.slow  # the default suite's time
 def test_ctrl_c_keeps_the_study_and_resume_adds_trials(tmp_path: Path):
     storage = f"sqlite:///{tmp_path / 'c.db'}"
     common = ["tune", *LLAMA8B, "--study", "c", "--storage", storage]
@@ -413,6 +414,7 @@ def test_the_default_search_predicts_every_plan_when_that_is_quicker():
     assert code == 0 and "search: Optuna study, as asked (--no-exhaustive)" in out and "(trial " in out
 
 
+@pytest.mark.slow  # the default suite's time
 def test_finetune_on_one_gpu_answers_which_batch_fits_at_which_length(tmp_path):
     """QLoRA on a 24 GB card: the recommended plan is an adapter plan over an NF4 base, and the
     ladder gives, per sequence length, a micro-batch that fits and whose double does not."""

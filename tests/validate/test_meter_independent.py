@@ -43,23 +43,24 @@ LORA = dict(finetune="lora", lora_targets=QV)
 QLORA = dict(finetune="qlora", lora_targets=QV)
 
 # name: (plan, global batch, slow); TINY at 1 x 32 tokens. One plan per kind the trainer runs; by
-# default each precision runs once (bf16 under selective recompute, bf16-mixed under tp 2 dp 2
-# ZeRO-3), each schedule but 1F1B, the plain single-rank bf16 runs and LoRA without recompute
-# under ``-m slow`` (about 2 s of one core each, two runs per case).
+# default each precision runs once (bf16 under selective-op recompute, bf16-mixed under tp 2 dp 2
+# ZeRO-3), each schedule but 1F1B, the plain single-rank bf16 runs, LoRA without recompute, selective
+# recompute (selective-op's twin), ZeRO-2 (between ZeRO-1 and ZeRO-3), TP without SP (TP + SP runs) and
+# the int8 base (nf4 runs) under ``-m slow`` (about 2 s of one core each, two runs per case).
 KINDS = {
     "single-fp32": (dict(precision="fp32"), None, False),
     "single-bf16": (dict(precision="bf16"), None, True),
     "single-bf16-master": (dict(precision="bf16-master"), None, False),
     "single-bf16-mixed": (dict(precision="bf16-mixed"), None, True),
     "recompute-full": (dict(precision="fp32", recompute="full"), None, False),
-    "recompute-selective": (dict(precision="bf16", recompute="selective"), None, False),
+    "recompute-selective": (dict(precision="bf16", recompute="selective"), None, True),
     "recompute-selective-op": (dict(precision="bf16", recompute="selective-op"), None, False),
     "ddp2-accum2": (dict(precision="fp32", dp=2), 4, False),
     "zero1-dp4": (dict(precision="fp32", dp=4, zero=1), None, False),
-    "zero2-dp4": (dict(precision="fp32", dp=4, zero=2), None, False),
+    "zero2-dp4": (dict(precision="fp32", dp=4, zero=2), None, True),
     "zero3-dp4": (dict(precision="fp32", dp=4, zero=3), None, False),
     "zero3-dp4-cpu-offload": (dict(precision="fp32", dp=4, zero=3, offload_params="cpu", offload_optimizer="cpu"), None, False),
-    "tp2": (dict(precision="fp32", tp=2), None, False),
+    "tp2": (dict(precision="fp32", tp=2), None, True),
     "tp2-sp-dp2-zero3": (dict(precision="bf16-mixed", tp=2, sequence_parallel=True, dp=2, zero=3), None, False),
     "pp2-1f1b": (dict(precision="fp32", pp=2), 4, False),
     "pp2-gpipe": (dict(precision="bf16", pp=2, pp_schedule="gpipe"), 4, True),
@@ -68,7 +69,7 @@ KINDS = {
     "lora": (dict(LORA, precision="fp32"), None, True),
     "lora-recompute-full": (dict(LORA, precision="fp32", recompute="full"), None, False),
     "qlora-nf4": (dict(QLORA, precision="fp32"), None, False),
-    "qlora-int8": (dict(QLORA, precision="fp32", quant="int8"), None, False),
+    "qlora-int8": (dict(QLORA, precision="fp32", quant="int8"), None, True),
     "offload-activations": (dict(precision="fp32", offload_activations="cpu"), None, False),
 }  # fmt: skip
 
