@@ -179,6 +179,10 @@ class Fsdp:
             group.gathered = t.managed(numel * self.dp, self.d.cd, "all_gather_output", Category.COMM, ag)
             t.done(*reversed(inputs))
 
+    def unsharded_itemsize(self, name: str) -> int:
+        """An unsharded parameter's dtype: the compute dtype (the all-gather's)."""
+        return self.d.cd
+
     def unshard(self, g: int, forward: bool) -> None:
         """Wait for the group's all-gather, copy out its parameters (bf16, compute stream)."""
         group, t = self.groups[g], self.tape
@@ -190,7 +194,8 @@ class Fsdp:
             for name in group.names:
                 # a view of its own padded all-gather output (``FSDPParam.init_all_gather_outputs``:
                 # the padded shard's numel x world size), rows x cols of it (dim 0 padded to dp)
-                p = t.managed(self.shard(name) * self.dp, self.d.cd, f"{name}.unsharded", Category.GATHERED)
+                size = self.unsharded_itemsize(name)
+                p = t.managed(self.shard(name) * self.dp, size, f"{name}.unsharded", Category.GATHERED)
                 rows, cols = self.shapes[name]
                 p.numel = rows * cols
                 p.fn = self.leaves.get(name)

@@ -32,7 +32,6 @@ from __future__ import annotations
 from memplan.costmodel.lora import ADAPTER_BYTES
 from memplan.costmodel.timeline.autograd import Tensor
 from memplan.costmodel.timeline.events import Category
-from memplan.costmodel.timeline.fsdp import COPY_OUT, COPY_OUT_META
 from memplan.costmodel.timeline.hf_fsdp import HfFsdp, peft_shapes
 
 HEAD, ORIGINAL = "lm_head.weight", "lm_head.original_module.weight"  # the trained copy and its frozen original
@@ -113,31 +112,9 @@ class HfFsdpPeft(HfFsdp):
             nbytes = sum(self.shard(n) * sizes[n] for n in group.names)
             group.gathered = t.managed(nbytes * self.dp, 1, "all_gather_output", Category.COMM, self.ag)
 
-    def unshard(self, g: int, forward: bool) -> None:
-        """``fsdp.Fsdp.unshard`` with each unsharded parameter in its own all-gather dtype: the
-        policy's bf16, else the parameter's."""
-        group, t = self.groups[g], self.tape
-        if group.unsharded:
-            return
-        if group.gathered is None:
-            self.all_gather(g)
-        with t.scoped(""):
-            for name in group.names:
-                itemsize = self.d.cd if self.mixed else self.itemsize(name)
-                p = t.managed(self.shard(name) * self.dp, itemsize, f"{name}.unsharded", Category.GATHERED)
-                rows, cols = self.shapes[name]
-                p.numel = rows * cols
-                p.fn = self.leaves.get(name)
-                group.unsharded[name] = self.model.weights[name] = p
-            if self.metadata:
-                t.done(t.new(COPY_OUT_META[self._kind(g)], 1, f"{group.tag}.{COPY_OUT}"))
-        if forward:
-            if self.kept is not None:
-                t.free(self.kept)
-            self.kept = group.gathered
-        else:
-            t.free(group.gathered)
-        group.gathered = None
+    def unsharded_itemsize(self, name: str) -> int:
+        """Each unsharded parameter in its own all-gather dtype: the policy's bf16, else the parameter's."""
+        return self.d.cd if self.mixed else self.itemsize(name)
 
     def post_backward(self, g: int) -> None:
         """``HfFsdp.post_backward`` in the group's reduce dtype: the policy's bf16, else its trained
