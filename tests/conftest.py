@@ -4,14 +4,23 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from hypothesis import settings
+# Under pytest-xdist (the README's ``-n 2``) each worker takes one core: one OpenMP thread each, set
+# before torch is imported, and inherited by the processes the tests start. Two workers of two
+# threads each on CI's two cores ran the suite no faster than one process (955 s against 953 s).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # the accuracy harness (tests/accuracy/hf_steps.py) is imported by its tests and by
 # benchmarks/accuracy_table.py
 sys.path.insert(0, str(Path(__file__).parent / "accuracy"))
 
 # CI explores the same examples every run; locally each run explores new ones
+if os.environ.get("PYTEST_XDIST_WORKER") and "torch" in sys.modules:  # imported by a plugin first
+    sys.modules["torch"].set_num_threads(1)
+
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")

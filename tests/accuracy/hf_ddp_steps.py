@@ -4,8 +4,11 @@ What ``torchrun --nproc_per_node 2 train.py`` does with a Trainer on CPU (``use_
 sees ``WORLD_SIZE=2`` (``DistributedType.MULTI_CPU``, backend gloo) and wraps the model in
 ``DistributedDataParallel`` with the Trainer's arguments (``Trainer._build_accelerator_args``:
 ``find_unused_parameters`` unless checkpointing a ``PreTrainedModel``; everything else accelerate's
-defaults). Each rank is a forked process (``torch.multiprocessing.start_processes``: the parent's
-imports are inherited, ~8 s a case instead of ~30 s spawned; one intra-op thread per rank); rank 0
+defaults). Each rank is forked by a fork server (``torch.multiprocessing.start_processes`` with
+``start_method="forkserver"``; one intra-op thread per rank): a process of one thread that imported torch
+and transformers once (``_PRELOAD``), so a case costs ~8 s instead of ~30 s spawned, and no rank is
+forked from a process with other threads (a pytest-xdist worker's, whose locks a forked child can find
+held for ever); rank 0
 counts its live storages with :class:`StorageTracker` (the model's parameters and buffers, then
 whatever an op creates) from
 ``trainer.train()`` on, so DDP's construction (inside ``accelerator.prepare``) is counted too. The
@@ -26,6 +29,8 @@ import torch
 import torch.multiprocessing as mp
 
 WORLD = 2
+# what the fork server imports once, before it forks any rank (multiprocessing.set_forkserver_preload)
+_PRELOAD = ["torch", "transformers", "accelerate", "hf_steps"]
 
 
 def _free_port() -> int:
@@ -116,7 +121,8 @@ def run(case, ga: int = 1, steps: int = 3, log: bool = False) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.txt")
         args = (case, ga, steps, _free_port(), out, log)
-        mp.start_processes(_rank, args=args, nprocs=WORLD, join=True, start_method="fork")
+        mp.set_forkserver_preload(_PRELOAD)
+        mp.start_processes(_rank, args=args, nprocs=WORLD, join=True, start_method="forkserver")
         with open(out) as f:
             return f.read().splitlines()
 

@@ -83,13 +83,14 @@ class _Payload:
     """A class a pickle names: snapshots never do."""
 
 
+# mtime=0: the gzip header, part of the test id, is the same in every pytest-xdist worker
 @pytest.mark.parametrize(
     ("name", "data", "reason"),
     [
         ("notes.txt", b"memplan is not a snapshot\n", "not a memory snapshot"),
         ("empty.pkl", b"", "empty file"),
-        ("garbage.pkl.gz", gzip.compress(b"\x00\x01garbage that is not a pickle"), "not a memory snapshot"),
-        ("truncated.pkl.gz", gzip.compress(pickle.dumps({"segments": []}))[:20], "does not decompress"),
+        ("garbage.pkl.gz", gzip.compress(b"\x00\x01garbage that is not a pickle", mtime=0), "not a memory snapshot"),
+        ("truncated.pkl.gz", gzip.compress(pickle.dumps({"segments": []}), mtime=0)[:20], "does not decompress"),
         ("list.pkl", pickle.dumps([1, 2, 3], protocol=4), "a pickle of list"),
         ("keys.pkl", pickle.dumps({"segments": []}, protocol=4), "'device_traces'"),
         ("traces.pkl", pickle.dumps({"segments": [], "device_traces": {}}, protocol=4), "list of per-device"),

@@ -1,6 +1,8 @@
 """One pipeline rank measured two ways: PyTorch's own schedule on real gloo ranks, and memplan's StageReplay.
 
-``measure`` forks ``pp`` processes (``torch.multiprocessing``, a gloo group of ``pp`` ranks). Each runs
+``measure`` starts ``pp`` processes (``torch.multiprocessing``, a gloo group of ``pp`` ranks), forked by a
+fork server of one thread (never from a pytest-xdist worker, whose other threads' locks a forked child
+can find held for ever). Each runs
 its chunks of the bundled trainer's model wrapped in ``torch.distributed.pipelining.PipelineStage`` and
 stepped by ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` (the classes torchtitan maps
 ``gpipe``, ``1f1b`` and ``interleaved`` to), activations and gradients really sent between the ranks;
@@ -205,13 +207,14 @@ def _rank(rank: int, case: Case, store: str, out: str) -> None:
 
 
 def measure(case: Case) -> dict[int, dict[str, list[Mark]]]:
-    """{rank: {"torch": marks, "replay": marks}}. The ranks are forked from this process, so what it
-    has imported and warmed up (``warm_up``) they need not redo."""
+    """{rank: {"torch": marks, "replay": marks}}. The ranks are forked by a fork server that imported
+    this module once (``set_forkserver_preload``), so what it imports they need not redo."""
     import torch.multiprocessing as mp
 
+    mp.set_forkserver_preload(["torch", "torch.distributed.pipelining", __name__])
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
-            _rank, args=(case, os.path.join(tmp, "store"), tmp), nprocs=case.pp, join=False, start_method="fork"
+            _rank, args=(case, os.path.join(tmp, "store"), tmp), nprocs=case.pp, join=False, start_method="forkserver"
         )
         deadline = time.monotonic() + 2 * TIMEOUT_S
         while not context.join(timeout=5):
@@ -224,11 +227,3 @@ def measure(case: Case) -> dict[int, dict[str, list[Mark]]]:
             raw = json.loads(Path(tmp, f"rank{rank}.json").read_text())
             out[rank] = {side: [Mark(**m) for m in marks] for side, marks in raw.items()}
         return out
-
-
-def warm_up() -> None:
-    """Imports and first-call work (the pipelining package, the dispatch mode's first use) done once,
-    before the ranks are forked."""
-    import torch.distributed.pipelining  # noqa: F401
-
-    replay_marks(Case("gpipe", 2, microbatches=2), 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.validate.pipeline_ranks import Case, Mark, measure, warm_up
+from tests.validate.pipeline_ranks import Case, Mark, measure
 
 CASES = [
     Case("1f1b", 2),
@@ -21,11 +21,6 @@ CASES = [
     Case("1f1b", 4),
     Case("interleaved", 4, virtual=2),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _warm() -> None:
-    warm_up()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
