@@ -94,8 +94,8 @@ def check_compatible(
                 f"{workload.micro_batch} x {plan.dp}",
                 field="workload.global_batch",
             )
-        if plan.pp_schedule == "interleaved" and workload.global_batch is not None:
-            accumulation = workload.global_batch // (workload.micro_batch * plan.dp)
+        if plan.pp_schedule == "interleaved":  # an unset global batch is one micro-batch per step
+            accumulation = (workload.global_batch or workload.micro_batch * plan.dp) // (workload.micro_batch * plan.dp)
             if accumulation % plan.pp:
                 raise MemplanError(
                     f"the interleaved schedule needs micro-batches per step ({accumulation}) divisible by pp={plan.pp}",

@@ -302,6 +302,8 @@ def test_hf_moe_top_k_above_num_experts(tmp_path):
             "--global-batch",
             "divisible by pp=2",
         ),
+        # no global batch: one micro-batch a step, which the interleaved schedule cannot split (was an IndexError)
+        (["llama3-8b", "--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2"], "--global-batch", "(1)"),
         (["llama3-8b", "--ep", "2"], "--ep", "ep=2"),
         (["llama3-8b", "--gpus", "8", "--ep", "2"], "--ep", "no experts"),
         (["mixtral-8x7b", "--gpus", "8", "--ep", "3"], "--ep", "ep=3"),

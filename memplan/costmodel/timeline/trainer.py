@@ -107,7 +107,7 @@ def trainer_run(
     if plan.pp > 1:  # the schedule runs every micro-batch (pipeline.py)
         from memplan.costmodel.timeline import pipeline
 
-        stage = most_loaded_stage(model, workload, plan) if stage is None else stage
+        stage = most_loaded_stage(model, workload, plan, "cuda" if cuda else "cpu") if stage is None else stage
         micro_batches, pipe = accumulation(workload, plan), pipeline.factory(d, plan, stage)
     lora = None
     if plan.finetune != "full":  # adapters (lora.config: none for full training)
@@ -141,16 +141,18 @@ def steps(b: Builder, step: Callable[[bool], None], steady_steps: int, repeated:
         b.mark(f"step{k}")
 
 
-def most_loaded_stage(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> int:
+def most_loaded_stage(model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str = "cuda") -> int:
     """The pipeline rank the run follows: 0 without a pipeline, else the phase model's most-loaded
-    stage (``memory.training_peak``, the bundled trainer's profile on CUDA: the rank ``memplan
+    stage (``memory.training_peak``, the bundled trainer's profile on ``device``: the rank ``memplan
     validate`` runs). The one place an op-level estimate still asks the phase model: which rank,
-    not its bytes (following every stage would cost a run each)."""
+    not its bytes (following every stage would cost a run each). On CPU, SDPA's CPU kernel: on
+    pp4-fp32-4-microbatches (tests/validate/trainer_cases.py) CUDA's math path makes stage 0 the
+    most loaded, the CPU's flash kernel stage 3, as the trainer measures on CPU."""
     if plan.pp == 1:
         return 0
     from memplan.costmodel.memory import training_peak  # the phase model, only when pipelined
 
-    return training_peak(model, workload, plan).stage
+    return training_peak(model, workload, plan, device=device).stage  # type: ignore[arg-type]
 
 
 def followed_rank(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stage: int) -> int:
