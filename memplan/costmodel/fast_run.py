@@ -98,9 +98,18 @@ def run_peak(
         return None
     if _loads_quantized(plan, runtime):
         return _whole_run_peak(model, workload, plan, runtime, device)
-    depths = cut_depths(model.num_layers)
+    depths, shard = cut_depths(model.num_layers), _zero1_shard(model, workload, plan)
     cut = [
-        _span_peaks(model.model_copy(update={"num_layers": n}), workload, plan, runtime, device, gpu) for n in depths
+        _span_peaks(
+            model.model_copy(update={"num_layers": n}),
+            workload,
+            plan,
+            runtime,
+            device,
+            gpu,
+            None if shard is None else _cut_shard(shard, model.num_layers, n),
+        )
+        for n in depths
     ]
     if cut[0] is None or cut[1] is None or [p for p, _ in cut[0]] != [p for p, _ in cut[1]]:
         return None
@@ -161,13 +170,60 @@ def _modelled(
 
 
 def _span_peaks(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu: GPUSpec | None
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    runtime: str,
+    device: str,
+    gpu: GPUSpec | None,
+    zero1_shard: list[tuple[str, int]] | None = None,
 ) -> list[tuple[str, int]] | None:
-    """Each span's peak allocated in the run of ``model`` (None where the phases answer)."""
+    """Each span's peak allocated in the run of ``model`` (None where the phases answer), under
+    ZeRO-1 with the rank's optimizer stepping ``zero1_shard`` where given (``_cut_shard``)."""
     from memplan.costmodel.reserve import plan_run
 
+    if zero1_shard is not None:  # the bundled trainer on CUDA (applies, _over_ranks)
+        from memplan.costmodel.timeline.trainer import trainer_run
+
+        with collection_paused():
+            run = trainer_run(model, workload, plan, gpu_arch=cuda_arch(gpu), zero1_shard=zero1_shard)
+        return None if run is None else span_peaks(run, model.num_layers)
     run, which = plan_run(model, workload, plan, runtime, device, gpu)
     return None if which.startswith("phases") else span_peaks(run, model.num_layers)
+
+
+def _zero1_shard(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> list[tuple[str, int]] | None:
+    """Under the bundled trainer's ZeRO-1 (``timeline/zero1.py``), the (name, elements) the
+    most-loaded rank's optimizer steps in the ``model``'s run, in its order; else None.
+    ``ZeroRedundancyOptimizer._partition_parameters`` deals whole parameters, largest first, to the
+    least-loaded rank, so the rank's share is not affine in the depth: on llama3-8b at dp 8 the
+    32-layer model's most-loaded rank holds other layers' tensors, in another order, than the 4- and
+    6-layer models' (whose spans do not line up). The cut runs carry the whole model's instead."""
+    if plan.zero != 1 or plan.dp == 1:
+        return None
+    from memplan.costmodel.timeline import zero1
+    from memplan.costmodel.timeline.trainer import optimized_params
+
+    return zero1.shard(optimized_params(model, workload, plan), plan.dp)
+
+
+def _cut_shard(shard: list[tuple[str, int]], layers: int, depth: int) -> list[tuple[str, int]]:
+    """The ``layers``-deep model's ZeRO-1 share renamed into the model cut to ``depth`` layers, the
+    same tensors in the same order: its first two layers' keep their index, its last two's their
+    place from the end, those between become the second layer's (the cut run's span labels,
+    ``_position``, then the same at both depths; a layer's tensors have the same shapes and dtypes
+    at every index). Each cut run's optimizer then holds the whole model's states and temporaries:
+    they are the same at both depths, and the other spans' terms affine in the depth."""
+
+    def renamed(name: str) -> str:
+        m = _LAYER.search(name)
+        if m is None:
+            return name
+        i = int(m.group(1))
+        j = i if i < 2 else depth - (layers - i) if i >= layers - 2 else 1
+        return f"{name[: m.start(1)]}{j}{name[m.end(1) :]}"
+
+    return [(renamed(name), n) for name, n in shard]
 
 
 def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
