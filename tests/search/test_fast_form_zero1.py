@@ -30,7 +30,7 @@ def _cut(model, depth: int):
 
 def _labels(plan: Plan, carried: bool) -> list[list[str]]:
     """The cut runs' span labels at their two depths, with or without the whole model's share."""
-    shard = FR._zero1_shard(LLAMA1B, WL, plan)
+    shard = FR._zero1_shard(LLAMA1B, WL, plan, "memplan")
     out = []
     for n in FR.cut_depths(LLAMA1B.num_layers):
         cut_shard = FR._cut_shard(shard, LLAMA1B.num_layers, n) if carried else None
@@ -54,7 +54,7 @@ def test_the_carried_partition_lines_up():
 def test_the_cut_share_is_the_whole_models_renamed():
     """The same elements in the same order, each name one of the cut model's parameters of the same
     size, at the same place: the first two layers', the last two's, the middle ones' the second's."""
-    shard, layers = FR._zero1_shard(LLAMA1B, WL, LORA), LLAMA1B.num_layers
+    shard, layers = FR._zero1_shard(LLAMA1B, WL, LORA, "memplan"), LLAMA1B.num_layers
     for n in FR.cut_depths(layers):
         cut = FR._cut_shard(shard, layers, n)
         own = dict(optimized_params(_cut(LLAMA1B, n), WL, LORA))
@@ -79,4 +79,5 @@ def test_the_carried_share_is_the_runs_own_where_it_is_the_same():
 
 def test_only_zero1_carries_a_share():
     for fields in (dict(dp=8, zero=0), dict(dp=1), dict(dp=8, zero=3)):
-        assert FR._zero1_shard(LLAMA1B, WL, Plan(finetune="lora", precision="fp32", **fields)) is None
+        assert FR._zero1_shard(LLAMA1B, WL, Plan(finetune="lora", precision="fp32", **fields), "memplan") is None
+    assert FR._zero1_shard(LLAMA1B, WL, LORA, "hf") is None  # the Trainer's ZeRO-1 is DeepSpeed's
