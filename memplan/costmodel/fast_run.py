@@ -21,6 +21,10 @@ a small model the adapters' blocks, served unsplit from cached segments, repeat 
 layer (the increments alternate 336,368,640 and 334,271,488 B on an 8-layer, 1,024-wide Llama
 with LoRA on every linear layer); the two depths share the model's parity.
 
+Under ZeRO-1 the most-loaded rank's optimizer share is not affine in the depth (whole
+parameters dealt largest first to the least-loaded rank): both cut runs step the whole model's share
+instead, renamed into the cut model (``_zero1_shard``, ``_cut_shard``).
+
 A quantized base loaded by ``from_pretrained`` (``_loads_quantized``) is the exception: its load leaves
 holes whose rests are not affine in the depth, so the whole run answers it.
 
@@ -78,7 +82,8 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
 
 def _over_ranks(plan: Plan, runtime: str) -> bool:
     """The plans over several data ranks the cut runs answer: the bundled trainer's DDP (ZeRO-0)
-    and ZeRO-1, whose gradient buckets and optimizer shards add the same per layer, where the
+    and ZeRO-1, whose gradient buckets add the same per layer (ZeRO-1's optimizer share is the whole
+    model's in both cut runs: ``_zero1_shard``), where the
     phase model's sums miss the run by up to -19% (fp32, ZeRO-1, full recompute, 4,096 tokens) and
     -67% (QLoRA under DDP: docs/cost-model.md, "The search's fast form against the run"). Not
     FSDP2 (ZeRO-2, ZeRO-3): its shards are carved from segments whose packing does not repeat
@@ -98,9 +103,18 @@ def run_peak(
         return None
     if _loads_quantized(plan, runtime):
         return _whole_run_peak(model, workload, plan, runtime, device)
-    depths = cut_depths(model.num_layers)
+    depths, shard = cut_depths(model.num_layers), _zero1_shard(model, workload, plan, runtime)
     cut = [
-        _span_peaks(model.model_copy(update={"num_layers": n}), workload, plan, runtime, device, gpu) for n in depths
+        _span_peaks(
+            model.model_copy(update={"num_layers": n}),
+            workload,
+            plan,
+            runtime,
+            device,
+            gpu,
+            None if shard is None else _cut_shard(shard, model.num_layers, n),
+        )
+        for n in depths
     ]
     if cut[0] is None or cut[1] is None or [p for p, _ in cut[0]] != [p for p, _ in cut[1]]:
         return None
@@ -161,13 +175,62 @@ def _modelled(
 
 
 def _span_peaks(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu: GPUSpec | None
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    runtime: str,
+    device: str,
+    gpu: GPUSpec | None,
+    zero1_shard: list[tuple[str, int]] | None = None,
 ) -> list[tuple[str, int]] | None:
-    """Each span's peak allocated in the run of ``model`` (None where the phases answer)."""
+    """Each span's peak allocated in the run of ``model`` (None where the phases answer), under
+    ZeRO-1 with the rank's optimizer stepping ``zero1_shard`` where given (``_cut_shard``)."""
     from memplan.costmodel.reserve import plan_run
 
+    if zero1_shard is not None:  # the bundled trainer on CUDA (applies, _over_ranks)
+        from memplan.costmodel.timeline.trainer import trainer_run
+
+        with collection_paused():
+            run = trainer_run(model, workload, plan, gpu_arch=cuda_arch(gpu), zero1_shard=zero1_shard)
+        return None if run is None else span_peaks(run, model.num_layers)
     run, which = plan_run(model, workload, plan, runtime, device, gpu)
     return None if which.startswith("phases") else span_peaks(run, model.num_layers)
+
+
+def _zero1_shard(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str
+) -> list[tuple[str, int]] | None:
+    """Under the bundled trainer's ZeRO-1 (``timeline/zero1.py``), the (name, elements) the
+    most-loaded rank's optimizer steps in the ``model``'s run, in its order; else None.
+    ``ZeroRedundancyOptimizer._partition_parameters`` deals whole parameters, largest first, to the
+    least-loaded rank, so the rank's share is not affine in the depth: on llama3-8b at dp 8 the
+    32-layer model's most-loaded rank holds other layers' tensors, in another order, than the 4- and
+    6-layer models' (whose spans do not line up). The cut runs carry the whole model's instead."""
+    if runtime != "memplan" or plan.zero != 1 or plan.dp == 1:
+        return None
+    from memplan.costmodel.timeline import zero1
+    from memplan.costmodel.timeline.trainer import optimized_params
+
+    return zero1.shard(optimized_params(model, workload, plan), plan.dp)
+
+
+def _cut_shard(shard: list[tuple[str, int]], layers: int, depth: int) -> list[tuple[str, int]]:
+    """The ``layers``-deep model's ZeRO-1 share renamed into the model cut to ``depth`` layers, the
+    same tensors in the same order: its first two layers' keep their index, its last two's their
+    place from the end, those between become the second layer's (the cut run's span labels,
+    ``_position``, then the same at both depths; a layer's tensors have the same shapes and dtypes
+    at every index). Each cut run's optimizer then holds the whole model's states and temporaries:
+    they are the same at both depths, and the other spans' terms affine in the depth."""
+
+    def renamed(name: str) -> str:
+        m = _LAYER.search(name)
+        if m is None:
+            return name
+        i = int(m.group(1))
+        j = i if i < 2 else depth - (layers - i) if i >= layers - 2 else 1
+        return f"{name[: m.start(1)]}{j}{name[m.end(1) :]}"
+
+    return [(renamed(name), n) for name, n in shard]
 
 
 def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:

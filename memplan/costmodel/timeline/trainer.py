@@ -84,6 +84,7 @@ def trainer_run(
     inplace_accumulate: bool = True,
     cpu_sdpa: bool = False,
     repeated: bool = True,
+    zero1_shard: list[tuple[str, int]] | None = None,
 ) -> Timeline | None:
     """The bundled trainer's run on one rank: build, a warm-up step, ``steady_steps`` steps,
     each of at most ``max_micro_batches`` micro-batches (under pipelining all of them). Pipeline
@@ -94,8 +95,10 @@ def trainer_run(
     meter (:class:`Tape`; a tied embedding's sum, docs/cost-model.md); ``cpu_sdpa``: SDPA on CPU's
     flash kernel in every dtype, as ``scaled_dot_product_attention`` runs on CPU (the run's flash
     op, whose CUDA-only copies ``timeline.cpu`` leaves out), not CUDA's fp32 math or
-    memory-efficient kernel; ``repeated`` False: every steady step built op by op (:func:`steps`).
-    None for a plan :func:`supported` rejects."""
+    memory-efficient kernel; ``repeated`` False: every steady step built op by op (:func:`steps`);
+    ``zero1_shard``: under ZeRO-1 the (name, elements) the rank's optimizer steps, in its order
+    (default: the most-loaded rank's partition of this model's, ``zero1.shard``; the search's cut
+    runs carry the whole model's, ``fast_run``). None for a plan :func:`supported` rejects."""
     if supported(model, workload, plan, gpu_arch) is not None:
         return None
     offload, master = plan.offload_params == "cpu", plan.precision == "bf16-master"
@@ -116,6 +119,7 @@ def trainer_run(
         lora = lora_config(plan, cuda, gpu_arch)
     run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora)
     run.tape.inplace_accumulate = inplace_accumulate
+    run.zero1_shard = zero1_shard
     if plan.offload_activations == "cpu":  # save_on_cpu around the forward and the loss
         run.saves = act_offload.SaveOnCpu()
     run.b.mark("build")
@@ -165,15 +169,21 @@ def followed_rank(model: ModelSpec, workload: TrainingWorkload, plan: Plan, stag
     if plan.zero == 1 and plan.dp > 1:
         from memplan.costmodel.timeline import zero1
 
-        d = dims(model, workload, plan)
-        shapes = param_shapes(d, model.tied_embeddings)
-        params = [(name, rows * cols) for name, (rows, cols) in shapes.items()]
-        if plan.finetune != "full":
-            from memplan.costmodel.timeline.lora import config, trained_params
-
-            params = trained_params(config(plan), d, shapes)
-        data_rank = zero1.most_loaded(params, plan.dp)
+        data_rank = zero1.most_loaded(optimized_params(model, workload, plan), plan.dp)
     return (stage * plan.dp + data_rank) * plan.tp
+
+
+def optimized_params(model: ModelSpec, workload: TrainingWorkload, plan: Plan) -> list[tuple[str, int]]:
+    """(name, elements) of what the optimizer steps, in ``model.parameters()`` order, without a
+    run: every parameter, or under LoRA the adapters and a head copy (``lora.trained_params``);
+    what ZeRO-1 partitions (``zero1.shard``)."""
+    d = dims(model, workload, plan)
+    shapes = param_shapes(d, model.tied_embeddings)
+    if plan.finetune != "full":
+        from memplan.costmodel.timeline.lora import config, trained_params
+
+        return trained_params(config(plan), d, shapes)
+    return [(name, rows * cols) for name, (rows, cols) in shapes.items()]
 
 
 class _Run:
@@ -207,6 +217,7 @@ class _Run:
 
             self.lora = Lora(self.tape, lora, d.tokens, self.model)
         self.saves: act_offload.SaveOnCpu | None = None  # activation offload's hooks (act_offload.py)
+        self.zero1_shard: list[tuple[str, int]] | None = None  # ZeRO-1's partition, if given (trainer_run)
         if self.lora is not None:
             self.model.adapter = self.lora.adapt
         self.quant = None
@@ -390,6 +401,8 @@ class _Run:
         params = self.lora.params() if self.lora is not None else params  # the adapters (and a head copy)
         if not self.zero1:
             return params
+        if self.zero1_shard is not None:
+            return self.zero1_shard
         from memplan.costmodel.timeline import zero1
 
         return zero1.shard(params, self.dp)
