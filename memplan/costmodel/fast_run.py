@@ -195,8 +195,7 @@ def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
             if op != ALLOC:  # a free never raises the peak: it stays in the span it falls in
                 alloc.free(blocks.pop(tensor))
                 continue
-            # an allocation outside the layers between two of the middle ones is theirs
-            position = _position(tag, layers) or ("other" if where == "other" else "")
+            position = _owner(tag, layers, where)
             group = "gradients" if tag.endswith("grad_seed") else _OPENS.get(category)
             if position != where or (group is not None and group not in opened):
                 spans.append((f"{mark}|{where}|{'+'.join(sorted(opened))}", alloc.max_allocated))
@@ -208,6 +207,21 @@ def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
     return [(label, peak) for label, peak in spans if "|other|" not in label]
 
 
+def _owner(tag: str, layers: int, where: str) -> str:
+    """The position (``_position``) an allocation tagged ``tag`` belongs to while the span of ``where``
+    is open. An allocation outside the layers between two of the middle ones is theirs (the hand
+    loop's). FSDP2's collective buffers (``timeline/fsdp.py``'s ``fsdp.<group>.*``: the all-gather's
+    input and output, the reduce-scatter's, the copy-in metadata) are the open span's, whichever
+    group they serve: the all-gather of group ``i + 1`` is issued at the end of layer ``i``'s forward
+    (``pre_forward``), the backward's prefetch of layer ``i - 1`` inside layer ``i``'s
+    (``pre_backward``), so by its own tag a layer's span would hold another position's prefetch at
+    one depth (the second's, at 4 layers) and a middle layer's at another (6 layers)."""
+    if tag.startswith(FSDP_TAG):
+        return where
+    return _position(tag, layers) or ("other" if where == "other" else "")
+
+
+FSDP_TAG = "fsdp."
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
