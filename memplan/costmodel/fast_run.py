@@ -59,7 +59,7 @@ class RunPeak(NamedTuple):
 def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     """Whether this fast form answers the plan: the fine-tuning (LoRA, QLoRA) and fp32 plans on
     CUDA of one pipeline stage without tensor parallelism, on one data-parallel rank or, under the
-    bundled trainer, over DDP (ZeRO-0) or ZeRO-1 (``_over_ranks``), over a model whose layers
+    bundled trainer, over DDP (ZeRO-0), ZeRO-1 or FSDP2 (``_over_ranks``), over a model whose layers
     repeat (no MoE, latent attention, per-layer attention or RoPE pattern, multi-token
     prediction), with every layer treated alike (no ``recompute_layers``), for the runtimes the
     run models. The plans of full bf16 training stay on the phase model's sums (the 768-plan
@@ -80,11 +80,22 @@ def _over_ranks(plan: Plan, runtime: str) -> bool:
     """The plans over several data ranks the cut runs answer: the bundled trainer's DDP (ZeRO-0)
     and ZeRO-1, whose gradient buckets and optimizer shards add the same per layer, where the
     phase model's sums miss the run by up to -19% (fp32, ZeRO-1, full recompute, 4,096 tokens) and
-    -67% (QLoRA under DDP: docs/cost-model.md, "The search's fast form against the run"). Not
-    FSDP2 (ZeRO-2, ZeRO-3): its shards are carved from segments whose packing does not repeat
-    layer by layer (ZeRO-3's cut runs' spans do not line up; ZeRO-2's miss the run by up to
-    4.7 MB)."""
-    return runtime == "memplan" and plan.zero <= 1
+    -67% (QLoRA under DDP: docs/cost-model.md, "The search's fast form against the run"); and
+    FSDP2 (``_fsdp2``)."""
+    return runtime == "memplan" and (plan.zero <= 1 or _fsdp2(plan))
+
+
+def _fsdp2(plan: Plan) -> bool:
+    """FSDP2's ZeRO-3 and ZeRO-2 (``timeline/fsdp.py``), with its CPU offload or without: each layer
+    group adds the same shards, all-gather and reduce-scatter buffers and sharded gradients, and
+    its collective buffers belong to the span they are allocated in (``_owner``), so the spans line
+    up. Where the phase model's sums missed the run by -26.5% (fp32, ZeRO-3, full recompute, 4,096
+    tokens: SDPA's math backward beside FSDP2's buffers) and -35.1% with CPU offload; the fast form
+    is within 0.01% of the run on tests/search/test_fast_form_fsdp.py's grid, equal to the byte on
+    most of it: the rest is the allocator's unsplit blocks (an optimizer state served whole from a
+    cached segment with under 1 MiB to spare, ``CUDACachingAllocator.cpp`` ``should_split``), which
+    come with the depth unevenly (docs/cost-model.md). LoRA under FSDP2 the trainer does not run."""
+    return plan.zero >= 2
 
 
 def run_peak(
