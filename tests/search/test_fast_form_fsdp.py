@@ -10,7 +10,7 @@ whole run replayed through the allocator model (``reserve.replay``'s ``max_alloc
 0.1%, on the 1B Llama of the H200 traces (tied embedding, 16 layers; the phase model's sums
 missed two of these plans by -26.5% and -35.1%) and on untied models cut to both parities.
 Equal to the byte on most plans; the rest (ZeRO-2, and ZeRO-3 without recompute at 2,048 tokens:
-up to 3.9 MB) is the allocator's unsplit blocks, an optimizer state served whole from a cached
+up to 4.7 MB, 0.018%) is the allocator's unsplit blocks, an optimizer state served whole from a cached
 segment with under 1 MiB to spare, which come with the depth unevenly (docs/cost-model.md)."""
 
 from __future__ import annotations
