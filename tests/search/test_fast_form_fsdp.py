@@ -118,3 +118,50 @@ def test_fsdp2s_collective_buffers_belong_to_the_open_span():
     assert fast_run._owner("layers.2.attention.wq.weight.unsharded", 4, "last") == "next_to_last"
     assert fast_run._owner("loss.grad_seed", 6, "other") == "other"
     assert fast_run._owner("loss.grad_seed", 6, "last") == ""
+
+
+class _Requested:
+    """The allocator's accounting without its blocks: each request rounded to 512 B (``round_size``)
+    and nothing more, so no block is served whole with a rest beside it."""
+
+    def __init__(self, config: AllocatorConfig | None = None) -> None:
+        self.allocated = self.max_allocated = 0
+
+    def malloc(self, size: int, stream: int = 0) -> int:
+        from memplan.costmodel.allocator.sizing import round_size
+
+        rounded = round_size(size)
+        self.allocated += rounded
+        self.max_allocated = max(self.max_allocated, self.allocated)
+        return rounded
+
+    def free(self, rounded: int) -> None:
+        self.allocated -= rounded
+
+
+@pytest.mark.parametrize(
+    "fields,seq",
+    [
+        (dict(dp=8, zero=2, precision="fp32", recompute="none"), 4096),  # +4,718,592 B in blocks
+        (dict(dp=8, zero=2, precision="fp32", recompute="full"), 4096),  # -1,572,864 B
+        (dict(dp=8, zero=3, precision="fp32", recompute="none"), 2048),  # +3,932,160 B
+        (dict(dp=8, zero=3, precision="fp32", recompute="selective", **OFFLOAD), 4096),  # 0 B
+    ],
+)
+def test_in_requested_bytes_the_fast_form_is_the_run_to_the_byte(monkeypatch, fields, seq):
+    """What the fast form misses under FSDP2 is the allocator's blocks alone: counted in requested
+    bytes, every span is affine in the depth and the extrapolated peak is the whole run's."""
+    from memplan.costmodel.timeline.events import ALLOC, MARK
+
+    monkeypatch.setattr(fast_run, "CachingAllocator", _Requested)
+    plan = Plan(**fields)
+    wl = TrainingWorkload(seq_len=seq, micro_batch=1, global_batch=plan.dp)
+    fast = fast_run.run_peak(LLAMA1B, wl, plan, "memplan", "cuda")
+    run, _ = plan_run(LLAMA1B, wl, plan, "memplan")
+    requested, held = _Requested(), {}
+    for op, tensor, size, _, _, _ in run.events:
+        if op == ALLOC:
+            held[tensor] = requested.malloc(size)
+        elif op != MARK:
+            requested.free(held.pop(tensor))
+    assert fast is not None and fast.allocated == requested.max_allocated
