@@ -28,9 +28,14 @@ instead, renamed into the cut model (``_zero1_shard``, ``_cut_shard``).
 A quantized base loaded by ``from_pretrained`` (``_loads_quantized``) is the exception: its load leaves
 holes whose rests are not affine in the depth, so the whole run answers it.
 
+Under FSDP2 a collective buffer's layer is not the one its tag names: the all-gather of the next
+group is issued at the end of a layer's forward, and the backward prefetches the previous layer's
+inside its own, so those buffers belong to the span they fall in (``_owner``, ``_fsdp2``).
+
 Measured against the whole run: equal to the byte on every plan of
-tests/search/test_fast_form_finetune.py (docs/cost-model.md, "The search's fast form against the
-run"). A search computes each plan's once (``search.evaluate.Context.run_peaks``).
+tests/search/test_fast_form_finetune.py, within 0.02% on tests/search/test_fast_form_fsdp.py's
+(docs/cost-model.md, "The search's fast form against the run"). A search computes each plan's
+once (``search.evaluate.Context.run_peaks``).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ class RunPeak(NamedTuple):
 def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     """Whether this fast form answers the plan: the fine-tuning (LoRA, QLoRA) and fp32 plans on
     CUDA of one pipeline stage without tensor parallelism, on one data-parallel rank or, under the
-    bundled trainer, over DDP (ZeRO-0) or ZeRO-1 (``_over_ranks``), over a model whose layers
+    bundled trainer, over DDP (ZeRO-0), ZeRO-1 or FSDP2 (``_over_ranks``), over a model whose layers
     repeat (no MoE, latent attention, per-layer attention or RoPE pattern, multi-token
     prediction), with every layer treated alike (no ``recompute_layers``), for the runtimes the
     run models. The plans of full bf16 training stay on the phase model's sums (the 768-plan
@@ -85,11 +90,23 @@ def _over_ranks(plan: Plan, runtime: str) -> bool:
     and ZeRO-1, whose gradient buckets add the same per layer (ZeRO-1's optimizer share is the whole
     model's in both cut runs: ``_zero1_shard``), where the
     phase model's sums miss the run by up to -19% (fp32, ZeRO-1, full recompute, 4,096 tokens) and
-    -67% (QLoRA under DDP: docs/cost-model.md, "The search's fast form against the run"). Not
-    FSDP2 (ZeRO-2, ZeRO-3): its shards are carved from segments whose packing does not repeat
-    layer by layer (ZeRO-3's cut runs' spans do not line up; ZeRO-2's miss the run by up to
-    4.7 MB)."""
-    return runtime == "memplan" and plan.zero <= 1
+    -67% (QLoRA under DDP: docs/cost-model.md, "The search's fast form against the run"); and
+    FSDP2 (``_fsdp2``)."""
+    return runtime == "memplan" and (plan.zero <= 1 or _fsdp2(plan))
+
+
+def _fsdp2(plan: Plan) -> bool:
+    """FSDP2's ZeRO-3 and ZeRO-2 (``timeline/fsdp.py``), with its CPU offload or without: each layer
+    group adds the same shards, all-gather and reduce-scatter buffers and sharded gradients, and
+    its collective buffers belong to the span they are allocated in (``_owner``), so the spans line
+    up. Where the phase model's sums missed the run by -26.5% (fp32, ZeRO-3, full recompute, 4,096
+    tokens: SDPA's math backward beside FSDP2's buffers) and -35.1% with CPU offload; the fast form
+    is within 0.02% of the run on tests/search/test_fast_form_fsdp.py's grid, equal to the byte on
+    most of it: the rest is the allocator's unsplit blocks (an optimizer state served whole from a
+    cached segment with under 1 MiB to spare, ``CUDACachingAllocator.cpp`` ``should_split``), which
+    come with the depth unevenly (docs/cost-model.md). Full training only: the trainer refuses LoRA
+    under FSDP2 (``timeline.support``), so such a plan is not counted as run (``tune._run_plans``)."""
+    return plan.zero >= 2 and plan.finetune == "full"
 
 
 def run_peak(
@@ -258,8 +275,7 @@ def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
             if op != ALLOC:  # a free never raises the peak: it stays in the span it falls in
                 alloc.free(blocks.pop(tensor))
                 continue
-            # an allocation outside the layers between two of the middle ones is theirs
-            position = _position(tag, layers) or ("other" if where == "other" else "")
+            position = _owner(tag, layers, where)
             group = "gradients" if tag.endswith("grad_seed") else _OPENS.get(category)
             if position != where or (group is not None and group not in opened):
                 spans.append((f"{mark}|{where}|{'+'.join(sorted(opened))}", alloc.max_allocated))
@@ -271,6 +287,21 @@ def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
     return [(label, peak) for label, peak in spans if "|other|" not in label]
 
 
+def _owner(tag: str, layers: int, where: str) -> str:
+    """The position (``_position``) an allocation tagged ``tag`` belongs to while the span of ``where``
+    is open. An allocation outside the layers between two of the middle ones is theirs (the hand
+    loop's). FSDP2's collective buffers (``timeline/fsdp.py``'s ``fsdp.<group>.*``: the all-gather's
+    input and output, the reduce-scatter's, the copy-in metadata) are the open span's, whichever
+    group they serve: the all-gather of group ``i + 1`` is issued at the end of layer ``i``'s forward
+    (``pre_forward``), the backward's prefetch of layer ``i - 1`` inside layer ``i``'s
+    (``pre_backward``), so by its own tag a layer's span would hold another position's prefetch at
+    one depth (the second's, at 4 layers) and a middle layer's at another (6 layers)."""
+    if tag.startswith(FSDP_TAG):
+        return where
+    return _position(tag, layers) or ("other" if where == "other" else "")
+
+
+FSDP_TAG = "fsdp."
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
