@@ -99,9 +99,12 @@ MISSES = [
     _miss(dict(dp=8, zero=3, offload_params="cpu", offload_optimizer="cpu", precision="fp32", recompute="full"),
           4096, 1, "-35.1%: the math backward above, under FSDP2's CPU offload"),
     _miss(dict(tp=8, precision="bf16-master", recompute="none"), 2048, 1,
-          "-0.14% (-5.4 MB): TP 8 on one data rank; not yet identified"),
+          "-0.13% (-5.46 MB): TP 8 on one data rank; the sums are the run's requested bytes less 67,856 B; "
+          "the rest is the allocator's blocks: each V/8 x h fp32 tensor (the embedding's master and states, "
+          "the loss's three) rounded to 2 MiB, 786,432 B apiece, and wo's masters' unsplit rests"),
     _miss(dict(dp=8, tp=8, zero=3, sequence_parallel=True, precision="bf16-master", recompute="none"), 2048, 1,
-          "-0.23% (-3.7 MB): FSDP2 with TP 8 + SP; not yet identified"),
+          "-0.23% (-3.7 MB): FSDP2 with TP 8 + SP; the sums are the run's requested bytes less 67,856 B; "
+          "the rest is the allocator's blocks (the ffn norms' fp32 inputs, the loss's V/8-wide tensors)"),
     _miss(dict(dp=8, zero=1, finetune="lora", precision="fp32", recompute="none"), 4096, 1,
           "+0.97%: LoRA under ZeRO-1, the phase model (the cut runs' spans do not line up)"),
     _miss(dict(dp=8, zero=1, finetune="qlora", precision="bf16", recompute="none"), 4096, 1,
@@ -174,14 +177,19 @@ SLOW_MISSES = [
     _miss(dict(dp=8, zero=1, precision="fp32", recompute="none"), 2048, 1,
           "-3.25%: fp32 ZeRO-1, the phase model (the cut runs' spans do not line up); not yet identified"),
     _miss(dict(dp=8, zero=3, precision="bf16", recompute="full"), 2048, 1,
-          "+2.05%: FSDP2 ZeRO-3 full recompute at dp 8, the sums' backward above the run's"),
+          "+2.05% (+224 MB): FSDP2 ZeRO-3 full recompute at dp 8: the sums' backward end (the first layer's "
+          "backward) keeps the head group unsharded (output.weight.unsharded, 1.05 GB) to the root's final "
+          "callback; the run reshards it after its own backward, and at that moment holds the previous "
+          "layer group's reduce-scatter input (436 MB) and the first layer's MLP gradients unsharded, "
+          "which the sums leave out (the run's peak is the backward's start, which the sums have to 1.6 MB)"),
     _miss(dict(dp=64, zero=3, precision="bf16", recompute="full"), 2048, 1,
           "-0.15% (-8.6 MB): the sums equal the run's requested bytes (to 520 B at recompute none); the "
           "rest is the allocator's blocks (unsplit rests), which the phase model does not pack"),
     _miss(dict(dp=8, tp=8, zero=3, sequence_parallel=True, precision="bf16", recompute="full"), 2048, 1,
-          "-35.8% (-0.87 GB): the embedding's backward under FSDP2 + TP: DTensor's replicated V x h "
-          "gradient (tok_embeddings.embedding.grad_weight, 1.05 GB) beside its shard and the last "
-          "reduce-scatter output; no such moment in the sums"),
+          "-0.76% (-18.5 MB; -35.8% before the sums took the embedding's backward under FSDP2 + TP, "
+          "memory.fsdp2_tp_embedding_backward): the sums equal the run's requested bytes to 8 B; the "
+          "rest is the allocator's blocks (unsplit rests of 32 reduce-scatter outputs and the layers' "
+          "shards), which the phase model does not pack"),
     _miss(dict(dp=8, zero=1, finetune="qlora", precision="bf16", recompute="full"), 2048, 1,
           "-38.1%: QLoRA under ZeRO-1, the phase model (its build's peak: the cut runs' spans do not line up)"),
 ]  # fmt: skip
