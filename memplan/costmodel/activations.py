@@ -76,9 +76,31 @@ def korthikanti_attention_core(x: Shape) -> int:
     return x.tokens * a * x.span * per_score // x.t
 
 
+def checkpointed_core_fp32_qk(x: Shape) -> int:
+    """Under autocast, what a checkpoint around the attention core (``recompute: selective``) keeps
+    of q and k beyond the d-byte casts SDPA saves without one: RoPE's tables are fp32 under autocast
+    (the embedding's output is), so the RoPE'd q and k are fp32, and the checkpoint holds them as its
+    inputs while their casts (SDPA's ``k_cast``, ``q_cast``) are recomputed in the backward: (4 - d)
+    (q + kv) per token (the bundled trainer's run: ``layers.N.attention.q_rope`` / ``k_rope``,
+    ``trainer_model.Model.attention``; -335,544,320 B on the 1B config at 4,096 tokens without it)."""
+    if not x.autocast:
+        return 0
+    return x.tokens * (4 - x.d) * (x.model.q_size + x.model.kv_size) // x.t
+
+
 def layer_input(x: Shape) -> int:
     """What a fully recomputed layer keeps: its input, d*h per token (2sbh in Table 2)."""
     return x.tokens * x.d * x.model.hidden_size // x.rep
+
+
+def residual_input(x: Shape) -> int:
+    """:func:`layer_input` in the residual stream's dtype: fp32 under autocast, where the
+    embedding's output is fp32 (``nn.Embedding`` is not autocast) and each residual add promotes
+    (the bundled trainer's run: a checkpointed layer keeps ``layers.N.residual_ffn`` in 4 bytes,
+    268 MB more than d on the 1B config at 4,096 tokens). The ``hf`` runtimes keep
+    :func:`layer_input`: their checkpointed LoRA case under autocast (tests/accuracy, CPU) measured
+    -0.5% with it and +2.4% with this, a compensation not yet traced."""
+    return x.tokens * (4 if x.autocast else x.d) * x.model.hidden_size // x.rep
 
 
 def layer_matmul_widths(model: ModelSpec) -> list[tuple[int, int]]:

@@ -776,6 +776,23 @@ def autocast_weight_copies(model: ModelSpec, layout: StageLayout, plan: Plan, d:
     return linear * d
 
 
+def checkpointed_layer_casts(model: ModelSpec, layout: StageLayout, plan: Plan, d: int, recomputed: int) -> int:
+    """The bundled trainer under autocast: the weight casts of the layers its forward runs under a
+    checkpoint (``recompute.layer``: full, the ``recomputed`` ones; selective-op, every layer), of
+    :func:`autocast_weight_copies`. The checkpoint keeps only its inputs (selective-op also its
+    policy's matmul and attention outputs, not the casts), so these casts live in autocast's cache
+    alone (``trainer_model.Model.cache``), which ``Transformer.forward`` lets go before the loss
+    (``t.done(*m.cache.values())``): at the loss and in the backward only the other layers' and the
+    LM head's (``output.weight.autocast``) remain; a re-run casts its own (a fresh cache, freed with
+    it). Without this the sums kept 1,946 MB of casts too many at the backward's start on the 1B
+    config under DDP (+6.1%)."""
+    layers = layout.layers if plan.recompute == "selective-op" else recomputed
+    if not layout.layers or not layers:
+        return 0
+    linear = layout.layer_params - layout.layers * (P.layer_norm_params(model) + P.qk_norm_params(model))
+    return layers * (linear // layout.layers) * d
+
+
 def embedding_grad_pending(
     model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, rt: RuntimeProfile
 ) -> int:
@@ -796,6 +813,49 @@ def embedding_grad_pending(
     return elements * policy.grad_bytes
 
 
+def fsdp2_tp_embedding_backward(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, st: _States, base: dict[str, int],
+    workspaces: int, x: A.Shape, accumulated: bool,
+) -> list[dict[str, int]]:  # fmt: skip
+    """The embedding's backward under FSDP2 with TP (the bundled trainer, untied, one stage), the
+    step's last node, at its two widest moments. DTensor's vocabulary-parallel embedding backward
+    yields a ``Replicate`` gradient of every row, V x h (``ops.embedding`` with ``vocab_shards``:
+    torch 2.13's ``embedding_dense_backward`` over ``num_weights`` V), in the unsharded dtype, while
+    the embedding group is still unsharded (V h / t) and the last layer group's reduce-scatter input is
+    alive; every other group's gradient is reduce-scattered by then (the sharded gradients less the
+    embedding's, whose shard is there too when an earlier micro-batch of the step made it:
+    ``accumulated``), and the batch's ids and labels and cuBLAS's workspaces are the other activations.
+
+    - inside the kernel: its fp32 partial sums of ``N + N // 10`` segments x h beside its int64 index
+      buffers (``ops.embedding``: 40 N + 16 + 8 (N + N // 10) bytes over N ids) and the incoming
+      gradient of the (b, s, h) lookup (sequence-gathered under SP);
+    - under SP, FSDP2 then copies this rank's rows to the weight's ``Shard(0)`` before the replicated
+      gradient goes (``fsdp.Fsdp._shard_vocab_grad``, ``FSDPParam._get_grad_inner_tensor``:
+      ``tok_embeddings.weight.grad_shard``, V h / t); without SP the gradient is reduce-scattered as is.
+
+    Measured against the run on llama3-8b, dp 8, TP 8, full recompute, 2,048 tokens: the sums 35.8%
+    (SP) and 12.0% (no SP) under its peak without these moments, equal to its requested bytes with
+    them (docs/cost-model.md)."""
+    unsharded = min(policy.param_bytes, policy.compute_bytes)
+    vocab = vocab_shard_params(model, plan.tp)
+    h, n = model.hidden_size, x.tokens
+    shard = int(vocab / (plan.dp * plan.cp) * policy.grad_bytes)
+    others = st.grads if accumulated else st.grads - shard
+    moment = {
+        **base,
+        "gradients": others + model.vocab_size * h * unsharded,
+        "activations": workspaces + 16 * n,  # ids and labels (int64)
+        "comm_buffers": layout.largest_layer_params * policy.grad_bytes,
+        "gathered_params": vocab * unsharded,
+    }
+    segments = n + n // 10
+    kernel = segments * h * 4 + 40 * n + 16 + 8 * segments + n * x.d * h
+    moments = [{**moment, "activations": moment["activations"] + kernel}]
+    if plan.sequence_parallel:
+        moments.append({**moment, "gradients": moment["gradients"] + vocab * unsharded})
+    return moments
+
+
 def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, recompute: str, moe_fraction: float, ep: int) -> int:
     """One layer, one micro-batch, stored under a recomputation policy (none, selective or
     selective-op; a fully recomputed layer keeps only its input)."""
@@ -813,7 +873,7 @@ def layer_activation_bytes(x: A.Shape, rt: RuntimeProfile, recompute: str, moe_f
         # log-sum-exp; on SDPA's math path its scaled copies and probabilities) is recomputed,
         # so none of it is stored: the checkpoint keeps q, k and v, whichever kernel runs
         x = replace(x, eager=False, sdpa="flash")
-        per_layer = rt.layer(x) - A.korthikanti_attention_core(x)
+        per_layer = rt.layer(x) - A.korthikanti_attention_core(x) + A.checkpointed_core_fp32_qk(x)
     else:
         per_layer = rt.layer(x)
     if moe_fraction and x.model.moe is not None:
@@ -984,7 +1044,7 @@ def _micro_batch_terms(
     return _MicroBatchTerms(
         full_layer,
         live_layer,
-        A.layer_input(x),
+        A.residual_input(x) if rt.name == "memplan" else A.layer_input(x),
         rt.embedding(x),
         rt.per_chunk(x) if rt.per_chunk is not None else 0,
         rt.head(x),
@@ -1274,9 +1334,12 @@ def _stage_phases(
     weight_copies = autocast_weight_copies(model, layout, plan, x.d) if x.autocast else 0
     if lora_acts is not None:
         weight_copies = lora_acts.weight_copies
-    fwd_acts, fwd_head, bwd_copies, others_kept, head_back = layer_acts, head, weight_copies, None, 0
+    kept_copies = weight_copies
+    if rt.name == "memplan" and x.autocast and lora_acts is None:
+        kept_copies -= checkpointed_layer_casts(model, layout, plan, x.d, recomputed)
+    fwd_acts, fwd_head, bwd_copies, others_kept, head_back = layer_acts, head, kept_copies, None, 0
     offload_host = mlp_peak = 0
-    fwd_copies, bwd_head, embedding_backward, mlp_backward, norm_backward = weight_copies, head, 0, None, 0
+    fwd_copies, bwd_head, embedding_backward, mlp_backward, norm_backward = kept_copies, head, 0, None, 0
     if plan.offload_activations != "none":
         off = activation_offload(model, x, plan, rt, layout, stored, head, weight_copies, lora_acts)
         share = inflight / layers if layers else 1
@@ -1302,10 +1365,17 @@ def _stage_phases(
     fp8_forward = max(0, fp8.forward_extra + 2 * A.layer_input(x) - fwd_head - loss_fwd) if fp8.forward_extra else 0
     if rt.name == "memplan" and recomputed and plan.offload_activations == "none" and lora_acts is None:
         # autocast's cache at that moment: every layer's casts but the LM head's (cast after the
-        # layers); the forward counts all of them as autocast_weights
+        # layers); the forward counts the ones kept past it as autocast_weights
         head_cast = vocab_shard_params(model, plan.tp) * x.d if layout.is_last and weight_copies else 0
-        moment = memo.checkpointed_mlp_forward(x, shape_key, weight_copies - head_cast) - weight_copies
+        moment = memo.checkpointed_mlp_forward(x, shape_key, weight_copies - head_cast) - fwd_copies
         mlp_peak = max(0, moment - fwd_head - loss_fwd)
+    if fwd_copies < weight_copies and layout.is_last and plan.offload_activations == "none":
+        # the LM head's output, before the loss: autocast's cache still holds every cast, the head's
+        # saves and the final norm's fp32 output (``Model.head``'s ``n``, dropped after the matmul)
+        # are there, the loss's fp32 tensors not yet (the run's ``output.logits``)
+        head_part = fwd_head - A.fp32_logits(x, model.vocab_size) + A.residual_input(x) + terms.logits
+        at_logits = weight_copies - fwd_copies + head_part
+        mlp_peak = max(mlp_peak, at_logits - fwd_head - loss_fwd)
     head_grads = 0
     if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
         head_grads = (vocab_shard_params(model, plan.tp) + P.norm_params(model)) * policy.grad_bytes
@@ -1435,6 +1505,11 @@ def _stage_phases(
         )
         if workspaces:
             candidates[-1]["activations"] = workspaces
+    if rt.pytorch_parallel and fsdp2 and plan.tp > 1 and plan.pp == 1 and not finetune and not model.tied_embeddings:
+        if plan.offload_params == "none" and layout.is_first:
+            candidates += fsdp2_tp_embedding_backward(
+                model, layout, plan, policy, st, base, workspaces, x, bool(grads_in_step)
+            )
     if fp8.backward_extra and layers and lora_acts is None and plan.offload_activations == "none":
         acts = fwd_acts + embed + live_layer - per_layer
         first = fp8_first_backward_layer(bwd_start, fp8, acts, x, head_grads, retained, unsharded.backward_end)

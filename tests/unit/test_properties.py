@@ -329,13 +329,24 @@ def test_more_recomputation_never_uses_more(job):
     outputs (2 b s h / t) and the attention kernel's fp32 log-sum-exp (4 b s a / t), which
     selective recomputes (torchtitan/distributed/activation_checkpoint.py, ``_save_list``;
     docs/cost-model.md). The step may add those, in the compute dtype, for each of the at most L
-    layers of activations a 1F1B stage stores (Korthikanti et al. 2022, Sec. 4.2.3)."""
+    layers of activations a 1F1B stage stores (Korthikanti et al. 2022, Sec. 4.2.3).
+
+    And under autocast (bf16-mixed without FSDP2, in the runtimes that run it), none -> selective
+    stores more: the checkpoint around the attention core holds the RoPE'd q and k, which are fp32
+    (RoPE's tables are), where without it SDPA saves their bf16 casts: 2 (q + kv) / t bytes a token
+    and layer more, less the log-sum-exp selective recomputes (the bundled trainer's op-level run:
+    llama2-7b, 2,048 tokens, its forward and backward peaks 1,065,320,448 B higher under selective,
+    ``activations.checkpointed_core_fp32_qk``)."""
     m, workload, plan, runtime = job
     level = RECOMPUTE_ORDER.index(plan.recompute)
     if level == len(RECOMPUTE_ORDER) - 1:
         return
     more = _with(plan, recompute=RECOMPUTE_ORDER[level + 1])
     allowance = 0
+    fsdp2 = plan.zero >= 2 and plan.dp > 1
+    if more.recompute == "selective" and plan.precision == "bf16-mixed" and runtime != "megatron" and not fsdp2:
+        per_token = 2 * (m.q_size + m.kv_size) // plan.tp
+        allowance = m.num_layers * workload.micro_batch * workload.seq_len * per_token
     if more.recompute == "selective-op":
         d = 4 if plan.precision == "fp32" else 2
         h, t = m.hidden_size, plan.tp
