@@ -57,12 +57,13 @@ from memplan.costmodel.lora import ATTENTION, SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan
+from memplan.specs.plan import Plan, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "qwen2-moe")  # hf_moe.py: the sparse block on Mistral's, Qwen3's, Qwen2's layer
-FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+MLA_FAMILIES = ("deepseek-v3",)  # hf_mla.py: MLA, the sigmoid router with its score bias, the shared experts
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
 # each family's layer as transformers writes it: (layer norms, q/k norm scope or None, (fused qkv, fused gate-up))
 LAYOUT = {
     "qwen3": ("pre", "head", (False, False)),
@@ -127,7 +128,9 @@ def hf_supported(
         return f"the {model.architecture} family under the hf-loop runtime (its loop is followed for Llama's layout)"
     checks = [
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
-        (model.mla is None, "MLA models"),
+        (model.mla is None or model.architecture in MLA_FAMILIES, "MLA models"),
+        (model.mla is None or cpu, _MLA_CUDA),
+        (model.mla is None or _mla_ok(model, plan), _MLA_PLAN),
         (_moe_ok(model), "this MoE block (shared experts, dense layers, router biases or fused experts)"),
         (model.moe is None or plan.quant == "none", "a quantized MoE base"),
         (
@@ -187,10 +190,31 @@ def _moe_ok(model: ModelSpec) -> bool:
     moe, arch = model.moe, model.architecture
     if moe is None:
         return True
+    if arch in MLA_FAMILIES:  # DeepseekV3MoE: one ungated shared MLP, the score bias, dense layers first
+        first = tuple(range(len(moe.dense_layers)))
+        plain = not (moe.router_bias or moe.fused_gate_up or moe.shared_expert_gate)
+        return plain and moe.router_score_bias and moe.num_shared_experts == 1 and moe.dense_layers == first
     if moe.router_bias or moe.router_score_bias or moe.fused_gate_up or arch not in MOE_FAMILIES:
         return False
     shared = (moe.num_shared_experts, moe.shared_expert_gate) == ((1, True) if arch == "qwen2-moe" else (0, False))
     return shared and (arch != "mixtral" or (moe.layer_freq == 1 and not moe.dense_layers))
+
+
+# DeepSeek-V3's q/k and v heads differ in width (192, 128): CUDA's flash kernel needs one head dim, so SDPA runs
+# the memory-efficient kernel (or cuDNN), whose 16-bit buffers are not followed; the CPU runs the math path
+_MLA_CUDA = (
+    "MLA attention on CUDA (SDPA over unequal q/k and v head dims: the memory-efficient kernel, not followed; "
+    "the op-level run follows it on CPU, --device cpu)"
+)
+_MLA_PLAN = "MLA other than full fine-tuning of DeepSeek-V3 in fp32 or bf16 without bf16=True on one rank"
+
+
+def _mla_ok(model: ModelSpec, plan: Plan) -> bool:
+    """DeepSeek-V3 as tests/unit/test_timeline_hf_mla.py checks it against the real Trainer: full fine-tuning
+    on one rank, fp32 or a bf16 model without ``bf16=True`` (the router's fp32 casts under autocast: not
+    followed), no attention biases (``attention_bias``)."""
+    no_autocast = plan.precision == "fp32" or (plan.precision == "bf16" and not trainer_autocast(plan, "hf"))
+    return plan.finetune == "full" and plan.dp == 1 and no_autocast and not model.mla.down_proj_bias
 
 
 # PEFT's all-linear over transformers 5's MoE blocks wraps the router and the 3-D experts in lora.ParamWrapper
@@ -216,7 +240,7 @@ def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 
 # families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): the dense ones
-FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MOE_FAMILIES)
+FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MOE_FAMILIES + MLA_FAMILIES)
 
 
 def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
