@@ -665,7 +665,13 @@ _HF_KEYS: dict[str, dict[str, str]] = {
         "attention_pattern": "layer_types",
     },
 }
-_HF_KEYS["DeepseekV3ForCausalLM"] = _HF_KEYS["DeepseekV2ForCausalLM"]
+_HF_KEYS["DeepseekV3ForCausalLM"] = {
+    **_HF_KEYS["DeepseekV2ForCausalLM"],
+    "moe.router_groups": "n_group",
+    "moe.router_topk_groups": "topk_group",
+    "moe.norm_topk_prob": "norm_topk_prob",
+    "mla.rope_interleave": "rope_interleave",
+}
 for _arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
     _HF_KEYS[_arch] |= {"attention_pattern": "layer_types"}
 _HF_KEYS["Qwen3ForCausalLM"] = {**_LLAMA_KEYS, "attention_pattern": "layer_types"}

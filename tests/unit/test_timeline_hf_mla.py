@@ -14,6 +14,9 @@ casts it back to fp32 before the Trainer is built.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -24,7 +27,7 @@ import hf_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py
 from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
 from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
-from memplan.specs.loader import model_from_data  # noqa: E402
+from memplan.specs.loader import load_model, model_from_data  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
@@ -46,11 +49,21 @@ def _case(tag: str, extra: tuple = V3, slow: bool = False, **fields) -> hf_steps
 
 
 BF16 = dict(dtype="bfloat16")
+# 16 experts in 4 groups, top-4 from 2 groups, 4 heads over 128 tokens: the scores and the experts' rows larger
+WIDE = (*MLA, ("n_routed_experts", 16), ("num_experts_per_tok", 4), ("n_group", 4), ("topk_group", 2))
+WIDE += ROUTER[4:]
 CASES = [
     _case("fp32"),
-    _case("bf16", **BF16),
-    _case("fp32-ckpt", checkpointing=True),
     _case("bf16-ckpt", **BF16, checkpointing=True),
+    _case("autocast", autocast=True),  # bf16=True over fp32 weights (bf16-mixed)
+    _case("bf16-autocast", **BF16, autocast=True),  # bf16=True over bf16 weights: --precision bf16's recipe
+    _case("plain-q-fp32", PLAIN_Q),
+    _case("rotate-half-bf16", (*V3, ("rope_interleave", False)), **BF16),
+    _case("wide-fp32", WIDE, hidden=32, heads=4, kv_heads=4, seq=128),
+    _case("bf16", slow=True, **BF16),
+    _case("fp32-ckpt", slow=True, checkpointing=True),
+    _case("autocast-ckpt", slow=True, autocast=True, checkpointing=True),
+    _case("plain-q-bf16-autocast-ckpt", PLAIN_Q, slow=True, **BF16, autocast=True, checkpointing=True),
 ]
 
 
@@ -90,3 +103,105 @@ def test_peak_equals_the_trainers(case: hf_steps.Case) -> None:
     measured = hf_steps._measure_trainer(case, STEPS, _fp32_score_bias)
     predicted = predict(case)
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+def test_the_cases_cover_the_precisions_checkpointing_and_the_attention_variants() -> None:
+    assert {c.precision for c in CASES} >= {"fp32", "bf16", "bf16-mixed"}
+    assert any(c.checkpointing and not c.slow for c in CASES)
+    extras = [dict(c.extra) for c in CASES if not c.slow]
+    assert any(e.get("q_lora_rank", 1) is None for e in extras)
+    assert any(e.get("rope_interleave") is False for e in extras)
+
+
+def test_the_reader_takes_what_the_run_needs() -> None:
+    """DeepSeek-V3's config.json: the router's groups, ``norm_topk_prob``, ``rope_interleave`` (the config's
+    defaults where the file leaves them out) and the dense first layers transformers builds; the bundled
+    profile reads the same."""
+    model = model_from_data(json.loads(Path("tests/data/hf/deepseek-v3.json").read_text()), "v3/config.json", "v3")
+    moe, mla = model.moe, model.mla
+    assert (moe.router_groups, moe.router_topk_groups, moe.norm_topk_prob, mla.rope_interleave) == (8, 4, True, True)
+    bundled = load_model("deepseek-v3")
+    assert (bundled.moe, bundled.mla) == (moe, mla)
+    cfg = _case("reader", (*V3, ("rope_interleave", False), ("norm_topk_prob", False))).hf_config()
+    tiny = model_from_data(cfg, "tiny/config.json", "tiny")
+    assert (tiny.moe.router_groups, tiny.moe.router_topk_groups) == (2, 1)
+    assert not tiny.mla.rope_interleave and not tiny.moe.norm_topk_prob
+    extra = family_config(tiny)
+    real = transformers.DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "architectures"})
+    built = [type(layer.mlp).__name__ for layer in transformers.DeepseekV3ForCausalLM(real).model.layers]
+    assert [i for i, name in enumerate(built) if name == "DeepseekV3MLP"] == list(extra["dense"]) == [0]
+
+
+def test_the_parameters_are_the_models() -> None:
+    """The run's parameters (names, sizes, order) are ``named_parameters()`` of the real model, with and
+    without ``q_lora_rank``."""
+    from memplan.costmodel.timeline.hf_families import family
+    from memplan.costmodel.timeline.hf_model import param_shapes
+    from memplan.costmodel.timeline.hf_moe import layer_params, moe_sizes
+
+    for extra in (V3, PLAIN_Q):
+        case = _case("params", extra)
+        cfg = case.hf_config()
+        model = model_from_data(cfg, "p/config.json", "p")
+        plan, workload = Plan(precision="fp32"), TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+        d, config = hf_dims(model, workload, plan), family_config(model)
+        layers = layer_params(model.architecture, family(model.architecture)[1], config)
+        shapes = param_shapes(d, model.tied_embeddings, False, layers, moe_sizes(config, d.h))
+        real = transformers.DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "architectures"})
+        named = transformers.DeepseekV3ForCausalLM(real).named_parameters()
+        expected = [(n if n.endswith(("weight", "bias")) else f"{n}.weight", p.numel()) for n, p in named]
+        assert [(n, r * c) for n, (r, c) in shapes.items()] == expected
+
+
+def _estimate(capsys, args: list[str]) -> dict:
+    from memplan.cli.app import run
+
+    code = run(["estimate", *args, "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)["memory"]
+
+
+def _answered(capsys, args: list[str]) -> None:
+    """Op-level on CPU; on CUDA the phase model, with the reason (SDPA's memory-efficient kernel over
+    unequal head dims, not followed)."""
+    memory = _estimate(capsys, [*args, "--device", "cpu"])
+    assert memory["model"] == "op-level" and memory["model_reason"] is None
+    assert memory["peak"]["reserved_detail"]["timeline"] == "hf"
+    cuda = _estimate(capsys, args)
+    assert cuda["model"] == "phase" and cuda["model_reason"].startswith("MLA attention on CUDA")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-mixed", "fp32"])
+def test_estimate_answers_a_tiny_deepseek_v3_op_level_on_cpu(capsys, tmp_path, precision: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_case("cli").hf_config()))
+    _answered(capsys, [str(path), "--runtime", "hf", "--precision", precision, "--seq-len", "64"])
+
+
+@pytest.mark.slow
+def test_estimate_answers_deepseek_v3_op_level_on_cpu(capsys) -> None:
+    """The bundled DeepSeek-V3 (61 layers, 256 experts) under ``--runtime hf``."""
+    _answered(capsys, ["deepseek-v3", "--runtime", "hf", "--precision", "bf16", "--seq-len", "512"])
+
+
+@pytest.mark.parametrize(
+    ("moe", "mla", "plan", "reason"),
+    [
+        ({}, {"down_proj_bias": True}, {}, "MLA other than"),
+        ({}, {}, {"finetune": "lora", "lora_targets": ("o_proj",)}, "MLA other than"),
+        ({}, {}, {"dp": 2}, "MLA other than"),
+        ({"dense_layers": (1,)}, {}, {}, "this MoE block"),  # DeepseekV3DecoderLayer: the first k dense
+        ({"shared_expert_gate": True}, {}, {}, "this MoE block"),
+        ({"router_bias": True}, {}, {}, "this MoE block"),
+        ({}, {}, {"dp": 2, "zero": 3}, "MLA other than"),
+    ],
+)
+def test_a_deepseek_plan_the_run_does_not_follow_stays_on_the_phase_model(
+    moe: dict, mla: dict, plan: dict, reason: str
+) -> None:
+    model = load_model("deepseek-v3")
+    model = model.model_copy(update={"moe": model.moe.model_copy(update=moe), "mla": model.mla.model_copy(update=mla)})
+    workload = TrainingWorkload(seq_len=512, micro_batch=1)
+    why = hf_supported(model, Plan(precision="bf16", **plan), workload, device="cpu")
+    assert why is not None and why.startswith(reason), why

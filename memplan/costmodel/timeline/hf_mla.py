@@ -197,12 +197,21 @@ class HfDeepseekV3(MoeBlock, HfLlama):
             t.done(kv_nope)
             q_emb, k_emb = self.mla_rope(q_rot, k_rot, cos, sin)
             t.done(q_rot, k_rot)
-            query = ops.cat(t, q_pass, q_emb, "query_states")
+            query = self.cat_promoted(q_pass, q_emb, "query_states")
             key, value = self.expand_kv(latent, k_emb, name)
             out = self.mla_sdpa(query, key, value)
             y = self.linear(out, f"{name}.o_proj", d.h, "o_proj")
             t.done(out, q_pass, q_emb, ckv, latent, k_emb, query, key, value)
         return y
+
+    def cat_promoted(self, a: Tensor, b: Tensor, tag: str) -> Tensor:
+        """``torch.cat((a, b), dim=-1)``, a 16-bit ``a`` cast to an fp32 ``b``'s dtype first (under
+        autocast the projections are bf16, RoPE's products fp32), the cast freed as cat returns."""
+        t = self.tape
+        a2 = ops.to(t, a, b.itemsize, f"{tag}.promote")
+        out = ops.cat(t, a2, b, tag)
+        t.done(a2)
+        return out
 
     def queries(self, x: Tensor, name: str, width: int) -> Tensor:
         """``q_b_proj(q_a_layernorm(q_a_proj(x)))``, or ``q_proj(x)``."""
@@ -259,7 +268,12 @@ class HfDeepseekV3(MoeBlock, HfLlama):
         """SDPA's math path (``precision.math_sdpa``'s ops over v_head_dim values), then
         ``transpose(1, 2).contiguous()`` and the reshape."""
         t, d = self.tape, self.d
+        if self.cache is not None:  # autocast casts SDPA's fp32 inputs to bf16 (the query: RoPE's fp32)
+            q, k, v = (ops.to(t, x, 2, f"{n}_cast") for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        else:
+            q, k, v = (t.alias(x) for x in (q, k, v))
         out = math_sdpa(t, q, k, v, d.b, d.heads, d.s)
+        t.done(q, k, v)
         flat = prec.merge_heads(t, out)
         t.done(out)
         return flat
@@ -286,7 +300,14 @@ class HfDeepseekV3(MoeBlock, HfLlama):
         tokens, e, k, groups = d.tokens, cfg["experts"], cfg["top_k"], cfg["groups"]
         x32 = ops.to(t, x, 4, "input_fp32")
         w32 = ops.to(t, self.weights[f"{name}.weight"], 4, "weight_fp32")
-        logits = ops.linear(t, x32, w32, tokens * e, "router_logits")
+        if self.cache is None:
+            logits = ops.linear(t, x32, w32, tokens * e, "router_logits")
+        else:  # autocast runs F.linear in bf16: the weight's cast (cached when it is the fp32 leaf), the input's
+            leaf = self.weights[f"{name}.weight"].itemsize == 4  # ``weight.type(float32)`` returned the weight
+            w = self.weight(f"{name}.weight") if leaf else ops.to(t, w32, 2, "weight_cast")
+            xin = ops.to(t, x32, 2, "input_cast")
+            logits = ops.linear(t, xin, w, tokens * e, "router_logits")
+            t.done(xin, w)
         t.done(w32, x32)
         scores = ops.output_saved(t, logits, "sigmoid", "sigmoid_backward")
         choice = t.new(tokens * e, 4, "scores_for_choice")
@@ -357,9 +378,13 @@ def copy_slices(tape: Tape, k_nope: Tensor, k_rot: Tensor, numel: int) -> Tensor
         def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
             base_grad = tape.new(numel, itemsize, f"{tag}.grad_base")
             clone = tape.new(part, itemsize, f"{tag}.grad_slice_clone")
-            if node.nexts[0] is not None:
-                tape.drop(tape.new(part, itemsize, f"{tag}.zeros_like"))
-            else:
+            zeros = tape.new(part, itemsize, f"{tag}.zeros_like") if node.nexts[0] is not None else None
+            if src.itemsize != itemsize:  # ``grad.to(src_options)``: an fp32 source's (RoPE's under autocast)
+                cast = tape.new(part, src.itemsize, f"{tag}.grad_src_cast")
+                tape.drop(clone)
+                clone = cast
+            tape.drop(zeros)
+            if node.nexts[0] is None:
                 tape.drop(base_grad)
                 base_grad = None
             return [base_grad, clone]

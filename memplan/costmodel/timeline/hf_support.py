@@ -57,7 +57,7 @@ from memplan.costmodel.lora import ATTENTION, SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, trainer_autocast
+from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
@@ -206,15 +206,14 @@ _MLA_CUDA = (
     "MLA attention on CUDA (SDPA over unequal q/k and v head dims: the memory-efficient kernel, not followed; "
     "the op-level run follows it on CPU, --device cpu)"
 )
-_MLA_PLAN = "MLA other than full fine-tuning of DeepSeek-V3 in fp32 or bf16 without bf16=True on one rank"
+_MLA_PLAN = "MLA other than full fine-tuning of DeepSeek-V3 without attention biases on one rank"
 
 
 def _mla_ok(model: ModelSpec, plan: Plan) -> bool:
     """DeepSeek-V3 as tests/unit/test_timeline_hf_mla.py checks it against the real Trainer: full fine-tuning
-    on one rank, fp32 or a bf16 model without ``bf16=True`` (the router's fp32 casts under autocast: not
-    followed), no attention biases (``attention_bias``)."""
-    no_autocast = plan.precision == "fp32" or (plan.precision == "bf16" and not trainer_autocast(plan, "hf"))
-    return plan.finetune == "full" and plan.dp == 1 and no_autocast and not model.mla.down_proj_bias
+    on one rank (fp32, bf16 with or without ``bf16=True``, ``bf16=True`` over fp32), no attention biases
+    (``attention_bias``: q_a_proj's and kv_a_proj_with_mqa's, not followed)."""
+    return plan.finetune == "full" and plan.dp == 1 and not model.mla.down_proj_bias
 
 
 # PEFT's all-linear over transformers 5's MoE blocks wraps the router and the 3-D experts in lora.ParamWrapper
