@@ -205,3 +205,16 @@ def test_a_deepseek_plan_the_run_does_not_follow_stays_on_the_phase_model(
     workload = TrainingWorkload(seq_len=512, micro_batch=1)
     why = hf_supported(model, Plan(precision="bf16", **plan), workload, device="cpu")
     assert why is not None and why.startswith(reason), why
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fp32", "fp32-ckpt", "bf16", "bf16-ckpt", "autocast"])
+def test_the_family_cases_equal_the_trainers(name: str) -> None:
+    """tests/accuracy/family_steps.py's DeepSeek-V3 under the Trainer (one expert group, ``q_lora_rank`` 48,
+    a 2,000-token vocabulary), held to the byte here (within 3% there, under -m slow)."""
+    import family_steps
+
+    case = next(c for c in family_steps.CASES if c.name == f"trainer-deepseek-v3-{name}")
+    measured = hf_steps._measure_trainer(case, STEPS, _fp32_score_bias)
+    predicted = predict(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
