@@ -105,6 +105,75 @@ def test_peak_equals_the_trainers(case: hf_steps.Case) -> None:
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 
+MLA_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+LORA_CASES = [
+    ("all-fp32", V3, {"targets": MLA_LINEARS}),
+    # the first layer's frozen queries take no gradient: the scores' bmm keeps the query alone
+    ("kv-b-o-bf16", V3, {"targets": ("kv_b_proj", "o_proj"), "dtype": "bfloat16"}),
+    ("plain-q-autocast-ckpt-dropout", PLAIN_Q, {"targets": ("q_proj", "o_proj"), "autocast": True, "dropout": 0.1}),
+    ("all-bf16-autocast", V3, {"targets": MLA_LINEARS, "dtype": "bfloat16", "autocast": True, "slow": True}),
+]
+
+
+def _bias_cast_bytes(case) -> int:
+    """What the harness's ``.to(bfloat16)`` takes off the routers' fp32 score bias (``from_pretrained``
+    keeps it fp32, and so does the run): 2 B per expert per sparse layer over a bf16 base."""
+    if case.dtype != "bfloat16":
+        return 0
+    extra = dict(case.extra)
+    return 2 * extra["n_routed_experts"] * (case.layers - extra["first_k_dense_replace"])
+
+
+@pytest.mark.parametrize(
+    ("tag", "extra", "fields"),
+    [pytest.param(*c, marks=[pytest.mark.slow] if c[2].get("slow") else [], id=c[0]) for c in LORA_CASES],
+)
+def test_lora_on_the_attention_linears_equals_the_trainers(tag: str, extra: tuple, fields: dict) -> None:
+    """PEFT LoRA on MLA's linears under the real Trainer (tests/accuracy/hf_peft_steps.py), the experts,
+    router and shared experts frozen: equal to the byte but for the score bias the harness casts."""
+    pytest.importorskip("peft")
+    import hf_peft_steps
+    from peft_steps import PeftCase, plan_of
+
+    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
+
+    fields = {**SHAPE, **fields, "checkpointing": "ckpt" in tag}
+    case = PeftCase(f"hfmla-lora-{tag}", arch="deepseek_v3", extra=extra, **fields)
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan, workload = plan_of(case), TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+    assert hf_supported(model, plan, workload, device="cpu") is None
+    timeline = hf_run(
+        hf_dims(model, workload, plan),
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        batches=STEPS,
+        arch=model.architecture,
+        extra=family_config(model),
+        lora=HfLoraConfig.of(plan),
+        inplace_accumulate=False,
+        subclass_like=True,
+    )
+    measured, predicted = hf_peft_steps.measure(case, steps=STEPS), timeline.peak()[0]
+    expected = measured + _bias_cast_bytes(case)
+    assert predicted == expected, f"{case.name}: {predicted:,} B predicted, {expected:,} B measured (fp32 bias)"
+
+
+def test_estimate_answers_lora_over_deepseek_v3_on_cpu_and_refuses_it_on_cuda(capsys, tmp_path) -> None:
+    """LoRA over an MoE model has no phase model (``reserve.run_only``): on CPU the run answers it; on CUDA,
+    where the run declines MLA, one line naming the field, exit 2."""
+    from memplan.cli.app import run
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_case("cli-lora").hf_config()))
+    args = [str(path), "--runtime", "hf", "--finetune", "lora", "--lora-targets", "kv_b_proj,o_proj"]
+    memory = _estimate(capsys, [*args, "--seq-len", "64", "--device", "cpu"])
+    assert memory["model"] == "op-level"
+    assert run(["estimate", *args, "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "MLA attention on CUDA" in err[0], err
+
+
 def test_the_cases_cover_the_precisions_checkpointing_and_the_attention_variants() -> None:
     assert {c.precision for c in CASES} >= {"fp32", "bf16", "bf16-mixed"}
     assert any(c.checkpointing and not c.slow for c in CASES)
@@ -189,7 +258,8 @@ def test_estimate_answers_deepseek_v3_op_level_on_cpu(capsys) -> None:
     ("moe", "mla", "plan", "reason"),
     [
         ({}, {"down_proj_bias": True}, {}, "MLA other than"),
-        ({}, {}, {"finetune": "lora", "lora_targets": ("o_proj",)}, "MLA other than"),
+        ({}, {}, {"finetune": "lora", "lora_targets": ("q_proj", "o_proj")}, "MLA other than"),  # q_lora_rank set
+        ({}, {}, {"finetune": "lora", "lora_targets": ("o_proj",), "modules_to_save": ("lm_head",)}, "MLA other"),
         ({}, {}, {"dp": 2}, "MLA other than"),
         ({"dense_layers": (1,)}, {}, {}, "this MoE block"),  # DeepseekV3DecoderLayer: the first k dense
         ({"shared_expert_gate": True}, {}, {}, "this MoE block"),

@@ -135,7 +135,7 @@ def math_sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, b: int, heads: int, s
     mask = prec._causal_mask(tape, s, 4)
     key = prec._scaled(tape, k32, k.numel, "sdpa_math.key_t")
     key.transposed = True
-    attn = prec._bmm(tape, query, key, scores, "sdpa_math.scores")
+    attn = bmm(tape, query, key, scores, "sdpa_math.scores")
     tape.done(key)
     masked = ops.add(tape, attn, mask, "sdpa_math.masked")
     tape.done(attn)
@@ -143,10 +143,26 @@ def math_sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, b: int, heads: int, s
     tape.done(masked)
     returned = tape.new(scores, dtype, "sdpa_math.attn_cast") if dtype != 4 else None  # attn.to(origin_dtype)
     values = prec._contiguous(tape, v32, "sdpa_math.values_contiguous", copy_grad=False)
-    raw = prec._bmm(tape, probs, values, v.numel, "sdpa_math.out")
+    raw = bmm(tape, probs, values, v.numel, "sdpa_math.out")
     tape.done(values)
     out32 = prec._unsafe_view(tape, raw, "sdpa_math.out_view")
     out = ops.to(tape, out32, dtype, "sdpa_math.out_cast")
     tape.done(out32)
     tape.done(mask, v32, k32, q32, returned, query, probs)
     return out
+
+
+def bmm(tape: Tape, a: Tensor, b: Tensor, out_numel: int, tag: str) -> Tensor:
+    """``bmm(a, b)`` (``precision._bmm``) saving each input only for the other's gradient (BmmBackward0:
+    ``self`` where ``mat2`` takes a gradient, ``mat2`` where ``self`` does): under LoRA on kv_b_proj alone
+    the first layer's frozen queries take none, and the scaled key goes as the product returns."""
+    an, bn = a.numel, b.numel
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        gb = tape.new(bn, b.itemsize, "grad_mat2") if node.nexts[1] is not None else None
+        ga = tape.new(an, a.itemsize, "grad_self") if node.nexts[0] is not None else None
+        return [ga, gb]
+
+    saved = ([a] if b.fn is not None else []) + ([b] if a.fn is not None else [])
+    node = tape.node(tag, apply, [a, b], saved=saved)
+    return ops.result(tape, out_numel, a.itemsize, tag, node)

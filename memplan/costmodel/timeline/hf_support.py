@@ -55,7 +55,7 @@ forward under ``torch.autocast`` (tests/unit/test_plan_autocast.py).
 
 from __future__ import annotations
 
-from memplan.costmodel.lora import ATTENTION, SAVABLE
+from memplan.costmodel.lora import ATTENTION, MLA_ATTENTION, SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
@@ -155,7 +155,10 @@ def hf_supported(
             "CUDA's gemm_4bit picks its fused kernel or the fallback by these (5 to 1536 tokens, by the shapes)",
         ),
         (
-            plan.finetune == "full" or model.architecture in PEFT_FAMILIES or _moe_lora_ok(model, plan),
+            plan.finetune == "full"
+            or model.architecture in PEFT_FAMILIES
+            or _moe_lora_ok(model, plan)
+            or (model.architecture in MLA_FAMILIES and _mla_lora_ok(model, plan)),
             f"PEFT over the {model.architecture} family" + (_MOE_LORA if model.architecture in MOE_FAMILIES else ""),
         ),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
@@ -208,14 +211,31 @@ _MLA_CUDA = (
     "MLA attention on CUDA (SDPA over unequal q/k and v head dims: the memory-efficient kernel, not followed; "
     "the op-level run follows it on CPU, --device cpu)"
 )
-_MLA_PLAN = "MLA other than full fine-tuning of DeepSeek-V3 without attention biases on one rank"
+_MLA_PLAN = (
+    "MLA other than full fine-tuning or LoRA on the attention linears (q_a_proj, q_b_proj or q_proj, "
+    "kv_a_proj_with_mqa, kv_b_proj, o_proj) of DeepSeek-V3 without attention biases on one rank"
+)
 
 
 def _mla_ok(model: ModelSpec, plan: Plan) -> bool:
     """DeepSeek-V3 as tests/unit/test_timeline_hf_mla.py checks it against the real Trainer: full fine-tuning
-    on one rank (fp32, bf16 with or without ``bf16=True``, ``bf16=True`` over fp32), no attention biases
-    (``attention_bias``: q_a_proj's and kv_a_proj_with_mqa's, not followed)."""
-    return plan.finetune == "full" and plan.dp == 1 and not model.mla.down_proj_bias
+    or PEFT LoRA on linears MLA has (no ``modules_to_save``), on one rank (fp32, bf16 with or without
+    ``bf16=True``, ``bf16=True`` over fp32), no attention biases (``attention_bias``: q_a_proj's and
+    kv_a_proj_with_mqa's, not followed)."""
+    return plan.dp == 1 and not model.mla.down_proj_bias and (plan.finetune == "full" or _mla_lora_ok(model, plan))
+
+
+def mla_linears(model: ModelSpec) -> tuple[str, ...]:
+    """The attention linears ``DeepseekV3Attention`` builds (``q_proj`` in place of q_a / q_b without
+    ``q_lora_rank``), by transformers' names."""
+    queries = ("q_proj",) if model.mla.q_lora_rank is None else MLA_ATTENTION[:2]
+    return (*queries, *MLA_ATTENTION[2:], "o_proj")
+
+
+def _mla_lora_ok(model: ModelSpec, plan: Plan) -> bool:
+    """LoRA over DeepSeek-V3 as checked: adapters on the attention linears it has, nothing trained in full."""
+    targets = set(plan.lora_targets)
+    return plan.finetune == "lora" and bool(targets) and targets <= set(mla_linears(model)) and not plan.modules_to_save
 
 
 # PEFT's all-linear over transformers 5's MoE blocks wraps the router and the 3-D experts in lora.ParamWrapper
