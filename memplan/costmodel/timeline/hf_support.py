@@ -12,7 +12,7 @@ Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE 
 gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA on the attention linears on one rank;
 no router biases; tests/unit/test_timeline_hf_moe.py), and DeepSeek-V3 on CPU (``hf_mla.py``: MLA under the CPU's
 math SDPA, the sigmoid router with its score bias and groups, the ungated shared experts; full fine-tuning on
-one rank; tests/unit/test_timeline_hf_mla.py); fp32, ``bf16`` (a bf16 model under
+one rank, or PEFT LoRA on MLA's linears; tests/unit/test_timeline_hf_mla.py); fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
 fused AdamW; gradient checkpointing of every
