@@ -57,7 +57,7 @@ CASES = [
     _case("bf16-ckpt", **BF16, checkpointing=True),
     _case("autocast", autocast=True),  # bf16=True over fp32 weights (bf16-mixed)
     _case("bf16-autocast", **BF16, autocast=True),  # bf16=True over bf16 weights: --precision bf16's recipe
-    _case("plain-q-fp32", PLAIN_Q),
+    _case("plain-q-fp32", PLAIN_Q, slow=True),  # a plain q_proj by default: the LoRA case on it
     _case("rotate-half-bf16", (*V3, ("rope_interleave", False)), **BF16),
     _case("wide-fp32", WIDE, hidden=32, heads=4, kv_heads=4, seq=128),
     _case("bf16", slow=True, **BF16),
@@ -178,7 +178,7 @@ def test_the_cases_cover_the_precisions_checkpointing_and_the_attention_variants
     assert {c.precision for c in CASES} >= {"fp32", "bf16", "bf16-mixed"}
     assert any(c.checkpointing and not c.slow for c in CASES)
     extras = [dict(c.extra) for c in CASES if not c.slow]
-    assert any(e.get("q_lora_rank", 1) is None for e in extras)
+    assert any(dict(extra).get("q_lora_rank", 1) is None for _, extra, f in LORA_CASES if not f.get("slow"))
     assert any(e.get("rope_interleave") is False for e in extras)
 
 
