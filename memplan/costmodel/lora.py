@@ -32,6 +32,8 @@ HF_NAMES = {
     "feed_forward.w2": "down_proj",
 }
 MLP = ("gate_proj", "up_proj", "down_proj")
+# DeepSeek-V3's MLA linears beside o_proj (and q_proj without q_lora_rank): transformers' names, which PEFT targets
+MLA_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 LINEARS = ATTENTION + MLP  # transformers' Llama / Mistral / Qwen2 decoder-layer linears
 SAVABLE = ("lm_head", "embed_tokens")  # modules_to_save memplan models (trained in full)
 ALL_LINEAR = "all-linear"

@@ -404,6 +404,7 @@ def _deepseek(cfg: Config, version: str) -> dict[str, Any]:
         "qk_rope_head_dim": d.get("qk_rope_head_dim", 64),
         "v_head_dim": d.get("v_head_dim", 128),
         "down_proj_bias": bias,
+        "rope_interleave": version == "deepseek-v3" and bool(d.get("rope_interleave", True)),
     }
     shared, num_layers = d["n_shared_experts"] or 0, d["num_hidden_layers"]
     moe = MoESpec(
@@ -414,6 +415,10 @@ def _deepseek(cfg: Config, version: str) -> dict[str, Any]:
         shared_expert_ffn_size=shared * d["moe_intermediate_size"] or None,
         dense_layers=tuple(range(min(d["first_k_dense_replace"], num_layers))),
         router_score_bias=version == "deepseek-v3",
+        # DeepseekV3Config: norm_topk_prob True, n_group 8, topk_group 4 by default (V2's router: not read)
+        norm_topk_prob=version == "deepseek-v3" and bool(d.get("norm_topk_prob", True)),
+        router_groups=(d.get("n_group") or 8) if version == "deepseek-v3" else 1,
+        router_topk_groups=(d.get("topk_group") or 4) if version == "deepseek-v3" else 1,
     )
     return {
         "architecture": version,
@@ -660,7 +665,13 @@ _HF_KEYS: dict[str, dict[str, str]] = {
         "attention_pattern": "layer_types",
     },
 }
-_HF_KEYS["DeepseekV3ForCausalLM"] = _HF_KEYS["DeepseekV2ForCausalLM"]
+_HF_KEYS["DeepseekV3ForCausalLM"] = {
+    **_HF_KEYS["DeepseekV2ForCausalLM"],
+    "moe.router_groups": "n_group",
+    "moe.router_topk_groups": "topk_group",
+    "moe.norm_topk_prob": "norm_topk_prob",
+    "mla.rope_interleave": "rope_interleave",
+}
 for _arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
     _HF_KEYS[_arch] |= {"attention_pattern": "layer_types"}
 _HF_KEYS["Qwen3ForCausalLM"] = {**_LLAMA_KEYS, "attention_pattern": "layer_types"}

@@ -133,7 +133,10 @@ def check_lora(
             f"{model.name} is a {model.architecture} ({model.mlp} MLP) model",
             field="plan.finetune",
         )
-    valid = (*lora.LINEARS, lora.ALL_LINEAR)
+    # DeepSeek-V3's MLA linears in place of k_proj / v_proj (check_moe_lora narrows them to those the model builds)
+    mla = model.architecture == "deepseek-v3"
+    linears = ("q_proj", *lora.MLA_ATTENTION, "o_proj", *lora.MLP) if mla else lora.LINEARS
+    valid = (*linears, lora.ALL_LINEAR)
     unknown = [name for name in plan.lora_targets if name not in valid]
     if unknown:
         raise MemplanError(
@@ -162,12 +165,12 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
     depend on the GPU (its compute capability) are asked by the run
     (``reserve.plan_run``), which refuses the plan rather than fall back to the phase model."""
     from memplan.costmodel.lora import ATTENTION
-    from memplan.costmodel.timeline.hf_support import MOE_FAMILIES, hf_supported
+    from memplan.costmodel.timeline.hf_support import MLA_FAMILIES, MOE_FAMILIES, hf_supported, mla_linears
 
-    name = f"{model.name} ({model.architecture})"
-    if model.architecture not in MOE_FAMILIES:
+    name, families = f"{model.name} ({model.architecture})", MOE_FAMILIES + MLA_FAMILIES
+    if model.architecture not in families:
         raise MemplanError(
-            f"{plan.finetune} over an MoE model is modelled for {', '.join(MOE_FAMILIES)} under --runtime hf; "
+            f"{plan.finetune} over an MoE model is modelled for {', '.join(families)} under --runtime hf; "
             f"{name} is another MoE family",
             field="plan.finetune",
         )
@@ -177,11 +180,12 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
             f"op by op); {name} is an MoE model and the runtime is {runtime}",
             field="plan.finetune",
         )
-    outside = [target for target in plan.lora_targets if target not in ATTENTION]
+    attention = mla_linears(model) if model.architecture in MLA_FAMILIES else ATTENTION  # DeepSeek-V3's MLA
+    outside = [target for target in plan.lora_targets if target not in attention]
     if outside:
         raise MemplanError(
             f"{', '.join(outside)} over the experts of {name} is not modelled: LoRA over an MoE model is "
-            f"modelled on the attention linears alone ({', '.join(ATTENTION)})",
+            f"modelled on the attention linears alone ({', '.join(attention)})",
             field="plan.lora_targets",
         )
     if workload is None:  # the adapters alone (``memplan tune`` checks them before it builds plans)

@@ -40,6 +40,16 @@ class MoESpec(BaseModel):
     fused_gate_up: bool = Field(
         False, description="Routed experts hold gate and up as one [E, h, 2f] tensor (Llama 4); same count."
     )
+    router_groups: int = Field(
+        1,
+        gt=0,
+        le=4096,
+        description="Expert groups the router picks from (DeepSeek-V3 n_group): the group scores' width in "
+        "transformers' op-level run (timeline/hf_mla.py).",
+    )
+    router_topk_groups: int = Field(
+        1, gt=0, le=4096, description="Groups each token's experts come from (DeepSeek-V3 topk_group)."
+    )
     layer_freq: int = Field(1, gt=0, description="Every layer_freq-th layer is MoE (Qwen2-MoE decoder_sparse_step).")
     dense_layers: tuple[int, ...] = Field(
         (), description="Layer indices that keep a dense MLP (Qwen mlp_only_layers, DeepSeek first_k_dense)."
@@ -51,6 +61,16 @@ class MoESpec(BaseModel):
     def _check(self) -> MoESpec:
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k: top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        if self.num_experts % self.router_groups:
+            raise ValueError(
+                f"router_groups: num_experts ({self.num_experts}) is not a multiple of router_groups "
+                f"({self.router_groups})"
+            )
+        if self.router_topk_groups > self.router_groups:
+            raise ValueError(
+                f"router_topk_groups: router_topk_groups ({self.router_topk_groups}) exceeds router_groups "
+                f"({self.router_groups})"
+            )
         return self
 
     @property
@@ -78,6 +98,11 @@ class MLASpec(BaseModel):
     v_head_dim: int = Field(gt=0, le=100_000, description="Per-head value width.")
     down_proj_bias: bool = Field(
         False, description="q_a_proj and kv_a_proj_with_mqa carry biases (config.json attention_bias)."
+    )
+    rope_interleave: bool = Field(
+        False,
+        description="RoPE over interleaved pairs (DeepSeek-V3 rope_interleave, its default): transformers' "
+        "apply_rotary_pos_emb_interleave, on the even and odd slices (timeline/hf_mla.py).",
     )
 
     @property

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.accuracy
 # the Trainer's variant of a family the Trainer's op-level run answers is held to the byte against the
 # real Trainer by tests/unit/test_timeline_hf_families.py: under -m slow here (the default suite's time)
 OP_LEVEL = ("trainer-qwen3", "trainer-olmo2", "trainer-phi3", "trainer-gemma2", "trainer-gemma3")
+OP_LEVEL += ("trainer-deepseek-v3",)  # tests/unit/test_timeline_hf_mla.py: test_the_family_cases_equal_the_trainers
 
 
 @pytest.mark.parametrize(

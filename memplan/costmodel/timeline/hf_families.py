@@ -238,12 +238,16 @@ class HfOlmo2(HfLlama):
         return out
 
 
-MOE = ("mixtral", "qwen3-moe", "qwen2-moe")  # hf_moe.py, which builds on this module's classes
+MOE = ("mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v3")  # hf_moe.py and hf_mla.py, which build on this module's
 
 
 def family_config(model, gpu_arch=None) -> dict | None:
     """What a family's run reads from the spec beyond the dims: Gemma's layer kinds and soft-caps, a
     MoE family's experts (``hf_moe.moe_config``, with the GPU's ``gpu_arch``)."""
+    if model.architecture == "deepseek-v3":
+        from memplan.costmodel.timeline.hf_mla import mla_config
+
+        return mla_config(model, gpu_arch)
     if model.architecture in MOE:
         from memplan.costmodel.timeline.hf_moe import moe_config
 
@@ -271,6 +275,10 @@ FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
 
 def family(name: str) -> tuple[type[HfLlama], tuple]:
     """The model class and the layer's parameters (name, rows, cols) of a family the run models."""
+    if name == "deepseek-v3":
+        from memplan.costmodel.timeline.hf_mla import HfDeepseekV3
+
+        return HfDeepseekV3, ()  # its layers' parameters depend on the config (hf_moe.layer_params)
     if name in MOE:
         from memplan.costmodel.timeline.hf_moe import MOE_FAMILIES
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memplan.costmodel.lora import ADAPTER_BYTES, SAVABLE, resolve_targets
+from memplan.costmodel.lora import ADAPTER_BYTES, MLA_ATTENTION, SAVABLE, resolve_targets
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
@@ -54,7 +54,8 @@ class HfLoraConfig:
         """The plan's adapters (``finetune: lora``), or None for full fine-tuning."""
         if plan.finetune == "full":
             return None
-        targets = frozenset(resolve_targets(plan.lora_targets))
+        mla = (t for t in plan.lora_targets if t in MLA_ATTENTION)  # DeepSeek-V3's (hf_mla.py)
+        targets = frozenset((*resolve_targets(plan.lora_targets), *mla))
         return cls(plan.lora_rank, targets, plan.lora_dropout > 0, tuple(plan.modules_to_save))
 
 

@@ -104,7 +104,8 @@ def moe_sizes(extra: dict | None, h: int) -> dict[str, int]:
     if not extra or "experts" not in extra:
         return {}
     e, fe = extra["experts"], extra["expert_ffn"]
-    return {"E": e, "E2fe": e * 2 * fe, "Eh": e * h, "fe": fe, "fs": extra.get("shared_ffn", 0)}
+    mla = extra.get("mla_sizes", {})  # DeepSeek-V3's attention widths (hf_mla.mla_config)
+    return {"E": e, "E2fe": e * 2 * fe, "Eh": e * h, "fe": fe, "fs": extra.get("shared_ffn", 0), **mla}
 
 
 class MoeBlock:
@@ -242,6 +243,10 @@ DENSE_PARAMS = {"qwen3-moe": QWEN3_PARAMS, "qwen2-moe": LAYER_PARAMS}  # a dense
 def layer_params(arch: str, sparse: tuple, extra: dict | None) -> tuple | Callable[[int], tuple]:
     """The layers' parameters for ``hf_model.param_shapes``: ``sparse`` on every layer, or layer i's
     where some keep the dense MLP (``extra["dense"]``, ``moe_config``)."""
+    if arch == "deepseek-v3":  # MLA's layer, dense or sparse (hf_mla.py)
+        from memplan.costmodel.timeline.hf_mla import layer_params as mla_layer_params
+
+        return lambda i: mla_layer_params(extra, i not in extra["dense"])
     dense = (extra or {}).get("dense")
     if not dense:
         return sparse

@@ -105,13 +105,17 @@ def row_sum(tape: Tape, x: Tensor, out_numel: int, tag: str) -> Tensor:
     return ops.result(tape, out_numel, x.itemsize, tag, tape.node(tag, apply, [x]))
 
 
-def renormalise(tape: Tape, values: Tensor, tokens: int) -> Tensor:
+def renormalise(tape: Tape, values: Tensor, tokens: int, eps: bool = False) -> Tensor:
     """``values /= values.sum(dim=-1, keepdim=True)``: the sum (T), then ``div_``, whose autograd
     kernel saves a clone of ``values`` and the sum. Backward (DivBackward0, CPU log): the other's
     gradient ``-grad * ((self / other) / other)`` (two quotients, the negation, the product), then
-    the values' ``grad / other``, then the product summed to T; returns the values with the node."""
+    the values' ``grad / other``, then the product summed to T; returns the values with the node.
+    ``eps``: the divisor is ``sum + 1e-20`` (DeepSeek-V3's router, ``hf_mla.py``), the sum a temporary."""
     numel, itemsize = values.numel, values.itemsize
     total = row_sum(tape, values, tokens, "topk_sum")
+    if eps:
+        total, summed = ops.unary(tape, total, "add_eps", temps=-1), total
+        tape.done(summed)
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         q1, q2 = tape.new(numel, itemsize, "div"), tape.new(numel, itemsize, "div")

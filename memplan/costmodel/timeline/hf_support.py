@@ -10,7 +10,9 @@ the sequence is shorter than the window, so that transformers passes SDPA no mas
 Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE and Qwen2-MoE
 (``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
 gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA on the attention linears on one rank;
-no router biases; tests/unit/test_timeline_hf_moe.py); fp32, ``bf16`` (a bf16 model under
+no router biases; tests/unit/test_timeline_hf_moe.py), and DeepSeek-V3 on CPU (``hf_mla.py``: MLA under the CPU's
+math SDPA, the sigmoid router with its score bias and groups, the ungated shared experts; full fine-tuning on
+one rank, or PEFT LoRA on MLA's linears; tests/unit/test_timeline_hf_mla.py); fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
 fused AdamW; gradient checkpointing of every
@@ -53,7 +55,7 @@ forward under ``torch.autocast`` (tests/unit/test_plan_autocast.py).
 
 from __future__ import annotations
 
-from memplan.costmodel.lora import ATTENTION, SAVABLE
+from memplan.costmodel.lora import ATTENTION, MLA_ATTENTION, SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
@@ -62,7 +64,8 @@ from memplan.specs.workload import TrainingWorkload
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "qwen2-moe")  # hf_moe.py: the sparse block on Mistral's, Qwen3's, Qwen2's layer
-FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+MLA_FAMILIES = ("deepseek-v3",)  # hf_mla.py: MLA, the sigmoid router with its score bias, the shared experts
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
 # each family's layer as transformers writes it: (layer norms, q/k norm scope or None, (fused qkv, fused gate-up))
 LAYOUT = {
     "qwen3": ("pre", "head", (False, False)),
@@ -127,7 +130,9 @@ def hf_supported(
         return f"the {model.architecture} family under the hf-loop runtime (its loop is followed for Llama's layout)"
     checks = [
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
-        (model.mla is None, "MLA models"),
+        (model.mla is None or model.architecture in MLA_FAMILIES, "MLA models"),
+        (model.mla is None or cpu, _MLA_CUDA),
+        (model.mla is None or _mla_ok(model, plan), _MLA_PLAN),
         (_moe_ok(model), "this MoE block (shared experts, dense layers, router biases or fused experts)"),
         (model.moe is None or plan.quant == "none", "a quantized MoE base"),
         (
@@ -150,7 +155,10 @@ def hf_supported(
             "CUDA's gemm_4bit picks its fused kernel or the fallback by these (5 to 1536 tokens, by the shapes)",
         ),
         (
-            plan.finetune == "full" or model.architecture in PEFT_FAMILIES or _moe_lora_ok(model, plan),
+            plan.finetune == "full"
+            or model.architecture in PEFT_FAMILIES
+            or _moe_lora_ok(model, plan)
+            or (model.architecture in MLA_FAMILIES and _mla_lora_ok(model, plan)),
             f"PEFT over the {model.architecture} family" + (_MOE_LORA if model.architecture in MOE_FAMILIES else ""),
         ),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
@@ -187,10 +195,47 @@ def _moe_ok(model: ModelSpec) -> bool:
     moe, arch = model.moe, model.architecture
     if moe is None:
         return True
+    if arch in MLA_FAMILIES:  # DeepseekV3MoE: one ungated shared MLP, the score bias, dense layers first
+        first = tuple(range(len(moe.dense_layers)))
+        plain = not (moe.router_bias or moe.fused_gate_up or moe.shared_expert_gate)
+        return plain and moe.router_score_bias and moe.num_shared_experts == 1 and moe.dense_layers == first
     if moe.router_bias or moe.router_score_bias or moe.fused_gate_up or arch not in MOE_FAMILIES:
         return False
     shared = (moe.num_shared_experts, moe.shared_expert_gate) == ((1, True) if arch == "qwen2-moe" else (0, False))
     return shared and (arch != "mixtral" or (moe.layer_freq == 1 and not moe.dense_layers))
+
+
+# DeepSeek-V3's q/k and v heads differ in width (192, 128): CUDA's flash kernel needs one head dim, so SDPA runs
+# the memory-efficient kernel (or cuDNN), whose 16-bit buffers are not followed; the CPU runs the math path
+_MLA_CUDA = (
+    "MLA attention on CUDA (SDPA over unequal q/k and v head dims: the memory-efficient kernel, not followed; "
+    "the op-level run follows it on CPU, --device cpu)"
+)
+_MLA_PLAN = (
+    "MLA other than full fine-tuning or LoRA on the attention linears (q_a_proj, q_b_proj or q_proj, "
+    "kv_a_proj_with_mqa, kv_b_proj, o_proj) of DeepSeek-V3 without attention biases on one rank"
+)
+
+
+def _mla_ok(model: ModelSpec, plan: Plan) -> bool:
+    """DeepSeek-V3 as tests/unit/test_timeline_hf_mla.py checks it against the real Trainer: full fine-tuning
+    or PEFT LoRA on linears MLA has (no ``modules_to_save``), on one rank (fp32, bf16 with or without
+    ``bf16=True``, ``bf16=True`` over fp32), no attention biases (``attention_bias``: q_a_proj's and
+    kv_a_proj_with_mqa's, not followed)."""
+    return plan.dp == 1 and not model.mla.down_proj_bias and (plan.finetune == "full" or _mla_lora_ok(model, plan))
+
+
+def mla_linears(model: ModelSpec) -> tuple[str, ...]:
+    """The attention linears ``DeepseekV3Attention`` builds (``q_proj`` in place of q_a / q_b without
+    ``q_lora_rank``), by transformers' names."""
+    queries = ("q_proj",) if model.mla.q_lora_rank is None else MLA_ATTENTION[:2]
+    return (*queries, *MLA_ATTENTION[2:], "o_proj")
+
+
+def _mla_lora_ok(model: ModelSpec, plan: Plan) -> bool:
+    """LoRA over DeepSeek-V3 as checked: adapters on the attention linears it has, nothing trained in full."""
+    targets = set(plan.lora_targets)
+    return plan.finetune == "lora" and bool(targets) and targets <= set(mla_linears(model)) and not plan.modules_to_save
 
 
 # PEFT's all-linear over transformers 5's MoE blocks wraps the router and the 3-D experts in lora.ParamWrapper
@@ -216,7 +261,7 @@ def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 
 # families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): the dense ones
-FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MOE_FAMILIES)
+FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MOE_FAMILIES + MLA_FAMILIES)
 
 
 def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
