@@ -317,6 +317,14 @@ MEGATRON_SELECTIVE_OP = (
 )
 
 
+def _autocast(model, workload, plan, runtime: str) -> bool:  # noqa: ANN001
+    """Whether the phase model runs ``plan`` under autocast (its ``Shape``, as its sums read it)."""
+    from memplan.costmodel.memory import _shape
+    from memplan.costmodel.runtimes import RUNTIMES
+
+    return _shape(model, workload, plan, POLICIES[plan.precision], RUNTIMES[runtime], "cuda").autocast
+
+
 @settings(max_examples=300, deadline=None)
 @given(jobs())
 @example(job=MEGATRON_SELECTIVE_OP)
@@ -331,7 +339,8 @@ def test_more_recomputation_never_uses_more(job):
     docs/cost-model.md). The step may add those, in the compute dtype, for each of the at most L
     layers of activations a 1F1B stage stores (Korthikanti et al. 2022, Sec. 4.2.3).
 
-    And under autocast (bf16-mixed without FSDP2, in the runtimes that run it), none -> selective
+    And under autocast (the phase model's ``Shape.autocast``: bf16-mixed where the runtime runs it,
+    not the bundled trainer's FSDP2 MixedPrecisionPolicy), none -> selective
     stores more: the checkpoint around the attention core holds the RoPE'd q and k, which are fp32
     (RoPE's tables are), where without it SDPA saves their bf16 casts: 2 (q + kv) / t bytes a token
     and layer more, less the log-sum-exp selective recomputes (the bundled trainer's op-level run:
@@ -343,8 +352,7 @@ def test_more_recomputation_never_uses_more(job):
         return
     more = _with(plan, recompute=RECOMPUTE_ORDER[level + 1])
     allowance = 0
-    fsdp2 = plan.zero >= 2 and plan.dp > 1
-    if more.recompute == "selective" and plan.precision == "bf16-mixed" and runtime != "megatron" and not fsdp2:
+    if more.recompute == "selective" and _autocast(m, workload, plan, runtime):
         per_token = 2 * (m.q_size + m.kv_size) // plan.tp
         allowance = m.num_layers * workload.micro_batch * workload.seq_len * per_token
     if more.recompute == "selective-op":
