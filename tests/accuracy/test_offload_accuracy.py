@@ -2,10 +2,12 @@
 fine-tuning steps on CPU, offload emulated by saved-tensor hooks that copy each offloaded tensor out
 of torch's allocator and bring it back as a new tensor (offload_steps.py): hooks modelled on TRL's
 ``OffloadActivations`` through ``transformers.Trainer`` (``--runtime hf``) and ``save_on_cpu``
-through the hand-written loop (``--runtime hf-loop``). Each case's steady-state peak is held to 3%
-of the prediction and its host copies (both modes) to 10% of the predicted ``offload.cpu``; the
-known misses (``offload_steps.PEAK_MISSES``, ``HOST_MISSES``) are strict xfails carrying their
-measured figures, so a miss that is mended fails until its entry goes.
+through the hand-written loop (``--runtime hf-loop``). The prediction is what ``memplan estimate
+--device cpu`` answers (``offload_steps.predict_report``: ``memory_verdict(job, "cpu")``): for the
+``save_on_cpu`` cases the op-level run of the hand loop under ``save_on_cpu``'s hooks (``hf_loop.py``,
+``act_offload.py``), held to 200 B of the measured peak and host copies; for the TRL-modelled hooks the
+phase model's report. Each case's peak is held to 3% of the prediction and its host copies (both modes)
+to 10% of the predicted ``offload.cpu``.
 """
 
 from __future__ import annotations
@@ -16,33 +18,28 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from offload_steps import CASES, HOST_MISSES, PEAK_MISSES, OffloadCase, measure, predict_report  # noqa: E402
+from offload_steps import CASES, OffloadCase, measure, predict_report  # noqa: E402
 
 pytestmark = pytest.mark.accuracy
 
 PEAK_BOUND = 0.03
 HOST_BOUND = 0.10
+OP_LEVEL_BYTES = 200  # the op-level run against the same steps: what the other op-level CPU comparisons reach
 _MEASURED: dict[str, tuple[int, int]] = {}
 
 
 def _measured(case: OffloadCase) -> tuple[int, int]:
-    """(device peak, host peak) of the case, measured once for both tests."""
+    """(device peak, host peak) of the case, measured once for every test."""
     if case.name not in _MEASURED:
         _MEASURED[case.name] = measure(case)
     return _MEASURED[case.name]
 
 
-def _params(miss_of) -> list:  # noqa: ANN001
-    out = []
-    for case in CASES:
-        marks = [pytest.mark.slow] if case.slow else []
-        if miss := miss_of(case):
-            marks.append(pytest.mark.xfail(reason=f"known miss: {miss}", strict=True))
-        out.append(pytest.param(case, id=case.name, marks=marks))
-    return out
+def _params() -> list:
+    return [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else []) for c in CASES]
 
 
-@pytest.mark.parametrize("case", _params(lambda c: c.miss))
+@pytest.mark.parametrize("case", _params())
 def test_offload_peak_within_bound(case: OffloadCase):
     report = predict_report(case)
     measured = _measured(case)[0]
@@ -52,7 +49,7 @@ def test_offload_peak_within_bound(case: OffloadCase):
     assert abs(error) <= PEAK_BOUND, line
 
 
-@pytest.mark.parametrize("case", _params(lambda c: c.host_miss))
+@pytest.mark.parametrize("case", _params())
 def test_offload_host_copies_within_bound(case: OffloadCase):
     predicted = predict_report(case).offload.cpu
     host = _measured(case)[1]
@@ -71,9 +68,15 @@ def test_each_mode_is_the_mechanism_memplan_models_for_its_runtime():
     assert all(OFFLOAD_MECHANISM[c.runtime] == mechanism[c.mode] for c in CASES)
 
 
-def test_every_named_miss_is_a_case():
-    names = {c.name for c in CASES}
-    assert set(PEAK_MISSES) <= names and set(HOST_MISSES) <= names
+@pytest.mark.parametrize("case", [p for p in _params() if p.values[0].mode == "save_on_cpu"])
+def test_save_on_cpu_is_the_loops_op_level_run_to_the_byte(case: OffloadCase):
+    """``save_on_cpu`` through the hand loop is answered by the op-level run (``memory.model``), whose peak
+    and host copies (``offload.cpu``: no optimizer or parameter offload here) are the measured ones."""
+    report = predict_report(case)
+    peak, host = _measured(case)
+    assert report.model == "op-level", report.model_reason
+    assert abs(report.peak.allocated - peak) <= OP_LEVEL_BYTES, (case.name, report.peak.allocated, peak)
+    assert abs(report.offload.cpu - host) <= OP_LEVEL_BYTES, (case.name, report.offload.cpu, host)
 
 
 def test_offload_lowers_the_measured_peak():

@@ -245,14 +245,23 @@ class Tape:
             node.saved.append(t if t.st.managed else self.hold(t))
 
     def checkpoint(
-        self, forward: Callable[[], object], inputs: list[Tensor], rerun: Callable | None = None, policy=None
+        self,
+        forward: Callable[[], object],
+        inputs: list[Tensor],
+        rerun: Callable | None = None,
+        policy=None,
+        packed: int | None = None,
     ) -> object:
         """Run ``forward`` as a non-reentrant checkpoint over ``inputs`` (held until the
         region's last saved tensor is unpacked); ``rerun`` (default ``forward``) replays it;
         ``policy(op, recompute)``: a selective checkpoint's (True: the op's outputs are kept).
-        Under saved-tensor hooks the inputs are packed (``_CheckpointFrame.save_inputs``)."""
+        Under saved-tensor hooks the inputs are packed (``_CheckpointFrame.save_inputs``): the
+        first ``packed`` of them (None: all), the positional arguments ``_NoopSaveInputs`` saves;
+        the rest, bound in the checkpointed function (transformers' ``partial(forward, **kwargs)``),
+        are held on the device."""
         hooks = self.hooks
-        held = [hooks.pack(self, t) if hooks is not None else self.hold(t) for t in inputs]
+        n = len(inputs) if packed is None else packed
+        held = [hooks.pack(self, t) if hooks is not None and i < n else self.hold(t) for i, t in enumerate(inputs)]
         region = Region(rerun=rerun or (lambda *_: forward()), inputs=held, policy=policy)
         outer, self.region = self.region, region
         try:

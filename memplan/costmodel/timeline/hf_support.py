@@ -155,7 +155,7 @@ def hf_supported(
         ),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
-        (plan.offload_activations == "none", "activation offload"),
+        (plan.offload_activations == "none" or runtime == "hf-loop", "activation offload under the Trainer"),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
         (plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank (tensor, pipeline, context or expert)"),
         (

@@ -459,7 +459,9 @@ class _HfRun:
         # ``num_items_in_batch``, under FSDP2's bf16 policy the root's bf16 cast of it (alive to layer 0's backward)
         kwargs = [self.items] if self.items is not None else []
         held = [x, pos, cos, sin, *m.layer_inputs(i), *kwargs]
-        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), held, rerun=rerun)
+        # the hidden states alone are positional (``decoder_layer(hidden_states, **kwargs)``): saved-tensor
+        # hooks (activation offload, hf_loop.py) pack them; the rest the partial holds on the device
+        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), held, rerun=rerun, packed=1)
 
     # --- clip, optimizer -----------------------------------------------------------------------
     def clip(self) -> None:
