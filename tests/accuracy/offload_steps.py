@@ -250,6 +250,8 @@ def predict_report(case: OffloadCase):
     the mode's runtime (``memory_verdict(job, "cpu")``): the op-level run's report where it models the
     plan (``model == "op-level"``: its peak and ``offload.cpu``, the run's host copies), else the phase
     model's."""
+    from peft_steps import PeftCase, plan_of
+
     from memplan.estimation import memory_verdict
     from memplan.specs.hardware import ClusterSpec
     from memplan.specs.loader import load_gpu, model_from_data
@@ -259,16 +261,13 @@ def predict_report(case: OffloadCase):
 
     base = case.base
     model = model_from_data(base.hf_config(), f"{case.name}/config.json", case.name)
-    fields = dict(precision=base.precision, recompute="full" if base.checkpointing else "none")
-    if hasattr(base, "rank"):
-        fields.update(
-            finetune=base.finetune,
-            lora_rank=base.rank,
-            lora_targets=base.targets,
-            lora_dropout=base.dropout,
-            modules_to_save=base.modules_to_save,
+    if isinstance(base, PeftCase):  # bf16=True as the case runs it (a bf16 base without it: autocast off)
+        plan = Plan(**plan_of(base, case.runtime).model_dump(exclude_unset=True), offload_activations="cpu")
+    else:
+        recompute = "full" if base.checkpointing else "none"
+        plan = Plan(
+            precision=base.precision, autocast=base.plan_autocast, recompute=recompute, offload_activations="cpu"
         )
-    plan = Plan(**fields, offload_activations="cpu")
     workload = TrainingWorkload(seq_len=base.seq, micro_batch=base.batch)
     job = Job(model, workload, plan, load_gpu("h100-sxm"), ClusterSpec(gpus_per_node=1, nodes=1), case.runtime)
     return memory_verdict(job, "cpu")[0]
@@ -303,10 +302,10 @@ def _cases() -> list[OffloadCase]:
     return out
 
 
-# No case is outside its bound (measured 2026-11-28): the save_on_cpu cases, answered by the op-level run
-# of the hand loop since 2026-11-28, equal to the byte (host copies within 8 B; before, on the phase
-# model, two peaks and four host figures were strict xfails: -3.50% to +5.85%, -15.57% to -39.26%); the
-# TRL-modelled hooks' cases, on the phase model, within 2.71% (peak) and 6.50% (host copies).
+# No case is outside its bound (measured 2026-11-28): every case is answered by the op-level run of its
+# loop since 2026-11-28 (hf_trainer.py under hf_offload.py's TRL hooks, hf_loop.py under act_offload.py's
+# save_on_cpu), equal to the byte, host copies within 8 B. Before, on the phase model, two peaks and four
+# host figures of save_on_cpu were strict xfails (-3.50% to +5.85%, -15.57% to -39.26%).
 
 
 CASES = _cases()
