@@ -86,3 +86,25 @@ def test_offload_lowers_the_measured_peak():
 
     case = next(c for c in CASES if c.name == "save_on_cpu-lora-fp32-qv")
     assert _measured(case)[0] < 0.8 * measure_live(case.base)
+
+
+def test_the_trainers_offload_on_cuda_stays_on_the_phase_model_with_its_reason():
+    """TRL's hooks are followed on CPU alone (on CUDA its copies keep their strides and run on side
+    streams): there ``hf_supported`` declines the plan, so the report says ``phase`` and why; the hand
+    loop's ``save_on_cpu`` is followed on both."""
+
+    from memplan.costmodel.timeline.hf_support import hf_supported
+    from memplan.specs.loader import model_from_data
+    from memplan.specs.plan import Plan
+    from memplan.specs.workload import TrainingWorkload
+
+    case = next(c for c in CASES if c.name == "trl-like-lora-fp32-qv")
+    model = model_from_data(case.base.hf_config(), "config.json", case.name)
+    plan = Plan(finetune="lora", precision="fp32", offload_activations="cpu")
+    workload = TrainingWorkload(seq_len=case.base.seq, micro_batch=case.base.batch)
+    why = hf_supported(model, plan, workload, "hf", device="cuda")
+    assert why is not None and "activation offload under the Trainer" in why
+    assert hf_supported(model, plan, workload, "hf", device="cpu") is None
+    assert hf_supported(model, plan, workload, "hf-loop", device="cuda") is None
+    two = Plan(finetune="lora", precision="fp32", offload_activations="cpu", dp=2)
+    assert "activation offload" in (hf_supported(model, two, workload, "hf", device="cpu") or "")
