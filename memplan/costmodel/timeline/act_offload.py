@@ -74,6 +74,10 @@ class SaveOnCpu:
         self.host_peak = max(self.host_peak, self.host_bytes)
         return Packed(t.numel, t.itemsize, self, t.fn)
 
+    def unpack(self, tape: Tape, packed: Packed, tag: str = "unpacked", node: Node | None = None) -> Tensor:  # noqa: ARG002
+        """The unpack hook (:func:`unpack`); the host copy goes when the saved variable does."""
+        return unpack(tape, packed, tag)
+
     def release(self, packed: Packed) -> None:
         """The saved variable goes (its node has run, or its checkpoint frame): the host copy too."""
         if not packed.released:

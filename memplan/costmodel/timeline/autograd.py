@@ -38,7 +38,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
 
-from memplan.costmodel.timeline import act_offload
 from memplan.costmodel.timeline.act_offload import Packed, SaveOnCpu
 from memplan.costmodel.timeline.events import Builder, Category, Stream
 
@@ -84,6 +83,7 @@ class Node:
     saved: list = field(default_factory=list)  # Tensors, or checkpoint slots (ints)
     region: Region | None = None
     pre: Callable | None = None  # a hook run before apply (FSDP2's pre-backward)
+    post: Callable | None = None  # a hook run after it (``node.register_hook``: hf_offload.py's release)
     meta: list | None = None  # per input (numel, itemsize, over_rows): the gradient it must have
     dtensor: bool = False  # a DTensor op: its gradients are never added into in place
 
@@ -129,7 +129,8 @@ class Tape:
         # tensor, and the backward formulas with a subclass branch (``index_backward``,
         # ``value_selecting_reduction_backward``) write out of place into a second buffer (hf_moe_ops.py)
         self.subclass_like = False
-        self.hooks: SaveOnCpu | None = None  # the forward's saved-tensor hooks (act_offload.py)
+        self.hooks: SaveOnCpu | None = None  # the forward's saved-tensor hooks (act_offload.py, hf_offload.py)
+        self._node: Node | None = None  # the node the backward runs (``torch._C._current_autograd_node``)
 
     @contextmanager
     def scoped(self, scope: str) -> Iterator[None]:
@@ -245,14 +246,23 @@ class Tape:
             node.saved.append(t if t.st.managed else self.hold(t))
 
     def checkpoint(
-        self, forward: Callable[[], object], inputs: list[Tensor], rerun: Callable | None = None, policy=None
+        self,
+        forward: Callable[[], object],
+        inputs: list[Tensor],
+        rerun: Callable | None = None,
+        policy=None,
+        packed: int | None = None,
     ) -> object:
         """Run ``forward`` as a non-reentrant checkpoint over ``inputs`` (held until the
         region's last saved tensor is unpacked); ``rerun`` (default ``forward``) replays it;
         ``policy(op, recompute)``: a selective checkpoint's (True: the op's outputs are kept).
-        Under saved-tensor hooks the inputs are packed (``_CheckpointFrame.save_inputs``)."""
+        Under saved-tensor hooks the inputs are packed (``_CheckpointFrame.save_inputs``): the
+        first ``packed`` of them (None: all), the positional arguments ``_NoopSaveInputs`` saves;
+        the rest, bound in the checkpointed function (transformers' ``partial(forward, **kwargs)``),
+        are held on the device."""
         hooks = self.hooks
-        held = [hooks.pack(self, t) if hooks is not None else self.hold(t) for t in inputs]
+        n = len(inputs) if packed is None else packed
+        held = [hooks.pack(self, t) if hooks is not None and i < n else self.hold(t) for i, t in enumerate(inputs)]
         region = Region(rerun=rerun or (lambda *_: forward()), inputs=held, policy=policy)
         outer, self.region = self.region, region
         try:
@@ -284,7 +294,8 @@ class Tape:
     def _rerun(self, region: Region) -> None:
         """The re-run on ``frame.get_inputs()``: the inputs, or device copies of packed ones
         (the unpack hook's locals: they go after the re-run's frames)."""
-        copies = [act_offload.unpack(self, t, "checkpoint_input") for t in region.inputs if isinstance(t, Packed)]
+        node = self._node
+        copies = [t.hooks.unpack(self, t, "checkpoint_input", node) for t in region.inputs if isinstance(t, Packed)]
         it = iter(copies)
         args = [next(it) if isinstance(t, Packed) else t for t in region.inputs]
         self._recompute, self._slot, self._pyrefs = region, 0, []
@@ -346,7 +357,7 @@ class Tape:
                     push(ready, (-m.seq, next(tick), m))
 
     def _run(self, node: Node, grads: list[Tensor | None]) -> list[Tensor | None]:
-        self.scope = node.scope
+        self.scope, self._node = node.scope, node
         if node.pre is not None:
             node.pre()
         saved = held = node.saved  # held: the node's own references, dropped after its apply
@@ -370,6 +381,9 @@ class Tape:
             for g in outs:
                 if g is not None:
                     g.dtensor = True
+        if node.post is not None:  # post hooks: after validate_outputs, the incoming gradients alive
+            post, node.post = node.post, None
+            post()
         drop = self.drop
         for g in grads:
             drop(g)
@@ -400,7 +414,7 @@ class Tape:
         for t in saved:
             if isinstance(t, Packed):
                 t.hooks.release(t)
-                copies.append(act_offload.unpack(self, t))
+                copies.append(t.hooks.unpack(self, t, "unpacked", self._node))
                 out.append(copies[-1])
             else:
                 out.append(t)

@@ -40,6 +40,7 @@ from transformers 5.23 and torch 2.13 and checked on CPU against the loop itself
 
 from __future__ import annotations
 
+from memplan.costmodel.timeline import act_offload
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category, Timeline
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit
@@ -55,7 +56,8 @@ def hf_loop_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda")
     assert kernel is not None
     d, lora, quant = hf_dims(model, workload, plan, "hf-loop"), HfLoraConfig.of(plan), Bnb4bit.of(plan, gpu_arch)
     tied, build = model.tied_embeddings, plan.model_build
-    return hf_loop_run(d, tied, kernel, qkv_bias=model.qkv_bias, lora=lora, quant=quant, build=build)
+    offload = plan.offload_activations == "cpu"  # save_on_cpu around the forward (act_offload.py)
+    return hf_loop_run(d, tied, kernel, qkv_bias=model.qkv_bias, lora=lora, quant=quant, build=build, offload=offload)
 
 
 def hf_loop_run(
@@ -68,6 +70,7 @@ def hf_loop_run(
     lora: HfLoraConfig | None = None,
     quant: Bnb4bit | None = None,
     build: str = "to_device",
+    offload: bool = False,
     **tape_flags,
 ) -> Timeline:
     """The loop for ``steps`` steps (``tape_flags``: :class:`Tape` attributes, as ``hf_run``'s).
@@ -79,11 +82,12 @@ def hf_loop_run(
     frozen (or 4-bit) base, as in ``hf_run``, AdamW over the adapters; ``build``: as ``hf_run``'s."""
     run = _HfLoopRun(d, tied, kernel, 0, tape_flags, qkv_bias, 1, lora=lora, quant=quant, build=build)
     run.window_layers = window_layers and d.recompute != "full"
+    run.saves = act_offload.SaveOnCpu() if offload else None
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
         run.b.mark(f"step{k}")
-    return run.b.build()
+    return run.b.build(run.saves.host_peak if run.saves is not None else 0)
 
 
 def cache_cat(tape: Tape, x: Tensor, itemsize: int, tag: str) -> Tensor:
@@ -138,8 +142,9 @@ class _HfLoopRun(_HfRun):
         if self.window_layers and self.model.kernel == "cpu_flash":  # DynamicCache(config=...)
             with t.scoped("past_key_values"):
                 self.kv += [t.new(1, 8, "sliding_window_tensor", Category.KV_CACHE) for _ in range(self.d.layers)]
-        logits, hidden = self.forward(self.ids)
-        loss = m.loss(logits, None)
+        with act_offload.saving(t, self.saves):
+            logits, hidden = self.forward(self.ids)
+            loss = m.loss(logits, None)
         t.done(hidden)  # LlamaForCausalLM.forward's hidden_states, at its return
         t.done(*self.out)  # `out = ...`: the previous step's output goes, with its graph
         graph()

@@ -150,14 +150,15 @@ def cpu_embedding(tape: Tape, ids: Tensor, w: Tensor, numel: int, tag: str) -> T
 
 
 def nll_loss(tape: Tape, ls: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-    """``nll_loss(reduction="sum")``: the loss and total_weight scalars; saves the target and
-    total_weight (released in that order). Backward: a zeroed (b s, V) fp32 gradient."""
+    """``nll_loss(reduction="sum")``: the loss and total_weight scalars; saves its input (log_softmax's
+    result, which that node holds too), the target and total_weight (NllLossBackward0, released in that
+    order; what ``save_on_cpu`` copies, act_offload.py). Backward: a zeroed (b s, V) fp32 gradient."""
     numel = ls.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         return [tape.new(numel, 4, "grad", Category.LOGITS)]
 
-    node = tape.node("nll_loss", apply, [ls], saved=[target])
+    node = tape.node("nll_loss", apply, [ls], saved=[ls, target])
     out = ops.result(tape, 1, 4, "nll_loss", node)
     weight = tape.new(1, 4, "total_weight")
     if node is not None:

@@ -42,15 +42,20 @@ Gemma 2 / 3 too: their bf16 residual stream, ``hf_gemma.py``), and PEFT LoRA (an
 QLoRA (nf4 / fp4, double quantization, the recipe's ``bnb_4bit_quant_storage``: the packed weights sharded,
 ``hf_fsdp_qlora.py``; tests/unit/test_timeline_hf_fsdp_qlora.py). Not modelled: an LLM.int8 base or Qwen2's
 q/k/v biases over a 4-bit base under FSDP, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or expert
-parallelism. A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
+parallelism. Activation offload (``offload_activations: cpu``, ``hf_offload.py``: TRL's ``OffloadActivations``
+around ``training_step``) on CPU, on one rank, without a quantized base or MoE (tests/accuracy/
+test_offload_accuracy.py, equal to the byte); on CUDA (TRL's strided copies and side streams) not followed.
+A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
 moving each group to the GPU full-size as it shards it) is run as with it: the build differs by a group's
 full parameters, never the steps.
 
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
 4-bit bases (not int8), with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing),
-on one rank; there ``bf16`` is the bf16 model without autocast unless the plan's ``autocast`` puts the
-forward under ``torch.autocast`` (tests/unit/test_plan_autocast.py).
+on one rank, with or without activation offload (``save_on_cpu`` around the forward and backward:
+``act_offload.py``'s hooks; tests/accuracy/test_offload_accuracy.py); there ``bf16`` is the bf16 model
+without autocast unless the plan's ``autocast`` puts the forward under ``torch.autocast``
+(tests/unit/test_plan_autocast.py).
 """
 
 from __future__ import annotations
@@ -163,7 +168,10 @@ def hf_supported(
         ),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
-        (plan.offload_activations == "none", "activation offload"),
+        (
+            plan.offload_activations == "none" or runtime == "hf-loop" or _trl_offload_ok(model, plan, cpu),
+            "activation offload under the Trainer (TRL's hooks: followed on CPU, one rank, no quantized base)",
+        ),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
         (plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank (tensor, pipeline, context or expert)"),
         (
@@ -184,6 +192,14 @@ def hf_supported(
         if not ok:
             return what
     return None
+
+
+def _trl_offload_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:
+    """TRL's activation offload around the Trainer's ``training_step`` as ``hf_offload.py`` follows it: on
+    CPU (on CUDA TRL's copies keep their strides and run on streams: not followed), one rank, a dense
+    model without a quantized base (tests/accuracy/test_offload_accuracy.py: LoRA and full fine-tuning,
+    fp32 and bf16, with and without checkpointing)."""
+    return cpu and plan.dp == 1 and plan.quant == "none" and model.moe is None
 
 
 def _moe_ok(model: ModelSpec) -> bool:

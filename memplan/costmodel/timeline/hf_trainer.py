@@ -42,7 +42,7 @@ loads) or ``to_device`` (each parameter its own allocation).
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import hf_build, hf_ddp, hf_fsdp, hf_fsdp_peft, hf_fsdp_qlora, ops
+from memplan.costmodel.timeline import act_offload, hf_build, hf_ddp, hf_fsdp, hf_fsdp_peft, hf_fsdp_qlora, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Timeline
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit
@@ -52,6 +52,7 @@ from memplan.costmodel.timeline.hf_lora import HfLora, HfLoraConfig
 from memplan.costmodel.timeline.hf_model import is_norm, param_shapes, scalar_div
 from memplan.costmodel.timeline.hf_moe import layer_params as moe_layer_params
 from memplan.costmodel.timeline.hf_moe import moe_sizes
+from memplan.costmodel.timeline.hf_offload import TrlOffload, in_head
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
 from memplan.specs.plan import trainer_autocast
@@ -120,6 +121,7 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
         # accelerate skips cpu_ram_efficient_loading for a model with Params4bit (fsdp_utils.py:830): a 4-bit
         # base is quantized on the GPU and sharded there (hf_fsdp_qlora.py)
         host_load=plan.model_build == "to_device" and plan.dp > 1 and plan.zero >= 2 and not isinstance(quant, Bnb4bit),
+        offload=plan.offload_activations == "cpu",  # TRL's hooks around training_step (hf_offload.py)
     )
 
 
@@ -140,6 +142,7 @@ def hf_run(
     zero: int = 0,
     mixed: bool = False,
     host_load: bool = False,
+    offload: bool = False,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
@@ -151,16 +154,18 @@ def hf_run(
     ``zero``: over ``dp`` ranks, 2 or 3 for accelerate's FSDP2 (``hf_fsdp.py``; 3: ``full_shard``), 0 DDP;
     ``mixed``: under FSDP2, ``bf16=True`` (its mixed-precision policy over fp32 master shards);
     ``host_load``: under FSDP2, the model loaded on the CPU and sharded by ``cpu_ram_efficient_loading``
-    (``hf_fsdp_load.py``: on CUDA the build puts one full parameter at a time on the GPU).
+    (``hf_fsdp_load.py``: on CUDA the build puts one full parameter at a time on the GPU); ``offload``:
+    TRL's activation offload around each ``training_step`` (``hf_offload.py``).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
     args = (d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build, zero, mixed)
     run = _HfRun(*args, host_load=host_load)
+    run.saves = TrlOffload() if offload else None
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
         run.b.mark(f"step{k}")
-    return run.b.build()
+    return run.b.build(run.saves.host_peak if run.saves is not None else 0)
 
 
 class _HfRun:
@@ -213,6 +218,7 @@ class _HfRun:
         self.ddp: HfDdp | None = None  # DDP over dp > 1 ranks (hf_ddp.py), wrapped in _build
         self.fsdp: hf_fsdp.HfFsdp | None = None  # FSDP2 over dp > 1 ranks under ZeRO-2/3 (hf_fsdp.py)
         self.host_load = host_load and dp > 1 and zero >= 2  # under FSDP2, loaded on the CPU (hf_fsdp_load.py)
+        self.saves = None  # activation offload's saved-tensor hooks (hf_offload.py; hf_loop.py: act_offload's)
         self._build()
 
     def _build(self) -> None:
@@ -371,8 +377,9 @@ class _HfRun:
             self.ddp.pre_forward()
         items = self.num_items if self.fsdp is None else self.fsdp.cast_inputs(self.num_items)
         self.items = items
-        logits, hidden = self.forward(ids)
-        loss = m.loss(logits, items)
+        with act_offload.saving(t, self.saves):
+            logits, hidden = self.forward(ids)
+            loss = m.loss(logits, items)
         t.done(hidden)  # LlamaForCausalLM.forward's hidden_states, at its return
         if self.fsdp is not None:  # the root's post-forward (its policy's output_dtype cast first)
             loss = self.fsdp.end_root_forward(loss)
@@ -404,6 +411,8 @@ class _HfRun:
             self.model.quant.free_graph()
         if self.lora is not None:
             self.lora.free_graph()
+        if self.saves is not None:  # TRL's end-of-backward callback, as training_step returns
+            self.saves.end_of_step(t)
         t.done(self.prev_loss)
         self.prev_loss = loss
         for check in ("isnan", "isinf"):
@@ -434,7 +443,8 @@ class _HfRun:
         n = m.rms_norm(xi, "model.norm")
         t.done(xi, x)
         t.done(pos, emb, cos, sin)  # LlamaModel.forward's locals
-        logits = m.head(n)
+        with in_head(self.saves):
+            logits = m.head(n)
         if fsdp:
             fsdp.post_forward(d.layers + 1, logits)
         return logits, n
@@ -459,7 +469,9 @@ class _HfRun:
         # ``num_items_in_batch``, under FSDP2's bf16 policy the root's bf16 cast of it (alive to layer 0's backward)
         kwargs = [self.items] if self.items is not None else []
         held = [x, pos, cos, sin, *m.layer_inputs(i), *kwargs]
-        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), held, rerun=rerun)
+        # the hidden states alone are positional (``decoder_layer(hidden_states, **kwargs)``): saved-tensor
+        # hooks (activation offload, hf_loop.py) pack them; the rest the partial holds on the device
+        return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), held, rerun=rerun, packed=1)
 
     # --- clip, optimizer -----------------------------------------------------------------------
     def clip(self) -> None:

@@ -1,0 +1,136 @@
+"""Activation offload under transformers' Trainer (``--runtime hf``): TRL's ``OffloadActivations``, op by op.
+
+``SFTConfig(activation_offloading=True)`` (and axolotl's ``activation_offloading: true``) runs
+``Trainer.training_step`` under TRL's saved-tensor hooks (trl 1.16.0, ``trl/models/activation_offloading.py``,
+itself torchtune's; the head's no-op hooks from ``get_act_offloading_ctx_manager``; the wrapping in
+``trl/trainer/sft_trainer.py``'s ``training_step``), as tests/accuracy/offload_steps.py's ``trl-like`` hooks
+emulate them on CPU. What differs from ``save_on_cpu`` (``act_offload.py``):
+
+- kept on the device, the tensor itself held: a save under ``min_offload_size`` (1024 bytes), a parameter
+  or a view of one (``w.t()``), anything the LM head saves (a no-op hook pair around ``lm_head``:
+  :attr:`TrlOffload.paused`), and a storage this forward already offloaded (keyed by data pointer and
+  dtype: the second save of RMSNorm's input, ``nll_loss``'s of the log-probabilities);
+- an offloaded save's original stays alive in the forward stash while it is among the last
+  ``max_fwd_stash_size`` (5) saves; an unpack of a stashed one hands back the original, no copy;
+- an unpacked copy is held (``bwd_tensor_stash``) until the next node that unpacks an offloaded save
+  has run (a hook registered on that node: ``Node.post``), which also empties the forward stash; the
+  host copy goes at the unpack;
+- at the end of the backward everything goes (TRL's end-of-backward callback:
+  :meth:`TrlOffload.end_of_step`).
+
+Checked on CPU against the emulation through ``transformers.Trainer`` (tests/accuracy/
+test_offload_accuracy.py). On CUDA TRL's copies keep the tensor's strides (``empty_like`` into pinned
+memory, ``to(device)`` back) and its streams order them: not followed, the plan stays on the phase model
+(``hf_support``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from memplan.costmodel.timeline.act_offload import Packed, unpack
+
+if TYPE_CHECKING:
+    from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+
+MIN_OFFLOAD_BYTES = 1024  # min_offload_size
+FWD_STASH = 5  # max_fwd_stash_size
+
+
+@dataclass(eq=False, slots=True)
+class TrlPacked(Packed):
+    """An offloaded save and the order of its pack (TRL's ``tensor_id``)."""
+
+    ident: int = 0
+
+
+class TrlOffload:
+    """TRL's hooks over one ``training_step``; ``host_bytes`` / ``host_peak``: the host copies alive."""
+
+    def __init__(self) -> None:
+        self.host_bytes = self.host_peak = 0
+        self.paused = 0  # > 0 inside the LM head
+        self.next_id = 0
+        self.seen: set = set()  # (storage, itemsize) offloaded in this forward
+        self.stash: dict[int, Tensor] = {}  # id -> the original, held
+        self.back: dict[int, Tensor] = {}  # id -> the copy brought back, held
+        self.node: Node | None = None
+
+    def _keep(self, t: Tensor) -> bool:
+        if self.paused or t.st.managed or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
+            return True
+        key = (t.st, t.itemsize)
+        if key in self.seen:
+            return True
+        self.seen.add(key)
+        return False
+
+    def pack(self, tape: Tape, t: Tensor) -> Tensor | Packed:
+        """Keep ``t`` on the device (held), or copy it to the host and stash the original."""
+        self.next_id += 1
+        ident = self.next_id
+        if self._keep(t):
+            return t if t.st.managed else tape.hold(t)
+        self.host_bytes += t.numel * t.itemsize
+        self.host_peak = max(self.host_peak, self.host_bytes)
+        for old in [k for k in self.stash if k <= ident - FWD_STASH]:
+            tape.drop(self.stash.pop(old))
+        self.stash[ident] = tape.hold(t)
+        return TrlPacked(t.numel, t.itemsize, self, t.fn, ident=ident)
+
+    def unpack(self, tape: Tape, packed: TrlPacked, tag: str = "unpacked", node: Node | None = None) -> Tensor:
+        """The original from the stash, or a new device copy held until the next such node has run."""
+        self.release(packed)
+        if node is not None and node is not self.node:
+            self.node = node
+            node.post = self._release(tape, list(self.back))
+        original = self.stash.pop(packed.ident, None)
+        if original is not None:
+            return original  # the stash's reference, now the caller's
+        out = unpack(tape, packed, tag)
+        self.back[packed.ident] = tape.hold(out)
+        return out
+
+    def release(self, packed: Packed) -> None:
+        """The host copy goes at its unpack (or with the step)."""
+        if not packed.released:
+            packed.released = True
+            self.host_bytes -= packed.numel * packed.itemsize
+
+    def _release(self, tape: Tape, previous: list[int]):
+        def hook() -> None:
+            for k in previous:
+                tape.drop(self.back.pop(k, None))
+            self._clear_stash(tape)
+
+        return hook
+
+    def _clear_stash(self, tape: Tape) -> None:
+        for t in self.stash.values():
+            tape.drop(t)
+        self.stash = {}
+
+    def end_of_step(self, tape: Tape) -> None:
+        """The end-of-backward callback: the last node's copies and the stash go; a new forward starts."""
+        for t in self.back.values():
+            tape.drop(t)
+        self.back = {}
+        self._clear_stash(tape)
+        self.seen = set()
+        self.node = None
+
+
+@contextmanager
+def in_head(hooks: object) -> Iterator[None]:
+    """TRL's no-op hooks around the output head: under :class:`TrlOffload` nothing it saves is offloaded."""
+    trl = isinstance(hooks, TrlOffload)
+    if trl:
+        hooks.paused += 1
+    try:
+        yield
+    finally:
+        if trl:
+            hooks.paused -= 1
