@@ -1,7 +1,5 @@
 """The library entry point of ``memplan estimate``: a resolved job in, a frozen result out."""
 
-from __future__ import annotations
-
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -168,8 +166,8 @@ VERIFIED = 4  # changes that fit by the fast form, estimated again in full (one 
 
 
 def _verified(
-    job: Job, found: list[Suggestion], current: int, limit: int, device: Device
-) -> list[tuple[Suggestion, bool]]:
+    job: Job, found: "list[Suggestion]", current: int, limit: int, device: Device
+) -> "list[tuple[Suggestion, bool]]":
     """The first ``VERIFIED`` changes that fit by the fast form, estimated as ``memplan estimate`` would
     estimate the changed plan (the allocator replay of its run decides reserved and fits), so a change
     advised to fit is one the estimate of it says fits; the others keep their screening figures."""
@@ -189,7 +187,7 @@ def _verified(
     return out
 
 
-def _allocator_suggestion(report: MemoryReport) -> list[Suggestion]:
+def _allocator_suggestion(report: MemoryReport) -> "list[Suggestion]":
     """PyTorch's expandable segments, when the default allocator's replay failed: what the same
     run reserves with them (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)."""
     from memplan.costmodel.advice import Suggestion

@@ -128,9 +128,12 @@ def main() -> None:
     cost model makes tens of thousands of long-lived objects and no garbage, and the ~80 collections
     they would trigger cost ~15 ms of a cold ``memplan estimate``. And the process leaves without the
     interpreter's teardown (:func:`_leave`), which frees every object one by one (~50 ms).
-    For the commands of :data:`_COLLECTOR_OFF` the collector stays off to the end.
+    For the commands of :data:`_COLLECTOR_OFF` the collector stays off to the end, and pydantic looks
+    for no plugins (:data:`_NO_PLUGINS`).
     ``run`` itself, which the tests call in one process, keeps the collector as it is."""
     command = _invoked(sys.argv[1:])
+    if command in _COLLECTOR_OFF:
+        os.environ.setdefault(*_NO_PLUGINS)
     if command is not None:
         enabled = gc.isenabled()
         gc.disable()
@@ -153,6 +156,12 @@ def main() -> None:
 # re-estimates its suggestions: ``gc.collect()`` after each), which the process's exit frees instead.
 # The tuner and the validator keep it: they run for long, building run after run.
 _COLLECTOR_OFF = ("estimate",)
+# pydantic's plugin discovery (``pydantic.plugin._loader.get_plugins``, on the first model class built):
+# ``importlib.metadata.entry_points`` reads the entry points of every installed distribution, ~19 M
+# instructions (1%) of a cold ``memplan estimate llama3-8b --gpus 8 --zero 3``, for plugins that would only
+# observe memplan's own internal models. Off as typer turns it off for its own adapters
+# (``typer._adapters.disabled_pydantic_plugins``); a value the user set is kept.
+_NO_PLUGINS = ("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
 
 # Modules whose clean-up may live in C (static destructors, the C library's atexit: CUDA, NCCL,

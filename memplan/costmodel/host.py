@@ -21,8 +21,6 @@ machine (``--gpu auto`` found it), this machine's ``MemTotal`` (/proc/meminfo); 
 unknown and not checked.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict

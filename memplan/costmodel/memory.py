@@ -12,8 +12,6 @@ Pipeline stages differ, so the first and the last stage are both evaluated and t
 is for the one with the higher peak (the most-loaded rank).
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from heapq import heapreplace

@@ -1,7 +1,5 @@
 """Results of the memory model: frozen pydantic models, rendered by the CLI."""
 
-from __future__ import annotations
-
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict

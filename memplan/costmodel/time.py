@@ -16,8 +16,6 @@ Every constant below is an assumption with its source; a calibration per GPU pro
 (measured / predicted step time from ``memplan tune --validate``) scales the result.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from functools import lru_cache
 from operator import attrgetter
@@ -94,7 +92,7 @@ class Efficiency(BaseModel):
     calibration: float = Field(1.0, gt=0, description="Measured / predicted step time for this GPU profile.")
 
     @classmethod
-    def for_gpu(cls, gpu: GPUSpec, calibration: float = 1.0) -> Efficiency:
+    def for_gpu(cls, gpu: GPUSpec, calibration: float = 1.0) -> "Efficiency":
         """The defaults, with the matmul and attention fractions the GPU profile measured
         (its ``efficiency`` block) where it has them."""
         measured = gpu.efficiency

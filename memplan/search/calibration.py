@@ -13,8 +13,6 @@ job's); peak ratios from every completed run (a simulated rank's memory is real)
 scales the predicted allocated peak by the peak ratio.
 """
 
-from __future__ import annotations
-
 import json
 import os
 from collections.abc import Mapping, Sequence

@@ -1,7 +1,5 @@
 """GPU profiles and the cluster they sit in."""
 
-from __future__ import annotations
-
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -93,7 +91,7 @@ class GPUSpec(BaseModel):
     sources: dict[str, str] = Field(description="Where each figure comes from, keyed by field name.")
 
     @model_validator(mode="after")
-    def _every_figure_has_a_source(self) -> GPUSpec:
+    def _every_figure_has_a_source(self) -> "GPUSpec":
         figures = ["memory_bytes", "hbm_bytes_per_s", "peak_flops", "pcie_bytes_per_s"]
         if self.nvlink_bytes_per_s is not None:
             figures.append("nvlink_bytes_per_s")

@@ -1,8 +1,6 @@
 """A plan file (what ``memplan tune`` writes and ``estimate`` reads) and the checks that tie a
 plan to a model and a workload (divisibility, offload rules, world size)."""
 
-from __future__ import annotations
-
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt

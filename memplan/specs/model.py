@@ -1,7 +1,5 @@
 """Model spec: decoder-only transformers (Llama / Mistral / Qwen / Gemma / Phi-3 / OLMo 2 / GPT), MoE and MLA."""
 
-from __future__ import annotations
-
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -58,7 +56,7 @@ class MoESpec(BaseModel):
     # A validator's message starts with the field it blames ("top_k: ..."); the loader turns that
     # prefix into the field path of the error.
     @model_validator(mode="after")
-    def _check(self) -> MoESpec:
+    def _check(self) -> "MoESpec":
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k: top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
         if self.num_experts % self.router_groups:
@@ -198,7 +196,7 @@ class ModelSpec(BaseModel):
     source: str | None = Field(None, description="Where the figures come from (a config.json, a paper).")
 
     @model_validator(mode="after")
-    def _check(self) -> ModelSpec:
+    def _check(self) -> "ModelSpec":
         if self.num_attention_heads % self.kv_heads:
             raise ValueError(
                 f"num_kv_heads: num_attention_heads ({self.num_attention_heads}) is not a multiple of "

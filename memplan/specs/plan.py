@@ -1,7 +1,5 @@
 """A parallel training plan: degrees, ZeRO, offload, recomputation, precision, optimizer."""
 
-from __future__ import annotations
-
 from collections.abc import Collection
 from functools import cache
 from typing import Literal
@@ -138,7 +136,7 @@ class Plan(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> Plan:
+    def _check(self) -> "Plan":
         if self.pp_schedule == "interleaved" and self.virtual_stages < 2:
             raise ValueError("virtual_stages: the interleaved schedule needs virtual_stages >= 2")
         if self.pp_schedule != "interleaved" and self.virtual_stages != 1:

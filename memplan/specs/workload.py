@@ -1,7 +1,5 @@
 """What the GPUs do: a training step or an inference (prefill + decode) batch."""
 
-from __future__ import annotations
-
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt

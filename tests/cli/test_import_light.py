@@ -247,3 +247,36 @@ def test_the_process_leaves_with_its_output_and_its_exit_code():
                              env=env, timeout=60)  # fmt: skip
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "tp x pp x cp = 3" in bad.stderr, bad.stderr
         assert bad.stdout == ("clean-up ran \n" if mode == "register" else "")
+
+
+PLUGINS_SCRIPT = textwrap.dedent(
+    """
+    import atexit, os, sys
+    import memplan.cli.app
+
+    def report():
+        import pydantic.plugin._loader as loader
+        print(os.environ.get("PYDANTIC_DISABLE_PLUGINS"), "searched" if loader._plugins is not None else "not searched")
+
+    atexit.register(report)
+    sys.argv = ["memplan", *sys.argv[1:], "--format", "json"]
+    memplan.cli.app.main()
+    """
+)
+
+
+def test_the_estimate_process_does_not_search_for_pydantic_plugins():
+    """``main`` turns pydantic's plugin discovery off for ``memplan estimate`` (``app._NO_PLUGINS``:
+    it reads every installed distribution's entry points), keeps a value the user set, and leaves
+    the other commands as they are."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MEMPLAN_DEBUG", "PYDANTIC_DISABLE_PLUGINS")}
+    cases = (
+        (["estimate", "llama3-8b", "--gpus", "8", "--zero", "3"], {}, "__all__ not searched"),
+        (["estimate", "llama3-8b", "--gpus", "8", "--zero", "3"], {"PYDANTIC_DISABLE_PLUGINS": "x"}, "x searched"),
+        (["profiles"], {}, "None searched"),
+    )
+    for args, extra, expected in cases:
+        proc = subprocess.run([sys.executable, "-c", PLUGINS_SCRIPT, *args], capture_output=True, text=True,
+                              env={**env, **extra}, timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1] == expected, (args, extra, proc.stdout[-200:])

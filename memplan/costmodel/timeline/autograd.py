@@ -131,6 +131,7 @@ class Tape:
         self.subclass_like = False
         self.hooks: SaveOnCpu | None = None  # the forward's saved-tensor hooks (act_offload.py, hf_offload.py)
         self._node: Node | None = None  # the node the backward runs (``torch._C._current_autograd_node``)
+        self.packed = False  # a node has saved a Packed host copy (only then does a node's apply look for them)
 
     @contextmanager
     def scoped(self, scope: str) -> Iterator[None]:
@@ -242,6 +243,7 @@ class Tape:
             self.region.slots += 1
         elif self.hooks is not None:
             node.saved.append(self.hooks.pack(self, t))
+            self.packed = True
         else:
             node.saved.append(t if t.st.managed else self.hold(t))
 
@@ -367,14 +369,15 @@ class Tape:
                 self.scope = node.scope
             saved = [node.region.storage.pop(k) for k in node.saved]
             self._apply_saved = saved
-        elif any(isinstance(t, Packed) for t in saved):
+        elif self.packed and any(isinstance(t, Packed) for t in saved):
             held = [t for t in saved if isinstance(t, Tensor)]
             saved = self._unpack(saved)
         if grads.count(None) == len(grads):  # no gradient flows in
             outs = [None] * len(node.nexts)
         else:
             outs = node.apply(self, node, grads, saved)
-        self.end_apply()
+        if self._apply_saved is not None:  # end_apply, tested here first: most nodes unpack nothing
+            self.end_apply()
         if node.meta is not None:
             outs = [self._validate(g, m) for g, m in zip(outs, node.meta, strict=True)]
         if node.dtensor:

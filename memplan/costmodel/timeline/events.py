@@ -6,8 +6,6 @@ close to PyTorch MemTracker's ``Parameter`` / ``Gradient`` / ``Activation`` / ``
 (DESIGN.md, "Phases"); a mark records them in the sequence.
 """
 
-from __future__ import annotations
-
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
