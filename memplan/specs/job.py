@@ -155,7 +155,7 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
     """PEFT LoRA over an MoE model: answered by the op-level run of transformers' Trainer alone
     (``timeline.hf_moe``, checked to the byte against the real Trainer on CPU:
     tests/unit/test_timeline_hf_moe.py), with adapters on the attention linears of Mixtral, Qwen3-MoE or
-    Qwen2-MoE on one rank (``hf_support._moe_lora_ok``). The phase model's LoRA layer
+    Qwen2-MoE on one rank or over DDP (``hf_support._moe_lora_ok``). The phase model's LoRA layer
     (``lora.hf_layer``) counts a dense MLP of ``ffn_size`` where the experts are, and the bundled
     trainer and Megatron build no MoE adapters: every other plan is refused here, before either model
     runs. Without ``workload`` only the adapters are checked (family, runtime, targets). The questions that

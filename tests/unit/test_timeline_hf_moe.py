@@ -390,7 +390,7 @@ def test_estimate_answers_qwen2_moe_op_level(capsys) -> None:
         ("mixtral-8x7b", {}, {"dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
         ("mixtral-8x7b", {}, {"finetune": "lora", "lora_targets": ("all-linear",)}, "PEFT over the mixtral family"),
         ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("q_proj", "gate_proj")}, "PEFT over the qwen3"),
-        ("mixtral-8x7b", {}, {"finetune": "lora", "dp": 2}, "PEFT over the mixtral family"),
+        ("mixtral-8x7b", {}, {"finetune": "lora", "dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
         ("mixtral-8x7b", {}, {"finetune": "qlora", "quant": "nf4"}, "a quantized MoE base"),
         ("deepseek-v2-lite", {}, {}, "the deepseek-v2 family"),
     ],
@@ -422,3 +422,51 @@ def test_cuda_bf16_grouped_mm_allocates_its_argument_buffer() -> None:
     assert cutlass_args_bytes(8) == 480
     # two products a layer forward, two each backward (weight, input): 6 per layer, 2 layers, allocs and frees
     assert sizes[9] == [480] * 24 and sizes[8] == []
+
+
+def _lora_peak(case, dp: int = 1) -> int:
+    """The run's peak for a PEFT LoRA case over a tiny MoE model, on one of ``dp`` ranks (DDP)."""
+    from peft_steps import plan_of
+
+    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
+
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = plan_of(case).model_copy(update={"dp": dp})
+    workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+    assert hf_supported(model, plan, workload) is None, case.name
+    timeline = hf_run(
+        hf_dims(model, workload, plan),
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        batches=STEPS,
+        qkv_bias=model.qkv_bias,
+        arch=model.architecture,
+        extra=family_config(model),
+        lora=HfLoraConfig.of(plan),
+        inplace_accumulate=False,
+        subclass_like=True,
+        dp=dp,
+    )
+    return timeline.peak()[0]
+
+
+# LoRA on the attention linears under DDP over two gloo ranks (tests/accuracy/hf_ddp_steps.py; a PeftModel
+# is no PreTrainedModel, so the Trainer passes find_unused_parameters=True: hf_ddp.py)
+LORA_DDP = [
+    ("qv-fp32", "mixtral", MIXTRAL, {}),
+    ("attn-fp32", "qwen2_moe", QWEN2, {"targets": ATTN}),
+    ("dense-bf16-ckpt", "qwen3_moe", QWEN3_DENSE, {"targets": ATTN, "dtype": "bfloat16", "checkpointing": True}),
+    ("autocast-save-head", "mixtral", MIXTRAL4, {"targets": ATTN, "autocast": True, "modules_to_save": ("lm_head",)}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tag", "arch", "extra", "fields"), LORA_DDP, ids=[f"{c[1]}-{c[0]}" for c in LORA_DDP])
+def test_lora_under_ddp_equals_rank_0s_peak(tag: str, arch: str, extra: tuple, fields: dict) -> None:
+    pytest.importorskip("peft")
+    import hf_ddp_steps
+
+    case = _lora_case(f"ddp-{tag}", arch, extra, **fields)
+    measured, predicted = hf_ddp_steps.measure(case), _lora_peak(case, hf_ddp_steps.WORLD)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"

@@ -9,7 +9,7 @@ attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's 
 the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
 Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE and Qwen2-MoE
 (``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
-gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA on the attention linears on one rank;
+gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA on the attention linears, one rank or DDP;
 no router biases; tests/unit/test_timeline_hf_moe.py); fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
@@ -197,7 +197,7 @@ def _moe_ok(model: ModelSpec) -> bool:
 # (peft 0.21: a delta weight per parameter), which the run does not have; gate/up/down_proj name the shared
 # expert's and the dense layers' linears, not checked
 _MOE_LORA = (
-    " other than LoRA on attention linears (q/k/v/o_proj) on one rank (all-linear wraps the router and the "
+    " other than LoRA on attention linears (q/k/v/o_proj) (all-linear wraps the router and the "
     "experts in PEFT's ParamWrapper)"
 )
 
@@ -205,13 +205,13 @@ _MOE_LORA = (
 def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     """PEFT LoRA over a MoE model as tests/unit/test_timeline_hf_moe.py checks it against the real Trainer:
     adapters on the attention linears alone (the frozen experts' ``grouped_mm`` keeping no input,
-    ``hf_moe_ops.grouped_mm``), with or without ``modules_to_save``, on one rank."""
+    ``hf_moe_ops.grouped_mm``), with or without ``modules_to_save``, on one rank or over DDP
+    (``test_lora_under_ddp_equals_rank_0s_peak``: rank 0 of two gloo ranks; FSDP is refused by ``_fsdp_ok``)."""
     return (
         model.architecture in MOE_FAMILIES
         and plan.finetune == "lora"
         and bool(plan.lora_targets)
         and set(plan.lora_targets) <= set(ATTENTION)
-        and plan.dp == 1
     )
 
 
