@@ -155,13 +155,13 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
     """PEFT LoRA over an MoE model: answered by the op-level run of transformers' Trainer alone
     (``timeline.hf_moe``, checked to the byte against the real Trainer on CPU:
     tests/unit/test_timeline_hf_moe.py), with adapters on the attention linears of Mixtral, Qwen3-MoE or
-    Qwen2-MoE on one rank or over DDP (``hf_support._moe_lora_ok``). The phase model's LoRA layer
+    Qwen2-MoE, or on any linear of Qwen2-MoE, on one rank or over DDP (``hf_support._moe_lora_ok``; the targets
+    PEFT 0.21 wraps otherwise: :func:`_moe_targets_refused`). The phase model's LoRA layer
     (``lora.hf_layer``) counts a dense MLP of ``ffn_size`` where the experts are, and the bundled
     trainer and Megatron build no MoE adapters: every other plan is refused here, before either model
     runs. Without ``workload`` only the adapters are checked (family, runtime, targets). The questions that
     depend on the GPU (its compute capability) are asked by the run
     (``reserve.plan_run``), which refuses the plan rather than fall back to the phase model."""
-    from memplan.costmodel.lora import ATTENTION
     from memplan.costmodel.timeline.hf_support import MOE_FAMILIES, hf_supported
 
     name = f"{model.name} ({model.architecture})"
@@ -177,13 +177,7 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
             f"op by op); {name} is an MoE model and the runtime is {runtime}",
             field="plan.finetune",
         )
-    outside = [target for target in plan.lora_targets if target not in ATTENTION]
-    if outside:
-        raise MemplanError(
-            f"{', '.join(outside)} over the experts of {name} is not modelled: LoRA over an MoE model is "
-            f"modelled on the attention linears alone ({', '.join(ATTENTION)})",
-            field="plan.lora_targets",
-        )
+    _moe_targets_refused(model, plan, name)
     if workload is None:  # the adapters alone (``memplan tune`` checks them before it builds plans)
         return
     why = hf_supported(model, plan, workload, runtime, device="cpu")
@@ -193,3 +187,29 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
             f"alone, which does not follow {why}",
             field="plan.finetune",
         )
+
+
+def _moe_targets_refused(model: ModelSpec, plan: Plan, name: str) -> None:
+    """Targets the run does not follow on Mixtral and Qwen3-MoE, with what PEFT 0.21.2 does with them under
+    transformers 5.23 (``peft/utils/transformers_weight_conversion.py: _convert_peft_config_moe``, checked on
+    tiny models): ``all-linear`` and Qwen3-MoE's gate/up/down_proj become ``target_parameters`` on the 3-D
+    experts (and ``all-linear`` on the router's weight), each wrapped in ``lora.ParamWrapper``, a
+    parametrization that adds the adapters' product to the whole weight at every forward; Mixtral's
+    gate/up/down_proj match no module (its v4 experts were w1/w2/w3), which PEFT drops beside another target
+    and raises on alone. Qwen2-MoE, which transformers does not convert, takes them as its linears."""
+    from memplan.costmodel.lora import ATTENTION
+    from memplan.costmodel.timeline.hf_support import MOE_LORA_TARGETS
+
+    allowed = MOE_LORA_TARGETS[model.architecture]
+    outside = [target for target in plan.lora_targets if target not in allowed]
+    if not outside:
+        return
+    if model.architecture == "mixtral" and "all-linear" not in outside:
+        what = "PEFT 0.21 matches no module of Mixtral by these names (its experts are 3-D parameters)"
+    else:
+        what = "PEFT 0.21 turns them into target_parameters on the 3-D experts (lora.ParamWrapper), not modelled"
+    raise MemplanError(
+        f"{', '.join(outside)} over the experts of {name}: {what}; LoRA over this MoE family is modelled on the "
+        f"attention linears alone ({', '.join(ATTENTION)}), over Qwen2-MoE on any of its linears",
+        field="plan.lora_targets",
+    )

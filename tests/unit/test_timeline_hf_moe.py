@@ -385,7 +385,7 @@ def test_estimate_answers_qwen2_moe_op_level(capsys) -> None:
         ("qwen2-moe", {"shared_expert_gate": False}, {}, BLOCK),  # Qwen2MoeSparseMoeBlock always gates it
         ("qwen2-moe", {"num_shared_experts": 2}, {}, BLOCK),
         ("qwen2-moe", {"router_bias": True}, {}, BLOCK),
-        ("qwen2-moe", {}, {"finetune": "lora", "lora_targets": ("up_proj",)}, "PEFT over the qwen2-moe family"),
+        ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("up_proj",)}, "PEFT over the qwen3-moe family"),
         ("mixtral-8x7b", {}, {"dp": 2, "ep": 2}, "more than one rank (tensor, pipeline, context or expert)"),
         ("mixtral-8x7b", {}, {"dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
         ("mixtral-8x7b", {}, {"finetune": "lora", "lora_targets": ("all-linear",)}, "PEFT over the mixtral family"),
@@ -470,3 +470,59 @@ def test_lora_under_ddp_equals_rank_0s_peak(tag: str, arch: str, extra: tuple, f
     case = _lora_case(f"ddp-{tag}", arch, extra, **fields)
     measured, predicted = hf_ddp_steps.measure(case), _lora_peak(case, hf_ddp_steps.WORLD)
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+# Qwen2-MoE's linears beyond the attention: PEFT 0.21.2 takes gate/up/down_proj as its shared expert's and dense
+# layers' nn.Linear (transformers 5.23 converts no Qwen2-MoE names), and all-linear adds shared_expert_gate (one
+# output); the router and the 3-D experts stay frozen (test_peft_wraps_what_the_run_follows)
+MLP = ("gate_proj", "up_proj", "down_proj")
+QWEN2_LINEAR_CASES = [
+    ("mlp-dense-fp32", QWEN2_DENSE, {"targets": MLP, "layers": 4}),
+    ("all-linear-bf16-ckpt", QWEN2, {"targets": ("all-linear",), "dtype": "bfloat16", "checkpointing": True}),
+    ("all-linear-dense-autocast", QWEN2_DENSE, {"targets": ("all-linear",), "autocast": True, "layers": 4}),
+    ("q-down-dropout-fp32", QWEN2, {"targets": ("q_proj", "down_proj"), "dropout": 0.1}),
+]
+
+
+@pytest.mark.parametrize(
+    ("tag", "extra", "fields"),
+    [pytest.param(*c, marks=[pytest.mark.slow] if i else [], id=c[0]) for i, c in enumerate(QWEN2_LINEAR_CASES)],
+)
+def test_lora_on_qwen2_moes_linears_equals_the_trainers(tag: str, extra: tuple, fields: dict) -> None:
+    pytest.importorskip("peft")
+    import hf_peft_steps
+
+    case = _lora_case(tag, "qwen2_moe", extra, **fields)
+    measured, predicted = hf_peft_steps.measure(case, steps=STEPS), _lora_peak(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra", "targets", "linears", "wrapped"),
+    [
+        ("qwen2_moe", QWEN2_DENSE, MLP, {"shared_expert.gate_proj", "mlp.gate_proj"}, set()),
+        ("qwen2_moe", QWEN2, ("all-linear",), {"shared_expert_gate", "q_proj", "shared_expert.down_proj"}, set()),
+        ("qwen3_moe", QWEN3_DENSE, MLP, set(), {"mlp.experts"}),
+        ("mixtral", MIXTRAL, ("all-linear",), {"q_proj"}, {"mlp.experts", "mlp.gate"}),
+    ],
+)
+def test_peft_wraps_what_the_run_follows(arch: str, extra: tuple, targets: tuple, linears: set, wrapped: set) -> None:
+    """What ``get_peft_model`` builds for the targets (``check_moe_lora``'s reasons): nn.Linear adapters
+    (``lora.Linear``) on Qwen2-MoE's shared expert and dense MLP, none on its router or experts; on Qwen3-MoE
+    the MLP names move to the experts' 3-D parameters (``lora.ParamWrapper``), its dense layer's MLP untouched;
+    Mixtral's all-linear wraps the experts and the router."""
+    peft = pytest.importorskip("peft")
+    from peft_steps import build
+
+    case = _lora_case("wraps", arch, extra, targets=targets, layers=2 if arch != "qwen2_moe" else 4)
+    kinds: dict[str, set[str]] = {"Linear": set(), "ParamWrapper": set()}
+    for name, module in build(case).named_modules():
+        for kind in kinds:
+            if isinstance(module, getattr(peft.tuners.lora, kind)) and ".base_layer" not in name:
+                kinds[kind].add(name)
+    assert all(any(n.endswith(s) for n in kinds["Linear"]) for s in linears), kinds["Linear"]
+    assert {".".join(n.split(".")[-2:]) for n in kinds["ParamWrapper"]} == wrapped
+    if arch == "qwen2_moe":
+        assert not any(".experts" in n or n.endswith("mlp.gate") for n in kinds["Linear"])
+    if arch == "qwen3_moe":  # layer 1 keeps Qwen3MoeMLP, whose gate/up/down_proj PEFT no longer targets
+        assert not kinds["Linear"]

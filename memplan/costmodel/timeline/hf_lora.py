@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memplan.costmodel.lora import ADAPTER_BYTES, SAVABLE, resolve_targets
+from memplan.costmodel.lora import ADAPTER_BYTES, ALL_LINEAR, SAVABLE, resolve_targets
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
@@ -55,6 +55,8 @@ class HfLoraConfig:
         if plan.finetune == "full":
             return None
         targets = frozenset(resolve_targets(plan.lora_targets))
+        if ALL_LINEAR in plan.lora_targets:  # every nn.Linear but the head: Qwen2-MoE's shared_expert_gate too
+            targets |= {"shared_expert_gate"}
         return cls(plan.lora_rank, targets, plan.lora_dropout > 0, tuple(plan.modules_to_save))
 
 
@@ -104,9 +106,10 @@ class HfLora:
         self.trainable[name] = (numel, itemsize)
 
     def targeted(self, module: str) -> bool:
-        """``model.layers.{i}.{self_attn|mlp}.{proj}`` among the targets."""
+        """``model.layers.{i}.{self_attn|mlp}.{proj}`` among the targets; an MoE block's experts
+        (``mlp.experts.down_proj``: a 3-D parameter, no ``nn.Linear``) never are (``hf_moe.py``)."""
         parts = module.split(".")
-        return parts[:2] == ["model", "layers"] and parts[-1] in self.cfg.targets
+        return parts[:2] == ["model", "layers"] and parts[-1] in self.cfg.targets and "experts" not in parts
 
     def adapt(self, model, x: Tensor, out: Tensor, name: str) -> Tensor:
         """``lora.Linear.forward`` after ``self.base_layer(x)`` returned ``out``; ``out`` itself

@@ -53,7 +53,7 @@ forward under ``torch.autocast`` (tests/unit/test_plan_autocast.py).
 
 from __future__ import annotations
 
-from memplan.costmodel.lora import ATTENTION, SAVABLE
+from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
@@ -193,25 +193,31 @@ def _moe_ok(model: ModelSpec) -> bool:
     return shared and (arch != "mixtral" or (moe.layer_freq == 1 and not moe.dense_layers))
 
 
-# PEFT's all-linear over transformers 5's MoE blocks wraps the router and the 3-D experts in lora.ParamWrapper
-# (peft 0.21: a delta weight per parameter), which the run does not have; gate/up/down_proj name the shared
-# expert's and the dense layers' linears, not checked
+# The targets whose adapters the run follows on each MoE family: PEFT 0.21.2's nn.Linear adapters. On Qwen2-MoE
+# (no v4-to-v5 conversion in transformers 5.23: PEFT takes target_modules as given) gate/up/down_proj name the
+# shared expert's and the dense layers' linears and all-linear adds shared_expert_gate, never the router
+# (Qwen2MoeTopKRouter) or the 3-D experts. On Mixtral and Qwen3-MoE, PEFT's conversion
+# (utils/transformers_weight_conversion.py: _convert_peft_config_moe) turns all-linear and Qwen3-MoE's MLP
+# names into target_parameters on the experts and the router (lora.ParamWrapper, not followed); Mixtral's
+# MLP names match no module (specs.job.check_moe_lora says so).
+MOE_LORA_TARGETS = {"mixtral": ATTENTION, "qwen3-moe": ATTENTION, "qwen2-moe": (*LINEARS, ALL_LINEAR)}
 _MOE_LORA = (
-    " other than LoRA on attention linears (q/k/v/o_proj) (all-linear wraps the router and the "
-    "experts in PEFT's ParamWrapper)"
+    " other than LoRA on attention linears (q/k/v/o_proj), or on Qwen2-MoE any of its linears "
+    "(PEFT wraps Mixtral's and Qwen3-MoE's experts and router in its ParamWrapper)"
 )
 
 
 def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     """PEFT LoRA over a MoE model as tests/unit/test_timeline_hf_moe.py checks it against the real Trainer:
-    adapters on the attention linears alone (the frozen experts' ``grouped_mm`` keeping no input,
-    ``hf_moe_ops.grouped_mm``), with or without ``modules_to_save``, on one rank or over DDP
-    (``test_lora_under_ddp_equals_rank_0s_peak``: rank 0 of two gloo ranks; FSDP is refused by ``_fsdp_ok``)."""
+    adapters on the attention linears (the frozen experts' ``grouped_mm`` keeping no input,
+    ``hf_moe_ops.grouped_mm``), on Qwen2-MoE on any of its ``nn.Linear`` (``MOE_LORA_TARGETS``), with or
+    without ``modules_to_save``, on one rank or over DDP (``test_lora_under_ddp_equals_rank_0s_peak``: rank 0
+    of two gloo ranks; FSDP is refused by ``_fsdp_ok``)."""
     return (
         model.architecture in MOE_FAMILIES
         and plan.finetune == "lora"
         and bool(plan.lora_targets)
-        and set(plan.lora_targets) <= set(ATTENTION)
+        and set(plan.lora_targets) <= set(MOE_LORA_TARGETS[model.architecture])
     )
 
 
