@@ -178,6 +178,12 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
             field="plan.finetune",
         )
     _moe_targets_refused(model, plan, name)
+    if plan.finetune == "qlora":  # said with the adapters: ``memplan tune``'s space would hold no plan
+        raise MemplanError(
+            f"qlora over an MoE model is modelled by the op-level run of transformers' Trainer alone, which does "
+            f"not follow a quantized MoE base ({name})",
+            field="plan.finetune",
+        )
     if workload is None:  # the adapters alone (``memplan tune`` checks them before it builds plans)
         return
     why = hf_supported(model, plan, workload, runtime, device="cpu")
