@@ -458,6 +458,7 @@ LORA_DDP = [
     ("attn-fp32", "qwen2_moe", QWEN2, {"targets": ATTN}),
     ("dense-bf16-ckpt", "qwen3_moe", QWEN3_DENSE, {"targets": ATTN, "dtype": "bfloat16", "checkpointing": True}),
     ("autocast-save-head", "mixtral", MIXTRAL4, {"targets": ATTN, "autocast": True, "modules_to_save": ("lm_head",)}),
+    ("all-linear-dense-bf16", "qwen2_moe", QWEN2_DENSE, {"targets": ("all-linear",), "dtype": "bfloat16", "layers": 4}),
 ]
 
 
