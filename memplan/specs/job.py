@@ -198,24 +198,46 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
 def _moe_targets_refused(model: ModelSpec, plan: Plan, name: str) -> None:
     """Targets the run does not follow on Mixtral and Qwen3-MoE, with what PEFT 0.21.2 does with them under
     transformers 5.23 (``peft/utils/transformers_weight_conversion.py: _convert_peft_config_moe``, checked on
-    tiny models): ``all-linear`` and Qwen3-MoE's gate/up/down_proj become ``target_parameters`` on the 3-D
-    experts (and ``all-linear`` on the router's weight), each wrapped in ``lora.ParamWrapper``, a
-    parametrization that adds the adapters' product to the whole weight at every forward; Mixtral's
-    gate/up/down_proj match no module (its v4 experts were w1/w2/w3), which PEFT drops beside another target
-    and raises on alone. Qwen2-MoE, which transformers does not convert, takes them as its linears."""
+    tiny models): ``all-linear`` becomes ``target_parameters`` on the 3-D experts and on the router's weight,
+    each wrapped in ``lora.ParamWrapper`` (the experts' wrappers are followed: ``timeline/hf_moe_lora.py``; the
+    router's, a 2-D delta weight, is not); Mixtral's gate/up/down_proj match no module (its v4 experts were
+    w1/w2/w3), which PEFT drops beside another target and raises on alone. Qwen2-MoE, which transformers does
+    not convert, takes them as its linears."""
     from memplan.costmodel.lora import ATTENTION
     from memplan.costmodel.timeline.hf_support import MOE_LORA_TARGETS
 
     allowed = MOE_LORA_TARGETS[model.architecture]
     outside = [target for target in plan.lora_targets if target not in allowed]
     if not outside:
+        _param_wrapper_refused(model, plan, name)
         return
     if model.architecture == "mixtral" and "all-linear" not in outside:
         what = "PEFT 0.21 matches no module of Mixtral by these names (its experts are 3-D parameters)"
     else:
-        what = "PEFT 0.21 turns them into target_parameters on the 3-D experts (lora.ParamWrapper), not modelled"
+        what = "PEFT 0.21 wraps the router's weight in lora.ParamWrapper too, not modelled"
     raise MemplanError(
         f"{', '.join(outside)} over the experts of {name}: {what}; LoRA over this MoE family is modelled on the "
-        f"attention linears alone ({', '.join(ATTENTION)}), over Qwen2-MoE on any of its linears",
+        f"attention linears alone ({', '.join(ATTENTION)}), over Qwen3-MoE on these and its experts' "
+        "gate/up/down_proj, over Qwen2-MoE on any of its linears",
         field="plan.lora_targets",
     )
+
+
+def _param_wrapper_refused(model: ModelSpec, plan: Plan, name: str) -> None:
+    """What PEFT 0.21.2 itself raises on over Qwen3-MoE's experts: gate_proj without up_proj or the reverse
+    (``_convert_peft_config_moe``: fused in ``gate_up_proj``), and dropout (``ParamWrapper.update_layer``)."""
+    mlp = set(plan.lora_targets) & {"gate_proj", "up_proj", "down_proj"}
+    if model.architecture != "qwen3-moe" or not mlp:
+        return
+    if len(mlp & {"gate_proj", "up_proj"}) == 1:
+        raise MemplanError(
+            f"{', '.join(sorted(mlp & {'gate_proj', 'up_proj'}))} alone over the experts of {name}: PEFT 0.21 raises "
+            "(gate_proj and up_proj are fused in the experts' gate_up_proj); target both",
+            field="plan.lora_targets",
+        )
+    if plan.lora_dropout > 0:
+        raise MemplanError(
+            f"lora_dropout {plan.lora_dropout} with adapters on the experts of {name}: PEFT 0.21's ParamWrapper "
+            "raises (dropout cannot be factored out of a weight's delta); use 0",
+            field="plan.lora_dropout",
+        )

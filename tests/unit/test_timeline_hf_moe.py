@@ -443,7 +443,7 @@ def _lora_peak(case, dp: int = 1) -> int:
         qkv_bias=model.qkv_bias,
         arch=model.architecture,
         extra=family_config(model),
-        lora=HfLoraConfig.of(plan),
+        lora=HfLoraConfig.of(plan, model.architecture, model.moe.num_experts),
         inplace_accumulate=False,
         subclass_like=True,
         dp=dp,
@@ -527,3 +527,39 @@ def test_peft_wraps_what_the_run_follows(arch: str, extra: tuple, targets: tuple
         assert not any(".experts" in n or n.endswith("mlp.gate") for n in kinds["Linear"])
     if arch == "qwen3_moe":  # layer 1 keeps Qwen3MoeMLP, whose gate/up/down_proj PEFT no longer targets
         assert not kinds["Linear"]
+
+
+# Qwen3-MoE's experts under PEFT 0.21.2's ParamWrapper (timeline/hf_moe_lora.py): the MLP names moved to the experts'
+# 3-D gate_up_proj (twice the rank) and down_proj, each forward's parametrized weight (a whole expert stack) saved
+QWEN3_EXPERT_CASES = [
+    ("experts-fp32", QWEN3, {"targets": MLP}),
+    ("experts-bf16-ckpt", QWEN3, {"targets": MLP, "dtype": "bfloat16", "checkpointing": True}),
+    ("experts-autocast-ckpt", QWEN3, {"targets": MLP, "autocast": True, "checkpointing": True}),
+    ("down-fp32", QWEN3, {"targets": ("down_proj",)}),
+    ("gate-up-bf16", QWEN3, {"targets": ("gate_proj", "up_proj"), "dtype": "bfloat16"}),
+    ("qv-experts-dense-fp32", QWEN3_DENSE, {"targets": ("q_proj", "v_proj", *MLP)}),
+    ("experts-dense-bf16-ckpt", QWEN3_DENSE, {"targets": MLP, "dtype": "bfloat16", "checkpointing": True}),
+]
+
+
+@pytest.mark.parametrize(
+    ("tag", "extra", "fields"),
+    [pytest.param(*c, marks=[pytest.mark.slow] if i else [], id=c[0]) for i, c in enumerate(QWEN3_EXPERT_CASES)],
+)
+def test_lora_on_qwen3_moes_experts_equals_the_trainers(tag: str, extra: tuple, fields: dict) -> None:
+    pytest.importorskip("peft")
+    import hf_peft_steps
+
+    case = _lora_case(tag, "qwen3_moe", extra, **fields)
+    measured, predicted = hf_peft_steps.measure(case, steps=STEPS), _lora_peak(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+@pytest.mark.slow
+def test_lora_on_qwen3_moes_experts_under_ddp_equals_rank_0s_peak() -> None:
+    pytest.importorskip("peft")
+    import hf_ddp_steps
+
+    case = _lora_case("ddp-experts-bf16", "qwen3_moe", QWEN3_DENSE, targets=("q_proj", *MLP), dtype="bfloat16")
+    measured, predicted = hf_ddp_steps.measure(case), _lora_peak(case, hf_ddp_steps.WORLD)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"

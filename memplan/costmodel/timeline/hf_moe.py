@@ -56,6 +56,7 @@ from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tensor
 from memplan.costmodel.timeline.hf_families import QWEN3_PARAMS, HfQwen3, chunk2
 from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
+from memplan.costmodel.timeline.hf_moe_lora import check, factors, parametrized
 from memplan.costmodel.timeline.hf_moe_ops import (
     INDEX,
     cutlass_args_bytes,
@@ -169,6 +170,7 @@ class MoeBlock:
         """``grouped_mm_experts_forward`` (integrations/moe.py l.424-535)."""
         t, d, cfg = self.tape, self.d, self.extra
         s, h, fe = d.tokens * cfg["top_k"], d.h, cfg["expert_ffn"]
+        wrapped = self.activate_wrappers(name)
         ids_sorted, perm = sort(t, s)
         rows = t.new(s, INDEX, "perm_div_top_k")
         selected = index_rows(t, x, rows, s * h, "selected_hidden_states")
@@ -177,7 +179,7 @@ class MoeBlock:
         counts_in = t.new(s, OFFSET, "histc_input")
         counts = t.new(cfg["experts"], OFFSET, "tokens_per_expert")
         offs = t.new(cfg["experts"], OFFSET, "offsets")
-        gate_up = self.weights[f"{name}.gate_up_proj.weight"]
+        gate_up = self.expert_weight(f"{name}.gate_up_proj", wrapped)
         # CUDA's CUTLASS path: bf16 operands on compute capability 9.x / 10.x (``_grouped_mm_cuda``:
         # ``scaled_mm_arch_allowed(sm90_only, sm100_only) && a_b_and_out_are_bf16``)
         args = cutlass_args_bytes(cfg["experts"]) if not self.cpu and cfg.get("sm90") and gate_up.itemsize == 2 else 0
@@ -186,7 +188,8 @@ class MoeBlock:
         act = ops.unary(t, gate_half, "silu", save_input=True)
         gated = ops.mul(t, act, up_half, "gated")
         t.done(act, up_half, gate_half, up)  # ``_apply_gate``'s locals, then the rebound proj_out
-        down = grouped_mm(t, gated, self.weights[f"{name}.down_proj.weight"], offs, s * h, "down_proj", args)
+        down_w = self.expert_weight(f"{name}.down_proj", wrapped)
+        down = grouped_mm(t, gated, down_w, offs, s * h, "down_proj", args)
         t.done(gated)
         weighted = ops.mul(t, down, weights, "weighted")
         inv_perm = t.new(s, INDEX, "inv_perm")
@@ -199,7 +202,31 @@ class MoeBlock:
         out = ops.to(t, summed, x.itemsize, "out")
         # the frame's locals at return, in the order the function names them
         t.done(ids_sorted, perm, selected, weights, counts_in, counts, offs, down, back, inv_perm, summed)
+        # the innermost wrapper's parametrization removed first, then parametrize's cache, then the outer ones'
+        *outer, inner = wrapped.values() or [()]
+        t.done(*inner)
+        t.done(*(w for w in (gate_up, down_w) if not w.st.managed))
+        t.done(*(f for pair in outer for f in pair))
         return out
+
+    def activate_wrappers(self: HfLlama, name: str) -> dict[str, tuple[Tensor, Tensor]]:
+        """PEFT's ``ParamWrapper._activate_lora`` of each wrapped expert parameter, outermost first
+        (``hf_moe_lora.py``): its factors, then the parametrization's check; the factors by parameter."""
+        lora = getattr(self.adapter, "__self__", None)  # the HfLora whose ``adapt`` the model calls
+        out = {}
+        for param, _ in lora.cfg.experts if lora is not None else ():
+            key = f"{name}.{param}"
+            out[key] = factors(self.tape, self.weights, key)
+            check(self.tape, self.weights[f"{key}.weight"], key)
+        return out
+
+    def expert_weight(self: HfLlama, key: str, wrapped: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+        """The experts' weight ``key`` as their forward reads it: the parameter, or its parametrized
+        value (``hf_moe_lora.parametrized``) where PEFT wraps it."""
+        w = self.weights[f"{key}.weight"]
+        if key not in wrapped:
+            return w
+        return parametrized(self.tape, w, *wrapped[key], f"{key}.baddbmm")
 
 
 class HfMixtral(MoeBlock, HfLlama):

@@ -193,24 +193,25 @@ def _moe_ok(model: ModelSpec) -> bool:
     return shared and (arch != "mixtral" or (moe.layer_freq == 1 and not moe.dense_layers))
 
 
-# The targets whose adapters the run follows on each MoE family: PEFT 0.21.2's nn.Linear adapters. On Qwen2-MoE
-# (no v4-to-v5 conversion in transformers 5.23: PEFT takes target_modules as given) gate/up/down_proj name the
-# shared expert's and the dense layers' linears and all-linear adds shared_expert_gate, never the router
-# (Qwen2MoeTopKRouter) or the 3-D experts. On Mixtral and Qwen3-MoE, PEFT's conversion
-# (utils/transformers_weight_conversion.py: _convert_peft_config_moe) turns all-linear and Qwen3-MoE's MLP
-# names into target_parameters on the experts and the router (lora.ParamWrapper, not followed); Mixtral's
-# MLP names match no module (specs.job.check_moe_lora says so).
-MOE_LORA_TARGETS = {"mixtral": ATTENTION, "qwen3-moe": ATTENTION, "qwen2-moe": (*LINEARS, ALL_LINEAR)}
+# The targets whose adapters the run follows on each MoE family. On Qwen2-MoE (no v4-to-v5 conversion in
+# transformers 5.23: PEFT takes target_modules as given) gate/up/down_proj name the shared expert's and the dense
+# layers' nn.Linear and all-linear adds shared_expert_gate, never the router (Qwen2MoeTopKRouter) or the 3-D
+# experts. On Qwen3-MoE, PEFT's conversion (utils/transformers_weight_conversion.py: _convert_peft_config_moe)
+# moves the MLP names to target_parameters on the experts (lora.ParamWrapper: hf_moe_lora.py), gate and up
+# together (fused in gate_up_proj); all-linear also wraps the router's weight (not followed). Mixtral's MLP
+# names match no module (specs.job.check_moe_lora says so).
+MOE_LORA_TARGETS = {"mixtral": ATTENTION, "qwen3-moe": LINEARS, "qwen2-moe": (*LINEARS, ALL_LINEAR)}
 _MOE_LORA = (
-    " other than LoRA on attention linears (q/k/v/o_proj), or on Qwen2-MoE any of its linears "
-    "(PEFT wraps Mixtral's and Qwen3-MoE's experts and router in its ParamWrapper)"
+    " other than LoRA on attention linears (q/k/v/o_proj), on Qwen3-MoE's experts (gate_proj with up_proj, "
+    "down_proj; no dropout) or on any of Qwen2-MoE's linears (PEFT wraps the routers in its ParamWrapper)"
 )
 
 
 def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     """PEFT LoRA over a MoE model as tests/unit/test_timeline_hf_moe.py checks it against the real Trainer:
     adapters on the attention linears (the frozen experts' ``grouped_mm`` keeping no input,
-    ``hf_moe_ops.grouped_mm``), on Qwen2-MoE on any of its ``nn.Linear`` (``MOE_LORA_TARGETS``), with or
+    ``hf_moe_ops.grouped_mm``), on Qwen3-MoE's experts (``hf_moe_lora.py``), on Qwen2-MoE on any of its
+    ``nn.Linear`` (``MOE_LORA_TARGETS``), with or
     without ``modules_to_save``, on one rank or over DDP (``test_lora_under_ddp_equals_rank_0s_peak``: rank 0
     of two gloo ranks; FSDP is refused by ``_fsdp_ok``)."""
     return (
@@ -218,7 +219,17 @@ def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
         and plan.finetune == "lora"
         and bool(plan.lora_targets)
         and set(plan.lora_targets) <= set(MOE_LORA_TARGETS[model.architecture])
+        and _param_wrapper_ok(model, plan)
     )
+
+
+def _param_wrapper_ok(model: ModelSpec, plan: Plan) -> bool:
+    """PEFT's ``ParamWrapper`` over Qwen3-MoE's experts as it builds it: gate_proj and up_proj together (PEFT
+    raises on one: they are fused in ``gate_up_proj``), no dropout (``ParamWrapper.update_layer`` raises)."""
+    mlp = set(plan.lora_targets) & {"gate_proj", "up_proj", "down_proj"}
+    if model.architecture != "qwen3-moe" or not mlp:
+        return True
+    return len(mlp & {"gate_proj", "up_proj"}) != 1 and plan.lora_dropout == 0
 
 
 # families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): the dense ones
