@@ -196,13 +196,11 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
 
 
 def _moe_targets_refused(model: ModelSpec, plan: Plan, name: str) -> None:
-    """Targets the run does not follow on Mixtral and Qwen3-MoE, with what PEFT 0.21.2 does with them under
-    transformers 5.23 (``peft/utils/transformers_weight_conversion.py: _convert_peft_config_moe``, checked on
-    tiny models): ``all-linear`` becomes ``target_parameters`` on the 3-D experts and on the router's weight,
-    each wrapped in ``lora.ParamWrapper`` (the experts' wrappers are followed: ``timeline/hf_moe_lora.py``; the
-    router's, a 2-D delta weight, is not); Mixtral's gate/up/down_proj match no module (its v4 experts were
-    w1/w2/w3), which PEFT drops beside another target and raises on alone. Qwen2-MoE, which transformers does
-    not convert, takes them as its linears."""
+    """Targets the run does not follow: Mixtral's gate/up/down_proj, which match no module under PEFT 0.21.2
+    and transformers 5.23 (``peft/utils/transformers_weight_conversion.py: _convert_peft_config_moe``, checked
+    on tiny models: its v4 experts were w1/w2/w3), dropped beside another target and raised on alone. The
+    targets PEFT wraps in ``lora.ParamWrapper`` (``all-linear`` on Mixtral and Qwen3-MoE, Qwen3-MoE's MLP names)
+    are followed (``timeline/hf_moe_lora.py``) as PEFT builds them (:func:`_param_wrapper_refused`)."""
     from memplan.costmodel.lora import ATTENTION
     from memplan.costmodel.timeline.hf_support import MOE_LORA_TARGETS
 
@@ -211,23 +209,22 @@ def _moe_targets_refused(model: ModelSpec, plan: Plan, name: str) -> None:
     if not outside:
         _param_wrapper_refused(model, plan, name)
         return
-    if model.architecture == "mixtral" and "all-linear" not in outside:
-        what = "PEFT 0.21 matches no module of Mixtral by these names (its experts are 3-D parameters)"
-    else:
-        what = "PEFT 0.21 wraps the router's weight in lora.ParamWrapper too, not modelled"
     raise MemplanError(
-        f"{', '.join(outside)} over the experts of {name}: {what}; LoRA over this MoE family is modelled on the "
-        f"attention linears alone ({', '.join(ATTENTION)}), over Qwen3-MoE on these and its experts' "
-        "gate/up/down_proj, over Qwen2-MoE on any of its linears",
+        f"{', '.join(outside)} over the experts of {name}: PEFT 0.21 matches no module of Mixtral by these names "
+        f"(its experts are 3-D parameters, w1/w2/w3 in transformers 4); LoRA over Mixtral is modelled on the "
+        f"attention linears ({', '.join(ATTENTION)}) or all-linear (the experts and the router wrapped)",
         field="plan.lora_targets",
     )
 
 
 def _param_wrapper_refused(model: ModelSpec, plan: Plan, name: str) -> None:
-    """What PEFT 0.21.2 itself raises on over Qwen3-MoE's experts: gate_proj without up_proj or the reverse
-    (``_convert_peft_config_moe``: fused in ``gate_up_proj``), and dropout (``ParamWrapper.update_layer``)."""
-    mlp = set(plan.lora_targets) & {"gate_proj", "up_proj", "down_proj"}
-    if model.architecture != "qwen3-moe" or not mlp:
+    """What PEFT 0.21.2 itself raises on where it wraps parameters (Mixtral's and Qwen3-MoE's experts and
+    routers): gate_proj without up_proj or the reverse (``_convert_peft_config_moe``: fused in
+    ``gate_up_proj``), and dropout (``ParamWrapper.update_layer``)."""
+    from memplan.costmodel.lora import ATTENTION
+
+    mlp = set(plan.lora_targets) - set(ATTENTION)
+    if model.architecture not in ("mixtral", "qwen3-moe") or not mlp:
         return
     if len(mlp & {"gate_proj", "up_proj"}) == 1:
         raise MemplanError(

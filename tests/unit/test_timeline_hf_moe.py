@@ -388,7 +388,7 @@ def test_estimate_answers_qwen2_moe_op_level(capsys) -> None:
         ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("up_proj",)}, "PEFT over the qwen3-moe family"),
         ("mixtral-8x7b", {}, {"dp": 2, "ep": 2}, "more than one rank (tensor, pipeline, context or expert)"),
         ("mixtral-8x7b", {}, {"dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
-        ("mixtral-8x7b", {}, {"finetune": "lora", "lora_targets": ("all-linear",)}, "PEFT over the mixtral family"),
+        ("mixtral-8x7b", {}, {"finetune": "lora", "lora_targets": ("down_proj",)}, "PEFT over the mixtral family"),
         ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("q_proj", "gate_proj")}, "PEFT over the qwen3"),
         ("mixtral-8x7b", {}, {"finetune": "lora", "dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
         ("mixtral-8x7b", {}, {"finetune": "qlora", "quant": "nf4"}, "a quantized MoE base"),
@@ -561,5 +561,44 @@ def test_lora_on_qwen3_moes_experts_under_ddp_equals_rank_0s_peak() -> None:
     import hf_ddp_steps
 
     case = _lora_case("ddp-experts-bf16", "qwen3_moe", QWEN3_DENSE, targets=("q_proj", *MLP), dtype="bfloat16")
+    measured, predicted = hf_ddp_steps.measure(case), _lora_peak(case, hf_ddp_steps.WORLD)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+# all-linear over Mixtral and Qwen3-MoE: the attention's lora.Linear, ParamWrapper on the experts and on the router's
+# 2-D weight (hf_moe_lora.router_delta: B @ A under the Trainer's autocast too, W + delta read by the router's F.linear)
+ALL_LINEAR_CASES = [
+    ("all-linear-fp32", "mixtral", MIXTRAL, {}),
+    ("all-linear-bf16", "mixtral", MIXTRAL, {"dtype": "bfloat16"}),
+    ("all-linear-autocast", "mixtral", MIXTRAL, {"autocast": True}),
+    ("bf16-autocast-ckpt", "mixtral", MIXTRAL4, {"dtype": "bfloat16", "autocast": True, "checkpointing": True}),
+    ("all-linear-dense-fp32", "qwen3_moe", QWEN3_DENSE, {}),
+    ("all-linear-dense-autocast-ckpt", "qwen3_moe", QWEN3_DENSE, {"autocast": True, "checkpointing": True}),
+    ("all-linear-bf16-save-head", "qwen3_moe", QWEN3, {"dtype": "bfloat16", "modules_to_save": ("lm_head",)}),
+]
+
+
+@pytest.mark.parametrize(
+    ("tag", "arch", "extra", "fields"),
+    [
+        pytest.param(*c, marks=[pytest.mark.slow] if i else [], id=f"{c[1]}-{c[0]}")
+        for i, c in enumerate(ALL_LINEAR_CASES)
+    ],
+)
+def test_all_linear_over_mixtral_and_qwen3_moe_equals_the_trainers(tag: str, arch: str, extra: tuple, fields: dict):
+    pytest.importorskip("peft")
+    import hf_peft_steps
+
+    case = _lora_case(tag, arch, extra, targets=("all-linear",), **fields)
+    measured, predicted = hf_peft_steps.measure(case, steps=STEPS), _lora_peak(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+@pytest.mark.slow
+def test_all_linear_over_mixtral_under_ddp_equals_rank_0s_peak() -> None:
+    pytest.importorskip("peft")
+    import hf_ddp_steps
+
+    case = _lora_case("ddp-all-linear", "mixtral", MIXTRAL, targets=("all-linear",), autocast=True)
     measured, predicted = hf_ddp_steps.measure(case), _lora_peak(case, hf_ddp_steps.WORLD)
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"

@@ -52,6 +52,7 @@ class HfLoraConfig:
     # an MoE block's 3-D experts PEFT wraps in lora.ParamWrapper, outermost first, with their rank (hf_moe_lora.py)
     experts: tuple[tuple[str, int], ...] = ()
     num_experts: int = 0
+    router: bool = False  # the router's 2-D weight too (all-linear over Mixtral or Qwen3-MoE)
 
     @classmethod
     def of(cls, plan, arch: str = "", num_experts: int = 0) -> HfLoraConfig | None:
@@ -62,10 +63,13 @@ class HfLoraConfig:
         targets = frozenset(resolve_targets(plan.lora_targets))
         if ALL_LINEAR in plan.lora_targets:  # every nn.Linear but the head: Qwen2-MoE's shared_expert_gate too
             targets |= {"shared_expert_gate"}
-        experts = wrapped_experts(arch, targets, plan.lora_rank)
+        every = ALL_LINEAR in plan.lora_targets
+        experts = wrapped_experts(arch, targets, plan.lora_rank, every)
         if arch in CONVERTED:  # PEFT moved the MLP names to the experts: no nn.Linear takes them (a dense layer's)
             targets -= set(MLP)
-        return cls(plan.lora_rank, targets, plan.lora_dropout > 0, tuple(plan.modules_to_save), experts, num_experts)
+        saved = tuple(plan.modules_to_save)
+        router = every and arch in CONVERTED
+        return cls(plan.lora_rank, targets, plan.lora_dropout > 0, saved, experts, num_experts, router)
 
 
 def _copy_name(module: str) -> str:
@@ -101,7 +105,7 @@ class HfLora:
                 for part, numel in (("lora_A", rank * e * cols), ("lora_B", rows * rank)):
                     self._param(weights, grads, f"{prefix}.{part}.weight", numel, ADAPTER_BYTES)
                 continue
-            if not self.targeted(prefix):
+            if not (self.targeted(prefix) or (self.cfg.router and prefix.endswith(".mlp.gate"))):
                 continue
             for part, numel in (("lora_A", r * cols), ("lora_B", rows * r)):
                 self._param(weights, grads, f"{prefix}.{part}.weight", numel, ADAPTER_BYTES)

@@ -56,7 +56,7 @@ from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tensor
 from memplan.costmodel.timeline.hf_families import QWEN3_PARAMS, HfQwen3, chunk2
 from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
-from memplan.costmodel.timeline.hf_moe_lora import check, factors, parametrized
+from memplan.costmodel.timeline.hf_moe_lora import check, factors, parametrized, plus_delta, router_delta
 from memplan.costmodel.timeline.hf_moe_ops import (
     INDEX,
     cutlass_args_bytes,
@@ -127,8 +127,12 @@ class MoeBlock:
         t, cfg = self.tape, self.extra
         with t.scoped(name):
             shared = self.gated_mlp(x, f"{name}.shared_expert", cfg["shared_ffn"]) if cfg.get("shared_ffn") else None
+            delta, weight = self.wrap_router(f"{name}.gate")
             logits = self.linear(x, f"{name}.gate", cfg["experts"], "router")
             scores, ids = self.route(logits)
+            if delta is not None:  # the router's ParamWrapper returns: parametrize's cache, then the proxy
+                t.done(self.weights.pop(f"{name}.gate.weight"), delta)
+                self.weights[f"{name}.gate.weight"] = weight
             out = self.experts(x, scores, ids, f"{name}.experts")
             if shared is not None:
                 out, shared = self.gate_shared(x, out, shared, name)
@@ -208,6 +212,17 @@ class MoeBlock:
         t.done(*(w for w in (gate_up, down_w) if not w.st.managed))
         t.done(*(f for pair in outer for f in pair))
         return out
+
+    def wrap_router(self: HfLlama, name: str) -> tuple[Tensor | None, Tensor]:
+        """PEFT's ``ParamWrapper`` over the router's weight (``all-linear`` on Mixtral, Qwen3-MoE;
+        ``hf_moe_lora.router_delta``): the delta, and the parametrized weight ``W + delta`` the router's
+        ``F.linear`` reads, put in the weight's place until the router returns; (None, W) unwrapped."""
+        lora, w = getattr(self.adapter, "__self__", None), self.weights[f"{name}.weight"]
+        if lora is None or not lora.cfg.router:
+            return None, w
+        delta = router_delta(self.tape, self.weights, name, self.weight)
+        self.weights[f"{name}.weight"] = plus_delta(self.tape, w, delta, f"{name}.parametrized")
+        return delta, w
 
     def activate_wrappers(self: HfLlama, name: str) -> dict[str, tuple[Tensor, Tensor]]:
         """PEFT's ``ParamWrapper._activate_lora`` of each wrapped expert parameter, outermost first

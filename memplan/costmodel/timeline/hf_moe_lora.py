@@ -28,17 +28,21 @@ copy) and ``lora_A``'s through ViewBackward0 (a view). Checked on CPU against th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 
 MLP = ("gate_proj", "up_proj", "down_proj")
-CONVERTED = ("qwen3-moe",)  # the MoE families whose MLP names PEFT moves to the experts (Mixtral's match nothing)
+# the MoE families whose targets PEFT converts: all-linear to the experts and the router's weight, and on
+# Qwen3-MoE the MLP names to the experts (Mixtral's match no module: specs.job refuses them)
+CONVERTED = ("qwen3-moe", "mixtral")
 
 
-def wrapped_experts(arch: str, targets: frozenset[str], rank: int) -> tuple[tuple[str, int], ...]:
+def wrapped_experts(arch: str, targets: frozenset[str], rank: int, all_linear: bool) -> tuple[tuple[str, int], ...]:
     """The experts' parameters PEFT wraps, outermost first, with their rank: ``gate_up_proj`` (gate and up
     fused: twice the rank, ``rank_pattern``) innermost, ``down_proj`` outside it."""
-    if arch not in CONVERTED:
+    if arch not in CONVERTED or not (all_linear or arch == "qwen3-moe"):
         return ()
     wrapped = [("gate_up_proj", 2 * rank)] if {"gate_proj", "up_proj"} <= targets else []
     wrapped += [("down_proj", rank)] if "down_proj" in targets else []
@@ -89,3 +93,37 @@ def parametrized(tape: Tape, w: Tensor, lhs: Tensor, rhs: Tensor, tag: str) -> T
 
     node = tape.node(tag, apply, [lhs, rhs], saved=[lhs, rhs])
     return ops.result(tape, w.numel, w.itemsize, tag, node)
+
+
+def router_delta(tape: Tape, weights: dict[str, Tensor], name: str, read: Callable[[str], Tensor]) -> Tensor:
+    """The router's ``ParamWrapper._activate_lora`` (a 2-D weight: one expert, so ``get_delta_weight``, not
+    the factors): ``lora_B.weight @ lora_A.weight`` (E x h; MmBackward0 saves both operands and computes mat2's
+    gradient first) on the
+    operands as ``read`` gives them (the model's ``weight``: under the Trainer's ``bf16=True`` autocast's cached
+    bf16 casts, the product in bf16), times the scaling, cast to the weight's dtype, held by
+    ``_LoraParameterProxy``; then ``register_parametrization``'s check (``W + delta``, freed)."""
+    w = weights[f"{name}.weight"]
+    a, b = read(f"{name}.lora_A.weight"), read(f"{name}.lora_B.weight")
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        grad_a = tape.new(a.numel, g[0].itemsize, "grad_A")
+        return [tape.new(b.numel, g[0].itemsize, "grad_B"), grad_a]
+
+    node = tape.node(f"{name}.delta_mm", apply, [b, a], saved=[b, a])  # the operands: autocast's casts are kept
+    prod = ops.result(tape, w.numel, b.itemsize, f"{name}.delta_mm", node)
+    tape.done(a, b)
+    scaled = ops.unary(tape, prod, f"{name}.delta_scaling")
+    tape.done(prod)
+    delta = ops.to(tape, scaled, w.itemsize, f"{name}.delta_cast")
+    tape.done(scaled)
+    check(tape, w, name)
+    return delta
+
+
+def plus_delta(tape: Tape, w: Tensor, delta: Tensor, tag: str) -> Tensor:
+    """``_LoraParameterProxy.forward``: ``W + delta`` (AddBackward0 passes the gradient on to the delta)."""
+
+    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        return [tape.view(g[0])]
+
+    return ops.result(tape, w.numel, w.itemsize, tag, tape.node(tag, apply, [delta]))

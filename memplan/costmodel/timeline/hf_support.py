@@ -198,12 +198,16 @@ def _moe_ok(model: ModelSpec) -> bool:
 # layers' nn.Linear and all-linear adds shared_expert_gate, never the router (Qwen2MoeTopKRouter) or the 3-D
 # experts. On Qwen3-MoE, PEFT's conversion (utils/transformers_weight_conversion.py: _convert_peft_config_moe)
 # moves the MLP names to target_parameters on the experts (lora.ParamWrapper: hf_moe_lora.py), gate and up
-# together (fused in gate_up_proj); all-linear also wraps the router's weight (not followed). Mixtral's MLP
-# names match no module (specs.job.check_moe_lora says so).
-MOE_LORA_TARGETS = {"mixtral": ATTENTION, "qwen3-moe": LINEARS, "qwen2-moe": (*LINEARS, ALL_LINEAR)}
+# together (fused in gate_up_proj); on Mixtral and Qwen3-MoE all-linear wraps the experts and the router's
+# weight. Mixtral's MLP names match no module (specs.job.check_moe_lora says so).
+MOE_LORA_TARGETS = {
+    "mixtral": (*ATTENTION, ALL_LINEAR),
+    "qwen3-moe": (*LINEARS, ALL_LINEAR),
+    "qwen2-moe": (*LINEARS, ALL_LINEAR),
+}
 _MOE_LORA = (
-    " other than LoRA on attention linears (q/k/v/o_proj), on Qwen3-MoE's experts (gate_proj with up_proj, "
-    "down_proj; no dropout) or on any of Qwen2-MoE's linears (PEFT wraps the routers in its ParamWrapper)"
+    " other than LoRA on attention linears (q/k/v/o_proj) or all-linear, on Qwen3-MoE's experts (gate_proj with "
+    "up_proj, down_proj) or on any of Qwen2-MoE's linears, without dropout where PEFT wraps parameters"
 )
 
 
@@ -224,12 +228,13 @@ def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 
 def _param_wrapper_ok(model: ModelSpec, plan: Plan) -> bool:
-    """PEFT's ``ParamWrapper`` over Qwen3-MoE's experts as it builds it: gate_proj and up_proj together (PEFT
-    raises on one: they are fused in ``gate_up_proj``), no dropout (``ParamWrapper.update_layer`` raises)."""
-    mlp = set(plan.lora_targets) & {"gate_proj", "up_proj", "down_proj"}
-    if model.architecture != "qwen3-moe" or not mlp:
+    """PEFT's ``ParamWrapper`` over Mixtral's and Qwen3-MoE's experts and routers as it builds it: gate_proj and
+    up_proj together (PEFT raises on one: they are fused in ``gate_up_proj``), no dropout
+    (``ParamWrapper.update_layer`` raises)."""
+    targets = set(plan.lora_targets)
+    if model.architecture not in ("mixtral", "qwen3-moe") or not targets - set(ATTENTION):
         return True
-    return len(mlp & {"gate_proj", "up_proj"}) != 1 and plan.lora_dropout == 0
+    return len(targets & {"gate_proj", "up_proj"}) != 1 and plan.lora_dropout == 0
 
 
 # families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): the dense ones
