@@ -46,6 +46,11 @@ Qwen2-MoE's shared expert (``Qwen2MoeSparseMoeBlock.forward``, l.339-350): ``Qwe
 shared_expert_gate(x)) * shared_expert_output`` and the sum with the experts' output. The Qwen families'
 dense layers (``mlp_only_layers``, ``decoder_sparse_step``; Qwen2-MoE l.357-362, Qwen3-MoE l.308-313) run
 the dense family's MLP of ``intermediate_size`` with its parameters (``layer_params``).
+
+Under PEFT, the experts and the router PEFT wraps in ``lora.ParamWrapper`` (``all-linear`` on Mixtral and
+Qwen3-MoE, Qwen3-MoE's MLP names) read parametrized weights (``hf_moe_lora.py``: ``activate_wrappers``,
+``expert_weight``, ``wrap_router``); Qwen2-MoE's shared expert and dense MLP take ``lora.Linear`` adapters
+through ``linear`` as a dense layer's do.
 """
 
 from __future__ import annotations

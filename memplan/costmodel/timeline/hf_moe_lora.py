@@ -22,8 +22,11 @@ takes a gradient (``hf_moe_ops.grouped_mm``). Backward: the weight's gradient (E
 (``derivatives.yaml``: ``grad.bmm(batch2^T) * alpha``, ``batch1^T.bmm(grad) * alpha``: a ``bmm`` and its scaled
 copy each, the ``bmm`` freed), then, after the block's later nodes (the factors' views were made before them),
 ``lora_B``'s gradient through PermuteBackward0 (a view) and ViewBackward0 (a reshape of a permuted tensor: a
-copy) and ``lora_A``'s through ViewBackward0 (a view). Checked on CPU against the real Trainer
-(tests/unit/test_timeline_hf_moe.py, ``test_lora_on_qwen3_moes_experts_equals_the_trainers``).
+copy) and ``lora_A``'s through ViewBackward0 (a view). ``all-linear`` on Mixtral and Qwen3-MoE wraps the
+experts so and the router's 2-D weight too (:func:`router_delta`, :func:`plus_delta`). Checked on CPU against
+the real Trainer, equal to the byte (tests/unit/test_timeline_hf_moe.py,
+``test_lora_on_qwen3_moes_experts_equals_the_trainers``,
+``test_all_linear_over_mixtral_and_qwen3_moe_equals_the_trainers``).
 """
 
 from __future__ import annotations

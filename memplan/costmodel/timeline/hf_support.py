@@ -9,7 +9,8 @@ attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's 
 the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
 Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE and Qwen2-MoE
 (``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
-gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA on the attention linears, one rank or DDP;
+gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA as ``MOE_LORA_TARGETS`` allows (the
+experts and routers PEFT wraps in its ParamWrapper: ``hf_moe_lora.py``), one rank or DDP;
 no router biases; tests/unit/test_timeline_hf_moe.py); fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
