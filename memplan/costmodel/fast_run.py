@@ -72,7 +72,10 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     repeat (no MoE, latent attention, per-layer attention or RoPE pattern, multi-token
     prediction), with every layer treated alike (no ``recompute_layers``), for the runtimes the
     run models. The plans of full bf16 training stay on the phase model's sums (the 768-plan
-    grid's cost; how far they are from the run: docs/cost-model.md)."""
+    grid's cost; how far they are from the run: docs/cost-model.md). LoRA over an MoE model under
+    ``hf``: the whole run (``_moe_lora_peak``), on either device."""
+    if _moe_lora(model, plan):
+        return runtime == "hf"
     if device != "cuda" or runtime not in ("memplan", "hf"):  # hf-loop: 48 of 50 exact (docs/cost-model.md)
         return False
     if plan.finetune == "full" and plan.precision != "fp32":
@@ -116,6 +119,8 @@ def run_peak(
     ``cut_depths`` layers; None where the run does not model the plan (``reserve.plan_run`` falls back to the
     phases) or the cut runs' spans do not line up. ``gpu``: its SMs and compute capability pick a 4-bit
     base's kernel (``quant.cuda_arch``)."""
+    if _moe_lora(model, plan):
+        return _moe_lora_peak(model, workload, plan, device, gpu)
     if not _modelled(model, workload, plan, runtime, cuda_arch(gpu)):
         return None
     if _loads_quantized(plan, runtime):
@@ -139,6 +144,28 @@ def run_peak(
     spans = [(a + (b - a) * steps, label) for (label, a), (_, b) in zip(*cut, strict=True)]
     allocated, label = max(spans, key=lambda s: s[0])  # the first of equals: the step's order
     return RunPeak(allocated, _phase(label))
+
+
+def _moe_lora(model: ModelSpec, plan: Plan) -> bool:
+    """LoRA over an MoE model (``reserve.run_only``): no phase-model sum screens it, its LoRA layer
+    counting a dense MLP of ``ffn_size`` where the experts are."""
+    return model.moe is not None and plan.finetune != "full"
+
+
+def _moe_lora_peak(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str, gpu: GPUSpec | None
+) -> RunPeak:
+    """The whole run of transformers' Trainer (``reserve.plan_run``, which raises rather than fall back to
+    the phases where the run does not follow the plan: a GPU below compute capability 8.0), as
+    ``estimate`` reports it: on CUDA replayed through the caching allocator model, on CPU its live
+    bytes (``cpu_reserve.cpu_replay``: no caching allocator); in the phase of its highest span."""
+    from memplan.costmodel.cpu_reserve import cpu_replay
+    from memplan.costmodel.reserve import plan_run, replay
+
+    run, _ = plan_run(model, workload, plan, "hf", device, gpu)
+    label = max(span_peaks(run, model.num_layers), key=lambda s: s[1])[0]
+    peak = replay(run, AllocatorConfig()) if device == "cuda" else cpu_replay(run)
+    return RunPeak(peak.max_allocated, _phase(label))
 
 
 def _loads_quantized(plan: Plan, runtime: str) -> bool:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from memplan.costmodel.reserve import run_only
 from memplan.costmodel.time import Efficiency
 from memplan.errors import MemplanError
 from memplan.search.calibration import calibration_path, load_calibration
@@ -154,13 +153,6 @@ def _finetune_options(
         check_lora(model, plan, runtime)  # the adapters alone: each plan of the space is checked whole
     except MemplanError as err:
         raise blame_flags(err, set(fields)) from None
-    if run_only(model, plan):
-        raise MemplanError(
-            f"{finetune} over an MoE model: the search ranks plans by the phase model's sums, which do not "
-            "answer it (its LoRA layer counts a dense MLP); estimate each plan with memplan estimate --runtime hf",
-            source=CLI,
-            field="--finetune",
-        )
     return {**fields, "quants": quants if allow_quantization else quants[:1]}
 
 

@@ -156,13 +156,13 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
     """PEFT LoRA over an MoE model: answered by the op-level run of transformers' Trainer alone
     (``timeline.hf_moe``, checked to the byte against the real Trainer on CPU:
     tests/unit/test_timeline_hf_moe.py), with adapters on the attention linears of Mixtral, Qwen3-MoE or
-    Qwen2-MoE on one rank (``hf_support._moe_lora_ok``). The phase model's LoRA layer
+    Qwen2-MoE, or on any linear of Qwen2-MoE, on one rank or over DDP (``hf_support._moe_lora_ok``; the targets
+    PEFT 0.21 wraps otherwise: :func:`_moe_targets_refused`). The phase model's LoRA layer
     (``lora.hf_layer``) counts a dense MLP of ``ffn_size`` where the experts are, and the bundled
     trainer and Megatron build no MoE adapters: every other plan is refused here, before either model
     runs. Without ``workload`` only the adapters are checked (family, runtime, targets). The questions that
     depend on the GPU (its compute capability) are asked by the run
     (``reserve.plan_run``), which refuses the plan rather than fall back to the phase model."""
-    from memplan.costmodel.lora import ATTENTION
     from memplan.costmodel.timeline.hf_support import MLA_FAMILIES, MOE_FAMILIES, hf_supported, mla_linears
 
     name, families = f"{model.name} ({model.architecture})", MOE_FAMILIES + MLA_FAMILIES
@@ -178,13 +178,22 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
             f"op by op); {name} is an MoE model and the runtime is {runtime}",
             field="plan.finetune",
         )
-    attention = mla_linears(model) if model.architecture in MLA_FAMILIES else ATTENTION  # DeepSeek-V3's MLA
-    outside = [target for target in plan.lora_targets if target not in attention]
-    if outside:
+    if model.architecture in MLA_FAMILIES:  # DeepSeek-V3's MLA linears alone (hf_support._mla_lora_ok)
+        attention = mla_linears(model)
+        outside = [target for target in plan.lora_targets if target not in attention]
+        if outside:
+            raise MemplanError(
+                f"{', '.join(outside)} over the experts of {name} is not modelled: LoRA over an MoE model "
+                f"is modelled on the attention linears alone ({', '.join(attention)})",
+                field="plan.lora_targets",
+            )
+    else:
+        _moe_targets_refused(model, plan, name)
+    if plan.finetune == "qlora":  # said with the adapters: ``memplan tune``'s space would hold no plan
         raise MemplanError(
-            f"{', '.join(outside)} over the experts of {name} is not modelled: LoRA over an MoE model is "
-            f"modelled on the attention linears alone ({', '.join(attention)})",
-            field="plan.lora_targets",
+            f"qlora over an MoE model is modelled by the op-level run of transformers' Trainer alone, which does "
+            f"not follow a quantized MoE base ({name})",
+            field="plan.finetune",
         )
     if workload is None:  # the adapters alone (``memplan tune`` checks them before it builds plans)
         return
@@ -194,4 +203,49 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
             f"{plan.finetune} over an MoE model is modelled by the op-level run of transformers' Trainer "
             f"alone, which does not follow {why}",
             field="plan.finetune",
+        )
+
+
+def _moe_targets_refused(model: ModelSpec, plan: Plan, name: str) -> None:
+    """Targets the run does not follow: Mixtral's gate/up/down_proj, which match no module under PEFT 0.21.2
+    and transformers 5.23 (``peft/utils/transformers_weight_conversion.py: _convert_peft_config_moe``, checked
+    on tiny models: its v4 experts were w1/w2/w3), dropped beside another target and raised on alone. The
+    targets PEFT wraps in ``lora.ParamWrapper`` (``all-linear`` on Mixtral and Qwen3-MoE, Qwen3-MoE's MLP names)
+    are followed (``timeline/hf_moe_lora.py``) as PEFT builds them (:func:`_param_wrapper_refused`)."""
+    from memplan.costmodel.lora import ATTENTION
+    from memplan.costmodel.timeline.hf_support import MOE_LORA_TARGETS
+
+    allowed = MOE_LORA_TARGETS[model.architecture]
+    outside = [target for target in plan.lora_targets if target not in allowed]
+    if not outside:
+        _param_wrapper_refused(model, plan, name)
+        return
+    raise MemplanError(
+        f"{', '.join(outside)} over the experts of {name}: PEFT 0.21 matches no module of Mixtral by these names "
+        f"(its experts are 3-D parameters, w1/w2/w3 in transformers 4); LoRA over Mixtral is modelled on the "
+        f"attention linears ({', '.join(ATTENTION)}) or all-linear (the experts and the router wrapped)",
+        field="plan.lora_targets",
+    )
+
+
+def _param_wrapper_refused(model: ModelSpec, plan: Plan, name: str) -> None:
+    """What PEFT 0.21.2 itself raises on where it wraps parameters (Mixtral's and Qwen3-MoE's experts and
+    routers): gate_proj without up_proj or the reverse (``_convert_peft_config_moe``: fused in
+    ``gate_up_proj``), and dropout (``ParamWrapper.update_layer``)."""
+    from memplan.costmodel.lora import ATTENTION
+
+    mlp = set(plan.lora_targets) - set(ATTENTION)
+    if model.architecture not in ("mixtral", "qwen3-moe") or not mlp:
+        return
+    if len(mlp & {"gate_proj", "up_proj"}) == 1:
+        raise MemplanError(
+            f"{', '.join(sorted(mlp & {'gate_proj', 'up_proj'}))} alone over the experts of {name}: PEFT 0.21 raises "
+            "(gate_proj and up_proj are fused in the experts' gate_up_proj); target both",
+            field="plan.lora_targets",
+        )
+    if plan.lora_dropout > 0:
+        raise MemplanError(
+            f"lora_dropout {plan.lora_dropout} with adapters on the experts of {name}: PEFT 0.21's ParamWrapper "
+            "raises (dropout cannot be factored out of a weight's delta); use 0",
+            field="plan.lora_dropout",
         )

@@ -458,11 +458,34 @@ def test_allow_quantization_needs_a_finetune_mode(tmp_path):
     assert code == 2 and "--allow-quantization" in err and "--finetune lora or qlora" in err
 
 
-def test_lora_over_an_moe_model_is_refused_by_the_search():
-    """The search screens plans by the phase model's sums, whose LoRA layer counts a dense MLP where an MoE
-    model's experts are: estimate answers such a plan from the Trainer's op-level run; tune refuses it."""
-    code, _, err = memplan("tune", "mixtral-8x7b", "--gpus", "1", "--finetune", "lora", "--lora-targets", "q_proj")
-    assert code == 2 and "--finetune" in err and "memplan estimate --runtime hf" in err
+def test_lora_over_an_moe_model_is_searched_by_the_trainers_run(tmp_path):
+    """The phase model's LoRA layer counts a dense MLP where an MoE model's experts are, so the search screens
+    such plans by the Trainer's whole op-level run (``fast_run._moe_lora_peak``): the space holds the plans the
+    run follows (one rank or DDP, no expert parallelism or FSDP), and the recommended plan's figure is
+    estimate's. Qwen1.5-MoE-A2.7B's config.json cut to two layers."""
+    config = json.loads((Path(__file__).parents[1] / "data" / "hf" / "qwen2-moe-a2.7b.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    lora = ("--finetune", "lora", "--lora-targets", "all-linear", "--gpu", "h200")
+    code, out, err = memplan("tune", str(path), "--gpus", "2", *lora, "--format", "json")
+    assert code == 0, err
+    result = json.loads(out)
+    plans = [row["evaluation"]["plan"] for row in result["top"]]
+    assert plans and all((p["dp"], p["zero"], p["ep"], p["tp"]) == (2, 0, 1, 1) for p in plans)
+    best = result["recommended"]["evaluation"]
+    plan, workload = best["plan"], best["workload"]
+    args = ("--gpus", "2", "--zero", "0", "--precision", plan["precision"], "--recompute", plan["recompute"])
+    args += ("--micro-batch", str(workload["micro_batch"]), "--seq-len", str(workload["seq_len"]))
+    code, out, err = memplan("estimate", str(path), *lora, *args, "--format", "json")
+    assert code == 0, err
+    memory = json.loads(out)["memory"]
+    assert memory["model"] == "op-level" and memory["peak"]["reserved"] == best["peak_reserved_bytes"]
+
+
+def test_qlora_over_an_moe_model_is_refused_in_one_line():
+    """The run follows no quantized MoE base: said with the adapters, not as an empty space."""
+    code, _, err = memplan("tune", "mixtral-8x7b", "--gpus", "1", "--finetune", "qlora")
+    assert code == 2 and "--finetune" in err and "a quantized MoE base" in err
     assert len(err.strip().splitlines()) == 1
 
 

@@ -385,12 +385,12 @@ def test_estimate_answers_qwen2_moe_op_level(capsys) -> None:
         ("qwen2-moe", {"shared_expert_gate": False}, {}, BLOCK),  # Qwen2MoeSparseMoeBlock always gates it
         ("qwen2-moe", {"num_shared_experts": 2}, {}, BLOCK),
         ("qwen2-moe", {"router_bias": True}, {}, BLOCK),
-        ("qwen2-moe", {}, {"finetune": "lora", "lora_targets": ("up_proj",)}, "PEFT over the qwen2-moe family"),
+        ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("up_proj",)}, "PEFT over the qwen3-moe family"),
         ("mixtral-8x7b", {}, {"dp": 2, "ep": 2}, "more than one rank (tensor, pipeline, context or expert)"),
         ("mixtral-8x7b", {}, {"dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
-        ("mixtral-8x7b", {}, {"finetune": "lora", "lora_targets": ("all-linear",)}, "PEFT over the mixtral family"),
+        ("mixtral-8x7b", {}, {"finetune": "lora", "lora_targets": ("down_proj",)}, "PEFT over the mixtral family"),
         ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("q_proj", "gate_proj")}, "PEFT over the qwen3"),
-        ("mixtral-8x7b", {}, {"finetune": "lora", "dp": 2}, "PEFT over the mixtral family"),
+        ("mixtral-8x7b", {}, {"finetune": "lora", "dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
         ("mixtral-8x7b", {}, {"finetune": "qlora", "quant": "nf4"}, "a quantized MoE base"),
         ("deepseek-v2-lite", {}, {}, "the deepseek-v2 family"),
     ],
@@ -422,3 +422,183 @@ def test_cuda_bf16_grouped_mm_allocates_its_argument_buffer() -> None:
     assert cutlass_args_bytes(8) == 480
     # two products a layer forward, two each backward (weight, input): 6 per layer, 2 layers, allocs and frees
     assert sizes[9] == [480] * 24 and sizes[8] == []
+
+
+def _lora_peak(case, dp: int = 1) -> int:
+    """The run's peak for a PEFT LoRA case over a tiny MoE model, on one of ``dp`` ranks (DDP)."""
+    from peft_steps import plan_of
+
+    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
+
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = plan_of(case).model_copy(update={"dp": dp})
+    workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+    assert hf_supported(model, plan, workload) is None, case.name
+    timeline = hf_run(
+        hf_dims(model, workload, plan),
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        batches=STEPS,
+        qkv_bias=model.qkv_bias,
+        arch=model.architecture,
+        extra=family_config(model),
+        lora=HfLoraConfig.of(plan, model.architecture, model.moe.num_experts),
+        inplace_accumulate=False,
+        subclass_like=True,
+        dp=dp,
+    )
+    return timeline.peak()[0]
+
+
+# LoRA on the attention linears under DDP over two gloo ranks (tests/accuracy/hf_ddp_steps.py; a PeftModel
+# is no PreTrainedModel, so the Trainer passes find_unused_parameters=True: hf_ddp.py)
+LORA_DDP = [
+    ("qv-fp32", "mixtral", MIXTRAL, {}),
+    ("attn-fp32", "qwen2_moe", QWEN2, {"targets": ATTN}),
+    ("dense-bf16-ckpt", "qwen3_moe", QWEN3_DENSE, {"targets": ATTN, "dtype": "bfloat16", "checkpointing": True}),
+    ("autocast-save-head", "mixtral", MIXTRAL4, {"targets": ATTN, "autocast": True, "modules_to_save": ("lm_head",)}),
+    ("all-linear-dense-bf16", "qwen2_moe", QWEN2_DENSE, {"targets": ("all-linear",), "dtype": "bfloat16", "layers": 4}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tag", "arch", "extra", "fields"), LORA_DDP, ids=[f"{c[1]}-{c[0]}" for c in LORA_DDP])
+def test_lora_under_ddp_equals_rank_0s_peak(tag: str, arch: str, extra: tuple, fields: dict) -> None:
+    pytest.importorskip("peft")
+    import hf_ddp_steps
+
+    case = _lora_case(f"ddp-{tag}", arch, extra, **fields)
+    measured, predicted = hf_ddp_steps.measure(case), _lora_peak(case, hf_ddp_steps.WORLD)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+# Qwen2-MoE's linears beyond the attention: PEFT 0.21.2 takes gate/up/down_proj as its shared expert's and dense
+# layers' nn.Linear (transformers 5.23 converts no Qwen2-MoE names), and all-linear adds shared_expert_gate (one
+# output); the router and the 3-D experts stay frozen (test_peft_wraps_what_the_run_follows)
+MLP = ("gate_proj", "up_proj", "down_proj")
+QWEN2_LINEAR_CASES = [
+    ("mlp-dense-fp32", QWEN2_DENSE, {"targets": MLP, "layers": 4}),
+    ("all-linear-bf16-ckpt", QWEN2, {"targets": ("all-linear",), "dtype": "bfloat16", "checkpointing": True}),
+    ("all-linear-dense-autocast", QWEN2_DENSE, {"targets": ("all-linear",), "autocast": True, "layers": 4}),
+    ("q-down-dropout-fp32", QWEN2, {"targets": ("q_proj", "down_proj"), "dropout": 0.1}),
+]
+
+
+@pytest.mark.parametrize(
+    ("tag", "extra", "fields"),
+    [pytest.param(*c, marks=[pytest.mark.slow] if i else [], id=c[0]) for i, c in enumerate(QWEN2_LINEAR_CASES)],
+)
+def test_lora_on_qwen2_moes_linears_equals_the_trainers(tag: str, extra: tuple, fields: dict) -> None:
+    pytest.importorskip("peft")
+    import hf_peft_steps
+
+    case = _lora_case(tag, "qwen2_moe", extra, **fields)
+    measured, predicted = hf_peft_steps.measure(case, steps=STEPS), _lora_peak(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra", "targets", "linears", "wrapped"),
+    [
+        ("qwen2_moe", QWEN2_DENSE, MLP, {"shared_expert.gate_proj", "mlp.gate_proj"}, set()),
+        ("qwen2_moe", QWEN2, ("all-linear",), {"shared_expert_gate", "q_proj", "shared_expert.down_proj"}, set()),
+        ("qwen3_moe", QWEN3_DENSE, MLP, set(), {"mlp.experts"}),
+        ("mixtral", MIXTRAL, ("all-linear",), {"q_proj"}, {"mlp.experts", "mlp.gate"}),
+    ],
+)
+def test_peft_wraps_what_the_run_follows(arch: str, extra: tuple, targets: tuple, linears: set, wrapped: set) -> None:
+    """What ``get_peft_model`` builds for the targets (``check_moe_lora``'s reasons): nn.Linear adapters
+    (``lora.Linear``) on Qwen2-MoE's shared expert and dense MLP, none on its router or experts; on Qwen3-MoE
+    the MLP names move to the experts' 3-D parameters (``lora.ParamWrapper``), its dense layer's MLP untouched;
+    Mixtral's all-linear wraps the experts and the router."""
+    peft = pytest.importorskip("peft")
+    from peft_steps import build
+
+    case = _lora_case("wraps", arch, extra, targets=targets, layers=2 if arch != "qwen2_moe" else 4)
+    kinds: dict[str, set[str]] = {"Linear": set(), "ParamWrapper": set()}
+    for name, module in build(case).named_modules():
+        for kind in kinds:
+            if isinstance(module, getattr(peft.tuners.lora, kind)) and ".base_layer" not in name:
+                kinds[kind].add(name)
+    assert all(any(n.endswith(s) for n in kinds["Linear"]) for s in linears), kinds["Linear"]
+    assert {".".join(n.split(".")[-2:]) for n in kinds["ParamWrapper"]} == wrapped
+    if arch == "qwen2_moe":
+        assert not any(".experts" in n or n.endswith("mlp.gate") for n in kinds["Linear"])
+    if arch == "qwen3_moe":  # layer 1 keeps Qwen3MoeMLP, whose gate/up/down_proj PEFT no longer targets
+        assert not kinds["Linear"]
+
+
+# Qwen3-MoE's experts under PEFT 0.21.2's ParamWrapper (timeline/hf_moe_lora.py): the MLP names moved to the experts'
+# 3-D gate_up_proj (twice the rank) and down_proj, each forward's parametrized weight (a whole expert stack) saved
+QWEN3_EXPERT_CASES = [
+    ("experts-fp32", QWEN3, {"targets": MLP}),
+    ("experts-bf16-ckpt", QWEN3, {"targets": MLP, "dtype": "bfloat16", "checkpointing": True}),
+    ("experts-autocast-ckpt", QWEN3, {"targets": MLP, "autocast": True, "checkpointing": True}),
+    ("down-fp32", QWEN3, {"targets": ("down_proj",)}),
+    ("gate-up-bf16", QWEN3, {"targets": ("gate_proj", "up_proj"), "dtype": "bfloat16"}),
+    ("qv-experts-dense-fp32", QWEN3_DENSE, {"targets": ("q_proj", "v_proj", *MLP)}),
+    ("experts-dense-bf16-ckpt", QWEN3_DENSE, {"targets": MLP, "dtype": "bfloat16", "checkpointing": True}),
+]
+
+
+@pytest.mark.parametrize(
+    ("tag", "extra", "fields"),
+    [pytest.param(*c, marks=[pytest.mark.slow] if i else [], id=c[0]) for i, c in enumerate(QWEN3_EXPERT_CASES)],
+)
+def test_lora_on_qwen3_moes_experts_equals_the_trainers(tag: str, extra: tuple, fields: dict) -> None:
+    pytest.importorskip("peft")
+    import hf_peft_steps
+
+    case = _lora_case(tag, "qwen3_moe", extra, **fields)
+    measured, predicted = hf_peft_steps.measure(case, steps=STEPS), _lora_peak(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+@pytest.mark.slow
+def test_lora_on_qwen3_moes_experts_under_ddp_equals_rank_0s_peak() -> None:
+    pytest.importorskip("peft")
+    import hf_ddp_steps
+
+    case = _lora_case("ddp-experts-bf16", "qwen3_moe", QWEN3_DENSE, targets=("q_proj", *MLP), dtype="bfloat16")
+    measured, predicted = hf_ddp_steps.measure(case), _lora_peak(case, hf_ddp_steps.WORLD)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+# all-linear over Mixtral and Qwen3-MoE: the attention's lora.Linear, ParamWrapper on the experts and on the router's
+# 2-D weight (hf_moe_lora.router_delta: B @ A under the Trainer's autocast too, W + delta read by the router's F.linear)
+ALL_LINEAR_CASES = [
+    ("all-linear-fp32", "mixtral", MIXTRAL, {}),
+    ("all-linear-bf16", "mixtral", MIXTRAL, {"dtype": "bfloat16"}),
+    ("all-linear-autocast", "mixtral", MIXTRAL, {"autocast": True}),
+    ("bf16-autocast-ckpt", "mixtral", MIXTRAL4, {"dtype": "bfloat16", "autocast": True, "checkpointing": True}),
+    ("all-linear-dense-fp32", "qwen3_moe", QWEN3_DENSE, {}),
+    ("all-linear-dense-autocast-ckpt", "qwen3_moe", QWEN3_DENSE, {"autocast": True, "checkpointing": True}),
+    ("all-linear-bf16-save-head", "qwen3_moe", QWEN3, {"dtype": "bfloat16", "modules_to_save": ("lm_head",)}),
+]
+
+
+@pytest.mark.parametrize(
+    ("tag", "arch", "extra", "fields"),
+    [
+        pytest.param(*c, marks=[pytest.mark.slow] if i else [], id=f"{c[1]}-{c[0]}")
+        for i, c in enumerate(ALL_LINEAR_CASES)
+    ],
+)
+def test_all_linear_over_mixtral_and_qwen3_moe_equals_the_trainers(tag: str, arch: str, extra: tuple, fields: dict):
+    pytest.importorskip("peft")
+    import hf_peft_steps
+
+    case = _lora_case(tag, arch, extra, targets=("all-linear",), **fields)
+    measured, predicted = hf_peft_steps.measure(case, steps=STEPS), _lora_peak(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+@pytest.mark.slow
+def test_all_linear_over_mixtral_under_ddp_equals_rank_0s_peak() -> None:
+    pytest.importorskip("peft")
+    import hf_ddp_steps
+
+    case = _lora_case("ddp-all-linear", "mixtral", MIXTRAL, targets=("all-linear",), autocast=True)
+    measured, predicted = hf_ddp_steps.measure(case), _lora_peak(case, hf_ddp_steps.WORLD)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"

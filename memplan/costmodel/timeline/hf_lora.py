@@ -34,10 +34,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memplan.costmodel.lora import ADAPTER_BYTES, MLA_ATTENTION, SAVABLE, resolve_targets
+from memplan.costmodel.lora import ADAPTER_BYTES, ALL_LINEAR, MLA_ATTENTION, SAVABLE, resolve_targets
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
+from memplan.costmodel.timeline.hf_moe_lora import CONVERTED, MLP, wrapped_experts
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,28 @@ class HfLoraConfig:
     targets: frozenset[str]
     dropout: bool = False
     modules_to_save: tuple[str, ...] = ()
+    # an MoE block's 3-D experts PEFT wraps in lora.ParamWrapper, outermost first, with their rank (hf_moe_lora.py)
+    experts: tuple[tuple[str, int], ...] = ()
+    num_experts: int = 0
+    router: bool = False  # the router's 2-D weight too (all-linear over Mixtral or Qwen3-MoE)
 
     @classmethod
-    def of(cls, plan) -> HfLoraConfig | None:
-        """The plan's adapters (``finetune: lora``), or None for full fine-tuning."""
+    def of(cls, plan, arch: str = "", num_experts: int = 0) -> HfLoraConfig | None:
+        """The plan's adapters (``finetune: lora``) over a model of the ``arch`` family with ``num_experts``
+        experts a block, or None for full fine-tuning."""
         if plan.finetune == "full":
             return None
         mla = (t for t in plan.lora_targets if t in MLA_ATTENTION)  # DeepSeek-V3's (hf_mla.py)
         targets = frozenset((*resolve_targets(plan.lora_targets), *mla))
-        return cls(plan.lora_rank, targets, plan.lora_dropout > 0, tuple(plan.modules_to_save))
+        if ALL_LINEAR in plan.lora_targets:  # every nn.Linear but the head: Qwen2-MoE's shared_expert_gate too
+            targets |= {"shared_expert_gate"}
+        every = ALL_LINEAR in plan.lora_targets
+        experts = wrapped_experts(arch, targets, plan.lora_rank, every)
+        if arch in CONVERTED:  # PEFT moved the MLP names to the experts: no nn.Linear takes them (a dense layer's)
+            targets -= set(MLP)
+        saved = tuple(plan.modules_to_save)
+        router = every and arch in CONVERTED
+        return cls(plan.lora_rank, targets, plan.lora_dropout > 0, saved, experts, num_experts, router)
 
 
 def _copy_name(module: str) -> str:
@@ -83,11 +97,17 @@ class HfLora:
     def build(self, weights: dict[str, Tensor], shapes: dict[str, tuple[int, int]], grads: dict, pd: int) -> None:
         """After the frozen base: A and B per targeted linear (``model.parameters()`` order), then
         each ``modules_to_save`` copy in the base's dtype, which replaces the weight the forward reads."""
-        r = self.cfg.rank
+        r, wrapped = self.cfg.rank, dict(self.cfg.experts)
         for name, (rows, cols) in shapes.items():
-            if not self.targeted(name.removesuffix(".weight")):
-                continue
             prefix = name.removesuffix(".weight")
+            expert = prefix.rsplit(".", 1)[-1] if ".experts." in prefix else ""
+            if expert in wrapped:  # a ParamWrapper's: lora_A (r E x k), lora_B (n x r E) over (E, n, k)
+                e, rank = self.cfg.num_experts, wrapped[expert]
+                for part, numel in (("lora_A", rank * e * cols), ("lora_B", rows * rank)):
+                    self._param(weights, grads, f"{prefix}.{part}.weight", numel, ADAPTER_BYTES)
+                continue
+            if not (self.targeted(prefix) or (self.cfg.router and prefix.endswith(".mlp.gate"))):
+                continue
             for part, numel in (("lora_A", r * cols), ("lora_B", rows * r)):
                 self._param(weights, grads, f"{prefix}.{part}.weight", numel, ADAPTER_BYTES)
         for module in self.cfg.modules_to_save:
@@ -105,9 +125,10 @@ class HfLora:
         self.trainable[name] = (numel, itemsize)
 
     def targeted(self, module: str) -> bool:
-        """``model.layers.{i}.{self_attn|mlp}.{proj}`` among the targets."""
+        """``model.layers.{i}.{self_attn|mlp}.{proj}`` among the targets; an MoE block's experts
+        (``mlp.experts.down_proj``: a 3-D parameter, no ``nn.Linear``) never are (``hf_moe.py``)."""
         parts = module.split(".")
-        return parts[:2] == ["model", "layers"] and parts[-1] in self.cfg.targets
+        return parts[:2] == ["model", "layers"] and parts[-1] in self.cfg.targets and "experts" not in parts
 
     def adapt(self, model, x: Tensor, out: Tensor, name: str) -> Tensor:
         """``lora.Linear.forward`` after ``self.base_layer(x)`` returned ``out``; ``out`` itself

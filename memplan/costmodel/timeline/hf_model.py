@@ -217,11 +217,12 @@ class HfLlama:
 
     def weight(self, name: str) -> Tensor:
         """The weight a matmul uses: under autocast its bf16 cast, cached for the forward when the
-        weight is a leaf that requires grad (``cached_cast``); a frozen one's is cast at each use."""
+        weight is a leaf that requires grad (``cached_cast``); a frozen one's, or a computed one's (PEFT's
+        parametrized weights, ``hf_moe_lora.py``), is cast at each use."""
         w = self.weights[name]
         if self.cache is None:
             return self.tape.alias(w)
-        if w.fn is None:
+        if w.fn is None or not w.st.managed:
             return ops.to(self.tape, w, 2, f"{name}.autocast", Category.AUTOCAST)
         if name not in self.cache:
             with self.tape.scoped(""):

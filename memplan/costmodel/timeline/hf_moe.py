@@ -46,6 +46,11 @@ Qwen2-MoE's shared expert (``Qwen2MoeSparseMoeBlock.forward``, l.339-350): ``Qwe
 shared_expert_gate(x)) * shared_expert_output`` and the sum with the experts' output. The Qwen families'
 dense layers (``mlp_only_layers``, ``decoder_sparse_step``; Qwen2-MoE l.357-362, Qwen3-MoE l.308-313) run
 the dense family's MLP of ``intermediate_size`` with its parameters (``layer_params``).
+
+Under PEFT, the experts and the router PEFT wraps in ``lora.ParamWrapper`` (``all-linear`` on Mixtral and
+Qwen3-MoE, Qwen3-MoE's MLP names) read parametrized weights (``hf_moe_lora.py``: ``activate_wrappers``,
+``expert_weight``, ``wrap_router``); Qwen2-MoE's shared expert and dense MLP take ``lora.Linear`` adapters
+through ``linear`` as a dense layer's do.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tensor
 from memplan.costmodel.timeline.hf_families import QWEN3_PARAMS, HfQwen3, chunk2
 from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
+from memplan.costmodel.timeline.hf_moe_lora import check, factors, parametrized, plus_delta, router_delta
 from memplan.costmodel.timeline.hf_moe_ops import (
     INDEX,
     cutlass_args_bytes,
@@ -127,8 +133,12 @@ class MoeBlock:
         t, cfg = self.tape, self.extra
         with t.scoped(name):
             shared = self.gated_mlp(x, f"{name}.shared_expert", cfg["shared_ffn"]) if cfg.get("shared_ffn") else None
+            delta, weight = self.wrap_router(f"{name}.gate")
             logits = self.linear(x, f"{name}.gate", cfg["experts"], "router")
             scores, ids = self.route(logits)
+            if delta is not None:  # the router's ParamWrapper returns: parametrize's cache, then the proxy
+                t.done(self.weights.pop(f"{name}.gate.weight"), delta)
+                self.weights[f"{name}.gate.weight"] = weight
             out = self.experts(x, scores, ids, f"{name}.experts")
             if shared is not None:
                 out, shared = self.gate_shared(x, out, shared, name)
@@ -170,6 +180,7 @@ class MoeBlock:
         """``grouped_mm_experts_forward`` (integrations/moe.py l.424-535)."""
         t, d, cfg = self.tape, self.d, self.extra
         s, h, fe = d.tokens * cfg["top_k"], d.h, cfg["expert_ffn"]
+        wrapped = self.activate_wrappers(name)
         ids_sorted, perm = sort(t, s)
         rows = t.new(s, INDEX, "perm_div_top_k")
         selected = index_rows(t, x, rows, s * h, "selected_hidden_states")
@@ -178,7 +189,7 @@ class MoeBlock:
         counts_in = t.new(s, OFFSET, "histc_input")
         counts = t.new(cfg["experts"], OFFSET, "tokens_per_expert")
         offs = t.new(cfg["experts"], OFFSET, "offsets")
-        gate_up = self.weights[f"{name}.gate_up_proj.weight"]
+        gate_up = self.expert_weight(f"{name}.gate_up_proj", wrapped)
         # CUDA's CUTLASS path: bf16 operands on compute capability 9.x / 10.x (``_grouped_mm_cuda``:
         # ``scaled_mm_arch_allowed(sm90_only, sm100_only) && a_b_and_out_are_bf16``)
         args = cutlass_args_bytes(cfg["experts"]) if not self.cpu and cfg.get("sm90") and gate_up.itemsize == 2 else 0
@@ -187,7 +198,8 @@ class MoeBlock:
         act = ops.unary(t, gate_half, "silu", save_input=True)
         gated = ops.mul(t, act, up_half, "gated")
         t.done(act, up_half, gate_half, up)  # ``_apply_gate``'s locals, then the rebound proj_out
-        down = grouped_mm(t, gated, self.weights[f"{name}.down_proj.weight"], offs, s * h, "down_proj", args)
+        down_w = self.expert_weight(f"{name}.down_proj", wrapped)
+        down = grouped_mm(t, gated, down_w, offs, s * h, "down_proj", args)
         t.done(gated)
         weighted = ops.mul(t, down, weights, "weighted")
         inv_perm = t.new(s, INDEX, "inv_perm")
@@ -200,7 +212,42 @@ class MoeBlock:
         out = ops.to(t, summed, x.itemsize, "out")
         # the frame's locals at return, in the order the function names them
         t.done(ids_sorted, perm, selected, weights, counts_in, counts, offs, down, back, inv_perm, summed)
+        # the innermost wrapper's parametrization removed first, then parametrize's cache, then the outer ones'
+        *outer, inner = wrapped.values() or [()]
+        t.done(*inner)
+        t.done(*(w for w in (gate_up, down_w) if not w.st.managed))
+        t.done(*(f for pair in outer for f in pair))
         return out
+
+    def wrap_router(self: HfLlama, name: str) -> tuple[Tensor | None, Tensor]:
+        """PEFT's ``ParamWrapper`` over the router's weight (``all-linear`` on Mixtral, Qwen3-MoE;
+        ``hf_moe_lora.router_delta``): the delta, and the parametrized weight ``W + delta`` the router's
+        ``F.linear`` reads, put in the weight's place until the router returns; (None, W) unwrapped."""
+        lora, w = getattr(self.adapter, "__self__", None), self.weights[f"{name}.weight"]
+        if lora is None or not lora.cfg.router:
+            return None, w
+        delta = router_delta(self.tape, self.weights, name, self.weight)
+        self.weights[f"{name}.weight"] = plus_delta(self.tape, w, delta, f"{name}.parametrized")
+        return delta, w
+
+    def activate_wrappers(self: HfLlama, name: str) -> dict[str, tuple[Tensor, Tensor]]:
+        """PEFT's ``ParamWrapper._activate_lora`` of each wrapped expert parameter, outermost first
+        (``hf_moe_lora.py``): its factors, then the parametrization's check; the factors by parameter."""
+        lora = getattr(self.adapter, "__self__", None)  # the HfLora whose ``adapt`` the model calls
+        out = {}
+        for param, _ in lora.cfg.experts if lora is not None else ():
+            key = f"{name}.{param}"
+            out[key] = factors(self.tape, self.weights, key)
+            check(self.tape, self.weights[f"{key}.weight"], key)
+        return out
+
+    def expert_weight(self: HfLlama, key: str, wrapped: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+        """The experts' weight ``key`` as their forward reads it: the parameter, or its parametrized
+        value (``hf_moe_lora.parametrized``) where PEFT wraps it."""
+        w = self.weights[f"{key}.weight"]
+        if key not in wrapped:
+            return w
+        return parametrized(self.tape, w, *wrapped[key], f"{key}.baddbmm")
 
 
 class HfMixtral(MoeBlock, HfLlama):

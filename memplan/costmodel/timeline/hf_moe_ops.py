@@ -76,7 +76,9 @@ def grouped_mm(tape: Tape, x: Tensor, w: Tensor, offs: Tensor, out_numel: int, t
 
     # derivatives.yaml ``_grouped_mm``: self's formula reads mat2, mat2's reads self; the generated kernel
     # saves self only where mat2's gradient is computed (a frozen expert's, under PEFT: not)
-    node = tape.node(tag, apply, [x, w], saved=[offs, x] if w.fn is not None else [offs])
+    # and mat2 where self's is: a parameter is held anyway, a parametrized weight (hf_moe_lora.py) is not
+    keep_w = [w] if x.fn is not None and not w.st.managed else []
+    node = tape.node(tag, apply, [x, w], saved=[offs, *keep_w, *([x] if w.fn is not None else [])])
     out = ops.result(tape, out_numel, x.itemsize, tag, node)
     scratch(tape)
     return out

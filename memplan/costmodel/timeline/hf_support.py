@@ -9,7 +9,8 @@ attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's 
 the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
 Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE and Qwen2-MoE
 (``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
-gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA on the attention linears on one rank;
+gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA as ``MOE_LORA_TARGETS`` allows (the
+experts and routers PEFT wraps in its ParamWrapper: ``hf_moe_lora.py``), one rank or DDP;
 no router biases; tests/unit/test_timeline_hf_moe.py), and DeepSeek-V3 on CPU (``hf_mla.py``: MLA under the CPU's
 math SDPA, the sigmoid router with its score bias and groups, the ungated shared experts; full fine-tuning on
 one rank, or PEFT LoRA on MLA's linears; tests/unit/test_timeline_hf_mla.py); fp32, ``bf16`` (a bf16 model under
@@ -60,7 +61,7 @@ without autocast unless the plan's ``autocast`` puts the forward under ``torch.a
 
 from __future__ import annotations
 
-from memplan.costmodel.lora import ATTENTION, MLA_ATTENTION, SAVABLE
+from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, MLA_ATTENTION, SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
@@ -254,26 +255,48 @@ def _mla_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     return plan.finetune == "lora" and bool(targets) and targets <= set(mla_linears(model)) and not plan.modules_to_save
 
 
-# PEFT's all-linear over transformers 5's MoE blocks wraps the router and the 3-D experts in lora.ParamWrapper
-# (peft 0.21: a delta weight per parameter), which the run does not have; gate/up/down_proj name the shared
-# expert's and the dense layers' linears, not checked
+# The targets whose adapters the run follows on each MoE family. On Qwen2-MoE (no v4-to-v5 conversion in
+# transformers 5.23: PEFT takes target_modules as given) gate/up/down_proj name the shared expert's and the dense
+# layers' nn.Linear and all-linear adds shared_expert_gate, never the router (Qwen2MoeTopKRouter) or the 3-D
+# experts. On Qwen3-MoE, PEFT's conversion (utils/transformers_weight_conversion.py: _convert_peft_config_moe)
+# moves the MLP names to target_parameters on the experts (lora.ParamWrapper: hf_moe_lora.py), gate and up
+# together (fused in gate_up_proj); on Mixtral and Qwen3-MoE all-linear wraps the experts and the router's
+# weight. Mixtral's MLP names match no module (specs.job.check_moe_lora says so).
+MOE_LORA_TARGETS = {
+    "mixtral": (*ATTENTION, ALL_LINEAR),
+    "qwen3-moe": (*LINEARS, ALL_LINEAR),
+    "qwen2-moe": (*LINEARS, ALL_LINEAR),
+}
 _MOE_LORA = (
-    " other than LoRA on attention linears (q/k/v/o_proj) on one rank (all-linear wraps the router and the "
-    "experts in PEFT's ParamWrapper)"
+    " other than LoRA on attention linears (q/k/v/o_proj) or all-linear, on Qwen3-MoE's experts (gate_proj with "
+    "up_proj, down_proj) or on any of Qwen2-MoE's linears, without dropout where PEFT wraps parameters"
 )
 
 
 def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     """PEFT LoRA over a MoE model as tests/unit/test_timeline_hf_moe.py checks it against the real Trainer:
-    adapters on the attention linears alone (the frozen experts' ``grouped_mm`` keeping no input,
-    ``hf_moe_ops.grouped_mm``), with or without ``modules_to_save``, on one rank."""
+    adapters on the attention linears (the frozen experts' ``grouped_mm`` keeping no input,
+    ``hf_moe_ops.grouped_mm``), on Qwen3-MoE's experts (``hf_moe_lora.py``), on Qwen2-MoE on any of its
+    ``nn.Linear`` (``MOE_LORA_TARGETS``), with or
+    without ``modules_to_save``, on one rank or over DDP (``test_lora_under_ddp_equals_rank_0s_peak``: rank 0
+    of two gloo ranks; FSDP is refused by ``_fsdp_ok``)."""
     return (
         model.architecture in MOE_FAMILIES
         and plan.finetune == "lora"
         and bool(plan.lora_targets)
-        and set(plan.lora_targets) <= set(ATTENTION)
-        and plan.dp == 1
+        and set(plan.lora_targets) <= set(MOE_LORA_TARGETS[model.architecture])
+        and _param_wrapper_ok(model, plan)
     )
+
+
+def _param_wrapper_ok(model: ModelSpec, plan: Plan) -> bool:
+    """PEFT's ``ParamWrapper`` over Mixtral's and Qwen3-MoE's experts and routers as it builds it: gate_proj and
+    up_proj together (PEFT raises on one: they are fused in ``gate_up_proj``), no dropout
+    (``ParamWrapper.update_layer`` raises)."""
+    targets = set(plan.lora_targets)
+    if model.architecture not in ("mixtral", "qwen3-moe") or not targets - set(ATTENTION):
+        return True
+    return len(targets & {"gate_proj", "up_proj"}) != 1 and plan.lora_dropout == 0
 
 
 # families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): the dense ones

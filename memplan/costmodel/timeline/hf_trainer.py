@@ -101,7 +101,8 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
     kernel = hf_kernel(model, plan, device)
     assert kernel is not None
     d = hf_dims(model, workload, plan)
-    lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan)
+    experts = model.moe.num_experts if model.moe else 0
+    lora, quant = HfLoraConfig.of(plan, model.architecture, experts), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan)
     mixed = trainer_autocast(plan, "hf")  # under FSDP2: accelerate's MixedPrecisionPolicy (hf_fsdp.py)
     ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model, gpu_arch)
     return hf_run(
