@@ -32,6 +32,10 @@ Under FSDP2 a collective buffer's layer is not the one its tag names: the all-ga
 group is issued at the end of a layer's forward, and the backward prefetches the previous layer's
 inside its own, so those buffers belong to the span they fall in (``_owner``, ``_fsdp2``).
 
+A pipelined fp32 plan (``_pipeline_peak``) is cut chunk by chunk: every chunk of the followed rank
+cut to the two depths, the schedule, micro-batches and the rank the same, the layer positions taken
+within a chunk.
+
 Measured against the whole run: equal to the byte on every plan of
 tests/search/test_fast_form_finetune.py, within 0.02% on tests/search/test_fast_form_fsdp.py's
 (docs/cost-model.md, "The search's fast form against the run"). A search computes each plan's
@@ -67,25 +71,39 @@ class RunPeak(NamedTuple):
 
 def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     """Whether this fast form answers the plan: the fine-tuning (LoRA, QLoRA) and fp32 plans on
-    CUDA of one pipeline stage without tensor parallelism, on one data-parallel rank or, under the
-    bundled trainer, over DDP (ZeRO-0), ZeRO-1 or FSDP2 (``_over_ranks``), over a model whose layers
-    repeat (no MoE, latent attention, per-layer attention or RoPE pattern, multi-token
-    prediction), with every layer treated alike (no ``recompute_layers``), for the runtimes the
-    run models. The plans of full bf16 training stay on the phase model's sums (the 768-plan
-    grid's cost; how far they are from the run: docs/cost-model.md). LoRA over an MoE model under
-    ``hf``: the whole run (``_moe_lora_peak``), on either device."""
+    CUDA of one pipeline stage, or the fp32 pipelines (``_pipelined``), without tensor parallelism,
+    on one data-parallel rank or, under the bundled trainer, over DDP (ZeRO-0), ZeRO-1 or FSDP2
+    (``_over_ranks``), over a model whose layers repeat (no MoE, latent attention, per-layer
+    attention or RoPE pattern, multi-token prediction), with every layer treated alike (no
+    ``recompute_layers``), for the runtimes the run models. The plans of full bf16 training stay
+    on the phase model's sums (the 768-plan grid's cost; how far they are from the run:
+    docs/cost-model.md). LoRA over an MoE model under ``hf``: the whole run (``_moe_lora_peak``), on
+    either device."""
     if _moe_lora(model, plan):
         return runtime == "hf"
+
     if device != "cuda" or runtime not in ("memplan", "hf"):  # hf-loop: 48 of 50 exact (docs/cost-model.md)
         return False
     if plan.finetune == "full" and plan.precision != "fp32":
         return False
-    if plan.pp > 1 or plan.tp * plan.cp * plan.ep > 1 or plan.recompute_layers is not None:
+    if plan.tp * plan.cp * plan.ep > 1 or plan.recompute_layers is not None:
         return False
     if plan.dp > 1 and not _over_ranks(plan, runtime):
         return False
     repeats = not (model.moe or model.mla or model.rope_pattern or model.attention_pattern)
+    if plan.pp > 1:
+        return repeats and model.num_mtp_layers == 0 and _pipelined(plan, runtime)
     return repeats and model.num_mtp_layers == 0 and model.num_layers >= SHALLOWEST + 2 * STEP - 1
+
+
+def _pipelined(plan: Plan, runtime: str) -> bool:
+    """The pipelined plans the cut runs answer (``_pipeline_peak``): fp32 full training under the
+    bundled trainer (the only runtime that pipelines; it runs no LoRA under a pipeline:
+    ``timeline.support``), on one data rank or FSDP2 over each chunk. Where the phase model's sums
+    missed the run by -8.77% (pp 2, 1F1B, 4,096 tokens, 8 micro-batches on the 1B Llama of the H200
+    traces): CUDA's math SDPA backward (fp32: four ``s x s`` tensors per head) beside the
+    schedule's in-flight micro-batches; bf16 pipelines stay on the sums (within 0.02%)."""
+    return runtime == "memplan" and plan.finetune == "full" and plan.precision == "fp32"
 
 
 def _over_ranks(plan: Plan, runtime: str) -> bool:
@@ -123,6 +141,8 @@ def run_peak(
         return _moe_lora_peak(model, workload, plan, device, gpu)
     if not _modelled(model, workload, plan, runtime, cuda_arch(gpu)):
         return None
+    if plan.pp > 1:
+        return _pipeline_peak(model, workload, plan, device, gpu)
     if _loads_quantized(plan, runtime):
         return _whole_run_peak(model, workload, plan, runtime, device)
     depths, shard = cut_depths(model.num_layers), _zero1_shard(model, workload, plan, runtime)
@@ -138,9 +158,14 @@ def run_peak(
         )
         for n in depths
     ]
+    return _extrapolated(cut, (model.num_layers - depths[0]) // STEP)
+
+
+def _extrapolated(cut: list[list[tuple[str, int]] | None], steps: int) -> RunPeak | None:
+    """The highest span's peak ``steps`` times ``STEP`` layers deeper than the shallower cut run's,
+    each span's taken affine in the depth from the two cut runs' (None where they do not line up)."""
     if cut[0] is None or cut[1] is None or [p for p, _ in cut[0]] != [p for p, _ in cut[1]]:
         return None
-    steps = (model.num_layers - depths[0]) // STEP
     spans = [(a + (b - a) * steps, label) for (label, a), (_, b) in zip(*cut, strict=True)]
     allocated, label = max(spans, key=lambda s: s[0])  # the first of equals: the step's order
     return RunPeak(allocated, _phase(label))
@@ -168,6 +193,35 @@ def _moe_lora_peak(
     return RunPeak(peak.max_allocated, _phase(label))
 
 
+def _pipeline_peak(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str, gpu: GPUSpec | None
+) -> RunPeak | None:
+    """A pipeline rank's peak (``_pipelined``) from the runs with every chunk cut to ``cut_depths``
+    of its ``L / (p v)`` layers: the rank the whole run follows (``trainer.most_loaded_stage``, asked
+    of the whole model) at both depths, with the same schedule, micro-batches, chunks and stage
+    role (first, middle, last), so the runs take the same actions (``schedule.schedule_actions``)
+    and their spans, keyed by the chunk-local layer positions (``c{chunk}.layers.{j}``: ``_position``
+    over one chunk's layers) in the actions' order, line up. Each forward and backward adds one
+    chunk's layers' activations, gradients and the in-flight micro-batches' saves per layer; the
+    receive buffers, the sends and the head are the same at every depth: each span's peak is affine in
+    the chunk's depth. Chunks of under ``SHALLOWEST + STEP`` layers are run whole (no deeper than the cut)."""
+    from memplan.costmodel.timeline.trainer import most_loaded_stage, trainer_run
+
+    chunks, arch = plan.stages, cuda_arch(gpu)
+    per, stage = model.num_layers // chunks, most_loaded_stage(model, workload, plan)
+    if per < SHALLOWEST + STEP:
+        return _whole_run_peak(model, workload, plan, "memplan", device, per)
+
+    def spans(depth: int) -> list[tuple[str, int]] | None:
+        cut = model.model_copy(update={"num_layers": depth * chunks})
+        with collection_paused():
+            run = trainer_run(cut, workload, plan, stage=stage, gpu_arch=arch)
+        return None if run is None else span_peaks(run, depth)
+
+    depths = cut_depths(per)
+    return _extrapolated([spans(n) for n in depths], (per - depths[0]) // STEP)
+
+
 def _loads_quantized(plan: Plan, runtime: str) -> bool:
     """A quantized base loaded by transformers' ``from_pretrained`` (``timeline/hf_build.py``): its 16-bit
     weights arrive in the warmup segment and leave holes the quantized ones are carved from, so where a
@@ -177,12 +231,15 @@ def _loads_quantized(plan: Plan, runtime: str) -> bool:
     return runtime in ("hf", "hf-loop") and plan.quant != "none" and plan.model_build == "from_pretrained"
 
 
-def _whole_run_peak(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str) -> RunPeak:
-    """The whole run's allocated peak, in the phase of the highest span outside the middle layers."""
+def _whole_run_peak(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, layers: int | None = None
+) -> RunPeak:
+    """The whole run's allocated peak, in the phase of the highest span outside the middle layers
+    (of ``layers``, a pipeline chunk's; by default the model's)."""
     from memplan.costmodel.reserve import plan_run, replay
 
     run, _ = plan_run(model, workload, plan, runtime, device)
-    label = max(span_peaks(run, model.num_layers), key=lambda s: s[1])[0]
+    label = max(span_peaks(run, layers or model.num_layers), key=lambda s: s[1])[0]
     return RunPeak(replay(run, AllocatorConfig()).max_allocated, _phase(label))
 
 
