@@ -66,6 +66,11 @@ WITHIN = [
         for p in PRECISIONS[:3]
     ],
     (dict(tp=8, precision="bf16-master", recompute="full"), 4096, 1),  # the replicated embedding's fp32 grad
+    # TP + SP under autocast: each matmul's bf16 cast of the all-gathered (whole-sequence) input
+    *[
+        (dict(tp=2, sequence_parallel=True, precision="bf16-mixed", recompute=r), 4096, 1)
+        for r in ("none", "selective", "full")
+    ],
     (dict(dp=8, zero=3, precision="fp32", recompute="none"), 2048, 1),  # from the cut runs (fast_run._fsdp2)
     (dict(dp=8, zero=3, precision="fp32", recompute="full"), 4096, 1),  # SDPA's math backward; the sums: -26.5%
     (dict(dp=8, zero=3, offload_params="cpu", offload_optimizer="cpu", precision="fp32", recompute="full"), 4096, 1),
@@ -79,6 +84,11 @@ WITHIN = [
     (dict(pp=2, precision="bf16", recompute="none"), 4096, 8),  # 1F1B
     (dict(pp=2, pp_schedule="gpipe", precision="bf16", recompute="full"), 4096, 8),
     (dict(pp=4, pp_schedule="interleaved", virtual_stages=2, precision="bf16-master", recompute="none"), 4096, 8),
+    # under FSDP2 ZeRO-3 a chunk's groups stay unsharded after its backward (memory.pipelined_unsharded_chunks)
+    *[
+        (dict(dp=2, pp=pp, zero=3, pp_schedule="interleaved", virtual_stages=2, precision=p, recompute=r), 4096, 8)
+        for pp, p, r in ((2, "bf16-master", "full"), (4, "bf16", "none"))
+    ],
 ]
 
 
@@ -93,11 +103,6 @@ def _miss(fields: dict, seq: int, accumulation: int, why: str):
 
 # measured 2026-11-28 on the 1B config, micro-batch 1 (docs/cost-model.md): the phase model's peak - the run's
 MISSES = [
-    _miss(dict(dp=2, pp=2, zero=3, pp_schedule="interleaved", virtual_stages=2, precision="bf16-master",
-               recompute="full"), 4096, 8,
-          "-3.02% (-488 MB): FSDP2 ZeRO-3 under the interleaved schedule: the run's layer groups stay "
-          "unsharded after their backward (set_reshard_after_backward(False)), 487 MB of *.unsharded "
-          "beside the head's at the loss's backward, which the sums' gathered_params leave out"),  # fmt: skip
     _miss(dict(tp=8, precision="bf16-master", recompute="none"), 2048, 1,
           "-0.13% (-5.46 MB): TP 8 on one data rank; the sums are the run's requested bytes less 67,856 B; "
           "the rest is the allocator's blocks: each V/8 x h fp32 tensor (the embedding's master and states, "
