@@ -727,7 +727,8 @@ def fsdp2_unsharded(
     group stays unsharded from its forward to its backward. ZeRO-3: at the end of the forward
     only the head group; in the last layer's backward that layer, the prefetched next group
     (the embedding on the first stage) and the head group until the root's final callback.
-    Measured with FSDPMemTracker (docs/cost-model.md). ``fp8_gather``: the layers' linear weights
+    Measured with FSDPMemTracker (docs/cost-model.md); an untied head group is resharded after
+    its own backward (the bundled trainer's run, ``timeline/fsdp.py``). ``fp8_gather``: the layers' linear weights
     are gathered in fp8 (``fp8.fsdp_gathered_bytes``); the head group and the embedding stay bf16.
     """
     unsharded = min(policy.param_bytes, policy.compute_bytes)
@@ -741,7 +742,11 @@ def fsdp2_unsharded(
         vocab_shard_params(model, plan.tp) if layout.is_first and not (layout.is_last and model.tied_embeddings) else 0
     )
     prefetched = embed * unsharded if layout.is_first else layer
-    return _Fsdp2(head * unsharded, head * unsharded, head * unsharded + layer + prefetched)
+    # an untied head group is resharded after its own backward (``Fsdp.post_backward``), before the
+    # layers' (the run: no ``output.weight.unsharded`` at the first layer's backward); a tied one is
+    # the root's, kept to the final callback
+    kept = head * unsharded if model.tied_embeddings else 0
+    return _Fsdp2(head * unsharded, head * unsharded, kept + layer + prefetched)
 
 
 @lru_cache(maxsize=1024)
@@ -846,6 +851,20 @@ def embedding_grad_pending(
     if rt.pytorch_parallel and plan.tp > 1 and not fsdp2:
         elements = model.vocab_size * model.hidden_size
     return elements * policy.grad_bytes
+
+
+def fsdp2_first_layer_backward(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, st: _States
+) -> tuple[int, int]:
+    """FSDP2 ZeRO-3 at the first layer's backward (the bundled trainer, untied, one stage): (the
+    previous layer group's reduce-scatter input, still alive, and the sharded gradient bytes not
+    made yet). ``Fsdp.post_backward`` frees a group's reduce-scatter input only when the next
+    group's is allocated (``fsdp.layers.1.reduce_scatter_input``, 436,224,000 B on llama3-8b at
+    dp 8), and the first layer's and the embedding's shards come after this layer's backward
+    (FSDP2's ``foreach_reduce`` at each group's post-backward)."""
+    layer = layout.largest_layer_params
+    shards = (layer + vocab_shard_params(model, plan.tp)) * policy.grad_bytes // (plan.dp * plan.cp)
+    return layer * policy.grad_bytes, min(shards, st.grads)
 
 
 def fsdp2_tp_embedding_backward(
@@ -1304,7 +1323,7 @@ def _stage_phases(
 
     # communication buffers
     gathered = 0
-    rs_buffer = 0
+    rs_buffer = end_shards = 0
     unsharded = _NO_FSDP2
     sharded = plan.dp * plan.cp > 1
     if fsdp2:
@@ -1323,6 +1342,8 @@ def _stage_phases(
             )
         if plan.offload_params != "none":
             st = st._replace(grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
+        if plan.zero == 3 and plan.pp == 1 and layers and not finetune and not model.tied_embeddings:
+            rs_buffer, end_shards = fsdp2_first_layer_backward(model, layout, plan, policy, st)
     elif plan.zero >= 3 and sharded:
         # the current layer and the prefetched one; on the first / last stage the gathered
         # embedding or LM head with one prefetched layer, whichever is larger
@@ -1463,7 +1484,7 @@ def _stage_phases(
         # softmax backward holds the core's s x s gradients beside the probabilities
         cache = rt.dynamic_cache and plan.recompute != "full"  # use_cache is off under checkpointing
         layer_part = max(layer_part, A.math_attention_backward(x, dynamic_cache=cache))
-    end_grads, end_acts = grads_full, others + embed + layer_part
+    end_grads, end_acts = grads_full - end_shards, others + embed + layer_part
     pending = 0
     # the input embedding's gradient comes after the last layer's backward, in every PyTorch loop
     if not grads_in_step and layers and not finetune:
@@ -1549,7 +1570,7 @@ def _stage_phases(
         )
         if workspaces:
             candidates[-1]["activations"] = workspaces
-    if rt.pytorch_parallel and fsdp2 and plan.tp > 1 and plan.pp == 1 and not finetune and not model.tied_embeddings:
+    if rt.pytorch_parallel and fsdp2 and plan.pp == 1 and not finetune and not model.tied_embeddings:
         if plan.offload_params == "none" and layout.is_first:
             candidates += fsdp2_tp_embedding_backward(
                 model, layout, plan, policy, st, base, workspaces, x, bool(grads_in_step)
