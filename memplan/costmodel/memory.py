@@ -874,7 +874,7 @@ def fsdp2_first_layer_backward(
 
 def fsdp2_head_backward(
     model: ModelSpec, layout: StageLayout, policy: PrecisionPolicy, base: dict[str, int], x: A.Shape,
-    acts: int, grads: int,
+    acts: int, grads: int, fp8_gather: bool = False,
 ) -> dict[str, int]:  # fmt: skip
     """FSDP2 ZeRO-3 in the LM head's backward (the bundled trainer, untied, one stage, no TP), at its
     input gradient (the run's ``output.logits.dX``): the loss's fp32 tensors are gone but for the
@@ -891,7 +891,7 @@ def fsdp2_head_backward(
         **base,
         "gradients": grads + vocab * unsharded,
         "activations": acts + A.hf_rmsnorm(x) + 8 * x.tokens + A.logits(x, model.vocab_size) + dx,
-        "comm_buffers": fsdp2_layer_gather(model, layout, policy, False),
+        "comm_buffers": fsdp2_layer_gather(model, layout, policy, fp8_gather),
         "gathered_params": (vocab + P.norm_params(model)) * unsharded,
     }
 
@@ -1608,7 +1608,9 @@ def _stage_phases(
             )
     if fsdp2 and plan.zero == 3 and plan.pp == 1 and plan.tp == 1 and layout.is_last and layers and not finetune:
         if not model.tied_embeddings and plan.offload_params == "none" and plan.offload_activations == "none":
-            candidates.append(fsdp2_head_backward(model, layout, policy, base, x, fwd_acts + embed, grads_in_step))
+            candidates.append(
+                fsdp2_head_backward(model, layout, policy, base, x, fwd_acts + embed, grads_in_step, fp8.gather_fp8)
+            )
     if fp8.backward_extra and layers and lora_acts is None and plan.offload_activations == "none":
         acts = fwd_acts + embed + live_layer - per_layer
         first = fp8_first_backward_layer(bwd_start, fp8, acts, x, head_grads, retained, unsharded.backward_end)
