@@ -711,9 +711,6 @@ class _Fsdp2(NamedTuple):
     forward: int
     backward_start: int
     backward_end: int
-    # ZeRO-3, one stage, untied: at the first layer's backward (fsdp2_first_layer_backward)
-    rs_input: int = 0  # the previous layer group's reduce-scatter input, bytes
-    not_made: int = 0  # elements of the first layer and the embedding, whose shards come later
 
 
 _NO_FSDP2 = _Fsdp2(0, 0, 0)  # outside FSDP2
@@ -749,10 +746,7 @@ def fsdp2_unsharded(
     # layers' (the run: no ``output.weight.unsharded`` at the first layer's backward); a tied one is
     # the root's, kept to the final callback
     kept = head * unsharded if model.tied_embeddings else 0
-    rs_input, not_made = 0, 0
-    if plan.pp == 1 and layout.layers and not model.tied_embeddings:
-        rs_input, not_made = fsdp2_first_layer_backward(model, layout, plan, policy)
-    return _Fsdp2(head * unsharded, head * unsharded, kept + layer + prefetched, rs_input, not_made)
+    return _Fsdp2(head * unsharded, head * unsharded, kept + layer + prefetched)
 
 
 @lru_cache(maxsize=1024)
@@ -860,16 +854,17 @@ def embedding_grad_pending(
 
 
 def fsdp2_first_layer_backward(
-    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, st: _States
 ) -> tuple[int, int]:
     """FSDP2 ZeRO-3 at the first layer's backward (the bundled trainer, untied, one stage): (the
-    previous layer group's reduce-scatter input, still alive, in bytes, and the elements whose
-    sharded gradients are not made yet). ``Fsdp.post_backward`` frees a group's reduce-scatter input only when the next
+    previous layer group's reduce-scatter input, still alive, and the sharded gradient bytes not
+    made yet). ``Fsdp.post_backward`` frees a group's reduce-scatter input only when the next
     group's is allocated (``fsdp.layers.1.reduce_scatter_input``, 436,224,000 B on llama3-8b at
     dp 8), and the first layer's and the embedding's shards come after this layer's backward
     (FSDP2's ``foreach_reduce`` at each group's post-backward)."""
     layer = layout.largest_layer_params
-    return layer * policy.grad_bytes, layer + vocab_shard_params(model, plan.tp)
+    shards = (layer + vocab_shard_params(model, plan.tp)) * policy.grad_bytes // (plan.dp * plan.cp)
+    return layer * policy.grad_bytes, min(shards, st.grads)
 
 
 def fsdp2_head_backward(
@@ -1371,10 +1366,8 @@ def _stage_phases(
             )
         if plan.offload_params != "none":
             st = st._replace(grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
-        if unsharded.rs_input and not finetune:
-            rs_buffer = unsharded.rs_input
-            if plan.offload_params == "none":  # offloaded, the sharded gradients are on the host
-                end_shards = unsharded.not_made * policy.grad_bytes // (plan.dp * plan.cp)
+        if plan.zero == 3 and plan.pp == 1 and layers and not finetune and not model.tied_embeddings:
+            rs_buffer, end_shards = fsdp2_first_layer_backward(model, layout, plan, policy, st)
     elif plan.zero >= 3 and sharded:
         # the current layer and the prefetched one; on the first / last stage the gathered
         # embedding or LM head with one prefetched layer, whichever is larger
