@@ -242,10 +242,14 @@ def fused_qkv(x: Shape) -> int:
 def autocast_input_casts(x: Shape, matmuls: int) -> int:
     """Under autocast each matmul casts its fp32 input to d itself (no cache for activations)
     and keeps the copy for its backward: ``matmuls`` x d*h per token (3 for q/k/v, 2 for
-    gate/up, 1 for the LM head). Measured with MemTracker, transformers 5.23."""
+    gate/up, 1 for the LM head). Measured with MemTracker, transformers 5.23. Under sequence
+    parallel each cast is of the all-gathered input, the whole sequence (the bundled trainer's
+    run: ``layers.N.attention.wq.input_cast`` ... ``feed_forward.w3.input_cast``,
+    ``trainer_model.Model.linear`` after ``gather_seq``; 402,653,184 B more than 1 / t of them
+    on the 1B config at TP 2, 4,096 tokens), so no division by t."""
     if not x.autocast:
         return 0
-    return matmuls * x.tokens * x.d * x.model.hidden_size // x.rep
+    return matmuls * x.tokens * x.d * x.model.hidden_size
 
 
 def hf_sdpa_attention(x: Shape, dynamic_cache: bool = True) -> int:

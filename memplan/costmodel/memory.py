@@ -34,7 +34,13 @@ from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Off
 from memplan.costmodel.report import Prefill as PrefillReport
 from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
 from memplan.costmodel.timeline.events import Moment, Timeline
-from memplan.costmodel.timeline.schedule import backward_first, chunks_in_flight, last_chunk_outputs, sends_held
+from memplan.costmodel.timeline.schedule import (
+    backward_first,
+    chunks_in_flight,
+    last_chunk_outputs,
+    schedule_actions,
+    sends_held,
+)
 from memplan.costmodel.timeline.step import Granularity, build_serving_run, pieces
 from memplan.errors import MemplanError
 from memplan.specs.model import ModelSpec
@@ -719,7 +725,8 @@ def fsdp2_unsharded(
     group stays unsharded from its forward to its backward. ZeRO-3: at the end of the forward
     only the head group; in the last layer's backward that layer, the prefetched next group
     (the embedding on the first stage) and the head group until the root's final callback.
-    Measured with FSDPMemTracker (docs/cost-model.md). ``fp8_gather``: the layers' linear weights
+    Measured with FSDPMemTracker (docs/cost-model.md); an untied head group is resharded after
+    its own backward (the bundled trainer's run, ``timeline/fsdp.py``). ``fp8_gather``: the layers' linear weights
     are gathered in fp8 (``fp8.fsdp_gathered_bytes``); the head group and the embedding stay bf16.
     """
     unsharded = min(policy.param_bytes, policy.compute_bytes)
@@ -733,7 +740,40 @@ def fsdp2_unsharded(
         vocab_shard_params(model, plan.tp) if layout.is_first and not (layout.is_last and model.tied_embeddings) else 0
     )
     prefetched = embed * unsharded if layout.is_first else layer
-    return _Fsdp2(head * unsharded, head * unsharded, head * unsharded + layer + prefetched)
+    # an untied head group is resharded after its own backward (``Fsdp.post_backward``), before the
+    # layers' (the run: no ``output.weight.unsharded`` at the first layer's backward); a tied one is
+    # the root's, kept to the final callback
+    kept = head * unsharded if model.tied_embeddings else 0
+    return _Fsdp2(head * unsharded, head * unsharded, kept + layer + prefetched)
+
+
+@lru_cache(maxsize=1024)
+def pipelined_unsharded_chunks(schedule: str, pp: int, virtual_stages: int, stage: int, m: int) -> tuple[int, int]:
+    """The rank's chunks whose layer groups FSDP2 ZeRO-3 holds unsharded at a backward's start with
+    the most micro-batches in flight (the moment the sums take: :func:`chunks_in_flight`), and
+    those of them other than the backward's own chunk. Pipelining runs every backward without
+    resharding (``StageReplay``: ``set_reshard_after_backward(False)``, ``timeline/pipeline.py``
+    ``Pipeline.step``; ``Fsdp._keep_unsharded``), and a chunk's next forward reshards each group
+    after it (``reshard_after_forward=True``, ``Fsdp.post_forward``): a chunk whose latest action
+    is a backward keeps all its groups unsharded. Only the interleaved schedule reaches a backward
+    so (its last rank: the first chunk's, beside the loss's backward; 487 MB on the 1B config at
+    dp 2, pp 2, v 2). A walk over :func:`schedule_actions`, each rank's once (``lru_cache``); the
+    most of those moments."""
+    latest: dict[int, str] = {}
+    total = most = 0
+    best = (0, 0)
+    for kind, c, _ in schedule_actions(schedule, pp, virtual_stages, stage, m):
+        if kind == "B":
+            if total >= most:
+                kept = [k for k, done in latest.items() if done == "B"]
+                found = (len(kept), sum(k != c for k in kept))
+                best = max(best, found) if total == most else found
+                most = total
+            total -= 1
+        else:
+            total += 1
+        latest[c] = kind
+    return best
 
 
 def fp8_first_backward_layer(
@@ -809,6 +849,44 @@ def embedding_grad_pending(
     if rt.pytorch_parallel and plan.tp > 1 and not fsdp2:
         elements = model.vocab_size * model.hidden_size
     return elements * policy.grad_bytes
+
+
+def fsdp2_first_layer_backward(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, st: _States
+) -> tuple[int, int]:
+    """FSDP2 ZeRO-3 at the first layer's backward (the bundled trainer, untied, one stage): (the
+    previous layer group's reduce-scatter input, still alive, and the sharded gradient bytes not
+    made yet). ``Fsdp.post_backward`` frees a group's reduce-scatter input only when the next
+    group's is allocated (``fsdp.layers.1.reduce_scatter_input``, 436,224,000 B on llama3-8b at
+    dp 8), and the first layer's and the embedding's shards come after this layer's backward
+    (FSDP2's ``foreach_reduce`` at each group's post-backward)."""
+    layer = layout.largest_layer_params
+    shards = (layer + vocab_shard_params(model, plan.tp)) * policy.grad_bytes // (plan.dp * plan.cp)
+    return layer * policy.grad_bytes, min(shards, st.grads)
+
+
+def fsdp2_head_backward(
+    model: ModelSpec, layout: StageLayout, policy: PrecisionPolicy, base: dict[str, int], x: A.Shape,
+    acts: int, grads: int, fp8_gather: bool = False,
+) -> dict[str, int]:  # fmt: skip
+    """FSDP2 ZeRO-3 in the LM head's backward (the bundled trainer, untied, one stage, no TP), at its
+    input gradient (the run's ``output.logits.dX``): the loss's fp32 tensors are gone but for the
+    logits' gradient cast to d (``loss.logits_fp32.grad``, b s V d); the head's weight gradient, made
+    first, is unsharded (``output.logits.dW``, V h in the unsharded dtype) beside the unsharded head
+    group, and the head group's pre-backward has prefetched the last layer's all-gather
+    (``Fsdp.pre_backward``). ``acts``: the layers' kept inputs and the batch's tensors; the final
+    norm's saved tensors and the labels are there too. On llama3-8b at dp 64, 1,024 tokens, full
+    recompute, this is the run's peak: the sums were 4.8% under it without this moment."""
+    unsharded = min(policy.param_bytes, policy.compute_bytes)
+    vocab = vocab_shard_params(model, 1)
+    dx = x.tokens * x.d * model.hidden_size
+    return {
+        **base,
+        "gradients": grads + vocab * unsharded,
+        "activations": acts + A.hf_rmsnorm(x) + 8 * x.tokens + A.logits(x, model.vocab_size) + dx,
+        "comm_buffers": fsdp2_layer_gather(model, layout, policy, fp8_gather),
+        "gathered_params": (vocab + P.norm_params(model)) * unsharded,
+    }
 
 
 def fsdp2_tp_embedding_backward(
@@ -1267,7 +1345,7 @@ def _stage_phases(
 
     # communication buffers
     gathered = 0
-    rs_buffer = 0
+    rs_buffer = end_shards = 0
     unsharded = _NO_FSDP2
     sharded = plan.dp * plan.cp > 1
     if fsdp2:
@@ -1275,8 +1353,19 @@ def _stage_phases(
         shard = int(st.optimizer_elements * policy.param_bytes) if plan.offload_params == "none" else 0
         st = st._replace(params=shard)
         unsharded = memo.fsdp2_unsharded(model, layout, plan, policy, fp8.gather_fp8, layout_key)
+        if plan.pp > 1 and plan.zero == 3 and plan.pp_schedule == "interleaved" and layers:
+            at_start, others = pipelined_unsharded_chunks(
+                plan.pp_schedule, plan.pp, plan.virtual_stages, stage, accumulation
+            )
+            chunk = fsdp2_layer_gather(model, layout, policy, fp8.gather_fp8) * layers // plan.virtual_stages
+            unsharded = unsharded._replace(
+                backward_start=unsharded.backward_start + at_start * chunk,
+                backward_end=unsharded.backward_end + others * chunk,
+            )
         if plan.offload_params != "none":
             st = st._replace(grads=0)  # CPUOffloadPolicy moves the sharded grads to the host too
+        if plan.zero == 3 and plan.pp == 1 and layers and not finetune and not model.tied_embeddings:
+            rs_buffer, end_shards = fsdp2_first_layer_backward(model, layout, plan, policy, st)
     elif plan.zero >= 3 and sharded:
         # the current layer and the prefetched one; on the first / last stage the gathered
         # embedding or LM head with one prefetched layer, whichever is larger
@@ -1417,7 +1506,7 @@ def _stage_phases(
         # softmax backward holds the core's s x s gradients beside the probabilities
         cache = rt.dynamic_cache and plan.recompute != "full"  # use_cache is off under checkpointing
         layer_part = max(layer_part, A.math_attention_backward(x, dynamic_cache=cache))
-    end_grads, end_acts = grads_full, others + embed + layer_part
+    end_grads, end_acts = grads_full - end_shards, others + embed + layer_part
     pending = 0
     # the input embedding's gradient comes after the last layer's backward, in every PyTorch loop
     if not grads_in_step and layers and not finetune:
@@ -1503,10 +1592,15 @@ def _stage_phases(
         )
         if workspaces:
             candidates[-1]["activations"] = workspaces
-    if rt.pytorch_parallel and fsdp2 and plan.tp > 1 and plan.pp == 1 and not finetune and not model.tied_embeddings:
+    if rt.pytorch_parallel and fsdp2 and plan.pp == 1 and not finetune and not model.tied_embeddings:
         if plan.offload_params == "none" and layout.is_first:
             candidates += fsdp2_tp_embedding_backward(
                 model, layout, plan, policy, st, base, workspaces, x, bool(grads_in_step)
+            )
+    if fsdp2 and plan.zero == 3 and plan.pp == 1 and plan.tp == 1 and layout.is_last and layers and not finetune:
+        if not model.tied_embeddings and plan.offload_params == "none" and plan.offload_activations == "none":
+            candidates.append(
+                fsdp2_head_backward(model, layout, policy, base, x, fwd_acts + embed, grads_in_step, fp8.gather_fp8)
             )
     if fp8.backward_extra and layers and lora_acts is None and plan.offload_activations == "none":
         acts = fwd_acts + embed + live_layer - per_layer

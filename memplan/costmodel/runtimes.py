@@ -258,8 +258,11 @@ def memplan_layer(x: Shape) -> int:
 
 
 def _sp_gathered(x: Shape) -> int:
-    """Extra bytes of one all-gathered norm output kept in full under SP: d*h*(1 - 1/t)."""
-    if not x.sp:
+    """Extra bytes of one all-gathered norm output kept in full under SP: d*h*(1 - 1/t). None
+    under autocast: the gathered output is fp32 and each matmul saves its own d-byte cast of it
+    (:func:`activations.autocast_input_casts`, the whole sequence); the gathered copy dies with the
+    module's forward (``trainer_model.Model.attention``, ``mlp``, ``head``: ``t.done(..., xg)``)."""
+    if not x.sp or x.autocast:
         return 0
     return x.tokens * x.d * x.model.hidden_size - x.tokens * x.d * x.model.hidden_size // x.t
 

@@ -66,6 +66,11 @@ WITHIN = [
         for p in PRECISIONS[:3]
     ],
     (dict(tp=8, precision="bf16-master", recompute="full"), 4096, 1),  # the replicated embedding's fp32 grad
+    # TP + SP under autocast: each matmul's bf16 cast of the all-gathered (whole-sequence) input
+    *[
+        (dict(tp=2, sequence_parallel=True, precision="bf16-mixed", recompute=r), 4096, 1)
+        for r in ("none", "selective", "full")
+    ],
     (dict(dp=8, zero=3, precision="fp32", recompute="none"), 2048, 1),  # from the cut runs (fast_run._fsdp2)
     (dict(dp=8, zero=3, precision="fp32", recompute="full"), 4096, 1),  # SDPA's math backward; the sums: -26.5%
     (dict(dp=8, zero=3, offload_params="cpu", offload_optimizer="cpu", precision="fp32", recompute="full"), 4096, 1),
@@ -82,6 +87,11 @@ WITHIN = [
     # fp32 pipelines from the cut runs (fast_run._pipeline_peak); the sums: -8.77% and -7.28%
     (dict(pp=2, precision="fp32", recompute="none"), 4096, 8),
     (dict(pp=2, pp_schedule="interleaved", virtual_stages=2, precision="fp32", recompute="none"), 4096, 8),
+    # under FSDP2 ZeRO-3 a chunk's groups stay unsharded after its backward (memory.pipelined_unsharded_chunks)
+    *[
+        (dict(dp=2, pp=pp, zero=3, pp_schedule="interleaved", virtual_stages=2, precision=p, recompute=r), 4096, 8)
+        for pp, p, r in ((2, "bf16-master", "full"), (4, "bf16", "none"))
+    ],
 ]
 
 
@@ -96,11 +106,6 @@ def _miss(fields: dict, seq: int, accumulation: int, why: str):
 
 # measured 2026-11-28 on the 1B config, micro-batch 1 (docs/cost-model.md): the phase model's peak - the run's
 MISSES = [
-    _miss(dict(dp=2, pp=2, zero=3, pp_schedule="interleaved", virtual_stages=2, precision="bf16-master",
-               recompute="full"), 4096, 8,
-          "-3.02% (-488 MB): FSDP2 ZeRO-3 under the interleaved schedule: the run's layer groups stay "
-          "unsharded after their backward (set_reshard_after_backward(False)), 487 MB of *.unsharded "
-          "beside the head's at the loss's backward, which the sums' gathered_params leave out"),  # fmt: skip
     _miss(dict(tp=8, precision="bf16-master", recompute="none"), 2048, 1,
           "-0.13% (-5.46 MB): TP 8 on one data rank; the sums are the run's requested bytes less 67,856 B; "
           "the rest is the allocator's blocks: each V/8 x h fp32 tensor (the embedding's master and states, "
@@ -153,6 +158,9 @@ SLOW_WITHIN = [
         for r in ("none", "selective")
     ],
     *[dict(dp=8, zero=z, precision="fp32", recompute=r) for z in (2, 3) for r in ("none", "full")],  # cut runs
+    # ZeRO-3 full recompute: the head group resharded after its backward, the first layer's backward with
+    # the previous group's reduce-scatter input, the embedding's backward (memory.fsdp2_first_layer_backward)
+    *[dict(dp=8, zero=3, precision=p, recompute="full") for p in PRECISIONS[:3]],
     *[
         dict(dp=8, tp=2, zero=3, sequence_parallel=True, precision=p, recompute="selective")
         for p in ("bf16", "bf16-master")
@@ -176,12 +184,6 @@ def test_the_fast_form_is_the_run_on_llama3_8b(fields):
 
 # measured 2026-11-28 on llama3-8b, 2,048 tokens, micro-batch 1
 SLOW_MISSES = [
-    _miss(dict(dp=8, zero=3, precision="bf16", recompute="full"), 2048, 1,
-          "+2.05% (+224 MB): FSDP2 ZeRO-3 full recompute at dp 8: the sums' backward end (the first layer's "
-          "backward) keeps the head group unsharded (output.weight.unsharded, 1.05 GB) to the root's final "
-          "callback; the run reshards it after its own backward, and at that moment holds the previous "
-          "layer group's reduce-scatter input (436 MB) and the first layer's MLP gradients unsharded, "
-          "which the sums leave out (the run's peak is the backward's start, which the sums have to 1.6 MB)"),
     _miss(dict(dp=64, zero=3, precision="bf16", recompute="full"), 2048, 1,
           "-0.15% (-8.6 MB): the sums equal the run's requested bytes (to 520 B at recompute none); the "
           "rest is the allocator's blocks (unsplit rests), which the phase model does not pack"),
