@@ -8,7 +8,8 @@ At ``on_train_begin`` the plan is read from the live objects (no YAML to write):
   ``eager``), and ``config.quantization_config`` (bitsandbytes' 4-bit nf4 / fp4 with or without
   double quantization, 8-bit);
 - PEFT's ``peft_config`` (LoRA only: ``r``, ``target_modules``, ``lora_dropout``,
-  ``modules_to_save``);
+  ``modules_to_save``, and ``target_parameters`` where PEFT 0.21 moved Mixtral's and Qwen3-MoE's
+  experts and router there: read back as the MLP names or ``all-linear``, :func:`_parameter_targets`);
 - ``TrainingArguments``: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
   ``world_size``, ``bf16`` / ``fp16`` (the plan's ``autocast`` over a 16-bit model),
   ``gradient_checkpointing``, ``optim``, ``deepspeed``
@@ -147,24 +148,68 @@ def _finetune(model: Any, quant: dict[str, Any] | None) -> dict[str, Any]:
         if kind != "LORA":
             method = kind or type(cfg).__name__
             raise MemplanError(f"PEFT method {method} is not one memplan models (LoRA)", field="peft")
-        wrapped = sorted(getattr(cfg, "target_parameters", None) or ())
-        if wrapped:
-            # peft 0.21 moves an MoE block's targets (Mixtral's router ``gate``, the experts' 3-D weights) from
-            # target_modules to target_parameters (utils/transformers_weight_conversion.py,
-            # ``_convert_peft_config_moe``) and wraps them in ``ParamWrapper``: not modelled
-            raise MemplanError(
-                f"adapters on parameters ({', '.join(wrapped)}, PEFT's ParamWrapper) are not modelled: "
-                "memplan models LoRA on linear layers",
-                field="peft.target_parameters",
-            )
         targets = cfg.target_modules
+        leaves = targets if isinstance(targets, str) else _leaf_targets(model, targets)
+        if getattr(cfg, "target_parameters", None):
+            leaves = _parameter_targets(cfg, getattr(model.config, "model_type", ""), leaves)
         lora = {
             "r": cfg.r,
-            "target_modules": targets if isinstance(targets, str) else _leaf_targets(model, targets),
+            "target_modules": leaves,
             "lora_dropout": float(cfg.lora_dropout),
             "modules_to_save": sorted(cfg.modules_to_save or ()),
         }
     return parse_finetune(lora, quant)
+
+
+# the experts' parameters PEFT 0.21 wraps on the MoE families whose targets it converts
+# (utils/transformers_weight_conversion.py, ``_convert_peft_config_moe``; timeline/hf_moe_lora.py): the MLP
+# names they stand for, and the router's 2-D weight, which only ``all-linear`` adds
+EXPERT_PARAMETERS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+ROUTER_PARAMETER = "gate.weight"
+CONVERTED = ("mixtral", "qwen3_moe")
+
+
+def _parameter_targets(cfg: Any, model_type: str, leaves: Any) -> Any:
+    """The plan's ``lora_targets`` for a PEFT config with ``target_parameters`` (``lora.ParamWrapper``), as
+    PEFT 0.21's conversion leaves it on Mixtral and Qwen3-MoE: the router's ``gate.weight`` with both experts'
+    parameters beside the four attention linears is ``all-linear``; ``gate_up_proj`` / ``down_proj`` alone are
+    the MLP names they were converted from (the run follows them: ``hf_support.MOE_LORA_TARGETS``,
+    ``specs.job.check_moe_lora`` refuses the rest), ``gate_up_proj`` at twice the rank, as the conversion's
+    ``rank_pattern`` sets it."""
+    from memplan.costmodel.lora import ALL_LINEAR, ATTENTION
+
+    wrapped = set(cfg.target_parameters)
+    unknown = sorted(wrapped - {*EXPERT_PARAMETERS, ROUTER_PARAMETER})
+    if model_type not in CONVERTED or unknown or isinstance(leaves, str):
+        raise MemplanError(
+            f"adapters on parameters ({', '.join(sorted(wrapped))}, PEFT's ParamWrapper) are not followed "
+            f"on {model_type or 'this model'}: memplan follows those PEFT converts on Mixtral and Qwen3-MoE "
+            f"({', '.join([*EXPERT_PARAMETERS, ROUTER_PARAMETER])})",
+            field="peft.target_parameters",
+        )
+    _check_rank_pattern(cfg, wrapped)
+    if ROUTER_PARAMETER in wrapped:
+        if wrapped != {*EXPERT_PARAMETERS, ROUTER_PARAMETER} or set(leaves) != set(ATTENTION):
+            raise MemplanError(
+                f"an adapter on the router ({ROUTER_PARAMETER}) is followed under all-linear alone (the attention "
+                f"linears, the experts and the router); this config wraps {', '.join(sorted({*leaves, *wrapped}))}",
+                field="peft.target_parameters",
+            )
+        return ALL_LINEAR
+    return sorted({*leaves, *(name for p in wrapped for name in EXPERT_PARAMETERS[p])})
+
+
+def _check_rank_pattern(cfg: Any, wrapped: set[str]) -> None:
+    """PEFT's conversion gives ``gate_up_proj`` (gate and up fused) twice the rank; the run builds that rank
+    (``hf_moe_lora.wrapped_experts``), and every other module ``r``."""
+    expected = {r".*\.gate_up_proj": 2 * cfg.r} if "gate_up_proj" in wrapped else {}
+    pattern = dict(getattr(cfg, "rank_pattern", None) or {})
+    if pattern != expected:
+        raise MemplanError(
+            f"rank_pattern {pattern} is not followed: memplan follows rank r on every adapter, "
+            f"and twice r on gate_up_proj (PEFT's conversion)",
+            field="peft.rank_pattern",
+        )
 
 
 def _leaf_targets(model: Any, targets: Any) -> list[str]:
