@@ -269,6 +269,15 @@ def _expert_rank_pattern():
     return _qwen3_moe(["down_proj"], rank_pattern={"down_proj": 16})
 
 
+def _dense_parameter_adapter():
+    """``target_parameters`` named by the user on a dense model: PEFT wraps ``q_proj.weight`` in ``ParamWrapper``,
+    which memplan follows only where PEFT's conversion puts it (Mixtral's and Qwen3-MoE's experts and router)."""
+    import peft
+
+    config = peft.LoraConfig(r=4, target_modules=[], target_parameters=["q_proj.weight"], task_type="CAUSAL_LM")
+    return peft.get_peft_model(_model(), config)
+
+
 def _gptq():
     model = _model()
     model.config.quantization_config = {"quant_method": "gptq", "bits": 4}
@@ -282,11 +291,21 @@ def _gptq():
         (_layer0_only, {}, "peft.target_modules", "targets some q_proj layers and not others"),
         (_router_adapter, {}, "peft.target_parameters", "an adapter on the router (gate.weight) is followed"),
         (_expert_rank_pattern, {}, "peft.rank_pattern", "rank_pattern {'down_proj': 16} is not followed"),
+        (_dense_parameter_adapter, {}, "peft.target_parameters", "adapters on parameters (q_proj.weight, PEFT's"),
         (_gptq, {}, "config.quantization_config", "quantization 'gptq' is not one memplan models"),
         (_model, {"optim": "adagrad"}, "optim", "optimizer 'adagrad' is not one memplan models"),
         (_model, {}, "seq_len", "no sequence length: pass MemplanCallback(seq_len=...)"),
     ],
-    ids=["peft-method", "layer-subset", "router-parameters", "expert-rank", "quantization", "optimizer", "no-seq-len"],
+    ids=[
+        "peft-method",
+        "layer-subset",
+        "router-parameters",
+        "expert-rank",
+        "dense-parameters",
+        "quantization",
+        "optimizer",
+        "no-seq-len",
+    ],
 )
 def test_each_input_it_cannot_read_is_one_line_naming_the_field(caplog, build, kw, field, reason):
     """Bad input never raises inside training: one warning line, field and reason, no estimate."""
