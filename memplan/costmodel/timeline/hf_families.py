@@ -78,15 +78,17 @@ def slice_view(tape: Tape, x: Tensor, numel: int, tag: str) -> Tensor:
     return v
 
 
-def chunk2(tape: Tape, x: Tensor, tag: str) -> tuple[Tensor, Tensor]:
-    """``x.chunk(2, dim=-1)``: two views of one ``SplitBackward0``, whose backward runs once both
-    gradients are in and allocates their ``cat``. Each view's gradient is held by a relay node
-    (the tape's nodes take one gradient) until the split's apply."""
+def split(tape: Tape, x: Tensor, sizes: tuple[int, ...], tag: str, strided: bool = True) -> list[Tensor]:
+    """``torch.split(x, sizes, dim=-1)``: views of one ``SplitWithSizesBackward0`` (``SplitBackward0`` for
+    ``chunk``), whose backward runs once every part's gradient is in and allocates their ``cat`` (x's size).
+    Each view's gradient is held by a relay node (the tape's nodes take one gradient) until the split's
+    apply. ``strided``: the views are marked non-contiguous (``Tensor.transposed``), as DeepSeek-V3's
+    splits are taken (hf_mla.py)."""
     held: list[Tensor] = []
-    size, itemsize = x.numel, x.itemsize
+    numel, itemsize, width = x.numel, x.itemsize, sum(sizes)
 
-    def split(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
-        out = tape.new(size, itemsize, "grad_cat")
+    def whole(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
+        out = tape.new(numel, itemsize, "grad_cat")
         tape.done(*held)
         held.clear()
         return [out]
@@ -96,14 +98,21 @@ def chunk2(tape: Tape, x: Tensor, tag: str) -> tuple[Tensor, Tensor]:
         return [tape.new(0, itemsize, "relay")]
 
     handle = tape.view(x, 0)
-    handle.fn = tape.node(tag, split, [x])
+    handle.fn = tape.node(tag, whole, [x])
     views = []
-    for i in range(2):
-        v = tape.view(x, size // 2)
+    for i, size in enumerate(sizes):
+        v = tape.view(x, numel // width * size)
         v.fn = tape.node(f"{tag}.{i}", relay, [handle])
+        v.transposed = v.transposed or strided
         views.append(v)
     tape.done(handle)
-    return views[0], views[1]
+    return views
+
+
+def chunk2(tape: Tape, x: Tensor, tag: str) -> tuple[Tensor, Tensor]:
+    """``x.chunk(2, dim=-1)``: two views of one ``SplitBackward0`` (:func:`split` in two halves)."""
+    first, second = split(tape, x, (1, 1), tag, strided=False)
+    return first, second
 
 
 def _alias(tape: Tape, x: Tensor, tag: str) -> Tensor:

@@ -32,7 +32,8 @@ import dataclasses
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline.autograd import Tensor
-from memplan.costmodel.timeline.hf_mla_ops import copy_slices, expand_heads, gather, math_sdpa, scalar_mul, split, sub
+from memplan.costmodel.timeline.hf_families import split
+from memplan.costmodel.timeline.hf_mla_ops import copy_slices, expand_heads, gather, math_sdpa, scalar_mul, sub
 from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
 from memplan.costmodel.timeline.hf_moe import MoeBlock, moe_config
 from memplan.costmodel.timeline.hf_moe_ops import INDEX, renormalise

@@ -11,35 +11,6 @@ from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.hf_moe_ops import zeros_then_put
 
 
-def split(tape: Tape, x: Tensor, sizes: tuple[int, ...], tag: str) -> list[Tensor]:
-    """``torch.split(x, sizes, dim=-1)``: views of one ``SplitWithSizesBackward0``, whose backward runs
-    once every part's gradient is in and allocates their ``cat`` (x's size). Each view's gradient is
-    held by a relay node until then (``hf_families.chunk2``)."""
-    held: list[Tensor] = []
-    numel, itemsize, width = x.numel, x.itemsize, sum(sizes)
-
-    def whole(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
-        out = tape.new(numel, itemsize, "grad_cat")
-        tape.done(*held)
-        held.clear()
-        return [out]
-
-    def relay(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
-        held.append(tape.hold(g[0]))
-        return [tape.new(0, itemsize, "relay")]
-
-    handle = tape.view(x, 0)
-    handle.fn = tape.node(tag, whole, [x])
-    views = []
-    for i, size in enumerate(sizes):
-        v = tape.view(x, numel // width * size)
-        v.fn = tape.node(f"{tag}.{i}", relay, [handle])
-        v.transposed = True
-        views.append(v)
-    tape.done(handle)
-    return views
-
-
 def sub(tape: Tape, a: Tensor, b: Tensor, tag: str) -> Tensor:
     """``a - b``: saves nothing; a's gradient passes, b's is the negated one (a new tensor)."""
     numel, itemsize = max(a.numel, b.numel), max(a.itemsize, b.itemsize)
