@@ -415,10 +415,9 @@ def _deepseek(cfg: Config, version: str) -> dict[str, Any]:
         shared_expert_ffn_size=shared * d["moe_intermediate_size"] or None,
         dense_layers=tuple(range(min(d["first_k_dense_replace"], num_layers))),
         router_score_bias=version == "deepseek-v3",
-        # DeepseekV3Config: norm_topk_prob True, n_group 8, topk_group 4 by default (V2's router: not read)
+        # DeepseekV3Config: norm_topk_prob True, n_group 8, topk_group 4 by default; V2's router never renormalises
         norm_topk_prob=version == "deepseek-v3" and bool(d.get("norm_topk_prob", True)),
-        router_groups=(d.get("n_group") or 8) if version == "deepseek-v3" else 1,
-        router_topk_groups=(d.get("topk_group") or 4) if version == "deepseek-v3" else 1,
+        **_deepseek_groups(d, version),
     )
     return {
         "architecture": version,
@@ -443,6 +442,18 @@ def _deepseek(cfg: Config, version: str) -> dict[str, Any]:
         if version == "deepseek-v3"
         else 0,
     }
+
+
+def _deepseek_groups(d: dict, version: str) -> dict[str, int]:
+    """The router's expert groups: V3's always (``n_group``, ``topk_group``); V2's under ``topk_method:
+    group_limited_greedy`` (``DeepseekV2TopkRouter.forward``), none under ``greedy`` (its default). V2's
+    group-limited routing over one group picks as greedy does and is read as greedy (the op-level run leaves
+    out its T x E mask temporaries)."""
+    if version == "deepseek-v3":
+        return {"router_groups": d.get("n_group") or 8, "router_topk_groups": d.get("topk_group") or 4}
+    if d.get("topk_method", "greedy") != "group_limited_greedy":
+        return {"router_groups": 1, "router_topk_groups": 1}
+    return {"router_groups": d.get("n_group") or 1, "router_topk_groups": d.get("topk_group") or 1}
 
 
 def _deepseek_v2(cfg: Config) -> dict[str, Any]:

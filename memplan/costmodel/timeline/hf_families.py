@@ -247,13 +247,14 @@ class HfOlmo2(HfLlama):
         return out
 
 
-MOE = ("mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v3")  # hf_moe.py and hf_mla.py, which build on this module's
+# hf_moe.py, hf_mla.py and hf_mla_v2.py, which build on this module's
+MOE = ("mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v2", "deepseek-v3")
 
 
 def family_config(model, gpu_arch=None) -> dict | None:
     """What a family's run reads from the spec beyond the dims: Gemma's layer kinds and soft-caps, a
     MoE family's experts (``hf_moe.moe_config``, with the GPU's ``gpu_arch``)."""
-    if model.architecture == "deepseek-v3":
+    if model.architecture in ("deepseek-v2", "deepseek-v3"):
         from memplan.costmodel.timeline.hf_mla import mla_config
 
         return mla_config(model, gpu_arch)
@@ -288,6 +289,10 @@ def family(name: str) -> tuple[type[HfLlama], tuple]:
         from memplan.costmodel.timeline.hf_mla import HfDeepseekV3
 
         return HfDeepseekV3, ()  # its layers' parameters depend on the config (hf_moe.layer_params)
+    if name == "deepseek-v2":
+        from memplan.costmodel.timeline.hf_mla_v2 import HfDeepseekV2
+
+        return HfDeepseekV2, ()
     if name in MOE:
         from memplan.costmodel.timeline.hf_moe import MOE_FAMILIES
 

@@ -250,17 +250,7 @@ class HfDeepseekV3(MoeBlock, HfLlama):
         indices their autograd nodes hold go as the router returns)."""
         t, d, cfg = self.tape, self.d, self.extra
         tokens, e, k, groups = d.tokens, cfg["experts"], cfg["top_k"], cfg["groups"]
-        x32 = ops.to(t, x, 4, "input_fp32")
-        w32 = ops.to(t, self.weights[f"{name}.weight"], 4, "weight_fp32")
-        if self.cache is None:
-            logits = ops.linear(t, x32, w32, tokens * e, "router_logits")
-        else:  # autocast runs F.linear in bf16: the weight's cast (cached when it is the fp32 leaf), the input's
-            leaf = self.weights[f"{name}.weight"].itemsize == 4  # ``weight.type(float32)`` returned the weight
-            w = self.weight(f"{name}.weight") if leaf else ops.to(t, w32, 2, "weight_cast")
-            xin = ops.to(t, x32, 2, "input_cast")
-            logits = ops.linear(t, xin, w, tokens * e, "router_logits")
-            t.done(xin, w)
-        t.done(w32, x32)
+        logits = self.router_logits(x, name)
         scores = ops.output_saved(t, logits, "sigmoid", "sigmoid_backward")
         choice = t.new(tokens * e, 4, "scores_for_choice")
         top2 = t.new(tokens * groups * 2, 4, "group_top2")  # the top 2 of each group
@@ -288,3 +278,20 @@ class HfDeepseekV3(MoeBlock, HfLlama):
         # first top-k's indices first)
         t.done(scores, inverted, filled, top2_ids, group_scores, group_idx, group_mask, score_mask)
         return logits, scaled, ids
+
+    def router_logits(self, x: Tensor, name: str) -> Tensor:
+        """``F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))``: fp32 logits, or
+        under autocast bf16 ones (``F.linear`` runs in bf16 whatever its inputs)."""
+        t, e = self.tape, self.extra["experts"]
+        x32 = ops.to(t, x, 4, "input_fp32")
+        w32 = ops.to(t, self.weights[f"{name}.weight"], 4, "weight_fp32")
+        if self.cache is None:
+            logits = ops.linear(t, x32, w32, self.d.tokens * e, "router_logits")
+        else:  # autocast runs F.linear in bf16: the weight's cast (cached when it is the fp32 leaf), the input's
+            leaf = self.weights[f"{name}.weight"].itemsize == 4  # ``weight.type(float32)`` returned the weight
+            w = self.weight(f"{name}.weight") if leaf else ops.to(t, w32, 2, "weight_cast")
+            xin = ops.to(t, x32, 2, "input_cast")
+            logits = ops.linear(t, xin, w, self.d.tokens * e, "router_logits")
+            t.done(xin, w)
+        t.done(w32, x32)
+        return logits

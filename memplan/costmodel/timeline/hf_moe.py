@@ -290,7 +290,7 @@ DENSE_PARAMS = {"qwen3-moe": QWEN3_PARAMS, "qwen2-moe": LAYER_PARAMS}  # a dense
 def layer_params(arch: str, sparse: tuple, extra: dict | None) -> tuple | Callable[[int], tuple]:
     """The layers' parameters for ``hf_model.param_shapes``: ``sparse`` on every layer, or layer i's
     where some keep the dense MLP (``extra["dense"]``, ``moe_config``)."""
-    if arch == "deepseek-v3":  # MLA's layer, dense or sparse (hf_mla.py)
+    if arch in ("deepseek-v2", "deepseek-v3"):  # MLA's layer, dense or sparse (hf_mla.py)
         from memplan.costmodel.timeline.hf_mla import layer_params as mla_layer_params
 
         return lambda i: mla_layer_params(extra, i not in extra["dense"])

@@ -70,7 +70,9 @@ from memplan.specs.workload import TrainingWorkload
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "qwen2-moe")  # hf_moe.py: the sparse block on Mistral's, Qwen3's, Qwen2's layer
-MLA_FAMILIES = ("deepseek-v3",)  # hf_mla.py: MLA, the sigmoid router with its score bias, the shared experts
+# hf_mla.py: MLA, V3's sigmoid router with its score bias, the shared experts; hf_mla_v2.py: V2's complex RoPE
+# and softmax router
+MLA_FAMILIES = ("deepseek-v2", "deepseek-v3")
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
 # each family's layer as transformers writes it: (layer norms, q/k norm scope or None, (fused qkv, fused gate-up))
 LAYOUT = {
@@ -212,10 +214,11 @@ def _moe_ok(model: ModelSpec) -> bool:
     moe, arch = model.moe, model.architecture
     if moe is None:
         return True
-    if arch in MLA_FAMILIES:  # DeepseekV3MoE: one ungated shared MLP, the score bias, dense layers first
+    if arch in MLA_FAMILIES:  # DeepseekV{2,3}MoE: one ungated shared MLP, V3's score bias, dense layers first
         first = tuple(range(len(moe.dense_layers)))
         plain = not (moe.router_bias or moe.fused_gate_up or moe.shared_expert_gate)
-        return plain and moe.router_score_bias and moe.num_shared_experts == 1 and moe.dense_layers == first
+        bias = moe.router_score_bias == (arch == "deepseek-v3")
+        return plain and bias and moe.num_shared_experts == 1 and moe.dense_layers == first
     if moe.router_bias or moe.router_score_bias or moe.fused_gate_up or arch not in MOE_FAMILIES:
         return False
     shared = (moe.num_shared_experts, moe.shared_expert_gate) == ((1, True) if arch == "qwen2-moe" else (0, False))
@@ -230,7 +233,7 @@ _MLA_CUDA = (
 )
 _MLA_PLAN = (
     "MLA other than full fine-tuning or LoRA on the attention linears (q_a_proj, q_b_proj or q_proj, "
-    "kv_a_proj_with_mqa, kv_b_proj, o_proj) of DeepSeek-V3 without attention biases on one rank"
+    "kv_a_proj_with_mqa, kv_b_proj, o_proj) of DeepSeek-V2 or V3 without attention biases on one rank"
 )
 
 
