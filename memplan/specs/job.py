@@ -131,8 +131,8 @@ def check_lora(
             f"{model.name} is a {model.architecture} ({model.mlp} MLP) model",
             field="plan.finetune",
         )
-    # DeepSeek-V3's MLA linears in place of k_proj / v_proj (check_moe_lora narrows them to those the model builds)
-    mla = model.architecture == "deepseek-v3"
+    # DeepSeek-V2 / V3 MLA linears in place of k_proj / v_proj (check_moe_lora narrows them to those the model builds)
+    mla = model.architecture in ("deepseek-v2", "deepseek-v3")
     linears = ("q_proj", *lora.MLA_ATTENTION, "o_proj", *lora.MLP) if mla else lora.LINEARS
     valid = (*linears, lora.ALL_LINEAR)
     unknown = [name for name in plan.lora_targets if name not in valid]

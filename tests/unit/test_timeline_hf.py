@@ -182,7 +182,7 @@ def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> N
 @pytest.mark.parametrize(
     ("args", "reason"),
     [
-        (["deepseek-v2-lite", "--runtime", "hf"], "the deepseek-v2 family"),
+        (["deepseek-v2-lite", "--runtime", "hf"], "MLA attention on CUDA"),  # op-level on CPU alone (hf_mla_v2.py)
         ([LLAMA1B, "--runtime", "hf", "--dp", "2", "--zero", "1"], "ZeRO over more than one rank"),
         ([LLAMA1B, "--runtime", "hf", "--tp", "2"], "more than one rank"),
         (

@@ -150,7 +150,7 @@ def test_estimate_answers_the_families_op_level(capsys, name: str, seq: int) -> 
     [
         ("phi3-mini", "sliding or chunked attention"),  # its 2047-token window, reached by 4096 tokens
         ("gemma3-12b", "sliding or chunked attention"),
-        ("deepseek-v2-lite", "the deepseek-v2 family"),  # MoE with MLA (hf_moe.py: Mixtral's and Qwen3-MoE's block)
+        ("deepseek-v2-lite", "MLA attention on CUDA"),  # op-level on CPU alone (hf_mla_v2.py)
     ],
 )
 def test_the_families_the_run_does_not_follow_say_so(capsys, name: str, reason: str) -> None:

@@ -392,7 +392,8 @@ def test_estimate_answers_qwen2_moe_op_level(capsys) -> None:
         ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("q_proj", "gate_proj")}, "PEFT over the qwen3"),
         ("mixtral-8x7b", {}, {"finetune": "lora", "dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
         ("mixtral-8x7b", {}, {"finetune": "qlora", "quant": "nf4"}, "a quantized MoE base"),
-        ("deepseek-v2-lite", {}, {}, "the deepseek-v2 family"),
+        ("deepseek-v2-lite", {}, {}, "MLA attention on CUDA"),  # op-level on CPU alone (hf_mla_v2.py)
+        ("llama4-scout", {}, {}, "the llama4 family"),
     ],
 )
 def test_a_moe_plan_the_run_does_not_follow_stays_on_the_phase_model(
