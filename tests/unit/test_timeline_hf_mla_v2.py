@@ -235,3 +235,16 @@ def test_a_deepseek_v2_plan_the_run_does_not_follow_stays_on_the_phase_model(
     model = model.model_copy(update={"moe": model.moe.model_copy(update=moe), "mla": model.mla.model_copy(update=mla)})
     why = hf_supported(model, Plan(precision="bf16", **plan), TrainingWorkload(seq_len=512), device="cpu")
     assert why is not None and why.startswith(reason), why
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fp32", "fp32-ckpt", "bf16", "bf16-ckpt", "autocast"])
+def test_the_family_cases_equal_the_trainers(name: str) -> None:
+    """tests/accuracy/family_steps.py's DeepSeek-V2 under the Trainer (4 experts, one shared, no
+    ``q_lora_rank``, a 2,000-token vocabulary), held to the byte here (within 3% there, under -m slow)."""
+    import family_steps
+
+    case = next(c for c in family_steps.CASES if c.name == f"trainer-deepseek-v2-{name}")
+    measured = hf_steps._measure_trainer(case, STEPS)
+    predicted = predict(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"

@@ -11,9 +11,10 @@ Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE 
 (``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
 gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA as ``MOE_LORA_TARGETS`` allows (the
 experts and routers PEFT wraps in its ParamWrapper: ``hf_moe_lora.py``), one rank or DDP;
-no router biases; tests/unit/test_timeline_hf_moe.py), and DeepSeek-V3 on CPU (``hf_mla.py``: MLA under the CPU's
-math SDPA, the sigmoid router with its score bias and groups, the ungated shared experts; full fine-tuning on
-one rank, or PEFT LoRA on MLA's linears; tests/unit/test_timeline_hf_mla.py); fp32, ``bf16`` (a bf16 model under
+no router biases; tests/unit/test_timeline_hf_moe.py), and DeepSeek-V3 and V2 on CPU (``hf_mla.py``: MLA under the
+CPU's math SDPA, V3's sigmoid router with its score bias and groups, the ungated shared experts; ``hf_mla_v2.py``:
+V2's complex RoPE and softmax router, greedy or group-limited; full fine-tuning on one rank, or PEFT LoRA on MLA's
+linears; tests/unit/test_timeline_hf_mla.py, test_timeline_hf_mla_v2.py); fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
 fused AdamW; gradient checkpointing of every
@@ -238,7 +239,7 @@ _MLA_PLAN = (
 
 
 def _mla_ok(model: ModelSpec, plan: Plan) -> bool:
-    """DeepSeek-V3 as tests/unit/test_timeline_hf_mla.py checks it against the real Trainer: full fine-tuning
+    """DeepSeek-V3 and V2 as tests/unit/test_timeline_hf_mla*.py check them against the real Trainer: full fine-tuning
     or PEFT LoRA on linears MLA has (no ``modules_to_save``), on one rank (fp32, bf16 with or without
     ``bf16=True``, ``bf16=True`` over fp32), no attention biases (``attention_bias``: q_a_proj's and
     kv_a_proj_with_mqa's, not followed)."""
@@ -246,14 +247,14 @@ def _mla_ok(model: ModelSpec, plan: Plan) -> bool:
 
 
 def mla_linears(model: ModelSpec) -> tuple[str, ...]:
-    """The attention linears ``DeepseekV3Attention`` builds (``q_proj`` in place of q_a / q_b without
+    """The attention linears ``DeepseekV3Attention`` (and V2's) builds (``q_proj`` in place of q_a / q_b without
     ``q_lora_rank``), by transformers' names."""
     queries = ("q_proj",) if model.mla.q_lora_rank is None else MLA_ATTENTION[:2]
     return (*queries, *MLA_ATTENTION[2:], "o_proj")
 
 
 def _mla_lora_ok(model: ModelSpec, plan: Plan) -> bool:
-    """LoRA over DeepSeek-V3 as checked: adapters on the attention linears it has, nothing trained in full."""
+    """LoRA over DeepSeek-V3 / V2 as checked: adapters on the attention linears it has, nothing trained in full."""
     targets = set(plan.lora_targets)
     return plan.finetune == "lora" and bool(targets) and targets <= set(mla_linears(model)) and not plan.modules_to_save
 
