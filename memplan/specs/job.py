@@ -178,7 +178,7 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
             f"op by op); {name} is an MoE model and the runtime is {runtime}",
             field="plan.finetune",
         )
-    if model.architecture in MLA_FAMILIES:  # DeepSeek-V3's MLA linears alone (hf_support._mla_lora_ok)
+    if model.architecture in MLA_FAMILIES:  # DeepSeek-V2 / V3 MLA linears alone (hf_support._mla_lora_ok)
         attention = mla_linears(model)
         outside = [target for target in plan.lora_targets if target not in attention]
         if outside:
