@@ -776,6 +776,68 @@ def pipelined_unsharded_chunks(schedule: str, pp: int, virtual_stages: int, stag
     return best
 
 
+@lru_cache(maxsize=1024)
+def chunks_without_gradients(pp: int, virtual_stages: int, stage: int, m: int) -> tuple[tuple[int, ...], ...]:
+    """The rank's local chunks that no backward has reached yet under the interleaved schedule, at
+    its last forward and at its latest backward with the most chunks in flight (the moments the
+    sums take: :func:`chunks_in_flight`). Pipelining makes a chunk's gradients in its first
+    backward and keeps them, unreduced, to the step's end (``timeline/pipeline.py``
+    ``Pipeline.step``; FSDP2's accumulated unsharded gradients, ``Fsdp._keep_unsharded``); so
+    where the warm-up fills the rank before any backward of its first chunks, those chunks have
+    none: with as many micro-batches as ranks (m = p) the last rank runs every backward of its
+    last chunk, each beside the loss's, before its first chunk's first (the 1B config at dp 2,
+    pp 4, v 2, m 4: 243,286,016 B of ``layers.N.*.grad`` fewer than every chunk's). A walk over
+    :func:`schedule_actions`, each rank's once (``lru_cache``)."""
+    most = chunks_in_flight("interleaved", pp, virtual_stages, stage, m)
+    done: set[int] = set()
+    total = 0
+    at_forward: tuple[int, ...] = ()
+    at_backward: tuple[int, ...] = ()
+    for kind, c, _ in schedule_actions("interleaved", pp, virtual_stages, stage, m):
+        if kind == "F":
+            total += 1
+            at_forward = tuple(k for k in range(virtual_stages) if k not in done)
+            continue
+        if total == most:
+            at_backward = tuple(k for k in range(virtual_stages) if k not in done)
+        total -= 1
+        done.add(c)
+    return at_forward, at_backward
+
+
+def pipelined_gradients(model: ModelSpec, layout: StageLayout, plan: Plan, m: int, grads: int) -> tuple[int, int]:
+    """An interleaved pipeline rank's ``grads`` (every chunk's) less those of the chunks
+    :func:`chunks_without_gradients` finds, at its last forward and at its backward with the most
+    in flight. A chunk's share is its layers' parameters (``stage_layout`` of that chunk alone),
+    with the embedding in the global first chunk and the final norm and LM head in the last."""
+    v, stage = plan.virtual_stages, layout.stage
+    extra = layout.params - layout.layer_params  # the embedding (first rank) or the head (last)
+    out = []
+    for missing in chunks_without_gradients(plan.pp, v, stage, m):
+        n = 0
+        for c in missing:
+            n += stage_layout(model, plan.tp, plan.ep, plan.pp * v, 1, c * plan.pp + stage).layer_params
+            n += extra if (c == 0 and layout.is_first) or (c == v - 1 and layout.is_last) else 0
+        out.append(grads - grads * n // layout.params)
+    return out[0], out[1]
+
+
+def pipelined_last_backward(
+    layout: StageLayout, plan: Plan, policy: PrecisionPolicy, bwd_end: dict[str, int], gather: int, stored: int, live: int
+) -> dict[str, int]:
+    """An interleaved pipeline rank's last backward under FSDP2 ZeRO-3, at its first layer (the
+    chunk's last): every chunk's groups unsharded, none resharded since its backward
+    (:func:`pipelined_unsharded_chunks`; the embedding's or the head's group too), every gradient,
+    and one micro-batch in flight: the chunk's saved activations (``stored``, the rank's per
+    micro-batch, over ``v`` chunks) with the layer's own backward (``live``). The run's peak on
+    llama3-8b at dp 2, pp 2, v 2, 2 micro-batches, full recompute (``layers.7.feed_forward.w2.dX``
+    beside 8,030,265,344 B of ``*.unsharded``); ``gather``: one layer group's unsharded bytes
+    (:func:`fsdp2_layer_gather`)."""
+    unsharded = min(policy.param_bytes, policy.compute_bytes)
+    every = layout.layers * gather + (layout.params - layout.layer_params) * unsharded
+    return {**bwd_end, "activations": stored // plan.virtual_stages + live, "gathered_params": every}
+
+
 def fp8_first_backward_layer(
     bwd_start: dict[str, int], fp8: F8.Fp8Step, acts: int, x: A.Shape, head_grads: int, retained: int, gathered: int
 ) -> dict[str, int]:
@@ -1489,6 +1551,11 @@ def _stage_phases(
         "comm_buffers": gathered + p2p_bwd_start + ddp_copy,
         "gathered_params": unsharded.backward_start,
     }  # no reduce-scatter buffer yet: no layer has produced gradients
+    if plan.pp > 1 and plan.pp_schedule == "interleaved" and grads_in_step and rt.pytorch_parallel:
+        if layers and not (rt.grads_persistent or ddp_buckets):  # only the chunks a backward has reached
+            fwd["gradients"], bwd_start["gradients"] = pipelined_gradients(
+                model, layout, plan, accumulation, grads_in_step
+            )
     # the last layer's backward: the other in-flight micro-batches' activations, this
     # layer's (rebuilt when recomputed) and its gradient temporaries, gradients nearly
     # complete; the loop may still hold the logits
@@ -1539,6 +1606,9 @@ def _stage_phases(
     if workspaces:
         opt["activations"] = workspaces
     candidates = [bwd_start, bwd_end]
+    if fsdp2 and plan.zero == 3 and plan.pp > 1 and plan.pp_schedule == "interleaved" and layers:
+        gather = fsdp2_layer_gather(model, layout, policy, fp8.gather_fp8)
+        candidates.append(pipelined_last_backward(layout, plan, policy, bwd_end, gather, stored, embed + layer_part))
     if mlp_backward is not None:
         # the bundled trainer offloading: the first layer's backward walked node by node
         # (memplan_offload) stands for the estimate of its end
