@@ -1591,19 +1591,6 @@ def _stage_phases(
         "comm_buffers": gathered + p2p_bwd_start + ddp_copy,
         "gathered_params": unsharded.backward_start,
     }  # no reduce-scatter buffer yet: no layer has produced gradients
-    if plan.pp > 1 and plan.pp_schedule == "interleaved" and grads_in_step and rt.pytorch_parallel:
-        if layers and not (rt.grads_persistent or ddp_buckets):  # only the chunks a backward has reached
-            fwd["gradients"], bwd_start["gradients"] = pipelined_gradients(
-                model, layout, plan, accumulation, grads_in_step
-            )
-    interleaved_zero3 = fsdp2 and plan.zero == 3 and plan.pp > 1 and plan.pp_schedule == "interleaved" and layers
-    if interleaved_zero3:  # the chunks a backward left unsharded, and the last forward's own layer
-        gather = fsdp2_layer_gather(model, layout, policy, fp8.gather_fp8)
-        kept, current = pipelined_forward_gathered(layout, plan, policy, accumulation, gather)
-        fwd["gathered_params"] += kept + current
-        fwd["comm_buffers"] += current
-        if current and plan.recompute != "full":  # inside that layer: its input, mid-layer residual, MLP output
-            fwd["activations"] += 2 * A.residual_input(x) + A.layer_input(x)
     # the last layer's backward: the other in-flight micro-batches' activations, this
     # layer's (rebuilt when recomputed) and its gradient temporaries, gradients nearly
     # complete; the loop may still hold the logits
@@ -1654,8 +1641,22 @@ def _stage_phases(
     if workspaces:
         opt["activations"] = workspaces
     candidates = [bwd_start, bwd_end]
-    if interleaved_zero3:
-        candidates.append(pipelined_last_backward(layout, plan, policy, bwd_end, gather, stored, embed + layer_part))
+    if plan.pp_schedule == "interleaved" and plan.pp > 1 and layers:
+        if grads_in_step and rt.pytorch_parallel and not (rt.grads_persistent or ddp_buckets):
+            # only the chunks a backward has reached hold gradients
+            fwd["gradients"], bwd_start["gradients"] = pipelined_gradients(
+                model, layout, plan, accumulation, grads_in_step
+            )
+        if fsdp2 and plan.zero == 3:  # the chunks a backward left unsharded, and the last forward's own layer
+            gather = fsdp2_layer_gather(model, layout, policy, fp8.gather_fp8)
+            kept, current = pipelined_forward_gathered(layout, plan, policy, accumulation, gather)
+            fwd["gathered_params"] += kept + current
+            fwd["comm_buffers"] += current
+            if current and plan.recompute != "full":  # inside that layer: its input, mid-layer residual, MLP output
+                fwd["activations"] += 2 * A.residual_input(x) + A.layer_input(x)
+            candidates.append(
+                pipelined_last_backward(layout, plan, policy, bwd_end, gather, stored, embed + layer_part)
+            )
     if mlp_backward is not None:
         # the bundled trainer offloading: the first layer's backward walked node by node
         # (memplan_offload) stands for the estimate of its end
