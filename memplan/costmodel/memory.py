@@ -776,6 +776,108 @@ def pipelined_unsharded_chunks(schedule: str, pp: int, virtual_stages: int, stag
     return best
 
 
+@lru_cache(maxsize=1024)
+def chunks_without_gradients(pp: int, virtual_stages: int, stage: int, m: int) -> tuple[tuple[int, ...], ...]:
+    """The rank's local chunks that no backward has reached yet under the interleaved schedule, at
+    its last forward and at its latest backward with the most chunks in flight (the moments the
+    sums take: :func:`chunks_in_flight`). Pipelining makes a chunk's gradients in its first
+    backward and keeps them, unreduced, to the step's end (``timeline/pipeline.py``
+    ``Pipeline.step``; FSDP2's accumulated unsharded gradients, ``Fsdp._keep_unsharded``); so
+    where the warm-up fills the rank before any backward of its first chunks, those chunks have
+    none: with as many micro-batches as ranks (m = p) the last rank runs every backward of its
+    last chunk, each beside the loss's, before its first chunk's first (the 1B config at dp 2,
+    pp 4, v 2, m 4: 243,286,016 B of ``layers.N.*.grad`` fewer than every chunk's). A walk over
+    :func:`schedule_actions`, each rank's once (``lru_cache``)."""
+    most = chunks_in_flight("interleaved", pp, virtual_stages, stage, m)
+    done: set[int] = set()
+    total = 0
+    at_forward: tuple[int, ...] = ()
+    at_backward: tuple[int, ...] = ()
+    for kind, c, _ in schedule_actions("interleaved", pp, virtual_stages, stage, m):
+        if kind == "F":
+            total += 1
+            at_forward = tuple(k for k in range(virtual_stages) if k not in done)
+            continue
+        if total == most:
+            at_backward = tuple(k for k in range(virtual_stages) if k not in done)
+        total -= 1
+        done.add(c)
+    return at_forward, at_backward
+
+
+def pipelined_gradients(model: ModelSpec, layout: StageLayout, plan: Plan, m: int, grads: int) -> tuple[int, int]:
+    """An interleaved pipeline rank's ``grads`` (every chunk's) less those of the chunks
+    :func:`chunks_without_gradients` finds, at its last forward and at its backward with the most
+    in flight. A chunk's share is its layers' parameters (``stage_layout`` of that chunk alone),
+    with the embedding in the global first chunk and the final norm and LM head in the last."""
+    v, stage = plan.virtual_stages, layout.stage
+    extra = layout.params - layout.layer_params  # the embedding (first rank) or the head (last)
+    out = []
+    for missing in chunks_without_gradients(plan.pp, v, stage, m):
+        n = 0
+        for c in missing:
+            n += stage_layout(model, plan.tp, plan.ep, plan.pp * v, 1, c * plan.pp + stage).layer_params
+            n += extra if (c == 0 and layout.is_first) or (c == v - 1 and layout.is_last) else 0
+        out.append(grads - grads * n // layout.params)
+    return out[0], out[1]
+
+
+@lru_cache(maxsize=1024)
+def chunks_kept_at_last_forward(pp: int, virtual_stages: int, stage: int, m: int) -> tuple[int, ...]:
+    """The rank's local chunks whose latest action is a backward at its last forward under the
+    interleaved schedule: FSDP2 ZeRO-3 keeps their groups unsharded there (no reshard after a
+    pipelined backward, :func:`pipelined_unsharded_chunks`). A walk over
+    :func:`schedule_actions`, each rank's once (``lru_cache``)."""
+    latest: dict[int, str] = {}
+    kept: tuple[int, ...] = ()
+    for kind, c, _ in schedule_actions("interleaved", pp, virtual_stages, stage, m):
+        if kind == "F":
+            kept = tuple(k for k, done in latest.items() if done == "B" and k != c)
+        latest[c] = kind
+    return kept
+
+
+def pipelined_forward_gathered(
+    layout: StageLayout, plan: Plan, policy: PrecisionPolicy, m: int, gather: int
+) -> tuple[int, int]:
+    """FSDP2 ZeRO-3 on an interleaved pipeline rank at its last forward: (the unsharded groups of
+    the chunks :func:`chunks_kept_at_last_forward` finds, the embedding's with the global first
+    chunk; the last layer's own unsharded parameters, whose all-gather output
+    ``Fsdp.unshard`` keeps as well until the next group's copy-out). On the last rank the moment
+    is the loss's, after the layers' reshard (the head's group is ``fsdp2_unsharded``'s): no layer
+    of its own. The run's forward peak on llama3-8b at dp 2, pp 2, v 2, 4 micro-batches, stage 0
+    (``layers.7.residual_ffn``): 4,976,689,152 B of ``*.unsharded`` and the 436,224,000 B of
+    ``fsdp.layers.7.all_gather_output``; ``gather``: one layer group's (:func:`fsdp2_layer_gather`)."""
+    v = plan.virtual_stages
+    chunk = gather * layout.layers // v
+    kept = chunks_kept_at_last_forward(plan.pp, v, layout.stage, m)
+    embedding = (layout.params - layout.layer_params) * min(policy.param_bytes, policy.compute_bytes)
+    kept_bytes = len(kept) * chunk + (embedding if layout.is_first and 0 in kept else 0)
+    return kept_bytes, 0 if layout.is_last else gather
+
+
+def pipelined_last_backward(
+    layout: StageLayout,
+    plan: Plan,
+    policy: PrecisionPolicy,
+    bwd_end: dict[str, int],
+    gather: int,
+    stored: int,
+    live: int,
+) -> dict[str, int]:
+    """An interleaved pipeline rank's last backward under FSDP2 ZeRO-3, at its first layer (the
+    chunk's last): every chunk's groups unsharded, none resharded since its backward
+    (:func:`pipelined_unsharded_chunks`; the embedding's or the head's group too), every gradient,
+    and one micro-batch in flight: the chunk's saved activations (``stored``, the rank's per
+    micro-batch, over ``v`` chunks) with the layer's own backward (``live``). The run's peak on
+    llama3-8b at dp 2, pp 2, v 2, 2 micro-batches, full recompute (``layers.7.feed_forward.w2.dX``
+    beside 8,030,265,344 B of ``*.unsharded``); ``gather``: one layer group's unsharded bytes
+    (:func:`fsdp2_layer_gather`)."""
+    unsharded = min(policy.param_bytes, policy.compute_bytes)
+    every = layout.layers * gather + (layout.params - layout.layer_params) * unsharded
+    return {**bwd_end, "activations": stored // plan.virtual_stages + live, "gathered_params": every}
+
+
 def fp8_first_backward_layer(
     bwd_start: dict[str, int], fp8: F8.Fp8Step, acts: int, x: A.Shape, head_grads: int, retained: int, gathered: int
 ) -> dict[str, int]:
@@ -1539,6 +1641,22 @@ def _stage_phases(
     if workspaces:
         opt["activations"] = workspaces
     candidates = [bwd_start, bwd_end]
+    if plan.pp_schedule == "interleaved" and plan.pp > 1 and layers:
+        if grads_in_step and rt.pytorch_parallel and not (rt.grads_persistent or ddp_buckets):
+            # only the chunks a backward has reached hold gradients
+            fwd["gradients"], bwd_start["gradients"] = pipelined_gradients(
+                model, layout, plan, accumulation, grads_in_step
+            )
+        if fsdp2 and plan.zero == 3:  # the chunks a backward left unsharded, and the last forward's own layer
+            gather = fsdp2_layer_gather(model, layout, policy, fp8.gather_fp8)
+            kept, current = pipelined_forward_gathered(layout, plan, policy, accumulation, gather)
+            fwd["gathered_params"] += kept + current
+            fwd["comm_buffers"] += current
+            if current and plan.recompute != "full":  # inside that layer: its input, mid-layer residual, MLP output
+                fwd["activations"] += 2 * A.residual_input(x) + A.layer_input(x)
+            candidates.append(
+                pipelined_last_backward(layout, plan, policy, bwd_end, gather, stored, embed + layer_part)
+            )
     if mlp_backward is not None:
         # the bundled trainer offloading: the first layer's backward walked node by node
         # (memplan_offload) stands for the estimate of its end

@@ -92,6 +92,18 @@ WITHIN = [
         (dict(dp=2, pp=pp, zero=3, pp_schedule="interleaved", virtual_stages=2, precision=p, recompute=r), 4096, 8)
         for pp, p, r in ((2, "bf16-master", "full"), (4, "bf16", "none"))
     ],
+    # as many micro-batches as ranks: the last rank's first chunk holds no gradient yet beside the loss's
+    # backward (memory.chunks_without_gradients); +0.8% .. +3.7% before
+    *[
+        (dict(dp=2, pp=4, zero=3, pp_schedule="interleaved", virtual_stages=2, precision=p, recompute=r), 4096, 4)
+        for p, r in (("bf16", "none"), ("bf16-mixed", "full"))
+    ],
+    (
+        dict(dp=2, pp=8, zero=2, pp_schedule="interleaved", virtual_stages=2, precision="bf16", recompute="selective"),
+        4096,
+        8,
+    ),
+    (dict(pp=2, pp_schedule="interleaved", virtual_stages=2, precision="bf16", recompute="none"), 4096, 2),
 ]
 
 
@@ -199,3 +211,52 @@ SLOW_MISSES = [
 @pytest.mark.parametrize("fields,seq,accumulation", SLOW_MISSES)
 def test_the_plans_still_outside_the_bound_on_llama3_8b(fields, seq, accumulation):
     _assert_within(load_model("llama3-8b"), Plan(**fields), seq, accumulation=accumulation)
+
+
+# llama3-8b (-m slow): FSDP2 under the interleaved schedule (dp 2, v 2), (plan fields, seq, micro-batches)
+_ILEAVE = dict(dp=2, pp_schedule="interleaved", virtual_stages=2)
+SLOW_INTERLEAVED = [
+    # twice as many micro-batches as ranks: ZeRO-3's last forward with the chunks a backward left unsharded
+    # (memory.chunks_kept_at_last_forward, pipelined_forward_gathered); -2.6% .. -6.5% before
+    *[
+        (dict(_ILEAVE, pp=pp, zero=3, precision=p, recompute=r), seq, 2 * pp)
+        for pp in (2, 4, 8)
+        for p, r in (("bf16", "none"), ("bf16-mixed", "selective"))
+        for seq in (2048, 4096)
+    ],
+    # as many as ranks (memory.chunks_without_gradients); +7.4% .. +12.7% before
+    *[
+        (dict(_ILEAVE, pp=pp, zero=z, precision=p, recompute=r), 2048, pp)
+        for pp, z, p, r in (
+            (2, 3, "bf16", "none"),
+            (4, 3, "bf16", "selective"),
+            (2, 2, "bf16-mixed", "none"),
+            (4, 2, "bf16", "full"),
+            (8, 3, "bf16", "full"),
+        )
+    ],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields,seq,micro_batches", SLOW_INTERLEAVED)
+def test_the_interleaved_schedule_under_fsdp2_on_llama3_8b(fields, seq, micro_batches):
+    _assert_within(load_model("llama3-8b"), Plan(**fields), seq, accumulation=micro_batches)
+
+
+# measured 2026-11-28 on llama3-8b (dp 2, v 2), as many micro-batches as ranks, full recompute: the first
+# rank's moments the sums lack (docs/cost-model.md, "The search's fast form against the run")
+SLOW_INTERLEAVED_MISSES = [
+    _miss(dict(_ILEAVE, pp=4, zero=3, precision="bf16", recompute="full"), 2048, 4,
+          "-4.72% (-831.5 MB): the first rank's embedding backward beside its accumulated gradient "
+          "(tok_embeddings.embedding.grad_weight, V x h) with every chunk unsharded"),
+    _miss(dict(_ILEAVE, pp=2, zero=3, precision="bf16-mixed", recompute="full"), 4096, 2,
+          "-2.01% (-1.02 GB): the step's reduce-scatter after the last backward "
+          "(fsdp.tok_embeddings.reduce_scatter_output beside every fp32 accumulated_grad)"),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields,seq,micro_batches", SLOW_INTERLEAVED_MISSES)
+def test_the_interleaved_plans_still_outside_the_bound_on_llama3_8b(fields, seq, micro_batches):
+    _assert_within(load_model("llama3-8b"), Plan(**fields), seq, accumulation=micro_batches)
