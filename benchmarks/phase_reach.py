@@ -24,7 +24,7 @@ each reaches, under a label that says who takes the answer:
 It prints, per function of memory.py (and per ``if`` of ``_stage_phases``), how many decline reasons
 reach it and which other labels do; then the statements no label reached and those reached only under
 labels whose plans the op-level run answers in ``memplan estimate``. Not a test: a few minutes on one
-core (``--plans 8000``: some 10 CPU minutes, 8,000 plan files and 11,680 search plans).
+core (``--plans 8000``: some 5 CPU minutes, 8,000 plan files and 11,680 search plans).
 
     python benchmarks/phase_reach.py [--plans 8000] [--seed 1] [--no-search]
 """
