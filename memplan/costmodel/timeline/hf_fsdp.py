@@ -77,6 +77,7 @@ from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category, Stream
 from memplan.costmodel.timeline.fsdp import Fsdp, _Group
 from memplan.costmodel.timeline.hf_ddp import HfDdp
+from memplan.costmodel.timeline.hf_fsdp_moe import expert_split
 from memplan.costmodel.timeline.trainer_model import Dims
 
 
@@ -126,6 +127,18 @@ class HfFsdp(Fsdp):
         self.kept: Tensor | None = None
         self.reduce_input: Tensor | None = None
         self.reduced: set[int] = set()
+
+    def split(self, name: str) -> tuple[int, int]:
+        """(dim 0, elements under each dim-0 index) of a parameter as ``FSDPParam`` chunks it: a MoE
+        layer's 3-D experts, ``gate_up_proj`` (E, 2f, h) and ``down_proj`` (E, h, f), on their E experts
+        (``hf_fsdp_moe.expert_split``), every other parameter on its rows."""
+        return expert_split(name, self.shapes[name], self.model.extra)
+
+    def shard(self, name: str) -> int:
+        """Elements of rank 0's shard: dim 0 padded to a multiple of dp (``torch.chunk`` of the padded
+        parameter, ``FSDPParam._init_sharded_param``)."""
+        rows, cols = self.split(name)
+        return -(-rows // self.dp) * cols
 
     def shard_numels(self) -> dict[str, tuple[int, int]]:
         """(elements, itemsize) of each parameter's local shard: what the optimizer steps."""

@@ -299,21 +299,22 @@ def _param_wrapper_ok(model: ModelSpec, plan: Plan) -> bool:
     return len(targets & {"gate_proj", "up_proj"}) != 1 and plan.lora_dropout == 0
 
 
-# families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): the dense ones
-FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MOE_FAMILIES + MLA_FAMILIES)
+# families whose FSDP2 run was checked against the real Trainer: the dense ones (tests/unit/test_timeline_hf_fsdp.py)
+# and the MoE ones, full fine-tuning (tests/unit/test_timeline_hf_fsdp_moe.py)
+FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MLA_FAMILIES)
 
 
 def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
-    """The Trainer's FSDP2 as ``hf_fsdp.py`` follows it: full fine-tuning of a dense base loaded onto the
-    rank's GPU (``from_pretrained`` with a device_map) or on the CPU (``to_device``: sharded through
-    ``cpu_ram_efficient_loading``, ``hf_fsdp_load.py``), in fp32, a bf16 model without ``bf16=True``
-    (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16 policy over fp32 master
-    shards); PEFT LoRA (:func:`_fsdp_lora_ok`)."""
+    """The Trainer's FSDP2 as ``hf_fsdp.py`` follows it: full fine-tuning of a dense base or of Mixtral,
+    Qwen3-MoE or Qwen2-MoE (``hf_fsdp_moe.py``: each decoder layer one group, its experts sharded on the
+    expert axis) loaded onto the rank's GPU (``from_pretrained`` with a device_map) or on the CPU
+    (``to_device``: sharded through ``cpu_ram_efficient_loading``, ``hf_fsdp_load.py``), in fp32, a bf16
+    model without ``bf16=True`` (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16
+    policy over fp32 master shards); PEFT LoRA over a dense base (:func:`_fsdp_lora_ok`)."""
     return (
         runtime == "hf"
-        and model.moe is None
         and model.architecture in FSDP_FAMILIES
-        and (plan.finetune == "full" or _fsdp_lora_ok(model, plan))
+        and (plan.finetune == "full" or (model.moe is None and _fsdp_lora_ok(model, plan)))
         and (plan.quant == "none" or _fsdp_qlora_ok(model, plan))
     )
 
@@ -340,8 +341,8 @@ def _fsdp_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
     """Why the Trainer's FSDP2 run does not follow the plan."""
-    if model.moe is not None:
-        return "the Trainer's FSDP over an MoE model (not checked)"
+    if model.moe is not None and plan.finetune != "full":
+        return "the Trainer's FSDP over an MoE model under PEFT (not checked; full fine-tuning is followed)"
     if model.architecture not in FSDP_FAMILIES:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
     if plan.finetune != "full" and "lm_head" in plan.modules_to_save and model.tied_embeddings:

@@ -1,0 +1,38 @@
+"""The Trainer's FSDP2 (``hf_fsdp.py``) over the MoE families of ``hf_moe.py`` (Mixtral, Qwen3-MoE, Qwen2-MoE):
+full fine-tuning (transformers 5.23, accelerate 1.15, torch 2.13).
+
+What accelerate wraps: ``fsdp2_prepare_auto_wrap_policy`` (accelerate/utils/fsdp_utils.py:921-960) takes the
+model's ``_no_split_modules``, ``MixtralDecoderLayer``, ``Qwen3MoeDecoderLayer``, ``Qwen2MoeDecoderLayer``
+(modeling_mixtral.py:373, modeling_qwen3_moe.py:355, modeling_qwen2_moe.py:404), so each decoder layer is one
+``fully_shard`` group, as a dense layer is: the router, the experts' fused 3-D parameters, Qwen2-MoE's shared
+expert and its gate, a dense layer's MLP are parameters of their layer's group (no module of the sparse block is
+wrapped on its own). The group's all-gather holds them with the attention's, unsharded for the layer's forward
+and its backward; the router's ops and the experts' ``grouped_mm`` run on the unsharded parameters exactly as on
+one rank (``hf_moe.MoeBlock``); the experts' weight gradients (E x n x k, ``_grouped_mm``'s) are reduce-scattered
+with the rest of the layer's.
+
+The one difference in the bytes: ``FSDPParam`` shards a parameter on dim 0 (``Shard(0)``: ``torch.chunk`` of the
+parameter padded to a multiple of the ranks, torch/distributed/fsdp/_fully_shard/_fsdp_param.py
+``_init_sharded_param``), which for the experts' ``gate_up_proj`` (E, 2f, h) and ``down_proj`` (E, h, f) is the
+expert axis: a rank holds whole experts, E padded to a multiple of the ranks (:func:`expert_split`).
+
+Checked against the real Trainer on CPU, rank 0 of two or four under the fake process group
+(tests/unit/test_timeline_hf_fsdp_moe.py): fp32, a bf16 model, ``bf16=True`` (accelerate's bf16 policy over fp32
+master shards), gradient checkpointing, ``full_shard`` and ``shard_grad_op``, gradient accumulation, dense
+layers, experts not divisible by the ranks; every case equal to the byte.
+"""
+
+from __future__ import annotations
+
+EXPERTS = ".mlp.experts."  # the 3-D parameters' module: ``...mlp.experts.gate_up_proj`` / ``down_proj``
+
+
+def expert_split(name: str, shape: tuple[int, int], extra: dict | None) -> tuple[int, int]:
+    """(dim 0, elements under each dim-0 index) of parameter ``name``, whose ``shape`` is stored as
+    (rows, cols): a MoE layer's experts (``extra["experts"]``, ``hf_moe.moe_config``) are E matrices, dim 0
+    the expert; every other parameter is its rows."""
+    rows, cols = shape
+    experts = (extra or {}).get("experts")
+    if experts and EXPERTS in name:
+        return experts, rows * cols // experts
+    return rows, cols
