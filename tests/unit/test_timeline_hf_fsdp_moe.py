@@ -1,7 +1,7 @@
 """The Trainer's FSDP2 over the MoE families (``timeline/hf_fsdp_moe.py``: Mixtral, Qwen3-MoE, Qwen2-MoE, full
 fine-tuning) against the real Trainer on CPU: rank 0 of two or four under torch's fake process group
 (tests/accuracy/hf_fsdp_steps.py), the peak of live storages over three optimizer steps from ``trainer.train()``
-on (the sharding inside ``accelerator.prepare`` included), equal to the byte.
+on (the sharding inside ``accelerator.prepare`` included), equal to the byte; and PEFT LoRA on their ``nn.Linear``.
 
 The models are test_timeline_hf_moe.py's tiny ones (the experts' S = tokens x top_k rows, not the logits, decide
 the peak). What the cases cover: ``full_shard`` (``--zero 3``) and ``shard_grad_op`` (``--zero 2``); fp32, a bf16
@@ -11,7 +11,8 @@ shared expert and the sliding mask its model builds unused (``hf_moe.HfQwen2Moe`
 before); experts the ranks do not divide (6 over 4: a rank holds whole experts, ``hf_fsdp_moe.expert_split``;
 12.8% under before); the model loaded on the CPU and sharded through ``cpu_ram_efficient_loading``. As in
 test_timeline_hf_moe.py the run is compared with ``inplace_accumulate=False`` and ``subclass_like=True`` (the
-tracker is a dispatch mode). Each case takes 1-6 s: three run by default, the rest under ``-m slow``.
+tracker is a dispatch mode). Each case takes 1-6 s: five run by default (one the CPU load), the rest under
+``-m slow``.
 """
 
 from __future__ import annotations
@@ -154,6 +155,118 @@ def test_the_cpu_load_equals_rank_0s_shards_and_peak(case: hf_steps.Case, zero: 
     loaded = ("constant_pad_nd.default", "empty_like.default")
     assert [size for _, size, op, _ in measured.events if op in loaded][: len(predicted)] == predicted
     assert timeline.peak()[0] == measured.peak
+
+
+# PEFT LoRA on the MoE models' nn.Linear (hf_fsdp_peft.py as over a dense base; the frozen experts' grouped_mm
+# keeps no input): the attention linears, Qwen2-MoE's shared expert, its gate and the dense layers' MLP,
+# modules_to_save. PEFT's ParamWrapper over Mixtral's and Qwen3-MoE's experts (all-linear, the MLP names) is not
+# followed under FSDP (hf_support._fsdp_moe_lora_ok): its adapters are no sharded parameters of the run yet.
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _lora(tag: str, arch: str, extra: tuple, **fields):  # noqa: ANN202
+    from test_timeline_hf_moe import _lora_case
+
+    return _lora_case(f"fsdp-{tag}", arch, extra, **fields)
+
+
+def _lora_timeline(case, zero: int, ga: int, dp: int):  # noqa: ANN001, ANN202
+    from peft_steps import plan_of
+
+    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
+
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = plan_of(case).model_copy(update={"dp": dp, "zero": zero})
+    workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+    assert hf_supported(model, plan, workload, device="cpu") is None, case.name
+    return hf_run(
+        hf_dims(model, workload, plan),
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        batches=STEPS * ga,
+        qkv_bias=model.qkv_bias,
+        arch=model.architecture,
+        extra=family_config(model),
+        lora=HfLoraConfig.of(plan, model.architecture, model.moe.num_experts),
+        ga=ga,
+        inplace_accumulate=False,
+        subclass_like=True,
+        dp=dp,
+        zero=zero,
+        mixed=trainer_autocast(plan, "hf"),
+    )
+
+
+LORA_FAST = [(_lora("qv", "mixtral", MIXTRAL), 3, 1, 2)]
+LORA_SLOW = [
+    (_lora("attn-autocast", "mixtral", MIXTRAL, targets=ATTN, autocast=True), 3, 1, 2),
+    (_lora("save-head", "mixtral", MIXTRAL, modules_to_save=("lm_head",)), 3, 1, 2),
+    (
+        _lora("save-embed-bf16", "mixtral", MIXTRAL, targets=ATTN, dtype="bfloat16", modules_to_save=("embed_tokens",)),
+        3,
+        1,
+        2,
+    ),
+    (_lora("qv-e6", "mixtral", MIXTRAL6), 3, 1, 4),
+    (
+        _lora("attn-dense-bf16-ckpt", "qwen3_moe", QWEN3_DENSE, targets=ATTN, dtype="bfloat16", checkpointing=True),
+        2,
+        1,
+        2,
+    ),
+    (_lora("attn-dropout-ckpt", "qwen3_moe", QWEN3, targets=ATTN, dropout=0.1, checkpointing=True), 3, 1, 2),
+    (
+        _lora(
+            "bf16-autocast-head",
+            "qwen3_moe",
+            QWEN3_DENSE,
+            targets=ATTN,
+            dtype="bfloat16",
+            autocast=True,
+            modules_to_save=("lm_head",),
+        ),
+        2,
+        1,
+        2,
+    ),
+    (_lora("attn", "qwen2_moe", QWEN2, targets=ATTN), 3, 1, 2),
+    (_lora("mlp-autocast", "qwen2_moe", QWEN2_DENSE, targets=MLP, autocast=True, layers=4), 3, 1, 2),
+    (_lora("all-linear-bf16-ga2", "qwen2_moe", QWEN2, targets=("all-linear",), dtype="bfloat16"), 2, 2, 2),
+    (_lora("all-linear-dense", "qwen2_moe", QWEN2_DENSE, targets=("all-linear",), layers=4), 3, 1, 2),
+]
+
+
+def _lora_check(case, zero: int, ga: int, dp: int) -> None:  # noqa: ANN001
+    pytest.importorskip("peft")
+    measured = hf_fsdp_steps.measure(case, ga, STEPS, reshard=zero >= 3, world=dp)
+    predicted = _lora_timeline(case, zero, ga, dp).peak()[0]
+    assert predicted == measured, f"{case.name} zero {zero}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+@pytest.mark.parametrize(("case", "zero", "ga", "dp"), LORA_FAST, ids=lambda c: getattr(c, "name", str(c)))
+def test_lora_on_the_attention_equals_rank_0s_peak(case, zero: int, ga: int, dp: int) -> None:  # noqa: ANN001
+    """q/v adapters over Mixtral under ``full_shard``: the frozen experts gathered, only the adapters reduced."""
+    _lora_check(case, zero, ga, dp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "zero", "ga", "dp"), LORA_SLOW, ids=lambda c: getattr(c, "name", str(c)))
+def test_lora_variants_equal_rank_0s_peak(case, zero: int, ga: int, dp: int) -> None:  # noqa: ANN001
+    _lora_check(case, zero, ga, dp)
+
+
+@pytest.mark.parametrize(("arch", "targets"), [("mixtral", ("all-linear",)), ("qwen3_moe", MLP)])
+def test_lora_through_param_wrapper_under_fsdp_stays_on_one_line(arch: str, targets: tuple) -> None:
+    """PEFT's ParamWrapper over the experts (and Mixtral's router) under FSDP: refused, naming it."""
+    from peft_steps import plan_of
+
+    case = _lora("wrapped", arch, MIXTRAL if arch == "mixtral" else QWEN3, targets=targets)
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = plan_of(case).model_copy(update={"dp": 2, "zero": 3})
+    why = hf_supported(model, plan, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), device="cpu")
+    assert why is not None and "FSDP over an MoE model with PEFT's ParamWrapper" in why, why
 
 
 def _estimate(capsys, args: list[str]) -> dict:
