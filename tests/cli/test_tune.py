@@ -461,7 +461,7 @@ def test_allow_quantization_needs_a_finetune_mode(tmp_path):
 def test_lora_over_an_moe_model_is_searched_by_the_trainers_run(tmp_path):
     """The phase model's LoRA layer counts a dense MLP where an MoE model's experts are, so the search screens
     such plans by the Trainer's whole op-level run (``fast_run._moe_lora_peak``): the space holds the plans the
-    run follows (one rank, DDP or the Trainer's FSDP, whose LoRA on Qwen2-MoE's nn.Linear it follows; no expert
+    run follows (one rank, DDP or the Trainer's FSDP; no expert
     parallelism), and the recommended plan's figure is estimate's. Qwen1.5-MoE-A2.7B's config.json cut to two
     layers."""
     config = json.loads((Path(__file__).parents[1] / "data" / "hf" / "qwen2-moe-a2.7b.json").read_text())

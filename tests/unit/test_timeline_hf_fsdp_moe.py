@@ -1,7 +1,7 @@
 """The Trainer's FSDP2 over the MoE families (``timeline/hf_fsdp_moe.py``: Mixtral, Qwen3-MoE, Qwen2-MoE, full
 fine-tuning) against the real Trainer on CPU: rank 0 of two or four under torch's fake process group
 (tests/accuracy/hf_fsdp_steps.py), the peak of live storages over three optimizer steps from ``trainer.train()``
-on (the sharding inside ``accelerator.prepare`` included), equal to the byte; and PEFT LoRA on their ``nn.Linear``.
+on (the sharding inside ``accelerator.prepare`` included), equal to the byte; and PEFT LoRA over them.
 
 The models are test_timeline_hf_moe.py's tiny ones (the experts' S = tokens x top_k rows, not the logits, decide
 the peak). What the cases cover: ``full_shard`` (``--zero 3``) and ``shard_grad_op`` (``--zero 2``); fp32, a bf16
@@ -11,7 +11,7 @@ shared expert and the sliding mask its model builds unused (``hf_moe.HfQwen2Moe`
 before); experts the ranks do not divide (6 over 4: a rank holds whole experts, ``hf_fsdp_moe.expert_split``;
 12.8% under before); the model loaded on the CPU and sharded through ``cpu_ram_efficient_loading``. As in
 test_timeline_hf_moe.py the run is compared with ``inplace_accumulate=False`` and ``subclass_like=True`` (the
-tracker is a dispatch mode). Each case takes 1-6 s: five run by default (one the CPU load), the rest under
+tracker is a dispatch mode). Each case takes 1-6 s: seven run by default (one the CPU load), the rest under
 ``-m slow``.
 """
 
@@ -157,10 +157,11 @@ def test_the_cpu_load_equals_rank_0s_shards_and_peak(case: hf_steps.Case, zero: 
     assert timeline.peak()[0] == measured.peak
 
 
-# PEFT LoRA on the MoE models' nn.Linear (hf_fsdp_peft.py as over a dense base; the frozen experts' grouped_mm
-# keeps no input): the attention linears, Qwen2-MoE's shared expert, its gate and the dense layers' MLP,
-# modules_to_save. PEFT's ParamWrapper over Mixtral's and Qwen3-MoE's experts (all-linear, the MLP names) is not
-# followed under FSDP (hf_support._fsdp_moe_lora_ok): its adapters are no sharded parameters of the run yet.
+# PEFT LoRA (hf_fsdp_peft.py as over a dense base; the frozen experts' grouped_mm keeps no input): lora.Linear on
+# the attention linears, Qwen2-MoE's shared expert, its gate and the dense layers' MLP, modules_to_save; and PEFT's
+# ParamWrapper over Mixtral's and Qwen3-MoE's experts and router (all-linear, the MLP names: its 2-D lora_A / lora_B
+# sharded on their own dim 0, hf_fsdp.peft_shapes; the router's delta on CPU from fp32 copies of the bf16-gathered
+# adapters under bf16=True, hf_moe_lora.router_delta: 1,088-2,176 B under before)
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -199,7 +200,11 @@ def _lora_timeline(case, zero: int, ga: int, dp: int):  # noqa: ANN001, ANN202
     )
 
 
-LORA_FAST = [(_lora("qv", "mixtral", MIXTRAL), 3, 1, 2)]
+LORA_FAST = [
+    (_lora("qv", "mixtral", MIXTRAL), 3, 1, 2),
+    (_lora("experts", "qwen3_moe", QWEN3, targets=MLP), 3, 1, 2),  # ParamWrapper over the experts
+    (_lora("all-linear-autocast", "qwen3_moe", QWEN3, targets=("all-linear",), autocast=True), 2, 1, 2),  # and router
+]
 LORA_SLOW = [
     (_lora("attn-autocast", "mixtral", MIXTRAL, targets=ATTN, autocast=True), 3, 1, 2),
     (_lora("save-head", "mixtral", MIXTRAL, modules_to_save=("lm_head",)), 3, 1, 2),
@@ -235,6 +240,56 @@ LORA_SLOW = [
     (_lora("mlp-autocast", "qwen2_moe", QWEN2_DENSE, targets=MLP, autocast=True, layers=4), 3, 1, 2),
     (_lora("all-linear-bf16-ga2", "qwen2_moe", QWEN2, targets=("all-linear",), dtype="bfloat16"), 2, 2, 2),
     (_lora("all-linear-dense", "qwen2_moe", QWEN2_DENSE, targets=("all-linear",), layers=4), 3, 1, 2),
+    # ParamWrapper
+    (_lora("experts-bf16-ckpt", "qwen3_moe", QWEN3, targets=MLP, dtype="bfloat16", checkpointing=True), 3, 1, 2),
+    (_lora("experts-autocast-ckpt", "qwen3_moe", QWEN3, targets=MLP, autocast=True, checkpointing=True), 2, 1, 2),
+    (_lora("down-fp32-ga2", "qwen3_moe", QWEN3, targets=("down_proj",)), 2, 2, 2),
+    (_lora("qv-experts-dense", "qwen3_moe", QWEN3_DENSE, targets=("q_proj", "v_proj", *MLP)), 3, 1, 2),
+    (_lora("experts-e6", "qwen3_moe", QWEN3_6, targets=MLP), 2, 1, 4),
+    (_lora("all-linear", "mixtral", MIXTRAL, targets=("all-linear",)), 3, 1, 2),
+    (_lora("all-linear-bf16", "mixtral", MIXTRAL, targets=("all-linear",), dtype="bfloat16"), 2, 1, 2),
+    (_lora("all-linear-autocast-ga2", "mixtral", MIXTRAL, targets=("all-linear",), autocast=True), 3, 2, 2),
+    (
+        _lora(
+            "all-linear-bf16-autocast-ckpt",
+            "mixtral",
+            MIXTRAL,
+            targets=("all-linear",),
+            dtype="bfloat16",
+            autocast=True,
+            checkpointing=True,
+        ),
+        3,
+        1,
+        2,
+    ),
+    (_lora("all-linear-e6", "mixtral", MIXTRAL6, targets=("all-linear",)), 3, 1, 4),
+    (
+        _lora(
+            "all-linear-dense-autocast-ckpt",
+            "qwen3_moe",
+            QWEN3_DENSE,
+            targets=("all-linear",),
+            autocast=True,
+            checkpointing=True,
+        ),
+        2,
+        1,
+        2,
+    ),
+    (
+        _lora(
+            "all-linear-bf16-save-head",
+            "qwen3_moe",
+            QWEN3,
+            targets=("all-linear",),
+            dtype="bfloat16",
+            modules_to_save=("lm_head",),
+        ),
+        3,
+        1,
+        2,
+    ),
 ]
 
 
@@ -246,8 +301,9 @@ def _lora_check(case, zero: int, ga: int, dp: int) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize(("case", "zero", "ga", "dp"), LORA_FAST, ids=lambda c: getattr(c, "name", str(c)))
-def test_lora_on_the_attention_equals_rank_0s_peak(case, zero: int, ga: int, dp: int) -> None:  # noqa: ANN001
-    """q/v adapters over Mixtral under ``full_shard``: the frozen experts gathered, only the adapters reduced."""
+def test_lora_equals_rank_0s_peak(case, zero: int, ga: int, dp: int) -> None:  # noqa: ANN001
+    """q/v adapters over Mixtral under ``full_shard`` (the frozen experts gathered, only the adapters reduced);
+    ParamWrapper over Qwen3-MoE's experts, and with its router's under ``bf16=True`` and ``shard_grad_op``."""
     _lora_check(case, zero, ga, dp)
 
 
@@ -255,18 +311,6 @@ def test_lora_on_the_attention_equals_rank_0s_peak(case, zero: int, ga: int, dp:
 @pytest.mark.parametrize(("case", "zero", "ga", "dp"), LORA_SLOW, ids=lambda c: getattr(c, "name", str(c)))
 def test_lora_variants_equal_rank_0s_peak(case, zero: int, ga: int, dp: int) -> None:  # noqa: ANN001
     _lora_check(case, zero, ga, dp)
-
-
-@pytest.mark.parametrize(("arch", "targets"), [("mixtral", ("all-linear",)), ("qwen3_moe", MLP)])
-def test_lora_through_param_wrapper_under_fsdp_stays_on_one_line(arch: str, targets: tuple) -> None:
-    """PEFT's ParamWrapper over the experts (and Mixtral's router) under FSDP: refused, naming it."""
-    from peft_steps import plan_of
-
-    case = _lora("wrapped", arch, MIXTRAL if arch == "mixtral" else QWEN3, targets=targets)
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = plan_of(case).model_copy(update={"dp": 2, "zero": 3})
-    why = hf_supported(model, plan, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), device="cpu")
-    assert why is not None and "FSDP over an MoE model with PEFT's ParamWrapper" in why, why
 
 
 def _estimate(capsys, args: list[str]) -> dict:
@@ -278,11 +322,17 @@ def _estimate(capsys, args: list[str]) -> dict:
     return json.loads(out)["memory"]
 
 
-@pytest.mark.parametrize(("name", "zero"), [("qwen3-30b-a3b", 3), ("mixtral-8x7b", 2)])
-def test_estimate_answers_an_hf_fsdp_moe_plan_op_level(capsys, name: str, zero: int) -> None:
+ALL_LINEAR = ["--finetune", "lora", "--lora-targets", "all-linear"]
+
+
+@pytest.mark.parametrize(
+    ("name", "zero", "lora"), [("qwen3-30b-a3b", 3, []), ("mixtral-8x7b", 2, []), ("qwen3-30b-a3b", 3, ALL_LINEAR)]
+)
+def test_estimate_answers_an_hf_fsdp_moe_plan_op_level(capsys, name: str, zero: int, lora: list[str]) -> None:
     """``memplan estimate qwen3-30b-a3b --runtime hf --dp 2 --zero 3``: op-level, the rank's shards and their
-    fp32 optimizer states half the one-rank run's (the ``bf16`` recipe's fp32 master shards, ``hf_fsdp.py``)."""
-    args = [name, "--runtime", "hf", "--precision", "bf16-mixed", "--seq-len", "1024"]
+    fp32 optimizer states half the one-rank run's (``bf16-mixed``: fp32 master shards, ``hf_fsdp.py``); LoRA
+    ``all-linear`` too (the frozen base's shards and the ParamWrapper adapters' states half)."""
+    args = [name, "--runtime", "hf", "--precision", "bf16-mixed", "--seq-len", "1024", *lora]
     one = _estimate(capsys, args)
     two = _estimate(capsys, [*args, "--dp", "2", "--zero", str(zero)])
     assert two["model"] == "op-level" and two["model_reason"] is None

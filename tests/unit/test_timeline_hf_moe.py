@@ -389,12 +389,6 @@ def test_estimate_answers_qwen2_moe_op_level(capsys) -> None:
         ("mixtral-8x7b", {}, {"dp": 2, "ep": 2}, "more than one rank (tensor, pipeline, context or expert)"),
         ("mixtral-8x7b", {}, {"finetune": "lora", "lora_targets": ("down_proj",)}, "PEFT over the mixtral family"),
         ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("q_proj", "gate_proj")}, "PEFT over the qwen3"),
-        (  # q/v adapters under FSDP are followed (test_timeline_hf_fsdp_moe.py); ParamWrapper's are not
-            "mixtral-8x7b",
-            {},
-            {"finetune": "lora", "lora_targets": ("all-linear",), "dp": 2, "zero": 3},
-            "the Trainer's FSDP over an MoE model with PEFT's ParamWrapper",
-        ),
         ("mixtral-8x7b", {}, {"finetune": "qlora", "quant": "nf4"}, "a quantized MoE base"),
         ("deepseek-v2-lite", {}, {}, "the deepseek-v2 family"),
     ],

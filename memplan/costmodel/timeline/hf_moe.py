@@ -227,7 +227,7 @@ class MoeBlock:
         lora, w = getattr(self.adapter, "__self__", None), self.weights[f"{name}.weight"]
         if lora is None or not lora.cfg.router:
             return None, w
-        delta = router_delta(self.tape, self.weights, name, self.weight)
+        delta = router_delta(self.tape, self.weights, name, self.weight, self.cpu)
         self.weights[f"{name}.weight"] = plus_delta(self.tape, w, delta, f"{name}.parametrized")
         return delta, w
 

@@ -10,7 +10,7 @@ the sequence is shorter than the window, so that transformers passes SDPA no mas
 Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE and Qwen2-MoE
 (``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
 gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA as ``MOE_LORA_TARGETS`` allows (the
-experts and routers PEFT wraps in its ParamWrapper: ``hf_moe_lora.py``), one rank or DDP;
+experts and routers PEFT wraps in its ParamWrapper: ``hf_moe_lora.py``), one rank, DDP or FSDP2 (below);
 no router biases; tests/unit/test_timeline_hf_moe.py), and DeepSeek-V3 on CPU (``hf_mla.py``: MLA under the CPU's
 math SDPA, the sigmoid router with its score bias and groups, the ungated shared experts; full fine-tuning on
 one rank, or PEFT LoRA on MLA's linears; tests/unit/test_timeline_hf_mla.py); fp32, ``bf16`` (a bf16 model under
@@ -41,8 +41,8 @@ the shards' order and sizes and the peak equal on CPU, the full copies on the GP
 bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16 policy over fp32 master shards;
 Gemma 2 / 3 too: their bf16 residual stream, ``hf_gemma.py``), and PEFT LoRA (any targets, dropout,
 ``modules_to_save`` none, an untied lm_head or embed_tokens) over an fp32 or a bf16 base, with or without
-``bf16=True`` (``hf_fsdp_peft.py``; over an MoE base on its ``nn.Linear`` alone, not PEFT's ``ParamWrapper``),
-with the Trainer's or FSDP's own checkpointing and accumulation, and
+``bf16=True`` (``hf_fsdp_peft.py``; over an MoE base as ``MOE_LORA_TARGETS`` allows, PEFT's ``ParamWrapper``
+too), with the Trainer's or FSDP's own checkpointing and accumulation, and
 QLoRA (nf4 / fp4, double quantization, the recipe's ``bnb_4bit_quant_storage``: the packed weights sharded,
 ``hf_fsdp_qlora.py``; tests/unit/test_timeline_hf_fsdp_qlora.py). Not modelled: an LLM.int8 base or Qwen2's
 q/k/v biases over a 4-bit base under FSDP, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or expert
@@ -282,7 +282,7 @@ def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     ``hf_moe_ops.grouped_mm``), on Qwen3-MoE's experts (``hf_moe_lora.py``), on Qwen2-MoE on any of its
     ``nn.Linear`` (``MOE_LORA_TARGETS``), with or
     without ``modules_to_save``, on one rank or over DDP (``test_lora_under_ddp_equals_rank_0s_peak``: rank 0
-    of two gloo ranks; under FSDP the ``nn.Linear`` adapters alone, ``_fsdp_moe_lora_ok``)."""
+    of two gloo ranks), or under the Trainer's FSDP2 (tests/unit/test_timeline_hf_fsdp_moe.py)."""
     return (
         model.architecture in MOE_FAMILIES
         and plan.finetune == "lora"
@@ -303,7 +303,7 @@ def _param_wrapper_ok(model: ModelSpec, plan: Plan) -> bool:
 
 
 # families whose FSDP2 run was checked against the real Trainer: the dense ones (tests/unit/test_timeline_hf_fsdp.py)
-# and the MoE ones, full fine-tuning and LoRA on their nn.Linear (tests/unit/test_timeline_hf_fsdp_moe.py)
+# and the MoE ones, full fine-tuning and LoRA (tests/unit/test_timeline_hf_fsdp_moe.py)
 FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MLA_FAMILIES)
 
 
@@ -313,23 +313,14 @@ def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
     expert axis) loaded onto the rank's GPU (``from_pretrained`` with a device_map) or on the CPU
     (``to_device``: sharded through ``cpu_ram_efficient_loading``, ``hf_fsdp_load.py``), in fp32, a bf16
     model without ``bf16=True`` (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16
-    policy over fp32 master shards); PEFT LoRA (:func:`_fsdp_lora_ok`), over an MoE base on its
-    ``nn.Linear`` alone (:func:`_fsdp_moe_lora_ok`)."""
+    policy over fp32 master shards); PEFT LoRA (:func:`_fsdp_lora_ok`; over an MoE base PEFT's
+    ``ParamWrapper`` adapters of the experts and the router too, sharded on their own dim 0)."""
     return (
         runtime == "hf"
         and model.architecture in FSDP_FAMILIES
-        and (plan.finetune == "full" or (_fsdp_lora_ok(model, plan) and _fsdp_moe_lora_ok(model, plan)))
+        and (plan.finetune == "full" or _fsdp_lora_ok(model, plan))
         and (plan.quant == "none" or _fsdp_qlora_ok(model, plan))
     )
-
-
-def _fsdp_moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
-    """No experts, or LoRA over an MoE base whose adapters are ``lora.Linear`` alone, as checked under the
-    Trainer's FSDP2 (tests/unit/test_timeline_hf_fsdp_moe.py): the attention linears of any MoE family, any of
-    Qwen2-MoE's linears (its shared expert's, its gate's, the dense layers'), ``modules_to_save``; not PEFT's
-    ``ParamWrapper`` over Mixtral's and Qwen3-MoE's experts and router (``all-linear``, Qwen3-MoE's MLP names:
-    adapters of the 3-D experts, not followed under FSDP)."""
-    return model.moe is None or model.architecture == "qwen2-moe" or set(plan.lora_targets) <= set(ATTENTION)
 
 
 def _fsdp_qlora_ok(model: ModelSpec, plan: Plan) -> bool:
@@ -354,12 +345,6 @@ def _fsdp_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
     """Why the Trainer's FSDP2 run does not follow the plan."""
-    if plan.finetune != "full" and not _fsdp_moe_lora_ok(model, plan):
-        return (
-            "the Trainer's FSDP over an MoE model with PEFT's ParamWrapper on the experts or the router (all-linear "
-            "or the MLP names over Mixtral or Qwen3-MoE; not checked: full fine-tuning and LoRA on the attention "
-            "linears are followed)"
-        )
     if model.architecture not in FSDP_FAMILIES:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
     if plan.finetune != "full" and "lm_head" in plan.modules_to_save and model.tied_embeddings:
