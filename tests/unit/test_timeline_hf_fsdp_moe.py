@@ -172,7 +172,7 @@ def _lora(tag: str, arch: str, extra: tuple, **fields):  # noqa: ANN202
     return _lora_case(f"fsdp-{tag}", arch, extra, **fields)
 
 
-def _lora_timeline(case, zero: int, ga: int, dp: int):  # noqa: ANN001, ANN202
+def _lora_timeline(case, zero: int, ga: int, dp: int, host: bool = False):  # noqa: ANN001, ANN202
     from peft_steps import plan_of
 
     from memplan.costmodel.timeline.hf_lora import HfLoraConfig
@@ -197,6 +197,7 @@ def _lora_timeline(case, zero: int, ga: int, dp: int):  # noqa: ANN001, ANN202
         dp=dp,
         zero=zero,
         mixed=trainer_autocast(plan, "hf"),
+        host_load=host,
     )
 
 
@@ -339,3 +340,26 @@ def test_estimate_answers_an_hf_fsdp_moe_plan_op_level(capsys, name: str, zero: 
     assert two["peak"]["reserved_detail"]["timeline"] == "hf"
     for state in ("parameters", "optimizer_states"):
         assert abs(2 * two["model_states"][state] - one["model_states"][state]) <= 64 * 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "zero", "dp"),
+    [
+        (_lora("load-experts", "qwen3_moe", QWEN3, targets=MLP), 3, 2),
+        (_lora("load-all-linear-e6", "mixtral", MIXTRAL6, targets=("all-linear",)), 2, 4),
+    ],
+    ids=lambda c: getattr(c, "name", str(c)),
+)
+def test_a_lora_cpu_load_equals_rank_0s_shards_and_peak(case, zero: int, dp: int) -> None:  # noqa: ANN001
+    """``cpu_ram_efficient_loading`` of a ``PeftModel`` over MoE: the ``state_dict()`` keys in order, the experts'
+    3-D parameters, then each ``ParamWrapper``'s ``lora_A`` / ``lora_B``, the innermost's first
+    (``hf_fsdp.peft_shapes``), each chunk and shard in size; and the peak."""
+    pytest.importorskip("peft")
+    config = {"cpu_ram_efficient_loading": True}
+    measured = hf_fsdp_steps.run(case, steps=STEPS, reshard=zero == 3, world=dp, log=True, config=config)
+    timeline = _lora_timeline(case, zero, 1, dp, host=True)
+    predicted = [e.size for e in timeline.events if e.op == ALLOC and e.tag.endswith((".chunk_pad", ".shard"))]
+    loaded = ("constant_pad_nd.default", "empty_like.default")
+    assert [size for _, size, op, _ in measured.events if op in loaded][: len(predicted)] == predicted
+    assert timeline.peak()[0] == measured.peak

@@ -287,17 +287,20 @@ def peft_shapes(shapes: dict[str, tuple[int, int]], lora) -> dict[str, tuple[int
     """The base's parameters with each targeted linear's ``lora_A`` (r x in) and ``lora_B`` (out x r)
     after its weight, as ``LoraLayer`` registers them after ``base_layer``; over an MoE block's 3-D experts
     PEFT's ``ParamWrapper`` adapters (``hf_moe_lora.py``: over (E, n, k), ``lora_A`` (r E x k) and ``lora_B``
-    (n x r E), 2-D parameters chunked on their own dim 0) and the router's under ``all-linear``."""
+    (n x r E), 2-D parameters chunked on their own dim 0) after both experts' parameters, the innermost
+    wrapper's first (``named_parameters()``: ``experts.base_layer.base_layer.down_proj``, then
+    ``experts.base_layer.lora_A``), and the router's under ``all-linear`` after its weight."""
     out: dict[str, tuple[int, int]] = {}
     r, wrapped = lora.cfg.rank, dict(lora.cfg.experts)
     for name, (rows, cols) in shapes.items():
         out[name] = (rows, cols)
         module = name.removesuffix(".weight")
-        expert = module.rsplit(".", 1)[-1] if ".experts." in module else ""
-        if expert in wrapped:
-            e, rank = lora.cfg.num_experts, wrapped[expert]
-            out[f"{module}.lora_A.weight"] = (rank * e, cols)
-            out[f"{module}.lora_B.weight"] = (rows // e, rank * e)
+        if wrapped and module.endswith(".mlp.experts.down_proj"):  # the experts' last parameter
+            experts = module.removesuffix(".down_proj")
+            for param, rank in reversed(lora.cfg.experts):
+                e, (n, k) = lora.cfg.num_experts, shapes[f"{experts}.{param}.weight"]
+                out[f"{experts}.{param}.lora_A.weight"] = (rank * e, k)
+                out[f"{experts}.{param}.lora_B.weight"] = (n // e, rank * e)
         elif name.endswith(".weight") and (lora.targeted(module) or (lora.cfg.router and module.endswith(".mlp.gate"))):
             out[f"{module}.lora_A.weight"] = (r, cols)
             out[f"{module}.lora_B.weight"] = (rows, r)
