@@ -96,7 +96,6 @@ def test_a_gpu_the_run_declines_stops_the_estimate_rather_than_fall_back() -> No
         ("hf", {"lora_targets": ("q_proj", "gate_proj")}, "plan.lora_targets", "matches no module of Mixtral"),
         ("hf", {"lora_targets": ("all-linear",), "lora_dropout": 0.1}, "plan.lora_dropout", "ParamWrapper raises"),
         ("hf", {"lora_targets": ("q_proj", "down_proj")}, "plan.lora_targets", "down_proj over the experts"),
-        ("hf", {"dp": 2, "zero": 3}, "plan.finetune", "the Trainer's FSDP over an MoE model"),
         ("hf", {"recompute": "selective"}, "plan.finetune", "this recompute"),
         ("hf", {"precision": "bf16-master"}, "plan.finetune", "precision bf16-master"),
         ("hf", {"finetune": "qlora", "quant": "nf4"}, "plan.finetune", "a quantized MoE base"),

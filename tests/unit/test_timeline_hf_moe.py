@@ -387,10 +387,8 @@ def test_estimate_answers_qwen2_moe_op_level(capsys) -> None:
         ("qwen2-moe", {"router_bias": True}, {}, BLOCK),
         ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("up_proj",)}, "PEFT over the qwen3-moe family"),
         ("mixtral-8x7b", {}, {"dp": 2, "ep": 2}, "more than one rank (tensor, pipeline, context or expert)"),
-        ("mixtral-8x7b", {}, {"dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
         ("mixtral-8x7b", {}, {"finetune": "lora", "lora_targets": ("down_proj",)}, "PEFT over the mixtral family"),
         ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("q_proj", "gate_proj")}, "PEFT over the qwen3"),
-        ("mixtral-8x7b", {}, {"finetune": "lora", "dp": 2, "zero": 3}, "the Trainer's FSDP over an MoE model"),
         ("mixtral-8x7b", {}, {"finetune": "qlora", "quant": "nf4"}, "a quantized MoE base"),
         ("deepseek-v2-lite", {}, {}, "MLA attention on CUDA"),  # op-level on CPU alone (hf_mla_v2.py)
         ("llama4-scout", {}, {}, "the llama4 family"),

@@ -77,6 +77,7 @@ from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category, Stream
 from memplan.costmodel.timeline.fsdp import Fsdp, _Group
 from memplan.costmodel.timeline.hf_ddp import HfDdp
+from memplan.costmodel.timeline.hf_fsdp_moe import expert_split
 from memplan.costmodel.timeline.trainer_model import Dims
 
 
@@ -126,6 +127,18 @@ class HfFsdp(Fsdp):
         self.kept: Tensor | None = None
         self.reduce_input: Tensor | None = None
         self.reduced: set[int] = set()
+
+    def split(self, name: str) -> tuple[int, int]:
+        """(dim 0, elements under each dim-0 index) of a parameter as ``FSDPParam`` chunks it: a MoE
+        layer's 3-D experts, ``gate_up_proj`` (E, 2f, h) and ``down_proj`` (E, h, f), on their E experts
+        (``hf_fsdp_moe.expert_split``), every other parameter on its rows."""
+        return expert_split(name, self.shapes[name], self.model.extra)
+
+    def shard(self, name: str) -> int:
+        """Elements of rank 0's shard: dim 0 padded to a multiple of dp (``torch.chunk`` of the padded
+        parameter, ``FSDPParam._init_sharded_param``)."""
+        rows, cols = self.split(name)
+        return -(-rows // self.dp) * cols
 
     def shard_numels(self) -> dict[str, tuple[int, int]]:
         """(elements, itemsize) of each parameter's local shard: what the optimizer steps."""
@@ -272,13 +285,23 @@ def _groups(shapes: dict[str, tuple[int, int]], layers: int, reshard: bool, tied
 
 def peft_shapes(shapes: dict[str, tuple[int, int]], lora) -> dict[str, tuple[int, int]]:  # noqa: ANN001 - an HfLora
     """The base's parameters with each targeted linear's ``lora_A`` (r x in) and ``lora_B`` (out x r)
-    after its weight, as ``LoraLayer`` registers them after ``base_layer``."""
+    after its weight, as ``LoraLayer`` registers them after ``base_layer``; over an MoE block's 3-D experts
+    PEFT's ``ParamWrapper`` adapters (``hf_moe_lora.py``: over (E, n, k), ``lora_A`` (r E x k) and ``lora_B``
+    (n x r E), 2-D parameters chunked on their own dim 0) after both experts' parameters, the innermost
+    wrapper's first (``named_parameters()``: ``experts.base_layer.base_layer.down_proj``, then
+    ``experts.base_layer.lora_A``), and the router's under ``all-linear`` after its weight."""
     out: dict[str, tuple[int, int]] = {}
-    r = lora.cfg.rank
+    r, wrapped = lora.cfg.rank, dict(lora.cfg.experts)
     for name, (rows, cols) in shapes.items():
         out[name] = (rows, cols)
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and lora.targeted(module):
+        if wrapped and module.endswith(".mlp.experts.down_proj"):  # the experts' last parameter
+            experts = module.removesuffix(".down_proj")
+            for param, rank in reversed(lora.cfg.experts):
+                e, (n, k) = lora.cfg.num_experts, shapes[f"{experts}.{param}.weight"]
+                out[f"{experts}.{param}.lora_A.weight"] = (rank * e, k)
+                out[f"{experts}.{param}.lora_B.weight"] = (n // e, rank * e)
+        elif name.endswith(".weight") and (lora.targeted(module) or (lora.cfg.router and module.endswith(".mlp.gate"))):
             out[f"{module}.lora_A.weight"] = (r, cols)
             out[f"{module}.lora_B.weight"] = (rows, r)
     return out

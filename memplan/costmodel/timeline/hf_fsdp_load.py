@@ -89,7 +89,7 @@ def _load(fsdp: HfFsdp, key: str) -> Tensor:
     shard; the copies let go."""
     t = fsdp.tape
     name = EMBEDDING if key == TIED_HEAD and key not in fsdp.shapes else key
-    rows, cols = fsdp.shapes[name]
+    rows, cols = fsdp.split(name)  # dim 0: the experts of a MoE layer's 3-D parameters
     itemsize = fsdp.itemsize(name)
     full = t.new(rows * cols, itemsize, f"{key}.full") if fsdp.cuda else None
     chunk = -(-rows // fsdp.dp)

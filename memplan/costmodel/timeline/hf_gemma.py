@@ -23,6 +23,7 @@ from __future__ import annotations
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.hf_masks import sdpa_mask
 from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
 
 GEMMA_PARAMS = (
@@ -201,35 +202,16 @@ class HfGemma2(HfGemma3):
         return pos
 
     def eager_mask(self, sliding: bool) -> Tensor:
-        """``sdpa_mask`` (bool, (s, s) broadcast over the batch) from its index aranges, then
+        """``sdpa_mask`` (bool, (s, s) broadcast over the batch: ``hf_masks.sdpa_mask``), then
         ``eager_mask``'s ``where(mask, 0, min)`` in ``inputs_embeds.dtype`` (two scalar tensors;
         masking_utils.py:632, the dtype from 975 / 1208): the model's, but bf16 under FSDP2's bf16
         policy over an fp32 model (the embedding computed from the bf16 all-gather)."""
         t, d = self.tape, self.d
-        square = d.s * d.s
         with t.scoped("model.masks"):
-            batch, head = t.new(d.b, 8, "batch_arange"), t.new(1, 8, "head_arange")
-            idx = []
-            for name in ("kv", "q"):
-                ar = t.new(d.s, 8, f"{name}_arange")
-                idx.append(t.new(d.s, 8, f"{name}_idx"))
-                t.done(ar)
-            if sliding:
-                one = t.new(1, 1, "new_ones")
-                diff = t.new(d.s, 8, "sub")
-                gt = t.new(square, 1, "gt")
-                t.done(diff)
-                window = t.new(square, 1, "and_window")
-                t.done(gt, one)
-                le = t.new(square, 1, "le")
-                allowed = t.new(square, 1, "and_causal")
-                t.done(le, window)
-            else:
-                allowed = t.new(square, 1, "le")
-            t.done(batch, head, *idx)
+            allowed = sdpa_mask(t, d, sliding)
             dtype = self.embeds_itemsize
             zero, low = t.new(1, dtype, "zeros"), t.new(1, dtype, "scalar_tensor")
-            mask = t.new(d.b * square, dtype, "sliding" if sliding else "full")
+            mask = t.new(d.b * d.s * d.s, dtype, "sliding" if sliding else "full")
             t.done(low, zero, allowed)
         return mask
 

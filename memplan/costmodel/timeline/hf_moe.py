@@ -60,6 +60,7 @@ from collections.abc import Callable
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tensor
 from memplan.costmodel.timeline.hf_families import QWEN3_PARAMS, HfQwen3, chunk2
+from memplan.costmodel.timeline.hf_masks import sdpa_mask
 from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
 from memplan.costmodel.timeline.hf_moe_lora import check, factors, parametrized, plus_delta, router_delta
 from memplan.costmodel.timeline.hf_moe_ops import (
@@ -226,7 +227,7 @@ class MoeBlock:
         lora, w = getattr(self.adapter, "__self__", None), self.weights[f"{name}.weight"]
         if lora is None or not lora.cfg.router:
             return None, w
-        delta = router_delta(self.tape, self.weights, name, self.weight)
+        delta = router_delta(self.tape, self.weights, name, self.weight, self.cpu)
         self.weights[f"{name}.weight"] = plus_delta(self.tape, w, delta, f"{name}.parametrized")
         return delta, w
 
@@ -259,7 +260,26 @@ class HfQwen3Moe(MoeBlock, HfQwen3):
 
 
 class HfQwen2Moe(MoeBlock, HfLlama):
-    """``Qwen2MoeForCausalLM``: Qwen2's layer (q/k/v biases) with the sparse block and its shared expert."""
+    """``Qwen2MoeForCausalLM``: Qwen2's layer (q/k/v biases) with the sparse block and its shared expert.
+
+    ``Qwen2MoeModel.forward`` (l.475-488) builds both masks whatever the layers are: ``create_causal_mask``
+    (skipped for SDPA: ``is_causal``) and ``create_sliding_window_causal_mask``, whose window is 0 without
+    ``use_sliding_window`` (``Qwen2MoeConfig.__post_init__``, configuration_qwen2_moe.py:113), which every
+    sequence reaches, so ``sdpa_mask`` builds the (s, s) bool grid (``hf_masks.sdpa_mask``). No layer reads it
+    (all are ``full_attention``: each gets None); ``causal_mask_mapping`` holds it to the model's return."""
+
+    def positions(self) -> Tensor:
+        """``position_ids``, then the two masks: two packed-sequence checks, the sliding one built."""
+        pos = super().positions()
+        self.packed_check()
+        with self.tape.scoped("model.masks"):
+            self.sliding_mask = sdpa_mask(self.tape, self.d, sliding=True)
+        return pos
+
+    def head(self, x: Tensor) -> Tensor:
+        """The unused mask goes with the model's forward (beside ``position_ids``), then the head."""
+        self.tape.done(self.sliding_mask)
+        return super().head(x)
 
 
 def moe_config(model, gpu_arch=None) -> dict:

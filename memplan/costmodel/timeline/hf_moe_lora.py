@@ -98,15 +98,25 @@ def parametrized(tape: Tape, w: Tensor, lhs: Tensor, rhs: Tensor, tag: str) -> T
     return ops.result(tape, w.numel, w.itemsize, tag, node)
 
 
-def router_delta(tape: Tape, weights: dict[str, Tensor], name: str, read: Callable[[str], Tensor]) -> Tensor:
+def router_delta(
+    tape: Tape, weights: dict[str, Tensor], name: str, read: Callable[[str], Tensor], cpu: bool = False
+) -> Tensor:
     """The router's ``ParamWrapper._activate_lora`` (a 2-D weight: one expert, so ``get_delta_weight``, not
     the factors): ``lora_B.weight @ lora_A.weight`` (E x h; MmBackward0 saves both operands and computes mat2's
     gradient first) on the
     operands as ``read`` gives them (the model's ``weight``: under the Trainer's ``bf16=True`` autocast's cached
     bf16 casts, the product in bf16), times the scaling, cast to the weight's dtype, held by
-    ``_LoraParameterProxy``; then ``register_parametrization``'s check (``W + delta``, freed)."""
+    ``_LoraParameterProxy``; then ``register_parametrization``'s check (``W + delta``, freed). On ``cpu`` with
+    16-bit adapters (FSDP2's bf16 all-gather of them, ``hf_fsdp_moe.py``) ``lora.Linear.get_delta_weight``
+    multiplies fp32 copies (``cast_to_fp32``: ``weight_A.float()``, then ``weight_B.float()``, both saved by the
+    product) and casts the scaled product back to the adapters' dtype."""
     w = weights[f"{name}.weight"]
-    a, b = read(f"{name}.lora_A.weight"), read(f"{name}.lora_B.weight")
+    low = cpu and weights[f"{name}.lora_B.weight"].itemsize < 4
+    if low:
+        a = ops.to(tape, weights[f"{name}.lora_A.weight"], 4, f"{name}.lora_A.float")
+        b = ops.to(tape, weights[f"{name}.lora_B.weight"], 4, f"{name}.lora_B.float")
+    else:
+        a, b = read(f"{name}.lora_A.weight"), read(f"{name}.lora_B.weight")
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         grad_a = tape.new(a.numel, g[0].itemsize, "grad_A")
@@ -117,6 +127,10 @@ def router_delta(tape: Tape, weights: dict[str, Tensor], name: str, read: Callab
     tape.done(a, b)
     scaled = ops.unary(tape, prod, f"{name}.delta_scaling")
     tape.done(prod)
+    if low:  # output_tensor.to(dtype=dtype): back to the adapters' 16 bits
+        back = ops.to(tape, scaled, weights[f"{name}.lora_B.weight"].itemsize, f"{name}.delta_back")
+        tape.done(scaled)
+        scaled = back
     delta = ops.to(tape, scaled, w.itemsize, f"{name}.delta_cast")
     tape.done(scaled)
     check(tape, w, name)

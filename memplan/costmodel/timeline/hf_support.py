@@ -10,7 +10,7 @@ the sequence is shorter than the window, so that transformers passes SDPA no mas
 Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE and Qwen2-MoE
 (``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
 gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA as ``MOE_LORA_TARGETS`` allows (the
-experts and routers PEFT wraps in its ParamWrapper: ``hf_moe_lora.py``), one rank or DDP;
+experts and routers PEFT wraps in its ParamWrapper: ``hf_moe_lora.py``), one rank, DDP or FSDP2 (below);
 no router biases; tests/unit/test_timeline_hf_moe.py), and DeepSeek-V3 and V2 on CPU (``hf_mla.py``: MLA under the
 CPU's math SDPA, V3's sigmoid router with its score bias and groups, the ungated shared experts; ``hf_mla_v2.py``:
 V2's complex RoPE and softmax router, greedy or group-limited; full fine-tuning on one rank, or PEFT LoRA on MLA's
@@ -33,14 +33,17 @@ taken as trained; a random one keeps more, tests/unit/test_timeline_int8_cuda.py
 tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's). The Trainer's
 FSDP2 (``--zero 3``: ``full_shard``, ``--zero 2``: ``shard_grad_op``; ``hf_fsdp.py``;
 tests/unit/test_timeline_hf_fsdp.py, rank 0 of two or four under the fake process group on CPU, equal to the
-real Trainer's peak) for full fine-tuning of every family above loaded onto the GPU (``model_build:
+real Trainer's peak) for full fine-tuning of every family above but DeepSeek-V3 (the MoE ones: each decoder
+layer one group, the experts sharded on the expert axis, ``hf_fsdp_moe.py``, tests/unit/test_timeline_hf_fsdp_moe.py)
+loaded onto the GPU (``model_build:
 from_pretrained``) or on the CPU and sharded by ``cpu_ram_efficient_loading`` (``model_build: to_device``,
 the default for these plans, ``specs/resolve.py``; ``hf_fsdp_load.py``, tests/unit/test_timeline_hf_fsdp_load.py:
 the shards' order and sizes and the peak equal on CPU, the full copies on the GPU from source), in fp32, a
 bf16 model without ``bf16=True``, or under ``bf16=True`` (accelerate's bf16 policy over fp32 master shards;
 Gemma 2 / 3 too: their bf16 residual stream, ``hf_gemma.py``), and PEFT LoRA (any targets, dropout,
 ``modules_to_save`` none, an untied lm_head or embed_tokens) over an fp32 or a bf16 base, with or without
-``bf16=True`` (``hf_fsdp_peft.py``), with the Trainer's or FSDP's own checkpointing and accumulation, and
+``bf16=True`` (``hf_fsdp_peft.py``; over an MoE base as ``MOE_LORA_TARGETS`` allows, PEFT's ``ParamWrapper``
+too), with the Trainer's or FSDP's own checkpointing and accumulation, and
 QLoRA (nf4 / fp4, double quantization, the recipe's ``bnb_4bit_quant_storage``: the packed weights sharded,
 ``hf_fsdp_qlora.py``; tests/unit/test_timeline_hf_fsdp_qlora.py). Not modelled: an LLM.int8 base or Qwen2's
 q/k/v biases over a 4-bit base under FSDP, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or expert
@@ -283,7 +286,7 @@ def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     ``hf_moe_ops.grouped_mm``), on Qwen3-MoE's experts (``hf_moe_lora.py``), on Qwen2-MoE on any of its
     ``nn.Linear`` (``MOE_LORA_TARGETS``), with or
     without ``modules_to_save``, on one rank or over DDP (``test_lora_under_ddp_equals_rank_0s_peak``: rank 0
-    of two gloo ranks; FSDP is refused by ``_fsdp_ok``)."""
+    of two gloo ranks), or under the Trainer's FSDP2 (tests/unit/test_timeline_hf_fsdp_moe.py)."""
     return (
         model.architecture in MOE_FAMILIES
         and plan.finetune == "lora"
@@ -303,19 +306,21 @@ def _param_wrapper_ok(model: ModelSpec, plan: Plan) -> bool:
     return len(targets & {"gate_proj", "up_proj"}) != 1 and plan.lora_dropout == 0
 
 
-# families whose FSDP2 run was checked against the real Trainer (tests/unit/test_timeline_hf_fsdp.py): the dense ones
-FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MOE_FAMILIES + MLA_FAMILIES)
+# families whose FSDP2 run was checked against the real Trainer: the dense ones (tests/unit/test_timeline_hf_fsdp.py)
+# and the MoE ones, full fine-tuning and LoRA (tests/unit/test_timeline_hf_fsdp_moe.py)
+FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MLA_FAMILIES)
 
 
 def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
-    """The Trainer's FSDP2 as ``hf_fsdp.py`` follows it: full fine-tuning of a dense base loaded onto the
-    rank's GPU (``from_pretrained`` with a device_map) or on the CPU (``to_device``: sharded through
-    ``cpu_ram_efficient_loading``, ``hf_fsdp_load.py``), in fp32, a bf16 model without ``bf16=True``
-    (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16 policy over fp32 master
-    shards); PEFT LoRA (:func:`_fsdp_lora_ok`)."""
+    """The Trainer's FSDP2 as ``hf_fsdp.py`` follows it: full fine-tuning of a dense base or of Mixtral,
+    Qwen3-MoE or Qwen2-MoE (``hf_fsdp_moe.py``: each decoder layer one group, its experts sharded on the
+    expert axis) loaded onto the rank's GPU (``from_pretrained`` with a device_map) or on the CPU
+    (``to_device``: sharded through ``cpu_ram_efficient_loading``, ``hf_fsdp_load.py``), in fp32, a bf16
+    model without ``bf16=True`` (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16
+    policy over fp32 master shards); PEFT LoRA (:func:`_fsdp_lora_ok`; over an MoE base PEFT's
+    ``ParamWrapper`` adapters of the experts and the router too, sharded on their own dim 0)."""
     return (
         runtime == "hf"
-        and model.moe is None
         and model.architecture in FSDP_FAMILIES
         and (plan.finetune == "full" or _fsdp_lora_ok(model, plan))
         and (plan.quant == "none" or _fsdp_qlora_ok(model, plan))
@@ -344,8 +349,6 @@ def _fsdp_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
     """Why the Trainer's FSDP2 run does not follow the plan."""
-    if model.moe is not None:
-        return "the Trainer's FSDP over an MoE model (not checked)"
     if model.architecture not in FSDP_FAMILIES:
         return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
     if plan.finetune != "full" and "lm_head" in plan.modules_to_save and model.tied_embeddings:
