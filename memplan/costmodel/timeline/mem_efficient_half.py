@@ -13,8 +13,9 @@ whose output is not kept in registers (``kKeepOutputInRF = kSingleValueIteration
 Backward, ``_efficient_attention_backward`` (``attention_backward.cu``): the first kernel of
 ``dispatch_cutlassB_bf16_sm80`` (``kernels/cutlassB.h``) whose ``kMaxK`` covers ``maxK = max(K, Kv)``, without
 dropout, whose shared memory fits: over 128 ``128x64_k65536`` (then ``64x64_k65536`` where ``sizeof(SharedStorage)``
-exceeds ``sharedMemPerBlockOptin``: not checked on a GPU; taken to fit on A100 / H100 / H200, the GPUs whose
-larger shared memory xformers gave the 128-row kernels for). In it (``kernel_backward.h``): ``kOutputInRF = kIsHalf
+exceeds ``sharedMemPerBlockOptin``: not checked on a GPU; taken to fit on A100 / H100 / H200, whose shared
+memory the 128-row kernels were generated for, ``kernels/generate_kernels.py``: "We still need fallback to 64 for
+GPUs with less shmem (Sm75, Sm86 ...)"). In it (``kernel_backward.h``): ``kOutputInRF = kIsHalf
 && kMaxK <= kBlockSizeI`` is false, so ``kNeedsAccumGradK = kNeedsAccumGradV = !kOutputInRF && output_accum_t !=
 output_t`` hold; ``kKernelComputesDelta = kIsHalf && (kOutputInRF || kMinComputeCapability != 70)`` holds on the
 Sm80 kernels, so ``delta = at::empty({B, nH, M}, float)`` and no product or sum; ``kEnableSplitKeys = kMinSm >= 70``
