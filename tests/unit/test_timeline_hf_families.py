@@ -150,11 +150,12 @@ def test_estimate_answers_the_families_op_level(capsys, name: str, seq: int) -> 
     [
         ("phi3-mini", "sliding or chunked attention"),  # its 2047-token window, reached by 4096 tokens
         ("gemma3-12b", "sliding or chunked attention"),
-        ("deepseek-v2-lite", "MLA attention on CUDA"),  # op-level on CPU alone (hf_mla_v2.py)
+        ("deepseek-v2-lite", "MLA attention on CUDA"),  # on an L40S (8.9): hf_support.mla_cuda_ok
     ],
 )
 def test_the_families_the_run_does_not_follow_say_so(capsys, name: str, reason: str) -> None:
-    memory = _estimate(capsys, [name, "--runtime", "hf", "--seq-len", "4096"])
+    gpu = ["--gpu", "l40s"] if name.startswith("deepseek") else []
+    memory = _estimate(capsys, [name, "--runtime", "hf", "--seq-len", "4096", *gpu])
     assert memory["model"] == "phase" and reason in memory["model_reason"]
 
 

@@ -231,27 +231,33 @@ def _estimate(capsys, args: list[str]) -> dict:
     return json.loads(out)["memory"]
 
 
-def _answered(capsys, args: list[str]) -> None:
-    """Op-level on CPU; on CUDA the phase model, with the reason (SDPA's memory-efficient kernel over
-    unequal head dims, not followed)."""
+def _answered(capsys, args: list[str], cuda_followed: bool) -> None:
+    """Op-level on CPU; on CUDA op-level where SDPA's memory-efficient kernel over unequal head dims is
+    followed (fp32; 16 bits over heads above 128: ``hf_support.mla_cuda_ok``), else the phase model with the
+    reason."""
     memory = _estimate(capsys, [*args, "--device", "cpu"])
     assert memory["model"] == "op-level" and memory["model_reason"] is None
     assert memory["peak"]["reserved_detail"]["timeline"] == "hf"
     cuda = _estimate(capsys, args)
-    assert cuda["model"] == "phase" and cuda["model_reason"].startswith("MLA attention on CUDA")
+    if cuda_followed:
+        assert cuda["model"] == "op-level" and cuda["model_reason"] is None
+    else:
+        assert cuda["model"] == "phase" and cuda["model_reason"].startswith("MLA attention on CUDA")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16-mixed", "fp32"])
 def test_estimate_answers_a_tiny_deepseek_v3_op_level_on_cpu(capsys, tmp_path, precision: str) -> None:
+    """The tiny model's 24-wide heads: on CUDA followed in fp32, not in 16 bits (the register-resident kernels)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_case("cli").hf_config()))
-    _answered(capsys, [str(path), "--runtime", "hf", "--precision", precision, "--seq-len", "64"])
+    args = [str(path), "--runtime", "hf", "--precision", precision, "--seq-len", "64"]
+    _answered(capsys, args, cuda_followed=precision == "fp32")
 
 
 @pytest.mark.slow
 def test_estimate_answers_deepseek_v3_op_level_on_cpu(capsys) -> None:
-    """The bundled DeepSeek-V3 (61 layers, 256 experts) under ``--runtime hf``."""
-    _answered(capsys, ["deepseek-v3", "--runtime", "hf", "--precision", "bf16", "--seq-len", "512"])
+    """The bundled DeepSeek-V3 (61 layers, 256 experts) under ``--runtime hf``: on CUDA too (192-wide heads)."""
+    _answered(capsys, ["deepseek-v3", "--runtime", "hf", "--precision", "bf16", "--seq-len", "512"], True)
 
 
 @pytest.mark.parametrize(

@@ -206,15 +206,17 @@ def _estimate(capsys, args: list[str]) -> dict:
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_estimate_answers_deepseek_v2_lite_op_level_on_cpu(capsys, precision: str) -> None:
-    """The bundled DeepSeek-V2-Lite (27 layers, 64 experts) under ``--runtime hf``: op-level on CPU; on
-    CUDA the phase model with the reason (q/k heads of 192 against values of 128: SDPA's memory-efficient
-    kernel, not followed)."""
+    """The bundled DeepSeek-V2-Lite (27 layers, 64 experts) under ``--runtime hf``: op-level on CPU, and on
+    CUDA (q/k heads of 192 against values of 128: SDPA's memory-efficient kernel, hf_support.mla_cuda_ok) on
+    the default GPU; on an L40S (compute capability 8.9) the phase model with the reason."""
     args = ["deepseek-v2-lite", "--runtime", "hf", "--precision", precision, "--seq-len", "256"]
     memory = _estimate(capsys, [*args, "--device", "cpu"])
     assert memory["model"] == "op-level" and memory["model_reason"] is None
     assert memory["peak"]["reserved_detail"]["timeline"] == "hf"
     cuda = _estimate(capsys, args)
-    assert cuda["model"] == "phase" and cuda["model_reason"].startswith("MLA attention on CUDA")
+    assert cuda["model"] == "op-level" and cuda["model_reason"] is None
+    l40s = _estimate(capsys, [*args, "--gpu", "l40s"])
+    assert l40s["model"] == "phase" and l40s["model_reason"].startswith("MLA attention on CUDA")
 
 
 @pytest.mark.parametrize(

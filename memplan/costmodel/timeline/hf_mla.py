@@ -22,14 +22,16 @@ Read from transformers 5.23 ``models/deepseek_v3/modeling_deepseek_v3.py``; the 
 
 The ops' allocations, saves and backward formulas are ``hf_mla_ops.py``'s. The CPU runs SDPA's math path
 (``attention.sdpa_backend``: its flash kernel needs one head dim for q, k and v). Checked on CPU against the
-real Trainer (tests/unit/test_timeline_hf_mla.py).
+real Trainer (tests/unit/test_timeline_hf_mla.py). On CUDA SDPA runs the memory-efficient kernel (flash needs
+one head dim; ``mem_efficient.py`` and ``mem_efficient_half.py``, from source, no GPU trace); the other ops
+allocate what they allocate on CPU (aten's outputs and autograd's formulas do not depend on the device).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import mem_efficient, ops
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline.autograd import Tensor
 from memplan.costmodel.timeline.hf_families import split
@@ -217,16 +219,23 @@ class HfDeepseekV3(MoeBlock, HfLlama):
         return key, value
 
     def mla_sdpa(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """SDPA's math path (``precision.math_sdpa``'s ops over v_head_dim values), then
-        ``transpose(1, 2).contiguous()`` and the reshape."""
-        t, d = self.tape, self.d
+        """SDPA over qk_head_dim queries and keys and v_head_dim values: on CPU the math path
+        (``precision.math_sdpa``'s ops), then ``transpose(1, 2).contiguous()`` (a copy) and the reshape; on
+        CUDA the memory-efficient kernel (``kernel`` "efficient": ``attention.sdpa_backend``, flash needing one
+        head dim; ``mem_efficient.sdpa``, fp32 or 16-bit), whose output is token-major already, so
+        ``sdpa_attention_forward``'s reshape, transpose and ``.contiguous()`` and the attention's reshape are
+        views (transformers 5.23 ``integrations/sdpa_attention.py``: no padding of v for SDPA)."""
+        t, d, m = self.tape, self.d, self.mla
         if self.cache is not None:  # autocast casts SDPA's fp32 inputs to bf16 (the query: RoPE's fp32)
             q, k, v = (ops.to(t, x, 2, f"{n}_cast") for x, n in ((q, "q"), (k, "k"), (v, "v")))
         else:
             q, k, v = (t.alias(x) for x in (q, k, v))
-        out = math_sdpa(t, q, k, v, d.b, d.heads, d.s)
+        if self.kernel == "efficient":
+            out = mem_efficient.sdpa(t, q, k, v, d.b, d.heads, d.s, m["nope"] + m["rope"], m["v"])
+        else:
+            out = math_sdpa(t, q, k, v, d.b, d.heads, d.s)
         t.done(q, k, v)
-        flat = prec.merge_heads(t, out)
+        flat = t.alias(out) if self.kernel == "efficient" else prec.merge_heads(t, out)
         t.done(out)
         return flat
 

@@ -11,8 +11,9 @@ Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE 
 (``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
 gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA as ``MOE_LORA_TARGETS`` allows (the
 experts and routers PEFT wraps in its ParamWrapper: ``hf_moe_lora.py``), one rank, DDP or FSDP2 (below);
-no router biases; tests/unit/test_timeline_hf_moe.py), and DeepSeek-V3 and V2 on CPU (``hf_mla.py``: MLA under the
-CPU's math SDPA, V3's sigmoid router with its score bias and groups, the ungated shared experts; ``hf_mla_v2.py``:
+no router biases; tests/unit/test_timeline_hf_moe.py), and DeepSeek-V3 and V2 (``hf_mla.py``: MLA under the
+CPU's math SDPA, on CUDA under the memory-efficient kernel, ``mla_cuda_ok``, from source; V3's sigmoid router
+with its score bias and groups, the ungated shared experts; ``hf_mla_v2.py``:
 V2's complex RoPE and softmax router, greedy or group-limited; full fine-tuning on one rank, or PEFT LoRA on MLA's
 linears; tests/unit/test_timeline_hf_mla.py, test_timeline_hf_mla_v2.py); fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
@@ -65,8 +66,10 @@ without autocast unless the plan's ``autocast`` puts the forward under ``torch.a
 
 from __future__ import annotations
 
+from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, MLA_ATTENTION, SAVABLE
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
+from memplan.costmodel.timeline.mem_efficient_half import followed
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -143,7 +146,7 @@ def hf_supported(
     checks = [
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
         (model.mla is None or model.architecture in MLA_FAMILIES, "MLA models"),
-        (model.mla is None or cpu, _MLA_CUDA),
+        (model.mla is None or cpu or mla_cuda_ok(model, plan, gpu_arch), _MLA_CUDA),
         (model.mla is None or _mla_ok(model, plan), _MLA_PLAN),
         (_moe_ok(model), "this MoE block (shared experts, dense layers, router biases or fused experts)"),
         (model.moe is None or plan.quant == "none", "a quantized MoE base"),
@@ -191,7 +194,11 @@ def hf_supported(
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
         (
-            cpu or plan.precision != "fp32" or sdpa_kernel(model, plan) == "math" or model.architecture in EAGER,
+            cpu
+            or plan.precision != "fp32"
+            or sdpa_kernel(model, plan) == "math"
+            or model.architecture in EAGER
+            or model.mla is not None,  # MLA's own check: mla_cuda_ok
             "fp32 SDPA on the memory-efficient kernel",
         ),
     ]
@@ -229,12 +236,30 @@ def _moe_ok(model: ModelSpec) -> bool:
     return shared and (arch != "mixtral" or (moe.layer_freq == 1 and not moe.dense_layers))
 
 
-# DeepSeek-V3's q/k and v heads differ in width (192, 128): CUDA's flash kernel needs one head dim, so SDPA runs
-# the memory-efficient kernel (or cuDNN), whose 16-bit buffers are not followed; the CPU runs the math path
+# DeepSeek-V3's q/k and v heads differ in width (192, 128): CUDA's flash kernel needs one head dim, so SDPA runs the
+# memory-efficient kernel (mem_efficient.py, mem_efficient_half.py: from source, no GPU trace)
 _MLA_CUDA = (
-    "MLA attention on CUDA (SDPA over unequal q/k and v head dims: the memory-efficient kernel, not followed; "
-    "the op-level run follows it on CPU, --device cpu)"
+    "MLA attention on CUDA outside compute capability 8.0 and 9.0 (the memory-efficient backward kernel's blocks "
+    "by the GPU's shared memory), or in 16 bits over heads of 128 or less (the memory-efficient kernel there: not "
+    "followed; the op-level run follows it on CPU, --device cpu)"
 )
+MLA_CAPABILITIES = ((8, 0), (9, 0))  # A100; H100, H200: the 128-row backward kernels' shared memory fits (xformers)
+
+
+def mla_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None) -> bool:
+    """MLA's SDPA on CUDA as ``hf_mla.HfDeepseekV3.mla_sdpa`` follows it: the memory-efficient kernel
+    (``attention.sdpa_backend`` over (qk, v) head dims, causal, training, torch 2.11: flash needs one head dim,
+    cuDNN takes none above 128 at the bundled cuDNN) in bf16 (bf16 weights, or ``bf16=True``'s autocast) or
+    fp32, on compute capability 8.0 or 9.0 (an unknown GPU: 9.0), over heads above 128 in 16 bits."""
+    mla = model.mla
+    qk, vd, heads = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim, model.num_attention_heads
+    half = plan.precision != "fp32"
+    cap = (9, 0) if gpu_arch is None else (gpu_arch.major, gpu_arch.minor)
+    dtype = "bf16" if half else "fp32"
+    kernel = sdpa_backend("cuda", dtype, qk, heads, heads, enable_gqa=False, v_head_dim=vd, capability=cap)
+    return kernel == "efficient" and cap in MLA_CAPABILITIES and (not half or followed(qk, vd))
+
+
 _MLA_PLAN = (
     "MLA other than full fine-tuning or LoRA on the attention linears (q_a_proj, q_b_proj or q_proj, "
     "kv_a_proj_with_mqa, kv_b_proj, o_proj) of DeepSeek-V2 or V3 without attention biases on one rank"

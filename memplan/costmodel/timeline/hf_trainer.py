@@ -80,11 +80,14 @@ def hf_kernel(model, plan, device: str, runtime: str = "hf") -> str | None:
     (``support.sdpa_kernel``: flash in 16-bit, as its traces show; math for fp32 with GQA, and over
     a 4-bit base's fp32 stream) unless ``bf16=True``'s autocast hands SDPA bf16 inputs (flash);
     None where another one runs (the memory-efficient kernel: fp32 without GQA). Gemma 2 runs no
-    SDPA (eager attention, ``hf_families.HfGemma2``): ``eager`` on CUDA."""
+    SDPA (eager attention, ``hf_families.HfGemma2``): ``eager`` on CUDA; MLA (DeepSeek-V2 / V3) the
+    memory-efficient kernel, ``efficient`` (``hf_mla.HfDeepseekV3.mla_sdpa``)."""
     if device == "cpu":
         return "cpu_flash"
     if model.architecture == "gemma2":
         return "eager"
+    if model.mla is not None:  # q/k and v heads of two widths: flash declines (hf_support.mla_cuda_ok)
+        return "efficient"
     if trainer_autocast(plan, runtime):  # autocast casts SDPA's inputs to bf16 (its fp16/bf16 op list): flash
         return "flash"
     from memplan.costmodel.timeline.support import sdpa_kernel

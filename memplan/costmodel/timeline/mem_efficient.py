@@ -1,4 +1,5 @@
-"""fp32 attention without GQA on CUDA: SDPA's memory-efficient (CUTLASS) kernel, op by op.
+"""fp32 attention without GQA on CUDA: SDPA's memory-efficient (CUTLASS) kernel, op by op (and, through
+``mem_efficient_half.py``, its 16-bit form over a value head narrower than the query's: MLA on CUDA).
 
 In fp32 with as many KV heads as query heads the trainer's ``F.scaled_dot_product_attention(q, k,
 v, is_causal=True, enable_gqa=False)`` runs ``_scaled_dot_product_efficient_attention`` on CUDA
@@ -41,15 +42,16 @@ memory fits (else 64 x 64, a few hundred bytes less a head).
 
 from __future__ import annotations
 
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import mem_efficient_half, ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.mem_efficient_half import GRAD_Q_LOCK
 
 K_ALIGN_LSE = 32  # kernel_forward.h: kAlignLSE, the log-sum-exp's padding of M
-GRAD_Q_LOCK = 16  # GradQTempStorage: int32 lock, counter, pad[2]
 # (kMaxK, kBlockSizeI, kBlockSizeJ) of dispatch_cutlassB_f32_sm80's aligned kernels without dropout, in order
 BACKWARD_BLOCKS = ((32, 64, 64), (64, 64, 64), (128, 128, 64), (65536, 128, 64))
 # tags of what only CUDA allocates here (the CPU comparison has no memory-efficient kernel)
 DELTA_PRODUCT, DELTA_SUM, DELTA, WORKSPACE = "delta_product", "delta_sum", "delta", "grad_q_workspace"
+OUTPUT_ACCUM = "output_accum"  # the 16-bit forward's fp32 accumulator (mem_efficient_half.py)
 
 
 def lse_numel(b: int, heads: int, s: int) -> int:
@@ -57,30 +59,52 @@ def lse_numel(b: int, heads: int, s: int) -> int:
     return b * heads * -(-s // K_ALIGN_LSE) * K_ALIGN_LSE
 
 
-def workspace_bytes(b: int, heads: int, s: int, head_dim: int) -> int:
+def workspace_bytes(b: int, heads: int, s: int, head_dim: int, value_dim: int | None = None) -> int:
     """``p.workspace_size()`` of the backward kernel ``dispatch_cutlassB_f32_sm80`` picks: dQ's
-    per-tile accumulators and locks, per (batch, head), aligned to 4 floats."""
-    _, bi, bj = next(blocks for blocks in BACKWARD_BLOCKS if blocks[0] >= head_dim)
+    per-tile accumulators and locks, per (batch, head), aligned to 4 floats. The kernel is the first
+    whose ``kMaxK`` covers ``max(K, Kv)`` (``value_dim``: the value heads' width, MLA's; None: ``head_dim``);
+    dQ's tiles span K."""
+    max_k = max(head_dim, value_dim or head_dim)
+    _, bi, bj = next(blocks for blocks in BACKWARD_BLOCKS if blocks[0] >= max_k)
     tiles = -(-s // bi) * -(-head_dim // bj)
     per_head = tiles * (GRAD_Q_LOCK + bi * bj * 4) // 4
     return b * heads * -(-per_head // 4) * 4 * 4
 
 
-def sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, b: int, heads: int, s: int, head_dim: int) -> Tensor:
+def sdpa(
+    tape: Tape,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    b: int,
+    heads: int,
+    s: int,
+    head_dim: int,
+    value_dim: int | None = None,
+) -> Tensor:
     """``_scaled_dot_product_efficient_attention`` on (b, heads, s, d) views of token-major q, k,
-    v (fp32, as many KV heads as query heads): the output and the padded log-sum-exp; saves q, k,
-    v, out, lse. Backward: dq, dk, dv, the fp32 delta's temporaries, dQ's workspace. A selective
+    v (as many KV heads as query heads; ``value_dim``: v's head width where it differs, MLA's): the
+    output (v's size) and the padded log-sum-exp; saves q, k, v, out, lse. Backward: dq, dk, dv, then in
+    fp32 the delta's temporaries and dQ's workspace, in 16 bits the kernel's delta and its workspace
+    (``mem_efficient_half.py``, which also adds the forward's fp32 output accumulator). A selective
     checkpoint that saves it keeps out and lse and hands them back (``ops.sdpa``)."""
+    half = q.itemsize == 2
     qn, kn, vn, rows = q.numel, k.numel, v.numel, b * heads * s
-    ws = workspace_bytes(b, heads, s, head_dim)
+    if half:
+        ws = mem_efficient_half.workspace_bytes(b, heads, s, head_dim, value_dim or head_dim)
+    else:
+        ws = workspace_bytes(b, heads, s, head_dim, value_dim)
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         dq, dk, dv = (tape.new(n, q.itemsize, name) for n, name in ((qn, "dq"), (kn, "dk"), (vn, "dv")))
-        product = tape.new(qn, 4, DELTA_PRODUCT)
-        total = tape.new(rows, 4, DELTA_SUM)
-        delta = tape.new(rows, 4, DELTA)
-        tape.drop(total)
-        tape.drop(product)
+        if half:  # kKernelComputesDelta: at::empty({B, nH, M}, float)
+            delta = tape.new(rows, 4, DELTA)
+        else:  # (grad_out.to(float) * out.to(float)).sum(-1).transpose(-2, -1).contiguous()
+            product = tape.new(vn, 4, DELTA_PRODUCT)
+            total = tape.new(rows, 4, DELTA_SUM)
+            delta = tape.new(rows, 4, DELTA)
+            tape.drop(total)
+            tape.drop(product)
         workspace = tape.new(ws, 1, WORKSPACE)
         tape.drop(delta)  # the launch lambda's local
         tape.drop(workspace)  # the function's
@@ -89,8 +113,11 @@ def sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, b: int, heads: int, s: int
     node = tape.node("sdpa_efficient", apply, [q, k, v], saved=[q, k, v])
 
     def forward() -> list[Tensor]:
-        out = ops.result(tape, qn, q.itemsize, "sdpa_efficient.out", node)
+        out = ops.result(tape, vn, q.itemsize, "sdpa_efficient.out", node)
         out.transposed = True  # written (b, s, heads, d), returned transposed
-        return [out, tape.new(lse_numel(b, heads, s), 4, "sdpa_efficient.lse")]
+        lse = tape.new(lse_numel(b, heads, s), 4, "sdpa_efficient.lse")
+        if half:  # kNeedsOutputAccumulatorBuffer: the lambda's output_accum, fp32 of the output's shape
+            tape.drop(tape.new(vn, 4, f"sdpa_efficient.{OUTPUT_ACCUM}"))
+        return [out, lse]
 
     return ops.attention_output(tape, node, forward)
