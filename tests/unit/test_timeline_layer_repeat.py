@@ -1,11 +1,11 @@
 """The middle decoder layers emitted from a built layer's events (``timeline/layer_repeat.py``)
 equal the layers built op by op: the same events (ids, sizes, categories, streams, tags, order),
-snapshots and host peak, over a grid of plans (data parallel 1 and 8, ZeRO 0 to 3, recompute
-none / selective / full, bf16 / bf16-mixed / fp32, TP 2 with and without SP, PP 2, gradient
-accumulation), with three steady steps; and the plans it is enabled for do emit layers."""
+snapshots and host peak, over a grid of plans (:func:`_grid`) with three steady steps; the plans
+it is enabled for do emit layers, and a pairing that fails falls back to op by op."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -17,35 +17,46 @@ from memplan.specs.resolve import resolve_job
 
 LLAMA_1B = str(Path(__file__).parents[1] / "data" / "gpu-traces" / "llama1b.config.json")  # 16 layers, tied
 
-# name: (plan, whether its layers are emitted)
-GRID = {
-    "single_bf16_mixed": (dict(precision="bf16-mixed"), True),
-    "single_bf16": (dict(precision="bf16"), True),
-    "single_fp32_full": (dict(precision="fp32", recompute="full"), True),
-    "single_selective_accumulation": (dict(recompute="selective", global_batch=8), True),
-    "single_bf16_master": (dict(precision="bf16-master"), True),
-    "zero3": (dict(dp=8, zero=3), True),
-    "zero3_accumulation_full": (dict(dp=8, zero=3, global_batch=32, recompute="full"), True),
-    "zero3_fp32_selective": (dict(dp=8, zero=3, precision="fp32", recompute="selective"), True),
-    "zero3_bf16": (dict(dp=8, zero=3, precision="bf16"), True),
-    "tp_sp_zero3_selective": (dict(dp=4, tp=2, sequence_parallel=True, zero=3, recompute="selective"), True),
-    "tp_sp_bf16_mixed": (dict(tp=2, sequence_parallel=True, precision="bf16-mixed"), True),
-    "tp_without_sp": (dict(tp=2, sequence_parallel=False), True),
-    "ddp": (dict(dp=8, zero=0, precision="bf16-mixed"), False),
-    "zero1": (dict(dp=8, zero=1), False),
-    "zero2": (dict(dp=8, zero=2, precision="bf16"), False),
-    "pipeline": (dict(pp=2, global_batch=8), False),
-    "pipeline_zero3": (dict(pp=2, dp=4, zero=3, global_batch=8, recompute="full"), False),
-    "selective_op": (dict(recompute="selective-op", precision="bf16-mixed"), False),
-    "recompute_layers": (dict(recompute="full", recompute_layers=3), False),
+
+def _grid() -> dict[str, dict]:
+    """dp 1 and 8, ZeRO 0 to 3, recompute none / selective / full, bf16 / bf16-mixed / fp32, TP 1
+    and 2 with SP, PP 1 and 2, two micro-batches a step (the plans the run models)."""
+    grid = {}
+    for dp, zero, recompute, precision, tp, pp in itertools.product(
+        (1, 8), (0, 1, 2, 3), ("none", "selective", "full"), ("bf16", "bf16-mixed", "fp32"), (1, 2), (1, 2)
+    ):
+        if dp == 1 and zero or dp > 1 and zero == 1 and (tp > 1 or pp > 1):  # one plan at dp 1; ZeRO-1 alone
+            continue
+        if dp > 1 and zero == 0 and tp > 1 and precision == "fp32" and recompute == "full":
+            continue  # not a plan the run models
+        plan = dict(dp=dp, zero=zero, recompute=recompute, precision=precision, tp=tp, pp=pp, global_batch=2 * dp)
+        grid["-".join(f"{k}{v}" for k, v in plan.items() if k != "global_batch")] = plan | (
+            {"sequence_parallel": True} if tp > 1 else {}
+        )
+    return grid
+
+
+GRID = _grid()
+# the default suite's share: the estimate's 8B plan kind, a single GPU under autocast with full
+# recompute (whose casts the forward's end frees), ZeRO-2, TP + SP, and a plan that does not emit
+DEFAULT = {
+    "dp8-zero3-recomputenone-precisionbf16-tp1-pp1",
+    "dp1-zero0-recomputefull-precisionbf16-mixed-tp1-pp1",
+    "dp8-zero2-recomputeselective-precisionfp32-tp1-pp1",
+    "dp8-zero3-recomputefull-precisionbf16-mixed-tp2-pp1",
+    "dp8-zero0-recomputenone-precisionbf16-mixed-tp1-pp1",
 }
 
-DEFAULT = {"single_bf16_mixed", "zero3_accumulation_full", "tp_sp_zero3_selective", "single_fp32_full", "ddp"}
+
+def _emits(plan: dict) -> bool:
+    """The plans whose layers are emitted (``_Run.layer_repeat``): no pipeline, no DDP."""
+    return plan["pp"] == 1 and not (plan["dp"] > 1 and plan["zero"] < 2)
 
 
 def _runs(plan: dict, monkeypatch) -> tuple:
-    """(op by op, emitted, layer blocks emitted) for ``plan``; fails where the emission fell back."""
-    job = resolve_job(LLAMA_1B, None, {"seq_len": 512, "micro_batch": 1, **plan}, inference=False)
+    """(op by op, emitted, layer blocks emitted, layers) for ``plan``; fails where the emission
+    fell back to op by op."""
+    job = resolve_job(LLAMA_1B, None, {"seq_len": 256, "micro_batch": 1, **plan}, inference=False)
     built = trainer_run(job.model, job.workload, job.plan, steady_steps=3, repeated=False)
     emitted = []
     emit = layer_repeat.LayerRepeat._emit
@@ -67,16 +78,15 @@ def _runs(plan: dict, monkeypatch) -> tuple:
     "name", [pytest.param(n, marks=[] if n in DEFAULT else [pytest.mark.slow]) for n in sorted(GRID)]
 )
 def test_emitted_layers_equal_the_layers_built_op_by_op(name, monkeypatch):
-    plan, enabled = GRID[name]
+    plan = GRID[name]
     built, copied, blocks, layers = _runs(plan, monkeypatch)
     assert built is not None
     assert copied.events == built.events
     assert copied.snapshots == built.snapshots
     assert (copied.host_peak, copied.stage) == (built.host_peak, built.stage)
-    micro_batches = 2 if plan.get("global_batch") else 1
-    # the warm-up step and the first steady step emit their span's forward and backward (the later
-    # steps are the first's events again: repeat.py)
-    assert blocks == (2 * 2 * micro_batches * len(span(layers)) if enabled else 0)
+    # the warm-up step and the first steady step emit the span's forward and backward in each of
+    # their two micro-batches (the later steps are the first's events again: repeat.py)
+    assert blocks == (2 * 2 * 2 * len(span(layers)) if _emits(plan) else 0)
 
 
 def test_retag_shifts_every_layer_index():
@@ -113,3 +123,7 @@ def test_a_carried_tensor_that_does_not_pair_falls_back_to_op_by_op(monkeypatch)
     fallback = trainer_run(job.model, job.workload, job.plan, steady_steps=1)
     assert raised  # the pairing failed ...
     assert fallback.events == built.events  # ... and the run was built op by op
+
+
+def test_the_default_share_is_in_the_grid():
+    assert DEFAULT <= GRID.keys()

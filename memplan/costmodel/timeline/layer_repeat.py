@@ -38,6 +38,7 @@ from functools import lru_cache
 
 from memplan.costmodel.timeline.autograd import Node, Storage, Tape, Tensor
 from memplan.costmodel.timeline.events import ALLOC, FREE, Event, _event
+from memplan.costmodel.timeline.trainer_model import Model
 
 TEMPLATE = 2  # the forward's template layer: layers 0..TEMPLATE are built first
 BUILT_AFTER = 2  # layers built after the span: the last one's backward starts from the head's, not a layer's
@@ -72,9 +73,10 @@ def span(layers: int) -> range:
 class LayerRepeat:
     """One micro-batch's layer blocks, the forward's emission, and the span's backward node."""
 
-    def __init__(self, tape: Tape, layers: int, fsdp, grads: dict[str, Tensor]) -> None:
-        self.tape, self.b, self.layers, self.fsdp, self.grads = tape, tape.b, layers, fsdp, grads
-        self.span = span(layers)
+    def __init__(self, model: Model, fsdp, grads: dict[str, Tensor]) -> None:
+        self.tape, self.b, self.layers, self.model = model.tape, model.tape.b, model.d.layers, model
+        self.fsdp, self.grads = fsdp, grads
+        self.span = span(self.layers)
         self.emitted = 0  # layers emitted so far in the run (tests read it)
         self._reset()
 
@@ -85,6 +87,7 @@ class LayerRepeat:
         self.backward_starts: dict[int, tuple[int, int, int]] = {}  # layer -> position its backward began
         self.template_out: Tensor | None = None
         self.template_kept: Tensor | None = None
+        self.template_unsharded: dict[str, Tensor] = {}  # ZeRO-2: the template's group kept unsharded
         self.template_forward: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None
 
     # --- blocks ----------------------------------------------------------------------------------
@@ -126,6 +129,7 @@ class LayerRepeat:
         if i == TEMPLATE:
             self.template_forward = (start, end)
             self.template_out, self.template_kept = out, self.fsdp.kept if self.fsdp is not None else None
+            self.template_unsharded = dict(self.fsdp.groups[i + 1].unsharded) if self.fsdp is not None else {}
         if i >= self.layers - BUILT_AFTER and out.fn is not None:
             self._watch_backward(i, out.fn)
 
@@ -153,11 +157,36 @@ class LayerRepeat:
         out = self.relabel(x, shift)
         node = Node(next(self.tape.seq), f"layers.{self.span[0]}-{self.span[-1]}", _Span(self).apply, [x.fn])
         out.fn = node
+        self._cache_casts()
         if self.fsdp is not None:
             if self.fsdp.kept is not self.template_kept:
                 raise NotRepeatable("FSDP2's kept all-gather output moved")
             self.fsdp.kept = self.relabel(self.template_kept, shift) if self.template_kept is not None else None
+            self._keep_unsharded()
         return out
+
+    def _cache_casts(self) -> None:
+        """Autocast's cached weight casts of the emitted layers (``Model.weight``), in the order the
+        forward makes them: the forward's end lets go of each (under full recompute the last
+        reference: nothing saved them)."""
+        cache = self.model.cache
+        if not cache:
+            return
+        prefix = f"layers.{TEMPLATE}."
+        template = [(name, cast) for name, cast in cache.items() if name.startswith(prefix)]
+        for k in self.span:
+            for name, cast in template:
+                cache[retag(name, k - TEMPLATE)] = self.relabel(cast, k - TEMPLATE)
+
+    def _keep_unsharded(self) -> None:
+        """ZeRO-2 (``reshard_after_forward=False``): each emitted layer's group keeps its unsharded
+        parameters to its backward, as the template's does (the backward's prefetch skips them)."""
+        for k in self.span:
+            shift = k - TEMPLATE
+            group = self.fsdp.groups[k + 1]
+            if group.unsharded or group.gathered is not None:
+                raise NotRepeatable("an emitted layer's FSDP2 group is not resharded")
+            group.unsharded = {retag(n, shift): self.relabel(p, shift) for n, p in self.template_unsharded.items()}
 
     # --- emission --------------------------------------------------------------------------------
     def _emit(self, events: list[Event], first: int, end: int, kind: int, layer: int, shift: int) -> None:
@@ -255,16 +284,17 @@ class LayerRepeat:
         shift = first - last
         if fsdp.reduce_input is not None:
             fsdp.reduce_input = self.relabel(fsdp.reduce_input, shift)
-        prefetched = groups[last].gathered  # group of layer last - 1, prefetched by the template
-        if prefetched is None or groups[first].gathered is not None:
+        prefetched = groups[last].gathered  # group of layer last - 1, prefetched by the template (ZeRO-3)
+        if groups[first].gathered is not None or (prefetched is None) != bool(groups[last].unsharded):
             raise NotRepeatable("FSDP2's prefetch does not pair")
-        groups[first].gathered = self.relabel(prefetched, shift)
+        if prefetched is not None:
+            groups[first].gathered = self.relabel(prefetched, shift)
         template_grad = groups[last + 1].sharded_grad
         for k in self.span:
             group = groups[k + 1]
-            if group.unsharded or (group.gathered is not None and k + 1 != last):
+            if group.gathered is not None and k + 1 != last:
                 raise NotRepeatable("an emitted layer's FSDP2 group is not resharded")
-            group.gathered = None
+            group.gathered, group.unsharded = None, {}  # resharded by its post-backward
             if group.sharded_grad is None and template_grad is not None:
                 group.sharded_grad = self.relabel(template_grad, k - last)
             fsdp.reduced.add(k + 1)

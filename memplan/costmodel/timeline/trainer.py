@@ -274,15 +274,15 @@ class _Run:
         """The middle layers emitted from a built layer's events (``layer_repeat.py``), where the
         run has enough of them and none of the mechanisms whose per-layer state it does not carry:
         a pipeline, DDP's buckets, adapters and quantized bases, host copies (activation or FSDP2
-        offload), ZeRO-2's parameters kept unsharded after the forward, selective-op recompute."""
+        offload), selective-op recompute."""
         fsdp = self.fsdp
         if not span(self.d.layers) or self.pipe is not None or self.ddp is not None or self.lora is not None:
             return None
         if self.saves is not None or self.d.recompute not in ("none", "full", "selective"):
             return None
-        if fsdp is not None and (fsdp.offload or not fsdp.groups[1].reshard_after_forward):
+        if fsdp is not None and fsdp.offload:
             return None
-        return LayerRepeat(self.tape, self.d.layers, fsdp, self.grads)
+        return LayerRepeat(self.model, fsdp, self.grads)
 
     def _build_params(self, tied: bool) -> None:
         """``to_empty`` in module order; a tied LM head gets its own copy until
