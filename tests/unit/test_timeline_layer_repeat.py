@@ -25,10 +25,8 @@ def _grid() -> dict[str, dict]:
     for dp, zero, recompute, precision, tp, pp in itertools.product(
         (1, 8), (0, 1, 2, 3), ("none", "selective", "full"), ("bf16", "bf16-mixed", "fp32"), (1, 2), (1, 2)
     ):
-        if dp == 1 and zero or dp > 1 and zero == 1 and (tp > 1 or pp > 1):  # one plan at dp 1; ZeRO-1 alone
+        if dp == 1 and zero or dp > 1 and zero < 2 and (tp > 1 or pp > 1):  # not plans the run models
             continue
-        if dp > 1 and zero == 0 and tp > 1 and precision == "fp32" and recompute == "full":
-            continue  # not a plan the run models
         plan = dict(dp=dp, zero=zero, recompute=recompute, precision=precision, tp=tp, pp=pp, global_batch=2 * dp)
         grid["-".join(f"{k}{v}" for k, v in plan.items() if k != "global_batch")] = plan | (
             {"sequence_parallel": True} if tp > 1 else {}
