@@ -65,6 +65,18 @@ def retag(tag: str, shift: int) -> str:
     return "".join(str(p + shift) if i % 2 else p for i, p in enumerate(parts))  # type: ignore[operator]
 
 
+def _prepared(events: list[Event]) -> list[tuple[Event, tuple | None]]:
+    """A template's events, each allocation's tag split around its one layer index (None: no index),
+    so that a copy renames it with one format (:meth:`LayerRepeat._emit`)."""
+    out = []
+    for e in events:
+        parts = _tag_parts(e[5]) if e[0] == ALLOC else ()
+        if len(parts) > 3:
+            raise NotRepeatable(f"a tag with two layer indices: {e[5]}")
+        out.append((e, parts if len(parts) == 3 else None))
+    return out
+
+
 def span(layers: int) -> range:
     """The layers emitted from the events of others (empty when too few layers for it)."""
     return range(TEMPLATE + 1, layers - BUILT_AFTER)
@@ -84,6 +96,7 @@ class LayerRepeat:
         self.starts: list[int] = []  # each block's first tensor id, in id order
         self.blocks: list[tuple[int, int, int, int, int]] = []  # (first id, end id, kind, layer, first event)
         self.where: dict[tuple[int, int], tuple[int, int]] = {}  # (kind, layer) -> (first id, end id)
+        self._allocations: dict[int, Event] = {}  # :meth:`_allocation`'s finds
         self.backward_starts: dict[int, tuple[int, int, int]] = {}  # layer -> position its backward began
         self.template_out: Tensor | None = None
         self.template_kept: Tensor | None = None
@@ -150,7 +163,7 @@ class LayerRepeat:
         if self.template_forward is None or self.template_out is not x or self.tape.on_first_mm is not None:
             raise NotRepeatable("the template layer was not built as expected")
         start, end = self.template_forward
-        events = self.b.events[start[0] : end[0]]
+        events = _prepared(self.b.events[start[0] : end[0]])
         for k in self.span:
             self._emit(events, start[1], end[1], FORWARD, k, k - TEMPLATE)
         shift = self.span[-1] - TEMPLATE
@@ -189,18 +202,19 @@ class LayerRepeat:
             group.unsharded = {retag(n, shift): self.relabel(p, shift) for n, p in self.template_unsharded.items()}
 
     # --- emission --------------------------------------------------------------------------------
-    def _emit(self, events: list[Event], first: int, end: int, kind: int, layer: int, shift: int) -> None:
-        """``events`` (a block of ids ``first``..``end``) again as layer ``layer``'s block of ``kind``,
-        ``shift`` layers from the template's."""
+    def _emit(self, events: list[tuple[Event, tuple | None]], first: int, end: int, kind: int, layer: int, shift: int):
+        """``events`` (a block of ids ``first``..``end``, :func:`_prepared`) again as layer ``layer``'s
+        block of ``kind``, ``shift`` layers from the template's."""
         b = self.b
         base, at = b._next, len(b.events)
         offset = base - first
         append, live, pop = b.events.append, b.live, b.live.pop
-        for e in events:
+        for e, parts in events:
             op, tensor = e[0], e[1]
             if op == ALLOC:
                 tensor += offset
-                new = _event(Event, (ALLOC, tensor, e[2], e[3], e[4], retag(e[5], shift)))
+                tag = e[5] if parts is None else f"{parts[0]}{parts[1] + shift}{parts[2]}"
+                new = _event(Event, (ALLOC, tensor, e[2], e[3], e[4], tag))
                 append(new)
                 live[tensor] = new
             elif op == FREE:
@@ -232,11 +246,15 @@ class LayerRepeat:
 
     def _allocation(self, tensor: int) -> Event:
         """The event that allocated ``tensor``, inside a block."""
+        found = self._allocations.get(tensor)
+        if found is not None:
+            return found
         first, end, _, _, event = self.blocks[bisect_right(self.starts, tensor) - 1]
         events = self.b.events
         for i in range(event, len(events)):
             e = events[i]
             if e[1] == tensor and e[0] == ALLOC:
+                self._allocations[tensor] = e
                 return e
         raise NotRepeatable("no allocation for a kept tensor")
 
@@ -253,7 +271,7 @@ class LayerRepeat:
         before = self.backward_starts[last + 1]
         self._register(BACKWARD, last + 1, before[1], start[1], before[0])
         self._register(BACKWARD, last, start[1], end[1], start[0])
-        events = self.b.events[start[0] : end[0]]
+        events = _prepared(self.b.events[start[0] : end[0]])
         for k in reversed(self.span):
             self._emit(events, start[1], end[1], BACKWARD, k, k - last)
         self.emitted += len(self.span)
