@@ -96,7 +96,8 @@ def trainer_run(
     meter (:class:`Tape`; a tied embedding's sum, docs/cost-model.md); ``cpu_sdpa``: SDPA on CPU's
     flash kernel in every dtype, as ``scaled_dot_product_attention`` runs on CPU (the run's flash
     op, whose CUDA-only copies ``timeline.cpu`` leaves out), not CUDA's fp32 math or
-    memory-efficient kernel; ``repeated`` False: every steady step built op by op (:func:`steps`);
+    memory-efficient kernel; ``repeated`` False: every steady step built op by op (:func:`steps`), and every
+    layer (else the middle ones are emitted from a built layer's events where they pair: ``layer_repeat.py``);
     ``zero1_shard``: under ZeRO-1 the (name, elements) the rank's optimizer steps, in its order
     (default: the most-loaded rank's partition of this model's, ``zero1.shard``; the search's cut
     runs carry the whole model's, ``fast_run``). None for a plan :func:`supported` rejects."""
@@ -125,7 +126,7 @@ def trainer_run(
         run.zero1_shard = zero1_shard
         if plan.offload_activations == "cpu":  # save_on_cpu around the forward and the loss
             run.saves = act_offload.SaveOnCpu()
-        if layers and repeated and plan.recompute_layers is None:
+        if layers and repeated:
             run.layers = run.layer_repeat()
         run.b.mark("build")
         steps(run.b, run.step, steady_steps, repeated)
@@ -274,11 +275,11 @@ class _Run:
         """The middle layers emitted from a built layer's events (``layer_repeat.py``), where the
         run has enough of them and none of the mechanisms whose per-layer state it does not carry:
         a pipeline, DDP's buckets, adapters and quantized bases, host copies (activation or FSDP2
-        offload), selective-op recompute."""
+        offload), selective-op recompute, full recompute of the first layers only."""
         fsdp = self.fsdp
         if not span(self.d.layers) or self.pipe is not None or self.ddp is not None or self.lora is not None:
             return None
-        if self.saves is not None or self.d.recompute not in ("none", "full", "selective"):
+        if self.saves is not None or self.d.recompute not in ("none", "full", "selective") or self.d.recompute_layers:
             return None
         if fsdp is not None and fsdp.offload:
             return None
