@@ -66,11 +66,11 @@ def retag(tag: str, shift: int) -> str:
 
 
 def _prepared(events: list[Event]) -> list[tuple[Event, tuple | None]]:
-    """A template's events, each allocation's tag split around its one layer index (None: no index),
-    so that a copy renames it with one format (:meth:`LayerRepeat._emit`)."""
+    """A template's events, each tag split around its one layer index (None: no index), so that a
+    copy renames it with one format (:meth:`LayerRepeat._emit`)."""
     out = []
     for e in events:
-        parts = _tag_parts(e[5]) if e[0] == ALLOC else ()
+        parts = _tag_parts(e[5])
         if len(parts) > 3:
             raise NotRepeatable(f"a tag with two layer indices: {e[5]}")
         out.append((e, parts if len(parts) == 3 else None))
@@ -224,7 +224,8 @@ class LayerRepeat:
                 else:
                     tensor = self._mapped(tensor, shift)
                     held = pop(tensor, None)
-                    if held is None or held[2:5] != e[2:5] or held[5] != retag(e[5], shift):
+                    tag = e[5] if parts is None else f"{parts[0]}{parts[1] + shift}{parts[2]}"
+                    if held is None or held[2:5] != e[2:5] or held[5] != tag:
                         raise NotRepeatable(f"a carried tensor does not pair: {e[5]}")
                 append(_event(Event, (FREE, tensor, held[2], held[3], held[4], held[5])))
             else:
