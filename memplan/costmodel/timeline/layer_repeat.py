@@ -8,14 +8,16 @@ Building them through the autograd engine costs ~13,000 instructions an event (d
 
 Per micro-batch, with ``T`` = :data:`TEMPLATE` and ``L`` layers: layers 0 to ``T`` are built op by
 op (layer 0 allocates the first step's cuBLAS workspace, so layer ``T - 1`` is a regular one), then
-layers ``T + 1`` to ``L - 3`` are emitted as copies of layer ``T``'s forward (:meth:`LayerRepeat.emit_forward`),
-then ``L - 2`` and ``L - 1`` are built. In the graph one node stands for the emitted span
-(:class:`_Span`): when the engine reaches it, layer ``L - 2``'s backward has just run, and the node
-emits it again once per emitted layer, from ``L - 3`` down to ``T + 1``, before layer ``T``'s
-backward is built. The state the Python objects of the run keep for the emitted layers (the
-span's output and its gradient, FSDP2's last all-gather output, prefetched all-gather,
-reduce-scatter input and sharded gradients, a plain run's ``.grad`` tensors) is set as the
-built layers left it, renumbered (:meth:`LayerRepeat.relabel`).
+layers ``T + 1`` to ``L - 3`` are emitted as copies of layer ``T``'s forward
+(:meth:`LayerRepeat.emit_forward`), then ``L - 2`` and ``L - 1`` are built (the last one's backward
+starts from the head's, not a layer's). In the graph one node stands for the emitted span
+(:meth:`LayerRepeat._apply`): when the engine reaches it, layer ``L - 2``'s backward has just run,
+and the node emits it again once per emitted layer, from ``L - 3`` down to ``T + 1``, before layer
+``T``'s backward is built. What the run's Python objects keep for the emitted layers is set as the
+built layers left it, renumbered (:meth:`LayerRepeat.relabel`): the span's output and its gradient,
+autocast's cached weight casts, FSDP2's kept all-gather output, ZeRO-2's unsharded parameters, the
+sharded gradients, the last reduce-scatter input and the prefetched all-gather, a plain run's
+``.grad`` tensors. ``trainer._Run.layer_repeat`` says which plans use it.
 
 The renumbering: each layer's forward and backward is a *block* of tensor ids. A tensor a block
 allocates maps to the same offset in the copy's block; a tensor the template frees that another
@@ -159,7 +161,7 @@ class LayerRepeat:
 
     def emit_forward(self, x: Tensor) -> Tensor:
         """Layers of the span, each a copy of the template's forward; their output, whose node
-        (:class:`_Span`) emits their backward."""
+        (:meth:`LayerRepeat._apply`) emits their backward."""
         if self.template_forward is None or self.template_out is not x or self.tape.on_first_mm is not None:
             raise NotRepeatable("the template layer was not built as expected")
         start, end = self.template_forward
@@ -168,7 +170,7 @@ class LayerRepeat:
             self._emit(events, start[1], end[1], FORWARD, k, k - TEMPLATE)
         shift = self.span[-1] - TEMPLATE
         out = self.relabel(x, shift)
-        node = Node(next(self.tape.seq), f"layers.{self.span[0]}-{self.span[-1]}", _Span(self).apply, [x.fn])
+        node = Node(next(self.tape.seq), f"layers.{self.span[0]}-{self.span[-1]}", self._apply, [x.fn])
         out.fn = node
         self._cache_casts()
         if self.fsdp is not None:
@@ -260,6 +262,10 @@ class LayerRepeat:
         raise NotRepeatable("no allocation for a kept tensor")
 
     # --- the backward ----------------------------------------------------------------------------
+    def _apply(self, tape: Tape, node: Node, grads: list[Tensor | None], saved: list) -> list[Tensor | None]:
+        """The span's node's backward (``Node.apply``)."""
+        return self.emit_backward(grads)
+
     def emit_backward(self, grads: list[Tensor | None]) -> list[Tensor | None]:
         """The span's backward: layer ``L - 2``'s, just built, again for each layer of the span from
         the last; the gradient handed to the layer before the span."""
@@ -317,13 +323,3 @@ class LayerRepeat:
             if group.sharded_grad is None and template_grad is not None:
                 group.sharded_grad = self.relabel(template_grad, k - last)
             fsdp.reduced.add(k + 1)
-
-
-class _Span:
-    """The emitted layers' node: its apply emits their backward (:meth:`LayerRepeat.emit_backward`)."""
-
-    def __init__(self, layers: LayerRepeat) -> None:
-        self.layers = layers
-
-    def apply(self, tape: Tape, node: Node, grads: list[Tensor | None], saved: list) -> list[Tensor | None]:
-        return self.layers.emit_backward(grads)
