@@ -24,6 +24,7 @@ from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
+from memplan.costmodel.timeline.layer_repeat import LayerRepeat, NotRepeatable, span
 from memplan.costmodel.timeline.master import MasterAdamW
 from memplan.costmodel.timeline.repeat import repeat
 from memplan.costmodel.timeline.support import accumulation, sdpa_kernel, supported
@@ -95,7 +96,8 @@ def trainer_run(
     meter (:class:`Tape`; a tied embedding's sum, docs/cost-model.md); ``cpu_sdpa``: SDPA on CPU's
     flash kernel in every dtype, as ``scaled_dot_product_attention`` runs on CPU (the run's flash
     op, whose CUDA-only copies ``timeline.cpu`` leaves out), not CUDA's fp32 math or
-    memory-efficient kernel; ``repeated`` False: every steady step built op by op (:func:`steps`);
+    memory-efficient kernel; ``repeated`` False: every steady step built op by op (:func:`steps`), and every
+    layer (else the middle ones are emitted from a built layer's events where they pair: ``layer_repeat.py``);
     ``zero1_shard``: under ZeRO-1 the (name, elements) the rank's optimizer steps, in its order
     (default: the most-loaded rank's partition of this model's, ``zero1.shard``; the search's cut
     runs carry the whole model's, ``fast_run``). None for a plan :func:`supported` rejects."""
@@ -117,14 +119,23 @@ def trainer_run(
         from memplan.costmodel.timeline.lora import config as lora_config
 
         lora = lora_config(plan, cuda, gpu_arch)
-    run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora)
-    run.tape.inplace_accumulate = inplace_accumulate
-    run.zero1_shard = zero1_shard
-    if plan.offload_activations == "cpu":  # save_on_cpu around the forward and the loss
-        run.saves = act_offload.SaveOnCpu()
-    run.b.mark("build")
-    steps(run.b, run.step, steady_steps, repeated)
-    return run.b.build(run.saves.host_peak if run.saves is not None else 0, stage or 0)
+
+    def build(layers: bool) -> Timeline:
+        run = _Run(d, plan.dp, model.tied_embeddings, plan.zero, offload, master, micro_batches, pipe=pipe, lora=lora)
+        run.tape.inplace_accumulate = inplace_accumulate
+        run.zero1_shard = zero1_shard
+        if plan.offload_activations == "cpu":  # save_on_cpu around the forward and the loss
+            run.saves = act_offload.SaveOnCpu()
+        if layers and repeated:
+            run.layers = run.layer_repeat()
+        run.b.mark("build")
+        steps(run.b, run.step, steady_steps, repeated)
+        return run.b.build(run.saves.host_peak if run.saves is not None else 0, stage or 0)
+
+    try:
+        return build(layers=True)
+    except NotRepeatable:  # the middle layers' events do not pair: every layer op by op
+        return build(layers=False)
 
 
 def steps(b: Builder, step: Callable[[bool], None], steady_steps: int, repeated: bool = True) -> None:
@@ -217,6 +228,7 @@ class _Run:
 
             self.lora = Lora(self.tape, lora, d.tokens, self.model)
         self.saves: act_offload.SaveOnCpu | None = None  # activation offload's hooks (act_offload.py)
+        self.layers: LayerRepeat | None = None  # the middle layers emitted from events (layer_repeat.py)
         self.zero1_shard: list[tuple[str, int]] | None = None  # ZeRO-1's partition, if given (trainer_run)
         if self.lora is not None:
             self.model.adapter = self.lora.adapt
@@ -258,6 +270,20 @@ class _Run:
             from memplan.costmodel.timeline.ddp import Ddp
 
             self.ddp = Ddp(self.tape, dp, self.shapes, self.model.weights, d.pd)
+
+    def layer_repeat(self) -> LayerRepeat | None:
+        """The middle layers emitted from a built layer's events (``layer_repeat.py``), where the
+        run has enough of them and none of the mechanisms whose per-layer state it does not carry:
+        a pipeline, DDP's buckets, adapters and quantized bases, host copies (activation or FSDP2
+        offload), selective-op recompute, full recompute of the first layers only."""
+        fsdp = self.fsdp
+        if not span(self.d.layers) or self.pipe is not None or self.ddp is not None or self.lora is not None:
+            return None
+        if self.saves is not None or self.d.recompute not in ("none", "full", "selective") or self.d.recompute_layers:
+            return None
+        if fsdp is not None and fsdp.offload:
+            return None
+        return LayerRepeat(self.model, fsdp, self.grads)
 
     def _build_params(self, tied: bool) -> None:
         """``to_empty`` in module order; a tied LM head gets its own copy until
@@ -345,14 +371,23 @@ class _Run:
         if fsdp:
             fsdp.post_forward(0, x)
         cos, sin = m.rope_tables(x.itemsize)
-        for i in range(d.layers):
+        layers, i = self.layers, 0
+        if layers is not None:
+            layers.begin()
+        while i < d.layers:
+            if layers is not None and i == layers.span.start:  # the span's layers from their events
+                x, i = layers.emit_forward(x), layers.span.stop
+                continue
+            start = self.b.position()
             xi = fsdp.pre_forward(i + 1, x) if fsdp else t.alias(x)
             out = recompute.layer(t, m, xi, cos, sin, i, d.recompute_layers)
             t.done(xi)
             if fsdp:
                 fsdp.post_forward(i + 1, out)
             t.done(x)
-            x = out
+            x, i = out, i + 1
+            if layers is not None:
+                layers.layer_built(i - 1, start, out)
         xi = fsdp.pre_forward(d.layers + 1, x) if fsdp else t.alias(x)
         logits = m.head(xi)
         t.done(xi, x)
