@@ -1355,11 +1355,13 @@ def _stage_phases(
     terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
     full_layer, live_layer = terms.full_layer, terms.live_layer
     fp8 = F8.fp8_step(layout, plan, rt.name, x, fsdp2, moe_fraction)
+    op_sac = plan.recompute == "selective-op"  # per-op SAC: every layer under a checkpoint
     # TE's fp8 keeps the linears' saved inputs (the norms' outputs, fc2's input) in fp8: per-op SAC
     # keeps none of them (its layer input and matmul outputs, A.op_sac_layer), only the layer its
     # backward rebuilds has them
-    full_layer += fp8.layer_delta if plan.recompute != "selective-op" else 0
-    live_layer += fp8.layer_delta
+    if fp8.layer_delta:
+        full_layer += 0 if op_sac else fp8.layer_delta
+        live_layer += fp8.layer_delta
     if finetune and not _lora_layers(rt):
         full_layer += lora_extra(x, plan)
         live_layer += lora_extra(x, plan)
@@ -1435,7 +1437,7 @@ def _stage_phases(
         )
         # the first layer's input, counted in its layer: a checkpoint's (full, or per-op SAC's, which
         # keeps the layer's input as is) or fp32's first norm's
-        if recomputed or plan.recompute == "selective-op" or (x.d == 4 and not x.autocast):
+        if recomputed or op_sac or (x.d == 4 and not x.autocast):
             p2p_fwd, p2p_bwd_start = p2p_fwd - shared, p2p_bwd_start - shared
     # gradients exist during forward / early backward only if kept across steps or accumulated
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
@@ -1501,7 +1503,7 @@ def _stage_phases(
     # eager fp8 casts: the last layer's down projection may outgrow the loss's tensors at the
     # forward's end; in the layer's forward its input and mid-layer residual are alive, unsaved
     fp8_forward = max(0, fp8.forward_extra + 2 * A.layer_input(x) - fwd_head - loss_fwd) if fp8.forward_extra else 0
-    checkpointed = recomputed or (plan.recompute == "selective-op" and layers)  # per-op SAC: every layer
+    checkpointed = recomputed or (op_sac and layers)
     if rt.name == "memplan" and checkpointed and plan.offload_activations == "none" and lora_acts is None:
         # autocast's cache at that moment: every layer's casts but the LM head's (cast after the
         # layers); the forward counts the ones kept past it as autocast_weights
