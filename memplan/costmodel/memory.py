@@ -1310,11 +1310,13 @@ class MemoryMemo:
             found = self.terms[key] = _micro_batch_terms(x, rt, recompute, moe_fraction, ep)
         return found
 
-    def checkpointed_mlp_forward(self, x: A.Shape, shape_key: tuple, layer_copies: int) -> int:
-        """``_checkpointed_mlp_forward`` of the shape ``shape_key`` names (it reads nothing else)."""
-        key = (shape_key, layer_copies)
+    def checkpointed_mlp_forward(self, x: A.Shape, shape_key: tuple, layer_copies: int, op_sac: bool = False) -> int:
+        """``_checkpointed_mlp_forward`` (``op_sac``: ``op_sac_mlp_forward``) of the shape ``shape_key``
+        names (they read nothing else)."""
+        key = (shape_key, -1 - layer_copies) if op_sac else (shape_key, layer_copies)  # copies >= 0
         if (found := self.mlp_moments.get(key)) is None:
-            found = self.mlp_moments[key] = _checkpointed_mlp_forward(x, layer_copies)
+            moment = op_sac_mlp_forward if op_sac else _checkpointed_mlp_forward
+            found = self.mlp_moments[key] = moment(x, layer_copies)
         return found
 
     def pipeline(
@@ -1329,17 +1331,61 @@ class MemoryMemo:
 
 def _checkpointed_mlp_forward(x: A.Shape, layer_copies: int = 0) -> int:
     """The bundled trainer's forward inside the last checkpointed layer, beyond the layer inputs
-    the checkpoints keep and RoPE's tables (both counted already): what
-    :func:`trainer_offload.mlp_forward_bytes` counts less the layer's input and the tables. A layer
-    run under ``torch.utils.checkpoint`` saves nothing, but its attention residual, the MLP's
-    normalised input and the product's moment (SiLU output, up output, product: 3 d f a token)
-    are alive at once; with a wide MLP and a small vocabulary this outgrows the loss's tensors
-    (measured on CPU: ffn 1024, hidden 128, vocabulary 256, fp32, 128 tokens: the forward 9.4%
-    above the loss's moment). ``layer_copies``: autocast's cache of the layers' weight casts, in
-    the moment as ``mlp_forward_bytes`` counts it (the last down projection's from its own moment)."""
-    r = TO.residual_bytes(x)
-    kept = x.tokens * r * x.model.hidden_size + 2 * x.s * x.model.head_size * r
-    return TO.mlp_forward_bytes(x, layer_copies) - kept
+    the checkpoints keep and RoPE's tables (both counted already): :func:`_last_mlp_moment` with
+    nothing saved. A layer run under ``torch.utils.checkpoint`` saves nothing, but its attention
+    residual, the MLP's normalised input and the product's moment (SiLU output, up output,
+    product: 3 d f / t a token) are alive at once; with a wide MLP and a small vocabulary this
+    outgrows the loss's tensors (measured on CPU: ffn 1024, hidden 128, vocabulary 256, fp32, 128
+    tokens: the forward 9.4% above the loss's moment). ``layer_copies``: autocast's cache of the
+    layers' weight casts (the last down projection's from its own moment). At one tensor rank this
+    is :func:`trainer_offload.mlp_forward_bytes` less the layer's input and the tables."""
+    return _last_mlp_moment(x, layer_copies, op_sac=False)
+
+
+def op_sac_mlp_forward(x: A.Shape, layer_copies: int) -> int:
+    """The bundled trainer's forward inside the last layer of a stage under per-op SAC
+    (selective-op), beyond what the in-flight layers store (:func:`A.op_sac_layer` each, the
+    current one counted whole): :func:`_last_mlp_moment` with the save list's outputs kept.
+    Autocast's cache holds every layer's weight casts there (``layer_copies``): the save list keeps
+    matmul outputs, not the casts, which live in the cache alone until the forward ends
+    (:func:`checkpointed_layer_casts`). The op-level run (``trainer_run``, the 1B config of the
+    H200 traces, pp 4, 8 micro-batches of 4,096 tokens, stage 0, the fourth micro-batch at
+    ``layers.3.feed_forward.gate``): bf16-mixed 704,643,328 B beyond the in-flight saves, bf16
+    218,104,064 B; this gives 704,643,072 B and 218,103,808 B (tests/unit/test_op_sac_forward.py)."""
+    return _last_mlp_moment(x, layer_copies, op_sac=True)
+
+
+def _last_mlp_moment(x: A.Shape, layer_copies: int, op_sac: bool) -> int:
+    """What a checkpointed layer's MLP holds at its widest forward moment beyond the layer's saves,
+    per the bundled trainer's ops (``trainer_model``; ``tensor_parallel.py`` under TP): the
+    attention residual and the MLP's normalised input (r h each, split by t under SP, where the
+    MLP all-gathers the latter: r h more), autocast's cache (``layer_copies``; the last matmul's
+    cast from its own moment), and the widest of the MLP's two moments. Gated: SiLU's output, the
+    up output and the product (3 d f / t; per-op SAC keeps the gate's output, counted in the layer,
+    and the down projection's output and its reduce-scatter's, not made yet), or the product beside
+    the down projection's full-width partial sum (d h, per-op SAC's save) and its all-reduce
+    output (d h, TP) or the reduce-scatter's contiguous input copy (d h) and output (d h / t, SP;
+    per-op SAC's save). Plain (fc1, activation, fc2; no run to check it: the trainer refuses a
+    plain MLP): the activation's output beside fc1's (freed after it; per-op SAC keeps fc1's), or
+    beside fc2's output and its collective's.
+    The run at TP 2, pp 4, stage 1, 4,096 tokens, bf16-mixed: SiLU, up and product 33,554,432 B
+    each; under SP the all-gathered input 33,554,432 B (fp32) beside the split residuals."""
+    m = x.model
+    r, d, h, t, tokens = TO.residual_bytes(x), x.d, m.hidden_size, x.t, x.tokens
+    f = m.ffn_size // t
+    alive = tokens * (2 * r * h // x.rep + (r * h if x.sp else 0))
+    # the row-parallel output's reduce-scatter (SP): its contiguous input copy (d h, transient) and
+    # its output (d h / t)
+    scatter_input, scattered = (d * h, d * h // t) if x.sp else (0, 0)
+    reduced = d * h if t > 1 and not x.sp else 0  # or its all-reduce (TP without SP)
+    last_copy = h * f * d if layer_copies else 0
+    if m.mlp == "gated":
+        first = 3 * d * f - (d * h + scattered if op_sac else 0)
+        last = d * f + reduced + scatter_input + (0 if op_sac else d * h + scattered)
+    else:
+        first = d * f if op_sac else 2 * d * f
+        last = d * f + d * h + reduced + scatter_input + (0 if op_sac else scattered)
+    return alive + max(tokens * first + layer_copies - last_copy, tokens * last + layer_copies)
 
 
 # the moments' keys, read once: an enum member looked up on its class costs a Python call (3.11)
@@ -1411,8 +1457,13 @@ def _stage_phases(
     terms = memo.micro_batch(x, shape_key, rt, plan.recompute, moe_fraction, plan.ep)
     full_layer, live_layer = terms.full_layer, terms.live_layer
     fp8 = F8.fp8_step(layout, plan, rt.name, x, fsdp2, moe_fraction)
-    full_layer += fp8.layer_delta
-    live_layer += fp8.layer_delta
+    op_sac = plan.recompute == "selective-op"  # per-op SAC: every layer under a checkpoint
+    # TE's fp8 keeps the linears' saved inputs (the norms' outputs, fc2's input) in fp8: per-op SAC
+    # keeps none of them (its layer input and matmul outputs, A.op_sac_layer), only the layer its
+    # backward rebuilds has them
+    if fp8.layer_delta:
+        full_layer += 0 if op_sac else fp8.layer_delta
+        live_layer += fp8.layer_delta
     if finetune and not _lora_layers(rt):
         full_layer += lora_extra(x, plan)
         live_layer += lora_extra(x, plan)
@@ -1486,7 +1537,9 @@ def _stage_phases(
         p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt, shared = memo.pipeline(
             x, shape_key, plan, stage, accumulation, layers
         )
-        if recomputed or (x.d == 4 and not x.autocast):  # the first layer's input, counted in its layer
+        # the first layer's input, counted in its layer: a checkpoint's (full, or per-op SAC's, which
+        # keeps the layer's input as is) or fp32's first norm's
+        if recomputed or op_sac or (x.d == 4 and not x.autocast):
             p2p_fwd, p2p_bwd_start = p2p_fwd - shared, p2p_bwd_start - shared
     # gradients exist during forward / early backward only if kept across steps or accumulated
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
@@ -1552,11 +1605,13 @@ def _stage_phases(
     # eager fp8 casts: the last layer's down projection may outgrow the loss's tensors at the
     # forward's end; in the layer's forward its input and mid-layer residual are alive, unsaved
     fp8_forward = max(0, fp8.forward_extra + 2 * A.layer_input(x) - fwd_head - loss_fwd) if fp8.forward_extra else 0
-    if rt.name == "memplan" and recomputed and plan.offload_activations == "none" and lora_acts is None:
+    checkpointed = recomputed or (op_sac and layers)
+    if rt.name == "memplan" and checkpointed and plan.offload_activations == "none" and lora_acts is None:
         # autocast's cache at that moment: every layer's casts but the LM head's (cast after the
         # layers); the forward counts the ones kept past it as autocast_weights
         head_cast = vocab_shard_params(model, plan.tp) * x.d if layout.is_last and weight_copies else 0
-        moment = memo.checkpointed_mlp_forward(x, shape_key, weight_copies - head_cast) - fwd_copies
+        # under per-op SAC the last layer's MLP beside every in-flight layer's saves (op_sac_mlp_forward)
+        moment = memo.checkpointed_mlp_forward(x, shape_key, weight_copies - head_cast, not recomputed) - fwd_copies
         mlp_peak = max(0, moment - fwd_head - loss_fwd)
     if fwd_copies < weight_copies and layout.is_last and plan.offload_activations == "none":
         # the LM head's output, before the loss: autocast's cache still holds every cast, the head's

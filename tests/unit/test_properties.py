@@ -317,6 +317,42 @@ MEGATRON_SELECTIVE_OP = (
 )
 
 
+# Counterexamples of selective-op -> full that unseeded runs found (2026-11-28), each full above
+# selective-op in the phase model's sums, none in the mechanism. Under the bundled trainer
+# (``memplan``) and bf16-mixed every per-op SAC layer runs under a checkpoint, so autocast's cache
+# holds every layer's weight casts while a stage's last layer runs its MLP, beside every in-flight
+# micro-batch's saves: the op-level run has that moment (1B config, pp 4, 4,096 tokens, stage 0:
+# 704,643,328 B beyond the saves, tests/unit/test_op_sac_forward.py), the sums had it for full
+# recomputation only (now ``memory.op_sac_mlp_forward``). gpt3-175b, TP 2 x PP 4, SGD, 8 micro-batches
+# of 512 tokens: full was 513,254,912 B above selective-op (311.35 against 310.83 GB); now 4.24 GB below.
+GPT3_SELECTIVE_OP = (
+    model("gpt3-175b"),
+    TrainingWorkload(seq_len=512, micro_batch=1, global_batch=8),
+    Plan(tp=2, pp=4, recompute="selective-op", precision="bf16-mixed", optimizer="sgd", attention="flash"),
+    "memplan",
+)
+# A Llama (the run models the mechanism; not this optimizer): TP 8 x PP 2, eager attention, 8-bit
+# AdamW, 8 micro-batches of 512 tokens: full was 2,680,704 B above selective-op.
+LLAMA2_SELECTIVE_OP = (
+    model("llama2-7b"),
+    TrainingWorkload(seq_len=512, micro_batch=1, global_batch=8),
+    Plan(tp=8, pp=2, recompute="selective-op", precision="bf16-mixed", optimizer="adamw-8bit", attention="eager"),
+    "memplan",
+)
+# Megatron under TE fp8, ZeRO-3 dp 8, TP 8 x PP 4: the sums applied TE's fp8 saved inputs (the norms'
+# outputs, fc2's input, ``fp8.te_saved_input_delta``) to per-op SAC's layer, which keeps none of
+# them, so a selective-op layer kept 14,155,776 B, less than a fully recomputed layer's input
+# (25,165,824 B): full was 805,521,408 B above selective-op.
+GPT3_TE_FP8_SELECTIVE_OP = (
+    model("gpt3-175b"),
+    TrainingWorkload(seq_len=512, micro_batch=2, global_batch=256),
+    Plan(
+        dp=8, tp=8, pp=4, zero=3, recompute="selective-op", precision="fp8", optimizer="adamw-8bit", attention="eager"
+    ),
+    "megatron",
+)
+
+
 def _autocast(model, workload, plan, runtime: str) -> bool:  # noqa: ANN001
     """Whether the phase model runs ``plan`` under autocast (its ``Shape``, as its sums read it)."""
     from memplan.costmodel.memory import _shape
@@ -328,6 +364,9 @@ def _autocast(model, workload, plan, runtime: str) -> bool:  # noqa: ANN001
 @settings(max_examples=300, deadline=None)
 @given(jobs())
 @example(job=MEGATRON_SELECTIVE_OP)
+@example(job=GPT3_SELECTIVE_OP)
+@example(job=LLAMA2_SELECTIVE_OP)
+@example(job=GPT3_TE_FP8_SELECTIVE_OP)
 def test_more_recomputation_never_uses_more(job):
     """Each step of RECOMPUTE_ORDER stores less, but for one: torchtitan's per-op SAC
     (selective-op) keeps the outputs of every other matmul, where Korthikanti's selective keeps
