@@ -66,9 +66,9 @@ class _States(NamedTuple):
 
 def gradient_accumulation(workload: TrainingWorkload, plan: Plan) -> int:
     """Micro-batches per step on one rank: global_batch / (micro_batch x dp)."""
-    if workload.global_batch is None:
+    if (batch := workload.global_batch) is None:  # read once: a model's attribute read is slow (PlanFields)
         return 1
-    return max(1, workload.global_batch // (workload.micro_batch * plan.dp))
+    return max(1, batch // (workload.micro_batch * plan.dp))
 
 
 def inflight_layers(plan: Plan, stage: int, accumulation: int, layers: int) -> float:
@@ -1151,7 +1151,8 @@ class MemoryMemo:
     the rank's shape by the plan fields it reads, each stage's layout and MoE share by the
     layout, one micro-batch's activation terms by the shape and what else they read, and the
     pipeline's buffers, and a stage's model states by the layout and what they read, and the
-    checkpointed forward's MLP moment by the shape and autocast's cached casts."""
+    checkpointed forward's MLP moment by the shape and autocast's cached casts, and the stages
+    examined (``_stages_to_examine``) by the pipeline's size."""
 
     shapes: dict[tuple, A.Shape] = field(default_factory=dict)
     layouts: dict[tuple, tuple[StageLayout, float, tuple]] = field(default_factory=dict)
@@ -1160,6 +1161,7 @@ class MemoryMemo:
     states: dict[tuple, _States] = field(default_factory=dict)
     unsharded: dict[tuple, _Fsdp2] = field(default_factory=dict)
     mlp_moments: dict[tuple, int] = field(default_factory=dict)
+    stages: dict[int, list[int]] = field(default_factory=dict)  # _stages_to_examine by pp
 
     def shape(
         self, model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, device: Device
@@ -1180,12 +1182,13 @@ class MemoryMemo:
         return found
 
     def model_states(
-        self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float, layout_key: tuple,
+        self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, model: ModelSpec, layout_key: tuple,
         optimizer_shard: int | None = None,
     ) -> _States:  # fmt: skip
-        """``model_states`` of a stage (full training); ``layout_key``: :meth:`layout`'s."""
+        """``model_states`` of a stage (full training) of ``model``; ``layout_key``: :meth:`layout`'s."""
         key = (layout_key, _state_fields(plan), optimizer_shard)
         if (found := self.states.get(key)) is None:
+            factored = _factored(model)
             found = self.states[key] = model_states(layout, plan, policy, factored, optimizer_shard)
         return found
 
@@ -1268,17 +1271,21 @@ def stage_states(
     return _states(model, plan, layout, layout_key, POLICIES[plan.precision], device, memo)
 
 
+def _factored(model: ModelSpec) -> float:
+    """Adafactor's factored state per parameter of a matrix (``model_states``' ``factored``)."""
+    return 1 / model.hidden_size + 1 / model.ffn_size
+
+
 def _states(
     model: ModelSpec, plan: Plan, layout: StageLayout, layout_key: tuple, policy: PrecisionPolicy, device: Device,
     memo: MemoryMemo, optimizer_shard: int | None = None,
 ) -> _States:  # fmt: skip
     """:func:`stage_states` of a stage whose layout the caller has (``_stage_phases``; ``optimizer_shard``:
     :func:`zero1_shard`'s)."""
-    factored = 1 / model.hidden_size + 1 / model.ffn_size
     if plan.finetune != "full":
-        st = finetune_states(layout, model, plan, policy, factored)
-    else:
-        st = memo.model_states(layout, plan, policy, factored, layout_key, optimizer_shard)
+        st = finetune_states(layout, model, plan, policy, _factored(model))
+    else:  # the factored share only where the memo has no states yet (a model's attribute read is slow)
+        st = memo.model_states(layout, plan, policy, model, layout_key, optimizer_shard)
     if device == "cuda" and is_paged(plan.optimizer) and (paged := paged_state_bytes(model, layout, plan)):
         st = st._replace(optimizer=st.optimizer - paged, paged=paged)
     return st
@@ -1378,14 +1385,15 @@ def _stage_phases(
         rs_buffer = layout.largest_layer_params * policy.grad_bytes
     ddp_copy = st.grads if plan.zero == 0 and plan.dp * plan.cp > 1 and rt.ddp_grad_copy else 0
     ddp_buckets = rt.pytorch_parallel and plan.zero < 2 and plan.dp * plan.cp > 1  # gradient_as_bucket_view
-    p2p = 2 * x.tokens * x.d * model.hidden_size // x.rep if plan.pp > 1 else 0
-    p2p_fwd = p2p_bwd_start = p2p_bwd_end = p2p_opt = p2p
+    p2p_fwd = p2p_bwd_start = p2p_bwd_end = p2p_opt = 0
     if rt.pytorch_parallel and plan.pp > 1:
         p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt, shared = memo.pipeline(
             x, shape_key, plan, stage, accumulation, layers
         )
         if recomputed or (x.d == 4 and not x.autocast):  # the first layer's input, counted in its layer
             p2p_fwd, p2p_bwd_start = p2p_fwd - shared, p2p_bwd_start - shared
+    elif plan.pp > 1:
+        p2p_fwd = p2p_bwd_start = p2p_bwd_end = p2p_opt = 2 * x.tokens * x.d * model.hidden_size // x.rep
     # gradients exist during forward / early backward only if kept across steps or accumulated
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
     early_backward = bool(chunks and layers) and backward_first(
@@ -1463,9 +1471,6 @@ def _stage_phases(
         head_part = fwd_head - A.fp32_logits(x, model.vocab_size) + A.residual_input(x) + terms.logits
         at_logits = weight_copies - fwd_copies + head_part
         mlp_peak = max(mlp_peak, at_logits - fwd_head - loss_fwd)
-    head_grads = 0
-    if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
-        head_grads = (vocab_shard_params(model, plan.tp) + P.norm_params(model)) * policy.grad_bytes
     # cuBLAS's workspaces beside every moment, as activations (the run's): each moment's activations
     # below count ``embed``, and the optimizer step's and a tied embedding's backward's get them alone
     workspaces = _CUBLAS_WORKSPACES if device == "cuda" and rt.name == "memplan" else 0  # overhead.cublas_workspaces
@@ -1604,6 +1609,9 @@ def _stage_phases(
             )
     if fp8.backward_extra and layers and lora_acts is None and plan.offload_activations == "none":
         acts = fwd_acts + embed + live_layer - per_layer
+        head_grads = 0
+        if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
+            head_grads = (vocab_shard_params(model, plan.tp) + P.norm_params(model)) * policy.grad_bytes
         first = fp8_first_backward_layer(bwd_start, fp8, acts, x, head_grads, retained, unsharded.backward_end)
         # the last layer's backward at its down projection: that layer's gradients not made yet
         layer_grads = st.grads * layout.largest_layer_params // layout.params if layout.params else 0
@@ -1660,7 +1668,9 @@ def training_peak(
     best = None
     stage_peaks: dict[int, int] = {}
     shape = memo.shape(model, workload, plan, rt, device)
-    for stage in _stages_to_examine(model, plan, rt):
+    if (stages := memo.stages.get(plan.pp)) is None:  # it reads the plan's pp alone
+        stages = memo.stages[plan.pp] = _stages_to_examine(model, plan, rt)
+    for stage in stages:
         sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, memo, shape)
         totals = sm.totals
         peak_phase, peak = _highest(totals)
