@@ -709,6 +709,13 @@ class _Fsdp2(NamedTuple):
     forward: int
     backward_start: int
     backward_end: int
+    # for ``fsdp2_zero2_moments``, once a stage (``MemoryMemo.fsdp2_unsharded``): a layer group's
+    # all-gather, the head group's unsharded and reduce-dtype bytes (0 off the last stage), and
+    # ZeRO-2's unsharded bytes at the last layer's backward
+    layer: int = 0
+    head: int = 0
+    head_reduced: int = 0
+    zero2_end: int = 0
 
 
 _NO_FSDP2 = _Fsdp2(0, 0, 0)  # outside FSDP2
@@ -732,19 +739,20 @@ def fsdp2_unsharded(
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     head = P.norm_params(model) + vocab_shard_params(model, plan.tp) if layout.is_last else 0
     linears = F8.linear_elements(model, layout)
-    if plan.zero == 2:
-        every = F8.fsdp_gathered_bytes(linears, layout.params - linears, unsharded, fp8_gather)
-        return _Fsdp2(every, every, every)
     layer = fsdp2_layer_gather(model, layout, policy, fp8_gather)
     embed = (
         vocab_shard_params(model, plan.tp) if layout.is_first and not (layout.is_last and model.tied_embeddings) else 0
     )
+    if plan.zero == 2:
+        every = F8.fsdp_gathered_bytes(linears, layout.params - linears, unsharded, fp8_gather)
+        end = layer + embed * unsharded  # the last layer's backward: the later groups resharded
+        return _Fsdp2(every, every, every, layer, head * unsharded, head * policy.grad_bytes, end)
     prefetched = embed * unsharded if layout.is_first else layer
     # an untied head group is resharded after its own backward (``Fsdp.post_backward``), before the
     # layers' (the run: no ``output.weight.unsharded`` at the first layer's backward); a tied one is
     # the root's, kept to the final callback
     kept = head * unsharded if model.tied_embeddings else 0
-    return _Fsdp2(head * unsharded, head * unsharded, kept + layer + prefetched)
+    return _Fsdp2(head * unsharded, head * unsharded, kept + layer + prefetched, layer, head * unsharded)
 
 
 @lru_cache(maxsize=1024)
@@ -865,60 +873,50 @@ def fsdp2_first_layer_backward(
     return layer * policy.grad_bytes, min(shards, st.grads)
 
 
-def fsdp2_zero2_head_gather(
-    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, fwd: dict[str, int], x: A.Shape,
-    fp8_gather: bool = False,
-) -> dict[str, int]:  # fmt: skip
-    """FSDP2 ZeRO-2 at the head group's copy-out (the bundled trainer, untied, one stage, no TP):
-    every group unsharded (``reshard_after_forward=False``), the last layer group's all-gather output
-    still held (a forward's lives until the next group's copy-out, ``Fsdp.unshard``'s ``kept``) beside
-    the head group's own ((norm, output): V h / dp + h / dp padded shards x dp, ``Fsdp.all_gather``),
-    the last layer's output alive (the final norm's input), the loss not begun. On llama3-8b at dp 8,
-    512 tokens, full recompute, this is the run's peak (``fsdp.norm.all_gather_output``): the sums
-    were 2.1% over it, taking every group unsharded beside every gradient at the backward's end."""
-    unsharded = min(policy.param_bytes, policy.compute_bytes)
-    head = vocab_shard_params(model, plan.tp) + P.norm_params(model)
-    return {
-        **fwd,
-        "activations": fwd["activations"] + A.residual_input(x),
-        "logits_and_loss": 0,
-        "comm_buffers": fwd["comm_buffers"] + fsdp2_layer_gather(model, layout, policy, fp8_gather) + head * unsharded,
-    }
+def fsdp2_zero2_moments(
+    layout: StageLayout, plan: Plan, fsdp: _Fsdp2, fwd: dict[str, int], bwd_start: dict[str, int], x: A.Shape
+) -> tuple[dict[str, int], dict[str, int] | None, int]:
+    """FSDP2 ZeRO-2 (``reshard_after_forward=False``; the bundled trainer, untied, one stage, no TP):
+    (the forward's moment, a further backward moment or None, the unsharded bytes at the last layer's
+    backward). Each moment replaces ``fwd`` / joins the backward's only where it is the wider, a
+    difference of a few terms (the search's instructions a plan, docs/cost-model.md). Measured on
+    llama3-8b at dp 8, 512 tokens, where FSDP2's buffers outgrow the activations: the sums were
+    -2.6% (bf16) to +5.3% (bf16-mixed, full recompute) off the run without these, within 0.015% with.
 
-
-def fsdp2_zero2_head_post_backward(
-    model: ModelSpec, plan: Plan, policy: PrecisionPolicy, bwd_start: dict[str, int], acts: int, x: A.Shape
-) -> dict[str, int]:
-    """FSDP2 ZeRO-2 at the head group's post-backward (the bundled trainer, untied, one stage, no TP):
-    the group resharded, its reduce-scatter input ((V h + h) in the reduce dtype, the run's
-    ``fsdp.norm.reduce_scatter_input``) and output (its shard, ``fsdp.norm.reduce_scatter_output``)
-    allocated before the unsharded gradients go (``Fsdp.post_backward``), the head's weight gradient
-    (``output.logits.dW``, V h in the unsharded dtype) still alive; every layer group and the
-    embedding's still unsharded, the loss's tensors gone, the final norm's input gradient made.
-    ``acts``: the layers' kept inputs and the batch's tensors. On llama3-8b at dp 8, 512 tokens, under
-    ``bf16-mixed`` (an fp32 reduce), this is the run's peak: the sums were 2.9% under it without it."""
-    unsharded = min(policy.param_bytes, policy.compute_bytes)
-    head = vocab_shard_params(model, plan.tp) + P.norm_params(model)
-    reduced = head * policy.grad_bytes
-    return {
+    - the head group's copy-out, at the forward's end: the last layer group's all-gather output
+      still held (a forward's lives until the next group's copy-out, ``Fsdp.unshard``'s ``kept``)
+      beside the head group's own ((norm, output): ``fsdp.norm.all_gather_output``, (V h + h) in the
+      unsharded dtype, ``Fsdp.all_gather``), the last layer's output alive, the loss not begun;
+    - the head group's post-backward: the group resharded, its reduce-scatter input ((V h + h) in
+      the reduce dtype, ``fsdp.norm.reduce_scatter_input``) and output (its shard) allocated before
+      its unsharded gradients go (``Fsdp.post_backward``): the head's weight gradient
+      (``output.logits.dW``, V h unsharded) is still there, the loss's tensors are gone;
+    - the last layer's backward: every later group resharded by its post-backward, so only this
+      layer's group and the embedding's are unsharded (not every group, as at the backward's start).
+    """
+    if not layout.is_last:
+        return fwd, None, fsdp.zero2_end
+    layer, head, reduced = fsdp.layer, fsdp.head, fsdp.head_reduced
+    residual = A.residual_input(x)
+    if residual + layer + head > fwd["logits_and_loss"]:
+        fwd = {
+            **fwd,
+            "activations": fwd["activations"] + residual,
+            "logits_and_loss": 0,
+            "comm_buffers": fwd["comm_buffers"] + layer + head,
+        }
+    made = head + reduced // plan.dp  # the head's weight gradient (its norm's, h, counted with it) and the shard
+    if made + residual + reduced - head <= bwd_start["logits_and_loss"]:
+        return fwd, None, fsdp.zero2_end
+    post_backward = {
         **bwd_start,
-        "gradients": bwd_start["gradients"] + vocab_shard_params(model, plan.tp) * unsharded + reduced // plan.dp,
-        "activations": acts + A.residual_input(x),
+        "gradients": bwd_start["gradients"] + made,
+        "activations": bwd_start["activations"] + residual,
         "logits_and_loss": 0,
         "comm_buffers": bwd_start["comm_buffers"] + reduced,
-        "gathered_params": bwd_start["gathered_params"] - head * unsharded,
+        "gathered_params": bwd_start["gathered_params"] - head,
     }
-
-
-def fsdp2_zero2_backward_end(
-    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, fp8_gather: bool = False
-) -> int:
-    """FSDP2 ZeRO-2 in the last layer's backward (the first layer, untied, one stage): every later group
-    is resharded by its post-backward (``Fsdp.post_backward``: reshard, then reduce-scatter; an untied
-    head group after its own backward), so only this layer's group and the embedding's (never resharded
-    in the forward) are unsharded, not every group as at the backward's start (``fsdp2_unsharded``)."""
-    embed = vocab_shard_params(model, plan.tp) * min(policy.param_bytes, policy.compute_bytes)
-    return fsdp2_layer_gather(model, layout, policy, fp8_gather) + (embed if layout.is_first else 0)
+    return fwd, post_backward, fsdp.zero2_end
 
 
 def fsdp2_head_backward(
@@ -1576,14 +1574,10 @@ def _stage_phases(
             end_grads = grads_full - pending
         else:
             end_acts -= stored
-    end_gathered = unsharded.backward_end
-    zero2_untied = fsdp2 and plan.zero == 2 and plan.pp == 1 and plan.tp == 1 and not model.tied_embeddings
-    offloaded = plan.offload_params != "none" or plan.offload_activations != "none"
-    zero2_untied = zero2_untied and layers and not finetune and not offloaded
-    if zero2_untied:
-        end_gathered = fsdp2_zero2_backward_end(model, layout, plan, policy, fp8.gather_fp8)
-        if layout.is_last:
-            fwd = _largest([fwd, fsdp2_zero2_head_gather(model, layout, plan, policy, fwd, x, fp8.gather_fp8)])[0]
+    end_gathered, zero2_backward = unsharded.backward_end, None
+    if fsdp2 and plan.zero == 2 and plan.pp == 1 and plan.tp == 1 and layers and not model.tied_embeddings:
+        if not finetune and plan.offload_params == "none" and plan.offload_activations == "none":
+            fwd, zero2_backward, end_gathered = fsdp2_zero2_moments(layout, plan, unsharded, fwd, bwd_start, x)
     bwd_end = {
         **base,
         "gradients": end_grads,
@@ -1666,8 +1660,8 @@ def _stage_phases(
             candidates.append(
                 fsdp2_head_backward(model, layout, policy, base, x, fwd_acts + embed, grads_in_step, fp8.gather_fp8)
             )
-    if zero2_untied and layout.is_last:
-        candidates.append(fsdp2_zero2_head_post_backward(model, plan, policy, bwd_start, fwd_acts + embed, x))
+    if zero2_backward is not None:
+        candidates.append(zero2_backward)
     if fp8.backward_extra and layers and lora_acts is None and plan.offload_activations == "none":
         acts = fwd_acts + embed + live_layer - per_layer
         first = fp8_first_backward_layer(bwd_start, fp8, acts, x, head_grads, retained, unsharded.backward_end)
