@@ -711,7 +711,7 @@ class _Fsdp2(NamedTuple):
     backward_end: int
     # for ``fsdp2_zero2_moments``, once a stage (``MemoryMemo.fsdp2_unsharded``): a layer group's
     # all-gather, the head group's unsharded and reduce-dtype bytes (0 off the last stage), and
-    # ZeRO-2's unsharded bytes at the last layer's backward
+    # the unsharded bytes at the last layer's backward (ZeRO-2: the later groups resharded)
     layer: int = 0
     head: int = 0
     head_reduced: int = 0
@@ -752,7 +752,8 @@ def fsdp2_unsharded(
     # layers' (the run: no ``output.weight.unsharded`` at the first layer's backward); a tied one is
     # the root's, kept to the final callback
     kept = head * unsharded if model.tied_embeddings else 0
-    return _Fsdp2(head * unsharded, head * unsharded, kept + layer + prefetched, layer, head * unsharded)
+    end = kept + layer + prefetched
+    return _Fsdp2(head * unsharded, head * unsharded, end, layer, head * unsharded, head * policy.grad_bytes, end)
 
 
 @lru_cache(maxsize=1024)
@@ -876,12 +877,13 @@ def fsdp2_first_layer_backward(
 def fsdp2_zero2_moments(
     layout: StageLayout, plan: Plan, fsdp: _Fsdp2, fwd: dict[str, int], bwd_start: dict[str, int], x: A.Shape
 ) -> tuple[dict[str, int], dict[str, int] | None, int]:
-    """FSDP2 ZeRO-2 (``reshard_after_forward=False``; the bundled trainer, untied, one stage, no TP):
-    (the forward's moment, a further backward moment or None, the unsharded bytes at the last layer's
-    backward). Each moment replaces ``fwd`` / joins the backward's only where it is the wider, a
-    difference of a few terms (the search's instructions a plan, docs/cost-model.md). Measured on
+    """FSDP2 (the bundled trainer, untied, one stage, no TP) at short sequences: (the forward's moment,
+    a further backward moment or None, the unsharded bytes at the last layer's backward). Each moment
+    replaces ``fwd`` / joins the backward's only where it is the wider, a difference of a few terms
+    (the search's instructions a plan, docs/cost-model.md). Measured on
     llama3-8b at dp 8, 512 tokens, where FSDP2's buffers outgrow the activations: the sums were
-    -2.6% (bf16) to +5.3% (bf16-mixed, full recompute) off the run without these, within 0.015% with.
+    -2.6% (bf16) to +5.3% (bf16-mixed, full recompute) off the run under ZeRO-2 without these, and
+    -5.0% under ZeRO-3, bf16-mixed, four micro-batches; within 0.015% and 0.001% with.
 
     - the head group's copy-out, at the forward's end: the last layer group's all-gather output
       still held (a forward's lives until the next group's copy-out, ``Fsdp.unshard``'s ``kept``)
@@ -890,9 +892,11 @@ def fsdp2_zero2_moments(
     - the head group's post-backward: the group resharded, its reduce-scatter input ((V h + h) in
       the reduce dtype, ``fsdp.norm.reduce_scatter_input``) and output (its shard) allocated before
       its unsharded gradients go (``Fsdp.post_backward``): the head's weight gradient
-      (``output.logits.dW``, V h unsharded) is still there, the loss's tensors are gone;
-    - the last layer's backward: every later group resharded by its post-backward, so only this
-      layer's group and the embedding's are unsharded (not every group, as at the backward's start).
+      (``output.logits.dW``, V h unsharded) is still there, the loss's tensors are gone; under
+      ZeRO-3 the last layer's all-gather, prefetched in the head group's pre-backward, beside them;
+    - ZeRO-2 (``reshard_after_forward=False``), the last layer's backward: every later group
+      resharded by its post-backward, so only this layer's group and the embedding's are unsharded
+      (not every group, as at the backward's start); under ZeRO-3 ``fsdp2_unsharded``'s.
     """
     if not layout.is_last:
         return fwd, None, fsdp.zero2_end
@@ -906,14 +910,15 @@ def fsdp2_zero2_moments(
             "comm_buffers": fwd["comm_buffers"] + layer + head,
         }
     made = head + reduced // plan.dp  # the head's weight gradient (its norm's, h, counted with it) and the shard
-    if made + residual + reduced - head <= bwd_start["logits_and_loss"]:
+    if made + residual + reduced + layer - head <= bwd_start["logits_and_loss"]:
         return fwd, None, fsdp.zero2_end
     post_backward = {
         **bwd_start,
         "gradients": bwd_start["gradients"] + made,
         "activations": bwd_start["activations"] + residual,
         "logits_and_loss": 0,
-        "comm_buffers": bwd_start["comm_buffers"] + reduced,
+        # ZeRO-3: the head group's pre-backward has prefetched the last layer's all-gather
+        "comm_buffers": bwd_start["comm_buffers"] + reduced + (layer if plan.zero == 3 else 0),
         "gathered_params": bwd_start["gathered_params"] - head,
     }
     return fwd, post_backward, fsdp.zero2_end
@@ -1575,7 +1580,7 @@ def _stage_phases(
         else:
             end_acts -= stored
     end_gathered, zero2_backward = unsharded.backward_end, None
-    if fsdp2 and plan.zero == 2 and plan.pp == 1 and plan.tp == 1 and layers and not model.tied_embeddings:
+    if fsdp2 and plan.pp == 1 and plan.tp == 1 and layers and not model.tied_embeddings:
         if not finetune and plan.offload_params == "none" and plan.offload_activations == "none":
             fwd, zero2_backward, end_gathered = fsdp2_zero2_moments(layout, plan, unsharded, fwd, bwd_start, x)
     bwd_end = {
