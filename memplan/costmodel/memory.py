@@ -709,7 +709,7 @@ class _Fsdp2(NamedTuple):
     forward: int
     backward_start: int
     backward_end: int
-    # for ``fsdp2_zero2_moments``, once a stage (``MemoryMemo.fsdp2_unsharded``): a layer group's
+    # for ``fsdp2_short_moments``, once a stage (``MemoryMemo.fsdp2_unsharded``): a layer group's
     # all-gather, the head group's unsharded and reduce-dtype bytes (0 off the last stage), and
     # the unsharded bytes at the last layer's backward (ZeRO-2: the later groups resharded)
     layer: int = 0
@@ -874,7 +874,7 @@ def fsdp2_first_layer_backward(
     return layer * policy.grad_bytes, min(shards, st.grads)
 
 
-def fsdp2_zero2_moments(
+def fsdp2_short_moments(
     layout: StageLayout, plan: Plan, fsdp: _Fsdp2, fwd: dict[str, int], bwd_start: dict[str, int], x: A.Shape
 ) -> tuple[dict[str, int], dict[str, int] | None, int]:
     """FSDP2 (the bundled trainer, untied, one stage, no TP) at short sequences: (the forward's moment,
@@ -1582,7 +1582,7 @@ def _stage_phases(
     end_gathered, zero2_backward = unsharded.backward_end, None
     if fsdp2 and plan.pp == 1 and plan.tp == 1 and layers and not model.tied_embeddings:
         if not finetune and plan.offload_params == "none" and plan.offload_activations == "none":
-            fwd, zero2_backward, end_gathered = fsdp2_zero2_moments(layout, plan, unsharded, fwd, bwd_start, x)
+            fwd, zero2_backward, end_gathered = fsdp2_short_moments(layout, plan, unsharded, fwd, bwd_start, x)
     bwd_end = {
         **base,
         "gradients": end_grads,

@@ -185,7 +185,7 @@ def test_the_fast_form_is_the_run_on_llama3_8b(fields):
 # llama3-8b at 512 tokens (-m slow), where FSDP2's buffers outgrow the activations: the head group's
 # all-gather beside the last layer's at the forward's end, its reduce-scatter in the backward, and
 # under ZeRO-2 only the first layer's and the embedding's groups unsharded at the backward's end
-# (memory.fsdp2_zero2_moments)
+# (memory.fsdp2_short_moments)
 SLOW_SHORT = [
     dict(dp=8, zero=3, precision="bf16", recompute="none"),  # -6.95% before sums2's merge (608e81d)
     # the head group's post-backward with the prefetched last layer: -5.0% at four micro-batches before
