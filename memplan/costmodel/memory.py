@@ -709,6 +709,13 @@ class _Fsdp2(NamedTuple):
     forward: int
     backward_start: int
     backward_end: int
+    # for ``fsdp2_short_moments``, once a stage (``MemoryMemo.fsdp2_unsharded``): a layer group's
+    # all-gather, the head group's unsharded and reduce-dtype bytes (0 off the last stage), and
+    # the unsharded bytes at the last layer's backward (ZeRO-2: the later groups resharded)
+    layer: int = 0
+    head: int = 0
+    head_reduced: int = 0
+    zero2_end: int = 0
 
 
 _NO_FSDP2 = _Fsdp2(0, 0, 0)  # outside FSDP2
@@ -732,19 +739,21 @@ def fsdp2_unsharded(
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     head = P.norm_params(model) + vocab_shard_params(model, plan.tp) if layout.is_last else 0
     linears = F8.linear_elements(model, layout)
-    if plan.zero == 2:
-        every = F8.fsdp_gathered_bytes(linears, layout.params - linears, unsharded, fp8_gather)
-        return _Fsdp2(every, every, every)
     layer = fsdp2_layer_gather(model, layout, policy, fp8_gather)
     embed = (
         vocab_shard_params(model, plan.tp) if layout.is_first and not (layout.is_last and model.tied_embeddings) else 0
     )
+    if plan.zero == 2:
+        every = F8.fsdp_gathered_bytes(linears, layout.params - linears, unsharded, fp8_gather)
+        end = layer + embed * unsharded  # the last layer's backward: the later groups resharded
+        return _Fsdp2(every, every, every, layer, head * unsharded, head * policy.grad_bytes, end)
     prefetched = embed * unsharded if layout.is_first else layer
     # an untied head group is resharded after its own backward (``Fsdp.post_backward``), before the
     # layers' (the run: no ``output.weight.unsharded`` at the first layer's backward); a tied one is
     # the root's, kept to the final callback
     kept = head * unsharded if model.tied_embeddings else 0
-    return _Fsdp2(head * unsharded, head * unsharded, kept + layer + prefetched)
+    end = kept + layer + prefetched
+    return _Fsdp2(head * unsharded, head * unsharded, end, layer, head * unsharded, head * policy.grad_bytes, end)
 
 
 @lru_cache(maxsize=1024)
@@ -863,6 +872,56 @@ def fsdp2_first_layer_backward(
     layer = layout.largest_layer_params
     shards = (layer + vocab_shard_params(model, plan.tp)) * policy.grad_bytes // (plan.dp * plan.cp)
     return layer * policy.grad_bytes, min(shards, st.grads)
+
+
+def fsdp2_short_moments(
+    layout: StageLayout, plan: Plan, fsdp: _Fsdp2, fwd: dict[str, int], bwd_start: dict[str, int], x: A.Shape
+) -> tuple[dict[str, int], dict[str, int] | None, int]:
+    """FSDP2 (the bundled trainer, untied, one stage, no TP) at short sequences: (the forward's moment,
+    a further backward moment or None, the unsharded bytes at the last layer's backward). Each moment
+    replaces ``fwd`` / joins the backward's only where it is the wider, a difference of a few terms
+    (the search's instructions a plan, docs/cost-model.md). Measured on
+    llama3-8b at dp 8, 512 tokens, where FSDP2's buffers outgrow the activations: the sums were
+    -2.6% (bf16) to +5.3% (bf16-mixed, full recompute) off the run under ZeRO-2 without these, and
+    -5.0% under ZeRO-3, bf16-mixed, four micro-batches; within 0.015% and 0.001% with.
+
+    - the head group's copy-out, at the forward's end: the last layer group's all-gather output
+      still held (a forward's lives until the next group's copy-out, ``Fsdp.unshard``'s ``kept``)
+      beside the head group's own ((norm, output): ``fsdp.norm.all_gather_output``, (V h + h) in the
+      unsharded dtype, ``Fsdp.all_gather``), the last layer's output alive, the loss not begun;
+    - the head group's post-backward: the group resharded, its reduce-scatter input ((V h + h) in
+      the reduce dtype, ``fsdp.norm.reduce_scatter_input``) and output (its shard) allocated before
+      its unsharded gradients go (``Fsdp.post_backward``): the head's weight gradient
+      (``output.logits.dW``, V h unsharded) is still there, the loss's tensors are gone; under
+      ZeRO-3 the last layer's all-gather, prefetched in the head group's pre-backward, beside them;
+    - ZeRO-2 (``reshard_after_forward=False``), the last layer's backward: every later group
+      resharded by its post-backward, so only this layer's group and the embedding's are unsharded
+      (not every group, as at the backward's start); under ZeRO-3 ``fsdp2_unsharded``'s.
+    """
+    if not layout.is_last:
+        return fwd, None, fsdp.zero2_end
+    layer, head, reduced = fsdp.layer, fsdp.head, fsdp.head_reduced
+    residual = A.residual_input(x)
+    if residual + layer + head > fwd["logits_and_loss"]:
+        fwd = {
+            **fwd,
+            "activations": fwd["activations"] + residual,
+            "logits_and_loss": 0,
+            "comm_buffers": fwd["comm_buffers"] + layer + head,
+        }
+    made = head + reduced // plan.dp  # the head's weight gradient (its norm's, h, counted with it) and the shard
+    if made + residual + reduced + layer - head <= bwd_start["logits_and_loss"]:
+        return fwd, None, fsdp.zero2_end
+    post_backward = {
+        **bwd_start,
+        "gradients": bwd_start["gradients"] + made,
+        "activations": bwd_start["activations"] + residual,
+        "logits_and_loss": 0,
+        # ZeRO-3: the head group's pre-backward has prefetched the last layer's all-gather
+        "comm_buffers": bwd_start["comm_buffers"] + reduced + (layer if plan.zero == 3 else 0),
+        "gathered_params": bwd_start["gathered_params"] - head,
+    }
+    return fwd, post_backward, fsdp.zero2_end
 
 
 def fsdp2_head_backward(
@@ -1525,13 +1584,17 @@ def _stage_phases(
             end_grads = grads_full - pending
         else:
             end_acts -= stored
+    end_gathered, zero2_backward = unsharded.backward_end, None
+    if fsdp2 and plan.pp == 1 and plan.tp == 1 and layers and not model.tied_embeddings:
+        if not finetune and plan.offload_params == "none" and plan.offload_activations == "none":
+            fwd, zero2_backward, end_gathered = fsdp2_short_moments(layout, plan, unsharded, fwd, bwd_start, x)
     bwd_end = {
         **base,
         "gradients": end_grads,
         "activations": end_acts,
         "logits_and_loss": retained,
         "comm_buffers": gathered + rs_buffer + p2p_bwd_end + ddp_copy,
-        "gathered_params": unsharded.backward_end,
+        "gathered_params": end_gathered,
     }
     opt = {
         **base,
@@ -1607,6 +1670,8 @@ def _stage_phases(
             candidates.append(
                 fsdp2_head_backward(model, layout, policy, base, x, fwd_acts + embed, grads_in_step, fp8.gather_fp8)
             )
+    if zero2_backward is not None:
+        candidates.append(zero2_backward)
     if fp8.backward_extra and layers and lora_acts is None and plan.offload_activations == "none":
         acts = fwd_acts + embed + live_layer - per_layer
         head_grads = 0
