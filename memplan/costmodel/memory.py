@@ -66,9 +66,9 @@ class _States(NamedTuple):
 
 def gradient_accumulation(workload: TrainingWorkload, plan: Plan) -> int:
     """Micro-batches per step on one rank: global_batch / (micro_batch x dp)."""
-    if workload.global_batch is None:
+    if (batch := workload.global_batch) is None:  # read once: a model's attribute read is slow (PlanFields)
         return 1
-    return max(1, workload.global_batch // (workload.micro_batch * plan.dp))
+    return max(1, batch // (workload.micro_batch * plan.dp))
 
 
 def inflight_layers(plan: Plan, stage: int, accumulation: int, layers: int) -> float:
@@ -709,6 +709,13 @@ class _Fsdp2(NamedTuple):
     forward: int
     backward_start: int
     backward_end: int
+    # for ``fsdp2_short_moments``, once a stage (``MemoryMemo.fsdp2_unsharded``): a layer group's
+    # all-gather, the head group's unsharded and reduce-dtype bytes (0 off the last stage), and
+    # the unsharded bytes at the last layer's backward (ZeRO-2: the later groups resharded)
+    layer: int = 0
+    head: int = 0
+    head_reduced: int = 0
+    zero2_end: int = 0
 
 
 _NO_FSDP2 = _Fsdp2(0, 0, 0)  # outside FSDP2
@@ -732,19 +739,21 @@ def fsdp2_unsharded(
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     head = P.norm_params(model) + vocab_shard_params(model, plan.tp) if layout.is_last else 0
     linears = F8.linear_elements(model, layout)
-    if plan.zero == 2:
-        every = F8.fsdp_gathered_bytes(linears, layout.params - linears, unsharded, fp8_gather)
-        return _Fsdp2(every, every, every)
     layer = fsdp2_layer_gather(model, layout, policy, fp8_gather)
     embed = (
         vocab_shard_params(model, plan.tp) if layout.is_first and not (layout.is_last and model.tied_embeddings) else 0
     )
+    if plan.zero == 2:
+        every = F8.fsdp_gathered_bytes(linears, layout.params - linears, unsharded, fp8_gather)
+        end = layer + embed * unsharded  # the last layer's backward: the later groups resharded
+        return _Fsdp2(every, every, every, layer, head * unsharded, head * policy.grad_bytes, end)
     prefetched = embed * unsharded if layout.is_first else layer
     # an untied head group is resharded after its own backward (``Fsdp.post_backward``), before the
     # layers' (the run: no ``output.weight.unsharded`` at the first layer's backward); a tied one is
     # the root's, kept to the final callback
     kept = head * unsharded if model.tied_embeddings else 0
-    return _Fsdp2(head * unsharded, head * unsharded, kept + layer + prefetched)
+    end = kept + layer + prefetched
+    return _Fsdp2(head * unsharded, head * unsharded, end, layer, head * unsharded, head * policy.grad_bytes, end)
 
 
 @lru_cache(maxsize=1024)
@@ -965,6 +974,56 @@ def fsdp2_first_layer_backward(
     layer = layout.largest_layer_params
     shards = (layer + vocab_shard_params(model, plan.tp)) * policy.grad_bytes // (plan.dp * plan.cp)
     return layer * policy.grad_bytes, min(shards, st.grads)
+
+
+def fsdp2_short_moments(
+    layout: StageLayout, plan: Plan, fsdp: _Fsdp2, fwd: dict[str, int], bwd_start: dict[str, int], x: A.Shape
+) -> tuple[dict[str, int], dict[str, int] | None, int]:
+    """FSDP2 (the bundled trainer, untied, one stage, no TP) at short sequences: (the forward's moment,
+    a further backward moment or None, the unsharded bytes at the last layer's backward). Each moment
+    replaces ``fwd`` / joins the backward's only where it is the wider, a difference of a few terms
+    (the search's instructions a plan, docs/cost-model.md). Measured on
+    llama3-8b at dp 8, 512 tokens, where FSDP2's buffers outgrow the activations: the sums were
+    -2.6% (bf16) to +5.3% (bf16-mixed, full recompute) off the run under ZeRO-2 without these, and
+    -5.0% under ZeRO-3, bf16-mixed, four micro-batches; within 0.015% and 0.001% with.
+
+    - the head group's copy-out, at the forward's end: the last layer group's all-gather output
+      still held (a forward's lives until the next group's copy-out, ``Fsdp.unshard``'s ``kept``)
+      beside the head group's own ((norm, output): ``fsdp.norm.all_gather_output``, (V h + h) in the
+      unsharded dtype, ``Fsdp.all_gather``), the last layer's output alive, the loss not begun;
+    - the head group's post-backward: the group resharded, its reduce-scatter input ((V h + h) in
+      the reduce dtype, ``fsdp.norm.reduce_scatter_input``) and output (its shard) allocated before
+      its unsharded gradients go (``Fsdp.post_backward``): the head's weight gradient
+      (``output.logits.dW``, V h unsharded) is still there, the loss's tensors are gone; under
+      ZeRO-3 the last layer's all-gather, prefetched in the head group's pre-backward, beside them;
+    - ZeRO-2 (``reshard_after_forward=False``), the last layer's backward: every later group
+      resharded by its post-backward, so only this layer's group and the embedding's are unsharded
+      (not every group, as at the backward's start); under ZeRO-3 ``fsdp2_unsharded``'s.
+    """
+    if not layout.is_last:
+        return fwd, None, fsdp.zero2_end
+    layer, head, reduced = fsdp.layer, fsdp.head, fsdp.head_reduced
+    residual = A.residual_input(x)
+    if residual + layer + head > fwd["logits_and_loss"]:
+        fwd = {
+            **fwd,
+            "activations": fwd["activations"] + residual,
+            "logits_and_loss": 0,
+            "comm_buffers": fwd["comm_buffers"] + layer + head,
+        }
+    made = head + reduced // plan.dp  # the head's weight gradient (its norm's, h, counted with it) and the shard
+    if made + residual + reduced + layer - head <= bwd_start["logits_and_loss"]:
+        return fwd, None, fsdp.zero2_end
+    post_backward = {
+        **bwd_start,
+        "gradients": bwd_start["gradients"] + made,
+        "activations": bwd_start["activations"] + residual,
+        "logits_and_loss": 0,
+        # ZeRO-3: the head group's pre-backward has prefetched the last layer's all-gather
+        "comm_buffers": bwd_start["comm_buffers"] + reduced + (layer if plan.zero == 3 else 0),
+        "gathered_params": bwd_start["gathered_params"] - head,
+    }
+    return fwd, post_backward, fsdp.zero2_end
 
 
 def fsdp2_head_backward(
@@ -1253,7 +1312,8 @@ class MemoryMemo:
     the rank's shape by the plan fields it reads, each stage's layout and MoE share by the
     layout, one micro-batch's activation terms by the shape and what else they read, and the
     pipeline's buffers, and a stage's model states by the layout and what they read, and the
-    checkpointed forward's MLP moment by the shape and autocast's cached casts."""
+    checkpointed forward's MLP moment by the shape and autocast's cached casts, and the stages
+    examined (``_stages_to_examine``) by the pipeline's size."""
 
     shapes: dict[tuple, A.Shape] = field(default_factory=dict)
     layouts: dict[tuple, tuple[StageLayout, float, tuple]] = field(default_factory=dict)
@@ -1262,6 +1322,7 @@ class MemoryMemo:
     states: dict[tuple, _States] = field(default_factory=dict)
     unsharded: dict[tuple, _Fsdp2] = field(default_factory=dict)
     mlp_moments: dict[tuple, int] = field(default_factory=dict)
+    stages: dict[int, list[int]] = field(default_factory=dict)  # _stages_to_examine by pp
 
     def shape(
         self, model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, device: Device
@@ -1282,12 +1343,13 @@ class MemoryMemo:
         return found
 
     def model_states(
-        self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float, layout_key: tuple,
+        self, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, model: ModelSpec, layout_key: tuple,
         optimizer_shard: int | None = None,
     ) -> _States:  # fmt: skip
-        """``model_states`` of a stage (full training); ``layout_key``: :meth:`layout`'s."""
+        """``model_states`` of a stage (full training) of ``model``; ``layout_key``: :meth:`layout`'s."""
         key = (layout_key, _state_fields(plan), optimizer_shard)
         if (found := self.states.get(key)) is None:
+            factored = _factored(model)
             found = self.states[key] = model_states(layout, plan, policy, factored, optimizer_shard)
         return found
 
@@ -1416,17 +1478,21 @@ def stage_states(
     return _states(model, plan, layout, layout_key, POLICIES[plan.precision], device, memo)
 
 
+def _factored(model: ModelSpec) -> float:
+    """Adafactor's factored state per parameter of a matrix (``model_states``' ``factored``)."""
+    return 1 / model.hidden_size + 1 / model.ffn_size
+
+
 def _states(
     model: ModelSpec, plan: Plan, layout: StageLayout, layout_key: tuple, policy: PrecisionPolicy, device: Device,
     memo: MemoryMemo, optimizer_shard: int | None = None,
 ) -> _States:  # fmt: skip
     """:func:`stage_states` of a stage whose layout the caller has (``_stage_phases``; ``optimizer_shard``:
     :func:`zero1_shard`'s)."""
-    factored = 1 / model.hidden_size + 1 / model.ffn_size
     if plan.finetune != "full":
-        st = finetune_states(layout, model, plan, policy, factored)
-    else:
-        st = memo.model_states(layout, plan, policy, factored, layout_key, optimizer_shard)
+        st = finetune_states(layout, model, plan, policy, _factored(model))
+    else:  # the factored share only where the memo has no states yet (a model's attribute read is slow)
+        st = memo.model_states(layout, plan, policy, model, layout_key, optimizer_shard)
     if device == "cuda" and is_paged(plan.optimizer) and (paged := paged_state_bytes(model, layout, plan)):
         st = st._replace(optimizer=st.optimizer - paged, paged=paged)
     return st
@@ -1531,8 +1597,7 @@ def _stage_phases(
         rs_buffer = layout.largest_layer_params * policy.grad_bytes
     ddp_copy = st.grads if plan.zero == 0 and plan.dp * plan.cp > 1 and rt.ddp_grad_copy else 0
     ddp_buckets = rt.pytorch_parallel and plan.zero < 2 and plan.dp * plan.cp > 1  # gradient_as_bucket_view
-    p2p = 2 * x.tokens * x.d * model.hidden_size // x.rep if plan.pp > 1 else 0
-    p2p_fwd = p2p_bwd_start = p2p_bwd_end = p2p_opt = p2p
+    p2p_fwd = p2p_bwd_start = p2p_bwd_end = p2p_opt = 0
     if rt.pytorch_parallel and plan.pp > 1:
         p2p_fwd, p2p_bwd_start, p2p_bwd_end, p2p_opt, shared = memo.pipeline(
             x, shape_key, plan, stage, accumulation, layers
@@ -1541,6 +1606,8 @@ def _stage_phases(
         # keeps the layer's input as is) or fp32's first norm's
         if recomputed or op_sac or (x.d == 4 and not x.autocast):
             p2p_fwd, p2p_bwd_start = p2p_fwd - shared, p2p_bwd_start - shared
+    elif plan.pp > 1:
+        p2p_fwd = p2p_bwd_start = p2p_bwd_end = p2p_opt = 2 * x.tokens * x.d * model.hidden_size // x.rep
     # gradients exist during forward / early backward only if kept across steps or accumulated
     grads_in_step = st.grads if (rt.grads_persistent or accumulation > 1 or ddp_buckets) else 0
     early_backward = bool(chunks and layers) and backward_first(
@@ -1620,9 +1687,6 @@ def _stage_phases(
         head_part = fwd_head - A.fp32_logits(x, model.vocab_size) + A.residual_input(x) + terms.logits
         at_logits = weight_copies - fwd_copies + head_part
         mlp_peak = max(mlp_peak, at_logits - fwd_head - loss_fwd)
-    head_grads = 0
-    if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
-        head_grads = (vocab_shard_params(model, plan.tp) + P.norm_params(model)) * policy.grad_bytes
     # cuBLAS's workspaces beside every moment, as activations (the run's): each moment's activations
     # below count ``embed``, and the optimizer step's and a tied embedding's backward's get them alone
     workspaces = _CUBLAS_WORKSPACES if device == "cuda" and rt.name == "memplan" else 0  # overhead.cublas_workspaces
@@ -1677,13 +1741,17 @@ def _stage_phases(
             end_grads = grads_full - pending
         else:
             end_acts -= stored
+    end_gathered, zero2_backward = unsharded.backward_end, None
+    if fsdp2 and plan.pp == 1 and plan.tp == 1 and layers and not model.tied_embeddings:
+        if not finetune and plan.offload_params == "none" and plan.offload_activations == "none":
+            fwd, zero2_backward, end_gathered = fsdp2_short_moments(layout, plan, unsharded, fwd, bwd_start, x)
     bwd_end = {
         **base,
         "gradients": end_grads,
         "activations": end_acts,
         "logits_and_loss": retained,
         "comm_buffers": gathered + rs_buffer + p2p_bwd_end + ddp_copy,
-        "gathered_params": unsharded.backward_end,
+        "gathered_params": end_gathered,
     }
     opt = {
         **base,
@@ -1775,8 +1843,13 @@ def _stage_phases(
             candidates.append(
                 fsdp2_head_backward(model, layout, policy, base, x, fwd_acts + embed, grads_in_step, fp8.gather_fp8)
             )
+    if zero2_backward is not None:
+        candidates.append(zero2_backward)
     if fp8.backward_extra and layers and lora_acts is None and plan.offload_activations == "none":
         acts = fwd_acts + embed + live_layer - per_layer
+        head_grads = 0
+        if layout.is_last and not grads_in_step:  # the LM head's and final norm's, before any layer's
+            head_grads = (vocab_shard_params(model, plan.tp) + P.norm_params(model)) * policy.grad_bytes
         first = fp8_first_backward_layer(bwd_start, fp8, acts, x, head_grads, retained, unsharded.backward_end)
         # the last layer's backward at its down projection: that layer's gradients not made yet
         layer_grads = st.grads * layout.largest_layer_params // layout.params if layout.params else 0
@@ -1833,7 +1906,9 @@ def training_peak(
     best = None
     stage_peaks: dict[int, int] = {}
     shape = memo.shape(model, workload, plan, rt, device)
-    for stage in _stages_to_examine(model, plan, rt):
+    if (stages := memo.stages.get(plan.pp)) is None:  # it reads the plan's pp alone
+        stages = memo.stages[plan.pp] = _stages_to_examine(model, plan, rt)
+    for stage in stages:
         sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device, memo, shape)
         totals = sm.totals
         peak_phase, peak = _highest(totals)

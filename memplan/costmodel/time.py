@@ -628,15 +628,15 @@ def step_speed(
     d = policy.compute_bytes
     peak = matmul_peak_flops(gpu, plan.precision)
     m = gradient_accumulation(workload, plan)
-    s = workload.seq_len
-    tokens_mb = workload.micro_batch * s / plan.cp  # tokens one rank holds per micro-batch
+    s, mb = workload.seq_len, workload.micro_batch  # read once: a model's attribute read is slow (PlanFields)
+    tokens_mb = mb * s / plan.cp  # tokens one rank holds per micro-batch
     dp_stride, dp_size = _dp_group(plan)
     link = group_link if memo is None else memo.link
     dp_link = link(gpu, cluster, dp_stride, dp_size, eff)
     pp_link = link(gpu, cluster, plan.tp * plan.cp * plan.dp, 2, eff)
     autocast = runs_autocast(plan, runtime)
     stage_key = _full_stage_fields(plan) if plan.finetune == "full" else _stage_key(plan)
-    key = (stage_key, s, workload.micro_batch, autocast)
+    key = (stage_key, s, mb, autocast)
 
     def stage_parts(stage: int) -> dict[str, float]:
         backend = attention_backend(model, workload, plan, gpu, autocast)
@@ -690,17 +690,18 @@ def step_speed(
     foreach = foreach_adamw(plan, runtime)
     # runtime != "megatron": PyTorch's AdamW when the optimizer is on the host (the memo's runtime is fixed)
     if memo is None:
-        breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach, runtime != "megatron"))
+        breakdown.update(_optimizer(model, plan, policy, dp_size, gpu, eff, foreach, runtime != "megatron", params))
     else:
         opt_key = (_optimizer_fields(plan), dp_size, foreach)
         if (optimizer := memo.optimizer.get(opt_key)) is None:
-            optimizer = _optimizer(model, plan, policy, dp_size, gpu, eff, foreach, runtime != "megatron")
+            optimizer = _optimizer(model, plan, policy, dp_size, gpu, eff, foreach, runtime != "megatron", params)
             memo.optimizer[opt_key] = optimizer
         breakdown.update(optimizer)
-    step = sum(breakdown.values()) * eff.calibration
-    breakdown = {k: v * eff.calibration for k, v in breakdown.items() if v}
+    calibration = eff.calibration
+    step = sum(breakdown.values()) * calibration
+    breakdown = {k: v * calibration for k, v in breakdown.items() if v}
 
-    job_tokens = workload.micro_batch * s * m * plan.dp
+    job_tokens = mb * s * m * plan.dp
     if memo is None:
         flops = training_flops_per_token(model, s)
     elif (flops := memo.flops.get(s)) is None:
@@ -919,9 +920,10 @@ def _data_parallel(
         linear = sum(i * o for i, o in layer_matmul_widths(model)) * model.num_layers / plan.pp / plan.tp
         gathered -= linear * (min(policy.param_bytes, policy.compute_bytes) - 1)
     layers = max(1, model.num_layers // plan.pp)
+    overlap = eff.dp_overlap  # read once: a model's attribute read is slow (specs.plan.PlanFields)
 
     def exposed(seconds: float, window: float) -> float:
-        return max(seconds / layers, seconds - eff.dp_overlap * window)
+        return max(seconds / layers, seconds - overlap * window)
 
     if plan.zero <= 1:
         return {"dp_comm": exposed(all_reduce_s(grads, n, link), per_mb * 2 / 3)}
@@ -994,13 +996,17 @@ def _optimizer(
     eff: Efficiency,
     foreach: bool = False,
     torch_host: bool = False,
+    total_params: int | None = None,
 ) -> dict[str, float]:
     """The optimizer step on the params this rank updates (:func:`trained_params`: under LoRA the
     adapters and saved modules only): memory-bound on the GPU (:func:`adam_bytes_per_param`,
     fused or ``foreach``), or on the host with the gradients crossing PCIe (:func:`host_offload_s`;
-    ``torch_host``: PyTorch's AdamW over CPU tensors, else a vectorised CPU Adam)."""
+    ``torch_host``: PyTorch's AdamW over CPU tensors, else a vectorised CPU Adam). ``total_params``:
+    the model's (``params.total_params``), where the caller has it: its cache hashes the model,
+    ~2.5 us a call (``step_speed``)."""
     shards = n if plan.zero >= 1 else 1
-    owned = trained_params(model, plan) / plan.pp / plan.tp / shards
+    full = total_params is not None and plan.finetune == "full"
+    owned = (total_params if full else trained_params(model, plan)) / plan.pp / plan.tp / shards
     if plan.offload_optimizer != "none":
         return host_offload_s(owned, plan, policy, gpu.pcie_bytes_per_s, eff, torch_host)
     return {"optimizer": owned * adam_bytes_per_param(policy, foreach) / (gpu.hbm_bytes_per_s * eff.hbm)}

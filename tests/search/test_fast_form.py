@@ -169,6 +169,9 @@ def test_memory_memo_keys_are_what_is_read(name, plan, runtime, monkeypatch):
         recorder = _Recording(real)
         M.pipeline_buffers(x, recorder, stage, 8, 4)
         assert recorder.read <= {*M.PIPELINE_FIELDS, "stages"}, recorder.read  # stages: pp x virtual_stages
+    recorder = _Recording(real)
+    M._stages_to_examine(model, recorder, rt)
+    assert recorder.read == {"pp"}, recorder.read  # the memo keys the stages examined by pp alone
 
 
 def test_constructed_evaluation_is_pydantics():
