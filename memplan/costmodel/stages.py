@@ -27,10 +27,14 @@ from memplan.costmodel.reserve import StageLoad, Verdict, plan_run, verdict
 
 if TYPE_CHECKING:
     from memplan.costmodel.allocator import AllocatorConfig
+    from memplan.costmodel.timeline.events import Timeline
     from memplan.specs.hardware import GPUSpec
     from memplan.specs.model import ModelSpec
     from memplan.specs.plan import Plan
     from memplan.specs.workload import TrainingWorkload
+
+
+NO_LIMIT = 1 << 62  # bytes: no capacity binds (every stage fits, ordered by its reserved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +77,8 @@ def stage_verdict(
     return replace(best.v, stage_loads=loads)
 
 
-def _verdict(run, config: AllocatorConfig, limit_bytes: int, device: str) -> Verdict:  # noqa: ANN001
+def _verdict(run: Timeline, config: AllocatorConfig, limit_bytes: int, device: str) -> Verdict:
+    """:func:`reserve.verdict` on CUDA; on CPU the run's live bytes (``reserve.plan_verdict``'s choice)."""
     if device == "cpu":  # the run's CPU view: live bytes, no caching allocator
         from memplan.costmodel.cpu_reserve import cpu_verdict
 
@@ -86,4 +91,6 @@ def run_stage(model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: 
     reserved peak under the default allocator (on CPU the highest live bytes)."""
     from memplan.costmodel.allocator import AllocatorConfig
 
-    return stage_verdict(model, workload, plan, AllocatorConfig(), 1 << 62, device).run.stage  # type: ignore[union-attr]
+    run = stage_verdict(model, workload, plan, AllocatorConfig(), NO_LIMIT, device).run
+    assert run is not None
+    return run.stage
