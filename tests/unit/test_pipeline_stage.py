@@ -25,11 +25,20 @@ from memplan.specs.resolve import resolve_job
 LLAMA1B = str(Path(__file__).parents[1] / "data" / "gpu-traces" / "llama1b.config.json")
 # (precision, device): pp 4, 1F1B, no recompute, 8 micro-batches of 1 x 512 tokens
 DIFFERING = [("bf16", "cuda"), ("fp32", "cpu")]
+# llama3-70b, TP 8 x PP 4 x DP 2 under ZeRO-3, full recompute (the default workload): the sums name
+# stage 3 (29,446,111,232 B reserved), the runs stage 0 (30,737,956,864 B)
+LLAMA70B_3D = dict(tp=8, pp=4, dp=2, zero=3, recompute="full")
 
 
 def _job(precision: str, **extra):  # noqa: ANN003, ANN202
     plan = dict(pp=4, precision=precision, recompute="none", seq_len=512, micro_batch=1, global_batch=8)
     return resolve_job(LLAMA1B, None, {"gpu": "h200", **plan, **extra}, inference=False)
+
+
+def _jobs():  # noqa: ANN202
+    for precision, device in DIFFERING:
+        yield pytest.param(lambda p=precision: _job(p), device, id=f"1b-{precision}-{device}")
+    yield pytest.param(lambda: resolve_job("llama3-70b", None, LLAMA70B_3D, inference=False), "cuda", id="70b-3d")
 
 
 def _each_stage(job, device: str) -> dict[int, Replay]:  # noqa: ANN001
@@ -43,9 +52,9 @@ def _each_stage(job, device: str) -> dict[int, Replay]:  # noqa: ANN001
     return out
 
 
-@pytest.mark.parametrize(("precision", "device"), DIFFERING)
-def test_the_estimate_follows_the_stage_whose_run_is_the_most_loaded(precision, device):
-    job = _job(precision)
+@pytest.mark.parametrize(("make", "device"), list(_jobs()))
+def test_the_estimate_follows_the_stage_whose_run_is_the_most_loaded(make, device):
+    job = make()
     replays = _each_stage(job, device)
     loaded = max(replays, key=lambda s: (replays[s].max_reserved, replays[s].max_allocated, -s))
     assert phase_stage(job.model, job.workload, job.plan, device) != loaded  # the case this test is for
