@@ -17,7 +17,8 @@ each reaches, under a label that says who takes the answer:
   accumulation still the sums');
 - ``advice``: ``estimate_memory`` on a plan the op-level run answers: what advice screens a change to
   that plan with (``advice.Screen.reserved``, ``host_suggestions``; ``tune.host_fits`` alike);
-- ``stage``: ``trainer.most_loaded_stage`` of a pipelined plan (the rank the op-level run follows);
+- ``stage``: ``trainer.phase_stage`` of a pipelined plan (the rank the search's cut runs follow; the
+  estimate's, ``trainer.most_loaded_stage``, comes from every stage's run since 2026-11-28);
 - ``report``: ``run_report``'s helpers (``stage_states``, ``gradient_accumulation``);
 - ``time``: ``estimate_time`` (``activation_offload_bytes``, the paged optimizers' ``estimate_memory``).
 
@@ -47,7 +48,7 @@ from memplan.costmodel.reserve import plan_run
 from memplan.costmodel.time import estimate_time
 from memplan.costmodel.timeline.hf_support import hf_supported
 from memplan.costmodel.timeline.support import supported
-from memplan.costmodel.timeline.trainer import most_loaded_stage
+from memplan.costmodel.timeline.trainer import phase_stage
 from memplan.errors import MemplanError
 from memplan.search.space import SpaceOptions, enumerate_space
 from memplan.specs.job import PlanFile, check_compatible
@@ -200,7 +201,7 @@ def sweep_estimates(reach: Reach, plans: int, seed: int) -> dict[str, int]:
             reach.call("report", M.stage_states, m, p, 0)
             reach.call("report", M.gradient_accumulation, w, p)
             if p.pp > 1 and rt == "memplan":
-                reach.call("stage", most_loaded_stage, m, w, p, device)
+                reach.call("stage", phase_stage, m, w, p, device)
         reach.call("time", estimate_time, m, w, p, job.gpu, job.cluster, rt)
         reach.call(search_label(why, m, p, rt, device), M.training_peak, m, w, p, rt, device)
     return counts

@@ -197,18 +197,19 @@ def _pipeline_peak(
     model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str, gpu: GPUSpec | None
 ) -> RunPeak | None:
     """A pipeline rank's peak (``_pipelined``) from the runs with every chunk cut to ``cut_depths``
-    of its ``L / (p v)`` layers: the rank the whole run follows (``trainer.most_loaded_stage``, asked
-    of the whole model) at both depths, with the same schedule, micro-batches, chunks and stage
+    of its ``L / (p v)`` layers: the phase model's most-loaded rank (``trainer.phase_stage``, asked
+    of the whole model: the estimate's pick, ``stages.stage_verdict``, would cost a full run per stage,
+    where this form costs two cut runs) at both depths, with the same schedule, micro-batches, chunks and stage
     role (first, middle, last), so the runs take the same actions (``schedule.schedule_actions``)
     and their spans, keyed by the chunk-local layer positions (``c{chunk}.layers.{j}``: ``_position``
     over one chunk's layers) in the actions' order, line up. Each forward and backward adds one
     chunk's layers' activations, gradients and the in-flight micro-batches' saves per layer; the
     receive buffers, the sends and the head are the same at every depth: each span's peak is affine in
     the chunk's depth. Chunks of under ``SHALLOWEST + STEP`` layers are run whole (no deeper than the cut)."""
-    from memplan.costmodel.timeline.trainer import most_loaded_stage, trainer_run
+    from memplan.costmodel.timeline.trainer import phase_stage, trainer_run
 
     chunks, arch = plan.stages, cuda_arch(gpu)
-    per, stage = model.num_layers // chunks, most_loaded_stage(model, workload, plan)
+    per, stage = model.num_layers // chunks, phase_stage(model, workload, plan)
     if per < SHALLOWEST + STEP:
         return _whole_run_peak(model, workload, plan, "memplan", device, per)
 

@@ -119,3 +119,6 @@ class MemoryReport(_Frozen):
     # (the phase model's moments; ``model_reason`` says what keeps the op-level run off this plan)
     model: Literal["op-level", "phase"] = "phase"
     model_reason: str | None = None
+    # the bundled trainer's pipeline answered op by op: each stage's replayed reserved peak (every
+    # stage's run is built; ``peak.stage`` is the one that runs out of memory first: ``costmodel.stages``)
+    stage_reserved: dict[int, int] | None = None

@@ -136,6 +136,16 @@ def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | N
 
 
 @dataclass(frozen=True, slots=True)
+class StageLoad:
+    """One pipeline stage's replayed run (``stages.stage_verdict``): its verdict's reserved, its
+    allocated peak, and its steady steps' highest phase peak (``MemoryReport.stage_peaks``)."""
+
+    reserved: int
+    allocated: int
+    steady: int
+
+
+@dataclass(frozen=True, slots=True)
 class Verdict:
     """Whether the allocator serves a run within ``limit_bytes``, and what it reserves."""
 
@@ -148,6 +158,9 @@ class Verdict:
     expandable_reserved: int | None = None  # default allocator failed: what expandable segments reserve
     timeline: str = "phases"  # which run was replayed (plan_run)
     run: Timeline | None = None  # that run
+    # a pipelined op-level run: every stage's figures, by stage (``stages.stage_verdict``: ``run`` is the
+    # most loaded one's)
+    stage_loads: dict[int, StageLoad] | None = None
 
 
 def _gib(n: int) -> str:
@@ -204,7 +217,13 @@ def plan_verdict(
     gpu: GPUSpec | None = None,
 ) -> Verdict:
     """The most-loaded stage's run (build, first step, steady steps) replayed: see :func:`verdict`.
-    On CPU an op-level run's live bytes decide (``cpu_reserve.cpu_verdict``: no caching allocator)."""
+    On CPU an op-level run's live bytes decide (``cpu_reserve.cpu_verdict``: no caching allocator).
+    The bundled trainer's pipelined plan, where its op-level run models it: every stage's run
+    replayed, the one that runs out of memory first followed (``stages.stage_verdict``)."""
+    if runtime == "memplan" and plan.pp > 1 and supported(model, workload, plan, cuda_arch(gpu)) is None:
+        from memplan.costmodel.stages import stage_verdict
+
+        return stage_verdict(model, workload, plan, config, limit_bytes, device, gpu)
     run, which = plan_run(model, workload, plan, runtime, device, gpu)
     if device == "cpu" and not which.startswith("phases"):
         from memplan.costmodel.cpu_reserve import cpu_verdict
@@ -220,6 +239,7 @@ def plan_run(
     runtime: str,
     device: str = "cuda",
     gpu: GPUSpec | None = None,
+    stage: int | None = None,
 ) -> tuple[Timeline, str]:
     """The run to replay, and which: the bundled trainer's op by op (``timeline.trainer``,
     exact on the six H100 traces) where it models the plan; for ``--runtime hf``
@@ -231,13 +251,20 @@ def plan_run(
     compute capability pick bitsandbytes' 4-bit kernel (``quant.cuda_arch``). On ``device`` cpu
     the op-level runs take CPU's kernels (SDPA's CPU flash kernel in every dtype, LoRA's dropout,
     bitsandbytes' CPU paths) and come as the CPU's view of them (``timeline.cpu.cpu_view``: the
-    tensors only CUDA's kernels make left out)."""
+    tensors only CUDA's kernels make left out). ``stage``: the bundled trainer's pipeline rank to
+    follow (by default ``trainer.most_loaded_stage``'s)."""
     with collection_paused():  # tens of thousands of events, tensors and graph nodes
-        return _plan_run(model, workload, plan, runtime, device, cuda_arch(gpu))
+        return _plan_run(model, workload, plan, runtime, device, cuda_arch(gpu), stage)
 
 
 def _plan_run(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu_arch: CudaArch | None
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    runtime: str,
+    device: str,
+    gpu_arch: CudaArch | None,
+    stage: int | None = None,
 ) -> tuple[Timeline, str]:
     if runtime == "memplan":
         why = supported(model, workload, plan, gpu_arch)
@@ -245,7 +272,7 @@ def _plan_run(
             from memplan.costmodel.timeline.trainer import trainer_run  # its op-by-op model: only when it applies
 
             cuda = device == "cuda"
-            run = trainer_run(model, workload, plan, cuda=cuda, gpu_arch=gpu_arch, cpu_sdpa=not cuda)
+            run = trainer_run(model, workload, plan, stage=stage, cuda=cuda, gpu_arch=gpu_arch, cpu_sdpa=not cuda)
             if run is not None:
                 return _on(run, device), "trainer"
     elif runtime in ("hf", "hf-loop"):

@@ -11,13 +11,15 @@ without a caching allocator, ``cpu_reserve.cpu_verdict``), not from the phase mo
   live at the allocated peak (``reserve.peak_breakdown``); ``peak.phase`` the meter's phase in
   force there (``Replay.peak_phase``, ``"setup"`` in the model's build);
 - ``phases``: each phase's peak over the steady steps as the bundled trainer's meter measures
-  them (``Replay.phase_peaks``, ``timeline.phases``); ``stage_peaks``: their highest, for the one
-  pipeline rank the run follows;
+  them (``Replay.phase_peaks``, ``timeline.phases``); ``stage_peaks``: their highest, for the
+  pipeline rank the run follows and, under the bundled trainer's pipeline, for every stage's run
+  (``stages.stage_verdict``), whose reserved peaks ``stage_reserved`` gives;
 - ``model_states``: the categories ``parameters``, ``gradients`` and ``optimizer_states`` live
   as the last step's optimizer phase starts (``phases.model_states``);
 - ``activations``: what the forwards keep for their backwards (``phases.saved_activations``);
-- the stage and rank: the rank the run follows (its ``Timeline.stage``, ``trainer.most_loaded_stage``
-  by default, and ``followed_rank`` for the bundled trainer; transformers' runs have one stage, rank 0).
+- the stage and rank: the rank the run follows (its ``Timeline.stage``: under the bundled trainer's
+  pipeline the stage whose replayed run runs out of memory first, ``stages.load_key``, and
+  ``followed_rank``; transformers' runs have one stage, rank 0).
 
 The host's bytes of activation offload are the run's (``Timeline.host_peak``: the pinned copies
 ``save_on_cpu`` holds at most, ``act_offload.SaveOnCpu``). What the run does not hold keeps its own
@@ -78,9 +80,18 @@ def run_report(
         offload=Offload(cpu=states.cpu + run.host_peak, nvme=states.nvme),
         paged_optimizer_states=states.paged,
         phases=phases,
-        stage_peaks={stage: max(phases.values())},
+        stage_peaks=_stage_peaks(v, stage, max(phases.values())),
+        stage_reserved={s: load.reserved for s, load in v.stage_loads.items()} if v.stage_loads else None,
         overhead=O.fixed_overhead_bytes(communicators),
         outside=O.outside_memory(communicators).detail(),
         gradient_accumulation=gradient_accumulation(workload, plan),
         model="op-level",
     )
+
+
+def _stage_peaks(v: Verdict, stage: int, steady: int) -> dict[int, int]:
+    """Each examined stage's highest steady phase peak: every stage's under a pipeline
+    (``Verdict.stage_loads``), else the followed one's."""
+    if not v.stage_loads:
+        return {stage: steady}
+    return {s: load.steady for s, load in v.stage_loads.items()}

@@ -16,7 +16,15 @@ from memplan.viz.track import Track, replay_timeline
 
 
 def predicted_run(job: Job, device: str = "cuda") -> tuple[Timeline, str]:
-    """The most-loaded rank's run and which model made it (``trainer``, ``phases (...)``, ``serving``)."""
+    """The most-loaded rank's run and which model made it (``trainer``, ``phases (...)``, ``serving``).
+    The bundled trainer's pipeline: the stage the estimate follows within the job's allocator and
+    capacity (``estimation.memory_verdict``: every stage's run replayed, ``costmodel.stages``)."""
+    if isinstance(job.workload, TrainingWorkload) and job.plan.pp > 1 and job.runtime == "memplan":
+        from memplan.estimation import memory_verdict
+
+        _, v, _ = memory_verdict(job, device)  # type: ignore[arg-type]
+        assert v.run is not None
+        return v.run, v.timeline
     if isinstance(job.workload, TrainingWorkload):
         return plan_run(job.model, job.workload, job.plan, job.runtime, device, job.gpu)
     return serving_run(job.model, job.workload, job.plan), "serving"

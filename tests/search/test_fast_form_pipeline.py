@@ -104,7 +104,7 @@ def test_the_cut_runs_follow_the_whole_models_rank(monkeypatch):
 
     plan = Plan(pp=2, pp_schedule="gpipe", precision="fp32", recompute="full")
     wl = TrainingWorkload(seq_len=2048, micro_batch=1, global_batch=MICRO_BATCHES)
-    followed, stages = trainer.most_loaded_stage(LLAMA1B, wl, plan), []
+    followed, stages = trainer.phase_stage(LLAMA1B, wl, plan), []
     real = trainer.trainer_run
 
     def spy(model, workload, plan, *args, **kwargs):

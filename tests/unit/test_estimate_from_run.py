@@ -60,7 +60,12 @@ def _assert_the_report_is_the_runs(job, report, v) -> None:  # noqa: ANN001
     assert report.peak.reserved_detail.timeline_allocated == v.replay.max_allocated
     assert report.peak.breakdown == peak_breakdown(v) and sum(report.peak.breakdown.values()) == report.peak.allocated
     assert report.phases == v.replay.phase_peaks and set(report.phases) == {"forward", "backward", "optimizer"}
-    assert report.stage_peaks == {report.peak.stage: max(report.phases.values())}
+    assert report.stage_peaks[report.peak.stage] == max(report.phases.values())
+    if v.stage_loads:  # the bundled trainer's pipeline: every stage's run (costmodel.stages)
+        assert set(report.stage_peaks) == set(report.stage_reserved) == set(range(job.plan.pp))
+        assert report.stage_reserved[report.peak.stage] == v.reserved
+    else:
+        assert set(report.stage_peaks) == {report.peak.stage} and report.stage_reserved is None
     assert report.model_states.model_dump() == phases.model_states(run)
     per_layer, total = phases.saved_activations(run)
     assert (report.activations.per_layer, report.activations.total) == (per_layer, total)
@@ -74,8 +79,9 @@ def _assert_the_report_is_the_runs(job, report, v) -> None:  # noqa: ANN001
         dict(precision="bf16", recompute="none"),
         dict(dp=2, zero=3, precision="bf16-mixed", recompute="selective", global_batch=8),
         dict(dp=2, zero=3, precision="bf16", offload_params="cpu", offload_optimizer="cpu"),
+        dict(pp=2, precision="bf16", global_batch=8),  # the followed stage: the runs', not the sums'
     ],
-    ids=["one-gpu", "fsdp2-accumulation", "fsdp2-offload"],
+    ids=["one-gpu", "fsdp2-accumulation", "fsdp2-offload", "pipeline"],
 )
 def test_an_op_level_estimate_does_not_compute_the_phase_model(tiny, no_phase_model, plan):
     job = _job(tiny, **plan)
@@ -99,8 +105,8 @@ def test_the_host_and_paged_bytes_keep_their_closed_form(tiny):
 
 
 def test_a_pipelined_estimate_follows_the_rank_its_run_follows(tiny):
-    """Under a pipeline the run follows the most-loaded stage (``trainer.most_loaded_stage``, the
-    one question still put to the phase model); the report names that stage and its rank."""
+    """Under a pipeline the run follows the most-loaded stage (``trainer.most_loaded_stage``: every
+    stage's run replayed, ``costmodel.stages``); the report names that stage and its rank."""
     from memplan.costmodel.timeline.trainer import followed_rank, most_loaded_stage
 
     job = _job(tiny, pp=2, precision="bf16", global_batch=8)

@@ -157,12 +157,29 @@ def steps(b: Builder, step: Callable[[bool], None], steady_steps: int, repeated:
 
 
 def most_loaded_stage(model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str = "cuda") -> int:
-    """The pipeline rank the run follows: 0 without a pipeline, else the phase model's most-loaded
-    stage (``memory.training_peak``, the bundled trainer's profile on ``device``: the rank ``memplan
-    validate`` runs). The one place an op-level estimate still asks the phase model: which rank,
-    not its bytes (following every stage would cost a run each). On CPU, SDPA's CPU kernel: on
-    pp4-fp32-4-microbatches (tests/validate/trainer_cases.py) CUDA's math path makes stage 0 the
-    most loaded, the CPU's flash kernel stage 3, as the trainer measures on CPU."""
+    """The pipeline rank the run follows: 0 without a pipeline, else the most loaded by the runs
+    (``stages.run_stage``: every stage's run on ``device``'s kernels replayed under the default
+    allocator, the highest reserved peak, then allocated, then the lowest stage: the rank
+    ``memplan validate`` runs). ``memplan estimate`` picks with the job's allocator and capacity
+    (``stages.stage_verdict``: a stage that does not fit first); the search's cut runs take
+    :func:`phase_stage`. A plan the op-level run does not model: the phase model's stage."""
+    if plan.pp == 1:
+        return 0
+    if supported(model, workload, plan) is not None:
+        return phase_stage(model, workload, plan, device)
+    from memplan.costmodel.stages import run_stage  # every stage's run: only when pipelined
+
+    return run_stage(model, workload, plan, device)
+
+
+def phase_stage(model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str = "cuda") -> int:
+    """The phase model's most-loaded stage (``memory.training_peak``, the bundled trainer's profile
+    on ``device``): what the search's cut runs follow (``fast_run._pipeline_peak``: one cut run per
+    depth, not one full run per stage). On ``device`` cpu SDPA's CPU kernel (pp4-fp32-4-microbatches,
+    tests/validate/trainer_cases.py: CUDA's math path makes stage 0 the most loaded, CPU's flash kernel
+    stage 3). Its sums may name another stage than the runs: the 1B Llama of the H200 traces, pp 4
+    1F1B, no recompute, bf16, 8 micro-batches of 512 tokens: stage 3 here, stage 0 by the runs
+    (5,586 against 5,304 MiB reserved on CUDA; tests/unit/test_pipeline_stage.py)."""
     if plan.pp == 1:
         return 0
     from memplan.costmodel.memory import training_peak  # the phase model, only when pipelined
