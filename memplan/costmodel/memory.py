@@ -879,74 +879,85 @@ def pipelined_last_backward(
 
 
 @lru_cache(maxsize=1024)
-def second_embedding_backward(pp: int, virtual_stages: int, m: int) -> tuple[int, int, int]:
-    """The first rank's second backward of its first chunk under the interleaved schedule, at the
-    embedding's backward (the chunk's last node): (the chunk-micro-batches still in flight but that
-    one, the sends held: every earlier forward's output of a chunk but the global last, every earlier
-    backward's input gradient of a chunk but the global first, ``_HeldToStepEnd``; the other chunks
-    whose latest action is a backward, whose groups FSDP2 ZeRO-3 keeps unsharded,
-    :func:`chunks_kept_at_last_forward`). By then every chunk has had a backward and the first
-    chunk's embedding gradient of the first is accumulated. A walk over :func:`schedule_actions` of
-    rank 0 (``lru_cache``)."""
+def embedding_backwards(pp: int, virtual_stages: int, m: int) -> tuple[tuple[int, int, int], ...]:
+    """The first rank's first two backwards of its first chunk under the interleaved schedule, at the
+    embedding's backward (the chunk's last node), each as (the chunk-micro-batches still in flight
+    but that one; the sends held: every earlier forward's output of a chunk but the global last,
+    every earlier backward's input gradient of a chunk but the global first, ``_HeldToStepEnd``; the
+    other chunks whose latest action is a backward, whose groups FSDP2 ZeRO-3 keeps unsharded,
+    :func:`chunks_kept_at_last_forward`). The first chunk is the last a backward reaches, so every
+    chunk has its gradients there. A walk over :func:`schedule_actions` of rank 0 (``lru_cache``)."""
     last = pp * virtual_stages - 1
-    total = sent = seen = 0
+    total = sent = 0
     latest: dict[int, str] = {}
+    found: list[tuple[int, int, int]] = []
     for kind, c, _ in schedule_actions("interleaved", pp, virtual_stages, 0, m):
         k = c * pp
         if kind == "F":
             total, sent = total + 1, sent + (k != last)
-        elif k == 0 and seen:
-            return total - 1, sent, sum(done == "B" for j, done in latest.items() if j != c)
         else:
-            seen += k == 0
+            if k == 0 and len(found) < 2:
+                found.append((total - 1, sent, sum(done == "B" for j, done in latest.items() if j != c)))
             total, sent = total - 1, sent + (k != 0)
         latest[c] = kind
-    return 0, 0, 0
+    return tuple(found)
 
 
 def pipelined_embedding_backward(
     model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, bwd_end: dict[str, int],
     x: A.Shape, m: int, grads: int, gather: int, chunk_saves: int, embed: int, persistent: int,
-) -> dict[str, int]:  # fmt: skip
+) -> list[dict[str, int]]:  # fmt: skip
     """The first rank's embedding backward under FSDP2 and the interleaved schedule, in its first
-    chunk's second backward (:func:`second_embedding_backward`): every gradient accumulated
-    unreduced (``grads``) and beside the accumulated embedding gradient the kernel's new one, V x h
-    in the unsharded dtype (``ops.embedding``: ``tok_embeddings.embedding.grad_weight``,
+    chunk's first two backwards (:func:`embedding_backwards`), every other gradient accumulated
+    unreduced (``grads``: every one, the embedding's in the reduce dtype). The kernel's new gradient,
+    V x h in the unsharded dtype (``ops.embedding``: ``tok_embeddings.embedding.grad_weight``,
     ``embedding_dense_backward_cuda``), with its int64 index buffers and fp32 partial sums
-    (``N + N // 10`` segments x h) and the incoming gradient of the lookup (b s h d); the unsharded
-    groups (ZeRO-2: every one, ``bwd_end``'s; ZeRO-3: the first chunk's, the embedding's and those of
-    the chunks a backward left so, ``gather`` a layer's); the other in-flight chunk-micro-batches'
-    saves (``chunk_saves`` each) and the sends held (``timeline/pipeline.py`` ``_HeldToStepEnd``)
-    beside the receive buffers (``persistent``). The run's peak on llama3-8b at dp 2, pp 4, v 2, m 4,
-    full recompute, 2,048 tokens, stage 0 (``tok_embeddings.embedding.grad_weight_per_segment``): the
-    sums were 4.72% under it without this moment."""
-    inflight, sent, kept = second_embedding_backward(plan.pp, plan.virtual_stages, m)
+    (``N + N // 10`` segments x h) and the incoming gradient of the lookup (b s h d): in the first
+    backward it is the embedding's gradient (under the mixed policy then copied, with the kernel's
+    buffers and the incoming gradient gone, to the fp32 accumulated one beside it,
+    ``Fsdp._keep_unsharded``: ``tok_embeddings.weight.accumulated_grad``),
+    in the second it is made beside the accumulated one. The unsharded groups: ZeRO-2 every one
+    (``bwd_end``'s); ZeRO-3 the first chunk's, the embedding's and those of the chunks a backward left
+    so (``gather`` a layer's). The other in-flight chunk-micro-batches' saves (``chunk_saves`` each),
+    the sends held (``timeline/pipeline.py`` ``_HeldToStepEnd``) beside the receive buffers
+    (``persistent``). The run's peak on llama3-8b at dp 2, v 2, m = p, 2,048 tokens, stage 0: pp 4,
+    bf16, full recompute (``tok_embeddings.embedding.grad_weight_per_segment``, the second backward;
+    the sums 4.72% under it without it) and pp 4, bf16-mixed, no recompute (the first's
+    ``tok_embeddings.weight.accumulated_grad``, 2.76% under)."""
     n, h = x.tokens, model.hidden_size
     segments = n + n // 10
     kernel = segments * h * 4 + 40 * n + 16 + 8 * segments + n * x.d * h
-    vocab = vocab_shard_params(model, plan.tp) * min(policy.param_bytes, policy.compute_bytes)
-    gathered = bwd_end["gathered_params"]
-    if plan.zero == 3:
-        gathered = (1 + kept) * (gather * layout.layers // plan.virtual_stages) + vocab
-    return {
-        **bwd_end,
-        "gradients": grads + vocab,
-        "activations": embed + inflight * chunk_saves + kernel,
-        "comm_buffers": persistent + sent * pipeline_activation_bytes(x),
-        "gathered_params": gathered,
-    }
+    vocab = vocab_shard_params(model, plan.tp)
+    new = vocab * min(policy.param_bytes, policy.compute_bytes)
+    own = vocab * policy.grad_bytes  # the embedding's accumulated gradient
+    moments = []
+    for j, (inflight, sent, kept) in enumerate(embedding_backwards(plan.pp, plan.virtual_stages, m)):
+        gathered = bwd_end["gathered_params"]
+        if plan.zero == 3:
+            gathered = (1 + kept) * (gather * layout.layers // plan.virtual_stages) + new
+        at = {
+            **bwd_end,
+            "gradients": grads - own + new if j == 0 else grads + new,
+            "activations": embed + inflight * chunk_saves + kernel,
+            "comm_buffers": persistent + sent * pipeline_activation_bytes(x),
+            "gathered_params": gathered,
+        }
+        moments.append(at)
+        if j == 0 and own > new:  # the fp32 copy beside the new gradient, the kernel's buffers gone
+            moments.append({**at, "gradients": grads + new, "activations": at["activations"] - kernel})
+    return moments
 
 
 def pipelined_reduce_scatter(
-    model: ModelSpec, plan: Plan, policy: PrecisionPolicy, embedding: dict[str, int], grads: int,
-    workspaces: int, persistent: int,
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, bwd_end: dict[str, int],
+    grads: int, gather: int, workspaces: int, persistent: int,
 ) -> dict[str, int]:  # fmt: skip
     """The first rank's step-end reduce-scatter under FSDP2 and the interleaved schedule, at its
     first group, the embedding's (``Pipeline.step``: ``reduce_all`` over the chunks' roots in order,
     each group's ``post_backward`` in module order, ``timeline/fsdp.py``): the embedding group
-    resharded, every other group still unsharded as at :func:`pipelined_embedding_backward`'s moment
-    (``embedding``, ZeRO-3's first chunk then having every group gathered), every accumulated
-    gradient (``grads``), the reduce-scatter input (V x h in the reduce dtype) and its output (over
+    resharded, every other group still unsharded (ZeRO-2: ``bwd_end``'s; ZeRO-3: every layer group,
+    ``gather`` each, none resharded since its chunk's last backward), every accumulated gradient
+    (``grads``), the reduce-scatter input (V x h in the reduce dtype) and its output (over
     ``dp``), beside the receive buffers and every send, held to ``sent.end()`` after the reduce
     (``persistent`` each: m per chunk but the global first or last), and cuBLAS's workspaces. Above
     the embedding's backward under bf16-mixed (the fp32 ``tok_embeddings.weight.accumulated_grad``):
@@ -954,12 +965,14 @@ def pipelined_reduce_scatter(
     (``fsdp.tok_embeddings.reduce_scatter_output``), 2.01% above the sums without it."""
     vocab = vocab_shard_params(model, plan.tp)
     rd = policy.grad_bytes
+    unsharded = vocab * min(policy.param_bytes, policy.compute_bytes)
+    layers = gather * layout.layers if plan.zero == 3 else bwd_end["gathered_params"] - unsharded
     return {
-        **embedding,
+        **bwd_end,
         "gradients": grads + vocab * rd // (plan.dp * plan.cp),
         "activations": workspaces,
         "comm_buffers": vocab * rd + 2 * persistent,
-        "gathered_params": embedding["gathered_params"] - vocab * min(policy.param_bytes, policy.compute_bytes),
+        "gathered_params": layers,
     }
 
 
@@ -1748,8 +1761,10 @@ def _stage_phases(
                 model, layout, plan, policy, bwd_end, x, accumulation, grads_full, gather,
                 stored // plan.virtual_stages, embed, p2p_opt,
             )  # fmt: skip
-            step_end = pipelined_reduce_scatter(model, plan, policy, embedding, grads_full, workspaces, p2p_opt)
-            candidates += [embedding, step_end]
+            step_end = pipelined_reduce_scatter(
+                model, layout, plan, policy, bwd_end, grads_full, gather, workspaces, p2p_opt
+            )
+            candidates += [*embedding, step_end]
     if mlp_backward is not None:
         # the bundled trainer offloading: the first layer's backward walked node by node
         # (memplan_offload) stands for the estimate of its end
