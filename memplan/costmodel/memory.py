@@ -976,6 +976,25 @@ def pipelined_reduce_scatter(
     }
 
 
+def pipelined_down_projection(
+    model: ModelSpec, plan: Plan, policy: PrecisionPolicy, bwd_start: dict[str, int], x: A.Shape
+) -> dict[str, int]:
+    """An interleaved pipeline rank's backward with the most in flight under FSDP2, at its chunk's
+    last layer's down projection (``w2``'s input gradient, the run's ``layers.N.feed_forward.w2.dX``,
+    b s f d): every activation still saved (``bwd_start``'s), and the projection's new weight
+    gradient (h f in the unsharded dtype, ``w2.dW``) beside the gradients there: beside the
+    accumulated one where the chunk had a backward already (pipelining accumulates it after the node,
+    ``Fsdp._keep_unsharded``), else the chunk's first. The run's peak on llama3-8b at dp 2, pp 2, v 2,
+    ZeRO-2, m 4, no recompute, stage 0: the sums 0.39% under it without this moment."""
+    f = model.ffn_size // plan.tp
+    unsharded = min(policy.param_bytes, policy.compute_bytes)
+    return {
+        **bwd_start,
+        "gradients": bwd_start["gradients"] + model.hidden_size * f * unsharded,
+        "activations": bwd_start["activations"] + x.tokens * f * x.d,
+    }
+
+
 def fp8_first_backward_layer(
     bwd_start: dict[str, int], fp8: F8.Fp8Step, acts: int, x: A.Shape, head_grads: int, retained: int, gathered: int
 ) -> dict[str, int]:
@@ -1765,6 +1784,8 @@ def _stage_phases(
                 model, layout, plan, policy, bwd_end, grads_full, gather, workspaces, p2p_opt
             )
             candidates += [*embedding, step_end]
+        if fsdp2 and not layout.is_last and model.moe is None:  # the first layer's backward, on ranks but the last
+            candidates.append(pipelined_down_projection(model, plan, policy, bwd_start, x))
     if mlp_backward is not None:
         # the bundled trainer offloading: the first layer's backward walked node by node
         # (memplan_offload) stands for the estimate of its end
