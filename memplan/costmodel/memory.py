@@ -810,16 +810,42 @@ def pipelined_gradients(model: ModelSpec, layout: StageLayout, plan: Plan, m: in
     :func:`chunks_without_gradients` finds, at its last forward and at its backward with the most
     in flight. A chunk's share is its layers' parameters (``stage_layout`` of that chunk alone),
     with the embedding in the global first chunk and the final norm and LM head in the last."""
+    at_forward, at_backward = chunks_without_gradients(plan.pp, plan.virtual_stages, layout.stage, m)
+    return grads - _chunks_share(model, layout, plan, at_forward, grads), grads - _chunks_share(
+        model, layout, plan, at_backward, grads
+    )
+
+
+def _chunks_share(model: ModelSpec, layout: StageLayout, plan: Plan, chunks: tuple[int, ...], grads: int) -> int:
+    """The part of the rank's ``grads`` that its local ``chunks`` hold (:func:`pipelined_gradients`)."""
     v, stage = plan.virtual_stages, layout.stage
     extra = layout.params - layout.layer_params  # the embedding (first rank) or the head (last)
-    out = []
-    for missing in chunks_without_gradients(plan.pp, v, stage, m):
-        n = 0
-        for c in missing:
-            n += stage_layout(model, plan.tp, plan.ep, plan.pp * v, 1, c * plan.pp + stage).layer_params
-            n += extra if (c == 0 and layout.is_first) or (c == v - 1 and layout.is_last) else 0
-        out.append(grads - grads * n // layout.params)
-    return out[0], out[1]
+    n = 0
+    for c in chunks:
+        n += stage_layout(model, plan.tp, plan.ep, plan.pp * v, 1, c * plan.pp + stage).layer_params
+        n += extra if (c == 0 and layout.is_first) or (c == v - 1 and layout.is_last) else 0
+    return grads * n // layout.params
+
+
+@lru_cache(maxsize=1024)
+def chunks_without_gradients_after(pp: int, virtual_stages: int, stage: int, m: int) -> tuple[int, ...]:
+    """The rank's local chunks that no backward has reached yet under the interleaved schedule at the
+    end of its latest backward with the most chunks in flight (:func:`chunks_without_gradients`'
+    second, less that backward's own chunk, whose gradients it has made). A walk over
+    :func:`schedule_actions` (``lru_cache``)."""
+    most = chunks_in_flight("interleaved", pp, virtual_stages, stage, m)
+    done: set[int] = set()
+    total = 0
+    after: tuple[int, ...] = ()
+    for kind, c, _ in schedule_actions("interleaved", pp, virtual_stages, stage, m):
+        if kind == "F":
+            total += 1
+            continue
+        done.add(c)
+        if total == most:
+            after = tuple(k for k in range(virtual_stages) if k not in done)
+        total -= 1
+    return after
 
 
 @lru_cache(maxsize=1024)
@@ -1788,6 +1814,11 @@ def _stage_phases(
                 model, layout, plan, policy, bwd_end, grads_full, gather, workspaces, p2p_opt
             )
             candidates += [*embedding, step_end]
+        if fsdp2:  # the backward with the most in flight holds the gradients of the chunks reached by its end
+            missing = chunks_without_gradients_after(plan.pp, plan.virtual_stages, stage, accumulation)
+            if missing:
+                held = grads_full - _chunks_share(model, layout, plan, missing, grads_full)
+                candidates[1] = {**bwd_end, "gradients": min(held, bwd_end["gradients"])}
         if fsdp2 and not layout.is_last and model.moe is None:  # the first layer's backward, on ranks but the last
             candidates.append(pipelined_down_projection(model, plan, policy, bwd_start, x))
     if mlp_backward is not None:

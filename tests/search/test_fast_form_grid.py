@@ -258,6 +258,10 @@ SLOW_INTERLEAVED += [
         (2, 2, "bf16", "none", 2048, 4),  # the down projection's w2.dW beside the accumulated one: -0.39%
         (4, 2, "bf16", "selective", 4096, 8),  # -0.44%
         (8, 2, "bf16", "none", 2048, 16),  # -0.92%
+        # pp 8, m = p: the backward with the most in flight holds no gradient of the chunks it has not
+        # reached by its end (memory.chunks_without_gradients_after); +8.0% and +5.5% before
+        (8, 3, "bf16-mixed", "none", 2048, 8),
+        (8, 2, "bf16-mixed", "selective", 2048, 8),
     )
 ]
 
@@ -270,8 +274,9 @@ SLOW_INTERLEAVED_MISSES = [
     _miss(dict(_ILEAVE, pp=2, zero=2, precision="bf16-mixed", recompute="none"), 4096, 4,
           "-0.14% (-117.5 MB): under the mixed policy the first backward layer peaks later, at its "
           "ffn_norm's backward (layers.7.ffn_norm.pow.grad), with the MLP's three new bf16 dW"),
-    _miss(dict(_ILEAVE, pp=8, zero=3, precision="bf16-mixed", recompute="none"), 2048, 8,
-          "+8.0% (+1.96 GB): pp 8, m = p: the first rank's sums over its run"),
+    _miss(dict(_ILEAVE, pp=8, zero=3, precision="bf16", recompute="none"), 2048, 8,
+          "-1.56% (-302.6 MB; +2.9% before): pp 8, m = p, the first rank's backward with the most in "
+          "flight at the next group's all-gather (fsdp.layers.0.copy_out_meta, its all_gather_output)"),
 ]  # fmt: skip
 
 
