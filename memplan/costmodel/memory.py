@@ -1025,6 +1025,34 @@ def pipelined_down_projection(
     }
 
 
+def interleaved_fsdp2_backwards(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, x: A.Shape, m: int,
+    bwd_start: dict[str, int], bwd_end: dict[str, int], grads: int, chunk_saves: int, embed: int,
+    persistent: int, workspaces: int, fp8_gather: bool, finetune: bool,
+) -> tuple[dict[str, int], list[dict[str, int]]]:  # fmt: skip
+    """An interleaved pipeline rank's backward moments under FSDP2 beyond the phases': (its backward
+    end with the gradients of the chunks reached by then alone, :func:`chunks_without_gradients_after`;
+    the first rank's embedding backwards, :func:`pipelined_embedding_backward`, and its step-end
+    reduce-scatter, :func:`pipelined_reduce_scatter`, and on ranks but the last the first backward
+    layer's down projection, :func:`pipelined_down_projection`). ``grads``: every chunk's gradients."""
+    missing = chunks_without_gradients_after(plan.pp, plan.virtual_stages, layout.stage, m)
+    if missing:
+        held = grads - _chunks_share(model, layout, plan, missing, grads)
+        bwd_end = {**bwd_end, "gradients": min(held, bwd_end["gradients"])}
+    extra: list[dict[str, int]] = []
+    if layout.is_first and not (layout.is_last and model.tied_embeddings) and not finetune:
+        gather = fsdp2_layer_gather(model, layout, policy, fp8_gather)
+        extra += pipelined_embedding_backward(
+            model, layout, plan, policy, bwd_end, x, m, grads, gather, chunk_saves, embed, persistent
+        )
+        extra.append(
+            pipelined_reduce_scatter(model, layout, plan, policy, bwd_end, grads, gather, workspaces, persistent)
+        )
+    if not layout.is_last and model.moe is None:
+        extra.append(pipelined_down_projection(model, plan, policy, bwd_start, x))
+    return bwd_end, extra
+
+
 def fp8_first_backward_layer(
     bwd_start: dict[str, int], fp8: F8.Fp8Step, acts: int, x: A.Shape, head_grads: int, retained: int, gathered: int
 ) -> dict[str, int]:
@@ -1804,23 +1832,12 @@ def _stage_phases(
             candidates.append(
                 pipelined_last_backward(layout, plan, policy, bwd_end, gather, stored, embed + layer_part)
             )
-        if fsdp2 and layout.is_first and not (layout.is_last and model.tied_embeddings) and not finetune:
-            gather = fsdp2_layer_gather(model, layout, policy, fp8.gather_fp8)
-            embedding = pipelined_embedding_backward(
-                model, layout, plan, policy, bwd_end, x, accumulation, grads_full, gather,
-                stored // plan.virtual_stages, embed, p2p_opt,
+        if fsdp2:  # the first rank's embedding backward and reduce-scatter; the most in flight's gradients
+            candidates[1], extra = interleaved_fsdp2_backwards(
+                model, layout, plan, policy, x, accumulation, bwd_start, bwd_end, grads_full,
+                stored // plan.virtual_stages, embed, p2p_opt, workspaces, fp8.gather_fp8, finetune,
             )  # fmt: skip
-            step_end = pipelined_reduce_scatter(
-                model, layout, plan, policy, bwd_end, grads_full, gather, workspaces, p2p_opt
-            )
-            candidates += [*embedding, step_end]
-        if fsdp2:  # the backward with the most in flight holds the gradients of the chunks reached by its end
-            missing = chunks_without_gradients_after(plan.pp, plan.virtual_stages, stage, accumulation)
-            if missing:
-                held = grads_full - _chunks_share(model, layout, plan, missing, grads_full)
-                candidates[1] = {**bwd_end, "gradients": min(held, bwd_end["gradients"])}
-        if fsdp2 and not layout.is_last and model.moe is None:  # the first layer's backward, on ranks but the last
-            candidates.append(pipelined_down_projection(model, plan, policy, bwd_start, x))
+            candidates += extra
     if mlp_backward is not None:
         # the bundled trainer offloading: the first layer's backward walked node by node
         # (memplan_offload) stands for the estimate of its end
