@@ -1048,7 +1048,7 @@ def interleaved_fsdp2_backwards(
         extra.append(
             pipelined_reduce_scatter(model, layout, plan, policy, bwd_end, grads, gather, workspaces, persistent)
         )
-    if not layout.is_last and model.moe is None:
+    if not layout.is_last and model.moe is None and not finetune:  # a frozen base makes no w2.dW
         extra.append(pipelined_down_projection(model, plan, policy, bwd_start, x))
     return bwd_end, extra
 
