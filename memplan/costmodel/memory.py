@@ -819,16 +819,42 @@ def pipelined_gradients(model: ModelSpec, layout: StageLayout, plan: Plan, m: in
     :func:`chunks_without_gradients` finds, at its last forward and at its backward with the most
     in flight. A chunk's share is its layers' parameters (``stage_layout`` of that chunk alone),
     with the embedding in the global first chunk and the final norm and LM head in the last."""
+    at_forward, at_backward = chunks_without_gradients(plan.pp, plan.virtual_stages, layout.stage, m)
+    return grads - _chunks_share(model, layout, plan, at_forward, grads), grads - _chunks_share(
+        model, layout, plan, at_backward, grads
+    )
+
+
+def _chunks_share(model: ModelSpec, layout: StageLayout, plan: Plan, chunks: tuple[int, ...], grads: int) -> int:
+    """The part of the rank's ``grads`` that its local ``chunks`` hold (:func:`pipelined_gradients`)."""
     v, stage = plan.virtual_stages, layout.stage
     extra = layout.params - layout.layer_params  # the embedding (first rank) or the head (last)
-    out = []
-    for missing in chunks_without_gradients(plan.pp, v, stage, m):
-        n = 0
-        for c in missing:
-            n += stage_layout(model, plan.tp, plan.ep, plan.pp * v, 1, c * plan.pp + stage).layer_params
-            n += extra if (c == 0 and layout.is_first) or (c == v - 1 and layout.is_last) else 0
-        out.append(grads - grads * n // layout.params)
-    return out[0], out[1]
+    n = 0
+    for c in chunks:
+        n += stage_layout(model, plan.tp, plan.ep, plan.pp * v, 1, c * plan.pp + stage).layer_params
+        n += extra if (c == 0 and layout.is_first) or (c == v - 1 and layout.is_last) else 0
+    return grads * n // layout.params
+
+
+@lru_cache(maxsize=1024)
+def chunks_without_gradients_after(pp: int, virtual_stages: int, stage: int, m: int) -> tuple[int, ...]:
+    """The rank's local chunks that no backward has reached yet under the interleaved schedule at the
+    end of its latest backward with the most chunks in flight (:func:`chunks_without_gradients`'
+    second, less that backward's own chunk, whose gradients it has made). A walk over
+    :func:`schedule_actions` (``lru_cache``)."""
+    most = chunks_in_flight("interleaved", pp, virtual_stages, stage, m)
+    done: set[int] = set()
+    total = 0
+    after: tuple[int, ...] = ()
+    for kind, c, _ in schedule_actions("interleaved", pp, virtual_stages, stage, m):
+        if kind == "F":
+            total += 1
+            continue
+        done.add(c)
+        if total == most:
+            after = tuple(k for k in range(virtual_stages) if k not in done)
+        total -= 1
+    return after
 
 
 @lru_cache(maxsize=1024)
@@ -885,6 +911,155 @@ def pipelined_last_backward(
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     every = layout.layers * gather + (layout.params - layout.layer_params) * unsharded
     return {**bwd_end, "activations": stored // plan.virtual_stages + live, "gathered_params": every}
+
+
+@lru_cache(maxsize=1024)
+def embedding_backwards(pp: int, virtual_stages: int, m: int) -> tuple[tuple[int, int, int], ...]:
+    """The first rank's backwards of its first chunk under the interleaved schedule, at the
+    embedding's backward (the chunk's last node), each as (the chunk-micro-batches still in flight
+    but that one; the sends held: every earlier forward's output of a chunk but the global last,
+    every earlier backward's input gradient of a chunk but the global first, ``_HeldToStepEnd``; the
+    other chunks whose latest action is a backward, whose groups FSDP2 ZeRO-3 keeps unsharded,
+    :func:`chunks_kept_at_last_forward`): the first, then of the later ones those no other exceeds in
+    all three. The first chunk is the last a backward reaches, so every chunk has its gradients
+    there. A walk over :func:`schedule_actions` of rank 0 (``lru_cache``)."""
+    last = pp * virtual_stages - 1
+    total = sent = 0
+    latest: dict[int, str] = {}
+    found: list[tuple[int, int, int]] = []
+    for kind, c, _ in schedule_actions("interleaved", pp, virtual_stages, 0, m):
+        k = c * pp
+        if kind == "F":
+            total, sent = total + 1, sent + (k != last)
+        else:
+            if k == 0:
+                found.append((total - 1, sent, sum(done == "B" for j, done in latest.items() if j != c)))
+            total, sent = total - 1, sent + (k != 0)
+        latest[c] = kind
+    later = set(found[1:])
+    exceeded = {t for t in later for o in later if o != t and o[0] >= t[0] and o[1] >= t[1] and o[2] >= t[2]}
+    return (found[0], *sorted(later - exceeded))
+
+
+def pipelined_embedding_backward(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, bwd_end: dict[str, int],
+    x: A.Shape, m: int, grads: int, gather: int, chunk_saves: int, embed: int, persistent: int,
+) -> list[dict[str, int]]:  # fmt: skip
+    """The first rank's embedding backward under FSDP2 and the interleaved schedule, in its first
+    chunk's backwards (:func:`embedding_backwards`), every other gradient accumulated
+    unreduced (``grads``: every one, the embedding's in the reduce dtype). The kernel's new gradient,
+    V x h in the unsharded dtype (``ops.embedding``: ``tok_embeddings.embedding.grad_weight``,
+    ``embedding_dense_backward_cuda``), with its int64 index buffers and fp32 partial sums
+    (``N + N // 10`` segments x h) and the incoming gradient of the lookup (b s h d): in the first
+    backward it is the embedding's gradient (under the mixed policy then copied, with the kernel's
+    buffers and the incoming gradient gone, to the fp32 accumulated one beside it,
+    ``Fsdp._keep_unsharded``: ``tok_embeddings.weight.accumulated_grad``),
+    in a later one it is made beside the accumulated one. The unsharded groups: ZeRO-2 every one
+    (``bwd_end``'s); ZeRO-3 the first chunk's, the embedding's and those of the chunks a backward left
+    so (``gather`` a layer's). The other in-flight chunk-micro-batches' saves (``chunk_saves`` each),
+    the sends held (``timeline/pipeline.py`` ``_HeldToStepEnd``) beside the receive buffers
+    (``persistent``). The run's peak on llama3-8b at dp 2, v 2, m = p, 2,048 tokens, stage 0: pp 4,
+    bf16, full recompute (``tok_embeddings.embedding.grad_weight_per_segment``, the second backward;
+    the sums 4.72% under it without it; pp 2, m 4: the last, every chunk unsharded, 2.4% under) and
+    pp 4, bf16-mixed, no recompute (the first's
+    ``tok_embeddings.weight.accumulated_grad``, 2.76% under)."""
+    n, h = x.tokens, model.hidden_size
+    segments = n + n // 10
+    kernel = segments * h * 4 + 40 * n + 16 + 8 * segments + n * x.d * h
+    vocab = vocab_shard_params(model, plan.tp)
+    new = vocab * min(policy.param_bytes, policy.compute_bytes)
+    own = vocab * policy.grad_bytes  # the embedding's accumulated gradient
+    moments = []
+    for j, (inflight, sent, kept) in enumerate(embedding_backwards(plan.pp, plan.virtual_stages, m)):
+        gathered = bwd_end["gathered_params"]
+        if plan.zero == 3:
+            gathered = (1 + kept) * (gather * layout.layers // plan.virtual_stages) + new
+        at = {
+            **bwd_end,
+            "gradients": grads - own + new if j == 0 else grads + new,
+            "activations": embed + inflight * chunk_saves + kernel,
+            "comm_buffers": persistent + sent * pipeline_activation_bytes(x),
+            "gathered_params": gathered,
+        }
+        moments.append(at)
+        if j == 0 and own > new:  # the fp32 copy beside the new gradient, the kernel's buffers gone
+            moments.append({**at, "gradients": grads + new, "activations": at["activations"] - kernel})
+    return moments
+
+
+def pipelined_reduce_scatter(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, bwd_end: dict[str, int],
+    grads: int, gather: int, workspaces: int, persistent: int,
+) -> dict[str, int]:  # fmt: skip
+    """The first rank's step-end reduce-scatter under FSDP2 and the interleaved schedule, at its
+    first group, the embedding's (``Pipeline.step``: ``reduce_all`` over the chunks' roots in order,
+    each group's ``post_backward`` in module order, ``timeline/fsdp.py``): the embedding group
+    resharded, every other group still unsharded (ZeRO-2: ``bwd_end``'s; ZeRO-3: every layer group,
+    ``gather`` each, none resharded since its chunk's last backward), every accumulated gradient
+    (``grads``), the reduce-scatter input (V x h in the reduce dtype) and its output (over
+    ``dp``), beside the receive buffers and every send, held to ``sent.end()`` after the reduce
+    (``persistent`` each: m per chunk but the global first or last), and cuBLAS's workspaces. Above
+    the embedding's backward under bf16-mixed (the fp32 ``tok_embeddings.weight.accumulated_grad``):
+    the run's peak on llama3-8b at dp 2, pp 2, v 2, m 2, full recompute, 4,096 tokens
+    (``fsdp.tok_embeddings.reduce_scatter_output``), 2.01% above the sums without it."""
+    vocab = vocab_shard_params(model, plan.tp)
+    rd = policy.grad_bytes
+    unsharded = vocab * min(policy.param_bytes, policy.compute_bytes)
+    layers = gather * layout.layers if plan.zero == 3 else bwd_end["gathered_params"] - unsharded
+    return {
+        **bwd_end,
+        "gradients": grads + vocab * rd // (plan.dp * plan.cp),
+        "activations": workspaces,
+        "comm_buffers": vocab * rd + 2 * persistent,
+        "gathered_params": layers,
+    }
+
+
+def pipelined_down_projection(
+    model: ModelSpec, plan: Plan, policy: PrecisionPolicy, bwd_start: dict[str, int], x: A.Shape
+) -> dict[str, int]:
+    """An interleaved pipeline rank's backward with the most in flight under FSDP2, at its chunk's
+    last layer's down projection (``w2``'s input gradient, the run's ``layers.N.feed_forward.w2.dX``,
+    b s f d): every activation still saved (``bwd_start``'s), and the projection's new weight
+    gradient (h f in the unsharded dtype, ``w2.dW``) beside the gradients there: beside the
+    accumulated one where the chunk had a backward already (pipelining accumulates it after the node,
+    ``Fsdp._keep_unsharded``), else the chunk's first. The run's peak on llama3-8b at dp 2, pp 2, v 2,
+    ZeRO-2, m 4, no recompute, stage 0: the sums 0.39% under it without this moment."""
+    f = model.ffn_size // plan.tp
+    unsharded = min(policy.param_bytes, policy.compute_bytes)
+    return {
+        **bwd_start,
+        "gradients": bwd_start["gradients"] + model.hidden_size * f * unsharded,
+        "activations": bwd_start["activations"] + x.tokens * f * x.d,
+    }
+
+
+def interleaved_fsdp2_backwards(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, x: A.Shape, m: int,
+    bwd_start: dict[str, int], bwd_end: dict[str, int], grads: int, chunk_saves: int, embed: int,
+    persistent: int, workspaces: int, fp8_gather: bool, finetune: bool,
+) -> tuple[dict[str, int], list[dict[str, int]]]:  # fmt: skip
+    """An interleaved pipeline rank's backward moments under FSDP2 beyond the phases': (its backward
+    end with the gradients of the chunks reached by then alone, :func:`chunks_without_gradients_after`;
+    the first rank's embedding backwards, :func:`pipelined_embedding_backward`, and its step-end
+    reduce-scatter, :func:`pipelined_reduce_scatter`, and on ranks but the last the first backward
+    layer's down projection, :func:`pipelined_down_projection`). ``grads``: every chunk's gradients."""
+    missing = chunks_without_gradients_after(plan.pp, plan.virtual_stages, layout.stage, m)
+    if missing:
+        held = grads - _chunks_share(model, layout, plan, missing, grads)
+        bwd_end = {**bwd_end, "gradients": min(held, bwd_end["gradients"])}
+    extra: list[dict[str, int]] = []
+    if layout.is_first and not (layout.is_last and model.tied_embeddings) and not finetune:
+        gather = fsdp2_layer_gather(model, layout, policy, fp8_gather)
+        extra += pipelined_embedding_backward(
+            model, layout, plan, policy, bwd_end, x, m, grads, gather, chunk_saves, embed, persistent
+        )
+        extra.append(
+            pipelined_reduce_scatter(model, layout, plan, policy, bwd_end, grads, gather, workspaces, persistent)
+        )
+    if not layout.is_last and model.moe is None and not finetune:  # a frozen base makes no w2.dW
+        extra.append(pipelined_down_projection(model, plan, policy, bwd_start, x))
+    return bwd_end, extra
 
 
 def fp8_first_backward_layer(
@@ -1780,6 +1955,12 @@ def _stage_phases(
             candidates.append(
                 pipelined_last_backward(layout, plan, policy, bwd_end, gather, stored, embed + layer_part)
             )
+        if fsdp2:  # the first rank's embedding backward and reduce-scatter; the most in flight's gradients
+            candidates[1], extra = interleaved_fsdp2_backwards(
+                model, layout, plan, policy, x, accumulation, bwd_start, bwd_end, grads_full,
+                stored // plan.virtual_stages, embed, p2p_opt, workspaces, fp8.gather_fp8, finetune,
+            )  # fmt: skip
+            candidates += extra
     if mlp_backward is not None:
         # the bundled trainer offloading: the first layer's backward walked node by node
         # (memplan_offload) stands for the estimate of its end
