@@ -1496,6 +1496,33 @@ def warmup_output_held(plan: Plan, stage: int, m: int) -> int:
     return int(plan.pp_schedule == "1f1b" and plan.pp > 1 and w >= 2 and m >= 2 * w - 1)
 
 
+def embedding_backward_beside_grad(x: A.Shape, plan: Plan, stage: int, m: int, mbs: int) -> tuple[int, int]:
+    """(activations, stage outputs) at the first pipeline stage's embedding backward in 1F1B's
+    steady state, beyond the other in-flight micro-batches' saves and the gradients (the one an
+    earlier backward left and the fresh one ``embedding_dense_backward`` makes beside it, added
+    after: ``ops.embedding``, a replicated V h under DTensor TP). Activations: the gradient of the
+    embedding's output (r h a token) and the kernel's buffers at its widest node
+    (:func:`embedding_backward_temp`). Outputs: every in-flight micro-batch's stage output, this
+    one's too (the stage's backward holds it until it returns), and the one ``send_work`` holds
+    (:func:`warmup_output_held`). The run (``trainer_run``, the 1B config of the H200 traces, pp 4,
+    8 micro-batches, stage 0): TP 2 bf16-mixed at 512 tokens, the live bytes at the peak to the
+    byte (the allocator's blocks 1,049,688 B more); one tensor rank, bf16 selective-op at 2,048
+    tokens, to 192 B."""
+    r, h = TO.residual_bytes(x), x.model.hidden_size
+    outputs = (mbs + warmup_output_held(plan, stage, m)) * pipeline_activation_bytes(x)
+    return x.tokens * r * h + embedding_backward_temp(x), outputs
+
+
+def embedding_backward_temp(x: A.Shape) -> int:
+    """``ops.embedding``'s backward (``embedding_dense_backward_cuda``) at its widest node, beside
+    the weight gradient it makes: over N ids the int64 sorted ids, sort order, segment offsets,
+    partials per segment and partial offsets (5 x 8 N), the two counts (2 x 8), the partials'
+    segment offsets (8 P) and their fp32 partial sums (4 P h), P = N + N // 10 segments."""
+    n = x.tokens
+    parts = n + n // 10
+    return 8 * (5 * n + 2 + parts) + 4 * parts * x.model.hidden_size
+
+
 # the moments' keys, read once: an enum member looked up on its class costs a Python call (3.11)
 _FORWARD, _BACKWARD_START = Moment.FORWARD, Moment.BACKWARD_START
 _BACKWARD, _OPTIMIZER = Moment.BACKWARD, Moment.OPTIMIZER
@@ -1696,6 +1723,8 @@ def _stage_phases(
         # (tied, it is summed into the LM head's vocab-sharded one)
         replicated = model.vocab_size * model.hidden_size - vocab_shard_params(model, plan.tp)
         grads_full += replicated * policy.grad_bytes
+        if grads_in_step:  # an earlier backward's, beside the forwards and backwards after it
+            grads_in_step += replicated * policy.grad_bytes
         if master_grads:  # and MasterAdamW's fp32 cast of it is as wide (tok_embeddings.weight.grad_fp32)
             master_grads += replicated * 4
     weight_copies = autocast_weight_copies(model, layout, plan, x.d) if x.autocast else 0
@@ -1925,6 +1954,19 @@ def _stage_phases(
                     "gradients": bwd_start["gradients"] or made,
                     "activations": bwd_start["activations"] + held,
                     "comm_buffers": bwd_start["comm_buffers"] + sent,
+                }
+            )
+    if layout.is_first and grads_in_step and layers and plan.pp > 1 and plan.pp_schedule == "1f1b" and not fsdp2:
+        if rt.name == "memplan" and not finetune and lora_acts is None and plan.offload_activations == "none":
+            # a later backward's embedding backward beside the gradient an earlier one left (V h under
+            # DTensor TP), with every other in-flight micro-batch's saves; this one's RoPE tables are gone
+            held, outputs = embedding_backward_beside_grad(x, plan, stage, accumulation, mbs)
+            candidates.append(
+                {
+                    **bwd_end,
+                    "gradients": grads_full + embedding_grad_pending(model, layout, plan, policy, rt),
+                    "activations": others + embed - terms.per_chunk + held,
+                    "comm_buffers": bwd_end["comm_buffers"] + outputs,
                 }
             )
     bwd, bwd_total = _largest(candidates)
