@@ -1323,6 +1323,7 @@ class MemoryMemo:
     unsharded: dict[tuple, _Fsdp2] = field(default_factory=dict)
     mlp_moments: dict[tuple, int] = field(default_factory=dict)
     rebuilds: dict[tuple, tuple[int, int]] = field(default_factory=dict)  # first_backward_rebuild
+    embeddings: dict[tuple, tuple[int, int, int]] = field(default_factory=dict)  # embedding_backward
     stages: dict[int, list[int]] = field(default_factory=dict)  # _stages_to_examine by pp
 
     def shape(
@@ -1388,6 +1389,17 @@ class MemoryMemo:
         key = (shape_key, op_sac)
         if (found := self.rebuilds.get(key)) is None:
             found = self.rebuilds[key] = first_backward_rebuild(x, op_sac, grad_bytes)
+        return found
+
+    def embedding_backward(
+        self, key: tuple, model: ModelSpec, x: A.Shape, layout: StageLayout, plan: Plan, policy: PrecisionPolicy,
+        rt: RuntimeProfile, m: int, mbs: int,
+    ) -> tuple[int, int, int]:  # fmt: skip
+        """(``embedding_grad_pending``, ``embedding_backward_beside_grad``'s two) of the first stage
+        without FSDP2; ``key``: the shape's and the layout's keys, the schedule and ``m`` (what they read)."""
+        if (found := self.embeddings.get(key)) is None:
+            held, outputs = embedding_backward_beside_grad(x, plan, layout.stage, m, mbs)
+            found = self.embeddings[key] = (embedding_grad_pending(model, layout, plan, policy, rt), held, outputs)
         return found
 
     def pipeline(
@@ -1966,11 +1978,14 @@ def _stage_phases(
         if rt.name == "memplan" and not finetune and lora_acts is None and plan.offload_activations == "none":
             # a later backward's embedding backward beside the gradient an earlier one left (V h under
             # DTensor TP), with every other in-flight micro-batch's saves; this one's RoPE tables are gone
-            held, outputs = embedding_backward_beside_grad(x, plan, stage, accumulation, mbs)
+            key = (shape_key, layout_key, plan.pp_schedule, accumulation)
+            if (found := memo.embeddings.get(key)) is None:  # the search's cost: a call only on a miss
+                found = memo.embedding_backward(key, model, x, layout, plan, policy, rt, accumulation, mbs)
+            made, held, outputs = found
             candidates.append(
                 {
                     **bwd_end,
-                    "gradients": grads_full + embedding_grad_pending(model, layout, plan, policy, rt),
+                    "gradients": grads_full + made,
                     "activations": others + embed - terms.per_chunk + held,
                     "comm_buffers": bwd_end["comm_buffers"] + outputs,
                 }
