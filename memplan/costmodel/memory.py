@@ -1497,6 +1497,8 @@ class MemoryMemo:
     states: dict[tuple, _States] = field(default_factory=dict)
     unsharded: dict[tuple, _Fsdp2] = field(default_factory=dict)
     mlp_moments: dict[tuple, int] = field(default_factory=dict)
+    rebuilds: dict[tuple, tuple[int, int]] = field(default_factory=dict)  # first_backward_rebuild
+    embeddings: dict[tuple, tuple[int, int, int]] = field(default_factory=dict)  # embedding_backward
     stages: dict[int, list[int]] = field(default_factory=dict)  # _stages_to_examine by pp
 
     def shape(
@@ -1554,6 +1556,25 @@ class MemoryMemo:
         if (found := self.mlp_moments.get(key)) is None:
             moment = op_sac_mlp_forward if op_sac else _checkpointed_mlp_forward
             found = self.mlp_moments[key] = moment(x, layer_copies)
+        return found
+
+    def first_backward(self, x: A.Shape, shape_key: tuple, op_sac: bool, grad_bytes: int) -> tuple[int, int]:
+        """``first_backward_rebuild`` of the shape ``shape_key`` names (the precision, in it, sets
+        ``grad_bytes``)."""
+        key = (shape_key, op_sac)
+        if (found := self.rebuilds.get(key)) is None:
+            found = self.rebuilds[key] = first_backward_rebuild(x, op_sac, grad_bytes)
+        return found
+
+    def embedding_backward(
+        self, key: tuple, model: ModelSpec, x: A.Shape, layout: StageLayout, plan: Plan, policy: PrecisionPolicy,
+        rt: RuntimeProfile, m: int, mbs: int,
+    ) -> tuple[int, int, int]:  # fmt: skip
+        """(``embedding_grad_pending``, ``embedding_backward_beside_grad``'s two) of the first stage
+        without FSDP2; ``key``: the shape's and the layout's keys, the schedule and ``m`` (what they read)."""
+        if (found := self.embeddings.get(key)) is None:
+            held, outputs = embedding_backward_beside_grad(x, plan, layout.stage, m, mbs)
+            found = self.embeddings[key] = (embedding_grad_pending(model, layout, plan, policy, rt), held, outputs)
         return found
 
     def pipeline(
@@ -1625,6 +1646,70 @@ def _last_mlp_moment(x: A.Shape, layer_copies: int, op_sac: bool) -> int:
     return alive + max(tokens * first + layer_copies - last_copy, tokens * last + layer_copies)
 
 
+def first_backward_rebuild(x: A.Shape, op_sac: bool, grad_bytes: int) -> tuple[int, int]:
+    """(weight gradients made, bytes held) beyond the layers' saves when a checkpointed layer's
+    backward (a pipeline stage's first: its last layer) has run its recomputation and reached
+    the widest node of its MLP's backward, at one tensor rank with flash or cuDNN SDPA and a gated MLP:
+    :func:`trainer_offload.mlp_backward` recomputed (the rebuilt layer, ``recomputed_layer_saves``,
+    and the node's gradients: ``w2.dX``, ``gate.grad_other``, ``gate.grad_self``). Under autocast
+    the recomputation runs in a fresh autocast cache, which holds the layer's seven weight casts
+    again (d h (q + 2 kv) + d q h + 3 d h f).
+    Under per-op SAC (``timeline/recompute.py``) the save list's outputs are not rebuilt: the
+    layer's kept tensors but its input and the down projection's output (q, v, SDPA's output and
+    log-sum-exp, the gate's output) are in the in-flight saves, and the saved q goes once RoPE
+    has run again. The run (``trainer_run``, the 1B config of the H200 traces, pp 4, 8
+    micro-batches of 4,096 tokens, stage 1, bf16): full 579,371,024 B allocated after the
+    backward's mark (this: 16 B less, SDPA's philox seed and offset), selective-op 473,989,120 B
+    net (this, to the byte); the stage's backward peak in the sums, bf16 and bf16-mixed alike:
+    full -1,024 B, selective-op -12,288 B (tests/search/test_fast_form_grid.py, ``STAGES``)."""
+    m = x.model
+    made, held = TO.mlp_backward(x, 0, grad_bytes, True)
+    if x.autocast:
+        held += sum(i * o for i, o in A.layer_matmul_widths(m)) * x.d
+    if op_sac:
+        held -= A.op_sac_layer(x) - x.tokens * (TO.residual_bytes(x) + x.d) * m.hidden_size
+    return made, held
+
+
+def warmup_output_held(plan: Plan, stage: int, m: int) -> int:
+    """How many stage outputs ``Schedule1F1B``'s ``send_work`` holds beyond the in-flight ones at a
+    backward that starts with the warm-up's micro-batches in flight (``timeline/pipeline.py``,
+    ``_Held1F1B``): the warm-up sets it to each of its first ``w - 1`` forwards' outputs (``w``,
+    the warm-up's forwards: ``inflight_microbatches``), and only a backward after the last forward
+    rebinds it, so from backward ``w - 1`` (that micro-batch's own) to backward ``m - w`` (the
+    first after the last forward, whose start still has ``w`` in flight) it holds an output whose
+    micro-batch is done: one, where ``m >= 2 w - 1`` and ``w >= 2``."""
+    w = min(plan.pp - stage, m)
+    return int(plan.pp_schedule == "1f1b" and plan.pp > 1 and w >= 2 and m >= 2 * w - 1)
+
+
+def embedding_backward_beside_grad(x: A.Shape, plan: Plan, stage: int, m: int, mbs: int) -> tuple[int, int]:
+    """(activations, stage outputs) at the first pipeline stage's embedding backward in 1F1B's
+    steady state, beyond the other in-flight micro-batches' saves and the gradients (the one an
+    earlier backward left and the fresh one ``embedding_dense_backward`` makes beside it, added
+    after: ``ops.embedding``, a replicated V h under DTensor TP). Activations: the gradient of the
+    embedding's output (r h a token) and the kernel's buffers at its widest node
+    (:func:`embedding_backward_temp`). Outputs: every in-flight micro-batch's stage output, this
+    one's too (the stage's backward holds it until it returns), and the one ``send_work`` holds
+    (:func:`warmup_output_held`). The run (``trainer_run``, the 1B config of the H200 traces, pp 4,
+    8 micro-batches, stage 0): TP 2 bf16-mixed at 512 tokens, the live bytes at the peak to the
+    byte (the allocator's blocks 1,049,688 B more); one tensor rank, bf16 selective-op at 2,048
+    tokens, to 192 B."""
+    r, h = TO.residual_bytes(x), x.model.hidden_size
+    outputs = (mbs + warmup_output_held(plan, stage, m)) * pipeline_activation_bytes(x)
+    return x.tokens * r * h + embedding_backward_temp(x), outputs
+
+
+def embedding_backward_temp(x: A.Shape) -> int:
+    """``ops.embedding``'s backward (``embedding_dense_backward_cuda``) at its widest node, beside
+    the weight gradient it makes: over N ids the int64 sorted ids, sort order, segment offsets,
+    partials per segment and partial offsets (5 x 8 N), the two counts (2 x 8), the partials'
+    segment offsets (8 P) and their fp32 partial sums (4 P h), P = N + N // 10 segments."""
+    n = x.tokens
+    parts = n + n // 10
+    return 8 * (5 * n + 2 + parts) + 4 * parts * x.model.hidden_size
+
+
 # the moments' keys, read once: an enum member looked up on its class costs a Python call (3.11)
 _FORWARD, _BACKWARD_START = Moment.FORWARD, Moment.BACKWARD_START
 _BACKWARD, _OPTIMIZER = Moment.BACKWARD, Moment.OPTIMIZER
@@ -1638,6 +1723,18 @@ def _largest(candidates: list[dict[str, int]]) -> tuple[dict[str, int], int]:
         if s > total:
             best, total = phase, s
     return best, total
+
+
+def _rebuilds_first_backward(
+    model: ModelSpec, x: A.Shape, plan: Plan, fsdp2: bool, plain: bool, moe_fraction: float, every_layer: bool
+) -> bool:
+    """Whether :func:`first_backward_rebuild` is the run's first backward layer on a non-last
+    pipeline stage: every layer checkpointed, one tensor rank, flash or cuDNN SDPA (whose saves, the
+    output and the fp32 log-sum-exp, are the ones it counts), a dense gated MLP, no
+    FSDP2, LoRA, fp8 or activation offload (where the run has other tensors there)."""
+    if not every_layer or not plain or fsdp2 or moe_fraction or x.t > 1 or x.eager or x.sdpa not in ("flash", "cudnn"):
+        return False
+    return model.mlp == "gated" and plan.offload_activations == "none" and plan.precision != "fp8"
 
 
 def stage_states(
@@ -1813,6 +1910,8 @@ def _stage_phases(
         # (tied, it is summed into the LM head's vocab-sharded one)
         replicated = model.vocab_size * model.hidden_size - vocab_shard_params(model, plan.tp)
         grads_full += replicated * policy.grad_bytes
+        if grads_in_step:  # an earlier backward's, beside the forwards and backwards after it
+            grads_in_step += replicated * policy.grad_bytes
         if master_grads:  # and MasterAdamW's fp32 cast of it is as wide (tok_embeddings.weight.grad_fp32)
             master_grads += replicated * 4
     weight_copies = autocast_weight_copies(model, layout, plan, x.d) if x.autocast else 0
@@ -1821,6 +1920,12 @@ def _stage_phases(
     kept_copies = weight_copies
     if rt.name == "memplan" and x.autocast and lora_acts is None:
         kept_copies -= checkpointed_layer_casts(model, layout, plan, x.d, recomputed)
+        if plan.pp > 1 and plan.virtual_stages == 1 and plan.offload_activations == "none":
+            # each micro-batch's forward casts in its own autocast cache (``trainer_model.Model.cache``,
+            # let go at its forward's end), and its graph saves them to its backward: every in-flight
+            # micro-batch's casts (pp 4, 8 x 512 tokens, bf16-mixed, stage 1: 1,459,617,792 B in the
+            # run's forward, three sets; the sums had one, -16.2% at the stage's peak, GPipe -37.8%)
+            kept_copies *= mbs
     fwd_acts, fwd_head, bwd_copies, others_kept, head_back = layer_acts, head, kept_copies, None, 0
     offload_host = mlp_peak = 0
     fwd_copies, bwd_head, embedding_backward, mlp_backward, norm_backward = kept_copies, head, 0, None, 0
@@ -2036,6 +2141,36 @@ def _stage_phases(
         layer_grads = st.grads * layout.largest_layer_params // layout.params if layout.params else 0
         last = {**bwd_end, "gradients": max(end_grads - layer_grads, 0), "activations": end_acts + fp8.backward_extra}
         candidates += [first, last]
+    every_layer = op_sac or recomputed == layers
+    if checkpointed and plan.pp > 1 and not layout.is_last and rt.name == "memplan" and rt.pytorch_parallel:
+        if _rebuilds_first_backward(model, x, plan, fsdp2, lora_acts is None, moe_fraction, every_layer):
+            # the stage's first backward layer rebuilt beside every in-flight micro-batch's saves
+            made, held = memo.first_backward(x, shape_key, op_sac, policy.grad_bytes)
+            sent = warmup_output_held(plan, stage, accumulation) * pipeline_activation_bytes(x)
+            candidates.append(
+                {
+                    **bwd_start,
+                    "gradients": bwd_start["gradients"] or made,
+                    "activations": bwd_start["activations"] + held,
+                    "comm_buffers": bwd_start["comm_buffers"] + sent,
+                }
+            )
+    if layout.is_first and grads_in_step and layers and plan.pp > 1 and plan.pp_schedule == "1f1b" and not fsdp2:
+        if rt.name == "memplan" and not finetune and lora_acts is None and plan.offload_activations == "none":
+            # a later backward's embedding backward beside the gradient an earlier one left (V h under
+            # DTensor TP), with every other in-flight micro-batch's saves; this one's RoPE tables are gone
+            key = (shape_key, layout_key, plan.pp_schedule, accumulation)
+            if (found := memo.embeddings.get(key)) is None:  # the search's cost: a call only on a miss
+                found = memo.embedding_backward(key, model, x, layout, plan, policy, rt, accumulation, mbs)
+            made, held, outputs = found
+            candidates.append(
+                {
+                    **bwd_end,
+                    "gradients": grads_full + made,
+                    "activations": others + embed - terms.per_chunk + held,
+                    "comm_buffers": bwd_end["comm_buffers"] + outputs,
+                }
+            )
     bwd, bwd_total = _largest(candidates)
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     totals = {"forward": sum(fwd.values()), "backward": bwd_total, "optimizer": sum(opt.values())}
