@@ -145,6 +145,8 @@ def test_every_size_is_an_int(capsys, args):
             continue  # every request was served
         if path == "memory.prefill" and value is None:
             continue  # a training step has no prefill
+        if path == "memory.stage_reserved" and value is None:
+            continue  # no pipeline answered op by op: one rank, no per-stage replays
         assert isinstance(value, int) and not isinstance(value, bool), (path, value)
     peak = d["memory"]["peak"]
     assert sum(peak["breakdown"].values()) == peak["allocated"]
