@@ -266,6 +266,12 @@ def render(result: EstimateResult, console: Console) -> None:
             f"allocator ({detail.allocator}): at the allocated peak {detail.segments} segments, reserved {streams}; "
             f"{_gib(detail.cached_free)} cached but free, largest free block {_gib(detail.largest_free)}"
         )
+    if mem.stage_reserved:
+        stages = ", ".join(f"{s} {_gib(r)}" for s, r in sorted(mem.stage_reserved.items()))
+        console.print(
+            f"pipeline stages, reserved (every stage's run replayed; the table is stage {peak.stage}'s, the "
+            f"first to run out of memory: least headroom): {stages}"
+        )
     states = mem.model_states
     if mem.prefill is not None:
         console.print(_serving_memory(mem))

@@ -172,6 +172,23 @@ def test_table_says_whether_it_fits_and_the_phase(capsys):
     assert "fits" in out and "does not fit" not in out
     assert f"{d['memory']['peak']['phase']} phase" in out
     assert "llama3-8b" in out and "8 x h100-sxm" in out
+    assert "pipeline stages" not in out  # one stage: nothing to list
+
+
+def test_table_lists_every_pipeline_stages_reserved(capsys):
+    """A pipelined op-level plan replays every stage's run (``costmodel/stages.py``): the table names each
+    stage's reserved peak, and the one it breaks down (1B config, pp 4, 1F1B, fp32, 4 micro-batches: stage 0,
+    where the phase model named stage 3)."""
+    config = str(Path(__file__).parents[1] / "data" / "gpu-traces" / "llama1b.config.json")
+    args = [config, "--pp", "4", "--precision", "fp32", "--seq-len", "512", "--micro-batch", "1"]
+    args += ["--global-batch", "4", "--gpu", "h200"]
+    d = estimate_json(capsys, *args)
+    out = " ".join(memplan(capsys, "estimate", *args).split())  # rich wraps at the terminal's width
+    reserved = d["memory"]["stage_reserved"]
+    assert sorted(reserved) == ["0", "1", "2", "3"] and d["memory"]["peak"]["stage"] == 0
+    assert d["memory"]["peak"]["reserved"] == max(reserved.values())
+    listed = ", ".join(f"{s} {r / 2**30:.2f} GiB" for s, r in sorted(reserved.items()))
+    assert f"the table is stage 0's, the first to run out of memory: least headroom): {listed}" in out
 
 
 def test_table_console_writes_names_as_given(capsys, monkeypatch):
