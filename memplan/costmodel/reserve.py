@@ -225,11 +225,18 @@ def plan_verdict(
 
         return stage_verdict(model, workload, plan, config, limit_bytes, device, gpu)
     run, which = plan_run(model, workload, plan, runtime, device, gpu)
-    if device == "cpu" and not which.startswith("phases"):
+    cpu = device == "cpu" and not which.startswith("phases")
+    return replace(device_verdict(run, config, limit_bytes, cpu), timeline=which, run=run)
+
+
+def device_verdict(run: Timeline, config: AllocatorConfig, limit_bytes: int, cpu: bool) -> Verdict:
+    """A run's verdict: replayed through the caching allocator (:func:`verdict`), or, for an op-level
+    run on CPU (``cpu``), its live bytes (``cpu_reserve.cpu_verdict``: no caching allocator)."""
+    if cpu:
         from memplan.costmodel.cpu_reserve import cpu_verdict
 
-        return replace(cpu_verdict(run, limit_bytes), timeline=which, run=run)
-    return replace(verdict(run, config, limit_bytes), timeline=which, run=run)
+        return cpu_verdict(run, limit_bytes)
+    return verdict(run, config, limit_bytes)
 
 
 def plan_run(

@@ -10,7 +10,7 @@ estimate then reported a rank that is not the most loaded, and its "fits" was an
 
 A stage's run builds only its own chunks (``L / pp`` layers, every micro-batch of the schedule:
 ``trainer.trainer_run``), so running every stage costs about one full-depth run. Each is replayed
-through the caching allocator within the limit (``reserve.verdict``; on CPU its live bytes,
+through the caching allocator within the limit (``reserve.device_verdict``: on CPU its live bytes,
 ``cpu_reserve.cpu_verdict``) and the followed stage is the one the user's verdict needs
 (:func:`load_key`): a stage the allocator cannot serve before one it can (the job dies on the
 first rank that runs out of memory), then the highest reserved peak (the least headroom against
@@ -23,11 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from memplan.costmodel.reserve import StageLoad, Verdict, plan_run, verdict
+from memplan.costmodel.reserve import StageLoad, Verdict, device_verdict, plan_run
 
 if TYPE_CHECKING:
     from memplan.costmodel.allocator import AllocatorConfig
-    from memplan.costmodel.timeline.events import Timeline
     from memplan.specs.hardware import GPUSpec
     from memplan.specs.model import ModelSpec
     from memplan.specs.plan import Plan
@@ -68,22 +67,13 @@ def stage_verdict(
     for stage in range(plan.pp):
         run, which = plan_run(model, workload, plan, "memplan", device, gpu, stage=stage)
         assert which == "trainer", f"stage {stage}: {which}"  # supported() is the same for every stage
-        v = _verdict(run, config, limit_bytes, device)
+        v = device_verdict(run, config, limit_bytes, device == "cpu")
         phases = v.replay.phase_peaks or {}
         loads[stage] = StageLoad(v.reserved, v.replay.max_allocated, max(phases.values(), default=0))
         if best is None or load_key(stage, v) < load_key(best.stage, best.v):
             best = _Stage(stage, replace(v, timeline=which, run=run))
     assert best is not None
     return replace(best.v, stage_loads=loads)
-
-
-def _verdict(run: Timeline, config: AllocatorConfig, limit_bytes: int, device: str) -> Verdict:
-    """:func:`reserve.verdict` on CUDA; on CPU the run's live bytes (``reserve.plan_verdict``'s choice)."""
-    if device == "cpu":  # the run's CPU view: live bytes, no caching allocator
-        from memplan.costmodel.cpu_reserve import cpu_verdict
-
-        return cpu_verdict(run, limit_bytes)
-    return verdict(run, config, limit_bytes)
 
 
 def run_stage(model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str = "cuda") -> int:
