@@ -14,6 +14,7 @@ what pydantic's model machinery (imported on the first model class) costs by its
 
     python benchmarks/bench_estimate.py [--runs 10] [--seconds 3] [--timeline-runs 5]
     python benchmarks/bench_estimate.py --instructions
+    cd OTHER && .venv/bin/python THIS/benchmarks/bench_estimate.py --instructions --cold-only
 
 ``--instructions`` counts instructions instead of seconds, under valgrind's callgrind (``Ir``,
 every instruction the process executes): a count does not move with what else the machine runs,
@@ -184,9 +185,13 @@ def evaluations_per_second(seconds: float, search: bool = False) -> tuple[float,
 def instructions(cmd: list[str]) -> int:
     """Instructions one process running ``cmd`` executes (callgrind's ``Collected``), with a fixed
     hash seed so that two counts of the same code agree to a few parts in a million. ``cmd`` runs
-    once first, uncounted: where bytecode is written, a first run compiles and caches every module
-    it imports, and a count of it (the search's set-up, say) would hold that compilation."""
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    once first, uncounted: it compiles and caches every module it imports, and a count of it (the
+    search's set-up, say) would hold that compilation. ``PYTHONDONTWRITEBYTECODE`` is dropped for
+    both runs: set (as in the helpers' shells), a checkout without ``__pycache__`` compiles every
+    memplan module from source on each run, ~0.3 G of a cold estimate's count that an installed
+    memplan (bytecode compiled at install) never spends."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONHASHSEED"] = "0"
     subprocess.run(cmd, capture_output=True, env=env, check=True)
     out = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *cmd],
@@ -218,10 +223,17 @@ def search_passes(passes: int) -> None:
             evaluate(candidate, ctx)
 
 
-def instruction_counts() -> None:
-    """The cold start and the search's per-plan cost in instructions (module docstring)."""
+def instruction_counts(cold_only: bool = False) -> None:
+    """The cold start and the search's per-plan cost in instructions (module docstring); with
+    ``cold_only``, the cold estimate alone: ``python -m memplan.cli`` run from the current directory
+    (first on ``sys.path``) by the interpreter running this file, so that run from another checkout
+    with its own virtual environment it counts that checkout with this file's method."""
     if shutil.which("valgrind") is None:
         raise SystemExit("--instructions needs valgrind (callgrind) on the PATH")
+    if cold_only:
+        cold = instructions([sys.executable, "-m", "memplan.cli", *ESTIMATE])
+        print(f"cold memplan {' '.join(ESTIMATE)}: {cold / 1e9:.3f} G ({cold:,} instructions)")
+        return
     floor = instructions([sys.executable, "-c", STACK])
     pyd = instructions([sys.executable, "-c", PYDANTIC])
     cold = instructions([*_cli(), *ESTIMATE])
@@ -240,9 +252,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--timeline-runs", type=int, default=5)
     parser.add_argument("--instructions", action="store_true", help="count instructions (valgrind) instead")
+    parser.add_argument("--cold-only", action="store_true", help="with --instructions: the cold estimate alone")
     args = parser.parse_args()
     if args.instructions:
-        instruction_counts()
+        instruction_counts(args.cold_only)
         return
     cold_start(args.runs)
     if args.timeline_runs:
