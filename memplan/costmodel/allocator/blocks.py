@@ -41,18 +41,16 @@ def repeated_fresh_blocks(head: tuple[int, ...], body: tuple[int, ...], times: i
     request still to come can serve none of them and is dropped, so the pool's state after a
     repeat recurs; from the first recurrence each period of repeats holds what the first did."""
     rounded = {size: round_size(size) for size in (*head, *body, *tail)}
-    later = [rounded[size] for size in (*body, *tail) if rounded[size] > kSmallSize]
-    smallest = min(later, default=0)  # a rest below it serves no later request
+    parts = [[rounded[size] for size in sizes] for sizes in (head, body, tail)]
+    small = [sum(r for r in part if r <= kSmallSize) for part in parts]  # each holds its rounding
+    (head_large, body_large, tail_large) = large = [[r for r in part if r > kSmallSize] for part in parts]
+    smallest = min((*large[1], *large[2]), default=0)  # a rest below it serves no later request
     rests: list[int] = []  # the large pool's free blocks, by size
 
-    def place(sizes: tuple[int, ...]) -> int:
-        """Each request's block: its rounding (small), else a free rest or a new segment."""
+    def place(requests: list[int]) -> int:
+        """The blocks of large requests: a free rest or a new segment each."""
         held = 0
-        for size in sizes:
-            r = rounded[size]
-            if r <= kSmallSize:
-                held += r
-                continue
+        for r in requests:
             i = bisect_left(rests, r)
             block = rests.pop(i) if i < len(rests) else get_allocation_size(r)
             if block - r > kSmallSize:
@@ -61,7 +59,7 @@ def repeated_fresh_blocks(head: tuple[int, ...], body: tuple[int, ...], times: i
             held += block
         return held
 
-    held = place(head)
+    held = small[0] + place(head_large)
     seen: dict[tuple[int, ...], tuple[int, int]] = {}
     done = 0
     while done < times:
@@ -77,6 +75,6 @@ def repeated_fresh_blocks(head: tuple[int, ...], body: tuple[int, ...], times: i
             if done == times:
                 break
         seen[state] = (done, held)
-        held += place(body)
+        held += small[1] + place(body_large)
         done += 1
-    return held + place(tail)
+    return held + small[2] + place(tail_large)
