@@ -26,6 +26,7 @@ from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
 from memplan.costmodel import trainer_offload as TO
 from memplan.costmodel.attention import sdpa_backend
+from memplan.costmodel.build_blocks import parameter_block_excess
 from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout, vocab_shard_params
 from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, is_paged, paged_state_bytes, state_bytes_per_param
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
@@ -1478,6 +1479,9 @@ _pipeline_fields = attrgetter(*PIPELINE_FIELDS)
 STATE_FIELDS = ("dp", "cp", "ep", "zero", "optimizer", "offload_optimizer", "offload_params", "precision")
 """What ``model_states`` (full training) reads of the plan, with the stage's layout."""
 _state_fields = attrgetter(*STATE_FIELDS)
+BUILD_FIELDS = ("finetune", "pp", "cp", "ep", "offload_params", "precision", "tp", "dp", "zero")
+"""What ``build_blocks.parameter_block_excess`` reads of the plan."""
+_build_fields = attrgetter(*BUILD_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1500,6 +1504,7 @@ class MemoryMemo:
     rebuilds: dict[tuple, tuple[int, int]] = field(default_factory=dict)  # first_backward_rebuild
     embeddings: dict[tuple, tuple[int, int, int]] = field(default_factory=dict)  # embedding_backward
     stages: dict[int, list[int]] = field(default_factory=dict)  # _stages_to_examine by pp
+    builds: dict[tuple, int] = field(default_factory=dict)  # parameter_blocks by what it reads
 
     def shape(
         self, model: ModelSpec, workload: TrainingWorkload, plan: Plan, rt: RuntimeProfile, device: Device
@@ -1575,6 +1580,14 @@ class MemoryMemo:
         if (found := self.embeddings.get(key)) is None:
             held, outputs = embedding_backward_beside_grad(x, plan, layout.stage, m, mbs)
             found = self.embeddings[key] = (embedding_grad_pending(model, layout, plan, policy, rt), held, outputs)
+        return found
+
+    def parameter_blocks(self, model: ModelSpec, plan: Plan) -> int:
+        """``build_blocks.parameter_block_excess``: what the bundled trainer's parameters' blocks
+        hold beyond their bytes in the default caching allocator, by the plan fields it reads."""
+        key = _build_fields(plan)
+        if (found := self.builds.get(key)) is None:
+            found = self.builds[key] = parameter_block_excess(model, plan)
         return found
 
     def pipeline(
@@ -1948,7 +1961,11 @@ def _stage_phases(
         if plan.recompute != "full":
             others_kept = fwd_acts - off.last if off.mechanism == "trl" else 0
             live_layer = min(live_layer, off.last + off.node)
-    base = {"parameters": st.params, "optimizer_states": st.optimizer, "fp8_weights": fp8.weights}
+    # the build's parameters hold their allocator blocks (unsplit rests of their segments) at every moment
+    params = st.params
+    if plan.pp == 1 and device == "cuda" and rt.name == "memplan":  # build_blocks: one stage's build only
+        params += memo.parameter_blocks(model, plan)
+    base = {"parameters": params, "optimizer_states": st.optimizer, "fp8_weights": fp8.weights}
     # eager fp8 casts: the last layer's down projection may outgrow the loss's tensors at the
     # forward's end; in the layer's forward its input and mid-layer residual are alive, unsaved
     fp8_forward = max(0, fp8.forward_extra + 2 * A.layer_input(x) - fwd_head - loss_fwd) if fp8.forward_extra else 0
