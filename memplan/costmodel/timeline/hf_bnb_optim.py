@@ -24,12 +24,11 @@ under an 8-bit optimizer (``GlobalOptimManager.register_module_override``). bits
 
 from __future__ import annotations
 
-from memplan.costmodel.optimizer import PAGED_MIN_ELEMENTS
+from memplan.costmodel.optimizer import BNB_BLOCK, PAGED_MIN_ELEMENTS, bnb_states, is_paged
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.hf_optimizers import FP32, STATE, TEMP, Param, _Optimizer
 
 MIN_8BIT_SIZE = 4096  # Optimizer2State / Optimizer1State ``min_8bit_size`` default
-BLOCK = 256  # the 8-bit states' absmax block (``init_state``: ``blocksize = 256``)
 QMAP = 256  # F.create_dynamic_map: 256 fp32 values
 
 
@@ -48,7 +47,8 @@ class BnbOptimizer(_Optimizer):
     def of(cls, optimizer: str, cuda: bool) -> BnbOptimizer:
         """memplan's name (``adamw-8bit``, ``paged-lion-32bit``...) as ``_get_bitsandbytes_optimizer`` reads
         transformers' (``"paged" in optim``, ``"8bit" in optim``, Lion or AdamW)."""
-        return cls(8 if "8bit" in optimizer else 32, "lion" in optimizer, optimizer.startswith("paged-"), cuda)
+        count, size = bnb_states(optimizer)  # costmodel.optimizer's table: Lion one state, 8-bit one byte
+        return cls(8 if size == 1 else 32, count == 1, is_paged(optimizer), cuda)
 
     def create(self, t: Tape) -> None:
         """``Optimizer8bit.__init__``: an 8-bit optimizer's ``fill_qmap`` makes the signed and unsigned maps
@@ -76,7 +76,7 @@ class BnbOptimizer(_Optimizer):
         for k in range(1 if self.lion else 2):
             self._buffer(t, p, itemsize, f"state{k + 1}")
         if eight:
-            blocks = -(-p.numel // BLOCK)
+            blocks = -(-p.numel // BNB_BLOCK)
             for k in range(1 if self.lion else 2):
                 self.states.append(t.managed(blocks, FP32, f"{p.name}.absmax{k + 1}", STATE))
 
@@ -109,7 +109,7 @@ class BnbOptimizer(_Optimizer):
                 update = quotient
         if self.eight[p.name]:  # _quant_blockwise_fp32_direct: the op's absmax, then its uint8 output
             for _ in states:
-                absmax = t.new(-(-n // BLOCK), FP32, "absmax", TEMP)
+                absmax = t.new(-(-n // BNB_BLOCK), FP32, "absmax", TEMP)
                 out = t.new(n, 1, "quantized", TEMP)
                 t.done(out, absmax)
         t.done(*states, grad, p32, update)

@@ -15,7 +15,10 @@ here is one optimizer's construction (``create(tape)``) and ``step`` over those 
   ``scale_parameter=False, relative_step=False`` (``_get_adafactor``), ``beta1=None``: no first moment;
 - bitsandbytes' ``AdamW`` / ``Lion`` (``adamw_bnb_8bit``, ``paged_*``): ``hf_bnb_optim.py``.
 
-Each parameter is a :class:`Param` (its numel, bytes per element, its matrix shape or a vector's).
+Each parameter is a :class:`Param` (its numel, bytes per element, its matrix shape or a vector's). The
+groups' ``weight_decay`` is the Trainer's default, 0.0 (a plan names none): with one, SGD would add a
+gradient-sized ``grad + wd * param`` per parameter (``_foreach_add`` on CUDA: all at once); Adafactor and
+bitsandbytes decay in place.
 """
 
 from __future__ import annotations
@@ -84,8 +87,8 @@ class Adafactor(_Optimizer):
 
     - a 16-bit gradient cast to fp32 (``grad = grad.float()``), and a 16-bit parameter (``p_data_fp32``);
     - on the first step the states: a matrix's ``exp_avg_sq_row`` (rows) and ``exp_avg_sq_col`` (cols),
-      a vector's ``exp_avg_sq`` (numel), fp32 (``.to(grad)``); ``state["RMS"]``, a 0-dim tensor from
-      the second ``_rms`` on, replaced at every step;
+      a vector's ``exp_avg_sq`` (numel), fp32 (``.to(grad)``); then every step ``state["RMS"] =
+      self._rms(p_data_fp32)``, a 0-dim fp32 tensor replacing the previous one (the first step's ``0``);
     - ``update = grad**2 + eps``; a matrix's two ``mean``s, then ``_approx_sq_grad``: the row mean, the row
       factor (rows), the column factor (cols), their product (numel), the factors freed as it returns;
       a vector's ``exp_avg_sq.rsqrt()``; ``_rms(update)`` and the clip's divisor; ``-update``;
