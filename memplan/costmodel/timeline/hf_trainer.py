@@ -219,6 +219,7 @@ class _HfRun:
         self.prev_loss: Tensor | None = None
         self.total_norm: Tensor | None = None
         self.optimizer = optimizer if optimizer is not None else FusedAdamW()  # hf_optimizers.py, hf_bnb_optim.py
+        self.states: list[Tensor] = []  # the hand loop's own AdamW(foreach=True) keeps its states here (hf_loop.py)
         self.lora = None
         if lora is not None:
             cuda, ckpt = kernel != "cpu_flash", d.recompute == "full"
