@@ -11,7 +11,7 @@ from memplan.specs.plan import Plan
 
 # bitsandbytes 8-bit blockwise optimizers: 1-byte states with one fp32 absmax per 256 values
 # (bitsandbytes/optim/optimizer.py, Optimizer8bit, block size 256).
-_BNB_BLOCK = 256
+BNB_BLOCK = 256
 # bitsandbytes/optim/optimizer.py, Optimizer8bit.get_state_buffer: a parameter of fewer elements
 # gets ``torch.zeros_like`` (the caching allocator), a larger one ``F.get_paged`` (CUDA managed memory)
 PAGED_MIN_ELEMENTS = 100_000
@@ -52,10 +52,16 @@ def state_bytes_per_param(optimizer: str, policy: PrecisionPolicy, factored_frac
         states = factored_fraction * policy.state_bytes
     elif optimizer in _BNB_STATES:
         count, size = _BNB_STATES[optimizer]
-        states = count * (size + (4 / _BNB_BLOCK if size == 1 else 0))
+        states = count * (size + (4 / BNB_BLOCK if size == 1 else 0))
     else:
         raise ValueError(f"unknown optimizer {optimizer!r}")
     return policy.master_bytes + states
+
+
+def bnb_states(optimizer: str) -> tuple[int, int]:
+    """(state buffers per parameter, bytes per element of each) of a bitsandbytes optimizer:
+    2 for AdamW, 1 for Lion; 1 byte (8-bit) or 4 (32-bit)."""
+    return _BNB_STATES[optimizer]
 
 
 def paged_bytes_per_param(optimizer: str) -> int:

@@ -24,7 +24,8 @@ without a caching allocator, ``cpu_reserve.cpu_verdict``), not from the phase mo
 The host's bytes of activation offload are the run's (``Timeline.host_peak``: the pinned copies
 ``save_on_cpu`` holds at most, ``act_offload.SaveOnCpu``). What the run does not hold keeps its own
 source, none of them a phase sum: the states' host and NVMe bytes and bitsandbytes' paged states
-(``memory.stage_states``: the ZeRO partition in closed form), the memory outside the allocator
+(``memory.stage_states``: the ZeRO partition in closed form; under transformers' Trainer the run's own
+``Timeline.managed``, ``hf_bnb_optim.py``), the memory outside the allocator
 (``overhead.outside_memory``) and the micro-batches per step (``memory.gradient_accumulation``).
 """
 
@@ -78,7 +79,8 @@ def run_report(
         kv_cache=0,
         peak=peak,
         offload=Offload(cpu=states.cpu + run.host_peak, nvme=states.nvme),
-        paged_optimizer_states=states.paged,
+        # transformers' Trainer's run places bitsandbytes' paged buffers itself (hf_bnb_optim.py)
+        paged_optimizer_states=run.managed if runtime == "hf" else states.paged,
         phases=phases,
         stage_peaks=_stage_peaks(v, stage, max(phases.values())),
         stage_reserved={s: load.reserved for s, load in v.stage_loads.items()} if v.stage_loads else None,

@@ -78,4 +78,4 @@ def cpu_view(timeline: Timeline) -> Timeline:
         Snapshot(where[s.index], s.tag, s.since, tuple(e for e in s.live if not cuda_only(e.tag, temporaries)))
         for s in timeline.snapshots
     )
-    return Timeline(tuple(events), snapshots, timeline.host_peak, timeline.stage)
+    return Timeline(tuple(events), snapshots, timeline.host_peak, timeline.stage, timeline.managed)

@@ -103,6 +103,9 @@ class Timeline:
     snapshots: tuple[Snapshot, ...] = ()
     host_peak: int = 0  # activation offload's pinned host copies at most (``act_offload.SaveOnCpu``)
     stage: int = 0  # the pipeline rank the run follows
+    # bytes the run holds in CUDA managed memory, outside the caching allocator (bitsandbytes' paged
+    # optimizer states, ``hf_bnb_optim.py``): in no event
+    managed: int = 0
 
     def __iter__(self) -> Iterator[Event]:
         return iter(self.events)
@@ -191,8 +194,8 @@ class Builder:
     def live_bytes(self, category: Category) -> int:
         return sum(e.size for e in self.live.values() if e.category == category)
 
-    def build(self, host_peak: int = 0, stage: int = 0) -> Timeline:
-        return Timeline(tuple(self.events), tuple(self.snapshots), host_peak, stage)
+    def build(self, host_peak: int = 0, stage: int = 0, managed: int = 0) -> Timeline:
+        return Timeline(tuple(self.events), tuple(self.snapshots), host_peak, stage, managed)
 
 
 @contextmanager

@@ -18,7 +18,9 @@ V2's complex RoPE and softmax router, greedy or group-limited; full fine-tuning 
 linears; tests/unit/test_timeline_hf_mla.py, test_timeline_hf_mla_v2.py); fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
-fused AdamW; gradient checkpointing of every
+fused AdamW, and on one rank over a dense family the Trainer's other optimizers (``hf_optimizers.py``: SGD,
+Adafactor; ``hf_bnb_optim.py``: bitsandbytes' 8-bit, 32-bit and paged AdamW and Lion, the paged buffers in
+CUDA managed memory from source; tests/unit/test_timeline_hf_optimizers.py); gradient checkpointing of every
 layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/unit/test_timeline_hf_peft.py:
 any of the decoder layers' linears, any rank, dropout, ``modules_to_save`` lm_head or an untied
 embed_tokens). On CUDA the kernels are those of the bundled trainer's traces (``support.sdpa_kernel``),
@@ -190,7 +192,7 @@ def hf_supported(
         ),
         (plan.dp == 1 or plan.zero == 0 or _fsdp_ok(model, plan, runtime), _fsdp_reason(model, plan)),
         (plan.dp == 1 or runtime == "hf", "more than one rank under the hf-loop runtime (its loop has no DDP)"),
-        (plan.optimizer == "adamw", "this optimizer"),
+        (plan.optimizer == "adamw" or _optimizer_ok(model, plan, runtime), _optimizer_reason(plan, runtime)),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
         (
@@ -206,6 +208,21 @@ def hf_supported(
         if not ok:
             return what
     return None
+
+
+def _optimizer_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
+    """An optimizer other than the default fused AdamW as the Trainer builds it (``hf_optimizers.py``: SGD,
+    transformers' Adafactor; ``hf_bnb_optim.py``: bitsandbytes' 8-bit, 32-bit and paged AdamW and Lion), on
+    one rank, over a dense family (the 2-D parameters whose shapes Adafactor's factored states follow;
+    tests/unit/test_timeline_hf_optimizers.py). The hand-written loop builds its own ``AdamW(foreach=True)``."""
+    return runtime == "hf" and plan.dp == 1 and model.moe is None and model.mla is None
+
+
+def _optimizer_reason(plan: Plan, runtime: str) -> str:
+    """Why the op-level run does not follow ``plan.optimizer``."""
+    if runtime != "hf":
+        return f"optimizer {plan.optimizer} under the hf-loop runtime (its loop builds AdamW(foreach=True))"
+    return f"optimizer {plan.optimizer} other than the Trainer's default over more than one rank or an MoE/MLA model"
 
 
 def _trl_offload_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:

@@ -53,6 +53,7 @@ from memplan.costmodel.timeline.hf_model import is_norm, param_shapes, scalar_di
 from memplan.costmodel.timeline.hf_moe import layer_params as moe_layer_params
 from memplan.costmodel.timeline.hf_moe import moe_sizes
 from memplan.costmodel.timeline.hf_offload import TrlOffload, in_head
+from memplan.costmodel.timeline.hf_optimizers import FusedAdamW, Param, trainer_optimizer
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
 from memplan.specs.plan import trainer_autocast
@@ -126,6 +127,7 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
         # base is quantized on the GPU and sharded there (hf_fsdp_qlora.py)
         host_load=plan.model_build == "to_device" and plan.dp > 1 and plan.zero >= 2 and not isinstance(quant, Bnb4bit),
         offload=plan.offload_activations == "cpu",  # TRL's hooks around training_step (hf_offload.py)
+        optimizer=plan.optimizer,
     )
 
 
@@ -147,6 +149,7 @@ def hf_run(
     mixed: bool = False,
     host_load: bool = False,
     offload: bool = False,
+    optimizer: str = "adamw",
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
@@ -159,17 +162,20 @@ def hf_run(
     ``mixed``: under FSDP2, ``bf16=True`` (its mixed-precision policy over fp32 master shards);
     ``host_load``: under FSDP2, the model loaded on the CPU and sharded by ``cpu_ram_efficient_loading``
     (``hf_fsdp_load.py``: on CUDA the build puts one full parameter at a time on the GPU); ``offload``:
-    TRL's activation offload around each ``training_step`` (``hf_offload.py``).
+    TRL's activation offload around each ``training_step`` (``hf_offload.py``); ``optimizer``: the plan's
+    (``specs.plan.OptimizerName``), as the Trainer builds it (``hf_optimizers.trainer_optimizer``).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
     args = (d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build, zero, mixed)
-    run = _HfRun(*args, host_load=host_load)
+    optimizer = trainer_optimizer(optimizer, cuda=kernel != "cpu_flash")
+    run = _HfRun(*args, host_load=host_load, optimizer=optimizer)
     run.saves = TrlOffload() if offload else None
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
         run.b.mark(f"step{k}")
-    return run.b.build(run.saves.host_peak if run.saves is not None else 0)
+    managed = getattr(run.optimizer, "managed", 0)  # bitsandbytes' paged states (hf_bnb_optim.py)
+    return run.b.build(run.saves.host_peak if run.saves is not None else 0, managed=managed)
 
 
 class _HfRun:
@@ -191,6 +197,7 @@ class _HfRun:
         zero: int = 0,
         mixed: bool = False,
         host_load: bool = False,
+        optimizer=None,
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -211,7 +218,8 @@ class _HfRun:
         self.items: Tensor | None = None  # the forward's ``num_items_in_batch`` kwarg (cast under FSDP2's bf16 policy)
         self.prev_loss: Tensor | None = None
         self.total_norm: Tensor | None = None
-        self.states: list[Tensor] = []
+        self.optimizer = optimizer if optimizer is not None else FusedAdamW()  # hf_optimizers.py, hf_bnb_optim.py
+        self.states: list[Tensor] = []  # the hand loop's own AdamW(foreach=True) keeps its states here (hf_loop.py)
         self.lora = None
         if lora is not None:
             cuda, ckpt = kernel != "cpu_flash", d.recompute == "full"
@@ -244,6 +252,7 @@ class _HfRun:
             cuda, ckpt = self.model.kernel != "cpu_flash", self.d.recompute == "full"
             args = (self.model.weights, self.shapes, self.trainable, buffers, self.lora is not None, ckpt, cuda)
             self.ddp = hf_ddp.wrap(self.tape, self.dp, *args)
+        self.optimizer.create(self.tape)  # create_optimizer, before the loop's tr_loss
         self.tape.managed(1, 4, "tr_loss", Category.LOGITS)
 
     def _shard(self) -> None:
@@ -501,16 +510,29 @@ class _HfRun:
             t.done(coef, clamped)
 
     def optimizer_step(self, first: bool) -> None:
-        """Fused AdamW: the states on the first step (decay group, then no-decay), in place after."""
-        if not first:
-            return
-        t = self.tape
-        t.scope = ""
+        """The optimizer's ``step()`` over its groups (``hf_optimizers.py``; the states on the first)."""
+        if first:
+            self.tape.scope = ""
+        self.optimizer.step(self.tape, self._optimizer_params(), self.grads, first)
+
+    def _optimizer_params(self) -> list[Param]:
+        """The trained parameters in the optimizer's order, each with its shape (``hf_optimizers.Param``):
+        the base's from ``self.shapes`` (a ``(rows, 1)`` entry is a vector), an adapter's from its base
+        linear's (``lora_A`` r x in, ``lora_B`` out x r), a trained copy of the head the embedding's. Under
+        FSDP2 a shard's numel (only ``FusedAdamW``, which reads no shape, runs over shards: ``hf_support``)."""
+        out = []
+        embed = self.shapes["model.embed_tokens.weight"]
         for name in self._optimizer_order():
             numel, itemsize = self.trainable[name]
-            self.states.append(t.managed(1, 4, f"{name}.step", Category.OPTIMIZER_STATES))
-            for state in ("exp_avg", "exp_avg_sq"):
-                self.states.append(t.managed(numel, itemsize, f"{name}.{state}", Category.OPTIMIZER_STATES))
+            base = name.replace(".lora_A.", ".").replace(".lora_B.", ".")
+            rows, cols = self.shapes.get(base, embed)
+            if ".lora_A." in name:
+                rows = numel // cols
+            elif ".lora_B." in name:
+                cols = numel // rows
+            cols = 0 if cols == 1 or rows * cols != numel else cols
+            out.append(Param(name, numel, itemsize, rows, cols, embedding=name == "model.embed_tokens.weight"))
+        return out
 
     def _optimizer_order(self) -> list[str]:
         """The trained parameters in the optimizer's order: the decay group, then the no-decay one."""
