@@ -1207,7 +1207,10 @@ def interleaved_fsdp2_backwards(
     end with the gradients of the chunks reached by then alone, :func:`chunks_without_gradients_after`;
     the first rank's embedding backwards, :func:`pipelined_embedding_backward`, and its step-end
     reduce-scatter, :func:`pipelined_reduce_scatter`, and on ranks but the last the first backward
-    layer's down projection, :func:`pipelined_down_projection`). ``grads``: every chunk's gradients."""
+    layer's down projection, :func:`pipelined_down_projection`, its later nodes under the mixed
+    policy, :func:`pipelined_mlp_weight_grads_kept`, and under ZeRO-3 without recomputation the next
+    group's all-gather, :func:`pipelined_next_group_gather`). ``grads``: every chunk's gradients;
+    ``layer_saves``: a layer's saves (``_MicroBatchTerms.full_layer``)."""
     missing = chunks_without_gradients_after(plan.pp, plan.virtual_stages, layout.stage, m)
     if missing:
         held = grads - _chunks_share(model, layout, plan, missing, grads)
