@@ -914,6 +914,35 @@ def pipelined_last_backward(
     return {**bwd_end, "activations": stored // plan.virtual_stages + live, "gathered_params": every}
 
 
+def pipelined_last_down_projection(
+    model: ModelSpec, plan: Plan, policy: PrecisionPolicy, last: dict[str, int], x: A.Shape, chunk_inputs: int,
+    embed: int, persistent: int, stage: int,
+) -> dict[str, int]:  # fmt: skip
+    """An interleaved pipeline rank's last backward under FSDP2 ZeRO-3 with every layer recomputed,
+    at its chunk's last layer's down projection (``w2``'s input gradient, the run's
+    ``layers.N.feed_forward.w2.dX``, b s f d): :func:`pipelined_last_backward`'s groups and
+    gradients with the projection's new weight gradient beside the accumulated one (h f in the
+    unsharded dtype, ``w2.dW``, added to it after the node, ``Fsdp._keep_unsharded``); the chunk's
+    checkpointed inputs (``chunk_inputs``; on ranks but the first the chunk's first is its receive
+    buffer, counted there), the layer rebuilt (``TO.recomputed_layer_saves``) and
+    what its micro-batch alone holds beside (``embed``: the ids, RoPE's tables, cuBLAS's
+    workspaces); and every send of the step so far, held to its end (``_HeldToStepEnd``: each
+    forward's output of a chunk but the global last, each earlier backward's input gradient of a
+    chunk but the global first; this backward's chunk is the rank's first, global chunk
+    ``stage``, whose own input gradient is not made yet) beside the receive buffers
+    (``persistent``: m per chunk but the global first or last, as many as the sends).
+    The run's peak on llama3-8b at dp 2, pp 2, v 2, 2 micro-batches of 4,096 tokens, bf16, stage 0
+    (``layers.7.feed_forward.w2.dX``): the sums 0.55% under it without this moment."""
+    f = model.ffn_size // plan.tp
+    received = pipeline_activation_bytes(x) if stage else 0  # the chunk's input, its receive buffer
+    return {
+        **last,
+        "gradients": last["gradients"] + model.hidden_size * f * min(policy.param_bytes, policy.compute_bytes),
+        "activations": chunk_inputs - received + embed + TO.recomputed_layer_saves(x) + x.tokens * f * x.d,
+        "comm_buffers": 2 * persistent - received,
+    }
+
+
 @lru_cache(maxsize=1024)
 def embedding_backwards(pp: int, virtual_stages: int, m: int) -> tuple[tuple[int, int, int], ...]:
     """The first rank's backwards of its first chunk under the interleaved schedule, at the
@@ -1035,16 +1064,154 @@ def pipelined_down_projection(
     }
 
 
+def pipelined_mlp_weight_grads_kept(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, bwd_start: dict[str, int],
+    x: A.Shape, layer_saves: int,
+) -> dict[str, int]:  # fmt: skip
+    """:func:`pipelined_down_projection`'s backward under FSDP2's mixed policy (bf16 parameters,
+    fp32 reduce), the layer's saves its own (no full recomputation), at the widest of its later
+    nodes. Autograd hands each new bf16 weight gradient to the unsharded parameter's ``.grad``,
+    which the mixed policy emptied when it made the fp32 accumulated one, so each stays until the
+    layer group's ``post_backward`` (``Fsdp._keep_unsharded``: ``to_accumulated_grad_if_needed``,
+    the bf16 one dropped): ``w2.dW`` beside the product's backward (``gate.grad_other``,
+    ``gate.grad_self``, b s f d each, the product's save gone, ``w2.dX`` alive), then ``w3.dW`` with
+    the up projection's input gradient (b s h d; SiLU's output, the up output and ``w2.dX`` gone),
+    then ``w1.dW`` with the gate's (the gate's output and the product's gradient gone); without
+    recomputation (``layer_saves``: the layer's saves, ``_MicroBatchTerms.full_layer``; 0 under
+    selective, whose attention is rebuilt) the layer's every new gradient at its first norm's
+    backward (``attention_norm.pow.grad``): the layer's saves gone but the norm's fp32 input, beside
+    five more fp32 b s h (the mean's, the square's two temporaries and its gradient, the normalised
+    value's) and the residual's gradient (b s h d). Under bf16 alone each new gradient is added
+    into the accumulated one and freed after its node. The run's peak on llama3-8b at dp 2, pp 2,
+    v 2, ZeRO-2, 4 micro-batches, bf16-mixed, no recompute, stage 0: at 4,096 tokens
+    ``layers.7.feed_forward.gate.grad_self`` (the sums 0.14% under it without this moment), at 512
+    and 1,024 ``layers.7.attention_norm.pow.grad`` (0.14% and 0.10% under)."""
+    f, h = model.ffn_size // plan.tp, model.hidden_size
+    unsharded = min(policy.param_bytes, policy.compute_bytes)
+    w = h * f * unsharded  # each of the MLP's new weight gradients
+    a, xb = x.tokens * f * x.d, x.tokens * h * x.d
+    nodes = [(w + 2 * a, w), (2 * w - a + xb, 2 * w), (3 * w - 3 * a + 2 * xb, 3 * w)]
+    if layer_saves and layout.layers:
+        layer = layout.layer_params // layout.layers * unsharded
+        nodes.append((layer + 6 * x.tokens * h * 4 + xb - layer_saves, layer))
+    widest, made = max(nodes)
+    return {
+        **bwd_start,
+        "gradients": bwd_start["gradients"] + made,
+        "activations": bwd_start["activations"] + widest - made,
+    }
+
+
+def pipelined_next_group_gather(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, bwd_start: dict[str, int],
+    x: A.Shape, m: int, gather: int, layer_saves: int,
+) -> dict[str, int] | None:  # fmt: skip
+    """An interleaved pipeline rank's backward with the most in flight under FSDP2 ZeRO-3 without
+    recomputation, where its chunk's groups are sharded at its start (no backward of the chunk since
+    its forward: :func:`pipelined_unsharded_chunks`), at the end of its chunk's last layer's
+    backward: the next layer group's all-gather copied out (``Fsdp.unshard``:
+    ``fsdp.layers.N.copy_out_meta``) beside its ``all_gather_output``, prefetched at the layer's
+    start, and the layer's own unsharded parameters, kept (no reshard after a pipelined backward);
+    the layer's saves gone (``layer_saves``) but its input gradient (b s h d); the layer's new
+    gradients in the reduce dtype where its chunk had none yet (:func:`chunks_without_gradients`;
+    else added into the accumulated ones and freed). ``gather``: one layer group's unsharded bytes
+    (:func:`fsdp2_layer_gather`); None where the chunk has one layer or its groups are unsharded
+    already. The run's peak on llama3-8b at dp 2, pp 8, v 2, 8 micro-batches of 2,048 tokens, bf16,
+    no recompute, stage 0 (``fsdp.layers.0.copy_out_meta``, its first backward, every
+    chunk-micro-batch in flight): the sums 1.56% under it without this moment."""
+    v, stage = plan.virtual_stages, layout.stage
+    at_start, others = pipelined_unsharded_chunks(plan.pp_schedule, plan.pp, v, stage, m)
+    if layout.layers < 2 * v or at_start > others:  # one layer a chunk, or its groups unsharded
+        return None
+    before = chunks_without_gradients(plan.pp, v, stage, m)[1]
+    new = set(before) - set(chunks_without_gradients_after(plan.pp, v, stage, m))  # its own chunk had none
+    grads = layout.layer_params // layout.layers * policy.grad_bytes if new else 0
+    return {
+        **bwd_start,
+        "gradients": bwd_start["gradients"] + grads,
+        "activations": bwd_start["activations"] - layer_saves + x.tokens * model.hidden_size * x.d,
+        "comm_buffers": bwd_start["comm_buffers"] + gather,
+        "gathered_params": bwd_start["gathered_params"] + 2 * gather,
+    }
+
+
+@lru_cache(maxsize=1024)
+def loss_chunk_backward(pp: int, virtual_stages: int, m: int) -> tuple[int, int] | None:
+    """The last rank's latest backward with the most chunk-micro-batches in flight under the
+    interleaved schedule, where it is a backward of the loss chunk (the rank's last) and every
+    chunk has had a backward and every other chunk's latest action is one (its groups unsharded,
+    its gradients made): (the chunk-micro-batches in flight, the sends held before it, as
+    :func:`sends_held` counts them); None otherwise. A walk over :func:`schedule_actions`
+    (``lru_cache``)."""
+    v = virtual_stages
+    stage, last = pp - 1, pp * v - 1
+    most = chunks_in_flight("interleaved", pp, v, stage, m)
+    total = sent = 0
+    found = None
+    latest: dict[int, str] = {}
+    done: set[int] = set()
+    for kind, c, _ in schedule_actions("interleaved", pp, v, stage, m):
+        k = c * pp + stage
+        if kind == "F":
+            total, sent = total + 1, sent + (k != last)
+        else:
+            if total == most:
+                others = all(latest.get(j) == "B" for j in range(v) if j != c)
+                found = (total, sent) if c == v - 1 and others and c in done else None
+            total, sent = total - 1, sent + (k != 0)
+            done.add(c)
+        latest[c] = kind
+    return found
+
+
+def pipelined_loss_chunk_regather(
+    model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, last: dict[str, int],
+    x: A.Shape, m: int, gather: int, chunk_saves: int, alone: int, per_chunk: int, logits: int,
+    persistent: int,
+) -> dict[str, int] | None:  # fmt: skip
+    """The last rank's backward with the most in flight under FSDP2 ZeRO-3 and full recomputation,
+    where it is the loss chunk's and every other chunk's groups and gradients are there
+    (:func:`loss_chunk_backward`), at that chunk's second layer's down projection
+    (``layers.1.feed_forward.w2.dX``): the chunk's forward resharded its layer groups
+    (``reshard_after_forward``), so its backward gathers them again and keeps them (no reshard after
+    a pipelined backward): every group unsharded but the chunk's first layer's, whose
+    ``all_gather_output`` is in flight (``gather`` a layer group); every gradient with the new
+    ``w2.dW`` (h f, unsharded dtype) beside; the other chunk-micro-batches in flight, each its
+    checkpointed inputs (``chunk_saves``) less its first, its receive buffer, and RoPE's tables
+    (``per_chunk``); the sends held; the loss chunk's cached logits (``fwd_cache``, b s V / t,
+    ``output.logits``); of its own the residual's gradient and the second layer's input (b s h d
+    each), the layer rebuilt and ``w2.dX`` (b s f d); ``alone``: its ids, tables and cuBLAS's
+    workspaces. The run's peak on llama3-8b at dp 2, pp 2, v 2, 4 micro-batches of 2,048 tokens,
+    bf16, full recompute, rank 1: the sums 2.17% under it without this moment."""
+    found = loss_chunk_backward(plan.pp, plan.virtual_stages, m)
+    if found is None or layout.layers < 2 * plan.virtual_stages or not layout.is_last:
+        return None
+    inflight, sent = found
+    a, f = pipeline_activation_bytes(x), model.ffn_size // plan.tp
+    others = (inflight - 1) * (chunk_saves - a + per_chunk)
+    own = 2 * a + TO.recomputed_layer_saves(x) + x.tokens * f * x.d
+    return {
+        **last,
+        "gradients": last["gradients"] + model.hidden_size * f * min(policy.param_bytes, policy.compute_bytes),
+        "activations": alone + others + sent * a + logits + own,
+        "comm_buffers": persistent + gather,
+        "gathered_params": last["gathered_params"] - gather,
+    }
+
+
 def interleaved_fsdp2_backwards(
     model: ModelSpec, layout: StageLayout, plan: Plan, policy: PrecisionPolicy, x: A.Shape, m: int,
     bwd_start: dict[str, int], bwd_end: dict[str, int], grads: int, chunk_saves: int, embed: int,
-    persistent: int, workspaces: int, fp8_gather: bool, finetune: bool,
+    persistent: int, workspaces: int, fp8_gather: bool, finetune: bool, layer_saves: int,
 ) -> tuple[dict[str, int], list[dict[str, int]]]:  # fmt: skip
     """An interleaved pipeline rank's backward moments under FSDP2 beyond the phases': (its backward
     end with the gradients of the chunks reached by then alone, :func:`chunks_without_gradients_after`;
     the first rank's embedding backwards, :func:`pipelined_embedding_backward`, and its step-end
     reduce-scatter, :func:`pipelined_reduce_scatter`, and on ranks but the last the first backward
-    layer's down projection, :func:`pipelined_down_projection`). ``grads``: every chunk's gradients."""
+    layer's down projection, :func:`pipelined_down_projection`, its later nodes under the mixed
+    policy, :func:`pipelined_mlp_weight_grads_kept`, and under ZeRO-3 without recomputation the next
+    group's all-gather, :func:`pipelined_next_group_gather`). ``grads``: every chunk's gradients;
+    ``layer_saves``: a layer's saves (``_MicroBatchTerms.full_layer``)."""
     missing = chunks_without_gradients_after(plan.pp, plan.virtual_stages, layout.stage, m)
     if missing:
         held = grads - _chunks_share(model, layout, plan, missing, grads)
@@ -1060,6 +1227,15 @@ def interleaved_fsdp2_backwards(
         )
     if not layout.is_last and model.moe is None and not finetune:  # a frozen base makes no w2.dW
         extra.append(pipelined_down_projection(model, plan, policy, bwd_start, x))
+        mixed = policy.grad_bytes > min(policy.param_bytes, policy.compute_bytes)
+        if mixed and model.mlp == "gated" and plan.recompute in ("none", "selective"):
+            saves = layer_saves if plan.recompute == "none" else 0
+            extra.append(pipelined_mlp_weight_grads_kept(model, layout, plan, policy, bwd_start, x, saves))
+        if plan.zero == 3 and plan.recompute == "none" and plan.tp == 1:
+            gather = fsdp2_layer_gather(model, layout, policy, fp8_gather)
+            found = pipelined_next_group_gather(model, layout, plan, policy, bwd_start, x, m, gather, layer_saves)
+            if found is not None:
+                extra.append(found)
     return bwd_end, extra
 
 
@@ -1713,6 +1889,19 @@ def embedding_backward_beside_grad(x: A.Shape, plan: Plan, stage: int, m: int, m
     return x.tokens * r * h + embedding_backward_temp(x), outputs
 
 
+def other_micro_batches_casts(casts_each: int, mbs: int) -> int:
+    """Autocast's weight casts the other in-flight micro-batches' graphs still save at a backward's
+    embedding backward (the stage's last node, :func:`embedding_backward_beside_grad`): each
+    micro-batch's forward casts in its own cache (``trainer_model.Model.cache``), its graph keeps
+    them to its backward, and this micro-batch's backward has freed its own by then
+    (``layers.N.*.weight.autocast``, ``casts_each`` a micro-batch; 0 where checkpoints keep none).
+    The run's peak (``trainer_run``, the 1B config of the H200 traces, pp 4, 8 micro-batches of
+    512 tokens, bf16-mixed, no recompute, stage 0, ``tok_embeddings.embedding.grad_weight_per_segment``
+    beside a second ``tok_embeddings.embedding.grad_weight``): three micro-batches' casts,
+    1,459,617,792 B; the sums without them 2.71% under the run."""
+    return casts_each * (mbs - 1)
+
+
 def embedding_backward_temp(x: A.Shape) -> int:
     """``ops.embedding``'s backward (``embedding_dense_backward_cuda``) at its widest node, beside
     the weight gradient it makes: over N ids the int64 sorted ids, sort order, segment offsets,
@@ -1931,6 +2120,7 @@ def _stage_phases(
     if lora_acts is not None:
         weight_copies = lora_acts.weight_copies
     kept_copies = weight_copies
+    casts_each = 0  # one in-flight micro-batch's casts where each keeps its own (1F1B, GPipe)
     if rt.name == "memplan" and x.autocast and lora_acts is None:
         kept_copies -= checkpointed_layer_casts(model, layout, plan, x.d, recomputed)
         if plan.pp > 1 and plan.virtual_stages == 1 and plan.offload_activations == "none":
@@ -1938,7 +2128,7 @@ def _stage_phases(
             # let go at its forward's end), and its graph saves them to its backward: every in-flight
             # micro-batch's casts (pp 4, 8 x 512 tokens, bf16-mixed, stage 1: 1,459,617,792 B in the
             # run's forward, three sets; the sums had one, -16.2% at the stage's peak, GPipe -37.8%)
-            kept_copies *= mbs
+            casts_each, kept_copies = kept_copies, kept_copies * mbs
     fwd_acts, fwd_head, bwd_copies, others_kept, head_back = layer_acts, head, kept_copies, None, 0
     offload_host = mlp_peak = 0
     fwd_copies, bwd_head, embedding_backward, mlp_backward, norm_backward = kept_copies, head, 0, None, 0
@@ -2074,13 +2264,27 @@ def _stage_phases(
             fwd["comm_buffers"] += current
             if current and plan.recompute != "full":  # inside that layer: its input, mid-layer residual, MLP output
                 fwd["activations"] += 2 * A.residual_input(x) + A.layer_input(x)
-            candidates.append(
-                pipelined_last_backward(layout, plan, policy, bwd_end, gather, stored, embed + layer_part)
-            )
+            last = pipelined_last_backward(layout, plan, policy, bwd_end, gather, stored, embed + layer_part)
+            candidates.append(last)
+            plain = lora_acts is None
+            if recomputed == layers and _rebuilds_first_backward(model, x, plan, False, plain, moe_fraction, True):
+                # one chunk-micro-batch in flight: its ids (the first rank's), RoPE's tables, cuBLAS's workspaces
+                alone = (terms.embedding if layout.is_first else 0) + terms.per_chunk + workspaces
+                candidates.append(
+                    pipelined_last_down_projection(
+                        model, plan, policy, last, x, stored // plan.virtual_stages, alone, p2p_opt, stage
+                    )
+                )
+                regather = pipelined_loss_chunk_regather(
+                    model, layout, plan, policy, last, x, accumulation, gather, stored // plan.virtual_stages,
+                    alone, terms.per_chunk, terms.logits, p2p_opt,
+                )  # fmt: skip
+                if regather is not None:
+                    candidates.append(regather)
         if fsdp2:  # the first rank's embedding backward and reduce-scatter; the most in flight's gradients
             candidates[1], extra = interleaved_fsdp2_backwards(
                 model, layout, plan, policy, x, accumulation, bwd_start, bwd_end, grads_full,
-                stored // plan.virtual_stages, embed, p2p_opt, workspaces, fp8.gather_fp8, finetune,
+                stored // plan.virtual_stages, embed, p2p_opt, workspaces, fp8.gather_fp8, finetune, full_layer,
             )  # fmt: skip
             candidates += extra
     if mlp_backward is not None:
@@ -2184,6 +2388,7 @@ def _stage_phases(
                 {
                     **bwd_end,
                     "gradients": grads_full + made,
+                    "autocast_weights": other_micro_batches_casts(casts_each, mbs),
                     "activations": others + embed - terms.per_chunk + held,
                     "comm_buffers": bwd_end["comm_buffers"] + outputs,
                 }
