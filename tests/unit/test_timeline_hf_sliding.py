@@ -4,7 +4,7 @@ itself), so transformers builds the sliding mask and SDPA runs with it (``repeat
 each layer's flash kernel saves). Gemma 3 with one layer type (two sliding layers) and with two (five sliding, one
 full), Phi-3, Mistral and Qwen2 (``use_sliding_window`` from ``max_window_layers`` on); full fine-tuning in fp32,
 bf16 and ``bf16=True`` over fp32, with and without gradient checkpointing, GQA, one KV head and none; PEFT LoRA over
-Mistral and Qwen2; the Trainer's FSDP2 on rank 0 of two. The peak of live storages over three steps
+Mistral and Qwen2; the Trainer's FSDP2 and DDP on rank 0 of two. The peak of live storages over three steps
 (``StorageTracker``) equal to the byte on every case, compared as tests/unit/test_timeline_hf_families.py does
 (``inplace_accumulate=False``). Two cases run by default (a few seconds), the rest under ``-m slow``.
 """
@@ -113,6 +113,23 @@ def test_fsdp_rank_0s_peak_equals_the_trainers(case: hf_steps.Case) -> None:
     measured = hf_fsdp_steps.measure(case, 1, STEPS, reshard=zero >= 3, world=2)
     predicted = predict(case, dp=2, zero=zero)
     assert predicted == measured, f"{case.name} zero {zero}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+DDP = [
+    _case("gemma3", "ddp-fp32"),
+    _case("mistral", "ddp-autocast-ckpt", autocast=True, checkpointing=True, config=WINDOW),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DDP, ids=lambda c: c.name)
+def test_ddp_rank_0s_peak_equals_the_trainers(case: hf_steps.Case) -> None:
+    """The Trainer under DDP (two gloo ranks, rank 0 measured: tests/accuracy/hf_ddp_steps.py)."""
+    import hf_ddp_steps
+
+    measured = hf_ddp_steps.measure(case)
+    predicted = predict(case, dp=hf_ddp_steps.WORLD)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 
 def _lora(tag: str, arch: str, config: dict, **fields):
