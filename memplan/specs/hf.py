@@ -131,14 +131,9 @@ def _llama(cfg: Config) -> dict[str, Any]:
 
 
 def _mistral(cfg: Config) -> dict[str, Any]:
-    """MistralConfig: sliding_window 4096 unless the file sets it (null: none), on every layer (MistralModel builds
-    one sliding mask for all of them)."""
-    fields = _llama_like(
+    return _llama_like(
         cfg, "mistral", qkv_bias=False, tied_default=False, kv_heads_default=8, positions_default=4096 * 32
     )
-    window = cfg.get("sliding_window", 4096)
-    fields.update(attention_pattern=("sliding",) if window is not None else (), sliding_window=window)
-    return fields
 
 
 def _qwen_sliding(cfg: Config, num_layers: int) -> dict[str, Any]:

@@ -4,9 +4,10 @@ itself), so transformers builds the sliding mask and SDPA runs with it (``repeat
 each layer's flash kernel saves). Gemma 3 with one layer type (two sliding layers) and with two (five sliding, one
 full), Phi-3, Mistral and Qwen2 (``use_sliding_window`` from ``max_window_layers`` on); full fine-tuning in fp32,
 bf16 and ``bf16=True`` over fp32, with and without gradient checkpointing, GQA, one KV head and none; PEFT LoRA over
-Mistral and Qwen2; the Trainer's FSDP2 and DDP on rank 0 of two. The peak of live storages over three steps
-(``StorageTracker``) equal to the byte on every case, compared as tests/unit/test_timeline_hf_families.py does
-(``inplace_accumulate=False``). Two cases run by default (a few seconds), the rest under ``-m slow``.
+Mistral and Qwen2, QLoRA (nf4, double quantization) over Mistral; the Trainer's FSDP2 and DDP on rank 0 of two.
+The peak of live storages over three steps (``StorageTracker``) equal to the byte on every case, compared as
+tests/unit/test_timeline_hf_families.py does (``inplace_accumulate=False``). Two Trainer cases run by default,
+the rest under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import hf_steps  # noqa: E402
 from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
 from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
-from memplan.specs.loader import load_model, model_from_data  # noqa: E402
+from memplan.specs.loader import model_from_data  # noqa: E402
 from memplan.specs.plan import Plan, trainer_autocast  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
@@ -67,6 +68,18 @@ CASES = [
 ]
 
 
+def spec(case):  # noqa: ANN001, ANN201
+    """The case's ModelSpec from its config.json. memplan's loader reads no window from a Mistral config.json (the
+    mistral-7b profile, Mistral-7B-v0.1's config.json written out, has none: tests/golden/test_profiles.py), so a
+    Mistral case states its window as a memplan model file would (``attention_pattern``, ``sliding_window``)."""
+    config = case.hf_config()
+    model = model_from_data(config, f"{case.name}/config.json", case.name)
+    if case.arch == "mistral" and config.get("sliding_window") is not None:
+        fields = {**model.model_dump(), "attention_pattern": ("sliding",), "sliding_window": config["sliding_window"]}
+        model = type(model)(**fields)
+    return model
+
+
 def _plan(case, dp: int = 1, zero: int = 0) -> Plan:
     recompute = "full" if case.checkpointing else "none"
     return Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, dp=dp, zero=zero)
@@ -74,7 +87,7 @@ def _plan(case, dp: int = 1, zero: int = 0) -> Plan:
 
 def predict(case: hf_steps.Case, dp: int = 1, zero: int = 0) -> int:
     """The run's peak for the case's config.json on CPU's kernels, on rank 0 of ``dp`` (FSDP2 at ``zero``)."""
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    model = spec(case)
     plan = _plan(case, dp, zero)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert model.sliding_window is not None and case.seq >= model.sliding_window, case.name  # reached
@@ -150,6 +163,17 @@ LORA = [
         checkpointing=True,
     ),
     _lora("qwen2-bf16", "qwen2", QWEN2, dtype="bfloat16"),
+    _lora("mistral-qlora-nf4-dq", "mistral", WINDOW, quant="nf4", double_quant=True, heads=4, kv_heads=2),
+    _lora(
+        "mistral-qlora-recipe",
+        "mistral",
+        WINDOW,
+        quant="nf4",
+        double_quant=True,
+        **BF16,
+        autocast=True,
+        checkpointing=True,
+    ),
 ]
 
 
@@ -159,14 +183,18 @@ def test_lora_peak_equals_the_trainers(case) -> None:  # noqa: ANN001
     import hf_peft_steps
     from peft_steps import plan_of
 
+    from memplan.costmodel.timeline.hf_bnb import Bnb4bit
     from memplan.costmodel.timeline.hf_lora import HfLoraConfig
 
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    model = spec(case)
     plan = plan_of(case)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
     d = hf_dims(model, workload, plan)
-    kw = dict(arch=model.architecture, extra=family_config(model), lora=HfLoraConfig.of(plan), inplace_accumulate=False)
+    quant = Bnb4bit.of(plan)  # loaded in the case's dtype, as test_timeline_hf_peft.predict
+    quant = quant if quant is None else dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2)
+    kw = dict(arch=model.architecture, extra=family_config(model), lora=HfLoraConfig.of(plan), quant=quant)
+    kw["inplace_accumulate"] = False
     predicted = hf_run(d, model.tied_embeddings, "cpu_flash", steps=STEPS, batches=STEPS, qkv_bias=model.qkv_bias, **kw)
     measured = hf_peft_steps.measure(case)
     assert predicted.peak()[0] == measured, f"{case.name}: {predicted.peak()[0]:,} B predicted, {measured:,} B measured"
@@ -189,7 +217,7 @@ def test_the_float_masks_are_what_checkpointing_drops() -> None:
     unreached = dataclasses.replace(case, extra=tuple({**dict(case.extra), "sliding_window": 256}.items()))
 
     def peak(c, ckpt: bool) -> int:
-        model = model_from_data(c.hf_config(), "probe/config.json", "probe")
+        model = spec(c)
         plan = Plan(precision="fp32", recompute="full" if ckpt else "none")
         d = hf_dims(model, TrainingWorkload(seq_len=c.seq, micro_batch=c.batch), plan)
         kw = dict(arch=model.architecture, extra=family_config(model), inplace_accumulate=False)
@@ -251,7 +279,7 @@ def test_the_memory_efficient_kernels_saved_bias_is_padded_to_eight_columns() ->
 
 
 def test_the_hand_loop_with_a_reached_window_stays_on_the_phase_model() -> None:
-    model = model_from_data(_case("mistral", "loop", config=WINDOW).hf_config(), "m/config.json", "m")
+    model = spec(_case("mistral", "loop", config=WINDOW))
     workload = TrainingWorkload(seq_len=128, micro_batch=2)
     reason = hf_supported(model, Plan(precision="fp32"), workload, runtime="hf-loop", device="cpu")
     assert reason is not None and "a window the sequence reaches" in reason
@@ -261,20 +289,15 @@ def test_the_hand_loop_with_a_reached_window_stays_on_the_phase_model() -> None:
 @pytest.mark.parametrize(
     ("config", "pattern", "window"),
     [
-        ({"model_type": "mistral", "sliding_window": 4096}, ("sliding",), 4096),
-        ({"model_type": "mistral", "sliding_window": None}, (), None),
-        ({"model_type": "mistral"}, ("sliding",), 4096),  # MistralConfig's default
-        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, None, 64),
-        ({"model_type": "qwen2", "sliding_window": 64}, (), None),  # without use_sliding_window: none
+        ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, ("full", "sliding"), 64),
+        ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, ("sliding", "sliding"), 64),
+        ({"sliding_window": 64}, ("full", "full"), None),  # without use_sliding_window: none
     ],
 )
-def test_mistral_and_qwen2_read_their_windows(config: dict, pattern: tuple | None, window: int | None) -> None:
-    """config.json's window as transformers reads it (MistralConfig: 4096 unless set; Qwen2Config: only with
-    ``use_sliding_window``, from ``max_window_layers`` on)."""
+def test_qwen2_reads_its_window(config: dict, pattern: tuple, window: int | None) -> None:
+    """config.json's window as Qwen2Config reads it: only with ``use_sliding_window``, from ``max_window_layers``
+    on (the reader Qwen3's config already had: ``specs.hf._qwen_sliding``)."""
     dims = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    data = {**dims, "intermediate_size": 344, "vocab_size": 2000, **config}
+    data = {"model_type": "qwen2", **dims, "intermediate_size": 344, "vocab_size": 2000, **config}
     model = model_from_data(data, "w/config.json", "w")
-    assert model.sliding_window == window
-    kinds = ("full", "sliding") if pattern is None else ("sliding",) * 2 if pattern else ("full",) * 2
-    assert model.layer_attention_kinds == kinds
-    assert load_model("mistral-7b").sliding_window is None  # the profile (v0.3): no window
+    assert model.sliding_window == window and model.layer_attention_kinds == pattern

@@ -8,8 +8,9 @@ model forward, whatever the number of sliding layers (``causal_mask_mapping``: o
 full layers' entry skipped for ``is_causal``), built after its packed-sequence check and held by the model's
 forward to its return (after ``position_ids``). Which model builds it:
 
-- Mistral (``sliding_window`` set) and Phi-3 (``sliding_window`` set): ``create_sliding_window_causal_mask``
-  instead of ``create_causal_mask`` (modeling_mistral.py:353, modeling_phi3.py:384), one packed check;
+- Mistral (``sliding_window`` set; memplan's loader does not read it from config.json: a model file states it)
+  and Phi-3 (``sliding_window`` set): ``create_sliding_window_causal_mask`` instead of ``create_causal_mask``
+  (modeling_mistral.py:353, modeling_phi3.py:384), one packed check;
 - Qwen2 with ``use_sliding_window`` (its layers from ``max_window_layers`` on sliding): the full mask's
   packed check, then the sliding one's (``has_sliding_layers``, modeling_qwen2.py:373);
 - Gemma 3: both masks whatever the layers are (modeling_gemma3.py:541), so the sliding grid is built where
