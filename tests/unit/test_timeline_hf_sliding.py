@@ -283,7 +283,17 @@ def test_the_hand_loop_with_a_reached_window_stays_on_the_phase_model() -> None:
     workload = TrainingWorkload(seq_len=128, micro_batch=2)
     reason = hf_supported(model, Plan(precision="fp32"), workload, runtime="hf-loop", device="cpu")
     assert reason is not None and "a window the sequence reaches" in reason
+    assert "under the hf-loop runtime" in reason
     assert hf_supported(model, Plan(precision="fp32"), workload, runtime="hf", device="cpu") is None
+
+
+def test_a_window_of_a_family_the_run_does_not_mask_says_which() -> None:
+    """Qwen3's sliding layers past the window: not followed on CPU either, the reason naming the family."""
+    from memplan.specs.loader import load_model
+
+    qwen3 = load_model("qwen3-8b").model_copy(update=dict(attention_pattern=("full", "sliding"), sliding_window=512))
+    reason = hf_supported(qwen3, Plan(precision="bf16"), TrainingWorkload(seq_len=1024, micro_batch=1), device="cpu")
+    assert reason == "sliding or chunked attention (a window the sequence reaches, in the qwen3 family)"
 
 
 @pytest.mark.parametrize(

@@ -128,12 +128,15 @@ def _attention_ok(model: ModelSpec, seq_len: int | None, masked: bool) -> bool:
 
 
 def _window_reason(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runtime: str, cpu: bool) -> str:
-    """Why a reached window is not followed: the hf-loop runtime (its cache's sliding layers), or on CUDA the
-    masked SDPA kernel (``hf_sliding.cuda_masked_kernel``: cuDNN or the memory-efficient one, from source)."""
+    """Why a reached window is not followed: a family or kind ``hf_sliding.py`` does not follow (Qwen3's windows,
+    chunked layers), the hf-loop runtime (its cache's sliding layers), or on CUDA the masked SDPA kernel
+    (``hf_sliding.cuda_masked_kernel``: cuDNN or the memory-efficient one, from source)."""
     from memplan.costmodel.timeline.hf_sliding import cuda_masked_kernel
 
+    if model.architecture not in WINDOW_SKIPPED or not set(model.attention_pattern) <= {"full", "sliding"}:
+        return f"sliding or chunked attention (a window the sequence reaches, in the {model.architecture} family)"
     where = "under the hf-loop runtime"
-    if not cpu:
+    if not cpu and runtime == "hf":
         cap = (9, 0) if gpu_arch is None else (gpu_arch.major, gpu_arch.minor)
         half = plan.precision != "fp32" and plan.quant == "none"
         kernel = cuda_masked_kernel(model.head_size, model.num_attention_heads, half, cap)
