@@ -136,9 +136,22 @@ def _mistral(cfg: Config) -> dict[str, Any]:
     )
 
 
+def _qwen_sliding(cfg: Config, num_layers: int) -> dict[str, Any]:
+    """Qwen2Config / Qwen3Config.__post_init__: sliding layers only with use_sliding_window, from max_window_layers
+    on (default 28)."""
+    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
+    first = cfg.get("max_window_layers", 28)
+    default = [
+        "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)
+    ]
+    return _sliding({**cfg, "sliding_window": window}, cfg.get("layer_types") or default, num_layers, None)
+
+
 def _qwen2(cfg: Config) -> dict[str, Any]:
     # Qwen2Attention: q/k/v always carry a bias, o_proj never does.
-    return _llama_like(cfg, "qwen2", qkv_bias=True, tied_default=False, kv_heads_default=32, positions_default=32768)
+    fields = _llama_like(cfg, "qwen2", qkv_bias=True, tied_default=False, kv_heads_default=32, positions_default=32768)
+    fields.update(_qwen_sliding(cfg, cfg["num_hidden_layers"]))
+    return fields
 
 
 def _mixtral(cfg: Config) -> dict[str, Any]:
@@ -247,13 +260,7 @@ def _qwen3(cfg: Config) -> dict[str, Any]:
     bias = bool(cfg.get("attention_bias", False))
     fields = _llama_like(cfg, "qwen3", qkv_bias=bias, tied_default=False, kv_heads_default=32, positions_default=32768)
     fields.update(attn_out_bias=bias, qk_norm=True, head_dim=cfg.get("head_dim", 128))
-    # Qwen3Config.__post_init__: sliding layers only with use_sliding_window, from max_window_layers on.
-    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
-    num_layers, first = cfg["num_hidden_layers"], cfg.get("max_window_layers", 28)
-    default = [
-        "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)
-    ]
-    fields.update(_sliding({**cfg, "sliding_window": window}, cfg.get("layer_types") or default, num_layers, None))
+    fields.update(_qwen_sliding(cfg, cfg["num_hidden_layers"]))
     return fields
 
 

@@ -28,6 +28,7 @@ from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.hf_gemma import GEMMA2_PARAMS, GEMMA_PARAMS, HfGemma2, HfGemma3
 from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
+from memplan.costmodel.timeline.hf_sliding import SlidingWindow
 
 QWEN3_PARAMS = (
     *LAYER_PARAMS[:4],
@@ -262,23 +263,40 @@ def family_config(model, gpu_arch=None) -> dict | None:
         from memplan.costmodel.timeline.hf_moe import moe_config
 
         return moe_config(model, gpu_arch)
+    kinds, window = model.layer_attention_kinds, model.sliding_window
+    if model.architecture in ("mistral", "qwen2", "phi3") and window is not None:  # hf_sliding.py
+        return {"kinds": kinds, "window": window, "second_check": model.architecture == "qwen2"}
     if model.architecture not in ("gemma2", "gemma3"):
         return None
     return {
-        "kinds": model.layer_attention_kinds,
+        "kinds": kinds,
+        "window": window,
         "final_softcap": model.final_logit_softcapping,
         "attn_softcap": model.attn_logit_softcapping,
     }
 
 
+# hf_sliding.py: the sliding mask and the masked SDPA over the family's layer, where the sequence reaches the window
+class HfMistral(SlidingWindow, HfLlama):
+    """``MistralForCausalLM`` and ``Qwen2ForCausalLM``: Llama's layer, sliding layers under the window's mask."""
+
+
+class HfPhi3Window(SlidingWindow, HfPhi3):
+    """``Phi3ForCausalLM`` with its window's mask."""
+
+
+class HfGemma3Window(SlidingWindow, HfGemma3):
+    """``Gemma3ForCausalLM`` with the sliding layers' mask."""
+
+
 FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
     "llama": (HfLlama, LAYER_PARAMS),
-    "mistral": (HfLlama, LAYER_PARAMS),
-    "qwen2": (HfLlama, LAYER_PARAMS),
+    "mistral": (HfMistral, LAYER_PARAMS),
+    "qwen2": (HfMistral, LAYER_PARAMS),
     "qwen3": (HfQwen3, QWEN3_PARAMS),
-    "phi3": (HfPhi3, PHI3_PARAMS),
+    "phi3": (HfPhi3Window, PHI3_PARAMS),
     "olmo2": (HfOlmo2, OLMO2_PARAMS),
-    "gemma3": (HfGemma3, GEMMA_PARAMS),
+    "gemma3": (HfGemma3Window, GEMMA_PARAMS),
     "gemma2": (HfGemma2, GEMMA2_PARAMS),
 }
 

@@ -89,10 +89,13 @@ def is_norm(name: str) -> bool:
     return NO_DECAY.search(name.lower()) is not None
 
 
-def cpu_flash_sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str) -> Tensor:
+def cpu_flash_sdpa(
+    tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str, mask: Tensor | None = None
+) -> Tensor:
     """``_scaled_dot_product_flash_attention_for_cpu`` (GQA native): the output, then the fp32
-    log-sum-exp (b x heads x s). Saves k, q, v, lse and out (released in that order, CPU log).
-    Backward: dq, dk, dv (its scratch is not a tensor)."""
+    log-sum-exp (b x heads x s). Saves k, q, v, lse and out (released in that order, CPU log), and
+    ``attn_mask`` first where one is given (a sliding window: hf_sliding.py). Backward: dq, dk, dv (its
+    scratch is not a tensor)."""
     qn, kn, vn = q.numel, k.numel, v.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
@@ -100,7 +103,7 @@ def cpu_flash_sdpa(tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, 
 
     node = tape.node(tag, apply, [q, k, v])
     if node is not None:
-        for t in (k, q, v):
+        for t in (mask, k, q, v) if mask is not None else (k, q, v):
             tape.save(node, t)
     out = ops.result(tape, qn, q.itemsize, f"{tag}.out", node)
     lse = tape.new(lse_numel, 4, f"{tag}.lse")

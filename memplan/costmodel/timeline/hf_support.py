@@ -5,8 +5,10 @@ case equal to the real Trainer's peak on CPU; the families in tests/unit/test_ti
 full fine-tuning on one rank of a dense Llama-layout decoder (Llama, Mistral without a sliding window,
 Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transformers writes them
 (Qwen3 without attention biases or sliding layers, Phi-3 with full rotary embeddings, OLMo 2 without
-attention biases, Gemma 3 without attention soft-capping; Phi-3's and Gemma 3's sliding layers where
-the sequence is shorter than the window, so that transformers passes SDPA no mask) under SDPA, and
+attention biases, Gemma 3 without attention soft-capping; Mistral's, Qwen2's, Phi-3's and Gemma 3's sliding
+layers where the sequence is shorter than the window, so that transformers passes SDPA no mask, and under the
+Trainer on CPU where it reaches it: SDPA with the window's mask, ``hf_sliding.py``,
+tests/unit/test_timeline_hf_sliding.py) under SDPA, and
 Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE and Qwen2-MoE
 (``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
 gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA as ``MOE_LORA_TARGETS`` allows (the
@@ -100,8 +102,9 @@ ACTIVATION = {"gemma2": "gelu_tanh", "gemma3": "gelu_tanh"}  # GeGLU (gelu_pytor
 # over both masks it builds, so its sliding layers are followed at any window
 EAGER = ("gemma2",)
 # families whose sliding layers, with a window the sequence does not reach, run as full causal ones:
-# masking_utils._ignore_causal_mask_sdpa skips the mask (kv_length < window), SDPA runs is_causal
-WINDOW_SKIPPED = ("phi3", "gemma3")
+# masking_utils._ignore_causal_mask_sdpa skips the mask (kv_length < window), SDPA runs is_causal; past
+# the window, under the Trainer on CPU, SDPA with the mask (hf_sliding.py)
+WINDOW_SKIPPED = ("mistral", "qwen2", "phi3", "gemma3")
 
 
 # the hand-written loop keeps ``out`` (and its graph) to the next forward: an int8 linear's ``ctx.A``
@@ -115,14 +118,35 @@ def _layout(model: ModelSpec) -> tuple:
     return model.layer_norms, scope, (model.fused_qkv, model.fused_gate_up)
 
 
-def _attention_ok(model: ModelSpec, seq_len: int | None) -> bool:
-    """Full causal attention in every layer, or sliding layers whose window the sequence does not reach."""
+def _attention_ok(model: ModelSpec, seq_len: int | None, masked: bool) -> bool:
+    """Full causal attention in every layer, or sliding layers whose window the sequence does not reach, or
+    reaches where ``masked`` (the Trainer on CPU: SDPA with the window's mask, ``hf_sliding.py``)."""
     kinds = set(model.attention_pattern)
     if kinds <= {"full"} or (model.architecture in EAGER and kinds <= {"full", "sliding"}):
         return True
     window = model.sliding_window
     reached = seq_len is None or window is None or seq_len >= window
-    return kinds <= {"full", "sliding"} and model.architecture in WINDOW_SKIPPED and not reached
+    return kinds <= {"full", "sliding"} and model.architecture in WINDOW_SKIPPED and (masked or not reached)
+
+
+def _window_reason(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runtime: str, cpu: bool) -> str:
+    """Why a reached window is not followed: a family or kind ``hf_sliding.py`` does not follow (Qwen3's windows,
+    chunked layers), the hf-loop runtime (its cache's sliding layers), or on CUDA the masked SDPA kernel
+    (``hf_sliding.cuda_masked_kernel``: cuDNN or the memory-efficient one, from source)."""
+    from memplan.costmodel.timeline.hf_sliding import cuda_masked_kernel
+
+    if model.architecture not in WINDOW_SKIPPED or not set(model.attention_pattern) <= {"full", "sliding"}:
+        return f"sliding or chunked attention (a window the sequence reaches, in the {model.architecture} family)"
+    where = "under the hf-loop runtime"
+    if not cpu and runtime == "hf":
+        cap = (9, 0) if gpu_arch is None else (gpu_arch.major, gpu_arch.minor)
+        half = plan.precision != "fp32" and plan.quant == "none"
+        kernel = cuda_masked_kernel(model.head_size, model.num_attention_heads, half, cap)
+        where = f"on CUDA SDPA takes the mask to its {kernel} kernel"
+    return (
+        f"sliding or chunked attention (a window the sequence reaches: {where}, not followed; the op-level run "
+        "follows it under the Trainer on CPU, --device cpu)"
+    )
 
 
 def hf_supported(
@@ -163,7 +187,10 @@ def hf_supported(
         (_layout(model) == LAYOUT.get(model.architecture, LLAMA_LAYOUT), f"this {model.architecture} layer layout"),
         (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
         (not model.qkv_bias or model.architecture in QKV_BIAS_FAMILIES, "Q/K/V biases outside Qwen2 and Qwen2-MoE"),
-        (_attention_ok(model, seq_len), "sliding or chunked attention (a window the sequence reaches)"),
+        (
+            _attention_ok(model, seq_len, cpu and runtime == "hf"),
+            lambda: _window_reason(model, plan, gpu_arch, runtime, cpu),
+        ),
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
         (plan.quant != "int8" or runtime == "hf", _INT8_LOOP),
         (
@@ -206,7 +233,7 @@ def hf_supported(
     ]
     for ok, what in checks:
         if not ok:
-            return what
+            return what() if callable(what) else what  # a reason worked out only when it is given
     return None
 
 
