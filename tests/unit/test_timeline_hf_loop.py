@@ -211,6 +211,9 @@ def test_estimate_answers_an_hf_loop_cuda_plan_op_level(capsys, args: list[str])
         ([LLAMA1B, "--runtime", "hf-loop", "--finetune", "lora", "--quant", "int8"], "an LLM.int8 base"),
         ([LLAMA1B, "--runtime", "hf-loop", "--attention", "eager"], "eager attention"),
         ([LLAMA1B, "--runtime", "hf-loop", "--dp", "2"], "more than one rank"),
+        # the loop's own reason, not the Trainer's FSDP or ZeRO-1 ones its multi-rank checks would give
+        (["llama3-8b", "--gpus", "8", "--zero", "3", "--runtime", "hf-loop"], "more than one rank under the hf-loop"),
+        (["llama3-8b", "--gpus", "8", "--zero", "1", "--runtime", "hf-loop"], "more than one rank under the hf-loop"),
         (["qwen3-8b", "--runtime", "hf-loop"], "the qwen3 family"),
     ],
 )

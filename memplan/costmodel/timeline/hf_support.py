@@ -184,12 +184,13 @@ def hf_supported(
         ),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
         (plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank (tensor, pipeline, context or expert)"),
+        # before the Trainer's own multi-rank checks (ZeRO-1, FSDP), which would name the Trainer's mechanisms
+        (plan.dp == 1 or runtime == "hf", "more than one rank under the hf-loop runtime (its loop has no DDP)"),
         (
             plan.dp == 1 or plan.zero != 1,
             "ZeRO over more than one rank at stage 1 (DeepSpeed's; the Trainer's FSDP is 2 or 3)",
         ),
         (plan.dp == 1 or plan.zero == 0 or _fsdp_ok(model, plan, runtime), _fsdp_reason(model, plan)),
-        (plan.dp == 1 or runtime == "hf", "more than one rank under the hf-loop runtime (its loop has no DDP)"),
         (plan.optimizer == "adamw", "this optimizer"),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
