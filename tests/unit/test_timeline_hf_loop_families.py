@@ -269,3 +269,17 @@ def test_lora_accumulation_under_checkpointing_equals_the_loops(save: tuple) -> 
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch, global_batch=2 * case.batch)
     predicted = _run(spec, plan, workload, HfLoraConfig.of(plan), ga=2)
     assert predicted == tracker.peak, f"{predicted:,} B predicted, {tracker.peak:,} B measured"
+
+
+def test_lora_over_moe_is_answered_by_the_loops_run(capsys) -> None:
+    """LoRA over an MoE model has no phase model (``reserve.run_only``): under ``hf-loop`` the loop's run
+    answers it (``specs.job.check_moe_lora``), and the search's fast form takes that run too."""
+    from memplan.costmodel import fast_run
+    from memplan.specs.loader import load_model
+
+    args = ["mixtral-8x7b", "--runtime", "hf-loop", "--finetune", "lora", "--lora-targets", "q_proj,v_proj"]
+    memory = _estimate(capsys, [*args, "--seq-len", "512"])
+    assert memory["model"] == "op-level" and memory["model_reason"] is None
+    assert memory["peak"]["reserved_detail"]["timeline"] == "hf-loop"
+    plan = Plan(finetune="lora", lora_targets=("q_proj", "v_proj"))
+    assert fast_run.applies(load_model("mixtral-8x7b"), plan, "hf-loop", "cuda")
