@@ -77,10 +77,10 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     attention or RoPE pattern, multi-token prediction), with every layer treated alike (no
     ``recompute_layers``), for the runtimes the run models. The plans of full bf16 training stay
     on the phase model's sums (the 768-plan grid's cost; how far they are from the run:
-    docs/cost-model.md). LoRA over an MoE model under ``hf``: the whole run (``_moe_lora_peak``), on
-    either device."""
+    docs/cost-model.md). LoRA over an MoE model under ``hf`` or ``hf-loop``: the whole run
+    (``_moe_lora_peak``), on either device."""
     if _moe_lora(model, plan):
-        return runtime == "hf"
+        return runtime in ("hf", "hf-loop")
 
     if device != "cuda" or runtime not in ("memplan", "hf"):  # hf-loop: 48 of 50 exact (docs/cost-model.md)
         return False
@@ -138,7 +138,7 @@ def run_peak(
     phases) or the cut runs' spans do not line up. ``gpu``: its SMs and compute capability pick a 4-bit
     base's kernel (``quant.cuda_arch``)."""
     if _moe_lora(model, plan):
-        return _moe_lora_peak(model, workload, plan, device, gpu)
+        return _moe_lora_peak(model, workload, plan, device, gpu, runtime)
     if not _modelled(model, workload, plan, runtime, cuda_arch(gpu)):
         return None
     if plan.pp > 1:
@@ -178,16 +178,16 @@ def _moe_lora(model: ModelSpec, plan: Plan) -> bool:
 
 
 def _moe_lora_peak(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str, gpu: GPUSpec | None
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str, gpu: GPUSpec | None, runtime: str = "hf"
 ) -> RunPeak:
-    """The whole run of transformers' Trainer (``reserve.plan_run``, which raises rather than fall back to
-    the phases where the run does not follow the plan: a GPU below compute capability 8.0), as
-    ``estimate`` reports it: on CUDA replayed through the caching allocator model, on CPU its live
-    bytes (``cpu_reserve.cpu_replay``: no caching allocator); in the phase of its highest span."""
+    """The whole run of transformers' Trainer or the hand-written loop (``runtime``; ``reserve.plan_run``, which raises
+    rather than fall back to the phases where the run does not follow the plan: a GPU below compute capability 8.0),
+    as ``estimate`` reports it: on CUDA replayed through the caching allocator model, on CPU its live bytes
+    (``cpu_reserve.cpu_replay``: no caching allocator); in the phase of its highest span."""
     from memplan.costmodel.cpu_reserve import cpu_replay
     from memplan.costmodel.reserve import plan_run, replay
 
-    run, _ = plan_run(model, workload, plan, "hf", device, gpu)
+    run, _ = plan_run(model, workload, plan, runtime, device, gpu)
     label = max(span_peaks(run, model.num_layers), key=lambda s: s[1])[0]
     peak = replay(run, AllocatorConfig()) if device == "cuda" else cpu_replay(run)
     return RunPeak(peak.max_allocated, _phase(label))

@@ -153,16 +153,16 @@ def check_lora(
 
 
 def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: TrainingWorkload | None) -> None:
-    """PEFT LoRA over an MoE model: answered by the op-level run of transformers' Trainer alone
-    (``timeline.hf_moe``, checked to the byte against the real Trainer on CPU:
-    tests/unit/test_timeline_hf_moe.py), with adapters on the attention linears of Mixtral, Qwen3-MoE or
-    Qwen2-MoE, or on any linear of Qwen2-MoE, on one rank or over DDP (``hf_support._moe_lora_ok``; the targets
-    PEFT 0.21 wraps otherwise: :func:`_moe_targets_refused`). The phase model's LoRA layer
-    (``lora.hf_layer``) counts a dense MLP of ``ffn_size`` where the experts are, and the bundled
-    trainer and Megatron build no MoE adapters: every other plan is refused here, before either model
-    runs. Without ``workload`` only the adapters are checked (family, runtime, targets). The questions that
-    depend on the GPU (its compute capability) are asked by the run
-    (``reserve.plan_run``), which refuses the plan rather than fall back to the phase model."""
+    """PEFT LoRA over an MoE model: answered by the op-level run of transformers' Trainer or of the hand-written loop
+    alone (``timeline.hf_moe``, checked to the byte against the real Trainer and loop on CPU:
+    tests/unit/test_timeline_hf_moe.py, test_timeline_hf_loop_families.py), with adapters on the attention linears
+    of Mixtral, Qwen3-MoE or Qwen2-MoE, or on any linear of Qwen2-MoE, on one rank or over DDP
+    (``hf_support._moe_lora_ok``; the targets PEFT 0.21 wraps otherwise: :func:`_moe_targets_refused`). The phase
+    model's LoRA layer (``lora.hf_layer``) counts a dense MLP of ``ffn_size`` where the experts are, and the bundled
+    trainer and Megatron build no MoE adapters: every other plan is refused here, before either model runs. Without
+    ``workload`` only the adapters are checked (family, runtime, targets). The questions that depend on the GPU (its
+    compute capability) are asked by the run (``reserve.plan_run``), which refuses the plan rather than fall back to
+    the phase model."""
     from memplan.costmodel.timeline.hf_support import MLA_FAMILIES, MOE_FAMILIES, hf_supported, mla_linears
 
     name, families = f"{model.name} ({model.architecture})", MOE_FAMILIES + MLA_FAMILIES
@@ -172,10 +172,10 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
             f"{name} is another MoE family",
             field="plan.finetune",
         )
-    if runtime != "hf":
+    if runtime not in ("hf", "hf-loop"):  # the hand-written loop's run composes the same modules (hf_loop.py)
         raise MemplanError(
-            f"{plan.finetune} over an MoE model is modelled under --runtime hf alone (transformers' Trainer "
-            f"op by op); {name} is an MoE model and the runtime is {runtime}",
+            f"{plan.finetune} over an MoE model is modelled under --runtime hf or hf-loop alone (transformers' "
+            f"Trainer or a hand-written loop, op by op); {name} is an MoE model and the runtime is {runtime}",
             field="plan.finetune",
         )
     if model.architecture in MLA_FAMILIES:  # DeepSeek-V2 / V3 MLA linears alone (hf_support._mla_lora_ok)

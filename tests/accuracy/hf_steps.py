@@ -9,7 +9,8 @@ Each case runs one of two loops (``Case.loop``):
 - ``"hand"`` (``--runtime hf-loop``): the transformers course's hand-written loop,
   ``out = model(input_ids=ids, labels=ids); out.loss.backward(); opt.step();
   opt.zero_grad(set_to_none=True)`` with ``AdamW(foreach=True)``, which keeps ``out`` (logits,
-  DynamicCache) until the next forward returns.
+  DynamicCache) until the next forward returns; with ``Case.ga`` > 1 the loss is divided
+  (``loss = out.loss / ga; loss.backward()``) and the optimizer steps every ``ga`` iterations.
 
 The steady-state peak is the highest total of live tensor storages over three steps (the first
 step allocates the optimizer states lazily), counted by ``StorageTracker``: MemTracker's
@@ -72,6 +73,8 @@ class Case:
     loop: str = "hand"
     # further config.json fields of the family, as (key, value) pairs (MLA ranks, windows, experts)
     extra: tuple[tuple[str, object], ...] = ()
+    # the hand loop's gradient accumulation: iterations per optimizer step (``loss = out.loss / ga``)
+    ga: int = 1
 
     @property
     def runtime(self) -> str:
@@ -162,7 +165,16 @@ def _measure_peak(case: Case, steps: int) -> int:
         return _measure_trainer(case, steps)
     if case.loop != "hand":
         raise ValueError(f"{case.name}: unknown loop {case.loop!r}")
+    return measure_hand(case, steps)
+
+
+def measure_hand(case: Case, steps: int, prepare=None) -> int:
+    """The hand-written loop (module docstring) for ``steps`` steps under ``StorageTracker``;
+    ``prepare(model)``, if given, runs before the optimizer is built (DeepSeek-V3's fp32 score
+    bias, as ``from_pretrained`` keeps it: tests/unit/test_timeline_hf_loop_families.py)."""
     model = _model(case)
+    if prepare is not None:
+        prepare(model)
     if case.checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
@@ -172,12 +184,17 @@ def _measure_peak(case: Case, steps: int) -> int:
     tracker.track_module(model)
     tracker.track(ids)
     with tracker, forced_backend(case):
-        for _ in range(steps):
+        for i in range(steps * case.ga):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
                 out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if case.ga == 1:
+                out.loss.backward()
+            else:  # gradient accumulation as accelerate's docs and the transformers course write it
+                loss = out.loss / case.ga
+                loss.backward()
+            if (i + 1) % case.ga == 0:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
     return tracker.peak
 
 
@@ -303,7 +320,7 @@ def predict_report(case: Case):
         recompute="full" if case.checkpointing else "none",
         attention="eager" if case.attention == "eager" else "flash",
     )
-    workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+    workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch, global_batch=case.batch * case.ga)
     return estimate_training(model, workload, plan, runtime=case.runtime, device=case.device)
 
 

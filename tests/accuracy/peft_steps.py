@@ -192,15 +192,21 @@ def _setup(case: PeftCase, model=None):
     return model, opt, torch.randint(0, case.vocab, (case.batch, case.seq))
 
 
-def _steps(case: PeftCase, model, opt, ids, steps: int, after_step=lambda: None) -> None:
-    """The loop: ``out`` kept until the next forward, as ``runtime()`` says."""
-    for _ in range(steps):
+def _steps(case: PeftCase, model, opt, ids, steps: int, after_step=lambda: None, ga: int = 1) -> None:
+    """The loop: ``out`` kept until the next forward, as ``runtime()`` says; over ``ga`` > 1 iterations an
+    optimizer step, ``loss = out.loss / ga`` (hf_steps.measure_hand's accumulation)."""
+    for i in range(steps * ga):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
             out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        after_step()
+        if ga == 1:
+            out.loss.backward()
+        else:
+            loss = out.loss / ga
+            loss.backward()
+        if (i + 1) % ga == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            after_step()
 
 
 def measure(case: PeftCase, steps: int = 3, model=None) -> dict:

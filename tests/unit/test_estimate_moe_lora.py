@@ -90,9 +90,9 @@ def test_a_gpu_the_run_declines_stops_the_estimate_rather_than_fall_back() -> No
 @pytest.mark.parametrize(
     ("runtime", "plan", "field", "reason"),
     [
-        ("memplan", {}, "plan.finetune", "under --runtime hf alone"),
-        ("megatron", {}, "plan.finetune", "under --runtime hf alone"),
-        ("hf-loop", {}, "plan.finetune", "under --runtime hf alone"),
+        ("memplan", {}, "plan.finetune", "under --runtime hf or hf-loop alone"),
+        ("megatron", {}, "plan.finetune", "under --runtime hf or hf-loop alone"),
+        ("hf-loop", {"lora_targets": ("q_proj", "gate_proj")}, "plan.lora_targets", "matches no module of Mixtral"),
         ("hf", {"lora_targets": ("q_proj", "gate_proj")}, "plan.lora_targets", "matches no module of Mixtral"),
         ("hf", {"lora_targets": ("all-linear",), "lora_dropout": 0.1}, "plan.lora_dropout", "ParamWrapper raises"),
         ("hf", {"lora_targets": ("q_proj", "down_proj")}, "plan.lora_targets", "down_proj over the experts"),

@@ -194,6 +194,8 @@ def _estimate(capsys, args: list[str]) -> dict:
         [LLAMA1B, "--runtime", "hf-loop", "--precision", "fp32", "--seq-len", "1024"],
         [LLAMA1B, "--runtime", "hf-loop", "--precision", "bf16", "--finetune", "lora", "--recompute", "full"],
         [LLAMA1B, "--runtime", "hf-loop", "--precision", "bf16-mixed", "--finetune", "qlora", "--seq-len", "2048"],
+        # gradient accumulation: loss = out.loss / ga, opt.step() every ga iterations (..._hf_loop_families.py)
+        [LLAMA1B, "--runtime", "hf-loop", "--global-batch", "8"],
     ],
 )
 def test_estimate_answers_an_hf_loop_cuda_plan_op_level(capsys, args: list[str]) -> None:
@@ -207,11 +209,15 @@ def test_estimate_answers_an_hf_loop_cuda_plan_op_level(capsys, args: list[str])
 @pytest.mark.parametrize(
     ("args", "reason"),
     [
-        ([LLAMA1B, "--runtime", "hf-loop", "--global-batch", "8"], "gradient accumulation"),
         ([LLAMA1B, "--runtime", "hf-loop", "--finetune", "lora", "--quant", "int8"], "an LLM.int8 base"),
         ([LLAMA1B, "--runtime", "hf-loop", "--attention", "eager"], "eager attention"),
         ([LLAMA1B, "--runtime", "hf-loop", "--dp", "2"], "more than one rank"),
-        (["qwen3-8b", "--runtime", "hf-loop"], "the qwen3 family"),
+        # the loop's own reason, not the Trainer's FSDP or ZeRO-1 ones its multi-rank checks would give
+        (["llama3-8b", "--gpus", "8", "--zero", "3", "--runtime", "hf-loop"], "more than one rank under the hf-loop"),
+        (["llama3-8b", "--gpus", "8", "--zero", "1", "--runtime", "hf-loop"], "more than one rank under the hf-loop"),
+        # the loop follows every family of the Trainer's run (test_timeline_hf_loop_families.py), save_on_cpu
+        # over Llama's layout only
+        (["qwen3-8b", "--runtime", "hf-loop", "--offload-activations", "cpu"], "activation offload under the hf-loop"),
     ],
 )
 def test_an_hf_loop_plan_the_run_does_not_model_says_so(capsys, args: list[str], reason: str) -> None:

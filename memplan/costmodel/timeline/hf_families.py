@@ -144,6 +144,7 @@ class HfPhi3(HfLlama):
             qr = self.partial_rope(rot[0], rot[1], cos, sin, "q_rope")
             kr = self.partial_rope(rot[2], rot[3], cos, sin, "k_rope")
             t.done(q, k)
+            kr, v = self.cached(kr, v)
             out = self.core(qr, kr, v)
             # RoPE's cat left q heads-major, and so SDPA's output: transpose(1, 2).contiguous() copies
             flat = prec.merge_heads(t, out)
@@ -225,6 +226,7 @@ class HfOlmo2(HfLlama):
             qe, ke = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             qr, kr = ops.to(t, qe, q.itemsize, "q_rope_cast"), ops.to(t, ke, k.itemsize, "k_rope_cast")
             t.done(qe, ke, q, k)  # apply_rotary_pos_emb's locals, then the rebound query / key
+            kr, vh = self.cached(kr, vh)
             out = self.core(qr, kr, vh)
             flat = prec.merge_heads(t, out) if self.kernel == "math" else t.alias(out)
             y = self.linear(flat, f"{name}.o_proj", d.h, "o_proj")

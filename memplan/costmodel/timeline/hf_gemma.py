@@ -136,6 +136,7 @@ class HfGemma3(HfLlama):
             t.done(k)
             qr, kr = self.rope(qn, cos, sin, "q_rope"), self.rope(kn, cos, sin, "k_rope")
             t.done(qn, kn)
+            kr, v = self.cached(kr, v)
             out = self.core(qr, kr, v)
             flat = prec.merge_heads(t, out) if self.kernel == "math" else t.alias(out)
             y = self.linear(flat, f"{name}.o_proj", d.h, "o_proj")
@@ -242,6 +243,7 @@ class HfGemma2(HfGemma3):
             v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", d.kv > d.head_dim)
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             t.done(q, k)
+            kr, v = self.cached(kr, v)
             out, weights = self.eager(qr, kr, v, self.masks[self.kinds()[i]])
             y = self.linear(out, f"{name}.o_proj", d.h, "o_proj")
             t.done(out, qr, kr, v)  # attn_output rebound, then the frame's locals

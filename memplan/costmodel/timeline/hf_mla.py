@@ -151,6 +151,7 @@ class HfDeepseekV3(MoeBlock, HfLlama):
             t.done(kv_nope)
             q_emb, k_emb = self.mla_rope(q_rot, k_rot, cos, sin)
             t.done(q_rot, k_rot)
+            latent, k_emb = self.cached(latent, k_emb)  # the cache holds the latents (transformers 5.23)
             query = self.cat_promoted(q_pass, q_emb, "query_states")
             key, value = self.expand_kv(latent, k_emb, name)
             out = self.mla_sdpa(query, key, value)

@@ -297,6 +297,11 @@ class HfLlama:
         self.tape.done(y)
         return v
 
+    def cached(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``key_states, value_states = past_key_values.update(...)`` where the forward has a cache
+        (``kv_cache``: the hand-written loop's ``use_cache``, hf_loop.py); else ``k`` and ``v``."""
+        return (k, v) if self.kv_cache is None else self.kv_cache(k, v)
+
     def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """SDPA; under autocast the fp32 RoPE outputs are cast to bf16 first (k, then q), and v when it
         is fp32 too (a 4-bit base's linear returns its input's dtype: CPU log, k, v, then q)."""
@@ -322,8 +327,7 @@ class HfLlama:
             v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", self.kernel == "math")
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             t.done(q, k)  # `query_states, key_states = ...` stores query first
-            if self.kv_cache is not None:  # `key_states, value_states = past_key_values.update(...)`
-                kr, v = self.kv_cache(kr, v)
+            kr, v = self.cached(kr, v)
             out = self.core(qr, kr, v)
             # transpose(1, 2).contiguous(): the fused kernels' layout already; a copy of math's
             flat = prec.merge_heads(t, out) if self.kernel == "math" else t.alias(out)

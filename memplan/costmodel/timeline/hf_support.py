@@ -61,9 +61,11 @@ full parameters, never the steps.
 
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
-4-bit bases (not int8), with ``AdamW(foreach=True)``, one micro-batch a step (the loop accumulates nothing),
-on one rank, with or without activation offload (``save_on_cpu`` around the forward and backward:
-``act_offload.py``'s hooks; tests/accuracy/test_offload_accuracy.py); there ``bf16`` is the bf16 model
+4-bit bases (not int8), every family above with the LoRA the Trainer's run follows on it (the family modules
+composed under the loop's step; tests/unit/test_timeline_hf_loop_families.py), with ``AdamW(foreach=True)``,
+any gradient accumulation (``loss = out.loss / ga``, ``opt.step()`` every ``ga`` iterations), on one rank,
+with or without activation offload (``save_on_cpu`` around the forward and backward: ``act_offload.py``'s
+hooks, checked over Llama's layout; tests/accuracy/test_offload_accuracy.py); there ``bf16`` is the bf16 model
 without autocast unless the plan's ``autocast`` puts the forward under ``torch.autocast``
 (tests/unit/test_plan_autocast.py).
 """
@@ -165,10 +167,6 @@ def hf_supported(
     cpu = device == "cpu"
     tokens = None if workload is None or cpu else workload.micro_batch * workload.seq_len
     seq_len = None if workload is None else workload.seq_len
-    if runtime == "hf-loop" and workload is not None and accumulation(workload, plan) > 1:
-        return "gradient accumulation (the hf-loop runtime's loop has none)"
-    if runtime == "hf-loop" and model.architecture not in PEFT_FAMILIES:
-        return f"the {model.architecture} family under the hf-loop runtime (its loop is followed for Llama's layout)"
     checks = [
         (model.architecture in FAMILIES, f"the {model.architecture} family"),
         (model.mla is None or model.architecture in MLA_FAMILIES, "MLA models"),
@@ -211,14 +209,20 @@ def hf_supported(
             plan.offload_activations == "none" or runtime == "hf-loop" or _trl_offload_ok(model, plan, cpu),
             "activation offload under the Trainer (TRL's hooks: followed on CPU, one rank, no quantized base)",
         ),
+        (
+            plan.offload_activations == "none" or runtime == "hf" or model.architecture in PEFT_FAMILIES,
+            f"activation offload under the hf-loop runtime over the {model.architecture} family (checked for "
+            "Llama's layout)",
+        ),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
         (plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank (tensor, pipeline, context or expert)"),
+        # before the Trainer's own multi-rank checks (ZeRO-1, FSDP), which would name the Trainer's mechanisms
+        (plan.dp == 1 or runtime == "hf", "more than one rank under the hf-loop runtime (its loop has no DDP)"),
         (
             plan.dp == 1 or plan.zero != 1,
             "ZeRO over more than one rank at stage 1 (DeepSpeed's; the Trainer's FSDP is 2 or 3)",
         ),
         (plan.dp == 1 or plan.zero == 0 or _fsdp_ok(model, plan, runtime), _fsdp_reason(model, plan)),
-        (plan.dp == 1 or runtime == "hf", "more than one rank under the hf-loop runtime (its loop has no DDP)"),
         (plan.optimizer == "adamw" or _optimizer_ok(model, plan, runtime), _optimizer_reason(plan, runtime)),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
