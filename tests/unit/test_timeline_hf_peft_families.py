@@ -31,6 +31,7 @@ from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
 from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
+from memplan.specs.plan import trainer_autocast  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
@@ -96,27 +97,33 @@ CASES = [
 ]
 
 
-def predict(case: PeftCase) -> int:
-    """The run's peak for the case's config.json (its family read from it), on CPU's kernels."""
+def predict(case: PeftCase, ga: int = 1, dp: int = 1, zero: int = 0) -> int:
+    """The run's peak for the case's config.json (its family read from it), on CPU's kernels, ``ga``
+    micro-batches per optimizer step, on one of ``dp`` ranks (DDP; FSDP2 at ``zero`` 2 or 3)."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = plan_of(case)
+    plan = plan_of(case).model_copy(update={"dp": dp, "zero": zero})
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
-    assert hf_supported(model, plan, workload, device="cpu") is None, case.name
+    assert dp > 1 or hf_supported(model, plan, workload, device="cpu") is None, case.name
     d = hf_dims(model, workload, plan)
     quant = Bnb4bit.of(plan)
-    if quant is not None:  # loaded in the case's dtype (the plan assumes its compute dtype)
-        quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2)
+    if quant is not None:  # loaded in the case's dtype, stored as its quant_storage (the plan: the recipe's)
+        storage = {"uint8": 1, "bfloat16": 2, "float32": 4}[case.quant_storage]
+        quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2, storage=storage)
     timeline = hf_run(
         d,
         model.tied_embeddings,
         "cpu_flash",
         steps=STEPS,
-        batches=STEPS,  # the harness's dataset holds the steps' batches: the last prefetch finds none
+        batches=STEPS * ga,  # the harness's dataset holds the steps' batches: the last prefetch finds none
+        ga=ga,
         arch=model.architecture,
         extra=family_config(model),
         lora=HfLoraConfig.of(plan, model.architecture),
         quant=quant,
         inplace_accumulate=False,
+        dp=dp,
+        zero=zero,
+        mixed=trainer_autocast(plan, "hf"),  # under FSDP2, bf16=True is accelerate's policy
     )
     return timeline.peak()[0]
 
@@ -183,6 +190,8 @@ def _estimate(capsys, args: list[str]) -> tuple[int, dict | str]:
         pytest.param("olmo2-7b", ["--lora-targets", "all-linear"], marks=pytest.mark.slow),
         pytest.param("gemma2-9b", ["--modules-to-save", "lm_head", "--seq-len", "8192"], marks=pytest.mark.slow),
         pytest.param("phi3-mini", ["--lora-targets", "all-linear", "--seq-len", "1024"], marks=pytest.mark.slow),
+        pytest.param("qwen3-8b", ["--gpus", "2", "--zero", "3", "--finetune", "qlora"], marks=pytest.mark.slow),
+        pytest.param("olmo2-7b", ["--gpus", "2", "--zero", "0"], marks=pytest.mark.slow),
     ],
 )
 def test_estimate_answers_lora_over_the_families_op_level(capsys, name: str, args: list[str]) -> None:
@@ -201,7 +210,6 @@ def test_estimate_answers_lora_over_the_families_op_level(capsys, name: str, arg
         ("olmo2-7b", ["--runtime", "hf-loop"], "modelled under --runtime hf alone"),
         ("gemma3-12b", ["--seq-len", "4096"], "does not follow sliding or chunked attention"),
         ("gemma3-12b", ["--seq-len", "4096", "--device", "cpu"], "does not follow sliding or chunked attention"),
-        ("gemma3-12b", ["--seq-len", "512", "--gpus", "2"], "on more than one rank (DDP or FSDP: not checked)"),
         ("olmo2-7b", ["--finetune", "qlora", "--quant", "int8"], "an LLM.int8 base under the olmo2 family"),
     ],
 )
@@ -210,3 +218,55 @@ def test_lora_the_run_does_not_follow_is_one_line(capsys, name: str, args: list[
     line on stderr, exit 2."""
     code, err = _estimate(capsys, [name, "--runtime", "hf", "--finetune", "lora", *args])
     assert code == 2 and len(err.splitlines()) == 1 and reason in err, err
+
+
+# gradient accumulation (the update's batches fetched together) and DDP (two gloo ranks, rank 0's peak:
+# tests/accuracy/hf_ddp_steps.py; PEFT's model always under find_unused_parameters) over the families
+GA = [
+    (_case("qwen3", "ga2-autocast-ckpt", autocast=True, checkpointing=True), 2),
+    (_case("gemma2", "ga3-bf16-all-linear", dtype="bfloat16", targets=("all-linear",)), 3),
+]
+DDP = [
+    (_case("phi3", "ddp-all-linear", targets=("all-linear",)), 1),
+    (_case("gemma3", "ddp-ckpt-save-head", checkpointing=True, modules_to_save=LM_HEAD), 1),
+    (_case("olmo2", "ddp-qlora-recipe", **QLORA_RECIPE), 1),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "ga"), GA, ids=lambda c: getattr(c, "name", str(c)))
+def test_peak_with_gradient_accumulation(case: PeftCase, ga: int) -> None:
+    measured = hf_peft_steps.measure(case, ga=ga, steps=STEPS)
+    predicted = predict(case, ga=ga)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "ga"), DDP, ids=lambda c: getattr(c, "name", str(c)))
+def test_lora_under_ddp_equals_rank_0s_peak(case: PeftCase, ga: int) -> None:
+    import hf_ddp_steps
+
+    measured = hf_ddp_steps.measure(case, ga)
+    predicted = predict(case, ga=ga, dp=hf_ddp_steps.WORLD)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+# the Trainer's FSDP2 (rank 0 of two under the fake process group: tests/accuracy/hf_fsdp_steps.py), (case, zero)
+FSDP = [
+    (_case("phi3", "fsdp-all-linear", targets=("all-linear",)), 3),
+    (_case("gemma2", "fsdp-ckpt", checkpointing=True), 3),
+    (_case("olmo2", "fsdp-autocast-shard-grad-op", autocast=True), 2),
+    # FSDP's QLoRA recipe: the packed weights stored as bf16 (bnb_4bit_quant_storage) and sharded
+    (_case("gemma3", "fsdp-qlora-recipe", **QLORA_RECIPE, quant_storage="bfloat16"), 3),
+    (_case("qwen3", "fsdp-qlora-recipe", **QLORA_RECIPE, quant_storage="bfloat16"), 3),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "zero"), FSDP, ids=lambda c: getattr(c, "name", str(c)))
+def test_lora_under_fsdp_equals_rank_0s_peak(case: PeftCase, zero: int) -> None:
+    import hf_fsdp_steps
+
+    measured = hf_fsdp_steps.measure(case, 1, STEPS, reshard=zero >= 3)
+    predicted = predict(case, dp=hf_fsdp_steps.WORLD, zero=zero)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"

@@ -179,11 +179,7 @@ def hf_supported(
             f"PEFT over the {model.architecture} family" + (_MOE_LORA if model.architecture in MOE_FAMILIES else ""),
         ),
         (
-            plan.finetune == "full" or plan.dp == 1 or model.architecture not in LORA_ONE_RANK,
-            f"PEFT over the {model.architecture} family on more than one rank (DDP or FSDP: not checked)",
-        ),
-        (
-            plan.quant != "int8" or model.architecture not in LORA_ONE_RANK,
+            plan.quant != "int8" or model.architecture not in INT8_UNCHECKED,
             f"an LLM.int8 base under the {model.architecture} family (not checked)",
         ),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
@@ -218,8 +214,8 @@ def hf_supported(
     return None
 
 
-# dense families whose PEFT LoRA was checked on one rank alone (tests/unit/test_timeline_hf_peft_families.py)
-LORA_ONE_RANK = ("qwen3", "phi3", "olmo2", "gemma2", "gemma3")
+# dense families whose PEFT LoRA was checked over 4-bit bases, not LLM.int8 ones (test_timeline_hf_peft_families.py)
+INT8_UNCHECKED = ("qwen3", "phi3", "olmo2", "gemma2", "gemma3")
 
 
 def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
