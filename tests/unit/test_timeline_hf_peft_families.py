@@ -305,3 +305,22 @@ def test_the_callback_reads_phi3_s_fused_adapters_and_the_run_predicts_them() ->
     assert result.memory.model == "op-level" and result.memory.model_reason is None
     # +4,112 B (0.18%): the two batches of ids and labels alive before a step, which the callback's meter leaves out
     assert 0 <= comparison.allocated_error <= 0.002, comparison
+
+
+@pytest.mark.slow
+def test_tune_over_phi3_lora_ladders_the_lengths_the_run_follows(capsys, tmp_path, monkeypatch) -> None:
+    """``memplan tune`` over LoRA on phi3-mini: its micro-batch ladder has rows up to the lengths short of the
+    2047-token window and none past it (the run declines those, and no phase model answers this LoRA); before,
+    the ladder's first length past the window stopped the search with the refusal."""
+    import json
+
+    from memplan.cli.app import run
+
+    monkeypatch.chdir(tmp_path)
+    args = ["phi3-mini", "--runtime", "hf", "--finetune", "lora", "--lora-targets", "qkv_proj,o_proj", "--gpus", "1"]
+    args += ["--seq-len", "1024", "--trials", "2", "--max-micro-batch", "1", "--gpu", "a100-40gb", "--format", "json"]
+    code = run(["tune", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    ladder = json.loads(out)["micro_batch_ladder"]
+    assert [row["seq_len"] for row in ladder] == [512, 1024]
