@@ -172,9 +172,12 @@ def _extrapolated(cut: list[list[tuple[str, int]] | None], steps: int) -> RunPea
 
 
 def _moe_lora(model: ModelSpec, plan: Plan) -> bool:
-    """LoRA over an MoE model (``reserve.run_only``): no phase-model sum screens it, its LoRA layer
-    counting a dense MLP of ``ffn_size`` where the experts are."""
-    return model.moe is not None and plan.finetune != "full"
+    """LoRA over an MoE model, or over Phi-3, OLMo 2, Gemma 2 or 3 (``reserve.run_only``): no phase-model sum
+    screens it, its LoRA layer counting a dense Llama MLP of ``ffn_size`` where the experts are (or Llama's
+    layer where the family's norms and projections are)."""
+    from memplan.costmodel.reserve import run_only
+
+    return run_only(model, plan)
 
 
 def _moe_lora_peak(

@@ -35,9 +35,15 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 # DeepSeek-V3's MLA linears beside o_proj (and q_proj without q_lora_rank): transformers' names, which PEFT targets
 MLA_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 LINEARS = ATTENTION + MLP  # transformers' Llama / Mistral / Qwen2 decoder-layer linears
+# Phi-3's (and Phi-4's) decoder-layer linears (modeling_phi3.py: q, k, v in one qkv_proj, gate and up in one
+# gate_up_proj): PEFT matches target_modules by these names, so a plan's q_proj or gate_proj matches nothing there
+FUSED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 SAVABLE = ("lm_head", "embed_tokens")  # modules_to_save memplan models (trained in full)
 ALL_LINEAR = "all-linear"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # architectures whose linears are named as above
+# dense families whose LoRA only the op-level run of transformers' Trainer follows (timeline/hf_lora.py over
+# hf_families.py): the phase model's LoRA layer (hf_layer) is Llama's
+RUN_FAMILIES = ("phi3", "olmo2", "gemma2", "gemma3")
 
 # PEFT's get_peft_model(autocast_adapter_dtype=True) keeps adapters in fp32 under a bf16 / fp16
 # base (measured: lora_A / lora_B fp32 over a bf16 Llama), and the adapter casts its input to
@@ -45,26 +51,28 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # architectures whose linears
 ADAPTER_BYTES = 4
 
 
-def resolve_targets(targets: tuple[str, ...]) -> tuple[str, ...]:
-    """PEFT's target_modules for a Llama-family layer: ``all-linear`` is every linear of the
-    decoder layers (PEFT excludes the output head)."""
+def resolve_targets(targets: tuple[str, ...], names: tuple[str, ...] = LINEARS) -> tuple[str, ...]:
+    """PEFT's target_modules for a decoder layer whose linears are ``names`` (Llama's, or
+    :data:`FUSED_LINEARS` for Phi-3): ``all-linear`` is every linear of the decoder layers (PEFT
+    excludes the output head); a name the layer does not have matches nothing."""
     if ALL_LINEAR in targets:
-        return LINEARS
-    return tuple(name for name in LINEARS if name in targets)
+        return names
+    return tuple(name for name in names if name in targets)
 
 
 def layer_linears(model: ModelSpec) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each linear of a dense decoder layer, by transformers' name."""
+    """(in, out) features of each linear of a dense decoder layer, by transformers' name (Phi-3's
+    fused ``qkv_proj`` and ``gate_up_proj`` where the spec fuses them)."""
     h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_size
-    return {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, f),
-        "up_proj": (h, f),
-        "down_proj": (f, h),
-    }
+    split = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv)}
+    attention = {"qkv_proj": (h, q + 2 * kv)} if model.fused_qkv else split
+    mlp = {"gate_up_proj": (h, 2 * f)} if model.fused_gate_up else {"gate_proj": (h, f), "up_proj": (h, f)}
+    return {**attention, "o_proj": (q, h), **mlp, "down_proj": (f, h)}
+
+
+def model_targets(model: ModelSpec, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """:func:`resolve_targets` over ``model``'s own linears (:func:`layer_linears`)."""
+    return resolve_targets(targets, tuple(layer_linears(model)))
 
 
 def adapter_params(in_features: int, out_features: int, rank: int) -> int:
@@ -75,7 +83,7 @@ def adapter_params(in_features: int, out_features: int, rank: int) -> int:
 def layer_adapter_params(model: ModelSpec, targets: tuple[str, ...], rank: int) -> int:
     """Adapter parameters of one decoder layer: the sum over its targeted linears."""
     linears = layer_linears(model)
-    return sum(adapter_params(*linears[name], rank) for name in resolve_targets(targets))
+    return sum(adapter_params(*linears[name], rank) for name in model_targets(model, targets))
 
 
 def saved_module_params(model: ModelSpec, modules_to_save: tuple[str, ...]) -> dict[str, int]:

@@ -108,7 +108,7 @@ def paged_elements(model: ModelSpec, layout: StageLayout, plan: Plan) -> float:
         return (layout.params - small) / group
     linears = L.layer_linears(model)
     tensors = []
-    for name in L.resolve_targets(plan.lora_targets):
+    for name in L.model_targets(model, plan.lora_targets):
         i, o = linears[name]
         tensors += [plan.lora_rank * i / plan.tp / group] * layout.layers
         tensors += [o * plan.lora_rank / plan.tp / group] * layout.layers

@@ -295,8 +295,9 @@ def _plan_run(
 
             return _on(hf_plan_run(model, workload, plan, gpu_arch, device), device), "hf"
         if run_only(model, plan):
+            what = "an MoE model" if model.moe is not None else f"{model.name} ({model.architecture})"
             raise MemplanError(
-                f"{plan.finetune} over an MoE model is modelled by the op-level run of transformers' Trainer alone, "
+                f"{plan.finetune} over {what} is modelled by the op-level run of transformers' Trainer alone, "
                 f"which does not follow {why}",
                 field="plan.finetune",
             )
@@ -309,8 +310,11 @@ def _plan_run(
 def run_only(model: ModelSpec, plan: Plan) -> bool:
     """Plans the phase model does not answer, which the op-level run alone estimates (or refuses,
     never handing them to the phases): LoRA over an MoE model (``specs.job.check_moe_lora``: the phase
-    model's LoRA layer, ``lora.hf_layer``, counts a dense MLP of ``ffn_size`` where the experts are)."""
-    return model.moe is not None and plan.finetune != "full"
+    model's LoRA layer, ``lora.hf_layer``, counts a dense MLP of ``ffn_size`` where the experts are), and
+    over Phi-3, OLMo 2, Gemma 2 or Gemma 3 (``specs.job.check_run_lora``: that layer is Llama's)."""
+    from memplan.costmodel.lora import RUN_FAMILIES
+
+    return plan.finetune != "full" and (model.moe is not None or model.architecture in RUN_FAMILIES)
 
 
 def _on(run: Timeline, device: str) -> Timeline:

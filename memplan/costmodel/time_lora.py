@@ -32,7 +32,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memplan.costmodel.activations import layer_matmul_widths
-from memplan.costmodel.lora import layer_linears, resolve_targets
+from memplan.costmodel.lora import layer_linears, model_targets
 from memplan.costmodel.quant import BLOCK_4BIT
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -66,7 +66,7 @@ def adapted_widths(model: ModelSpec, targets: tuple[str, ...]) -> tuple[int, int
     """(sum of in, sum of out) over one layer's linears that carry a LoRA adapter
     (``lora.layer_linears``, PEFT's names)."""
     linears = layer_linears(model)
-    chosen = [linears[name] for name in resolve_targets(targets)]
+    chosen = [linears[name] for name in model_targets(model, targets)]
     return sum(i for i, _ in chosen), sum(o for _, o in chosen)
 
 

@@ -326,7 +326,9 @@ def _ladder(req: TuneRequest, top: list[RankedPlan]) -> list[LadderRow]:
     are: the run replayed through the caching allocator model (``replayed``), its reserved peak and
     the memory outside the allocator within the limit, so that each row's figure is the one
     ``memplan estimate`` gives for that plan (the fast form's screen is ~7% above it). The question
-    people bring to a fine-tuning run: which batch fits at which length."""
+    people bring to a fine-tuning run: which batch fits at which length. A length the op-level run does
+    not follow for a plan only it answers (``reserve.run_only``: LoRA over Gemma 3 past its window) has no
+    row, as ``memplan estimate`` gives no figure there."""
     if req.options.finetune == "full" or not top:
         return []
     plan = top[0].evaluation.plan
@@ -334,12 +336,15 @@ def _ladder(req: TuneRequest, top: list[RankedPlan]) -> list[LadderRow]:
     for seq_len in LADDER_SEQ_LENS:
         best, reserved = 0, None
         mb = 1
-        while mb <= req.options.max_micro_batch:
-            workload = TrainingWorkload(seq_len=seq_len, micro_batch=mb, global_batch=mb * plan.dp)
-            ev = replayed(evaluate(Candidate(plan, workload), req.ctx), req.ctx)
-            if not ev.fits:
-                break
-            best, reserved, mb = mb, ev.peak_reserved_bytes, mb * 2
+        try:
+            while mb <= req.options.max_micro_batch:
+                workload = TrainingWorkload(seq_len=seq_len, micro_batch=mb, global_batch=mb * plan.dp)
+                ev = replayed(evaluate(Candidate(plan, workload), req.ctx), req.ctx)
+                if not ev.fits:
+                    break
+                best, reserved, mb = mb, ev.peak_reserved_bytes, mb * 2
+        except MemplanError:  # no figure at this length (estimate refuses the plan there in one line)
+            continue
         rows.append(LadderRow(seq_len=seq_len, micro_batch=best, peak_reserved_bytes=reserved))
     return rows
 

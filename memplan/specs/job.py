@@ -119,21 +119,25 @@ def check_lora(
     model: ModelSpec, plan: Plan, runtime: str = "memplan", workload: TrainingWorkload | None = None
 ) -> None:
     """LoRA / QLoRA: the model must be one whose decoder layers memplan models under PEFT (a
-    dense Llama-family layer: transformers' q/k/v/o_proj and gate/up/down_proj, or an MoE one
-    as :func:`check_moe_lora` allows it under ``runtime``), and every target and module to save
-    must name one of its modules (PEFT raises on a target that matches nothing)."""
+    dense Llama-family layer: transformers' q/k/v/o_proj and gate/up/down_proj; under ``--runtime hf``
+    Phi-3's fused qkv_proj / gate_up_proj, OLMo 2's, Gemma 2's and 3's layers as :func:`check_run_lora`
+    allows them; or an MoE one as :func:`check_moe_lora` allows it under ``runtime``), and every target and
+    module to save must name one of its modules (PEFT raises on a target that matches nothing)."""
     from memplan.costmodel import lora
 
-    if model.moe is None and (model.architecture not in lora.FAMILIES or model.mlp != "gated"):
+    dense = (*lora.FAMILIES, *lora.RUN_FAMILIES)
+    if model.moe is None and (model.architecture not in dense or model.mlp != "gated"):
         raise MemplanError(
             f"{plan.finetune} is modelled for dense Llama-family models ({', '.join(lora.FAMILIES)}: "
-            f"q/k/v/o_proj, gate/up/down_proj) and, under --runtime hf, Mixtral, Qwen3-MoE and Qwen2-MoE; "
-            f"{model.name} is a {model.architecture} ({model.mlp} MLP) model",
+            f"q/k/v/o_proj, gate/up/down_proj), under --runtime hf for {', '.join(lora.RUN_FAMILIES)} and "
+            f"Mixtral, Qwen3-MoE and Qwen2-MoE; {model.name} is a {model.architecture} ({model.mlp} MLP) model",
             field="plan.finetune",
         )
     # DeepSeek-V2 / V3 MLA linears in place of k_proj / v_proj (check_moe_lora narrows them to those the model builds)
     mla = model.architecture in ("deepseek-v2", "deepseek-v3")
     linears = ("q_proj", *lora.MLA_ATTENTION, "o_proj", *lora.MLP) if mla else lora.LINEARS
+    if model.moe is None:  # the dense layer's own names (Phi-3's fused qkv_proj and gate_up_proj)
+        linears = tuple(lora.layer_linears(model))
     valid = (*linears, lora.ALL_LINEAR)
     unknown = [name for name in plan.lora_targets if name not in valid]
     if unknown:
@@ -150,6 +154,34 @@ def check_lora(
         )
     if model.moe is not None:
         check_moe_lora(model, plan, runtime, workload)
+    elif model.architecture in lora.RUN_FAMILIES:
+        check_run_lora(model, plan, runtime, workload)
+
+
+def check_run_lora(model: ModelSpec, plan: Plan, runtime: str, workload: TrainingWorkload | None) -> None:
+    """PEFT LoRA over Phi-3, OLMo 2, Gemma 2 or Gemma 3: answered by the op-level run of transformers' Trainer
+    alone (``timeline.hf_lora`` over ``timeline.hf_families``, checked to the byte against the real Trainer on
+    CPU: tests/unit/test_timeline_hf_peft_families.py). The phase model's LoRA layer (``lora.hf_layer``) is
+    Llama's (no sandwich or post norms, no fused projections, no eager attention), and the bundled trainer,
+    Megatron and the hand-written loop (``hf-loop``: followed for Llama's layout) build no such adapters: every
+    other plan is refused here. Without ``workload`` only the runtime is checked; the questions that depend on
+    the GPU are asked by the run (``reserve.plan_run``), which refuses the plan rather than fall back."""
+    from memplan.costmodel.timeline.hf_support import hf_supported
+
+    name = f"{model.name} ({model.architecture})"
+    if runtime != "hf":
+        raise MemplanError(
+            f"{plan.finetune} over {name} is modelled under --runtime hf alone (transformers' Trainer op by op); "
+            f"the runtime is {runtime}",
+            field="plan.finetune",
+        )
+    why = None if workload is None else hf_supported(model, plan, workload, runtime, device="cpu")
+    if why is not None:
+        raise MemplanError(
+            f"{plan.finetune} over {name} is modelled by the op-level run of transformers' Trainer alone, "
+            f"which does not follow {why}",
+            field="plan.finetune",
+        )
 
 
 def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: TrainingWorkload | None) -> None:

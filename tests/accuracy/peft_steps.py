@@ -56,6 +56,11 @@ class PeftCase:
     extra: tuple = ()  # further config.json fields (a MoE family's experts), as hf_steps.Case's
 
     @property
+    def attention(self) -> str:
+        """transformers' attention: eager for Gemma 2 (``_supports_sdpa = False``: SDPA takes no soft-cap)."""
+        return "eager" if self.arch == "gemma2" else "sdpa"
+
+    @property
     def finetune(self) -> str:
         return "lora" if self.quant == "none" else "qlora"
 
@@ -104,7 +109,7 @@ class PeftCase:
 def _config(case: PeftCase):
     config_cls, _ = _CLASSES[case.arch]
     config = config_cls(**{k: v for k, v in case.hf_config().items() if k != "architectures"})
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = case.attention
     return config
 
 
@@ -127,7 +132,7 @@ def _quantized_base(case: PeftCase):
         model.save_pretrained(folder)
         with contextlib.redirect_stderr(io.StringIO()):
             loaded = model_cls.from_pretrained(
-                folder, quantization_config=qc, dtype=getattr(torch, case.dtype), attn_implementation="sdpa"
+                folder, quantization_config=qc, dtype=getattr(torch, case.dtype), attn_implementation=case.attention
             )
     return loaded
 

@@ -66,6 +66,14 @@ class HfGemma3(HfLlama):
         rope = [(f"model.rotary_emb.{k}_attention_{n}", half) for k in sorted(set(self.kinds())) for n in names]
         return [("model.embed_tokens.embed_scale", 1), *rope]
 
+    def buffer_bytes(self, name: str, pd: int) -> int:
+        """``embed_scale`` is ``torch.tensor(scale)``, made in the default dtype ``from_pretrained`` sets (the
+        dtype it loads in), and ``prepare_model_for_kbit_training`` casts parameters to fp32, never buffers:
+        over a 4-bit base it stays in the loaded dtype (``Bnb4bit.stored``; the rotary ``inv_freq`` are made
+        in fp32 explicitly). Found by tests/unit/test_timeline_hf_peft_families.py (2 B over a bf16 base)."""
+        stored = getattr(self.quant, "stored", None)
+        return stored if name.endswith("embed_scale") and stored is not None else pd
+
     def embed(self, ids: Tensor) -> Tensor:
         """``Gemma3TextScaledWordEmbedding.forward``: ``super().forward(input_ids) *
         self.embed_scale.to(self.weight.dtype)``. The buffer is in the model's dtype; under FSDP2's

@@ -27,14 +27,24 @@ copy of the module in the base's dtype beside the frozen original (tied or not: 
 With gradient checkpointing the Trainer's ``activation_checkpointing_enable`` calls
 ``enable_input_require_grads``: the frozen embedding's output becomes a leaf that requires grad, held
 with its ``.grad`` by its ``AccumulateGrad`` until ``training_step`` returns and the graph goes.
-Checked on CPU against the real Trainer: ``tests/unit/test_timeline_hf_peft.py``.
+Checked on CPU against the real Trainer: ``tests/unit/test_timeline_hf_peft.py``; over the families of
+``hf_families.py`` (Qwen3, Phi-3, OLMo 2, Gemma 2 and 3: the adapters wrap the family's own linears, Phi-3's
+fused ``qkv_proj`` and ``gate_up_proj`` by those names, as PEFT matches them) ``test_timeline_hf_peft_families.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memplan.costmodel.lora import ADAPTER_BYTES, ALL_LINEAR, MLA_ATTENTION, SAVABLE, resolve_targets
+from memplan.costmodel.lora import (
+    ADAPTER_BYTES,
+    ALL_LINEAR,
+    FUSED_LINEARS,
+    LINEARS,
+    MLA_ATTENTION,
+    SAVABLE,
+    resolve_targets,
+)
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
@@ -61,7 +71,8 @@ class HfLoraConfig:
         if plan.finetune == "full":
             return None
         mla = (t for t in plan.lora_targets if t in MLA_ATTENTION)  # DeepSeek-V3's (hf_mla.py)
-        targets = frozenset((*resolve_targets(plan.lora_targets), *mla))
+        names = FUSED_LINEARS if arch == "phi3" else LINEARS  # Phi-3's qkv_proj and gate_up_proj (hf_families.py)
+        targets = frozenset((*resolve_targets(plan.lora_targets, names), *mla))
         if ALL_LINEAR in plan.lora_targets:  # every nn.Linear but the head: Qwen2-MoE's shared_expert_gate too
             targets |= {"shared_expert_gate"}
         every = ALL_LINEAR in plan.lora_targets

@@ -206,6 +206,10 @@ class HfLlama:
         """The model's floating buffers after its parameters (name, elements), in the model's dtype."""
         return [(f"model.rotary_emb.{name}", self.d.head_dim // 2) for name in ("inv_freq", "original_inv_freq")]
 
+    def buffer_bytes(self, name: str, pd: int) -> int:
+        """A buffer's element size: the model's, ``pd`` (``HfGemma3``: its scale over a 4-bit base)."""
+        return pd
+
     def tables_for(self, i: int, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """The rotary tables layer ``i`` uses (one pair in Llama's layout)."""
         return cos, sin

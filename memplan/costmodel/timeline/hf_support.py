@@ -25,7 +25,9 @@ Adafactor; ``hf_bnb_optim.py``: bitsandbytes' 8-bit, 32-bit and paged AdamW and 
 CUDA managed memory from source; tests/unit/test_timeline_hf_optimizers.py); gradient checkpointing of every
 layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/unit/test_timeline_hf_peft.py:
 any of the decoder layers' linears, any rank, dropout, ``modules_to_save`` lm_head or an untied
-embed_tokens). On CUDA the kernels are those of the bundled trainer's traces (``support.sdpa_kernel``),
+embed_tokens), over every dense family above (tests/unit/test_timeline_hf_peft_families.py; Phi-3's adapters
+by its own names, ``qkv_proj`` and ``gate_up_proj``: :func:`_dense_lora_ok`). On CUDA the kernels are those of
+the bundled trainer's traces (``support.sdpa_kernel``),
 and LoRA's dropout is ``native_dropout`` from its source: not yet checked on a GPU against transformers.
 A 4-bit base (nf4 / fp4, double quantization; ``hf_bnb.py``) wherever CUDA's ``gemm_4bit`` path is known for
 every linear (``_kernel_known``: over 1536 tokens a micro-batch bitsandbytes' dequantize-then-``F.linear``
@@ -73,7 +75,7 @@ without autocast unless the plan's ``autocast`` puts the forward under ``torch.a
 from __future__ import annotations
 
 from memplan.costmodel.attention import sdpa_backend
-from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, MLA_ATTENTION, SAVABLE
+from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, MLA_ATTENTION, SAVABLE, layer_linears, model_targets
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.mem_efficient_half import followed
 from memplan.costmodel.timeline.support import sdpa_kernel
@@ -198,10 +200,14 @@ def hf_supported(
         ),
         (
             plan.finetune == "full"
-            or model.architecture in PEFT_FAMILIES
+            or _dense_lora_ok(model, plan)
             or _moe_lora_ok(model, plan)
             or (model.architecture in MLA_FAMILIES and _mla_lora_ok(model, plan)),
             f"PEFT over the {model.architecture} family" + (_MOE_LORA if model.architecture in MOE_FAMILIES else ""),
+        ),
+        (
+            plan.quant != "int8" or model.architecture not in INT8_UNCHECKED,
+            f"an LLM.int8 base under the {model.architecture} family (not checked)",
         ),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
@@ -254,6 +260,21 @@ def _optimizer_reason(plan: Plan, runtime: str) -> str:
     if runtime != "hf":
         return f"optimizer {plan.optimizer} under the hf-loop runtime (its loop builds AdamW(foreach=True))"
     return f"optimizer {plan.optimizer} other than the Trainer's default over more than one rank or an MoE/MLA model"
+
+
+# dense families whose PEFT LoRA was checked over 4-bit bases, not LLM.int8 ones (test_timeline_hf_peft_families.py)
+INT8_UNCHECKED = ("qwen3", "phi3", "olmo2", "gemma2", "gemma3")
+
+
+def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
+    """PEFT LoRA over a dense family as tests/unit/test_timeline_hf_peft.py (Llama, Mistral, Qwen2) and
+    test_timeline_hf_peft_families.py (Qwen3, Phi-3, OLMo 2, Gemma 2 and 3) check it against the real Trainer:
+    adapters on linears the family's decoder layer has (``lora.layer_linears``: Phi-3's fused ``qkv_proj`` and
+    ``gate_up_proj``, where a plan's q_proj or gate_proj matches nothing, as in PEFT)."""
+    if model.architecture not in DENSE_FAMILIES:
+        return False
+    names = {*layer_linears(model), ALL_LINEAR}
+    return bool(model_targets(model, plan.lora_targets)) and set(plan.lora_targets) <= names
 
 
 def _trl_offload_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:
@@ -458,6 +479,6 @@ def _kernel_known(model: ModelSpec, plan: Plan, tokens: int, gpu_arch: CudaArch 
     rows is known (``costmodel.quant.gemm_4bit_kernel``): on a known GPU always; without one where
     every GPU takes the same path (over 1536 rows; over 512 for weights of 4 Mi elements or more; at
     most 4 the fused kernel). ``hf_bnb`` follows both paths."""
-    h, compute = model.hidden_size, 4 if plan.precision == "fp32" else 2
-    shapes = {(model.q_size, h), (model.kv_size, h), (h, model.q_size), (model.ffn_size, h), (h, model.ffn_size)}
+    compute = 4 if plan.precision == "fp32" else 2
+    shapes = {(n, k) for k, n in layer_linears(model).values()}  # Phi-3's fused qkv_proj and gate_up_proj too
     return all(gemm_4bit_kernel(tokens, n, k, compute, gpu_arch) is not None for n, k in shapes)

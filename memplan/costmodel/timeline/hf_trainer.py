@@ -295,7 +295,7 @@ class _HfRun:
             self.lora.build(self.model.weights, self.shapes, self.grads, d.pd)
             self.trainable = self.lora.trainable
         for name, numel in self.model.buffers():
-            self.model.weights[name] = t.managed(numel, d.pd, name, Category.PARAMETERS)
+            self.model.weights[name] = t.managed(numel, self.model.buffer_bytes(name, d.pd), name, Category.PARAMETERS)
 
     def _param(self, name: str, numel: int, itemsize: int) -> Tensor:
         """A base parameter on the device (its gradient's leaf unless ``get_peft_model`` froze it), in

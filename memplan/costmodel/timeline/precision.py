@@ -71,8 +71,9 @@ def _contiguous(tape: Tape, x: Tensor, tag: str, copy_grad: bool) -> Tensor:
 
 
 def _bmm(tape: Tape, a: Tensor, b: Tensor, out_numel: int, tag: str) -> Tensor:
-    """``bmm(a, b)``: saves both inputs (before its output). Backward (BmmBackward0): b's
-    gradient, then a's."""
+    """``bmm(a, b)``: saves each input the other's gradient needs (before its output): a only where b
+    requires grad, b only where a does (BmmBackward0's ``should_compute_output``: a frozen key under
+    LoRA keeps no query, tests/unit/test_timeline_hf_peft_families.py). Backward: b's gradient, then a's."""
     an, bn = a.numel, b.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
@@ -80,7 +81,8 @@ def _bmm(tape: Tape, a: Tensor, b: Tensor, out_numel: int, tag: str) -> Tensor:
         ga = tape.new(an, a.itemsize, "grad_self") if node.nexts[0] is not None else None
         return [ga, gb]
 
-    node = tape.node(tag, apply, [a, b], saved=[a, b])
+    saved = ([a] if b.fn is not None else []) + ([b] if a.fn is not None else [])
+    node = tape.node(tag, apply, [a, b], saved=saved)
     return ops.result(tape, out_numel, a.itemsize, tag, node)
 
 
