@@ -21,6 +21,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from memplan.costmodel.allocator.blocks import repeated_fresh_blocks
+from memplan.costmodel.precision import POLICIES
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 
@@ -83,7 +84,7 @@ def parameter_block_excess(model: ModelSpec, plan: Plan) -> int:
     if not builds_like_the_trainer(model, plan):
         return 0
     fsdp2 = plan.dp > 1 and plan.zero >= 2
-    pd = 2 if plan.precision in ("bf16", "bf16-master") else 4  # trainer.dims
+    pd = POLICIES[plan.precision].param_bytes  # trainer.dims for its four precisions; fp8 and fp16-master 2
     dims = _Dims(
         model.hidden_size, model.ffn_size, model.q_size, model.kv_size, model.vocab_size, model.num_layers,
         model.tied_embeddings, model.qkv_bias,
