@@ -15,10 +15,10 @@ storage's Python object). The two-process cases take 10-40 s each: one small cas
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
+from estimate_json import estimate_memory as _estimate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -153,15 +153,6 @@ def test_checkpointing_rebuilds_the_buckets_in_ready_order() -> None:
     grads = sum(sizes[:1])
     head = case.vocab * case.hidden * 4
     assert sizes[1:] == [head, grads - head]
-
-
-def _estimate(capsys, args: list[str]) -> dict:
-    from memplan.cli.app import run
-
-    code = run(["estimate", *args, "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out)["memory"]
 
 
 @pytest.mark.parametrize("extra", [[], ["--finetune", "lora", "--recompute", "full"]])

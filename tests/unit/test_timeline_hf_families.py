@@ -11,9 +11,9 @@ the byte on every case. As in tests/unit/test_timeline_hf.py the run is compared
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
+from estimate_json import estimate_memory as _estimate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -115,15 +115,6 @@ def test_each_family_runs_both_dtypes_and_checkpointing() -> None:
         assert {c.precision for c in mine} >= {"fp32", "bf16", "bf16-mixed"}
         assert any(c.checkpointing for c in mine) and any(c.vocab == LAYERS["vocab"] for c in mine)
     assert len({dataclasses.astuple(c)[1:] for c in CASES}) == len(CASES)
-
-
-def _estimate(capsys, args: list[str]) -> dict:
-    from memplan.cli.app import run
-
-    code = run(["estimate", *args, "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out)["memory"]
 
 
 @pytest.mark.parametrize(

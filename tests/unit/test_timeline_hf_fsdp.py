@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
+from estimate_json import estimate_memory as _estimate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -171,15 +172,6 @@ def _shapes(case: hf_steps.Case) -> dict:
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), Plan(precision="fp32"))
     return param_shapes(d, model.tied_embeddings)
-
-
-def _estimate(capsys, args: list[str]) -> dict:
-    from memplan.cli.app import run
-
-    code = run(["estimate", *args, "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out)["memory"]
 
 
 @pytest.mark.parametrize(("zero", "precision"), [(2, "fp32"), (3, "fp32"), (3, "bf16-mixed")])

@@ -17,9 +17,8 @@ tracker is a dispatch mode). Each case takes 1-6 s: seven run by default (one th
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from estimate_json import estimate_memory as _estimate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -312,15 +311,6 @@ def test_lora_equals_rank_0s_peak(case, zero: int, ga: int, dp: int) -> None:  #
 @pytest.mark.parametrize(("case", "zero", "ga", "dp"), LORA_SLOW, ids=lambda c: getattr(c, "name", str(c)))
 def test_lora_variants_equal_rank_0s_peak(case, zero: int, ga: int, dp: int) -> None:  # noqa: ANN001
     _lora_check(case, zero, ga, dp)
-
-
-def _estimate(capsys, args: list[str]) -> dict:
-    from memplan.cli.app import run
-
-    code = run(["estimate", *args, "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out)["memory"]
 
 
 ALL_LINEAR = ["--finetune", "lora", "--lora-targets", "all-linear"]

@@ -19,9 +19,9 @@ LoRA, likewise.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
+from estimate_json import estimate_memory as _estimate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -188,15 +188,6 @@ def test_lora_peak_equals_the_loops(tag: str, arch: str, extra: tuple, shape: di
     lora = HfLoraConfig.of(plan, spec.architecture, spec.moe.num_experts if spec.moe else 0)
     predicted = _run(spec, plan, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), lora)
     assert predicted == tracker.peak, f"{case.name}: {predicted:,} B predicted, {tracker.peak:,} B measured"
-
-
-def _estimate(capsys, args: list[str]) -> dict:
-    from memplan.cli.app import run
-
-    code = run(["estimate", *args, "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out)["memory"]
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
+from estimate_json import estimate_memory as _estimate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -220,15 +221,6 @@ def test_the_parameters_are_the_models() -> None:
         named = transformers.DeepseekV3ForCausalLM(real).named_parameters()
         expected = [(n if n.endswith(("weight", "bias")) else f"{n}.weight", p.numel()) for n, p in named]
         assert [(n, r * c) for n, (r, c) in shapes.items()] == expected
-
-
-def _estimate(capsys, args: list[str]) -> dict:
-    from memplan.cli.app import run
-
-    code = run(["estimate", *args, "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out)["memory"]
 
 
 def _answered(capsys, args: list[str], cuda_followed: bool) -> None:

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+from estimate_json import estimate_memory as _estimate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -193,15 +194,6 @@ def test_the_parameters_and_buffers_are_the_models() -> None:
         assert [(n, r * c) for n, (r, c) in shapes.items()] == expected
         buffers = cls(tape=None, d=d, weights={}, extra=config).buffers()
         assert buffers == [(n, b.numel()) for n, b in real.named_buffers()]
-
-
-def _estimate(capsys, args: list[str]) -> dict:
-    from memplan.cli.app import run
-
-    code = run(["estimate", *args, "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out)["memory"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

@@ -20,6 +20,7 @@ import dataclasses
 import json
 
 import pytest
+from estimate_json import estimate_memory as _estimate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -236,15 +237,6 @@ def test_a_dispatch_mode_puts_index_and_topk_gradients_out_of_place(op: str) -> 
     fn = (lambda x: x[rows]) if op == "index" else (lambda x: torch.topk(x, 4, dim=-1).values)
     assert _backward_allocations(fn, None) == [8192]
     assert _backward_allocations(fn, StorageTracker()) == [8192, 8192]
-
-
-def _estimate(capsys, args: list[str]) -> dict:
-    from memplan.cli.app import run
-
-    code = run(["estimate", *args, "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out)["memory"]
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])

@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
 import tempfile
 import warnings
 from collections.abc import Iterator
 from unittest import mock
 
 import pytest
+from estimate_json import estimate_memory as _estimate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -318,15 +318,6 @@ def test_on_cpu_nothing_is_paged() -> None:
     assert opt.managed == 0
     states = {t: s for t, s in _allocated(b).items() if ".state" in t}
     assert sum(states.values()) == 2 * 4 * sum(p.numel for p in PARAMS_CUDA)
-
-
-def _estimate(capsys, args: list[str]) -> dict:
-    from memplan.cli.app import run
-
-    code = run(["estimate", *args, "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out)["memory"]
 
 
 def test_the_estimate_reports_the_runs_paged_states_apart(capsys) -> None:

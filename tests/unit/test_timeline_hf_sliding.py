@@ -13,9 +13,9 @@ the rest under ``-m slow``.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
+from estimate_json import estimate_memory as _estimate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -228,15 +228,6 @@ def test_the_float_masks_are_what_checkpointing_drops() -> None:
     grown = peak(case, False) - peak(unreached, False)
     assert masks <= grown <= masks + repeats + case.seq * case.seq + 64 * 1024
     assert peak(case, True) - peak(unreached, True) < grown // 2
-
-
-def _estimate(capsys, args: list[str]) -> dict:
-    from memplan.cli.app import run
-
-    code = run(["estimate", *args, "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out)["memory"]
 
 
 @pytest.mark.parametrize(("name", "kernel"), [("gemma3-12b", "efficient"), ("phi3-mini", "cudnn")])

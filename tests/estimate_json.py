@@ -1,0 +1,16 @@
+"""``memplan estimate ARGS --format json`` run in-process by the tests (on sys.path: the directory of
+tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+
+
+def estimate_memory(capsys, args: list[str]) -> dict:
+    """The JSON's ``memory`` object of ``memplan estimate ARGS``; the exit code must be 0 (else stderr)."""
+    from memplan.cli.app import run
+
+    code = run(["estimate", *args, "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)["memory"]
