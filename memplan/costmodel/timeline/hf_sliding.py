@@ -46,8 +46,8 @@ k, v, the output and the log-sum-exp, and its backward computes no bias gradient
 from __future__ import annotations
 
 from memplan.costmodel.attention import sdpa_backend
-from memplan.costmodel.timeline import ops
-from memplan.costmodel.timeline.autograd import Tensor
+from memplan.costmodel.timeline import mem_efficient, ops
+from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.hf_gemma import _repeat_kv
 from memplan.costmodel.timeline.hf_masks import sdpa_mask
 from memplan.costmodel.timeline.hf_model import HfLlama, cpu_flash_sdpa
@@ -93,9 +93,18 @@ class SlidingWindow:
         return [*super().layer_inputs(i), *([mask] if mask is not None else [])]
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
-        """The family's attention, its SDPA under the layer's mask (set again by a checkpoint's recompute)."""
+        """The family's attention, its SDPA under the layer's mask (set again by a checkpoint's recompute). On
+        CUDA a masked layer runs the memory-efficient kernel whatever the unmasked layers run (flash, or math in
+        fp32 with GQA): its output is token-major, so the heads' merge is a view and v's gradient arrives as
+        flash's does (the layer read under ``kernel`` "efficient", as MLA's)."""
         self.layer_mask = self._mask(int(prefix.rsplit(".", 1)[1]))
-        return super().attention(x, cos, sin, prefix)
+        if self.layer_mask is None or self.cpu:
+            return super().attention(x, cos, sin, prefix)
+        kernel, self.kernel = self.kernel, "efficient"
+        try:
+            return super().attention(x, cos, sin, prefix)
+        finally:
+            self.kernel = kernel
 
     def head(self, x: Tensor) -> Tensor:
         """The mask goes with the model's forward (after ``position_ids``), then the family's head."""
@@ -107,8 +116,9 @@ class SlidingWindow:
         mask = getattr(self, "layer_mask", None)
         if mask is None:
             return super().core(q, k, v)
-        assert self.kernel == "cpu_flash", self.kernel  # hf_support: a reached window on CPU only
-        return masked_sdpa(self, q, k, v)
+        if self.cpu:
+            return masked_sdpa(self, q, k, v)
+        return cuda_masked_sdpa(self, q, k, v)
 
 
 def masked_sdpa(model: HfLlama, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -116,16 +126,49 @@ def masked_sdpa(model: HfLlama, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     autocast's bf16 casts (k, v, then q, as the mask-free call's), the float mask (two scalar tensors and
     ``where``), then the flash kernel saving it."""
     t, d = model.tape, model.d
+    kr, vr, q2, k2, v2 = _inputs(model, q, k, v)
+    bias = _float_mask(t, d.b, d.s, q2.itemsize)
+    out = cpu_flash_sdpa(t, q2, k2, v2, d.b * d.heads * d.s, "sdpa", mask=bias)
+    t.done(bias, k2, q2, v2, kr, vr)
+    return out
+
+
+def cuda_masked_sdpa(model: HfLlama, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """``sdpa_attention_forward`` with a mask on CUDA under the memory-efficient kernel (module docstring; from
+    source, not run on a GPU): the CPU's ``repeat_kv``, casts and float mask, then ``preprocess_mask``'s padded
+    copy where the keys are not a multiple of :data:`MEM_EFF_ALIGNMENT` (the unpadded mask freed as the padded
+    one replaces it), then ``mem_efficient.sdpa`` saving the bias (``hf_support.sliding_cuda_ok`` says where)."""
+    t, d = model.tape, model.d
+    kr, vr, q2, k2, v2 = _inputs(model, q, k, v)
+    bias = _float_mask(t, d.b, d.s, q2.itemsize)
+    if d.s % MEM_EFF_ALIGNMENT:
+        padded = t.new(cuda_saved_mask_bytes(d.b, d.s, q2.itemsize) // q2.itemsize, q2.itemsize, "mask_padded")
+        t.done(bias)  # ``attn_mask.value() = preprocess_mask(...)``: the unpadded one goes with the assignment
+        bias = padded
+    out = mem_efficient.sdpa(t, q2, k2, v2, d.b, d.heads, d.s, d.head_dim, bias=bias)
+    t.done(bias, k2, q2, v2, kr, vr)
+    return out
+
+
+def _inputs(model: HfLlama, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+    """``repeat_kv`` of grouped k and v, then autocast's bf16 casts (k, v, then q, as the mask-free call's):
+    (k repeated, v repeated, q, k, v as SDPA takes them)."""
+    t, d = model.tape, model.d
     kv_heads = d.heads * k.numel // q.numel
     kr, vr = (_repeat_kv(t, x, q.numel, kv_heads, f"{p}_repeat") for x, p in ((k, "k"), (v, "v")))
     cast = model.cache is not None
     k2, v2, q2 = (ops.to(t, x, 2, f"{p}_cast") if cast else t.alias(x) for x, p in ((kr, "k"), (vr, "v"), (q, "q")))
-    zero, low = t.new(1, q2.itemsize, "mask_zero"), t.new(1, q2.itemsize, "mask_neg_inf")
-    bias = t.new(d.b * d.s * d.s, q2.itemsize, "mask_float")
+    return kr, vr, q2, k2, v2
+
+
+def _float_mask(t: Tape, b: int, s: int, itemsize: int) -> Tensor:
+    """``convert_boolean_attn_mask_``: ``where(mask, 0.0, scalar_tensor(-inf))`` in the query's dtype, its two
+    scalar tensors freed as it returns; the (b, 1, s, s) result materialized (the mask's batch is an expanded
+    view). The same op on CPU and CUDA (attention.cpp, before the backend's call)."""
+    zero, low = t.new(1, itemsize, "mask_zero"), t.new(1, itemsize, "mask_neg_inf")
+    bias = t.new(b * s * s, itemsize, "mask_float")
     t.done(low, zero)
-    out = cpu_flash_sdpa(t, q2, k2, v2, d.b * d.heads * d.s, "sdpa", mask=bias)
-    t.done(bias, k2, q2, v2, kr, vr)
-    return out
+    return bias
 
 
 def cuda_masked_kernel(
@@ -153,6 +196,7 @@ def cuda_masked_kernel(
 
 def cuda_saved_mask_bytes(b: int, s: int, itemsize: int) -> int:
     """The float bias the memory-efficient kernel saves for a layer's backward (module docstring): (b, 1, s, s) in
-    the query's dtype, padded to a multiple of :data:`MEM_EFF_ALIGNMENT` columns where s is not one."""
+    the query's dtype, padded to a multiple of :data:`MEM_EFF_ALIGNMENT` columns where s is not one
+    (``pad_bias``: ``8 - s % 8`` columns more)."""
     columns = s if s % MEM_EFF_ALIGNMENT == 0 else s + MEM_EFF_ALIGNMENT - s % MEM_EFF_ALIGNMENT
     return b * s * columns * itemsize

@@ -80,7 +80,7 @@ from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.mem_efficient_half import followed
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan
+from memplan.specs.plan import Plan, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
@@ -124,7 +124,8 @@ def _layout(model: ModelSpec) -> tuple:
 
 def _attention_ok(model: ModelSpec, seq_len: int | None, masked: bool) -> bool:
     """Full causal attention in every layer, or sliding layers whose window the sequence does not reach, or
-    reaches where ``masked`` (the Trainer on CPU: SDPA with the window's mask, ``hf_sliding.py``)."""
+    reaches where ``masked`` (the Trainer on CPU, or on CUDA where :func:`sliding_cuda_ok`: SDPA with the window's
+    mask, ``hf_sliding.py``)."""
     kinds = set(model.attention_pattern)
     if kinds <= {"full"} or (model.architecture in EAGER and kinds <= {"full", "sliding"}):
         return True
@@ -144,13 +145,35 @@ def _window_reason(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runt
     where = "under the hf-loop runtime"
     if not cpu and runtime == "hf":
         cap = (9, 0) if gpu_arch is None else (gpu_arch.major, gpu_arch.minor)
-        half = plan.precision != "fp32" and plan.quant == "none"
+        half = _sdpa_half(plan, runtime)
         kernel = cuda_masked_kernel(model.head_size, model.num_attention_heads, half, cap)
         where = f"on CUDA SDPA takes the mask to its {kernel} kernel"
+        if kernel == "efficient":  # sliding_cuda_ok: its blocks known on 8.0 / 9.0, its 16-bit kernels above 128
+            where += " outside compute capability 8.0 / 9.0" if cap not in MLA_CAPABILITIES else " in 16 bits"
     return (
         f"sliding or chunked attention (a window the sequence reaches: {where}, not followed; the op-level run "
         "follows it under the Trainer on CPU, --device cpu)"
     )
+
+
+def _sdpa_half(plan: Plan, runtime: str) -> bool:
+    """Whether SDPA gets 16-bit inputs: ``bf16=True``'s autocast, or a bf16 model whose stream a quantized base
+    does not make fp32 (``hf_trainer.hf_kernel``'s rule)."""
+    return trainer_autocast(plan, runtime) or not (plan.precision == "fp32" or plan.quant != "none")
+
+
+def sliding_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runtime: str = "hf") -> bool:
+    """A sliding layer's masked SDPA on CUDA as ``hf_sliding.cuda_masked_sdpa`` follows it: the memory-efficient
+    kernel (``hf_sliding.cuda_masked_kernel``), on compute capability 8.0 or 9.0 (an unknown GPU: 9.0; the
+    backward kernels' blocks by the GPU's shared memory, as MLA's: :data:`MLA_CAPABILITIES`), in fp32 or in 16 bits
+    over heads above 128 (``mem_efficient_half.followed``: Gemma 3's 256). cuDNN (16 bits over heads of 128 or
+    less on 9.0 / 10.0) is not followed: its workspace comes from cuDNN's execution plan at run time."""
+    from memplan.costmodel.timeline.hf_sliding import cuda_masked_kernel
+
+    cap = (9, 0) if gpu_arch is None else (gpu_arch.major, gpu_arch.minor)
+    half, head = _sdpa_half(plan, runtime), model.head_size
+    kernel = cuda_masked_kernel(head, model.num_attention_heads, half, cap)
+    return kernel == "efficient" and cap in MLA_CAPABILITIES and (not half or followed(head, head))
 
 
 def hf_supported(
@@ -188,7 +211,7 @@ def hf_supported(
         (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
         (not model.qkv_bias or model.architecture in QKV_BIAS_FAMILIES, "Q/K/V biases outside Qwen2 and Qwen2-MoE"),
         (
-            _attention_ok(model, seq_len, cpu and runtime == "hf"),
+            _attention_ok(model, seq_len, runtime == "hf" and (cpu or sliding_cuda_ok(model, plan, gpu_arch))),
             lambda: _window_reason(model, plan, gpu_arch, runtime, cpu),
         ),
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),

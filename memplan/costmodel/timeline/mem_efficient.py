@@ -81,10 +81,13 @@ def sdpa(
     s: int,
     head_dim: int,
     value_dim: int | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """``_scaled_dot_product_efficient_attention`` on (b, heads, s, d) views of token-major q, k,
     v (as many KV heads as query heads; ``value_dim``: v's head width where it differs, MLA's): the
-    output (v's size) and the padded log-sum-exp; saves q, k, v, out, lse. Backward: dq, dk, dv, then in
+    output (v's size) and the padded log-sum-exp; saves q, k, v, out, lse, and ``bias`` first where one is
+    given (``attn_bias``, read through a view by both kernels, given no gradient: ``hf_sliding.py``).
+    Backward: dq, dk, dv, then in
     fp32 the delta's temporaries and dQ's workspace, in 16 bits the kernel's delta and its workspace
     (``mem_efficient_half.py``, which also adds the forward's fp32 output accumulator). A selective
     checkpoint that saves it keeps out and lse and hands them back (``ops.sdpa``)."""
@@ -110,7 +113,8 @@ def sdpa(
         tape.drop(workspace)  # the function's
         return [dq, dk, dv]
 
-    node = tape.node("sdpa_efficient", apply, [q, k, v], saved=[q, k, v])
+    saved = [q, k, v] if bias is None else [bias, q, k, v]
+    node = tape.node("sdpa_efficient", apply, [q, k, v], saved=saved)
 
     def forward() -> list[Tensor]:
         out = ops.result(tape, vn, q.itemsize, "sdpa_efficient.out", node)
