@@ -131,9 +131,15 @@ def _llama(cfg: Config) -> dict[str, Any]:
 
 
 def _mistral(cfg: Config) -> dict[str, Any]:
-    return _llama_like(
+    """MistralConfig (transformers 5.23 configuration_mistral.py: ``sliding_window: int | None = 4096``): the window
+    the file sets, 4096 where the key is absent, none where it is null; on every layer (``MistralModel.forward``
+    builds one mask for all of them, ``create_sliding_window_causal_mask`` when the window is set)."""
+    fields = _llama_like(
         cfg, "mistral", qkv_bias=False, tied_default=False, kv_heads_default=8, positions_default=4096 * 32
     )
+    window = cfg.get("sliding_window", 4096)
+    fields.update(attention_pattern=("sliding",) if window is not None else (), sliding_window=window)
+    return fields
 
 
 def _qwen_sliding(cfg: Config, num_layers: int) -> dict[str, Any]:

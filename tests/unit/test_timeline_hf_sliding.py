@@ -69,15 +69,8 @@ CASES = [
 
 
 def spec(case):  # noqa: ANN001, ANN201
-    """The case's ModelSpec from its config.json. memplan's loader reads no window from a Mistral config.json (the
-    mistral-7b profile, Mistral-7B-v0.1's config.json written out, has none: tests/golden/test_profiles.py), so a
-    Mistral case states its window as a memplan model file would (``attention_pattern``, ``sliding_window``)."""
-    config = case.hf_config()
-    model = model_from_data(config, f"{case.name}/config.json", case.name)
-    if case.arch == "mistral" and config.get("sliding_window") is not None:
-        fields = {**model.model_dump(), "attention_pattern": ("sliding",), "sliding_window": config["sliding_window"]}
-        model = type(model)(**fields)
-    return model
+    """The case's ModelSpec from its config.json (Mistral's window read as MistralConfig reads it)."""
+    return model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
 
 
 def _plan(case, dp: int = 1, zero: int = 0) -> Plan:
@@ -303,3 +296,43 @@ def test_qwen2_reads_its_window(config: dict, pattern: tuple, window: int | None
     data = {"model_type": "qwen2", **dims, "intermediate_size": 344, "vocab_size": 2000, **config}
     model = model_from_data(data, "w/config.json", "w")
     assert model.sliding_window == window and model.layer_attention_kinds == pattern
+
+
+@pytest.mark.parametrize(
+    ("config", "pattern", "window"),
+    [
+        ({"sliding_window": 64}, ("sliding", "sliding"), 64),
+        ({}, ("sliding", "sliding"), 4096),  # MistralConfig's default where the key is absent
+        ({"sliding_window": None}, ("full", "full"), None),  # null: no window, create_causal_mask
+    ],
+)
+def test_mistral_reads_its_window(config: dict, pattern: tuple, window: int | None) -> None:
+    """config.json's window as MistralConfig reads it, on every layer (one mask for all of them)."""
+    dims = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    data = {"model_type": "mistral", **dims, "intermediate_size": 344, "vocab_size": 2000, **config}
+    model = model_from_data(data, "w/config.json", "w")
+    assert model.sliding_window == window and model.layer_attention_kinds == pattern
+
+
+def test_estimate_of_a_mistral_config_json_follows_its_window(capsys, tmp_path) -> None:
+    """``memplan estimate config.json`` of a Mistral whose window the sequence reaches: the run with the mask (each
+    layer's float mask and repeated k / v) on CPU, above the same file without a window by at least those masks;
+    on CUDA in fp32 the memory-efficient kernel's run, in bf16 on an H100 the phase model (cuDNN takes the mask)."""
+    import json
+
+    dims = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    base = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], **dims, "intermediate_size": 344}
+    peaks = {}
+    for window in (64, None):
+        path = tmp_path / f"w{window}" / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({**base, "vocab_size": 2000, "sliding_window": window}))
+        args = [str(path), "--runtime", "hf", "--seq-len", "128", "--micro-batch", "2", "--precision", "fp32"]
+        cpu = _estimate(capsys, [*args, "--device", "cpu"])
+        assert cpu["model"] == "op-level", cpu["model_reason"]
+        peaks[window] = cpu["peak"]["allocated"]
+        if window is not None:
+            assert _estimate(capsys, args)["model"] == "op-level"
+            bf16 = _estimate(capsys, [*args[:-1], "bf16"])
+            assert bf16["model"] == "phase" and "takes the mask to its cudnn kernel" in bf16["model_reason"]
+    assert peaks[64] - peaks[None] >= 2 * 2 * 128 * 128 * 4  # two layers' (b, 1, s, s) fp32 masks at least

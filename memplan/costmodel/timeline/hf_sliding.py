@@ -8,8 +8,8 @@ model forward, whatever the number of sliding layers (``causal_mask_mapping``: o
 full layers' entry skipped for ``is_causal``), built after its packed-sequence check and held by the model's
 forward to its return (after ``position_ids``). Which model builds it:
 
-- Mistral (``sliding_window`` set; memplan's loader does not read it from config.json: a model file states it)
-  and Phi-3 (``sliding_window`` set): ``create_sliding_window_causal_mask`` instead of ``create_causal_mask``
+- Mistral (``sliding_window`` set: config.json's, 4096 where absent, ``specs.hf._mistral``) and Phi-3
+  (``sliding_window`` set): ``create_sliding_window_causal_mask`` instead of ``create_causal_mask``
   (modeling_mistral.py:353, modeling_phi3.py:384), one packed check;
 - Qwen2 with ``use_sliding_window`` (its layers from ``max_window_layers`` on sliding): the full mask's
   packed check, then the sliding one's (``has_sliding_layers``, modeling_qwen2.py:373);
@@ -29,8 +29,8 @@ in every layer that calls it; CPU's flash kernel (``_scaled_dot_product_flash_at
 Under ``bf16=True`` autocast casts q and the repeated k and v to bf16 before the call, so the float mask is
 bf16. Checked on CPU against the real Trainer (tests/unit/test_timeline_hf_sliding.py).
 
-On CUDA (from source, torch 2.11-2.13; no GPU run, and the op-level run does not follow it: ``hf_support``
-leaves these plans on the phase model) a masked call leaves the flash kernel (``check_for_attn_mask``); with K
+On CUDA (from source, torch 2.11-2.13; **no GPU run**) transformers builds the same masks (masking_utils has
+no CUDA branch) and a masked call leaves the flash kernel (``check_for_attn_mask``); with K
 and V repeated it takes cuDNN in 16 bits on compute capability 9.0 / 10.0 over heads of 128 or less (cuDNN first
 there from torch 2.11, a mask accepted; its own mask conversion, ``convert_boolean_attn_mask_cudnn``: not
 followed), else the memory-efficient kernel, fp32 included (:func:`cuda_masked_kernel`, ``attention.sdpa_backend``;
@@ -39,8 +39,10 @@ converts the mask as on CPU (``convert_boolean_attn_mask_``: ``where(mask, 0.0, 
 query's dtype), then ``preprocess_mask``: unless every stride but the last is a multiple of 8 (``aligned_tensor``:
 the keys a multiple of 8) ``pad_bias`` copies it to the next multiple of 8 columns and slices it back, and the
 result is expanded over the heads (a view); ``_scaled_dot_product_efficient_attention`` saves that bias beside q,
-k, v, the output and the log-sum-exp, and its backward computes no bias gradient (the mask requires none):
-:func:`cuda_saved_mask_bytes` a layer.
+k, v, the output and the log-sum-exp (``get_bias_4d_view``: a view, no copy), and its backward computes no bias
+gradient (``grad_bias`` only ``if (bias_requires_grad)``; the mask requires none): :func:`cuda_saved_mask_bytes` a
+layer, :func:`cuda_masked_sdpa`. The run follows the memory-efficient kernel where ``hf_support.sliding_cuda_ok``
+says (fp32, or 16 bits over heads above 128, on compute capability 8.0 / 9.0); cuDNN stays on the phase model.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Qwen2 with its q/k/v biases) or of the families of ``hf_families.py`` as transfo
 attention biases, Gemma 3 without attention soft-capping; Mistral's, Qwen2's, Phi-3's and Gemma 3's sliding
 layers where the sequence is shorter than the window, so that transformers passes SDPA no mask, and under the
 Trainer on CPU where it reaches it: SDPA with the window's mask, ``hf_sliding.py``,
-tests/unit/test_timeline_hf_sliding.py) under SDPA, and
+tests/unit/test_timeline_hf_sliding.py; on CUDA under the memory-efficient kernel, :func:`sliding_cuda_ok`, from
+source, tests/unit/test_timeline_hf_sliding_cuda.py) under SDPA, and
 Gemma 2 under the eager attention transformers gives it, and Mixtral, Qwen3-MoE and Qwen2-MoE
 (``hf_moe.py``: the router and the ``grouped_mm`` experts, Qwen2-MoE's one shared expert under its sigmoid
 gate, the Qwen families' dense layers; full fine-tuning, or PEFT LoRA as ``MOE_LORA_TARGETS`` allows (the
@@ -107,7 +108,7 @@ ACTIVATION = {"gemma2": "gelu_tanh", "gemma3": "gelu_tanh"}  # GeGLU (gelu_pytor
 EAGER = ("gemma2",)
 # families whose sliding layers, with a window the sequence does not reach, run as full causal ones:
 # masking_utils._ignore_causal_mask_sdpa skips the mask (kv_length < window), SDPA runs is_causal; past
-# the window, under the Trainer on CPU, SDPA with the mask (hf_sliding.py)
+# the window, under the Trainer on CPU (and on CUDA where sliding_cuda_ok), SDPA with the mask (hf_sliding.py)
 WINDOW_SKIPPED = ("mistral", "qwen2", "phi3", "gemma3")
 
 
