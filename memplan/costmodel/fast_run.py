@@ -74,7 +74,8 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     CUDA of one pipeline stage, or the fp32 pipelines (``_pipelined``), without tensor parallelism,
     on one data-parallel rank or, under the bundled trainer, over DDP (ZeRO-0), ZeRO-1 or FSDP2
     (``_over_ranks``), over a model whose layers repeat (no MoE, latent attention, per-layer
-    attention or RoPE pattern, multi-token prediction), with every layer treated alike (no
+    attention kinds or RoPE pattern, multi-token prediction; one window on every layer, Mistral's or
+    Phi-3's, repeats), with every layer treated alike (no
     ``recompute_layers``), for the runtimes the run models. The plans of full bf16 training stay
     on the phase model's sums (the 768-plan grid's cost; how far they are from the run:
     docs/cost-model.md). LoRA over an MoE model under ``hf`` or ``hf-loop``: the whole run
@@ -90,7 +91,8 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
         return False
     if plan.dp > 1 and not _over_ranks(plan, runtime):
         return False
-    repeats = not (model.moe or model.mla or model.rope_pattern or model.attention_pattern)
+    # one attention kind on every layer (Mistral's and Phi-3's windows): the layers still repeat
+    repeats = not (model.moe or model.mla or model.rope_pattern or len(set(model.attention_pattern)) > 1)
     if plan.pp > 1:
         return repeats and model.num_mtp_layers == 0 and _pipelined(plan, runtime)
     return repeats and model.num_mtp_layers == 0 and model.num_layers >= SHALLOWEST + 2 * STEP - 1

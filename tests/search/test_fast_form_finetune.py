@@ -138,3 +138,26 @@ def test_lora_over_an_moe_model_is_the_whole_run(device: str):
         run, which = plan_run(model, wl, plan, "hf", device)
         whole = replay(run, AllocatorConfig()) if device == "cuda" else cpu_replay(run)
         assert which == "hf" and fast_peak(Candidate(plan, wl), ctx).allocated == whole.max_allocated
+
+
+@pytest.mark.parametrize("window", [4096, 1024])
+def test_fast_form_is_the_run_on_a_short_mistral_with_its_window(window):
+    """Mistral's one window on every layer (read from config.json): the layers still repeat, so the cut runs
+    answer; at 2,048 tokens a 4,096-token window is skipped (is_causal), a 1,024-token one masks every layer
+    (in fp32 the memory-efficient kernel with the bias, ``hf_sliding.cuda_masked_sdpa``; in 16 bits cuDNN, the
+    phase model's)."""
+    model = load_model("mistral-7b").model_copy(update={"num_layers": 9, "sliding_window": window})
+    assert model.layer_attention_kinds == ("sliding",) * 9
+    plans = list(_plans(("lora", "full"), ("none", "full"), ("bf16", "fp32")))
+    workloads = [TrainingWorkload(seq_len=2048, micro_batch=2)]
+    assert _assert_fast_is_the_run(model, plans, workloads, "hf") >= (6 if window == 4096 else 4)
+
+
+@pytest.mark.parametrize("runtime", ["memplan", "hf"])
+def test_fast_form_is_the_run_on_a_short_phi3_with_its_window(runtime):
+    """Phi-3-mini's one window (2,047 tokens) on every layer, not reached at 1,024 tokens: the cut runs answer its
+    full fp32 plans (its LoRA is the whole run's already: ``fast_run._moe_lora``)."""
+    model = load_model("phi3-mini").model_copy(update={"num_layers": 9})
+    plans = list(_plans(("full",), ("none", "full"), ("fp32",)))
+    workloads = [TrainingWorkload(seq_len=1024, micro_batch=2)]
+    assert _assert_fast_is_the_run(model, plans, workloads, runtime) == (2 if runtime == "memplan" else 0)
