@@ -163,6 +163,11 @@ def _sdpa_half(plan: Plan, runtime: str) -> bool:
     return trainer_autocast(plan, runtime) or not (plan.precision == "fp32" or plan.quant != "none")
 
 
+def _masked_cuda(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None) -> bool:
+    """:func:`sliding_cuda_ok` asked only of a model with windows (it imports ``hf_sliding``, the run's modules)."""
+    return bool(model.attention_pattern) and sliding_cuda_ok(model, plan, gpu_arch)
+
+
 def sliding_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runtime: str = "hf") -> bool:
     """A sliding layer's masked SDPA on CUDA as ``hf_sliding.cuda_masked_sdpa`` follows it: the memory-efficient
     kernel (``hf_sliding.cuda_masked_kernel``), on compute capability 8.0 or 9.0 (an unknown GPU: 9.0; the
@@ -212,7 +217,7 @@ def hf_supported(
         (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
         (not model.qkv_bias or model.architecture in QKV_BIAS_FAMILIES, "Q/K/V biases outside Qwen2 and Qwen2-MoE"),
         (
-            _attention_ok(model, seq_len, runtime == "hf" and (cpu or sliding_cuda_ok(model, plan, gpu_arch))),
+            _attention_ok(model, seq_len, runtime == "hf" and (cpu or _masked_cuda(model, plan, gpu_arch))),
             lambda: _window_reason(model, plan, gpu_arch, runtime, cpu),
         ),
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
