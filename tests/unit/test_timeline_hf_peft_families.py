@@ -211,7 +211,6 @@ def test_estimate_answers_lora_over_the_families_op_level(capsys, name: str, arg
         ("gemma2-9b", ["--runtime", "memplan"], "modelled under --runtime hf alone"),
         ("olmo2-7b", ["--runtime", "hf-loop"], "modelled under --runtime hf alone"),
         ("gemma3-12b", ["--seq-len", "4096"], "does not follow sliding or chunked attention"),
-        ("olmo2-7b", ["--finetune", "qlora", "--quant", "int8"], "an LLM.int8 base under the olmo2 family"),
     ],
 )
 def test_lora_the_run_does_not_follow_is_one_line(capsys, name: str, args: list[str], reason: str) -> None:
