@@ -5,7 +5,7 @@ case the run models (SDPA, the CPU's kernels: every ``hand`` case of hf_steps.py
 and the ``cuda-math-*`` ones; the heavy bf16 and bf16-mixed cases under ``-m slow``, their ``-small``
 twins by default).
 
-PEFT: every LoRA and 4-bit case of tests/accuracy/peft_steps.py (whose loop is this one, AdamW over the
+PEFT: every LoRA, 4-bit and LLM.int8 case of tests/accuracy/peft_steps.py (whose loop is this one, AdamW over the
 adapters), measured with the batch counted as hf_steps.py counts it (peft_steps' own count leaves ``ids``
 out), also equal to the byte.
 
@@ -29,7 +29,7 @@ import hf_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py
 import peft_steps  # noqa: E402
 from storage_tracker import StorageTracker  # noqa: E402
 
-from memplan.costmodel.timeline.hf_bnb import Bnb4bit  # noqa: E402
+from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit  # noqa: E402
 from memplan.costmodel.timeline.hf_loop import hf_loop_run  # noqa: E402
 from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
@@ -82,14 +82,14 @@ def test_peak_equals_the_loops(case: hf_steps.Case) -> None:
     assert predict(case, inplace_accumulate=True) == predicted
 
 
-PEFT_CASES = [c for c in peft_steps.CASES if c.quant != "int8"]  # LLM.int8 bases: not modelled
+PEFT_CASES = peft_steps.CASES  # the LLM.int8 ones over the families: tests/unit/test_timeline_hf_int8_families.py
 
 
 def predict_peft(case: peft_steps.PeftCase) -> int:
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = peft_steps.plan_of(case, "hf-loop")
     d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan, "hf-loop")
-    quant = Bnb4bit.of(plan)
+    quant = Bnb4bit.of(plan) or Bnb8bit.of(plan)
     if quant is not None:  # loaded in the case's dtype (the plan assumes its compute dtype)
         quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2)
     timeline = hf_loop_run(
@@ -200,7 +200,6 @@ def test_estimate_answers_an_hf_loop_cuda_plan_op_level(capsys, args: list[str])
 @pytest.mark.parametrize(
     ("args", "reason"),
     [
-        ([LLAMA1B, "--runtime", "hf-loop", "--finetune", "lora", "--quant", "int8"], "an LLM.int8 base"),
         ([LLAMA1B, "--runtime", "hf-loop", "--attention", "eager"], "eager attention"),
         ([LLAMA1B, "--runtime", "hf-loop", "--dp", "2"], "more than one rank"),
         # the loop's own reason, not the Trainer's FSDP or ZeRO-1 ones its multi-rank checks would give

@@ -218,7 +218,6 @@ def test_estimate_answers_lora_over_the_families_op_level(capsys, name: str, arg
             ["--lora-targets", "qkv_proj", "--seq-len", "4096"],
             "does not follow sliding or chunked attention",
         ),
-        ("olmo2-7b", ["--finetune", "qlora", "--quant", "int8"], "an LLM.int8 base under the olmo2 family"),
     ],
 )
 def test_lora_the_run_does_not_follow_is_one_line(capsys, name: str, args: list[str], reason: str) -> None:

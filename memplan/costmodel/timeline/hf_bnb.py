@@ -150,12 +150,13 @@ class Bnb8bit:
     # down projections keep thousands: int8_outliers.RandomInit, tests/unit/test_timeline_int8_cuda.py)
     outliers: int | RandomInit = OUTLIER_COLUMNS
     int8: Int8 | None = field(default=None, repr=False)  # the run's linears, made on its tape
+    stored: int = 4  # the dtype from_pretrained loaded it in: what Gemma's embed_scale keeps (hf_gemma.py)
     clones: ClassVar[bool] = False
 
     @classmethod
     def of(cls, plan) -> Bnb8bit | None:
-        """A plan's int8 base (``quant: int8``), or None."""
-        return cls() if plan.quant == "int8" else None
+        """A plan's int8 base (``quant: int8``), loaded in fp32 or bf16 as ``precision`` says, or None."""
+        return cls(stored=4 if plan.precision == "fp32" else 2) if plan.quant == "int8" else None
 
     quantized = staticmethod(Bnb4bit.quantized)
 
@@ -177,7 +178,8 @@ class Bnb8bit:
         in bf16), ``MatMul8bitLt`` on CUDA."""
         assert self.int8 is not None
         self.int8.cuda = not model.cpu
-        out = self.int8.linear(x, name, out_features, tag, autocast=model.cpu and model.cache is not None)
+        autocast = model.cpu and model.cache is not None
+        out = self.int8.linear(x, name, out_features, tag, autocast=autocast, input_cast=model.input_cast)
         assert out is not None
         return out
 

@@ -69,8 +69,9 @@ class HfGemma3(HfLlama):
     def buffer_bytes(self, name: str, pd: int) -> int:
         """``embed_scale`` is ``torch.tensor(scale)``, made in the default dtype ``from_pretrained`` sets (the
         dtype it loads in), and ``prepare_model_for_kbit_training`` casts parameters to fp32, never buffers:
-        over a 4-bit base it stays in the loaded dtype (``Bnb4bit.stored``; the rotary ``inv_freq`` are made
-        in fp32 explicitly). Found by tests/unit/test_timeline_hf_peft_families.py (2 B over a bf16 base)."""
+        over a 4-bit or an LLM.int8 base it stays in the loaded dtype (``Bnb4bit.stored``, ``Bnb8bit.stored``; the
+        rotary ``inv_freq`` are made in fp32 explicitly). Found by tests/unit/test_timeline_hf_peft_families.py
+        (2 B over a bf16 base) and test_timeline_hf_int8_families.py (the same over an 8-bit one)."""
         stored = getattr(self.quant, "stored", None)
         return stored if name.endswith("embed_scale") and stored is not None else pd
 

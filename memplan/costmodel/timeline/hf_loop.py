@@ -50,7 +50,7 @@ from __future__ import annotations
 from memplan.costmodel.timeline import act_offload
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category, Timeline
-from memplan.costmodel.timeline.hf_bnb import Bnb4bit
+from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit
 from memplan.costmodel.timeline.hf_families import family_config
 from memplan.costmodel.timeline.hf_lora import HfLoraConfig
 from memplan.costmodel.timeline.hf_model import scalar_div
@@ -66,7 +66,7 @@ def hf_loop_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda")
     assert kernel is not None
     experts = model.moe.num_experts if model.moe else 0
     lora = HfLoraConfig.of(plan, model.architecture, experts)
-    d, quant = hf_dims(model, workload, plan, "hf-loop"), Bnb4bit.of(plan, gpu_arch)
+    d, quant = hf_dims(model, workload, plan, "hf-loop"), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan)
     build = plan.model_build
     offload = plan.offload_activations == "cpu"  # save_on_cpu around the forward (act_offload.py)
     # DynamicCache(config=...) makes a sliding cache layer where the config.json's layer is one
@@ -98,7 +98,7 @@ def hf_loop_run(
     arch: str = "llama",
     extra: dict | None = None,
     lora: HfLoraConfig | None = None,
-    quant: Bnb4bit | None = None,
+    quant: Bnb4bit | Bnb8bit | None = None,
     build: str = "to_device",
     offload: bool = False,
     ga: int = 1,
@@ -113,7 +113,7 @@ def hf_loop_run(
     one with ``layer_types`` (Gemma 2 / 3) its sliding ones. A :class:`ModelSpec` does not carry a
     window that spans the positions: plans leave those out (8 B a layer). ``arch``, ``extra``: the
     family's model (``hf_families.family``) and its further config (``family_config``), as ``hf_run``'s.
-    ``lora``, ``quant``: PEFT's adapters over the frozen (or 4-bit) base, as in ``hf_run``, AdamW over
+    ``lora``, ``quant``: PEFT's adapters over the frozen (4-bit or LLM.int8) base, as in ``hf_run``, AdamW over
     the adapters; ``build``: as ``hf_run``'s; ``ga``: iterations an optimizer step (the loop's gradient
     accumulation, module docstring)."""
     args = (d, tied, kernel, 0, tape_flags, qkv_bias, ga, arch, extra)
@@ -224,16 +224,22 @@ class _HfLoopRun(_HfRun):
 
     def _graph(self):
         """What the previous step's graph holds beyond its saved tensors: under gradient checkpointing
-        over a frozen embedding, ``enable_input_require_grads``' leaf and its ``.grad`` (``hf_lora``);
-        a function that lets them go (``out.loss`` holds the graph until ``out`` is rebound; over ``ga`` > 1
-        iterations the divided ``loss`` until it is)."""
-        lora = self.lora
-        if lora is None:
-            return lambda: None
-        held, lora.held = lora.held, []
-        grad = lora.input_grads.pop("inputs_embeds", None)
+        over a frozen embedding, ``enable_input_require_grads``' leaf and its ``.grad`` (``hf_lora``); over an
+        LLM.int8 base each int8 linear's ``ctx.A`` (``int8.py``: an attribute of the node, not a saved tensor,
+        so under checkpointing the forward's inputs too); a function that lets them go (``out.loss`` holds the
+        graph until ``out`` is rebound; over ``ga`` > 1 iterations the divided ``loss`` until it is)."""
+        lora, quant = self.lora, self.model.quant
+        int8 = quant.int8 if isinstance(quant, Bnb8bit) else None
+        inputs, held, grad = [], [], None
+        if int8 is not None:
+            inputs, int8.held = int8.held, []
+        if lora is not None:
+            held, lora.held = lora.held, []
+            grad = lora.input_grads.pop("inputs_embeds", None)
 
-        def free() -> None:
+        def free() -> None:  # the nodes from the loss down (Int8.free_graph's order), then the input leaf
+            for x in reversed(inputs):
+                self.tape.drop(x)
             for x in held:
                 self.tape.drop(x)
             self.tape.drop(grad)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline import precision as prec
-from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.autograd import FIRST, Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.trainer_model import Dims
 
@@ -236,6 +236,21 @@ class HfLlama:
                 self.cache[name] = ops.to(self.tape, w, 2, f"{name}.autocast", Category.AUTOCAST)
         return self.tape.alias(self.cache[name])
 
+    def input_cast(self, x: Tensor, tag: str) -> Tensor:
+        """A matmul's input under autocast: its bf16 cast, cached for the forward like a weight's when the input is
+        an fp32 leaf that requires grad (``cached_cast``: the frozen embedding's output under
+        ``enable_input_require_grads``, which OLMo 2's first layer gives its projections unnormed), so that every
+        projection and adapter of that layer reads one cast; ``x`` itself without autocast or when bf16."""
+        t = self.tape
+        if self.cache is None or x.itemsize == 2:
+            return t.alias(x)
+        if x.fn is None or x.fn.seq != FIRST:
+            return ops.to(t, x, 2, f"{tag}.input_cast")
+        key = f"input.{id(x.st)}"  # keyed by the tensor (autocast_mode.cpp's cached_casts)
+        if key not in self.cache:
+            self.cache[key] = ops.to(t, x, 2, f"{tag}.input_cast")
+        return t.alias(self.cache[key])
+
     def linear(self, x: Tensor, name: str, out_features: int, tag: str) -> Tensor:
         """``nn.Linear`` (no bias); under autocast the weight's cast, then the input's. A quantized
         base's linear is its own module's (``hf_bnb.py``); PEFT's wrapper runs after the base."""
@@ -249,7 +264,7 @@ class HfLlama:
         """``nn.Linear.forward``: ``F.linear`` with the weight (and bias) of ``name``."""
         t = self.tape
         w = self.weight(f"{name}.weight")
-        xin = ops.to(t, x, 2, f"{tag}.input_cast") if self.cache is not None else t.alias(x)
+        xin = self.input_cast(x, tag)
         bias = self.weights.get(f"{name}.bias")
         if bias is None:
             out = ops.linear(t, xin, w, self.d.tokens * out_features, tag)

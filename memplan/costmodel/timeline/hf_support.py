@@ -35,8 +35,9 @@ every linear (``_kernel_known``: over 1536 tokens a micro-batch bitsandbytes' de
 fallback on every GPU; up to it the fused kernel or the fallback as its rule picks on the GPU's SMs and
 compute capability, ``costmodel.gemm_4bit_rule``; both read from its source); an LLM.int8 base
 (``hf_bnb.Bnb8bit``, ``int8.py``: CPU's ``MatMul8bitFp`` equal to the byte, tests/unit/test_timeline_int8.py;
-CUDA's ``MatMul8bitLt`` from the source, its outlier columns ``int8.OUTLIER_COLUMNS``: a loaded checkpoint
-taken as trained; a random one keeps more, tests/unit/test_timeline_int8_cuda.py). Any of these over
+over every dense family, tests/unit/test_timeline_hf_int8_families.py; CUDA's ``MatMul8bitLt`` from the source,
+its outlier columns ``int8.OUTLIER_COLUMNS``: a loaded checkpoint taken as trained; a random one keeps more,
+tests/unit/test_timeline_int8_cuda.py). Any of these over
 ``dp`` > 1 ranks under DDP (``zero: 0``: the Trainer under ``torchrun``, ``hf_ddp.py``;
 tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's). The Trainer's
 FSDP2 (``--zero 3``: ``full_shard``, ``--zero 2``: ``shard_grad_op``; ``hf_fsdp.py``;
@@ -64,8 +65,11 @@ full parameters, never the steps.
 
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
-4-bit bases (not int8), every family above with the LoRA the Trainer's run follows on it (the family modules
-composed under the loop's step; tests/unit/test_timeline_hf_loop_families.py), with ``AdamW(foreach=True)``,
+4-bit and LLM.int8 bases (the int8 linears' inputs held with ``out``'s graph to the next forward;
+tests/unit/test_timeline_hf_int8_families.py; checkpointing as transformers enables it, ``use_reentrant=False``:
+PEFT's ``prepare_model_for_kbit_training`` default leaves torch's reentrant checkpoint, not followed), every
+family above with the LoRA the Trainer's run follows on it (the family modules composed under the loop's step;
+tests/unit/test_timeline_hf_loop_families.py), with ``AdamW(foreach=True)``,
 any gradient accumulation (``loss = out.loss / ga``, ``opt.step()`` every ``ga`` iterations), on one rank,
 with or without activation offload (``save_on_cpu`` around the forward and backward: ``act_offload.py``'s
 hooks, checked over Llama's layout; tests/accuracy/test_offload_accuracy.py); there ``bf16`` is the bf16 model
@@ -110,11 +114,6 @@ EAGER = ("gemma2",)
 # masking_utils._ignore_causal_mask_sdpa skips the mask (kv_length < window), SDPA runs is_causal; past
 # the window, under the Trainer on CPU (and on CUDA where sliding_cuda_ok), SDPA with the mask (hf_sliding.py)
 WINDOW_SKIPPED = ("mistral", "qwen2", "phi3", "gemma3")
-
-
-# the hand-written loop keeps ``out`` (and its graph) to the next forward: an int8 linear's ``ctx.A``
-# would live that long (memory.py: the loop's ``retained``), not followed
-_INT8_LOOP = "an LLM.int8 base under the hf-loop runtime (its kept graph holds the int8 linears' inputs)"
 
 
 def _layout(model: ModelSpec) -> tuple:
@@ -221,7 +220,6 @@ def hf_supported(
             lambda: _window_reason(model, plan, gpu_arch, runtime, cpu),
         ),
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
-        (plan.quant != "int8" or runtime == "hf", _INT8_LOOP),
         (
             plan.quant in ("none", "int8") or tokens is None or _kernel_known(model, plan, tokens, gpu_arch),
             f"a 4-bit base over {tokens} tokens a micro-batch on a GPU of unknown SMs or compute capability, where "
@@ -233,10 +231,6 @@ def hf_supported(
             or _moe_lora_ok(model, plan)
             or (model.architecture in MLA_FAMILIES and _mla_lora_ok(model, plan)),
             f"PEFT over the {model.architecture} family" + (_MOE_LORA if model.architecture in MOE_FAMILIES else ""),
-        ),
-        (
-            plan.quant != "int8" or model.architecture not in INT8_UNCHECKED,
-            f"an LLM.int8 base under the {model.architecture} family (not checked)",
         ),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
@@ -289,10 +283,6 @@ def _optimizer_reason(plan: Plan, runtime: str) -> str:
     if runtime != "hf":
         return f"optimizer {plan.optimizer} under the hf-loop runtime (its loop builds AdamW(foreach=True))"
     return f"optimizer {plan.optimizer} other than the Trainer's default over more than one rank or an MoE/MLA model"
-
-
-# dense families whose PEFT LoRA was checked over 4-bit bases, not LLM.int8 ones (test_timeline_hf_peft_families.py)
-INT8_UNCHECKED = ("qwen3", "phi3", "olmo2", "gemma2", "gemma3")
 
 
 def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:

@@ -57,6 +57,7 @@ reduction, of ``argwhere`` (``nonzero``'s count and CUB storage) and of ``out_ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memplan.costmodel.timeline import ops
@@ -70,6 +71,7 @@ from memplan.costmodel.timeline.quant import cast_to_fp32, clone_bias, is_linear
 # Sec. 4: a few feature dimensions), none here. Over random weights (the bundled trainer's, always)
 # ``int8_outliers.RandomInit`` counts them per linear (the down projection's: thousands at 16k tokens).
 OUTLIER_COLUMNS = 0
+Cast = Callable[[Tensor, str], Tensor]  # (input, tag) -> its autocast cast
 
 
 def outlier_bytes(tokens: int, rows: int, itemsize: int) -> tuple[int, int]:
@@ -139,10 +141,13 @@ class Int8:
         self.weights[name] = (cb, rows)
         self.state.append(scb)
 
-    def linear(self, x: Tensor, name: str, out_features: int, tag: str, autocast: bool = False) -> Tensor | None:
+    def linear(
+        self, x: Tensor, name: str, out_features: int, tag: str, autocast: bool = False, input_cast: Cast | None = None
+    ) -> Tensor | None:
         """``Linear8bitLt.forward`` on ``x``; None when ``name`` is not an int8 weight. ``autocast``:
         CPU's bf16 autocast around it (the Trainer's ``bf16=True``): ``MatMul8bitFp``'s ``F.linear``
-        runs in bf16 (CUDA's int8 kernels are custom ops autocast leaves alone)."""
+        runs in bf16 (CUDA's int8 kernels are custom ops autocast leaves alone); ``input_cast``: the
+        model's autocast cast of an input (``hf_model.HfLlama.input_cast``: a leaf's cached), else a new one."""
         entry = self.weights.get(name)
         if entry is None:
             return None
@@ -153,7 +158,7 @@ class Int8:
         if self.cuda:
             out = self._cuda(x, node, tokens, rows, tag, self._columns(name, tokens, cols))
         else:
-            out = self._cpu(x, node, tokens, rows, cols, tag, autocast)
+            out = self._cpu(x, node, tokens, rows, cols, tag, autocast, input_cast)
         if node is not None:  # ctx.A = A: an attribute, held while the graph lives
             self._hold(x)
         return out
@@ -165,17 +170,29 @@ class Int8:
         if not self.tape.recomputing:
             self.held.append(a)
 
-    def _cpu(self, x: Tensor, node: Node | None, tokens: int, rows: int, cols: int, tag: str, autocast: bool) -> Tensor:
+    def _cpu(
+        self,
+        x: Tensor,
+        node: Node | None,
+        tokens: int,
+        rows: int,
+        cols: int,
+        tag: str,
+        autocast: bool,
+        input_cast: Cast | None,
+    ) -> Tensor:
         """``MatMul8bitFp.forward``: the dequantized weight, ``F.linear``, the weight freed. Under
         autocast ``F.linear`` casts the weight, then the input (arguments right to left, as
-        ``Model.linear``), to bf16 (neither is a leaf that requires grad: not cached) and returns bf16."""
+        ``Model.linear``), to bf16 (the dequantized weight is no leaf: not cached; the input is where it is
+        a leaf that requires grad, ``input_cast``) and returns bf16;
+        a bf16 input (an earlier autocast linear's output: the attention's, the gated product before the
+        down projection) is dequantized to bf16 (``CB.to(A.dtype)``), and autocast casts neither."""
         t = self.tape
         w = _dequantize(t, rows, cols, x.itemsize, f"{tag}.weight_dq")
-        casts = (
-            [t.new(rows * cols, 2, f"{tag}.weight_autocast"), t.new(x.numel, 2, f"{tag}.input_cast")]
-            if autocast
-            else []
-        )
+        casts = []
+        if autocast and x.itemsize != 2:
+            casts.append(t.new(rows * cols, 2, f"{tag}.weight_autocast"))
+            casts.append(t.new(x.numel, 2, f"{tag}.input_cast") if input_cast is None else input_cast(x, tag))
         out = _linear(t, tokens * rows, 2 if autocast else x.itemsize, tag, node)
         t.done(*reversed(casts))
         t.done(w)
