@@ -114,7 +114,8 @@ def check_fsdp_optimizer(plan: Plan, runtime: str) -> None:
     plain tensors of the full shape, and its first ``exp_avg_sq_row.mul_(...).add_(...)`` over a DTensor
     update raises "got mixed torch.Tensor and DTensor"; bitsandbytes 0.50.2's 32-bit update is a custom op
     (``bitsandbytes.optimizer_update_32bit``) with no DTensor sharding strategy ("does not have a sharding
-    strategy registered"), and its 8-bit update mixes the plain quantization maps with DTensor states
+    strategy registered"): an 8-bit optimizer's first parameter, the embedding, takes it too (32-bit states by the
+    Trainer's override), and its 8-bit update mixes the plain quantization maps with DTensor states
     (``bitsandbytes.dequantize_blockwise``: "got mixed torch.Tensor and DTensor")."""
     if runtime != "hf" or plan.dp == 1 or plan.zero < 2 or plan.optimizer in FSDP2_OPTIMIZERS:
         return

@@ -167,7 +167,8 @@ def test_fsdp2_sgd_equals_rank_0s_peak(case, zero: int) -> None:
     [
         ("adafactor", "got mixed torch.Tensor and DTensor"),
         pytest.param("paged-adamw-32bit", "does not have a sharding strategy", marks=pytest.mark.slow),
-        pytest.param("adamw-8bit", "got mixed torch.Tensor and DTensor", marks=pytest.mark.slow),
+        # the embedding first, its states 32-bit by the Trainer's override: the same custom op
+        pytest.param("adamw-8bit", "does not have a sharding strategy", marks=pytest.mark.slow),
     ],
 )
 def test_fsdp2_refuses_what_the_trainer_cannot_step(capsys, optimizer: str, message: str) -> None:
