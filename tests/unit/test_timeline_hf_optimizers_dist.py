@@ -32,10 +32,13 @@ import hf_fsdp_steps  # noqa: E402
 import hf_steps  # noqa: E402
 import peft_steps  # noqa: E402
 from optim_steps import trained_with  # noqa: E402
+from test_timeline_hf_fsdp_qlora import _STORAGE as QLORA_STORAGE  # noqa: E402
+from test_timeline_hf_fsdp_qlora import FAST as QLORA_FAST  # noqa: E402
 from test_timeline_hf_mla import CASES as MLA_CASES  # noqa: E402
 from test_timeline_hf_mla import _fp32_score_bias  # noqa: E402
 from test_timeline_hf_moe import CASES as MOE_CASES  # noqa: E402
 
+from memplan.costmodel.timeline.hf_bnb import Bnb4bit  # noqa: E402
 from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
@@ -66,9 +69,13 @@ def predict(case, optimizer: str, dp: int = 1, zero: int = 0) -> int:
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     update = dict(optimizer=optimizer, dp=dp, zero=zero)
+    lora = quant = None
     if isinstance(case, peft_steps.PeftCase):
-        plan, lora = peft_steps.plan_of(case).model_copy(update=update), None
-        lora = HfLoraConfig.of(plan)
+        plan = peft_steps.plan_of(case).model_copy(update=update)
+        lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan)
+        if quant is not None:  # loaded in the case's dtype, stored as its quant_storage (test_timeline_hf_fsdp_qlora)
+            storage = QLORA_STORAGE[case.quant_storage] if zero >= 2 else quant.storage
+            quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2, storage=storage)
     else:
         recompute = "full" if case.checkpointing else "none"
         plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, **update)
@@ -84,7 +91,8 @@ def predict(case, optimizer: str, dp: int = 1, zero: int = 0) -> int:
         extra=family_config(model),
         inplace_accumulate=False,
         subclass_like=model.moe is not None,  # the tracker is a dispatch mode (hf_moe_ops.zeros_then_put)
-        lora=lora if isinstance(case, peft_steps.PeftCase) else None,
+        lora=lora,
+        quant=quant,
         dp=dp,
         zero=zero,
         mixed=zero >= 2 and trainer_autocast(plan, "hf"),
@@ -153,6 +161,13 @@ FSDP_SGD = [
     pytest.param(_full("fsdp-sgd-bf16", dtype="bfloat16"), 2, id="bf16-zero2", marks=pytest.mark.slow),
     pytest.param(_full("fsdp-sgd-autocast", autocast=True), 3, id="bf16-true-zero3", marks=pytest.mark.slow),
     pytest.param(_lora("fsdp-sgd"), 3, id="lora-zero3", marks=pytest.mark.slow),
+    pytest.param(QLORA_FAST[0], 3, id="qlora-nf4-zero3", marks=pytest.mark.slow),
+    pytest.param(
+        next(c for c in MOE_CASES if c.name == "hfmoe-mixtral-fp32"), 3, id="mixtral-zero3", marks=pytest.mark.slow
+    ),
+    pytest.param(
+        next(c for c in MOE_CASES if c.name == "hfmoe-qwen3_moe-bf16"), 2, id="qwen3-moe-zero2", marks=pytest.mark.slow
+    ),
 ]
 
 
