@@ -122,6 +122,7 @@ DDP_FULL = [
 DDP_OTHER = [
     (_lora("ddp-save-head", modules_to_save=("lm_head",)), "paged-adamw-8bit"),
     (_lora("ddp-ckpt", checkpointing=True), "adafactor"),
+    (_lora("ddp-qlora-nf4-dq", quant="nf4", double_quant=True), "adamw-8bit"),
     (next(c for c in MOE_CASES if c.name == "hfmoe-mixtral-fp32"), "adafactor"),
     (next(c for c in MOE_CASES if c.name == "hfmoe-qwen3_moe-bf16"), "paged-lion-8bit"),
 ]
