@@ -109,7 +109,8 @@ FSDP2_OPTIMIZERS = ("adamw", "sgd")
 def check_fsdp_optimizer(plan: Plan, runtime: str) -> None:
     """Refuse an optimizer that cannot step the Trainer's FSDP2 (``--runtime hf``, ``--zero 2|3`` over dp > 1
     ranks), where accelerate hands the optimizer DTensor parameters (``_prepare_fsdp2``). Read from the
-    installed code and seen on CPU under gloo (tests/unit/test_timeline_hf_optimizers_dist.py):
+    installed code and seen with the real Trainer on CPU, rank 0 under the fake process group
+    (tests/unit/test_timeline_hf_optimizers_dist.py):
     transformers 5.23's ``Adafactor.step`` makes its states with ``torch.zeros(grad_shape[:-1]).to(grad)``,
     plain tensors of the full shape, and its first ``exp_avg_sq_row.mul_(...).add_(...)`` over a DTensor
     update raises "got mixed torch.Tensor and DTensor"; bitsandbytes 0.50.2's 32-bit update is a custom op

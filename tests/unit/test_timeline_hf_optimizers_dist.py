@@ -283,10 +283,3 @@ def test_the_estimate_follows_the_optimizers_beyond_one_dense_rank(capsys) -> No
     for optimizer in ("sgd", "adafactor"):
         moe = _estimate(capsys, ["mixtral-8x7b", "--runtime", "hf", "--precision", "bf16", "--optimizer", optimizer])
         assert moe["model"] == "op-level" and moe["model_reason"] is None, optimizer
-
-
-def test_the_cases_are_distinct_and_named() -> None:
-    names = [c.name for c, _ in DDP_OTHER] + [p.values[0] for p in FAMILIES]
-    assert all(any(c.name == n for c in MOE_CASES + MLA_CASES) or n.startswith("hfoptdist") for n in names)
-    assert len({(p.values[0], p.values[1]) for p in FAMILIES}) == len(FAMILIES)
-    assert all(dataclasses.is_dataclass(p.values[0]) for p in DDP_FULL)

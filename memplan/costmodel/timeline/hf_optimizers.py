@@ -92,8 +92,8 @@ class Adafactor(_Optimizer):
     - on the first step the states: a matrix's ``exp_avg_sq_row`` (``grad_shape[:-1]``: rows) and
       ``exp_avg_sq_col`` (``grad_shape[:-2] + grad_shape[-1:]``: cols, times ``lead`` for 3-D experts: the
       factored states are per expert), a vector's ``exp_avg_sq`` (numel), fp32 (``.to(grad)``); then every
-      step ``state["RMS"] =
-      self._rms(p_data_fp32)``, a 0-dim fp32 tensor replacing the previous one (the first step's ``0``);
+      step ``state["RMS"] = self._rms(p_data_fp32)``, a 0-dim fp32 tensor replacing the previous one (the
+      first step's ``0``);
     - ``update = grad**2 + eps``; a matrix's two ``mean``s, then ``_approx_sq_grad``: the row mean, the row
       factor (rows), the column factor (cols), their product (numel), the factors freed as it returns;
       a vector's ``exp_avg_sq.rsqrt()``; ``_rms(update)`` and the clip's divisor; ``-update``; over 3-D
