@@ -80,6 +80,7 @@ def check_compatible(
     if plan.finetune != "full":
         check_lora(model, plan, runtime, workload if isinstance(workload, TrainingWorkload) else None)
     if isinstance(workload, TrainingWorkload):
+        check_fsdp_optimizer(plan, runtime)
         if workload.seq_len % plan.cp:
             raise MemplanError(f"cp={plan.cp} does not divide seq_len={workload.seq_len}", field="plan.cp")
         if plan.sequence_parallel and workload.seq_len // plan.cp % plan.tp:
@@ -99,6 +100,36 @@ def check_compatible(
                     f"the interleaved schedule needs micro-batches per step ({accumulation}) divisible by pp={plan.pp}",
                     field="workload.global_batch",
                 )
+
+
+# the Trainer's optimizers that step FSDP2's DTensor parameters: fused AdamW, and SGD (no state, in-place adds)
+FSDP2_OPTIMIZERS = ("adamw", "sgd")
+
+
+def check_fsdp_optimizer(plan: Plan, runtime: str) -> None:
+    """Refuse an optimizer that cannot step the Trainer's FSDP2 (``--runtime hf``, ``--zero 2|3`` over dp > 1
+    ranks), where accelerate hands the optimizer DTensor parameters (``_prepare_fsdp2``). Read from the
+    installed code and seen with the real Trainer on CPU, rank 0 under the fake process group
+    (tests/unit/test_timeline_hf_optimizers_dist.py):
+    transformers 5.23's ``Adafactor.step`` makes its states with ``torch.zeros(grad_shape[:-1]).to(grad)``,
+    plain tensors of the full shape, and its first ``exp_avg_sq_row.mul_(...).add_(...)`` over a DTensor
+    update raises "got mixed torch.Tensor and DTensor"; bitsandbytes 0.50.2's 32-bit update is a custom op
+    (``bitsandbytes.optimizer_update_32bit``) with no DTensor sharding strategy ("does not have a sharding
+    strategy registered"): an 8-bit optimizer's first parameter, the embedding, takes it too (32-bit states by the
+    Trainer's override), and its 8-bit update mixes the plain quantization maps with DTensor states
+    (``bitsandbytes.dequantize_blockwise``: "got mixed torch.Tensor and DTensor")."""
+    if runtime != "hf" or plan.dp == 1 or plan.zero < 2 or plan.optimizer in FSDP2_OPTIMIZERS:
+        return
+    what = (
+        "transformers' Adafactor makes its factored states as plain tensors beside DTensor gradients"
+        if plan.optimizer == "adafactor"
+        else "bitsandbytes' optimizer kernels are custom ops with no DTensor sharding strategy"
+    )
+    raise MemplanError(
+        f"optimizer {plan.optimizer} cannot step the Trainer's FSDP2 (zero={plan.zero} over dp={plan.dp}): {what}, "
+        "so the Trainer raises at its first optimizer step; use --zero 0 (DDP), adamw or sgd",
+        field="plan.optimizer",
+    )
 
 
 def suspicious(model: ModelSpec, workload: TrainingWorkload | InferenceWorkload) -> list[str]:

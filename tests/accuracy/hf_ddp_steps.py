@@ -13,7 +13,8 @@ counts its live storages with :class:`StorageTracker` (the model's parameters an
 whatever an op creates) from
 ``trainer.train()`` on, so DDP's construction (inside ``accelerator.prepare``) is counted too. The
 rank's device is plain ``cpu`` (:func:`_plain_cpu_device`), as a GPU rank's is the tensors' own.
-The case is an ``hf_steps.Case`` (full fine-tuning) or a ``peft_steps.PeftCase`` (LoRA).
+The case is an ``hf_steps.Case`` (full fine-tuning) or a ``peft_steps.PeftCase`` (LoRA); ``optim``: memplan's
+optimizer name, as the Trainer builds it (optim_steps.py).
 
     python tests/accuracy/hf_ddp_steps.py NAME [GA]   # prints rank 0's allocation sequence
 """
@@ -76,11 +77,12 @@ def _quant_state(model) -> list[torch.Tensor]:
     return quant_state_tensors(model)
 
 
-def _rank(rank: int, case, ga: int, steps: int, port: int, out: str, log: bool) -> None:
+def _rank(rank: int, case, ga: int, steps: int, port: int, out: str, log: bool, optim: str = "adamw") -> None:
     """One rank: the environment torchrun sets, the Trainer, rank 0's tracker."""
     import hf_steps
     import transformers
     from alloc_log import AllocLog
+    from optim_steps import trained_with
     from storage_tracker import StorageTracker
 
     torch.set_num_threads(1)
@@ -99,15 +101,16 @@ def _rank(rank: int, case, ga: int, steps: int, port: int, out: str, log: bool) 
     rows = [{"input_ids": row, "labels": row} for row in ids]
     with tempfile.TemporaryDirectory() as tmp:
         args = hf_steps.training_args(tmp, case, steps, ga)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
-        tracker = (AllocLog() if log else StorageTracker()) if rank == 0 else None
-        if tracker is None:
-            trainer.train()
-        else:
-            tracker.track_module(model)
-            tracker.track(*_quant_state(model))
-            with tracker:
+        with trained_with(args, optim):
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+            tracker = (AllocLog() if log else StorageTracker()) if rank == 0 else None
+            if tracker is None:
                 trainer.train()
+            else:
+                tracker.track_module(model)
+                tracker.track(*_quant_state(model))
+                with tracker:
+                    trainer.train()
     if tracker is not None:
         with open(out, "w") as f:
             f.write(f"{tracker.peak}\n")
@@ -116,20 +119,20 @@ def _rank(rank: int, case, ga: int, steps: int, port: int, out: str, log: bool) 
     torch.distributed.destroy_process_group()
 
 
-def run(case, ga: int = 1, steps: int = 3, log: bool = False) -> list[str]:
+def run(case, ga: int = 1, steps: int = 3, log: bool = False, optim: str = "adamw") -> list[str]:
     """Rank 0's peak (first line) and, with ``log``, its allocation sequence."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.txt")
-        args = (case, ga, steps, _free_port(), out, log)
+        args = (case, ga, steps, _free_port(), out, log, optim)
         mp.set_forkserver_preload(_PRELOAD)
         mp.start_processes(_rank, args=args, nprocs=WORLD, join=True, start_method="forkserver")
         with open(out) as f:
             return f.read().splitlines()
 
 
-def measure(case, ga: int = 1, steps: int = 3) -> int:
+def measure(case, ga: int = 1, steps: int = 3, optim: str = "adamw") -> int:
     """Rank 0's peak live bytes over ``steps`` optimizer steps of ``ga`` micro-batches."""
-    return int(run(case, ga, steps)[0])
+    return int(run(case, ga, steps, optim=optim)[0])
 
 
 if __name__ == "__main__":

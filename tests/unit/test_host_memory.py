@@ -119,3 +119,29 @@ def test_offloaded_parameters_cross_pcie_on_one_gpu_too():
     n = total_params(L8)
     assert t.breakdown["param_offload"] == pytest.approx(2 * n * 4 / A100.pcie_bytes_per_s)
     assert t.breakdown["offload"] > 0  # the optimizer step's own PCIe traffic, beside it
+
+
+def test_tunes_host_check_takes_the_trainers_paged_states_from_its_run():
+    """``memplan tune --runtime hf`` checks the host with the op-level run's paged states where that run answers
+    the plan: llama3-8b's ``paged-adamw-8bit`` pages 19.21 GB (the Trainer's ``register_module_override`` gives
+    the embedding 32-bit states), not the closed form's 16.06 GB; a host between the two holds the closed form's
+    and not the run's (the whole share spilled: no device headroom)."""
+    from memplan.costmodel.timeline.hf_trainer import hf_plan_run
+    from memplan.search.evaluate import Context, evaluate
+    from memplan.search.space import Candidate
+    from memplan.search.tune import host_fits, run_paged_bytes
+
+    plan = Plan(precision="bf16", optimizer="paged-adamw-8bit")
+    work = TrainingWorkload(seq_len=1024, micro_batch=1)
+    phase = Context(L8, load_gpu("h100-sxm"), ClusterSpec(gpus_per_node=1))  # no Trainer: the closed form's
+    ctx = Context(L8, phase.gpu, phase.cluster, runtime="hf")
+    ev = evaluate(Candidate(plan, work), phase).model_copy(update={"headroom_bytes": 0})  # the host check reads
+    # the plan, its workload and the headroom alone
+    run = hf_plan_run(L8, work, plan)
+    closed = estimate_memory(L8, work, plan, "hf").paged_optimizer_states
+    assert run_paged_bytes(ev, ctx) == run.managed == 19_212_009_472
+    embedding = L8.vocab_size * L8.hidden_size
+    assert run.managed - closed == 2 * 3 * embedding  # two states, 4 bytes each instead of 1
+    between = (closed + run.managed) // 2
+    assert not host_fits(ev, ctx, between) and host_fits(ev, ctx, run.managed)
+    assert run_paged_bytes(ev, phase) is None and host_fits(ev, phase, between)

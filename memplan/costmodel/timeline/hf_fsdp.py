@@ -65,7 +65,9 @@ Checked against the real Trainer on CPU, rank 0 of two or four under the fake pr
 (tests/unit/test_timeline_hf_fsdp.py). The copy-out's and copy-in's metadata tensors
 (``fsdp.COPY_OUT_META``, from the GPU traces) are CUDA's: not on CPU. On CPU each group's ``DeviceMesh``
 (``fully_shard`` without a mesh builds the default one: ``torch.arange(world, dtype=torch.int)``,
-torch/distributed/device_mesh.py:1582) is counted, as the host's; on a GPU it is host memory.
+torch/distributed/device_mesh.py:1582) is counted, as the host's, with its rank's coordinate
+(``(mesh == rank).nonzero()``, freed once read) and the root's, made and dropped after the last shard
+(``HfFsdp._mesh``); on a GPU they are host memory.
 """
 
 from __future__ import annotations
@@ -161,12 +163,26 @@ class HfFsdp(Fsdp):
         else:
             for group in self.shard_order():
                 if not self.cuda:  # the group's DeviceMesh: its ranks, an int32 arange(dp) on the host
-                    t.managed(self.dp, 4, f"{group.tag}.device_mesh", Category.COMM)
+                    self._mesh(t.managed, group.tag)
                 for name in group.names:
                     t.managed(self.shard(name), self.itemsize(name), f"{name}.shard", Category.PARAMETERS)
+            if not self.cuda and self.root is None:  # fully_shard(model) last: the root's mesh, no shard of its own
+                t.done(self._mesh(t.new, "root"))
             for name in self.shapes:
                 t.free(weights.pop(name))
         t.done(*holders)
+
+    def _mesh(self, make, tag: str) -> Tensor:  # noqa: ANN001 - the tape's ``managed`` or ``new``
+        """A ``DeviceMesh`` on the host (CPU runs only): the int32 ``arange(dp)``, then this rank's coordinate,
+        ``(mesh == rank).nonzero()`` (dp bools, then one int64 index), freed once read. Under SGD, which has no
+        state, the root's (the last ``fully_shard``, after every shard) is the run's peak (+18 B at dp 2)."""
+        t = self.tape
+        mesh = make(self.dp, 4, f"{tag}.device_mesh", Category.COMM)
+        eq = t.new(self.dp, 1, f"{tag}.device_mesh.eq", Category.COMM)
+        coordinate = t.new(1, 8, f"{tag}.device_mesh.nonzero", Category.COMM)
+        t.done(eq)
+        t.done(coordinate)
+        return mesh
 
     def prepare_params(self, weights: dict[str, Tensor], optimizer_order: list[str]) -> list[Tensor]:
         """The optimizer's placeholders (``torch.empty(1, dtype=p.dtype, device=p.device)``,

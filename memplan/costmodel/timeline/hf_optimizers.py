@@ -35,8 +35,10 @@ FP32 = 4
 @dataclass(frozen=True)
 class Param:
     """A trained parameter as the optimizer sees it: ``rows`` x ``cols`` (``cols == 0``: a vector),
-    ``itemsize`` its dtype's (and its gradient's) bytes; ``embedding``: an ``nn.Embedding``'s weight
-    (bitsandbytes' 8-bit optimizers keep its states in 32 bits: ``hf_bnb_optim.py``)."""
+    ``rows`` the product of every dimension but the last, ``lead`` of every one before the last two (an
+    MoE block's 3-D experts, (E, 2f, h) and (E, h, f): ``lead`` E, ``rows`` E x 2f); ``itemsize`` its
+    dtype's (and its gradient's) bytes; ``embedding``: an ``nn.Embedding``'s weight (bitsandbytes' 8-bit
+    optimizers keep its states in 32 bits: ``hf_bnb_optim.py``)."""
 
     name: str
     numel: int
@@ -44,6 +46,7 @@ class Param:
     rows: int
     cols: int = 0
     embedding: bool = False
+    lead: int = 1
 
     @property
     def matrix(self) -> bool:
@@ -86,12 +89,15 @@ class Adafactor(_Optimizer):
     """transformers' ``Adafactor.step`` (``optimization.py``) as it runs per parameter, in group order:
 
     - a 16-bit gradient cast to fp32 (``grad = grad.float()``), and a 16-bit parameter (``p_data_fp32``);
-    - on the first step the states: a matrix's ``exp_avg_sq_row`` (rows) and ``exp_avg_sq_col`` (cols),
-      a vector's ``exp_avg_sq`` (numel), fp32 (``.to(grad)``); then every step ``state["RMS"] =
-      self._rms(p_data_fp32)``, a 0-dim fp32 tensor replacing the previous one (the first step's ``0``);
+    - on the first step the states: a matrix's ``exp_avg_sq_row`` (``grad_shape[:-1]``: rows) and
+      ``exp_avg_sq_col`` (``grad_shape[:-2] + grad_shape[-1:]``: cols, times ``lead`` for 3-D experts: the
+      factored states are per expert), a vector's ``exp_avg_sq`` (numel), fp32 (``.to(grad)``); then every
+      step ``state["RMS"] = self._rms(p_data_fp32)``, a 0-dim fp32 tensor replacing the previous one (the
+      first step's ``0``);
     - ``update = grad**2 + eps``; a matrix's two ``mean``s, then ``_approx_sq_grad``: the row mean, the row
       factor (rows), the column factor (cols), their product (numel), the factors freed as it returns;
-      a vector's ``exp_avg_sq.rsqrt()``; ``_rms(update)`` and the clip's divisor; ``-update``;
+      a vector's ``exp_avg_sq.rsqrt()``; ``_rms(update)`` and the clip's divisor; ``-update``; over 3-D
+      experts each mean and factor keeps the leading dimension (the row mean ``lead`` elements);
     - the loop's locals (``grad``, ``p_data_fp32``, ``update``) alive until the next parameter rebinds them,
       the last ones until ``step`` returns.
     """
@@ -106,7 +112,7 @@ class Adafactor(_Optimizer):
             t.done(grad)  # ``grad = p.grad`` rebinds the loop's local
             grad = t.new(p.numel, FP32, "grad_fp32", TEMP) if p.itemsize != FP32 else None
             if first:
-                shapes = (p.rows, p.cols) if p.matrix else (p.numel,)
+                shapes = (p.rows, p.lead * p.cols) if p.matrix else (p.numel,)
                 self.states += [t.managed(n, FP32, f"{p.name}.exp_avg_sq", STATE) for n in shapes]
             t.done(p32)
             p32 = t.new(p.numel, FP32, "p_data_fp32", TEMP) if p.itemsize != FP32 else None
@@ -132,12 +138,12 @@ class Adafactor(_Optimizer):
             rsqrt = t.new(p.numel, FP32, "rsqrt", TEMP)
             t.done(update)
             return rsqrt
-        for n in (p.rows, p.cols):  # update.mean(dim=-1), update.mean(dim=-2)
+        for n in (p.rows, p.lead * p.cols):  # update.mean(dim=-1), update.mean(dim=-2)
             t.done(t.new(n, FP32, "mean", TEMP))
-        mean = t.new(1, FP32, "row_mean", TEMP)
+        mean = t.new(p.lead, FP32, "row_mean", TEMP)  # exp_avg_sq_row.mean(dim=-1, keepdim=True)
         r_factor = t.new(p.rows, FP32, "r_factor", TEMP)
         t.done(mean)
-        c_factor = t.new(p.cols, FP32, "c_factor", TEMP)
+        c_factor = t.new(p.lead * p.cols, FP32, "c_factor", TEMP)
         approx = t.new(p.numel, FP32, "approx_sq_grad", TEMP)
         t.done(r_factor, c_factor, update)
         return approx

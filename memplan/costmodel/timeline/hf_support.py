@@ -273,16 +273,24 @@ def hf_supported(
 def _optimizer_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
     """An optimizer other than the default fused AdamW as the Trainer builds it (``hf_optimizers.py``: SGD,
     transformers' Adafactor; ``hf_bnb_optim.py``: bitsandbytes' 8-bit, 32-bit and paged AdamW and Lion), on
-    one rank, over a dense family (the 2-D parameters whose shapes Adafactor's factored states follow;
-    tests/unit/test_timeline_hf_optimizers.py). The hand-written loop builds its own ``AdamW(foreach=True)``."""
-    return runtime == "hf" and plan.dp == 1 and model.moe is None and model.mla is None
+    one rank or each rank under DDP (the states per rank as on one, beside the reducer's buckets), under FSDP2
+    SGD alone (no state; the others cannot step DTensor parameters: ``specs.job.check_fsdp_optimizer``
+    refuses them), full fine-tuning of dense, MoE and MLA families or PEFT over a dense one (Adafactor's
+    factored states of 3-D experts per expert: ``hf_optimizers.Param.lead``); tests/unit/
+    test_timeline_hf_optimizers.py and test_timeline_hf_optimizers_dist.py. The hand-written loop builds its
+    own ``AdamW(foreach=True)``."""
+    if runtime != "hf" or (plan.dp > 1 and plan.zero >= 2 and plan.optimizer != "sgd"):
+        return False
+    return plan.finetune == "full" or (model.moe is None and model.mla is None)
 
 
 def _optimizer_reason(plan: Plan, runtime: str) -> str:
     """Why the op-level run does not follow ``plan.optimizer``."""
     if runtime != "hf":
         return f"optimizer {plan.optimizer} under the hf-loop runtime (its loop builds AdamW(foreach=True))"
-    return f"optimizer {plan.optimizer} other than the Trainer's default over more than one rank or an MoE/MLA model"
+    if plan.dp > 1 and plan.zero >= 2:
+        return f"optimizer {plan.optimizer} under the Trainer's FSDP2 (DTensor parameters)"
+    return f"optimizer {plan.optimizer} other than the Trainer's default under PEFT over an MoE/MLA model"
 
 
 def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:

@@ -518,10 +518,12 @@ class _HfRun:
     def _optimizer_params(self) -> list[Param]:
         """The trained parameters in the optimizer's order, each with its shape (``hf_optimizers.Param``):
         the base's from ``self.shapes`` (a ``(rows, 1)`` entry is a vector), an adapter's from its base
-        linear's (``lora_A`` r x in, ``lora_B`` out x r), a trained copy of the head the embedding's. Under
-        FSDP2 a shard's numel (only ``FusedAdamW``, which reads no shape, runs over shards: ``hf_support``)."""
+        linear's (``lora_A`` r x in, ``lora_B`` out x r), a trained copy of the head the embedding's; an MoE
+        block's experts 3-D, E in front (``hf_moe.MoeBlock``: stored here as (E x rows, cols)). Under FSDP2 a
+        shard's numel (only optimizers that read no shape run over shards: ``hf_support._optimizer_ok``)."""
         out = []
         embed = self.shapes["model.embed_tokens.weight"]
+        experts = (self.model.extra or {}).get("experts", 1)
         for name in self._optimizer_order():
             numel, itemsize = self.trainable[name]
             base = name.replace(".lora_A.", ".").replace(".lora_B.", ".")
@@ -531,7 +533,8 @@ class _HfRun:
             elif ".lora_B." in name:
                 cols = numel // rows
             cols = 0 if cols == 1 or rows * cols != numel else cols
-            out.append(Param(name, numel, itemsize, rows, cols, embedding=name == "model.embed_tokens.weight"))
+            lead = experts if ".mlp.experts." in name and cols else 1
+            out.append(Param(name, numel, itemsize, rows, cols, name == "model.embed_tokens.weight", lead))
         return out
 
     def _optimizer_order(self) -> list[str]:
