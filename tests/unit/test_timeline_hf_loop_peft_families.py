@@ -226,6 +226,52 @@ def test_save_on_cpu_peak_and_host_copies_equal_the_loops(case) -> None:  # noqa
     assert (report.peak.allocated, report.offload.cpu) == (peak, host), case.name
 
 
+# save_on_cpu over the MoE families (test_timeline_hf_loop_families.py's shapes): the run as that file composes it,
+# ``subclass_like`` for the tracker's dispatch mode over the experts (``hf_moe_ops.zeros_then_put``). grouped_mm's
+# save of the 3-D expert weights, a parameter, is packed (copied to the host) as save_on_cpu packs every save
+def _moe_offload_cases() -> list:
+    import test_timeline_hf_loop_families as F
+
+    return [
+        F._case("mixtral-offload-fp32", "mixtral", F.MIXTRAL, F.MOE),
+        F._case("mixtral-offload-ckpt", "mixtral", F.MIXTRAL, F.MOE, checkpointing=True),
+        F._case("mixtral-offload-autocast", "mixtral", F.MIXTRAL, F.MOE, autocast=True, layers=2),
+        F._case("qwen3-moe-offload-fp32", "qwen3_moe", F.QWEN3, F.MOE),
+        F._case("qwen3-moe-offload-bf16-ckpt", "qwen3_moe", F.QWEN3, F.MOE, dtype="bfloat16", checkpointing=True),
+        F._case("deepseek-v2-offload-fp32", "deepseek_v2", F.V2, F.MLA_SHAPE),
+    ]
+
+
+MOE_OFFLOAD = _moe_offload_cases()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MOE_OFFLOAD, ids=lambda c: c.name)
+def test_save_on_cpu_over_moe_equals_the_loops(case) -> None:  # noqa: ANN001
+    from offload_steps import OffloadCase, measure
+
+    from memplan.specs.plan import Plan
+
+    peak, host = measure(OffloadCase(case.name, case, "save_on_cpu"))
+    model = spec(case)
+    recompute = "full" if case.checkpointing else "none"
+    plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, offload_activations="cpu")
+    workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+    assert hf_supported(model, plan, workload, runtime="hf-loop", device="cpu") is None, case.name
+    timeline = hf_loop_run(
+        hf_dims(model, workload, plan, "hf-loop"),
+        model.tied_embeddings,
+        "cpu_flash",
+        steps=STEPS,
+        arch=model.architecture,
+        extra=family_config(model),
+        offload=True,
+        inplace_accumulate=False,
+        subclass_like=True,
+    )
+    assert (timeline.peak()[0], timeline.host_peak) == (peak, host), case.name
+
+
 def test_the_cases_span_the_families() -> None:
     """Every dense family beyond Llama's layout has LoRA, QLoRA and offload cases; the windows Gemma 3, Phi-3,
     Mistral and Qwen2; the default run one LoRA case (fused projections), one past a window, one offloaded."""
@@ -247,6 +293,7 @@ def test_the_cases_span_the_families() -> None:
             ["--finetune", "qlora", "--lora-targets", "qkv_proj", "--precision", "bf16-mixed", "--seq-len", "1024"],
         ),
         ("qwen3-8b", ["--offload-activations", "cpu", "--seq-len", "1024"]),
+        ("mixtral-8x7b", ["--offload-activations", "cpu", "--seq-len", "512"]),
         # past Gemma 3's 1024-token window on CPU (the loop's sliding cache layers)
         ("gemma3-12b", ["--finetune", "lora", "--seq-len", "2048", "--device", "cpu"]),
         pytest.param("gemma2-9b", ["--finetune", "lora", "--seq-len", "8192"], marks=pytest.mark.slow),
