@@ -41,8 +41,9 @@ FUSED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 SAVABLE = ("lm_head", "embed_tokens")  # modules_to_save memplan models (trained in full)
 ALL_LINEAR = "all-linear"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # architectures whose linears are named as above
-# dense families whose LoRA only the op-level run of transformers' Trainer follows (timeline/hf_lora.py over
-# hf_families.py): the phase model's LoRA layer (hf_layer) is Llama's
+# dense families whose LoRA only the op-level runs of transformers' Trainer and of the hand-written loop follow
+# (timeline/hf_lora.py over hf_families.py, under hf_trainer.py's or hf_loop.py's step): the phase model's LoRA
+# layer (hf_layer) is Llama's
 RUN_FAMILIES = ("phi3", "olmo2", "gemma2", "gemma3")
 
 # PEFT's get_peft_model(autocast_adapter_dtype=True) keeps adapters in fp32 under a bf16 / fp16

@@ -296,8 +296,9 @@ def _plan_run(
             return _on(hf_plan_run(model, workload, plan, gpu_arch, device), device), "hf"
         if run_only(model, plan):
             what = "an MoE model" if model.moe is not None else f"{model.name} ({model.architecture})"
+            runs = "transformers' Trainer" if runtime == "hf" else "the hand-written transformers loop"
             raise MemplanError(
-                f"{plan.finetune} over {what} is modelled by the op-level run of transformers' Trainer alone, "
+                f"{plan.finetune} over {what} is modelled by the op-level run of {runs} alone, "
                 f"which does not follow {why}",
                 field="plan.finetune",
             )

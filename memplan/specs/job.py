@@ -150,7 +150,7 @@ def check_lora(
     model: ModelSpec, plan: Plan, runtime: str = "memplan", workload: TrainingWorkload | None = None
 ) -> None:
     """LoRA / QLoRA: the model must be one whose decoder layers memplan models under PEFT (a
-    dense Llama-family layer: transformers' q/k/v/o_proj and gate/up/down_proj; under ``--runtime hf``
+    dense Llama-family layer: transformers' q/k/v/o_proj and gate/up/down_proj; under ``--runtime hf`` or ``hf-loop``
     Phi-3's fused qkv_proj / gate_up_proj, OLMo 2's, Gemma 2's and 3's layers as :func:`check_run_lora`
     allows them; or an MoE one as :func:`check_moe_lora` allows it under ``runtime``), and every target and
     module to save must name one of its modules (PEFT raises on a target that matches nothing)."""
@@ -160,7 +160,7 @@ def check_lora(
     if model.moe is None and (model.architecture not in dense or model.mlp != "gated"):
         raise MemplanError(
             f"{plan.finetune} is modelled for dense Llama-family models ({', '.join(lora.FAMILIES)}: "
-            f"q/k/v/o_proj, gate/up/down_proj), under --runtime hf for {', '.join(lora.RUN_FAMILIES)} and "
+            f"q/k/v/o_proj, gate/up/down_proj), under --runtime hf or hf-loop for {', '.join(lora.RUN_FAMILIES)} and "
             f"Mixtral, Qwen3-MoE and Qwen2-MoE; {model.name} is a {model.architecture} ({model.mlp} MLP) model",
             field="plan.finetune",
         )
@@ -190,27 +190,28 @@ def check_lora(
 
 
 def check_run_lora(model: ModelSpec, plan: Plan, runtime: str, workload: TrainingWorkload | None) -> None:
-    """PEFT LoRA over Phi-3, OLMo 2, Gemma 2 or Gemma 3: answered by the op-level run of transformers' Trainer
-    alone (``timeline.hf_lora`` over ``timeline.hf_families``, checked to the byte against the real Trainer on
-    CPU: tests/unit/test_timeline_hf_peft_families.py). The phase model's LoRA layer (``lora.hf_layer``) is
-    Llama's (no sandwich or post norms, no fused projections, no eager attention), and the bundled trainer,
-    Megatron and the hand-written loop (``hf-loop``: followed for Llama's layout) build no such adapters: every
-    other plan is refused here. Without ``workload`` only the runtime is checked; the questions that depend on
-    the GPU are asked by the run (``reserve.plan_run``), which refuses the plan rather than fall back."""
+    """PEFT LoRA over Phi-3, OLMo 2, Gemma 2 or Gemma 3: answered by the op-level run of transformers' Trainer or of
+    the hand-written loop alone (``timeline.hf_lora`` over ``timeline.hf_families``, under ``hf_trainer.py``'s or
+    ``hf_loop.py``'s step, checked to the byte against the real Trainer and loop on CPU:
+    tests/unit/test_timeline_hf_peft_families.py, test_timeline_hf_loop_peft_families.py). The phase model's LoRA
+    layer (``lora.hf_layer``) is Llama's (no sandwich or post norms, no fused projections, no eager attention), and
+    the bundled trainer and Megatron build no such adapters: every other plan is refused here. Without ``workload``
+    only the runtime is checked; the questions that depend on the GPU are asked by the run (``reserve.plan_run``),
+    which refuses the plan rather than fall back."""
     from memplan.costmodel.timeline.hf_support import hf_supported
 
     name = f"{model.name} ({model.architecture})"
-    if runtime != "hf":
+    if runtime not in ("hf", "hf-loop"):
         raise MemplanError(
-            f"{plan.finetune} over {name} is modelled under --runtime hf alone (transformers' Trainer op by op); "
-            f"the runtime is {runtime}",
+            f"{plan.finetune} over {name} is modelled under --runtime hf or hf-loop alone (transformers' Trainer or "
+            f"a hand-written loop, op by op); the runtime is {runtime}",
             field="plan.finetune",
         )
     why = None if workload is None else hf_supported(model, plan, workload, runtime, device="cpu")
     if why is not None:
+        runs = "transformers' Trainer" if runtime == "hf" else "the hand-written transformers loop"
         raise MemplanError(
-            f"{plan.finetune} over {name} is modelled by the op-level run of transformers' Trainer alone, "
-            f"which does not follow {why}",
+            f"{plan.finetune} over {name} is modelled by the op-level run of {runs} alone, which does not follow {why}",
             field="plan.finetune",
         )
 

@@ -263,13 +263,16 @@ def test_the_memory_efficient_kernels_saved_bias_is_padded_to_eight_columns() ->
     assert cuda_saved_mask_bytes(1, 100, 2) == 100 * 104 * 2
 
 
-def test_the_hand_loop_with_a_reached_window_stays_on_the_phase_model() -> None:
+def test_the_hand_loop_follows_a_reached_window_on_cpu_alone() -> None:
+    """The loop's run with the window's mask (its sliding cache layers: test_timeline_hf_loop_peft_families.py) on
+    CPU, as the Trainer's; on CUDA neither (the masked kernel), the reason naming the loop."""
     model = spec(_case("mistral", "loop", config=WINDOW))
     workload = TrainingWorkload(seq_len=128, micro_batch=2)
-    reason = hf_supported(model, Plan(precision="fp32"), workload, runtime="hf-loop", device="cpu")
+    for runtime in ("hf", "hf-loop"):
+        assert hf_supported(model, Plan(precision="fp32"), workload, runtime=runtime, device="cpu") is None
+    reason = hf_supported(model, Plan(precision="bf16"), workload, runtime="hf-loop", device="cuda")
     assert reason is not None and "a window the sequence reaches" in reason
-    assert "under the hf-loop runtime" in reason
-    assert hf_supported(model, Plan(precision="fp32"), workload, runtime="hf", device="cpu") is None
+    assert "under the hand-written loop on CPU" in reason
 
 
 def test_a_window_of_a_family_the_run_does_not_mask_says_which() -> None:

@@ -108,7 +108,10 @@ def hf_loop_run(
     attributes, as ``hf_run``'s).
     ``window_layers``: the layers (True: every one) whose cache layers are ``DynamicSlidingWindowLayer``s,
     each with an int64 ``_sliding_window_tensor`` made with the cache (after the embedding; on CUDA its
-    device copy at the layer's first update): a config.json with a ``sliding_window`` and no
+    device copy at the layer's first update); its ``update`` keeps ``full[:, :, -window + 1:, :]`` of the
+    whole sequence's ``cat``, a view, so the cache holds a ``DynamicLayer``'s bytes, and the attention gets
+    the whole copy (a window the sequence reaches: the family's masked SDPA, ``hf_sliding.py``): a config.json
+    with a ``sliding_window`` and no
     ``layer_types`` (Mistral's default 4096, even where it spans every position) makes every layer one,
     one with ``layer_types`` (Gemma 2 / 3) its sliding ones. A :class:`ModelSpec` does not carry a
     window that spans the positions: plans leave those out (8 B a layer). ``arch``, ``extra``: the

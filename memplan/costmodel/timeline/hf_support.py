@@ -68,13 +68,17 @@ case equal to the real loop's peak on CPU): the same models, precisions, kernels
 4-bit and LLM.int8 bases (the int8 linears' inputs held with ``out``'s graph to the next forward;
 tests/unit/test_timeline_hf_int8_families.py; checkpointing as transformers enables it, ``use_reentrant=False``:
 PEFT's ``prepare_model_for_kbit_training`` default leaves torch's reentrant checkpoint, not followed), every
-family above with the LoRA the Trainer's run follows on it (the family modules composed under the loop's step;
-tests/unit/test_timeline_hf_loop_families.py), with ``AdamW(foreach=True)``,
-any gradient accumulation (``loss = out.loss / ga``, ``opt.step()`` every ``ga`` iterations), on one rank,
-with or without activation offload (``save_on_cpu`` around the forward and backward: ``act_offload.py``'s
-hooks, checked over Llama's layout; tests/accuracy/test_offload_accuracy.py); there ``bf16`` is the bf16 model
-without autocast unless the plan's ``autocast`` puts the forward under ``torch.autocast``
-(tests/unit/test_plan_autocast.py).
+family above with the LoRA and QLoRA the Trainer's run follows on it (the family modules composed under the
+loop's step; tests/unit/test_timeline_hf_loop_families.py, and over Qwen3, Phi-3, OLMo 2, Gemma 2 and 3
+test_timeline_hf_loop_peft_families.py), sliding windows the sequence reaches on CPU as under the Trainer (the
+loop's ``DynamicSlidingWindowLayer``s keep a view of the whole sequence's copy, as a ``DynamicLayer`` does), with
+``AdamW(foreach=True)``, any gradient accumulation (``loss = out.loss / ga``, ``opt.step()`` every ``ga``
+iterations), on one rank, with or without activation offload (``save_on_cpu`` around the forward and backward:
+``act_offload.py``'s hooks, checked over the dense families, Mixtral, Qwen3-MoE and DeepSeek-V2,
+``LOOP_OFFLOAD_FAMILIES``; tests/accuracy/test_offload_accuracy.py, test_timeline_hf_loop_peft_families.py);
+there ``bf16`` is the bf16 model without autocast unless the plan's ``autocast`` puts the forward under
+``torch.autocast`` (tests/unit/test_plan_autocast.py), so over a 4-bit base SDPA takes the fp32 stream: without
+GQA the memory-efficient kernel on CUDA, declined (:func:`_four_bit_kernel_ok`).
 """
 
 from __future__ import annotations
@@ -105,7 +109,11 @@ LAYOUT = {
 }
 LLAMA_LAYOUT = ("pre", None, (False, False))
 QKV_BIAS_FAMILIES = ("qwen2", "qwen2-moe")  # q/k/v biases (hf_model.QKV_BIAS)
-PEFT_FAMILIES = ("llama", "mistral", "qwen2")  # LoRA and 4-bit bases checked (tests/unit/test_timeline_hf_peft.py)
+# save_on_cpu around the hand-written loop's forward and backward (act_offload.py) checked against the loop on CPU:
+# Llama's layout (tests/accuracy/test_offload_accuracy.py), the other dense families, Mixtral, Qwen3-MoE and
+# DeepSeek-V2 (tests/unit/test_timeline_hf_loop_peft_families.py); not Qwen2-MoE (its peak measured 7,716 B over
+# the run's) or DeepSeek-V3 (its host copies 57,344 B over), whose tensors are not yet found
+LOOP_OFFLOAD_FAMILIES = (*DENSE_FAMILIES, "mixtral", "qwen3-moe", "deepseek-v2")
 ACTIVATION = {"gemma2": "gelu_tanh", "gemma3": "gelu_tanh"}  # GeGLU (gelu_pytorch_tanh); the others SwiGLU
 # transformers runs Gemma 2 eagerly whatever is asked (_supports_sdpa = False: SDPA takes no soft-cap),
 # over both masks it builds, so its sliding layers are followed at any window
@@ -124,8 +132,9 @@ def _layout(model: ModelSpec) -> tuple:
 
 def _attention_ok(model: ModelSpec, seq_len: int | None, masked: bool) -> bool:
     """Full causal attention in every layer, or sliding layers whose window the sequence does not reach, or
-    reaches where ``masked`` (the Trainer on CPU, or on CUDA where :func:`sliding_cuda_ok`: SDPA with the window's
-    mask, ``hf_sliding.py``)."""
+    reaches where ``masked`` (on CPU, under the Trainer or the hand-written loop: SDPA with the window's mask,
+    ``hf_sliding.py``; the loop's ``DynamicSlidingWindowLayer`` keeps a slice of the whole sequence's copy,
+    ``hf_loop.py``; on CUDA under the Trainer where :func:`sliding_cuda_ok`)."""
     kinds = set(model.attention_pattern)
     if kinds <= {"full"} or (model.architecture in EAGER and kinds <= {"full", "sliding"}):
         return True
@@ -134,25 +143,24 @@ def _attention_ok(model: ModelSpec, seq_len: int | None, masked: bool) -> bool:
     return kinds <= {"full", "sliding"} and model.architecture in WINDOW_SKIPPED and (masked or not reached)
 
 
-def _window_reason(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runtime: str, cpu: bool) -> str:
+def _window_reason(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runtime: str) -> str:
     """Why a reached window is not followed: a family or kind ``hf_sliding.py`` does not follow (Qwen3's windows,
-    chunked layers), the hf-loop runtime (its cache's sliding layers), or on CUDA the masked SDPA kernel
-    (``hf_sliding.cuda_masked_kernel``: cuDNN or the memory-efficient one, from source)."""
+    chunked layers), or on CUDA the masked SDPA kernel (``hf_sliding.cuda_masked_kernel``: cuDNN or the
+    memory-efficient one, from source); on CPU both runtimes follow it."""
     from memplan.costmodel.timeline.hf_sliding import cuda_masked_kernel
 
     if model.architecture not in WINDOW_SKIPPED or not set(model.attention_pattern) <= {"full", "sliding"}:
         return f"sliding or chunked attention (a window the sequence reaches, in the {model.architecture} family)"
-    where = "under the hf-loop runtime"
-    if not cpu and runtime == "hf":
-        cap = (9, 0) if gpu_arch is None else (gpu_arch.major, gpu_arch.minor)
-        half = _sdpa_half(plan, runtime)
-        kernel = cuda_masked_kernel(model.head_size, model.num_attention_heads, half, cap)
-        where = f"on CUDA SDPA takes the mask to its {kernel} kernel"
-        if kernel == "efficient":  # sliding_cuda_ok: its blocks known on 8.0 / 9.0, its 16-bit kernels above 128
-            where += " outside compute capability 8.0 / 9.0" if cap not in MLA_CAPABILITIES else " in 16 bits"
+    cap = (9, 0) if gpu_arch is None else (gpu_arch.major, gpu_arch.minor)
+    half = _sdpa_half(plan, runtime)
+    kernel = cuda_masked_kernel(model.head_size, model.num_attention_heads, half, cap)
+    where = f"on CUDA SDPA takes the mask to its {kernel} kernel"
+    if runtime == "hf" and kernel == "efficient":  # sliding_cuda_ok: blocks known on 8.0 / 9.0, 16 bits above 128
+        where += " outside compute capability 8.0 / 9.0" if cap not in MLA_CAPABILITIES else " in 16 bits"
+    runs = "the Trainer" if runtime == "hf" else "the hand-written loop"
     return (
         f"sliding or chunked attention (a window the sequence reaches: {where}, not followed; the op-level run "
-        "follows it under the Trainer on CPU, --device cpu)"
+        f"follows it under {runs} on CPU, --device cpu)"
     )
 
 
@@ -216,8 +224,8 @@ def hf_supported(
         (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
         (not model.qkv_bias or model.architecture in QKV_BIAS_FAMILIES, "Q/K/V biases outside Qwen2 and Qwen2-MoE"),
         (
-            _attention_ok(model, seq_len, runtime == "hf" and (cpu or _masked_cuda(model, plan, gpu_arch))),
-            lambda: _window_reason(model, plan, gpu_arch, runtime, cpu),
+            _attention_ok(model, seq_len, cpu or (runtime == "hf" and _masked_cuda(model, plan, gpu_arch))),
+            lambda: _window_reason(model, plan, gpu_arch, runtime),
         ),
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
         (
@@ -239,9 +247,9 @@ def hf_supported(
             "activation offload under the Trainer (TRL's hooks: followed on CPU, one rank, no quantized base)",
         ),
         (
-            plan.offload_activations == "none" or runtime == "hf" or model.architecture in PEFT_FAMILIES,
+            plan.offload_activations == "none" or runtime == "hf" or model.architecture in LOOP_OFFLOAD_FAMILIES,
             f"activation offload under the hf-loop runtime over the {model.architecture} family (checked for "
-            "Llama's layout)",
+            f"{', '.join(LOOP_OFFLOAD_FAMILIES)})",
         ),
         (plan.offload_params == "none" and plan.offload_optimizer == "none", "offload"),
         (plan.tp == plan.pp == plan.cp == plan.ep == 1, "more than one rank (tensor, pipeline, context or expert)"),
@@ -263,11 +271,25 @@ def hf_supported(
             or model.mla is not None,  # MLA's own check: mla_cuda_ok
             "fp32 SDPA on the memory-efficient kernel",
         ),
+        (
+            cpu or plan.quant in ("none", "int8") or _four_bit_kernel_ok(model, plan, runtime),
+            "fp32 SDPA on the memory-efficient kernel (a 4-bit base's fp32 stream without autocast, no GQA)",
+        ),
     ]
     for ok, what in checks:
         if not ok:
             return what() if callable(what) else what  # a reason worked out only when it is given
     return None
+
+
+def _four_bit_kernel_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
+    """Over a 4-bit base the residual stream is fp32 whatever the precision (bitsandbytes dequantizes to the
+    compute dtype, the norms and embeddings stay fp32): without autocast (the hand-written loop's ``bf16``, the
+    Trainer's ``bf16`` with ``autocast: false``) SDPA takes fp32 inputs, and over heads without GQA CUDA runs the
+    memory-efficient kernel, which the run does not follow (``hf_trainer.hf_kernel``: None)."""
+    from memplan.costmodel.timeline.hf_trainer import hf_kernel
+
+    return hf_kernel(model, plan, "cuda", runtime) is not None
 
 
 def _optimizer_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
