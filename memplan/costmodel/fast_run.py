@@ -52,7 +52,7 @@ from memplan.costmodel.quant import CudaArch, cuda_arch
 from memplan.costmodel.timeline.events import ALLOC, MARK, Category, Timeline, collection_paused
 from memplan.costmodel.timeline.phases import PHASE_MARKS
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan
+from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan
 from memplan.specs.workload import TrainingWorkload
 
 if TYPE_CHECKING:
@@ -81,6 +81,8 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     (``_moe_lora_peak``), on either device."""
     if _moe_lora(model, plan):
         return runtime in ("hf", "hf-loop")
+    if device == "cuda" and runtime in TRANSFORMERS_RUNTIMES and plan.finetune == "full":
+        return _hf_full(plan, runtime)
 
     if device != "cuda" or runtime not in ("memplan", "hf"):  # hf-loop: 48 of 50 exact (docs/cost-model.md)
         return False
@@ -94,6 +96,36 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     if plan.pp > 1:
         return repeats and model.num_mtp_layers == 0 and _pipelined(plan, runtime)
     return repeats and model.num_mtp_layers == 0 and model.num_layers >= SHALLOWEST + 2 * STEP - 1
+
+
+def _hf_full(plan: Plan, runtime: str) -> bool:
+    """Full training under transformers' Trainer (``hf``) or the hand-written loop (``hf-loop``), in every
+    precision, as ``reserve.plan_run`` runs it: one rank, or under ``hf`` DDP (ZeRO-0, ``hf_ddp.py``) or
+    accelerate's FSDP2 (ZeRO-2/3, ``hf_fsdp.py`` with either build, ``hf_fsdp_load.py``); no tensor, pipeline,
+    context or expert parallelism, no ZeRO-1 (``hf_support``: not modelled). Where the phase model's sums
+    missed the run by -74% .. +45% on llama3-8b under FSDP2 (the build's full copies, which the sums do not
+    hold; under ``bf16=True`` two fp32 states and the bf16 gradients over fp32 shards where the sums count a
+    bf16 model's, and activations in bf16) and by up to -9% on one rank (the head's logits beside the
+    build's blocks at short sequences; docs/cost-model.md, "The search's fast form under ``--runtime hf``").
+    FSDP2 and the models whose layers do not repeat take the whole run (``_whole_hf``); the rest the cut runs."""
+    if plan.tp * plan.pp * plan.cp * plan.ep > 1 or plan.recompute_layers is not None or plan.zero == 1:
+        return False
+    return plan.dp == 1 or runtime == "hf"
+
+
+def _whole_hf(model: ModelSpec, plan: Plan, runtime: str) -> bool:
+    """The full-training plans of ``_hf_full`` the whole run answers: accelerate's FSDP2, whose build leaves
+    the model's full copies freed (``from_pretrained`` onto the GPU before ``fully_shard``, or each full
+    parameter in turn under ``cpu_ram_efficient_loading``) and the shards, gradients and optimizer states
+    carved from those holes, so which blocks are served whole (their rest under 1 MiB, ``should_split``) is
+    not affine in the depth (the 1B config's per-two-layer increments at 4..10 layers: 175.02, 178.01 and
+    174.02 MiB, bf16 ZeRO-3, full recompute; the cut runs missed by up to +0.29%); and models whose layers
+    do not repeat (MoE, latent attention, attention or RoPE patterns, multi-token prediction) or are too
+    shallow to cut."""
+    if runtime == "hf" and plan.dp > 1 and plan.zero >= 2:
+        return True
+    repeats = not (model.moe or model.mla or model.rope_pattern or model.attention_pattern)
+    return not repeats or model.num_mtp_layers > 0 or model.num_layers < SHALLOWEST + 2 * STEP - 1
 
 
 def _pipelined(plan: Plan, runtime: str) -> bool:
@@ -143,7 +175,8 @@ def run_peak(
         return None
     if plan.pp > 1:
         return _pipeline_peak(model, workload, plan, device, gpu)
-    if _loads_quantized(plan, runtime):
+    hf_full = plan.finetune == "full" and runtime in TRANSFORMERS_RUNTIMES
+    if _loads_quantized(plan, runtime) or (hf_full and _whole_hf(model, plan, runtime)):
         return _whole_run_peak(model, workload, plan, runtime, device)
     depths, shard = cut_depths(model.num_layers), _zero1_shard(model, workload, plan, runtime)
     cut = [

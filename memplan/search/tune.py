@@ -232,7 +232,9 @@ def _replay_until(
 def _run_plans(req: TuneRequest, space: Space) -> int:
     """How many of the plans take their peak from the op-level run (``evaluate.from_run``)."""
     ctx = req.ctx
-    if not any(c.plan.finetune != "full" or c.plan.precision == "fp32" for c in space.candidates):
+    if not ctx.every_plan_from_run and not any(
+        c.plan.finetune != "full" or c.plan.precision == "fp32" for c in space.candidates
+    ):
         return 0
     from memplan.costmodel.fast_run import applies
 
