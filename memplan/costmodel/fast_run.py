@@ -1,4 +1,5 @@
-"""The search's fast form for fine-tuning and fp32 plans, taken from the op-level run.
+"""The search's fast form for fine-tuning and fp32 plans, and for every plan of transformers' loops,
+taken from the op-level run.
 
 For a plan the op-level run models (the bundled trainer's ``timeline.trainer`` or transformers'
 Trainer ``timeline.hf_trainer``) on one rank, over a dense
@@ -75,10 +76,11 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     on one data-parallel rank or, under the bundled trainer, over DDP (ZeRO-0), ZeRO-1 or FSDP2
     (``_over_ranks``), over a model whose layers repeat (no MoE, latent attention, per-layer
     attention or RoPE pattern, multi-token prediction), with every layer treated alike (no
-    ``recompute_layers``), for the runtimes the run models. The plans of full bf16 training stay
-    on the phase model's sums (the 768-plan grid's cost; how far they are from the run:
-    docs/cost-model.md). LoRA over an MoE model under ``hf`` or ``hf-loop``: the whole run
-    (``_moe_lora_peak``), on either device."""
+    ``recompute_layers``), for the runtimes the run models. Full training under transformers' loops in
+    every precision (``_hf_full``: cut runs, or the whole run where they do not extrapolate, ``_whole_hf``);
+    under the bundled trainer the plans of full bf16 training stay on the phase model's sums (the 768-plan
+    grid's cost; how far they are from the run: docs/cost-model.md). LoRA over an MoE model under ``hf``
+    or ``hf-loop``: the whole run (``_moe_lora_peak``), on either device."""
     if _moe_lora(model, plan):
         return runtime in ("hf", "hf-loop")
     if device == "cuda" and runtime in TRANSFORMERS_RUNTIMES and plan.finetune == "full":
@@ -103,10 +105,13 @@ def _hf_full(plan: Plan, runtime: str) -> bool:
     precision, as ``reserve.plan_run`` runs it: one rank, or under ``hf`` DDP (ZeRO-0, ``hf_ddp.py``) or
     accelerate's FSDP2 (ZeRO-2/3, ``hf_fsdp.py`` with either build, ``hf_fsdp_load.py``); no tensor, pipeline,
     context or expert parallelism, no ZeRO-1 (``hf_support``: not modelled). Where the phase model's sums
-    missed the run by -74% .. +45% on llama3-8b under FSDP2 (the build's full copies, which the sums do not
-    hold; under ``bf16=True`` two fp32 states and the bf16 gradients over fp32 shards where the sums count a
-    bf16 model's, and activations in bf16) and by up to -9% on one rank (the head's logits beside the
-    build's blocks at short sequences; docs/cost-model.md, "The search's fast form under ``--runtime hf``").
+    missed the run by -74% .. +45% on llama3-8b under FSDP2: the build (under ``bf16=True`` accelerate
+    upcasts every trained parameter to fp32 on the GPU and holds it beside the fp32 shards while it shards,
+    33.65 GiB at 1,024 tokens where the sums' step peaks at 8.74), the fp32 master shards and states the
+    policy keeps where the sums count a bf16 model's, and under ``bf16-mixed`` autocast's weight copies and
+    fp32 activations the sums add where FSDP2's policy casts at the all-gather (13.98 and 3.8 GiB at 4,096
+    tokens); on one rank by up to -9% on the 1B config (its tied embedding's gradient and their sum beside
+    the head's; docs/cost-model.md, "The search's fast form under ``--runtime hf`` and ``hf-loop``").
     FSDP2 and the models whose layers do not repeat take the whole run (``_whole_hf``); the rest the cut runs."""
     if plan.tp * plan.pp * plan.cp * plan.ep > 1 or plan.recompute_layers is not None or plan.zero == 1:
         return False
