@@ -180,9 +180,10 @@ def run_peak(
         return None
     if plan.pp > 1:
         return _pipeline_peak(model, workload, plan, device, gpu)
-    hf_full = plan.finetune == "full" and runtime in TRANSFORMERS_RUNTIMES
-    if _loads_quantized(plan, runtime) or (hf_full and _whole_hf(model, plan, runtime)):
+    if _loads_quantized(plan, runtime):
         return _whole_run_peak(model, workload, plan, runtime, device)
+    if plan.finetune == "full" and runtime in TRANSFORMERS_RUNTIMES and _whole_hf(model, plan, runtime):
+        return _whole_run_peak(model, workload, plan, runtime, device, gpu=gpu)  # its kernels: the GPU's
     depths, shard = cut_depths(model.num_layers), _zero1_shard(model, workload, plan, runtime)
     cut = [
         _span_peaks(
@@ -274,13 +275,20 @@ def _loads_quantized(plan: Plan, runtime: str) -> bool:
 
 
 def _whole_run_peak(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, layers: int | None = None
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    runtime: str,
+    device: str,
+    layers: int | None = None,
+    gpu: GPUSpec | None = None,
 ) -> RunPeak:
     """The whole run's allocated peak, in the phase of the highest span outside the middle layers
-    (of ``layers``, a pipeline chunk's; by default the model's)."""
+    (of ``layers``, a pipeline chunk's; by default the model's), on ``gpu`` where given (its
+    kernels, ``quant.cuda_arch``)."""
     from memplan.costmodel.reserve import plan_run, replay
 
-    run, _ = plan_run(model, workload, plan, runtime, device)
+    run, _ = plan_run(model, workload, plan, runtime, device, gpu)
     label = max(span_peaks(run, layers or model.num_layers), key=lambda s: s[1])[0]
     return RunPeak(replay(run, AllocatorConfig()).max_allocated, _phase(label))
 
