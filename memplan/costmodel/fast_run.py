@@ -39,8 +39,10 @@ within a chunk.
 
 Measured against the whole run: equal to the byte on every plan of
 tests/search/test_fast_form_finetune.py, within 0.02% on tests/search/test_fast_form_fsdp.py's
-(docs/cost-model.md, "The search's fast form against the run"). A search computes each plan's
-once (``search.evaluate.Context.run_peaks``).
+(docs/cost-model.md, "The search's fast form against the run"). Full training under transformers'
+loops (``_hf_full``): within 0.1% of the whole run on tests/search/test_fast_form_hf.py's grid, FSDP2's
+plans (the whole run, ``_whole_hf``) to the byte. A search computes each plan's once
+(``search.evaluate.Context.run_peaks``).
 """
 
 from __future__ import annotations

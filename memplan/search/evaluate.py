@@ -48,42 +48,35 @@ class Context:
     allocator: AllocatorConfig = AllocatorConfig()  # the caching allocator the plans run under
     device: str = "cuda"  # where the plans run: which attention kernel (memory.sdpa_kind)
     allow_tight: bool = False  # a replayed plan that fits within the tight band still counts as fitting
+    # Set once from the fields above (``__post_init__``), plain attributes: read on every plan (``evaluate``),
+    # where a ``cached_property`` (a non-data descriptor) takes CPython's unspecialized attribute lookup.
     # every plan's peak asked of the op-level run (``from_run``), full training too: transformers' loops on
-    # CUDA (``fast_run._hf_full``); set from ``runtime`` and ``device``, a plain attribute for the grid's cost
+    # CUDA (``fast_run._hf_full``)
     every_plan_from_run: bool = field(init=False, repr=False, compare=False)
+    time_efficiency: Efficiency = field(init=False, repr=False, compare=False)  # as given, else the GPU profile's
+    memory_memo: MemoryMemo = field(init=False, repr=False, compare=False)  # what the plans share in training_peak
+    time_memo: TimeMemo = field(init=False, repr=False, compare=False)  # what they share in time.step_speed
+    # the most a plan's reserved peak and the memory outside the allocator may reach: the capacity PyTorch
+    # sees less the margin
+    limit_bytes: int = field(init=False, repr=False, compare=False)
+    capacity_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "every_plan_from_run", self.runtime in TRANSFORMERS_RUNTIMES and self.device == "cuda")
-
-    @cached_property
-    def time_efficiency(self) -> Efficiency:
-        """The step-time model's efficiencies: as given, else the GPU profile's (built once)."""
-        return self.efficiency or Efficiency.for_gpu(self.gpu)
-
-    @cached_property
-    def memory_memo(self) -> MemoryMemo:
-        """What this search's plans share in the memory model (``memory.training_peak``)."""
-        return MemoryMemo()
+        values = {
+            "every_plan_from_run": self.runtime in TRANSFORMERS_RUNTIMES and self.device == "cuda",
+            "time_efficiency": self.efficiency or Efficiency.for_gpu(self.gpu),
+            "memory_memo": MemoryMemo(),
+            "time_memo": TimeMemo(),
+            "limit_bytes": self.gpu.capacity_bytes - self.margin_bytes,
+            "capacity_bytes": self.gpu.capacity_bytes,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     @cached_property
     def run_peaks(self) -> dict[Candidate, RunPeak | None]:
         """The op-level run's peak of each plan ``fast_run`` answers, once per plan (``fast_peak``)."""
         return {}
-
-    @cached_property
-    def time_memo(self) -> TimeMemo:
-        """What this search's plans share in the step-time model (``time.step_speed``)."""
-        return TimeMemo()
-
-    @cached_property
-    def limit_bytes(self) -> int:
-        """The most a plan's reserved peak and the memory outside the allocator may reach:
-        the capacity PyTorch sees less the margin."""
-        return self.gpu.capacity_bytes - self.margin_bytes
-
-    @cached_property
-    def capacity_bytes(self) -> int:
-        return self.gpu.capacity_bytes
 
 
 class Evaluation(BaseModel):
