@@ -1,4 +1,5 @@
-"""The search's fast form for fine-tuning and fp32 plans, taken from the op-level run.
+"""The search's fast form for fine-tuning and fp32 plans, and for every plan of transformers' loops,
+taken from the op-level run.
 
 For a plan the op-level run models (the bundled trainer's ``timeline.trainer`` or transformers'
 Trainer ``timeline.hf_trainer``) on one rank, over a dense
@@ -38,8 +39,10 @@ within a chunk.
 
 Measured against the whole run: equal to the byte on every plan of
 tests/search/test_fast_form_finetune.py, within 0.02% on tests/search/test_fast_form_fsdp.py's
-(docs/cost-model.md, "The search's fast form against the run"). A search computes each plan's
-once (``search.evaluate.Context.run_peaks``).
+(docs/cost-model.md, "The search's fast form against the run"). Full training under transformers'
+loops (``_hf_full``): within 0.1% of the whole run on tests/search/test_fast_form_hf.py's grid, FSDP2's
+plans (the whole run, ``_whole_hf``) to the byte. A search computes each plan's once
+(``search.evaluate.Context.run_peaks``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from memplan.costmodel.quant import CudaArch, cuda_arch
 from memplan.costmodel.timeline.events import ALLOC, MARK, Category, Timeline, collection_paused
 from memplan.costmodel.timeline.phases import PHASE_MARKS
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan
+from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan
 from memplan.specs.workload import TrainingWorkload
 
 if TYPE_CHECKING:
@@ -75,13 +78,16 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     on one data-parallel rank or, under the bundled trainer, over DDP (ZeRO-0), ZeRO-1 or FSDP2
     (``_over_ranks``), over a model whose layers repeat (no MoE, latent attention, per-layer
     attention kinds or RoPE pattern, multi-token prediction; one window on every layer, Mistral's or
-    Phi-3's, repeats), with every layer treated alike (no
-    ``recompute_layers``), for the runtimes the run models. The plans of full bf16 training stay
-    on the phase model's sums (the 768-plan grid's cost; how far they are from the run:
-    docs/cost-model.md). LoRA over an MoE model under ``hf`` or ``hf-loop``: the whole run
+    Phi-3's, repeats: :func:`_repeats`), with every layer treated alike (no ``recompute_layers``), for the
+    runtimes the run models. Full training under transformers' loops in every precision (``_hf_full``: cut
+    runs, or the whole run where they do not extrapolate, ``_whole_hf``); under the bundled trainer the plans
+    of full bf16 training stay on the phase model's sums (the 768-plan grid's cost; how far they are from the
+    run: docs/cost-model.md). LoRA over an MoE model under ``hf`` or ``hf-loop``: the whole run
     (``_moe_lora_peak``), on either device."""
     if _moe_lora(model, plan):
         return runtime in ("hf", "hf-loop")
+    if device == "cuda" and runtime in TRANSFORMERS_RUNTIMES and plan.finetune == "full":
+        return _hf_full(plan, runtime)
 
     if device != "cuda" or runtime not in ("memplan", "hf"):  # hf-loop: 48 of 50 exact (docs/cost-model.md)
         return False
@@ -92,10 +98,50 @@ def applies(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
     if plan.dp > 1 and not _over_ranks(plan, runtime):
         return False
     # one attention kind on every layer (Mistral's and Phi-3's windows): the layers still repeat
-    repeats = not (model.moe or model.mla or model.rope_pattern or len(set(model.attention_pattern)) > 1)
+    repeats = _repeats(model)
     if plan.pp > 1:
         return repeats and model.num_mtp_layers == 0 and _pipelined(plan, runtime)
     return repeats and model.num_mtp_layers == 0 and model.num_layers >= SHALLOWEST + 2 * STEP - 1
+
+
+def _repeats(model: ModelSpec) -> bool:
+    """Whether the model's decoder layers are alike, so that runs cut to two depths extrapolate: no experts,
+    latent attention or per-layer RoPE, and one attention kind on every layer (a window on every layer,
+    Mistral's or Phi-3's, repeats; Gemma's alternating kinds do not)."""
+    return not (model.moe or model.mla or model.rope_pattern or len(set(model.attention_pattern)) > 1)
+
+
+def _hf_full(plan: Plan, runtime: str) -> bool:
+    """Full training under transformers' Trainer (``hf``) or the hand-written loop (``hf-loop``), in every
+    precision, as ``reserve.plan_run`` runs it: one rank, or under ``hf`` DDP (ZeRO-0, ``hf_ddp.py``) or
+    accelerate's FSDP2 (ZeRO-2/3, ``hf_fsdp.py`` with either build, ``hf_fsdp_load.py``); no tensor, pipeline,
+    context or expert parallelism, no ZeRO-1 (``hf_support``: not modelled). Where the phase model's sums
+    missed the run by -74% .. +45% on llama3-8b under FSDP2: the build (under ``bf16=True`` accelerate
+    upcasts every trained parameter to fp32 on the GPU and holds it beside the fp32 shards while it shards,
+    33.65 GiB at 1,024 tokens where the sums' step peaks at 8.74), the fp32 master shards and states the
+    policy keeps where the sums count a bf16 model's, and under ``bf16-mixed`` autocast's weight copies and
+    fp32 activations the sums add where FSDP2's policy casts at the all-gather (13.98 and 3.8 GiB at 4,096
+    tokens); on one rank by up to -9% on the 1B config (its tied embedding's gradient and their sum beside
+    the head's; docs/cost-model.md, "The search's fast form under ``--runtime hf`` and ``hf-loop``").
+    FSDP2 and the models whose layers do not repeat take the whole run (``_whole_hf``); the rest the cut runs."""
+    if plan.tp * plan.pp * plan.cp * plan.ep > 1 or plan.recompute_layers is not None or plan.zero == 1:
+        return False
+    return plan.dp == 1 or runtime == "hf"
+
+
+def _whole_hf(model: ModelSpec, plan: Plan, runtime: str) -> bool:
+    """The full-training plans of ``_hf_full`` the whole run answers: accelerate's FSDP2, whose build leaves
+    the model's full copies freed (``from_pretrained`` onto the GPU before ``fully_shard``, or each full
+    parameter in turn under ``cpu_ram_efficient_loading``) and the shards, gradients and optimizer states
+    carved from those holes, so which blocks are served whole (their rest under 1 MiB, ``should_split``) is
+    not affine in the depth (the 1B config's per-two-layer increments at 4..10 layers: 175.02, 178.01 and
+    174.02 MiB, bf16 ZeRO-3, full recompute; the cut runs missed by up to +0.29%); and models whose layers
+    do not repeat (MoE, latent attention, attention or RoPE patterns, multi-token prediction) or are too
+    shallow to cut."""
+    if runtime == "hf" and plan.dp > 1 and plan.zero >= 2:
+        return True
+    repeats = _repeats(model)
+    return not repeats or model.num_mtp_layers > 0 or model.num_layers < SHALLOWEST + 2 * STEP - 1
 
 
 def _pipelined(plan: Plan, runtime: str) -> bool:
@@ -147,6 +193,8 @@ def run_peak(
         return _pipeline_peak(model, workload, plan, device, gpu)
     if _loads_quantized(plan, runtime):
         return _whole_run_peak(model, workload, plan, runtime, device)
+    if plan.finetune == "full" and runtime in TRANSFORMERS_RUNTIMES and _whole_hf(model, plan, runtime):
+        return _whole_hf_peak(model, workload, plan, runtime, device, gpu)
     depths, shard = cut_depths(model.num_layers), _zero1_shard(model, workload, plan, runtime)
     cut = [
         _span_peaks(
@@ -238,15 +286,36 @@ def _loads_quantized(plan: Plan, runtime: str) -> bool:
 
 
 def _whole_run_peak(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, layers: int | None = None
+    model: ModelSpec,
+    workload: TrainingWorkload,
+    plan: Plan,
+    runtime: str,
+    device: str,
+    layers: int | None = None,
+    gpu: GPUSpec | None = None,
 ) -> RunPeak:
     """The whole run's allocated peak, in the phase of the highest span outside the middle layers
-    (of ``layers``, a pipeline chunk's; by default the model's)."""
+    (of ``layers``, a pipeline chunk's; by default the model's), on ``gpu`` where given (its
+    kernels, ``quant.cuda_arch``)."""
     from memplan.costmodel.reserve import plan_run, replay
 
-    run, _ = plan_run(model, workload, plan, runtime, device)
+    run, _ = plan_run(model, workload, plan, runtime, device, gpu)
     label = max(span_peaks(run, layers or model.num_layers), key=lambda s: s[1])[0]
     return RunPeak(replay(run, AllocatorConfig()).max_allocated, _phase(label))
+
+
+def _whole_hf_peak(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu: GPUSpec | None
+) -> RunPeak:
+    """The whole run's allocated peak (``_whole_hf``'s plans), on ``gpu`` (its kernels): one pass of the
+    allocator over every span (``span_peaks`` with ``middle``), where ``_whole_run_peak`` takes two (the
+    replay, then the spans for the phase): a whole llama3-70b run under FSDP2 (8,192 tokens, 8
+    micro-batches) is built in 2.9 s, replayed in 1.1 s and cut into spans in 1.7 s of CPU."""
+    from memplan.costmodel.reserve import plan_run
+
+    run, _ = plan_run(model, workload, plan, runtime, device, gpu)
+    label, allocated = max(span_peaks(run, model.num_layers, middle=True), key=lambda s: s[1])
+    return RunPeak(allocated, _phase(label))
 
 
 def cut_depths(layers: int) -> tuple[int, int]:
@@ -340,7 +409,7 @@ def _cut_shard(shard: list[tuple[str, int]], layers: int, depth: int) -> list[tu
     return [(renamed(name), n) for name, n in shard]
 
 
-def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
+def span_peaks(run: Timeline, layers: int, middle: bool = False) -> list[tuple[str, int]]:
     """The run of a ``layers``-deep model replayed through the default caching allocator
     (``reserve.replay``'s loop; the allocated bytes are the blocks', as
     ``torch.cuda.max_memory_allocated`` counts them), cut into spans, each with its label and
@@ -351,7 +420,8 @@ def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
     first gradient and the first optimizer allocation after a mark (where the backward and the
     optimizer's step begin in the runs without phase marks: transformers' Trainer, the hand loop;
     the later spans of the step carry them in their label). An allocation outside the layers
-    between two of the middle ones (the hand loop's) belongs to them."""
+    between two of the middle ones (the hand loop's) belongs to them. With ``middle``, those
+    spans too: every span, whose highest peak is the run's ``max_allocated`` (``_whole_hf_peak``)."""
     from memplan.costmodel.reserve import STREAM_IDS
 
     with collection_paused():
@@ -374,7 +444,7 @@ def span_peaks(run: Timeline, layers: int) -> list[tuple[str, int]]:
                 alloc.max_allocated, where = alloc.allocated, position
             blocks[tensor] = alloc.malloc(size, STREAM_IDS[stream])
         spans.append((f"{mark}|{where}|{'+'.join(sorted(opened))}", alloc.max_allocated))
-    return [(label, peak) for label, peak in spans if "|other|" not in label]
+    return spans if middle else [(label, peak) for label, peak in spans if "|other|" not in label]
 
 
 def _owner(tag: str, layers: int, where: str) -> str:

@@ -10,7 +10,7 @@ by its own ratio (the reserved peak keeps the allocator's slack and fixed overhe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -23,7 +23,7 @@ from memplan.costmodel.time import Efficiency, TimeMemo, step_speed
 from memplan.search.space import Candidate
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, PlanFields
+from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan, PlanFields
 from memplan.specs.workload import TrainingWorkload
 
 if TYPE_CHECKING:
@@ -48,36 +48,35 @@ class Context:
     allocator: AllocatorConfig = AllocatorConfig()  # the caching allocator the plans run under
     device: str = "cuda"  # where the plans run: which attention kernel (memory.sdpa_kind)
     allow_tight: bool = False  # a replayed plan that fits within the tight band still counts as fitting
+    # Set once from the fields above (``__post_init__``), plain attributes: read on every plan (``evaluate``),
+    # where a ``cached_property`` (a non-data descriptor) takes CPython's unspecialized attribute lookup.
+    # every plan's peak asked of the op-level run (``from_run``), full training too: transformers' loops on
+    # CUDA (``fast_run._hf_full``)
+    every_plan_from_run: bool = field(init=False, repr=False, compare=False)
+    time_efficiency: Efficiency = field(init=False, repr=False, compare=False)  # as given, else the GPU profile's
+    memory_memo: MemoryMemo = field(init=False, repr=False, compare=False)  # what the plans share in training_peak
+    time_memo: TimeMemo = field(init=False, repr=False, compare=False)  # what they share in time.step_speed
+    # the most a plan's reserved peak and the memory outside the allocator may reach: the capacity PyTorch
+    # sees less the margin
+    limit_bytes: int = field(init=False, repr=False, compare=False)
+    capacity_bytes: int = field(init=False, repr=False, compare=False)
 
-    @cached_property
-    def time_efficiency(self) -> Efficiency:
-        """The step-time model's efficiencies: as given, else the GPU profile's (built once)."""
-        return self.efficiency or Efficiency.for_gpu(self.gpu)
-
-    @cached_property
-    def memory_memo(self) -> MemoryMemo:
-        """What this search's plans share in the memory model (``memory.training_peak``)."""
-        return MemoryMemo()
+    def __post_init__(self) -> None:
+        values = {
+            "every_plan_from_run": self.runtime in TRANSFORMERS_RUNTIMES and self.device == "cuda",
+            "time_efficiency": self.efficiency or Efficiency.for_gpu(self.gpu),
+            "memory_memo": MemoryMemo(),
+            "time_memo": TimeMemo(),
+            "limit_bytes": self.gpu.capacity_bytes - self.margin_bytes,
+            "capacity_bytes": self.gpu.capacity_bytes,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     @cached_property
     def run_peaks(self) -> dict[Candidate, RunPeak | None]:
         """The op-level run's peak of each plan ``fast_run`` answers, once per plan (``fast_peak``)."""
         return {}
-
-    @cached_property
-    def time_memo(self) -> TimeMemo:
-        """What this search's plans share in the step-time model (``time.step_speed``)."""
-        return TimeMemo()
-
-    @cached_property
-    def limit_bytes(self) -> int:
-        """The most a plan's reserved peak and the memory outside the allocator may reach:
-        the capacity PyTorch sees less the margin."""
-        return self.gpu.capacity_bytes - self.margin_bytes
-
-    @cached_property
-    def capacity_bytes(self) -> int:
-        return self.gpu.capacity_bytes
 
 
 class Evaluation(BaseModel):
@@ -127,10 +126,13 @@ def peak_bytes(peak: TrainingPeak, peak_ratio: float) -> tuple[int, int]:
 
 def fast_peak(candidate: Candidate, ctx: Context) -> TrainingPeak:
     """The search's fast form of a plan's peak: ``memory.training_peak``, its allocated peak and
-    phase taken from the op-level run for the fine-tuning and fp32 plans ``from_run`` answers."""
+    phase taken from the op-level run for the plans ``from_run`` answers: fine-tuning and fp32, and under
+    transformers' loops full training too (``Context.every_plan_from_run``)."""
     plan = PlanFields(candidate.plan)  # read field by field: plain attributes (PlanFields)
     peak = training_peak(ctx.model, candidate.workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)  # type: ignore[arg-type]
-    return from_run(peak, candidate, ctx) if plan.finetune != "full" or plan.precision == "fp32" else peak
+    if plan.finetune != "full" or plan.precision == "fp32" or ctx.every_plan_from_run:
+        return from_run(peak, candidate, ctx)
+    return peak
 
 
 def from_run(peak: TrainingPeak, candidate: Candidate, ctx: Context) -> TrainingPeak:
@@ -164,7 +166,7 @@ def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
     workload = candidate.workload
     plan = PlanFields(candidate.plan)  # read field by field: plain attributes (PlanFields)
     peak = training_peak(ctx.model, workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)  # type: ignore[arg-type]
-    if plan.finetune != "full" or plan.precision == "fp32":  # fast_peak, inline: the grid's cost
+    if plan.finetune != "full" or plan.precision == "fp32" or ctx.every_plan_from_run:  # fast_peak, inline
         peak = from_run(peak, candidate, ctx)
     allocated, reserved = peak_bytes(peak, ctx.peak_ratio)
     speed = step_speed(ctx.model, workload, plan, ctx.gpu, ctx.cluster, ctx.runtime, ctx.time_efficiency, ctx.time_memo)  # type: ignore[arg-type]

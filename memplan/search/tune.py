@@ -38,7 +38,8 @@ CLI = "command line"
 PLANS_PER_S = 8_000
 TRIAL_S = 0.03
 # the plans whose peak comes from the op-level run (``evaluate.from_run``: fine-tuning and fp32 on
-# one rank): 10-20 plans/s on the same machine (docs/cost-model.md), kept low here
+# one rank, every plan the run models under transformers' loops): 10-20 plans/s on the same machine,
+# 1-4 for the whole runs under --runtime hf's FSDP2 (docs/cost-model.md), kept low here
 RUN_PLANS_PER_S = 5
 MAX_EXHAUSTIVE = 100_000  # ~12 s at PLANS_PER_S
 
@@ -260,7 +261,9 @@ def _replay_until(
 def _run_plans(req: TuneRequest, space: Space) -> int:
     """How many of the plans take their peak from the op-level run (``evaluate.from_run``)."""
     ctx = req.ctx
-    if not any(c.plan.finetune != "full" or c.plan.precision == "fp32" for c in space.candidates):
+    if not ctx.every_plan_from_run and not any(
+        c.plan.finetune != "full" or c.plan.precision == "fp32" for c in space.candidates
+    ):
         return 0
     from memplan.costmodel.fast_run import applies
 

@@ -91,7 +91,8 @@ def test_full_bf16_training_keeps_the_phase_models_sums():
         assert fast_peak(Candidate(plan, wl), ctx) == training_peak(model, wl, plan, "memplan", "cuda")
     assert applies(model, Plan(precision="fp32", dp=2, zero=3), "memplan", "cuda")  # FSDP2: test_fast_form_fsdp.py
     assert not applies(model, Plan(finetune="lora", dp=2, zero=3), "memplan", "cuda")  # the trainer refuses it
-    assert not applies(model, Plan(precision="fp32", dp=2), "hf", "cuda")  # over ranks: the bundled trainer's only
+    assert applies(model, Plan(precision="fp32", dp=2), "hf", "cuda")  # the Trainer's DDP: test_fast_form_hf.py
+    assert not applies(model, Plan(precision="fp32", dp=2, zero=1), "hf", "cuda")  # ZeRO-1: not the hf run's
     assert not applies(model, Plan(precision="fp32"), "memplan", "cpu")  # the run is CUDA's
 
 
