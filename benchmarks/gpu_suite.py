@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import datetime
 import fnmatch
+import functools
 import importlib.util
 import json
 import os
@@ -362,9 +363,11 @@ def build_units(quick: bool = False, steps: Iterable[str] = STEPS, plans: list[s
     return units
 
 
+@functools.cache  # the schedule, the listing and the dry run size the same plans: each estimated once
 def predict_plan(plan: SuitePlan, gpu: str) -> tuple[int, float | None]:
     """memplan's own estimate of the plan on ``gpu``: (predicted reserved peak in bytes, predicted
-    step time in seconds or None). In process: the library imports no torch."""
+    step time in seconds or None). In process: the library imports no torch; a plan
+    and GPU are estimated once a process."""
     from memplan.estimation import estimate
     from memplan.specs.resolve import resolve_job
 

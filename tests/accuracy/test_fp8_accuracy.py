@@ -27,7 +27,9 @@ from memplan.specs.model import ModelSpec  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
-pytestmark = pytest.mark.accuracy
+# the whole file behind -m slow: torch 2.13's CPU _scaled_mm takes 0.64 s a call at these shapes, 80 s for one
+# recipe's three steps (2026-11-28, idle 2-core CPU); the casts' bytes are unit-tested in tests/unit/test_fp8.py
+pytestmark = [pytest.mark.accuracy, pytest.mark.slow]
 
 TOLERANCE = 0.03
 # a small vocabulary and a wide MLP: the layers' backward, where the fp8 casts live, is the
@@ -106,13 +108,7 @@ def predict(case: Case) -> dict[str, int]:
     return estimate_training(MODEL, workload, case.plan(), "memplan", device="cpu").phases
 
 
-# rowwise and recomputed fp8 (about 20 s each on 2 cores) behind -m slow; tensorwise in the default suite
-_SLOW = {"rowwise", "tensorwise-recompute-full"}
-
-
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in _SLOW else []) for c in CASES]
-)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])
 def test_fp8_phases_within_3_percent(case: Case):
     measured, predicted = measure(case), predict(case)
     for phase, value in measured.items():
@@ -141,9 +137,7 @@ def _deltas(case: Case, phase: str) -> tuple[int, int]:
     return measured, predicted
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in _SLOW else []) for c in FP8]
-)  # rowwise behind -m slow, as for the phases; tensorwise in the default suite
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in FP8])
 def test_fp8_forward_rise_over_bf16(case: Case):
     """The forward's rise over bf16-master: measured within the casts' hand bound, and predicted
     within 5% of the measured rise (measured +1,506,300 / +1,507,320, predicted +1,504,256)."""
@@ -152,9 +146,7 @@ def test_fp8_forward_rise_over_bf16(case: Case):
     assert abs(predicted - measured) <= DELTA_TOLERANCE * measured, f"predicted +{predicted:,} measured +{measured:,}"
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in _SLOW else []) for c in FP8]
-)  # rowwise behind -m slow (its three steps ~60 s on this CPU, 2026-11-28), as for the phases
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in FP8])
 def test_fp8_backward_rise_within_the_casts_bound(case: Case):
     """torchao's eager casts raise the measured backward peak over bf16-master's, by no more than
     one linear's casts can hold; the predicted rise is held to the same bound."""
@@ -170,9 +162,7 @@ def test_fp8_backward_rise_within_the_casts_bound(case: Case):
     "+1,736,720 measured (tensorwise; rowwise +1,746,688), +26%: bf16-master's own backward "
     "peak is under-predicted by 1.6% (458,204 B) at this shape, the fp8 one is not",
 )
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in _SLOW else []) for c in FP8]
-)  # rowwise behind -m slow (its three steps ~60 s on this CPU, 2026-11-28), as for the phases
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in FP8])
 def test_fp8_backward_rise_over_bf16_predicted(case: Case):
     measured, predicted = _deltas(case, "backward")
     assert abs(predicted - measured) <= DELTA_TOLERANCE * measured, f"predicted +{predicted:,} measured +{measured:,}"
