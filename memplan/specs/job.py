@@ -104,6 +104,8 @@ def check_compatible(
 
 # the Trainer's optimizers that step FSDP2's DTensor parameters: fused AdamW, and SGD (no state, in-place adds)
 FSDP2_OPTIMIZERS = ("adamw", "sgd")
+# the precisions the Trainer runs under its FSDP2 (the rest, fp32 masters in the optimizer, are DeepSpeed's)
+FSDP2_PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 
 
 def check_fsdp_optimizer(plan: Plan, runtime: str) -> None:
@@ -117,8 +119,13 @@ def check_fsdp_optimizer(plan: Plan, runtime: str) -> None:
     (``bitsandbytes.optimizer_update_32bit``) with no DTensor sharding strategy ("does not have a sharding
     strategy registered"): an 8-bit optimizer's first parameter, the embedding, takes it too (32-bit states by the
     Trainer's override), and its 8-bit update mixes the plain quantization maps with DTensor states
-    (``bitsandbytes.dequantize_blockwise``: "got mixed torch.Tensor and DTensor")."""
+    (``bitsandbytes.dequantize_blockwise``: "got mixed torch.Tensor and DTensor"). A plan in a master-weight
+    precision (``bf16-master``, ``fp16-master``) is DeepSpeed's ZeRO under the Trainer, not FSDP2: DeepSpeed hands
+    the client optimizer its flat fp32 partitions, plain tensors, which these optimizers step (the exporters write
+    such plans as DeepSpeed configs)."""
     if runtime != "hf" or plan.dp == 1 or plan.zero < 2 or plan.optimizer in FSDP2_OPTIMIZERS:
+        return
+    if plan.precision not in FSDP2_PRECISIONS:
         return
     what = (
         "transformers' Adafactor makes its factored states as plain tensors beside DTensor gradients"

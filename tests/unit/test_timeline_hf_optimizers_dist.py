@@ -196,7 +196,9 @@ def test_fsdp2_refuses_what_the_trainer_cannot_step(capsys, optimizer: str, mess
     from memplan.specs.job import check_fsdp_optimizer
 
     with pytest.raises(MemplanError, match=f"optimizer {optimizer} cannot step the Trainer's FSDP2"):
-        check_fsdp_optimizer(Plan(dp=8, zero=3, optimizer=optimizer), "hf")
+        check_fsdp_optimizer(Plan(dp=8, zero=3, optimizer=optimizer, precision="bf16"), "hf")
+    # fp32 masters are DeepSpeed's ZeRO under the Trainer (the exporters' DeepSpeed configs): plain fp32 partitions
+    check_fsdp_optimizer(Plan(dp=8, zero=3, optimizer=optimizer, precision="bf16-master"), "hf")
 
 
 def test_the_cli_refuses_fsdp2_with_an_optimizer_it_cannot_step(capsys) -> None:
