@@ -238,7 +238,9 @@ def _moe_offload_cases() -> list:
         F._case("mixtral-offload-autocast", "mixtral", F.MIXTRAL, F.MOE, autocast=True, layers=2),
         F._case("qwen3-moe-offload-fp32", "qwen3_moe", F.QWEN3, F.MOE),
         F._case("qwen3-moe-offload-bf16-ckpt", "qwen3_moe", F.QWEN3, F.MOE, dtype="bfloat16", checkpointing=True),
+        F._case("qwen2-moe-offload-fp32", "qwen2_moe", F.QWEN2, F.MOE),
         F._case("deepseek-v2-offload-fp32", "deepseek_v2", F.V2, F.MLA_SHAPE),
+        F._case("deepseek-v3-offload-fp32", "deepseek_v3", F.MLA + F.ROUTER, F.MLA_SHAPE),
     ]
 
 
@@ -263,6 +265,7 @@ def test_save_on_cpu_over_moe_equals_the_loops(case) -> None:  # noqa: ANN001
         model.tied_embeddings,
         "cpu_flash",
         steps=STEPS,
+        qkv_bias=model.qkv_bias,  # Qwen2-MoE's q/k/v biases, as hf_loop_plan_run passes them
         arch=model.architecture,
         extra=family_config(model),
         offload=True,
@@ -294,6 +297,7 @@ def test_the_cases_span_the_families() -> None:
         ),
         ("qwen3-8b", ["--offload-activations", "cpu", "--seq-len", "1024"]),
         ("mixtral-8x7b", ["--offload-activations", "cpu", "--seq-len", "512"]),
+        ("deepseek-v3", ["--offload-activations", "cpu", "--seq-len", "512"]),
         # past Gemma 3's 1024-token window on CPU (the loop's sliding cache layers)
         ("gemma3-12b", ["--finetune", "lora", "--seq-len", "2048", "--device", "cpu"]),
         pytest.param("gemma2-9b", ["--finetune", "lora", "--seq-len", "8192"], marks=pytest.mark.slow),
