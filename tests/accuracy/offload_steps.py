@@ -24,7 +24,8 @@ offloaded follows the mechanism:
   back for one autograd node stay until the next node has run;
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the forward and
   backward of the hand-written loop: every saved tensor, parameters included, copied to the host
-  and back (contiguous), nothing kept.
+  and back (contiguous), nothing kept; a host copy goes at its unpack, or when its saved variable dies
+  unpacked (a node that never runs its backward: :class:`_HostCopy`).
 
 The loops are the runtimes': ``trl-like`` through ``transformers.Trainer`` (``--runtime hf``) with its
 ``training_step`` wrapped as TRL's ``SFTTrainer`` wraps it, ``save_on_cpu`` through the
@@ -59,6 +60,24 @@ def _device_copy(packed: tuple[np.ndarray, torch.dtype]) -> torch.Tensor:
     arr, dtype = packed
     out = torch.from_numpy(arr).clone()
     return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
+
+
+class _HostCopy:
+    """``save_on_cpu``'s pinned copy, held by the saved variable: it goes with the variable, unpacked or not.
+    A node that never runs its backward (DeepSeek-V3's router: the group scores' ``topk``, the masked
+    scores' ``masked_fill`` and ``topk``, whose outputs keep only indices) frees its saves when it dies in
+    the forward: ``host_bytes`` drops then (``weakref.finalize``), else at the unpack."""
+
+    __slots__ = ("__weakref__", "arr", "dtype", "unpacked")
+
+    def __init__(self, packed: tuple[np.ndarray, torch.dtype], offload: EmulatedOffload) -> None:
+        self.arr, self.dtype = packed
+        self.unpacked = [False]  # shared with the finalizer, which must not hold the copy
+        weakref.finalize(self, offload._gone, self.arr.nbytes, self.unpacked)
+
+    def take(self) -> tuple[np.ndarray, torch.dtype]:
+        self.unpacked[0] = True
+        return self.arr, self.dtype
 
 
 class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -107,12 +126,22 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
             for old in [k for k in self._stash if k <= ident - FWD_STASH]:
                 del self._stash[old]
             self._stash[ident] = t
-        return ident, None, packed
+            return ident, None, packed
+        return ident, None, _HostCopy(packed, self)
+
+    def _gone(self, nbytes: int, unpacked: list[bool]) -> None:
+        """A host copy went: its bytes leave ``host_bytes`` unless the unpack took them already."""
+        if not unpacked[0]:
+            self.host_bytes -= nbytes
 
     def _unpack(self, packed):
         ident, kept, host = packed
         if kept is not None:
             return kept
+        if isinstance(host, _HostCopy):  # save_on_cpu
+            if not host.unpacked[0]:
+                self.host_bytes -= host.arr.nbytes
+            return _device_copy(host.take())
         self.host_bytes -= host[0].nbytes
         if self.mode == "trl-like":
             node = torch._C._current_autograd_node()

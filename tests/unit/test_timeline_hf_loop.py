@@ -205,12 +205,6 @@ def test_estimate_answers_an_hf_loop_cuda_plan_op_level(capsys, args: list[str])
         # the loop's own reason, not the Trainer's FSDP or ZeRO-1 ones its multi-rank checks would give
         (["llama3-8b", "--gpus", "8", "--zero", "3", "--runtime", "hf-loop"], "more than one rank under the hf-loop"),
         (["llama3-8b", "--gpus", "8", "--zero", "1", "--runtime", "hf-loop"], "more than one rank under the hf-loop"),
-        # the loop follows every family of the Trainer's run (test_timeline_hf_loop_families.py), save_on_cpu
-        # over the dense ones, Mixtral, Qwen3-MoE and DeepSeek-V2 (test_timeline_hf_loop_peft_families.py)
-        (
-            ["deepseek-v3", "--runtime", "hf-loop", "--offload-activations", "cpu"],
-            "activation offload under the hf-loop",
-        ),
     ],
 )
 def test_an_hf_loop_plan_the_run_does_not_model_says_so(capsys, args: list[str], reason: str) -> None:

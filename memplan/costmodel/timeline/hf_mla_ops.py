@@ -34,14 +34,17 @@ def scalar_mul(tape: Tape, x: Tensor, tag: str) -> Tensor:
 
 
 def gather(tape: Tape, x: Tensor, idx: Tensor, out_numel: int, tag: str) -> Tensor:
-    """``x.gather(1, idx)``: saves the index; backward ``gather_backward`` (FunctionsManual.cpp): zeros
-    of x's shape and ``scatter_add_`` into them, out of place under a dispatch mode (``zeros_then_put``)."""
+    """``x.gather(1, idx)``: saves x and the index (derivatives.yaml, ``gather``: ``self:
+    gather_backward(grad, self, dim, index, sparse_grad)`` names ``self``: ``GatherBackward0._saved_self``); the
+    router's ``scores`` are then saved twice, by ``sigmoid`` and here: one storage held, but two host copies
+    under ``save_on_cpu``); backward ``gather_backward`` (FunctionsManual.cpp): zeros of x's shape and
+    ``scatter_add_`` into them, out of place under a dispatch mode (``zeros_then_put``)."""
     numel, itemsize = x.numel, x.itemsize
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         return [zeros_then_put(tape, numel, itemsize, "scatter_add")]
 
-    return ops.result(tape, out_numel, itemsize, tag, tape.node(tag, apply, [x], saved=[idx]))
+    return ops.result(tape, out_numel, itemsize, tag, tape.node(tag, apply, [x], saved=[x, idx]))
 
 
 def expand_heads(tape: Tape, x: Tensor, numel: int, tag: str) -> Tensor:

@@ -74,7 +74,7 @@ test_timeline_hf_loop_peft_families.py), sliding windows the sequence reaches on
 loop's ``DynamicSlidingWindowLayer``s keep a view of the whole sequence's copy, as a ``DynamicLayer`` does), with
 ``AdamW(foreach=True)``, any gradient accumulation (``loss = out.loss / ga``, ``opt.step()`` every ``ga``
 iterations), on one rank, with or without activation offload (``save_on_cpu`` around the forward and backward:
-``act_offload.py``'s hooks, checked over the dense families, Mixtral, Qwen3-MoE and DeepSeek-V2,
+``act_offload.py``'s hooks, checked over the dense families, Mixtral, Qwen3-MoE, Qwen2-MoE and DeepSeek-V2 / V3,
 ``LOOP_OFFLOAD_FAMILIES``; tests/accuracy/test_offload_accuracy.py, test_timeline_hf_loop_peft_families.py);
 there ``bf16`` is the bf16 model without autocast unless the plan's ``autocast`` puts the forward under
 ``torch.autocast`` (tests/unit/test_plan_autocast.py), so over a 4-bit base SDPA takes the fp32 stream: without
@@ -110,10 +110,9 @@ LAYOUT = {
 LLAMA_LAYOUT = ("pre", None, (False, False))
 QKV_BIAS_FAMILIES = ("qwen2", "qwen2-moe")  # q/k/v biases (hf_model.QKV_BIAS)
 # save_on_cpu around the hand-written loop's forward and backward (act_offload.py) checked against the loop on CPU:
-# Llama's layout (tests/accuracy/test_offload_accuracy.py), the other dense families, Mixtral, Qwen3-MoE and
-# DeepSeek-V2 (tests/unit/test_timeline_hf_loop_peft_families.py); not Qwen2-MoE (its peak measured 7,716 B over
-# the run's) or DeepSeek-V3 (its host copies 57,344 B over), whose tensors are not yet found
-LOOP_OFFLOAD_FAMILIES = (*DENSE_FAMILIES, "mixtral", "qwen3-moe", "deepseek-v2")
+# Llama's layout (tests/accuracy/test_offload_accuracy.py), the other dense families, Mixtral, Qwen3-MoE, Qwen2-MoE
+# and DeepSeek-V2 / V3 (tests/unit/test_timeline_hf_loop_peft_families.py)
+LOOP_OFFLOAD_FAMILIES = (*DENSE_FAMILIES, "mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v2", "deepseek-v3")
 ACTIVATION = {"gemma2": "gelu_tanh", "gemma3": "gelu_tanh"}  # GeGLU (gelu_pytorch_tanh); the others SwiGLU
 # transformers runs Gemma 2 eagerly whatever is asked (_supports_sdpa = False: SDPA takes no soft-cap),
 # over both masks it builds, so its sliding layers are followed at any window
