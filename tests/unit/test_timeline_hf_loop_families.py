@@ -99,8 +99,11 @@ def _fp32_score_bias(model) -> None:
             gate.e_score_correction_bias.data = gate.e_score_correction_bias.data.float()
 
 
-def _run(model, plan: Plan, workload: TrainingWorkload, lora: HfLoraConfig | None = None, ga: int = 1) -> int:
-    """The loop's run as ``hf_loop_plan_run`` composes it (the spec's sliding layers, the family), on CPU."""
+def _run(
+    model, plan: Plan, workload: TrainingWorkload, lora: HfLoraConfig | None = None, ga: int = 1, quant=None
+) -> int:
+    """The loop's run as ``hf_loop_plan_run`` composes it (the spec's sliding layers, the family; ``quant``: the
+    base's ``Bnb4bit``), on CPU."""
     assert hf_supported(model, plan, workload, runtime="hf-loop", device="cpu") is None
     timeline = hf_loop_run(
         hf_dims(model, workload, plan, "hf-loop"),
@@ -112,6 +115,7 @@ def _run(model, plan: Plan, workload: TrainingWorkload, lora: HfLoraConfig | Non
         arch=model.architecture,
         extra=family_config(model),
         lora=lora,
+        quant=quant,
         inplace_accumulate=False,
         subclass_like=model.moe is not None,  # the tracker's dispatch mode (hf_moe_ops.zeros_then_put)
         ga=ga,

@@ -34,6 +34,7 @@ pytest.importorskip("peft")
 
 import peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 from storage_tracker import StorageTracker  # noqa: E402
+from test_timeline_hf_loop_families import _run  # noqa: E402
 from test_timeline_hf_peft_families import CASES as TRAINER_LORA  # noqa: E402
 from test_timeline_hf_peft_families import QLORA_RECIPE  # noqa: E402
 from test_timeline_hf_peft_families import _case as _lora  # noqa: E402
@@ -64,26 +65,12 @@ def predict(case, model=None, plan=None) -> int:  # noqa: ANN001
     if plan is None:
         plan = peft_steps.plan_of(case, "hf") if isinstance(case, peft_steps.PeftCase) else _plan(case)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
-    assert hf_supported(model, plan, workload, runtime="hf-loop", device="cpu") is None, case.name
     quant = Bnb4bit.of(plan)
     if quant is not None:  # loaded in the case's dtype, as test_timeline_hf_peft_families.predict
         storage = {"uint8": 1, "bfloat16": 2, "float32": 4}[case.quant_storage]
         quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2, storage=storage)
     lora = HfLoraConfig.of(plan, model.architecture) if plan.finetune != "full" else None
-    timeline = hf_loop_run(
-        hf_dims(model, workload, plan, "hf-loop"),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        qkv_bias=model.qkv_bias,
-        window_layers=tuple(i for i, kind in enumerate(model.layer_attention_kinds) if kind == "sliding"),
-        arch=model.architecture,
-        extra=family_config(model),
-        lora=lora,
-        quant=quant,
-        inplace_accumulate=False,
-    )
-    return timeline.peak()[0]
+    return _run(model, plan, workload, lora, quant=quant)  # test_timeline_hf_loop_families.py's composition
 
 
 def _peft_model(case: peft_steps.PeftCase, reentrant: bool = False):  # noqa: ANN202

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import gc
 import tempfile
-import warnings
 
 import pytest
 from estimate_json import estimate_memory as _estimate
@@ -25,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import hf_steps  # noqa: E402
+import optim_steps  # noqa: E402
 import peft_steps  # noqa: E402
 from optim_steps import kernels_seen as _kernels_seen  # noqa: E402
 from storage_tracker import StorageTracker  # noqa: E402
@@ -41,16 +41,8 @@ from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
-# memplan's names -> transformers' ``optim``
-OPTIM = {
-    "sgd": "sgd",
-    "adafactor": "adafactor",
-    "adamw-8bit": "adamw_bnb_8bit",
-    "paged-adamw-8bit": "paged_adamw_8bit",
-    "paged-adamw-32bit": "paged_adamw_32bit",
-    "paged-lion-8bit": "paged_lion_8bit",
-    "paged-lion-32bit": "paged_lion_32bit",
-}
+# the Trainer's optimizers other than its default, by memplan's names
+OPTIM = {name: optim for name, optim in optim_steps.OPTIM.items() if name != "adamw"}
 # full fine-tuning: the embedding and head (16,384 elements: 8-bit states but the embedding's, 32-bit
 # under the Trainer's override), the layers' matrices (8,192 to 16,384) and norms (64: under 4,096)
 FULL = dict(vocab=256, hidden=64, heads=2, kv_heads=1, ffn=160, batch=2, seq=64, layers=2, loop="trainer")
@@ -107,21 +99,17 @@ def _train(model, case, optimizer: str, rows: list, ga: int = 1) -> int:
     is reset as a new process finds it: it keeps each override by (group, index) too (``check_overrides``:
     ``index2config``), so an earlier case's embedding override would give this case's parameter at the same
     place 32-bit states (a process that trains twice sees that; the run follows one training)."""
-    import bitsandbytes as bnb
-
-    bnb.optim.GlobalOptimManager.get_instance().initialize()
     gc.collect()
     tracker = StorageTracker()
-    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings(), _kernels_seen():
-        warnings.simplefilter("ignore")  # bitsandbytes: "Paged optimizers are not supported on CPU"
+    with tempfile.TemporaryDirectory() as out:
         args = hf_steps.training_args(out, case, STEPS, ga)
-        args.optim = transformers.training_args.OptimizerNames(OPTIM[optimizer])
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
-        tracker.track_module(model)
-        if isinstance(case, peft_steps.PeftCase):
-            tracker.track(*peft_steps.quant_state_tensors(model))
-        with tracker:
-            trainer.train()
+        with optim_steps.trained_with(args, optimizer):  # optim set, the manager reset, the CPU kernels seen
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+            tracker.track_module(model)
+            if isinstance(case, peft_steps.PeftCase):
+                tracker.track(*peft_steps.quant_state_tensors(model))
+            with tracker:
+                trainer.train()
     return tracker.peak
 
 
