@@ -110,11 +110,11 @@ def test_each_case_is_a_trainer_case() -> None:
 
 @pytest.mark.parametrize(
     ("precision", "kv_heads", "kernel"),
-    [("bf16", 2, "flash"), ("bf16-mixed", 4, "flash"), ("fp32", 2, "math"), ("fp32", 4, None)],
+    [("bf16", 2, "flash"), ("bf16-mixed", 4, "flash"), ("fp32", 2, "math"), ("fp32", 4, "efficient")],
 )
-def test_cuda_kernel(precision: str, kv_heads: int, kernel: str | None) -> None:
+def test_cuda_kernel(precision: str, kv_heads: int, kernel: str) -> None:
     """On CUDA the run takes the bundled trainer's kernel rule (flash in 16-bit; fp32 with GQA: the
-    math path; fp32 without: the memory-efficient kernel, which it does not model); CPU's own flash."""
+    math path; fp32 without: the memory-efficient kernel, mem_efficient.py); CPU's own flash."""
     case = _case("kernel", kv_heads=kv_heads)
     model = model_from_data(case.hf_config(), "kernel/config.json", "kernel")
     plan = Plan(precision=precision)

@@ -330,12 +330,19 @@ def test_a_reached_window_on_cuda_says_which_kernel(capsys) -> None:
     assert "under the hand-written loop on CPU" in memory["model_reason"]
 
 
-def test_a_4bit_base_s_fp32_stream_on_the_memory_efficient_kernel_is_declined(capsys) -> None:
+def test_a_4bit_base_s_fp32_stream_on_the_memory_efficient_kernel_is_followed(capsys) -> None:
     """Without autocast a 4-bit base hands SDPA fp32 inputs; over heads without GQA (Llama 2 7B, Phi-3-mini) CUDA
-    runs the memory-efficient kernel, which the run does not follow (``hf_trainer.hf_kernel``): the loop's plan is
-    declined with that reason (it reached the run and failed there before), the Trainer's (autocast) followed."""
-    reason = "fp32 SDPA on the memory-efficient kernel (a 4-bit base's fp32 stream without autocast, no GQA)"
-    memory = _estimate(capsys, ["llama2-7b", "--runtime", "hf-loop", "--finetune", "qlora", "--seq-len", "1024"])
+    runs the memory-efficient kernel (``hf_trainer.hf_kernel``: ``efficient``, ``mem_efficient.py``), followed on
+    compute capability 8.0 / 9.0 (the default H100): the loop's plan and the Trainer's (autocast, flash) op-level;
+    on an L40S (8.9) the loop's is declined with that reason."""
+    reason = (
+        "fp32 SDPA on the memory-efficient kernel outside compute capability 8.0 / 9.0 (its backward's blocks by the "
+        "GPU's shared memory) (a quantized base's fp32 stream without autocast, no GQA)"
+    )
+    loop = ["llama2-7b", "--runtime", "hf-loop", "--finetune", "qlora", "--seq-len", "1024"]
+    memory = _estimate(capsys, loop)
+    assert memory["model"] == "op-level" and memory["model_reason"] is None
+    memory = _estimate(capsys, [*loop, "--gpu", "l40s"])
     assert memory["model"] == "phase" and memory["model_reason"] == reason
     memory = _estimate(capsys, ["llama2-7b", "--runtime", "hf", "--finetune", "qlora", "--seq-len", "1024"])
     assert memory["model"] == "op-level"

@@ -161,8 +161,9 @@ def test_lora_on_the_attention_linears_equals_the_trainers(tag: str, extra: tupl
 
 
 def test_estimate_answers_lora_over_deepseek_v3_on_cpu_and_refuses_it_on_cuda(capsys, tmp_path) -> None:
-    """LoRA over an MoE model has no phase model (``reserve.run_only``): on CPU the run answers it; on CUDA,
-    where the run declines MLA, one line naming the field, exit 2."""
+    """LoRA over an MoE model has no phase model (``reserve.run_only``): on CPU the run answers it, and on CUDA on
+    compute capability 8.0 / 9.0 (the memory-efficient kernel, ``hf_support.mla_cuda_ok``); on an L40S (8.9), where
+    the run declines MLA, one line naming the field, exit 2."""
     from memplan.cli.app import run
 
     path = tmp_path / "config.json"
@@ -170,7 +171,8 @@ def test_estimate_answers_lora_over_deepseek_v3_on_cpu_and_refuses_it_on_cuda(ca
     args = [str(path), "--runtime", "hf", "--finetune", "lora", "--lora-targets", "kv_b_proj,o_proj"]
     memory = _estimate(capsys, [*args, "--seq-len", "64", "--device", "cpu"])
     assert memory["model"] == "op-level"
-    assert run(["estimate", *args, "--seq-len", "64"]) == 2
+    assert _estimate(capsys, [*args, "--seq-len", "64"])["model"] == "op-level"
+    assert run(["estimate", *args, "--seq-len", "64", "--gpu", "l40s"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "MLA attention on CUDA" in err[0], err
 
@@ -225,8 +227,8 @@ def test_the_parameters_are_the_models() -> None:
 
 def _answered(capsys, args: list[str], cuda_followed: bool) -> None:
     """Op-level on CPU; on CUDA op-level where SDPA's memory-efficient kernel over unequal head dims is
-    followed (fp32; 16 bits over heads above 128: ``hf_support.mla_cuda_ok``), else the phase model with the
-    reason."""
+    followed (fp32 or 16 bits at any head dims on compute capability 8.0 / 9.0: ``hf_support.mla_cuda_ok``), else
+    the phase model with the reason."""
     memory = _estimate(capsys, [*args, "--device", "cpu"])
     assert memory["model"] == "op-level" and memory["model_reason"] is None
     assert memory["peak"]["reserved_detail"]["timeline"] == "hf"
@@ -239,11 +241,12 @@ def _answered(capsys, args: list[str], cuda_followed: bool) -> None:
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16-mixed", "fp32"])
 def test_estimate_answers_a_tiny_deepseek_v3_op_level_on_cpu(capsys, tmp_path, precision: str) -> None:
-    """The tiny model's 24-wide heads: on CUDA followed in fp32, not in 16 bits (the register-resident kernels)."""
+    """The tiny model's 24-wide heads: on CUDA followed in fp32 and in 16 bits (the register-resident kernels,
+    ``mem_efficient_half.py``)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_case("cli").hf_config()))
     args = [str(path), "--runtime", "hf", "--precision", precision, "--seq-len", "64"]
-    _answered(capsys, args, cuda_followed=precision == "fp32")
+    _answered(capsys, args, cuda_followed=True)
 
 
 @pytest.mark.slow

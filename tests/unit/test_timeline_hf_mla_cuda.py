@@ -132,7 +132,6 @@ def test_estimate_answers_deepseek_op_level_on_an_h100(capsys, name: str, precis
     [
         (CudaArch(142, 8, 9), "bf16", {}),  # an L40S: the 128-row backward kernel's shared memory, not followed
         (CudaArch(148, 10, 0), "fp32", {}),  # a B200
-        (None, "bf16", {"qk_nope_head_dim": 64, "v_head_dim": 64}),  # 16 bits over heads of 128: other kernels
     ],
 )
 def test_mla_on_cuda_the_run_does_not_follow_says_so(arch: CudaArch | None, precision: str, mla: dict) -> None:

@@ -23,7 +23,7 @@ from memplan.specs.plan import Plan, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 B, STEPS = 2, 2
-# Gemma 3 with 256-wide heads (the 16-bit kernel followed above 128): five sliding layers and a full one
+# Gemma 3 with 256-wide heads (the 16-bit k65536 kernels): five sliding layers and a full one
 GEMMA3 = {
     "model_type": "gemma3_text",
     "architectures": ["Gemma3ForCausalLM"],
@@ -168,7 +168,7 @@ def test_checkpointing_keeps_the_bool_grid_and_remakes_the_biases() -> None:
         (GEMMA3, "fp32", H100, True),
         (GEMMA3, "bf16-mixed", H100, True),
         (MISTRAL, "bf16", H100, False),  # cuDNN (32-wide heads on 9.0): its workspace is the runtime's
-        (MISTRAL, "bf16", A100, False),  # the 16-bit memory-efficient kernel over 32-wide heads: not followed
+        (MISTRAL, "bf16", A100, True),  # 8.0: cuDNN not first, the 16-bit memory-efficient kernel (64x64 blocks)
         (MISTRAL, "fp32", H100, True),
         (MISTRAL, "fp32", A100, True),
     ],

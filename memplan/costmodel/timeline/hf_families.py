@@ -146,8 +146,10 @@ class HfPhi3(HfLlama):
             t.done(q, k)
             kr, v = self.cached(kr, v)
             out = self.core(qr, kr, v)
-            # RoPE's cat left q heads-major, and so SDPA's output: transpose(1, 2).contiguous() copies
-            flat = prec.merge_heads(t, out)
+            # RoPE's cat left q heads-major, and so SDPA's output (the flash kernels' follows q):
+            # transpose(1, 2).contiguous() copies; the memory-efficient kernel writes its own token-major
+            # ``res`` (B, M, heads, Kv), so there it is a view (mem_efficient.py)
+            flat = t.alias(out) if self.kernel == "efficient" else prec.merge_heads(t, out)
             t.done(out)  # sdpa_attention_forward rebinds attn_output to the copy
             y = self.linear(flat, f"{name}.o_proj", d.h, "o_proj")
             t.done(flat, qkv, qr, kr, v, *rot)

@@ -18,7 +18,9 @@ backward formulas are those of ``ops.py``; what differs from the bundled trainer
   (``integrations/sdpa_attention.py: use_gqa_in_sdpa``). On CPU that is
   ``_scaled_dot_product_flash_attention_for_cpu`` (output and fp32 log-sum-exp; its backward
   allocates dq, dk, dv); on CUDA the kernel ``attention.sdpa_backend`` picks (flash: ``ops.sdpa``;
-  math: ``precision.math_sdpa``), not yet checked on a GPU against transformers;
+  math: ``precision.math_sdpa``; fp32 without GQA the memory-efficient kernel, ``mem_efficient.sdpa``:
+  transformers passes no ``enable_gqa`` when ``num_key_value_groups`` is 1), not yet checked on a GPU
+  against transformers;
 - the loss is ``logits.float()``, labels padded by one (int64), ``labels[..., 1:].contiguous()``
   (a copy when b > 1, saved by ``nll_loss``), ``cross_entropy(reduction="sum") / num_items``.
 
@@ -33,7 +35,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import mem_efficient, ops
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline.autograd import FIRST, Node, Tape, Tensor
 from memplan.costmodel.timeline.events import Category
@@ -331,8 +333,11 @@ class HfLlama:
         k2 = ops.to(t, k, 2, "k_cast") if cast else t.alias(k)
         v2 = ops.to(t, v, 2, "v_cast") if cast else t.alias(v)
         q2 = ops.to(t, q, 2, "q_cast") if cast else t.alias(q)
-        sdpa = ops.sdpa if self.kernel == "flash" else cpu_flash_sdpa
-        out = sdpa(t, q2, k2, v2, d.b * d.heads * d.s, "sdpa")
+        if self.kernel == "efficient":  # fp32 without GQA on CUDA: no enable_gqa, no repeat (mem_efficient.py)
+            out = mem_efficient.sdpa(t, q2, k2, v2, d.b, d.heads, d.s, d.head_dim)
+        else:
+            sdpa = ops.sdpa if self.kernel == "flash" else cpu_flash_sdpa
+            out = sdpa(t, q2, k2, v2, d.b * d.heads * d.s, "sdpa")
         t.done(k2, q2, v2)
         return out
 

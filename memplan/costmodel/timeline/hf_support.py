@@ -78,7 +78,11 @@ iterations), on one rank, with or without activation offload (``save_on_cpu`` ar
 ``LOOP_OFFLOAD_FAMILIES``; tests/accuracy/test_offload_accuracy.py, test_timeline_hf_loop_peft_families.py);
 there ``bf16`` is the bf16 model without autocast unless the plan's ``autocast`` puts the forward under
 ``torch.autocast`` (tests/unit/test_plan_autocast.py), so over a 4-bit base SDPA takes the fp32 stream: without
-GQA the memory-efficient kernel on CUDA, declined (:func:`_four_bit_kernel_ok`).
+GQA the memory-efficient kernel on CUDA (:func:`_four_bit_kernel_ok`).
+
+fp32 SDPA without GQA (as many KV heads as query heads: transformers passes no ``enable_gqa``) runs CUDA's
+memory-efficient kernel, followed from source on compute capability 8.0 / 9.0 (``mem_efficient.py``,
+:func:`_efficient_cuda_ok`; tests/unit/test_timeline_hf_mem_efficient.py), as the masked sliding layers' and MLA's.
 """
 
 from __future__ import annotations
@@ -86,7 +90,6 @@ from __future__ import annotations
 from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, MLA_ATTENTION, SAVABLE, layer_linears, model_targets
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
-from memplan.costmodel.timeline.mem_efficient_half import followed
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan, trainer_autocast
@@ -154,8 +157,8 @@ def _window_reason(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runt
     half = _sdpa_half(plan, runtime)
     kernel = cuda_masked_kernel(model.head_size, model.num_attention_heads, half, cap)
     where = f"on CUDA SDPA takes the mask to its {kernel} kernel"
-    if runtime == "hf" and kernel == "efficient":  # sliding_cuda_ok: blocks known on 8.0 / 9.0, 16 bits above 128
-        where += " outside compute capability 8.0 / 9.0" if cap not in MLA_CAPABILITIES else " in 16 bits"
+    if runtime == "hf" and kernel == "efficient":  # sliding_cuda_ok: the backward's blocks known on 8.0 / 9.0
+        where += " outside compute capability 8.0 / 9.0"
     runs = "the Trainer" if runtime == "hf" else "the hand-written loop"
     return (
         f"sliding or chunked attention (a window the sequence reaches: {where}, not followed; the op-level run "
@@ -177,15 +180,16 @@ def _masked_cuda(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None) -> boo
 def sliding_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runtime: str = "hf") -> bool:
     """A sliding layer's masked SDPA on CUDA as ``hf_sliding.cuda_masked_sdpa`` follows it: the memory-efficient
     kernel (``hf_sliding.cuda_masked_kernel``), on compute capability 8.0 or 9.0 (an unknown GPU: 9.0; the
-    backward kernels' blocks by the GPU's shared memory, as MLA's: :data:`MLA_CAPABILITIES`), in fp32 or in 16 bits
-    over heads above 128 (``mem_efficient_half.followed``: Gemma 3's 256). cuDNN (16 bits over heads of 128 or
-    less on 9.0 / 10.0) is not followed: its workspace comes from cuDNN's execution plan at run time."""
+    backward kernels' blocks by the GPU's shared memory, as MLA's: :data:`MLA_CAPABILITIES`), in fp32 or 16 bits at
+    any head dim (``mem_efficient_half.py``: Gemma 3's 256; Mistral's, Qwen2's, Phi-3's 128 or less in 16 bits where
+    cuDNN is not first, on 8.0). cuDNN (16 bits over heads of 128 or less on 9.0 / 10.0, first there from torch
+    2.10 at the bundled cuDNN: ``attention.cuda_priority``) is not followed: its workspace comes from cuDNN's
+    execution plan at run time."""
     from memplan.costmodel.timeline.hf_sliding import cuda_masked_kernel
 
     cap = (9, 0) if gpu_arch is None else (gpu_arch.major, gpu_arch.minor)
-    half, head = _sdpa_half(plan, runtime), model.head_size
-    kernel = cuda_masked_kernel(head, model.num_attention_heads, half, cap)
-    return kernel == "efficient" and cap in MLA_CAPABILITIES and (not half or followed(head, head))
+    kernel = cuda_masked_kernel(model.head_size, model.num_attention_heads, _sdpa_half(plan, runtime), cap)
+    return kernel == "efficient" and cap in MLA_CAPABILITIES
 
 
 def hf_supported(
@@ -267,12 +271,13 @@ def hf_supported(
             or plan.precision != "fp32"
             or sdpa_kernel(model, plan) == "math"
             or model.architecture in EAGER
-            or model.mla is not None,  # MLA's own check: mla_cuda_ok
-            "fp32 SDPA on the memory-efficient kernel",
+            or model.mla is not None  # MLA's own check: mla_cuda_ok
+            or _efficient_cuda_ok(gpu_arch),
+            _EFFICIENT_CUDA,
         ),
         (
-            cpu or plan.quant in ("none", "int8") or _four_bit_kernel_ok(model, plan, runtime),
-            "fp32 SDPA on the memory-efficient kernel (a 4-bit base's fp32 stream without autocast, no GQA)",
+            cpu or plan.quant == "none" or _four_bit_kernel_ok(model, plan, runtime, gpu_arch),
+            f"{_EFFICIENT_CUDA} (a quantized base's fp32 stream without autocast, no GQA)",
         ),
     ]
     for ok, what in checks:
@@ -281,14 +286,29 @@ def hf_supported(
     return None
 
 
-def _four_bit_kernel_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
-    """Over a 4-bit base the residual stream is fp32 whatever the precision (bitsandbytes dequantizes to the
-    compute dtype, the norms and embeddings stay fp32): without autocast (the hand-written loop's ``bf16``, the
+_EFFICIENT_CUDA = (
+    "fp32 SDPA on the memory-efficient kernel outside compute capability 8.0 / 9.0 (its backward's blocks by the "
+    "GPU's shared memory)"
+)
+
+
+def _efficient_cuda_ok(gpu_arch: CudaArch | None) -> bool:
+    """fp32 SDPA without GQA on CUDA (``mem_efficient.py``: transformers passes no ``enable_gqa`` over as many KV
+    heads as query heads, ``is_causal`` and no mask; ``can_use_mem_efficient_attention`` takes it, flash and cuDNN
+    take no fp32): followed on compute capability 8.0 / 9.0 (an unknown GPU: 9.0), where the Sm80 kernels'
+    shared memory is known to fit (:data:`MLA_CAPABILITIES`)."""
+    cap = (9, 0) if gpu_arch is None else (gpu_arch.major, gpu_arch.minor)
+    return cap in MLA_CAPABILITIES
+
+
+def _four_bit_kernel_ok(model: ModelSpec, plan: Plan, runtime: str, gpu_arch: CudaArch | None) -> bool:
+    """Over a 4-bit (or LLM.int8) base the residual stream is fp32 whatever the precision (bitsandbytes dequantizes
+    to the compute dtype, the norms and embeddings stay fp32): without autocast (the hand-written loop's ``bf16``, the
     Trainer's ``bf16`` with ``autocast: false``) SDPA takes fp32 inputs, and over heads without GQA CUDA runs the
-    memory-efficient kernel, which the run does not follow (``hf_trainer.hf_kernel``: None)."""
+    memory-efficient kernel (``hf_trainer.hf_kernel``: ``efficient``), followed where :func:`_efficient_cuda_ok`."""
     from memplan.costmodel.timeline.hf_trainer import hf_kernel
 
-    return hf_kernel(model, plan, "cuda", runtime) is not None
+    return hf_kernel(model, plan, "cuda", runtime) != "efficient" or _efficient_cuda_ok(gpu_arch)
 
 
 def _optimizer_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
@@ -357,8 +377,7 @@ def _moe_ok(model: ModelSpec) -> bool:
 # memory-efficient kernel (mem_efficient.py, mem_efficient_half.py: from source, no GPU trace)
 _MLA_CUDA = (
     "MLA attention on CUDA outside compute capability 8.0 and 9.0 (the memory-efficient backward kernel's blocks "
-    "by the GPU's shared memory), or in 16 bits over heads of 128 or less (the memory-efficient kernel there: not "
-    "followed; the op-level run follows it on CPU, --device cpu)"
+    "by the GPU's shared memory; the op-level run follows it on CPU, --device cpu)"
 )
 MLA_CAPABILITIES = ((8, 0), (9, 0))  # A100; H100, H200: the 128-row backward kernels' shared memory fits (xformers)
 
@@ -366,15 +385,15 @@ MLA_CAPABILITIES = ((8, 0), (9, 0))  # A100; H100, H200: the 128-row backward ke
 def mla_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None) -> bool:
     """MLA's SDPA on CUDA as ``hf_mla.HfDeepseekV3.mla_sdpa`` follows it: the memory-efficient kernel
     (``attention.sdpa_backend`` over (qk, v) head dims, causal, training, torch 2.11: flash needs one head dim,
-    cuDNN takes none above 128 at the bundled cuDNN) in bf16 (bf16 weights, or ``bf16=True``'s autocast) or
-    fp32, on compute capability 8.0 or 9.0 (an unknown GPU: 9.0), over heads above 128 in 16 bits."""
+    cuDNN is offered no unequal pair) in bf16 (bf16 weights, or ``bf16=True``'s autocast) or fp32, on compute
+    capability 8.0 or 9.0 (an unknown GPU: 9.0), at any head dims (``mem_efficient_half.py``)."""
     mla = model.mla
     qk, vd, heads = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim, model.num_attention_heads
     half = plan.precision != "fp32"
     cap = (9, 0) if gpu_arch is None else (gpu_arch.major, gpu_arch.minor)
     dtype = "bf16" if half else "fp32"
     kernel = sdpa_backend("cuda", dtype, qk, heads, heads, enable_gqa=False, v_head_dim=vd, capability=cap)
-    return kernel == "efficient" and cap in MLA_CAPABILITIES and (not half or followed(qk, vd))
+    return kernel == "efficient" and cap in MLA_CAPABILITIES
 
 
 _MLA_PLAN = (

@@ -76,11 +76,12 @@ def hf_dims(model, workload, plan, runtime: str = "hf") -> Dims:
     )
 
 
-def hf_kernel(model, plan, device: str, runtime: str = "hf") -> str | None:
+def hf_kernel(model, plan, device: str, runtime: str = "hf") -> str:
     """The SDPA kernel the run models: CPU's flash, or on CUDA the bundled trainer's rule
     (``support.sdpa_kernel``: flash in 16-bit, as its traces show; math for fp32 with GQA, and over
-    a 4-bit base's fp32 stream) unless ``bf16=True``'s autocast hands SDPA bf16 inputs (flash);
-    None where another one runs (the memory-efficient kernel: fp32 without GQA). Gemma 2 runs no
+    a 4-bit base's fp32 stream; the memory-efficient kernel, ``efficient``, fp32 without GQA:
+    ``mem_efficient.py``, followed on compute capability 8.0 / 9.0, ``hf_support``) unless ``bf16=True``'s
+    autocast hands SDPA bf16 inputs (flash). Gemma 2 runs no
     SDPA (eager attention, ``hf_families.HfGemma2``): ``eager`` on CUDA; MLA (DeepSeek-V2 / V3) the
     memory-efficient kernel, ``efficient`` (``hf_mla.HfDeepseekV3.mla_sdpa``)."""
     if device == "cpu":
@@ -93,8 +94,7 @@ def hf_kernel(model, plan, device: str, runtime: str = "hf") -> str | None:
         return "flash"
     from memplan.costmodel.timeline.support import sdpa_kernel
 
-    kernel = sdpa_kernel(model, plan)
-    return kernel if kernel in ("flash", "math") else None
+    return sdpa_kernel(model, plan)
 
 
 def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> Timeline:

@@ -1,5 +1,5 @@
 """fp32 attention without GQA on CUDA: SDPA's memory-efficient (CUTLASS) kernel, op by op (and, through
-``mem_efficient_half.py``, its 16-bit form over a value head narrower than the query's: MLA on CUDA).
+``mem_efficient_half.py``, its 16-bit form at every head dim: MLA, and masked sliding layers, on CUDA).
 
 In fp32 with as many KV heads as query heads the trainer's ``F.scaled_dot_product_attention(q, k,
 v, is_causal=True, enable_gqa=False)`` runs ``_scaled_dot_product_efficient_attention`` on CUDA
@@ -51,7 +51,7 @@ K_ALIGN_LSE = 32  # kernel_forward.h: kAlignLSE, the log-sum-exp's padding of M
 BACKWARD_BLOCKS = ((32, 64, 64), (64, 64, 64), (128, 128, 64), (65536, 128, 64))
 # tags of what only CUDA allocates here (the CPU comparison has no memory-efficient kernel)
 DELTA_PRODUCT, DELTA_SUM, DELTA, WORKSPACE = "delta_product", "delta_sum", "delta", "grad_q_workspace"
-OUTPUT_ACCUM = "output_accum"  # the 16-bit forward's fp32 accumulator (mem_efficient_half.py)
+OUTPUT_ACCUM = "output_accum"  # the 16-bit forward's fp32 accumulator over heads above 128 (mem_efficient_half.py)
 
 
 def lse_numel(b: int, heads: int, s: int) -> int:
@@ -89,7 +89,7 @@ def sdpa(
     given (``attn_bias``, read through a view by both kernels, given no gradient: ``hf_sliding.py``).
     Backward: dq, dk, dv, then in
     fp32 the delta's temporaries and dQ's workspace, in 16 bits the kernel's delta and its workspace
-    (``mem_efficient_half.py``, which also adds the forward's fp32 output accumulator). A selective
+    (``mem_efficient_half.py``; over heads above 128 also the forward's fp32 output accumulator). A selective
     checkpoint that saves it keeps out and lse and hands them back (``ops.sdpa``)."""
     half = q.itemsize == 2
     qn, kn, vn, rows = q.numel, k.numel, v.numel, b * heads * s
@@ -120,7 +120,8 @@ def sdpa(
         out = ops.result(tape, vn, q.itemsize, "sdpa_efficient.out", node)
         out.transposed = True  # written (b, s, heads, d), returned transposed
         lse = tape.new(lse_numel(b, heads, s), 4, "sdpa_efficient.lse")
-        if half:  # kNeedsOutputAccumulatorBuffer: the lambda's output_accum, fp32 of the output's shape
+        if half and mem_efficient_half.output_accumulator(head_dim, value_dim or head_dim):
+            # kNeedsOutputAccumulatorBuffer (the 32x128_gmem kernel): the lambda's output_accum, fp32 of out's shape
             tape.drop(tape.new(vn, 4, f"sdpa_efficient.{OUTPUT_ACCUM}"))
         return [out, lse]
 
