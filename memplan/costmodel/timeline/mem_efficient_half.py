@@ -37,6 +37,16 @@ passing none): ``ceil_div(N, kBlockSizeJ)``, 1 when the grid without splits has 
 kBlockSizeJ``, and where gK / gV are staged at most ``200 / (B * nH)`` (integer division), at least 1; it moves the
 workspace only where they are. grad_q, grad_k, grad_v are ``at::empty`` of q's, k's and v's sizes before the
 lambda; delta goes as the lambda returns, the workspace as the function does.
+
+Lines in torch 2.13's installed headers (``torch/include/ATen/native/transformers/cuda/mem_eff_attention``):
+``kernel_forward.h:113-119`` (``kSingleValueIteration``, ``kAlignLSE``, ``kKeepOutputInRF``,
+``kNeedsOutputAccumulatorBuffer``); ``kernel_backward.h:251`` (``kOutputInRF``), ``:272`` (``kKernelComputesDelta``),
+``:495-498`` (``MatmulGradQ::ThreadblockShape``), ``:614-628`` (``kEnableSplitKeys``, ``kNeedsAccumGradQ/K/V``,
+``GradQTempStorage``), ``:857-890`` (``workspace_elements_gk/gv/gq``, ``workspace_size``), ``:112``
+(``GmemTile::kElementsStored``); ``kernels/cutlassF.h:27-31`` and ``:277-281`` (the bf16 and fp32 Sm80 forward
+kernels), ``:284-300`` (``dispatch_cutlassF``: compute capability 80 to 121 on the Sm80 lists); ``kernels/cutlassB.h
+:228-246``, ``:318-336``, ``:853-866`` (the bf16, f16 and fp32 Sm80 backward kernels), ``:869-898``
+(``dispatch_cutlassB``: 80 to 121 on the Sm80 lists).
 """
 
 from __future__ import annotations
