@@ -308,14 +308,37 @@ def _whole_hf_peak(
     model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu: GPUSpec | None
 ) -> RunPeak:
     """The whole run's allocated peak (``_whole_hf``'s plans), on ``gpu`` (its kernels): one pass of the
-    allocator over every span (``span_peaks`` with ``middle``), where ``_whole_run_peak`` takes two (the
-    replay, then the spans for the phase): a whole llama3-70b run under FSDP2 (8,192 tokens, 8
-    micro-batches) is built in 2.9 s, replayed in 1.1 s and cut into spans in 1.7 s of CPU."""
-    from memplan.costmodel.reserve import plan_run
+    allocator (``reserve.replay``: the run's ``max_allocated`` and the first allocation that reaches it,
+    ``peak_event``), then the phase of the span that allocation falls in (:func:`phase_at`), read off the
+    events before it without the allocator. The same figures as the highest of every span (``span_peaks``
+    with ``middle``; the first of equals), which cost a third more of the allocator's pass (the spans' labels
+    kept at every event): a whole llama3-70b run under FSDP2 (2,048 tokens, full recompute) is built in
+    0.5 s and replayed in 0.2 s of CPU (docs/accuracy.md, "Speed"); tests/search/test_fast_form_hf.py
+    holds the two equal."""
+    from memplan.costmodel.reserve import plan_run, replay
 
     run, _ = plan_run(model, workload, plan, runtime, device, gpu)
-    label, allocated = max(span_peaks(run, model.num_layers, middle=True), key=lambda s: s[1])
-    return RunPeak(allocated, _phase(label))
+    r = replay(run, AllocatorConfig())
+    return RunPeak(r.max_allocated, phase_at(run, r.peak_event))
+
+
+def phase_at(run: Timeline, index: int) -> str:
+    """The phase (``_phase``) of the span (``span_peaks``) that holds the run's event ``index``: the
+    label's mark is the last mark before it, its groups those the allocations since that mark opened,
+    up to and including ``index`` (a new group opens a new span, so no later allocation of the same span
+    adds one)."""
+    events = run.events
+    start = index
+    while start > 0 and events[start - 1][0] != MARK:
+        start -= 1
+    mark = events[start - 1][5] if start > 0 else "setup"
+    opened = set()
+    for op, _, _, category, _, tag in events[start : index + 1]:
+        if op == ALLOC:
+            group = "gradients" if tag.endswith("grad_seed") else _OPENS.get(category)
+            if group is not None:
+                opened.add(group)
+    return _phase(f"{mark}||{'+'.join(sorted(opened))}")
 
 
 def cut_depths(layers: int) -> tuple[int, int]:
