@@ -322,6 +322,42 @@ def _whole_hf_peak(
     return RunPeak(r.max_allocated, phase_at(run, r.peak_event))
 
 
+def whole_hf_run(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
+    """Whether ``run_peak`` answers an ``applies`` plan with the whole run of transformers' Trainer
+    (``_whole_hf_peak``; ``runtime`` ``hf`` on CUDA): the plans whose peak costs a whole op-level run, which
+    :func:`run_peak_bound` bounds from below for a fraction of it."""
+    return (
+        runtime == "hf"
+        and device == "cuda"
+        and plan.finetune == "full"
+        and plan.pp == 1
+        and not _moe_lora(model, plan)
+        and not _loads_quantized(plan, runtime)
+        and _whole_hf(model, plan, runtime)
+    )
+
+
+def run_peak_bound(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str, gpu: GPUSpec | None = None
+) -> int | None:
+    """A lower bound on ``run_peak(...).allocated`` of a :func:`whole_hf_run` plan: the allocated peak of the
+    Trainer's run up to the end of its first step (the build, the first forward and backward, the optimizer's
+    states made at its first step), replayed through the same allocator. That run is the whole run's first
+    events, event for event (``hf_plan_run`` with ``steps=1`` over the same data), and an allocator replay is
+    causal, so its peak is the whole run's over those events, at most the whole run's: ~40% of the whole run's
+    cost on llama3-70b under FSDP2. None where the run does not model the plan (``run_peak`` answers None)."""
+    from memplan.costmodel.reserve import replay
+    from memplan.costmodel.timeline.hf_support import hf_supported
+    from memplan.costmodel.timeline.hf_trainer import hf_plan_run
+
+    arch = cuda_arch(gpu)
+    if hf_supported(model, plan, workload, "hf", arch, device) is not None:
+        return None
+    with collection_paused():
+        run = hf_plan_run(model, workload, plan, arch, device, steps=1)
+    return replay(run, AllocatorConfig()).max_allocated
+
+
 def phase_at(run: Timeline, index: int) -> str:
     """The phase (``_phase``) of the span (``span_peaks``) that holds the run's event ``index``: the
     label's mark is the last mark before it, its groups those the allocations since that mark opened,

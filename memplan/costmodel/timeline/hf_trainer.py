@@ -97,9 +97,10 @@ def hf_kernel(model, plan, device: str, runtime: str = "hf") -> str | None:
     return kernel if kernel in ("flash", "math") else None
 
 
-def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> Timeline:
+def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda", steps: int = 3) -> Timeline:
     """The run on ``device`` of an ``hf`` plan ``hf_support.hf_supported`` accepts: a first step and
-    two steady ones, the data never running dry (``gpu_arch``: the GPU's, a 4-bit base's kernel)."""
+    two steady ones, the data never running dry (``gpu_arch``: the GPU's, a 4-bit base's kernel); with
+    fewer ``steps``, the first of them, event for event (the data of three steps: ``fast_run.run_peak_bound``)."""
     from memplan.costmodel.timeline.hf_support import accumulation
 
     kernel = hf_kernel(model, plan, device)
@@ -113,6 +114,8 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
         d,
         model.tied_embeddings,
         kernel,
+        steps=steps,
+        batches=3 * ga + 1,  # hf_run's default for three steps, whatever ``steps``
         qkv_bias=model.qkv_bias,
         ga=ga,
         arch=arch,
