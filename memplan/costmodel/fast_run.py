@@ -313,11 +313,19 @@ def _whole_hf_peak(
     events before it without the allocator. The same figures as the highest of every span (``span_peaks``
     with ``middle``; the first of equals), which cost a third more of the allocator's pass (the spans' labels
     kept at every event): a whole llama3-70b run under FSDP2 (2,048 tokens, full recompute) is built in
-    0.5 s and replayed in 0.2 s of CPU (docs/accuracy.md, "Speed"); tests/search/test_fast_form_hf.py
-    holds the two equal."""
+    0.5 s and replayed in 0.2 s of CPU (docs/accuracy.md, "Speed"); tests/search/test_fast_form_hf_speed.py
+    holds the two equal. Under ``hf`` the run's last step is emitted from the one before where that is exact
+    (``timeline/hf_repeat.py``: one rank and FSDP2 with AdamW), a third of the build."""
     from memplan.costmodel.reserve import plan_run, replay
+    from memplan.costmodel.timeline.hf_support import hf_supported
+    from memplan.costmodel.timeline.hf_trainer import hf_plan_run
 
-    run, _ = plan_run(model, workload, plan, runtime, device, gpu)
+    arch = cuda_arch(gpu)
+    if runtime == "hf" and device == "cuda" and hf_supported(model, plan, workload, runtime, arch, device) is None:
+        with collection_paused():  # the last step emitted from the one before where exact (hf_repeat.py)
+            run = hf_plan_run(model, workload, plan, arch, device, repeated=True)
+    else:
+        run, _ = plan_run(model, workload, plan, runtime, device, gpu)
     r = replay(run, AllocatorConfig())
     return RunPeak(r.max_allocated, phase_at(run, r.peak_event))
 
