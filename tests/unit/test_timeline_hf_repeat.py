@@ -1,7 +1,8 @@
 """transformers' Trainer's last step emitted from the one before (``timeline/hf_repeat.py``) against the run
 built op by op: the same events, tensor ids, tags and marks, over one rank and accelerate's FSDP2 (ZeRO-2/3,
 either build), the precisions, recomputation, gradient accumulation and the families (Llama, Qwen2's biases,
-Phi-3, Gemma 2 and 3 whose layers differ, an MoE, DeepSeek-V3's latent attention); DDP is built op by op.
+Phi-3, OLMo 2, Qwen3, Mistral, Gemma 2 and 3 whose layers differ, Qwen3-MoE and Mixtral, DeepSeek-V2 and V3's
+latent attention); DDP is built op by op.
 A few cases by default, the grid under ``-m slow``."""
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ def _grid():
         yield _cut(name, layers), dict(rank, precision="bf16-mixed", recompute=r), 512, 2
     for r in ("none", "full"):  # latent attention: the run follows it on one rank
         yield _cut("deepseek-v3", 5), dict(precision="bf16", recompute=r), 512, 2
+    yield _cut("olmo2-7b", 4), dict(FSDP2[0], precision="bf16"), 512, 2  # q, k norms over the whole width
+    yield _cut("mistral-7b", 4), dict(precision="bf16-mixed"), 512, 2  # its window
+    yield _cut("qwen3-8b", 4), dict(FSDP2[1], precision="bf16"), 512, 2
+    yield _cut("mixtral-8x7b", 3), dict(precision="bf16"), 512, 2  # experts without a shared one
+    yield _cut("deepseek-v2-lite", 3), dict(precision="bf16"), 512, 2  # V2's latent attention, its MoE
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ batch2``); the copy's allocations take the tensor ids one step on and their batc
 Where it is exact: the plans whose step 2 makes step 1's requests, renumbered so (checked event for event
 against the op-by-op run over a grid of plans, tests/unit/test_timeline_hf_repeat.py): one rank and
 accelerate's FSDP2 (ZeRO-2/3, either build), full training with AdamW, in every precision and
-recomputation, over the families. Not DDP (its second and third steps differ: 10,330 and 10,384 events on
+recomputation, over the families. Not DDP (its second and third steps differ: 10,384 and 10,330 events on
 the 1B Llama at dp 8), adapters, quantized bases, TRL's activation offload or the other optimizers
 (:func:`repeats`): those runs are built op by op. The search's whole runs take it
 (``fast_run._whole_hf_peak``); ``memplan estimate`` builds every step.
