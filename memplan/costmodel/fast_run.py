@@ -308,14 +308,81 @@ def _whole_hf_peak(
     model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu: GPUSpec | None
 ) -> RunPeak:
     """The whole run's allocated peak (``_whole_hf``'s plans), on ``gpu`` (its kernels): one pass of the
-    allocator over every span (``span_peaks`` with ``middle``), where ``_whole_run_peak`` takes two (the
-    replay, then the spans for the phase): a whole llama3-70b run under FSDP2 (8,192 tokens, 8
-    micro-batches) is built in 2.9 s, replayed in 1.1 s and cut into spans in 1.7 s of CPU."""
-    from memplan.costmodel.reserve import plan_run
+    allocator (``reserve.replay``: the run's ``max_allocated`` and the first allocation that reaches it,
+    ``peak_event``), then the phase of the span that allocation falls in (:func:`phase_at`), read off the
+    events before it without the allocator. The same figures as the highest of every span (``span_peaks``
+    with ``middle``; the first of equals), which cost a third more of the allocator's pass (the spans' labels
+    kept at every event): a whole llama3-70b run under FSDP2 (2,048 tokens, full recompute) is built in
+    0.5 s and replayed in 0.2 s of CPU (docs/accuracy.md, "Speed"); tests/search/test_fast_form_hf_speed.py
+    holds the two equal. Under ``hf`` the run's last step is emitted from the one before where that is exact
+    (``timeline/hf_repeat.py``: one rank and FSDP2 with AdamW), a third of the build."""
+    from memplan.costmodel.reserve import plan_run, replay
+    from memplan.costmodel.timeline.hf_support import hf_supported
+    from memplan.costmodel.timeline.hf_trainer import hf_plan_run
 
-    run, _ = plan_run(model, workload, plan, runtime, device, gpu)
-    label, allocated = max(span_peaks(run, model.num_layers, middle=True), key=lambda s: s[1])
-    return RunPeak(allocated, _phase(label))
+    arch = cuda_arch(gpu)
+    if runtime == "hf" and device == "cuda" and hf_supported(model, plan, workload, runtime, arch, device) is None:
+        with collection_paused():  # the last step emitted from the one before where exact (hf_repeat.py)
+            run = hf_plan_run(model, workload, plan, arch, device, repeated=True)
+    else:
+        run, _ = plan_run(model, workload, plan, runtime, device, gpu)
+    r = replay(run, AllocatorConfig())
+    return RunPeak(r.max_allocated, phase_at(run, r.peak_event))
+
+
+def whole_hf_run(model: ModelSpec, plan: Plan, runtime: str, device: str) -> bool:
+    """Whether ``run_peak`` answers an ``applies`` plan with the whole run of transformers' Trainer
+    (``_whole_hf_peak``; ``runtime`` ``hf`` on CUDA): the plans whose peak costs a whole op-level run, which
+    :func:`run_peak_bound` bounds from below for a fraction of it."""
+    return (
+        runtime == "hf"
+        and device == "cuda"
+        and plan.finetune == "full"
+        and plan.pp == 1
+        and not _moe_lora(model, plan)
+        and not _loads_quantized(plan, runtime)
+        and _whole_hf(model, plan, runtime)
+    )
+
+
+def run_peak_bound(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str, gpu: GPUSpec | None = None
+) -> int | None:
+    """A lower bound on ``run_peak(...).allocated`` of a :func:`whole_hf_run` plan: the allocated peak of the
+    Trainer's run up to the end of its first step (the build, the first forward and backward, the optimizer's
+    states made at its first step), replayed through the same allocator. That run is the whole run's first
+    events, event for event (``hf_plan_run`` with ``steps=1`` over the same data), and an allocator replay is
+    causal, so its peak is the whole run's over those events, at most the whole run's: ~40% of the whole run's
+    cost on llama3-70b under FSDP2. None where the run does not model the plan (``run_peak`` answers None)."""
+    from memplan.costmodel.reserve import replay
+    from memplan.costmodel.timeline.hf_support import hf_supported
+    from memplan.costmodel.timeline.hf_trainer import hf_plan_run
+
+    arch = cuda_arch(gpu)
+    if hf_supported(model, plan, workload, "hf", arch, device) is not None:
+        return None
+    with collection_paused():
+        run = hf_plan_run(model, workload, plan, arch, device, steps=1)
+    return replay(run, AllocatorConfig()).max_allocated
+
+
+def phase_at(run: Timeline, index: int) -> str:
+    """The phase (``_phase``) of the span (``span_peaks``) that holds the run's event ``index``: the
+    label's mark is the last mark before it, its groups those the allocations since that mark opened,
+    up to and including ``index`` (a new group opens a new span, so no later allocation of the same span
+    adds one)."""
+    events = run.events
+    start = index
+    while start > 0 and events[start - 1][0] != MARK:
+        start -= 1
+    mark = events[start - 1][5] if start > 0 else "setup"
+    opened = set()
+    for op, _, _, category, _, tag in events[start : index + 1]:
+        if op == ALLOC:
+            group = "gradients" if tag.endswith("grad_seed") else _OPENS.get(category)
+            if group is not None:
+                opened.add(group)
+    return _phase(f"{mark}||{'+'.join(sorted(opened))}")
 
 
 def cut_depths(layers: int) -> tuple[int, int]:

@@ -158,6 +158,36 @@ def peak_reserved(candidate: Candidate, ctx: Context) -> int:
     return peak_bytes(fast_peak(candidate, ctx), ctx.peak_ratio)[1]
 
 
+def whole_run(candidate: Candidate, ctx: Context) -> bool:
+    """Whether the plan's peak (``fast_peak``) costs a whole op-level run not yet made in this search
+    (``fast_run.whole_hf_run``: transformers' Trainer under FSDP2, or over a model whose layers do not
+    repeat), which :func:`reserved_bound` bounds for a fraction of it."""
+    from memplan.costmodel import fast_run as FR
+
+    plan = candidate.plan
+    return (
+        ctx.every_plan_from_run
+        and candidate not in ctx.run_peaks
+        and FR.applies(ctx.model, plan, ctx.runtime, ctx.device)
+        and FR.whole_hf_run(ctx.model, plan, ctx.runtime, ctx.device)
+    )
+
+
+def reserved_bound(candidate: Candidate, ctx: Context) -> int | None:
+    """A lower bound on ``peak_reserved`` of a :func:`whole_run` plan: ``fast_run.run_peak_bound`` (the run's
+    peak up to its first step's end) through the same ``peak_bytes`` (non-decreasing in the allocated
+    peak: ``overhead.fast_reserved_bytes``, the calibration's ratio); None where the run does not model the
+    plan."""
+    from memplan.costmodel import fast_run as FR
+
+    bound = FR.run_peak_bound(ctx.model, candidate.workload, candidate.plan, ctx.device, ctx.gpu)
+    if bound is None:
+        return None
+    plan = PlanFields(candidate.plan)
+    peak = training_peak(ctx.model, candidate.workload, plan, ctx.runtime, ctx.device, ctx.memory_memo)  # type: ignore[arg-type]
+    return peak_bytes(peak._replace(allocated=bound), ctx.peak_ratio)[1]
+
+
 def evaluate(candidate: Candidate, ctx: Context) -> Evaluation:
     """Predicted peak memory, fit and speed of one plan: ``memory.training_peak`` and
     ``time.step_speed``, the figures of ``estimate_memory`` and ``estimate_time`` without

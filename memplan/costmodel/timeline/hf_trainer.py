@@ -54,6 +54,7 @@ from memplan.costmodel.timeline.hf_moe import layer_params as moe_layer_params
 from memplan.costmodel.timeline.hf_moe import moe_sizes
 from memplan.costmodel.timeline.hf_offload import TrlOffload, in_head
 from memplan.costmodel.timeline.hf_optimizers import FusedAdamW, Param, trainer_optimizer
+from memplan.costmodel.timeline.hf_repeat import repeat_step, repeats
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
 from memplan.specs.plan import trainer_autocast
@@ -97,9 +98,13 @@ def hf_kernel(model, plan, device: str, runtime: str = "hf") -> str:
     return sdpa_kernel(model, plan)
 
 
-def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> Timeline:
+def hf_plan_run(
+    model, workload, plan, gpu_arch=None, device: str = "cuda", steps: int = 3, repeated: bool = False
+) -> Timeline:
     """The run on ``device`` of an ``hf`` plan ``hf_support.hf_supported`` accepts: a first step and
-    two steady ones, the data never running dry (``gpu_arch``: the GPU's, a 4-bit base's kernel)."""
+    two steady ones, the data never running dry (``gpu_arch``: the GPU's, a 4-bit base's kernel); with
+    fewer ``steps``, the first of them, event for event (the data of three steps: ``fast_run.run_peak_bound``);
+    ``repeated``: the last step emitted from the one before where that is exact (``hf_repeat.py``)."""
     from memplan.costmodel.timeline.hf_support import accumulation
 
     kernel = hf_kernel(model, plan, device)
@@ -113,6 +118,8 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
         d,
         model.tied_embeddings,
         kernel,
+        steps=steps,
+        batches=3 * ga + 1,  # hf_run's default for three steps, whatever ``steps``
         qkv_bias=model.qkv_bias,
         ga=ga,
         arch=arch,
@@ -128,6 +135,7 @@ def hf_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> T
         host_load=plan.model_build == "to_device" and plan.dp > 1 and plan.zero >= 2 and not isinstance(quant, Bnb4bit),
         offload=plan.offload_activations == "cpu",  # TRL's hooks around training_step (hf_offload.py)
         optimizer=plan.optimizer,
+        repeated=repeated,
     )
 
 
@@ -150,6 +158,7 @@ def hf_run(
     host_load: bool = False,
     offload: bool = False,
     optimizer: str = "adamw",
+    repeated: bool = False,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
@@ -163,16 +172,22 @@ def hf_run(
     ``host_load``: under FSDP2, the model loaded on the CPU and sharded by ``cpu_ram_efficient_loading``
     (``hf_fsdp_load.py``: on CUDA the build puts one full parameter at a time on the GPU); ``offload``:
     TRL's activation offload around each ``training_step`` (``hf_offload.py``); ``optimizer``: the plan's
-    (``specs.plan.OptimizerName``), as the Trainer builds it (``hf_optimizers.trainer_optimizer``).
+    (``specs.plan.OptimizerName``), as the Trainer builds it (``hf_optimizers.trainer_optimizer``);
+    ``repeated``: the last step emitted from the one before where that is exact (``hf_repeat.py``).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
     args = (d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build, zero, mixed)
+    repeated = repeated and repeats(dp, zero, lora, quant, offload, optimizer)
     optimizer = trainer_optimizer(optimizer, cuda=kernel != "cpu_flash")
     run = _HfRun(*args, host_load=host_load, optimizer=optimizer)
     run.saves = TrlOffload() if offload else None
     run.b.mark("build")
+    span = None  # the last step built, from the second on: the one the last may be emitted from (hf_repeat.py)
     for k in range(steps):
-        run.step(k)
+        start = run.b.position()
+        if not (repeated and span is not None and k == steps - 1 and repeat_step(run.b, *span, ga)):
+            run.step(k)
+        span = (start, run.b.position()) if k >= 1 else None
         run.b.mark(f"step{k}")
     managed = getattr(run.optimizer, "managed", 0)  # bitsandbytes' paged states (hf_bnb_optim.py)
     return run.b.build(run.saves.host_peak if run.saves is not None else 0, managed=managed)
