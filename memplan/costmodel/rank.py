@@ -4,8 +4,8 @@ the op-level estimate (``run_report.py``, ``time.py``, ``estimation.py``) both r
 Its model states (the ZeRO partition, LoRA / QLoRA's, bitsandbytes' paged states apart), the
 micro-batches of its step, the kernel its attention runs and its role in the pipeline. Kept apart
 from ``memory.py`` so that an estimate the op-level run answers does not import the phase model
-(its 2,700 lines, their dataclasses and the modules only it uses: ~80 M instructions of a cold
-``memplan estimate``, docs/accuracy.md, "Speed of the estimate path").
+(its 2,700 lines, their dataclasses and named tuples, and the modules only it uses: 45 M
+instructions of a cold ``memplan estimate``'s import, docs/accuracy.md, "Speed of the estimate path").
 """
 
 from functools import lru_cache

@@ -188,7 +188,7 @@ def test_a_fitting_estimate_imports_and_builds_only_what_it_needs(tmp_path):
 
 
 # the phase model and the modules only it uses: an estimate the op-level run answers reads its rank's
-# closed-form facts from ``costmodel.rank`` and imports none of them (~80 M instructions of a cold start)
+# closed-form facts from ``costmodel.rank`` and imports none of them (45 M instructions of a cold start)
 PHASE_MODEL = (
     "memplan.costmodel.memory",
     "memplan.costmodel.fp8",
