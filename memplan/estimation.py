@@ -8,10 +8,10 @@ from pydantic import BaseModel, ConfigDict
 from memplan.costmodel.host import HostMemory, host_memory
 from memplan.costmodel.margin import band as margin_band
 from memplan.costmodel.margin import state as margin_state
-from memplan.costmodel.memory import estimate_memory, sdpa_kind
 from memplan.costmodel.overhead import communicators, fixed_overhead_bytes
 from memplan.costmodel.params import active_params, total_params
 from memplan.costmodel.precision import POLICIES
+from memplan.costmodel.rank import sdpa_kind
 from memplan.costmodel.report import MemoryReport, ReservedDetail
 from memplan.costmodel.reserve import Verdict, plan_verdict, serving_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
@@ -125,8 +125,12 @@ def memory_verdict(job: Job, device: Device, limit: int | None = None) -> tuple[
 
             report = run_report(job.model, job.workload, job.plan, job.runtime, v, _detail(job, v, limit))
             return report, v, limit
+        from memplan.costmodel.memory import estimate_memory  # the phase model: only where the run does not answer
+
         report = estimate_memory(job.model, job.workload, job.plan, job.runtime, device)
     else:
+        from memplan.costmodel.memory import estimate_memory
+
         report = estimate_memory(job.model, job.workload, job.plan, job.runtime, device)
         limit = job.gpu.capacity_bytes - report.overhead if limit is None else limit
         v = serving_verdict(job.model, job.workload, job.plan, job.allocator, limit)

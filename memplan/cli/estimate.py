@@ -13,7 +13,6 @@ from rich.table import Table
 from memplan.cli.common import HOST_MEMORY_HELP, warn
 from memplan.cli.options import GpusOpt, NodesOpt, PlanFileOpt
 from memplan.cli.planflags import PlanFlags, takes_plan_flags
-from memplan.costmodel.inference import vllm_default_chunk
 from memplan.costmodel.optimizer import paged_residency
 from memplan.costmodel.report import MemoryReport
 from memplan.costmodel.timeline.events import Timeline
@@ -168,6 +167,8 @@ def _prefill_setting(result: EstimateResult) -> str:
             f"prefill: chunks of {plan['prefill_chunk']:,} tokens across the batch (--prefill-chunk), "
             f"{p.tokens:,} per forward, over {cache}"
         )
+    from memplan.costmodel.inference import vllm_default_chunk  # serving's: not on a training estimate's path
+
     default = vllm_default_chunk(result.gpu["capacity_bytes"], result.gpu["name"])
     return (
         f"prefill: every prompt in one forward, {p.tokens:,} tokens (transformers' generate; vLLM V1 chunks "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from heapq import heapreplace
 from operator import attrgetter
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 from memplan.costmodel import activations as A
 from memplan.costmodel import fp8 as F8
@@ -25,12 +25,21 @@ from memplan.costmodel import lora as L
 from memplan.costmodel import overhead as O
 from memplan.costmodel import params as P
 from memplan.costmodel import trainer_offload as TO
-from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.build_blocks import parameter_block_excess
 from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout, vocab_shard_params
-from memplan.costmodel.optimizer import foreach_temp_bytes_per_param, is_paged, paged_state_bytes, state_bytes_per_param
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
-from memplan.costmodel.quant import quantized_weight_bytes
+from memplan.costmodel.rank import (  # noqa: F401 (re-exported: the phase model's callers read them here too)
+    Device,
+    device_states,
+    factored_share,
+    finetune_states,
+    gradient_accumulation,
+    model_states,
+    sdpa_kind,
+    stage_role,
+    stage_states,
+)
+from memplan.costmodel.rank import States as _States
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
 from memplan.costmodel.report import Prefill as PrefillReport
 from memplan.costmodel.runtimes import RUNTIMES, RuntimeProfile
@@ -48,28 +57,7 @@ from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
-Device = Literal["cuda", "cpu"]  # where the step runs: CUDA on a GPU profile, or a CPU run of the trainer
-
 ZERO3_PREFETCH_LAYERS = 2  # FSDP / ZeRO-3: the current layer and the one prefetched
-
-
-class _States(NamedTuple):
-    params: int
-    grads: int
-    optimizer: int
-    optimizer_temp: int
-    cpu: int
-    nvme: int
-    optimizer_elements: float  # parameters whose optimizer state this rank holds
-    master_elements: float | None = None  # of those, the ones with fp32 master weights (None: all)
-    paged: int = 0  # paged optimizer states in CUDA managed memory (outside the allocator; not in optimizer)
-
-
-def gradient_accumulation(workload: TrainingWorkload, plan: Plan) -> int:
-    """Micro-batches per step on one rank: global_batch / (micro_batch x dp)."""
-    if (batch := workload.global_batch) is None:  # read once: a model's attribute read is slow (PlanFields)
-        return 1
-    return max(1, batch // (workload.micro_batch * plan.dp))
 
 
 def inflight_layers(plan: Plan, stage: int, accumulation: int, layers: int) -> float:
@@ -89,39 +77,6 @@ def inflight_microbatches(plan: Plan, stage: int, accumulation: int) -> int:
     if plan.pp_schedule == "gpipe":
         return accumulation
     return min(plan.pp - stage, accumulation)
-
-
-def model_states(
-    layout: StageLayout, plan: Plan, policy: PrecisionPolicy, factored: float, optimizer_shard: int | None = None
-) -> _States:
-    """Bytes of params, grads and optimizer states on one rank (ZeRO, Rajbhandari et al. 2020).
-
-    Dense params shard over the dp x cp ranks, routed experts over dp x cp / ep. Stage 1
-    shards optimizer states (with fp32 master weights), 2 also gradients, 3 also params.
-    Offloaded states move to CPU or NVMe with their shard. ``optimizer_shard``: the elements
-    the rank's optimizer steps where the partition is not even (:func:`zero1_shard`).
-    """
-    group = plan.dp * plan.cp
-    shard = layout.dense_params / group + layout.expert_params / (group // plan.ep)
-    full = layout.params
-    params_n = shard if plan.zero >= 3 else full
-    grads_n = shard if plan.zero >= 2 else full
-    opt_n = shard if plan.zero >= 1 else full
-    if optimizer_shard is not None:
-        opt_n = optimizer_shard
-    opt_bytes = int(opt_n * state_bytes_per_param(plan.optimizer, policy, factored))
-    params_bytes = int(params_n * policy.param_bytes)
-    cpu = nvme = 0
-    if plan.offload_optimizer != "none":
-        # ZeRO-Offload keeps fp32 gradients beside the states on the host
-        host = opt_bytes + (int(opt_n * 4) if policy.master_bytes else 0)
-        cpu, nvme = (host, 0) if plan.offload_optimizer == "cpu" else (int(opt_n * 4), opt_bytes)
-        opt_bytes = 0
-    if plan.offload_params != "none":
-        cpu, nvme = (cpu + params_bytes, nvme) if plan.offload_params == "cpu" else (cpu, nvme + params_bytes)
-        params_bytes = 0
-    temp = 0 if plan.offload_optimizer != "none" else int(opt_n * foreach_temp_bytes_per_param(plan.optimizer, policy))
-    return _States(params_bytes, int(grads_n * policy.grad_bytes), opt_bytes, temp, cpu, nvme, opt_n)
 
 
 _CUBLAS_WORKSPACES = O.cublas_workspaces("memplan", "cuda")  # read once: the search's cost (``_stage_phases``)
@@ -157,68 +112,6 @@ def _zero1_most_loaded(shape: tuple[int, ...], qkv_bias: bool, tied: bool, dp: i
     for n in numels:
         heapreplace(loads, (loads[0][0] + n, loads[0][1]))
     return max(loads)[0]
-
-
-# LoRA adapters are fp32 whatever the base (PEFT's autocast_adapter_dtype), with fp32 states
-_ADAPTER_POLICY = PrecisionPolicy("lora-adapter", 4, 4, 0, 4, 4)
-
-
-def finetune_states(
-    layout: StageLayout, model: ModelSpec, plan: Plan, policy: PrecisionPolicy, factored: float
-) -> _States:
-    """Model states of LoRA / QLoRA on one rank (PEFT over transformers, measured with MemTracker):
-
-    - the frozen base: every parameter in the param dtype, or with ``quant`` the decoder
-      layers' linears quantized (``quant.quantized_weight_bytes``) and everything else (the
-      embedding, norms, LM head) in fp32, as ``prepare_model_for_kbit_training`` casts it;
-    - trainable: the adapters (``lora.layer_adapter_params`` per layer, fp32) and the copies
-      ``modules_to_save`` makes (embed_tokens on the first stage, lm_head on the last; in the
-      param dtype, fp32 over a quantized base), the originals staying in the frozen base;
-    - gradients and optimizer states (and master weights, for a 2-byte trained copy under a
-      ``*-master`` policy) for the trainable parameters only, sharded as ``model_states``.
-    """
-    group = plan.dp * plan.cp
-    frozen_n = layout.params
-    linears = L.layer_linears(model)
-    if plan.quant == "none":
-        frozen = frozen_n * policy.param_bytes
-    else:
-        per_layer = sum(
-            quantized_weight_bytes(o // plan.tp, i, plan.quant, plan.double_quant) for i, o in linears.values()
-        )
-        linear_n = layout.layers * sum(i * o for i, o in linears.values()) // plan.tp
-        frozen = layout.layers * per_layer + (frozen_n - linear_n) * 4
-    copies = L.saved_module_params(model, plan.modules_to_save)
-    saved_n = 0
-    if layout.is_first:
-        saved_n += copies.get("embed_tokens", 0) // plan.tp
-    if layout.is_last:
-        saved_n += copies.get("lm_head", 0) // plan.tp
-    saved_policy = _ADAPTER_POLICY if plan.quant != "none" else policy
-    adapters_n = layout.layers * L.layer_adapter_params(model, plan.lora_targets, plan.lora_rank) // plan.tp
-    groups = [(adapters_n, _ADAPTER_POLICY), (saved_n, saved_policy)]
-    params_b = frozen / group if plan.zero >= 3 else frozen
-    grads_b = opt_b = temp_b = 0.0
-    opt_total = master_n = 0.0
-    for n, gp in groups:
-        params_b += (n / group if plan.zero >= 3 else n) * gp.param_bytes
-        grads_b += (n / group if plan.zero >= 2 else n) * gp.grad_bytes
-        opt_n = n / group if plan.zero >= 1 else n
-        opt_b += opt_n * state_bytes_per_param(plan.optimizer, gp, factored)
-        temp_b += opt_n * foreach_temp_bytes_per_param(plan.optimizer, gp)
-        opt_total += opt_n
-        master_n += opt_n if gp.master_bytes else 0
-    cpu = nvme = 0
-    opt_bytes, params_bytes = int(opt_b), int(params_b)
-    if plan.offload_optimizer != "none":
-        host = opt_bytes + int(master_n * 4)
-        cpu, nvme = (host, 0) if plan.offload_optimizer == "cpu" else (int(master_n * 4), opt_bytes)
-        opt_bytes = 0
-        temp_b = 0
-    if plan.offload_params != "none":
-        cpu, nvme = (cpu + params_bytes, nvme) if plan.offload_params == "cpu" else (cpu, nvme + params_bytes)
-        params_bytes = 0
-    return _States(params_bytes, int(grads_b), opt_bytes, int(temp_b), cpu, nvme, opt_total, master_n)
 
 
 def lora_extra(x: A.Shape, plan: Plan) -> int:
@@ -654,10 +547,6 @@ def _shape(
     )
 
 
-# the search asks for the same few (device, dtype, heads) millions of times
-_sdpa_backend = lru_cache(maxsize=4096)(sdpa_backend)
-
-
 def _activation_bytes(plan: Plan, policy: PrecisionPolicy, autocast: bool) -> int:
     """Bytes per activation element: the compute dtype's, but over a quantized base fp32 unless
     under autocast. ``prepare_model_for_kbit_training`` casts the embedding, norms and head to
@@ -668,35 +557,6 @@ def _activation_bytes(plan: Plan, policy: PrecisionPolicy, autocast: bool) -> in
     if plan.quant != "none" and not autocast:
         return 4
     return policy.compute_bytes
-
-
-def sdpa_kind(
-    model: ModelSpec,
-    plan: Plan,
-    policy: PrecisionPolicy,
-    device: Device = "cuda",
-    capability: tuple[int, int] | None = None,
-) -> str:
-    """The kernel ``scaled_dot_product_attention`` runs for this plan on ``device``
-    (``attention.sdpa_backend``): the runtimes call it causal, without a mask or dropout, on
-    their rank's heads, GQA passed unrepeated (``enable_gqa``; transformers does so when there
-    is no padding mask). ``triton`` attention is memplan's own kernel: flash's tensors.
-    ``capability``: the GPU's CUDA compute capability (None: an H100's, 9.0); what the fused
-    kernels keep is the same across them (q, k, v, out, an fp32 log-sum-exp), so the memory
-    model leaves it at the default and the labels and the time model pass the profile's."""
-    if plan.attention == "triton":
-        return "flash"
-    return _sdpa_backend(
-        device,
-        "fp32" if policy.compute_bytes == 4 else "bf16",
-        model.head_size,
-        model.num_attention_heads // plan.tp,
-        max(model.kv_heads // plan.tp, 1),
-        enable_gqa=True,
-        dropout=0.0,
-        v_head_dim=model.v_head_size,
-        **({"capability": tuple(capability)} if capability is not None and device == "cuda" else {}),
-    )
 
 
 def _fsdp2(rt: RuntimeProfile, plan: Plan) -> bool:
@@ -1707,7 +1567,7 @@ class MemoryMemo:
         """``model_states`` of a stage (full training) of ``model``; ``layout_key``: :meth:`layout`'s."""
         key = (layout_key, _state_fields(plan), optimizer_shard)
         if (found := self.states.get(key)) is None:
-            factored = _factored(model)
+            factored = factored_share(model)
             found = self.states[key] = model_states(layout, plan, policy, factored, optimizer_shard)
         return found
 
@@ -1939,37 +1799,17 @@ def _rebuilds_first_backward(
     return model.mlp == "gated" and plan.offload_activations == "none" and plan.precision != "fp8"
 
 
-def stage_states(
-    model: ModelSpec, plan: Plan, stage: int, device: Device = "cuda", memo: MemoryMemo | None = None
-) -> _States:
-    """The model states of pipeline rank ``stage`` in closed form (the ZeRO partition of
-    :func:`model_states`, or :func:`finetune_states`): what lives on the device, what is offloaded
-    to the host or NVMe, and bitsandbytes' paged optimizer states (CUDA managed memory, outside
-    the caching allocator; on CPU bitsandbytes falls back to ``torch.zeros_like``). No phase sum:
-    the op-level estimate reads its host and paged bytes here (``costmodel.run_report``)."""
-    memo = MemoryMemo() if memo is None else memo
-    layout, _, layout_key = memo.layout(model, plan, stage)
-    return _states(model, plan, layout, layout_key, POLICIES[plan.precision], device, memo)
-
-
-def _factored(model: ModelSpec) -> float:
-    """Adafactor's factored state per parameter of a matrix (``model_states``' ``factored``)."""
-    return 1 / model.hidden_size + 1 / model.ffn_size
-
-
 def _states(
     model: ModelSpec, plan: Plan, layout: StageLayout, layout_key: tuple, policy: PrecisionPolicy, device: Device,
     memo: MemoryMemo, optimizer_shard: int | None = None,
 ) -> _States:  # fmt: skip
     """:func:`stage_states` of a stage whose layout the caller has (``_stage_phases``; ``optimizer_shard``:
     :func:`zero1_shard`'s)."""
-    if plan.finetune != "full":
-        st = finetune_states(layout, model, plan, policy, _factored(model))
-    else:  # the factored share only where the memo has no states yet (a model's attribute read is slow)
-        st = memo.model_states(layout, plan, policy, model, layout_key, optimizer_shard)
-    if device == "cuda" and is_paged(plan.optimizer) and (paged := paged_state_bytes(model, layout, plan)):
-        st = st._replace(optimizer=st.optimizer - paged, paged=paged)
-    return st
+    # the factored share only where the memo has no states yet (a model's attribute read is slow)
+    full = None
+    if plan.finetune == "full":
+        full = memo.model_states(layout, plan, policy, model, layout_key, optimizer_shard)
+    return device_states(model, plan, layout, policy, device, full)
 
 
 def _stage_phases(
@@ -2527,15 +2367,6 @@ def _stages_to_examine(model: ModelSpec, plan: Plan, rt: RuntimeProfile) -> list
         return list(range(plan.pp))
     middle = {1} if rt.pytorch_parallel and plan.pp > 2 else set()
     return sorted({0, plan.pp - 1} | middle)
-
-
-def stage_role(stage: int, pp: int) -> str:
-    """``Peak.rank_role`` of pipeline rank ``stage`` of ``pp``."""
-    if pp == 1:
-        return "every rank (no pipeline)"
-    if stage in (0, pp - 1):
-        return "first pipeline stage" if stage == 0 else "last pipeline stage"
-    return f"pipeline stage {stage}"
 
 
 def kv_cache_bytes(

@@ -14,11 +14,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator
-from memplan.costmodel.memory import serving_run, stage_moments
 from memplan.costmodel.quant import CudaArch, cuda_arch
 from memplan.costmodel.timeline.events import ALLOC, FREE, STEADY, Stream, Timeline, collection_paused
 from memplan.costmodel.timeline.phases import PHASE_MARKS, SETUP
-from memplan.costmodel.timeline.step import build_run
 from memplan.costmodel.timeline.support import supported
 from memplan.errors import MemplanError
 from memplan.specs.model import ModelSpec
@@ -304,6 +302,9 @@ def _plan_run(
             )
     else:
         why = f"the {runtime} runtime"
+    from memplan.costmodel.memory import stage_moments  # the phase model: only where the op-level run does not apply
+    from memplan.costmodel.timeline.step import build_run
+
     sm = stage_moments(model, workload, plan, runtime, device=device)
     return build_run(sm.moments, sm.granularity, sm.build_grads), f"phases ({why})"
 
@@ -331,6 +332,8 @@ def serving_verdict(
     model: ModelSpec, workload: InferenceWorkload, plan: Plan, config: AllocatorConfig, limit_bytes: int
 ) -> Verdict:
     """The most-loaded stage's serving run (weights, KV cache, prefills) replayed: see :func:`verdict`."""
+    from memplan.costmodel.memory import serving_run
+
     run = serving_run(model, workload, plan)
     return replace(verdict(run, config, limit_bytes), timeline="serving", run=run)
 

@@ -24,15 +24,15 @@ without a caching allocator, ``cpu_reserve.cpu_verdict``), not from the phase mo
 The host's bytes of activation offload are the run's (``Timeline.host_peak``: the pinned copies
 ``save_on_cpu`` holds at most, ``act_offload.SaveOnCpu``). What the run does not hold keeps its own
 source, none of them a phase sum: the states' host and NVMe bytes and bitsandbytes' paged states
-(``memory.stage_states``: the ZeRO partition in closed form; under transformers' Trainer the run's own
+(``rank.stage_states``: the ZeRO partition in closed form; under transformers' Trainer the run's own
 ``Timeline.managed``, ``hf_bnb_optim.py``), the memory outside the allocator
-(``overhead.outside_memory``) and the micro-batches per step (``memory.gradient_accumulation``).
+(``overhead.outside_memory``) and the micro-batches per step (``rank.gradient_accumulation``).
 """
 
 from __future__ import annotations
 
 from memplan.costmodel import overhead as O
-from memplan.costmodel.memory import gradient_accumulation, stage_role, stage_states
+from memplan.costmodel.rank import gradient_accumulation, stage_role, stage_states
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak, ReservedDetail
 from memplan.costmodel.reserve import Verdict, peak_breakdown
 from memplan.costmodel.timeline.phases import model_states, saved_activations

@@ -29,9 +29,9 @@ from memplan.costmodel import time_lora as Q
 from memplan.costmodel.activations import layer_matmul_widths
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.layout import stage_layer_indices
-from memplan.costmodel.memory import activation_offload_bytes, estimate_memory, gradient_accumulation, sdpa_kind
 from memplan.costmodel.optimizer import is_paged, paged_residency, state_bytes_per_param
 from memplan.costmodel.precision import POLICIES
+from memplan.costmodel.rank import gradient_accumulation, sdpa_kind
 from memplan.costmodel.runtimes import RUNTIMES
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.model import ModelSpec
@@ -679,6 +679,8 @@ def step_speed(
         act = tokens_mb * model.hidden_size * d / (plan.tp if plan.sequence_parallel else 1)
         breakdown["pp_p2p"] = 2 * (plan.pp - 1) * (pp_link.alpha_s + act / pp_link.bytes_per_s)
     if plan.offload_activations != "none":
+        from memplan.costmodel.memory import activation_offload_bytes  # the phase model: only where it is read
+
         mechanism, moved = activation_offload_bytes(model, workload, plan, runtime)
         breakdown["activation_offload"] = m * activation_offload_s(moved, gpu.pcie_bytes_per_s, per_mb, mechanism)
     params = P.total_params(model) if memo is None else memo.total_params(model)
@@ -962,6 +964,8 @@ def paged_optimizer_s(model: ModelSpec, workload: TrainingWorkload, plan: Plan, 
     PCIe at the profile's bandwidth; page-fault migration being slower than a bulk copy, a floor.
     The peak is the fast form's (the search's); the allocator replay ``memplan estimate`` shows can
     hold more (its cached free blocks), and then more pages than charged here."""
+    from memplan.costmodel.memory import estimate_memory  # the phase model: only for a paged optimizer
+
     report = estimate_memory(model, workload, plan, runtime)
     headroom = gpu.capacity_bytes - report.overhead - report.peak.reserved
     _, spilled = paged_residency(report.paged_optimizer_states, headroom)

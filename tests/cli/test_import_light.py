@@ -187,6 +187,45 @@ def test_a_fitting_estimate_imports_and_builds_only_what_it_needs(tmp_path):
     assert result["built"] == [], f"validators built without need: {result['built']}"
 
 
+# the phase model and the modules only it uses: an estimate the op-level run answers reads its rank's
+# closed-form facts from ``costmodel.rank`` and imports none of them (45 M instructions of a cold start)
+PHASE_MODEL = (
+    "memplan.costmodel.memory",
+    "memplan.costmodel.fp8",
+    "memplan.costmodel.inference",
+    "memplan.costmodel.build_blocks",
+    "memplan.costmodel.timeline.step",
+    "memplan.costmodel.timeline.schedule",
+)
+OP_LEVEL_SCRIPT = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    import memplan.cli.app
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = memplan.cli.app.run(["estimate", "llama3-8b", "--gpus", "8", "--zero", "3", "--format", "json"])
+    result = json.loads(out.getvalue())
+    print(json.dumps({
+        "code": code, "err": err.getvalue(), "fits": result["fits"], "model": result["memory"]["model"],
+        "loaded": sorted(m for m in PHASE_MODEL if m in sys.modules),
+    }))
+    """
+).replace("PHASE_MODEL", repr(PHASE_MODEL))
+
+
+def test_an_op_level_estimate_does_not_import_the_phase_model():
+    """``memplan estimate``'s default plan (benchmarks/bench_estimate.py's cold start), which the
+    bundled trainer's op-level run answers, imports neither ``costmodel.memory`` nor the modules only
+    the phase model uses."""
+    env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", OP_LEVEL_SCRIPT], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["code"] == 0, result["err"]
+    assert result["fits"] and result["model"] == "op-level"  # the case this test is about
+    assert result["loaded"] == [], f"imported without need: {result['loaded']}"
+
+
 def test_timeline_draws_the_run_the_estimate_replayed(tmp_path, monkeypatch, capsys):
     """``--timeline`` is handed the run the allocator verdict replayed: the run is built once, and
     it is the one :func:`memplan.viz.predicted.predicted_run` describes."""

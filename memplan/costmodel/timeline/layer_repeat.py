@@ -67,15 +67,16 @@ def retag(tag: str, shift: int) -> str:
     return "".join(str(p + shift) if i % 2 else p for i, p in enumerate(parts))  # type: ignore[operator]
 
 
-def _prepared(events: list[Event]) -> list[tuple[Event, tuple | None]]:
-    """A template's events, each tag split around its one layer index (None: no index), so that a
-    copy renames it with one format (:meth:`LayerRepeat._emit`)."""
+def _prepared(events: list[Event]) -> list[tuple]:
+    """A template's events, flat, each with its tag split around its one layer index (``parts``, None:
+    no index), so that a copy unpacks one tuple per event and renames the tag with one format
+    (:meth:`LayerRepeat._emit`)."""
     out = []
     for e in events:
         parts = _tag_parts(e[5])
         if len(parts) > 3:
             raise NotRepeatable(f"a tag with two layer indices: {e[5]}")
-        out.append((e, parts if len(parts) == 3 else None))
+        out.append((*e, parts if len(parts) == 3 else None))
     return out
 
 
@@ -204,32 +205,32 @@ class LayerRepeat:
             group.unsharded = {retag(n, shift): self.relabel(p, shift) for n, p in self.template_unsharded.items()}
 
     # --- emission --------------------------------------------------------------------------------
-    def _emit(self, events: list[tuple[Event, tuple | None]], first: int, end: int, kind: int, layer: int, shift: int):
+    def _emit(self, events: list[tuple], first: int, end: int, kind: int, layer: int, shift: int):
         """``events`` (a block of ids ``first``..``end``, :func:`_prepared`) again as layer ``layer``'s
         block of ``kind``, ``shift`` layers from the template's."""
         b = self.b
         base, at = b._next, len(b.events)
         offset = base - first
         append, live, pop = b.events.append, b.live, b.live.pop
-        for e, parts in events:
-            op, tensor = e[0], e[1]
+        for op, tensor, size, category, stream, tag, parts in events:
             if op == ALLOC:
+                if parts is not None:
+                    tag = f"{parts[0]}{parts[1] + shift}{parts[2]}"
                 tensor += offset
-                tag = e[5] if parts is None else f"{parts[0]}{parts[1] + shift}{parts[2]}"
-                new = _event(Event, (ALLOC, tensor, e[2], e[3], e[4], tag))
+                new = _event(Event, (ALLOC, tensor, size, category, stream, tag))
                 append(new)
                 live[tensor] = new
             elif op == FREE:
-                if first <= tensor < end:
+                if first <= tensor < end:  # the block's own tensor: freed with the tag it was allocated with
                     tensor += offset
-                    held = pop(tensor)
+                    name = pop(tensor)[5]
                 else:
                     tensor = self._mapped(tensor, shift)
                     held = pop(tensor, None)
-                    tag = e[5] if parts is None else f"{parts[0]}{parts[1] + shift}{parts[2]}"
-                    if held is None or held[2:5] != e[2:5] or held[5] != tag:
-                        raise NotRepeatable(f"a carried tensor does not pair: {e[5]}")
-                append(_event(Event, (FREE, tensor, held[2], held[3], held[4], held[5])))
+                    name = tag if parts is None else f"{parts[0]}{parts[1] + shift}{parts[2]}"
+                    if held is None or held[2:] != (size, category, stream, name):
+                        raise NotRepeatable(f"a carried tensor does not pair: {tag}")
+                append(_event(Event, (FREE, tensor, size, category, stream, name)))
             else:
                 raise NotRepeatable("a mark inside a layer")
         b._next = base + end - first

@@ -64,19 +64,18 @@ def repeat(b: Builder, start: Position, end: Position) -> bool:
     events, live, mark_ids = b.events, b.live, b.mark_ids
     append, pop = events.append, live.pop
     marks = iter(mark_ids[start[2] : end[2]])
-    for e in events[start[0] : end[0]]:
-        op, tensor = e[0], e[1]
+    for op, tensor, size, category, stream, tag in events[start[0] : end[0]]:
         if op == ALLOC:
             tensor += shift
-            new = _event(Event, (ALLOC, tensor, e[2], e[3], e[4], e[5]))
+            new = _event(Event, (ALLOC, tensor, size, category, stream, tag))
             append(new)
             live[tensor] = new
-        elif op == FREE:
+        elif op == FREE:  # a carry-in pairs with a carry-out of the same size, category, stream and tag
             tensor = tensor + shift if tensor >= first else pairs[tensor]
-            _, _, size, category, stream, tag = pop(tensor)
+            pop(tensor)
             append(_event(Event, (FREE, tensor, size, category, stream, tag)))
         else:
             b._next = next(marks) + shift
-            b.mark(e[5])
+            b.mark(tag)
     b._next = base + shift
     return True
