@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 from estimate_json import estimate_memory as _estimate
+from hf_predict import hf_predict
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import hf_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_kernel, hf_run  # noqa: E402
+from memplan.costmodel.timeline.hf_trainer import hf_kernel  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
-from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
 
@@ -60,23 +60,9 @@ CASES = [
 def predict(case: hf_steps.Case, inplace_accumulate: bool = False, ga: int = 1, dp: int = 1) -> int:
     """The run's peak for the case's config.json, workload and precision, on CPU's kernels, with
     ``ga`` micro-batches per optimizer step, on one of ``dp`` ranks (DDP)."""
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = Plan(
-        precision=case.precision, autocast=case.plan_autocast, recompute="full" if case.checkpointing else "none"
-    )
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    timeline = hf_run(
-        d,
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS * ga,  # the harness's dataset holds the steps' batches: the last prefetch finds none
-        qkv_bias=model.qkv_bias,
-        ga=ga,
-        inplace_accumulate=inplace_accumulate,
-        dp=dp,
-    )
-    return timeline.peak()[0]
+    recompute = "full" if case.checkpointing else "none"
+    plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, dp=dp)
+    return hf_predict(case, plan, ga=ga, inplace_accumulate=inplace_accumulate).peak()[0]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -126,12 +112,11 @@ def test_cuda_run_holds_cublas_workspaces_and_flash_tensors() -> None:
     """The CUDA run differs from the CPU one by what CUDA allocates: cuBLAS's two workspaces,
     flash's philox seeds, the sum-to-weight workspace (not checked on a GPU against transformers)."""
     case = _case("cuda", **SMALL, dtype="bfloat16")
-    model = model_from_data(case.hf_config(), "cuda/config.json", "cuda")
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), Plan(precision="bf16"))
-    tags = {e.tag for e in hf_run(d, False, "flash").events}
+    plan = Plan(precision="bf16")
+    tags = {e.tag for e in hf_predict(case, plan, kernel="flash").events}
     assert {"cublas_workspace.forward", "cublas_workspace.backward"} <= tags
     assert any(t.endswith("philox_seed") for t in tags) and any(t.endswith("reduce_workspace") for t in tags)
-    cpu_tags = {e.tag for e in hf_run(d, False, "cpu_flash").events}
+    cpu_tags = {e.tag for e in hf_predict(case, plan).events}
     assert not any("cublas" in t or "philox" in t or "reduce_workspace" in t for t in cpu_tags)
 
 

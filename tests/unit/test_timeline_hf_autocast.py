@@ -16,8 +16,6 @@ with ``inplace_accumulate=False`` (the tracker holds each storage's Python objec
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -26,13 +24,11 @@ pytest.importorskip("peft")
 
 import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import hf_steps  # noqa: E402
+from hf_predict import hf_predict  # noqa: E402
 from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
 
-from memplan.costmodel.timeline.hf_bnb import Bnb4bit  # noqa: E402
-from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
-from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
+from memplan.costmodel.timeline.hf_trainer import hf_dims  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
@@ -54,27 +50,14 @@ FULL = [
 ]
 
 
-def _predict(case, plan: Plan, quant: Bnb4bit | None = None) -> int:
+def _predict(case, plan: Plan) -> int:
     """The run's peak for the case's config.json under ``plan``, which the hf run must accept."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload, "hf") is None, case.name
     d = hf_dims(model, workload, plan)
     assert d.autocast and (d.pd == 2) == (plan.quant == "none"), case.name  # bf16 weights under bf16=True
-    timeline = hf_run(
-        d,
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS,  # the harness's dataset holds the steps' batches: the last prefetch finds none
-        qkv_bias=model.qkv_bias,
-        arch=model.architecture,
-        extra=family_config(model),
-        lora=HfLoraConfig.of(plan),
-        quant=quant if quant is not None else Bnb4bit.of(plan),
-        inplace_accumulate=False,
-    )
-    return timeline.peak()[0]
+    return hf_predict(case, plan).peak()[0]
 
 
 def _params(cases):
@@ -113,11 +96,8 @@ def test_peft_equals_the_trainers_peak(case: PeftCase) -> None:
         pytest.importorskip("bitsandbytes")
     plan = plan_of(case)
     assert plan.precision == "bf16"
-    quant = Bnb4bit.of(plan)
-    if quant is not None:
-        quant = dataclasses.replace(quant, stored=2)  # loaded in bf16 (the plan's compute dtype)
     measured = hf_peft_steps.measure(case, steps=STEPS)
-    predicted = _predict(case, plan, quant)
+    predicted = _predict(case, plan)  # a 4-bit base loaded in bf16 (hf_predict.case_quant)
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 

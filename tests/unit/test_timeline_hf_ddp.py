@@ -26,6 +26,7 @@ pytest.importorskip("peft")
 
 import hf_ddp_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import hf_steps  # noqa: E402
+from hf_predict import hf_predict  # noqa: E402
 from peft_steps import TINY, PeftCase  # noqa: E402
 from test_timeline_hf import LLAMA1B  # noqa: E402
 from test_timeline_hf import predict as predict_full  # noqa: E402
@@ -34,10 +35,7 @@ from test_timeline_hf_families import predict as predict_family  # noqa: E402
 from test_timeline_hf_peft import predict as predict_peft  # noqa: E402
 
 from memplan.costmodel.timeline.events import ALLOC  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
-from memplan.specs.loader import model_from_data  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
-from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 DP = hf_ddp_steps.WORLD
 SMALL = dict(hf_steps.BASE_SMALL)
@@ -119,10 +117,8 @@ def test_lora_equals_rank_0s_peak(case: PeftCase, ga: int) -> None:
 
 def _bucket_sizes(case: hf_steps.Case, checkpointing: bool) -> list[int]:
     """The run's reducer buckets, in allocation order."""
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = Plan(precision="fp32", recompute="full" if checkpointing else "none")
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    events = hf_run(d, model.tied_embeddings, "cpu_flash", steps=2, dp=DP).events
+    plan = Plan(precision="fp32", recompute="full" if checkpointing else "none", dp=DP)
+    events = hf_predict(case, plan, steps=2).events
     return [e.size for e in events if e.op == ALLOC and "reducer.bucket" in e.tag]
 
 

@@ -14,6 +14,7 @@ import dataclasses
 
 import pytest
 from estimate_json import estimate_memory as _estimate
+from hf_predict import hf_predict
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -21,9 +22,7 @@ transformers = pytest.importorskip("transformers")
 import family_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import hf_steps  # noqa: E402
 
-from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
 from memplan.specs.loader import load_model, model_from_data  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
@@ -83,20 +82,7 @@ def predict(case: hf_steps.Case, dp: int = 1) -> int:
     )
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload) is None, case.name
-    d = hf_dims(model, workload, plan)
-    timeline = hf_run(
-        d,
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS,  # the harness's dataset holds the steps' batches: the last prefetch finds none
-        qkv_bias=model.qkv_bias,
-        arch=model.architecture,
-        extra=family_config(model),
-        inplace_accumulate=False,
-        dp=dp,
-    )
-    return timeline.peak()[0]
+    return hf_predict(case, plan).peak()[0]
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from estimate_json import estimate_memory as _estimate
+from hf_predict import hf_predict
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -30,10 +31,9 @@ import peft_steps  # noqa: E402
 from test_timeline_hf import LLAMA1B  # noqa: E402
 
 from memplan.costmodel.timeline.events import ALLOC, FREE  # noqa: E402
-from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
+from memplan.costmodel.timeline.hf_trainer import hf_dims  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.plan import Plan, trainer_autocast  # noqa: E402
+from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
@@ -51,23 +51,9 @@ def predict(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_s
 
 
 def _timeline(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD):  # noqa: ANN202
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     recompute = "full" if case.checkpointing else "none"
     plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, dp=dp, zero=zero)
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    return hf_run(
-        d,
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS * ga,
-        qkv_bias=model.qkv_bias,
-        ga=ga,
-        inplace_accumulate=False,
-        dp=dp,
-        zero=zero,
-        mixed=trainer_autocast(plan, "hf"),
-    )
+    return hf_predict(case, plan, ga=ga)
 
 
 def _check(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD, ac: bool = False) -> None:
@@ -255,13 +241,8 @@ def _lora(name: str, **fields) -> peft_steps.PeftCase:
 
 
 def predict_lora(case: peft_steps.PeftCase, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD) -> int:
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = peft_steps.plan_of(case).model_copy(update=dict(dp=dp, zero=zero))
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    lora = HfLoraConfig.of(plan)
-    kw = dict(qkv_bias=model.qkv_bias, ga=ga, inplace_accumulate=False, dp=dp, zero=zero, lora=lora)
-    kw["mixed"] = trainer_autocast(plan, "hf")  # bf16=True: accelerate's policy, the adapters gathered in bf16
-    return hf_run(d, model.tied_embeddings, "cpu_flash", steps=STEPS, batches=STEPS * ga, **kw).peak()[0]
+    return hf_predict(case, plan, ga=ga).peak()[0]  # bf16=True: accelerate's policy, the adapters gathered in bf16
 
 
 LORA_SLOW = [
@@ -444,7 +425,6 @@ def _family(name: str) -> hf_steps.Case:
 
 
 def _family_check(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD) -> None:
-    from memplan.costmodel.timeline.hf_families import family_config
     from memplan.costmodel.timeline.hf_support import hf_supported
 
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
@@ -452,10 +432,7 @@ def _family_check(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = hf_
     plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, dp=dp, zero=zero)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload) is None, case.name
-    d = hf_dims(model, workload, plan)
-    extra = dict(arch=model.architecture, extra=family_config(model), mixed=trainer_autocast(plan, "hf"))
-    kw = dict(qkv_bias=model.qkv_bias, ga=ga, inplace_accumulate=False, dp=dp, zero=zero, **extra)
-    predicted = hf_run(d, model.tied_embeddings, "cpu_flash", steps=STEPS, batches=STEPS * ga, **kw).peak()[0]
+    predicted = hf_predict(case, plan, ga=ga).peak()[0]
     measured = hf_fsdp_steps.measure(case, ga, STEPS, reshard=zero >= 3, world=dp)
     assert predicted == measured, f"{case.name} zero {zero}: {predicted:,} B predicted, {measured:,} B measured"
 

@@ -14,24 +14,19 @@ from __future__ import annotations
 import json
 
 import pytest
+from hf_predict import hf_predict
 
 from memplan.costmodel.timeline.events import ALLOC, FREE, MARK
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run
-from memplan.specs.loader import load_model, model_from_data
-from memplan.specs.plan import Plan, trainer_autocast
-from memplan.specs.workload import TrainingWorkload
+from memplan.specs.loader import load_model
+from memplan.specs.plan import Plan
 
 LOADED = ("constant_pad_nd.default", "empty_like.default")  # the load's allocations, as the tracker names them
 
 
 def _run(case, zero: int, dp: int, host: bool = True, kernel: str = "cpu_flash", steps: int = 3):  # noqa: ANN001, ANN202
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     recompute = "full" if case.checkpointing else "none"
     plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, dp=dp, zero=zero)
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    mixed = trainer_autocast(plan, "hf")
-    args = dict(steps=steps, batches=steps, qkv_bias=model.qkv_bias, inplace_accumulate=False, dp=dp, zero=zero)
-    return hf_run(d, model.tied_embeddings, kernel, mixed=mixed, host_load=host, **args)
+    return hf_predict(case, plan, steps=steps, host_load=host, kernel=kernel)
 
 
 def _loaded(timeline) -> list[int]:  # noqa: ANN001
@@ -78,14 +73,10 @@ def test_a_lora_cpu_load_equals_rank_0s_shards_and_peak(fields: dict, zero: int,
     ``base_layer``) loaded in ``state_dict()`` order."""
     pytest.importorskip("accelerate")
     hf_fsdp_steps, peft_steps = pytest.importorskip("hf_fsdp_steps"), pytest.importorskip("peft_steps")
-    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
 
     case = peft_steps.PeftCase("hffsdp-load-lora", **{**peft_steps.TINY, **fields})
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = peft_steps.plan_of(case).model_copy(update=dict(dp=dp, zero=zero))
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    kw = dict(qkv_bias=model.qkv_bias, inplace_accumulate=False, dp=dp, zero=zero, lora=HfLoraConfig.of(plan))
-    timeline = hf_run(d, model.tied_embeddings, "cpu_flash", steps=3, batches=3, host_load=True, **kw)
+    timeline = hf_predict(case, plan, host_load=True)
     config = {"cpu_ram_efficient_loading": True}
     measured = hf_fsdp_steps.run(case, steps=3, reshard=zero == 3, world=dp, log=True, config=config)
     predicted = _loaded(timeline)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 from estimate_json import estimate_memory as _estimate
+from hf_predict import hf_predict
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -30,11 +31,9 @@ from test_timeline_hf_moe import MIXTRAL, QWEN2, QWEN2_DENSE, QWEN2_NORM, QWEN3,
 from test_timeline_hf_moe import _case as _moe  # noqa: E402
 
 from memplan.costmodel.timeline.events import ALLOC  # noqa: E402
-from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.plan import Plan, trainer_autocast  # noqa: E402
+from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
@@ -55,23 +54,7 @@ def _timeline(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = 2, host
     plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, dp=dp, zero=zero)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    return hf_run(
-        hf_dims(model, workload, plan),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS * ga,
-        arch=model.architecture,
-        qkv_bias=model.qkv_bias,
-        extra=family_config(model),
-        ga=ga,
-        inplace_accumulate=False,
-        subclass_like=True,  # the tracker is a dispatch mode (hf_moe_ops.zeros_then_put)
-        dp=dp,
-        zero=zero,
-        mixed=trainer_autocast(plan, "hf"),
-        host_load=host,
-    )
+    return hf_predict(case, plan, ga=ga, host_load=host, subclass_like=True)  # the tracker: a dispatch mode
 
 
 def _check(case: hf_steps.Case, zero: int = 3, ga: int = 1, dp: int = 2, ac: bool = False) -> None:
@@ -174,30 +157,11 @@ def _lora(tag: str, arch: str, extra: tuple, **fields):  # noqa: ANN202
 def _lora_timeline(case, zero: int, ga: int, dp: int, host: bool = False):  # noqa: ANN001, ANN202
     from peft_steps import plan_of
 
-    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
-
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = plan_of(case).model_copy(update={"dp": dp, "zero": zero})
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    return hf_run(
-        hf_dims(model, workload, plan),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS * ga,
-        qkv_bias=model.qkv_bias,
-        arch=model.architecture,
-        extra=family_config(model),
-        lora=HfLoraConfig.of(plan, model.architecture, model.moe.num_experts),
-        ga=ga,
-        inplace_accumulate=False,
-        subclass_like=True,
-        dp=dp,
-        zero=zero,
-        mixed=trainer_autocast(plan, "hf"),
-        host_load=host,
-    )
+    return hf_predict(case, plan, ga=ga, host_load=host, subclass_like=True)
 
 
 LORA_FAST = [

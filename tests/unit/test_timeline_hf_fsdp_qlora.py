@@ -6,8 +6,6 @@ Two cases by default (about 3 s), the variants under ``-m slow``."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,18 +15,13 @@ pytest.importorskip("bitsandbytes")
 
 import hf_fsdp_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import peft_steps  # noqa: E402
+from hf_predict import hf_predict  # noqa: E402
 
 from memplan.costmodel.timeline.events import ALLOC  # noqa: E402
 from memplan.costmodel.timeline.hf_bnb import Bnb4bit  # noqa: E402
 from memplan.costmodel.timeline.hf_fsdp_qlora import packed_state_bytes  # noqa: E402
-from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
-from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.plan import trainer_autocast  # noqa: E402
-from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
-_STORAGE = {"uint8": 1, "bfloat16": 2, "float32": 4}
 
 
 def _qlora(name: str, **fields) -> peft_steps.PeftCase:
@@ -37,17 +30,10 @@ def _qlora(name: str, **fields) -> peft_steps.PeftCase:
 
 
 def _timeline(case: peft_steps.PeftCase, zero: int = 3, ga: int = 1, dp: int = hf_fsdp_steps.WORLD):  # noqa: ANN202
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = peft_steps.plan_of(case).model_copy(update=dict(dp=dp, zero=zero))
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    quant = Bnb4bit.of(plan)
-    assert quant is not None
+    assert Bnb4bit.of(plan) is not None
     # loaded in the case's dtype, stored as its quant_storage (the plan assumes the recipe: both its compute dtype)
-    stored = 4 if case.dtype == "float32" else 2
-    quant = dataclasses.replace(quant, stored=stored, storage=_STORAGE[case.quant_storage])
-    kw = dict(qkv_bias=model.qkv_bias, ga=ga, inplace_accumulate=False, dp=dp, zero=zero, quant=quant)
-    kw.update(lora=HfLoraConfig.of(plan), mixed=trainer_autocast(plan, "hf"))
-    return hf_run(d, model.tied_embeddings, "cpu_flash", steps=STEPS, batches=STEPS * ga, **kw)
+    return hf_predict(case, plan, ga=ga)
 
 
 def predict(case: peft_steps.PeftCase, zero: int = 3, ga: int = 1) -> int:

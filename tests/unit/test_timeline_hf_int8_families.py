@@ -24,6 +24,7 @@ import dataclasses
 
 import pytest
 from estimate_json import estimate_memory
+from hf_predict import hf_predict
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -41,9 +42,8 @@ from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_loop import hf_loop_run  # noqa: E402
 from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
+from memplan.costmodel.timeline.hf_trainer import hf_dims  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.plan import trainer_autocast  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
@@ -88,12 +88,7 @@ def predict(case: PeftCase, ga: int = 1) -> int:
     plan = plan_of(case)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    timeline = hf_run(
-        hf_dims(model, workload, plan), model.tied_embeddings, "cpu_flash", steps=STEPS, batches=STEPS * ga, ga=ga,
-        arch=model.architecture, extra=family_config(model), lora=HfLoraConfig.of(plan, model.architecture),
-        quant=_quant(case), inplace_accumulate=False, mixed=trainer_autocast(plan, "hf"),
-    )  # fmt: skip
-    return timeline.peak()[0]
+    return hf_predict(case, plan, ga=ga).peak()[0]  # the base loaded as _quant says (hf_predict.case_quant)
 
 
 def _param(case: PeftCase):

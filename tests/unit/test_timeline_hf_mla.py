@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from estimate_json import estimate_memory as _estimate
+from hf_predict import hf_predict
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -27,7 +28,7 @@ import hf_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py
 
 from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
+from memplan.costmodel.timeline.hf_trainer import hf_dims  # noqa: E402
 from memplan.specs.loader import load_model, model_from_data  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
@@ -83,18 +84,7 @@ def predict(case: hf_steps.Case) -> int:
     plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    timeline = hf_run(
-        hf_dims(model, workload, plan),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS,
-        arch=model.architecture,
-        extra=family_config(model),
-        inplace_accumulate=False,
-        subclass_like=True,
-    )
-    return timeline.peak()[0]
+    return hf_predict(case, plan, subclass_like=True).peak()[0]
 
 
 @pytest.mark.parametrize(
@@ -136,25 +126,12 @@ def test_lora_on_the_attention_linears_equals_the_trainers(tag: str, extra: tupl
     import hf_peft_steps
     from peft_steps import PeftCase, plan_of
 
-    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
-
     fields = {**SHAPE, **fields, "checkpointing": "ckpt" in tag}
     case = PeftCase(f"hfmla-lora-{tag}", arch="deepseek_v3", extra=extra, **fields)
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan, workload = plan_of(case), TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload, device="cpu") is None
-    timeline = hf_run(
-        hf_dims(model, workload, plan),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS,
-        arch=model.architecture,
-        extra=family_config(model),
-        lora=HfLoraConfig.of(plan),
-        inplace_accumulate=False,
-        subclass_like=True,
-    )
+    timeline = hf_predict(case, plan, subclass_like=True)
     measured, predicted = hf_peft_steps.measure(case, steps=STEPS), timeline.peak()[0]
     expected = measured + _bias_cast_bytes(case)
     assert predicted == expected, f"{case.name}: {predicted:,} B predicted, {expected:,} B measured (fp32 bias)"

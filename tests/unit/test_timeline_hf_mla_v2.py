@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from estimate_json import estimate_memory as _estimate
+from hf_predict import hf_predict
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -24,7 +25,7 @@ import hf_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py
 
 from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
+from memplan.costmodel.timeline.hf_trainer import hf_dims  # noqa: E402
 from memplan.specs.loader import load_model, model_from_data  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
@@ -72,27 +73,14 @@ def _slow(case: hf_steps.Case, *rest):
     return pytest.param(*values, marks=[pytest.mark.slow] if case.slow else [], id=case.name)
 
 
-def predict(case: hf_steps.Case, ga: int = 1, lora=None, plan: Plan | None = None) -> int:
+def predict(case: hf_steps.Case, ga: int = 1, plan: Plan | None = None) -> int:
     """The run's peak for the case's config.json on CPU's kernels."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     recompute = "full" if case.checkpointing else "none"
     plan = plan or Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    timeline = hf_run(
-        hf_dims(model, workload, plan),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS * ga,
-        ga=ga,
-        arch=model.architecture,
-        extra=family_config(model),
-        lora=lora,
-        inplace_accumulate=False,
-        subclass_like=True,
-    )
-    return timeline.peak()[0]
+    return hf_predict(case, plan, ga=ga, subclass_like=True).peak()[0]
 
 
 @pytest.mark.parametrize("case", [_slow(c) for c in CASES])
@@ -132,12 +120,10 @@ def test_lora_on_the_attention_linears_equals_the_trainers(tag: str, extra: tupl
     import hf_peft_steps
     from peft_steps import PeftCase, plan_of
 
-    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
-
     fields = {**SHAPE, **fields, "checkpointing": "ckpt" in tag}
     case = PeftCase(f"hfmla2-lora-{tag}", arch="deepseek_v2", extra=extra, **fields)
     plan = plan_of(case)
-    predicted = predict(case, lora=HfLoraConfig.of(plan), plan=plan)
+    predicted = predict(case, plan=plan)
     measured = hf_peft_steps.measure(case, steps=STEPS)
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 

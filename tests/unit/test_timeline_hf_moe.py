@@ -21,6 +21,7 @@ import json
 
 import pytest
 from estimate_json import estimate_memory as _estimate
+from hf_predict import hf_predict
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -87,23 +88,11 @@ def predict(case: hf_steps.Case, dp: int = 1) -> int:
     ``dp`` ranks (DDP)."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     recompute = "full" if case.checkpointing else "none"
-    plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute)
+    plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, dp=dp)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert dp > 1 or hf_supported(model, plan, workload) is None, case.name
-    timeline = hf_run(
-        hf_dims(model, workload, plan),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS,  # the harness's dataset holds the steps' batches: the last prefetch finds none
-        arch=model.architecture,
-        qkv_bias=model.qkv_bias,  # Qwen2-MoE's q/k/v biases
-        extra=family_config(model),
-        inplace_accumulate=False,
-        subclass_like=True,  # the tracker is a dispatch mode (hf_moe_ops.zeros_then_put)
-        dp=dp,
-    )
-    return timeline.peak()[0]
+    # subclass_like: the tracker is a dispatch mode (hf_moe_ops.zeros_then_put)
+    return hf_predict(case, plan, subclass_like=True).peak()[0]
 
 
 @pytest.mark.parametrize(
@@ -300,25 +289,11 @@ def test_lora_on_attention_equals_the_trainers(tag: str, arch: str, extra: tuple
     import hf_peft_steps
     from peft_steps import plan_of
 
-    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
-
     case = _lora_case(tag, arch, extra, **fields)
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan, workload = plan_of(case), TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload) is None
-    timeline = hf_run(
-        hf_dims(model, workload, plan),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS,
-        qkv_bias=model.qkv_bias,
-        arch=model.architecture,
-        extra=family_config(model),
-        lora=HfLoraConfig.of(plan),
-        inplace_accumulate=False,
-        subclass_like=True,
-    )
+    timeline = hf_predict(case, plan, subclass_like=True)
     measured, predicted = hf_peft_steps.measure(case, steps=STEPS), timeline.peak()[0]
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
@@ -419,27 +394,11 @@ def _lora_peak(case, dp: int = 1) -> int:
     """The run's peak for a PEFT LoRA case over a tiny MoE model, on one of ``dp`` ranks (DDP)."""
     from peft_steps import plan_of
 
-    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
-
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = plan_of(case).model_copy(update={"dp": dp})
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload) is None, case.name
-    timeline = hf_run(
-        hf_dims(model, workload, plan),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS,
-        qkv_bias=model.qkv_bias,
-        arch=model.architecture,
-        extra=family_config(model),
-        lora=HfLoraConfig.of(plan, model.architecture, model.moe.num_experts),
-        inplace_accumulate=False,
-        subclass_like=True,
-        dp=dp,
-    )
-    return timeline.peak()[0]
+    return hf_predict(case, plan, subclass_like=True).peak()[0]
 
 
 # LoRA on the attention linears under DDP over two gloo ranks (tests/accuracy/hf_ddp_steps.py; a PeftModel

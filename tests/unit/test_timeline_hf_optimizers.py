@@ -12,12 +12,12 @@ memory, outside the allocator) are checked on the run's states: which go where.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import tempfile
 
 import pytest
 from estimate_json import estimate_memory as _estimate
+from hf_predict import hf_predict
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,10 +32,9 @@ from storage_tracker import StorageTracker  # noqa: E402
 from memplan.costmodel.timeline.autograd import Tape  # noqa: E402
 from memplan.costmodel.timeline.events import ALLOC, Builder, Category  # noqa: E402
 from memplan.costmodel.timeline.hf_bnb_optim import BnbOptimizer  # noqa: E402
-from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_optimizers import Param, trainer_optimizer  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_plan_run, hf_run  # noqa: E402
+from memplan.costmodel.timeline.hf_trainer import hf_plan_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
@@ -126,13 +125,10 @@ def _measure_lora(case: peft_steps.PeftCase, optimizer: str) -> int:
     return _train(model, case, optimizer, [{"input_ids": row, "labels": row} for row in ids])
 
 
-def _predict(model, plan: Plan, case, **run) -> int:
+def _predict(model, plan: Plan, case) -> int:
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    d = hf_dims(model, workload, plan)
-    args = dict(steps=STEPS, batches=STEPS, qkv_bias=model.qkv_bias, inplace_accumulate=False)
-    timeline = hf_run(d, model.tied_embeddings, "cpu_flash", optimizer=plan.optimizer, **args, **run)
-    return timeline.peak()[0]
+    return hf_predict(case, plan).peak()[0]
 
 
 def _predict_full(case: hf_steps.Case, optimizer: str) -> int:
@@ -142,14 +138,9 @@ def _predict_full(case: hf_steps.Case, optimizer: str) -> int:
 
 
 def _predict_lora(case: peft_steps.PeftCase, optimizer: str) -> int:
-    from memplan.costmodel.timeline.hf_bnb import Bnb4bit
-
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = peft_steps.plan_of(case).model_copy(update={"optimizer": optimizer})
-    quant = Bnb4bit.of(plan)
-    if quant is not None:  # loaded in the case's dtype (test_timeline_hf_peft.predict)
-        quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2)
-    return _predict(model, plan, case, lora=HfLoraConfig.of(plan), quant=quant)
+    return _predict(model, plan, case)  # a 4-bit base loaded in the case's dtype (hf_predict.case_quant)
 
 
 # the default suite's cases (a Trainer run each, ~3-15 s on 2 busy cores): each kind of step decides the peak

@@ -17,10 +17,9 @@ all run under ``-m slow``; of the others (5-20 s) one of each kind runs by defau
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from estimate_json import estimate_memory as _estimate
+from hf_predict import hf_predict
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,19 +31,14 @@ import hf_fsdp_steps  # noqa: E402
 import hf_steps  # noqa: E402
 import peft_steps  # noqa: E402
 from optim_steps import trained_with  # noqa: E402
-from test_timeline_hf_fsdp_qlora import _STORAGE as QLORA_STORAGE  # noqa: E402
 from test_timeline_hf_fsdp_qlora import FAST as QLORA_FAST  # noqa: E402
 from test_timeline_hf_mla import CASES as MLA_CASES  # noqa: E402
 from test_timeline_hf_mla import _fp32_score_bias  # noqa: E402
 from test_timeline_hf_moe import CASES as MOE_CASES  # noqa: E402
 
-from memplan.costmodel.timeline.hf_bnb import Bnb4bit  # noqa: E402
-from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
-from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.plan import Plan, trainer_autocast  # noqa: E402
+from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
@@ -69,35 +63,14 @@ def predict(case, optimizer: str, dp: int = 1, zero: int = 0) -> int:
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     update = dict(optimizer=optimizer, dp=dp, zero=zero)
-    lora = quant = None
-    if isinstance(case, peft_steps.PeftCase):
+    if isinstance(case, peft_steps.PeftCase):  # a 4-bit base loaded in the case's dtype, as its quant_storage
         plan = peft_steps.plan_of(case).model_copy(update=update)
-        lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan)
-        if quant is not None:  # loaded in the case's dtype, stored as its quant_storage (test_timeline_hf_fsdp_qlora)
-            storage = QLORA_STORAGE[case.quant_storage] if zero >= 2 else quant.storage
-            quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2, storage=storage)
     else:
         recompute = "full" if case.checkpointing else "none"
         plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, **update)
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    timeline = hf_run(
-        hf_dims(model, workload, plan),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS,  # the harness's dataset holds the steps' batches: the last prefetch finds none
-        qkv_bias=model.qkv_bias,
-        arch=model.architecture,
-        extra=family_config(model),
-        inplace_accumulate=False,
-        subclass_like=model.moe is not None,  # the tracker is a dispatch mode (hf_moe_ops.zeros_then_put)
-        lora=lora,
-        quant=quant,
-        dp=dp,
-        zero=zero,
-        mixed=zero >= 2 and trainer_autocast(plan, "hf"),
-        optimizer=optimizer,
-    )
+    # subclass_like: the tracker is a dispatch mode (hf_moe_ops.zeros_then_put)
+    timeline = hf_predict(case, plan, subclass_like=model.moe is not None)
     return timeline.peak()[0]
 
 

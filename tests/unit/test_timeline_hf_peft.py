@@ -21,14 +21,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
+from hf_predict import hf_predict  # noqa: E402
 from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
 
 from memplan.costmodel.timeline.events import ALLOC  # noqa: E402
-from memplan.costmodel.timeline.hf_bnb import Bnb4bit  # noqa: E402
-from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
-from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -97,26 +93,8 @@ CASES = [
 def predict(case: PeftCase, ga: int = 1, dp: int = 1) -> int:
     """The run's peak for the case, on CPU's kernels, ``ga`` micro-batches per optimizer step, on one
     of ``dp`` ranks (DDP)."""
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = plan_of(case)
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    quant = Bnb4bit.of(plan)
-    if quant is not None:  # loaded in the case's dtype (the plan assumes its compute dtype)
-        quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2)
-    timeline = hf_run(
-        d,
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS * ga,  # the harness's dataset holds the steps' batches: the last prefetch finds none
-        qkv_bias=model.qkv_bias,
-        ga=ga,
-        lora=HfLoraConfig.of(plan),
-        quant=quant,
-        inplace_accumulate=False,
-        dp=dp,
-    )
-    return timeline.peak()[0]
+    plan = plan_of(case).model_copy(update={"dp": dp})
+    return hf_predict(case, plan, ga=ga).peak()[0]  # a 4-bit base loaded in the case's dtype
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -151,10 +129,7 @@ def test_adapters_are_trained_and_the_base_is_not() -> None:
     """The run's optimizer states are the adapters' (fp32, two per adapter) and the trained copy's,
     never the frozen base's: the states of fp32-save-head add up to PEFT's trainable parameters."""
     case = next(c for c in CASES if c.name == "hfpeft-fp32-save-head")
-    model = model_from_data(case.hf_config(), "x/config.json", "x")
-    plan = plan_of(case)
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    events = hf_run(d, False, "cpu_flash", lora=HfLoraConfig.of(plan)).events
+    events = hf_predict(case, plan_of(case)).events
     states = sum(e.size for e in events if e.op == ALLOC and e.tag.endswith(("exp_avg", "exp_avg_sq")))
     peft_model = hf_peft_steps.build(case)
     trainable = sum(p.numel() * p.element_size() for p in peft_model.parameters() if p.requires_grad)

@@ -23,15 +23,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
+from hf_predict import hf_predict  # noqa: E402
 from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
 
-from memplan.costmodel.timeline.hf_bnb import Bnb4bit  # noqa: E402
-from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.plan import trainer_autocast  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
@@ -104,28 +101,8 @@ def predict(case: PeftCase, ga: int = 1, dp: int = 1, zero: int = 0) -> int:
     plan = plan_of(case).model_copy(update={"dp": dp, "zero": zero})
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert dp > 1 or hf_supported(model, plan, workload, device="cpu") is None, case.name
-    d = hf_dims(model, workload, plan)
-    quant = Bnb4bit.of(plan)
-    if quant is not None:  # loaded in the case's dtype, stored as its quant_storage (the plan: the recipe's)
-        storage = {"uint8": 1, "bfloat16": 2, "float32": 4}[case.quant_storage]
-        quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2, storage=storage)
-    timeline = hf_run(
-        d,
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS * ga,  # the harness's dataset holds the steps' batches: the last prefetch finds none
-        ga=ga,
-        arch=model.architecture,
-        extra=family_config(model),
-        lora=HfLoraConfig.of(plan, model.architecture),
-        quant=quant,
-        inplace_accumulate=False,
-        dp=dp,
-        zero=zero,
-        mixed=trainer_autocast(plan, "hf"),  # under FSDP2, bf16=True is accelerate's policy
-    )
-    return timeline.peak()[0]
+    # a 4-bit base loaded in the case's dtype, stored as its quant_storage (the plan: the recipe's)
+    return hf_predict(case, plan, ga=ga).peak()[0]
 
 
 @pytest.mark.parametrize(
@@ -157,11 +134,10 @@ def test_phi3_adapters_are_peft_s_over_the_fused_linears() -> None:
     case = next(c for c in CASES if c.name == "hfpeftfam-phi3-all-linear-dropout")
     model = model_from_data(case.hf_config(), "x/config.json", "x")
     plan = plan_of(case)
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
     lora = HfLoraConfig.of(plan, model.architecture)
     fused = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert fused <= lora.targets and not lora.targets & {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
-    events = hf_run(d, False, "cpu_flash", arch="phi3", lora=lora).events
+    events = hf_predict(case, plan).events
     states = sum(e.size for e in events if e.op == ALLOC and e.tag.endswith(("exp_avg", "exp_avg_sq")))
     peft_model = hf_peft_steps.build(case)
     trainable = sum(p.numel() * p.element_size() for p in peft_model.parameters() if p.requires_grad)

@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 from estimate_json import estimate_memory as _estimate
+from hf_predict import hf_predict
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -23,11 +24,9 @@ transformers = pytest.importorskip("transformers")
 import family_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import hf_steps  # noqa: E402
 
-from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.plan import Plan, trainer_autocast  # noqa: E402
+from memplan.specs.plan import Plan  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
@@ -85,10 +84,7 @@ def predict(case: hf_steps.Case, dp: int = 1, zero: int = 0) -> int:
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert model.sliding_window is not None and case.seq >= model.sliding_window, case.name  # reached
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    d = hf_dims(model, workload, plan)
-    kw = dict(arch=model.architecture, extra=family_config(model), mixed=trainer_autocast(plan, "hf"))
-    kw |= dict(qkv_bias=model.qkv_bias, inplace_accumulate=False, dp=dp, zero=zero)
-    return hf_run(d, model.tied_embeddings, "cpu_flash", steps=STEPS, batches=STEPS, **kw).peak()[0]
+    return hf_predict(case, plan).peak()[0]
 
 
 @pytest.mark.parametrize(
@@ -176,19 +172,11 @@ def test_lora_peak_equals_the_trainers(case) -> None:  # noqa: ANN001
     import hf_peft_steps
     from peft_steps import plan_of
 
-    from memplan.costmodel.timeline.hf_bnb import Bnb4bit
-    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
-
     model = spec(case)
     plan = plan_of(case)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    d = hf_dims(model, workload, plan)
-    quant = Bnb4bit.of(plan)  # loaded in the case's dtype, as test_timeline_hf_peft.predict
-    quant = quant if quant is None else dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2)
-    kw = dict(arch=model.architecture, extra=family_config(model), lora=HfLoraConfig.of(plan), quant=quant)
-    kw["inplace_accumulate"] = False
-    predicted = hf_run(d, model.tied_embeddings, "cpu_flash", steps=STEPS, batches=STEPS, qkv_bias=model.qkv_bias, **kw)
+    predicted = hf_predict(case, plan)  # a 4-bit base loaded in the case's dtype, as test_timeline_hf_peft.predict
     measured = hf_peft_steps.measure(case)
     assert predicted.peak()[0] == measured, f"{case.name}: {predicted.peak()[0]:,} B predicted, {measured:,} B measured"
 
@@ -210,11 +198,7 @@ def test_the_float_masks_are_what_checkpointing_drops() -> None:
     unreached = dataclasses.replace(case, extra=tuple({**dict(case.extra), "sliding_window": 256}.items()))
 
     def peak(c, ckpt: bool) -> int:
-        model = spec(c)
-        plan = Plan(precision="fp32", recompute="full" if ckpt else "none")
-        d = hf_dims(model, TrainingWorkload(seq_len=c.seq, micro_batch=c.batch), plan)
-        kw = dict(arch=model.architecture, extra=family_config(model), inplace_accumulate=False)
-        return hf_run(d, model.tied_embeddings, "cpu_flash", steps=STEPS, batches=STEPS, **kw).peak()[0]
+        return hf_predict(c, Plan(precision="fp32", recompute="full" if ckpt else "none")).peak()[0]
 
     masks = case.layers * case.batch * case.seq * case.seq * 4  # every layer's fp32 float mask
     repeats = 2 * case.layers * case.batch * case.seq * case.hidden * 4 // 2  # k and v repeated: half new each

@@ -213,22 +213,10 @@ HF_DEFAULT = {"int8-recipe"}  # bf16 base, bf16=True, checkpointing: the usual r
 
 def _hf_predict(case, ga: int = 1) -> int:
     """The ``hf`` run's peak on CPU's kernels, as test_timeline_hf_peft.predict."""
-
+    from hf_predict import hf_predict
     from peft_steps import plan_of
 
-    from memplan.costmodel.timeline.hf_bnb import Bnb8bit
-    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
-    from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run
-    from memplan.specs.loader import model_from_data
-
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = plan_of(case)
-    d = hf_dims(model, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), plan)
-    timeline = hf_run(
-        d, model.tied_embeddings, "cpu_flash", steps=3, batches=3 * ga, qkv_bias=model.qkv_bias, ga=ga,
-        lora=HfLoraConfig.of(plan), quant=Bnb8bit.of(plan), inplace_accumulate=False,
-    )  # fmt: skip
-    return timeline.peak()[0]
+    return hf_predict(case, plan_of(case), ga=ga).peak()[0]
 
 
 @pytest.mark.parametrize(
