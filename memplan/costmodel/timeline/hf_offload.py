@@ -60,7 +60,7 @@ class TrlOffload:
         self.node: Node | None = None
 
     def _keep(self, t: Tensor) -> bool:
-        if self.paused or t.st.managed or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
+        if self.paused or (t.st.managed and not t.st.gathered) or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
             return True
         key = (t.st, t.itemsize)
         if key in self.seen:

@@ -59,8 +59,9 @@ q/k/v biases over a 4-bit base under FSDP (an LLM.int8 base the Trainer cannot r
 gathers its ``Int8Params`` back as plain Parameters, and ``specs.job.check_fsdp_int8`` refuses the plan),
 ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or expert
 parallelism. Activation offload (``offload_activations: cpu``, ``hf_offload.py``: TRL's ``OffloadActivations``
-around ``training_step``) on CPU, on one rank, without a quantized base or MoE (tests/accuracy/
-test_offload_accuracy.py, equal to the byte); on CUDA (TRL's strided copies and side streams) not followed.
+around ``training_step``) on CPU, without MoE, on one rank, under DDP or FSDP2, over a float, 4-bit or LLM.int8
+base (tests/accuracy/test_offload_accuracy.py, tests/unit/test_timeline_hf_offload_ranks.py, equal to the byte);
+on CUDA (TRL's strided copies and side streams) not followed.
 A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
 moving each group to the GPU full-size as it shards it) is run as with it: the build differs by a group's
 full parameters, never the steps.
@@ -245,7 +246,7 @@ def hf_supported(
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         (
             plan.offload_activations == "none" or runtime == "hf-loop" or _trl_offload_ok(model, plan, cpu),
-            "activation offload under the Trainer (TRL's hooks: followed on CPU, one rank, no quantized base)",
+            "activation offload under the Trainer (TRL's hooks: followed on CPU, over a dense model)",
         ),
         (
             plan.offload_activations == "none" or runtime == "hf" or model.architecture in LOOP_OFFLOAD_FAMILIES,
@@ -325,10 +326,11 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 def _trl_offload_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:
     """TRL's activation offload around the Trainer's ``training_step`` as ``hf_offload.py`` follows it: on
-    CPU (on CUDA TRL's copies keep their strides and run on streams: not followed), one rank, a dense
-    model without a quantized base (tests/accuracy/test_offload_accuracy.py: LoRA and full fine-tuning,
-    fp32 and bf16, with and without checkpointing)."""
-    return cpu and plan.dp == 1 and plan.quant == "none" and model.moe is None
+    CPU (on CUDA TRL's copies keep their strides and run on streams: not followed), a dense model
+    (tests/accuracy/test_offload_accuracy.py: LoRA and full fine-tuning, fp32 and bf16, with and without
+    checkpointing), on one rank, under DDP or FSDP2 (the saved views of FSDP2's unsharded weights offloaded:
+    ``autograd.Storage.gathered``), over a 4-bit or LLM.int8 base (tests/unit/test_timeline_hf_offload_ranks.py)."""
+    return cpu and model.moe is None
 
 
 def _moe_ok(model: ModelSpec) -> bool:
