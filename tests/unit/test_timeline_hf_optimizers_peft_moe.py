@@ -34,6 +34,7 @@ from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
 from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
 from memplan.specs.loader import model_from_data  # noqa: E402
+from memplan.specs.plan import trainer_autocast  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
 STEPS = 3
@@ -46,8 +47,9 @@ def _case(tag: str, arch: str, extra: tuple, **fields) -> PeftCase:
     return PeftCase(f"hfoptmoe-{arch}-{tag}", **{**base, "arch": arch, "extra": extra, **fields})
 
 
-def measure(case: PeftCase, optimizer: str) -> int:
-    """Rank 0's peak of ``Trainer.train()`` over the PEFT model with ``optim`` set (``optim_steps.trained_with``)."""
+def measure(case: PeftCase, optimizer: str, ranks=None) -> int:  # noqa: ANN001 - a harness's measure
+    """Rank 0's peak of ``Trainer.train()`` over the PEFT model with ``optim`` set (``optim_steps.trained_with``);
+    ``ranks``: a multi-rank harness's ``measure(case)`` (hf_fsdp_steps), else one rank."""
     training_args = hf_steps.training_args
 
     def with_optim(*args, **kwargs):
@@ -56,12 +58,15 @@ def measure(case: PeftCase, optimizer: str) -> int:
         return out
 
     with contextlib.ExitStack() as stack, mock.patch.object(hf_steps, "training_args", with_optim):
+        if ranks is not None:
+            return ranks(case)
         return hf_peft_steps.measure(case, steps=STEPS, tracker=hf_peft_steps.StorageTracker())
 
 
-def predict(case: PeftCase, optimizer: str) -> int:
+def predict(case: PeftCase, optimizer: str, dp: int = 1, zero: int = 0) -> int:
+    """The run's peak on rank 0 of ``dp`` (DDP, or FSDP2 at ``zero`` 2 or 3)."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    plan = plan_of(case).model_copy(update={"optimizer": optimizer})
+    plan = plan_of(case).model_copy(update={"optimizer": optimizer, "dp": dp, "zero": zero})
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
     experts = model.moe.num_experts if model.moe is not None else 1
@@ -78,6 +83,9 @@ def predict(case: PeftCase, optimizer: str) -> int:
         inplace_accumulate=False,
         subclass_like=True,
         optimizer=optimizer,
+        dp=dp,
+        zero=zero,
+        mixed=zero >= 2 and trainer_autocast(plan, "hf"),
     )
     return timeline.peak()[0]
 
@@ -146,3 +154,26 @@ def test_the_estimate_answers_lora_over_moe_and_mla_with_the_trainers_optimizers
     args = [str(path), "--runtime", "hf", "--finetune", "lora", "--lora-targets", "kv_b_proj,o_proj", "--seq-len", "64"]
     memory = estimate_memory(capsys, [*args, "--device", "cpu", "--optimizer", "sgd"])
     assert memory["model"] == "op-level"
+
+
+@pytest.mark.slow
+def test_lora_over_mixtral_under_ddp_with_adafactor_equals_rank_0s_peak() -> None:
+    """Rank 0 of two gloo ranks (tests/accuracy/hf_ddp_steps.py, ``optim`` set in each rank)."""
+    import hf_ddp_steps
+
+    case = _case("ddp-all-linear-fp32", "mixtral", MIXTRAL, targets=ALL)
+    measured, predicted = hf_ddp_steps.measure(case, optim="adafactor"), predict(case, "adafactor", dp=2)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [3, 2])
+def test_lora_over_moe_under_fsdp2_with_sgd_equals_rank_0s_peak(zero: int) -> None:
+    """Rank 0 of two under the fake process group (tests/accuracy/hf_fsdp_steps.py): SGD steps the DTensor
+    adapters, PEFT's ParamWrapper ones of the experts and the router too."""
+    import hf_fsdp_steps
+
+    case = _case(f"fsdp-all-linear-zero{zero}", "mixtral", MIXTRAL, targets=ALL)
+    measured = measure(case, "sgd", lambda c: hf_fsdp_steps.measure(c, reshard=zero >= 3))
+    predicted = predict(case, "sgd", dp=hf_fsdp_steps.WORLD, zero=zero)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
