@@ -51,6 +51,11 @@ _STORAGE = {"uint8": 1, "bfloat16": 2, "float32": 4}
 
 def predict(case, dp: int = 1, zero: int = 0) -> int:
     """The run's peak under TRL's hooks on rank 0 of ``dp`` (DDP, or FSDP2 at ``zero`` 2 or 3), CPU's kernels."""
+    return run(case, dp, zero).peak()[0]
+
+
+def run(case, dp: int = 1, zero: int = 0):  # noqa: ANN201 - a Timeline
+    """The run under TRL's hooks (its ``host_peak``: the host copies at most)."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     update = dict(dp=dp, zero=zero, offload_activations="cpu")
@@ -65,7 +70,7 @@ def predict(case, dp: int = 1, zero: int = 0) -> int:
         recompute = "full" if case.checkpointing else "none"
         plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, **update)
     assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    timeline = hf_run(
+    return hf_run(
         hf_dims(model, workload, plan),
         model.tied_embeddings,
         "cpu_flash",
@@ -80,7 +85,6 @@ def predict(case, dp: int = 1, zero: int = 0) -> int:
         mixed=zero >= 2 and trainer_autocast(plan, "hf"),
         offload=True,
     )
-    return timeline.peak()[0]
 
 
 def _check(case, measured: int, **ranks) -> None:
@@ -109,8 +113,10 @@ QUANT = [
 
 @pytest.mark.parametrize("case", QUANT)
 def test_a_quantized_base_on_one_rank_equals_the_trainers(case: PeftCase) -> None:
-    measured, _host = measure(OffloadCase(f"trl-like-{case.name}", case))
+    """The peak equal to the byte, and the host copies at most (``Timeline.host_peak``, ``offload.cpu``)."""
+    measured, host = measure(OffloadCase(f"trl-like-{case.name}", case))
     _check(case, measured)
+    assert run(case).host_peak == host, f"{case.name}: host {run(case).host_peak:,} B predicted, {host:,} B measured"
 
 
 FULL = hf_steps.Case("hfoff-full", loop="trainer", **hf_steps.BASE_SMALL)
