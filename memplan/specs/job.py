@@ -81,6 +81,7 @@ def check_compatible(
         check_lora(model, plan, runtime, workload if isinstance(workload, TrainingWorkload) else None)
     if isinstance(workload, TrainingWorkload):
         check_fsdp_optimizer(plan, runtime)
+        check_fsdp_int8(plan, runtime)
         if workload.seq_len % plan.cp:
             raise MemplanError(f"cp={plan.cp} does not divide seq_len={workload.seq_len}", field="plan.cp")
         if plan.sequence_parallel and workload.seq_len // plan.cp % plan.tp:
@@ -100,6 +101,28 @@ def check_compatible(
                     f"the interleaved schedule needs micro-batches per step ({accumulation}) divisible by pp={plan.pp}",
                     field="workload.global_batch",
                 )
+
+
+def check_fsdp_int8(plan: Plan, runtime: str) -> None:
+    """Refuse an LLM.int8 base under the Trainer's FSDP2 (``--runtime hf``, ``--zero 2|3`` over dp > 1 ranks,
+    ``--quant int8``). Seen with the real Trainer on CPU, rank 0 under the fake process group (transformers 5.23,
+    accelerate 1.15, bitsandbytes 0.50.2; tests/unit/test_timeline_hf_fsdp_int8.py): ``fully_shard`` replaces
+    each ``Int8Params`` by a DTensor shard and gathers it back as a plain ``nn.Parameter``
+    (``FSDPParam.init_unsharded_param``), which has none of the int8 weight's ``CB`` / ``SCB``, so the first
+    forward's ``Linear8bitLt.forward`` raises "AttributeError: 'Parameter' object has no attribute 'CB'" (on CUDA
+    too: the same module code reads ``self.weight.CB`` before any kernel). A 4-bit base shards
+    (``bnb_4bit_quant_storage``, ``hf_fsdp_qlora.py``); DeepSpeed's ZeRO (a master-weight precision) is not this
+    path."""
+    if runtime != "hf" or plan.dp == 1 or plan.zero < 2 or plan.quant != "int8":
+        return
+    if plan.precision not in FSDP2_PRECISIONS:
+        return
+    raise MemplanError(
+        f"an 8-bit (LLM.int8) base cannot run under the Trainer's FSDP2 (zero={plan.zero} over dp={plan.dp}): "
+        "fully_shard gathers its Int8Params back as plain Parameters without their CB/SCB, so Linear8bitLt's first "
+        "forward raises; use --zero 0 (DDP) or a 4-bit base (--quant nf4)",
+        field="plan.quant",
+    )
 
 
 # the Trainer's optimizers that step FSDP2's DTensor parameters: fused AdamW, and SGD (no state, in-place adds)

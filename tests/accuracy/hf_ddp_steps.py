@@ -77,8 +77,11 @@ def _quant_state(model) -> list[torch.Tensor]:
     return quant_state_tensors(model)
 
 
-def _rank(rank: int, case, ga: int, steps: int, port: int, out: str, log: bool, optim: str = "adamw") -> None:
-    """One rank: the environment torchrun sets, the Trainer, rank 0's tracker."""
+def _rank(
+    rank: int, case, ga: int, steps: int, port: int, out: str, log: bool, optim: str = "adamw", offload: bool = False
+) -> None:
+    """One rank: the environment torchrun sets, the Trainer (``offload``: under TRL-like activation offload,
+    offload_steps.trl_trainer), rank 0's tracker."""
     import hf_steps
     import transformers
     from alloc_log import AllocLog
@@ -102,7 +105,12 @@ def _rank(rank: int, case, ga: int, steps: int, port: int, out: str, log: bool, 
     with tempfile.TemporaryDirectory() as tmp:
         args = hf_steps.training_args(tmp, case, steps, ga)
         with trained_with(args, optim):
-            trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+            if offload:
+                from offload_steps import trl_trainer
+
+                trainer = trl_trainer(model, args, rows)
+            else:
+                trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
             tracker = (AllocLog() if log else StorageTracker()) if rank == 0 else None
             if tracker is None:
                 trainer.train()
@@ -119,20 +127,20 @@ def _rank(rank: int, case, ga: int, steps: int, port: int, out: str, log: bool, 
     torch.distributed.destroy_process_group()
 
 
-def run(case, ga: int = 1, steps: int = 3, log: bool = False, optim: str = "adamw") -> list[str]:
+def run(case, ga: int = 1, steps: int = 3, log: bool = False, optim: str = "adamw", offload: bool = False) -> list[str]:
     """Rank 0's peak (first line) and, with ``log``, its allocation sequence."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.txt")
-        args = (case, ga, steps, _free_port(), out, log, optim)
+        args = (case, ga, steps, _free_port(), out, log, optim, offload)
         mp.set_forkserver_preload(_PRELOAD)
         mp.start_processes(_rank, args=args, nprocs=WORLD, join=True, start_method="forkserver")
         with open(out) as f:
             return f.read().splitlines()
 
 
-def measure(case, ga: int = 1, steps: int = 3, optim: str = "adamw") -> int:
+def measure(case, ga: int = 1, steps: int = 3, optim: str = "adamw", offload: bool = False) -> int:
     """Rank 0's peak live bytes over ``steps`` optimizer steps of ``ga`` micro-batches."""
-    return int(run(case, ga, steps, optim=optim)[0])
+    return int(run(case, ga, steps, optim=optim, offload=offload)[0])
 
 
 if __name__ == "__main__":

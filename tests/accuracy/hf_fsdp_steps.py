@@ -186,10 +186,12 @@ def run(
     log: bool = False,
     fsdp_ac: bool = False,
     config: dict | None = None,
+    offload: bool = False,
 ):  # noqa: ANN001, ANN201, E501
     """Rank 0's tracker after ``steps`` optimizer steps of ``ga`` micro-batches (its ``peak``; with
     ``log`` its ``events``), counted from ``trainer.train()`` on: the sharding inside
-    ``accelerator.prepare`` is counted."""
+    ``accelerator.prepare`` is counted. ``offload``: the Trainer under TRL-like activation offload
+    (offload_steps.trl_trainer)."""
     import transformers
     from hf_ddp_steps import _build, _quant_state
 
@@ -200,7 +202,12 @@ def run(
         rows = [{"input_ids": row, "labels": row} for row in ids]
         with tempfile.TemporaryDirectory() as tmp:
             args = fsdp_args(tmp, case, steps, ga, reshard, fsdp_ac, config)
-            trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+            if offload:
+                from offload_steps import trl_trainer
+
+                trainer = trl_trainer(model, args, rows)
+            else:
+                trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
             tracker = FsdpTracker(log)
             tracker.track_module(model)
             tracker.track(*_quant_state(model))
@@ -210,9 +217,17 @@ def run(
     return tracker
 
 
-def measure(case, ga: int = 1, steps: int = 3, reshard: bool = True, world: int = WORLD, fsdp_ac: bool = False) -> int:  # noqa: ANN001, E501
+def measure(
+    case,
+    ga: int = 1,
+    steps: int = 3,
+    reshard: bool = True,
+    world: int = WORLD,
+    fsdp_ac: bool = False,
+    offload: bool = False,
+) -> int:  # noqa: ANN001, E501
     """Rank 0's peak live bytes over ``steps`` optimizer steps of ``ga`` micro-batches."""
-    return run(case, ga, steps, reshard, world, fsdp_ac=fsdp_ac).peak
+    return run(case, ga, steps, reshard, world, fsdp_ac=fsdp_ac, offload=offload).peak
 
 
 if __name__ == "__main__":

@@ -48,11 +48,16 @@ FWD_STASH = 5  # TRL's max_fwd_stash_size default
 
 
 def _host_copy(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype]:
-    """The tensor's values in a numpy array (outside torch's allocator: not counted)."""
+    """The tensor's values in a numpy array (outside torch's allocator: not counted), through a clone made with
+    the dispatch modes off (the trackers see neither it nor the array): ``t.numpy()`` itself would mark ``t``'s
+    storage not resizable, and FSDP2 frees an unsharded parameter, whose views the hooks copy, by ``resize_(0)``."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     src = t.detach()
     if src.dtype == torch.bfloat16:
         src = src.view(torch.int16)  # a view: no new storage
-    return np.array(src.numpy(), copy=True), t.dtype
+    with _disable_current_modes():
+        return src.clone().numpy(), t.dtype
 
 
 def _device_copy(packed: tuple[np.ndarray, torch.dtype]) -> torch.Tensor:
@@ -60,6 +65,12 @@ def _device_copy(packed: tuple[np.ndarray, torch.dtype]) -> torch.Tensor:
     arr, dtype = packed
     out = torch.from_numpy(arr).clone()
     return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
+
+
+def _live(ref: weakref.ref | None, storage: torch.UntypedStorage) -> bool:
+    """``ref`` is a storage still alive, not freed by ``resize_(0)``, at ``storage``'s address."""
+    held = None if ref is None else ref()
+    return held is not None and held.nbytes() > 0 and held.data_ptr() == storage.data_ptr()
 
 
 class _HostCopy:
@@ -87,8 +98,11 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, mode: str, model: torch.nn.Module | None = None) -> None:
         self.mode = mode
         self.host_bytes = self.host_peak = 0
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
-        self._seen: set[tuple[int, torch.dtype]] = set()
+        # the parameters' storages, live ones only: FSDP2 frees them once sharded, and a later tensor at a freed
+        # one's address is no parameter's view
+        params = model.parameters() if model is not None else ()
+        self._params = {p.untyped_storage().data_ptr(): weakref.ref(p.untyped_storage()) for p in params}
+        self._seen: dict[tuple[int, torch.dtype], weakref.ref] = {}
         self._stash: dict[int, torch.Tensor] = {}  # forward stash (trl): id -> original
         self._back: dict[int, torch.Tensor] = {}  # backward stash (trl): id -> tensor brought back
         self._node = None
@@ -101,17 +115,17 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
             return False
         if self.paused or isinstance(t, torch.nn.Parameter) or t.element_size() * t.nelement() < MIN_OFFLOAD_BYTES:
             return True
-        if t.untyped_storage().data_ptr() in self._params:
-            return True
         storage = t.untyped_storage()
+        if _live(self._params.get(storage.data_ptr()), storage):
+            return True
         key = (storage.data_ptr() + t.storage_offset(), t.dtype)  # as TRL keys it
-        if key in self._seen:
+        if _live(self._seen.get(key), storage):
             return True  # TRL's deduplication: the second save keeps the tensor on the device
-        self._seen.add(key)
         # TRL keys by address and keeps the key for the whole forward, so a tensor later allocated
         # where a freed offloaded one was is taken for it and kept; which addresses the allocator
-        # reuses differs between CPU and CUDA, so the emulation keys live storages only
-        weakref.finalize(storage, self._seen.discard, key)
+        # reuses differs between CPU and CUDA, so the emulation keys live storages only (FSDP2 frees an
+        # unsharded parameter by resize_(0) and gathers it again elsewhere, the storage object alive)
+        self._seen[key] = weakref.ref(storage)
         return False
 
     def _pack(self, t: torch.Tensor):
@@ -229,6 +243,17 @@ class _OffloadTrainer(transformers.Trainer):
         return loss
 
 
+def trl_trainer(model, args, rows) -> _OffloadTrainer:  # noqa: ANN001 - a model, TrainingArguments, a dataset
+    """``transformers.Trainer`` under the ``trl-like`` hooks, the LM head paused: what TRL's ``SFTTrainer`` with
+    ``activation_offloading=True`` runs (the multi-rank harnesses, hf_ddp_steps.py and hf_fsdp_steps.py, take it
+    in place of a plain Trainer); ``trainer.offload.host_peak``: its host copies."""
+    offload = EmulatedOffload("trl-like", model)
+    pause_in_lm_head(model, offload)
+    trainer = _OffloadTrainer(model=model, args=args, train_dataset=rows)
+    trainer.offload = offload
+    return trainer
+
+
 def measure(case: OffloadCase, steps: int = 3) -> tuple[int, int]:
     """(steady-state device peak, host peak) of ``steps`` steps of the case's loop under offload."""
     base = case.base
@@ -238,6 +263,10 @@ def measure(case: OffloadCase, steps: int = 3) -> tuple[int, int]:
     ids = torch.randint(0, base.vocab, (base.batch, base.seq))
     tracker = StorageTracker()
     tracker.track_module(model)
+    if getattr(base, "quant", "none") != "none":  # a 4-bit base's quantization state (hf_peft_steps.measure's count)
+        from peft_steps import quant_state_tensors
+
+        tracker.track(*quant_state_tensors(model))
     if case.mode == "trl-like":
         pause_in_lm_head(model, offload)
         rows = [{"input_ids": row, "labels": row} for row in ids] * steps
@@ -249,6 +278,9 @@ def measure(case: OffloadCase, steps: int = 3) -> tuple[int, int]:
                 learning_rate=1e-4,
                 use_cpu=True,
                 bf16=base.autocast,
+                # the Trainer's own checkpointing (use_reentrant=False), as SFTConfig(gradient_checkpointing=True)
+                # runs it: over a quantized base it replaces prepare_model_for_kbit_training's reentrant one
+                gradient_checkpointing=base.checkpointing,
                 report_to=[],
                 save_strategy="no",
                 logging_strategy="no",

@@ -106,5 +106,7 @@ def test_the_trainers_offload_on_cuda_stays_on_the_phase_model_with_its_reason()
     assert why is not None and "activation offload under the Trainer" in why
     assert hf_supported(model, plan, workload, "hf", device="cpu") is None
     assert hf_supported(model, plan, workload, "hf-loop", device="cuda") is None
+    # over ranks on CPU too (tests/unit/test_timeline_hf_offload_ranks.py), not on CUDA
     two = Plan(finetune="lora", precision="fp32", offload_activations="cpu", dp=2)
-    assert "activation offload" in (hf_supported(model, two, workload, "hf", device="cpu") or "")
+    assert hf_supported(model, two, workload, "hf", device="cpu") is None
+    assert "activation offload" in (hf_supported(model, two, workload, "hf", device="cuda") or "")

@@ -324,9 +324,7 @@ REFUSALS = [
     (dict(gpus=8, zero=3, finetune="lora", offload_params="nvme", offload_optimizer="nvme"), {}, "plan.offload_params",
      "--nvme-path"),
     (dict(gpus=8, zero=2, finetune="lora", offload_optimizer="nvme"), {}, "plan.offload_optimizer", "NVMe"),
-    (dict(gpus=8, zero=3, finetune="lora", quant="int8"), {}, "plan.quant", "8-bit"),
-    (dict(gpus=8, zero=2, finetune="lora", quant="int8", precision="bf16-mixed"), {"sharding": "fsdp"}, "plan.quant",
-     "8-bit"),
+    (dict(gpus=8, zero=3, finetune="lora", quant="int8", precision="bf16-master"), {}, "plan.quant", "8-bit"),
     (dict(gpus=8, zero=1, finetune="lora"), {"sharding": "fsdp"}, "plan.zero", "ZeRO-2"),
     (dict(gpus=8, zero=3, finetune="lora", precision="bf16-master"), {"sharding": "fsdp"}, "plan.precision", "fp32"),
     (dict(gpus=8, zero=3, finetune="lora", precision="bf16-mixed", offload_optimizer="cpu"), {"sharding": "fsdp"},
@@ -356,6 +354,18 @@ def test_inexpressible_fine_tuning_plan_is_refused(make_job, target, flags, opts
     assert reason in err.value.reason, err.value.reason
     if field.startswith("plan.") and field != "plan.attention":
         assert f"{target} cannot express" in err.value.reason
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [dict(gpus=8, zero=3, finetune="lora", quant="int8"), dict(gpus=8, zero=2, finetune="lora", quant="int8")],
+)
+def test_an_int8_base_under_the_trainers_fsdp2_is_refused_before_export(make_job, flags):
+    """The Trainer cannot run it (``specs.job.check_fsdp_int8``, tests/unit/test_timeline_hf_fsdp_int8.py): the
+    job itself is refused, on --quant, before any exporter is asked."""
+    with pytest.raises(MemplanError) as err:
+        make_job(L8, **flags)
+    assert err.value.field == "--quant" and "8-bit" in err.value.reason and "FSDP2" in err.value.reason
 
 
 @pytest.mark.parametrize("target", ["deepspeed", "accelerate", "torchtitan", "megatron", "fsdp2"])

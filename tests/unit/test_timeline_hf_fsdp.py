@@ -179,10 +179,6 @@ def test_estimate_answers_an_hf_fsdp_plan_op_level(capsys, zero: int, precision:
     ("extra", "reason"),
     [
         (
-            ["--zero", "3", "--precision", "bf16", "--finetune", "qlora", "--quant", "int8"],
-            "an LLM.int8 base under the Trainer's FSDP",
-        ),
-        (
             ["--zero", "3", "--precision", "fp32", "--finetune", "lora", "--modules-to-save", "lm_head"],
             "modules_to_save",
         ),

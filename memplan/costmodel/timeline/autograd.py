@@ -55,6 +55,7 @@ class Storage:
     tid: int
     refs: int = 1
     managed: bool = False
+    gathered: bool = False  # FSDP2's unsharded parameter: no Parameter's storage to saved-tensor hooks (hf_offload)
 
 
 @dataclass(eq=False, slots=True)

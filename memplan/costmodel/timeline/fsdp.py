@@ -196,6 +196,7 @@ class Fsdp:
                 # the padded shard's numel x world size), rows x cols of it (dim 0 padded to dp)
                 size = self.unsharded_itemsize(name)
                 p = t.managed(self.shard(name) * self.dp, size, f"{name}.unsharded", Category.GATHERED)
+                p.st.gathered = True
                 rows, cols = self.shapes[name]
                 p.numel = rows * cols
                 p.fn = self.leaves.get(name)

@@ -7,9 +7,10 @@ itself torchtune's; the head's no-op hooks from ``get_act_offloading_ctx_manager
 emulate them on CPU. What differs from ``save_on_cpu`` (``act_offload.py``):
 
 - kept on the device, the tensor itself held: a save under ``min_offload_size`` (1024 bytes), a parameter
-  or a view of one (``w.t()``), anything the LM head saves (a no-op hook pair around ``lm_head``:
-  :attr:`TrlOffload.paused`), and a storage this forward already offloaded (keyed by data pointer and
-  dtype: the second save of RMSNorm's input, ``nll_loss``'s of the log-probabilities);
+  or a view of one (``w.t()``; not of FSDP2's unsharded parameters, gathered into storages the model did not
+  have when the hooks were built: ``autograd.Storage.gathered``), anything the LM head saves (a no-op hook
+  pair around ``lm_head``: :attr:`TrlOffload.paused`), and a storage this forward already offloaded (keyed
+  by data pointer and dtype: the second save of RMSNorm's input, ``nll_loss``'s of the log-probabilities);
 - an offloaded save's original stays alive in the forward stash while it is among the last
   ``max_fwd_stash_size`` (5) saves; an unpack of a stashed one hands back the original, no copy;
 - an unpacked copy is held (``bwd_tensor_stash``) until the next node that unpacks an offloaded save
@@ -19,7 +20,8 @@ emulate them on CPU. What differs from ``save_on_cpu`` (``act_offload.py``):
   :meth:`TrlOffload.end_of_step`).
 
 Checked on CPU against the emulation through ``transformers.Trainer`` (tests/accuracy/
-test_offload_accuracy.py). On CUDA TRL's copies keep the tensor's strides (``empty_like`` into pinned
+test_offload_accuracy.py; over DDP, FSDP2 and 4-bit / LLM.int8 bases tests/unit/
+test_timeline_hf_offload_ranks.py). On CUDA TRL's copies keep the tensor's strides (``empty_like`` into pinned
 memory, ``to(device)`` back) and its streams order them: not followed, the plan stays on the phase model
 (``hf_support``).
 """
@@ -60,7 +62,7 @@ class TrlOffload:
         self.node: Node | None = None
 
     def _keep(self, t: Tensor) -> bool:
-        if self.paused or t.st.managed or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
+        if self.paused or (t.st.managed and not t.st.gathered) or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
             return True
         key = (t.st, t.itemsize)
         if key in self.seen:

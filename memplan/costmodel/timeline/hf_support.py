@@ -21,7 +21,7 @@ V2's complex RoPE and softmax router, greedy or group-limited; full fine-tuning 
 linears; tests/unit/test_timeline_hf_mla.py, test_timeline_hf_mla_v2.py); fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
-fused AdamW, and on one rank over a dense family the Trainer's other optimizers (``hf_optimizers.py``: SGD,
+fused AdamW, and the Trainer's other optimizers over every family, full fine-tuning or PEFT (``hf_optimizers.py``: SGD,
 Adafactor; ``hf_bnb_optim.py``: bitsandbytes' 8-bit, 32-bit and paged AdamW and Lion, the paged buffers in
 CUDA managed memory from source; tests/unit/test_timeline_hf_optimizers.py); gradient checkpointing of every
 layer or none; any gradient accumulation; PEFT LoRA over the frozen base (tests/unit/test_timeline_hf_peft.py:
@@ -54,11 +54,14 @@ Gemma 2 / 3 too: their bf16 residual stream, ``hf_gemma.py``), and PEFT LoRA (an
 ``bf16=True`` (``hf_fsdp_peft.py``; over an MoE base as ``MOE_LORA_TARGETS`` allows, PEFT's ``ParamWrapper``
 too), with the Trainer's or FSDP's own checkpointing and accumulation, and
 QLoRA (nf4 / fp4, double quantization, the recipe's ``bnb_4bit_quant_storage``: the packed weights sharded,
-``hf_fsdp_qlora.py``; tests/unit/test_timeline_hf_fsdp_qlora.py). Not modelled: an LLM.int8 base or Qwen2's
-q/k/v biases over a 4-bit base under FSDP, ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or expert
+``hf_fsdp_qlora.py``; tests/unit/test_timeline_hf_fsdp_qlora.py). Not modelled: Qwen2's
+q/k/v biases over a 4-bit base under FSDP (an LLM.int8 base the Trainer cannot run there: ``fully_shard``
+gathers its ``Int8Params`` back as plain Parameters, and ``specs.job.check_fsdp_int8`` refuses the plan),
+ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or expert
 parallelism. Activation offload (``offload_activations: cpu``, ``hf_offload.py``: TRL's ``OffloadActivations``
-around ``training_step``) on CPU, on one rank, without a quantized base or MoE (tests/accuracy/
-test_offload_accuracy.py, equal to the byte); on CUDA (TRL's strided copies and side streams) not followed.
+around ``training_step``) on CPU, without MoE, on one rank, under DDP or FSDP2, over a float, 4-bit or LLM.int8
+base (tests/accuracy/test_offload_accuracy.py, tests/unit/test_timeline_hf_offload_ranks.py, equal to the byte);
+on CUDA (TRL's strided copies and side streams) not followed.
 A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
 moving each group to the GPU full-size as it shards it) is run as with it: the build differs by a group's
 full parameters, never the steps.
@@ -247,7 +250,7 @@ def hf_supported(
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         (
             plan.offload_activations == "none" or runtime == "hf-loop" or _trl_offload_ok(model, plan, cpu),
-            "activation offload under the Trainer (TRL's hooks: followed on CPU, one rank, no quantized base)",
+            "activation offload under the Trainer (TRL's hooks: followed on CPU, over a dense model)",
         ),
         (
             plan.offload_activations == "none" or runtime == "hf" or model.architecture in LOOP_OFFLOAD_FAMILIES,
@@ -263,7 +266,7 @@ def hf_supported(
             "ZeRO over more than one rank at stage 1 (DeepSpeed's; the Trainer's FSDP is 2 or 3)",
         ),
         (plan.dp == 1 or plan.zero == 0 or _fsdp_ok(model, plan, runtime), _fsdp_reason(model, plan)),
-        (plan.optimizer == "adamw" or _optimizer_ok(model, plan, runtime), _optimizer_reason(plan, runtime)),
+        (plan.optimizer == "adamw" or _optimizer_ok(plan, runtime), _optimizer_reason(plan, runtime)),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
         (
@@ -311,27 +314,23 @@ def _four_bit_kernel_ok(model: ModelSpec, plan: Plan, runtime: str, gpu_arch: Cu
     return hf_kernel(model, plan, "cuda", runtime) != "efficient" or _efficient_cuda_ok(gpu_arch)
 
 
-def _optimizer_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
+def _optimizer_ok(plan: Plan, runtime: str) -> bool:
     """An optimizer other than the default fused AdamW as the Trainer builds it (``hf_optimizers.py``: SGD,
     transformers' Adafactor; ``hf_bnb_optim.py``: bitsandbytes' 8-bit, 32-bit and paged AdamW and Lion), on
     one rank or each rank under DDP (the states per rank as on one, beside the reducer's buckets), under FSDP2
     SGD alone (no state; the others cannot step DTensor parameters: ``specs.job.check_fsdp_optimizer``
-    refuses them), full fine-tuning of dense, MoE and MLA families or PEFT over a dense one (Adafactor's
-    factored states of 3-D experts per expert: ``hf_optimizers.Param.lead``); tests/unit/
-    test_timeline_hf_optimizers.py and test_timeline_hf_optimizers_dist.py. The hand-written loop builds its
-    own ``AdamW(foreach=True)``."""
-    if runtime != "hf" or (plan.dp > 1 and plan.zero >= 2 and plan.optimizer != "sgd"):
-        return False
-    return plan.finetune == "full" or (model.moe is None and model.mla is None)
+    refuses them), full fine-tuning or PEFT over dense, MoE and MLA families (Adafactor's factored states of
+    3-D experts per expert: ``hf_optimizers.Param.lead``; PEFT's ``ParamWrapper`` adapters of the experts are
+    2-D); tests/unit/test_timeline_hf_optimizers.py, test_timeline_hf_optimizers_dist.py and
+    test_timeline_hf_optimizers_peft_moe.py. The hand-written loop builds its own ``AdamW(foreach=True)``."""
+    return runtime == "hf" and not (plan.dp > 1 and plan.zero >= 2 and plan.optimizer != "sgd")
 
 
 def _optimizer_reason(plan: Plan, runtime: str) -> str:
     """Why the op-level run does not follow ``plan.optimizer``."""
     if runtime != "hf":
         return f"optimizer {plan.optimizer} under the hf-loop runtime (its loop builds AdamW(foreach=True))"
-    if plan.dp > 1 and plan.zero >= 2:
-        return f"optimizer {plan.optimizer} under the Trainer's FSDP2 (DTensor parameters)"
-    return f"optimizer {plan.optimizer} other than the Trainer's default under PEFT over an MoE/MLA model"
+    return f"optimizer {plan.optimizer} under the Trainer's FSDP2 (DTensor parameters)"
 
 
 def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
@@ -347,10 +346,11 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 def _trl_offload_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:
     """TRL's activation offload around the Trainer's ``training_step`` as ``hf_offload.py`` follows it: on
-    CPU (on CUDA TRL's copies keep their strides and run on streams: not followed), one rank, a dense
-    model without a quantized base (tests/accuracy/test_offload_accuracy.py: LoRA and full fine-tuning,
-    fp32 and bf16, with and without checkpointing)."""
-    return cpu and plan.dp == 1 and plan.quant == "none" and model.moe is None
+    CPU (on CUDA TRL's copies keep their strides and run on streams: not followed), a dense model
+    (tests/accuracy/test_offload_accuracy.py: LoRA and full fine-tuning, fp32 and bf16, with and without
+    checkpointing), on one rank, under DDP or FSDP2 (the saved views of FSDP2's unsharded weights offloaded:
+    ``autograd.Storage.gathered``), over a 4-bit or LLM.int8 base (tests/unit/test_timeline_hf_offload_ranks.py)."""
+    return cpu and model.moe is None
 
 
 def _moe_ok(model: ModelSpec) -> bool:
@@ -522,7 +522,7 @@ def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
             "a 4-bit base with q/k/v biases under the Trainer's FSDP (Linear4bit's in-place bias recast, not followed)"
         )
     if plan.quant == "int8":
-        return "an LLM.int8 base under the Trainer's FSDP (not checked)"
+        return "an LLM.int8 base under the Trainer's FSDP (it cannot run it: specs.job.check_fsdp_int8 refuses it)"
     return "PEFT under the Trainer's FSDP other than LoRA or QLoRA (modules_to_save lm_head, embed_tokens or none)"
 
 

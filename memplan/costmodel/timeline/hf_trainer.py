@@ -533,9 +533,11 @@ class _HfRun:
     def _optimizer_params(self) -> list[Param]:
         """The trained parameters in the optimizer's order, each with its shape (``hf_optimizers.Param``):
         the base's from ``self.shapes`` (a ``(rows, 1)`` entry is a vector), an adapter's from its base
-        linear's (``lora_A`` r x in, ``lora_B`` out x r), a trained copy of the head the embedding's; an MoE
-        block's experts 3-D, E in front (``hf_moe.MoeBlock``: stored here as (E x rows, cols)). Under FSDP2 a
-        shard's numel (only optimizers that read no shape run over shards: ``hf_support._optimizer_ok``)."""
+        linear's (``lora_A`` r x in, ``lora_B`` out x r; over 3-D experts PEFT's ``ParamWrapper`` adapters are
+        2-D, r x E rows by the expert's in, the expert's out by r x E columns), a trained copy of the head the
+        embedding's; an MoE block's experts 3-D, E in front (``hf_moe.MoeBlock``: stored here as (E x rows,
+        cols)). Under FSDP2 a shard's numel (only optimizers that read no shape run over shards:
+        ``hf_support._optimizer_ok``)."""
         out = []
         embed = self.shapes["model.embed_tokens.weight"]
         experts = (self.model.extra or {}).get("experts", 1)
@@ -543,12 +545,14 @@ class _HfRun:
             numel, itemsize = self.trainable[name]
             base = name.replace(".lora_A.", ".").replace(".lora_B.", ".")
             rows, cols = self.shapes.get(base, embed)
+            expert = ".mlp.experts." in name
             if ".lora_A." in name:
                 rows = numel // cols
-            elif ".lora_B." in name:
+            elif ".lora_B." in name:  # over an expert stack: one expert's out x (r x E) (hf_moe_lora.py)
+                rows = rows // experts if expert else rows
                 cols = numel // rows
             cols = 0 if cols == 1 or rows * cols != numel else cols
-            lead = experts if ".mlp.experts." in name and cols else 1
+            lead = experts if expert and cols and base == name else 1  # PEFT's ParamWrapper adapters are 2-D
             out.append(Param(name, numel, itemsize, rows, cols, name == "model.embed_tokens.weight", lead))
         return out
 

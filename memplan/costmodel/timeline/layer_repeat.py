@@ -245,7 +245,7 @@ class LayerRepeat:
         mine, held = self._allocation(t.st.tid), self.b.live.get(tid)
         if held is None or held[2:5] != mine[2:5] or held[5] != retag(mine[5], shift):
             raise NotRepeatable("a tensor the run keeps does not pair")
-        st = Storage(tid, t.st.refs, t.st.managed)
+        st = Storage(tid, t.st.refs, t.st.managed, t.st.gathered)
         return Tensor(t.numel, t.itemsize, st, None, t.view, t.dtensor, t.transposed, t.heads_major)
 
     def _allocation(self, tensor: int) -> Event:
