@@ -55,12 +55,14 @@ def hf_predict(
     ga: int = 1,
     steps: int = STEPS,
     host_load: bool = False,
+    offload: bool = False,
     kernel: str = "cpu_flash",
     inplace_accumulate: bool = False,
     **tape_flags,
 ) -> Timeline:
     """The run of ``steps`` optimizer steps of ``ga`` micro-batches for the case under ``plan``, on rank 0 of
-    ``plan.dp`` (``host_load``: FSDP2's ``cpu_ram_efficient_loading``), on ``kernel`` (CPU's flash).
+    ``plan.dp`` (``host_load``: FSDP2's ``cpu_ram_efficient_loading``; ``offload``: TRL's activation offload
+    around each ``training_step``), on ``kernel`` (CPU's flash).
     ``inplace_accumulate`` is False: the harness's ``StorageTracker`` holds each storage's Python object, so
     the engine sums every second gradient out of place (tests/unit/test_timeline_hf.py); ``tape_flags``
     (``subclass_like``: the tracker is a dispatch mode) as ``hf_run`` takes them."""
@@ -82,6 +84,7 @@ def hf_predict(
         zero=plan.zero,
         mixed=trainer_autocast(plan, "hf"),
         host_load=host_load,
+        offload=offload,
         optimizer=plan.optimizer,
         inplace_accumulate=inplace_accumulate,
         **tape_flags,

@@ -13,10 +13,10 @@ run with ``offload=True``:
   the unsharded weights (``w.t()`` for the input's gradient) are no Parameter's storage: TRL copies them to the host
   and back (``Storage.gathered``).
 
-The prediction is ``hf_run``'s, as the other Trainer suites make it (no build: a 4-bit base's ``from_pretrained``
-on the GPU leaves bitsandbytes' 1,024 B dynamic map, ``hf_build.quantize_4bit``, which the CPU harness, loading on
-the CPU, does not count). Default: one case of each kind (3-6 s each); the gloo cases (40-70 s) and the rest under
-``-m slow``.
+The prediction is ``hf_run``'s through tests/hf_predict.py, as the other Trainer suites make it (no build: a 4-bit
+base's ``from_pretrained`` on the GPU leaves bitsandbytes' 1,024 B dynamic map, ``hf_build.quantize_4bit``, which the
+CPU harness, loading on the CPU, does not count). Default: one case of each kind (3-6 s each); the gloo cases (40-70 s)
+and the rest under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -34,19 +34,12 @@ pytest.importorskip("bitsandbytes")
 import hf_ddp_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import hf_fsdp_steps  # noqa: E402
 import hf_steps  # noqa: E402
+from hf_predict import case_model, case_workload, hf_predict  # noqa: E402
 from offload_steps import OffloadCase, measure  # noqa: E402
 from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
 
-from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit  # noqa: E402
-from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
-from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.plan import Plan, trainer_autocast  # noqa: E402
-from memplan.specs.workload import TrainingWorkload  # noqa: E402
-
-STEPS = 3
-_STORAGE = {"uint8": 1, "bfloat16": 2, "float32": 4}
+from memplan.specs.plan import Plan  # noqa: E402
 
 
 def predict(case, dp: int = 1, zero: int = 0) -> int:
@@ -56,35 +49,14 @@ def predict(case, dp: int = 1, zero: int = 0) -> int:
 
 def run(case, dp: int = 1, zero: int = 0):  # noqa: ANN201 - a Timeline
     """The run under TRL's hooks (its ``host_peak``: the host copies at most)."""
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
-    workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
     update = dict(dp=dp, zero=zero, offload_activations="cpu")
-    lora = quant = None
     if isinstance(case, PeftCase):
         plan = plan_of(case).model_copy(update=update)
-        lora, quant = HfLoraConfig.of(plan), Bnb4bit.of(plan) or Bnb8bit.of(plan)
-        if isinstance(quant, Bnb4bit):  # loaded in the case's dtype, stored as its quant_storage
-            stored = 4 if case.dtype == "float32" else 2
-            quant = dataclasses.replace(quant, stored=stored, storage=_STORAGE[case.quant_storage])
     else:
         recompute = "full" if case.checkpointing else "none"
         plan = Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, **update)
-    assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    return hf_run(
-        hf_dims(model, workload, plan),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS,  # the harnesses' datasets hold the steps' batches: the last prefetch finds none
-        qkv_bias=model.qkv_bias,
-        inplace_accumulate=False,
-        lora=lora,
-        quant=quant,
-        dp=dp,
-        zero=zero,
-        mixed=zero >= 2 and trainer_autocast(plan, "hf"),
-        offload=True,
-    )
+    assert hf_supported(case_model(case), plan, case_workload(case), device="cpu") is None, case.name
+    return hf_predict(case, plan, offload=True)
 
 
 def _check(case, measured: int, **ranks) -> None:

@@ -23,21 +23,15 @@ pytest.importorskip("bitsandbytes")
 
 import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import hf_steps  # noqa: E402
+from hf_predict import STEPS, case_model, case_workload, hf_predict  # noqa: E402
 from optim_steps import trained_with  # noqa: E402
 from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
 from test_timeline_hf_mla import MLA_LINEARS, SHAPE, V3, _bias_cast_bytes  # noqa: E402
 from test_timeline_hf_mla_v2 import LITE  # noqa: E402
 from test_timeline_hf_moe import MIXTRAL, QWEN2_DENSE, QWEN3_DENSE  # noqa: E402
 
-from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
-from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run  # noqa: E402
-from memplan.specs.loader import model_from_data  # noqa: E402
-from memplan.specs.plan import trainer_autocast  # noqa: E402
-from memplan.specs.workload import TrainingWorkload  # noqa: E402
 
-STEPS = 3
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -65,29 +59,9 @@ def measure(case: PeftCase, optimizer: str, ranks=None) -> int:  # noqa: ANN001 
 
 def predict(case: PeftCase, optimizer: str, dp: int = 1, zero: int = 0) -> int:
     """The run's peak on rank 0 of ``dp`` (DDP, or FSDP2 at ``zero`` 2 or 3)."""
-    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     plan = plan_of(case).model_copy(update={"optimizer": optimizer, "dp": dp, "zero": zero})
-    workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
-    assert hf_supported(model, plan, workload, device="cpu") is None, case.name
-    experts = model.moe.num_experts if model.moe is not None else 1
-    timeline = hf_run(
-        hf_dims(model, workload, plan),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        batches=STEPS,
-        qkv_bias=model.qkv_bias,
-        arch=model.architecture,
-        extra=family_config(model),
-        lora=HfLoraConfig.of(plan, model.architecture, experts),
-        inplace_accumulate=False,
-        subclass_like=True,
-        optimizer=optimizer,
-        dp=dp,
-        zero=zero,
-        mixed=zero >= 2 and trainer_autocast(plan, "hf"),
-    )
-    return timeline.peak()[0]
+    assert hf_supported(case_model(case), plan, case_workload(case), device="cpu") is None, case.name
+    return hf_predict(case, plan, subclass_like=True).peak()[0]
 
 
 def _slow(case: PeftCase, optimizer: str):
