@@ -165,8 +165,10 @@ class Loop:
 _FAMILY = {c.name: c for c in family_steps.BASE}
 LLAMA = dict(hf_steps.BASE_SMALL, layers=2)
 FULL = [
-    pytest.param(
-        hf_steps.Case("reentrant-llama-fp32", loop="trainer", checkpointing=True, **LLAMA), id="trainer-llama-fp32"
+    pytest.param(  # the peak is the loss's backward, either checkpoint's: slow
+        hf_steps.Case("reentrant-llama-fp32", loop="trainer", checkpointing=True, **LLAMA),
+        id="trainer-llama-fp32",
+        marks=pytest.mark.slow,
     ),
     pytest.param(hf_steps.Case("reentrant-llama-fp32-hand", checkpointing=True, **LLAMA), id="hand-llama-fp32"),
     pytest.param(
