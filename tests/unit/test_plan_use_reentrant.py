@@ -166,3 +166,22 @@ def test_the_callback_reads_real_training_arguments(tmp_path):
         gradient_checkpointing_kwargs={"use_reentrant": True}, report_to=[],
     )  # fmt: skip
     assert _checkpointing(args) == {"recompute": "full", "use_reentrant": True}
+
+
+def test_the_callback_reads_a_model_peft_checkpointed():
+    """``prepare_model_for_kbit_training(model)`` before a Trainer without ``gradient_checkpointing=True``: the model's
+    layers checkpoint with ``functools.partial(checkpoint)`` and no ``use_reentrant`` (torch: True); a model enabled
+    with transformers' default kwargs runs the non-reentrant one; one enabled with none of it, nothing."""
+    transformers = pytest.importorskip("transformers")
+    from memplan.integrations.transformers import _checkpointing
+
+    args = SimpleNamespace(gradient_checkpointing=False)
+    config = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32
+    )
+    model = transformers.LlamaForCausalLM(config)
+    assert _checkpointing(args, model) == {"recompute": "none"}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={})  # what PEFT passes
+    assert _checkpointing(args, model) == {"recompute": "full", "use_reentrant": True}
+    model.gradient_checkpointing_enable()
+    assert _checkpointing(args, model) == {"recompute": "full", "use_reentrant": False}
