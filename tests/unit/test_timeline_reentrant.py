@@ -26,8 +26,10 @@ pytest.importorskip("peft")
 import family_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import hf_steps  # noqa: E402
 import peft_steps  # noqa: E402
+import test_timeline_hf_loop_families as F  # noqa: E402
 from peft_steps import PeftCase, plan_of  # noqa: E402
 from storage_tracker import StorageTracker  # noqa: E402
+from test_timeline_hf_loop_families import _fp32_score_bias  # noqa: E402
 from test_timeline_hf_peft_families import QLORA_RECIPE  # noqa: E402
 from test_timeline_hf_peft_families import _case as _lora  # noqa: E402
 
@@ -96,13 +98,25 @@ def measure_peft(case: PeftCase, loop: str) -> int:
 
 
 def measure_full(case: hf_steps.Case) -> int:
-    """Full fine-tuning: the Trainer with the reentrant kwargs, or the hand loop over a model checkpointed so."""
+    """Full fine-tuning: the Trainer with the reentrant kwargs, or the hand loop over a model checkpointed so
+    (DeepSeek-V3's score bias in fp32 first, as ``from_pretrained`` keeps it: test_timeline_hf_loop_families.py)."""
+
+    def loaded(model) -> None:  # noqa: ANN001
+        if case.arch == "deepseek_v3":
+            _fp32_score_bias(model)
+
+    def trainer(model, args, ids) -> None:  # noqa: ANN001
+        loaded(model)
+        _reentrant_args(model, args, ids)
+
+    def hand(model) -> None:  # noqa: ANN001
+        loaded(model)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=KWARGS)
+
     if case.loop == "trainer":
-        return hf_steps._measure_trainer(case, STEPS, _reentrant_args)
+        return hf_steps._measure_trainer(case, STEPS, trainer)
     plain = dataclasses.replace(case, checkpointing=False)  # measure_hand's own enable is non-reentrant
-    return hf_steps.measure_hand(
-        plain, STEPS, lambda m: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=KWARGS)
-    )
+    return hf_steps.measure_hand(plain, STEPS, hand)
 
 
 # --- predicted ------------------------------------------------------------------------------------------------------
@@ -130,6 +144,7 @@ def predict(case, plan: Plan, lora: bool) -> int:  # noqa: ANN001
         steps=STEPS, qkv_bias=model.qkv_bias, arch=model.architecture, extra=family_config(model),
         lora=HfLoraConfig.of(plan, model.architecture) if lora else None, quant=_quant(case, plan) if lora else None,
         inplace_accumulate=False, reentrant=reentrant,
+        subclass_like=model.moe is not None,  # the tracker's dispatch mode (hf_moe_ops.zeros_then_put)
     )  # fmt: skip
     if runtime == "hf":
         timeline = hf_run(d, model.tied_embeddings, "cpu_flash", batches=STEPS, **common)
@@ -188,6 +203,22 @@ FULL = [
         id="trainer-gemma3",
         marks=pytest.mark.slow,
     ),
+    # MoE and MLA (test_timeline_hf_loop_families.py's shapes): the experts' and the router's ops in the re-run
+    *(
+        pytest.param(
+            dataclasses.replace(F._case(f"reentrant-{name}", arch, extra, shape), loop=loop, checkpointing=True),
+            id=f"{loop}-{name}",
+            marks=() if (loop, name) == ("hand", "deepseek-v3") else pytest.mark.slow,  # 0.3 s: by default
+        )
+        for loop, name, arch, extra, shape in [
+            ("hand", "mixtral", "mixtral", F.MIXTRAL, F.MOE),
+            ("hand", "qwen2-moe", "qwen2_moe", F.QWEN2, F.MOE),
+            ("hand", "deepseek-v3", "deepseek_v3", F.MLA + F.ROUTER, F.MLA_SHAPE),
+            ("trainer", "mixtral", "mixtral", F.MIXTRAL, F.MOE),
+            ("trainer", "deepseek-v2", "deepseek_v2", F.V2, F.MLA_SHAPE),
+            ("trainer", "deepseek-v3", "deepseek_v3", F.MLA + F.ROUTER, F.MLA_SHAPE),
+        ]
+    ),
 ]
 
 
@@ -222,9 +253,10 @@ def test_peft_under_the_reentrant_checkpoint(run: Loop) -> None:
 
 
 def test_the_cases_span_the_mechanisms() -> None:
-    """Both loops over full fine-tuning, LoRA, QLoRA and LLM.int8, over Llama's layout and four families."""
+    """Both loops over full fine-tuning, LoRA, QLoRA and LLM.int8, over Llama's layout and the dense families, and
+    full fine-tuning over MoE (Mixtral, Qwen2-MoE) and MLA (DeepSeek-V2 / V3)."""
     loops = {(r.loop, r.case.quant) for r in PEFT}
     assert {("trainer", "none"), ("hand", "none"), ("trainer", "nf4"), ("hand", "nf4"), ("trainer", "int8")} <= loops
     assert {("hand", "int8")} <= loops
     archs = {r.case.arch for r in PEFT} | {p.values[0].arch for p in FULL}
-    assert archs >= {"llama", "qwen3", "phi3", "olmo2", "gemma3"}
+    assert archs >= {"llama", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "mixtral", "qwen2_moe", "deepseek_v3"}

@@ -69,7 +69,7 @@ case equal to the real loop's peak on CPU): the same models, precisions, kernels
 tests/unit/test_timeline_hf_int8_families.py), checkpointing with either of torch's checkpoints (``use_reentrant``,
 ``specs.plan.checkpoint_reentrant``: by default the reentrant one over a quantized base, as PEFT's
 ``prepare_model_for_kbit_training(model)`` leaves it, ``reentrant.py``; under the Trainer where the plan says so;
-on one rank over the dense families, without activation offload: :func:`_reentrant_ok`), every
+on one rank, without activation offload: :func:`_reentrant_ok`), every
 family above with the LoRA and QLoRA the Trainer's run follows on it (the family modules composed under the
 loop's step; tests/unit/test_timeline_hf_loop_families.py, and over Qwen3, Phi-3, OLMo 2, Gemma 2 and 3
 test_timeline_hf_loop_peft_families.py), sliding windows the sequence reaches on CPU as under the Trainer (the
@@ -191,16 +191,16 @@ def sliding_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, run
 
 
 _REENTRANT = (
-    "torch's reentrant checkpoint (use_reentrant: true) over more than one rank, under activation offload or over "
-    "an MoE or MLA model (followed on one rank over the dense families: timeline/reentrant.py)"
+    "torch's reentrant checkpoint (use_reentrant: true) over more than one rank or under activation offload "
+    "(followed on one rank: timeline/reentrant.py)"
 )
 
 
-def _reentrant_ok(model: ModelSpec, plan: Plan) -> bool:
+def _reentrant_ok(plan: Plan) -> bool:
     """Where the reentrant checkpoint (``reentrant.py``) was checked against the real loop and Trainer: one rank
     (DDP needs ``static_graph`` under it; FSDP's hooks inside a nested backward are not followed), no saved-tensor
-    hooks (the checkpoint's saved input would be packed, its re-run's saves not), a dense family."""
-    return plan.dp == 1 and plan.offload_activations == "none" and model.architecture in DENSE_FAMILIES
+    hooks (the checkpoint's saved input would be packed, its re-run's saves not); dense, MoE and MLA families."""
+    return plan.dp == 1 and plan.offload_activations == "none"
 
 
 def hf_supported(
@@ -277,7 +277,7 @@ def hf_supported(
         (plan.optimizer == "adamw" or _optimizer_ok(model, plan, runtime), _optimizer_reason(plan, runtime)),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
-        (not checkpoint_reentrant(plan, runtime) or _reentrant_ok(model, plan), _REENTRANT),
+        (not checkpoint_reentrant(plan, runtime) or _reentrant_ok(plan), _REENTRANT),
         (
             cpu
             or plan.precision != "fp32"
