@@ -17,7 +17,7 @@ from memplan.costmodel.reserve import Verdict, plan_verdict, serving_verdict
 from memplan.costmodel.time import Efficiency, TimeReport, estimate_time
 from memplan.costmodel.timeline.events import Timeline
 from memplan.specs.hardware import GPUSpec
-from memplan.specs.plan import TRANSFORMERS_RUNTIMES, changed_plan, trainer_autocast
+from memplan.specs.plan import TRANSFORMERS_RUNTIMES, changed_plan, checkpoint_reentrant, trainer_autocast
 from memplan.specs.resolve import TRAINING_PLAN_FIELDS, Job
 from memplan.specs.workload import TrainingWorkload
 
@@ -72,6 +72,8 @@ def resolved_plan(job: Job, accumulation: int) -> dict[str, Any]:
     plan = job.plan.model_dump()
     if job.runtime in TRANSFORMERS_RUNTIMES and isinstance(job.workload, TrainingWorkload):
         plan["autocast"] = trainer_autocast(job.plan, job.runtime)  # the recipe's, where the plan leaves it
+        if job.plan.recompute == "full":  # the checkpoint the loop runs (the runtime's, where the plan leaves it)
+            plan["use_reentrant"] = checkpoint_reentrant(job.plan, job.runtime)
     plan.update(job.workload.model_dump())
     plan.update(
         runtime=job.runtime,

@@ -177,6 +177,17 @@ OffloadActivationsOpt = Annotated[
     str | None,
     Opt(help="none or cpu: saved activations kept in host memory (default: none).", rich_help_panel=PLAN),
 ]
+UseReentrantOpt = Annotated[
+    bool | None,
+    Opt(
+        "--use-reentrant/--no-use-reentrant",
+        help="runtime hf / hf-loop with recompute full: the use_reentrant value transformers' gradient checkpointing "
+        "passes to torch.utils.checkpoint (gradient_checkpointing_kwargs) (default: off under hf, the Trainer's; "
+        "under hf-loop on over a quantized base, as peft's prepare_model_for_kbit_training(model) leaves it, else "
+        "off).",
+        rich_help_panel=FINETUNE_PANEL,
+    ),
+]
 ModelBuildOpt = Annotated[
     str | None,
     Opt(

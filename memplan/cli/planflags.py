@@ -33,7 +33,7 @@ PLAN_FLAGS: dict[str, Any] = {
     "finetune": o.FinetuneOpt, "lora_rank": o.LoraRankOpt, "lora_targets": o.LoraTargetsOpt,
     "lora_dropout": o.LoraDropoutOpt, "modules_to_save": o.ModulesToSaveOpt, "quant": o.QuantOpt,
     "double_quant": o.DoubleQuantOpt, "offload_activations": o.OffloadActivationsOpt,
-    "model_build": o.ModelBuildOpt,
+    "model_build": o.ModelBuildOpt, "use_reentrant": o.UseReentrantOpt,
     "micro_batch": o.MicroBatchOpt, "global_batch": o.GlobalBatchOpt, "seq_len": o.SeqLenOpt,
     "inference": o.InferenceOpt, "batch": o.BatchOpt, "context": o.ContextOpt, "kv_dtype": o.KvDtypeOpt,
     "block_size": o.BlockSizeOpt, "prefill_chunk": o.PrefillChunkOpt,

@@ -68,6 +68,7 @@ EXCLUDED = {
     "autocast": "the searched plans take each precision's recipe (bf16 under --runtime hf: the Trainer's bf16=True)",
     "model_build": "the searched plans load the model as a plan does by default (with a device_map; on the CPU for "
     "the Trainer's FSDP2)",
+    "use_reentrant": "the searched plans checkpoint as each runtime does by default (specs.plan.checkpoint_reentrant)",
     "attention": "the searched plans run the device's default attention kernel (--device)",
     **{name: "the searched plans take fp8's defaults where --precision allows fp8" for name in FP8},
     **{name: "tune searches training plans, not serving" for name in SERVING},

@@ -58,7 +58,7 @@ from memplan.export.common import (
 from memplan.export.hf_trainer import ATTENTION_BACK, COMPUTE_DTYPE, OPTIM, OPTIM_BACK, deepspeed_config
 from memplan.export.hf_trainer import CARRIES as TRAINER_CARRIES
 from memplan.export.hf_trainer import check as trainer_check
-from memplan.specs.plan import ALL_LINEAR
+from memplan.specs.plan import ALL_LINEAR, checkpoint_reentrant
 from memplan.specs.resolve import Job
 
 TARGET = "axolotl"
@@ -144,7 +144,7 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
         gradient_checkpointing=p.recompute == "full" and kind != "fsdp",
     )
     if out["gradient_checkpointing"]:
-        out["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        out["gradient_checkpointing_kwargs"] = {"use_reentrant": checkpoint_reentrant(p, "hf")}  # the plan's checkpoint
     out.update(
         activation_offloading=p.offload_activations == "cpu",
         bf16=bf16 and not off,
@@ -248,9 +248,14 @@ def parse(text: str) -> dict[str, Any]:
         "global_batch": micro * gpus * accumulation,
         "seq_len": cfg["sequence_len"],
         "offload_activations": "cpu" if cfg.get("activation_offloading") else "none",
+        "use_reentrant": True if recompute and _reentrant(cfg) else None,  # the Trainer's False: the plan's None
     }
     out.update(_finetune(cfg))
     return out
+
+
+def _reentrant(cfg: dict[str, Any]) -> bool:
+    return bool((cfg.get("gradient_checkpointing_kwargs") or {}).get("use_reentrant"))
 
 
 def _finetune(cfg: dict[str, Any]) -> dict[str, Any]:

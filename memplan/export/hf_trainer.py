@@ -54,7 +54,7 @@ from memplan.export.common import (
     refuse,
     refuse_autocast_sharded,
 )
-from memplan.specs.plan import ALL_LINEAR
+from memplan.specs.plan import ALL_LINEAR, checkpoint_reentrant
 from memplan.specs.resolve import Job
 
 TARGET = "hf-trainer"
@@ -64,10 +64,11 @@ CARRIES = frozenset(
         "gpus", "nodes", "dp", "tp", "pp", "cp", "ep", "zero", "offload_optimizer", "offload_params", "recompute",
         "precision", "optimizer", "attention", "micro_batch", "global_batch", "seq_len", "finetune", "lora_rank",
         "lora_targets", "lora_dropout", "modules_to_save", "quant", "double_quant", "offload_activations",
-        "autocast",
+        "autocast", "use_reentrant",
     }
 )  # fmt: skip
 SHARDING = ("deepspeed", "fsdp")
+REENTRANT = "use_reentrant"
 MASTER = ("bf16-master", "fp16-master")  # fp32 master weights: only DeepSpeed's optimizer wrappers keep them
 # TrainingArguments.optim (transformers' OptimizerNames): bitsandbytes' paged optimizers by their own names
 # (transformers/trainer_optimizer.py: "paged" in the name -> is_paged, "8bit" -> optim_bits=8)
@@ -277,7 +278,8 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
         "max_grad_norm": gradient_clipping,
     }
     if args["gradient_checkpointing"]:
-        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        # what the plan's checkpoint is (the Trainer's default: False; specs.plan.checkpoint_reentrant)
+        args["gradient_checkpointing_kwargs"] = {"use_reentrant": checkpoint_reentrant(p, "hf")}
     if kind == "deepspeed":
         args["deepspeed"] = deepspeed_config(job, gradient_clipping)
     elif kind == "fsdp":
@@ -346,8 +348,9 @@ def notes(job: Job, kind: str) -> tuple[str, ...]:
     if p.quant != "none":
         out.append(
             "quantized base: model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing="
-            f"{p.recompute == 'full'}, gradient_checkpointing_kwargs={{'use_reentrant': False}}) before "
-            "get_peft_model (it calls model.enable_input_require_grads() and casts the unquantized weights, "
+            f"{p.recompute == 'full'}, gradient_checkpointing_kwargs="
+            f"{{'{REENTRANT}': {checkpoint_reentrant(p, 'hf')}}}) "
+            "before get_peft_model (it calls model.enable_input_require_grads() and casts the unquantized weights, "
             "embeddings, norms and head, to fp32, as estimated)"
         )
     elif p.finetune != "full" and p.recompute == "full":
@@ -431,6 +434,10 @@ def parse(text: str) -> dict[str, Any]:
         "global_batch": micro * dp * accumulation,
         "seq_len": (cfg.get("sft") or {}).get("max_length"),
         "offload_activations": "cpu" if (cfg.get("sft") or {}).get("activation_offloading") else "none",
+        # the Trainer's default (False) reads back as the plan's (None)
+        "use_reentrant": True
+        if recompute and (args.get("gradient_checkpointing_kwargs") or {}).get(REENTRANT)
+        else None,
     }
     out.update(parse_finetune(cfg.get("lora"), cfg.get("quantization")))
     return out

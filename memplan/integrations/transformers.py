@@ -12,7 +12,9 @@ At ``on_train_begin`` the plan is read from the live objects (no YAML to write):
   experts and router there: read back as the MLP names or ``all-linear``, :func:`_parameter_targets`);
 - ``TrainingArguments``: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
   ``world_size``, ``bf16`` / ``fp16`` (the plan's ``autocast`` over a 16-bit model),
-  ``gradient_checkpointing``, ``optim``, ``deepspeed``
+  ``gradient_checkpointing`` and its ``gradient_checkpointing_kwargs``' ``use_reentrant`` (:func:`_checkpointing`;
+  without it, the model's own: PEFT's ``prepare_model_for_kbit_training`` checkpoints reentrantly),
+  ``optim``, ``deepspeed``
   (ZeRO stage and offload) and ``fsdp`` (``full_shard``: ZeRO-3, ``shard_grad_op``: ZeRO-2,
   ``offload``);
 - the sequence length: the callback's ``seq_len``, else TRL's ``max_length`` on the arguments.
@@ -271,6 +273,33 @@ def _sharding(args: Any) -> dict[str, Any]:
     return {"zero": zero, "offload_optimizer": offload, "offload_params": offload if zero == 3 else "none"}
 
 
+def _checkpointing(args: Any, model: Any = None) -> dict[str, Any]:
+    """``gradient_checkpointing`` and the ``use_reentrant`` the Trainer hands ``torch.utils.checkpoint``: its
+    ``gradient_checkpointing_kwargs`` (5.x: ``activation_checkpointing_kwargs``, the old name mirrored by
+    ``TrainingArguments.__post_init__``) less ``every_n_layers`` and ``offload``, ``or None``; None is
+    transformers' ``{"use_reentrant": False}``, a dict without the key leaves torch its default, True
+    (``Trainer.train``, ``modeling_utils._activation_checkpointing_enable``)."""
+    on = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
+    if not on:
+        return _model_checkpointing(model)
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", 0)
+    popped = ("every_n_layers", "offload")  # the Trainer's own keys
+    rest = {k: v for k, v in (kwargs if isinstance(kwargs, dict) else {}).items() if k not in popped}
+    return {"recompute": "full", "use_reentrant": bool(rest.get("use_reentrant", True)) if rest else False}
+
+
+def _model_checkpointing(model: Any) -> dict[str, Any]:
+    """Checkpointing the Trainer's arguments leave off but the model has on: PEFT's
+    ``prepare_model_for_kbit_training(model)`` enables it before the Trainer (the QLoRA recipe without
+    ``gradient_checkpointing=True``), each layer's ``_gradient_checkpointing_func`` a ``functools.partial`` of
+    torch's checkpoint whose keywords are the kwargs it was enabled with (no ``use_reentrant``: torch's True)."""
+    for module in model.modules() if model is not None else ():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            keywords = getattr(getattr(module, "_gradient_checkpointing_func", None), "keywords", None) or {}
+            return {"recompute": "full", "use_reentrant": bool(keywords.get("use_reentrant", True))}
+    return {"recompute": "none"}
+
+
 def trainer_plan(model: Any, args: Any, seq_len: int | None = None) -> dict[str, Any]:
     """The estimate's inputs for a live model and its ``TrainingArguments``: ``config``,
     ``plan``, ``workload``, ``device`` (module docstring)."""
@@ -289,7 +318,7 @@ def trainer_plan(model: Any, args: Any, seq_len: int | None = None) -> dict[str,
     plan = {
         "dp": dp,
         **_sharding(args),
-        "recompute": "full" if args.gradient_checkpointing else "none",
+        **_checkpointing(args, model),
         **_precision(args, model, quant),
         "optimizer": OPTIM[optim],
         "attention": ATTENTION.get(attn, "flash"),

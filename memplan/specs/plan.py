@@ -125,6 +125,19 @@ class Plan(BaseModel):
         "on, as the exporters write it; hf-loop: off).",
     )
 
+    # None: what transformers' loops do unless told (``checkpoint_reentrant``); the two checkpoints keep
+    # different tensors (timeline/reentrant.py)
+    use_reentrant: StrictBool | None = Field(
+        None,
+        description="runtime hf / hf-loop with recompute full: the use_reentrant value transformers' gradient "
+        "checkpointing hands torch.utils.checkpoint (gradient_checkpointing_kwargs). true: torch's reentrant "
+        "checkpoint (the layers' forward under no_grad, each backward re-running the layer and a nested backward); "
+        "false: the non-reentrant one. Default: hf: false (the Trainer's gradient_checkpointing=True sets "
+        "use_reentrant=False); hf-loop: true over a quantized base (peft's prepare_model_for_kbit_training(model) "
+        "passes gradient_checkpointing_kwargs={}, so torch takes its default, True), else false "
+        "(model.gradient_checkpointing_enable()).",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _qlora_defaults(cls, data: object) -> object:
@@ -185,6 +198,11 @@ class Plan(BaseModel):
             raise ValueError(
                 f"fp8_all_gather: the fp8 all-gather is FSDP2's, which needs zero 2 or 3 (got zero: {self.zero})"
             )
+        if self.use_reentrant is not None and self.recompute != "full":
+            raise ValueError(
+                f"use_reentrant: only meaningful with recompute: full (transformers' gradient checkpointing; got "
+                f"recompute: {self.recompute})"
+            )
         if self.autocast is not None and self.precision != "bf16":
             raise ValueError(f"autocast: only meaningful with precision: bf16 ({_NO_CHOICE[self.precision]})")
         targets = self.lora_targets
@@ -215,6 +233,21 @@ _NO_CHOICE = {
     "fp8": "fp8's matmuls are scaled, not autocast",
 }
 TRANSFORMERS_RUNTIMES = ("hf", "hf-loop")
+
+
+def checkpoint_reentrant(plan, runtime: str) -> bool:
+    """Whether a transformers loop's checkpointed layers run torch's reentrant checkpoint: ``plan.use_reentrant``,
+    else the runtime's recipe. ``hf``: the Trainer's ``gradient_checkpointing=True`` enables
+    ``activation_checkpointing_kwargs=None``, which transformers makes ``{"use_reentrant": False}``
+    (``modeling_utils._activation_checkpointing_enable``). ``hf-loop``: over a quantized base the recipe is
+    ``peft.prepare_model_for_kbit_training(model)`` (``use_gradient_checkpointing=True``), which passes
+    ``gradient_checkpointing_kwargs={}``: no ``use_reentrant`` reaches ``torch.utils.checkpoint``, which takes
+    True (with a warning); over a 16-bit base ``model.gradient_checkpointing_enable()``: False."""
+    if plan.recompute != "full":
+        return False
+    if plan.use_reentrant is not None:
+        return plan.use_reentrant
+    return runtime == "hf-loop" and plan.quant != "none"
 
 
 def trainer_autocast(plan, runtime: str) -> bool:

@@ -37,7 +37,7 @@ TRAINING_PLAN_FIELDS = {
     "zero", "offload_optimizer", "offload_params", "recompute", "recompute_layers", "optimizer", "sequence_parallel",
     "cp", "pp_schedule", "virtual_stages", "attention", "finetune", "lora_rank", "lora_targets", "lora_dropout",
     "modules_to_save", "quant", "double_quant", "offload_activations", "fp8_recipe", "fp8_all_gather", "model_build",
-    "autocast",
+    "autocast", "use_reentrant",
 }  # fmt: skip
 
 
@@ -174,6 +174,16 @@ def job_from(
                 f"the Trainer's bf16=True: only meaningful under runtime hf or hf-loop (got {runtime})",
                 source=source,
                 field="plan.autocast",
+            ),
+            set(flags),
+            from_file,
+        )
+    if plan_data.get("use_reentrant") is not None and runtime not in TRANSFORMERS_RUNTIMES:
+        raise _blame_flag(
+            MemplanError(
+                f"transformers' gradient checkpointing: only meaningful under runtime hf or hf-loop (got {runtime})",
+                source=source,
+                field="plan.use_reentrant",
             ),
             set(flags),
             from_file,

@@ -52,6 +52,10 @@ def check_plan(plan: Plan) -> None:
         raise TrainerUnsupported(
             "autocast: the transformers Trainer's bf16=True; the bundled trainer runs its precision's recipe"
         )
+    if plan.use_reentrant:
+        raise TrainerUnsupported(
+            "use_reentrant: transformers' gradient checkpointing; the bundled trainer checkpoints non-reentrantly"
+        )
     if plan.cp > 1:
         raise TrainerUnsupported("cp: context parallelism is not implemented by the bundled trainer")
     if plan.ep > 1:

@@ -100,7 +100,13 @@ def _fp32_score_bias(model) -> None:
 
 
 def _run(
-    model, plan: Plan, workload: TrainingWorkload, lora: HfLoraConfig | None = None, ga: int = 1, quant=None
+    model,
+    plan: Plan,
+    workload: TrainingWorkload,
+    lora: HfLoraConfig | None = None,
+    ga: int = 1,
+    quant=None,
+    reentrant: bool = False,
 ) -> int:
     """The loop's run as ``hf_loop_plan_run`` composes it (the spec's sliding layers, the family; ``quant``: the
     base's ``Bnb4bit``), on CPU."""
@@ -119,6 +125,7 @@ def _run(
         inplace_accumulate=False,
         subclass_like=model.moe is not None,  # the tracker's dispatch mode (hf_moe_ops.zeros_then_put)
         ga=ga,
+        reentrant=reentrant,  # torch's reentrant checkpoint (reentrant.py)
     )
     return timeline.peak()[0]
 

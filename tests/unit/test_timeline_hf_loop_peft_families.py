@@ -17,8 +17,8 @@ The cases are test_timeline_hf_peft_families.py's and test_timeline_hf_sliding.p
 The plan of a case: ``peft_steps.plan_of(case, "hf")`` (a bf16 or 4-bit base under autocast is ``bf16`` with the
 plan's ``autocast``, as the loop runs it: tests/unit/test_plan_autocast.py). Checkpointing is transformers'
 ``gradient_checkpointing_enable()`` (non-reentrant); PEFT's ``prepare_model_for_kbit_training`` enables reentrant
-checkpointing unless told otherwise: a known miss (below). A few cases run by default (seconds); the rest under
-``-m slow``.
+checkpointing unless told otherwise (``reentrant.py``: one case below). A few cases run by default (seconds); the
+rest under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -120,17 +120,18 @@ REENTRANT = _lora("qwen3", "qlora-recipe-peft-reentrant", **QLORA_RECIPE)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="reentrant checkpointing (PEFT's prepare_model_for_kbit_training default): measured 1,091,544 B, "
-    "the run (transformers' non-reentrant checkpoint) 1,058,776 B, -32,768 B: the recomputed layer output (b, s, h "
-    "fp32) CheckpointFunction.backward holds through its inner backward",
-)
 def test_qlora_under_peft_s_reentrant_checkpointing() -> None:
-    """``prepare_model_for_kbit_training(model)`` checkpoints with ``use_reentrant`` unset (torch: True); the run
-    follows transformers' ``gradient_checkpointing_enable()`` (``use_reentrant=False``), which the same case
-    matches to the byte (``test_lora_peak_equals_the_loops[looppeft-qwen3-qlora-recipe]``)."""
-    measured, predicted = measure_peft(REENTRANT, reentrant=True), predict(REENTRANT)
+    """``prepare_model_for_kbit_training(model)`` checkpoints with ``use_reentrant`` unset (torch: True): the run with
+    torch's reentrant checkpoint (``reentrant.py``; before, the non-reentrant one: -32,768 B, the recomputed layer
+    output ``CheckpointFunction.backward`` holds through its inner backward)."""
+    model, plan = spec(REENTRANT), peft_steps.plan_of(REENTRANT, "hf")
+    workload = TrainingWorkload(seq_len=REENTRANT.seq, micro_batch=REENTRANT.batch)
+    quant = Bnb4bit.of(plan)
+    storage = {"uint8": 1, "bfloat16": 2, "float32": 4}[REENTRANT.quant_storage]
+    quant = dataclasses.replace(quant, stored=4 if REENTRANT.dtype == "float32" else 2, storage=storage)
+    lora = HfLoraConfig.of(plan, model.architecture)
+    measured = measure_peft(REENTRANT, reentrant=True)
+    predicted = _run(model, plan, workload, lora, quant=quant, reentrant=True)
     assert predicted == measured, f"{predicted:,} B predicted, {measured:,} B measured"
 
 

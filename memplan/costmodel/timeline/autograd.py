@@ -24,6 +24,8 @@ free order the CUDA caching allocator sees (tests/data/gpu-traces):
 - under saved-tensor hooks (``act_offload.py``: ``save_on_cpu``) a save keeps a host copy, not
   the tensor; the node's apply unpacks a device copy of each first and frees it as it returns, and
   a checkpoint packs its inputs too, its re-run running on their copies;
+- under ``torch.no_grad()`` (:meth:`Tape.no_grad`: the reentrant checkpoint's forward, ``reentrant.py``) no
+  node is made: nothing is saved, every output is a tensor without a ``grad_fn``;
 - under a selective-checkpoint policy (``create_selective_checkpoint_contexts``) the forward
   also keeps the outputs of the ops the policy saves (:meth:`Tape.keep`), and the re-run hands
   them back instead of computing them (:meth:`Tape.cached`); what the re-run never reached
@@ -133,6 +135,7 @@ class Tape:
         self.hooks: SaveOnCpu | None = None  # the forward's saved-tensor hooks (act_offload.py, hf_offload.py)
         self._node: Node | None = None  # the node the backward runs (``torch._C._current_autograd_node``)
         self.packed = False  # a node has saved a Packed host copy (only then does a node's apply look for them)
+        self.grad_enabled = True  # False under ``torch.no_grad()``: no node, nothing saved (:meth:`no_grad`)
 
     @contextmanager
     def scoped(self, scope: str) -> Iterator[None]:
@@ -151,6 +154,15 @@ class Tape:
             yield
         finally:
             self.dtensor = outer
+
+    @contextmanager
+    def no_grad(self) -> Iterator[None]:
+        """``torch.no_grad()``: ops record no node (``GradMode::is_enabled()`` false), so save nothing."""
+        outer, self.grad_enabled = self.grad_enabled, False
+        try:
+            yield
+        finally:
+            self.grad_enabled = outer
 
     # --- storage -------------------------------------------------------------------------------
     def new(self, numel: int, itemsize: int, tag: str, category: Category | None = None, stream=Stream.COMPUTE):
@@ -221,6 +233,8 @@ class Tape:
         """A node over ``inputs`` (tensors or None); None when no input needs a gradient.
         ``meta``: per input (numel, itemsize, over_rows) the engine reduces and casts the
         gradient to (``over_rows``: a sum over the leading dims, to a weight vector)."""
+        if not self.grad_enabled:
+            return None
         nexts = [t.fn if t is not None else None for t in inputs]
         if not any(nexts):
             return None

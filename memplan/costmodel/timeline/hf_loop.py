@@ -39,6 +39,10 @@ on CPU against the loop itself (tests/unit/test_timeline_hf_loop.py, test_timeli
   ``_foreach_sqrt`` temporary per parameter, all live together until the step returns
   (``torch/optim/adam.py: _multi_tensor_adam``); no gradient clipping;
 - ``zero_grad(set_to_none=True)``: the gradients go in parameter order;
+- checkpointing with the plan's ``use_reentrant`` (``specs.plan.checkpoint_reentrant``: by default over a
+  quantized base PEFT's ``prepare_model_for_kbit_training(model)``, torch's reentrant checkpoint,
+  ``reentrant.py``, whose ``ctx.run_function`` tensors live with ``out``'s graph to the next forward; else
+  ``gradient_checkpointing_enable()``'s non-reentrant one);
 - over a PEFT model (``hf_lora.py``, ``hf_bnb.py``: the ``hf`` run's adapters and 4-bit bases) AdamW
   holds the adapters alone, and under gradient checkpointing ``enable_input_require_grads``' leaf and
   its ``.grad`` live with ``out``'s graph until the next forward returns (over ``ga`` > 1 iterations with
@@ -56,7 +60,9 @@ from memplan.costmodel.timeline.hf_lora import HfLoraConfig
 from memplan.costmodel.timeline.hf_model import scalar_div
 from memplan.costmodel.timeline.hf_support import accumulation
 from memplan.costmodel.timeline.hf_trainer import _HfRun, hf_dims, hf_kernel
+from memplan.costmodel.timeline.reentrant import Reentrant
 from memplan.costmodel.timeline.trainer_model import Dims
+from memplan.specs.plan import checkpoint_reentrant
 
 
 def hf_loop_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda") -> Timeline:
@@ -85,6 +91,7 @@ def hf_loop_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda")
         build=build,
         offload=offload,
         ga=accumulation(workload, plan),
+        reentrant=checkpoint_reentrant(plan, "hf-loop"),
     )
 
 
@@ -102,6 +109,7 @@ def hf_loop_run(
     build: str = "to_device",
     offload: bool = False,
     ga: int = 1,
+    reentrant: bool = False,
     **tape_flags,
 ) -> Timeline:
     """The loop for ``steps`` optimizer steps of ``ga`` iterations each (``tape_flags``: :class:`Tape`
@@ -118,12 +126,14 @@ def hf_loop_run(
     family's model (``hf_families.family``) and its further config (``family_config``), as ``hf_run``'s.
     ``lora``, ``quant``: PEFT's adapters over the frozen (4-bit or LLM.int8) base, as in ``hf_run``, AdamW over
     the adapters; ``build``: as ``hf_run``'s; ``ga``: iterations an optimizer step (the loop's gradient
-    accumulation, module docstring)."""
+    accumulation, module docstring); ``reentrant``: under checkpointing, torch's reentrant checkpoint
+    (``reentrant.py``: ``prepare_model_for_kbit_training(model)``'s, ``specs.plan.checkpoint_reentrant``)."""
     args = (d, tied, kernel, 0, tape_flags, qkv_bias, ga, arch, extra)
     run = _HfLoopRun(*args, lora=lora, quant=quant, build=build)
     every = tuple(range(d.layers)) if window_layers is True else window_layers or ()
     run.window_layers = frozenset(every) if d.recompute != "full" else frozenset()
     run.saves = act_offload.SaveOnCpu() if offload else None
+    run.reentrant = Reentrant(run.tape, run._inner_graph) if reentrant and d.recompute == "full" else None
     run.b.mark("build")
     for k in range(steps):
         run.step(k)
@@ -239,9 +249,14 @@ class _HfLoopRun(_HfRun):
         if lora is not None:
             held, lora.held = lora.held, []
             grad = lora.input_grads.pop("inputs_embeds", None)
+        ctxs = []  # reentrant checkpoints' ctx.run_function (reentrant.py)
+        if self.reentrant is not None:
+            ctxs, self.reentrant.held = self.reentrant.held, []
 
         def free() -> None:  # the nodes from the loss down (Int8.free_graph's order), then the input leaf
             for x in reversed(inputs):
+                self.tape.drop(x)
+            for x in reversed(ctxs):
                 self.tape.drop(x)
             for x in held:
                 self.tape.drop(x)

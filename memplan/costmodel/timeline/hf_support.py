@@ -69,8 +69,10 @@ full parameters, never the steps.
 ``runtime="hf-loop"`` (the hand-written loop of ``hf_loop.py``; tests/unit/test_timeline_hf_loop.py, every
 case equal to the real loop's peak on CPU): the same models, precisions, kernels, checkpointing, LoRA and
 4-bit and LLM.int8 bases (the int8 linears' inputs held with ``out``'s graph to the next forward;
-tests/unit/test_timeline_hf_int8_families.py; checkpointing as transformers enables it, ``use_reentrant=False``:
-PEFT's ``prepare_model_for_kbit_training`` default leaves torch's reentrant checkpoint, not followed), every
+tests/unit/test_timeline_hf_int8_families.py), checkpointing with either of torch's checkpoints (``use_reentrant``,
+``specs.plan.checkpoint_reentrant``: by default the reentrant one over a quantized base, as PEFT's
+``prepare_model_for_kbit_training(model)`` leaves it, ``reentrant.py``; under the Trainer where the plan says so;
+on one rank, without activation offload: :func:`_reentrant_ok`), every
 family above with the LoRA and QLoRA the Trainer's run follows on it (the family modules composed under the
 loop's step; tests/unit/test_timeline_hf_loop_families.py, and over Qwen3, Phi-3, OLMo 2, Gemma 2 and 3
 test_timeline_hf_loop_peft_families.py), sliding windows the sequence reaches on CPU as under the Trainer (the
@@ -95,7 +97,7 @@ from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, MLA_ATTENTION
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, trainer_autocast
+from memplan.specs.plan import Plan, checkpoint_reentrant, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
@@ -195,6 +197,19 @@ def sliding_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, run
     return kernel == "efficient" and cap in MLA_CAPABILITIES
 
 
+_REENTRANT = (
+    "torch's reentrant checkpoint (use_reentrant: true) over more than one rank or under activation offload "
+    "(followed on one rank: timeline/reentrant.py)"
+)
+
+
+def _reentrant_ok(plan: Plan) -> bool:
+    """Where the reentrant checkpoint (``reentrant.py``) was checked against the real loop and Trainer: one rank
+    (DDP needs ``static_graph`` under it; FSDP's hooks inside a nested backward are not followed), no saved-tensor
+    hooks (the checkpoint's saved input would be packed, its re-run's saves not); dense, MoE and MLA families."""
+    return plan.dp == 1 and plan.offload_activations == "none"
+
+
 def hf_supported(
     model: ModelSpec,
     plan: Plan,
@@ -269,6 +284,7 @@ def hf_supported(
         (plan.optimizer == "adamw" or _optimizer_ok(plan, runtime), _optimizer_reason(plan, runtime)),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
+        (not checkpoint_reentrant(plan, runtime) or _reentrant_ok(plan), _REENTRANT),
         (
             cpu
             or plan.precision != "fp32"

@@ -20,7 +20,8 @@ real ``Trainer`` (``tests/accuracy/alloc_log.py``):
   step's first matmuls, as in the bundled trainer's run;
 - gradient checkpointing as the Trainer turns it on (``GradientCheckpointingLayer`` with
   ``use_reentrant=False``): each decoder layer a non-reentrant checkpoint over its hidden
-  states, ``position_ids`` and the rotary tables.
+  states, ``position_ids`` and the rotary tables; with ``gradient_checkpointing_kwargs={"use_reentrant":
+  True}`` (the plan's ``use_reentrant``) torch's reentrant checkpoint (``reentrant.py``).
 
 Under ``bf16=True`` (accelerate's autocast; ``trainer_autocast``: ``bf16-mixed`` over the fp32 model,
 ``bf16`` over the bf16 one unless the plan's ``autocast`` is off: a bf16 model without
@@ -55,9 +56,10 @@ from memplan.costmodel.timeline.hf_moe import moe_sizes
 from memplan.costmodel.timeline.hf_offload import TrlOffload, in_head
 from memplan.costmodel.timeline.hf_optimizers import FusedAdamW, Param, trainer_optimizer
 from memplan.costmodel.timeline.hf_repeat import repeat_step, repeats
+from memplan.costmodel.timeline.reentrant import Reentrant
 from memplan.costmodel.timeline.trainer import CUBLAS_WORKSPACE
 from memplan.costmodel.timeline.trainer_model import Dims
-from memplan.specs.plan import trainer_autocast
+from memplan.specs.plan import checkpoint_reentrant, trainer_autocast
 
 
 def hf_dims(model, workload, plan, runtime: str = "hf") -> Dims:
@@ -136,6 +138,7 @@ def hf_plan_run(
         offload=plan.offload_activations == "cpu",  # TRL's hooks around training_step (hf_offload.py)
         optimizer=plan.optimizer,
         repeated=repeated,
+        reentrant=checkpoint_reentrant(plan, "hf"),
     )
 
 
@@ -159,6 +162,7 @@ def hf_run(
     offload: bool = False,
     optimizer: str = "adamw",
     repeated: bool = False,
+    reentrant: bool = False,
     **tape_flags,
 ) -> Timeline:
     """``Trainer.train()`` for ``steps`` optimizer steps of ``ga`` micro-batches each over
@@ -174,13 +178,16 @@ def hf_run(
     TRL's activation offload around each ``training_step`` (``hf_offload.py``); ``optimizer``: the plan's
     (``specs.plan.OptimizerName``), as the Trainer builds it (``hf_optimizers.trainer_optimizer``);
     ``repeated``: the last step emitted from the one before where that is exact (``hf_repeat.py``).
+    ``reentrant``: under checkpointing, ``gradient_checkpointing_kwargs={"use_reentrant": True}`` (``reentrant.py``).
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
     args = (d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build, zero, mixed)
-    repeated = repeated and repeats(dp, zero, lora, quant, offload, optimizer)
+    # the step's copy (hf_repeat.py) was checked over non-reentrant checkpoints only
+    repeated = repeated and not reentrant and repeats(dp, zero, lora, quant, offload, optimizer)
     optimizer = trainer_optimizer(optimizer, cuda=kernel != "cpu_flash")
     run = _HfRun(*args, host_load=host_load, optimizer=optimizer)
     run.saves = TrlOffload() if offload else None
+    run.reentrant = Reentrant(run.tape, run._inner_graph) if reentrant and d.recompute == "full" else None
     run.b.mark("build")
     span = None  # the last step built, from the second on: the one the last may be emitted from (hf_repeat.py)
     for k in range(steps):
@@ -246,6 +253,7 @@ class _HfRun:
         self.fsdp: hf_fsdp.HfFsdp | None = None  # FSDP2 over dp > 1 ranks under ZeRO-2/3 (hf_fsdp.py)
         self.host_load = host_load and dp > 1 and zero >= 2  # under FSDP2, loaded on the CPU (hf_fsdp_load.py)
         self.saves = None  # activation offload's saved-tensor hooks (hf_offload.py; hf_loop.py: act_offload's)
+        self.reentrant: Reentrant | None = None  # use_reentrant=True's checkpoints (reentrant.py)
         self._build()
 
     def _build(self) -> None:
@@ -437,6 +445,8 @@ class _HfRun:
         t.done(seed, scaled)
         if isinstance(self.model.quant, Bnb8bit):  # the int8 linears' ctx.A go with the graph
             self.model.quant.free_graph()
+        if self.reentrant is not None:  # the checkpoints' ctx.run_function too
+            self.reentrant.free_graph()
         if self.lora is not None:
             self.lora.free_graph()
         if self.saves is not None:  # TRL's end-of-backward callback, as training_step returns
@@ -496,10 +506,49 @@ class _HfRun:
         # checkpoints ``partial(forward, self, **kwargs)``, transformers modeling_layers.py:120): the model's
         # ``num_items_in_batch``, under FSDP2's bf16 policy the root's bf16 cast of it (alive to layer 0's backward)
         kwargs = [self.items] if self.items is not None else []
+        if self.reentrant is not None:  # use_reentrant=True (reentrant.py): the partial's tensors kept with the graph
+            return self.reentrant.checkpoint(
+                lambda: m.layer(x, cos, sin, i),
+                [x],
+                [pos, cos, sin, *m.layer_inputs(i), *kwargs],
+                self._rerun(i, cos, sin),
+            )
         held = [x, pos, cos, sin, *m.layer_inputs(i), *kwargs]
         # the hidden states alone are positional (``decoder_layer(hidden_states, **kwargs)``): saved-tensor
         # hooks (activation offload, hf_loop.py) pack them; the rest the partial holds on the device
         return self.tape.checkpoint(lambda: m.layer(x, cos, sin, i), held, rerun=rerun, packed=1)
+
+    def _rerun(self, i: int, cos: Tensor, sin: Tensor):
+        """A reentrant checkpoint's re-run of layer ``i`` (``CheckpointFunction.backward``): under the forward's
+        autocast state, a fresh cache whose casts go as its block exits (what the graph saved stays)."""
+        m, t = self.model, self.tape
+
+        def rerun(x: Tensor) -> Tensor:
+            cache, m.cache = m.cache, ({} if self.d.autocast else None)
+            try:
+                return m.layer(x, cos, sin, i)
+            finally:
+                if m.cache is not None:
+                    t.done(*m.cache.values())
+                m.cache = cache
+
+        return rerun
+
+    def _inner_graph(self):
+        """Before a reentrant re-run: the int8 linears' ``ctx.A`` it makes are its graph's (freed as
+        ``CheckpointFunction.backward`` returns), not the step's."""
+        quant = self.model.quant
+        int8 = quant.int8 if isinstance(quant, Bnb8bit) else None
+        if int8 is None:
+            return lambda: None
+        outer, int8.held = int8.held, []
+
+        def free() -> None:
+            inner, int8.held = int8.held, outer
+            for x in reversed(inner):
+                self.tape.drop(x)
+
+        return free
 
     # --- clip, optimizer -----------------------------------------------------------------------
     def clip(self) -> None:
