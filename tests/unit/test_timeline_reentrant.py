@@ -27,13 +27,13 @@ import family_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftes
 import hf_steps  # noqa: E402
 import peft_steps  # noqa: E402
 import test_timeline_hf_loop_families as F  # noqa: E402
+from hf_predict import case_quant  # noqa: E402
 from peft_steps import PeftCase, plan_of  # noqa: E402
 from storage_tracker import StorageTracker  # noqa: E402
 from test_timeline_hf_loop_families import _fp32_score_bias  # noqa: E402
 from test_timeline_hf_peft_families import QLORA_RECIPE  # noqa: E402
 from test_timeline_hf_peft_families import _case as _lora  # noqa: E402
 
-from memplan.costmodel.timeline.hf_bnb import Bnb4bit, Bnb8bit  # noqa: E402
 from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_loop import hf_loop_run  # noqa: E402
 from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
@@ -120,17 +120,6 @@ def measure_full(case: hf_steps.Case) -> int:
 
 
 # --- predicted ------------------------------------------------------------------------------------------------------
-def _quant(case: PeftCase, plan: Plan) -> Bnb4bit | Bnb8bit | None:
-    """The plan's base, loaded in the case's dtype (4-bit: stored as its quant_storage)."""
-    if case.quant == "int8":
-        return dataclasses.replace(Bnb8bit.of(plan), stored=4 if case.dtype == "float32" else 2)
-    quant = Bnb4bit.of(plan)
-    if quant is not None:
-        storage = {"uint8": 1, "bfloat16": 2, "float32": 4}[case.quant_storage]
-        quant = dataclasses.replace(quant, stored=4 if case.dtype == "float32" else 2, storage=storage)
-    return quant
-
-
 def predict(case, plan: Plan, lora: bool) -> int:  # noqa: ANN001
     """The run of the case's runtime on CPU's kernels with the plan's checkpoint (``checkpoint_reentrant``)."""
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
@@ -142,7 +131,8 @@ def predict(case, plan: Plan, lora: bool) -> int:  # noqa: ANN001
     d = hf_dims(model, workload, plan, runtime)
     common = dict(
         steps=STEPS, qkv_bias=model.qkv_bias, arch=model.architecture, extra=family_config(model),
-        lora=HfLoraConfig.of(plan, model.architecture) if lora else None, quant=_quant(case, plan) if lora else None,
+        lora=HfLoraConfig.of(plan, model.architecture) if lora else None,
+        quant=case_quant(case, plan) if lora else None,
         inplace_accumulate=False, reentrant=reentrant,
         subclass_like=model.moe is not None,  # the tracker's dispatch mode (hf_moe_ops.zeros_then_put)
     )  # fmt: skip
