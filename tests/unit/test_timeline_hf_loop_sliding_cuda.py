@@ -89,6 +89,9 @@ FULL_LAYER_MATH = ("mask_ones", "mask_tril", "mask_neg_inf", "mask_zero", "mask"
 # bitsandbytes' CPU backend dequantizes each 4-bit weight (absmax, then the weight) where CUDA's gemm_4bit runs its
 # own path (hf_bnb.py, the same without a window)
 CPU_DEQUANT = ("absmax", "absmax_dequant", "weight_dequant")
+# save_on_cpu's contiguous copies of transposed saves before the host copy (act_offload.STAGING), which cpu_view
+# takes out of the CUDA run as CUDA's copy temporaries (cpu.cuda_temporaries)
+OFFLOAD_STAGING = ("pack_staging",)
 
 
 def _outside_sdpa(timeline, model) -> tuple[list, list]:
@@ -97,7 +100,8 @@ def _outside_sdpa(timeline, model) -> tuple[list, list]:
     ``step`` on the host under CUDA), the window tensors (:func:`test_each_sliding_cache_layer_copies_its_window_tensor_
     to_the_gpu_at_its_first_update`), a masked layer's heads merge (a view of the memory-efficient output, a copy of
     CPU's flash one over Phi-3's heads-major q: test_timeline_hf_mem_efficient.py), the full layers' unmasked kernel
-    (``FULL_LAYER_MATH``) and a 4-bit base's CPU dequantization (``CPU_DEQUANT``)."""
+    (``FULL_LAYER_MATH``), a 4-bit base's CPU dequantization (``CPU_DEQUANT``) and activation offload's staging
+    copies (``OFFLOAD_STAGING``)."""
     full = {i for i, kind in enumerate(model.layer_attention_kinds) if kind != "sliding"}
     start = next(i for i, e in enumerate(timeline.events) if e.op == MARK and e.tag == "build")
     kept = []
@@ -110,7 +114,7 @@ def _outside_sdpa(timeline, model) -> tuple[list, list]:
         in_full = any(f"layers.{i}.self_attn." in e.tag for i in full)
         if leaf in ("sliding_window_tensor", "merge_heads") and not in_full:
             continue
-        if (in_full and leaf in FULL_LAYER_MATH) or leaf in CPU_DEQUANT:
+        if (in_full and leaf in FULL_LAYER_MATH) or leaf in CPU_DEQUANT + OFFLOAD_STAGING:
             continue
         kept.append((e.op, e.size, e.tag))
     return [e for e in kept if e[0] == ALLOC], sorted(e for e in kept if e[0] == FREE)
@@ -131,12 +135,16 @@ CASES = [
     ("gemma3", dict(precision="bf16", autocast=True), A100),
     ("gemma3", LORA, H100),
     ("gemma3", QLORA, A100),
+    ("mistral", dict(precision="bf16", offload_activations="cpu"), A100),  # save_on_cpu: the biases to the host
+    ("qwen2", dict(precision="fp32", offload_activations="cpu"), H100),
+    ("gemma3", {**LORA, "offload_activations": "cpu"}, H100),
 ]
 
 
 def _id(case: tuple) -> str:
     family, fields, gpu = case
     kind = fields.get("finetune", "full") + ("-autocast" if fields.get("autocast") else "")
+    kind += "-offload" if fields.get("offload_activations") else ""
     return f"{family}-{fields['precision']}-{kind}-{fields.get('recompute', 'none')}-sm{gpu.major}{gpu.minor}"
 
 
