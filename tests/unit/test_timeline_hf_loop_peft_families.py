@@ -324,7 +324,9 @@ def test_estimate_answers_the_loop_op_level(capsys, name: str, args: list[str]) 
 
 
 def test_a_reached_window_on_cuda_says_which_kernel(capsys) -> None:
-    """On CUDA the loop's masked SDPA is the Trainer's (not followed): the phase model, its reason the kernel."""
+    """On CUDA the loop's masked SDPA is the Trainer's: on cuDNN (Phi-3's 96-wide heads in bf16 on the default H100)
+    not followed, the phase model, its reason the kernel (the memory-efficient kernel is followed:
+    test_timeline_hf_loop_sliding_cuda.py)."""
     memory = _estimate(capsys, ["phi3-mini", "--runtime", "hf-loop", "--precision", "bf16", "--seq-len", "4096"])
     assert memory["model"] == "phase"
     assert "on CUDA SDPA takes the mask to its cudnn kernel" in memory["model_reason"]

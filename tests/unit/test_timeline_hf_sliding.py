@@ -249,7 +249,8 @@ def test_the_memory_efficient_kernels_saved_bias_is_padded_to_eight_columns() ->
 
 def test_the_hand_loop_follows_a_reached_window_on_cpu_alone() -> None:
     """The loop's run with the window's mask (its sliding cache layers: test_timeline_hf_loop_peft_families.py) on
-    CPU, as the Trainer's; on CUDA neither (the masked kernel), the reason naming the loop."""
+    CPU, as the Trainer's; on CUDA where SDPA takes the mask to cuDNN (bf16 on the default H100) neither, the reason
+    naming the loop (the memory-efficient kernel: test_timeline_hf_loop_sliding_cuda.py)."""
     model = spec(_case("mistral", "loop", config=WINDOW))
     workload = TrainingWorkload(seq_len=128, micro_batch=2)
     for runtime in ("hf", "hf-loop"):

@@ -118,7 +118,8 @@ def hf_loop_run(
     each with an int64 ``_sliding_window_tensor`` made with the cache (after the embedding; on CUDA its
     device copy at the layer's first update); its ``update`` keeps ``full[:, :, -window + 1:, :]`` of the
     whole sequence's ``cat``, a view, so the cache holds a ``DynamicLayer``'s bytes, and the attention gets
-    the whole copy (a window the sequence reaches: the family's masked SDPA, ``hf_sliding.py``): a config.json
+    the whole copy (a window the sequence reaches: the family's masked SDPA, ``hf_sliding.py``, on CPU and on
+    CUDA's memory-efficient kernel where ``hf_support.sliding_cuda_ok``): a config.json
     with a ``sliding_window`` and no
     ``layer_types`` (Mistral's default 4096, even where it spans every position) makes every layer one,
     one with ``layer_types`` (Gemma 2 / 3) its sliding ones. A :class:`ModelSpec` does not carry a

@@ -43,7 +43,8 @@ k, v, the output and the log-sum-exp (``get_bias_4d_view``: a view, no copy), an
 gradient (``grad_bias`` only ``if (bias_requires_grad)``; the mask requires none): :func:`cuda_saved_mask_bytes` a
 layer, :func:`cuda_masked_sdpa`. The run follows the memory-efficient kernel where ``hf_support.sliding_cuda_ok``
 says (fp32 or 16 bits at any head dim, ``mem_efficient_half.py``, on compute capability 8.0 / 9.0: in 16 bits over
-heads of 128 or less that is 8.0, where cuDNN is not first); cuDNN stays on the phase model.
+heads of 128 or less that is 8.0, where cuDNN is not first), under the Trainer and the hand-written loop alike (the
+loop's cache hands SDPA its copies of k and v: ``hf_loop.py``); cuDNN stays on the phase model.
 """
 
 from __future__ import annotations

@@ -76,7 +76,9 @@ on one rank, without activation offload: :func:`_reentrant_ok`), every
 family above with the LoRA and QLoRA the Trainer's run follows on it (the family modules composed under the
 loop's step; tests/unit/test_timeline_hf_loop_families.py, and over Qwen3, Phi-3, OLMo 2, Gemma 2 and 3
 test_timeline_hf_loop_peft_families.py), sliding windows the sequence reaches on CPU as under the Trainer (the
-loop's ``DynamicSlidingWindowLayer``s keep a view of the whole sequence's copy, as a ``DynamicLayer`` does), with
+loop's ``DynamicSlidingWindowLayer``s keep a view of the whole sequence's copy, as a ``DynamicLayer`` does), and on
+CUDA where the Trainer's are, on the same kernel (:func:`sliding_cuda_ok` at the loop's precision; from source,
+tests/unit/test_timeline_hf_loop_sliding_cuda.py), with
 ``AdamW(foreach=True)``, any gradient accumulation (``loss = out.loss / ga``, ``opt.step()`` every ``ga``
 iterations), on one rank, with or without activation offload (``save_on_cpu`` around the forward and backward:
 ``act_offload.py``'s hooks, checked over the dense families, Mixtral, Qwen3-MoE, Qwen2-MoE and DeepSeek-V2 / V3,
@@ -127,7 +129,7 @@ ACTIVATION = {"gemma2": "gelu_tanh", "gemma3": "gelu_tanh"}  # GeGLU (gelu_pytor
 EAGER = ("gemma2",)
 # families whose sliding layers, with a window the sequence does not reach, run as full causal ones:
 # masking_utils._ignore_causal_mask_sdpa skips the mask (kv_length < window), SDPA runs is_causal; past
-# the window, under the Trainer on CPU (and on CUDA where sliding_cuda_ok), SDPA with the mask (hf_sliding.py)
+# the window, on CPU (and on CUDA where sliding_cuda_ok), SDPA with the mask (hf_sliding.py), under either runtime
 WINDOW_SKIPPED = ("mistral", "qwen2", "phi3", "gemma3")
 
 
@@ -141,7 +143,7 @@ def _attention_ok(model: ModelSpec, seq_len: int | None, masked: bool) -> bool:
     """Full causal attention in every layer, or sliding layers whose window the sequence does not reach, or
     reaches where ``masked`` (on CPU, under the Trainer or the hand-written loop: SDPA with the window's mask,
     ``hf_sliding.py``; the loop's ``DynamicSlidingWindowLayer`` keeps a slice of the whole sequence's copy,
-    ``hf_loop.py``; on CUDA under the Trainer where :func:`sliding_cuda_ok`)."""
+    ``hf_loop.py``; on CUDA under either where :func:`sliding_cuda_ok`)."""
     kinds = set(model.attention_pattern)
     if kinds <= {"full"} or (model.architecture in EAGER and kinds <= {"full", "sliding"}):
         return True
@@ -162,7 +164,7 @@ def _window_reason(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runt
     half = _sdpa_half(plan, runtime)
     kernel = cuda_masked_kernel(model.head_size, model.num_attention_heads, half, cap)
     where = f"on CUDA SDPA takes the mask to its {kernel} kernel"
-    if runtime == "hf" and kernel == "efficient":  # sliding_cuda_ok: the backward's blocks known on 8.0 / 9.0
+    if kernel == "efficient":  # sliding_cuda_ok: the backward's blocks known on 8.0 / 9.0
         where += " outside compute capability 8.0 / 9.0"
     runs = "the Trainer" if runtime == "hf" else "the hand-written loop"
     return (
@@ -177,9 +179,9 @@ def _sdpa_half(plan: Plan, runtime: str) -> bool:
     return trainer_autocast(plan, runtime) or not (plan.precision == "fp32" or plan.quant != "none")
 
 
-def _masked_cuda(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None) -> bool:
+def _masked_cuda(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runtime: str) -> bool:
     """:func:`sliding_cuda_ok` asked only of a model with windows (it imports ``hf_sliding``, the run's modules)."""
-    return bool(model.attention_pattern) and sliding_cuda_ok(model, plan, gpu_arch)
+    return bool(model.attention_pattern) and sliding_cuda_ok(model, plan, gpu_arch, runtime)
 
 
 def sliding_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, runtime: str = "hf") -> bool:
@@ -189,7 +191,8 @@ def sliding_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, run
     any head dim (``mem_efficient_half.py``: Gemma 3's 256; Mistral's, Qwen2's, Phi-3's 128 or less in 16 bits where
     cuDNN is not first, on 8.0). cuDNN (16 bits over heads of 128 or less on 9.0 / 10.0, first there from torch
     2.10 at the bundled cuDNN: ``attention.cuda_priority``) is not followed: its workspace comes from cuDNN's
-    execution plan at run time."""
+    execution plan at run time. ``runtime``: whose precision reaches SDPA (``_sdpa_half``: the hand-written loop
+    autocasts only where the plan says, so its 4-bit base hands SDPA the fp32 stream)."""
     from memplan.costmodel.timeline.hf_sliding import cuda_masked_kernel
 
     cap = (9, 0) if gpu_arch is None else (gpu_arch.major, gpu_arch.minor)
@@ -245,7 +248,7 @@ def hf_supported(
         (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
         (not model.qkv_bias or model.architecture in QKV_BIAS_FAMILIES, "Q/K/V biases outside Qwen2 and Qwen2-MoE"),
         (
-            _attention_ok(model, seq_len, cpu or (runtime == "hf" and _masked_cuda(model, plan, gpu_arch))),
+            _attention_ok(model, seq_len, cpu or _masked_cuda(model, plan, gpu_arch, runtime)),
             lambda: _window_reason(model, plan, gpu_arch, runtime),
         ),
         (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
