@@ -71,7 +71,8 @@ def predict(case: PeftCase, runtime: str = "hf") -> int:
     timeline = hf_loop_run(
         hf_dims(model, workload, plan, "hf-loop"), model.tied_embeddings, "cpu_flash", steps=STEPS,
         qkv_bias=model.qkv_bias, arch=model.architecture, extra=family_config(model),
-        lora=HfLoraConfig.of(plan, model.architecture), quant=case_quant(case, plan), inplace_accumulate=False,
+        lora=HfLoraConfig.of(plan, model.architecture, model.moe.num_experts),  # as hf_loop_plan_run builds it
+        quant=case_quant(case, plan), inplace_accumulate=False,
         subclass_like=True,  # the tracker's dispatch mode over the experts (hf_moe_ops.zeros_then_put)
     )  # fmt: skip
     return timeline.peak()[0]
@@ -104,21 +105,15 @@ LOOP = [
     *(_case(arch, q, "loop-ckpt", **CKPT) for arch in EXTRA for q in QUANTS),
     _case("mixtral", "nf4", "loop-bf16", dtype="bfloat16"),
     _case("qwen2_moe", "nf4", "loop-all-linear", targets=("all-linear",)),  # nn.Linear adapters alone
+    # PEFT's ParamWrapper over the fp32 experts and the router (all-linear on Mixtral, Qwen3-MoE)
+    _case("mixtral", "nf4-dq", "loop-bf16-all-linear", dtype="bfloat16", targets=("all-linear",)),
+    _case("qwen3_moe", "nf4", "loop-all-linear", targets=("all-linear",)),
+    _case("mixtral", "int8", "loop-bf16-all-linear", dtype="bfloat16", targets=("all-linear",)),
 ]
 LOOP = _once(LOOP)
-# all-linear over Mixtral / Qwen3-MoE: PEFT's ParamWrapper over the experts and the router under the hand loop
-WRAPPED_MISS = (
-    "the hand loop's ParamWrapper adapters over the experts (all-linear on Mixtral), the same -110,592 B over a float "
-    "base: not the quantized base's; 5,063,512 B predicted, 5,174,104 B measured (-2.14%)"
-)
-WRAPPED = pytest.param(
-    _case("mixtral", "nf4-dq", "loop-bf16-all-linear", dtype="bfloat16", targets=("all-linear",)),
-    marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=WRAPPED_MISS)],
-    id="qmoe-mixtral-nf4-dq-loop-bf16-all-linear",
-)
 
 
-@pytest.mark.parametrize("case", [*(_param(c) for c in LOOP), WRAPPED])
+@pytest.mark.parametrize("case", [_param(c) for c in LOOP])
 def test_the_loop_over_a_quantized_moe_base_peaks_where_the_run_does(case: PeftCase) -> None:
     """peft_steps' loop (``out`` kept to the next forward), checkpointing as transformers enables it
     (``use_reentrant=False``) with ``enable_input_require_grads`` (test_timeline_hf_int8_families.measure_loop)."""
