@@ -26,6 +26,7 @@ import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/confte
 import peft_steps  # noqa: E402
 from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
 from test_timeline_hf_int8_families import measure_loop  # noqa: E402
+from test_timeline_hf_loop_families import MLA, ROUTER, V2  # noqa: E402
 
 from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_loop import hf_loop_run  # noqa: E402
@@ -41,11 +42,18 @@ QWEN3 = (("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size
 QWEN2 = (("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 32))
 QWEN2 += (("shared_expert_intermediate_size", 96),)
 EXTRA = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3, "qwen2_moe": QWEN2}
+# DeepSeek-V3 (q_a / q_b, its sigmoid router, one dense layer first) and V2 (q_proj, greedy softmax router): MLA's
+# linears, kv_a_proj_with_mqa among them, and the shared experts and dense MLP quantized
+MLA_EXTRA = {"deepseek_v3": MLA + ROUTER, "deepseek_v2": V2}
+MLA_TARGETS = {"deepseek_v3": ("q_a_proj", "kv_a_proj_with_mqa"), "deepseek_v2": ("q_proj", "kv_b_proj", "o_proj")}
 QUANTS = {"nf4": dict(quant="nf4"), "nf4-dq": dict(quant="nf4", double_quant=True), "int8": dict(quant="int8")}
 
 
 def _case(arch: str, quant: str, tag: str = "", slow: bool = True, **fields) -> PeftCase:
     name = f"qmoe-{arch}-{quant}" + (f"-{tag}" if tag else "")
+    if arch in MLA_EXTRA:  # test_timeline_hf_loop_families' MLA shape: two KV heads
+        mla = {"extra": MLA_EXTRA[arch], "kv_heads": 2, "targets": MLA_TARGETS[arch]}
+        return PeftCase(name, **{**TINY, "arch": arch, **mla, **QUANTS[quant], "slow": slow, **fields})
     return PeftCase(name, **{**TINY, "arch": arch, "extra": EXTRA[arch], **QUANTS[quant], "slow": slow, **fields})
 
 
@@ -81,6 +89,7 @@ def predict(case: PeftCase, runtime: str = "hf") -> int:
 CKPT = dict(checkpointing=True)
 TRAINER = [
     _case("mixtral", "nf4", slow=False),
+    _case("deepseek_v3", "int8", slow=False),  # kv_a_proj_with_mqa an 8-bit linear with its adapters
     _case("qwen2_moe", "int8", "ckpt", slow=False, **CKPT),
     _case("qwen3_moe", "nf4-dq", "bf16", slow=False, dtype="bfloat16"),
     *(_case(arch, q) for arch in EXTRA for q in QUANTS),
@@ -88,6 +97,9 @@ TRAINER = [
     _case("mixtral", "nf4", "fp32-compute", compute_dtype="float32"),
     _case("qwen2_moe", "nf4", "all-linear", targets=("all-linear",)),
     _case("mixtral", "nf4-dq", "bf16-all-linear", dtype="bfloat16", targets=("all-linear",)),  # ParamWrapper
+    *(_case(arch, q) for arch in MLA_EXTRA for q in QUANTS),
+    _case("deepseek_v3", "nf4-dq", "bf16-ckpt", dtype="bfloat16", **CKPT),
+    _case("deepseek_v2", "int8", "ckpt", **CKPT),
     _case("qwen3_moe", "int8", "attn-bf16-ckpt", dtype="bfloat16", targets=("q_proj", "k_proj", "v_proj", "o_proj")),
 ]
 TRAINER = _once(TRAINER)
@@ -109,6 +121,9 @@ LOOP = [
     _case("mixtral", "nf4-dq", "loop-bf16-all-linear", dtype="bfloat16", targets=("all-linear",)),
     _case("qwen3_moe", "nf4", "loop-all-linear", targets=("all-linear",)),
     _case("mixtral", "int8", "loop-bf16-all-linear", dtype="bfloat16", targets=("all-linear",)),
+    *(_case(arch, q, "loop") for arch in MLA_EXTRA for q in QUANTS),
+    _case("deepseek_v3", "nf4", "loop-ckpt", **CKPT),
+    _case("deepseek_v2", "nf4-dq", "loop-bf16-ckpt", dtype="bfloat16", **CKPT),
 ]
 LOOP = _once(LOOP)
 
@@ -121,22 +136,28 @@ def test_the_loop_over_a_quantized_moe_base_peaks_where_the_run_does(case: PeftC
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 
-def test_bitsandbytes_replaces_the_linears_alone() -> None:
-    """A tiny Qwen2-MoE loaded in 4 bits: ``Linear4bit`` where ``Bnb4bit.quantized`` says (the attention's
-    projections, the shared expert's and its ``shared_expert_gate``), the router and the 3-D experts fp32 after
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_bitsandbytes_replaces_the_linears_alone(arch: str) -> None:
+    """A tiny Qwen2-MoE or DeepSeek-V3 loaded in 4 bits: ``Linear4bit`` where ``Bnb4bit.quantized`` says (the
+    attention's projections, MLA's ``kv_a_proj_with_mqa``, the shared experts', Qwen2-MoE's
+    ``shared_expert_gate``, DeepSeek's dense MLP), the router and the 3-D experts fp32 after
     ``prepare_model_for_kbit_training`` over a bf16 load, as the norms."""
     import bitsandbytes as bnb
     import peft
 
     from memplan.costmodel.timeline.hf_bnb import Bnb4bit
 
-    case = _case("qwen2_moe", "nf4", dtype="bfloat16", layers=1)
+    case = _case(arch, "nf4", dtype="bfloat16", layers=2 if arch == "deepseek_v3" else 1)
     model = peft.prepare_model_for_kbit_training(peft_steps._quantized_base(case), use_gradient_checkpointing=False)
     layer = dict(model.named_modules())
     linears = {n for n, m in layer.items() if n.startswith("model.layers.") and isinstance(m, torch.nn.Linear)}
     four_bit = {n for n in linears if isinstance(layer[n], bnb.nn.Linear4bit)}
     assert four_bit == linears == {n for n in linears if Bnb4bit.quantized(n)}
-    assert "model.layers.0.mlp.shared_expert_gate" in four_bit and "model.layers.0.mlp.gate" not in linears
+    named = {
+        "qwen2_moe": "model.layers.0.mlp.shared_expert_gate",
+        "deepseek_v3": "model.layers.1.self_attn.kv_a_proj_with_mqa",
+    }
+    assert named[arch] in four_bit and not any(n.endswith(".mlp.gate") for n in linears)
     floats = {n: p.dtype for n, p in model.named_parameters() if ".mlp.gate." in n or ".experts." in n}
     assert floats and set(floats.values()) == {torch.float32} and not any(Bnb4bit.quantized(n) for n in floats)
 
@@ -162,13 +183,13 @@ def test_what_the_run_follows_over_a_quantized_moe_base(update: dict, runtime: s
     assert reason == why or (why is not None and reason.startswith(why)), reason
 
 
-def test_qlora_over_deepseek_is_refused_in_one_line(tmp_path) -> None:
-    """MLA's linears over a quantized base are not followed: exit 2, one line naming the field."""
+def test_qlora_over_moe_on_more_ranks_is_refused_in_one_line() -> None:
+    """DDP over a quantized MoE base is not followed: exit 2, one line naming the field."""
     import subprocess
     import sys
 
-    args = ["estimate", "deepseek-v2-lite", "--runtime", "hf", "--finetune", "qlora", "--quant", "nf4"]
-    args += ["--lora-targets", "q_proj", "--device", "cpu", "--seq-len", "256"]
+    args = ["estimate", "mixtral-8x7b", "--runtime", "hf", "--finetune", "qlora", "--quant", "nf4"]
+    args += ["--lora-targets", "q_proj", "--device", "cpu", "--seq-len", "256", "--gpus", "2"]
     proc = subprocess.run([sys.executable, "-m", "memplan.cli", *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "quantized MLA base" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "a quantized MoE base other than" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
