@@ -283,10 +283,12 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
             )
     else:
         _moe_targets_refused(model, plan, name)
-    if plan.finetune == "qlora":  # said with the adapters: ``memplan tune``'s space would hold no plan
+    # said with the adapters: ``memplan tune``'s space (its plans on a GPU) would hold no plan. A quantized MoE base
+    # is followed on CPU on one rank (``hf_support._quant_moe_ok``), asked below with the workload
+    if plan.finetune == "qlora" and workload is None:
         raise MemplanError(
             f"qlora over an MoE model is modelled by the op-level run of transformers' Trainer alone, which does "
-            f"not follow a quantized MoE base ({name})",
+            f"not follow a quantized MoE base in a search ({name}; memplan estimate --device cpu follows it)",
             field="plan.finetune",
         )
     if workload is None:  # the adapters alone (``memplan tune`` checks them before it builds plans)

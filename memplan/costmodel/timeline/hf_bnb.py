@@ -72,8 +72,15 @@ class Bnb4bit:
 
     @staticmethod
     def quantized(name: str) -> bool:
-        """A decoder layer's linear (``model.layers.{i}.{self_attn|mlp}.{proj}``)."""
-        return name.startswith("model.layers.") and name.endswith("_proj")
+        """A decoder layer's ``nn.Linear`` (``model.layers.{i}.{self_attn|mlp}.{proj}``), the ones
+        ``integrations/bitsandbytes.replace_with_bnb_linear`` replaces: MLA's ``kv_a_proj_with_mqa`` too, and
+        over an MoE base Qwen2-MoE's ``shared_expert_gate`` (an ``nn.Linear(h, 1)``); never the router
+        (``*TopkRouter``, a module of its own whose weight stays in the loaded dtype) nor the experts' 3-D
+        ``gate_up_proj`` / ``down_proj`` parameters (no ``nn.Linear``: loaded, then cast to fp32 by
+        ``prepare_model_for_kbit_training``, as the norms). Checked on tiny Mixtral, Qwen3-MoE, Qwen2-MoE and
+        DeepSeek-V2 / V3 (tests/unit/test_timeline_hf_quant_moe.py)."""
+        linear = name.endswith(("_proj", ".kv_a_proj_with_mqa", ".shared_expert_gate"))
+        return name.startswith("model.layers.") and linear and ".experts." not in name
 
     def build(self, tape: Tape, name: str, rows: int, cols: int) -> Tensor:
         """The packed weight, then its quantization state (``quant_state_tensors`` order)."""

@@ -37,7 +37,9 @@ compute capability, ``costmodel.gemm_4bit_rule``; both read from its source); an
 (``hf_bnb.Bnb8bit``, ``int8.py``: CPU's ``MatMul8bitFp`` equal to the byte, tests/unit/test_timeline_int8.py;
 over every dense family, tests/unit/test_timeline_hf_int8_families.py; CUDA's ``MatMul8bitLt`` from the source,
 its outlier columns ``int8.OUTLIER_COLUMNS``: a loaded checkpoint taken as trained; a random one keeps more,
-tests/unit/test_timeline_int8_cuda.py). Any of these over
+tests/unit/test_timeline_int8_cuda.py); either under the MoE and MLA families on CPU on one rank
+(:func:`_quant_moe_ok`: the ``nn.Linear`` quantized, the router and 3-D experts fp32; under the Trainer and the
+hand-written loop, tests/unit/test_timeline_hf_quant_moe.py). Any of these over
 ``dp`` > 1 ranks under DDP (``zero: 0``: the Trainer under ``torchrun``, ``hf_ddp.py``;
 tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's). The Trainer's
 FSDP2 (``--zero 3``: ``full_shard``, ``--zero 2``: ``shard_grad_op``; ``hf_fsdp.py``;
@@ -235,7 +237,7 @@ def hf_supported(
         (model.mla is None or cpu or mla_cuda_ok(model, plan, gpu_arch), _MLA_CUDA),
         (model.mla is None or _mla_ok(model, plan), _MLA_PLAN),
         (_moe_ok(model), "this MoE block (shared experts, dense layers, router biases or fused experts)"),
-        (model.moe is None or plan.quant == "none", "a quantized MoE base"),
+        (model.moe is None or plan.quant == "none" or _quant_moe_ok(model, plan, cpu), _QUANT_MOE),
         (
             model.moe is None or gpu_arch is None or gpu_arch.major >= 8,
             "MoE experts below compute capability 8.0 (transformers' own grouped_mm fallback)",
@@ -372,6 +374,23 @@ def _trl_offload_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:
     return cpu and model.moe is None
 
 
+_QUANT_MOE = (
+    "a quantized MoE base other than on CPU on one rank without activation offload (the op-level run follows it "
+    "there, --device cpu)"
+)
+
+
+def _quant_moe_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:
+    """A 4-bit or LLM.int8 base of Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V2 or V3 as
+    tests/unit/test_timeline_hf_quant_moe.py checks it against the real Trainer and hand-written loop on CPU:
+    bitsandbytes replaces the ``nn.Linear`` alone (the attention's, MLA's, the shared experts' and Qwen2-MoE's
+    shared-expert gate, the dense layers' MLP: ``hf_bnb.Bnb4bit.quantized``), the router and the 3-D experts stay
+    float (fp32 after ``prepare_model_for_kbit_training``), on one rank, no activation offload. Not followed: more
+    ranks, CUDA (fp32 experts under ``grouped_mm`` there: not checked)."""
+    families = MOE_FAMILIES + MLA_FAMILIES
+    return cpu and model.architecture in families and plan.dp == 1 and plan.offload_activations == "none"
+
+
 def _moe_ok(model: ModelSpec) -> bool:
     """No experts, or the sparse block ``hf_moe.py`` follows as transformers builds it for the family: a
     router without biases, gate and up in one 3-D parameter as transformers 5 stores them, the top-k
@@ -437,9 +456,11 @@ def mla_linears(model: ModelSpec) -> tuple[str, ...]:
 
 
 def _mla_lora_ok(model: ModelSpec, plan: Plan) -> bool:
-    """LoRA over DeepSeek-V3 / V2 as checked: adapters on the attention linears it has, nothing trained in full."""
+    """LoRA (or QLoRA) over DeepSeek-V3 / V2 as checked: adapters on the attention linears it has, nothing trained
+    in full."""
     targets = set(plan.lora_targets)
-    return plan.finetune == "lora" and bool(targets) and targets <= set(mla_linears(model)) and not plan.modules_to_save
+    lora = plan.finetune in ("lora", "qlora")  # QLoRA on CPU alone (_quant_moe_ok)
+    return lora and bool(targets) and targets <= set(mla_linears(model)) and not plan.modules_to_save
 
 
 # The targets whose adapters the run follows on each MoE family. On Qwen2-MoE (no v4-to-v5 conversion in
@@ -469,7 +490,7 @@ def _moe_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     of two gloo ranks), or under the Trainer's FSDP2 (tests/unit/test_timeline_hf_fsdp_moe.py)."""
     return (
         model.architecture in MOE_FAMILIES
-        and plan.finetune == "lora"
+        and plan.finetune in ("lora", "qlora")
         and bool(plan.lora_targets)
         and set(plan.lora_targets) <= set(MOE_LORA_TARGETS[model.architecture])
         and _param_wrapper_ok(model, plan)
