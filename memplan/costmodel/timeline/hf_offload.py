@@ -64,7 +64,7 @@ class TrlOffload:
     def _keep(self, t: Tensor) -> bool:
         if self.paused or (t.st.managed and not t.st.gathered) or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
             return True
-        key = (t.st, t.itemsize)
+        key = (t.st, t.offset, t.itemsize)
         if key in self.seen:
             return True
         self.seen.add(key)
@@ -123,6 +123,21 @@ class TrlOffload:
         self._clear_stash(tape)
         self.seen = set()
         self.node = None
+
+
+def orphaned(tape: Tape, t: Tensor) -> None:
+    """A save of a node that dies in the forward, never unpacked (DeepSeek-V3's router: the group top-2's, the
+    groups' top-k's and the final top-k's indices, ``masked_fill``'s mask; ``hf_mla.HfDeepseekV3.router``). Under
+    TRL's hooks outside a checkpoint it is packed as any save: an offloaded one's host copy stays in TRL's
+    ``tracker`` (emptied only by unpacks; the emulation's ``host_bytes``, dropped only at an unpack, likewise) and
+    its original enters the forward stash, and a later save of the same storage stays on the device (the
+    ``gather`` of the top-k's indices). A kept one goes with its node (the emulation's; TRL's tracker would hold
+    it: under 1024 bytes). Under ``save_on_cpu`` the host copy goes with the node, inside the router: left out."""
+    hooks = tape.hooks
+    if isinstance(hooks, TrlOffload) and tape.region is None and tape._recompute is None:
+        packed = hooks.pack(tape, t)
+        if packed is t and not t.st.managed:
+            tape.drop(t)  # the hold pack took
 
 
 @contextmanager
