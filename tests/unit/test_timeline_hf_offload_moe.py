@@ -103,6 +103,20 @@ def test_peak_and_host_copies_equal_the_trainers(case) -> None:  # noqa: ANN001 
     assert run.host_peak == host, f"{case.name}: host {run.host_peak:,} B predicted, {host:,} B measured"
 
 
+def test_phi3s_fused_gate_up_halves_are_two_host_copies() -> None:
+    """The same key over a dense family: Phi-3's ``gate_up_proj`` output split by ``chunk(2)`` (``hf_families.
+    HfPhi3``). Keyed by the storage alone, the second half stayed on the device: +1,409,024 B at the peak (+8.06%)
+    and -704,512 B of host copies on this case before 2026-11-28."""
+    import family_steps
+
+    case = dataclasses.replace({c.name: c for c in family_steps.BASE}["phi3"], name="hfoff-phi3-fp32", loop="trainer")
+    plan = Plan(precision=case.precision, autocast=case.plan_autocast, offload_activations="cpu")
+    assert hf_supported(case_model(case), plan, case_workload(case), device="cpu") is None
+    peak, host = measure(OffloadCase(f"trl-like-{case.name}", case))
+    run = hf_predict(case, plan, offload=True)
+    assert (run.peak()[0], run.host_peak) == (peak, host)
+
+
 def _ranks(case, kind: str, slow: bool = True):  # noqa: ANN001, ANN202
     return pytest.param(case, kind, id=f"{case.name}-{kind}", marks=[pytest.mark.slow] if slow else [])
 
