@@ -72,6 +72,7 @@ class Tensor:
     dtensor: bool = False  # a DTensor: never added into in place
     transposed: bool = False  # not contiguous: a transpose's view, or heads-major over token-major memory
     heads_major: bool = False  # flash's dv off an unpacked (contiguous) v: its view back is a copy
+    offset: int = 0  # elements into the storage (a split's later parts): TRL's key (hf_offload.TrlOffload)
 
 
 @dataclass(eq=False, slots=True)
@@ -184,7 +185,7 @@ class Tape:
     def view(self, t: Tensor, numel: int | None = None) -> Tensor:
         """A view of ``t``: a new handle on its storage (held by the caller)."""
         v = Tensor(t.numel if numel is None else numel, t.itemsize, t.st, view=True, dtensor=t.dtensor)
-        v.transposed = t.transposed
+        v.transposed, v.offset = t.transposed, t.offset
         v.st.refs += 1
         if self._recompute is not None:
             self._pyrefs.append(v)

@@ -100,11 +100,12 @@ def split(tape: Tape, x: Tensor, sizes: tuple[int, ...], tag: str, strided: bool
 
     handle = tape.view(x, 0)
     handle.fn = tape.node(tag, whole, [x])
-    views = []
+    views, start = [], x.offset
     for i, size in enumerate(sizes):
         v = tape.view(x, numel // width * size)
         v.fn = tape.node(f"{tag}.{i}", relay, [handle])
         v.transposed = v.transposed or strided
+        v.offset, start = start, start + size  # the first element: its column in x's first row
         views.append(v)
     tape.done(handle)
     return views

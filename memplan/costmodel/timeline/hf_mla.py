@@ -39,6 +39,7 @@ from memplan.costmodel.timeline.hf_mla_ops import copy_slices, expand_heads, gat
 from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
 from memplan.costmodel.timeline.hf_moe import MoeBlock, moe_config
 from memplan.costmodel.timeline.hf_moe_ops import INDEX, renormalise
+from memplan.costmodel.timeline.hf_offload import orphaned
 
 ATTENTION_PARAMS = (  # DeepseekV3Attention.__init__ (l.370-403), registration order
     ("self_attn.q_a_proj", "qa", "h"),
@@ -265,19 +266,23 @@ class HfDeepseekV3(MoeBlock, HfLlama):
         choice = t.new(tokens * e, 4, "scores_for_choice")
         top2 = t.new(tokens * groups * 2, 4, "group_top2")  # the top 2 of each group
         top2_ids = t.new(tokens * groups * 2, INDEX, "group_top2_ids")
+        orphaned(t, top2_ids)  # the saves of the nodes that die as the router returns: TRL packs them
         group_scores = t.new(tokens * groups, 4, "group_scores")
         t.done(top2)
         group_values = t.new(tokens * cfg["topk_groups"], 4, "group_topk")
         group_idx = t.new(tokens * cfg["topk_groups"], INDEX, "group_idx")
+        orphaned(t, group_idx)
         t.done(group_values)
         group_mask = t.new(tokens * groups, 4, "group_mask")
         score_mask = t.new(tokens * e, 4, "score_mask")
         as_bool = t.new(tokens * e, 1, "score_mask_bool")
         inverted = t.new(tokens * e, 1, "score_mask_not")
+        orphaned(t, inverted)
         t.done(as_bool)
         filled = t.new(tokens * e, 4, "masked_fill")
         t.done(choice)
         values, ids = t.new(tokens * k, 4, "topk.values"), t.new(tokens * k, INDEX, "topk.indices")
+        orphaned(t, ids)
         t.done(values)
         weights = gather(t, scores, ids, tokens * k, "gather")
         if cfg["norm_topk"]:

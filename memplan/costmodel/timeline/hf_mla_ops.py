@@ -137,6 +137,6 @@ def bmm(tape: Tape, a: Tensor, b: Tensor, out_numel: int, tag: str) -> Tensor:
         ga = tape.new(an, a.itemsize, "grad_self") if node.nexts[0] is not None else None
         return [ga, gb]
 
-    saved = ([a] if b.fn is not None else []) + ([b] if a.fn is not None else [])
+    saved = ([b] if a.fn is not None else []) + ([a] if b.fn is not None else [])  # mat2 packed first
     node = tape.node(tag, apply, [a, b], saved=saved)
     return ops.result(tape, out_numel, a.itemsize, tag, node)

@@ -10,7 +10,11 @@ emulate them on CPU. What differs from ``save_on_cpu`` (``act_offload.py``):
   or a view of one (``w.t()``; not of FSDP2's unsharded parameters, gathered into storages the model did not
   have when the hooks were built: ``autograd.Storage.gathered``), anything the LM head saves (a no-op hook
   pair around ``lm_head``: :attr:`TrlOffload.paused`), and a storage this forward already offloaded (keyed
-  by data pointer and dtype: the second save of RMSNorm's input, ``nll_loss``'s of the log-probabilities);
+  by data pointer plus the view's offset, and dtype, ``_get_unique_tensor_key``: the second save of RMSNorm's
+  input, ``nll_loss``'s of the log-probabilities; the two halves of a ``chunk(2)`` are two keys,
+  ``autograd.Tensor.offset``);
+- a save of a node that dies in the forward (DeepSeek-V3's router) is packed and never unpacked: its host
+  copy stays (:func:`orphaned`);
 - an offloaded save's original stays alive in the forward stash while it is among the last
   ``max_fwd_stash_size`` (5) saves; an unpack of a stashed one hands back the original, no copy;
 - an unpacked copy is held (``bwd_tensor_stash``) until the next node that unpacks an offloaded save
@@ -21,9 +25,9 @@ emulate them on CPU. What differs from ``save_on_cpu`` (``act_offload.py``):
 
 Checked on CPU against the emulation through ``transformers.Trainer`` (tests/accuracy/
 test_offload_accuracy.py; over DDP, FSDP2 and 4-bit / LLM.int8 bases tests/unit/
-test_timeline_hf_offload_ranks.py). On CUDA TRL's copies keep the tensor's strides (``empty_like`` into pinned
-memory, ``to(device)`` back) and its streams order them: not followed, the plan stays on the phase model
-(``hf_support``).
+test_timeline_hf_offload_ranks.py; over MoE and MLA models test_timeline_hf_offload_moe.py). On CUDA TRL's
+copies keep the tensor's strides (``empty_like`` into pinned memory, ``to(device)`` back) and its streams order
+them: not followed, the plan stays on the phase model (``hf_support``).
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ class TrlOffload:
     def _keep(self, t: Tensor) -> bool:
         if self.paused or (t.st.managed and not t.st.gathered) or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
             return True
-        key = (t.st, t.itemsize)
+        key = (t.st, t.offset, t.itemsize)
         if key in self.seen:
             return True
         self.seen.add(key)
@@ -123,6 +127,21 @@ class TrlOffload:
         self._clear_stash(tape)
         self.seen = set()
         self.node = None
+
+
+def orphaned(tape: Tape, t: Tensor) -> None:
+    """A save of a node that dies in the forward, never unpacked (DeepSeek-V3's router: the group top-2's, the
+    groups' top-k's and the final top-k's indices, ``masked_fill``'s mask; ``hf_mla.HfDeepseekV3.router``). Under
+    TRL's hooks outside a checkpoint it is packed as any save: an offloaded one's host copy stays in TRL's
+    ``tracker`` (emptied only by unpacks; the emulation's ``host_bytes``, dropped only at an unpack, likewise) and
+    its original enters the forward stash, and a later save of the same storage stays on the device (the
+    ``gather`` of the top-k's indices). A kept one goes with its node (the emulation's; TRL's tracker would hold
+    it: under 1024 bytes). Under ``save_on_cpu`` the host copy goes with the node, inside the router: left out."""
+    hooks = tape.hooks
+    if isinstance(hooks, TrlOffload) and tape.region is None and tape._recompute is None:
+        packed = hooks.pack(tape, t)
+        if packed is t and not t.st.managed:
+            tape.drop(t)  # the hold pack took
 
 
 @contextmanager

@@ -61,8 +61,9 @@ q/k/v biases over a 4-bit base under FSDP (an LLM.int8 base the Trainer cannot r
 gathers its ``Int8Params`` back as plain Parameters, and ``specs.job.check_fsdp_int8`` refuses the plan),
 ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or expert
 parallelism. Activation offload (``offload_activations: cpu``, ``hf_offload.py``: TRL's ``OffloadActivations``
-around ``training_step``) on CPU, without MoE, on one rank, under DDP or FSDP2, over a float, 4-bit or LLM.int8
-base (tests/accuracy/test_offload_accuracy.py, tests/unit/test_timeline_hf_offload_ranks.py, equal to the byte);
+around ``training_step``) on CPU, over the dense, MoE and MLA families, on one rank, under DDP or FSDP2, over a
+float, 4-bit or LLM.int8 base (tests/accuracy/test_offload_accuracy.py, tests/unit/test_timeline_hf_offload_ranks.py,
+test_timeline_hf_offload_moe.py, equal to the byte);
 on CUDA (TRL's strided copies and side streams) not followed.
 A model loaded on the CPU without ``cpu_ram_efficient_loading`` (``fully_shard``
 moving each group to the GPU full-size as it shards it) is run as with it: the build differs by a group's
@@ -270,7 +271,7 @@ def hf_supported(
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         (
             plan.offload_activations == "none" or runtime == "hf-loop" or _trl_offload_ok(model, plan, cpu),
-            "activation offload under the Trainer (TRL's hooks: followed on CPU, over a dense model)",
+            "activation offload under the Trainer on CUDA (TRL's hooks: followed on CPU, --device cpu)",
         ),
         (
             plan.offload_activations == "none" or runtime == "hf" or model.architecture in LOOP_OFFLOAD_FAMILIES,
@@ -365,13 +366,18 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     return bool(model_targets(model, plan.lora_targets)) and set(plan.lora_targets) <= names
 
 
-def _trl_offload_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:
+def _trl_offload_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:  # noqa: ARG001 - the checks' signature
     """TRL's activation offload around the Trainer's ``training_step`` as ``hf_offload.py`` follows it: on
-    CPU (on CUDA TRL's copies keep their strides and run on streams: not followed), a dense model
-    (tests/accuracy/test_offload_accuracy.py: LoRA and full fine-tuning, fp32 and bf16, with and without
-    checkpointing), on one rank, under DDP or FSDP2 (the saved views of FSDP2's unsharded weights offloaded:
-    ``autograd.Storage.gathered``), over a 4-bit or LLM.int8 base (tests/unit/test_timeline_hf_offload_ranks.py)."""
-    return cpu and model.moe is None
+    CPU (on CUDA TRL's copies keep their strides and run on streams: not followed), over every family the
+    Trainer's run follows: dense models (tests/accuracy/test_offload_accuracy.py: LoRA and full fine-tuning,
+    fp32 and bf16, with and without checkpointing), Mixtral, Qwen3-MoE, Qwen2-MoE and DeepSeek-V2 / V3
+    (tests/unit/test_timeline_hf_offload_moe.py: the experts' ``chunk(2)`` halves two copies, TRL keying a storage
+    by its pointer plus the view's offset, ``autograd.Tensor.offset``; DeepSeek-V3's router saves in nodes that
+    die in the forward offloaded and never unpacked, ``hf_offload.orphaned``), on one rank, under DDP or FSDP2
+    (the saved views of FSDP2's unsharded weights offloaded: ``autograd.Storage.gathered``; over MoE models too),
+    over a 4-bit or LLM.int8 base (tests/unit/test_timeline_hf_offload_ranks.py). A quantized MoE base and MLA
+    over more than one rank are refused by their own checks before this one."""
+    return cpu
 
 
 _QUANT_MOE = (

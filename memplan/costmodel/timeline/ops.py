@@ -111,7 +111,7 @@ def linear(tape: Tape, x: Tensor, w: Tensor, out_numel: int, tag: str) -> Tensor
                 tape.on_first_mm()
         return [dx, dw]
 
-    saved = ([x] if _needs(w) else []) + ([_transpose(w)] if _needs(x) else [])
+    saved = ([_transpose(w)] if _needs(x) else []) + ([x] if _needs(w) else [])  # mat2 packed first
     node = tape.node(tag, apply, [x, w], saved=saved)
     kept = tape.cached("mm")
     if kept is not None:
@@ -136,7 +136,7 @@ def mul(tape: Tape, a: Tensor, b: Tensor, tag: str, over_rows: bool = False) -> 
     for a's. Backward: ``g * a`` (b's) then ``g * b`` (a's); the engine sums a broadcast one
     down (``over_rows``: ``a`` is a weight vector) and casts each to its input's dtype."""
     numel, itemsize = max(a.numel, b.numel), max(a.itemsize, b.itemsize)
-    saved = ([a] if _needs(b) else []) + ([b] if _needs(a) else [])
+    saved = ([b] if _needs(a) else []) + ([a] if _needs(b) else [])  # MulBackward0 packs other first
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         gb = tape.new(numel, g[0].itemsize, "grad_other") if node.nexts[1] is not None else None
