@@ -168,26 +168,19 @@ def job_from(
     runtime = sizes.runtime or pf.runtime or ("hf" if plan_data.get("finetune", "full") != "full" else "memplan")
     if not inference and "precision" not in plan_data and runtime in TRANSFORMERS_RUNTIMES:
         plan_data["precision"] = TRAINER_PRECISION
-    if plan_data.get("autocast") is not None and runtime not in TRANSFORMERS_RUNTIMES:
-        raise _blame_flag(
-            MemplanError(
-                f"the Trainer's bf16=True: only meaningful under runtime hf or hf-loop (got {runtime})",
-                source=source,
-                field="plan.autocast",
-            ),
-            set(flags),
-            from_file,
-        )
-    if plan_data.get("use_reentrant") is not None and runtime not in TRANSFORMERS_RUNTIMES:
-        raise _blame_flag(
-            MemplanError(
-                f"transformers' gradient checkpointing: only meaningful under runtime hf or hf-loop (got {runtime})",
-                source=source,
-                field="plan.use_reentrant",
-            ),
-            set(flags),
-            from_file,
-        )
+    # the transformers runtimes' own switches: meaningless under the bundled trainer or Megatron-LM
+    switches = (("autocast", "the Trainer's bf16=True"), ("use_reentrant", "transformers' gradient checkpointing"))
+    for name, what in switches:
+        if plan_data.get(name) is not None and runtime not in TRANSFORMERS_RUNTIMES:
+            raise _blame_flag(
+                MemplanError(
+                    f"{what}: only meaningful under runtime hf or hf-loop (got {runtime})",
+                    source=source,
+                    field=f"plan.{name}",
+                ),
+                set(flags),
+                from_file,
+            )
     if gpus is not None and "dp" not in plan_data:
         degrees = {k: plan_data[k] for k in ("tp", "pp", "cp") if k in plan_data}
         partial = _validate_section(Plan, degrees, set(flags), source, "plan")
