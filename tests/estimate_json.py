@@ -14,3 +14,16 @@ def estimate_memory(capsys, args: list[str]) -> dict:
     out, err = capsys.readouterr()
     assert code == 0, err
     return json.loads(out)["memory"]
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    """Any ``memplan ARGV`` run in-process: its exit code, stdout and stderr."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from memplan.cli.app import run
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = run(list(argv))
+    return code, out.getvalue(), err.getvalue()

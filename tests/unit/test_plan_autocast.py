@@ -12,23 +12,14 @@ Anything else (another precision, another runtime, not a boolean) is one line na
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
-from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
+from estimate_json import run_cli as _cli
 
-from memplan.cli.app import run
 from memplan.specs.plan import Plan, trainer_autocast
 
 PREFIX = "memplan: error: "
-
-
-def _cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        code = run(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_the_runtimes_recipe_unless_the_plan_says():

@@ -9,24 +9,15 @@ naming the file (or flag) and the field, exit 2. The run's bytes: tests/unit/tes
 
 from __future__ import annotations
 
-import io
 import json
-from contextlib import redirect_stderr, redirect_stdout
 from types import SimpleNamespace
 
 import pytest
+from estimate_json import run_cli as _cli
 
-from memplan.cli.app import run
 from memplan.specs.plan import Plan, checkpoint_reentrant
 
 PREFIX = "memplan: error: "
-
-
-def _cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        code = run(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_each_runtime_s_default_unless_the_plan_says():
