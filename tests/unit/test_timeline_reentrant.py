@@ -33,6 +33,7 @@ from storage_tracker import StorageTracker  # noqa: E402
 from test_timeline_hf_loop_families import _fp32_score_bias  # noqa: E402
 from test_timeline_hf_peft_families import QLORA_RECIPE  # noqa: E402
 from test_timeline_hf_peft_families import _case as _lora  # noqa: E402
+from test_timeline_hf_quant_moe import EXTRA as QUANT_MOE_EXTRA  # noqa: E402
 
 from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
 from memplan.costmodel.timeline.hf_loop import hf_loop_run  # noqa: E402
@@ -219,6 +220,14 @@ def test_full_fine_tuning_under_the_reentrant_checkpoint(case: hf_steps.Case) ->
 
 
 CKPT = dict(checkpointing=True)
+
+
+def _quant_moe(arch: str, quant: str) -> PeftCase:
+    """test_timeline_hf_quant_moe.py's tiny MoE over a quantized base, checkpointed."""
+    fields = {**peft_steps.TINY, "arch": arch, "extra": QUANT_MOE_EXTRA[arch], "quant": quant, **CKPT}
+    return PeftCase(f"reentrant-{arch}-{quant}", **fields)
+
+
 PEFT = [
     Loop(_lora("qwen3", "reentrant-fp32", **CKPT), "trainer", slow=False),
     Loop(_lora("qwen3", "reentrant-fp32", **CKPT), "hand", slow=False),
@@ -231,6 +240,9 @@ PEFT = [
     Loop(_lora("qwen3", "reentrant-int8", quant="int8", **CKPT), "trainer"),
     Loop(_lora("phi3", "reentrant-int8-autocast", quant="int8", autocast=True, **CKPT), "hand"),
     Loop(PeftCase("reentrant-llama-int8", **peft_steps.TINY, quant="int8", **CKPT), "trainer"),
+    # the loop's default over a quantized MoE base: PEFT's reentrant checkpoint over fp32 experts (hf_bnb's linears)
+    Loop(_quant_moe("mixtral", "nf4"), "hand", slow=False),
+    Loop(_quant_moe("qwen3_moe", "int8"), "hand"),
 ]
 
 
