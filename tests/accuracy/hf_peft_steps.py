@@ -48,12 +48,19 @@ def measure(case: peft_steps.PeftCase, ga: int = 1, steps: int = 3, tracker: Sto
 
 
 def _measure(case: peft_steps.PeftCase, ga: int, steps: int, tracker: StorageTracker) -> int:
-    model = build(case)
+    return train_peak(case, build(case), ga, steps, tracker)
+
+
+def train_peak(case: peft_steps.PeftCase, model, ga: int, steps: int, tracker: StorageTracker, configure=None) -> int:  # noqa: ANN001
+    """``Trainer.train()`` over ``model`` (the case's PEFT model) for ``steps`` steps of ``ga`` micro-batches, the
+    tracker's peak; ``configure(args)`` edits the ``TrainingArguments`` first."""
     torch.manual_seed(1)
     ids = torch.randint(0, case.vocab, (case.batch * ga * steps, case.seq))
     rows = [{"input_ids": row, "labels": row} for row in ids]
     with tempfile.TemporaryDirectory() as out:
         args = hf_steps.training_args(out, case, steps, ga)
+        if configure is not None:
+            configure(args)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
         tracker.track_module(model)
         tracker.track(*peft_steps.quant_state_tensors(model))

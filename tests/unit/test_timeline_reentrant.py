@@ -15,7 +15,6 @@ whole with its recomputed output alive through the nested backward.
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 
 import pytest
 
@@ -23,7 +22,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-import family_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
+import family_steps  # noqa: E402
+import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import hf_steps  # noqa: E402
 import peft_steps  # noqa: E402
 import test_timeline_hf_loop_families as F  # noqa: E402
@@ -85,17 +85,7 @@ def measure_peft(case: PeftCase, loop: str) -> int:
         with tracker:
             peft_steps._steps(case, model, opt, ids, STEPS)
         return tracker.peak
-    torch.manual_seed(1)
-    rows = [{"input_ids": row, "labels": row} for row in torch.randint(0, case.vocab, (case.batch * STEPS, case.seq))]
-    with tempfile.TemporaryDirectory() as out:
-        args = hf_steps.training_args(out, case, STEPS)
-        _reentrant_args(model, args, None)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
-        tracker.track_module(model)
-        tracker.track(*peft_steps.quant_state_tensors(model))
-        with tracker:
-            trainer.train()
-    return tracker.peak
+    return hf_peft_steps.train_peak(case, model, 1, STEPS, tracker, lambda args: _reentrant_args(model, args, None))
 
 
 def measure_full(case: hf_steps.Case) -> int:
