@@ -28,9 +28,11 @@ from memplan.costmodel.timeline.events import ALLOC, FREE, Builder, Event, _even
 _BATCH = re.compile(r"(?<=batch)(\d+)")
 
 
-def repeats(dp: int, zero: int, lora, quant, offload: bool, optimizer: str) -> bool:
-    """Whether the run's last step is emitted from the one before (module docstring)."""
-    return (dp == 1 or zero >= 2) and lora is None and quant is None and not offload and optimizer == "adamw"
+def repeats(dp: int, zero: int, lora, quant, offload: bool, optimizer: str, reentrant: bool) -> bool:
+    """Whether the run's last step is emitted from the one before (module docstring; checked over the
+    non-reentrant checkpoint only)."""
+    plain = lora is None and quant is None and not offload and not reentrant
+    return (dp == 1 or zero >= 2) and plain and optimizer == "adamw"
 
 
 def _role(e: Event) -> tuple:

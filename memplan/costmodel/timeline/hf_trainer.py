@@ -182,8 +182,7 @@ def hf_run(
     ``tape_flags`` set :class:`Tape` attributes (``reduce_workspace``, ``inplace_accumulate``)."""
     total = steps * ga + 1 if batches is None else batches
     args = (d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build, zero, mixed)
-    # the step's copy (hf_repeat.py) was checked over non-reentrant checkpoints only
-    repeated = repeated and not reentrant and repeats(dp, zero, lora, quant, offload, optimizer)
+    repeated = repeated and repeats(dp, zero, lora, quant, offload, optimizer, reentrant)
     optimizer = trainer_optimizer(optimizer, cuda=kernel != "cpu_flash")
     run = _HfRun(*args, host_load=host_load, optimizer=optimizer)
     run.saves = TrlOffload() if offload else None
