@@ -269,8 +269,10 @@ def hf_supported(
         ),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
+        # TRL's activation offload around the Trainer's training_step (hf_offload.py) is followed on CPU over
+        # every family, rank layout and base the Trainer's run follows (on CUDA its copies run on side streams)
         (
-            plan.offload_activations == "none" or runtime == "hf-loop" or _trl_offload_ok(model, plan, cpu),
+            plan.offload_activations == "none" or runtime == "hf-loop" or cpu,
             "activation offload under the Trainer on CUDA (TRL's hooks: followed on CPU, --device cpu)",
         ),
         (
@@ -364,20 +366,6 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
         return False
     names = {*layer_linears(model), ALL_LINEAR}
     return bool(model_targets(model, plan.lora_targets)) and set(plan.lora_targets) <= names
-
-
-def _trl_offload_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:  # noqa: ARG001 - the checks' signature
-    """TRL's activation offload around the Trainer's ``training_step`` as ``hf_offload.py`` follows it: on
-    CPU (on CUDA TRL's copies keep their strides and run on streams: not followed), over every family the
-    Trainer's run follows: dense models (tests/accuracy/test_offload_accuracy.py: LoRA and full fine-tuning,
-    fp32 and bf16, with and without checkpointing), Mixtral, Qwen3-MoE, Qwen2-MoE and DeepSeek-V2 / V3
-    (tests/unit/test_timeline_hf_offload_moe.py: the experts' ``chunk(2)`` halves two copies, TRL keying a storage
-    by its pointer plus the view's offset, ``autograd.Tensor.offset``; DeepSeek-V3's router saves in nodes that
-    die in the forward offloaded and never unpacked, ``hf_offload.orphaned``), on one rank, under DDP or FSDP2
-    (the saved views of FSDP2's unsharded weights offloaded: ``autograd.Storage.gathered``; over MoE models too),
-    over a 4-bit or LLM.int8 base (tests/unit/test_timeline_hf_offload_ranks.py). A quantized MoE base and MLA
-    over more than one rank are refused by their own checks before this one."""
-    return cpu
 
 
 _QUANT_MOE = (
