@@ -187,11 +187,15 @@ def run(
     fsdp_ac: bool = False,
     config: dict | None = None,
     offload: bool = False,
+    step_peaks: bool = False,
 ):  # noqa: ANN001, ANN201, E501
     """Rank 0's tracker after ``steps`` optimizer steps of ``ga`` micro-batches (its ``peak``; with
     ``log`` its ``events``), counted from ``trainer.train()`` on: the sharding inside
     ``accelerator.prepare`` is counted. ``offload``: the Trainer under TRL-like activation offload
-    (offload_steps.trl_trainer)."""
+    (offload_steps.trl_trainer). ``step_peaks``: the tracker's ``step_peaks`` holds each optimizer step's
+    own peak (the highest live bytes logged from the previous ``on_step_end``, after ``zero_grad``, to this
+    one's), so a later step that stays below the first's peak is compared too, and ``step_ends`` the live
+    bytes at each ``on_step_end``."""
     import transformers
     from hf_ddp_steps import _build, _quant_state
 
@@ -208,13 +212,33 @@ def run(
                 trainer = trl_trainer(model, args, rows)
             else:
                 trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
-            tracker = FsdpTracker(log)
+            tracker = FsdpTracker(log or step_peaks)
+            if step_peaks:
+                trainer.add_callback(_StepPeaks(tracker))
             tracker.track_module(model)
             tracker.track(*_quant_state(model))
             with tracker:
                 trainer.train()
             del trainer, model
     return tracker
+
+
+def _StepPeaks(tracker: FsdpTracker):  # noqa: ANN202, N802 - a TrainerCallback made where transformers is imported
+    """A ``TrainerCallback`` that closes each optimizer step at ``on_step_end`` (after ``zero_grad``): the
+    tracker's ``step_peaks``, each step's highest live bytes over its logged events, and ``step_ends``, the
+    live bytes there."""
+    import transformers
+
+    class StepPeaks(transformers.TrainerCallback):
+        end = 0
+
+        def on_step_end(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            start, self.end = self.end, len(tracker.events)
+            tracker.step_peaks.append(max((live for *_, live in tracker.events[start : self.end]), default=0))
+            tracker.step_ends.append(tracker.current)
+
+    tracker.step_peaks, tracker.step_ends = [], []
+    return StepPeaks()
 
 
 def measure(

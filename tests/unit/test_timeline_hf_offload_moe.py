@@ -131,6 +131,10 @@ RANKS = [
     _ranks(BY_NAME["hfoffmoe-mixtral-lora-all-linear-bf16-ckpt"], "zero3"),
     _ranks(BY_NAME["hfoffmoe-mixtral-fp32"], "ddp"),
     _ranks(BY_NAME["hfoffmoe-qwen3_moe-lora-experts-fp32"], "ddp"),
+    # layer 0's post_backward in the root's final callback (hf_fsdp.HfFsdp.finish_backward): both -131,096 B
+    # before 2026-11-28 (the run's step 1 peak against the Trainer's step 2)
+    _ranks(BY_NAME["hfoffmoe-qwen3_moe-lora-experts-fp32"], "zero3"),
+    _ranks(BY_NAME["hfoffmoe-qwen3_moe-lora-experts-fp32"], "zero2"),
 ]
 
 

@@ -59,7 +59,9 @@ Around the groups, the Trainer's step:
   ``PeftModel``'s own children, finds no norm, so the final norm stays with the root's group (gathered
   at the model's forward, ``reshard_after_forward=None`` keeps it to the final callback) and the tail is
   ``[lm_head]``; a frozen embedding's all-gather, prefetched by layer 0's pre-backward and never used,
-  goes at ``finalize_backward``.
+  goes at ``finalize_backward``; layer 0's input, the frozen embedding's output, needs no gradient, so
+  FSDP2 registers no post-backward hook on it and layer 0 reshards and reduce-scatters in the root's final
+  callback (:meth:`HfFsdp.finish_backward`).
 
 Checked against the real Trainer on CPU, rank 0 of two or four under the fake process group
 (tests/unit/test_timeline_hf_fsdp.py). The copy-out's and copy-in's metadata tensors
@@ -245,15 +247,25 @@ class HfFsdp(Fsdp):
         return cast
 
     def finish_backward(self) -> None:
-        """The root's final callback: the root's own group first (``all_states`` order; a PEFT
-        model's norm, frozen: resharded only), then ``fsdp.Fsdp``'s, then ``finalize_backward``'s
-        stale prefetches."""
+        """The root's final callback (``_root_post_backward_final_callback``, _fsdp_state.py:395-431), state by
+        state in ``all_states`` (module) order: the root's own group first (a PEFT model's norm, frozen:
+        resharded only), then each group, whose ``post_backward`` runs here when its hook did not (its forward
+        inputs needed no gradient: the embedding's ids and, over a frozen embedding, layer 0's hidden states,
+        so layer 0 reshards and reduce-scatters its adapters here), then its ``finalize_backward`` lets go
+        of an all-gather prefetched for a backward that never ran (a frozen embedding's); then the last
+        reduce-scatter input goes."""
         if self.root is not None:
             for p in self.root.unsharded.values():
                 self.tape.free(p)
             self.root.unsharded = {}
-        super().finish_backward()
-        finish_backward_frozen(self)
+        for g in range(len(self.groups)):
+            if g not in self.reduced:
+                self.post_backward(g)
+            finalize_backward(self, g)
+        self.reduced = set()
+        if self.reduce_input is not None:
+            self.tape.free(self.reduce_input)
+            self.reduce_input = None
 
     def pre_forward(self, g: int, x: Tensor | None = None) -> Tensor | None:
         """``fsdp.Fsdp.pre_forward``; a PEFT model's root group unshards first, at the model's forward
@@ -276,13 +288,13 @@ class HfFsdp(Fsdp):
         self.reduced.add(g)
 
 
-def finish_backward_frozen(fsdp: HfFsdp) -> None:
-    """``finalize_backward``: an all-gather prefetched for a group whose backward never ran (a frozen
-    embedding's) is let go."""
-    for group in fsdp.groups:
-        if group.gathered is not None:
-            fsdp.tape.free(group.gathered)
-            group.gathered = None
+def finalize_backward(fsdp: HfFsdp, g: int) -> None:
+    """``FSDPParamGroup.finalize_backward`` (_fsdp_param_group.py:763-782): an all-gather prefetched for a
+    group whose backward never ran (a frozen embedding's) is let go."""
+    group = fsdp.groups[g]
+    if group.gathered is not None:
+        fsdp.tape.free(group.gathered)
+        group.gathered = None
 
 
 def _groups(shapes: dict[str, tuple[int, int]], layers: int, reshard: bool, tied: bool, peft: bool) -> list[_Group]:
