@@ -3,7 +3,7 @@
 from builds at three sizes, equal the run's at sizes never built, except for CUDA's staging buffer of the
 norms' weight gradients (a cap, not a polynomial), which a fourth build at the largest size finds. Under
 sequence parallelism the layer's structure differs between ``b = 1`` and ``b > 1``, and each branch is derived
-on its own."""
+on its own. A study the search does not use: under ``-m slow``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import pytest
 from memplan.costmodel.timeline.autograd import REDUCE_WORKSPACE_CAP
 from memplan.specs.loader import load_model
 from memplan.specs.plan import Plan
+
+pytestmark = pytest.mark.slow
 
 STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "derived_layer.py"
 STAGING = "reduce_workspace"
