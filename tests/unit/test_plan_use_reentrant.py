@@ -67,8 +67,12 @@ def test_a_plan_that_says_it_is_answered_so():
 
 
 def test_where_the_run_does_not_follow_it_the_phase_model_says_why():
-    memory = _estimate("--runtime", "hf", "--recompute", "full", "--use-reentrant", "--gpus", "2")["memory"]
+    """Under activation offload (TRL's hooks, followed on CPU) the reentrant checkpoint is not followed; over two
+    ranks it is (tests/unit/test_timeline_hf_reentrant_ranks.py)."""
+    base = ("--runtime", "hf", "--recompute", "full", "--use-reentrant")
+    memory = _estimate(*base, "--offload-activations", "cpu", "--device", "cpu")["memory"]
     assert memory["model"] == "phase" and "reentrant checkpoint" in memory["model_reason"]
+    assert _estimate(*base, "--gpus", "2")["memory"]["model"] == "op-level"
 
 
 @pytest.mark.parametrize(
@@ -126,6 +130,35 @@ def test_the_exporters_write_what_the_plan_says(tmp_path, target, given):
     kwargs = (cfg["training_arguments"] if target == "hf-trainer" else cfg)["gradient_checkpointing_kwargs"]
     assert kwargs == {"use_reentrant": bool(given)}
     assert (hf_trainer if target == "hf-trainer" else axolotl).parse(out)["use_reentrant"] == given
+
+
+@pytest.mark.parametrize("target", ["hf-trainer", "axolotl"])
+@pytest.mark.parametrize(
+    ("finetune", "given", "off"), [("qlora", True, True), ("qlora", None, False), ("full", True, False)]
+)
+def test_a_peft_model_over_ddp_under_the_reentrant_checkpoint_finds_no_unused_parameters(target, finetune, given, off):
+    """The Trainer turns ``find_unused_parameters`` on over a PEFT model, which fails in the first backward under the
+    reentrant checkpoint (tests/unit/test_timeline_hf_reentrant_ranks.py): the export turns it off, as estimated."""
+    import yaml
+
+    flags = ["--finetune", finetune, "--recompute", "full", "--seq-len", "1024", "--gpus", "2"]
+    code, out, err = _cli(
+        "export",
+        "--model",
+        "llama3-8b",
+        "--to",
+        target,
+        "--runtime",
+        "hf",
+        *flags,
+        *(["--use-reentrant"] * bool(given)),
+    )
+    assert code == 0, err
+    cfg = yaml.safe_load(out)
+    args = cfg["training_arguments"] if target == "hf-trainer" else cfg
+    assert ("ddp_find_unused_parameters" in args) is off
+    if off:
+        assert args["ddp_find_unused_parameters"] is False
 
 
 @pytest.mark.parametrize(
