@@ -64,37 +64,41 @@ def plan(case, zero: int, reentrant: bool = True) -> Plan:
     return Plan(precision=case.precision, autocast=case.plan_autocast, recompute="full", **update)
 
 
-def predict(case, zero: int, reentrant: bool = True) -> int:
-    """The run's peak on CPU's kernels, the plan followed (``hf_supported``)."""
+def predict(case, zero: int, ga: int = 1, reentrant: bool = True) -> int:
+    """The run's peak on CPU's kernels, ``ga`` micro-batches a step, the plan followed (``hf_supported``)."""
     p = plan(case, zero, reentrant)
     assert hf_supported(case_model(case), p, case_workload(case), device="cpu") is None, case.name
-    return hf_predict(case, p).peak()[0]
+    return hf_predict(case, p, ga=ga).peak()[0]
 
 
-def measure(case, zero: int) -> int:
+def measure(case, zero: int, ga: int = 1) -> int:
     if zero == 0:
-        return hf_ddp_steps.measure(case, args_update=NO_UNUSED if isinstance(case, PeftCase) else REENTRANT)
-    return hf_fsdp_steps.measure(case, reshard=zero == 3, args_update=REENTRANT)
+        return hf_ddp_steps.measure(case, ga, args_update=NO_UNUSED if isinstance(case, PeftCase) else REENTRANT)
+    return hf_fsdp_steps.measure(case, ga, reshard=zero == 3, args_update=REENTRANT)
 
 
 QWEN3 = _family("qwen3", "reentrant-ranks-layers-fp32", **LAYERS, checkpointing=True)
 GEMMA3 = _family("gemma3", "reentrant-ranks-layers-fp32", **LAYERS, checkpointing=True)
-FAST = [(_full("llama-fp32"), 3)]
+FAST = [(_full("llama-fp32"), 3, 1)]
 SLOW = [
     # DDP: two gloo ranks
-    (_full("llama-fp32"), 0),
-    (QWEN3, 0),
-    (GEMMA3, 0),
-    (_lora("lora-fp32"), 0),
-    (_lora("qlora-recipe", quant="nf4", double_quant=True, dtype="bfloat16", autocast=True), 0),
+    (_full("llama-fp32"), 0, 1),
+    (QWEN3, 0, 1),
+    (GEMMA3, 0, 1),
+    (_lora("lora-fp32"), 0, 1),
+    (_lora("lora-int8", quant="int8"), 0, 1),  # LLM.int8 (CPU's MatMul8bitFp): ctx.A only in the re-runs
+    (_full("llama-fp32-ga2"), 0, 2),  # no_sync() on the first micro-batch
+    (_lora("qlora-recipe", quant="nf4", double_quant=True, dtype="bfloat16", autocast=True), 0, 1),
     # FSDP2: full_shard and shard_grad_op
-    (_full("llama-fp32"), 2),
-    (_full("llama-bf16-true", autocast=True), 3),
-    (QWEN3, 3),
-    (GEMMA3, 2),
-    (_lora("lora-fp32"), 3),
-    (_lora("lora-fp32"), 2),
-    (_lora("lora-autocast", autocast=True), 3),
+    (_full("llama-fp32"), 2, 1),
+    (_full("llama-fp32-ga2"), 3, 2),  # set_requires_gradient_sync(False) on the first micro-batch
+    (_lora("lora-fp32-ga2"), 2, 2),
+    (_full("llama-bf16-true", autocast=True), 3, 1),
+    (QWEN3, 3, 1),
+    (GEMMA3, 2, 1),
+    (_lora("lora-fp32"), 3, 1),
+    (_lora("lora-fp32"), 2, 1),
+    (_lora("lora-autocast", autocast=True), 3, 1),
     # the QLoRA recipe under FSDP2: its packed weights in bnb_4bit_quant_storage (hf_fsdp_qlora.py)
     (
         _lora(
@@ -106,42 +110,44 @@ SLOW = [
             autocast=True,
         ),
         3,
+        1,
     ),
 ]
 
 
-def _id(value) -> str:  # noqa: ANN001
-    return value.name if hasattr(value, "name") else {0: "ddp", 2: "shard-grad-op", 3: "full-shard"}[value]
+def _ids(cases: list[tuple]) -> list[str]:
+    return [f"{c.name}-{ {0: 'ddp', 2: 'shard-grad-op', 3: 'full-shard'}[z] }" for c, z, _ in cases]
 
 
-@pytest.mark.parametrize(("case", "zero"), FAST, ids=_id)
-def test_fsdp2_equals_rank_0s_peak(case, zero: int) -> None:  # noqa: ANN001
-    measured, predicted = measure(case, zero), predict(case, zero)
+@pytest.mark.parametrize(("case", "zero", "ga"), FAST, ids=_ids(FAST))
+def test_fsdp2_equals_rank_0s_peak(case, zero: int, ga: int) -> None:  # noqa: ANN001
+    measured, predicted = measure(case, zero, ga), predict(case, zero, ga)
     assert predicted == measured, f"{case.name} zero {zero}: {predicted:,} B predicted, {measured:,} B measured"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("case", "zero"), SLOW, ids=_id)
-def test_ddp_and_fsdp2_equal_rank_0s_peak(case, zero: int) -> None:  # noqa: ANN001
-    measured, predicted = measure(case, zero), predict(case, zero)
+@pytest.mark.parametrize(("case", "zero", "ga"), SLOW, ids=_ids(SLOW))
+def test_ddp_and_fsdp2_equal_rank_0s_peak(case, zero: int, ga: int) -> None:  # noqa: ANN001
+    measured, predicted = measure(case, zero, ga), predict(case, zero, ga)
     assert predicted == measured, f"{case.name} zero {zero}: {predicted:,} B predicted, {measured:,} B measured"
 
 
-@pytest.mark.parametrize(("case", "zero"), FAST + SLOW, ids=_id)
-def test_the_cases_tell_the_checkpoints_apart(case, zero: int) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("case", "zero", "ga"), FAST + SLOW, ids=_ids(FAST + SLOW))
+def test_the_cases_tell_the_checkpoints_apart(case, zero: int, ga: int) -> None:  # noqa: ANN001
     """Each case's peak under the reentrant checkpoint differs from the non-reentrant one's (else a case could not
     tell them apart)."""
-    assert predict(case, zero) != predict(case, zero, reentrant=False), case.name
+    assert predict(case, zero, ga) != predict(case, zero, ga, reentrant=False), case.name
 
 
 def test_the_cases_span_ranks_families_and_bases() -> None:
     cases = FAST + SLOW
-    assert {z for _, z in cases} == {0, 2, 3}
+    assert {z for _, z, _ in cases} == {0, 2, 3}
     for zero in (0, 3):
-        kinds = {(isinstance(c, PeftCase), getattr(c, "quant", "none")) for c, z in cases if z == zero}
+        kinds = {(isinstance(c, PeftCase), getattr(c, "quant", "none")) for c, z, _ in cases if z == zero}
         assert {(False, "none"), (True, "none")} <= kinds
-    assert {c.arch for c, _ in cases} >= {"llama", "qwen3", "gemma3"}
-    assert {z for c, z in cases if getattr(c, "quant", "none") == "nf4"} == {0, 3}
+    assert {c.arch for c, _, _ in cases} >= {"llama", "qwen3", "gemma3"}
+    assert {z for c, z, _ in cases if getattr(c, "quant", "none") == "nf4"} == {0, 3}
+    assert {z for _, z, ga in cases if ga > 1} == {0, 2, 3}
 
 
 @pytest.mark.slow
