@@ -21,6 +21,8 @@ busy cores), the FSDP2 ones 2-8 s: one FSDP2 case runs by default, the rest unde
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -31,10 +33,12 @@ pytest.importorskip("accelerate")
 import hf_ddp_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import hf_fsdp_steps  # noqa: E402
 import hf_steps  # noqa: E402
+import test_timeline_hf_loop_families as LOOP  # noqa: E402
 from hf_predict import case_model, case_workload, hf_predict  # noqa: E402
 from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
 from test_timeline_hf_families import LAYERS  # noqa: E402
 from test_timeline_hf_families import _case as _family  # noqa: E402
+from test_timeline_hf_loop_families import _case as _loop_family  # noqa: E402
 
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
 from memplan.specs.plan import Plan  # noqa: E402
@@ -67,8 +71,10 @@ def plan(case, zero: int, reentrant: bool = True) -> Plan:
 def predict(case, zero: int, ga: int = 1, reentrant: bool = True) -> int:
     """The run's peak on CPU's kernels, ``ga`` micro-batches a step, the plan followed (``hf_supported``)."""
     p = plan(case, zero, reentrant)
-    assert hf_supported(case_model(case), p, case_workload(case), device="cpu") is None, case.name
-    return hf_predict(case, p, ga=ga).peak()[0]
+    model = case_model(case)
+    assert hf_supported(model, p, case_workload(case), device="cpu") is None, case.name
+    # subclass_like: the tracker is a dispatch mode (hf_moe_ops.zeros_then_put)
+    return hf_predict(case, p, ga=ga, subclass_like=model.moe is not None).peak()[0]
 
 
 def measure(case, zero: int, ga: int = 1) -> int:
@@ -79,12 +85,17 @@ def measure(case, zero: int, ga: int = 1) -> int:
 
 QWEN3 = _family("qwen3", "reentrant-ranks-layers-fp32", **LAYERS, checkpointing=True)
 GEMMA3 = _family("gemma3", "reentrant-ranks-layers-fp32", **LAYERS, checkpointing=True)
+# test_timeline_hf_loop_families.py's Mixtral: the router and the experts re-run in the nested backward
+MIXTRAL = dataclasses.replace(
+    _loop_family("reentrant-ranks-mixtral", "mixtral", LOOP.MIXTRAL, LOOP.MOE), loop="trainer", checkpointing=True
+)
 FAST = [(_full("llama-fp32"), 3, 1)]
 SLOW = [
     # DDP: two gloo ranks
     (_full("llama-fp32"), 0, 1),
     (QWEN3, 0, 1),
     (GEMMA3, 0, 1),
+    (MIXTRAL, 0, 1),
     (_lora("lora-fp32"), 0, 1),
     (_lora("lora-int8", quant="int8"), 0, 1),  # LLM.int8 (CPU's MatMul8bitFp): ctx.A only in the re-runs
     (_full("llama-fp32-ga2"), 0, 2),  # no_sync() on the first micro-batch
@@ -145,7 +156,7 @@ def test_the_cases_span_ranks_families_and_bases() -> None:
     for zero in (0, 3):
         kinds = {(isinstance(c, PeftCase), getattr(c, "quant", "none")) for c, z, _ in cases if z == zero}
         assert {(False, "none"), (True, "none")} <= kinds
-    assert {c.arch for c, _, _ in cases} >= {"llama", "qwen3", "gemma3"}
+    assert {c.arch for c, _, _ in cases} >= {"llama", "qwen3", "gemma3", "mixtral"}
     assert {z for c, z, _ in cases if getattr(c, "quant", "none") == "nf4"} == {0, 3}
     assert {z for _, z, ga in cases if ga > 1} == {0, 2, 3}
 
