@@ -209,3 +209,34 @@ def test_the_callback_reads_a_model_peft_checkpointed():
     assert _checkpointing(args, model) == {"recompute": "full", "use_reentrant": True}
     model.gradient_checkpointing_enable()
     assert _checkpointing(args, model) == {"recompute": "full", "use_reentrant": False}
+
+
+@pytest.mark.parametrize(
+    ("finetune", "use_reentrant", "zero", "args", "field"),
+    [
+        ("lora", True, 0, {}, "ddp_find_unused_parameters"),  # the Trainer's default: True over a PEFT model
+        ("lora", True, 0, {"ddp_find_unused_parameters": True}, "ddp_find_unused_parameters"),
+        ("lora", True, 0, {"ddp_find_unused_parameters": False, "ddp_static_graph": True}, "ddp_static_graph"),
+        ("lora", True, 0, {"ddp_find_unused_parameters": False}, None),  # what the run estimates
+        ("lora", False, 0, {}, None),  # the non-reentrant checkpoint: the Trainer's default runs
+        ("full", True, 0, {}, None),  # a checkpointed PreTrainedModel: find_unused_parameters off already
+        ("lora", True, 3, {}, None),  # FSDP2: no reducer
+    ],
+)
+def test_the_callback_says_what_a_peft_model_over_ddp_needs(finetune, use_reentrant, zero, args, field):
+    """A PEFT model under DDP and the reentrant checkpoint: the Trainer's ``find_unused_parameters=True`` fails in the
+    first backward (tests/unit/test_timeline_hf_reentrant_ranks.py), ``ddp_static_graph`` is not followed: one line
+    naming the argument, no estimate."""
+    from types import SimpleNamespace
+
+    from memplan.errors import MemplanError
+    from memplan.integrations.transformers import _check_ddp_reentrant
+
+    plan = {"dp": 2, "zero": zero, "recompute": "full", "use_reentrant": use_reentrant, "finetune": finetune}
+    training = SimpleNamespace(deepspeed=None, **args)
+    if field is None:
+        _check_ddp_reentrant(training, plan)
+        return
+    with pytest.raises(MemplanError) as err:
+        _check_ddp_reentrant(training, plan)
+    assert err.value.field == field and "\n" not in str(err.value)
