@@ -4,9 +4,10 @@ Trainer (on sys.path: the directory of tests/conftest.py).
 
 What the harness fixes is taken from the case and the plan, as ``hf_trainer.hf_plan_run`` takes it from a
 plan: the model from the case's config.json (its family, tied head and q/k/v biases), the workload's shapes,
-the plan's adapters, ranks (``dp``, ``zero``; ``bf16=True`` as FSDP2's policy) and optimizer, the base
-quantized as the harness loads it (in the case's dtype, stored as its ``bnb_4bit_quant_storage``), and a
-dataset holding the steps' batches (the last prefetch finds none).
+the plan's adapters, ranks (``dp``, ``zero``; ``bf16=True`` as FSDP2's policy), optimizer and checkpoint
+(``use_reentrant``: ``specs.plan.checkpoint_reentrant``), the base quantized as the harness loads it (in the case's
+dtype, stored as its ``bnb_4bit_quant_storage``), and a dataset holding the steps' batches (the last prefetch finds
+none).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from memplan.costmodel.timeline.hf_lora import HfLoraConfig
 from memplan.costmodel.timeline.hf_trainer import hf_dims, hf_run
 from memplan.specs.loader import model_from_data
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, trainer_autocast
+from memplan.specs.plan import Plan, checkpoint_reentrant, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 STEPS = 3  # the harness's steps (tests/accuracy/hf_steps.py): a first step and two steady ones
@@ -86,6 +87,7 @@ def hf_predict(
         host_load=host_load,
         offload=offload,
         optimizer=plan.optimizer,
+        reentrant=checkpoint_reentrant(plan, "hf"),
         inplace_accumulate=inplace_accumulate,
         **tape_flags,
     )

@@ -145,6 +145,8 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
     )
     if out["gradient_checkpointing"]:
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": checkpoint_reentrant(p, "hf")}  # the plan's checkpoint
+        if kind == "none" and p.dp > 1 and p.finetune != "full" and checkpoint_reentrant(p, "hf"):
+            out["ddp_find_unused_parameters"] = False  # as the Trainer's export writes it (export.hf_trainer.config)
     out.update(
         activation_offloading=p.offload_activations == "cpu",
         bf16=bf16 and not off,

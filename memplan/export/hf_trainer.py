@@ -280,6 +280,10 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
     if args["gradient_checkpointing"]:
         # what the plan's checkpoint is (the Trainer's default: False; specs.plan.checkpoint_reentrant)
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": checkpoint_reentrant(p, "hf")}
+        if kind == "none" and p.dp > 1 and p.finetune != "full" and checkpoint_reentrant(p, "hf"):
+            # a PEFT model under DDP and the reentrant checkpoint: the Trainer's find_unused_parameters=True fails in
+            # the first backward; the run estimated has it off (timeline/hf_ddp.wrap)
+            args["ddp_find_unused_parameters"] = False
     if kind == "deepspeed":
         args["deepspeed"] = deepspeed_config(job, gradient_clipping)
     elif kind == "fsdp":

@@ -13,7 +13,8 @@ At ``on_train_begin`` the plan is read from the live objects (no YAML to write):
 - ``TrainingArguments``: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
   ``world_size``, ``bf16`` / ``fp16`` (the plan's ``autocast`` over a 16-bit model),
   ``gradient_checkpointing`` and its ``gradient_checkpointing_kwargs``' ``use_reentrant`` (:func:`_checkpointing`;
-  without it, the model's own: PEFT's ``prepare_model_for_kbit_training`` checkpoints reentrantly),
+  without it, the model's own: PEFT's ``prepare_model_for_kbit_training`` checkpoints reentrantly; over DDP a PEFT
+  model under it with ``ddp_find_unused_parameters=False``: :func:`_check_ddp_reentrant`),
   ``optim``, ``deepspeed``
   (ZeRO stage and offload) and ``fsdp`` (``full_shard``: ZeRO-3, ``shard_grad_op``: ZeRO-2,
   ``offload``);
@@ -300,6 +301,24 @@ def _model_checkpointing(model: Any) -> dict[str, Any]:
     return {"recompute": "none"}
 
 
+def _check_ddp_reentrant(args: Any, plan: dict[str, Any]) -> None:
+    """A PEFT model under DDP and torch's reentrant checkpoint: the Trainer's ``find_unused_parameters=True`` (its
+    default over a model that is no ``PreTrainedModel``) fails in the first backward ("Expected to mark a variable
+    ready only once"; tests/unit/test_timeline_hf_reentrant_ranks.py), and ``ddp_static_graph`` is not followed: the
+    run estimates ``ddp_find_unused_parameters=False`` (``timeline/hf_ddp.wrap``), one line otherwise."""
+    ddp = plan["dp"] > 1 and not args.deepspeed and plan.get("zero", 0) == 0
+    if not (ddp and plan.get("use_reentrant") and plan.get("finetune", "full") != "full"):
+        return
+    if getattr(args, "ddp_static_graph", None):
+        raise MemplanError("ddp_static_graph under the reentrant checkpoint is not followed", field="ddp_static_graph")
+    if getattr(args, "ddp_find_unused_parameters", None) is not False:
+        raise MemplanError(
+            "a PEFT model under DDP and the reentrant checkpoint needs ddp_find_unused_parameters=False (the "
+            "Trainer's True fails in the first backward)",
+            field="ddp_find_unused_parameters",
+        )
+
+
 def trainer_plan(model: Any, args: Any, seq_len: int | None = None) -> dict[str, Any]:
     """The estimate's inputs for a live model and its ``TrainingArguments``: ``config``,
     ``plan``, ``workload``, ``device`` (module docstring)."""
@@ -324,6 +343,7 @@ def trainer_plan(model: Any, args: Any, seq_len: int | None = None) -> dict[str,
         "attention": ATTENTION.get(attn, "flash"),
         **_finetune(model, quant),
     }
+    _check_ddp_reentrant(args, plan)
     accumulation = int(args.gradient_accumulation_steps)
     workload = {"seq_len": seq, "micro_batch": micro, "global_batch": micro * dp * accumulation}
     device = "cuda" if next(model.parameters()).is_cuda else "cpu"

@@ -78,10 +78,20 @@ def _quant_state(model) -> list[torch.Tensor]:
 
 
 def _rank(
-    rank: int, case, ga: int, steps: int, port: int, out: str, log: bool, optim: str = "adamw", offload: bool = False
+    rank: int,
+    case,
+    ga: int,
+    steps: int,
+    port: int,
+    out: str,
+    log: bool,
+    optim: str = "adamw",
+    offload: bool = False,
+    args_update: dict | None = None,
 ) -> None:
     """One rank: the environment torchrun sets, the Trainer (``offload``: under TRL-like activation offload,
-    offload_steps.trl_trainer), rank 0's tracker."""
+    offload_steps.trl_trainer; ``args_update``: ``TrainingArguments`` fields set after they are built), rank 0's
+    tracker."""
     import hf_steps
     import transformers
     from alloc_log import AllocLog
@@ -104,6 +114,8 @@ def _rank(
     rows = [{"input_ids": row, "labels": row} for row in ids]
     with tempfile.TemporaryDirectory() as tmp:
         args = hf_steps.training_args(tmp, case, steps, ga)
+        for key, value in (args_update or {}).items():
+            setattr(args, key, value)
         with trained_with(args, optim):
             if offload:
                 from offload_steps import trl_trainer
@@ -127,20 +139,30 @@ def _rank(
     torch.distributed.destroy_process_group()
 
 
-def run(case, ga: int = 1, steps: int = 3, log: bool = False, optim: str = "adamw", offload: bool = False) -> list[str]:
-    """Rank 0's peak (first line) and, with ``log``, its allocation sequence."""
+def run(
+    case,
+    ga: int = 1,
+    steps: int = 3,
+    log: bool = False,
+    optim: str = "adamw",
+    offload: bool = False,
+    args_update: dict | None = None,
+) -> list[str]:
+    """Rank 0's peak (first line) and, with ``log``, its allocation sequence (``args_update``: ``_rank``'s)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.txt")
-        args = (case, ga, steps, _free_port(), out, log, optim, offload)
+        args = (case, ga, steps, _free_port(), out, log, optim, offload, args_update)
         mp.set_forkserver_preload(_PRELOAD)
         mp.start_processes(_rank, args=args, nprocs=WORLD, join=True, start_method="forkserver")
         with open(out) as f:
             return f.read().splitlines()
 
 
-def measure(case, ga: int = 1, steps: int = 3, optim: str = "adamw", offload: bool = False) -> int:
+def measure(
+    case, ga: int = 1, steps: int = 3, optim: str = "adamw", offload: bool = False, args_update: dict | None = None
+) -> int:
     """Rank 0's peak live bytes over ``steps`` optimizer steps of ``ga`` micro-batches."""
-    return int(run(case, ga, steps, optim=optim, offload=offload)[0])
+    return int(run(case, ga, steps, optim=optim, offload=offload, args_update=args_update)[0])
 
 
 if __name__ == "__main__":

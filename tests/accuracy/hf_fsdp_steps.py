@@ -188,11 +188,13 @@ def run(
     config: dict | None = None,
     offload: bool = False,
     step_peaks: bool = False,
+    args_update: dict | None = None,
 ):  # noqa: ANN001, ANN201, E501
     """Rank 0's tracker after ``steps`` optimizer steps of ``ga`` micro-batches (its ``peak``; with
     ``log`` its ``events``), counted from ``trainer.train()`` on: the sharding inside
     ``accelerator.prepare`` is counted. ``offload``: the Trainer under TRL-like activation offload
-    (offload_steps.trl_trainer). ``step_peaks``: the tracker's ``step_peaks`` holds each optimizer step's
+    (offload_steps.trl_trainer). ``args_update``: ``TrainingArguments`` fields set after they are built.
+    ``step_peaks``: the tracker's ``step_peaks`` holds each optimizer step's
     own peak (the highest live bytes logged from the previous ``on_step_end``, after ``zero_grad``, to this
     one's), so a later step that stays below the first's peak is compared too, and ``step_ends`` the live
     bytes at each ``on_step_end``."""
@@ -206,6 +208,8 @@ def run(
         rows = [{"input_ids": row, "labels": row} for row in ids]
         with tempfile.TemporaryDirectory() as tmp:
             args = fsdp_args(tmp, case, steps, ga, reshard, fsdp_ac, config)
+            for key, value in (args_update or {}).items():
+                setattr(args, key, value)
             if offload:
                 from offload_steps import trl_trainer
 
@@ -249,9 +253,10 @@ def measure(
     world: int = WORLD,
     fsdp_ac: bool = False,
     offload: bool = False,
+    args_update: dict | None = None,
 ) -> int:  # noqa: ANN001, E501
     """Rank 0's peak live bytes over ``steps`` optimizer steps of ``ga`` micro-batches."""
-    return run(case, ga, steps, reshard, world, fsdp_ac=fsdp_ac, offload=offload).peak
+    return run(case, ga, steps, reshard, world, fsdp_ac=fsdp_ac, offload=offload, args_update=args_update).peak
 
 
 if __name__ == "__main__":

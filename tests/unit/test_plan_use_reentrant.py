@@ -67,8 +67,12 @@ def test_a_plan_that_says_it_is_answered_so():
 
 
 def test_where_the_run_does_not_follow_it_the_phase_model_says_why():
-    memory = _estimate("--runtime", "hf", "--recompute", "full", "--use-reentrant", "--gpus", "2")["memory"]
+    """Under activation offload (TRL's hooks, followed on CPU) the reentrant checkpoint is not followed; over two
+    ranks it is (tests/unit/test_timeline_hf_reentrant_ranks.py)."""
+    base = ("--runtime", "hf", "--recompute", "full", "--use-reentrant")
+    memory = _estimate(*base, "--offload-activations", "cpu", "--device", "cpu")["memory"]
     assert memory["model"] == "phase" and "reentrant checkpoint" in memory["model_reason"]
+    assert _estimate(*base, "--gpus", "2")["memory"]["model"] == "op-level"
 
 
 @pytest.mark.parametrize(
@@ -128,6 +132,35 @@ def test_the_exporters_write_what_the_plan_says(tmp_path, target, given):
     assert (hf_trainer if target == "hf-trainer" else axolotl).parse(out)["use_reentrant"] == given
 
 
+@pytest.mark.parametrize("target", ["hf-trainer", "axolotl"])
+@pytest.mark.parametrize(
+    ("finetune", "given", "off"), [("qlora", True, True), ("qlora", None, False), ("full", True, False)]
+)
+def test_a_peft_model_over_ddp_under_the_reentrant_checkpoint_finds_no_unused_parameters(target, finetune, given, off):
+    """The Trainer turns ``find_unused_parameters`` on over a PEFT model, which fails in the first backward under the
+    reentrant checkpoint (tests/unit/test_timeline_hf_reentrant_ranks.py): the export turns it off, as estimated."""
+    import yaml
+
+    flags = ["--finetune", finetune, "--recompute", "full", "--seq-len", "1024", "--gpus", "2"]
+    code, out, err = _cli(
+        "export",
+        "--model",
+        "llama3-8b",
+        "--to",
+        target,
+        "--runtime",
+        "hf",
+        *flags,
+        *(["--use-reentrant"] * bool(given)),
+    )
+    assert code == 0, err
+    cfg = yaml.safe_load(out)
+    args = cfg["training_arguments"] if target == "hf-trainer" else cfg
+    assert ("ddp_find_unused_parameters" in args) is off
+    if off:
+        assert args["ddp_find_unused_parameters"] is False
+
+
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
@@ -176,3 +209,34 @@ def test_the_callback_reads_a_model_peft_checkpointed():
     assert _checkpointing(args, model) == {"recompute": "full", "use_reentrant": True}
     model.gradient_checkpointing_enable()
     assert _checkpointing(args, model) == {"recompute": "full", "use_reentrant": False}
+
+
+@pytest.mark.parametrize(
+    ("finetune", "use_reentrant", "zero", "args", "field"),
+    [
+        ("lora", True, 0, {}, "ddp_find_unused_parameters"),  # the Trainer's default: True over a PEFT model
+        ("lora", True, 0, {"ddp_find_unused_parameters": True}, "ddp_find_unused_parameters"),
+        ("lora", True, 0, {"ddp_find_unused_parameters": False, "ddp_static_graph": True}, "ddp_static_graph"),
+        ("lora", True, 0, {"ddp_find_unused_parameters": False}, None),  # what the run estimates
+        ("lora", False, 0, {}, None),  # the non-reentrant checkpoint: the Trainer's default runs
+        ("full", True, 0, {}, None),  # a checkpointed PreTrainedModel: find_unused_parameters off already
+        ("lora", True, 3, {}, None),  # FSDP2: no reducer
+    ],
+)
+def test_the_callback_says_what_a_peft_model_over_ddp_needs(finetune, use_reentrant, zero, args, field):
+    """A PEFT model under DDP and the reentrant checkpoint: the Trainer's ``find_unused_parameters=True`` fails in the
+    first backward (tests/unit/test_timeline_hf_reentrant_ranks.py), ``ddp_static_graph`` is not followed: one line
+    naming the argument, no estimate."""
+    from types import SimpleNamespace
+
+    from memplan.errors import MemplanError
+    from memplan.integrations.transformers import _check_ddp_reentrant
+
+    plan = {"dp": 2, "zero": zero, "recompute": "full", "use_reentrant": use_reentrant, "finetune": finetune}
+    training = SimpleNamespace(deepspeed=None, **args)
+    if field is None:
+        _check_ddp_reentrant(training, plan)
+        return
+    with pytest.raises(MemplanError) as err:
+        _check_ddp_reentrant(training, plan)
+    assert err.value.field == field and "\n" not in str(err.value)

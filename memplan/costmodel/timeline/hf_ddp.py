@@ -38,7 +38,13 @@ tests/unit/test_timeline_hf_ddp.py):
   rank.
 
 Only the Trainer's defaults are followed: not ``ddp_find_unused_parameters``, ``ddp_bucket_cap_mb``,
-``ddp_broadcast_buffers`` or ``ddp_static_graph`` set by hand, nor a communication hook.
+``ddp_broadcast_buffers`` or ``ddp_static_graph`` set by hand, nor a communication hook; but one case: a PEFT model
+under torch's reentrant checkpoint (``reentrant.py``), where the Trainer's ``find_unused_parameters=True`` fails in
+the first backward (``prepare_for_backward`` finds no adapter in the graph of layers run under ``no_grad`` and marks
+them ready; their hooks then fire in the re-runs: "Expected to mark a variable ready only once"), so the run that
+trains sets ``ddp_find_unused_parameters=False`` and this one follows it (:func:`wrap`). The reducer's hooks fire
+inside each checkpoint's nested backward, in the order the gradients are made, as without it
+(tests/unit/test_timeline_hf_reentrant_ranks.py).
 
 On CPU the real run also copies each parameter (``model.to("cpu:0")``, an index the parameters lack),
 each batch and the count once more, and keeps host copies of the verify metadata and bucket indices:
@@ -162,18 +168,21 @@ def wrap(
     peft: bool,
     checkpointing: bool,
     cuda: bool,
+    reentrant: bool = False,
 ) -> HfDdp:
     """``DistributedDataParallel`` over the Trainer's model as ``accelerator.prepare`` builds it:
     ``find_unused_parameters`` unless a ``PreTrainedModel`` is checkpointed (a PEFT model is not
-    one). ``shapes``: the base's parameters in order, ``weights``: what the run built for them (a
-    4-bit base's packed bytes), ``trainable``: (elements, itemsize) of what requires grad, ``peft``:
-    a PEFT model (the base frozen)."""
+    one) or the checkpoint is torch's reentrant one (``reentrant``: the run that trains sets
+    ``ddp_find_unused_parameters=False``, module docstring). ``shapes``: the base's parameters in order,
+    ``weights``: what the run built for them (a 4-bit base's packed bytes), ``trainable``: (elements,
+    itemsize) of what requires grad, ``peft``: a PEFT model (the base frozen)."""
     params = _named_parameters(weights, shapes, trainable, peft)
     reducer = {name: trainable[name] for name, _, _, _ in params if name is not None}
     ndims = sum(dims for name, _, _, dims in params if name is not None)
     states = [(size, itemsize) for _, size, itemsize, _ in params]
     sizes = [(b.numel * b.itemsize, b.itemsize) for b in buffers]
-    return HfDdp(tape, dp, reducer, ndims, states, sizes, peft or not checkpointing, cuda)
+    find_unused = not checkpointing or (peft and not reentrant)
+    return HfDdp(tape, dp, reducer, ndims, states, sizes, find_unused, cuda)
 
 
 def _named_parameters(

@@ -184,9 +184,8 @@ def hf_run(
     args = (d, tied, kernel, total, tape_flags, qkv_bias, ga, arch, extra, lora, quant, dp, build, zero, mixed)
     repeated = repeated and repeats(dp, zero, lora, quant, offload, optimizer, reentrant)
     optimizer = trainer_optimizer(optimizer, cuda=kernel != "cpu_flash")
-    run = _HfRun(*args, host_load=host_load, optimizer=optimizer)
+    run = _HfRun(*args, host_load=host_load, optimizer=optimizer, reentrant=reentrant)
     run.saves = TrlOffload() if offload else None
-    run.reentrant = Reentrant(run.tape, run._inner_graph) if reentrant and d.recompute == "full" else None
     run.b.mark("build")
     span = None  # the last step built, from the second on: the one the last may be emitted from (hf_repeat.py)
     for k in range(steps):
@@ -219,6 +218,7 @@ class _HfRun:
         mixed: bool = False,
         host_load: bool = False,
         optimizer=None,
+        reentrant: bool = False,
     ) -> None:
         self.b = Builder()
         self.tape = Tape(self.b)
@@ -252,7 +252,9 @@ class _HfRun:
         self.fsdp: hf_fsdp.HfFsdp | None = None  # FSDP2 over dp > 1 ranks under ZeRO-2/3 (hf_fsdp.py)
         self.host_load = host_load and dp > 1 and zero >= 2  # under FSDP2, loaded on the CPU (hf_fsdp_load.py)
         self.saves = None  # activation offload's saved-tensor hooks (hf_offload.py; hf_loop.py: act_offload's)
-        self.reentrant: Reentrant | None = None  # use_reentrant=True's checkpoints (reentrant.py)
+        # use_reentrant=True's checkpoints (reentrant.py); known before DDP's wrap, whose find_unused_parameters
+        # they decide (hf_ddp.wrap)
+        self.reentrant = Reentrant(self.tape, self._inner_graph) if reentrant and d.recompute == "full" else None
         self._build()
 
     def _build(self) -> None:
@@ -272,7 +274,8 @@ class _HfRun:
         elif self.dp > 1:
             buffers = [self.model.weights[name] for name, _ in self.model.buffers()]
             cuda, ckpt = self.model.kernel != "cpu_flash", self.d.recompute == "full"
-            args = (self.model.weights, self.shapes, self.trainable, buffers, self.lora is not None, ckpt, cuda)
+            peft, reentrant = self.lora is not None, self.reentrant is not None
+            args = (self.model.weights, self.shapes, self.trainable, buffers, peft, ckpt, cuda, reentrant)
             self.ddp = hf_ddp.wrap(self.tape, self.dp, *args)
         self.optimizer.create(self.tape)  # create_optimizer, before the loop's tr_loss
         self.tape.managed(1, 4, "tr_loss", Category.LOGITS)
@@ -506,6 +509,8 @@ class _HfRun:
         # ``num_items_in_batch``, under FSDP2's bf16 policy the root's bf16 cast of it (alive to layer 0's backward)
         kwargs = [self.items] if self.items is not None else []
         if self.reentrant is not None:  # use_reentrant=True (reentrant.py): the partial's tensors kept with the graph
+            # transformers checkpoints the layer's ``forward``, not ``__call__`` (modeling_layers.py:84): FSDP2's hooks
+            # stay outside the checkpoint, around it as around a non-reentrant one (hf_fsdp.py)
             return self.reentrant.checkpoint(
                 lambda: m.layer(x, cos, sin, i),
                 [x],

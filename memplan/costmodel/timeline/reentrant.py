@@ -21,6 +21,11 @@
   (``TensorImpl::release_resources`` resets the autograd meta first). The engine then frees the incoming
   gradient and the saved inputs (``release_variables``).
 
+Over more than one rank under the Trainer (tests/unit/test_timeline_hf_reentrant_ranks.py): FSDP2's hooks stay
+around the checkpoint (transformers checkpoints the layer's ``forward``, not ``__call__``: modeling_layers.py:84), as
+around the non-reentrant one; DDP's reducer hooks fire in the nested backward as each gradient is made (a PEFT model
+needs ``ddp_find_unused_parameters=False``: ``hf_ddp.wrap``).
+
 The RNG states are host tensors (the CPU generator's 5,056-byte state is not an op's output either): no
 device bytes. Nothing here is stopped early or cached: each layer's backward is its re-run's whole graph.
 """
