@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from memplan.costmodel.allocator.caching import CachingAllocator
 from memplan.costmodel.allocator.config import SIZE_MAX, kMinBlockSize, kSmallSize
@@ -33,8 +33,7 @@ from memplan.costmodel.allocator.stats import AllocatorOOM, AllocatorStats
 ALLOC, FREE = 0, 1  # ``timeline.events``' op codes; any other op is handed to ``on_other``
 
 
-@dataclass(frozen=True, slots=True)
-class RunPeak:
+class RunPeak(NamedTuple):
     """Where a run's allocated bytes were highest, and the allocator's state there.
 
     ``event``: the index of the first allocation that reached the highest allocated bytes (-1 if
@@ -86,8 +85,7 @@ def run_events(
     # allocated and max_allocated kept here between the calls that read or set them on ``alloc``
     allocated, top = alloc.allocated, alloc.max_allocated
     high, peak_event, at_peak, pending = allocated, -1, stats(), False
-    for i, event in enumerate(events):
-        op, tensor, size, _, stream, _ = event
+    for i, (op, tensor, size, _, stream, _) in enumerate(events):
         if op == ALLOC:
             ids = streams.get(stream)
             if ids is None:
@@ -195,7 +193,7 @@ def run_events(
             pool.free_bytes += size
         elif on_other is not None:
             alloc.allocated, alloc.max_allocated = allocated, top
-            on_other(i, event)
+            on_other(i, events[i])
             allocated, top = alloc.allocated, alloc.max_allocated
     alloc.allocated, alloc.max_allocated = allocated, top
     return RunPeak(high, peak_event, stats() if pending else at_peak)
