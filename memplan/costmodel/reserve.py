@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from memplan.costmodel.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator
+from memplan.costmodel.allocator import AllocatorConfig, CachingAllocator
+from memplan.costmodel.allocator.run import run_events
 from memplan.costmodel.quant import CudaArch, cuda_arch
-from memplan.costmodel.timeline.events import ALLOC, FREE, STEADY, Stream, Timeline, collection_paused
+from memplan.costmodel.timeline.events import STEADY, Event, Stream, Timeline, collection_paused
 from memplan.costmodel.timeline.phases import PHASE_MARKS, SETUP
 from memplan.costmodel.timeline.support import supported
 from memplan.errors import MemplanError
@@ -84,40 +85,31 @@ def replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | No
 
 def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | None) -> Replay:
     alloc = CachingAllocator(config, capacity_bytes=capacity_bytes)
-    blocks = {}
-    failure = None
-    # The allocator's state at the allocated peak. Allocations only raise ``allocated``, so a run
-    # of them that sets a new peak ends at it: the state is taken once, before the next free
-    # (or at the end), not after every allocation that raises the peak.
-    at_peak, peak_event, high, pending = alloc.stats(), -1, 0, False
-    malloc, free, streams = alloc.malloc, alloc.free, STREAM_IDS
-    compute = Stream.COMPUTE
     peaks: dict[str, int] = {}
-    phase, steady, highest = SETUP, False, 0
-    peak_phase = None
-    for i, (op, tensor, size, category, stream, tag) in enumerate(timeline.events):
-        if op == ALLOC:
-            try:
-                blocks[tensor] = malloc(size, 0 if stream is compute else streams[stream])
-            except AllocatorOOM as oom:
-                failure = Failure(size, str(category), tag, str(stream), oom.reserved, oom.allocated, oom.cached_free)
-                break
-            if alloc.allocated > high:
-                high, peak_event, pending, peak_phase = alloc.allocated, i, True, phase
-        elif op == FREE:
-            if pending:
-                at_peak, pending = alloc.stats(), False
-            free(blocks.pop(tensor))
-        elif tag in PHASE_MARKS:  # torch.cuda.reset_peak_memory_stats at the meter's phase change
+    phases: list[tuple[int, str | None]] = [(-1, SETUP)]  # (mark index, phase from there)
+    steady, highest = False, 0
+
+    def mark(i: int, event: Event) -> None:
+        nonlocal steady, highest
+        tag = event.tag
+        if tag in PHASE_MARKS:  # torch.cuda.reset_peak_memory_stats at the meter's phase change
+            phase = phases[-1][1]
             if steady and phase is not None:
                 peaks[phase] = max(peaks.get(phase, 0), alloc.max_allocated)
             highest = max(highest, alloc.max_allocated)
-            alloc.max_allocated, phase = alloc.allocated, PHASE_MARKS[tag]
+            alloc.max_allocated = alloc.allocated
+            phases.append((i, PHASE_MARKS[tag]))
         elif tag == STEADY:
             steady = True
-    if pending:
-        at_peak = alloc.stats()
-    final = alloc.stats()
+
+    peak = run_events(alloc, timeline.events, STREAM_IDS, mark)
+    failure = None
+    if peak.error is not None:
+        op, tensor, size, category, stream, tag = timeline.events[peak.oom]
+        oom = peak.error
+        failure = Failure(size, str(category), tag, str(stream), oom.reserved, oom.allocated, oom.cached_free)
+    peak_phase = next((phase for i, phase in reversed(phases) if i < peak.event), None)
+    at_peak, final = peak.stats, alloc.stats()
     names = {v: str(k) for k, v in STREAM_IDS.items()}
     return Replay(
         max_reserved=final.max_reserved,
@@ -127,7 +119,7 @@ def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | N
         largest_free=at_peak.largest_free,
         reserved_by_stream={names.get(s, str(s)): b for s, b in at_peak.reserved_by_stream},
         failure=failure,
-        peak_event=peak_event,
+        peak_event=peak.event,
         phase_peaks=peaks or None,
         peak_phase=peak_phase if peaks else None,
     )

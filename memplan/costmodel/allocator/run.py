@@ -1,0 +1,199 @@
+"""A whole run of allocations and frees through one :class:`CachingAllocator`, in one Python frame.
+
+``reserve.replay`` feeds an op-level run (~32,000 events for an 8B step) through the allocator, on
+every ``memplan estimate``. Called event by event, ``malloc`` and ``free`` -> ``free_block`` ->
+``try_merge_blocks`` cost four Python calls and a ``Block`` dataclass per split, more than the
+allocator's own work. :func:`run_events` does the two common cases in its own loop, on the
+allocator's own pools and blocks (one state, no copy of it):
+
+- ``malloc`` served by a cached block (``get_free_block``'s best fit: the first pool key at or
+  above (stream, size)), split when ``should_split`` says so (``alloc_found_block``);
+- ``free`` -> ``free_block``: merged with its free neighbours and cached.
+
+Everything else goes through :meth:`CachingAllocator.malloc` / :meth:`~CachingAllocator.free`
+themselves: a request no cached block serves (a new segment, the garbage collection pass, the
+retries, out of memory), and every event of an allocator whose settings the two paths above do not
+follow (expandable segments, ``max_split_size``, ``garbage_collection_threshold``). Each path is
+``CUDACachingAllocator.cpp``'s (torch 2.11) step for step, so the result is the allocator's to the
+byte: ``tests/unit/test_allocator_run.py`` holds every block, key and counter against the
+event-by-event calls.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+from memplan.costmodel.allocator.caching import CachingAllocator
+from memplan.costmodel.allocator.config import SIZE_MAX, kMinBlockSize, kSmallSize
+from memplan.costmodel.allocator.pool import Block
+from memplan.costmodel.allocator.stats import AllocatorOOM, AllocatorStats
+
+ALLOC, FREE = 0, 1  # ``timeline.events``' op codes; any other op is handed to ``on_other``
+
+
+class RunPeak(NamedTuple):
+    """Where a run's allocated bytes were highest, and the allocator's state there.
+
+    ``event``: the index of the first allocation that reached the highest allocated bytes (-1 if
+    none raised it above the start); ``stats``: the allocator just after it (taken before the next
+    free: allocations only raise ``allocated``); ``oom``: the index of the request the allocator
+    could not serve, where the run stopped (with ``error``), else -1."""
+
+    high: int
+    event: int
+    stats: AllocatorStats
+    oom: int = -1
+    error: AllocatorOOM | None = None
+
+
+def _follows_fast_paths(alloc: CachingAllocator) -> bool:
+    """Whether the allocator's settings are those the loop's own paths follow: no expandable
+    segments (and none left from earlier settings), no ``max_split_size`` (a cached block of any
+    size serves a smaller request, ``fits_oversize_rules``), no garbage collection count to keep."""
+    config = alloc.config
+    return (
+        config is alloc._settings_of
+        and not config.expandable_segments
+        and not alloc._expandable
+        and config.max_split_bytes == SIZE_MAX
+        and not alloc._gc
+    )
+
+
+def run_events(
+    alloc: CachingAllocator,
+    events: Sequence[tuple],
+    stream_ids: Mapping[object, int],
+    on_other: Callable[[int, tuple], None] | None = None,
+) -> RunPeak:
+    """Feed ``events`` (``(op, tensor, size, _, stream, _)`` tuples, ``timeline.events.Event``) to
+    ``alloc``: ``ALLOC`` mallocs ``size`` bytes on ``stream_ids[stream]`` for ``tensor``, ``FREE``
+    frees that tensor's block; any other event is passed to ``on_other(index, event)`` (a mark).
+    Stops at the first request the allocator cannot serve. Returns the allocated peak."""
+    fast = _follows_fast_paths(alloc)
+    pools = alloc._pools
+    sizes_of = alloc._sizes
+    malloc, free, stats = alloc.malloc, alloc.free, alloc.stats
+    # stream -> (its number, its pool keys' high bits), in a plain dict: the interpreter's fast path
+    streams: dict[object, tuple[int, int]] = {}
+    # size -> (rounded, small, its pool's keys, blocks, pool): what the inlined paths read of a size
+    hot: dict[int, tuple] = {}
+    live: dict[int, Block] = {}
+    spare: list[Block] = []  # blocks a merge absorbed, reused by the next splits
+    # allocated and max_allocated kept here between the calls that read or set them on ``alloc``
+    allocated, top = alloc.allocated, alloc.max_allocated
+    high, peak_event, at_peak, pending = allocated, -1, stats(), False
+    for i, (op, tensor, size, _, stream, _) in enumerate(events):
+        if op == ALLOC:
+            ids = streams.get(stream)
+            if ids is None:
+                sid = stream_ids[stream]
+                ids = streams[stream] = (sid, sid << 128)
+            sid, stream_bits = ids
+            block = None
+            cached = hot.get(size)
+            if cached is not None:  # get_free_block, inlined: the first key at or above (stream, rounded)
+                rounded, size_bits, small, keys, blocks, pool = cached
+                j = bisect_left(keys, stream_bits | size_bits)
+                if j != len(keys) and keys[j] >> 128 == sid:
+                    block = blocks[j]
+                    del keys[j], blocks[j]
+                    size_found = block.size
+                    pool.free_bytes -= size_found
+                    left = size_found - rounded
+                    if left >= kMinBlockSize if small else left > kSmallSize:  # should_split
+                        rest = block  # the front ``rounded`` bytes are handed out, the rest cached
+                        addr = rest.addr
+                        if spare:
+                            block = spare.pop()
+                            block.size, block.stream, block.addr, block.small = rounded, sid, addr, small
+                            block.segment = rest.segment
+                        else:
+                            block = Block(rounded, sid, addr, small, rest.segment)
+                        prev = block.prev = rest.prev
+                        if prev is not None:
+                            prev.next = block
+                        block.next = rest
+                        rest.prev = block
+                        addr = rest.addr = addr + rounded
+                        rest.size = left
+                        rest.gc_count_base = pool.get_free_blocks_call_count  # pool.insert, inlined
+                        k = stream_bits | left << 64 | addr
+                        j = bisect_left(keys, k)
+                        keys.insert(j, k)
+                        blocks.insert(j, rest)
+                        pool.free_bytes += left
+                        allocated += rounded
+                    else:
+                        allocated += size_found
+                    block.allocated = True
+                    block.requested = size
+                    if allocated > top:
+                        top = allocated
+            if block is None:  # the allocator's own malloc: a new segment, its retries, out of memory
+                alloc.allocated, alloc.max_allocated = allocated, top
+                try:
+                    block = malloc(size, sid)
+                except AllocatorOOM as error:
+                    return RunPeak(high, peak_event, stats() if pending else at_peak, i, error)
+                allocated, top = alloc.allocated, alloc.max_allocated
+                if fast and size not in hot:
+                    rounded, small, _ = sizes_of[size]
+                    pool = pools[small]
+                    hot[size] = (rounded, rounded << 64, small, pool.keys, pool.blocks, pool)
+            live[tensor] = block
+            if allocated > high:
+                high, peak_event, pending = allocated, i, True
+        elif op == FREE:
+            block = live.pop(tensor)
+            if pending:
+                alloc.allocated, alloc.max_allocated = allocated, top
+                at_peak, pending = stats(), False
+            if not fast:
+                free(block)
+                allocated = alloc.allocated
+                continue
+            if not block.allocated:
+                raise ValueError(f"block at {block.addr:#x} is not allocated")
+            block.allocated = False
+            size = block.size
+            allocated -= size
+            pool = pools[block.small]
+            keys = pool.keys
+            blocks = pool.blocks
+            # free_block, inlined: try_merge_blocks with each free neighbour (no pending stream uses)
+            prev, nxt = block.prev, block.next
+            if prev is not None and not prev.allocated and not prev.event_count:
+                j = bisect_left(keys, prev.stream << 128 | prev.size << 64 | prev.addr)
+                del keys[j], blocks[j]
+                pool.free_bytes -= prev.size
+                size += prev.size
+                block.addr = prev.addr
+                spare.append(prev)
+                prev = block.prev = prev.prev
+                if prev is not None:
+                    prev.next = block
+            if nxt is not None and not nxt.allocated and not nxt.event_count:
+                j = bisect_left(keys, nxt.stream << 128 | nxt.size << 64 | nxt.addr)
+                del keys[j], blocks[j]
+                pool.free_bytes -= nxt.size
+                size += nxt.size
+                spare.append(nxt)
+                nxt = block.next = nxt.next
+                if nxt is not None:
+                    nxt.prev = block
+            block.size = size
+            block.gc_count_base = pool.get_free_blocks_call_count
+            k = block.stream << 128 | size << 64 | block.addr
+            j = bisect_left(keys, k)
+            keys.insert(j, k)
+            blocks.insert(j, block)
+            pool.free_bytes += size
+        elif on_other is not None:
+            alloc.allocated, alloc.max_allocated = allocated, top
+            on_other(i, events[i])
+            allocated, top = alloc.allocated, alloc.max_allocated
+    alloc.allocated, alloc.max_allocated = allocated, top
+    return RunPeak(high, peak_event, stats() if pending else at_peak)
