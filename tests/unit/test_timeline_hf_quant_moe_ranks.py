@@ -219,3 +219,33 @@ def test_estimate_answers_qlora_over_mixtral_on_two_ranks_op_level(capsys) -> No
     assert two["model"] == one["model"] == "op-level" and two["model_reason"] is None
     params, half = one["model_states"]["parameters"], two["model_states"]["parameters"]
     assert 0 < 2 * half - params < params // 1000
+
+
+@pytest.mark.parametrize(
+    ("name", "update", "why"),
+    [
+        ("qwen3-30b-a3b", {"dp": 4, "zero": 3}, None),
+        ("qwen3-30b-a3b", {"dp": 2, "quant": "int8"}, None),
+        ("deepseek-v2-lite", {"dp": 2}, None),  # MLA's linears 4-bit under DDP
+        ("deepseek-v2-lite", {"dp": 2, "quant": "none", "finetune": "lora"}, "MLA other than"),  # float: one rank
+        ("deepseek-v2-lite", {"dp": 2, "zero": 3}, "MLA other than"),
+        ("qwen2-moe-a2.7b", {"dp": 2, "zero": 2}, "a 4-bit base with q/k/v biases under the Trainer's FSDP"),
+        ("qwen2-moe-a2.7b", {"dp": 2}, None),
+        ("qwen3-30b-a3b", {"dp": 2, "zero": 3, "quant": "int8"}, "an LLM.int8 base under the Trainer's FSDP"),
+    ],
+)
+def test_what_the_run_follows_over_more_ranks(name: str, update: dict, why) -> None:
+    """On CPU: DDP over every quantized MoE family, FSDP2 over 4-bit Mixtral and Qwen3-MoE; Qwen2-MoE's q/k/v biases
+    under FSDP2, an LLM.int8 base there and DeepSeek under FSDP2 (or float under DDP) refused, one line each."""
+    from pathlib import Path
+
+    from memplan.specs.loader import load_model
+    from memplan.specs.plan import Plan
+
+    data = Path(__file__).resolve().parents[1] / "data" / "hf" / f"{name}.json"
+    model = model_from_data(json.loads(data.read_text()), str(data), name) if "qwen2" in name else load_model(name)
+    targets = ("q_proj", "o_proj") if model.mla is not None else ("q_proj", "v_proj")
+    fields = dict(precision="bf16", finetune="qlora", quant="nf4", lora_targets=targets)
+    plan = Plan(**{**fields, **update})
+    reason = hf_supported(model, plan, TrainingWorkload(seq_len=256, micro_batch=1), device="cpu")
+    assert reason == why or (why is not None and reason.startswith(why)), reason

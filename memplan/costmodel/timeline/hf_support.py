@@ -445,8 +445,9 @@ def _mla_ok(model: ModelSpec, plan: Plan) -> bool:
     """DeepSeek-V3 and V2 as tests/unit/test_timeline_hf_mla*.py check them against the real Trainer: full fine-tuning
     or PEFT LoRA on linears MLA has (no ``modules_to_save``), on one rank (fp32, bf16 with or without
     ``bf16=True``, ``bf16=True`` over fp32), or over a quantized base under DDP too
-    (tests/unit/test_timeline_hf_quant_moe_ranks.py; a float one there not: +16 B on a bf16 V3 with checkpointing,
-    not traced), no attention biases (``attention_bias``: q_a_proj's and kv_a_proj_with_mqa's, not followed)."""
+    (tests/unit/test_timeline_hf_quant_moe_ranks.py; a float one not checked there: a bf16 V3 built by
+    ``.to(bfloat16)``, whose router score bias goes bf16, measured +16 B, that buffer's 8 x 2 B), no attention
+    biases (``attention_bias``: q_a_proj's and kv_a_proj_with_mqa's, not followed)."""
     ranks = plan.dp == 1 or (plan.zero == 0 and plan.quant != "none")
     return ranks and not model.mla.down_proj_bias and (plan.finetune == "full" or _mla_lora_ok(model, plan))
 
