@@ -146,11 +146,11 @@ DDP = [
     (_case("mixtral", "nf4-dq", "ddp-bf16-all-linear", dtype=BF16, targets=("all-linear",)), 1),
     (_case("qwen3_moe", "nf4-dq", "ddp-bf16", dtype=BF16), 1),
     (_case("qwen3_moe", "int8", "ddp-ckpt", **CKPT), 1),
-    (_case("qwen3_moe", "int8", "ddp-autocast-ga2", autocast=True), 2),
+    (_case("qwen3_moe", "int8", "ddp-autocast-ga2", autocast=True), 2),  # no_sync() over the first micro-batch
     (
         _case("qwen3_moe", "nf4", "ddp-experts-ckpt", targets=("q_proj", "gate_proj", "up_proj", "down_proj"), **CKPT),
         1,
-    ),  # no_sync() over the first micro-batch
+    ),
     (_case("qwen2_moe", "nf4", "ddp"), 1),
     (_case("qwen2_moe", "int8", "ddp-dense-all-linear", extra=QWEN2_DENSE, layers=4, targets=("all-linear",)), 1),
     (_case("deepseek_v2", "nf4", "ddp"), 1),
@@ -182,7 +182,8 @@ def test_ddp_buckets_the_adapters_and_broadcasts_the_frozen_experts() -> None:
     kv = h // case.heads * case.kv_heads
     adapters = layers * r * (h + h + h + kv)  # q: A (r, h), B (h, r); v: A (r, h), B (kv, r)
     experts, router = layers * e * 3 * f * h, layers * e * h
-    floats = experts + router + 2 * case.vocab * h + (2 * layers + 1) * h + adapters + 2 * h // case.heads // 2
+    rotary = 2 * (h // case.heads // 2)  # inv_freq and original_inv_freq: half a head each
+    floats = experts + router + 2 * case.vocab * h + (2 * layers + 1) * h + adapters + rotary
     packed = layers * (2 * h * h + 2 * h * kv) // 2
     events = _allocs(case, 0)
     assert [x.size for x in events if x.tag == "reducer.bucket"] == [4 * adapters]
@@ -191,8 +192,8 @@ def test_ddp_buckets_the_adapters_and_broadcasts_the_frozen_experts() -> None:
 
 def test_fsdp2_shards_packed_weights_beside_whole_experts() -> None:
     """Under ``full_shard`` over a 4-bit Mixtral stored as bf16: a packed q_proj (64 x 64 codes, 2,048 B) is a
-        (1,024, 1) bf16 parameter, 1,024 B a rank; the experts' ``gate_up_proj`` (4, 320, 64) fp32 two whole experts a
-        rank; each layer one group, its mixed dtypes (bf16 packed weights, fp32 experts, router, norms and adapters)
+    (1,024, 1) bf16 parameter, 1,024 B a rank; the experts' ``gate_up_proj`` (4, 320, 64) fp32 two whole experts a
+    rank; each layer one group, its mixed dtypes (bf16 packed weights, fp32 experts, router, norms and adapters)
     gathered into one buffer of bytes that the unsharded parameters view."""
     case = _fsdp("mixtral", "nf4", "shards")
     events = _allocs(case, 3)
