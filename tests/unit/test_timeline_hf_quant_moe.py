@@ -166,7 +166,11 @@ def test_bitsandbytes_replaces_the_linears_alone(arch: str) -> None:
     ("update", "runtime", "device", "why"),
     [
         ({}, "hf", "cuda", "a quantized MoE base other than"),  # the fp32 experts' grouped_mm on CUDA: not checked
-        ({"dp": 2}, "hf", "cpu", "a quantized MoE base other than"),
+        ({"dp": 2}, "hf", "cpu", None),  # DDP and FSDP2: test_timeline_hf_quant_moe_ranks.py
+        ({"dp": 2, "zero": 3}, "hf", "cpu", None),
+        ({"dp": 2, "zero": 2, "quant": "int8"}, "hf", "cpu", "an LLM.int8 base under the Trainer's FSDP"),
+        ({"dp": 2}, "hf", "cuda", "a quantized MoE base other than"),
+        ({"dp": 2, "offload_activations": "cpu"}, "hf", "cpu", "a quantized MoE base other than"),
         ({"offload_activations": "cpu"}, "hf-loop", "cpu", "a quantized MoE base other than"),
         ({}, "hf", "cpu", None),
         ({"quant": "int8"}, "hf-loop", "cpu", None),
@@ -184,12 +188,13 @@ def test_what_the_run_follows_over_a_quantized_moe_base(update: dict, runtime: s
 
 
 def test_qlora_over_moe_on_more_ranks_is_refused_in_one_line() -> None:
-    """DDP over a quantized MoE base is not followed: exit 2, one line naming the field."""
+    """DDP over a quantized MoE base under activation offload is not followed: exit 2, one line naming the field."""
     import subprocess
     import sys
 
     args = ["estimate", "mixtral-8x7b", "--runtime", "hf", "--finetune", "qlora", "--quant", "nf4"]
     args += ["--lora-targets", "q_proj", "--device", "cpu", "--seq-len", "256", "--gpus", "2"]
+    args += ["--offload-activations", "cpu"]
     proc = subprocess.run([sys.executable, "-m", "memplan.cli", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "a quantized MoE base other than" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -23,7 +23,9 @@ file:line of those installed versions.
   (``hf_fsdp_peft.HfFsdpPeft.all_gather``); each unsharded packed weight is its own dtype's copy, dequantized by
   ``gemm_4bit`` as on one rank (``hf_bnb.Bnb4bit``: its CUDA fallback's temporaries tagged as there).
 
-Checked on CPU against the real Trainer (tests/unit/test_timeline_hf_fsdp_qlora.py).
+Checked on CPU against the real Trainer (tests/unit/test_timeline_hf_fsdp_qlora.py); over 4-bit Mixtral and Qwen3-MoE
+too (tests/unit/test_timeline_hf_quant_moe_ranks.py: each decoder layer one group, ``hf_fsdp_moe.py``, its packed
+weights beside the fp32 experts, router and norms, gathered as bytes, or all as bf16 under ``bf16=True``'s policy).
 """
 
 from __future__ import annotations

@@ -37,9 +37,10 @@ compute capability, ``costmodel.gemm_4bit_rule``; both read from its source); an
 (``hf_bnb.Bnb8bit``, ``int8.py``: CPU's ``MatMul8bitFp`` equal to the byte, tests/unit/test_timeline_int8.py;
 over every dense family, tests/unit/test_timeline_hf_int8_families.py; CUDA's ``MatMul8bitLt`` from the source,
 its outlier columns ``int8.OUTLIER_COLUMNS``: a loaded checkpoint taken as trained; a random one keeps more,
-tests/unit/test_timeline_int8_cuda.py); either under the MoE and MLA families on CPU on one rank
+tests/unit/test_timeline_int8_cuda.py); either under the MoE and MLA families on CPU
 (:func:`_quant_moe_ok`: the ``nn.Linear`` quantized, the router and 3-D experts fp32; under the Trainer and the
-hand-written loop, tests/unit/test_timeline_hf_quant_moe.py). Any of these over
+hand-written loop on one rank, tests/unit/test_timeline_hf_quant_moe.py; under the Trainer's DDP and, 4-bit over
+Mixtral and Qwen3-MoE, its FSDP2, tests/unit/test_timeline_hf_quant_moe_ranks.py). Any of these over
 ``dp`` > 1 ranks under DDP (``zero: 0``: the Trainer under ``torchrun``, ``hf_ddp.py``;
 tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's). The Trainer's
 FSDP2 (``--zero 3``: ``full_shard``, ``--zero 2``: ``shard_grad_op``; ``hf_fsdp.py``;
@@ -374,8 +375,8 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 
 _QUANT_MOE = (
-    "a quantized MoE base other than on CPU on one rank without activation offload (the op-level run follows it "
-    "there, --device cpu)"
+    "a quantized MoE base other than on CPU without activation offload (the op-level run follows it there, on one "
+    "rank, under DDP and, over a 4-bit Mixtral or Qwen3-MoE, under FSDP2; --device cpu)"
 )
 
 
@@ -384,10 +385,15 @@ def _quant_moe_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:
     tests/unit/test_timeline_hf_quant_moe.py checks it against the real Trainer and hand-written loop on CPU:
     bitsandbytes replaces the ``nn.Linear`` alone (the attention's, MLA's, the shared experts' and Qwen2-MoE's
     shared-expert gate, the dense layers' MLP: ``hf_bnb.Bnb4bit.quantized``), the router and the 3-D experts stay
-    float (fp32 after ``prepare_model_for_kbit_training``), on one rank, no activation offload. Not followed: more
-    ranks, CUDA (fp32 experts under ``grouped_mm`` there: not checked)."""
+    float (fp32 after ``prepare_model_for_kbit_training``), no activation offload; on one rank, or over more as
+    tests/unit/test_timeline_hf_quant_moe_ranks.py checks them against the real Trainer: DDP over every one of
+    these families (``hf_ddp.py`` as over a dense base: the fp32 experts and router frozen, outside the
+    buckets, broadcast with the packed weights at construction), FSDP2 where :func:`_fsdp_ok` takes the plan
+    (a 4-bit Mixtral or Qwen3-MoE: the packed weights sharded in their storage dtype beside the fp32 experts,
+    sharded on the expert axis, ``hf_fsdp_qlora.py`` over ``hf_fsdp_moe.py``). Not followed: CUDA (fp32
+    experts under ``grouped_mm`` there: not checked), activation offload over such a base."""
     families = MOE_FAMILIES + MLA_FAMILIES
-    return cpu and model.architecture in families and plan.dp == 1 and plan.offload_activations == "none"
+    return cpu and model.architecture in families and plan.offload_activations == "none"
 
 
 def _moe_ok(model: ModelSpec) -> bool:
@@ -435,16 +441,20 @@ def mla_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None) -> bool
 
 _MLA_PLAN = (
     "MLA other than full fine-tuning or LoRA on the attention linears (q_a_proj, q_b_proj or q_proj, "
-    "kv_a_proj_with_mqa, kv_b_proj, o_proj) of DeepSeek-V2 or V3 without attention biases on one rank"
+    "kv_a_proj_with_mqa, kv_b_proj, o_proj) of DeepSeek-V2 or V3 without attention biases on one rank (over a "
+    "quantized base under DDP too)"
 )
 
 
 def _mla_ok(model: ModelSpec, plan: Plan) -> bool:
     """DeepSeek-V3 and V2 as tests/unit/test_timeline_hf_mla*.py check them against the real Trainer: full fine-tuning
     or PEFT LoRA on linears MLA has (no ``modules_to_save``), on one rank (fp32, bf16 with or without
-    ``bf16=True``, ``bf16=True`` over fp32), no attention biases (``attention_bias``: q_a_proj's and
-    kv_a_proj_with_mqa's, not followed)."""
-    return plan.dp == 1 and not model.mla.down_proj_bias and (plan.finetune == "full" or _mla_lora_ok(model, plan))
+    ``bf16=True``, ``bf16=True`` over fp32), or over a quantized base under DDP too
+    (tests/unit/test_timeline_hf_quant_moe_ranks.py; a float one not checked there: a bf16 V3 built by
+    ``.to(bfloat16)``, whose router score bias goes bf16, measured +16 B, that buffer's 8 x 2 B), no attention
+    biases (``attention_bias``: q_a_proj's and kv_a_proj_with_mqa's, not followed)."""
+    ranks = plan.dp == 1 or (plan.zero == 0 and plan.quant != "none")
+    return ranks and not model.mla.down_proj_bias and (plan.finetune == "full" or _mla_lora_ok(model, plan))
 
 
 def mla_linears(model: ModelSpec) -> tuple[str, ...]:
