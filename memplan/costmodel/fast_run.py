@@ -27,7 +27,9 @@ parameters dealt largest first to the least-loaded rank): both cut runs step the
 instead, renamed into the cut model (``_zero1_shard``, ``_cut_shard``).
 
 A quantized base loaded by ``from_pretrained`` (``_loads_quantized``) is the exception: its load leaves
-holes whose rests are not affine in the depth, so the whole run answers it.
+holes whose rests are not affine in the depth, so the whole run answers it; so is one the bundled trainer
+builds on the device (``_builds_quantized``: the holes of the 16-bit embedding and head it casts to fp32, the
+8-bit weights' unsplit blocks).
 
 Under FSDP2 a collective buffer's layer is not the one its tag names: the all-gather of the next
 group is issued at the end of a layer's forward, and the backward prefetches the previous layer's
@@ -181,9 +183,10 @@ def _fsdp2(plan: Plan) -> bool:
 def run_peak(
     model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu: GPUSpec | None = None
 ) -> RunPeak | None:
-    """The op-level run's allocated peak for ``applies`` plans, from the runs cut to
-    ``cut_depths`` layers; None where the run does not model the plan (``reserve.plan_run`` falls back to the
-    phases) or the cut runs' spans do not line up. ``gpu``: its SMs and compute capability pick a 4-bit
+    """The op-level run's allocated peak for ``applies`` plans, from the runs cut to ``cut_depths`` layers
+    (the whole run over a quantized base: ``_loads_quantized``, ``_builds_quantized``); None where the run
+    does not model the plan (``reserve.plan_run`` falls back to the phases) or the cut runs' spans do not
+    line up. ``gpu``: its SMs and compute capability pick a 4-bit
     base's kernel (``quant.cuda_arch``)."""
     if _moe_lora(model, plan):
         return _moe_lora_peak(model, workload, plan, device, gpu, runtime)
@@ -193,6 +196,8 @@ def run_peak(
         return _pipeline_peak(model, workload, plan, device, gpu)
     if _loads_quantized(plan, runtime):
         return _whole_run_peak(model, workload, plan, runtime, device)
+    if _builds_quantized(plan, runtime):
+        return _whole_trainer_peak(model, workload, plan, device, gpu)
     if plan.finetune == "full" and runtime in TRANSFORMERS_RUNTIMES and _whole_hf(model, plan, runtime):
         return _whole_hf_peak(model, workload, plan, runtime, device, gpu)
     depths, shard = cut_depths(model.num_layers), _zero1_shard(model, workload, plan, runtime)
@@ -285,6 +290,22 @@ def _loads_quantized(plan: Plan, runtime: str) -> bool:
     return runtime in ("hf", "hf-loop") and plan.quant != "none" and plan.model_build == "from_pretrained"
 
 
+def _builds_quantized(plan: Plan, runtime: str) -> bool:
+    """A quantized base the bundled trainer builds on the device (``timeline/quant.py``, ``timeline/int8.py``):
+    where its blocks are served whole (a rest of at most 1 MiB left unsplit, ``CUDACachingAllocator.cpp``
+    ``should_split``) is not affine in the depth, so the whole run answers these plans, as ``_loads_quantized``'s
+    (docs/cost-model.md, "The search's fast form against the run", 2026-11-28). A 16-bit 4-bit base:
+    ``prepare_model_for_kbit_training``'s cast frees the 16-bit embedding and head (1,002 MiB each on llama3-8b),
+    holes of one size at every depth that each step's forward carves its first layers' blocks from until they are
+    full; at 1,024 tokens the head's keeps 746 MiB at 4 layers and 490 at 6 when step 1's backward asks for the
+    logits' fp32 gradient (525,336,576 B), carved from it at 4 and served whole from a new 502 MiB segment at 6:
+    the spans are affine from 12 layers on, and the cut runs were 13 MiB over the run. An 8-bit base: each MLP
+    weight's int8 copy (45,088,768 B on llama2-7b) is served whole from its own 44 MiB segment in most layers and
+    carved from a hole in the others, not every other layer (3, 5, 6, 7 and 9 of them served whole at 4 to 12
+    layers): the cut runs were 9 to 23 MiB over the run."""
+    return runtime == "memplan" and plan.quant != "none"
+
+
 def _whole_run_peak(
     model: ModelSpec,
     workload: TrainingWorkload,
@@ -302,6 +323,19 @@ def _whole_run_peak(
     run, _ = plan_run(model, workload, plan, runtime, device, gpu)
     label = max(span_peaks(run, layers or model.num_layers), key=lambda s: s[1])[0]
     return RunPeak(replay(run, AllocatorConfig()).max_allocated, _phase(label))
+
+
+def _whole_trainer_peak(
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str, gpu: GPUSpec | None
+) -> RunPeak:
+    """The bundled trainer's whole run (``_builds_quantized``'s plans), on ``gpu`` (its 4-bit kernel): one pass
+    of the allocator (``reserve.replay``), the phase of the span its first peak allocation falls in
+    (:func:`phase_at`), as ``_whole_hf_peak`` takes it."""
+    from memplan.costmodel.reserve import plan_run, replay
+
+    run, _ = plan_run(model, workload, plan, "memplan", device, gpu)
+    r = replay(run, AllocatorConfig())
+    return RunPeak(r.max_allocated, phase_at(run, r.peak_event))
 
 
 def _whole_hf_peak(
