@@ -95,7 +95,7 @@ def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | N
     peaks: dict[str, int] = {}
     phase, steady, highest = SETUP, False, 0
     peak_phase = None
-    for i, (op, tensor, size, category, stream, tag) in enumerate(timeline.events):
+    for i, (op, tensor, size, category, stream, tag) in enumerate(timeline.raw):
         if op == ALLOC:
             try:
                 blocks[tensor] = malloc(size, 0 if stream is compute else streams[stream])

@@ -176,6 +176,20 @@ class Tape:
             self._pyrefs.append(t)
         return t
 
+    def temporaries(self, requests: list[tuple[int, str]], category: Category) -> list[int]:
+        """Compute-stream tensors of (bytes, tag) made in order, held by the caller as their
+        allocations' ids alone (:meth:`release`): a foreach op's outputs, which nothing saves or views
+        (the optimizer step's), without a :class:`Tensor` each (a few hundred a step)."""
+        assert self._recompute is None, "a recompute tracks its tensors' Python references"
+        alloc, prefix = self.b.alloc, f"{self.scope}." if self.scope else ""
+        return [alloc(size, category, prefix + tag) for size, tag in requests]
+
+    def release(self, ids: list[int]) -> None:
+        """The :meth:`temporaries` ``ids`` go, last first (CPython's list deallocation)."""
+        free = self.b.free
+        for tid in reversed(ids):
+            free(tid)
+
     def managed(self, numel: int, itemsize: int, tag: str, category: Category, stream=Stream.COMPUTE) -> Tensor:
         """A tensor its owner frees (:meth:`free`): parameters, gradients, FSDP buffers."""
         t = self.new(numel, itemsize, tag, category, stream)
@@ -466,7 +480,7 @@ class Tape:
         """A sum of gradients is a parameter's gradient when one of its parts is (a tied weight's:
         the embedding's gradient added to the LM head's becomes ``.grad``)."""
         live = self.b.live
-        grads = any((e := live.get(p.st.tid)) is not None and e.category == Category.GRADIENTS for p in parts)
+        grads = any((e := live.get(p.st.tid)) is not None and e[3] == Category.GRADIENTS for p in parts)
         return Category.GRADIENTS if grads else _ACTIVATIONS
 
     @staticmethod

@@ -39,7 +39,7 @@ from bisect import bisect_right
 from functools import lru_cache
 
 from memplan.costmodel.timeline.autograd import Node, Storage, Tape, Tensor
-from memplan.costmodel.timeline.events import ALLOC, FREE, Event, _event
+from memplan.costmodel.timeline.events import ALLOC, FREE
 from memplan.costmodel.timeline.trainer_model import Model
 
 TEMPLATE = 2  # the forward's template layer: layers 0..TEMPLATE are built first
@@ -67,7 +67,7 @@ def retag(tag: str, shift: int) -> str:
     return "".join(str(p + shift) if i % 2 else p for i, p in enumerate(parts))  # type: ignore[operator]
 
 
-def _prepared(events: list[Event]) -> list[tuple]:
+def _prepared(events: list[tuple]) -> list[tuple]:
     """A template's events, flat, each with its tag split around its one layer index (``parts``, None:
     no index), so that a copy unpacks one tuple per event and renames the tag with one format
     (:meth:`LayerRepeat._emit`)."""
@@ -99,7 +99,7 @@ class LayerRepeat:
         self.starts: list[int] = []  # each block's first tensor id, in id order
         self.blocks: list[tuple[int, int, int, int, int]] = []  # (first id, end id, kind, layer, first event)
         self.where: dict[tuple[int, int], tuple[int, int]] = {}  # (kind, layer) -> (first id, end id)
-        self._allocations: dict[int, Event] = {}  # :meth:`_allocation`'s finds
+        self._allocations: dict[int, tuple] = {}  # :meth:`_allocation`'s finds
         self.backward_starts: dict[int, tuple[int, int, int]] = {}  # layer -> position its backward began
         self.template_out: Tensor | None = None
         self.template_kept: Tensor | None = None
@@ -217,7 +217,7 @@ class LayerRepeat:
                 if parts is not None:
                     tag = f"{parts[0]}{parts[1] + shift}{parts[2]}"
                 tensor += offset
-                new = _event(Event, (ALLOC, tensor, size, category, stream, tag))
+                new = (ALLOC, tensor, size, category, stream, tag)
                 append(new)
                 live[tensor] = new
             elif op == FREE:
@@ -230,7 +230,7 @@ class LayerRepeat:
                     name = tag if parts is None else f"{parts[0]}{parts[1] + shift}{parts[2]}"
                     if held is None or held[2:] != (size, category, stream, name):
                         raise NotRepeatable(f"a carried tensor does not pair: {tag}")
-                append(_event(Event, (FREE, tensor, size, category, stream, name)))
+                append((FREE, tensor, size, category, stream, name))
             else:
                 raise NotRepeatable("a mark inside a layer")
         b._next = base + end - first
@@ -248,7 +248,7 @@ class LayerRepeat:
         st = Storage(tid, t.st.refs, t.st.managed, t.st.gathered)
         return Tensor(t.numel, t.itemsize, st, None, t.view, t.dtensor, t.transposed, t.heads_major)
 
-    def _allocation(self, tensor: int) -> Event:
+    def _allocation(self, tensor: int) -> tuple:
         """The event that allocated ``tensor``, inside a block."""
         found = self._allocations.get(tensor)
         if found is not None:

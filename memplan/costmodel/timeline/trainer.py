@@ -441,8 +441,7 @@ class _Run:
             for name, size in sizes:
                 for state in ("exp_avg", "exp_avg_sq"):
                     self.states.append(t.managed(size, 1, f"{name}.{state}", Category.OPTIMIZER_STATES))
-        temps = [t.new(size, 1, f"{name}.sqrt_tmp", Category.OPTIMIZER_TEMP) for name, size in sizes]
-        t.done(*reversed(temps))
+        t.release(t.temporaries([(size, f"{name}.sqrt_tmp") for name, size in sizes], Category.OPTIMIZER_TEMP))
 
     def optimizer_params(self) -> list[tuple[str, int]]:
         """(name, local elements) in ``model.parameters()`` order (a tied head is the embedding);
