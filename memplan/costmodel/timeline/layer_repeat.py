@@ -74,43 +74,17 @@ def retag(tag: str, shift: int) -> str:
     return "".join(str(p + shift) if i % 2 else p for i, p in enumerate(parts))  # type: ignore[operator]
 
 
-class _Template:
-    """A template block's events as columns (:func:`_prepared`), for :meth:`LayerRepeat._emit` to
-    copy with C-level ``zip``s rather than one Python step an event. ``first``..``end``: the block's
-    ids; ``ids``: each event's id less ``first`` (a carried tensor's: its own, replaced in each copy);
-    ``parts``: each tag split around its one layer index (None: no index); ``carried``: the positions
-    of the frees of tensors another block allocated; ``kept``: of the allocations the block does not
-    free (live after it)."""
-
-    __slots__ = ("first", "end", "ops", "ids", "sizes", "categories", "streams", "tags", "parts", "carried", "kept")
-
-    def __init__(self, first, end, ops, ids, sizes, categories, streams, tags, parts, carried, kept) -> None:  # noqa: ANN001
-        self.first, self.end, self.ops, self.ids, self.sizes = first, end, ops, ids, sizes
-        self.categories, self.streams, self.tags, self.parts = categories, streams, tags, parts
-        self.carried, self.kept = carried, kept
-
-
-def _prepared(events: list[tuple], first: int, end: int) -> _Template:
-    """A template's events (ids ``first``..``end``) as :class:`_Template` columns, each tag split
-    around its one layer index, so that a copy renames it with one format."""
-    ops, tensors, sizes, categories, streams, tags = (
-        (list(c) for c in zip(*events, strict=True)) if events else [[]] * 6
-    )
-    parts: list[tuple | None] = []
-    for tag in tags:
-        split = _tag_parts(tag)
-        if len(split) > 3:
-            raise NotRepeatable(f"a tag with two layer indices: {tag}")
-        parts.append(split if len(split) == 3 else None)
-    if any(op != ALLOC and op != FREE for op in ops):
-        raise NotRepeatable("a mark inside a layer")
-    freed = {t for op, t in zip(ops, tensors, strict=True) if op == FREE and first <= t < end}
-    carried = [j for j, (op, t) in enumerate(zip(ops, tensors, strict=True)) if op == FREE and not first <= t < end]
-    kept = [j for j, (op, t) in enumerate(zip(ops, tensors, strict=True)) if op == ALLOC and t not in freed]
-    ids = [t - first for t in tensors]
-    for j in carried:
-        ids[j] = tensors[j]
-    return _Template(first, end, ops, ids, sizes, categories, streams, tags, parts, carried, kept)
+def _prepared(events: list[tuple]) -> list[tuple]:
+    """A template's events, flat, each with its tag split around its one layer index (``parts``, None:
+    no index), so that a copy unpacks one tuple per event and renames the tag with one format
+    (:meth:`LayerRepeat._emit`)."""
+    out = []
+    for e in events:
+        parts = _tag_parts(e[5])
+        if len(parts) > 3:
+            raise NotRepeatable(f"a tag with two layer indices: {e[5]}")
+        out.append((*e, parts if len(parts) == 3 else None))
+    return out
 
 
 def span(layers: int, template: int = TEMPLATE) -> range:
@@ -205,9 +179,9 @@ class LayerRepeat:
         if self.template_forward is None or self.template_out is not x or self.tape.on_first_mm is not None:
             raise NotRepeatable("the template layer was not built as expected")
         start, end = self.template_forward
-        block = _prepared(self.b.events[start[0] : end[0]], start[1], end[1])
+        events = _prepared(self.b.events[start[0] : end[0]])
         for k in self.span:
-            self._emit(block, FORWARD, k, k - self.template)
+            self._emit(events, start[1], end[1], FORWARD, k, k - self.template)
         shift = self.span[-1] - self.template
         out = self.relabel(x, shift)
         node = Node(next(self.tape.seq), f"layers.{self.span[0]}-{self.span[-1]}", self._apply, [x.fn])
@@ -244,30 +218,36 @@ class LayerRepeat:
             group.unsharded = {retag(n, shift): self.relabel(p, shift) for n, p in self.template_unsharded.items()}
 
     # --- emission --------------------------------------------------------------------------------
-    def _emit(self, block: _Template, kind: int, layer: int, shift: int) -> None:
-        """``block`` (:func:`_prepared`) again as layer ``layer``'s block of ``kind``, ``shift`` layers
-        from the template's: its own tensors renumbered into a new block of ids, a carried one mapped
-        (:meth:`_mapped`) and checked live with the same size, category, stream and tag (renumbered);
-        what the block leaves live is added to the builder's live set after it, in allocation order,
-        as the events one by one would leave it."""
+    def _emit(self, events: list[tuple], first: int, end: int, kind: int, layer: int, shift: int):
+        """``events`` (a block of ids ``first``..``end``, :func:`_prepared`) again as layer ``layer``'s
+        block of ``kind``, ``shift`` layers from the template's."""
         b = self.b
         base, at = b._next, len(b.events)
-        ids = [i + base for i in block.ids]
-        tags = [
-            tag if p is None else f"{p[0]}{p[1] + shift}{p[2]}" for tag, p in zip(block.tags, block.parts, strict=True)
-        ]
-        live = b.live
-        for j in block.carried:
-            tensor = ids[j] = self._mapped(block.ids[j], shift)
-            held = live.pop(tensor, None)
-            if held is None or held[2:] != (block.sizes[j], block.categories[j], block.streams[j], tags[j]):
-                raise NotRepeatable(f"a carried tensor does not pair: {block.tags[j]}")
-        events = list(zip(block.ops, ids, block.sizes, block.categories, block.streams, tags, strict=True))
-        b.events.extend(events)
-        for j in block.kept:
-            live[ids[j]] = events[j]
-        b._next = base + block.end - block.first
-        self._register(kind, layer, base, b._next, at)
+        offset = base - first
+        append, live, pop = b.events.append, b.live, b.live.pop
+        for op, tensor, size, category, stream, tag, parts in events:
+            if op == ALLOC:
+                if parts is not None:
+                    tag = f"{parts[0]}{parts[1] + shift}{parts[2]}"
+                tensor += offset
+                new = (ALLOC, tensor, size, category, stream, tag)
+                append(new)
+                live[tensor] = new
+            elif op == FREE:
+                if first <= tensor < end:  # the block's own tensor: freed with the tag it was allocated with
+                    tensor += offset
+                    name = pop(tensor)[5]
+                else:
+                    tensor = self._mapped(tensor, shift)
+                    held = pop(tensor, None)
+                    name = tag if parts is None else f"{parts[0]}{parts[1] + shift}{parts[2]}"
+                    if held is None or held[2:] != (size, category, stream, name):
+                        raise NotRepeatable(f"a carried tensor does not pair: {tag}")
+                append((FREE, tensor, size, category, stream, name))
+            else:
+                raise NotRepeatable("a mark inside a layer")
+        b._next = base + end - first
+        self._register(kind, layer, base, base + end - first, at)
 
     def relabel(self, t: Tensor, shift: int) -> Tensor:
         """The Python tensor that stands to the emitted layers as ``t`` to the built ones: its
@@ -312,9 +292,9 @@ class LayerRepeat:
         before = self.backward_starts[last + 1]
         self._register(BACKWARD, last + 1, before[1], start[1], before[0])
         self._register(BACKWARD, last, start[1], end[1], start[0])
-        block = _prepared(self.b.events[start[0] : end[0]], start[1], end[1])
+        events = _prepared(self.b.events[start[0] : end[0]])
         for k in reversed(self.span):
-            self._emit(block, BACKWARD, k, k - last)
+            self._emit(events, start[1], end[1], BACKWARD, k, k - last)
         self.emitted += len(self.span)
         g = grads[0]
         out = self.relabel(g, self.span[0] - last) if g is not None else None
