@@ -37,7 +37,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from itertools import count
 
 from memplan.costmodel.timeline.act_offload import Packed, SaveOnCpu
@@ -49,62 +48,90 @@ MiB = 2**20
 REDUCE_WORKSPACE_CAP = 132 * MiB  # largest staging buffer of a (b, s, h) -> (h,) sum in the traces
 
 
-@dataclass(eq=False, slots=True)
+# Storage, Tensor, Node and Region are written out rather than made by ``@dataclass(slots=True)``:
+# each generated class costs ~1.7 M instructions to make at import (its methods' source compiled,
+# the class built again for its slots; callgrind), a third of the module's import, paid by every
+# cold ``memplan estimate``. Compared by identity, as ``eq=False`` made them.
+
+
 class Storage:
     """One allocation. ``refs`` counts its holders; a ``managed`` one (parameters, FSDP's
-    unsharded parameters) is freed by its owner, never by reference counting."""
+    unsharded parameters) is freed by its owner, never by reference counting. ``gathered``:
+    FSDP2's unsharded parameter: no Parameter's storage to saved-tensor hooks (hf_offload)."""
 
-    tid: int
-    refs: int = 1
-    managed: bool = False
-    gathered: bool = False  # FSDP2's unsharded parameter: no Parameter's storage to saved-tensor hooks (hf_offload)
+    __slots__ = ("tid", "refs", "managed", "gathered")
+
+    def __init__(self, tid: int, refs: int = 1, managed: bool = False, gathered: bool = False) -> None:
+        self.tid, self.refs, self.managed, self.gathered = tid, refs, managed, gathered
 
 
-@dataclass(eq=False, slots=True)
 class Tensor:
     """A tensor over a :class:`Storage` (views share their base's)."""
 
-    numel: int
-    itemsize: int
-    st: Storage
-    fn: Node | None = None  # the node that receives this tensor's gradient
-    view: bool = False  # shares its base's storage (which then has two users)
-    dtensor: bool = False  # a DTensor: never added into in place
-    transposed: bool = False  # not contiguous: a transpose's view, or heads-major over token-major memory
-    heads_major: bool = False  # flash's dv off an unpacked (contiguous) v: its view back is a copy
-    offset: int = 0  # elements into the storage (a split's later parts): TRL's key (hf_offload.TrlOffload)
+    __slots__ = ("numel", "itemsize", "st", "fn", "view", "dtensor", "transposed", "heads_major", "offset")
+
+    def __init__(
+        self,
+        numel: int,
+        itemsize: int,
+        st: Storage,
+        fn: Node | None = None,  # the node that receives this tensor's gradient
+        view: bool = False,  # shares its base's storage (which then has two users)
+        dtensor: bool = False,  # a DTensor: never added into in place
+        transposed: bool = False,  # not contiguous: a transpose's view, or heads-major over token-major memory
+        heads_major: bool = False,  # flash's dv off an unpacked (contiguous) v: its view back is a copy
+        offset: int = 0,  # elements into the storage (a split's later parts): TRL's key (hf_offload.TrlOffload)
+    ) -> None:
+        self.numel, self.itemsize, self.st, self.fn, self.view = numel, itemsize, st, fn, view
+        self.dtensor, self.transposed, self.heads_major, self.offset = dtensor, transposed, heads_major, offset
 
 
-@dataclass(eq=False, slots=True)
 class Node:
     """One backward function: ``apply(tape, node, grads, saved) -> input grads`` (one per
     ``nexts`` entry; None where no gradient flows)."""
 
-    seq: int
-    scope: str
-    apply: Callable
-    nexts: list[Node | None]
-    saved: list = field(default_factory=list)  # Tensors, or checkpoint slots (ints)
-    region: Region | None = None
-    pre: Callable | None = None  # a hook run before apply (FSDP2's pre-backward)
-    post: Callable | None = None  # a hook run after it (``node.register_hook``: hf_offload.py's release)
-    meta: list | None = None  # per input (numel, itemsize, over_rows): the gradient it must have
-    dtensor: bool = False  # a DTensor op: its gradients are never added into in place
+    __slots__ = ("seq", "scope", "apply", "nexts", "saved", "region", "pre", "post", "meta", "dtensor")
+
+    def __init__(
+        self,
+        seq: int,
+        scope: str,
+        apply: Callable,
+        nexts: list[Node | None],
+        saved: list | None = None,  # Tensors, or checkpoint slots (ints)
+        region: Region | None = None,
+        pre: Callable | None = None,  # a hook run before apply (FSDP2's pre-backward)
+        post: Callable | None = None,  # a hook run after it (``node.register_hook``: hf_offload.py's release)
+        meta: list | None = None,  # per input (numel, itemsize, over_rows): the gradient it must have
+        dtensor: bool = False,  # a DTensor op: its gradients are never added into in place
+    ) -> None:
+        self.seq, self.scope, self.apply, self.nexts = seq, scope, apply, nexts
+        self.saved = [] if saved is None else saved
+        self.region, self.pre, self.post, self.meta, self.dtensor = region, pre, post, meta, dtensor
 
 
-@dataclass(eq=False, slots=True)
 class Region:
     """A non-reentrant checkpoint: ``rerun(*inputs)`` replays the region's forward for recompute
-    (on its inputs, or on their device copies where they were packed: ``frame.get_inputs()``)."""
+    (on its inputs, or on their device copies where they were packed: ``frame.get_inputs()``).
+    ``policy(op, recompute) -> saved``: a selective checkpoint's; ``kept``: its storage, per op."""
 
-    rerun: Callable[..., None]
-    inputs: list[Tensor | Packed]
-    slots: int = 0
-    storage: dict[int, Tensor] = field(default_factory=dict)
-    unpacked: int = 0
-    done: bool = False
-    policy: Callable[[str, bool], bool] | None = None  # (op, recompute) -> saved (selective checkpointing)
-    kept: dict[str, list[list[Tensor]]] = field(default_factory=dict)  # the policy's storage, per op
+    __slots__ = ("rerun", "inputs", "slots", "storage", "unpacked", "done", "policy", "kept")
+
+    def __init__(
+        self,
+        rerun: Callable[..., None],
+        inputs: list[Tensor | Packed],
+        slots: int = 0,
+        storage: dict[int, Tensor] | None = None,
+        unpacked: int = 0,
+        done: bool = False,
+        policy: Callable[[str, bool], bool] | None = None,
+        kept: dict[str, list[list[Tensor]]] | None = None,
+    ) -> None:
+        self.rerun, self.inputs, self.slots, self.unpacked, self.done = rerun, inputs, slots, unpacked, done
+        self.storage = {} if storage is None else storage
+        self.policy = policy
+        self.kept = {} if kept is None else kept
 
 
 class _StopRecompute(Exception):
