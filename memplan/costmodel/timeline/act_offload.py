@@ -55,7 +55,11 @@ class Packed:
     def __init__(
         self, numel: int, itemsize: int, hooks: SaveOnCpu, fn: Node | None = None, released: bool = False
     ) -> None:
-        self.numel, self.itemsize, self.hooks, self.fn, self.released = numel, itemsize, hooks, fn, released
+        self.numel = numel
+        self.itemsize = itemsize
+        self.hooks = hooks
+        self.fn = fn
+        self.released = released
 
 
 class SaveOnCpu:

@@ -62,7 +62,10 @@ class Storage:
     __slots__ = ("tid", "refs", "managed", "gathered")
 
     def __init__(self, tid: int, refs: int = 1, managed: bool = False, gathered: bool = False) -> None:
-        self.tid, self.refs, self.managed, self.gathered = tid, refs, managed, gathered
+        self.tid = tid
+        self.refs = refs
+        self.managed = managed
+        self.gathered = gathered
 
 
 class Tensor:
@@ -82,8 +85,15 @@ class Tensor:
         heads_major: bool = False,  # flash's dv off an unpacked (contiguous) v: its view back is a copy
         offset: int = 0,  # elements into the storage (a split's later parts): TRL's key (hf_offload.TrlOffload)
     ) -> None:
-        self.numel, self.itemsize, self.st, self.fn, self.view = numel, itemsize, st, fn, view
-        self.dtensor, self.transposed, self.heads_major, self.offset = dtensor, transposed, heads_major, offset
+        self.numel = numel
+        self.itemsize = itemsize
+        self.st = st
+        self.fn = fn
+        self.view = view
+        self.dtensor = dtensor
+        self.transposed = transposed
+        self.heads_major = heads_major
+        self.offset = offset
 
 
 class Node:
@@ -105,9 +115,16 @@ class Node:
         meta: list | None = None,  # per input (numel, itemsize, over_rows): the gradient it must have
         dtensor: bool = False,  # a DTensor op: its gradients are never added into in place
     ) -> None:
-        self.seq, self.scope, self.apply, self.nexts = seq, scope, apply, nexts
+        self.seq = seq
+        self.scope = scope
+        self.apply = apply
+        self.nexts = nexts
         self.saved = [] if saved is None else saved
-        self.region, self.pre, self.post, self.meta, self.dtensor = region, pre, post, meta, dtensor
+        self.region = region
+        self.pre = pre
+        self.post = post
+        self.meta = meta
+        self.dtensor = dtensor
 
 
 class Region:
@@ -128,7 +145,11 @@ class Region:
         policy: Callable[[str, bool], bool] | None = None,
         kept: dict[str, list[list[Tensor]]] | None = None,
     ) -> None:
-        self.rerun, self.inputs, self.slots, self.unpacked, self.done = rerun, inputs, slots, unpacked, done
+        self.rerun = rerun
+        self.inputs = inputs
+        self.slots = slots
+        self.unpacked = unpacked
+        self.done = done
         self.storage = {} if storage is None else storage
         self.policy = policy
         self.kept = {} if kept is None else kept
@@ -357,7 +378,9 @@ class Tape:
         copies = [t.hooks.unpack(self, t, "checkpoint_input", node) for t in region.inputs if isinstance(t, Packed)]
         it = iter(copies)
         args = [next(it) if isinstance(t, Packed) else t for t in region.inputs]
-        self._recompute, self._slot, self._pyrefs = region, 0, []
+        self._recompute = region
+        self._slot = 0
+        self._pyrefs = []
         try:
             region.rerun(*args)
         except _StopRecompute:
@@ -416,7 +439,8 @@ class Tape:
                     push(ready, (-m.seq, next(tick), m))
 
     def _run(self, node: Node, grads: list[Tensor | None]) -> list[Tensor | None]:
-        self.scope, self._node = node.scope, node
+        self.scope = node.scope
+        self._node = node
         if node.pre is not None:
             node.pre()
         saved = held = node.saved  # held: the node's own references, dropped after its apply
