@@ -29,7 +29,7 @@ def cpu_replay(timeline: Timeline, limit_bytes: int | None = None) -> Replay:
     peak_event, peak_phase, failure = -1, None, None
     phase, steady, phase_high = SETUP, False, 0
     peaks: dict[str, int] = {}
-    for i, (op, _, size, category, stream, tag) in enumerate(timeline.events):
+    for i, (op, _, size, category, stream, tag) in enumerate(timeline.raw):
         if op == ALLOC:
             live += size
             if live > high:

@@ -405,7 +405,7 @@ def phase_at(run: Timeline, index: int) -> str:
     label's mark is the last mark before it, its groups those the allocations since that mark opened,
     up to and including ``index`` (a new group opens a new span, so no later allocation of the same span
     adds one)."""
-    events = run.events
+    events = run.raw
     start = index
     while start > 0 and events[start - 1][0] != MARK:
         start -= 1
@@ -528,7 +528,7 @@ def span_peaks(run: Timeline, layers: int, middle: bool = False) -> list[tuple[s
     with collection_paused():
         alloc = CachingAllocator(AllocatorConfig())
         blocks, spans, mark, where, opened = {}, [], "setup", "", set()
-        for op, tensor, size, category, stream, tag in run.events:
+        for op, tensor, size, category, stream, tag in run.raw:
             if op == MARK:
                 spans.append((f"{mark}|{where}|{'+'.join(sorted(opened))}", alloc.max_allocated))
                 alloc.max_allocated, mark, where, opened = alloc.allocated, tag, "", set()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from memplan.costmodel.allocator import AllocatorConfig, CachingAllocator
 from memplan.costmodel.allocator.run import run_events
 from memplan.costmodel.quant import CudaArch, cuda_arch
-from memplan.costmodel.timeline.events import STEADY, Event, Stream, Timeline, collection_paused
+from memplan.costmodel.timeline.events import STEADY, Stream, Timeline, collection_paused
 from memplan.costmodel.timeline.phases import PHASE_MARKS, SETUP
 from memplan.costmodel.timeline.support import supported
 from memplan.errors import MemplanError
@@ -89,9 +89,9 @@ def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | N
     phases: list[tuple[int, str | None]] = [(-1, SETUP)]  # (mark index, phase from there)
     steady, highest = False, 0
 
-    def mark(i: int, event: Event) -> None:
+    def mark(i: int, event: tuple) -> None:
         nonlocal steady, highest
-        tag = event.tag
+        tag = event[5]
         if tag in PHASE_MARKS:  # torch.cuda.reset_peak_memory_stats at the meter's phase change
             phase = phases[-1][1]
             if steady and phase is not None:
@@ -102,10 +102,10 @@ def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | N
         elif tag == STEADY:
             steady = True
 
-    peak = run_events(alloc, timeline.events, STREAM_IDS, mark)
+    peak = run_events(alloc, timeline.raw, STREAM_IDS, mark)
     failure = None
     if peak.error is not None:
-        op, tensor, size, category, stream, tag = timeline.events[peak.oom]
+        op, tensor, size, category, stream, tag = timeline.raw[peak.oom]
         oom = peak.error
         failure = Failure(size, str(category), tag, str(stream), oom.reserved, oom.allocated, oom.cached_free)
     peak_phase = next((phase for i, phase in reversed(phases) if i < peak.event), None)

@@ -234,7 +234,7 @@ def _states_on(optimizer: str, cuda: bool = True) -> tuple[Builder, BnbOptimizer
 
 
 def _allocated(b: Builder) -> dict[str, int]:
-    return {e.tag: e.size for e in b.events if e.op == ALLOC}
+    return {e.tag: e.size for e in b.build().events if e.op == ALLOC}
 
 
 def _blocks(p: Param) -> int:
@@ -254,7 +254,7 @@ def test_paged_adamw_8bit_puts_large_buffers_in_managed_memory_on_cuda() -> None
     for p, itemsize in ((ADAPTER, 1), (NORM, 1), (BIAS, 4)):
         expected |= {f"{p.name}.state{k}": p.numel * itemsize for k in (1, 2)}
     assert allocated == expected
-    assert all(e.category == Category.OPTIMIZER_STATES for e in b.events if e.op == ALLOC)
+    assert all(e.category == Category.OPTIMIZER_STATES for e in b.build().events if e.op == ALLOC)
 
 
 def test_without_paging_every_state_is_in_the_allocator() -> None:

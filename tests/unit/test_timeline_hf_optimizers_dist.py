@@ -239,7 +239,7 @@ def test_adafactor_keeps_a_3d_experts_factored_states_per_expert() -> None:
     shapes = {k: v.numel() for k, v in real.state[weight].items() if torch.is_tensor(v) and v.dim()}
     b = Builder()
     Adafactor().step(Tape(b), [Param("experts", e * 2 * f * h, 4, e * 2 * f, h, lead=e)], {}, first=True)
-    made = [ev.size // 4 for ev in b.events if ev.op == ALLOC and ev.tag == "experts.exp_avg_sq"]
+    made = [ev.size // 4 for ev in b.build().events if ev.op == ALLOC and ev.tag == "experts.exp_avg_sq"]
     assert shapes == {"exp_avg_sq_row": e * 2 * f, "exp_avg_sq_col": e * h}
     assert made == [shapes["exp_avg_sq_row"], shapes["exp_avg_sq_col"]]
 

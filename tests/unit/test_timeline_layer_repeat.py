@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from memplan.costmodel.timeline import layer_repeat
-from memplan.costmodel.timeline.layer_repeat import NotRepeatable, retag, span
+from memplan.costmodel.timeline.layer_repeat import WORKSPACE_TEMPLATE, NotRepeatable, retag, span
 from memplan.costmodel.timeline.trainer import trainer_run
 from memplan.specs.resolve import resolve_job
 
@@ -83,8 +83,11 @@ def test_emitted_layers_equal_the_layers_built_op_by_op(name, monkeypatch):
     assert copied.snapshots == built.snapshots
     assert (copied.host_peak, copied.stage) == (built.host_peak, built.stage)
     # the warm-up step and the first steady step emit the span's forward and backward in each of
-    # their two micro-batches (the later steps are the first's events again: repeat.py)
-    assert blocks == (2 * 2 * 2 * len(span(layers)) if _emits(plan) else 0)
+    # their two micro-batches (the later steps are the first's events again: repeat.py); the warm-up
+    # step's first forward, whose layer 0 allocates cuBLAS's workspace, from layer 2's, the others
+    # from layer 1's
+    expected = 2 * (len(span(layers, WORKSPACE_TEMPLATE)) + 3 * len(span(layers)))
+    assert blocks == (expected if _emits(plan) else 0)
 
 
 def test_retag_shifts_every_layer_index():
@@ -95,8 +98,10 @@ def test_retag_shifts_every_layer_index():
 
 
 def test_span_leaves_the_first_and_last_layers_built():
-    assert span(16) == range(3, 14)
-    assert not span(5)
+    assert span(16) == range(2, 14)
+    assert span(16, WORKSPACE_TEMPLATE) == range(3, 14)
+    assert not span(4)
+    assert not span(5, WORKSPACE_TEMPLATE)
 
 
 def test_a_carried_tensor_that_does_not_pair_falls_back_to_op_by_op(monkeypatch):

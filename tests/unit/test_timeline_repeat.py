@@ -97,8 +97,8 @@ def test_a_block_whose_carried_tensors_do_not_pair_is_not_repeated():
     _step(b, kept, "batch")  # frees a "batch", keeps a "batch": repeatable
     end = b.position()
     assert repeat(b, start, end)
-    assert [e.tag for e in b.events[end[0] :]] == ["batch", "work", "work", "batch"]
-    assert b.events[end[0]].tensor == kept[0]  # the carried-in batch is the one this block kept
+    assert [e.tag for e in b.build().events[end[0] :]] == ["batch", "work", "work", "batch"]
+    assert b.build().events[end[0]].tensor == kept[0]  # the carried-in batch is the one this block kept
     start = b.position()
     _step(b, [max(b.live)], "labels")  # frees a "batch", keeps a "labels": not the same live set
     end = b.position()

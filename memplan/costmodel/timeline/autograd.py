@@ -37,7 +37,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from itertools import count
 
 from memplan.costmodel.timeline.act_offload import Packed, SaveOnCpu
@@ -49,62 +48,111 @@ MiB = 2**20
 REDUCE_WORKSPACE_CAP = 132 * MiB  # largest staging buffer of a (b, s, h) -> (h,) sum in the traces
 
 
-@dataclass(eq=False, slots=True)
+# Storage, Tensor, Node and Region are written out rather than made by ``@dataclass(slots=True)``:
+# each generated class costs ~1.7 M instructions to make at import (its methods' source compiled,
+# the class built again for its slots; callgrind), a third of the module's import, paid by every
+# cold ``memplan estimate``. Compared by identity, as ``eq=False`` made them.
+
+
 class Storage:
     """One allocation. ``refs`` counts its holders; a ``managed`` one (parameters, FSDP's
-    unsharded parameters) is freed by its owner, never by reference counting."""
+    unsharded parameters) is freed by its owner, never by reference counting. ``gathered``:
+    FSDP2's unsharded parameter: no Parameter's storage to saved-tensor hooks (hf_offload)."""
 
-    tid: int
-    refs: int = 1
-    managed: bool = False
-    gathered: bool = False  # FSDP2's unsharded parameter: no Parameter's storage to saved-tensor hooks (hf_offload)
+    __slots__ = ("tid", "refs", "managed", "gathered")
+
+    def __init__(self, tid: int, refs: int = 1, managed: bool = False, gathered: bool = False) -> None:
+        self.tid = tid
+        self.refs = refs
+        self.managed = managed
+        self.gathered = gathered
 
 
-@dataclass(eq=False, slots=True)
 class Tensor:
     """A tensor over a :class:`Storage` (views share their base's)."""
 
-    numel: int
-    itemsize: int
-    st: Storage
-    fn: Node | None = None  # the node that receives this tensor's gradient
-    view: bool = False  # shares its base's storage (which then has two users)
-    dtensor: bool = False  # a DTensor: never added into in place
-    transposed: bool = False  # not contiguous: a transpose's view, or heads-major over token-major memory
-    heads_major: bool = False  # flash's dv off an unpacked (contiguous) v: its view back is a copy
-    offset: int = 0  # elements into the storage (a split's later parts): TRL's key (hf_offload.TrlOffload)
+    __slots__ = ("numel", "itemsize", "st", "fn", "view", "dtensor", "transposed", "heads_major", "offset")
+
+    def __init__(
+        self,
+        numel: int,
+        itemsize: int,
+        st: Storage,
+        fn: Node | None = None,  # the node that receives this tensor's gradient
+        view: bool = False,  # shares its base's storage (which then has two users)
+        dtensor: bool = False,  # a DTensor: never added into in place
+        transposed: bool = False,  # not contiguous: a transpose's view, or heads-major over token-major memory
+        heads_major: bool = False,  # flash's dv off an unpacked (contiguous) v: its view back is a copy
+        offset: int = 0,  # elements into the storage (a split's later parts): TRL's key (hf_offload.TrlOffload)
+    ) -> None:
+        self.numel = numel
+        self.itemsize = itemsize
+        self.st = st
+        self.fn = fn
+        self.view = view
+        self.dtensor = dtensor
+        self.transposed = transposed
+        self.heads_major = heads_major
+        self.offset = offset
 
 
-@dataclass(eq=False, slots=True)
 class Node:
     """One backward function: ``apply(tape, node, grads, saved) -> input grads`` (one per
     ``nexts`` entry; None where no gradient flows)."""
 
-    seq: int
-    scope: str
-    apply: Callable
-    nexts: list[Node | None]
-    saved: list = field(default_factory=list)  # Tensors, or checkpoint slots (ints)
-    region: Region | None = None
-    pre: Callable | None = None  # a hook run before apply (FSDP2's pre-backward)
-    post: Callable | None = None  # a hook run after it (``node.register_hook``: hf_offload.py's release)
-    meta: list | None = None  # per input (numel, itemsize, over_rows): the gradient it must have
-    dtensor: bool = False  # a DTensor op: its gradients are never added into in place
+    __slots__ = ("seq", "scope", "apply", "nexts", "saved", "region", "pre", "post", "meta", "dtensor")
+
+    def __init__(
+        self,
+        seq: int,
+        scope: str,
+        apply: Callable,
+        nexts: list[Node | None],
+        saved: list | None = None,  # Tensors, or checkpoint slots (ints)
+        region: Region | None = None,
+        pre: Callable | None = None,  # a hook run before apply (FSDP2's pre-backward)
+        post: Callable | None = None,  # a hook run after it (``node.register_hook``: hf_offload.py's release)
+        meta: list | None = None,  # per input (numel, itemsize, over_rows): the gradient it must have
+        dtensor: bool = False,  # a DTensor op: its gradients are never added into in place
+    ) -> None:
+        self.seq = seq
+        self.scope = scope
+        self.apply = apply
+        self.nexts = nexts
+        self.saved = [] if saved is None else saved
+        self.region = region
+        self.pre = pre
+        self.post = post
+        self.meta = meta
+        self.dtensor = dtensor
 
 
-@dataclass(eq=False, slots=True)
 class Region:
     """A non-reentrant checkpoint: ``rerun(*inputs)`` replays the region's forward for recompute
-    (on its inputs, or on their device copies where they were packed: ``frame.get_inputs()``)."""
+    (on its inputs, or on their device copies where they were packed: ``frame.get_inputs()``).
+    ``policy(op, recompute) -> saved``: a selective checkpoint's; ``kept``: its storage, per op."""
 
-    rerun: Callable[..., None]
-    inputs: list[Tensor | Packed]
-    slots: int = 0
-    storage: dict[int, Tensor] = field(default_factory=dict)
-    unpacked: int = 0
-    done: bool = False
-    policy: Callable[[str, bool], bool] | None = None  # (op, recompute) -> saved (selective checkpointing)
-    kept: dict[str, list[list[Tensor]]] = field(default_factory=dict)  # the policy's storage, per op
+    __slots__ = ("rerun", "inputs", "slots", "storage", "unpacked", "done", "policy", "kept")
+
+    def __init__(
+        self,
+        rerun: Callable[..., None],
+        inputs: list[Tensor | Packed],
+        slots: int = 0,
+        storage: dict[int, Tensor] | None = None,
+        unpacked: int = 0,
+        done: bool = False,
+        policy: Callable[[str, bool], bool] | None = None,
+        kept: dict[str, list[list[Tensor]]] | None = None,
+    ) -> None:
+        self.rerun = rerun
+        self.inputs = inputs
+        self.slots = slots
+        self.unpacked = unpacked
+        self.done = done
+        self.storage = {} if storage is None else storage
+        self.policy = policy
+        self.kept = {} if kept is None else kept
 
 
 class _StopRecompute(Exception):
@@ -175,6 +223,20 @@ class Tape:
         if self._recompute is not None:
             self._pyrefs.append(t)
         return t
+
+    def temporaries(self, requests: list[tuple[int, str]], category: Category) -> list[int]:
+        """Compute-stream tensors of (bytes, tag) made in order, held by the caller as their
+        allocations' ids alone (:meth:`release`): a foreach op's outputs, which nothing saves or views
+        (the optimizer step's), without a :class:`Tensor` each (a few hundred a step)."""
+        assert self._recompute is None, "a recompute tracks its tensors' Python references"
+        alloc, prefix = self.b.alloc, f"{self.scope}." if self.scope else ""
+        return [alloc(size, category, prefix + tag) for size, tag in requests]
+
+    def release(self, ids: list[int]) -> None:
+        """The :meth:`temporaries` ``ids`` go, last first (CPython's list deallocation)."""
+        free = self.b.free
+        for tid in reversed(ids):
+            free(tid)
 
     def managed(self, numel: int, itemsize: int, tag: str, category: Category, stream=Stream.COMPUTE) -> Tensor:
         """A tensor its owner frees (:meth:`free`): parameters, gradients, FSDP buffers."""
@@ -316,7 +378,9 @@ class Tape:
         copies = [t.hooks.unpack(self, t, "checkpoint_input", node) for t in region.inputs if isinstance(t, Packed)]
         it = iter(copies)
         args = [next(it) if isinstance(t, Packed) else t for t in region.inputs]
-        self._recompute, self._slot, self._pyrefs = region, 0, []
+        self._recompute = region
+        self._slot = 0
+        self._pyrefs = []
         try:
             region.rerun(*args)
         except _StopRecompute:
@@ -375,7 +439,8 @@ class Tape:
                     push(ready, (-m.seq, next(tick), m))
 
     def _run(self, node: Node, grads: list[Tensor | None]) -> list[Tensor | None]:
-        self.scope, self._node = node.scope, node
+        self.scope = node.scope
+        self._node = node
         if node.pre is not None:
             node.pre()
         saved = held = node.saved  # held: the node's own references, dropped after its apply
@@ -466,7 +531,7 @@ class Tape:
         """A sum of gradients is a parameter's gradient when one of its parts is (a tied weight's:
         the embedding's gradient added to the LM head's becomes ``.grad``)."""
         live = self.b.live
-        grads = any((e := live.get(p.st.tid)) is not None and e.category == Category.GRADIENTS for p in parts)
+        grads = any((e := live.get(p.st.tid)) is not None and e[3] == Category.GRADIENTS for p in parts)
         return Category.GRADIENTS if grads else _ACTIVATIONS
 
     @staticmethod

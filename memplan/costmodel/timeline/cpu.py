@@ -70,12 +70,12 @@ def cpu_view(timeline: Timeline) -> Timeline:
     snapshots' live sets and positions with them): what the same step allocates on CPU."""
     temporaries = cuda_temporaries()
     events, where = [], {}
-    for i, e in enumerate(timeline.events):
-        if e.op == MARK or not cuda_only(e.tag, temporaries):
+    for i, e in enumerate(timeline.raw):
+        if e[0] == MARK or not cuda_only(e[5], temporaries):
             where[i] = len(events)
             events.append(e)
     snapshots = tuple(
-        Snapshot(where[s.index], s.tag, s.since, tuple(e for e in s.live if not cuda_only(e.tag, temporaries)))
+        Snapshot(where[s.index], s.tag, s.since, tuple(e for e in s.live if not cuda_only(e[5], temporaries)))
         for s in timeline.snapshots
     )
     return Timeline(tuple(events), snapshots, timeline.host_peak, timeline.stage, timeline.managed)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from typing import NamedTuple
 
 
@@ -62,7 +63,9 @@ ALLOC, FREE, MARK = 0, 1, 2
 
 class Event(NamedTuple):
     """One allocation, free or mark. ``tensor`` ids an allocation; a free names the same id.
-    (A named tuple: a run has tens of thousands, and it is the cheapest immutable record.)"""
+    A run records its events as plain tuples of these six fields (:attr:`Timeline.raw`: building a
+    named tuple costs ~1,200 instructions more than a plain one, callgrind, and a run has tens of
+    thousands); :attr:`Timeline.events` gives them as named tuples to the readers of fields."""
 
     op: int
     tensor: int
@@ -70,11 +73,6 @@ class Event(NamedTuple):
     category: Category | None
     stream: Stream
     tag: str
-
-
-# ``Event(...)`` through tuple.__new__ without the keyword-capable wrapper namedtuple adds: a run
-# builds tens of thousands of events, positionally
-_event = tuple.__new__
 
 
 STEADY = "step0"  # the warm-up step's end mark: the meter measures the steps after it (timeline.phases)
@@ -86,20 +84,23 @@ class Snapshot(NamedTuple):
     """The tensors live at a steady step's mark in :data:`SNAPSHOT_MARKS` (``timeline.phases``
     reads the saved activations and the model states there without walking the events again).
     ``since``: the first tensor id of the forward that the last ``phase:forward`` mark began
-    (ids only grow, so a tensor with an id at least ``since`` was allocated since that mark)."""
+    (ids only grow, so a tensor with an id at least ``since`` was allocated since that mark).
+    ``live``: their allocations, as plain tuples (:class:`Event`'s fields)."""
 
     index: int  # the mark's position in the events
     tag: str
     since: int
-    live: tuple[Event, ...]
+    live: tuple[tuple, ...]
 
 
 @dataclass(frozen=True)
 class Timeline:
     """The events of one rank, in order, and the live sets at its steady marks. Build with
-    :class:`Builder`."""
+    :class:`Builder`. ``raw``: the events as plain tuples, what the allocator's replay and the
+    estimate read by position; :attr:`events`: the same as :class:`Event` named tuples, made on
+    first use (tests, ``--timeline``, the phase model's readers of fields)."""
 
-    events: tuple[Event, ...]
+    raw: tuple[tuple, ...]
     snapshots: tuple[Snapshot, ...] = ()
     host_peak: int = 0  # activation offload's pinned host copies at most (``act_offload.SaveOnCpu``)
     stage: int = 0  # the pipeline rank the run follows
@@ -107,54 +108,80 @@ class Timeline:
     # optimizer states, ``hf_bnb_optim.py``): in no event
     managed: int = 0
 
+    @cached_property
+    def events(self) -> tuple[Event, ...]:
+        """The events as named tuples (:attr:`raw`'s, in order)."""
+        return tuple(map(Event._make, self.raw))
+
     def __iter__(self) -> Iterator[Event]:
         return iter(self.events)
 
     def peak(self) -> tuple[int, int]:
         """(peak live bytes, index of the event that reaches it first)."""
         live = best = where = 0
-        for i, e in enumerate(self.events):
-            if e.op == ALLOC:
-                live += e.size
+        for i, (op, _, size, _, _, _) in enumerate(self.raw):
+            if op == ALLOC:
+                live += size
                 if live > best:
                     best, where = live, i
-            elif e.op == FREE:
-                live -= e.size
+            elif op == FREE:
+                live -= size
         return best, where
 
     def live_by_category(self, upto: int) -> dict[str, int]:
-        """Bytes live per category just after event ``upto`` (zero categories left out)."""
+        """Bytes live per category just after event ``upto`` (zero categories left out), in the
+        order the events first name them. Counted from the last snapshot at or before ``upto`` (its
+        live set, then the events after it: a tenth of a run's events, not all up to the peak)."""
         out: dict[str, int] = {}
-        get = out.get
-        for op, _, size, category, _, _ in self.events[: upto + 1]:
+        get, start = out.get, 0
+        for snap in self.snapshots:
+            if snap.index <= upto:
+                start, live = snap.index, snap.live
+        if start:
+            for _, _, size, category, _, _ in live:
+                out[category] = get(category, 0) + size
+        for op, _, size, category, _, _ in self.raw[start : upto + 1]:
             if op == ALLOC:
                 out[category] = get(category, 0) + size
             elif op == FREE:
                 out[category] = get(category, 0) - size
         assert None not in out  # every allocation has a category
-        return {k: v for k, v in out.items() if v}
+        found = {k: v for k, v in out.items() if v}
+        return {k: found[k] for k in self._first_named(found.keys())}
+
+    def _first_named(self, categories) -> list[str]:  # noqa: ANN001 (a dict's keys)
+        """``categories`` in the order the events first name them."""
+        order, wanted = [], set(categories)
+        for e in self.raw:
+            if e[3] in wanted:
+                order.append(e[3])
+                wanted.discard(e[3])
+                if not wanted:
+                    break
+        return order
 
     def largest_live(self, upto: int, n: int = 5) -> list[Event]:
         """The ``n`` largest tensors live just after event ``upto``."""
-        live: dict[int, Event] = {}
-        for e in self.events[: upto + 1]:
-            if e.op == ALLOC:
-                live[e.tensor] = e
-            elif e.op == FREE:
-                live.pop(e.tensor, None)
-        return sorted(live.values(), key=lambda e: -e.size)[:n]
+        live: dict[int, tuple] = {}
+        for e in self.raw[: upto + 1]:
+            if e[0] == ALLOC:
+                live[e[1]] = e
+            elif e[0] == FREE:
+                live.pop(e[1], None)
+        return [Event._make(e) for e in sorted(live.values(), key=lambda e: -e[2])[:n]]
 
     def marks(self) -> dict[str, int]:
         """Index of each moment's (last) mark."""
-        return {e.tag: i for i, e in enumerate(self.events) if e.op == MARK}
+        return {e[5]: i for i, e in enumerate(self.raw) if e[0] == MARK}
 
 
 @dataclass
 class Builder:
-    """Appends events; tracks what is live per category so callers free by category."""
+    """Appends events (plain tuples of :class:`Event`'s fields); tracks what is live per category
+    so callers free by category."""
 
-    events: list[Event] = field(default_factory=list)
-    live: dict[int, Event] = field(default_factory=dict)
+    events: list[tuple] = field(default_factory=list)
+    live: dict[int, tuple] = field(default_factory=dict)
     snapshots: list[Snapshot] = field(default_factory=list)
     _next: int = 0
     _since: int = 0  # ``_next`` at the last phase:forward mark
@@ -166,7 +193,7 @@ class Builder:
         tensor = self._next
         self._next = tensor + 1
         if size > 0:
-            event = _event(Event, (ALLOC, tensor, size, category, stream, tag))
+            event = (ALLOC, tensor, size, category, stream, tag)
             self.events.append(event)
             self.live[tensor] = event
         return tensor
@@ -175,7 +202,7 @@ class Builder:
         event = self.live.pop(tensor, None)
         if event is not None:
             _, _, size, category, stream, tag = event
-            self.events.append(_event(Event, (FREE, tensor, size, category, stream, tag)))
+            self.events.append((FREE, tensor, size, category, stream, tag))
 
     def mark(self, moment: str) -> None:
         self.mark_ids.append(self._next)
@@ -185,14 +212,14 @@ class Builder:
             self._steady = True
         elif self._steady and moment in SNAPSHOT_MARKS:
             self.snapshots.append(Snapshot(len(self.events), moment, self._since, tuple(self.live.values())))
-        self.events.append(Event(MARK, -1, 0, None, Stream.COMPUTE, moment))
+        self.events.append((MARK, -1, 0, None, Stream.COMPUTE, moment))
 
     def position(self) -> tuple[int, int, int]:
         """(events, tensor ids, marks) so far: where a block of the run starts or ends (``repeat.py``)."""
         return len(self.events), self._next, len(self.mark_ids)
 
     def live_bytes(self, category: Category) -> int:
-        return sum(e.size for e in self.live.values() if e.category == category)
+        return sum(e[2] for e in self.live.values() if e[3] == category)
 
     def build(self, host_peak: int = 0, stage: int = 0, managed: int = 0) -> Timeline:
         return Timeline(tuple(self.events), tuple(self.snapshots), host_peak, stage, managed)

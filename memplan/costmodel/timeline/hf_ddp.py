@@ -222,4 +222,4 @@ def _passthrough(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
 
 def _category(tape: Tape, x: Tensor) -> Category | None:
     entry = tape.b.live.get(x.st.tid)
-    return None if entry is None else entry.category
+    return None if entry is None else entry[3]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from memplan.costmodel.timeline.events import ALLOC, FREE, Builder, Event, _event
+from memplan.costmodel.timeline.events import ALLOC, FREE, Builder
 
 _BATCH = re.compile(r"(?<=batch)(\d+)")
 
@@ -35,13 +35,13 @@ def repeats(dp: int, zero: int, lora, quant, offload: bool, optimizer: str, reen
     return (dp == 1 or zero >= 2) and plain and optimizer == "adamw"
 
 
-def _role(e: Event) -> tuple:
+def _role(e: tuple) -> tuple:
     """Size, category, stream and tag without the batch's index (only the batches' tags carry one)."""
     tag = e[5]
     return e[2], e[3], e[4], _BATCH.sub("", tag) if tag.startswith("batch") else tag
 
 
-def _roles(b: Builder, block: list[Event], made: set[int]) -> dict[int, int] | None:
+def _roles(b: Builder, block: list[tuple], made: set[int]) -> dict[int, int] | None:
     """Each tensor the ``block`` (the builder's last; ``made``: the tensors it allocates) frees of those
     before it -> the tensor of its role live at the block's end (module docstring); None where the roles do
     not pair."""
@@ -88,13 +88,13 @@ def repeat_step(b: Builder, start: tuple[int, int, int], end: tuple[int, int, in
         op, tensor = e[0], e[1]
         if op == ALLOC:
             tensor += shift
-            new = _event(Event, (ALLOC, tensor, e[2], e[3], e[4], _next_batch(e[5], ga)))
+            new = (ALLOC, tensor, e[2], e[3], e[4], _next_batch(e[5], ga))
             append(new)
             live[tensor] = new
         elif op == FREE:
             tensor = tensor + shift if tensor in made else pairs[tensor]
             _, _, size, category, stream, tag = pop(tensor)
-            append(_event(Event, (FREE, tensor, size, category, stream, tag)))
+            append((FREE, tensor, size, category, stream, tag))
         else:
             b._next = next(marks) + shift
             b.mark(e[5])

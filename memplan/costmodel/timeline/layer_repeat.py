@@ -6,8 +6,8 @@ tensor ids and the layer index in the tags (``layers.5.attention.wq`` for ``laye
 Building them through the autograd engine costs ~13,000 instructions an event (docs/accuracy.md,
 2026-11-28); copying a layer's events costs a tenth of that (``repeat.py`` does it for a whole step).
 
-Per micro-batch, with ``T`` = :data:`TEMPLATE` and ``L`` layers: layers 0 to ``T`` are built op by
-op (layer 0 allocates the first step's cuBLAS workspace, so layer ``T - 1`` is a regular one), then
+Per micro-batch, with ``T`` its template layer and ``L`` layers: layers 0 to ``T`` are built op by
+op, then
 layers ``T + 1`` to ``L - 3`` are emitted as copies of layer ``T``'s forward
 (:meth:`LayerRepeat.emit_forward`), then ``L - 2`` and ``L - 1`` are built (the last one's backward
 starts from the head's, not a layer's). In the graph one node stands for the emitted span
@@ -39,10 +39,17 @@ from bisect import bisect_right
 from functools import lru_cache
 
 from memplan.costmodel.timeline.autograd import Node, Storage, Tape, Tensor
-from memplan.costmodel.timeline.events import ALLOC, FREE, Event, _event
+from memplan.costmodel.timeline.events import ALLOC, FREE
 from memplan.costmodel.timeline.trainer_model import Model
 
-TEMPLATE = 2  # the forward's template layer: layers 0..TEMPLATE are built first
+# The forward's template layer: layers 0..T are built first, and the tensors the template frees that
+# layer T - 1 allocated map to the same offsets in the block of the layer before each copy, so layer
+# T - 1's block must be laid out as a regular layer's. Layer 0's is, but in the forward whose first
+# matmul allocates cuBLAS's workspace (the warm-up step's first micro-batch: one id more in its block);
+# there the template is layer 2. Each layer built instead of emitted costs ~1.4 M instructions
+# (an 8B layer's forward and backward, ~300 events), so the template is the earliest that pairs.
+TEMPLATE = 1
+WORKSPACE_TEMPLATE = 2
 BUILT_AFTER = 2  # layers built after the span: the last one's backward starts from the head's, not a layer's
 FORWARD, BACKWARD = 0, 1
 _LAYER = re.compile(r"(?<=layers\.)(\d+)")
@@ -67,7 +74,7 @@ def retag(tag: str, shift: int) -> str:
     return "".join(str(p + shift) if i % 2 else p for i, p in enumerate(parts))  # type: ignore[operator]
 
 
-def _prepared(events: list[Event]) -> list[tuple]:
+def _prepared(events: list[tuple]) -> list[tuple]:
     """A template's events, flat, each with its tag split around its one layer index (``parts``, None:
     no index), so that a copy unpacks one tuple per event and renames the tag with one format
     (:meth:`LayerRepeat._emit`)."""
@@ -80,9 +87,10 @@ def _prepared(events: list[Event]) -> list[tuple]:
     return out
 
 
-def span(layers: int) -> range:
-    """The layers emitted from the events of others (empty when too few layers for it)."""
-    return range(TEMPLATE + 1, layers - BUILT_AFTER)
+def span(layers: int, template: int = TEMPLATE) -> range:
+    """The layers emitted from the events of others after the ``template`` layer (empty when too few
+    layers for it)."""
+    return range(template + 1, layers - BUILT_AFTER)
 
 
 class LayerRepeat:
@@ -91,7 +99,8 @@ class LayerRepeat:
     def __init__(self, model: Model, fsdp, grads: dict[str, Tensor]) -> None:
         self.tape, self.b, self.layers, self.model = model.tape, model.tape.b, model.d.layers, model
         self.fsdp, self.grads = fsdp, grads
-        self.span = span(self.layers)
+        self.template = WORKSPACE_TEMPLATE  # :meth:`begin` picks each forward's
+        self.span = span(self.layers, self.template)
         self.emitted = 0  # layers emitted so far in the run (tests read it)
         self._reset()
 
@@ -99,7 +108,7 @@ class LayerRepeat:
         self.starts: list[int] = []  # each block's first tensor id, in id order
         self.blocks: list[tuple[int, int, int, int, int]] = []  # (first id, end id, kind, layer, first event)
         self.where: dict[tuple[int, int], tuple[int, int]] = {}  # (kind, layer) -> (first id, end id)
-        self._allocations: dict[int, Event] = {}  # :meth:`_allocation`'s finds
+        self._allocations: dict[int, tuple] = {}  # :meth:`_allocation`'s finds
         self.backward_starts: dict[int, tuple[int, int, int]] = {}  # layer -> position its backward began
         self.template_out: Tensor | None = None
         self.template_kept: Tensor | None = None
@@ -133,8 +142,12 @@ class LayerRepeat:
 
     # --- the forward -----------------------------------------------------------------------------
     def begin(self) -> None:
-        """A micro-batch's forward starts: its blocks are its own."""
+        """A micro-batch's forward starts: its blocks are its own; its template layer is
+        :data:`TEMPLATE`, or :data:`WORKSPACE_TEMPLATE` where its first matmul allocates cuBLAS's
+        workspace (``Tape.on_first_mm`` set)."""
         self._reset()
+        self.template = TEMPLATE if self.tape.on_first_mm is None else WORKSPACE_TEMPLATE
+        self.span = span(self.layers, self.template)
 
     def layer_built(self, i: int, start: tuple[int, int, int], out: Tensor) -> None:
         """Layer ``i``'s forward was built from ``start`` to now, ``out`` its output."""
@@ -142,7 +155,7 @@ class LayerRepeat:
         if end[2] != start[2]:
             raise NotRepeatable("a mark inside a layer")
         self._register(FORWARD, i, start[1], end[1], start[0])
-        if i == TEMPLATE:
+        if i == self.template:
             self.template_forward = (start, end)
             self.template_out, self.template_kept = out, self.fsdp.kept if self.fsdp is not None else None
             self.template_unsharded = dict(self.fsdp.groups[i + 1].unsharded) if self.fsdp is not None else {}
@@ -168,8 +181,8 @@ class LayerRepeat:
         start, end = self.template_forward
         events = _prepared(self.b.events[start[0] : end[0]])
         for k in self.span:
-            self._emit(events, start[1], end[1], FORWARD, k, k - TEMPLATE)
-        shift = self.span[-1] - TEMPLATE
+            self._emit(events, start[1], end[1], FORWARD, k, k - self.template)
+        shift = self.span[-1] - self.template
         out = self.relabel(x, shift)
         node = Node(next(self.tape.seq), f"layers.{self.span[0]}-{self.span[-1]}", self._apply, [x.fn])
         out.fn = node
@@ -188,17 +201,17 @@ class LayerRepeat:
         cache = self.model.cache
         if not cache:
             return
-        prefix = f"layers.{TEMPLATE}."
+        prefix = f"layers.{self.template}."
         template = [(name, cast) for name, cast in cache.items() if name.startswith(prefix)]
         for k in self.span:
             for name, cast in template:
-                cache[retag(name, k - TEMPLATE)] = self.relabel(cast, k - TEMPLATE)
+                cache[retag(name, k - self.template)] = self.relabel(cast, k - self.template)
 
     def _keep_unsharded(self) -> None:
         """ZeRO-2 (``reshard_after_forward=False``): each emitted layer's group keeps its unsharded
         parameters to its backward, as the template's does (the backward's prefetch skips them)."""
         for k in self.span:
-            shift = k - TEMPLATE
+            shift = k - self.template
             group = self.fsdp.groups[k + 1]
             if group.unsharded or group.gathered is not None:
                 raise NotRepeatable("an emitted layer's FSDP2 group is not resharded")
@@ -217,7 +230,7 @@ class LayerRepeat:
                 if parts is not None:
                     tag = f"{parts[0]}{parts[1] + shift}{parts[2]}"
                 tensor += offset
-                new = _event(Event, (ALLOC, tensor, size, category, stream, tag))
+                new = (ALLOC, tensor, size, category, stream, tag)
                 append(new)
                 live[tensor] = new
             elif op == FREE:
@@ -230,7 +243,7 @@ class LayerRepeat:
                     name = tag if parts is None else f"{parts[0]}{parts[1] + shift}{parts[2]}"
                     if held is None or held[2:] != (size, category, stream, name):
                         raise NotRepeatable(f"a carried tensor does not pair: {tag}")
-                append(_event(Event, (FREE, tensor, size, category, stream, name)))
+                append((FREE, tensor, size, category, stream, name))
             else:
                 raise NotRepeatable("a mark inside a layer")
         b._next = base + end - first
@@ -248,7 +261,7 @@ class LayerRepeat:
         st = Storage(tid, t.st.refs, t.st.managed, t.st.gathered)
         return Tensor(t.numel, t.itemsize, st, None, t.view, t.dtensor, t.transposed, t.heads_major)
 
-    def _allocation(self, tensor: int) -> Event:
+    def _allocation(self, tensor: int) -> tuple:
         """The event that allocated ``tensor``, inside a block."""
         found = self._allocations.get(tensor)
         if found is not None:

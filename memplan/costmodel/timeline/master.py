@@ -59,12 +59,9 @@ class MasterAdamW:
                     t.done(upcast)
                 for state in ("exp_avg", "exp_avg_sq"):
                     self.states.append(t.managed(n, FP32, f"{name}.{state}", Category.OPTIMIZER_STATES))
-        sizes = grads or {}
-        grads_fp32 = [
-            t.new(sizes.get(name, n), FP32, f"{name}.grad_fp32", Category.OPTIMIZER_TEMP)
-            for name, n in params
-            if name not in fp32
-        ]
-        roots = [t.new(n, FP32, f"{name}.sqrt_tmp", Category.OPTIMIZER_TEMP) for name, n in params]
-        t.done(*reversed(roots))
-        t.done(*reversed(grads_fp32))
+        sizes, temp = grads or {}, Category.OPTIMIZER_TEMP
+        copies = [(sizes.get(name, n) * FP32, f"{name}.grad_fp32") for name, n in params if name not in fp32]
+        grads_fp32 = t.temporaries(copies, temp)
+        roots = t.temporaries([(n * FP32, f"{name}.sqrt_tmp") for name, n in params], temp)
+        t.release(roots)
+        t.release(grads_fp32)

@@ -35,8 +35,8 @@ def model_states(timeline: Timeline) -> dict[str, int]:
     each category there, as requested (the run's last ``phase:optimizer`` snapshot)."""
     at: dict[Category, int] = {}
     marks = [s for s in timeline.snapshots if s.tag == "phase:optimizer"]
-    for e in marks[-1].live if marks else ():
-        at[e.category] = at.get(e.category, 0) + e.size
+    for _, _, size, category, _, _ in marks[-1].live if marks else ():
+        at[category] = at.get(category, 0) + size
     return {k: sum(at.get(c, 0) for c in cats) for k, cats in _STATES.items()}
 
 
@@ -56,8 +56,8 @@ def saved_activations(timeline: Timeline) -> tuple[int, int]:
     for snap in timeline.snapshots:
         if snap.tag != "phase:backward":
             continue
-        kept = [e for e in snap.live if e.category in _SAVED and not e.tag.startswith(WORKSPACES)]
-        total = sum(e.size for e in kept)
+        kept = [e for e in snap.live if e[3] in _SAVED and not e[5].startswith(WORKSPACES)]
+        total = sum(e[2] for e in kept)
         if total > best:
             best, saved, since = total, kept, snap.since
     return _median_layer(saved, since), best
@@ -67,9 +67,9 @@ def _median_layer(saved, since: int) -> int:  # noqa: ANN001 (saved_activations'
     """The median (low) of the bytes each decoder layer's tags hold among the ``saved`` tensors
     with an id of at least ``since``; 0 where none is a layer's."""
     layers: dict[str, int] = {}
-    for e in saved:
-        if e.tensor >= since and (index := _layer(e.tag)) is not None:
-            layers[index] = layers.get(index, 0) + e.size
+    for _, tensor, size, _, _, tag in saved:
+        if tensor >= since and (index := _layer(tag)) is not None:
+            layers[index] = layers.get(index, 0) + size
     sizes = sorted(layers.values())
     return sizes[(len(sizes) - 1) // 2] if sizes else 0
 

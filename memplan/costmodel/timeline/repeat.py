@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from memplan.costmodel.timeline.events import ALLOC, FREE, Builder, Event, _event
+from memplan.costmodel.timeline.events import ALLOC, FREE, Builder
 
 Position = tuple[int, int, int]  # Builder.position(): (events, tensor ids, marks)
 
 
-def _key(e: Event) -> tuple:
+def _key(e: tuple) -> tuple:
     return e[2], e[3], e[4], e[5]  # size, category, stream, tag
 
 
@@ -67,13 +67,13 @@ def repeat(b: Builder, start: Position, end: Position) -> bool:
     for op, tensor, size, category, stream, tag in events[start[0] : end[0]]:
         if op == ALLOC:
             tensor += shift
-            new = _event(Event, (ALLOC, tensor, size, category, stream, tag))
+            new = (ALLOC, tensor, size, category, stream, tag)
             append(new)
             live[tensor] = new
         elif op == FREE:  # a carry-in pairs with a carry-out of the same size, category, stream and tag
             tensor = tensor + shift if tensor >= first else pairs[tensor]
             pop(tensor)
-            append(_event(Event, (FREE, tensor, size, category, stream, tag)))
+            append((FREE, tensor, size, category, stream, tag))
         else:
             b._next = next(marks) + shift
             b.mark(tag)

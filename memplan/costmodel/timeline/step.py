@@ -271,5 +271,5 @@ def build_serving_run(
 
 def steady_step_range(timeline: Timeline) -> tuple[int, int]:
     """Event indices (start, end] of the last step."""
-    marks = [i for i, e in enumerate(timeline.events) if e.op == 2 and e.tag.startswith(("step", "build"))]
+    marks = [i for i, e in enumerate(timeline.raw) if e[0] == 2 and e[5].startswith(("step", "build"))]
     return marks[-2], marks[-1]

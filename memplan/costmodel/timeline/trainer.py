@@ -24,7 +24,7 @@ from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Builder, Category, Stream, Timeline
 from memplan.costmodel.timeline.fsdp import Fsdp
-from memplan.costmodel.timeline.layer_repeat import LayerRepeat, NotRepeatable, span
+from memplan.costmodel.timeline.layer_repeat import WORKSPACE_TEMPLATE, LayerRepeat, NotRepeatable, span
 from memplan.costmodel.timeline.master import MasterAdamW
 from memplan.costmodel.timeline.repeat import repeat
 from memplan.costmodel.timeline.support import accumulation, sdpa_kernel, supported
@@ -294,7 +294,9 @@ class _Run:
         a pipeline, DDP's buckets, adapters and quantized bases, host copies (activation or FSDP2
         offload), selective-op recompute, full recompute of the first layers only."""
         fsdp = self.fsdp
-        if not span(self.d.layers) or self.pipe is not None or self.ddp is not None or self.lora is not None:
+        if not span(self.d.layers, WORKSPACE_TEMPLATE):  # the warm-up step's first forward has the fewest
+            return None
+        if self.pipe is not None or self.ddp is not None or self.lora is not None:
             return None
         if self.saves is not None or self.d.recompute not in ("none", "full", "selective") or self.d.recompute_layers:
             return None
@@ -441,8 +443,7 @@ class _Run:
             for name, size in sizes:
                 for state in ("exp_avg", "exp_avg_sq"):
                     self.states.append(t.managed(size, 1, f"{name}.{state}", Category.OPTIMIZER_STATES))
-        temps = [t.new(size, 1, f"{name}.sqrt_tmp", Category.OPTIMIZER_TEMP) for name, size in sizes]
-        t.done(*reversed(temps))
+        t.release(t.temporaries([(size, f"{name}.sqrt_tmp") for name, size in sizes], Category.OPTIMIZER_TEMP))
 
     def optimizer_params(self) -> list[tuple[str, int]]:
         """(name, local elements) in ``model.parameters()`` order (a tied head is the embedding);
