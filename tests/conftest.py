@@ -21,6 +21,26 @@ sys.path.insert(0, str(Path(__file__).parent / "accuracy"))
 if os.environ.get("PYTEST_XDIST_WORKER") and "torch" in sys.modules:  # imported by a plugin first
     sys.modules["torch"].set_num_threads(1)
 
+# MEMPLAN_TEST_CPU=path appends one line per test: its node id and the CPU seconds it took (this
+# process and the processes it waited for, set-up and teardown included; a module's shared fixture
+# counts in its first test), to find where the suite's time goes under any load: summarise with
+# ``benchmarks/suite_cpu.py path``.
+_CPU_REPORT = os.environ.get("MEMPLAN_TEST_CPU")
+if _CPU_REPORT:
+
+    def _cpu_seconds() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        start = _cpu_seconds()
+        yield
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{_CPU_REPORT}.{worker}", "a") as out:
+            out.write(f"{_cpu_seconds() - start:.3f}\t{item.nodeid}\n")
+
+
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
