@@ -3,6 +3,13 @@
 Every user mistake must end the same way: exit code 2, nothing on stdout, exactly one line on
 stderr, ``memplan: error: SOURCE: FIELD: reason``, no traceback. ``MEMPLAN_DEBUG=1`` is the one
 way to get the traceback.
+
+Which run holds which case (the default suite's time: a subprocess costs ~0.5 s of CPU, mostly
+the interpreter's start and the CLI's imports): a test with one case runs the real command in the
+default run. A parametrized test's cases run twice: by default in this process (``run(argv)``, the
+function ``python -m memplan.cli`` calls, under the same working directory and environment, stdout
+and stderr captured), and under ``-m slow`` through the real command, each with the same
+assertions (:func:`pytest_generate_tests` adds the ``via`` parameter).
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -47,15 +55,45 @@ def _env(debug: bool = False) -> dict[str, str]:
     return env
 
 
+_VIA = {"mode": "subprocess"}  # set per test by the ``via`` fixture
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A parametrized test's cases: in this process by default, through the real command under -m slow."""
+    if metafunc.definition.get_closest_marker("parametrize") is not None:
+        metafunc.parametrize("via", ["in-process", pytest.param("subprocess", marks=pytest.mark.slow)], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def via(request: pytest.FixtureRequest) -> Iterator[str]:
+    """How :func:`memplan` runs the command in this test: ``subprocess`` unless parametrized."""
+    _VIA["mode"] = getattr(request, "param", "subprocess")
+    yield _VIA["mode"]
+    _VIA["mode"] = "subprocess"
+
+
 def memplan(*args: object, cwd: Path, debug: bool = False) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "memplan.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=_env(debug),
-        timeout=60,
-    )
+    argv = [sys.executable, "-m", "memplan.cli", *map(str, args)]
+    if _VIA["mode"] == "in-process":
+        with _environment(cwd, _env(debug)):
+            code, out, err = _run_in_process(argv[3:])
+        return subprocess.CompletedProcess(argv, code, out, err)
+    return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=_env(debug), timeout=60)
+
+
+@contextmanager
+def _environment(cwd: Path, env: dict[str, str]) -> Iterator[None]:
+    """The subprocess's working directory and environment, for a run in this process."""
+    old_cwd, old_env = os.getcwd(), dict(os.environ)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.chdir(old_cwd)
+        os.environ.clear()
+        os.environ.update(old_env)
 
 
 def error_line(
