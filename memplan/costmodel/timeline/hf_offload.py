@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memplan.costmodel.timeline.act_offload import Packed, unpack
@@ -46,11 +45,14 @@ MIN_OFFLOAD_BYTES = 1024  # min_offload_size
 FWD_STASH = 5  # max_fwd_stash_size
 
 
-@dataclass(eq=False, slots=True)
 class TrlPacked(Packed):
-    """An offloaded save and the order of its pack (TRL's ``tensor_id``)."""
+    """An offloaded save and the order of its pack (TRL's ``tensor_id``). Written out as its base is."""
 
-    ident: int = 0
+    __slots__ = ("ident",)
+
+    def __init__(self, numel: int, itemsize: int, hooks: TrlOffload, fn: Node | None = None, ident: int = 0) -> None:
+        Packed.__init__(self, numel, itemsize, hooks, fn)  # type: ignore[arg-type]
+        self.ident = ident
 
 
 class TrlOffload:
