@@ -20,6 +20,15 @@ from memplan.specs.plan import Plan, checkpoint_reentrant
 PREFIX = "memplan: error: "
 
 
+def _export(target: str, flags: list[str], given: bool | None) -> str:
+    """``memplan export`` of llama3-8b under the Trainer's runtime, fully recomputed at 1,024 tokens."""
+    reentrant = ["--use-reentrant"] * bool(given)
+    args = ["--model", "llama3-8b", "--to", target, "--runtime", "hf", "--recompute", "full", "--seq-len", "1024"]
+    code, out, err = _cli("export", *args, *flags, *reentrant)
+    assert code == 0, err
+    return out
+
+
 def test_each_runtime_s_default_unless_the_plan_says():
     table = {
         (quant, given, runtime): checkpoint_reentrant(
@@ -113,19 +122,7 @@ def test_the_exporters_write_what_the_plan_says(tmp_path, target, given):
 
     from memplan.export import axolotl, hf_trainer
 
-    flags = ["--finetune", "qlora", "--recompute", "full", "--seq-len", "1024"]
-    code, out, err = _cli(
-        "export",
-        "--model",
-        "llama3-8b",
-        "--to",
-        target,
-        "--runtime",
-        "hf",
-        *flags,
-        *(["--use-reentrant"] * bool(given)),
-    )
-    assert code == 0, err
+    out = _export(target, ["--finetune", "qlora"], given)
     cfg = yaml.safe_load(out)
     kwargs = (cfg["training_arguments"] if target == "hf-trainer" else cfg)["gradient_checkpointing_kwargs"]
     assert kwargs == {"use_reentrant": bool(given)}
@@ -141,19 +138,7 @@ def test_a_peft_model_over_ddp_under_the_reentrant_checkpoint_finds_no_unused_pa
     reentrant checkpoint (tests/unit/test_timeline_hf_reentrant_ranks.py): the export turns it off, as estimated."""
     import yaml
 
-    flags = ["--finetune", finetune, "--recompute", "full", "--seq-len", "1024", "--gpus", "2"]
-    code, out, err = _cli(
-        "export",
-        "--model",
-        "llama3-8b",
-        "--to",
-        target,
-        "--runtime",
-        "hf",
-        *flags,
-        *(["--use-reentrant"] * bool(given)),
-    )
-    assert code == 0, err
+    out = _export(target, ["--finetune", finetune, "--gpus", "2"], given)
     cfg = yaml.safe_load(out)
     args = cfg["training_arguments"] if target == "hf-trainer" else cfg
     assert ("ddp_find_unused_parameters" in args) is off
