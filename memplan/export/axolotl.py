@@ -55,7 +55,14 @@ from memplan.export.common import (
     preamble,
     refuse,
 )
-from memplan.export.hf_trainer import ATTENTION_BACK, COMPUTE_DTYPE, OPTIM, OPTIM_BACK, deepspeed_config
+from memplan.export.hf_trainer import (
+    ATTENTION_BACK,
+    COMPUTE_DTYPE,
+    OPTIM,
+    OPTIM_BACK,
+    deepspeed_config,
+    unused_parameters_off,
+)
 from memplan.export.hf_trainer import CARRIES as TRAINER_CARRIES
 from memplan.export.hf_trainer import check as trainer_check
 from memplan.specs.plan import ALL_LINEAR, checkpoint_reentrant
@@ -145,8 +152,8 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
     )
     if out["gradient_checkpointing"]:
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": checkpoint_reentrant(p, "hf")}  # the plan's checkpoint
-        if kind == "none" and p.dp > 1 and p.finetune != "full" and checkpoint_reentrant(p, "hf"):
-            out["ddp_find_unused_parameters"] = False  # as the Trainer's export writes it (export.hf_trainer.config)
+        if unused_parameters_off(p, kind):
+            out["ddp_find_unused_parameters"] = False
     out.update(
         activation_offloading=p.offload_activations == "cpu",
         bf16=bf16 and not off,

@@ -54,7 +54,7 @@ from memplan.export.common import (
     refuse,
     refuse_autocast_sharded,
 )
-from memplan.specs.plan import ALL_LINEAR, checkpoint_reentrant
+from memplan.specs.plan import ALL_LINEAR, Plan, checkpoint_reentrant
 from memplan.specs.resolve import Job
 
 TARGET = "hf-trainer"
@@ -262,6 +262,13 @@ def lora(job: Job) -> dict[str, Any] | None:
     }
 
 
+def unused_parameters_off(p: Plan, kind: str) -> bool:
+    """Whether the export sets ``ddp_find_unused_parameters: false``: a PEFT model under DDP (``kind`` "none", more
+    than one rank) and torch's reentrant checkpoint, where the Trainer's ``find_unused_parameters=True`` fails in the
+    first backward; the run estimated has it off (``timeline/hf_ddp.wrap``)."""
+    return kind == "none" and p.dp > 1 and p.finetune != "full" and checkpoint_reentrant(p, "hf")
+
+
 def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRADIENT_CLIPPING) -> dict[str, Any]:
     """The YAML's mapping, section by section (see the module docstring)."""
     kind = check(job, TARGET, sharding)
@@ -280,9 +287,7 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
     if args["gradient_checkpointing"]:
         # what the plan's checkpoint is (the Trainer's default: False; specs.plan.checkpoint_reentrant)
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": checkpoint_reentrant(p, "hf")}
-        if kind == "none" and p.dp > 1 and p.finetune != "full" and checkpoint_reentrant(p, "hf"):
-            # a PEFT model under DDP and the reentrant checkpoint: the Trainer's find_unused_parameters=True fails in
-            # the first backward; the run estimated has it off (timeline/hf_ddp.wrap)
+        if unused_parameters_off(p, kind):
             args["ddp_find_unused_parameters"] = False
     if kind == "deepspeed":
         args["deepspeed"] = deepspeed_config(job, gradient_clipping)

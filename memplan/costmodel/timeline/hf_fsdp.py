@@ -253,7 +253,7 @@ class HfFsdp(Fsdp):
         inputs needed no gradient: the embedding's ids and, over a frozen embedding, layer 0's hidden states,
         so layer 0 reshards and reduce-scatters its adapters here), then its ``finalize_backward`` lets go
         of an all-gather prefetched for a backward that never ran (a frozen embedding's); then the last
-        reduce-scatter input goes."""
+        reduce-scatter input goes (``fsdp.Fsdp.finish_backward``, every group reduced by then)."""
         if self.root is not None:
             for p in self.root.unsharded.values():
                 self.tape.free(p)
@@ -262,10 +262,7 @@ class HfFsdp(Fsdp):
             if g not in self.reduced:
                 self.post_backward(g)
             finalize_backward(self, g)
-        self.reduced = set()
-        if self.reduce_input is not None:
-            self.tape.free(self.reduce_input)
-            self.reduce_input = None
+        super().finish_backward()
 
     def pre_forward(self, g: int, x: Tensor | None = None) -> Tensor | None:
         """``fsdp.Fsdp.pre_forward``; a PEFT model's root group unshards first, at the model's forward
