@@ -54,7 +54,7 @@ def template(model: ModelSpec, plan: Plan, b: int, s: int) -> tuple[list[Event],
         raise ValueError(f"no template layer for {plan}")
     run.b.mark("build")
     steps(run.b, run.step, 0, False)
-    layers, events = run.layers, run.b.events
+    layers, events = run.layers, list(map(Event._make, run.b.events))  # the builder keeps plain tuples
     start, end = layers.template_forward
     starts = {(kind, layer): event for _, _, kind, layer, event in layers.blocks}
     return events[start[0] : end[0]], events[starts[BACKWARD, DEPTH - 2] : starts[BACKWARD, DEPTH - 3]]
