@@ -3,20 +3,13 @@ writes and reads, and the script runs on the CPU (a GPU session reads its rates 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kernel_rates.py"
+from benchmark_script import load
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernel_rates", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_kernel_rates")
 
 
 # bytes per written element beside the output's own: the inputs read (a broadcast operand's few aside)

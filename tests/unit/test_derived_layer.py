@@ -7,10 +7,8 @@ on its own. A study the search does not use: under ``-m slow``."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from benchmark_script import load
 
 from memplan.costmodel.timeline.autograd import REDUCE_WORKSPACE_CAP
 from memplan.specs.loader import load_model
@@ -18,16 +16,12 @@ from memplan.specs.plan import Plan
 
 pytestmark = pytest.mark.slow
 
-STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "derived_layer.py"
 STAGING = "reduce_workspace"
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("derived_layer", STUDY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("derived_layer")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ step runner's resume and memory gate, the report writer, the no-GPU exit and one
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import itertools
 import json
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
+from benchmark_script import load
 
 from memplan.specs.plan import Recompute
 
@@ -25,11 +25,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_suite"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load("gpu_suite")
 
 
 gs = _load()

@@ -11,27 +11,23 @@ benchmarks/time_vs_profile.py's (docs/cost-model.md, "The step time against kern
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from benchmark_script import load
 
 from memplan.specs.loader import load_gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "tests" / "data" / "gpu-runs" / "h200-2026-11-28.json"
 H100_RUNS = RUNS.with_name("h100-2026-11-28.json")
-BENCH = ROOT / "benchmarks" / "time_vs_profile.py"
 PROFILED = ("t1b_full_x", "lora8b", "qlora8b", "t1b_full_x-h100", "t1b_none-h100")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("time_vs_profile", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("time_vs_profile")
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,11 @@ here rather than silently in docs/accuracy.md.
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from benchmark_script import load
 
 from memplan.costmodel.time import Efficiency, eager_score_bytes_per_token, elementwise_bytes_per_token, estimate_time
 from memplan.specs.hardware import ClusterSpec
@@ -21,16 +19,10 @@ from memplan.specs.loader import load_gpu, load_model
 from memplan.specs.plan import Plan
 from memplan.specs.workload import TrainingWorkload
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "time_vs_published.py"
-
 
 @pytest.fixture(scope="module")
 def published():
-    spec = importlib.util.spec_from_file_location("time_vs_published", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load("time_vs_published")
 
 
 @pytest.mark.parametrize("gpu", ["a100-80gb", "h100-sxm"])

@@ -25,15 +25,14 @@ figures.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from benchmark_script import load
 
 from memplan import api
 from memplan.costmodel.allocator import AllocatorConfig
@@ -248,12 +247,7 @@ def test_the_trainers_int8_step_on_the_h200():
 @pytest.fixture(scope="module")
 def bench():
     """benchmarks/int8_outlier_columns.py, as a module."""
-    path = Path(__file__).parents[2] / "benchmarks" / "int8_outlier_columns.py"
-    spec = importlib.util.spec_from_file_location("int8_outlier_columns", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load("int8_outlier_columns")
 
 
 def test_random_init_counts_the_real_layers_outliers_from_above(bench):
