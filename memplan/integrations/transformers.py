@@ -18,7 +18,10 @@ At ``on_train_begin`` the plan is read from the live objects (no YAML to write):
   ``optim``, ``deepspeed``
   (ZeRO stage and offload) and ``fsdp`` (``full_shard``: ZeRO-3, ``shard_grad_op``: ZeRO-2,
   ``offload``);
-- the sequence length: the callback's ``seq_len``, else TRL's ``max_length`` on the arguments.
+- the sequence length: the callback's ``seq_len``, else TRL's ``max_length`` on the arguments;
+- over an 8-bit base, whether the weights are still their random initialisation (every norm weight at
+  its initial one or zero, :func:`_random_init`: the rule of :mod:`memplan.specs.checkpoint`): LLM.int8's
+  outlier columns follow the weights' values.
 
 It estimates with ``--runtime hf`` (the Trainer's step) and, when the plan will not fit, logs
 one warning with memplan's ranked changes that would. Over the first ``measure_steps`` steps
@@ -319,6 +322,24 @@ def _check_ddp_reentrant(args: Any, plan: dict[str, Any]) -> None:
         )
 
 
+def _random_init(model: Any, config: Any) -> float | None:
+    """``config.initializer_range`` when the live model's norm weights (the first four and the
+    last) each hold one value, 1 or 0, as transformers' ``_init_weights`` leaves them and no training
+    does (:mod:`memplan.specs.checkpoint`); else None. A sharded (DTensor) weight is read as its shard."""
+    from memplan.specs.checkpoint import DEFAULT_INIT_RANGE
+
+    norms = [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
+    if not norms:
+        return None
+    for p in (*norms[:4], norms[-1]):
+        w = p.detach()
+        w = w.to_local() if callable(getattr(w, "to_local", None)) else w
+        if w.numel() == 0 or not (bool((w == 1).all()) or bool((w == 0).all())):
+            return None
+    std = getattr(config, "initializer_range", None)
+    return float(std) if isinstance(std, int | float) and 0 < std <= 1 else DEFAULT_INIT_RANGE
+
+
 def trainer_plan(model: Any, args: Any, seq_len: int | None = None) -> dict[str, Any]:
     """The estimate's inputs for a live model and its ``TrainingArguments``: ``config``,
     ``plan``, ``workload``, ``device`` (module docstring)."""
@@ -347,7 +368,8 @@ def trainer_plan(model: Any, args: Any, seq_len: int | None = None) -> dict[str,
     accumulation = int(args.gradient_accumulation_steps)
     workload = {"seq_len": seq, "micro_batch": micro, "global_batch": micro * dp * accumulation}
     device = "cuda" if next(model.parameters()).is_cuda else "cpu"
-    return {"config": config, "plan": plan, "workload": workload, "device": device, "gpus": dp}
+    std = _random_init(model, config) if quant is not None and quant.get("load_in_8bit") else None
+    return {"config": config, "plan": plan, "workload": workload, "device": device, "gpus": dp, "random_init": std}
 
 
 class MemplanCallback(TrainerCallback):
@@ -394,14 +416,17 @@ class MemplanCallback(TrainerCallback):
                 self._start_cuda()
 
     def _estimate(self, model: Any, args: Any) -> EstimateResult:
-        from memplan.api import estimate
+        from memplan.api import estimate, model_spec
 
         if model is None:
             raise MemplanError("the Trainer passed no model", field="model")
         inputs = trainer_plan(model, args, self.seq_len)
         self._device = inputs["device"]
+        spec, _ = model_spec(inputs["config"])
+        if inputs["random_init"] is not None:
+            spec = spec.model_copy(update={"random_init": inputs["random_init"]})
         return estimate(
-            inputs["config"],
+            spec,
             plan=inputs["plan"],
             workload=inputs["workload"],
             gpu=self.gpu,

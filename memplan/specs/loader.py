@@ -230,7 +230,15 @@ def load_model(ref: str) -> ModelSpec:
         path = path / "config.json"
     if path.suffix in (".yaml", ".yml", ".json") or _is(path, "is_file"):
         name = path.resolve().parent.name if path.name == "config.json" else path.stem
-        return model_from_data(read_data(path), short(path), name)
+        data = read_data(path)
+        spec = model_from_data(data, short(path), name)
+        if path.name == "config.json" and isinstance(data, dict) and is_hf_config(data):
+            from memplan.specs.checkpoint import random_init  # a model folder's weights, read only here
+
+            std = random_init(path.parent, data)
+            if std is not None:
+                spec = spec.model_copy(update={"random_init": std})
+        return spec
     profile = _profiles_dir("models") / f"{ref}.yaml"
     if "/" not in ref and _is(profile, "exists"):
         return model_from_data(read_data(profile, bundled=True), ref, ref)

@@ -193,6 +193,15 @@ class ModelSpec(BaseModel):
         description="quant_method of the published weights (config.json quantization_config, e.g. fp8); memory "
         "follows the plan's precision and quant, not this.",
     )
+    random_init: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="The checkpoint holds its random initialisation: weights normal(0, this std), norms at their "
+        "initial value (a model built from_config and saved, as tests and benchmarks without a hub make them; "
+        "read from a model folder's safetensors, or the live model in MemplanCallback). What the weights' values "
+        "set follows it: LLM.int8's outlier columns on CUDA (int8_outliers.RandomInit). None: trained weights.",
+    )
     source: str | None = Field(None, description="Where the figures come from (a config.json, a paper).")
 
     @model_validator(mode="after")

@@ -153,17 +153,23 @@ class Bnb8bit:
     is ``lora.Linear4bit``'s without the clone. The load's fp16 copy per weight (CUDA) is
     ``hf_build.quantize_8bit``'s (``model_build: from_pretrained``); the CPU count starts once the model is built."""
 
-    # per linear call, CUDA's MatMul8bitLt: none over a loaded checkpoint, taken as trained (a random one's
-    # down projections keep thousands: int8_outliers.RandomInit, tests/unit/test_timeline_int8_cuda.py)
+    # per linear call, CUDA's MatMul8bitLt: none over a trained checkpoint; a random one's (the model's
+    # ``random_init``) down projections keep thousands: int8_outliers.RandomInit, tests/unit/test_timeline_int8_cuda.py
     outliers: int | RandomInit = OUTLIER_COLUMNS
     int8: Int8 | None = field(default=None, repr=False)  # the run's linears, made on its tape
     stored: int = 4  # the dtype from_pretrained loaded it in: what Gemma's embed_scale keeps (hf_gemma.py)
     clones: ClassVar[bool] = False
 
     @classmethod
-    def of(cls, plan) -> Bnb8bit | None:
-        """A plan's int8 base (``quant: int8``), loaded in fp32 or bf16 as ``precision`` says, or None."""
-        return cls(stored=4 if plan.precision == "fp32" else 2) if plan.quant == "int8" else None
+    def of(cls, plan, model=None) -> Bnb8bit | None:
+        """A plan's int8 base (``quant: int8``), loaded in fp32 or bf16 as ``precision`` says, or None;
+        its outlier columns :class:`RandomInit`'s where ``model``'s checkpoint is random (``random_init``)."""
+        if plan.quant != "int8":
+            return None
+        stored = 4 if plan.precision == "fp32" else 2
+        if model is None or model.random_init is None:
+            return cls(stored=stored)
+        return cls(outliers=RandomInit(model.hidden_size, model.random_init), stored=stored)
 
     quantized = staticmethod(Bnb4bit.quantized)
 

@@ -72,7 +72,7 @@ def hf_loop_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda")
     assert kernel is not None
     experts = model.moe.num_experts if model.moe else 0
     lora = HfLoraConfig.of(plan, model.architecture, experts)
-    d, quant = hf_dims(model, workload, plan, "hf-loop"), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan)
+    d, quant = hf_dims(model, workload, plan, "hf-loop"), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan, model)
     build = plan.model_build
     offload = plan.offload_activations == "cpu"  # save_on_cpu around the forward (act_offload.py)
     # DynamicCache(config=...) makes a sliding cache layer where the config.json's layer is one

@@ -113,7 +113,8 @@ def hf_plan_run(
     assert kernel is not None
     d = hf_dims(model, workload, plan)
     experts = model.moe.num_experts if model.moe else 0
-    lora, quant = HfLoraConfig.of(plan, model.architecture, experts), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan)
+    lora = HfLoraConfig.of(plan, model.architecture, experts)
+    quant = Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan, model)
     mixed = trainer_autocast(plan, "hf")  # under FSDP2: accelerate's MixedPrecisionPolicy (hf_fsdp.py)
     ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model, gpu_arch)
     return hf_run(
