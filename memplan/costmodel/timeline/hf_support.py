@@ -76,7 +76,7 @@ case equal to the real loop's peak on CPU): the same models, precisions, kernels
 tests/unit/test_timeline_hf_int8_families.py), checkpointing with either of torch's checkpoints (``use_reentrant``,
 ``specs.plan.checkpoint_reentrant``: by default the reentrant one over a quantized base, as PEFT's
 ``prepare_model_for_kbit_training(model)`` leaves it, ``reentrant.py``; under the Trainer where the plan says so,
-on one rank, under DDP and FSDP2; without activation offload: :func:`_reentrant_ok`), every
+on one rank, under DDP and FSDP2, under TRL's activation offload: :func:`_reentrant_ok`), every
 family above with the LoRA and QLoRA the Trainer's run follows on it (the family modules composed under the
 loop's step; tests/unit/test_timeline_hf_loop_families.py, and over Qwen3, Phi-3, OLMo 2, Gemma 2 and 3
 test_timeline_hf_loop_peft_families.py), sliding windows the sequence reaches on CPU as under the Trainer (the
@@ -205,21 +205,21 @@ def sliding_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, run
 
 
 _REENTRANT = (
-    "torch's reentrant checkpoint (use_reentrant: true) under activation offload (followed without it, on one rank, "
-    "under DDP and FSDP2: timeline/reentrant.py)"
+    "torch's reentrant checkpoint (use_reentrant: true) under save_on_cpu in the hf-loop runtime (followed under the "
+    "Trainer's TRL offload and without offload: timeline/reentrant.py)"
 )
 
 
-def _reentrant_ok(plan: Plan) -> bool:
+def _reentrant_ok(plan: Plan, runtime: str) -> bool:
     """Where the reentrant checkpoint (``reentrant.py``) was checked against the real loop and Trainer: one rank,
     DDP (the reducer's hooks fire inside the nested backward as the gradients are made: the same order;
     ``find_unused_parameters`` off, which a PEFT model needs set by hand, ``hf_ddp.wrap``) and FSDP2 (transformers
     checkpoints the layer's ``forward``, so ``fully_shard``'s hooks stay around the checkpoint;
-    tests/unit/test_timeline_hf_reentrant_ranks.py). Not under activation offload: TRL's ``pack_tensor`` does not
-    look at the phase, so the re-runs' saves, made inside the backward, are packed there too (trl's
-    ``activation_offloading.py``; ``is_first_forward_call`` is set again only once every packed tensor is unpacked),
-    and the CPU emulation of its hooks (tests/accuracy/offload_steps.py) was never held against that."""
-    return plan.offload_activations == "none"
+    tests/unit/test_timeline_hf_reentrant_ranks.py); under the Trainer with TRL's activation offload too, whose hooks
+    pack the re-runs' saves inside the backward and release the copies by graph task (``hf_offload.TrlOffload``;
+    tests/unit/test_timeline_hf_reentrant_offload.py). Not ``save_on_cpu`` under the hand-written loop: its run packs
+    nothing in the backward."""
+    return plan.offload_activations == "none" or runtime == "hf"
 
 
 def hf_supported(
@@ -298,7 +298,7 @@ def hf_supported(
         (plan.optimizer == "adamw" or _optimizer_ok(plan, runtime), _optimizer_reason(plan, runtime)),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
-        (not checkpoint_reentrant(plan, runtime) or _reentrant_ok(plan), _REENTRANT),
+        (not checkpoint_reentrant(plan, runtime) or _reentrant_ok(plan, runtime), _REENTRANT),
         (
             cpu
             or plan.precision != "fp32"
