@@ -21,7 +21,11 @@ offloaded follows the mechanism:
   held; nothing the LM head saves is offloaded (a no-op hook pair around ``lm_head``); with
   streams, the originals of the offloaded tensors among the last ``max_fwd_stash_size`` (5) saved
   ones stay alive until a later save or the backward, and in the backward the tensors brought
-  back for one autograd node stay until the next node has run;
+  back for one autograd node stay until the next node of the graph task that unpacked first has run
+  (a reentrant checkpoint's nested backward is another: its copies stay until the next outer node that
+  unpacks has run); TRL's tracker (every pack until its unpack) emptied, the next pack starts a
+  forward (the dedup map reset) and the next unpack takes its graph task, queuing the
+  end-of-backward callback on it;
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the forward and
   backward of the hand-written loop: every saved tensor, parameters included, copied to the host
   and back (contiguous), nothing kept; a host copy goes at its unpack, or when its saved variable dies

@@ -21,11 +21,18 @@ emulate them on CPU. What differs from ``save_on_cpu`` (``act_offload.py``):
   has run (a hook registered on that node: ``Node.post``), which also empties the forward stash; the
   host copy goes at the unpack;
 - at the end of the backward everything goes (TRL's end-of-backward callback:
-  :meth:`TrlOffload.end_of_step`).
+  :meth:`TrlOffload.end_of_step`);
+- under torch's reentrant checkpoint (``reentrant.py``) the hooks are on through the backward, so each re-run's
+  saves are packed there, and its nested backward is a graph task of its own: only nodes of the graph task that
+  unpacked first release copies (``graph_id == curr_graph_id``), the nested one's stay until the next outer node
+  that unpacks has run; the tracker (every pack until its unpack; a kept save until its node runs, ``Node.kept``)
+  emptied, the next pack starts a forward (the dedup map reset) and the next unpack takes its graph task (a nested
+  one's end frees every copy held: ``Tape.callbacks``).
 
 Checked on CPU against the emulation through ``transformers.Trainer`` (tests/accuracy/
 test_offload_accuracy.py; over DDP, FSDP2 and 4-bit / LLM.int8 bases tests/unit/
-test_timeline_hf_offload_ranks.py; over MoE and MLA models test_timeline_hf_offload_moe.py). On CUDA TRL's
+test_timeline_hf_offload_ranks.py; over MoE and MLA models test_timeline_hf_offload_moe.py; under the reentrant
+checkpoint test_timeline_hf_reentrant_offload.py). On CUDA TRL's
 copies keep the tensor's strides (``empty_like`` into pinned memory, ``to(device)`` back) and its streams order
 them: not followed, the plan stays on the phase model (``hf_support``).
 """
