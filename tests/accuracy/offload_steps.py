@@ -249,17 +249,27 @@ class OffloadCase:
         return "hf" if self.mode == "trl-like" else "hf-loop"
 
 
-def _model(case: OffloadCase):
+def _model(case: OffloadCase, reentrant: bool = False):
+    """The case's model; ``reentrant`` (the hand loop's): checkpointed with ``use_reentrant=True`` (over a quantized
+    base PEFT's ``prepare_model_for_kbit_training`` does so already; over a 16-bit one the base is, with
+    ``enable_input_require_grads`` as PEFT does over a quantized one)."""
     from peft_steps import PeftCase, build
 
     base = case.base
+    kwargs = {"use_reentrant": True} if reentrant else None
     if isinstance(base, PeftCase):
-        return build(base)
+        if not reentrant or base.quant != "none" or not base.checkpointing:
+            return build(base)
+        model = build(replace(base, checkpointing=False))
+        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.get_base_model().enable_input_require_grads()
+        model.train()
+        return model
     from hf_steps import _model as full_model
 
     model = full_model(base)
     if base.checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     return model
 
@@ -290,9 +300,10 @@ def trl_trainer(model, args, rows) -> _OffloadTrainer:  # noqa: ANN001 - a model
 
 def measure(case: OffloadCase, steps: int = 3, reentrant: bool = False) -> tuple[int, int]:
     """(steady-state device peak, host peak) of ``steps`` steps of the case's loop under offload (``reentrant``:
-    the Trainer's checkpointing with ``gradient_checkpointing_kwargs={"use_reentrant": True}``)."""
+    the Trainer's checkpointing with ``gradient_checkpointing_kwargs={"use_reentrant": True}``, the hand loop's
+    model checkpointed so: :func:`_model`)."""
     base = case.base
-    model = _model(case)
+    model = _model(case, reentrant and case.mode == "save_on_cpu")
     offload = EmulatedOffload(case.mode, model)
     torch.manual_seed(1)
     ids = torch.randint(0, base.vocab, (base.batch, base.seq))

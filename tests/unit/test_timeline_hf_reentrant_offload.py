@@ -1,5 +1,6 @@
-"""torch's reentrant checkpoint (``timeline/reentrant.py``) under TRL's activation offload (``timeline/hf_offload.py``)
-in the real ``transformers.Trainer`` on CPU (transformers 5.23, peft 0.21.2, bitsandbytes 0.50.2, accelerate 1.15).
+"""torch's reentrant checkpoint (``timeline/reentrant.py``) under activation offload: TRL's (``timeline/hf_offload.py``)
+in the real ``transformers.Trainer``, and ``save_on_cpu`` (``act_offload.py``) in the hand-written loop, on CPU
+(transformers 5.23, peft 0.21.2, bitsandbytes 0.50.2, accelerate 1.15).
 
 ``TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})`` with the
 Trainer's ``training_step`` under tests/accuracy/offload_steps.py's ``trl-like`` hooks (TRL's ``OffloadActivations``
@@ -19,7 +20,13 @@ backward, so each layer's re-run (``CheckpointFunction.backward``, under ``enabl
   own (released node by node there, and all at its end by the callback TRL queues on it). Not followed: +1,351,680
   B (+83.6%) on the one-layer case below.
 
-Default: two one-rank cases and one FSDP2 case (2-4 s each); the rest under ``-m slow`` (1-4 s each, DDP 40-75 s).
+The hand-written loop (``--runtime hf-loop``) under ``save_on_cpu`` around its forward and backward
+(offload_steps.py's loop), checkpointed reentrantly (PEFT's ``prepare_model_for_kbit_training`` over a quantized
+base, the loop's default): the re-run's saves are copied to the host in the backward and each copy brought back goes
+as its node returns; the run packed nothing in the backward before (+6% to +28% where a layer's backward peaks).
+
+Default: two one-rank Trainer cases, one FSDP2 case and one hand-loop case (1-3 s each); the rest under ``-m slow``
+(1-6 s each, FSDP2 full fine-tuning 10 s, DDP about 40 s).
 """
 
 from __future__ import annotations
@@ -142,6 +149,59 @@ def test_rank_0s_peak_over_ddp_and_fsdp2_equals_the_trainers(case, kind: str) ->
         ranks = dict(dp=hf_fsdp_steps.WORLD, zero=zero)
     predicted = run(case, **ranks).peak()[0]
     assert predicted == measured, f"{case.name} {kind}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+# --- the hand-written loop under save_on_cpu (``--runtime hf-loop``) ------------------------------------------------
+def loop_run(case):  # noqa: ANN001, ANN201 - a Timeline
+    """``hf_loop_run`` of the case's plan with ``save_on_cpu`` (no build: the harness loads on the CPU, where a double
+    quantization's dynamic map is not the device's: tests/hf_predict.py)."""
+    from hf_predict import case_quant
+
+    from memplan.costmodel.timeline.hf_families import family_config
+    from memplan.costmodel.timeline.hf_loop import hf_loop_run
+    from memplan.costmodel.timeline.hf_lora import HfLoraConfig
+    from memplan.costmodel.timeline.hf_trainer import hf_dims
+
+    model, lora = case_model(case), isinstance(case, PeftCase)
+    p = plan(case) if not lora else plan_of(case, "hf-loop").model_copy(update=UPDATE)
+    assert hf_supported(model, p, case_workload(case), runtime="hf-loop", device="cpu") is None, case.name
+    sliding = tuple(i for i, kind in enumerate(model.layer_attention_kinds) if kind == "sliding")
+    return hf_loop_run(
+        hf_dims(model, case_workload(case), p, "hf-loop"), model.tied_embeddings, "cpu_flash", steps=3,
+        qkv_bias=model.qkv_bias, arch=model.architecture, extra=family_config(model), window_layers=sliding,
+        lora=HfLoraConfig.of(p, model.architecture) if lora else None, quant=case_quant(case, p) if lora else None,
+        inplace_accumulate=False, reentrant=True, offload=True, subclass_like=model.moe is not None,
+    )  # fmt: skip
+
+
+UPDATE = {"offload_activations": "cpu", "use_reentrant": True}
+
+
+def _hand(case):  # noqa: ANN001, ANN202
+    return dataclasses.replace(case, name=f"{case.name}-hand", loop="hand")
+
+
+HAND = [
+    pytest.param(_lora("nf4", quant="nf4"), id="llama-qlora-nf4"),  # PeftCase: the hand loop is peft_steps'
+    _slow(_lora("qlora-recipe", **RECIPE), id="llama-qlora-recipe"),
+    _slow(_lora("int8", quant="int8"), id="llama-int8"),
+    _slow(_lora("lora-qv"), id="llama-lora-qv"),
+    _slow(_lora("qwen3-nf4", arch="qwen3", quant="nf4"), id="qwen3-qlora-nf4"),
+    _slow(_hand(_full("llama-fp32", LAYERS)), id="llama-full-fp32"),
+    _slow(_hand(_full("qwen3-autocast", _FAMILY["qwen3"], autocast=True, vocab=256)), id="qwen3-full-autocast"),
+    _slow(_hand(_moe("mixtral", "mixtral", F.MIXTRAL, F.MOE)), id="mixtral-full-fp32"),
+]
+
+
+@pytest.mark.parametrize("case", HAND)
+def test_the_hand_loops_peak_and_host_copies_under_save_on_cpu(case) -> None:  # noqa: ANN001
+    """``save_on_cpu`` around the loop's forward and backward: the re-run's saves are copied to the host in the
+    backward and brought back by the nested backward's nodes, each copy gone as its node returns (no release rule
+    beyond the node's own)."""
+    peak, host = measure(OffloadCase(f"save_on_cpu-{case.name}", case, "save_on_cpu"), reentrant=True)
+    timeline = loop_run(case)
+    assert timeline.peak()[0] == peak, f"{case.name}: {timeline.peak()[0]:,} B predicted, {peak:,} B measured"
+    assert timeline.host_peak == host, f"{case.name}: host {timeline.host_peak:,} B predicted, {host:,} B measured"
 
 
 def test_the_cases_span_families_precisions_and_bases() -> None:
