@@ -464,7 +464,7 @@ class Tape:
         if node.pre is not None:
             node.pre()
         if node.kept:  # the apply unpacks them (TRL's tracker)
-            self.hooks.unpacked_kept(self, node.kept)
+            self.hooks.unpacked(self, node.kept)
         saved = held = node.saved  # held: the node's own references, dropped after its apply
         if node.region is not None:
             if not node.region.done:

@@ -111,7 +111,7 @@ class TrlOffload:
         unpacked first has run (in a reentrant checkpoint's nested one, until the outer node after it has run);
         each such node empties the forward stash as it ends."""
         self.release(packed)
-        self.unpacked_kept(tape, 1)
+        self.unpacked(tape, 1)
         if node is not None:
             if tape.graph == self.graph and node is not self.node:
                 self.node = node
@@ -125,7 +125,7 @@ class TrlOffload:
         self.back[packed.ident] = tape.hold(out)
         return out
 
-    def unpacked_kept(self, tape: Tape, n: int) -> None:
+    def unpacked(self, tape: Tape, n: int) -> None:
         """``n`` saves unpacked (TRL's phase flags): the first after a forward records the graph task and queues
         the end-of-backward callback on it (the outer one's is :meth:`end_of_step`); the tracker emptied, the next
         pack starts a forward."""
