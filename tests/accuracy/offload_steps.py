@@ -21,7 +21,11 @@ offloaded follows the mechanism:
   held; nothing the LM head saves is offloaded (a no-op hook pair around ``lm_head``); with
   streams, the originals of the offloaded tensors among the last ``max_fwd_stash_size`` (5) saved
   ones stay alive until a later save or the backward, and in the backward the tensors brought
-  back for one autograd node stay until the next node has run;
+  back for one autograd node stay until the next node of the graph task that unpacked first has run
+  (a reentrant checkpoint's nested backward is another: its copies stay until the next outer node that
+  unpacks has run); TRL's tracker (every pack until its unpack) emptied, the next pack starts a
+  forward (the dedup map reset) and the next unpack takes its graph task, queuing the
+  end-of-backward callback on it;
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the forward and
   backward of the hand-written loop: every saved tensor, parameters included, copied to the host
   and back (contiguous), nothing kept; a host copy goes at its unpack, or when its saved variable dies
@@ -108,6 +112,12 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
         self._node = None
         self._next_id = 0
         self.paused = 0  # > 0 inside the LM head (trl's no-op hooks)
+        # TRL's phase flags and tracker (trl): the ids packed and not yet unpacked, kept or offloaded; a pack after
+        # the tracker emptied starts a new forward (is_first_forward_call), and the first unpack after it records
+        # its graph task (is_first_backward_call: curr_graph_id, and the end-of-backward callback queued on it)
+        self._tracker: set[int] = set()
+        self._first_forward = self._first_backward = True
+        self._graph: int | None = None
         super().__init__(self._pack, self._unpack)
 
     def _keep(self, t: torch.Tensor) -> bool:
@@ -129,8 +139,13 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
         return False
 
     def _pack(self, t: torch.Tensor):
+        if self.mode == "trl-like" and self._first_forward:  # the tracker emptied: TRL resets its dedup map
+            self._first_forward, self._first_backward = False, True
+            self._seen.clear()
         self._next_id += 1
         ident = self._next_id
+        if self.mode == "trl-like":
+            self._tracker.add(ident)
         if self._keep(t):
             return ident, t, None
         packed = _host_copy(t)
@@ -150,6 +165,8 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
 
     def _unpack(self, packed):
         ident, kept, host = packed
+        if self.mode == "trl-like":
+            self._track_unpack(ident)
         if kept is not None:
             return kept
         if isinstance(host, _HostCopy):  # save_on_cpu
@@ -159,16 +176,32 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
         self.host_bytes -= host[0].nbytes
         if self.mode == "trl-like":
             node = torch._C._current_autograd_node()
-            if node is not None and node is not self._node:
-                # after this node has run: the previous node's tensors and the forward stash go
+            previous = []
+            # a new node of the graph task of the backward's first unpack: after it has run, the previous node's
+            # tensors go (TRL's ``graph_id == curr_graph_id``: not in a reentrant checkpoint's nested backward,
+            # whose copies stay until a later node of that graph task has run); every node's hook empties the stash
+            if torch._C._current_graph_task_id() == self._graph and node is not self._node:
                 self._node = node
-                node.register_hook(self._release(list(self._back)))
+                previous = list(self._back)
+            if node is not None:
+                node.register_hook(self._release(previous))
             if ident in self._stash:
                 return self._stash.pop(ident)
             out = _device_copy(host)
             self._back[ident] = out
             return out
         return _device_copy(host)
+
+    def _track_unpack(self, ident: int) -> None:
+        """TRL's phase flags at an unpack: the first after a forward records its graph task and queues the
+        end-of-backward callback there; the tracker emptied, the next pack starts a new forward."""
+        if self._first_backward:
+            self._first_backward = False
+            self._graph = torch._C._current_graph_task_id()
+            torch.autograd.Variable._execution_engine.queue_callback(self._back.clear)
+        self._tracker.discard(ident)
+        if not self._tracker:
+            self._first_forward = True
 
     def _release(self, previous: list[int]):
         def hook(grads_in, grads_out):  # noqa: ANN001
@@ -184,6 +217,7 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
         self._stash.clear()
         self._seen.clear()
         self._node = None
+        self._first_backward = True  # with an orphaned save in its tracker TRL would not reset: as ``_seen``
 
 
 def pause_in_lm_head(model: torch.nn.Module, offload: EmulatedOffload) -> None:
@@ -215,17 +249,27 @@ class OffloadCase:
         return "hf" if self.mode == "trl-like" else "hf-loop"
 
 
-def _model(case: OffloadCase):
+def _model(case: OffloadCase, reentrant: bool = False):
+    """The case's model; ``reentrant`` (the hand loop's): checkpointed with ``use_reentrant=True`` (over a quantized
+    base PEFT's ``prepare_model_for_kbit_training`` does so already; over a 16-bit one the base is, with
+    ``enable_input_require_grads`` as PEFT does over a quantized one)."""
     from peft_steps import PeftCase, build
 
     base = case.base
+    kwargs = {"use_reentrant": True} if reentrant else None
     if isinstance(base, PeftCase):
-        return build(base)
+        if not reentrant or base.quant != "none" or not base.checkpointing:
+            return build(base)
+        model = build(replace(base, checkpointing=False))
+        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.get_base_model().enable_input_require_grads()
+        model.train()
+        return model
     from hf_steps import _model as full_model
 
     model = full_model(base)
     if base.checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     return model
 
@@ -254,10 +298,12 @@ def trl_trainer(model, args, rows) -> _OffloadTrainer:  # noqa: ANN001 - a model
     return trainer
 
 
-def measure(case: OffloadCase, steps: int = 3) -> tuple[int, int]:
-    """(steady-state device peak, host peak) of ``steps`` steps of the case's loop under offload."""
+def measure(case: OffloadCase, steps: int = 3, reentrant: bool = False) -> tuple[int, int]:
+    """(steady-state device peak, host peak) of ``steps`` steps of the case's loop under offload (``reentrant``:
+    the Trainer's checkpointing with ``gradient_checkpointing_kwargs={"use_reentrant": True}``, the hand loop's
+    model checkpointed so: :func:`_model`)."""
     base = case.base
-    model = _model(case)
+    model = _model(case, reentrant and case.mode == "save_on_cpu")
     offload = EmulatedOffload(case.mode, model)
     torch.manual_seed(1)
     ids = torch.randint(0, base.vocab, (base.batch, base.seq))
@@ -287,6 +333,8 @@ def measure(case: OffloadCase, steps: int = 3) -> tuple[int, int]:
                 disable_tqdm=True,
                 dataloader_num_workers=0,
             )
+            if reentrant:  # 5.23's alias of activation_checkpointing_kwargs, which train() reads
+                args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs = {"use_reentrant": True}
             trainer = _OffloadTrainer(model=model, args=args, train_dataset=rows)
             trainer.offload = offload
             with tracker:

@@ -75,13 +75,20 @@ def test_a_plan_that_says_it_is_answered_so():
     assert said["memory"]["peak"]["allocated"] != plain["memory"]["peak"]["allocated"]
 
 
-def test_where_the_run_does_not_follow_it_the_phase_model_says_why():
-    """Under activation offload (TRL's hooks, followed on CPU) the reentrant checkpoint is not followed; over two
-    ranks it is (tests/unit/test_timeline_hf_reentrant_ranks.py)."""
-    base = ("--runtime", "hf", "--recompute", "full", "--use-reentrant")
-    memory = _estimate(*base, "--offload-activations", "cpu", "--device", "cpu")["memory"]
-    assert memory["model"] == "phase" and "reentrant checkpoint" in memory["model_reason"]
-    assert _estimate(*base, "--gpus", "2")["memory"]["model"] == "op-level"
+def test_under_activation_offload_and_over_ranks_the_run_answers():
+    """Under activation offload (TRL's hooks under the Trainer, ``save_on_cpu`` under the hand-written loop: QLoRA's
+    default checkpoint there; followed on CPU) the reentrant checkpoint is followed since 2026-11-29
+    (tests/unit/test_timeline_hf_reentrant_offload.py; declined to the phase model in one line before), and over two
+    ranks (test_timeline_hf_reentrant_ranks.py)."""
+    base = ("--recompute", "full", "--use-reentrant", "--offload-activations", "cpu", "--device", "cpu")
+    for runtime in ("hf", "hf-loop"):
+        memory = _estimate("--runtime", runtime, *base)["memory"]
+        assert memory["model"] == "op-level" and memory["model_reason"] is None, memory["model_reason"]
+    memory = _estimate("--runtime", "hf-loop", "--finetune", "qlora", *base)
+    assert memory["plan"]["use_reentrant"] is True and memory["memory"]["model"] == "op-level"
+    assert _estimate("--runtime", "hf", "--recompute", "full", "--use-reentrant", "--gpus", "2")["memory"]["model"] == (
+        "op-level"
+    )
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,7 @@ class Node:
     """One backward function: ``apply(tape, node, grads, saved) -> input grads`` (one per
     ``nexts`` entry; None where no gradient flows)."""
 
-    __slots__ = ("seq", "scope", "apply", "nexts", "saved", "region", "pre", "post", "meta", "dtensor")
+    __slots__ = ("seq", "scope", "apply", "nexts", "saved", "region", "pre", "post", "meta", "dtensor", "kept")
 
     def __init__(
         self,
@@ -125,6 +125,7 @@ class Node:
         self.post = post
         self.meta = meta
         self.dtensor = dtensor
+        self.kept = 0  # saves TRL's hooks kept on the device, in its tracker until this node runs (hf_offload.py)
 
 
 class Region:
@@ -185,6 +186,12 @@ class Tape:
         self._node: Node | None = None  # the node the backward runs (``torch._C._current_autograd_node``)
         self.packed = False  # a node has saved a Packed host copy (only then does a node's apply look for them)
         self.grad_enabled = True  # False under ``torch.no_grad()``: no node, nothing saved (:meth:`no_grad`)
+        # the running backward's graph task (``torch._C._current_graph_task_id``; 0 outside one), how many are
+        # running (a reentrant checkpoint's backward nests one: reentrant.py), and the callbacks queued on it
+        # (``Variable._execution_engine.queue_callback``), run as it ends
+        self.graph = self.depth = 0
+        self._graphs = count(1)
+        self.callbacks: list[Callable[[], None]] = []
 
     @contextmanager
     def scoped(self, scope: str) -> Iterator[None]:
@@ -320,8 +327,11 @@ class Tape:
             node.region = self.region
             self.region.slots += 1
         elif self.hooks is not None:
-            node.saved.append(self.hooks.pack(self, t))
+            packed = self.hooks.pack(self, t)
+            node.saved.append(packed)
             self.packed = True
+            if packed is t:  # kept on the device by TRL's hooks: in their tracker until the node runs
+                node.kept += 1
         else:
             node.saved.append(t if t.st.managed else self.hold(t))
 
@@ -403,7 +413,17 @@ class Tape:
 
     # --- backward ------------------------------------------------------------------------------
     def backward(self, root: Tensor, seed: Tensor) -> None:
-        """``root.backward(seed)``: run every node reachable from ``root.fn``."""
+        """``root.backward(seed)``: run every node reachable from ``root.fn``, a graph task of its own."""
+        outer = self.graph, self.callbacks
+        self.graph, self.callbacks = next(self._graphs), []
+        self.depth += 1
+        self._execute(root, seed)
+        for callback in self.callbacks:  # the graph task's final callbacks
+            callback()
+        self.graph, self.callbacks = outer
+        self.depth -= 1
+
+    def _execute(self, root: Tensor, seed: Tensor) -> None:
         deps: dict[Node, int] = {}  # the graph is a DAG from root: a node is new at its first edge
         stack = [root.fn]
         while stack:
@@ -443,6 +463,8 @@ class Tape:
         self._node = node
         if node.pre is not None:
             node.pre()
+        if node.kept:  # the apply unpacks them (TRL's tracker)
+            self.hooks.unpacked(self, node.kept)
         saved = held = node.saved  # held: the node's own references, dropped after its apply
         if node.region is not None:
             if not node.region.done:

@@ -74,7 +74,7 @@ def hf_loop_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda")
     lora = HfLoraConfig.of(plan, model.architecture, experts)
     d, quant = hf_dims(model, workload, plan, "hf-loop"), Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan, model)
     build = plan.model_build
-    offload = plan.offload_activations == "cpu"  # save_on_cpu around the forward (act_offload.py)
+    offload = plan.offload_activations == "cpu"  # save_on_cpu around the forward and backward (act_offload.py)
     # DynamicCache(config=...) makes a sliding cache layer where the config.json's layer is one
     # (cache_utils.get_layer_types_and_kwargs): the spec's sliding layers
     sliding = tuple(i for i, kind in enumerate(model.layer_attention_kinds) if kind == "sliding")
@@ -232,7 +232,8 @@ class _HfLoopRun(_HfRun):
             graph()
             self.prev_loss, loss = scaled, scaled
         seed = t.new(1, 4, "grad_seed")
-        t.backward(loss, t.hold(seed))  # torch.autograd.backward holds it until it returns
+        with act_offload.saving(t, self.saves):  # save_on_cpu around the backward too: a reentrant re-run saves there
+            t.backward(loss, t.hold(seed))  # torch.autograd.backward holds it until it returns
         t.scope = ""
         t.done(seed)
 

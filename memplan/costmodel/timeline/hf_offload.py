@@ -21,11 +21,18 @@ emulate them on CPU. What differs from ``save_on_cpu`` (``act_offload.py``):
   has run (a hook registered on that node: ``Node.post``), which also empties the forward stash; the
   host copy goes at the unpack;
 - at the end of the backward everything goes (TRL's end-of-backward callback:
-  :meth:`TrlOffload.end_of_step`).
+  :meth:`TrlOffload.end_of_step`);
+- under torch's reentrant checkpoint (``reentrant.py``) the hooks are on through the backward, so each re-run's
+  saves are packed there, and its nested backward is a graph task of its own: only nodes of the graph task that
+  unpacked first release copies (``graph_id == curr_graph_id``), the nested one's stay until the next outer node
+  that unpacks has run; the tracker (every pack until its unpack; a kept save until its node runs, ``Node.kept``)
+  emptied, the next pack starts a forward (the dedup map reset) and the next unpack takes its graph task (a nested
+  one's end frees every copy held: ``Tape.callbacks``).
 
 Checked on CPU against the emulation through ``transformers.Trainer`` (tests/accuracy/
 test_offload_accuracy.py; over DDP, FSDP2 and 4-bit / LLM.int8 bases tests/unit/
-test_timeline_hf_offload_ranks.py; over MoE and MLA models test_timeline_hf_offload_moe.py). On CUDA TRL's
+test_timeline_hf_offload_ranks.py; over MoE and MLA models test_timeline_hf_offload_moe.py; under the reentrant
+checkpoint test_timeline_hf_reentrant_offload.py). On CUDA TRL's
 copies keep the tensor's strides (``empty_like`` into pinned memory, ``to(device)`` back) and its streams order
 them: not followed, the plan stays on the phase model (``hf_support``).
 """
@@ -66,6 +73,12 @@ class TrlOffload:
         self.stash: dict[int, Tensor] = {}  # id -> the original, held
         self.back: dict[int, Tensor] = {}  # id -> the copy brought back, held
         self.node: Node | None = None
+        # TRL's tracker (saves packed, kept or offloaded, not yet unpacked) and phase flags: a pack after the
+        # tracker emptied starts a forward (``is_first_forward_call``: the dedup map reset), and the next unpack
+        # records its graph task (``is_first_backward_call``: ``curr_graph_id``), whose nodes alone release
+        self.pending = 0
+        self.first_forward = self.first_backward = True
+        self.graph = 0
 
     def _keep(self, t: Tensor) -> bool:
         if self.paused or (t.st.managed and not t.st.gathered) or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
@@ -78,6 +91,10 @@ class TrlOffload:
 
     def pack(self, tape: Tape, t: Tensor) -> Tensor | Packed:
         """Keep ``t`` on the device (held), or copy it to the host and stash the original."""
+        if self.first_forward:
+            self.first_forward, self.first_backward = False, True
+            self.seen = set()
+        self.pending += 1
         self.next_id += 1
         ident = self.next_id
         if self._keep(t):
@@ -90,17 +107,41 @@ class TrlOffload:
         return TrlPacked(t.numel, t.itemsize, self, t.fn, ident=ident)
 
     def unpack(self, tape: Tape, packed: TrlPacked, tag: str = "unpacked", node: Node | None = None) -> Tensor:
-        """The original from the stash, or a new device copy held until the next such node has run."""
+        """The original from the stash, or a new device copy held until the next such node of the graph task that
+        unpacked first has run (in a reentrant checkpoint's nested one, until the outer node after it has run);
+        each such node empties the forward stash as it ends."""
         self.release(packed)
-        if node is not None and node is not self.node:
-            self.node = node
-            node.post = self._release(tape, list(self.back))
+        self.unpacked(tape, 1)
+        if node is not None:
+            if tape.graph == self.graph and node is not self.node:
+                self.node = node
+                node.post = self._release(tape, list(self.back))
+            elif node.post is None:
+                node.post = self._release(tape, [])
         original = self.stash.pop(packed.ident, None)
         if original is not None:
             return original  # the stash's reference, now the caller's
         out = unpack(tape, packed, tag)
         self.back[packed.ident] = tape.hold(out)
         return out
+
+    def unpacked(self, tape: Tape, n: int) -> None:
+        """``n`` saves unpacked (TRL's phase flags): the first after a forward records the graph task and queues
+        the end-of-backward callback on it (the outer one's is :meth:`end_of_step`); the tracker emptied, the next
+        pack starts a forward."""
+        if self.first_backward:
+            self.first_backward = False
+            self.graph = tape.graph
+            if tape.depth > 1:
+                tape.callbacks.append(lambda: self._drop_back(tape))
+        self.pending -= n
+        if not self.pending:
+            self.first_forward = True
+
+    def _drop_back(self, tape: Tape) -> None:
+        for t in self.back.values():
+            tape.drop(t)
+        self.back = {}
 
     def release(self, packed: Packed) -> None:
         """The host copy goes at its unpack (or with the step)."""
@@ -122,13 +163,13 @@ class TrlOffload:
         self.stash = {}
 
     def end_of_step(self, tape: Tape) -> None:
-        """The end-of-backward callback: the last node's copies and the stash go; a new forward starts."""
-        for t in self.back.values():
-            tape.drop(t)
-        self.back = {}
+        """The end-of-backward callback: the last node's copies and the stash go; a new forward starts (the dedup
+        map and the backward's flag reset each step, where TRL, an orphaned save in its tracker, would not)."""
+        self._drop_back(tape)
         self._clear_stash(tape)
         self.seen = set()
         self.node = None
+        self.first_backward = True
 
 
 def orphaned(tape: Tape, t: Tensor) -> None:
@@ -140,7 +181,8 @@ def orphaned(tape: Tape, t: Tensor) -> None:
     ``gather`` of the top-k's indices). A kept one goes with its node (the emulation's; TRL's tracker would hold
     it: under 1024 bytes). Under ``save_on_cpu`` the host copy goes with the node, inside the router: left out."""
     hooks = tape.hooks
-    if isinstance(hooks, TrlOffload) and tape.region is None and tape._recompute is None:
+    # under a reentrant checkpoint's no_grad forward there is no node: nothing saved (its re-run's are packed)
+    if isinstance(hooks, TrlOffload) and tape.region is None and tape._recompute is None and tape.grad_enabled:
         packed = hooks.pack(tape, t)
         if packed is t and not t.st.managed:
             tape.drop(t)  # the hold pack took

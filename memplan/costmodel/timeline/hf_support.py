@@ -76,7 +76,8 @@ case equal to the real loop's peak on CPU): the same models, precisions, kernels
 tests/unit/test_timeline_hf_int8_families.py), checkpointing with either of torch's checkpoints (``use_reentrant``,
 ``specs.plan.checkpoint_reentrant``: by default the reentrant one over a quantized base, as PEFT's
 ``prepare_model_for_kbit_training(model)`` leaves it, ``reentrant.py``; under the Trainer where the plan says so,
-on one rank, under DDP and FSDP2; without activation offload: :func:`_reentrant_ok`), every
+on one rank, under DDP and FSDP2, under activation offload: TRL's hooks under the Trainer, ``save_on_cpu`` under the
+hand-written loop, tests/unit/test_timeline_hf_reentrant_offload.py), every
 family above with the LoRA and QLoRA the Trainer's run follows on it (the family modules composed under the
 loop's step; tests/unit/test_timeline_hf_loop_families.py, and over Qwen3, Phi-3, OLMo 2, Gemma 2 and 3
 test_timeline_hf_loop_peft_families.py), sliding windows the sequence reaches on CPU as under the Trainer (the
@@ -103,7 +104,7 @@ from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, MLA_ATTENTION
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, checkpoint_reentrant, trainer_autocast
+from memplan.specs.plan import Plan, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
@@ -204,24 +205,6 @@ def sliding_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None, run
     return kernel == "efficient" and cap in MLA_CAPABILITIES
 
 
-_REENTRANT = (
-    "torch's reentrant checkpoint (use_reentrant: true) under activation offload (followed without it, on one rank, "
-    "under DDP and FSDP2: timeline/reentrant.py)"
-)
-
-
-def _reentrant_ok(plan: Plan) -> bool:
-    """Where the reentrant checkpoint (``reentrant.py``) was checked against the real loop and Trainer: one rank,
-    DDP (the reducer's hooks fire inside the nested backward as the gradients are made: the same order;
-    ``find_unused_parameters`` off, which a PEFT model needs set by hand, ``hf_ddp.wrap``) and FSDP2 (transformers
-    checkpoints the layer's ``forward``, so ``fully_shard``'s hooks stay around the checkpoint;
-    tests/unit/test_timeline_hf_reentrant_ranks.py). Not under activation offload: TRL's ``pack_tensor`` does not
-    look at the phase, so the re-runs' saves, made inside the backward, are packed there too (trl's
-    ``activation_offloading.py``; ``is_first_forward_call`` is set again only once every packed tensor is unpacked),
-    and the CPU emulation of its hooks (tests/accuracy/offload_steps.py) was never held against that."""
-    return plan.offload_activations == "none"
-
-
 def hf_supported(
     model: ModelSpec,
     plan: Plan,
@@ -298,7 +281,6 @@ def hf_supported(
         (plan.optimizer == "adamw" or _optimizer_ok(plan, runtime), _optimizer_reason(plan, runtime)),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
-        (not checkpoint_reentrant(plan, runtime) or _reentrant_ok(plan), _REENTRANT),
         (
             cpu
             or plan.precision != "fp32"

@@ -439,7 +439,9 @@ class _HfRun:
             seed = t.new(1, scaled.itemsize, "grad_seed")
         if cuda and first:
             t.on_first_mm = self._workspace("backward")
-        t.backward(scaled, t.hold(seed))  # torch.autograd.backward holds it until it returns
+        # TRL's hooks are on through the backward too (around ``training_step``): a reentrant re-run saves under them
+        with act_offload.saving(t, self.saves):
+            t.backward(scaled, t.hold(seed))  # torch.autograd.backward holds it until it returns
         t.scope = ""
         if self.fsdp is not None:  # the root's final callback, inside the backward
             self.fsdp.finish_backward()

@@ -26,6 +26,10 @@ around the checkpoint (transformers checkpoints the layer's ``forward``, not ``_
 around the non-reentrant one; DDP's reducer hooks fire in the nested backward as each gradient is made (a PEFT model
 needs ``ddp_find_unused_parameters=False``: ``hf_ddp.wrap``).
 
+Under TRL's activation offload (``hf_offload.py``) the hooks pack the saved input in the forward and the re-run's
+saves in the backward, and release the nested backward's copies by graph task (``Tape.graph``): the next outer
+node that unpacks frees them (tests/unit/test_timeline_hf_reentrant_offload.py).
+
 The RNG states are host tensors (the CPU generator's 5,056-byte state is not an op's output either): no
 device bytes. Nothing here is stopped early or cached: each layer's backward is its re-run's whole graph.
 """
