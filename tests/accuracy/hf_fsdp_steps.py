@@ -213,7 +213,10 @@ def run(
             if offload:
                 from offload_steps import trl_trainer
 
-                trainer = trl_trainer(model, args, rows)
+                # the emulation: TRL keeps saves at the freed addresses of the parameters it recorded before FSDP2
+                # sharded them, 20 to 27 a run, the peak changing from run to run (docs/cost-model.md, "Measured
+                # with TRL's own code")
+                trainer = trl_trainer(model, args, rows, emulated=True)
             else:
                 trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
             tracker = FsdpTracker(log or step_peaks)

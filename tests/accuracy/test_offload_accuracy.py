@@ -1,13 +1,13 @@
 """Accuracy: activation offload to CPU (``offload_activations: cpu``) against real PEFT LoRA and full
-fine-tuning steps on CPU, offload emulated by saved-tensor hooks that copy each offloaded tensor out
-of torch's allocator and bring it back as a new tensor (offload_steps.py): hooks modelled on TRL's
-``OffloadActivations`` through ``transformers.Trainer`` (``--runtime hf``) and ``save_on_cpu``
-through the hand-written loop (``--runtime hf-loop``). The prediction is what ``memplan estimate
---device cpu`` answers (``offload_steps.predict_report``: ``memory_verdict(job, "cpu")``): the op-level
-run of the Trainer under TRL's hooks (``hf_trainer.py``, ``hf_offload.py``) or of the hand loop under
-``save_on_cpu``'s (``hf_loop.py``, ``act_offload.py``), held to 200 B of the measured peak and host
-copies. Each case's peak is also held to 3% of the prediction and its host copies to 10% of the
-predicted ``offload.cpu`` (the bounds of the phase model that answered before 2026-11-28).
+fine-tuning steps on CPU (offload_steps.py): TRL's own ``OffloadActivations`` through ``transformers.Trainer``
+(``--runtime hf``; trl_offload.py, its host copies counted apart; the emulation where TRL's figures depend on the
+allocator, ``ALLOCATOR_DEPENDENT``) and ``save_on_cpu`` emulated through the hand-written loop (``--runtime hf-loop``:
+saved-tensor hooks that copy each tensor out of torch's allocator and back as a new tensor). The prediction is what
+``memplan estimate --device cpu`` answers (``offload_steps.predict_report``: ``memory_verdict(job, "cpu")``): the
+op-level run of the Trainer under TRL's hooks (``hf_trainer.py``, ``hf_offload.py``) or of the hand loop under
+``save_on_cpu``'s (``hf_loop.py``, ``act_offload.py``), held to 200 B of the measured peak and host copies. Each
+case's peak is also held to 3% of the prediction and its host copies to 10% of the predicted ``offload.cpu`` (the
+bounds of the phase model that answered before 2026-11-28).
 """
 
 from __future__ import annotations

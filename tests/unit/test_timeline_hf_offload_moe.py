@@ -1,8 +1,9 @@
 """TRL's activation offload under the Trainer over MoE and MLA models (``timeline/hf_offload.py``), against the real
 ``transformers.Trainer`` on CPU (transformers 5.23, peft 0.21.2, accelerate 1.15).
 
-The Trainer's ``training_step`` under tests/accuracy/offload_steps.py's ``trl-like`` hooks (what
-``SFTConfig(activation_offloading=True)`` runs), over Mixtral, Qwen3-MoE, Qwen2-MoE (its gated shared expert) and
+The Trainer's ``training_step`` under TRL's own ``OffloadActivations`` (what ``SFTConfig(activation_offloading=True)``
+runs; tests/accuracy/offload_steps.py's emulation under FSDP2 and where TRL's figures depend on the allocator,
+``ALLOCATOR_DEPENDENT``), over Mixtral, Qwen3-MoE, Qwen2-MoE (its gated shared expert) and
 DeepSeek-V2 / V3, full fine-tuning and PEFT LoRA, fp32, bf16 and ``bf16=True``, with and without the Trainer's
 checkpointing: the peak of live storages over three steps and the host copies at most (``Timeline.host_peak``)
 against the op-level run with ``offload=True`` (tests/hf_predict.py; ``subclass_like``: the tracker is a dispatch

@@ -1,9 +1,10 @@
 """TRL's activation offload under the Trainer beyond one rank of a float base (``timeline/hf_offload.py``), against
 the real ``transformers.Trainer`` on CPU (transformers 5.23, peft 0.21.2, bitsandbytes 0.50.2, accelerate 1.15).
 
-The Trainer's ``training_step`` under tests/accuracy/offload_steps.py's ``trl-like`` hooks (``trl_trainer``: what
-``SFTConfig(activation_offloading=True)`` runs), the peak of live storages over three steps against the op-level
-run with ``offload=True``:
+The Trainer's ``training_step`` under TRL's own ``OffloadActivations`` (tests/accuracy/offload_steps.py's
+``trl_trainer``: what ``SFTConfig(activation_offloading=True)`` runs; the emulation under FSDP2 and where TRL's
+figures depend on the allocator, offload_steps.ALLOCATOR_DEPENDENT), the peak of live storages over three steps
+against the op-level run with ``offload=True``:
 
 - over a quantized base on one rank: QLoRA nf4 / fp4 (double quantization, the bf16 recipe) and LLM.int8, with
   the Trainer's own checkpointing (``gradient_checkpointing=True``: non-reentrant, replacing

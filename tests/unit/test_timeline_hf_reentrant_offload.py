@@ -3,11 +3,11 @@ in the real ``transformers.Trainer``, and ``save_on_cpu`` (``act_offload.py``) i
 (transformers 5.23, peft 0.21.2, bitsandbytes 0.50.2, accelerate 1.15).
 
 ``TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})`` with the
-Trainer's ``training_step`` under tests/accuracy/offload_steps.py's ``trl-like`` hooks (TRL's ``OffloadActivations``
-emulated, TRL not installed), the peak of live storages over three steps and the host copies at most against the
-op-level run (``hf_predict(..., offload=True)``, the plan's ``use_reentrant``). TRL's hooks are on through the
-backward, so each layer's re-run (``CheckpointFunction.backward``, under ``enable_grad``) saves under them:
-
+Trainer's ``training_step`` under TRL's own ``OffloadActivations`` (tests/accuracy/offload_steps.py; its emulation
+under FSDP2 and where TRL's figures depend on the allocator, ``ALLOCATOR_DEPENDENT``), the peak of live storages over
+three steps and the host copies at most against the op-level run (``hf_predict(..., offload=True)``, the plan's
+``use_reentrant``). TRL's hooks are on through the backward, so each layer's re-run (``CheckpointFunction.backward``,
+under ``enable_grad``) saves under them:
 - the forward runs under ``no_grad``: only each checkpoint's saved input is packed (and nothing of DeepSeek-V3's
   router, whose nodes the no-grad forward never makes: ``hf_offload.orphaned``);
 - the re-run's saves are packed as a forward's (offloaded, the originals stashed, deduplicated by address);

@@ -3,16 +3,18 @@
 ``SFTConfig(activation_offloading=True)`` (and axolotl's ``activation_offloading: true``) runs
 ``Trainer.training_step`` under TRL's saved-tensor hooks (trl 1.16.0, ``trl/models/activation_offloading.py``,
 itself torchtune's; the head's no-op hooks from ``get_act_offloading_ctx_manager``; the wrapping in
-``trl/trainer/sft_trainer.py``'s ``training_step``), as tests/accuracy/offload_steps.py's ``trl-like`` hooks
-emulate them on CPU. What differs from ``save_on_cpu`` (``act_offload.py``):
+``trl/trainer/sft_trainer.py``'s ``training_step``), as TRL itself runs them on CPU (tests/accuracy/trl_offload.py).
+What differs from ``save_on_cpu`` (``act_offload.py``):
 
 - kept on the device, the tensor itself held: a save under ``min_offload_size`` (1024 bytes), a parameter
   or a view of one (``w.t()``; not of FSDP2's unsharded parameters, gathered into storages the model did not
   have when the hooks were built: ``autograd.Storage.gathered``), anything the LM head saves (a no-op hook
-  pair around ``lm_head``: :attr:`TrlOffload.paused`), and a storage this forward already offloaded (keyed
-  by data pointer plus the view's offset, and dtype, ``_get_unique_tensor_key``: the second save of RMSNorm's
-  input, ``nll_loss``'s of the log-probabilities; the two halves of a ``chunk(2)`` are two keys,
-  ``autograd.Tensor.offset``);
+  pair around ``lm_head``, which replaces TRL's pack: no tensor id taken, :attr:`TrlOffload.paused`), and a
+  storage whose key TRL's dedup map holds (data pointer plus the view's offset, and dtype,
+  ``_get_unique_tensor_key``: the second save of RMSNorm's input, ``nll_loss``'s of the log-probabilities; the
+  two halves of a ``chunk(2)`` are two keys, ``autograd.Tensor.offset``): an offloaded save's key only while its
+  original is in the forward stash (``release_storage_key``), a kept save's that matched it until its unpack, so
+  the rotary tables every layer saves are offloaded again once the first copy's original left the stash;
 - a save of a node that dies in the forward (DeepSeek-V3's router) is packed and never unpacked: its host
   copy stays (:func:`orphaned`);
 - an offloaded save's original stays alive in the forward stash while it is among the last
@@ -29,7 +31,7 @@ emulate them on CPU. What differs from ``save_on_cpu`` (``act_offload.py``):
   emptied, the next pack starts a forward (the dedup map reset) and the next unpack takes its graph task (a nested
   one's end frees every copy held: ``Tape.callbacks``).
 
-Checked on CPU against the emulation through ``transformers.Trainer`` (tests/accuracy/
+Checked on CPU against TRL's own ``OffloadActivations`` through ``transformers.Trainer`` (tests/accuracy/
 test_offload_accuracy.py; over DDP, FSDP2 and 4-bit / LLM.int8 bases tests/unit/
 test_timeline_hf_offload_ranks.py; over MoE and MLA models test_timeline_hf_offload_moe.py; under the reentrant
 checkpoint test_timeline_hf_reentrant_offload.py). On CUDA TRL's
@@ -69,7 +71,10 @@ class TrlOffload:
         self.host_bytes = self.host_peak = 0
         self.paused = 0  # > 0 inside the LM head
         self.next_id = 0
-        self.seen: set = set()  # (storage, itemsize) offloaded in this forward
+        # TRL's dedup map (``storage_to_tensor_id``): (storage, offset, itemsize) -> the pack that tracks it, an
+        # offloaded save while its original is in the forward stash, or a kept save that matched it
+        self.seen: dict[tuple, int] = {}
+        self.key_of: dict[int, tuple] = {}
         self.stash: dict[int, Tensor] = {}  # id -> the original, held
         self.back: dict[int, Tensor] = {}  # id -> the copy brought back, held
         self.node: Node | None = None
@@ -80,30 +85,39 @@ class TrlOffload:
         self.first_forward = self.first_backward = True
         self.graph = 0
 
-    def _keep(self, t: Tensor) -> bool:
-        if self.paused or (t.st.managed and not t.st.gathered) or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
-            return True
-        key = (t.st, t.offset, t.itemsize)
-        if key in self.seen:
-            return True
-        self.seen.add(key)
-        return False
+    def _track(self, key: tuple, ident: int) -> None:
+        self.seen[key] = ident
+        self.key_of[ident] = key
+
+    def _untrack(self, ident: int) -> None:
+        """``release_storage_key``: the key goes unless a later pack has taken it."""
+        key = self.key_of.pop(ident, None)
+        if key is not None and self.seen.get(key) == ident:
+            del self.seen[key]
 
     def pack(self, tape: Tape, t: Tensor) -> Tensor | Packed:
         """Keep ``t`` on the device (held), or copy it to the host and stash the original."""
         if self.first_forward:
             self.first_forward, self.first_backward = False, True
-            self.seen = set()
+            self.seen, self.key_of = {}, {}
         self.pending += 1
+        if self.paused:  # the head's no-op hooks stand in for TRL's: no id, no key
+            return t if t.st.managed else tape.hold(t)
         self.next_id += 1
         ident = self.next_id
-        if self._keep(t):
+        key = (t.st, t.offset, t.itemsize)
+        if key in self.seen:  # checked first: the key moves to this kept save, until its unpack (the backward)
+            self._track(key, ident)
+            return t if t.st.managed else tape.hold(t)
+        if (t.st.managed and not t.st.gathered) or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
             return t if t.st.managed else tape.hold(t)
         self.host_bytes += t.numel * t.itemsize
         self.host_peak = max(self.host_peak, self.host_bytes)
         for old in [k for k in self.stash if k <= ident - FWD_STASH]:
             tape.drop(self.stash.pop(old))
+            self._untrack(old)
         self.stash[ident] = tape.hold(t)
+        self._track(key, ident)
         return TrlPacked(t.numel, t.itemsize, self, t.fn, ident=ident)
 
     def unpack(self, tape: Tape, packed: TrlPacked, tag: str = "unpacked", node: Node | None = None) -> Tensor:
@@ -111,6 +125,7 @@ class TrlOffload:
         unpacked first has run (in a reentrant checkpoint's nested one, until the outer node after it has run);
         each such node empties the forward stash as it ends."""
         self.release(packed)
+        self._untrack(packed.ident)
         self.unpacked(tape, 1)
         if node is not None:
             if tape.graph == self.graph and node is not self.node:
@@ -158,8 +173,9 @@ class TrlOffload:
         return hook
 
     def _clear_stash(self, tape: Tape) -> None:
-        for t in self.stash.values():
+        for ident, t in self.stash.items():
             tape.drop(t)
+            self._untrack(ident)
         self.stash = {}
 
     def end_of_step(self, tape: Tape) -> None:
@@ -167,7 +183,7 @@ class TrlOffload:
         map and the backward's flag reset each step, where TRL, an orphaned save in its tracker, would not)."""
         self._drop_back(tape)
         self._clear_stash(tape)
-        self.seen = set()
+        self.seen, self.key_of = {}, {}
         self.node = None
         self.first_backward = True
 
