@@ -59,6 +59,8 @@ ALLOCATOR_DEPENDENT = frozenset(
         "lora-fp32-qv",
         "qwen2-lora-fp32-tied",
         "hfoff-nf4",
+        "hfoff-int8",
+        "reentoff-lora-qv",
         "hfoffmoe-mixtral-fp32",
         "hfoffmoe-deepseek_v3-fp32",
         "hfoffmoe-qwen3_moe-lora-experts-fp32",
