@@ -86,7 +86,7 @@ def _rank(
     out: str,
     log: bool,
     optim: str = "adamw",
-    offload: bool = False,
+    offload: bool | str = False,
     args_update: dict | None = None,
 ) -> None:
     """One rank: the environment torchrun sets, the Trainer (``offload``: under TRL-like activation offload,
@@ -120,7 +120,7 @@ def _rank(
             if offload:
                 from offload_steps import trl_trainer
 
-                trainer = trl_trainer(model, args, rows)
+                trainer = trl_trainer(model, args, rows, emulated=offload == "emulated")
             else:
                 trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
             tracker = (AllocLog() if log else StorageTracker()) if rank == 0 else None
@@ -132,8 +132,10 @@ def _rank(
                 with tracker:
                     trainer.train()
     if tracker is not None:
+        context = getattr(trainer, "maybe_activation_offload_context", None)
+        reused = context.host.reused_addresses if hasattr(context, "host") else 0  # TRL's own hooks
         with open(out, "w") as f:
-            f.write(f"{tracker.peak}\n")
+            f.write(f"{tracker.peak} {reused}\n")
             for i, (sign, size, op, live) in enumerate(getattr(tracker, "events", [])):
                 f.write(f"{i:6d} {sign} {size:12d} {op:40s} {live:12d}\n")
     torch.distributed.destroy_process_group()
@@ -145,7 +147,7 @@ def run(
     steps: int = 3,
     log: bool = False,
     optim: str = "adamw",
-    offload: bool = False,
+    offload: bool | str = False,
     args_update: dict | None = None,
 ) -> list[str]:
     """Rank 0's peak (first line) and, with ``log``, its allocation sequence (``args_update``: ``_rank``'s)."""
@@ -159,10 +161,23 @@ def run(
 
 
 def measure(
-    case, ga: int = 1, steps: int = 3, optim: str = "adamw", offload: bool = False, args_update: dict | None = None
+    case,
+    ga: int = 1,
+    steps: int = 3,
+    optim: str = "adamw",
+    offload: bool | str = False,
+    args_update: dict | None = None,
 ) -> int:
-    """Rank 0's peak live bytes over ``steps`` optimizer steps of ``ga`` micro-batches."""
-    return int(run(case, ga, steps, optim=optim, offload=offload, args_update=args_update)[0])
+    """Rank 0's peak live bytes over ``steps`` optimizer steps of ``ga`` micro-batches (``offload``: under TRL's own
+    hooks, or the emulation where TRL's figures depend on the allocator, as ``offload_steps.measure`` chooses)."""
+    from offload_steps import ALLOCATOR_DEPENDENT
+
+    if offload is True and case.name in ALLOCATOR_DEPENDENT:
+        offload = "emulated"
+    peak, reused = run(case, ga, steps, optim=optim, offload=offload, args_update=args_update)[0].split()
+    if offload is True and int(reused):
+        return measure(case, ga, steps, optim, "emulated", args_update)
+    return int(peak)
 
 
 if __name__ == "__main__":
@@ -171,4 +186,4 @@ if __name__ == "__main__":
     name = sys.argv[1]
     lines = run(hf_steps.Case(name, loop="trainer"), *(int(a) for a in sys.argv[2:3]), log=True)
     print("\n".join(lines[1:]))
-    print("peak", lines[0])
+    print("peak", lines[0].split()[0])

@@ -15,12 +15,13 @@ offloaded follows the mechanism:
   ``get_act_offloading_ctx_manager``, the wrapping in trl/trainer/sft_trainer.py's
   ``training_step``), what ``SFTConfig(activation_offloading=True)`` and axolotl's
   ``activation_offloading: true`` run around ``Trainer.training_step``. The rules the emulation follows
-  (two of which TRL's code does otherwise: its dedup map holds a key only while the original is in the
-  forward stash, and the head's no-op hooks take no tensor id; docs/cost-model.md, "Measured with TRL's own
-  code"): tensors under ``min_offload_size`` (1024 bytes), parameters
-  and buffers (and views of a parameter's storage) stay; a storage already offloaded in this
-  forward (same data pointer + offset and dtype) stays on the device as well, the tensor itself
-  held; nothing the LM head saves is offloaded (a no-op hook pair around ``lm_head``); with
+  (since 2026-11-29 TRL's for its dedup map and the head, found by running TRL: docs/cost-model.md, "Measured
+  with TRL's own code"): tensors under ``min_offload_size`` (1024 bytes), parameters
+  and buffers (and views of a parameter's storage) stay; a storage whose key (data pointer + offset and
+  dtype) TRL's dedup map holds stays on the device as well, the tensor itself held (checked first; the map
+  holds an offloaded save's key while its original is in the forward stash, a kept save's that matched it until
+  its unpack; live storages only, where TRL keys addresses); nothing the LM head saves is offloaded, nor takes a
+  tensor id (a no-op hook pair around ``lm_head``); with
   streams, the originals of the offloaded tensors among the last ``max_fwd_stash_size`` (5) saved
   ones stay alive until a later save or the backward, and in the backward the tensors brought
   back for one autograd node stay until the next node of the graph task that unpacked first has run

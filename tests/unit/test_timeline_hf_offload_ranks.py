@@ -96,7 +96,16 @@ FULL = hf_steps.Case("hfoff-full", loop="trainer", **hf_steps.BASE_SMALL)
 DDP = [
     _slow(_peft("ddp-lora"), id="lora"),
     _slow(FULL, id="full"),
-    _slow(_peft("ddp-nf4-ckpt", quant="nf4", checkpointing=True), id="nf4-ckpt"),
+    pytest.param(
+        _peft("ddp-nf4-ckpt", quant="nf4", checkpointing=True),
+        id="nf4-ckpt",
+        marks=[
+            pytest.mark.slow,
+            # TRL's own hooks (2026-11-29), no save kept by a freed address, the same in three runs: 1,024,124 B
+            # measured, 1,027,708 predicted (+3,584 B); the emulation (and the run) keep what TRL does not: not traced
+            pytest.mark.xfail(strict=True, reason="TRL's own hooks over DDP nf4 checkpointed: +3,584 B predicted"),
+        ],
+    ),
     _slow(_peft("ddp-int8", quant="int8"), id="int8"),
 ]
 
