@@ -67,6 +67,15 @@ ALLOCATOR_DEPENDENT = frozenset(
         "hfoffmoe-qwen3_moe-lora-experts-fp32",
     }
 )
+# Cases where TRL's figures differ from the run's and the emulation's whether or not it reused an address (the same
+# in runs with and without): always measured with TRL, strict xfails (tests/unit/test_timeline_hf_offload_moe.py)
+TRL_MISSES = frozenset(
+    {
+        "hfoffmoe-deepseek_v2-autocast-ckpt",
+        "hfoffmoe-mixtral-lora-all-linear-fp32",
+        "hfoffmoe-deepseek_v3-lora-mla-fp32-ckpt",
+    }
+)
 MIN_OFFLOAD_BYTES = 1024  # TRL's min_offload_size default
 FWD_STASH = 5  # TRL's max_fwd_stash_size default
 
@@ -364,7 +373,8 @@ def measure(
         if base.name in ALLOCATOR_DEPENDENT:
             return measure(case, steps, reentrant, emulated=True)
         measured, reused = _measure(case, steps, reentrant, False)
-        return measure(case, steps, reentrant, emulated=True) if reused else measured
+        fallback = reused and base.name not in TRL_MISSES
+        return measure(case, steps, reentrant, emulated=True) if fallback else measured
     return _measure(case, steps, reentrant, emulated)[0]
 
 
