@@ -15,7 +15,8 @@ Qwen2-MoE's and Qwen2's q/k/v biases over a 4-bit base: ``Linear4bit.forward`` r
 ``.data`` to the compute dtype at its first call, a copy FSDP2 never frees (``hf_fsdp_qlora.HfFsdpQlora.recast_biases``;
 the run was 512 B under, those copies, before).
 
-Each case takes 1-5 s: five by default, the rest under ``-m slow``.
+Each case takes 1-5 s: five by default (with ``memplan estimate`` over DeepSeek-V2-Lite's two ranks, 5 s), the rest,
+torch's reentrant checkpoint and SGD over DeepSeek among them, under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -177,6 +178,42 @@ def test_variants_equal_rank_0s_peak(case, zero: int, ga: int, dp: int) -> None:
 def test_fsdps_own_checkpointing_over_deepseek_equals_rank_0s_peak() -> None:
     """``fsdp_config["activation_checkpointing"]`` over the MLA layers: as the Trainer's checkpointing."""
     _check(v3._case("fsdp-ac", checkpointing=True), 3, ac=True)
+
+
+KW = {"use_reentrant": True}
+REENTRANT = {"gradient_checkpointing_kwargs": dict(KW), "activation_checkpointing_kwargs": dict(KW)}
+# (case, zero, the plan's fields, TrainingArguments' fields): the mechanisms the FSDP2 run composes, over MLA
+OTHERS = [
+    (v3._case("fsdp-reentrant-ckpt", checkpointing=True), 3, {"use_reentrant": True}, REENTRANT),
+    (v2._case("fsdp-reentrant-bf16-ckpt", **BF16, checkpointing=True), 2, {"use_reentrant": True}, REENTRANT),
+    (v3._case("fsdp-sgd"), 3, {"optimizer": "sgd"}, {"optim": "sgd"}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "zero", "plan", "args"), OTHERS, ids=lambda c: getattr(c, "name", None))
+def test_reentrant_checkpoint_and_sgd_over_deepseek_equal_rank_0s_peak(case, zero: int, plan: dict, args: dict) -> None:  # noqa: ANN001
+    """torch's reentrant checkpoint (``reentrant.py``) and SGD (``hf_optimizers.py``) under FSDP2 over MLA, as over
+    the dense and MoE families: V3 2,861,432 B, V2 in bf16 1,758,478 B, V3 under SGD 3,326,084 B (2026-11-29)."""
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    full = _plan(case).model_copy(update={"dp": 2, "zero": zero, **plan})
+    assert hf_supported(model, full, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), device="cpu") is None
+    measured = hf_fsdp_steps.measure(case, 1, STEPS, reshard=zero >= 3, args_update=args)
+    predicted = hf_predict(case, full, subclass_like=True).peak()[0]
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+def test_estimate_answers_deepseek_v2_lite_under_fsdp2_op_level(capsys) -> None:
+    """``memplan estimate deepseek-v2-lite --runtime hf --dp 2 --zero 3``: op-level (the phase model before), the
+    rank's parameters, gradients and fp32 states half the one-rank run's (``bf16-mixed``: fp32 master shards)."""
+    from estimate_json import estimate_memory
+
+    args = ["deepseek-v2-lite", "--runtime", "hf", "--precision", "bf16-mixed", "--seq-len", "1024"]
+    one = estimate_memory(capsys, args)
+    two = estimate_memory(capsys, [*args, "--dp", "2", "--zero", "3"])
+    assert two["model"] == "op-level" and two["model_reason"] is None
+    for state in ("parameters", "gradients", "optimizer_states"):
+        assert abs(2 * two["model_states"][state] - one["model_states"][state]) <= 64 * 1024
 
 
 def test_a_rank_holds_whole_experts_and_dense_layers_are_groups() -> None:
