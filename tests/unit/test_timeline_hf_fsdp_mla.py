@@ -216,6 +216,34 @@ def test_estimate_answers_deepseek_v2_lite_under_fsdp2_op_level(capsys) -> None:
         assert abs(2 * two["model_states"][state] - one["model_states"][state]) <= 64 * 1024
 
 
+# DDP over a float DeepSeek (hf_ddp.py as over any base; before, MLA under DDP was followed over a quantized base
+# alone): two gloo ranks, 55-80 s each on the busy 2-core machine
+DDP = [
+    v3._case("ddp-fp32"),
+    v2._case("ddp-bf16-ckpt", **BF16, checkpointing=True),
+    _lora("v3-ddp-kvb-o-bf16", "deepseek_v3", v3.V3, targets=("kv_b_proj", "o_proj"), **BF16),
+    _lora(
+        "v2-ddp-all-autocast", "deepseek_v2", v2.LITE, targets=("q_proj", "kv_a_proj_with_mqa", "o_proj"), autocast=True
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DDP, ids=_ids)
+def test_ddp_over_a_float_deepseek_equals_rank_0s_peak(case) -> None:  # noqa: ANN001
+    """Rank 0 of two gloo ranks (tests/accuracy/hf_ddp_steps.py, forked ranks: the harness's ``.to(bfloat16)`` casts
+    V3's score bias, which the run keeps fp32 as ``from_pretrained`` does, so a bf16 V3 is compared with that cast
+    added back, ``test_timeline_hf_mla._bias_cast_bytes``: 32 B)."""
+    if isinstance(case, PeftCase):
+        pytest.importorskip("peft")
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = _plan(case).model_copy(update={"dp": 2})
+    assert hf_supported(model, plan, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), device="cpu") is None
+    expected = hf_ddp_steps.measure(case) + (v3._bias_cast_bytes(case) if case.arch == "deepseek_v3" else 0)
+    predicted = hf_predict(case, plan, subclass_like=True).peak()[0]
+    assert predicted == expected, f"{case.name}: {predicted:,} B predicted, {expected:,} B measured (fp32 bias)"
+
+
 def test_a_rank_holds_whole_experts_and_dense_layers_are_groups() -> None:
     """Over 4 ranks V3's 6 experts are chunks of 2 (dim 0 padded to 8); layer 0 (dense: ``first_k_dense_replace``)
     is a group of its own MLP, without experts; each layer's group gathers MLA's projections with its MLP."""
@@ -230,6 +258,34 @@ def test_a_rank_holds_whole_experts_and_dense_layers_are_groups() -> None:
     assert not any(t.startswith("model.layers.0.mlp.experts") for t in shards)
     assert shards["model.layers.0.mlp.gate_proj.weight.shard"] == case.ffn // 4 * h * 4
     assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight.shard" in shards
+
+
+CPU_LOAD = {"cpu_ram_efficient_loading": True}
+
+
+@pytest.mark.parametrize(("case", "zero", "dp"), [(v2._case("fsdp-load-e6", V2_6), 3, 4)], ids=["v2-e6"])
+def test_the_cpu_load_equals_rank_0s_shards_and_peak(case, zero: int, dp: int) -> None:  # noqa: ANN001
+    """``cpu_ram_efficient_loading`` (``hf_fsdp_load.py``, the default build of these plans) over DeepSeek-V2: each
+    ``state_dict()`` key chunked on dim 0, the experts' on E (6 over 4 ranks), in order and size, and the peak
+    (3,502,312 B; V2 over two ranks 4,372,948 B and LoRA on q_proj and o_proj 2,621,264 B, probed, equal)."""
+    measured = hf_fsdp_steps.run(case, steps=STEPS, reshard=zero == 3, world=dp, log=True, config=CPU_LOAD)
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    plan = _plan(case).model_copy(update={"dp": dp, "zero": zero, "model_build": "to_device"})
+    assert hf_supported(model, plan, TrainingWorkload(seq_len=case.seq, micro_batch=case.batch), device="cpu") is None
+    timeline = hf_predict(case, plan, host_load=True, subclass_like=True)
+    predicted = [e.size for e in timeline.events if e.op == ALLOC and e.tag.endswith((".chunk_pad", ".shard"))]
+    loaded = ("constant_pad_nd.default", "empty_like.default")
+    assert [size for _, size, op, _ in measured.events if op in loaded][: len(predicted)] == predicted
+    assert timeline.peak()[0] == measured.peak
+
+
+@pytest.mark.slow
+def test_the_trainer_cannot_load_deepseek_v3_on_the_cpu_under_fsdp2() -> None:
+    """Why ``hf_support`` refuses V3 under ``model_build: to_device``: accelerate 1.15's ``fsdp2_load_full_state_dict``
+    reads ``.device_mesh`` off the routers' ``e_score_correction_bias``, a buffer ``fully_shard`` leaves a plain
+    tensor. Fails once accelerate loads buffers (then the refusal goes)."""
+    with pytest.raises(AttributeError, match="device_mesh"):
+        hf_fsdp_steps.run(v3._case("fsdp-load"), steps=1, config=CPU_LOAD)
 
 
 def _live(events, tag: str) -> list[tuple[int, int]]:  # noqa: ANN001
@@ -266,12 +322,20 @@ def _profile(name: str):  # noqa: ANN202
 
 
 QLORA = dict(finetune="qlora", quant="nf4", lora_targets=("q_proj", "v_proj"))
+QLORA_V3 = dict(finetune="qlora", quant="nf4", lora_targets=("q_a_proj", "o_proj"))
 
 
 @pytest.mark.parametrize(
     ("name", "plan", "why"),
     [
         ("deepseek-v3", dict(zero=3), None),
+        (
+            "deepseek-v3",
+            dict(zero=3, model_build="to_device"),
+            "DeepSeek-V3 under the Trainer's FSDP loaded on the CPU",
+        ),
+        ("deepseek-v3", dict(zero=2, **QLORA_V3), None),  # a 4-bit base: from_pretrained alone (specs.plan)
+        ("deepseek-v2-lite", dict(zero=3, model_build="to_device"), None),
         ("deepseek-v2-lite", dict(zero=2, precision="bf16-mixed"), None),
         ("deepseek-v3", dict(zero=3, finetune="lora", lora_targets=MLA3), None),
         ("deepseek-v2-lite", dict(zero=3, finetune="qlora", quant="nf4", lora_targets=("q_proj", "o_proj")), None),
@@ -287,13 +351,14 @@ QLORA = dict(finetune="qlora", quant="nf4", lora_targets=("q_proj", "v_proj"))
             dict(zero=3, finetune="qlora", quant="int8", lora_targets=("o_proj",)),
             "an LLM.int8 base under the Trainer's FSDP",
         ),
-        ("deepseek-v2-lite", dict(zero=0, finetune="lora", lora_targets=("o_proj",)), "MLA other than"),
+        ("deepseek-v2-lite", dict(zero=0, finetune="lora", lora_targets=("o_proj",)), None),  # DDP
+        ("deepseek-v3", dict(zero=0), None),
     ],
 )
 def test_what_fsdp2_follows_over_deepseek_and_qwen2_moe(name: str, plan: dict, why) -> None:  # noqa: ANN001
     """On CPU, two ranks: DeepSeek-V3 / V2 under FSDP2 full, LoRA on MLA's linears or QLoRA, and a 4-bit Qwen2-MoE
-    (its q/k/v biases) followed; a trained copy of the head over MLA, LLM.int8 under FSDP2 and float DeepSeek under
-    DDP still refused, one line each."""
+    (its q/k/v biases) followed, and float DeepSeek under DDP; V3 loaded on the CPU (the Trainer cannot), a trained
+    copy of the head over MLA and LLM.int8 under FSDP2 still refused, one line each."""
     model = _profile(name)
     reason = hf_supported(
         model, Plan(**{"precision": "bf16", "dp": 2, **plan}), TrainingWorkload(seq_len=256), "hf", device="cpu"

@@ -18,7 +18,8 @@ no router biases; tests/unit/test_timeline_hf_moe.py), and DeepSeek-V3 and V2 (`
 CPU's math SDPA, on CUDA under the memory-efficient kernel, ``mla_cuda_ok``, from source; V3's sigmoid router
 with its score bias and groups, the ungated shared experts; ``hf_mla_v2.py``:
 V2's complex RoPE and softmax router, greedy or group-limited; full fine-tuning, or PEFT LoRA on MLA's
-linears, on one rank or under FSDP2 (below); tests/unit/test_timeline_hf_mla.py, test_timeline_hf_mla_v2.py);
+linears, on one rank, under DDP or FSDP2 (below: not V3 loaded on the CPU, :func:`_cpu_load_buffer`);
+tests/unit/test_timeline_hf_mla.py, test_timeline_hf_mla_v2.py, test_timeline_hf_fsdp_mla.py);
 fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
@@ -297,6 +298,7 @@ def hf_supported(
             "ZeRO over more than one rank at stage 1 (DeepSpeed's; the Trainer's FSDP is 2 or 3)",
         ),
         (plan.dp == 1 or plan.zero == 0 or _fsdp_ok(model, plan, runtime), _fsdp_reason(model, plan)),
+        (not _cpu_load_buffer(model, plan), _CPU_LOAD_BUFFER),
         (plan.optimizer == "adamw" or _optimizer_ok(plan, runtime), _optimizer_reason(plan, runtime)),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
@@ -445,8 +447,7 @@ def mla_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None) -> bool
 
 _MLA_PLAN = (
     "MLA other than full fine-tuning or LoRA on the attention linears (q_a_proj, q_b_proj or q_proj, "
-    "kv_a_proj_with_mqa, kv_b_proj, o_proj) of DeepSeek-V2 or V3 without attention biases on one rank or under "
-    "the Trainer's FSDP2 (over a quantized base under DDP too)"
+    "kv_a_proj_with_mqa, kv_b_proj, o_proj) of DeepSeek-V2 or V3 without attention biases"
 )
 
 
@@ -455,12 +456,12 @@ def _mla_ok(model: ModelSpec, plan: Plan) -> bool:
     or PEFT LoRA on linears MLA has (no ``modules_to_save``), on one rank (fp32, bf16 with or without
     ``bf16=True``, ``bf16=True`` over fp32), under the Trainer's FSDP2 (``full_shard`` or ``shard_grad_op``,
     full fine-tuning, LoRA or QLoRA: each decoder layer one group, dense or MoE, the experts sharded on the
-    expert axis as Mixtral's, ``hf_fsdp_moe.py``; tests/unit/test_timeline_hf_fsdp_mla.py), or over a quantized
-    base under DDP too (tests/unit/test_timeline_hf_quant_moe_ranks.py; a float one not checked there: a bf16 V3
-    built by ``.to(bfloat16)``, whose router score bias goes bf16, measured +16 B, that buffer's 8 x 2 B), no
-    attention biases (``attention_bias``: q_a_proj's and kv_a_proj_with_mqa's, not followed)."""
-    ranks = plan.dp == 1 or plan.zero >= 2 or (plan.zero == 0 and plan.quant != "none")
-    return ranks and not model.mla.down_proj_bias and (plan.finetune == "full" or _mla_lora_ok(model, plan))
+    expert axis as Mixtral's, ``hf_fsdp_moe.py``; tests/unit/test_timeline_hf_fsdp_mla.py) or its DDP (``hf_ddp.py``
+    as over any base, float or quantized: test_timeline_hf_fsdp_mla.py, test_timeline_hf_quant_moe_ranks.py; a bf16
+    V3 the harness builds by ``.to(bfloat16)`` has its router score bias bf16, 2 B an expert a sparse layer under
+    the run, which keeps it fp32 as ``from_pretrained`` does), no attention biases (``attention_bias``: q_a_proj's
+    and kv_a_proj_with_mqa's, not followed)."""
+    return not model.mla.down_proj_bias and (plan.finetune == "full" or _mla_lora_ok(model, plan))
 
 
 def mla_linears(model: ModelSpec) -> tuple[str, ...]:
@@ -537,6 +538,25 @@ def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
         and (plan.finetune == "full" or _fsdp_lora_ok(model, plan))
         and (plan.quant == "none" or _fsdp_qlora_ok(model, plan))
     )
+
+
+_CPU_LOAD_BUFFER = (
+    "DeepSeek-V3 under the Trainer's FSDP loaded on the CPU (model_build to_device: cpu_ram_efficient_loading), "
+    "which the Trainer cannot run: accelerate's fsdp2_load_full_state_dict reads .device_mesh off each state-dict "
+    "entry, and the routers' e_score_correction_bias is a plain buffer (AttributeError); --model-build "
+    "from_pretrained runs"
+)
+
+
+def _cpu_load_buffer(model: ModelSpec, plan: Plan) -> bool:
+    """A persistent floating buffer (DeepSeek-V3's routers' ``e_score_correction_bias``) under FSDP2 with
+    ``cpu_ram_efficient_loading`` (``model_build: to_device``, never over a 4-bit base: ``specs.plan``; an int8 one
+    is refused under FSDP2): accelerate 1.15's ``fsdp2_load_full_state_dict``
+    (accelerate/utils/fsdp_utils.py:620-630) takes every entry of the sharded ``model.state_dict()`` for a DTensor
+    (``sharded_param.device_mesh``), and a buffer ``fully_shard`` leaves a plain tensor: the real Trainer raises
+    ``AttributeError`` in ``accelerator.prepare`` (tests/unit/test_timeline_hf_fsdp_mla.py)."""
+    fsdp = plan.dp > 1 and plan.zero >= 2 and plan.model_build == "to_device"
+    return fsdp and model.moe is not None and model.moe.router_score_bias
 
 
 def _fsdp_qlora_ok(model: ModelSpec, plan: Plan) -> bool:
