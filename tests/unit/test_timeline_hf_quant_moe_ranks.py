@@ -228,16 +228,17 @@ def test_estimate_answers_qlora_over_mixtral_on_two_ranks_op_level(capsys) -> No
         ("qwen3-30b-a3b", {"dp": 4, "zero": 3}, None),
         ("qwen3-30b-a3b", {"dp": 2, "quant": "int8"}, None),
         ("deepseek-v2-lite", {"dp": 2}, None),  # MLA's linears 4-bit under DDP
-        ("deepseek-v2-lite", {"dp": 2, "quant": "none", "finetune": "lora"}, "MLA other than"),  # float: one rank
-        ("deepseek-v2-lite", {"dp": 2, "zero": 3}, "MLA other than"),
-        ("qwen2-moe-a2.7b", {"dp": 2, "zero": 2}, "a 4-bit base with q/k/v biases under the Trainer's FSDP"),
+        ("deepseek-v2-lite", {"dp": 2, "quant": "none", "finetune": "lora"}, None),  # float: test_..._fsdp_mla.py
+        ("deepseek-v2-lite", {"dp": 2, "zero": 3}, None),  # test_timeline_hf_fsdp_mla.py
+        ("qwen2-moe-a2.7b", {"dp": 2, "zero": 2}, None),  # its q/k/v biases recast once (hf_fsdp_qlora.py)
         ("qwen2-moe-a2.7b", {"dp": 2}, None),
         ("qwen3-30b-a3b", {"dp": 2, "zero": 3, "quant": "int8"}, "an LLM.int8 base under the Trainer's FSDP"),
     ],
 )
 def test_what_the_run_follows_over_more_ranks(name: str, update: dict, why) -> None:
-    """On CPU: DDP over every quantized MoE family, FSDP2 over 4-bit Mixtral and Qwen3-MoE; Qwen2-MoE's q/k/v biases
-    under FSDP2, an LLM.int8 base there and DeepSeek under FSDP2 (or float under DDP) refused, one line each."""
+    """On CPU: DDP over every quantized MoE family, FSDP2 over every 4-bit one (Qwen2-MoE's q/k/v biases and DeepSeek
+    too, and float DeepSeek under DDP: test_timeline_hf_fsdp_mla.py); an LLM.int8 base under FSDP2 refused, one
+    line."""
     from pathlib import Path
 
     from memplan.specs.loader import load_model
