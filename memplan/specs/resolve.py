@@ -202,7 +202,7 @@ def job_from(
                 source=where,
                 field=field,
             ) from None
-    plan = fsdp_build(_validate_section(Plan, plan_data, set(flags), source, "plan"), plan_data, runtime)
+    plan = fsdp_build(_validate_section(Plan, plan_data, set(flags), source, "plan"), plan_data, runtime, model)
     if gpus is not None and plan.world_size != gpus:
         where, field = blame("gpus")
         raise MemplanError(f"dp x tp x pp x cp = {plan.world_size} but gpus is {gpus}", source=where, field=field)
