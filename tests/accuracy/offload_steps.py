@@ -65,9 +65,17 @@ def _host_copy(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype]:
 
 
 def _device_copy(packed: tuple[np.ndarray, torch.dtype]) -> torch.Tensor:
-    """A new tensor (counted) holding the host copy's values, contiguous."""
+    """A new tensor (counted) holding the host copy's values, contiguous: one allocation, as the hooks' ``to(device)``
+    of the pinned copy makes one on a GPU. The numpy-backed tensor it is cloned from is made with the dispatch modes
+    off: under the trackers ``torch.from_numpy`` runs ``lift_fresh``, whose output (the host copy's numpy memory,
+    outside torch's allocator) they would count beside the clone until the clone returns, one more unpacked save's
+    bytes at each unpack (memplan/train/offload.py's ``_device_copy`` avoids it for the bundled trainer)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     arr, dtype = packed
-    out = torch.from_numpy(arr).clone()
+    with _disable_current_modes():
+        host = torch.from_numpy(arr)
+    out = host.clone()
     return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
 
 

@@ -230,7 +230,7 @@ def hf_supported(
         (model.mla is None or cpu or mla_cuda_ok(model, plan, gpu_arch), _MLA_CUDA),
         (model.mla is None or _mla_ok(model, plan), _MLA_PLAN),
         (_moe_ok(model), "this MoE block (shared experts, dense layers, router biases or fused experts)"),
-        (model.moe is None or plan.quant == "none" or _quant_moe_ok(model, plan, cpu), _QUANT_MOE),
+        (model.moe is None or plan.quant == "none" or _quant_moe_ok(model, plan, cpu, runtime), _QUANT_MOE),
         (
             model.moe is None or gpu_arch is None or gpu_arch.major >= 8,
             "MoE experts below compute capability 8.0 (transformers' own grouped_mm fallback)",
@@ -361,12 +361,13 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 
 _QUANT_MOE = (
-    "a quantized MoE base other than on CPU without activation offload (the op-level run follows it there, on one "
-    "rank, under DDP and, over a 4-bit base, under FSDP2; --device cpu)"
+    "a quantized MoE base other than on CPU without the hf-loop runtime's activation offload (the op-level run "
+    "follows it there, on one rank, under DDP and, over a 4-bit base, under FSDP2, TRL's offload under the "
+    "Trainer too; --device cpu)"
 )
 
 
-def _quant_moe_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:
+def _quant_moe_ok(model: ModelSpec, plan: Plan, cpu: bool, runtime: str) -> bool:
     """A 4-bit or LLM.int8 base of Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V2 or V3 as
     tests/unit/test_timeline_hf_quant_moe.py checks it against the real Trainer and hand-written loop on CPU:
     bitsandbytes replaces the ``nn.Linear`` alone (the attention's, MLA's, the shared experts' and Qwen2-MoE's
@@ -377,11 +378,14 @@ def _quant_moe_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:
     buckets, broadcast with the packed weights at construction), FSDP2 where :func:`_fsdp_ok` takes the plan
     (a 4-bit base of any of them: the packed weights sharded in their storage dtype beside the fp32 experts,
     sharded on the expert axis, ``hf_fsdp_qlora.py`` over ``hf_fsdp_moe.py``; Qwen2-MoE's q/k/v biases recast
-    once, ``hf_fsdp_qlora.HfFsdpQlora.recast_biases``; DeepSeek's tests/unit/test_timeline_hf_fsdp_mla.py).
-    Not followed: CUDA (fp32
-    experts under ``grouped_mm`` there: not checked), activation offload over such a base."""
+    once, ``hf_fsdp_qlora.HfFsdpQlora.recast_biases``; DeepSeek's tests/unit/test_timeline_hf_fsdp_mla.py); under
+    the Trainer with TRL's activation offload too (``hf_offload.py`` over the same runs;
+    tests/unit/test_timeline_hf_quant_moe_ranks.py, on one rank, DDP and FSDP2). Not followed: CUDA (fp32
+    experts under ``grouped_mm`` there: not checked), ``save_on_cpu`` around the hand-written loop over such a
+    base (not checked)."""
     families = MOE_FAMILIES + MLA_FAMILIES
-    return cpu and model.architecture in families and plan.offload_activations == "none"
+    offload = plan.offload_activations == "none" or runtime == "hf"
+    return cpu and model.architecture in families and offload
 
 
 def _moe_ok(model: ModelSpec) -> bool:
