@@ -52,16 +52,21 @@ class MasterAdamW:
         ``ops.embedding``)."""
         t = self.tape
         if first:
-            for name, n in params:
-                if name not in fp32:
-                    upcast = t.new(n, FP32, f"{name}.float")
-                    self.states.append(t.managed(n, FP32, f"{name}.master", Category.OPTIMIZER_STATES))
-                    t.done(upcast)
-                for state in ("exp_avg", "exp_avg_sq"):
-                    self.states.append(t.managed(n, FP32, f"{name}.{state}", Category.OPTIMIZER_STATES))
+            self.create(params, fp32)
         sizes, temp = grads or {}, Category.OPTIMIZER_TEMP
         copies = [(sizes.get(name, n) * FP32, f"{name}.grad_fp32") for name, n in params if name not in fp32]
         grads_fp32 = t.temporaries(copies, temp)
         roots = t.temporaries([(n * FP32, f"{name}.sqrt_tmp") for name, n in params], temp)
         t.release(roots)
         t.release(grads_fp32)
+
+    def create(self, params: list[tuple[str, int]], fp32: Collection[str] = ()) -> None:
+        """The first step's masters and moments, per parameter in order (module docstring)."""
+        t = self.tape
+        for name, n in params:
+            if name not in fp32:
+                upcast = t.new(n, FP32, f"{name}.float")
+                self.states.append(t.managed(n, FP32, f"{name}.master", Category.OPTIMIZER_STATES))
+                t.done(upcast)
+            for state in ("exp_avg", "exp_avg_sq"):
+                self.states.append(t.managed(n, FP32, f"{name}.{state}", Category.OPTIMIZER_STATES))
