@@ -14,6 +14,12 @@ role the block itself left live (a *carry-out*): same size, category, stream and
 allocation order. Where the carry-ins and carry-outs do not pair one to one, the block is not
 repeatable from its events and :func:`repeat` says so (the caller builds it op by op). That the
 copy equals the op-by-op step is checked over a grid of plans (tests/unit/test_timeline_repeat.py).
+
+The first steady step is the warm-up step but for what only a first step makes (cuBLAS's
+workspaces, the optimizer's states: spans the run records as it builds them) and the free of the
+batch the step before left: :func:`derive` copies the warm-up step without those spans, that batch
+freed where the step frees it, each id renumbered as the op-by-op step numbers it (the block's
+shift less the spans' ids below it). Checked over the same grid, with which plans derive it.
 """
 
 from __future__ import annotations
@@ -97,9 +103,11 @@ def derive(b: Builder, start: Position, end: Position, skipped: list[Span], carr
     first, stop = start[1], end[1]
     events, live = b.events, b.live
     ends, firsts, cum = [], [], [0]  # the spans' end and first ids; the ids skipped below each span's end
+    after, after_id = start[0], first  # the spans in order, apart, inside the block
     for e0, e1, i0, i1 in skipped:
-        if not (start[0] <= e0 <= e1 <= end[0] and first <= i0 <= i1 <= stop):
+        if not (after <= e0 <= e1 <= end[0] and after_id <= i0 <= i1 <= stop):
             return False
+        after, after_id = e1, i1
         for e in events[e0:e1]:
             if e[0] != ALLOC and not (e[0] == FREE and i0 <= e[1] < i1):
                 return False
