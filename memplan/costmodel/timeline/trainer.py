@@ -244,7 +244,7 @@ class _Run:
         self.zero1 = dp > 1 and zero == 1  # ZeroRedundancyOptimizer over DDP (zero1.py)
         self.shapes = param_shapes(d, tied)
         self.grads: dict[str, Tensor] = {}
-        self.states: list[Tensor] = []
+        self.states: list[int] = []  # AdamW's moments' allocation ids (:meth:`_group_step`)
         self.master = MasterAdamW(self.tape) if master else None  # bf16-master (master.py)
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
@@ -476,11 +476,10 @@ class _Run:
             return
         itemsize = self.lora.itemsize if self.lora is not None else lambda _: pd
         sizes = [(name, n * itemsize(name)) for name, n in params]
-        if first:
+        if first:  # kept as ids: nothing reads them as tensors (MasterAdamW.create)
             with self._first_only():
-                for name, size in sizes:
-                    for state in ("exp_avg", "exp_avg_sq"):
-                        self.states.append(t.managed(size, 1, f"{name}.{state}", Category.OPTIMIZER_STATES))
+                states = [(size, f"{name}.{state}") for name, size in sizes for state in ("exp_avg", "exp_avg_sq")]
+                self.states += t.temporaries(states, Category.OPTIMIZER_STATES)
         t.release(t.temporaries([(size, f"{name}.sqrt_tmp") for name, size in sizes], Category.OPTIMIZER_TEMP))
 
     def optimizer_params(self) -> list[tuple[str, int]]:
