@@ -2,7 +2,9 @@
 the real hand-written loop (``--runtime hf-loop``) on CPU: a tiny random model saved and loaded back through
 ``BitsAndBytesConfig`` (nf4 with and without double quantization, LLM.int8), ``prepare_model_for_kbit_training``,
 ``get_peft_model`` (tests/accuracy/peft_steps.py); the peak of live storages over three optimizer steps
-(``StorageTracker``) equal to the byte.
+(``StorageTracker``) equal to the byte; the hand-written loop under ``save_on_cpu`` too
+(tests/accuracy/offload_steps.py's loop, the host copies at most equal as well; without checkpointing, PEFT's
+reentrant and transformers' non-reentrant checkpoint).
 
 What loading such a base does (transformers 5.23, bitsandbytes 0.50.2, PEFT 0.21.2): bitsandbytes replaces the
 ``nn.Linear`` alone, the attention's q/k/v/o_proj and Qwen2-MoE's shared expert with its ``shared_expert_gate``
