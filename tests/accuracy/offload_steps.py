@@ -306,12 +306,13 @@ def trl_trainer(model, args, rows) -> _OffloadTrainer:  # noqa: ANN001 - a model
     return trainer
 
 
-def measure(case: OffloadCase, steps: int = 3, reentrant: bool = False) -> tuple[int, int]:
+def measure(case: OffloadCase, steps: int = 3, reentrant: bool = False, model=None) -> tuple[int, int]:  # noqa: ANN001
     """(steady-state device peak, host peak) of ``steps`` steps of the case's loop under offload (``reentrant``:
     the Trainer's checkpointing with ``gradient_checkpointing_kwargs={"use_reentrant": True}``, the hand loop's
-    model checkpointed so: :func:`_model`)."""
+    model checkpointed so: :func:`_model`; ``model``: the case's model built by the caller, in its place)."""
     base = case.base
-    model = _model(case, reentrant and case.mode == "save_on_cpu")
+    if model is None:
+        model = _model(case, reentrant and case.mode == "save_on_cpu")
     offload = EmulatedOffload(case.mode, model)
     torch.manual_seed(1)
     ids = torch.randint(0, base.vocab, (base.batch, base.seq))

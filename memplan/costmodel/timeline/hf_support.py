@@ -90,7 +90,8 @@ tests/unit/test_timeline_hf_loop_sliding_cuda.py), with
 ``AdamW(foreach=True)``, any gradient accumulation (``loss = out.loss / ga``, ``opt.step()`` every ``ga``
 iterations), on one rank, with or without activation offload (``save_on_cpu`` around the forward and backward:
 ``act_offload.py``'s hooks, checked over the dense families, Mixtral, Qwen3-MoE, Qwen2-MoE and DeepSeek-V2 / V3,
-``LOOP_OFFLOAD_FAMILIES``; tests/accuracy/test_offload_accuracy.py, test_timeline_hf_loop_peft_families.py);
+``LOOP_OFFLOAD_FAMILIES``, over a float, 4-bit or LLM.int8 base; tests/accuracy/test_offload_accuracy.py,
+test_timeline_hf_loop_peft_families.py, test_timeline_hf_quant_moe.py);
 there ``bf16`` is the bf16 model without autocast unless the plan's ``autocast`` puts the forward under
 ``torch.autocast`` (tests/unit/test_plan_autocast.py), so over a 4-bit base SDPA takes the fp32 stream: without
 GQA the memory-efficient kernel on CUDA (:func:`_four_bit_kernel_ok`).
@@ -230,7 +231,7 @@ def hf_supported(
         (model.mla is None or cpu or mla_cuda_ok(model, plan, gpu_arch), _MLA_CUDA),
         (model.mla is None or _mla_ok(model, plan), _MLA_PLAN),
         (_moe_ok(model), "this MoE block (shared experts, dense layers, router biases or fused experts)"),
-        (model.moe is None or plan.quant == "none" or _quant_moe_ok(model, plan, cpu, runtime), _QUANT_MOE),
+        (model.moe is None or plan.quant == "none" or _quant_moe_ok(model, cpu), _QUANT_MOE),
         (
             model.moe is None or gpu_arch is None or gpu_arch.major >= 8,
             "MoE experts below compute capability 8.0 (transformers' own grouped_mm fallback)",
@@ -361,18 +362,18 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 
 _QUANT_MOE = (
-    "a quantized MoE base other than on CPU without the hf-loop runtime's activation offload (the op-level run "
-    "follows it there, on one rank, under DDP and, over a 4-bit base, under FSDP2, TRL's offload under the "
-    "Trainer too; --device cpu)"
+    "a quantized MoE base other than on CPU (the op-level run follows it there, on one rank, under DDP and, over a "
+    "4-bit base, under FSDP2, TRL's offload under the Trainer and save_on_cpu around the hand-written loop too; "
+    "--device cpu)"
 )
 
 
-def _quant_moe_ok(model: ModelSpec, plan: Plan, cpu: bool, runtime: str) -> bool:
+def _quant_moe_ok(model: ModelSpec, cpu: bool) -> bool:
     """A 4-bit or LLM.int8 base of Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V2 or V3 as
     tests/unit/test_timeline_hf_quant_moe.py checks it against the real Trainer and hand-written loop on CPU:
     bitsandbytes replaces the ``nn.Linear`` alone (the attention's, MLA's, the shared experts' and Qwen2-MoE's
     shared-expert gate, the dense layers' MLP: ``hf_bnb.Bnb4bit.quantized``), the router and the 3-D experts stay
-    float (fp32 after ``prepare_model_for_kbit_training``), no activation offload; on one rank, or over more as
+    float (fp32 after ``prepare_model_for_kbit_training``); on one rank, or over more as
     tests/unit/test_timeline_hf_quant_moe_ranks.py checks them against the real Trainer: DDP over every one of
     these families (``hf_ddp.py`` as over a dense base: the fp32 experts and router frozen, outside the
     buckets, broadcast with the packed weights at construction), FSDP2 where :func:`_fsdp_ok` takes the plan
@@ -380,12 +381,12 @@ def _quant_moe_ok(model: ModelSpec, plan: Plan, cpu: bool, runtime: str) -> bool
     sharded on the expert axis, ``hf_fsdp_qlora.py`` over ``hf_fsdp_moe.py``; Qwen2-MoE's q/k/v biases recast
     once, ``hf_fsdp_qlora.HfFsdpQlora.recast_biases``; DeepSeek's tests/unit/test_timeline_hf_fsdp_mla.py); under
     the Trainer with TRL's activation offload too (``hf_offload.py`` over the same runs;
-    tests/unit/test_timeline_hf_quant_moe_ranks.py, on one rank, DDP and FSDP2). Not followed: CUDA (fp32
-    experts under ``grouped_mm`` there: not checked), ``save_on_cpu`` around the hand-written loop over such a
-    base (not checked)."""
-    families = MOE_FAMILIES + MLA_FAMILIES
-    offload = plan.offload_activations == "none" or runtime == "hf"
-    return cpu and model.architecture in families and offload
+    tests/unit/test_timeline_hf_quant_moe_ranks.py, on one rank, DDP and FSDP2); under the hand-written loop with
+    ``save_on_cpu`` around its forward and backward (``act_offload.py`` over the same run: every save packed, the
+    fp32 experts' ``grouped_mm`` saves too, and under PEFT's reentrant checkpoint the re-runs' saves in the
+    backward; tests/unit/test_timeline_hf_quant_moe.py). Not followed: CUDA (fp32 experts under ``grouped_mm``
+    there: not checked)."""
+    return cpu and model.architecture in MOE_FAMILIES + MLA_FAMILIES
 
 
 def _moe_ok(model: ModelSpec) -> bool:
