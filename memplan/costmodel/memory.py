@@ -38,16 +38,14 @@ from memplan.costmodel import trainer_offload as TO
 from memplan.costmodel.build_blocks import parameter_block_excess
 from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout, vocab_shard_params
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
-from memplan.costmodel.rank import (  # noqa: F401 (re-exported: the phase model's callers read them here too)
+from memplan.costmodel.rank import (
     Device,
     device_states,
     factored_share,
-    finetune_states,
     gradient_accumulation,
     model_states,
     sdpa_kind,
     stage_role,
-    stage_states,
 )
 from memplan.costmodel.rank import States as _States
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
