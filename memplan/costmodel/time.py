@@ -16,7 +16,7 @@ Every constant below is an assumption with its source; a calibration per GPU pro
 (measured / predicted step time from ``memplan tune --validate``) scales the result.
 """
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from functools import lru_cache
 from operator import attrgetter
 from typing import NamedTuple
@@ -33,7 +33,6 @@ from memplan.costmodel.optimizer import is_paged, paged_residency, state_bytes_p
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.rank import gradient_accumulation, sdpa_kind
 from memplan.costmodel.runtimes import RUNTIMES
-from memplan.records import record
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -584,7 +583,7 @@ OPTIMIZER_FIELDS = (
 _optimizer_fields = attrgetter(*OPTIMIZER_FIELDS)
 
 
-@record(frozen=False, slots=True)
+@dataclass(slots=True)
 class TimeMemo:
     """What the plans of one search share, for one model, GPU, cluster, efficiencies and
     runtime (``search.evaluate.Context`` owns one): one micro-batch's seconds on a stage, the
