@@ -7,7 +7,7 @@ Precedence: command-line flags, then the plan file, then defaults. Errors name t
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from memplan.costmodel.allocator import AllocatorConfig, parse_alloc_conf
 from memplan.errors import MemplanError
+from memplan.records import record
 from memplan.specs.detect import AUTO, DEFAULT_GPU, auto_gpu
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import PlanFile, RuntimeName, check_compatible, suspicious
@@ -41,7 +42,7 @@ TRAINING_PLAN_FIELDS = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
+@record()
 class Job:
     """Everything one estimate needs, validated and mutually consistent."""
 
