@@ -44,6 +44,7 @@ from typing import Any
 from memplan.costmodel import fast_run as FR
 from memplan.costmodel import memory as M
 from memplan.costmodel.quant import CudaArch, cuda_arch
+from memplan.costmodel.rank import stage_states
 from memplan.costmodel.reserve import plan_run
 from memplan.costmodel.time import estimate_time
 from memplan.costmodel.timeline.hf_support import hf_supported
@@ -198,7 +199,7 @@ def sweep_estimates(reach: Reach, plans: int, seed: int) -> dict[str, int]:
             reach.call(f"estimate:{why}", M.estimate_memory, m, w, p, rt, device)
         else:
             reach.call("advice", M.estimate_memory, m, w, p, rt, device)
-            reach.call("report", M.stage_states, m, p, 0)
+            reach.call("report", stage_states, m, p, 0)
             reach.call("report", M.gradient_accumulation, w, p)
             if p.pp > 1 and rt == "memplan":
                 reach.call("stage", phase_stage, m, w, p, device)

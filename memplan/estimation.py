@@ -184,7 +184,7 @@ def _verified(
             out.append((s, False))
             continue
         budget -= 1
-        plan = changed_plan(job.plan, dict(s.plan_update), job.runtime)
+        plan = changed_plan(job.plan, dict(s.plan_update), job.runtime, job.model)
         workload = job.workload.model_copy(update=dict(s.workload_update))
         changed = replace(job, plan=plan, workload=workload)
         full, v, _ = memory_verdict(changed, device, limit)

@@ -9,14 +9,14 @@ FFN size their 4h. The runtime profiles (``runtimes.py``) compose these terms.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 from memplan.costmodel.attention import math_compute_bytes, total_saved_bytes
+from memplan.records import record
 from memplan.specs.model import ModelSpec
 
 
-@dataclass(frozen=True, slots=True)
+@record(slots=True)
 class Shape:
     """What activation sizes depend on, resolved for one rank."""
 

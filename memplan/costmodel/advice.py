@@ -129,7 +129,7 @@ class _Estimator:
 
     def __call__(self, change: str, plan_update: dict, workload_update: dict) -> Suggestion | None:
         try:
-            new_plan = changed_plan(self.plan, plan_update, self.runtime)
+            new_plan = changed_plan(self.plan, plan_update, self.runtime, self.model)
             new_workload = self.workload.model_copy(update=workload_update)
             check_compatible(self.model, new_workload, new_plan, self.runtime)
             reserved = self.reserved(new_workload, new_plan)  # a run_only plan the GPU's kernels decline: none
@@ -264,7 +264,7 @@ def host_suggestions(
     out = []
     for change, plan_update, _ in _host_candidates(plan):
         try:
-            new_plan = changed_plan(plan, plan_update, runtime)
+            new_plan = changed_plan(plan, plan_update, runtime, model)
             check_compatible(model, workload, new_plan, runtime)
         except (MemplanError, ValueError):
             continue

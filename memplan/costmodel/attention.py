@@ -25,7 +25,6 @@ Backend names: ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"``. On CPU ``"
 
 from __future__ import annotations
 
-BACKENDS = ("flash", "efficient", "cudnn", "math")
 TORCH_VERSIONS = ((2, 6), (2, 13))  # inclusive range this model covers
 
 _DTYPES = {
@@ -543,32 +542,3 @@ def total_saved_bytes(
         backend, q_heads, kv_heads, d, enable_gqa=enable_gqa, allow_fp16_bf16_reduction=allow_fp16_bf16_reduction
     )
     return sum(extras.values()) + sum(b * size[name] * s * head_dim * d for name in kept)
-
-
-def transient_bytes(
-    backend: str,
-    b: int,
-    s: int,
-    q_heads: int,
-    d: int,
-    *,
-    causal: bool = True,
-    allow_fp16_bf16_reduction: bool = False,
-) -> dict[str, int]:
-    """The forward's largest temporaries, freed when the call returns (from the source, not measured).
-
-    Math (``_scaled_dot_product_attention_math`` and ``_safe_softmax``, attention.cpp), in width
-    ``a = math_compute_bytes(d)``: ``scores`` the (b, q_heads, s, s) matmul output (the mask is added
-    in place); inside ``_safe_softmax`` the plain softmax output ``softmax_tmp`` (b, q_heads, s, s) and
-    the ``-inf`` test ``neg_inf_mask`` (bool, 1 byte) are live next to it before ``where`` writes the
-    saved ``probs``; ``causal_mask`` the (s, s) bool ``tril`` plus its additive copy in width a.
-    Fused kernels materialise no s x s tensor: {}.
-    """
-    if backend != "math":
-        return {}
-    a = math_compute_bytes(d, allow_fp16_bf16_reduction=allow_fp16_bf16_reduction)
-    square = b * q_heads * s * s
-    out = {"scores": square * a, "softmax_tmp": square * a, "neg_inf_mask": square}
-    if causal:
-        out["causal_mask"] = s * s * (1 + a)
-    return out

@@ -212,12 +212,10 @@ def _mlp_width(model: ModelSpec, index: int) -> int:
     return model.ffn_size
 
 
-def vllm_default_chunk(capacity_bytes: int, gpu_name: str, api_server: bool = True) -> int:
-    """vLLM V1's ``max_num_batched_tokens`` when the user gives none (chunked prefill is on for
-    generative models): 8192 for its OpenAI API server and 16384 for the ``LLM`` class on GPUs of
-    at least 70 GiB other than the A100, 2048 and 8192 on others (vllm-project/vllm
-    ``vllm/engine/arg_utils.py``, ``EngineArgs._set_default_args``, commit 99d7eb5)."""
-    large = capacity_bytes >= 70 * GiB and "a100" not in gpu_name.lower()
-    if large:
-        return 8192 if api_server else 16384
-    return 2048 if api_server else 8192
+def vllm_default_chunk(capacity_bytes: int, gpu_name: str) -> int:
+    """vLLM V1's ``max_num_batched_tokens`` for its OpenAI API server when the user gives none
+    (chunked prefill is on for generative models): 8192 on GPUs of at least 70 GiB other than the
+    A100, 2048 on others (vllm-project/vllm ``vllm/engine/arg_utils.py``,
+    ``EngineArgs._set_default_args``, commit 99d7eb5; its ``LLM`` class takes 16384 and 8192,
+    which no command asks for)."""
+    return 8192 if capacity_bytes >= 70 * GiB and "a100" not in gpu_name.lower() else 2048

@@ -10,14 +10,14 @@ routed experts by ep (expert tensor parallelism = t).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 from memplan.costmodel import params as P
+from memplan.records import record
 from memplan.specs.model import ModelSpec
 
 
-@dataclass(frozen=True, slots=True)
+@record(slots=True)
 class StageLayout:
     """Parameter counts (elements) held by one rank of pipeline stage ``stage``."""
 

@@ -16,8 +16,7 @@ adapters need.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from memplan.records import record
 from memplan.specs.model import ModelSpec
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -101,7 +100,7 @@ def trainable_params(model: ModelSpec, targets: tuple[str, ...], rank: int, modu
     return adapters + sum(saved_module_params(model, modules_to_save).values())
 
 
-@dataclass(frozen=True, slots=True)
+@record(slots=True)
 class LoraLayer:
     """What one decoder layer keeps for its backward under LoRA, for one micro-batch:
     ``per_token`` bytes per token and, under autocast, ``weight_copies`` elements of weights

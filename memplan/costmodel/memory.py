@@ -10,8 +10,18 @@ A steady-state training step peaks in one of three phases (DESIGN.md, "Phases"):
 
 Pipeline stages differ, so the first and the last stage are both evaluated and the report
 is for the one with the higher peak (the most-loaded rank).
+
+A function whose docstring ends "Also in the op-level run: ``timeline/...``" sums the bytes of a
+mechanism that the op-level run (``costmodel/timeline``) replays op by op. These sums stay for three
+callers: the search's fast form (``training_peak`` with a :class:`MemoryMemo`, ``search/evaluate.py``),
+which scores full-training plans with them because the run costs some 380 times the sums a plan
+(docs/cost-model.md, "The search's fast form against the run", "A derivation tried and not kept");
+advice's screen of a changed plan and ``tune``'s host check; and a plan the run declines for another
+feature (MoE, CP, EP, fp8, ...), which takes the phase model's whole account. docs/cost-model.md, "What
+the op-level run does not reach yet", lists those plans.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from heapq import heapreplace
@@ -28,16 +38,14 @@ from memplan.costmodel import trainer_offload as TO
 from memplan.costmodel.build_blocks import parameter_block_excess
 from memplan.costmodel.layout import StageLayout, stage_layer_indices, stage_layout, vocab_shard_params
 from memplan.costmodel.precision import KV_BYTES, POLICIES, PrecisionPolicy
-from memplan.costmodel.rank import (  # noqa: F401 (re-exported: the phase model's callers read them here too)
+from memplan.costmodel.rank import (
     Device,
     device_states,
     factored_share,
-    finetune_states,
     gradient_accumulation,
     model_states,
     sdpa_kind,
     stage_role,
-    stage_states,
 )
 from memplan.costmodel.rank import States as _States
 from memplan.costmodel.report import Activations, MemoryReport, ModelStates, Offload, Peak
@@ -63,7 +71,9 @@ ZERO3_PREFETCH_LAYERS = 2  # FSDP / ZeRO-3: the current layer and the one prefet
 def inflight_layers(plan: Plan, stage: int, accumulation: int, layers: int) -> float:
     """Layers' worth of one micro-batch's activations held at once on pipeline rank ``stage``:
     without a pipeline, one micro-batch; with one, the chunks in flight in the run's schedule
-    (``timeline.schedule.chunks_in_flight``) of L/(p v) layers each."""
+    (``timeline.schedule.chunks_in_flight``) of L/(p v) layers each.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     if plan.pp == 1:
         return layers
     v = plan.virtual_stages
@@ -71,7 +81,9 @@ def inflight_layers(plan: Plan, stage: int, accumulation: int, layers: int) -> f
 
 
 def inflight_microbatches(plan: Plan, stage: int, accumulation: int) -> int:
-    """Micro-batches whose forward has run but not their backward, on pipeline rank ``stage``."""
+    """Micro-batches whose forward has run but not their backward, on pipeline rank ``stage``.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     if plan.pp == 1:
         return 1
     if plan.pp_schedule == "gpipe":
@@ -90,7 +102,9 @@ def zero1_shard(model: ModelSpec, plan: Plan, rt: RuntimeProfile) -> int | None:
     gives whole parameters, largest first, to the rank holding the fewest elements so far
     (``timeline/zero1.py``, the run's), so one rank holds the embedding's states, another the LM head's:
     at dp 8 on a 1B Llama the most-loaded rank holds 1.7 times the even share (the run's states at
-    its peak: docs/cost-model.md, "The search's fast form against the run")."""
+    its peak: docs/cost-model.md, "The search's fast form against the run").
+
+    Also in the op-level run: ``timeline/zero1.py`` (kept: module docstring)."""
     if rt.name != "memplan" or plan.zero != 1 or plan.dp == 1 or plan.pp * plan.tp * plan.cp * plan.ep > 1:
         return None
     if model.moe:
@@ -116,7 +130,9 @@ def _zero1_most_loaded(shape: tuple[int, ...], qkv_bias: bool, tied: bool, dp: i
 
 def lora_extra(x: A.Shape, plan: Plan) -> int:
     """Per layer, what the adapters add to a full-training layer term (runtimes other than
-    ``hf``): each adapter's rank-r fp32 intermediate, kept for lora_B's gradient."""
+    ``hf``): each adapter's rank-r fp32 intermediate, kept for lora_B's gradient.
+
+    Also in the op-level run: ``timeline/lora.py, hf_lora.py`` (kept: module docstring)."""
     return x.tokens * len(L.resolve_targets(plan.lora_targets)) * plan.lora_rank * L.ADAPTER_BYTES
 
 
@@ -162,7 +178,9 @@ def int8_layer_inputs(model: ModelSpec, x: A.Shape, plan: Plan) -> int:
     would be new too: not measured). Measured with MemTracker on the tiny
     Llama (qlora-int8): 2 x 128 x 4 x (64 + 160) = 229,376 B, exactly the within-step excess
     over the same model on an nf4 base. Holding them as attributes also means they outlive the
-    backward while the step's graph lives (``out`` kept, ``hf-loop``): not modelled."""
+    backward while the step's graph lives (``out`` kept, ``hf-loop``): not modelled.
+
+    Also in the op-level run: ``timeline/int8.py`` (kept: module docstring)."""
     if plan.quant != "int8":
         return 0
     return x.tokens * x.d * (model.hidden_size // x.rep + model.ffn_size // x.t)
@@ -180,7 +198,9 @@ def checkpointed_int8_inputs(model: ModelSpec, x: A.Shape, plan: Plan, rt: Runti
     the bundled trainer (CPU, tiny GQA Llama, q/v adapters, fp32, 2 x 160 tokens): 4 layers x
     320 x 4 x 1,088 = 5,570,560 B, the whole of the forward's and backward's -26% / -22%.
     transformers checkpoints the same way (``use_reentrant=False`` by default) but the ``hf``
-    runtimes were not measured under it: not counted there."""
+    runtimes were not measured under it: not counted there.
+
+    Also in the op-level run: ``timeline/int8.py`` (kept: module docstring)."""
     if plan.quant != "int8" or rt.name != "memplan":
         return 0
     return x.tokens * L.int8_ctx_inputs(model, d=x.d, targets=plan.lora_targets, grad_in=True) // x.t
@@ -195,7 +215,9 @@ def lora_activations(
     grad (gradient checkpointing with ``enable_input_require_grads``, or a trained
     embed_tokens). Other runtimes: their full-training layer (an upper bound: it keeps what
     the frozen weights' gradients would need) plus each adapter's rank-r fp32 intermediate
-    (``lora_extra``). Selective recomputation is not modelled under LoRA: counted as none."""
+    (``lora_extra``). Selective recomputation is not modelled under LoRA: counted as none.
+
+    Also in the op-level run: ``timeline/lora.py, hf_lora.py`` (kept: module docstring)."""
     tokens = x.tokens
     layers = layout.layers
     # transformers' DynamicCache, built in training and kept with the outputs (the runtime says)
@@ -309,7 +331,9 @@ def offload_mechanism(plan: Plan, rt: RuntimeProfile) -> str:
     - ``memplan`` (the bundled trainer): ``save_on_cpu(pin_memory=True)`` around each
       micro-batch's forward and loss (:func:`memplan_offload`).
 
-    Megatron-LM's fine-grained offload is not modelled."""
+    Megatron-LM's fine-grained offload is not modelled.
+
+    Also in the op-level run: ``timeline/act_offload.py, hf_offload.py`` (kept: module docstring)."""
     if rt.name not in OFFLOAD_MECHANISM:
         raise MemplanError(
             f"activation offload is modelled for the hf runtime (TRL's activation_offloading), hf-loop "
@@ -336,7 +360,9 @@ def trl_kept_layer(model: ModelSpec, x: A.Shape, plan: Plan, grad_in: bool) -> i
       fused SDPA kernel's output storage, d*q;
     - LoRA: an input two adapters read without a cast of their own (fp32, no dropout): the
       q/k/v input and the gate/up input (d*h), SDPA's output for an o_proj adapter (d*q);
-    - the fused kernel's log-sum-exp (4 bytes a head a token) when under 1024 bytes."""
+    - the fused kernel's log-sum-exp (4 bytes a head a token) when under 1024 bytes.
+
+    Also in the op-level run: ``timeline/hf_offload.py`` (kept: module docstring)."""
     m, tokens, d = model, x.tokens, x.d
     h = m.hidden_size // x.rep
     small = 4 * tokens < TRL_MIN_OFFLOAD_BYTES
@@ -370,7 +396,9 @@ def saved_weight_bytes(
     the last stage), under LoRA the frozen linears whose input requires grad and the adapters
     (``lora.hf_layer``'s autocast count), in the parameter dtype; none under autocast, whose
     matmuls save the d-byte copies (counted with the autocast weight copies) and no gradient
-    checkpointing (the recomputed layers save theirs in the backward)."""
+    checkpointing (the recomputed layers save theirs in the backward).
+
+    Also in the op-level run: ``timeline/act_offload.py, hf_offload.py`` (kept: module docstring)."""
     if x.autocast or plan.recompute == "full":
         return 0
     pb = POLICIES[plan.precision].param_bytes if plan.quant == "none" else 4
@@ -406,7 +434,9 @@ def activation_offload(
     ``save_on_cpu`` copies every saved tensor to the host, parameters included, and leaves
     nothing. TRL's hooks leave what :func:`trl_kept_layer` counts, the LM head's saves (a no-op
     hook pair around ``lm_head``) and the loss's log_softmax output (nll_loss saves it again);
-    the final norm's normalised value and the int64 labels go."""
+    the final norm's normalised value and the int64 labels go.
+
+    Also in the op-level run: ``timeline/act_offload.py, hf_offload.py`` (kept: module docstring)."""
     mechanism = offload_mechanism(plan, rt)
     if rt.name == "memplan":
         return memplan_offload(model, x, plan, layout, weight_copies)
@@ -484,7 +514,9 @@ def memplan_offload(model: ModelSpec, x: A.Shape, plan: Plan, layout: StageLayou
       (:func:`trainer_offload.embedding_backward_bytes`);
     - host: :func:`trainer_offload.host_bytes`.
 
-    Measured on CPU within 0.02% per phase, the host bytes exact (docs/cost-model.md)."""
+    Measured on CPU within 0.02% per phase, the host bytes exact (docs/cost-model.md).
+
+    Also in the op-level run: ``timeline/act_offload.py`` (kept: module docstring)."""
     tokens = x.tokens
     kept_head = A.fp32_logits(x, model.vocab_size) + 8 * tokens  # log_softmax output, labels
     policy = POLICIES[plan.precision]
@@ -596,6 +628,7 @@ def fsdp2_unsharded(
     Measured with FSDPMemTracker (docs/cost-model.md); an untied head group is resharded after
     its own backward (the bundled trainer's run, ``timeline/fsdp.py``). ``fp8_gather``: the layers' linear weights
     are gathered in fp8 (``fp8.fsdp_gathered_bytes``); the head group and the embedding stay bf16.
+    Also in the op-level run: ``timeline/fsdp.py`` (kept: module docstring).
     """
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     head = P.norm_params(model) + vocab_shard_params(model, plan.tp) if layout.is_last else 0
@@ -628,7 +661,9 @@ def pipelined_unsharded_chunks(schedule: str, pp: int, virtual_stages: int, stag
     is a backward keeps all its groups unsharded. Only the interleaved schedule reaches a backward
     so (its last rank: the first chunk's, beside the loss's backward; 487 MB on the 1B config at
     dp 2, pp 2, v 2). A walk over :func:`schedule_actions`, each rank's once (``lru_cache``); the
-    most of those moments."""
+    most of those moments.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     latest: dict[int, str] = {}
     total = most = 0
     best = (0, 0)
@@ -657,7 +692,9 @@ def chunks_without_gradients(pp: int, virtual_stages: int, stage: int, m: int) -
     none: with as many micro-batches as ranks (m = p) the last rank runs every backward of its
     last chunk, each beside the loss's, before its first chunk's first (the 1B config at dp 2,
     pp 4, v 2, m 4: 243,286,016 B of ``layers.N.*.grad`` fewer than every chunk's). A walk over
-    :func:`schedule_actions`, each rank's once (``lru_cache``)."""
+    :func:`schedule_actions`, each rank's once (``lru_cache``).
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     most = chunks_in_flight("interleaved", pp, virtual_stages, stage, m)
     done: set[int] = set()
     total = 0
@@ -679,7 +716,9 @@ def pipelined_gradients(model: ModelSpec, layout: StageLayout, plan: Plan, m: in
     """An interleaved pipeline rank's ``grads`` (every chunk's) less those of the chunks
     :func:`chunks_without_gradients` finds, at its last forward and at its backward with the most
     in flight. A chunk's share is its layers' parameters (``stage_layout`` of that chunk alone),
-    with the embedding in the global first chunk and the final norm and LM head in the last."""
+    with the embedding in the global first chunk and the final norm and LM head in the last.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     at_forward, at_backward = chunks_without_gradients(plan.pp, plan.virtual_stages, layout.stage, m)
     return grads - _chunks_share(model, layout, plan, at_forward, grads), grads - _chunks_share(
         model, layout, plan, at_backward, grads
@@ -702,7 +741,9 @@ def chunks_without_gradients_after(pp: int, virtual_stages: int, stage: int, m: 
     """The rank's local chunks that no backward has reached yet under the interleaved schedule at the
     end of its latest backward with the most chunks in flight (:func:`chunks_without_gradients`'
     second, less that backward's own chunk, whose gradients it has made). A walk over
-    :func:`schedule_actions` (``lru_cache``)."""
+    :func:`schedule_actions` (``lru_cache``).
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     most = chunks_in_flight("interleaved", pp, virtual_stages, stage, m)
     done: set[int] = set()
     total = 0
@@ -723,7 +764,9 @@ def chunks_kept_at_last_forward(pp: int, virtual_stages: int, stage: int, m: int
     """The rank's local chunks whose latest action is a backward at its last forward under the
     interleaved schedule: FSDP2 ZeRO-3 keeps their groups unsharded there (no reshard after a
     pipelined backward, :func:`pipelined_unsharded_chunks`). A walk over
-    :func:`schedule_actions`, each rank's once (``lru_cache``)."""
+    :func:`schedule_actions`, each rank's once (``lru_cache``).
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     latest: dict[int, str] = {}
     kept: tuple[int, ...] = ()
     for kind, c, _ in schedule_actions("interleaved", pp, virtual_stages, stage, m):
@@ -743,7 +786,9 @@ def pipelined_forward_gathered(
     is the loss's, after the layers' reshard (the head's group is ``fsdp2_unsharded``'s): no layer
     of its own. The run's forward peak on llama3-8b at dp 2, pp 2, v 2, 4 micro-batches, stage 0
     (``layers.7.residual_ffn``): 4,976,689,152 B of ``*.unsharded`` and the 436,224,000 B of
-    ``fsdp.layers.7.all_gather_output``; ``gather``: one layer group's (:func:`fsdp2_layer_gather`)."""
+    ``fsdp.layers.7.all_gather_output``; ``gather``: one layer group's (:func:`fsdp2_layer_gather`).
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     v = plan.virtual_stages
     chunk = gather * layout.layers // v
     kept = chunks_kept_at_last_forward(plan.pp, v, layout.stage, m)
@@ -768,7 +813,9 @@ def pipelined_last_backward(
     micro-batch, over ``v`` chunks) with the layer's own backward (``live``). The run's peak on
     llama3-8b at dp 2, pp 2, v 2, 2 micro-batches, full recompute (``layers.7.feed_forward.w2.dX``
     beside 8,030,265,344 B of ``*.unsharded``); ``gather``: one layer group's unsharded bytes
-    (:func:`fsdp2_layer_gather`)."""
+    (:func:`fsdp2_layer_gather`).
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     every = layout.layers * gather + (layout.params - layout.layer_params) * unsharded
     return {**bwd_end, "activations": stored // plan.virtual_stages + live, "gathered_params": every}
@@ -792,7 +839,9 @@ def pipelined_last_down_projection(
     ``stage``, whose own input gradient is not made yet) beside the receive buffers
     (``persistent``: m per chunk but the global first or last, as many as the sends).
     The run's peak on llama3-8b at dp 2, pp 2, v 2, 2 micro-batches of 4,096 tokens, bf16, stage 0
-    (``layers.7.feed_forward.w2.dX``): the sums 0.55% under it without this moment."""
+    (``layers.7.feed_forward.w2.dX``): the sums 0.55% under it without this moment.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     f = model.ffn_size // plan.tp
     received = pipeline_activation_bytes(x) if stage else 0  # the chunk's input, its receive buffer
     return {
@@ -812,7 +861,9 @@ def embedding_backwards(pp: int, virtual_stages: int, m: int) -> tuple[tuple[int
     other chunks whose latest action is a backward, whose groups FSDP2 ZeRO-3 keeps unsharded,
     :func:`chunks_kept_at_last_forward`): the first, then of the later ones those no other exceeds in
     all three. The first chunk is the last a backward reaches, so every chunk has its gradients
-    there. A walk over :func:`schedule_actions` of rank 0 (``lru_cache``)."""
+    there. A walk over :func:`schedule_actions` of rank 0 (``lru_cache``).
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     last = pp * virtual_stages - 1
     total = sent = 0
     latest: dict[int, str] = {}
@@ -852,7 +903,9 @@ def pipelined_embedding_backward(
     bf16, full recompute (``tok_embeddings.embedding.grad_weight_per_segment``, the second backward;
     the sums 4.72% under it without it; pp 2, m 4: the last, every chunk unsharded, 2.4% under) and
     pp 4, bf16-mixed, no recompute (the first's
-    ``tok_embeddings.weight.accumulated_grad``, 2.76% under)."""
+    ``tok_embeddings.weight.accumulated_grad``, 2.76% under).
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     n, h = x.tokens, model.hidden_size
     segments = n + n // 10
     kernel = segments * h * 4 + 40 * n + 16 + 8 * segments + n * x.d * h
@@ -891,7 +944,9 @@ def pipelined_reduce_scatter(
     (``persistent`` each: m per chunk but the global first or last), and cuBLAS's workspaces. Above
     the embedding's backward under bf16-mixed (the fp32 ``tok_embeddings.weight.accumulated_grad``):
     the run's peak on llama3-8b at dp 2, pp 2, v 2, m 2, full recompute, 4,096 tokens
-    (``fsdp.tok_embeddings.reduce_scatter_output``), 2.01% above the sums without it."""
+    (``fsdp.tok_embeddings.reduce_scatter_output``), 2.01% above the sums without it.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     vocab = vocab_shard_params(model, plan.tp)
     rd = policy.grad_bytes
     unsharded = vocab * min(policy.param_bytes, policy.compute_bytes)
@@ -914,7 +969,9 @@ def pipelined_down_projection(
     gradient (h f in the unsharded dtype, ``w2.dW``) beside the gradients there: beside the
     accumulated one where the chunk had a backward already (pipelining accumulates it after the node,
     ``Fsdp._keep_unsharded``), else the chunk's first. The run's peak on llama3-8b at dp 2, pp 2, v 2,
-    ZeRO-2, m 4, no recompute, stage 0: the sums 0.39% under it without this moment."""
+    ZeRO-2, m 4, no recompute, stage 0: the sums 0.39% under it without this moment.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     f = model.ffn_size // plan.tp
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     return {
@@ -945,7 +1002,9 @@ def pipelined_mlp_weight_grads_kept(
     into the accumulated one and freed after its node. The run's peak on llama3-8b at dp 2, pp 2,
     v 2, ZeRO-2, 4 micro-batches, bf16-mixed, no recompute, stage 0: at 4,096 tokens
     ``layers.7.feed_forward.gate.grad_self`` (the sums 0.14% under it without this moment), at 512
-    and 1,024 ``layers.7.attention_norm.pow.grad`` (0.14% and 0.10% under)."""
+    and 1,024 ``layers.7.attention_norm.pow.grad`` (0.14% and 0.10% under).
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     f, h = model.ffn_size // plan.tp, model.hidden_size
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     w = h * f * unsharded  # each of the MLP's new weight gradients
@@ -978,7 +1037,9 @@ def pipelined_next_group_gather(
     (:func:`fsdp2_layer_gather`); None where the chunk has one layer or its groups are unsharded
     already. The run's peak on llama3-8b at dp 2, pp 8, v 2, 8 micro-batches of 2,048 tokens, bf16,
     no recompute, stage 0 (``fsdp.layers.0.copy_out_meta``, its first backward, every
-    chunk-micro-batch in flight): the sums 1.56% under it without this moment."""
+    chunk-micro-batch in flight): the sums 1.56% under it without this moment.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     v, stage = plan.virtual_stages, layout.stage
     at_start, others = pipelined_unsharded_chunks(plan.pp_schedule, plan.pp, v, stage, m)
     if layout.layers < 2 * v or at_start > others:  # one layer a chunk, or its groups unsharded
@@ -1002,7 +1063,9 @@ def loss_chunk_backward(pp: int, virtual_stages: int, m: int) -> tuple[int, int]
     chunk has had a backward and every other chunk's latest action is one (its groups unsharded,
     its gradients made): (the chunk-micro-batches in flight, the sends held before it, as
     :func:`sends_held` counts them); None otherwise. A walk over :func:`schedule_actions`
-    (``lru_cache``)."""
+    (``lru_cache``).
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     v = virtual_stages
     stage, last = pp - 1, pp * v - 1
     most = chunks_in_flight("interleaved", pp, v, stage, m)
@@ -1042,7 +1105,9 @@ def pipelined_loss_chunk_regather(
     ``output.logits``); of its own the residual's gradient and the second layer's input (b s h d
     each), the layer rebuilt and ``w2.dX`` (b s f d); ``alone``: its ids, tables and cuBLAS's
     workspaces. The run's peak on llama3-8b at dp 2, pp 2, v 2, 4 micro-batches of 2,048 tokens,
-    bf16, full recompute, rank 1: the sums 2.17% under it without this moment."""
+    bf16, full recompute, rank 1: the sums 2.17% under it without this moment.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     found = loss_chunk_backward(plan.pp, plan.virtual_stages, m)
     if found is None or layout.layers < 2 * plan.virtual_stages or not layout.is_last:
         return None
@@ -1071,7 +1136,9 @@ def interleaved_fsdp2_backwards(
     layer's down projection, :func:`pipelined_down_projection`, its later nodes under the mixed
     policy, :func:`pipelined_mlp_weight_grads_kept`, and under ZeRO-3 without recomputation the next
     group's all-gather, :func:`pipelined_next_group_gather`). ``grads``: every chunk's gradients;
-    ``layer_saves``: a layer's saves (``_MicroBatchTerms.full_layer``)."""
+    ``layer_saves``: a layer's saves (``_MicroBatchTerms.full_layer``).
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     missing = chunks_without_gradients_after(plan.pp, plan.virtual_stages, layout.stage, m)
     if missing:
         held = grads - _chunks_share(model, layout, plan, missing, grads)
@@ -1119,7 +1186,9 @@ def fp8_first_backward_layer(
 
 def fsdp2_layer_gather(model: ModelSpec, layout: StageLayout, policy: PrecisionPolicy, fp8_gather: bool) -> int:
     """One layer group's all-gathered parameters (the largest layer's), in the mixed-precision param
-    dtype; under ``fp8_gather`` its linear weights in fp8 (``fp8.fsdp_gathered_bytes``)."""
+    dtype; under ``fp8_gather`` its linear weights in fp8 (``fp8.fsdp_gathered_bytes``).
+
+    Also in the op-level run: ``timeline/fsdp.py`` (kept: module docstring)."""
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     linear = max(layout.largest_layer_params - P.layer_norm_params(model) - P.qk_norm_params(model), 0)
     return F8.fsdp_gathered_bytes(linear, layout.largest_layer_params - linear, unsharded, fp8_gather)
@@ -1130,7 +1199,9 @@ def autocast_weight_copies(model: ModelSpec, layout: StageLayout, plan: Plan, d:
     weights and, on the last stage, the LM head's V x h / t, tied or not; not the embedding
     lookup or the norms) until the autocast region ends, and each matmul keeps its copy for
     its backward: alive from the forward until the layer's backward (measured: q_proj holds
-    input cast + weight copy + output)."""
+    input cast + weight copy + output).
+
+    Also in the op-level run: the autocast cache of ``timeline/trainer_model.py`` (kept: module docstring)."""
     linear = layout.layer_params - layout.layers * (P.layer_norm_params(model) + P.qk_norm_params(model))
     if layout.is_last:
         linear += vocab_shard_params(model, plan.tp)
@@ -1146,7 +1217,9 @@ def checkpointed_layer_casts(model: ModelSpec, layout: StageLayout, plan: Plan, 
     (``t.done(*m.cache.values())``): at the loss and in the backward only the other layers' and the
     LM head's (``output.weight.autocast``) remain; a re-run casts its own (a fresh cache, freed with
     it). Without this the sums kept 1,946 MB of casts too many at the backward's start on the 1B
-    config under DDP (+6.1%)."""
+    config under DDP (+6.1%).
+
+    Also in the op-level run: the autocast cache of ``timeline/trainer_model.py`` (kept: module docstring)."""
     layers = layout.layers if plan.recompute == "selective-op" else recomputed
     if not layout.layers or not layers:
         return 0
@@ -1162,7 +1235,9 @@ def embedding_grad_pending(
     replicated gradient). Zero when the LM head shares the matrix on this stage (its
     backward made the gradient first) and under FSDP2 without pipelining, whose sharded
     gradients the estimate does not follow per group. Measured on the bundled trainer only
-    (the ``memplan`` runtime)."""
+    (the ``memplan`` runtime).
+
+    Also in the op-level run: ``timeline/trainer.py, ops.py`` (kept: module docstring)."""
     if not layout.is_first or (layout.is_last and model.tied_embeddings):
         return 0
     fsdp2 = _fsdp2(rt, plan)
@@ -1182,14 +1257,16 @@ def fsdp2_first_layer_backward(
     made yet). ``Fsdp.post_backward`` frees a group's reduce-scatter input only when the next
     group's is allocated (``fsdp.layers.1.reduce_scatter_input``, 436,224,000 B on llama3-8b at
     dp 8), and the first layer's and the embedding's shards come after this layer's backward
-    (FSDP2's ``foreach_reduce`` at each group's post-backward)."""
+    (FSDP2's ``foreach_reduce`` at each group's post-backward).
+
+    Also in the op-level run: ``timeline/fsdp.py`` (kept: module docstring)."""
     layer = layout.largest_layer_params
     shards = (layer + vocab_shard_params(model, plan.tp)) * policy.grad_bytes // (plan.dp * plan.cp)
     return layer * policy.grad_bytes, min(shards, st.grads)
 
 
 def fsdp2_short_moments(
-    layout: StageLayout, plan: Plan, fsdp: _Fsdp2, fwd: dict[str, int], bwd_start: dict[str, int], x: A.Shape
+    plan: Plan, fsdp: _Fsdp2, fwd: dict[str, int], bwd_start: dict[str, int], x: A.Shape
 ) -> tuple[dict[str, int], dict[str, int] | None, int]:
     """FSDP2 (the bundled trainer, untied, one stage, no TP) at short sequences: (the forward's moment,
     a further backward moment or None, the unsharded bytes at the last layer's backward). Each moment
@@ -1211,9 +1288,8 @@ def fsdp2_short_moments(
     - ZeRO-2 (``reshard_after_forward=False``), the last layer's backward: every later group
       resharded by its post-backward, so only this layer's group and the embedding's are unsharded
       (not every group, as at the backward's start); under ZeRO-3 ``fsdp2_unsharded``'s.
+    Also in the op-level run: ``timeline/fsdp.py`` (kept: module docstring).
     """
-    if not layout.is_last:
-        return fwd, None, fsdp.zero2_end
     layer, head, reduced = fsdp.layer, fsdp.head, fsdp.head_reduced
     residual = A.residual_input(x)
     if residual + layer + head > fwd["logits_and_loss"]:
@@ -1249,7 +1325,9 @@ def fsdp2_head_backward(
     group, and the head group's pre-backward has prefetched the last layer's all-gather
     (``Fsdp.pre_backward``). ``acts``: the layers' kept inputs and the batch's tensors; the final
     norm's saved tensors and the labels are there too. On llama3-8b at dp 64, 1,024 tokens, full
-    recompute, this is the run's peak: the sums were 4.8% under it without this moment."""
+    recompute, this is the run's peak: the sums were 4.8% under it without this moment.
+
+    Also in the op-level run: ``timeline/fsdp.py`` (kept: module docstring)."""
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     vocab = vocab_shard_params(model, 1)
     dx = x.tokens * x.d * model.hidden_size
@@ -1284,7 +1362,9 @@ def fsdp2_tp_embedding_backward(
 
     Measured against the run on llama3-8b, dp 8, TP 8, full recompute, 2,048 tokens: the sums 35.8%
     (SP) and 12.0% (no SP) under its peak without these moments, equal to its requested bytes with
-    them (docs/cost-model.md)."""
+    them (docs/cost-model.md).
+
+    Also in the op-level run: ``timeline/fsdp.py, tensor_parallel.py`` (kept: module docstring)."""
     unsharded = min(policy.param_bytes, policy.compute_bytes)
     vocab = vocab_shard_params(model, plan.tp)
     h, n = model.hidden_size, x.tokens
@@ -1373,6 +1453,7 @@ def pipeline_buffers(
     buffer and handed to the sends (``Pipeline._backward``): GPipe and the interleaved schedule
     hold every one to the step's end, with every sent output (``_HeldToStepEnd``), 1F1B only the
     latest (``_Held1F1B``'s ``bwd_sends``); all go before the optimizer's step (``sent.end()``).
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring).
     """
     a = pipeline_activation_bytes(x)
     m, v = accumulation, plan.virtual_stages
@@ -1402,7 +1483,9 @@ def cached_logits(plan: Plan, accumulation: int, logits: int) -> tuple[int, int]
     micro-batch's from its forward to its backward (``timeline/pipeline.py`` ``Pipeline._forward``;
     ``loss_fn`` returns only the loss, the logits stay the stage's output), as many as the run's
     schedule holds (``timeline.schedule.last_chunk_outputs``: all ``m`` under GPipe, one under
-    1F1B). Without a pipeline the loss frees them."""
+    1F1B). Without a pipeline the loss frees them.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     held = last_chunk_outputs(plan.pp_schedule, accumulation)
     return (held - 1) * logits, held * logits
 
@@ -1645,7 +1728,9 @@ def _checkpointed_mlp_forward(x: A.Shape, layer_copies: int = 0) -> int:
     outgrows the loss's tensors (measured on CPU: ffn 1024, hidden 128, vocabulary 256, fp32, 128
     tokens: the forward 9.4% above the loss's moment). ``layer_copies``: autocast's cache of the
     layers' weight casts (the last down projection's from its own moment). At one tensor rank this
-    is :func:`trainer_offload.mlp_forward_bytes` less the layer's input and the tables."""
+    is :func:`trainer_offload.mlp_forward_bytes` less the layer's input and the tables.
+
+    Also in the op-level run: ``timeline/recompute.py, trainer_model.py`` (kept: module docstring)."""
     return _last_mlp_moment(x, layer_copies, op_sac=False)
 
 
@@ -1658,7 +1743,9 @@ def op_sac_mlp_forward(x: A.Shape, layer_copies: int) -> int:
     (:func:`checkpointed_layer_casts`). The op-level run (``trainer_run``, the 1B config of the
     H200 traces, pp 4, 8 micro-batches of 4,096 tokens, stage 0, the fourth micro-batch at
     ``layers.3.feed_forward.gate``): bf16-mixed 704,643,328 B beyond the in-flight saves, bf16
-    218,104,064 B; this gives 704,643,072 B and 218,103,808 B (tests/unit/test_op_sac_forward.py)."""
+    218,104,064 B; this gives 704,643,072 B and 218,103,808 B (tests/unit/test_op_sac_forward.py).
+
+    Also in the op-level run: ``timeline/recompute.py, trainer_model.py`` (kept: module docstring)."""
     return _last_mlp_moment(x, layer_copies, op_sac=True)
 
 
@@ -1676,7 +1763,9 @@ def _last_mlp_moment(x: A.Shape, layer_copies: int, op_sac: bool) -> int:
     plain MLP): the activation's output beside fc1's (freed after it; per-op SAC keeps fc1's), or
     beside fc2's output and its collective's.
     The run at TP 2, pp 4, stage 1, 4,096 tokens, bf16-mixed: SiLU, up and product 33,554,432 B
-    each; under SP the all-gathered input 33,554,432 B (fp32) beside the split residuals."""
+    each; under SP the all-gathered input 33,554,432 B (fp32) beside the split residuals.
+
+    Also in the op-level run: ``timeline/recompute.py, trainer_model.py`` (kept: module docstring)."""
     m = x.model
     r, d, h, t, tokens = TO.residual_bytes(x), x.d, m.hidden_size, x.t, x.tokens
     f = m.ffn_size // t
@@ -1710,7 +1799,9 @@ def first_backward_rebuild(x: A.Shape, op_sac: bool, grad_bytes: int) -> tuple[i
     micro-batches of 4,096 tokens, stage 1, bf16): full 579,371,024 B allocated after the
     backward's mark (this: 16 B less, SDPA's philox seed and offset), selective-op 473,989,120 B
     net (this, to the byte); the stage's backward peak in the sums, bf16 and bf16-mixed alike:
-    full -1,024 B, selective-op -12,288 B (tests/search/test_fast_form_grid.py, ``STAGES``)."""
+    full -1,024 B, selective-op -12,288 B (tests/search/test_fast_form_grid.py, ``STAGES``).
+
+    Also in the op-level run: ``timeline/recompute.py, trainer_model.py`` (kept: module docstring)."""
     m = x.model
     made, held = TO.mlp_backward(x, 0, grad_bytes, True)
     if x.autocast:
@@ -1727,7 +1818,9 @@ def warmup_output_held(plan: Plan, stage: int, m: int) -> int:
     the warm-up's forwards: ``inflight_microbatches``), and only a backward after the last forward
     rebinds it, so from backward ``w - 1`` (that micro-batch's own) to backward ``m - w`` (the
     first after the last forward, whose start still has ``w`` in flight) it holds an output whose
-    micro-batch is done: one, where ``m >= 2 w - 1`` and ``w >= 2``."""
+    micro-batch is done: one, where ``m >= 2 w - 1`` and ``w >= 2``.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     w = min(plan.pp - stage, m)
     return int(plan.pp_schedule == "1f1b" and plan.pp > 1 and w >= 2 and m >= 2 * w - 1)
 
@@ -1743,7 +1836,9 @@ def embedding_backward_beside_grad(x: A.Shape, plan: Plan, stage: int, m: int, m
     (:func:`warmup_output_held`). The run (``trainer_run``, the 1B config of the H200 traces, pp 4,
     8 micro-batches, stage 0): TP 2 bf16-mixed at 512 tokens, the live bytes at the peak to the
     byte (the allocator's blocks 1,049,688 B more); one tensor rank, bf16 selective-op at 2,048
-    tokens, to 192 B."""
+    tokens, to 192 B.
+
+    Also in the op-level run: ``timeline/pipeline.py`` (kept: module docstring)."""
     r, h = TO.residual_bytes(x), x.model.hidden_size
     outputs = (mbs + warmup_output_held(plan, stage, m)) * pipeline_activation_bytes(x)
     return x.tokens * r * h + embedding_backward_temp(x), outputs
@@ -1758,7 +1853,9 @@ def other_micro_batches_casts(casts_each: int, mbs: int) -> int:
     The run's peak (``trainer_run``, the 1B config of the H200 traces, pp 4, 8 micro-batches of
     512 tokens, bf16-mixed, no recompute, stage 0, ``tok_embeddings.embedding.grad_weight_per_segment``
     beside a second ``tok_embeddings.embedding.grad_weight``): three micro-batches' casts,
-    1,459,617,792 B; the sums without them 2.71% under the run."""
+    1,459,617,792 B; the sums without them 2.71% under the run.
+
+    Also in the op-level run: the autocast cache of ``timeline/trainer_model.py`` (kept: module docstring)."""
     return casts_each * (mbs - 1)
 
 
@@ -1766,7 +1863,9 @@ def embedding_backward_temp(x: A.Shape) -> int:
     """``ops.embedding``'s backward (``embedding_dense_backward_cuda``) at its widest node, beside
     the weight gradient it makes: over N ids the int64 sorted ids, sort order, segment offsets,
     partials per segment and partial offsets (5 x 8 N), the two counts (2 x 8), the partials'
-    segment offsets (8 P) and their fp32 partial sums (4 P h), P = N + N // 10 segments."""
+    segment offsets (8 P) and their fp32 partial sums (4 P h), P = N + N // 10 segments.
+
+    Also in the op-level run: ``timeline/trainer.py, ops.py`` (kept: module docstring)."""
     n = x.tokens
     parts = n + n // 10
     return 8 * (5 * n + 2 + parts) + 4 * parts * x.model.hidden_size
@@ -2071,7 +2170,7 @@ def _stage_phases(
     end_gathered, zero2_backward = unsharded.backward_end, None
     if fsdp2 and plan.pp == 1 and plan.tp == 1 and layers and not model.tied_embeddings:
         if not finetune and plan.offload_params == "none" and plan.offload_activations == "none":
-            fwd, zero2_backward, end_gathered = fsdp2_short_moments(layout, plan, unsharded, fwd, bwd_start, x)
+            fwd, zero2_backward, end_gathered = fsdp2_short_moments(plan, unsharded, fwd, bwd_start, x)
     bwd_end = {
         **base,
         "gradients": end_grads,
@@ -2342,15 +2441,13 @@ def estimate_training(
     )
 
 
-def activation_offload_bytes(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: Device = "cuda"
-) -> tuple[str, int]:
+def activation_offload_bytes(model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str) -> tuple[str, int]:
     """(mechanism, bytes) of ``offload_activations: cpu``: the saved-tensor hooks the runtime's
     loop runs (:func:`offload_mechanism`) and the bytes one micro-batch copies to the host in
     its forward and back in its backward (the last stage's: the only one, without a pipeline)."""
     rt = RUNTIMES[runtime]
     mechanism = offload_mechanism(plan, rt)
-    sm = _stage_phases(model, workload, plan, rt, plan.pp - 1, gradient_accumulation(workload, plan), device)
+    sm = _stage_phases(model, workload, plan, rt, plan.pp - 1, gradient_accumulation(workload, plan))
     return mechanism, sm.offload_host
 
 
@@ -2369,13 +2466,7 @@ def _stages_to_examine(model: ModelSpec, plan: Plan, rt: RuntimeProfile) -> list
     return sorted({0, plan.pp - 1} | middle)
 
 
-def kv_cache_bytes(
-    model: ModelSpec,
-    workload: InferenceWorkload,
-    layers: int,
-    tp: int,
-    indices: tuple[int, ...] | None = None,
-) -> int:
+def kv_cache_bytes(model: ModelSpec, workload: InferenceWorkload, tp: int, indices: Sequence[int]) -> int:
     """The KV cache at its largest: per layer, tokens x the layer's cache width x kv bytes x batch.
 
     Width (``ModelSpec.kv_cache_width``): K and V, 2 x kv_heads/tp x head_dim (KV heads split by TP,
@@ -2389,9 +2480,7 @@ def kv_cache_bytes(
     or at the end, whichever holds more; after a chunked prefill a windowed layer holds the storage
     of its last concatenation, ``window - 1 + chunk`` tokens (``inference.layer_keys``). With a
     paged cache (vLLM, Kwon et al. 2023) each sequence's tokens are rounded up to whole blocks.
-    ``indices``: the layers on this rank (default the first ``layers``)."""
-    if indices is None:
-        indices = tuple(range(layers))
+    ``indices``: the layers on this rank."""
     if model.mla is not None:
         width = model.kv_cache_width
     else:
@@ -2431,7 +2520,7 @@ def estimate_inference(model: ModelSpec, workload: InferenceWorkload, plan: Plan
         layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)
         weights = layout.params * (1 if policy.fp8_matmuls else policy.compute_bytes)
         indices = tuple(stage_layer_indices(model.num_layers, plan.pp, plan.virtual_stages, stage))
-        kv = kv_cache_bytes(model, workload, layout.layers, plan.tp, indices)
+        kv = kv_cache_bytes(model, workload, plan.tp, indices)
         prefill = I.prefill_peak(
             model, workload, policy.compute_bytes, plan.tp, KV_BYTES[workload.kv_dtype], indices, layout.is_last
         )
@@ -2514,14 +2603,12 @@ def stage_moments(
     workload: TrainingWorkload,
     plan: Plan,
     runtime: str = "memplan",
-    stage: int | None = None,
     device: Device = "cuda",
 ) -> StageMoments:
-    """The step of pipeline stage ``stage`` (default: the most-loaded one) as moments."""
+    """The step of the most-loaded pipeline stage as moments."""
     rt = RUNTIMES[runtime]
     accumulation = gradient_accumulation(workload, plan)
-    if stage is None:
-        stage = estimate_training(model, workload, plan, runtime, device).peak.stage
+    stage = estimate_training(model, workload, plan, runtime, device).peak.stage
     sm = _stage_phases(model, workload, plan, rt, stage, accumulation, device)
     policy = POLICIES[plan.precision]
     layout = stage_layout(model, plan.tp, plan.ep, plan.pp, plan.virtual_stages, stage)

@@ -10,10 +10,10 @@ all-gather) depends on the library and recipe: ``fp8.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from memplan.records import record
 
 
-@dataclass(frozen=True, slots=True)
+@record(slots=True)
 class PrecisionPolicy:
     """Element sizes in bytes. ``master_bytes`` is 0 when the params are the master copy."""
 

@@ -10,7 +10,7 @@ outside the allocator (CUDA context, NCCL, workspaces: ``overhead.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from memplan.costmodel.allocator import AllocatorConfig, CachingAllocator
@@ -20,6 +20,7 @@ from memplan.costmodel.timeline.events import STEADY, Stream, Timeline, collecti
 from memplan.costmodel.timeline.phases import PHASE_MARKS, SETUP
 from memplan.costmodel.timeline.support import supported
 from memplan.errors import MemplanError
+from memplan.records import record
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
@@ -41,7 +42,7 @@ STREAM_IDS = _StreamIds({Stream.COMPUTE: 0, Stream.ALL_GATHER: 1, Stream.REDUCE_
 GiB = 2**30
 
 
-@dataclass(frozen=True, slots=True)
+@record(slots=True)
 class Failure:
     """The request the allocator could not serve: its tensor and the allocator's state then."""
 
@@ -54,7 +55,7 @@ class Failure:
     cached_free: int
 
 
-@dataclass(frozen=True, slots=True)
+@record(slots=True)
 class Replay:
     """The allocator after (or at the failure of) a run. ``segments``, ``reserved_by_stream``
     and the cached figures are taken at the allocated peak: what was cached but free there is
@@ -125,7 +126,7 @@ def _replay(timeline: Timeline, config: AllocatorConfig, capacity_bytes: int | N
     )
 
 
-@dataclass(frozen=True, slots=True)
+@record(slots=True)
 class StageLoad:
     """One pipeline stage's replayed run (``stages.stage_verdict``): its verdict's reserved, its
     allocated peak, and its steady steps' highest phase peak (``MemoryReport.stage_peaks``)."""
@@ -135,7 +136,7 @@ class StageLoad:
     steady: int
 
 
-@dataclass(frozen=True, slots=True)
+@record(slots=True)
 class Verdict:
     """Whether the allocator serves a run within ``limit_bytes``, and what it reserves."""
 

@@ -20,13 +20,14 @@ set of functions the memory model asks, each for one micro-batch on one rank:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memplan.costmodel import activations as A
 from memplan.costmodel.activations import Shape
+from memplan.records import record
 
 
-@dataclass(frozen=True, slots=True)
+@record(slots=True)
 class RuntimeProfile:
     name: str
     description: str

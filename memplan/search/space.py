@@ -407,7 +407,7 @@ def enumerate_space(model: ModelSpec, options: SpaceOptions) -> Space:
                                             model, workload, plan, options.offload_runtime
                                         ):
                                             continue
-                                        plan = fsdp_build(plan, (), options.offload_runtime or "")
+                                        plan = fsdp_build(plan, (), options.offload_runtime or "", model)
                                         if act != "none" and not _offloadable(plan, accumulation, options):
                                             continue
                                         out.append(Candidate(plan, workload))

@@ -17,8 +17,8 @@ import importlib.util
 import os
 import re
 import time
-from dataclasses import dataclass
 
+from memplan.records import record
 from memplan.specs.hardware import GPUSpec
 from memplan.specs.loader import load_gpu
 
@@ -46,7 +46,7 @@ NAMES: tuple[tuple[str, str], ...] = (
 )
 
 
-@dataclass(frozen=True)
+@record()
 class Device:
     """One GPU as NVML describes it."""
 
@@ -54,7 +54,7 @@ class Device:
     memory_bytes: int
 
 
-@dataclass(frozen=True)
+@record()
 class Probe:
     """What NVML found: the devices, or why none (``why``), and how long asking took."""
 
@@ -63,7 +63,7 @@ class Probe:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True)
+@record()
 class AutoGPU:
     """The GPU ``--gpu auto`` resolved to, how many there are (0: none detected), the header
     line that says which and why, and the reference a plan file records (a profile name, or

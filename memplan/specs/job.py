@@ -284,7 +284,8 @@ def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
     else:
         _moe_targets_refused(model, plan, name)
     # said with the adapters: ``memplan tune``'s space (its plans on a GPU) would hold no plan. A quantized MoE base
-    # is followed on CPU on one rank (``hf_support._quant_moe_ok``), asked below with the workload
+    # is followed on CPU (one rank, DDP, FSDP2 over a 4-bit base: ``hf_support._quant_moe_ok``), asked below with
+    # the workload
     if plan.finetune == "qlora" and workload is None:
         raise MemplanError(
             f"qlora over an MoE model is modelled by the op-level run of transformers' Trainer alone, which does "

@@ -2,7 +2,7 @@
 
 from collections.abc import Collection
 from functools import cache
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
@@ -260,26 +260,39 @@ def trainer_autocast(plan, runtime: str) -> bool:
     return plan.autocast if plan.autocast is not None else runtime == "hf"
 
 
-def fsdp_build(plan: Plan, given: Collection[str], runtime: str) -> Plan:
+def cpu_loadable(model: Any) -> bool:
+    """Whether accelerate's ``cpu_ram_efficient_loading`` can shard ``model`` under FSDP2: not with a
+    persistent floating buffer (DeepSeek-V3's routers' ``e_score_correction_bias``): accelerate 1.15's
+    ``fsdp2_load_full_state_dict`` reads ``.device_mesh`` off every state-dict entry and ``fully_shard``
+    leaves buffers plain tensors (``AttributeError`` in ``accelerator.prepare``; ``timeline/hf_support.py``
+    ``_cpu_load_buffer``, tests/unit/test_timeline_hf_fsdp_mla.py)."""
+    return model.moe is None or not model.moe.router_score_bias
+
+
+def fsdp_build(plan: Plan, given: Collection[str], runtime: str, model: Any) -> Plan:
     """``model_build`` left out (not among the fields ``given``) of an FSDP plan of the Trainer (runtime
-    ``hf``, ``dp`` > 1, ZeRO-2/3, an unquantized base): ``to_device``, the model loaded on the CPU and
-    sharded by accelerate's ``cpu_ram_efficient_loading``, as FSDP users load it and as ``memplan export
-    --to hf-trainer | accelerate | axolotl`` write it (``costmodel/timeline/hf_fsdp_load.py``; ``memplan
-    tune``'s searched plans too); otherwise ``Plan``'s default, ``from_pretrained`` with a device_map."""
+    ``hf``, ``dp`` > 1, ZeRO-2/3, an unquantized base, a ``model`` accelerate can load on the CPU:
+    :func:`cpu_loadable`): ``to_device``, the model loaded on the CPU and sharded by accelerate's
+    ``cpu_ram_efficient_loading``, as FSDP users load it and as ``memplan export --to hf-trainer |
+    accelerate | axolotl`` write it (``costmodel/timeline/hf_fsdp_load.py``; ``memplan tune``'s searched
+    plans too); otherwise ``Plan``'s default, ``from_pretrained`` with a device_map."""
     if "model_build" in given or runtime != "hf" or plan.dp < 2 or plan.zero < 2 or plan.quant != "none":
+        return plan
+    if not cpu_loadable(model):
         return plan
     return plan.model_copy(update={"model_build": "to_device"})
 
 
-def changed_plan(plan: Plan, update: dict, runtime: str) -> Plan:
+def changed_plan(plan: Plan, update: dict, runtime: str, model: Any) -> Plan:
     """``plan`` with ``update`` applied and validated (advice's and tune's changed plans); a ``model_build``
     that was ``plan``'s default (:func:`fsdp_build`) is resolved again for the changed plan (the Trainer's
     FSDP over a model loaded on the CPU; a quantized base or DDP with a device_map)."""
     data = {**plan.model_dump(), **update}
-    if "model_build" in update or plan.model_build != fsdp_build(_loaded_on_gpu(plan), (), runtime).model_build:
+    default = fsdp_build(_loaded_on_gpu(plan), (), runtime, model).model_build
+    if "model_build" in update or plan.model_build != default:
         return Plan.model_validate(data)
     del data["model_build"]
-    return fsdp_build(Plan.model_validate(data), (), runtime)
+    return fsdp_build(Plan.model_validate(data), (), runtime, model)
 
 
 def _loaded_on_gpu(plan: Plan) -> Plan:

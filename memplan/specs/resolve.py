@@ -7,7 +7,7 @@ Precedence: command-line flags, then the plan file, then defaults. Errors name t
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from memplan.costmodel.allocator import AllocatorConfig, parse_alloc_conf
 from memplan.errors import MemplanError
+from memplan.records import record
 from memplan.specs.detect import AUTO, DEFAULT_GPU, auto_gpu
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import PlanFile, RuntimeName, check_compatible, suspicious
@@ -41,7 +42,7 @@ TRAINING_PLAN_FIELDS = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
+@record()
 class Job:
     """Everything one estimate needs, validated and mutually consistent."""
 
@@ -202,7 +203,7 @@ def job_from(
                 source=where,
                 field=field,
             ) from None
-    plan = fsdp_build(_validate_section(Plan, plan_data, set(flags), source, "plan"), plan_data, runtime)
+    plan = fsdp_build(_validate_section(Plan, plan_data, set(flags), source, "plan"), plan_data, runtime, model)
     if gpus is not None and plan.world_size != gpus:
         where, field = blame("gpus")
         raise MemplanError(f"dp x tp x pp x cp = {plan.world_size} but gpus is {gpus}", source=where, field=field)

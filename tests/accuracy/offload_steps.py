@@ -94,9 +94,17 @@ def _host_copy(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype]:
 
 
 def _device_copy(packed: tuple[np.ndarray, torch.dtype]) -> torch.Tensor:
-    """A new tensor (counted) holding the host copy's values, contiguous."""
+    """A new tensor (counted) holding the host copy's values, contiguous: one allocation, as the hooks' ``to(device)``
+    of the pinned copy makes one on a GPU. The numpy-backed tensor it is cloned from is made with the dispatch modes
+    off: under the trackers ``torch.from_numpy`` runs ``lift_fresh``, whose output (the host copy's numpy memory,
+    outside torch's allocator) they would count beside the clone until the clone returns, one more unpacked save's
+    bytes at each unpack (memplan/train/offload.py's ``_device_copy`` avoids it for the bundled trainer)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     arr, dtype = packed
-    out = torch.from_numpy(arr).clone()
+    with _disable_current_modes():
+        host = torch.from_numpy(arr)
+    out = host.clone()
     return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
 
 
@@ -361,27 +369,29 @@ def trl_trainer(model, args, rows, emulated: bool = False):  # noqa: ANN001, ANN
 
 
 def measure(
-    case: OffloadCase, steps: int = 3, reentrant: bool = False, emulated: bool | None = None
-) -> tuple[int, int]:
+    case: OffloadCase, steps: int = 3, reentrant: bool = False, emulated: bool | None = None, model=None
+) -> tuple[int, int]:  # noqa: ANN001
     """(steady-state device peak, host peak) of ``steps`` steps of the case's loop under offload (``reentrant``:
     the Trainer's checkpointing with ``gradient_checkpointing_kwargs={"use_reentrant": True}``, the hand loop's
-    model checkpointed so: :func:`_model`). ``trl-like``: TRL's own ``OffloadActivations`` (trl_offload.py), or
-    with ``emulated`` the hooks above (by default on :data:`ALLOCATOR_DEPENDENT`'s cases, and on a case where TRL
-    kept a save by a freed address in this run)."""
+    model checkpointed so: :func:`_model`; ``model``: the case's model built by the caller, in its place).
+    ``trl-like``: TRL's own ``OffloadActivations`` (trl_offload.py), or with ``emulated`` the hooks above (by
+    default on :data:`ALLOCATOR_DEPENDENT`'s cases, and on a case where TRL kept a save by a freed address in this
+    run, on a model built again)."""
     base = case.base
     if emulated is None:
         if base.name in ALLOCATOR_DEPENDENT:
-            return measure(case, steps, reentrant, emulated=True)
-        measured, reused = _measure(case, steps, reentrant, False)
+            return measure(case, steps, reentrant, True, model)
+        measured, reused = _measure(case, steps, reentrant, False, model)
         fallback = reused and base.name not in TRL_MISSES
-        return measure(case, steps, reentrant, emulated=True) if fallback else measured
-    return _measure(case, steps, reentrant, emulated)[0]
+        return measure(case, steps, reentrant, True) if fallback else measured
+    return _measure(case, steps, reentrant, emulated, model)[0]
 
 
-def _measure(case: OffloadCase, steps: int, reentrant: bool, emulated: bool) -> tuple[tuple[int, int], int]:
+def _measure(case: OffloadCase, steps: int, reentrant: bool, emulated: bool, model=None) -> tuple[tuple[int, int], int]:  # noqa: ANN001
     """:func:`measure`'s figures and, under TRL's own hooks, the saves it kept by a freed address."""
     base = case.base
-    model = _model(case, reentrant and case.mode == "save_on_cpu")
+    if model is None:
+        model = _model(case, reentrant and case.mode == "save_on_cpu")
     offload = EmulatedOffload(case.mode, model)
     torch.manual_seed(1)
     ids = torch.randint(0, base.vocab, (base.batch, base.seq))

@@ -57,7 +57,7 @@ def predicted(case: Case, prompt: int, generated: int) -> int:
     model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
     kv = "fp32" if case.dtype == "float32" else "bf16"
     work = InferenceWorkload(batch=case.batch, prompt_tokens=prompt, generated_tokens=generated, kv_dtype=kv)
-    return kv_cache_bytes(model, work, model.num_layers, 1)
+    return kv_cache_bytes(model, work, 1, range(model.num_layers))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -4,7 +4,7 @@
 run's allocated peak and the phase of the span it falls in. It took the highest of every span
 (``span_peaks`` with ``middle``, the first of equals); it now takes ``reserve.replay``'s ``max_allocated``
 and ``peak_event`` and reads the phase off the events before it (``fast_run.phase_at``). Held equal here,
-byte and phase, to the highest span, over the families (Llama, Gemma 2 and 3 whose layers differ, an MoE),
+byte and phase, to the highest span, over the families (Llama, Gemma 2 and 3 whose layers differ, an MoE, MLA),
 FSDP2's ZeRO-2/3 under both builds, DDP and one rank; the product grid under ``-m slow``."""
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ CASES = [
     (_cut("gemma2-9b", 6), dict(precision="bf16-mixed", recompute="none"), 1024),  # eager, sliding and global
     (_cut("gemma3-12b", 6), dict(dp=8, precision="bf16", recompute="full"), 512),  # DDP
     (_cut("qwen3-30b-a3b", 4), dict(FSDP2[1], precision="bf16", recompute="full"), 512),  # experts
+    (_cut("deepseek-v2-lite", 5), dict(FSDP2[3], precision="bf16-mixed", recompute="none"), 512),  # MLA, CPU load
 ]
 
 
@@ -62,15 +63,16 @@ def test_the_peak_event_gives_the_highest_span(model, fields, seq):
 def _grid():
     """FSDP2's four layouts x bf16, bf16-mixed, fp32 x recompute none / full x (1,024 tokens, micro-batch 1,
     2, two micro-batches a step; 4,096 tokens) on the 1B Llama; the families on one rank, DDP and FSDP2
-    (DeepSeek-V3 on one rank: the run does not follow its latent attention over ranks)."""
+    (DeepSeek-V3 on one rank and under FSDP2 built by ``from_pretrained``)."""
     sizes = ((1024, 1, 1), (1024, 2, 1), (1024, 1, 2), (4096, 1, 1))  # (seq, micro-batch, accumulation)
     for rank, p, r, (seq, mb, ga) in itertools.product(FSDP2, ("bf16", "bf16-mixed", "fp32"), ("none", "full"), sizes):
         yield LLAMA1B, dict(rank, precision=p, recompute=r), seq, mb, ga
     for name, layers in (("gemma2-9b", 6), ("gemma3-12b", 6), ("qwen3-30b-a3b", 4)):
         for rank, r in itertools.product(({}, dict(dp=8), FSDP2[1], FSDP2[2]), ("none", "full")):
             yield _cut(name, layers), dict(rank, precision="bf16", recompute=r), 512, 1, 1
-    for r in ("none", "full"):  # latent attention: the run follows it on one rank
-        yield _cut("deepseek-v3", 5), dict(precision="bf16", recompute=r), 512, 1, 1
+    # latent attention; V3 under FSDP2 loaded by from_pretrained alone (the Trainer cannot load it on the CPU)
+    for rank, r in itertools.product(({}, FSDP2[0], FSDP2[2]), ("none", "full")):
+        yield _cut("deepseek-v3", 5), dict(rank, precision="bf16", recompute=r), 512, 1, 1
 
 
 @pytest.mark.slow

@@ -74,11 +74,12 @@ def test_gradient_accumulation_is_derived():
 def test_kv_cache_formula_and_paging():
     model = load_model("llama3-8b")  # 32 layers, 8 KV heads x 128
     work = InferenceWorkload(batch=4, prompt_tokens=1000, generated_tokens=0, kv_dtype="bf16")
-    assert kv_cache_bytes(model, work, 32, 1) == 2 * 32 * 4 * 1000 * 8 * 128 * 2
+    assert kv_cache_bytes(model, work, 1, range(32)) == 2 * 32 * 4 * 1000 * 8 * 128 * 2
     paged = work.model_copy(update={"block_size": 16})
-    assert kv_cache_bytes(model, paged, 32, 1) == 2 * 32 * 4 * 1008 * 8 * 128 * 2
-    assert kv_cache_bytes(model, work, 32, 8) == kv_cache_bytes(model, work, 32, 1) // 8
-    assert kv_cache_bytes(model, work, 32, 16) == kv_cache_bytes(model, work, 32, 8)  # replicated KV heads
+    assert kv_cache_bytes(model, paged, 1, range(32)) == 2 * 32 * 4 * 1008 * 8 * 128 * 2
+    assert kv_cache_bytes(model, work, 8, range(32)) == kv_cache_bytes(model, work, 1, range(32)) // 8
+    # replicated KV heads
+    assert kv_cache_bytes(model, work, 16, range(32)) == kv_cache_bytes(model, work, 8, range(32))
 
 
 def test_offload_moves_states_off_the_gpu():

@@ -95,7 +95,7 @@ def test_an_op_level_estimate_does_not_compute_the_phase_model(tiny, no_phase_mo
 
 def test_the_host_and_paged_bytes_keep_their_closed_form(tiny):
     """Offloaded states are not on the device the run follows: the ZeRO partition says what the
-    host holds (``memory.stage_states``), as the phase model's report did."""
+    host holds (``rank.stage_states``), as the phase model's report did."""
     job = _job(tiny, dp=2, zero=3, precision="bf16", offload_params="cpu", offload_optimizer="cpu")
     report, _, _ = memory_verdict(job, "cuda")
     phase = memory.estimate_memory(job.model, job.workload, job.plan, job.runtime, "cuda")

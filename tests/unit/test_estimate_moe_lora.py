@@ -98,12 +98,6 @@ def test_a_gpu_the_run_declines_stops_the_estimate_rather_than_fall_back() -> No
         ("hf", {"lora_targets": ("q_proj", "down_proj")}, "plan.lora_targets", "down_proj over the experts"),
         ("hf", {"recompute": "selective"}, "plan.finetune", "this recompute"),
         ("hf", {"precision": "bf16-master"}, "plan.finetune", "precision bf16-master"),
-        (
-            "hf",
-            {"finetune": "qlora", "quant": "nf4", "dp": 2, "offload_activations": "cpu"},
-            "plan.finetune",
-            "a quantized MoE base other than",
-        ),
     ],
 )
 def test_what_neither_model_answers_is_refused_naming_the_field(runtime: str, plan: dict, field: str, reason: str):

@@ -7,6 +7,7 @@ import io
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
+from phase_run import steady_peak
 
 from memplan.cli.app import run
 from memplan.costmodel import fp8 as F8
@@ -20,8 +21,8 @@ from memplan.costmodel.memory import (
     stage_moments,
 )
 from memplan.costmodel.runtimes import RUNTIMES
-from memplan.costmodel.timeline.events import ALLOC, FREE, Moment
-from memplan.costmodel.timeline.step import build_run, steady_step_range
+from memplan.costmodel.timeline.events import ALLOC, Moment
+from memplan.costmodel.timeline.step import build_run
 from memplan.errors import MemplanError
 from memplan.specs.loader import load_model
 from memplan.specs.model import ModelSpec
@@ -182,16 +183,6 @@ def test_fsdp2_fp8_all_gather_gathers_a_layers_linear_weights_in_fp8():
 # --- the timeline carries it ----------------------------------------------------------------
 
 
-def _steady_peak(timeline) -> int:
-    start, end = steady_step_range(timeline)
-    live = best = 0
-    for i, e in enumerate(timeline.events):
-        live += e.size if e.op == ALLOC else -e.size if e.op == FREE else 0
-        if start < i <= end:
-            best = max(best, live)
-    return best
-
-
 @pytest.mark.parametrize(
     ("model", "work", "plan", "runtime"),
     [
@@ -205,12 +196,12 @@ def _steady_peak(timeline) -> int:
 def test_the_timeline_reaches_the_fp8_moments(model, work, plan, runtime):
     p = Plan(precision="fp8", **plan)
     report = estimate_training(model, work, p, runtime)
-    sm = stage_moments(model, work, p, runtime, report.peak.stage)
+    sm = stage_moments(model, work, p, runtime)
     timeline = build_run(sm.moments, sm.granularity, sm.build_grads)
     if sm.granularity.fsdp:
-        assert _steady_peak(timeline) >= report.peak.allocated  # FSDP2's forward all-gathers on top
+        assert steady_peak(timeline) >= report.peak.allocated  # FSDP2's forward all-gathers on top
     else:
-        assert _steady_peak(timeline) == report.peak.allocated
+        assert steady_peak(timeline) == report.peak.allocated
     if runtime == "megatron":
         assert any(e.category == "fp8_weights" for e in timeline.events if e.op == ALLOC)
 

@@ -83,9 +83,8 @@ def test_last_token_logits_peak_for_short_prompts():
 def test_vllm_default_budget():
     """vLLM V1 (vllm/engine/arg_utils.py, EngineArgs._set_default_args)."""
     assert vllm_default_chunk(80 * GiB, "h100-sxm") == 8192
-    assert vllm_default_chunk(80 * GiB, "h100-sxm", api_server=False) == 16384
     assert vllm_default_chunk(80 * GiB, "a100-80gb") == 2048
-    assert vllm_default_chunk(24 * GiB, "rtx-4090", api_server=False) == 8192
+    assert vllm_default_chunk(24 * GiB, "rtx-4090") == 2048
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,12 +10,13 @@ import itertools
 from pathlib import Path
 
 import pytest
+from phase_run import steady_peak
 
 from memplan.costmodel.allocator import AllocatorConfig
 from memplan.costmodel.memory import estimate_training, stage_moments
 from memplan.costmodel.reserve import replay, verdict
 from memplan.costmodel.timeline.events import ALLOC, FREE, Category, Moment, Stream
-from memplan.costmodel.timeline.step import build_run, pieces, steady_step_range
+from memplan.costmodel.timeline.step import build_run, pieces
 from memplan.errors import MemplanError
 from memplan.specs.job import check_compatible
 from memplan.specs.loader import load_model
@@ -41,16 +42,6 @@ def _live_at_marks(timeline) -> dict[str, dict[str, int]]:
         else:
             out[e.tag] = {k: v for k, v in live.items() if v}
     return out
-
-
-def _steady_peak(timeline) -> int:
-    start, end = steady_step_range(timeline)
-    live = best = 0
-    for i, e in enumerate(timeline.events):
-        live += e.size if e.op == ALLOC else -e.size if e.op == FREE else 0
-        if start < i <= end:
-            best = max(best, live)
-    return best
 
 
 GRID = [
@@ -88,7 +79,7 @@ def test_timeline_reaches_each_moment_and_peaks_at_the_phase_models_peak(name, p
     except MemplanError:
         pytest.skip("plan does not apply to this model")
     report = estimate_training(model, work, p, runtime)
-    sm = stage_moments(model, work, p, runtime, report.peak.stage)
+    sm = stage_moments(model, work, p, runtime)
     timeline = build_run(sm.moments, sm.granularity, sm.build_grads)
     marks = _live_at_marks(timeline)
     for moment in (Moment.FORWARD, Moment.BACKWARD_START, Moment.BACKWARD, Moment.OPTIMIZER):
@@ -98,9 +89,9 @@ def test_timeline_reaches_each_moment_and_peaks_at_the_phase_models_peak(name, p
     if sm.granularity.fsdp:
         # FSDP2's forward holds a layer group's all-gather output beside the activations, a
         # moment the phase model does not evaluate: it can only add (docs/cost-model.md)
-        assert _steady_peak(timeline) >= report.peak.allocated
+        assert steady_peak(timeline) >= report.peak.allocated
     else:
-        assert _steady_peak(timeline) == report.peak.allocated
+        assert steady_peak(timeline) == report.peak.allocated
 
 
 def _suite_cases():
@@ -118,8 +109,8 @@ def test_timeline_peak_equals_the_estimate_on_the_trainer_accuracy_suite(case):
     peak.allocated (which the suite holds within 2% of the measured peak)."""
     plan, work = Plan(**case.plan), case.workload()
     report = estimate_training(case.model, work, plan, "memplan")
-    sm = stage_moments(case.model, work, plan, "memplan", report.peak.stage)
-    assert _steady_peak(build_run(sm.moments, sm.granularity, sm.build_grads)) == report.peak.allocated
+    sm = stage_moments(case.model, work, plan, "memplan")
+    assert steady_peak(build_run(sm.moments, sm.granularity, sm.build_grads)) == report.peak.allocated
 
 
 def test_tensors_are_cut_to_the_sizes_a_step_allocates():

@@ -166,14 +166,46 @@ def test_advice_resolves_a_default_build_again() -> None:
     """A changed plan (advice, its check) takes the build its own default gives where the plan's was the
     default: DDP -> FSDP loads on the CPU, FSDP -> a 4-bit base with a device_map (no error); a build given
     otherwise stays."""
+    from memplan.specs.loader import load_model
     from memplan.specs.plan import changed_plan, fsdp_build
 
-    ddp, fsdp = Plan(dp=8), fsdp_build(Plan(dp=8, zero=3), (), "hf")
+    m = load_model("llama3-8b")
+    ddp, fsdp = Plan(dp=8), fsdp_build(Plan(dp=8, zero=3), (), "hf", m)
     assert fsdp.model_build == "to_device"
-    assert changed_plan(ddp, {"zero": 3}, "hf").model_build == "to_device"
-    assert changed_plan(ddp, {"zero": 3}, "memplan").model_build == "from_pretrained"
-    qlora = changed_plan(fsdp, {"finetune": "lora", "quant": "nf4"}, "hf")
+    assert changed_plan(ddp, {"zero": 3}, "hf", m).model_build == "to_device"
+    assert changed_plan(ddp, {"zero": 3}, "memplan", m).model_build == "from_pretrained"
+    qlora = changed_plan(fsdp, {"finetune": "lora", "quant": "nf4"}, "hf", m)
     assert (qlora.quant, qlora.model_build) == ("nf4", "from_pretrained")
     given = Plan(dp=8, zero=3, model_build="from_pretrained")
-    assert changed_plan(given, {"zero": 2}, "hf").model_build == "from_pretrained"
-    assert changed_plan(Plan(dp=8, model_build="to_device"), {"recompute": "full"}, "hf").model_build == "to_device"
+    assert changed_plan(given, {"zero": 2}, "hf", m).model_build == "from_pretrained"
+    assert changed_plan(Plan(dp=8, model_build="to_device"), {"recompute": "full"}, "hf", m).model_build == "to_device"
+
+
+def test_deepseek_v3_defaults_to_the_load_the_trainer_can_run() -> None:
+    """accelerate's cpu_ram_efficient_loading cannot shard V3's routers' score-correction buffer (the real
+    Trainer raises, tests/unit/test_timeline_hf_fsdp_mla.py): its FSDP plans default to from_pretrained and
+    the exporters write no CPU load; given explicitly, the CPU load is refused in one line."""
+    from memplan.specs.loader import load_model
+    from memplan.specs.plan import changed_plan, cpu_loadable, fsdp_build
+
+    v3, v2 = load_model("deepseek-v3"), load_model("deepseek-v2-lite")
+    assert not cpu_loadable(v3) and cpu_loadable(v2)
+    assert fsdp_build(Plan(dp=8, zero=3), (), "hf", v3).model_build == "from_pretrained"
+    assert fsdp_build(Plan(dp=8, zero=3), (), "hf", v2).model_build == "to_device"
+    assert changed_plan(Plan(dp=8), {"zero": 3}, "hf", v3).model_build == "from_pretrained"
+    import yaml
+
+    from memplan import api
+    from memplan.errors import MemplanError
+    from memplan.export import render
+    from memplan.specs.resolve import job_from
+
+    flags = dict(gpus=8, zero=3, precision="bf16-mixed", runtime="hf", seq_len=1024, micro_batch=1)
+    flags_workload = {"seq_len": 1024, "micro_batch": 1, "global_batch": 8}
+    job = job_from(v3, None, None, flags)
+    assert job.plan.model_build == "from_pretrained"
+    trainer = render(job, "hf-trainer", sharding="fsdp")
+    assert yaml.safe_load(trainer.text)["training_arguments"]["fsdp_config"]["cpu_ram_efficient_loading"] is False
+    with pytest.raises(MemplanError, match="cpu_ram_efficient_loading"):
+        lora = {"finetune": "lora", "lora_targets": ["q_a_proj"], "model_build": "to_device"}
+        api.estimate(v3, plan={"dp": 8, "zero": 3, **lora}, workload=flags_workload, runtime="hf")

@@ -238,11 +238,11 @@ def test_estimate_answers_deepseek_v3_op_level_on_cpu(capsys) -> None:
         ({}, {"down_proj_bias": True}, {}, "MLA other than"),
         ({}, {}, {"finetune": "lora", "lora_targets": ("q_proj", "o_proj")}, "MLA other than"),  # q_lora_rank set
         ({}, {}, {"finetune": "lora", "lora_targets": ("o_proj",), "modules_to_save": ("lm_head",)}, "MLA other"),
-        ({}, {}, {"dp": 2}, "MLA other than"),
+        ({}, {}, {"dp": 2, "zero": 1}, "ZeRO over more than one rank at stage 1"),  # DDP, FSDP2: test_..._fsdp_mla
         ({"dense_layers": (1,)}, {}, {}, "this MoE block"),  # DeepseekV3DecoderLayer: the first k dense
         ({"shared_expert_gate": True}, {}, {}, "this MoE block"),
         ({"router_bias": True}, {}, {}, "this MoE block"),
-        ({}, {}, {"dp": 2, "zero": 3}, "MLA other than"),
+        ({}, {"down_proj_bias": True}, {"dp": 2, "zero": 3}, "MLA other than"),  # FSDP2 without: test_..._fsdp_mla
     ],
 )
 def test_a_deepseek_plan_the_run_does_not_follow_stays_on_the_phase_model(

@@ -205,7 +205,7 @@ def test_estimate_answers_deepseek_v2_lite_op_level_on_cpu(capsys, precision: st
         ({"dense_layers": (1,)}, {}, {}, "this MoE block"),
         ({}, {"down_proj_bias": True}, {}, "MLA other than"),
         ({}, {}, {"finetune": "lora", "lora_targets": ("q_a_proj", "o_proj")}, "MLA other than"),  # no q_lora_rank
-        ({}, {}, {"dp": 2}, "MLA other than"),
+        ({}, {}, {"dp": 2, "zero": 1}, "ZeRO over more than one rank at stage 1"),  # DDP, FSDP2 followed
     ],
 )
 def test_a_deepseek_v2_plan_the_run_does_not_follow_stays_on_the_phase_model(

@@ -357,7 +357,7 @@ def test_estimate_answers_qwen2_moe_op_level(capsys) -> None:
         ("mixtral-8x7b", {}, {"finetune": "lora", "lora_targets": ("down_proj",)}, "PEFT over the mixtral family"),
         ("qwen3-30b-a3b", {}, {"finetune": "lora", "lora_targets": ("q_proj", "gate_proj")}, "PEFT over the qwen3"),
         ("mixtral-8x7b", {}, {"finetune": "qlora", "quant": "nf4"}, "a quantized MoE base"),
-        ("deepseek-v2-lite", {}, {"dp": 2}, "MLA other than full fine-tuning"),  # one rank (hf_support._mla_ok)
+        ("deepseek-v2-lite", {}, {"dp": 2, "zero": 1}, "ZeRO over more than one rank at stage 1"),  # DDP, FSDP2 run
         ("llama4-scout", {}, {}, "the llama4 family"),
     ],
 )

@@ -2,7 +2,9 @@
 the real hand-written loop (``--runtime hf-loop``) on CPU: a tiny random model saved and loaded back through
 ``BitsAndBytesConfig`` (nf4 with and without double quantization, LLM.int8), ``prepare_model_for_kbit_training``,
 ``get_peft_model`` (tests/accuracy/peft_steps.py); the peak of live storages over three optimizer steps
-(``StorageTracker``) equal to the byte.
+(``StorageTracker``) equal to the byte; the hand-written loop under ``save_on_cpu`` too
+(tests/accuracy/offload_steps.py's loop, the host copies at most equal as well; without checkpointing, PEFT's
+reentrant and transformers' non-reentrant checkpoint).
 
 What loading such a base does (transformers 5.23, bitsandbytes 0.50.2, PEFT 0.21.2): bitsandbytes replaces the
 ``nn.Linear`` alone, the attention's q/k/v/o_proj and Qwen2-MoE's shared expert with its ``shared_expert_gate``
@@ -24,8 +26,9 @@ pytest.importorskip("bitsandbytes")
 
 import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
 import peft_steps  # noqa: E402
+from offload_steps import OffloadCase, measure  # noqa: E402
 from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
-from test_timeline_hf_int8_families import measure_loop  # noqa: E402
+from test_timeline_hf_int8_families import _loop_model, measure_loop  # noqa: E402
 from test_timeline_hf_loop_families import MLA, ROUTER, V2  # noqa: E402
 
 from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
@@ -136,6 +139,71 @@ def test_the_loop_over_a_quantized_moe_base_peaks_where_the_run_does(case: PeftC
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 
+# save_on_cpu around the hand-written loop's forward and backward (tests/accuracy/offload_steps.py's loop and
+# emulation: every save copied to the host, the fp32 experts' grouped_mm saves too), with and without the
+# checkpointing prepare_model_for_kbit_training turns on (reentrant: its re-runs' saves packed in the backward), and
+# under transformers' non-reentrant checkpoint (``_NON_REENTRANT``: the checkpoint's own hooks, innermost, keep the
+# layers' saves; save_on_cpu copies what lies outside them)
+SOC = "soc"
+SAVE_ON_CPU = [
+    _case("deepseek_v3", "int8", SOC, slow=False),
+    _case("qwen2_moe", "int8", f"{SOC}-ckpt", slow=False, **CKPT),
+    _case("mixtral", "nf4", SOC),
+    _case("mixtral", "nf4", f"{SOC}-ckpt", **CKPT),
+    _case("mixtral", "nf4-dq", f"{SOC}-recipe", dtype="bfloat16", autocast=True, **CKPT),  # QLoRA's recipe
+    _case("qwen3_moe", "int8", SOC),
+    _case("qwen3_moe", "int8", f"{SOC}-autocast-ckpt", autocast=True, **CKPT),
+    _case("qwen3_moe", "nf4-dq", f"{SOC}-ckpt", **CKPT),
+    _case("qwen2_moe", "nf4", SOC),
+    _case("qwen2_moe", "nf4-dq", f"{SOC}-recipe", dtype="bfloat16", autocast=True, **CKPT),
+    _case("deepseek_v2", "nf4-dq", f"{SOC}-bf16", dtype="bfloat16"),
+    _case("deepseek_v2", "int8", f"{SOC}-ckpt", **CKPT),
+    _case("deepseek_v3", "nf4-dq", f"{SOC}-bf16-ckpt", dtype="bfloat16", **CKPT),
+    _case("deepseek_v3", "nf4-dq", f"{SOC}-recipe", dtype="bfloat16", autocast=True, **CKPT),
+]
+_NON_REENTRANT = [
+    _case("mixtral", "nf4", f"{SOC}-nonreentrant", slow=False, **CKPT),
+    _case("qwen3_moe", "int8", f"{SOC}-nonreentrant", **CKPT),
+    _case("qwen2_moe", "nf4-dq", f"{SOC}-recipe-nonreentrant", dtype="bfloat16", autocast=True, **CKPT),
+    _case("deepseek_v3", "nf4", f"{SOC}-nonreentrant", **CKPT),
+    _case("deepseek_v2", "int8", f"{SOC}-bf16-nonreentrant", dtype="bfloat16", **CKPT),
+]
+
+
+def predict_save_on_cpu(case: PeftCase, reentrant: bool | None = None) -> tuple[int, int]:
+    """(peak, host copies at most) of the loop's run under ``save_on_cpu`` (``reentrant``: the plan's
+    ``use_reentrant``, None for the loop's default, PEFT's reentrant checkpoint over a quantized base)."""
+    from memplan.specs.plan import checkpoint_reentrant
+
+    model = model_from_data(case.hf_config(), f"{case.name}/config.json", case.name)
+    update = {"offload_activations": "cpu"} | ({} if reentrant is None else {"use_reentrant": reentrant})
+    plan = plan_of(case, "hf-loop").model_copy(update=update)
+    workload = TrainingWorkload(seq_len=case.seq, micro_batch=case.batch)
+    assert hf_supported(model, plan, workload, "hf-loop", device="cpu") is None, case.name
+    timeline = hf_loop_run(
+        hf_dims(model, workload, plan, "hf-loop"), model.tied_embeddings, "cpu_flash", steps=STEPS,
+        qkv_bias=model.qkv_bias, arch=model.architecture, extra=family_config(model),
+        lora=HfLoraConfig.of(plan, model.architecture, model.moe.num_experts), quant=case_quant(case, plan),
+        inplace_accumulate=False, offload=True, reentrant=checkpoint_reentrant(plan, "hf-loop"), subclass_like=True,
+    )  # fmt: skip
+    return timeline.peak()[0], timeline.host_peak
+
+
+def _soc_params():
+    cases = [(c, None) for c in SAVE_ON_CPU] + [(c, False) for c in _NON_REENTRANT]
+    return [pytest.param(c, r, id=c.name, marks=pytest.mark.slow if c.slow else ()) for c, r in cases]
+
+
+@pytest.mark.parametrize(("case", "reentrant"), _soc_params())
+def test_save_on_cpu_around_the_loop_over_a_quantized_moe_base_equals_the_loops(case: PeftCase, reentrant) -> None:
+    """The peak and the host copies of offload_steps' ``save_on_cpu`` loop (``reentrant`` False: transformers'
+    non-reentrant checkpoint with ``enable_input_require_grads``, test_timeline_hf_int8_families._loop_model)."""
+    model = _loop_model(case) if reentrant is False else None
+    peak, host = measure(OffloadCase(case.name, case, "save_on_cpu"), steps=STEPS, model=model)
+    predicted = predict_save_on_cpu(case, reentrant)
+    assert predicted == (peak, host), f"{case.name}: {predicted} predicted (peak, host), {(peak, host)} measured"
+
+
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
 def test_bitsandbytes_replaces_the_linears_alone(arch: str) -> None:
     """A tiny Qwen2-MoE or DeepSeek-V3 loaded in 4 bits: ``Linear4bit`` where ``Bnb4bit.quantized`` says (the
@@ -170,8 +238,9 @@ def test_bitsandbytes_replaces_the_linears_alone(arch: str) -> None:
         ({"dp": 2, "zero": 3}, "hf", "cpu", None),
         ({"dp": 2, "zero": 2, "quant": "int8"}, "hf", "cpu", "an LLM.int8 base under the Trainer's FSDP"),
         ({"dp": 2}, "hf", "cuda", "a quantized MoE base other than"),
-        ({"dp": 2, "offload_activations": "cpu"}, "hf", "cpu", "a quantized MoE base other than"),
-        ({"offload_activations": "cpu"}, "hf-loop", "cpu", "a quantized MoE base other than"),
+        ({"dp": 2, "offload_activations": "cpu"}, "hf", "cpu", None),  # TRL's: test_timeline_hf_quant_moe_ranks.py
+        ({"offload_activations": "cpu"}, "hf-loop", "cpu", None),  # save_on_cpu around the hand loop: followed
+        ({"offload_activations": "cpu"}, "hf-loop", "cuda", "a quantized MoE base other than"),
         ({}, "hf", "cpu", None),
         ({"quant": "int8"}, "hf-loop", "cpu", None),
     ],
@@ -187,14 +256,17 @@ def test_what_the_run_follows_over_a_quantized_moe_base(update: dict, runtime: s
     assert reason == why or (why is not None and reason.startswith(why)), reason
 
 
-def test_qlora_over_moe_on_more_ranks_is_refused_in_one_line() -> None:
-    """DDP over a quantized MoE base under activation offload is not followed: exit 2, one line naming the field."""
+def test_save_on_cpu_over_a_quantized_moe_base_is_estimated_by_the_run() -> None:
+    """``save_on_cpu`` around the hand-written loop over a quantized MoE base (refused until 2026-11-29): exit 0,
+    the op-level run's answer, the host copies counted (the fp32 experts among the saves copied)."""
+    import json
     import subprocess
     import sys
 
-    args = ["estimate", "mixtral-8x7b", "--runtime", "hf", "--finetune", "qlora", "--quant", "nf4"]
-    args += ["--lora-targets", "q_proj", "--device", "cpu", "--seq-len", "256", "--gpus", "2"]
-    args += ["--offload-activations", "cpu"]
+    args = ["estimate", "mixtral-8x7b", "--runtime", "hf-loop", "--finetune", "qlora", "--quant", "nf4"]
+    args += ["--lora-targets", "q_proj", "--device", "cpu", "--seq-len", "256"]
+    args += ["--offload-activations", "cpu", "--format", "json"]
     proc = subprocess.run([sys.executable, "-m", "memplan.cli", *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "a quantized MoE base other than" in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.returncode == 0, proc.stderr
+    memory = json.loads(proc.stdout)["memory"]
+    assert memory["model"] == "op-level" and memory["offload"]["cpu"] > 0, memory["model_reason"]

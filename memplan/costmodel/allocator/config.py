@@ -11,10 +11,11 @@ keys, and the check that every key is known to one of the two).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Literal
 
 from memplan.errors import MemplanError
+from memplan.records import record
 
 kMB = 1024 * 1024
 kMinBlockSize = 512  # every size rounds up to a multiple of it
@@ -62,7 +63,7 @@ _CUDA_BOOL_KEYS = frozenset(
 Backend = Literal["native", "cudaMallocAsync"]
 
 
-@dataclass(frozen=True, slots=True)
+@record(slots=True)
 class AllocatorConfig:
     """The settings that change device memory, plus those PyTorch accepts and memplan only records.
 

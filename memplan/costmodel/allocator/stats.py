@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memplan.errors import MemplanError
+from memplan.records import record
 
 
-@dataclass(frozen=True, slots=True)
+@record(slots=True)
 class AllocatorStats:
     """A copy of the counters ``torch.cuda.memory_stats()`` reads (``DeviceStats``), in bytes.
 

@@ -9,10 +9,12 @@ close to PyTorch MemTracker's ``Parameter`` / ``Gradient`` / ``Activation`` / ``
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import field
 from enum import StrEnum
 from functools import cached_property
 from typing import NamedTuple
+
+from memplan.records import record
 
 
 class Category(StrEnum):
@@ -93,7 +95,7 @@ class Snapshot(NamedTuple):
     live: tuple[tuple, ...]
 
 
-@dataclass(frozen=True)
+@record()
 class Timeline:
     """The events of one rank, in order, and the live sets at its steady marks. Build with
     :class:`Builder`. ``raw``: the events as plain tuples, what the allocator's replay and the
@@ -175,7 +177,7 @@ class Timeline:
         return {e[5]: i for i, e in enumerate(self.raw) if e[0] == MARK}
 
 
-@dataclass
+@record(frozen=False)
 class Builder:
     """Appends events (plain tuples of :class:`Event`'s fields); tracks what is live per category
     so callers free by category."""

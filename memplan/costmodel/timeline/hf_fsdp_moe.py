@@ -1,11 +1,14 @@
-"""The Trainer's FSDP2 (``hf_fsdp.py``) over the MoE families of ``hf_moe.py`` (Mixtral, Qwen3-MoE, Qwen2-MoE):
-full fine-tuning and PEFT LoRA (transformers 5.23, accelerate 1.15, torch 2.13, peft 0.21.2).
+"""The Trainer's FSDP2 (``hf_fsdp.py``) over the MoE families of ``hf_moe.py`` (Mixtral, Qwen3-MoE, Qwen2-MoE) and
+``hf_mla.py`` (DeepSeek-V3 / V2): full fine-tuning and PEFT LoRA (transformers 5.23, accelerate 1.15, torch 2.13,
+peft 0.21.2).
 
 What accelerate wraps: ``fsdp2_prepare_auto_wrap_policy`` (accelerate/utils/fsdp_utils.py:921-960) takes the
-model's ``_no_split_modules``, ``MixtralDecoderLayer``, ``Qwen3MoeDecoderLayer``, ``Qwen2MoeDecoderLayer``
-(modeling_mixtral.py:373, modeling_qwen3_moe.py:355, modeling_qwen2_moe.py:404), so each decoder layer is one
+model's ``_no_split_modules``, ``MixtralDecoderLayer``, ``Qwen3MoeDecoderLayer``, ``Qwen2MoeDecoderLayer``,
+``DeepseekV3DecoderLayer``, ``DeepseekV2DecoderLayer`` (modeling_mixtral.py:373, modeling_qwen3_moe.py:355,
+modeling_qwen2_moe.py:404, modeling_deepseek_v3.py:537, modeling_deepseek_v2.py:469), so each decoder layer is one
 ``fully_shard`` group, as a dense layer is: the router, the experts' fused 3-D parameters, Qwen2-MoE's shared
-expert and its gate, a dense layer's MLP are parameters of their layer's group (no module of the sparse block is
+expert and its gate, DeepSeek's shared experts and MLA's projections, a dense layer's MLP are parameters of their
+layer's group (V3's ``e_score_correction_bias`` a buffer, whole on every rank) (no module of the sparse block is
 wrapped on its own). The group's all-gather holds them with the attention's, unsharded for the layer's forward
 and its backward; the router's ops and the experts' ``grouped_mm`` run on the unsharded parameters exactly as on
 one rank (``hf_moe.MoeBlock``); the experts' weight gradients (E x n x k, ``_grouped_mm``'s) are reduce-scattered
@@ -25,7 +28,8 @@ Checked against the real Trainer on CPU, rank 0 of two or four under the fake pr
 (tests/unit/test_timeline_hf_fsdp_moe.py): fp32, a bf16 model, ``bf16=True`` (accelerate's bf16 policy over fp32
 master shards), gradient checkpointing, ``full_shard`` and ``shard_grad_op``, gradient accumulation, dense
 layers, experts not divisible by the ranks, LoRA on the linears and through ``ParamWrapper``; every case equal
-to the byte.
+to the byte. DeepSeek-V3 / V2 full, LoRA on MLA's linears and QLoRA likewise, nothing of the run changed for them
+(tests/unit/test_timeline_hf_fsdp_mla.py).
 """
 
 from __future__ import annotations

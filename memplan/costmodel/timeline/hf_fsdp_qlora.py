@@ -65,7 +65,33 @@ class HfFsdpQlora(HfFsdpPeft):
     def __init__(self, *args, quant: Bnb4bit, full: dict, **kwargs) -> None:  # noqa: ANN002, ANN003
         """``full``: the parameters' logical shapes (``shapes``, the third argument, holds the packed ones)."""
         self.quant, self.full = quant, full  # itemsize reads them
+        self.recast: dict[str, Tensor] = {}  # the 4-bit linears' biases recast in the forward (recast_biases)
         super().__init__(*args, **kwargs)
+
+    def unshard(self, g: int, forward: bool) -> None:
+        """``fsdp.Fsdp.unshard``; at a forward, each 4-bit linear's bias (Qwen2's q, k, v) gathered in a dtype
+        other than the compute dtype is recast the first time (:meth:`recast_biases`)."""
+        super().unshard(g, forward)
+        if forward:
+            self.recast_biases(g)
+
+    def recast_biases(self, g: int) -> None:
+        """``Linear4bit.forward``'s ``bias.data = bias.data.to(x.dtype)`` (bitsandbytes 0.50 ``nn/modules.py``) on
+        the unsharded bias: fp32 after ``prepare_model_for_kbit_training``, gathered so without a policy, it gets
+        a compute-dtype copy for its ``.data``. ``FSDPParam.init_unsharded_param`` returns early for a plain
+        parameter once its ``_unsharded_param`` exists, and the reshard frees the all-gather outputs, not that
+        ``.data``: the copy stays for the rest of the run, the gathered bias beside it at each unshard, and the
+        bias reads as the compute dtype from then on (no second recast). Under ``bf16=True``'s policy the bias is
+        gathered in bf16 already: nothing. Allocated at the group's first forward unshard (the q, k, v projections
+        are the layer's first linears)."""
+        t = self.tape
+        for name in self.groups[g].names:
+            module = name.removesuffix(".bias")
+            if name == module or not self.quant.quantized(module) or name in self.recast:
+                continue
+            if self.unsharded_itemsize(name) != self.quant.compute:
+                rows, cols = self.shapes[name]
+                self.recast[name] = t.managed(rows * cols, self.quant.compute, f"{name}.recast", Category.PARAMETERS)
 
     def packed(self, name: str) -> bool:
         return name in self.frozen and self.quant.quantized(name.removesuffix(".weight"))

@@ -17,8 +17,10 @@ experts and routers PEFT wraps in its ParamWrapper: ``hf_moe_lora.py``), one ran
 no router biases; tests/unit/test_timeline_hf_moe.py), and DeepSeek-V3 and V2 (``hf_mla.py``: MLA under the
 CPU's math SDPA, on CUDA under the memory-efficient kernel, ``mla_cuda_ok``, from source; V3's sigmoid router
 with its score bias and groups, the ungated shared experts; ``hf_mla_v2.py``:
-V2's complex RoPE and softmax router, greedy or group-limited; full fine-tuning on one rank, or PEFT LoRA on MLA's
-linears; tests/unit/test_timeline_hf_mla.py, test_timeline_hf_mla_v2.py); fp32, ``bf16`` (a bf16 model under
+V2's complex RoPE and softmax router, greedy or group-limited; full fine-tuning, or PEFT LoRA on MLA's
+linears, on one rank, under DDP or FSDP2 (below: not V3 loaded on the CPU, :func:`_cpu_load_buffer`);
+tests/unit/test_timeline_hf_mla.py, test_timeline_hf_mla_v2.py, test_timeline_hf_fsdp_mla.py);
+fp32, ``bf16`` (a bf16 model under
 ``bf16=True``, the exporters' recipe: ``specs.plan.trainer_autocast``; tests/unit/test_timeline_hf_autocast.py;
 without it where the plan's ``autocast`` is off), or ``bf16=True`` over fp32 (``bf16-mixed``); the default
 fused AdamW, and the Trainer's other optimizers over every family, full fine-tuning or PEFT (``hf_optimizers.py``: SGD,
@@ -45,8 +47,9 @@ Mixtral and Qwen3-MoE, its FSDP2, tests/unit/test_timeline_hf_quant_moe_ranks.py
 tests/unit/test_timeline_hf_ddp.py, two gloo ranks on CPU, rank 0's peak equal to the run's). The Trainer's
 FSDP2 (``--zero 3``: ``full_shard``, ``--zero 2``: ``shard_grad_op``; ``hf_fsdp.py``;
 tests/unit/test_timeline_hf_fsdp.py, rank 0 of two or four under the fake process group on CPU, equal to the
-real Trainer's peak) for full fine-tuning of every family above but DeepSeek-V3 (the MoE ones: each decoder
-layer one group, the experts sharded on the expert axis, ``hf_fsdp_moe.py``, tests/unit/test_timeline_hf_fsdp_moe.py)
+real Trainer's peak) for full fine-tuning of every family above (the MoE and MLA ones: each decoder
+layer one group, the experts sharded on the expert axis, ``hf_fsdp_moe.py``, tests/unit/test_timeline_hf_fsdp_moe.py,
+test_timeline_hf_fsdp_mla.py)
 loaded onto the GPU (``model_build:
 from_pretrained``) or on the CPU and sharded by ``cpu_ram_efficient_loading`` (``model_build: to_device``,
 the default for these plans, ``specs/resolve.py``; ``hf_fsdp_load.py``, tests/unit/test_timeline_hf_fsdp_load.py:
@@ -57,8 +60,8 @@ Gemma 2 / 3 too: their bf16 residual stream, ``hf_gemma.py``), and PEFT LoRA (an
 ``bf16=True`` (``hf_fsdp_peft.py``; over an MoE base as ``MOE_LORA_TARGETS`` allows, PEFT's ``ParamWrapper``
 too), with the Trainer's or FSDP's own checkpointing and accumulation, and
 QLoRA (nf4 / fp4, double quantization, the recipe's ``bnb_4bit_quant_storage``: the packed weights sharded,
-``hf_fsdp_qlora.py``; tests/unit/test_timeline_hf_fsdp_qlora.py). Not modelled: Qwen2's
-q/k/v biases over a 4-bit base under FSDP (an LLM.int8 base the Trainer cannot run there: ``fully_shard``
+Qwen2's and Qwen2-MoE's q/k/v biases recast once, ``hf_fsdp_qlora.py``; tests/unit/test_timeline_hf_fsdp_qlora.py,
+test_timeline_hf_fsdp_mla.py). Not modelled: an LLM.int8 base under FSDP (the Trainer cannot run it: ``fully_shard``
 gathers its ``Int8Params`` back as plain Parameters, and ``specs.job.check_fsdp_int8`` refuses the plan),
 ZeRO-1 (DeepSpeed's), and tensor, pipeline, context or expert
 parallelism. Activation offload (``offload_activations: cpu``, ``hf_offload.py``: TRL's ``OffloadActivations``
@@ -87,7 +90,8 @@ tests/unit/test_timeline_hf_loop_sliding_cuda.py), with
 ``AdamW(foreach=True)``, any gradient accumulation (``loss = out.loss / ga``, ``opt.step()`` every ``ga``
 iterations), on one rank, with or without activation offload (``save_on_cpu`` around the forward and backward:
 ``act_offload.py``'s hooks, checked over the dense families, Mixtral, Qwen3-MoE, Qwen2-MoE and DeepSeek-V2 / V3,
-``LOOP_OFFLOAD_FAMILIES``; tests/accuracy/test_offload_accuracy.py, test_timeline_hf_loop_peft_families.py);
+``LOOP_OFFLOAD_FAMILIES``, over a float, 4-bit or LLM.int8 base; tests/accuracy/test_offload_accuracy.py,
+test_timeline_hf_loop_peft_families.py, test_timeline_hf_quant_moe.py);
 there ``bf16`` is the bf16 model without autocast unless the plan's ``autocast`` puts the forward under
 ``torch.autocast`` (tests/unit/test_plan_autocast.py), so over a 4-bit base SDPA takes the fp32 stream: without
 GQA the memory-efficient kernel on CUDA (:func:`_four_bit_kernel_ok`).
@@ -227,7 +231,7 @@ def hf_supported(
         (model.mla is None or cpu or mla_cuda_ok(model, plan, gpu_arch), _MLA_CUDA),
         (model.mla is None or _mla_ok(model, plan), _MLA_PLAN),
         (_moe_ok(model), "this MoE block (shared experts, dense layers, router biases or fused experts)"),
-        (model.moe is None or plan.quant == "none" or _quant_moe_ok(model, plan, cpu), _QUANT_MOE),
+        (model.moe is None or plan.quant == "none" or _quant_moe_ok(model, cpu), _QUANT_MOE),
         (
             model.moe is None or gpu_arch is None or gpu_arch.major >= 8,
             "MoE experts below compute capability 8.0 (transformers' own grouped_mm fallback)",
@@ -278,6 +282,7 @@ def hf_supported(
             "ZeRO over more than one rank at stage 1 (DeepSpeed's; the Trainer's FSDP is 2 or 3)",
         ),
         (plan.dp == 1 or plan.zero == 0 or _fsdp_ok(model, plan, runtime), _fsdp_reason(model, plan)),
+        (not _cpu_load_buffer(model, plan), _CPU_LOAD_BUFFER),
         (plan.optimizer == "adamw" or _optimizer_ok(plan, runtime), _optimizer_reason(plan, runtime)),
         (plan.precision in ("fp32", "bf16", "bf16-mixed"), _precision_reason(plan.precision)),
         (plan.recompute in ("none", "full") and plan.recompute_layers is None, "this recompute"),
@@ -357,25 +362,31 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 
 _QUANT_MOE = (
-    "a quantized MoE base other than on CPU without activation offload (the op-level run follows it there, on one "
-    "rank, under DDP and, over a 4-bit Mixtral or Qwen3-MoE, under FSDP2; --device cpu)"
+    "a quantized MoE base other than on CPU (the op-level run follows it there, on one rank, under DDP and, over a "
+    "4-bit base, under FSDP2, TRL's offload under the Trainer and save_on_cpu around the hand-written loop too; "
+    "--device cpu)"
 )
 
 
-def _quant_moe_ok(model: ModelSpec, plan: Plan, cpu: bool) -> bool:
+def _quant_moe_ok(model: ModelSpec, cpu: bool) -> bool:
     """A 4-bit or LLM.int8 base of Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V2 or V3 as
     tests/unit/test_timeline_hf_quant_moe.py checks it against the real Trainer and hand-written loop on CPU:
     bitsandbytes replaces the ``nn.Linear`` alone (the attention's, MLA's, the shared experts' and Qwen2-MoE's
     shared-expert gate, the dense layers' MLP: ``hf_bnb.Bnb4bit.quantized``), the router and the 3-D experts stay
-    float (fp32 after ``prepare_model_for_kbit_training``), no activation offload; on one rank, or over more as
+    float (fp32 after ``prepare_model_for_kbit_training``); on one rank, or over more as
     tests/unit/test_timeline_hf_quant_moe_ranks.py checks them against the real Trainer: DDP over every one of
     these families (``hf_ddp.py`` as over a dense base: the fp32 experts and router frozen, outside the
     buckets, broadcast with the packed weights at construction), FSDP2 where :func:`_fsdp_ok` takes the plan
-    (a 4-bit Mixtral or Qwen3-MoE: the packed weights sharded in their storage dtype beside the fp32 experts,
-    sharded on the expert axis, ``hf_fsdp_qlora.py`` over ``hf_fsdp_moe.py``). Not followed: CUDA (fp32
-    experts under ``grouped_mm`` there: not checked), activation offload over such a base."""
-    families = MOE_FAMILIES + MLA_FAMILIES
-    return cpu and model.architecture in families and plan.offload_activations == "none"
+    (a 4-bit base of any of them: the packed weights sharded in their storage dtype beside the fp32 experts,
+    sharded on the expert axis, ``hf_fsdp_qlora.py`` over ``hf_fsdp_moe.py``; Qwen2-MoE's q/k/v biases recast
+    once, ``hf_fsdp_qlora.HfFsdpQlora.recast_biases``; DeepSeek's tests/unit/test_timeline_hf_fsdp_mla.py); under
+    the Trainer with TRL's activation offload too (``hf_offload.py`` over the same runs;
+    tests/unit/test_timeline_hf_quant_moe_ranks.py, on one rank, DDP and FSDP2); under the hand-written loop with
+    ``save_on_cpu`` around its forward and backward (``act_offload.py`` over the same run: every save packed, the
+    fp32 experts' ``grouped_mm`` saves too, and under PEFT's reentrant checkpoint the re-runs' saves in the
+    backward; tests/unit/test_timeline_hf_quant_moe.py). Not followed: CUDA (fp32 experts under ``grouped_mm``
+    there: not checked)."""
+    return cpu and model.architecture in MOE_FAMILIES + MLA_FAMILIES
 
 
 def _moe_ok(model: ModelSpec) -> bool:
@@ -423,20 +434,21 @@ def mla_cuda_ok(model: ModelSpec, plan: Plan, gpu_arch: CudaArch | None) -> bool
 
 _MLA_PLAN = (
     "MLA other than full fine-tuning or LoRA on the attention linears (q_a_proj, q_b_proj or q_proj, "
-    "kv_a_proj_with_mqa, kv_b_proj, o_proj) of DeepSeek-V2 or V3 without attention biases on one rank (over a "
-    "quantized base under DDP too)"
+    "kv_a_proj_with_mqa, kv_b_proj, o_proj) of DeepSeek-V2 or V3 without attention biases"
 )
 
 
 def _mla_ok(model: ModelSpec, plan: Plan) -> bool:
     """DeepSeek-V3 and V2 as tests/unit/test_timeline_hf_mla*.py check them against the real Trainer: full fine-tuning
     or PEFT LoRA on linears MLA has (no ``modules_to_save``), on one rank (fp32, bf16 with or without
-    ``bf16=True``, ``bf16=True`` over fp32), or over a quantized base under DDP too
-    (tests/unit/test_timeline_hf_quant_moe_ranks.py; a float one not checked there: a bf16 V3 built by
-    ``.to(bfloat16)``, whose router score bias goes bf16, measured +16 B, that buffer's 8 x 2 B), no attention
-    biases (``attention_bias``: q_a_proj's and kv_a_proj_with_mqa's, not followed)."""
-    ranks = plan.dp == 1 or (plan.zero == 0 and plan.quant != "none")
-    return ranks and not model.mla.down_proj_bias and (plan.finetune == "full" or _mla_lora_ok(model, plan))
+    ``bf16=True``, ``bf16=True`` over fp32), under the Trainer's FSDP2 (``full_shard`` or ``shard_grad_op``,
+    full fine-tuning, LoRA or QLoRA: each decoder layer one group, dense or MoE, the experts sharded on the
+    expert axis as Mixtral's, ``hf_fsdp_moe.py``; tests/unit/test_timeline_hf_fsdp_mla.py) or its DDP (``hf_ddp.py``
+    as over any base, float or quantized: test_timeline_hf_fsdp_mla.py, test_timeline_hf_quant_moe_ranks.py; a bf16
+    V3 the harness builds by ``.to(bfloat16)`` has its router score bias bf16, 2 B an expert a sparse layer under
+    the run, which keeps it fp32 as ``from_pretrained`` does), no attention biases (``attention_bias``: q_a_proj's
+    and kv_a_proj_with_mqa's, not followed)."""
+    return not model.mla.down_proj_bias and (plan.finetune == "full" or _mla_lora_ok(model, plan))
 
 
 def mla_linears(model: ModelSpec) -> tuple[str, ...]:
@@ -498,33 +510,48 @@ def _param_wrapper_ok(model: ModelSpec, plan: Plan) -> bool:
     return len(targets & {"gate_proj", "up_proj"}) != 1 and plan.lora_dropout == 0
 
 
-# families whose FSDP2 run was checked against the real Trainer: the dense ones (tests/unit/test_timeline_hf_fsdp.py)
-# and the MoE ones, full fine-tuning and LoRA (tests/unit/test_timeline_hf_fsdp_moe.py)
-FSDP_FAMILIES = tuple(f for f in FAMILIES if f not in MLA_FAMILIES)
-
-
 def _fsdp_ok(model: ModelSpec, plan: Plan, runtime: str) -> bool:
-    """The Trainer's FSDP2 as ``hf_fsdp.py`` follows it: full fine-tuning of a dense base or of Mixtral,
-    Qwen3-MoE or Qwen2-MoE (``hf_fsdp_moe.py``: each decoder layer one group, its experts sharded on the
-    expert axis) loaded onto the rank's GPU (``from_pretrained`` with a device_map) or on the CPU
+    """The Trainer's FSDP2 as ``hf_fsdp.py`` follows it, over every family of :data:`FAMILIES` (the dense ones,
+    tests/unit/test_timeline_hf_fsdp.py; the MoE ones, test_timeline_hf_fsdp_moe.py; DeepSeek-V2 / V3,
+    test_timeline_hf_fsdp_mla.py): full fine-tuning of a dense base or of Mixtral, Qwen3-MoE, Qwen2-MoE or
+    DeepSeek (``hf_fsdp_moe.py``: each decoder layer one group, its experts sharded on the expert axis) loaded
+    onto the rank's GPU (``from_pretrained`` with a device_map) or on the CPU
     (``to_device``: sharded through ``cpu_ram_efficient_loading``, ``hf_fsdp_load.py``), in fp32, a bf16
     model without ``bf16=True`` (``MixedPrecisionPolicy()``), or under ``bf16=True`` (accelerate's bf16
     policy over fp32 master shards); PEFT LoRA (:func:`_fsdp_lora_ok`; over an MoE base PEFT's
     ``ParamWrapper`` adapters of the experts and the router too, sharded on their own dim 0)."""
     return (
         runtime == "hf"
-        and model.architecture in FSDP_FAMILIES
         and (plan.finetune == "full" or _fsdp_lora_ok(model, plan))
         and (plan.quant == "none" or _fsdp_qlora_ok(model, plan))
     )
 
 
+_CPU_LOAD_BUFFER = (
+    "DeepSeek-V3 under the Trainer's FSDP loaded on the CPU (model_build to_device: cpu_ram_efficient_loading), "
+    "which the Trainer cannot run: accelerate's fsdp2_load_full_state_dict reads .device_mesh off each state-dict "
+    "entry, and the routers' e_score_correction_bias is a plain buffer (AttributeError); --model-build "
+    "from_pretrained runs"
+)
+
+
+def _cpu_load_buffer(model: ModelSpec, plan: Plan) -> bool:
+    """A persistent floating buffer (DeepSeek-V3's routers' ``e_score_correction_bias``) under FSDP2 with
+    ``cpu_ram_efficient_loading`` (``model_build: to_device``, never over a 4-bit base: ``specs.plan``; an int8 one
+    is refused under FSDP2): accelerate 1.15's ``fsdp2_load_full_state_dict``
+    (accelerate/utils/fsdp_utils.py:620-630) takes every entry of the sharded ``model.state_dict()`` for a DTensor
+    (``sharded_param.device_mesh``), and a buffer ``fully_shard`` leaves a plain tensor: the real Trainer raises
+    ``AttributeError`` in ``accelerator.prepare`` (tests/unit/test_timeline_hf_fsdp_mla.py)."""
+    fsdp = plan.dp > 1 and plan.zero >= 2 and plan.model_build == "to_device"
+    return fsdp and model.moe is not None and model.moe.router_score_bias
+
+
 def _fsdp_qlora_ok(model: ModelSpec, plan: Plan) -> bool:
     """QLoRA under the Trainer's FSDP2 as checked (``hf_fsdp_qlora.py``): a 4-bit base (nf4 / fp4, with or
     without double quantization) stored as the model's float dtype (``bnb_4bit_quant_storage``, the recipe
-    the exporters write), its packed weights sharded; not Qwen2's q/k/v biases (``Linear4bit`` recasts the
-    unsharded bias in place at each forward: not followed)."""
-    return plan.finetune == "qlora" and plan.quant in ("nf4", "fp4") and not model.qkv_bias
+    the exporters write), its packed weights sharded; Qwen2's and Qwen2-MoE's q/k/v biases recast once by
+    ``Linear4bit.forward`` (``hf_fsdp_qlora.HfFsdpQlora.recast_biases``)."""
+    return plan.finetune == "qlora" and plan.quant in ("nf4", "fp4")
 
 
 def _fsdp_lora_ok(model: ModelSpec, plan: Plan) -> bool:
@@ -541,16 +568,10 @@ def _fsdp_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 def _fsdp_reason(model: ModelSpec, plan: Plan) -> str:
     """Why the Trainer's FSDP2 run does not follow the plan."""
-    if model.architecture not in FSDP_FAMILIES:
-        return f"the Trainer's FSDP over the {model.architecture} family (checked for {', '.join(FSDP_FAMILIES)})"
     if plan.finetune != "full" and "lm_head" in plan.modules_to_save and model.tied_embeddings:
         return (
             "modules_to_save lm_head over tied embeddings under the Trainer's FSDP "
             "(fully_shard refuses the shared weight)"
-        )
-    if plan.quant != "none" and model.qkv_bias:
-        return (
-            "a 4-bit base with q/k/v biases under the Trainer's FSDP (Linear4bit's in-place bias recast, not followed)"
         )
     if plan.quant == "int8":
         return "an LLM.int8 base under the Trainer's FSDP (it cannot run it: specs.job.check_fsdp_int8 refuses it)"

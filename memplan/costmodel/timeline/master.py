@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from memplan.costmodel.timeline.autograd import Tape, Tensor
+from memplan.costmodel.timeline.autograd import Tape
 from memplan.costmodel.timeline.events import Category
 
 FP32 = 4
@@ -35,7 +35,7 @@ class MasterAdamW:
 
     def __init__(self, tape: Tape) -> None:
         self.tape = tape
-        self.states: list[Tensor] = []
+        self.states: list[int] = []  # the masters' and moments' allocation ids (:meth:`create`)
 
     def step(
         self,
@@ -52,16 +52,26 @@ class MasterAdamW:
         ``ops.embedding``)."""
         t = self.tape
         if first:
-            for name, n in params:
-                if name not in fp32:
-                    upcast = t.new(n, FP32, f"{name}.float")
-                    self.states.append(t.managed(n, FP32, f"{name}.master", Category.OPTIMIZER_STATES))
-                    t.done(upcast)
-                for state in ("exp_avg", "exp_avg_sq"):
-                    self.states.append(t.managed(n, FP32, f"{name}.{state}", Category.OPTIMIZER_STATES))
+            self.create(params, fp32)
         sizes, temp = grads or {}, Category.OPTIMIZER_TEMP
         copies = [(sizes.get(name, n) * FP32, f"{name}.grad_fp32") for name, n in params if name not in fp32]
         grads_fp32 = t.temporaries(copies, temp)
         roots = t.temporaries([(n * FP32, f"{name}.sqrt_tmp") for name, n in params], temp)
         t.release(roots)
         t.release(grads_fp32)
+
+    def create(self, params: list[tuple[str, int]], fp32: Collection[str] = ()) -> None:
+        """The first step's masters and moments, per parameter in order (module docstring): kept as
+        their allocations' ids (nothing reads them as tensors; ``Tape.temporaries``' way, without a
+        ``Tensor`` and ``Storage`` each: ~1,000 of them under bf16-master, a Python object apiece)."""
+        t = self.tape
+        alloc, free, states = t.b.alloc, t.b.free, Category.OPTIMIZER_STATES
+        prefix = f"{t.scope}." if t.scope else ""
+        for name, n in params:
+            size, tag = n * FP32, prefix + name
+            if name not in fp32:
+                upcast = alloc(size, Category.ACTIVATIONS, f"{tag}.float")
+                self.states.append(alloc(size, states, f"{tag}.master"))
+                free(upcast)
+            self.states.append(alloc(size, states, f"{tag}.exp_avg"))
+            self.states.append(alloc(size, states, f"{tag}.exp_avg_sq"))

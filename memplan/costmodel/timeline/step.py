@@ -63,9 +63,7 @@ MIN_TENSOR = 512  # kMinBlockSize: the allocator rounds every request up to it
 def _scaled(pattern: Sequence[int], total: int, reference: int) -> list[int]:
     """``pattern`` scaled by total / reference (a layer's tensors in another dtype or count),
     none below the allocator's 512 B block (a sharded norm weight is smaller, but no category
-    is cut into pieces the allocator would not tell apart)."""
-    if reference <= 0:
-        return [total]
+    is cut into pieces the allocator would not tell apart; ``reference`` > 0: :meth:`_Run.pattern`)."""
     return [max(MIN_TENSOR, p * total // reference) for p in pattern]
 
 
@@ -119,11 +117,9 @@ class _Run:
             free(tensor)
         self.totals[cat] = live
 
-    def alloc_to(self, cat: Category, target: int, limit: int | None = None) -> None:
-        """Allocate tensors of ``cat`` until ``target`` bytes are live (at most ``limit`` now)."""
+    def alloc_to(self, cat: Category, target: int) -> None:
+        """Allocate tensors of ``cat`` until ``target`` bytes are live."""
         need = target - self.live(cat)
-        if limit is not None:
-            need = min(need, limit)
         if need <= 0:
             return
         stream, tag, alloc, live = self.stream(cat), cat.value, self.b.alloc, self.by_cat[cat]
@@ -131,11 +127,11 @@ class _Run:
             live.append((alloc(size, cat, tag, stream), size))
         self.totals[cat] += need
 
-    def reach(self, target: dict[str, int], moment: str, order: Sequence[Category] = tuple(Category)) -> None:
-        """Frees first, then allocations in ``order``, then the mark: ``target`` live exactly."""
+    def reach(self, target: dict[str, int], moment: str) -> None:
+        """Frees first, then allocations, then the mark: ``target`` live exactly."""
         for cat in Category:
             self.free_to(cat, target.get(cat.value, 0))
-        for cat in order:
+        for cat in Category:
             self.alloc_to(cat, target.get(cat.value, 0))
         self.b.mark(moment)
 
@@ -214,14 +210,9 @@ def _coarsened(moments: dict[str, dict[str, int]], g: Granularity) -> Granularit
     return replace(g, hidden=g.hidden * max(grow_hidden, 1), logits=g.logits * max(grow_logits, 1))
 
 
-def build_run(
-    moments: dict[str, dict[str, int]],
-    g: Granularity,
-    build_grads: int,
-    steady_steps: int = STEADY_STEPS,
-) -> Timeline:
+def build_run(moments: dict[str, dict[str, int]], g: Granularity, build_grads: int) -> Timeline:
     """Build (parameters, and ``build_grads`` of gradient buffers allocated up front), a first
-    step, then ``steady_steps`` steps, each reaching the moments in order."""
+    step, then :data:`STEADY_STEPS` steps, each reaching the moments in order."""
     fwd = moments[Moment.FORWARD]
     params_total = fwd.get(Category.PARAMETERS.value, 0)
     run = _Run(_coarsened(moments, g), params_total)
@@ -229,7 +220,7 @@ def build_run(
     run.alloc_to(Category.GRADIENTS, build_grads)
     run.b.mark("build")
     order = (Moment.FORWARD, Moment.BACKWARD_START, Moment.BACKWARD, Moment.OPTIMIZER)
-    for step in range(steady_steps + 1):
+    for step in range(STEADY_STEPS + 1):
         for moment in order:
             target = moments[moment]
             if step == 0:
@@ -247,11 +238,12 @@ def build_run(
     return run.b.build()
 
 
-def build_serving_run(
-    weights: Sequence[int], kv_tensors: Sequence[int], work: Sequence[int], layers: int, batches: int = 2
-) -> Timeline:
+SERVING_BATCHES = 2  # prefills in a serving run: the second finds the first's cached blocks
+
+
+def build_serving_run(weights: Sequence[int], kv_tensors: Sequence[int], work: Sequence[int], layers: int) -> Timeline:
     """Serving: the weights (one tensor each), the KV cache (a key and a value tensor per layer,
-    for the whole context), then ``batches`` prefills, each layer's working set ``work``
+    for the whole context), then :data:`SERVING_BATCHES` prefills, each layer's working set ``work``
     allocated and freed in turn (the last stage's last-token logits in it). Peaks at weights +
     cache + one layer's working set, as ``memory.estimate_inference``."""
     b = Builder()
@@ -260,16 +252,10 @@ def build_serving_run(
     for size in kv_tensors:
         b.alloc(size, Category.KV_CACHE, "kv_cache")
     b.mark("build")
-    for batch in range(batches):
+    for batch in range(SERVING_BATCHES):
         for _ in range(max(layers, 1)):
             tensors = [b.alloc(size, Category.ACTIVATIONS, "prefill") for size in work]
             for tensor in reversed(tensors):
                 b.free(tensor)
         b.mark(f"step{batch}")
     return b.build()
-
-
-def steady_step_range(timeline: Timeline) -> tuple[int, int]:
-    """Event indices (start, end] of the last step."""
-    marks = [i for i, e in enumerate(timeline.raw) if e[0] == 2 and e[5].startswith(("step", "build"))]
-    return marks[-2], marks[-1]

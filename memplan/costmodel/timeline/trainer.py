@@ -10,12 +10,14 @@ and reduce-scatter on their own streams; under ZeRO-0 over dp > 1 DDP's reducer 
 the gradients into its buckets. Under LoRA (``lora.py``) the base is frozen: the
 adapters alone have grads and AdamW states. The first step also allocates cuBLAS's two workspaces
 (32 MiB each, the forward thread's and the autograd thread's, never freed) and, in its
-optimizer step, AdamW's states.
+optimizer step, AdamW's states; without those, it is the steady step (:func:`steps` derives the
+first steady step from its events, ``repeat.derive``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -26,7 +28,7 @@ from memplan.costmodel.timeline.events import Builder, Category, Stream, Timelin
 from memplan.costmodel.timeline.fsdp import Fsdp
 from memplan.costmodel.timeline.layer_repeat import WORKSPACE_TEMPLATE, LayerRepeat, NotRepeatable, span
 from memplan.costmodel.timeline.master import MasterAdamW
-from memplan.costmodel.timeline.repeat import repeat
+from memplan.costmodel.timeline.repeat import Position, Span, derive, repeat
 from memplan.costmodel.timeline.support import accumulation, sdpa_kernel, supported
 from memplan.costmodel.timeline.trainer_model import Dims, Model, param_shapes
 from memplan.specs.model import ModelSpec
@@ -129,7 +131,7 @@ def trainer_run(
         if layers and repeated:
             run.layers = run.layer_repeat()
         run.b.mark("build")
-        steps(run.b, run.step, steady_steps, repeated)
+        steps(run.b, run.step, steady_steps, repeated, run.derive_step)
         return run.b.build(run.saves.host_peak if run.saves is not None else 0, stage or 0)
 
     try:
@@ -138,21 +140,28 @@ def trainer_run(
         return build(layers=False)
 
 
-def steps(b: Builder, step: Callable[[bool], None], steady_steps: int, repeated: bool = True) -> None:
-    """The warm-up step and ``steady_steps`` steps, each closed by its ``step{k}`` mark. The first
-    steady step is built op by op; with ``repeated``, each later one is the one before emitted
-    again from its events (``repeat.py``: the same requests, renumbered), else built too. A
-    repeated step leaves the run's Python state (the tape's tensors) at the step before: no step
-    is built after one."""
+def steps(
+    b: Builder,
+    step: Callable[[bool], None],
+    steady_steps: int,
+    repeated: bool = True,
+    derived: Callable[[Position, Position], bool] | None = None,
+) -> None:
+    """The warm-up step and ``steady_steps`` steps, each closed by its ``step{k}`` mark. With
+    ``repeated``, the first steady step is the warm-up step's events without what only a first step
+    makes, where ``derived`` (``_Run.derive_step``) can derive it (``repeat.derive``), and each later
+    one the one before emitted again from its events (``repeat.py``: the same requests, renumbered);
+    else each is built op by op. A step derived or repeated leaves the run's Python state (the
+    tape's tensors) at the step before: no step is built after one."""
     span, repeating = None, False
     for k in range(steady_steps + 1):
         start = b.position()
-        if repeated and span is not None and repeat(b, *span):
+        if repeated and span is not None and (repeat(b, *span) if k > 1 else derived is not None and derived(*span)):
             repeating = True
         else:
             assert not repeating, "a step built after a repeated one would start from stale state"
             step(k == 0)
-        span = (start, b.position()) if k >= 1 else None
+        span = (start, b.position())
         b.mark(f"step{k}")
 
 
@@ -235,7 +244,7 @@ class _Run:
         self.zero1 = dp > 1 and zero == 1  # ZeroRedundancyOptimizer over DDP (zero1.py)
         self.shapes = param_shapes(d, tied)
         self.grads: dict[str, Tensor] = {}
-        self.states: list[Tensor] = []
+        self.states: list[int] = []  # AdamW's moments' allocation ids (:meth:`_group_step`)
         self.master = MasterAdamW(self.tape) if master else None  # bf16-master (master.py)
         self.batch: list[Tensor] = []
         self.model = Model(self.tape, d, {})
@@ -247,6 +256,8 @@ class _Run:
         self.saves: act_offload.SaveOnCpu | None = None  # activation offload's hooks (act_offload.py)
         self.layers: LayerRepeat | None = None  # the middle layers emitted from events (layer_repeat.py)
         self.zero1_shard: list[tuple[str, int]] | None = None  # ZeRO-1's partition, if given (trainer_run)
+        self.first_only: list[Span] = []  # what the warm-up step alone makes (:meth:`derive_step`)
+        self.carry_at: int | None = None  # where a step frees the batch the step before left
         if self.lora is not None:
             self.model.adapter = self.lora.adapt
         self.quant = None
@@ -328,9 +339,30 @@ class _Run:
     def _workspace(self, thread: str):
         def allocate() -> None:
             self.tape.on_first_mm = None
-            self.b.alloc(CUBLAS_WORKSPACE, Category.ACTIVATIONS, f"cublas_workspace.{thread}", Stream.COMPUTE)
+            with self._first_only():
+                self.b.alloc(CUBLAS_WORKSPACE, Category.ACTIVATIONS, f"cublas_workspace.{thread}", Stream.COMPUTE)
 
         return allocate
+
+    @contextmanager
+    def _first_only(self) -> Iterator[None]:
+        """What is made inside is the warm-up step's alone (:meth:`derive_step` leaves it out)."""
+        events, ids, _ = self.b.position()
+        yield
+        end, end_ids, _ = self.b.position()
+        self.first_only.append((events, end, ids, end_ids))
+
+    def derive_step(self, start: Position, end: Position) -> bool:
+        """The first steady step as the warm-up step's events (``start``..``end``) without what only
+        the warm-up step made (cuBLAS's workspaces, the optimizer's states: :attr:`first_only`), its
+        last batch freed where the next step frees it (``repeat.derive``): where the run has none of
+        the mechanisms whose first step differs otherwise (a pipeline's receive buffers, DDP's bucket
+        rebuild, LLM.int8's outlier columns, Triton's autotuning). False: build it op by op."""
+        if self.pipe is not None or self.ddp is not None or self.int8 is not None or self.d.attention == "triton":
+            return False
+        if self.carry_at is None or any(x.st.refs != 1 for x in self.batch):
+            return False
+        return derive(self.b, start, end, self.first_only, {self.carry_at: [x.st.tid for x in self.batch]})
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self, first: bool) -> None:
@@ -353,6 +385,8 @@ class _Run:
         self.b.mark("phase:forward")
         with t.scoped("batch"):
             ids, labels = t.new(d.tokens, 8, "ids"), t.new(d.tokens, 8, "labels")
+        if not self.batch and self.carry_at is None:  # the next step frees the last batch here
+            self.carry_at = len(self.b.events)
         t.done(*self.batch)
         self.batch = [ids, labels]
         if self.ddp is not None:
@@ -435,14 +469,17 @@ class _Run:
         t, pd = self.tape, self.d.pd
         if self.master is not None:
             fp32 = self.lora.fp32() if self.lora is not None else ()
-            self.master.step(params, first, fp32, {n: g.numel for n, g in self.grads.items()})
+            if first:
+                with self._first_only():
+                    self.master.create(params, fp32)
+            self.master.step(params, False, fp32, {n: g.numel for n, g in self.grads.items()})
             return
         itemsize = self.lora.itemsize if self.lora is not None else lambda _: pd
         sizes = [(name, n * itemsize(name)) for name, n in params]
-        if first:
-            for name, size in sizes:
-                for state in ("exp_avg", "exp_avg_sq"):
-                    self.states.append(t.managed(size, 1, f"{name}.{state}", Category.OPTIMIZER_STATES))
+        if first:  # kept as ids: nothing reads them as tensors (MasterAdamW.create)
+            with self._first_only():
+                states = [(size, f"{name}.{state}") for name, size in sizes for state in ("exp_avg", "exp_avg_sq")]
+                self.states += t.temporaries(states, Category.OPTIMIZER_STATES)
         t.release(t.temporaries([(size, f"{name}.sqrt_tmp") for name, size in sizes], Category.OPTIMIZER_TEMP))
 
     def optimizer_params(self) -> list[tuple[str, int]]:
