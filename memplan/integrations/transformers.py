@@ -326,7 +326,7 @@ def _random_init(model: Any, config: Any) -> float | None:
     """``config.initializer_range`` when the live model's norm weights (the first four and the
     last) each hold one value, 1 or 0, as transformers' ``_init_weights`` leaves them and no training
     does (:mod:`memplan.specs.checkpoint`); else None. A sharded (DTensor) weight is read as its shard."""
-    from memplan.specs.checkpoint import DEFAULT_INIT_RANGE
+    from memplan.specs.checkpoint import init_range
 
     norms = [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
     if not norms:
@@ -336,8 +336,7 @@ def _random_init(model: Any, config: Any) -> float | None:
         w = w.to_local() if callable(getattr(w, "to_local", None)) else w
         if w.numel() == 0 or not (bool((w == 1).all()) or bool((w == 0).all())):
             return None
-    std = getattr(config, "initializer_range", None)
-    return float(std) if isinstance(std, int | float) and 0 < std <= 1 else DEFAULT_INIT_RANGE
+    return init_range(getattr(config, "initializer_range", None))
 
 
 def trainer_plan(model: Any, args: Any, seq_len: int | None = None) -> dict[str, Any]:

@@ -76,5 +76,10 @@ def random_init(folder: Path, config: dict[str, Any]) -> float | None:
             return None
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None
-    std = config.get("initializer_range", DEFAULT_INIT_RANGE)
+    return init_range(config.get("initializer_range"))
+
+
+def init_range(std: Any) -> float:
+    """A config's ``initializer_range`` (the std of the random normal weights), or transformers'
+    default where it gives none usable."""
     return float(std) if isinstance(std, int | float) and 0 < std <= 1 else DEFAULT_INIT_RANGE
