@@ -161,6 +161,14 @@ ModulesToSaveOpt = Annotated[
         rich_help_panel=FINETUNE_PANEL,
     ),
 ]
+LoraDoraOpt = Annotated[
+    bool | None,
+    Opt(
+        "--lora-dora/--no-lora-dora",
+        help="DoRA adapters (PEFT's use_dora=True; runtime hf or hf-loop) (default: off).",
+        rich_help_panel=FINETUNE_PANEL,
+    ),
+]
 QuantOpt = Annotated[
     str | None,
     Opt(help="Base weights: none, int8, nf4 or fp4 (default: none; nf4 with qlora).", rich_help_panel=FINETUNE_PANEL),

@@ -70,6 +70,7 @@ EXCLUDED = {
     "the Trainer's FSDP2)",
     "use_reentrant": "the searched plans checkpoint as each runtime does by default (specs.plan.checkpoint_reentrant)",
     "attention": "the searched plans run the device's default attention kernel (--device)",
+    "lora_dora": "the search builds plain LoRA adapters (memplan estimate --lora-dora answers DoRA under --runtime hf)",
     **{name: "the searched plans take fp8's defaults where --precision allows fp8" for name in FP8},
     **{name: "tune searches training plans, not serving" for name in SERVING},
 }

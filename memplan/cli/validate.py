@@ -44,6 +44,7 @@ EXCLUDED = {
     "autocast": "the bundled trainer's precision is its recipe (autocast is the transformers Trainer's bf16=True)",
     "model_build": "the bundled trainer builds its model itself (model_build is the transformers Trainer's)",
     "use_reentrant": "the bundled trainer checkpoints non-reentrantly (use_reentrant is transformers' checkpoint's)",
+    "lora_dora": "the bundled trainer builds plain LoRA adapters (memplan.train.lora); DoRA is PEFT's",
     **{name: "the bundled trainer runs no fp8 matmuls" for name in FP8},
     **{name: "validate runs training steps, not serving" for name in SERVING},
 }

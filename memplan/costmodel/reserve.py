@@ -306,10 +306,12 @@ def run_only(model: ModelSpec, plan: Plan) -> bool:
     """Plans the phase model does not answer, which the op-level run alone estimates (or refuses,
     never handing them to the phases): LoRA over an MoE model (``specs.job.check_moe_lora``: the phase
     model's LoRA layer, ``lora.hf_layer``, counts a dense MLP of ``ffn_size`` where the experts are), and
-    over Phi-3, OLMo 2, Gemma 2 or Gemma 3 (``specs.job.check_run_lora``: that layer is Llama's)."""
+    over Phi-3, OLMo 2, Gemma 2 or Gemma 3 (``specs.job.check_run_lora``: that layer is Llama's), and DoRA
+    (``lora_dora``: the phase model has none, ``specs.job.check_dora``)."""
     from memplan.costmodel.lora import RUN_FAMILIES
 
-    return plan.finetune != "full" and (model.moe is not None or model.architecture in RUN_FAMILIES)
+    run = model.moe is not None or model.architecture in RUN_FAMILIES or plan.lora_dora
+    return plan.finetune != "full" and run
 
 
 def _on(run: Timeline, device: str) -> Timeline:

@@ -142,6 +142,8 @@ def config(job: Job, sharding: str | None = None, gradient_clipping: float = GRA
             out["lora_target_modules"] = list(p.lora_targets)
         if p.modules_to_save:
             out["lora_modules_to_save"] = list(p.modules_to_save)
+        if p.lora_dora:
+            out["peft_use_dora"] = True  # axolotl's key for LoraConfig(use_dora=True)
     out.update(
         sequence_len=f["seq_len"],
         pad_to_sequence_len=True,
@@ -285,6 +287,7 @@ def _finetune(cfg: dict[str, Any]) -> dict[str, Any]:
         "lora_targets": targets,
         "lora_dropout": cfg.get("lora_dropout") or 0.0,
         "modules_to_save": tuple(cfg.get("lora_modules_to_save") or ()),
+        "lora_dora": bool(cfg.get("peft_use_dora", False)),
         "quant": quant,
         "double_quant": double,
     }

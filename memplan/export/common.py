@@ -258,7 +258,7 @@ def hf_layer_class(job: Job, target: str) -> str:
 # ---- fine-tuning exports (hf-trainer, axolotl) ----
 
 # the plan's adapter fields as they are when finetune is full (the Plan forbids setting them then)
-LORA_FIELDS = ("lora_rank", "lora_targets", "lora_dropout", "modules_to_save")
+LORA_FIELDS = ("lora_rank", "lora_targets", "lora_dropout", "modules_to_save", "lora_dora")
 FINETUNE_FIELDS = ("finetune", *LORA_FIELDS, "quant", "double_quant", "offload_activations")
 
 

@@ -63,7 +63,7 @@ CARRIES = frozenset(
     {
         "gpus", "nodes", "dp", "tp", "pp", "cp", "ep", "zero", "offload_optimizer", "offload_params", "recompute",
         "precision", "optimizer", "attention", "micro_batch", "global_batch", "seq_len", "finetune", "lora_rank",
-        "lora_targets", "lora_dropout", "modules_to_save", "quant", "double_quant", "offload_activations",
+        "lora_targets", "lora_dropout", "modules_to_save", "lora_dora", "quant", "double_quant", "offload_activations",
         "autocast", "use_reentrant",
     }
 )  # fmt: skip
@@ -257,6 +257,7 @@ def lora(job: Job) -> dict[str, Any] | None:
         "target_modules": targets,
         "lora_dropout": p.lora_dropout,
         "modules_to_save": list(p.modules_to_save) or None,
+        "use_dora": p.lora_dora,
         "bias": "none",
         "task_type": "CAUSAL_LM",
     }
@@ -470,6 +471,7 @@ def parse_finetune(lora_cfg: dict[str, Any] | None, quant_cfg: dict[str, Any] | 
         "lora_targets": (targets,) if isinstance(targets, str) else tuple(targets),
         "lora_dropout": lora_cfg.get("lora_dropout", 0.0),
         "modules_to_save": tuple(lora_cfg.get("modules_to_save") or ()),
+        "lora_dora": bool(lora_cfg.get("use_dora", False)),
         "quant": quant,
         "double_quant": double,
     }

@@ -8,8 +8,9 @@ At ``on_train_begin`` the plan is read from the live objects (no YAML to write):
   ``eager``), and ``config.quantization_config`` (bitsandbytes' 4-bit nf4 / fp4 with or without
   double quantization, 8-bit);
 - PEFT's ``peft_config`` (LoRA only: ``r``, ``target_modules``, ``lora_dropout``,
-  ``modules_to_save``, and ``target_parameters`` where PEFT 0.21 moved Mixtral's and Qwen3-MoE's
-  experts and router there: read back as the MLP names or ``all-linear``, :func:`_parameter_targets`);
+  ``modules_to_save``, ``use_dora`` (the plan's ``lora_dora``), and ``target_parameters`` where PEFT 0.21
+  moved Mixtral's and Qwen3-MoE's experts and router there: read back as the MLP names or ``all-linear``,
+  :func:`_parameter_targets`);
 - ``TrainingArguments``: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
   ``world_size``, ``bf16`` / ``fp16`` (the plan's ``autocast`` over a 16-bit model),
   ``gradient_checkpointing`` and its ``gradient_checkpointing_kwargs``' ``use_reentrant`` (:func:`_checkpointing`;
@@ -163,6 +164,7 @@ def _finetune(model: Any, quant: dict[str, Any] | None) -> dict[str, Any]:
             "target_modules": leaves,
             "lora_dropout": float(cfg.lora_dropout),
             "modules_to_save": sorted(cfg.modules_to_save or ()),
+            "use_dora": bool(getattr(cfg, "use_dora", False)),  # DoRA: timeline/hf_dora.py
         }
     return parse_finetune(lora, quant)
 

@@ -217,6 +217,33 @@ def check_lora(
         check_moe_lora(model, plan, runtime, workload)
     elif model.architecture in lora.RUN_FAMILIES:
         check_run_lora(model, plan, runtime, workload)
+    if plan.lora_dora:
+        check_dora(model, plan, runtime, workload)
+
+
+def check_dora(model: ModelSpec, plan: Plan, runtime: str, workload: TrainingWorkload | None) -> None:
+    """PEFT DoRA (``lora_dora``): answered by the op-level run of transformers' Trainer or of the hand-written loop
+    alone (``timeline.hf_dora``, checked to the byte against both on CPU: tests/unit/test_timeline_hf_dora.py). The
+    phase model has no DoRA (its LoRA layer would answer plain LoRA: a wrong answer), and the bundled trainer and
+    Megatron build no DoRA adapters: every other plan is refused here. Without ``workload`` only the runtime is
+    checked; the questions that depend on the GPU are asked by the run (``reserve.plan_run``), which refuses the plan
+    rather than fall back."""
+    from memplan.costmodel.timeline.hf_support import hf_supported
+
+    name = f"{model.name} ({model.architecture})"
+    if runtime not in ("hf", "hf-loop"):
+        raise MemplanError(
+            f"DoRA (lora_dora) is modelled under --runtime hf or hf-loop alone (PEFT's adapters under transformers' "
+            f"Trainer or a hand-written loop, op by op); the runtime is {runtime}",
+            field="plan.lora_dora",
+        )
+    why = None if workload is None else hf_supported(model, plan, workload, runtime, device="cpu")
+    if why is not None:
+        runs = "transformers' Trainer" if runtime == "hf" else "the hand-written transformers loop"
+        raise MemplanError(
+            f"DoRA over {name} is modelled by the op-level run of {runs} alone, which does not follow {why}",
+            field="plan.lora_dora",
+        )
 
 
 def check_run_lora(model: ModelSpec, plan: Plan, runtime: str, workload: TrainingWorkload | None) -> None:

@@ -95,6 +95,11 @@ class Plan(BaseModel):
     modules_to_save: tuple[str, ...] = Field(
         (), description="Modules trained in full beside the adapters (PEFT's modules_to_save), e.g. lm_head."
     )
+    lora_dora: StrictBool = Field(
+        False,
+        description="DoRA (PEFT's LoraConfig(use_dora=True)): each adapter also trains a magnitude per output "
+        "feature and its forward forms B @ A and the norm of W + scaling * B @ A per row (runtime hf / hf-loop).",
+    )
     quant: Quant = Field(
         "none", description="Base linear weights: none, int8 (LLM.int8), nf4 or fp4 (bitsandbytes 4-bit)."
     )
@@ -163,7 +168,7 @@ class Plan(BaseModel):
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise ValueError(f"ep: ep={self.ep} does not divide dp x cp = {self.dp * self.cp}")
         if self.finetune == "full":
-            for name in ("lora_rank", "lora_targets", "lora_dropout", "modules_to_save"):
+            for name in ("lora_rank", "lora_targets", "lora_dropout", "modules_to_save", "lora_dora"):
                 # against the default, not model_fields_set: a dumped plan validates again
                 if getattr(self, name) != _defaults()[name]:
                     raise ValueError(f"{name}: only meaningful with finetune: lora or qlora")

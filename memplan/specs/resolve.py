@@ -37,8 +37,8 @@ INFERENCE_FIELDS = {"batch", "prompt_tokens", "generated_tokens", "kv_dtype", "b
 TRAINING_PLAN_FIELDS = {
     "zero", "offload_optimizer", "offload_params", "recompute", "recompute_layers", "optimizer", "sequence_parallel",
     "cp", "pp_schedule", "virtual_stages", "attention", "finetune", "lora_rank", "lora_targets", "lora_dropout",
-    "modules_to_save", "quant", "double_quant", "offload_activations", "fp8_recipe", "fp8_all_gather", "model_build",
-    "autocast", "use_reentrant",
+    "modules_to_save", "lora_dora", "quant", "double_quant", "offload_activations", "fp8_recipe", "fp8_all_gather",
+    "model_build", "autocast", "use_reentrant",
 }  # fmt: skip
 
 

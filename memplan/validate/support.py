@@ -52,6 +52,10 @@ def check_plan(plan: Plan) -> None:
         raise TrainerUnsupported(
             "autocast: the transformers Trainer's bf16=True; the bundled trainer runs its precision's recipe"
         )
+    if plan.lora_dora:
+        raise TrainerUnsupported(
+            "lora_dora: PEFT's DoRA; the bundled trainer builds plain LoRA adapters (memplan.train.lora)"
+        )
     if plan.use_reentrant:
         raise TrainerUnsupported(
             "use_reentrant: transformers' gradient checkpointing; the bundled trainer checkpoints non-reentrantly"

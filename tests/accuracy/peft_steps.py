@@ -48,6 +48,7 @@ class PeftCase:
     targets: tuple[str, ...] = ("q_proj", "v_proj")
     dropout: float = 0.0
     modules_to_save: tuple[str, ...] = ()
+    dora: bool = False  # LoraConfig(use_dora=True): PEFT's DoRA (timeline/hf_dora.py)
     quant: str = "none"  # none, nf4, fp4 (bitsandbytes 4-bit) or int8 (LLM.int8)
     double_quant: bool = False
     compute_dtype: str = "bfloat16"  # bnb_4bit_compute_dtype
@@ -102,6 +103,7 @@ class PeftCase:
             target_modules=targets,
             lora_dropout=self.dropout,
             modules_to_save=list(self.modules_to_save) or None,
+            use_dora=self.dora,
             task_type="CAUSAL_LM",
         )
 
@@ -351,5 +353,6 @@ def plan_of(case: PeftCase, runtime: str = "hf") -> Plan:
         lora_targets=case.targets,
         lora_dropout=case.dropout,
         modules_to_save=case.modules_to_save,
+        lora_dora=case.dora,
         **fields,
     )

@@ -34,6 +34,7 @@ GRID = [
     (dict(gpus=1, finetune="lora", lora_rank=64, lora_targets=("all-linear",), lora_dropout=0.05,
           modules_to_save=("lm_head",), recompute="full", precision="bf16"), {}),
     (dict(gpus=1, finetune="qlora", precision="bf16", recompute="full"), {}),
+    (dict(gpus=1, finetune="lora", lora_dora=True, precision="bf16", recompute="full"), {}),  # PEFT's use_dora
     (dict(gpus=1, finetune="qlora", quant="fp4", precision="bf16"), {}),
     (dict(gpus=1, finetune="qlora", quant="nf4", double_quant=False, precision="bf16"), {}),
     (dict(gpus=1, finetune="qlora", quant="fp4", double_quant=True, lora_targets=("all-linear",), precision="bf16"),
@@ -267,7 +268,7 @@ def test_hf_trainer_notes_say_what_the_script_must_do(make_job):
 # documented in docs/config-reference.qmd (generated from those models)
 AXOLOTL_KEYS = {
     "base_model", "load_in_8bit", "load_in_4bit", "bnb_config_kwargs", "adapter", "lora_r", "lora_alpha",
-    "lora_dropout", "lora_target_modules", "lora_target_linear", "lora_modules_to_save",
+    "lora_dropout", "lora_target_modules", "lora_target_linear", "lora_modules_to_save", "peft_use_dora",
     "sequence_len", "pad_to_sequence_len", "sample_packing", "micro_batch_size", "gradient_accumulation_steps",
     "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "bf16", "bfloat16", "fp16",
     "optimizer",

@@ -45,7 +45,7 @@ from memplan.costmodel.lora import (
     SAVABLE,
     resolve_targets,
 )
-from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline import hf_dora, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.hf_moe_lora import CONVERTED, MLP, wrapped_experts
@@ -63,6 +63,7 @@ class HfLoraConfig:
     experts: tuple[tuple[str, int], ...] = ()
     num_experts: int = 0
     router: bool = False  # the router's 2-D weight too (all-linear over Mixtral or Qwen3-MoE)
+    dora: bool = False  # use_dora=True: a magnitude per output feature and DoRA's forward (hf_dora.py)
 
     @classmethod
     def of(cls, plan, arch: str = "", num_experts: int = 0) -> HfLoraConfig | None:
@@ -81,7 +82,8 @@ class HfLoraConfig:
             targets -= set(MLP)
         saved = tuple(plan.modules_to_save)
         router = every and arch in CONVERTED
-        return cls(plan.lora_rank, targets, plan.lora_dropout > 0, saved, experts, num_experts, router)
+        dropout, dora = plan.lora_dropout > 0, plan.lora_dora
+        return cls(plan.lora_rank, targets, dropout, saved, experts, num_experts, router, dora)
 
 
 def _copy_name(module: str) -> str:
@@ -121,6 +123,8 @@ class HfLora:
                 continue
             for part, numel in (("lora_A", r * cols), ("lora_B", rows * r)):
                 self._param(weights, grads, f"{prefix}.{part}.weight", numel, ADAPTER_BYTES)
+            if self.cfg.dora:  # DoraLinearLayer's weight: one fp32 magnitude per output feature
+                self._param(weights, grads, f"{prefix}.{hf_dora.MAGNITUDE}.weight", rows, ADAPTER_BYTES)
         for module in self.cfg.modules_to_save:
             if module not in SAVABLE:
                 continue
@@ -146,6 +150,8 @@ class HfLora:
         when ``name`` is not targeted. ``model``: the ``HfLlama`` whose ``linear`` runs the adapters."""
         if not self.targeted(name):
             return out
+        if self.cfg.dora:  # DoRA's variant (hf_support refuses it over a quantized base)
+            return hf_dora.adapt(self, model, x, out, name)
         if model.quant is not None and model.quant.quantized(name):
             return self._adapt_bnb(model, x, out, name)
         t, r = self.tape, self.cfg.rank

@@ -108,7 +108,7 @@ from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, MLA_ATTENTION
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, trainer_autocast
+from memplan.specs.plan import Plan, checkpoint_reentrant, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
@@ -260,6 +260,7 @@ def hf_supported(
             or (model.architecture in MLA_FAMILIES and _mla_lora_ok(model, plan)),
             f"PEFT over the {model.architecture} family" + (_MOE_LORA if model.architecture in MOE_FAMILIES else ""),
         ),
+        (not plan.lora_dora or _dora_reason(model, plan, runtime) is None, lambda: _dora_reason(model, plan, runtime)),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         # TRL's activation offload around the Trainer's training_step (hf_offload.py) is followed on CPU over
@@ -359,6 +360,31 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
         return False
     names = {*layer_linears(model), ALL_LINEAR}
     return bool(model_targets(model, plan.lora_targets)) and set(plan.lora_targets) <= names
+
+
+# PEFT's DoRA (hf_dora.py) as tests/unit/test_timeline_hf_dora.py checks it against the real Trainer and loop
+DORA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _dora_reason(model: ModelSpec, plan: Plan, runtime: str) -> str | None:
+    """What of a DoRA plan (``lora_dora``) the run does not follow, or None: it follows PEFT's DoRA adapters over
+    an unquantized base of the dense ``DORA_FAMILIES``, on one rank, under the default AdamW, with or without
+    transformers' non-reentrant checkpoint (``hf_dora.py``). The phase model has no DoRA: what is named here is
+    refused, never answered as plain LoRA (``costmodel.reserve.run_only``)."""
+    why = None
+    if model.architecture not in DORA_FAMILIES:
+        why = f"the {model.architecture} family (followed over {', '.join(DORA_FAMILIES)})"
+    elif plan.quant != "none":
+        why = f"a {plan.quant} base (QDoRA: PEFT dequantizes the base weight in each forward for the norm)"
+    elif plan.dp > 1:
+        why = "more than one rank"
+    elif plan.optimizer != "adamw":
+        why = f"the {plan.optimizer} optimizer (followed under the default AdamW)"
+    elif plan.offload_activations != "none":
+        why = "activation offload"
+    elif checkpoint_reentrant(plan, runtime):
+        why = "torch's reentrant checkpoint (followed under the non-reentrant one)"
+    return None if why is None else f"PEFT's DoRA over {why}"
 
 
 _QUANT_MOE = (

@@ -602,7 +602,9 @@ class _HfRun:
             base = name.replace(".lora_A.", ".").replace(".lora_B.", ".")
             rows, cols = self.shapes.get(base, embed)
             expert = ".mlp.experts." in name
-            if ".lora_A." in name:
+            if name.endswith(".lora_magnitude_vector.weight"):  # DoRA's magnitude: a vector (hf_dora.py)
+                rows, cols = numel, 1
+            elif ".lora_A." in name:
                 rows = numel // cols
             elif ".lora_B." in name:  # over an expert stack: one expert's out x (r x E) (hf_moe_lora.py)
                 rows = rows // experts if expert else rows

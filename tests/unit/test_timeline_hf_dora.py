@@ -1,0 +1,159 @@
+"""PEFT DoRA (``LoraConfig(use_dora=True)``) in the op-level run (``timeline/hf_dora.py``) against the real
+``transformers.Trainer`` and the hand-written loop on CPU: the peak of live storages over three optimizer
+steps (``StorageTracker``, tests/accuracy/hf_peft_steps.py), equal to the byte.
+
+DoRA differs from LoRA in its forward (the in x in identity through the adapters, ``W + scaling * B @ A`` and
+its row norms, the base's output and the adapters' saved by the magnitude's products, the base run again on
+the dropped-out input when ``lora_dropout`` > 0) and in a trained fp32 magnitude per output feature. Cases:
+fp32, bf16 and autocast bases (the Trainer's ``bf16=True`` over fp32 and over bf16), dropout, the Trainer's
+checkpointing, all linears, ``modules_to_save``, Mistral, Qwen2 (its q/k/v biases: ``base_result - bias``),
+Qwen3, gradient accumulation. One Trainer case runs by default (seconds) with the checks that cost no training
+(the magnitude trained, the callback reading ``use_dora``, refusals in one line); the rest under ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
+from hf_predict import hf_predict  # noqa: E402
+from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
+from test_timeline_hf_loop_peft_families import measure_peft  # noqa: E402
+from test_timeline_hf_loop_peft_families import predict as predict_loop  # noqa: E402
+from test_timeline_hf_peft_families import _case as _family_case  # noqa: E402
+
+from memplan.costmodel.timeline.events import ALLOC  # noqa: E402
+from memplan.errors import MemplanError  # noqa: E402
+
+STEPS = 3
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+HEAD = ("lm_head",)
+
+
+def _case(name: str, slow: bool = True, **fields) -> PeftCase:
+    return PeftCase(f"hfdora-{name}", **{**TINY, "dora": True, "slow": slow, **fields})
+
+
+CASES = [
+    _case("fp32-qv", slow=False),
+    _case("bf16-qv", dtype="bfloat16"),
+    _case("autocast-qv", autocast=True),
+    _case("autocast-bf16-base-qv", autocast=True, dtype="bfloat16"),
+    _case("fp32-qv-dropout", dropout=0.1),
+    _case("bf16-all-linear-dropout", dtype="bfloat16", dropout=0.1, targets=("all-linear",)),
+    _case("autocast-dropout", autocast=True, dropout=0.1),
+    _case("fp32-ckpt", checkpointing=True),
+    _case("fp32-all-linear", targets=("all-linear",)),
+    _case("autocast-ckpt", autocast=True, checkpointing=True),
+    _case("fp32-ckpt-all-linear-dropout", checkpointing=True, dropout=0.1, targets=("all-linear",)),
+    _case("autocast-bf16-ckpt-save-head", autocast=True, dtype="bfloat16", checkpointing=True, modules_to_save=HEAD),
+    _case("mistral-bf16-qv", arch="mistral", dtype="bfloat16"),
+    _case("qwen2-fp32-attn", arch="qwen2", targets=ATTN),
+    _case("qwen2-autocast-attn-dropout", arch="qwen2", dtype="bfloat16", autocast=True, targets=ATTN, dropout=0.1),
+    dataclasses.replace(_family_case("qwen3", "dora-fp32-qv", dora=True), name="hfdora-qwen3-fp32-qv"),
+]
+
+
+def _params(cases: list) -> list:
+    return [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else []) for c in cases]
+
+
+@pytest.mark.parametrize("case", _params(CASES))
+def test_peak_equals_the_trainers(case: PeftCase) -> None:
+    measured = hf_peft_steps.measure(case, steps=STEPS)
+    predicted = hf_predict(case, plan_of(case)).peak()[0]
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+GA_CASES = [(_case("ga2-autocast-ckpt", autocast=True, checkpointing=True), 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "ga"), GA_CASES, ids=lambda c: getattr(c, "name", str(c)))
+def test_peak_with_gradient_accumulation(case: PeftCase, ga: int) -> None:
+    measured = hf_peft_steps.measure(case, ga=ga, steps=STEPS)
+    predicted = hf_predict(case, plan_of(case), ga=ga).peak()[0]
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+LOOP_CASES = [
+    _case("loop-fp32-qv"),
+    _case("loop-bf16-dropout", dtype="bfloat16", dropout=0.1),
+    _case("loop-fp32-ckpt-all-linear", checkpointing=True, targets=("all-linear",)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LOOP_CASES, ids=lambda c: c.name)
+def test_peak_equals_the_hand_loops(case: PeftCase) -> None:
+    """``--runtime hf-loop``: peft_steps' loop (AdamW(foreach=True), ``out`` kept to the next forward)."""
+    measured, predicted = measure_peft(case), predict_loop(case)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+def test_the_magnitude_is_trained_beside_the_adapters() -> None:
+    """The run's optimizer states are two per trainable parameter PEFT's DoRA model has: A, B and the magnitude
+    (``lora_magnitude_vector``, fp32, one per output feature)."""
+    case = CASES[0]
+    events = hf_predict(case, plan_of(case)).events
+    states = sum(e.size for e in events if e.op == ALLOC and e.tag.endswith(("exp_avg", "exp_avg_sq")))
+    peft_model = hf_peft_steps.build(case)
+    trained = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert any("lora_magnitude_vector" in n for n in trained)
+    assert states == 2 * sum(p.numel() * p.element_size() for p in trained.values())
+
+
+def test_dora_is_never_answered_as_lora() -> None:
+    """The same plan without ``lora_dora`` peaks lower (DoRA's saves); a plan the run does not follow is refused
+    in one line naming the field, never handed to the phase model (which has no DoRA)."""
+    from memplan.api import estimate
+
+    case = CASES[0]
+    lora = dataclasses.replace(case, dora=False)
+    assert hf_predict(case, plan_of(case)).peak()[0] > hf_predict(lora, plan_of(lora)).peak()[0]
+    for plan, runtime, reason in [
+        (dict(finetune="qlora"), "hf", "QDoRA"),
+        (dict(finetune="lora"), "memplan", "--runtime hf or hf-loop alone"),
+        (dict(finetune="lora", optimizer="sgd"), "hf", "the sgd optimizer"),
+    ]:
+        with pytest.raises(MemplanError) as err:
+            estimate("llama3-8b", {**plan, "lora_dora": True}, {"seq_len": 512}, runtime=runtime, device="cpu")
+        assert err.value.field == "plan.lora_dora" and reason in str(err.value) and "\n" not in str(err.value)
+
+
+def _args(out: str, **kw) -> transformers.TrainingArguments:
+    return transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=2, max_steps=3, use_cpu=True, report_to=[], save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, **kw,
+    )  # fmt: skip
+
+
+def test_the_callback_reads_use_dora() -> None:
+    from memplan.integrations.transformers import trainer_plan
+
+    model = hf_peft_steps.build(CASES[0])
+    with tempfile.TemporaryDirectory() as out:
+        plan = trainer_plan(model, _args(out), seq_len=64)["plan"]
+    assert plan["lora_dora"] is True and plan["finetune"] == "lora"
+
+
+def test_the_callback_warns_in_one_line_on_dora_it_does_not_follow(caplog) -> None:
+    """DoRA under SGD (followed under AdamW alone): one warning naming the field, no estimate, no raise."""
+    from memplan.integrations.transformers import MemplanCallback
+
+    callback = MemplanCallback(seq_len=64)
+    model = hf_peft_steps.build(CASES[0])
+    with tempfile.TemporaryDirectory() as out, caplog.at_level(logging.INFO, logger="memplan"):
+        state, control = transformers.TrainerState(), transformers.TrainerControl()
+        callback.on_train_begin(_args(out, optim="sgd"), state, control, model=model)
+    assert callback.result is None
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "memplan"]
+    assert line.startswith("memplan: no estimate for this run (plan.lora_dora: ") and "\n" not in line
