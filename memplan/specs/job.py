@@ -176,6 +176,20 @@ def suspicious(model: ModelSpec, workload: TrainingWorkload | InferenceWorkload)
     return []
 
 
+def dora_time(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> list[str]:
+    """A DoRA plan's step time, one warning line: the time model (``time_lora.adapter_bytes_per_token``) counts
+    LoRA's adapter kernels, not DoRA's further ones (``timeline/hf_dora.py``: the identity through the adapters,
+    ``W + scaling * B @ A`` and its row norms once per linear and forward, the magnitude's products over every
+    token, their backward), so the time is a lower bound; the memory is the op-level run's, DoRA's own."""
+    if not plan.lora_dora or not isinstance(workload, TrainingWorkload):
+        return []
+    return [
+        "lora_dora: the step time counts LoRA's adapter kernels, not DoRA's further ones (B @ A and the row norms of "
+        "W + scaling * B @ A each forward, the magnitude's products over every token): a lower bound; the memory "
+        "is DoRA's own (the op-level run)"
+    ]
+
+
 def check_lora(
     model: ModelSpec, plan: Plan, runtime: str = "memplan", workload: TrainingWorkload | None = None
 ) -> None:

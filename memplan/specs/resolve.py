@@ -18,7 +18,7 @@ from memplan.errors import MemplanError
 from memplan.records import record
 from memplan.specs.detect import AUTO, DEFAULT_GPU, auto_gpu
 from memplan.specs.hardware import ClusterSpec, GPUSpec
-from memplan.specs.job import PlanFile, RuntimeName, check_compatible, suspicious
+from memplan.specs.job import PlanFile, RuntimeName, check_compatible, dora_time, suspicious
 from memplan.specs.loader import load_gpu, load_model, read_data, short, validate, validation_error
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan, fsdp_build
@@ -238,7 +238,8 @@ def job_from(
     except MemplanError as err:
         raise _blame_flag(err.located(source), set(flags), from_file) from None
     allocator = resolve_allocator(sizes.allocator or pf.allocator)
-    return Job(model, workload, plan, gpu, cluster, runtime, allocator, tuple(suspicious(model, workload)), gpu_note)
+    warnings = (*suspicious(model, workload), *dora_time(plan, workload))
+    return Job(model, workload, plan, gpu, cluster, runtime, allocator, warnings, gpu_note)
 
 
 def _gpu(ref: str) -> tuple[GPUSpec, str]:

@@ -157,3 +157,18 @@ def test_the_callback_warns_in_one_line_on_dora_it_does_not_follow(caplog) -> No
     assert callback.result is None
     (line,) = [r.getMessage() for r in caplog.records if r.name == "memplan"]
     assert line.startswith("memplan: no estimate for this run (plan.lora_dora: ") and "\n" not in line
+
+
+def test_the_step_time_says_it_is_lora_s() -> None:
+    """The memory is DoRA's own (the op-level run); the time model counts LoRA's adapter kernels: one warning."""
+    from hf_predict import case_model
+
+    from memplan.api import estimate
+
+    case = CASES[0]
+    plan = {"finetune": "lora", "lora_dora": True, "lora_rank": case.rank, "precision": "fp32"}
+    workload = {"seq_len": case.seq, "micro_batch": case.batch}
+    result = estimate(case_model(case), plan, workload, runtime="hf", device="cpu")
+    assert result.memory.model == "op-level"
+    (line,) = [w for w in result.warnings if w.startswith("lora_dora:")]
+    assert "lower bound" in line and "\n" not in line

@@ -50,19 +50,24 @@ class DeadSaves:
     they are held until the graph goes (:meth:`release`). Inside a non-reentrant checkpoint each is packed
     into a holder that nothing unpacks (``torch/utils/checkpoint.py`` ``_checkpoint_hook.pack_hook``): it
     counts among the frame's saves, so the recompute's early stop comes after it, but the frame keeps no
-    tensor for it and the backward unpacks none (it counts as unpacked at once); in the recompute its
-    holder is dead (``_recomputation_hook.pack_hook``: ``holder is None``), so nothing is stored."""
+    tensor for it and the backward unpacks none (it counts as unpacked at once). In the recompute its holder
+    is dead (``_recomputation_hook.pack_hook``: ``holder is None``), so the frame stores nothing, but that
+    hook returns the tensor itself: the recompute's own graph holds it until ``lora_weight`` goes, or the
+    early stop unwinds the frames."""
 
     def __init__(self, tape: Tape) -> None:
         self.tape = tape
+        self.graph = tape.grad_enabled  # made where the graph is (not under a reentrant checkpoint's no_grad)
         self.held: list[Tensor] = []
 
     def save(self, t: Tensor) -> None:
         tape = self.tape
-        if not tape.grad_enabled:  # a reentrant checkpoint's forward under no_grad: no graph
+        if not self.graph:
             return
         region = tape._recompute
-        if region is not None:
+        if region is not None:  # the recompute's pack returns the tensor: its own graph holds it (a local)
+            if not t.st.managed:
+                self.held.append(tape.alias(t))
             tape._slot += 1
             if tape._slot == region.slots:
                 raise _StopRecompute
@@ -75,7 +80,7 @@ class DeadSaves:
     def release(self) -> None:
         """The graph goes: each node its saves, then the node it points to (``lora_B``'s, then ``lora_A``'s)."""
         for t in reversed(self.held):
-            self.tape.drop(t)
+            self.tape.done(t)
         self.held = []
 
 
