@@ -683,7 +683,7 @@ def test_trace_file_that_is_not_one(tmp_path):
         (["--finetune", "lora", "--lora-dropout", "1.5"], "--lora-dropout", "less than 1"),
         (["--lora-dora"], "--lora-dora", "only meaningful with finetune: lora or qlora"),
         (["--finetune", "lora", "--lora-dora", "--runtime", "memplan"], "--lora-dora", "--runtime hf or hf-loop alone"),
-        (["--finetune", "qlora", "--lora-dora", "--runtime", "hf"], "--lora-dora", "QDoRA"),
+        (["--finetune", "lora", "--quant", "int8", "--lora-dora", "--runtime", "hf"], "--lora-dora", "LLM.int8"),
         (["--finetune", "lora", "--lora-targets", "q_proj,,v_proj"], "--lora-targets", "empty name"),
         (["--finetune", "lora", "--lora-targets", "all-linear,q_proj"], "--lora-targets", "give it alone"),
         (["--finetune", "lora", "--lora-targets", "q_proj,q_proj"], "--lora-targets", "named twice"),

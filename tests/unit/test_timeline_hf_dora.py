@@ -6,9 +6,11 @@ DoRA differs from LoRA in its forward (the in x in identity through the adapters
 its row norms, the base's output and the adapters' saved by the magnitude's products, the base run again on
 the dropped-out input when ``lora_dropout`` > 0) and in a trained fp32 magnitude per output feature. Cases:
 fp32, bf16 and autocast bases (the Trainer's ``bf16=True`` over fp32 and over bf16), dropout, the Trainer's
-checkpointing, all linears, ``modules_to_save``, Mistral, Qwen2 (its q/k/v biases: ``base_result - bias``),
-Qwen3, gradient accumulation. One Trainer case runs by default (seconds) with the checks that cost no training
-(the magnitude trained, the callback reading ``use_dora``, refusals in one line); the rest under ``-m slow``.
+checkpointing and torch's reentrant one, all linears, ``modules_to_save``, Mistral, Qwen2 (its q/k/v biases:
+``base_result - bias``), Qwen3, Phi-3 (fused projections), OLMo 2, Gemma 2 and 3, gradient accumulation, the hand
+loop (``--runtime hf-loop``), and QDoRA over 4-bit bases (nf4 / fp4, double quantization, the usual recipe). One
+Trainer case runs by default (seconds) with the checks that cost no training (the magnitude trained, the callback
+reading ``use_dora``, refusals in one line, the time's warning); the rest under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
 from test_timeline_hf_loop_peft_families import measure_peft  # noqa: E402
 from test_timeline_hf_loop_peft_families import predict as predict_loop  # noqa: E402
 from test_timeline_hf_peft_families import _case as _family_case  # noqa: E402
+from test_timeline_reentrant import Loop, _peft_plan  # noqa: E402
+from test_timeline_reentrant import measure_peft as measure_reentrant  # noqa: E402
+from test_timeline_reentrant import predict as predict_reentrant  # noqa: E402
 
 from memplan.costmodel.timeline.events import ALLOC  # noqa: E402
 from memplan.errors import MemplanError  # noqa: E402
@@ -36,6 +41,9 @@ from memplan.errors import MemplanError  # noqa: E402
 STEPS = 3
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 HEAD = ("lm_head",)
+ALL_DROPOUT = {"targets": ("all-linear",), "dropout": 0.1}
+QDORA = {"quant": "nf4", "double_quant": True}
+ALL_DROPOUT_AUTOCAST = {"targets": ("all-linear",), "dropout": 0.1, "autocast": True}
 
 
 def _case(name: str, slow: bool = True, **fields) -> PeftCase:
@@ -58,7 +66,25 @@ CASES = [
     _case("mistral-bf16-qv", arch="mistral", dtype="bfloat16"),
     _case("qwen2-fp32-attn", arch="qwen2", targets=ATTN),
     _case("qwen2-autocast-attn-dropout", arch="qwen2", dtype="bfloat16", autocast=True, targets=ATTN, dropout=0.1),
-    dataclasses.replace(_family_case("qwen3", "dora-fp32-qv", dora=True), name="hfdora-qwen3-fp32-qv"),
+    *(
+        dataclasses.replace(_family_case(arch, tag, dora=True, **fields), name=f"hfdora-{arch}-{tag}")
+        for arch, tag, fields in [
+            ("qwen3", "fp32-qv", {}),
+            ("phi3", "fp32-qkv", {}),
+            ("olmo2", "fp32-all-linear", {"targets": ("all-linear",)}),
+            ("gemma2", "fp32-qv", {}),
+            ("gemma3", "fp32-qv-ckpt", {"checkpointing": True}),
+            ("phi3", "autocast-all-linear-dropout", {"autocast": True, "targets": ("all-linear",), "dropout": 0.1}),
+            ("gemma3", "bf16-all-linear", {"dtype": "bfloat16", "targets": ("all-linear",)}),
+        ]
+    ),
+    # QDoRA: a 4-bit base (prepare_model_for_kbit_training), dequantized in each forward for the norm
+    _case("qdora-nf4-fp32", quant="nf4", compute_dtype="float32"),
+    _case("qdora-nf4-dq-bf16", **QDORA),
+    _case("qdora-recipe", **QDORA, dtype="bfloat16", autocast=True, checkpointing=True),
+    _case("qdora-fp4-all-linear-dropout", quant="fp4", **ALL_DROPOUT),
+    _case("qdora-nf4-dq-bf16-base", **QDORA, dtype="bfloat16"),
+    _case("qdora-fp4-autocast-all-linear-dropout", quant="fp4", autocast=True, **ALL_DROPOUT),
 ]
 
 
@@ -88,6 +114,7 @@ LOOP_CASES = [
     _case("loop-fp32-qv"),
     _case("loop-bf16-dropout", dtype="bfloat16", dropout=0.1),
     _case("loop-fp32-ckpt-all-linear", checkpointing=True, targets=("all-linear",)),
+    _case("loop-qdora-nf4-dq-bf16-dropout", **QDORA, dropout=0.1),
 ]
 
 
@@ -97,6 +124,23 @@ def test_peak_equals_the_hand_loops(case: PeftCase) -> None:
     """``--runtime hf-loop``: peft_steps' loop (AdamW(foreach=True), ``out`` kept to the next forward)."""
     measured, predicted = measure_peft(case), predict_loop(case)
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+REENTRANT = [
+    Loop(_case(f"reentrant-{loop}-{tag}", checkpointing=True, **fields), loop)
+    for loop in ("trainer", "hand")
+    for tag, fields in [("fp32-qv", {}), ("autocast-all-linear-dropout", ALL_DROPOUT_AUTOCAST)]
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", REENTRANT, ids=lambda r: r.case.name)
+def test_peak_under_the_reentrant_checkpoint(run: Loop) -> None:
+    """torch's reentrant checkpoint (``use_reentrant: true``): the forward under no_grad (no graph for
+    ``lora_weight``), the re-run in the backward with it (test_timeline_reentrant.py's harness)."""
+    measured = measure_reentrant(run.case, run.loop)
+    predicted = predict_reentrant(run, _peft_plan(run), lora=True)
+    assert predicted == measured, f"{run.case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 
 def test_the_magnitude_is_trained_beside_the_adapters() -> None:
@@ -120,7 +164,7 @@ def test_dora_is_never_answered_as_lora() -> None:
     lora = dataclasses.replace(case, dora=False)
     assert hf_predict(case, plan_of(case)).peak()[0] > hf_predict(lora, plan_of(lora)).peak()[0]
     for plan, runtime, reason in [
-        (dict(finetune="qlora"), "hf", "QDoRA"),
+        (dict(finetune="lora", quant="int8"), "hf", "LLM.int8"),
         (dict(finetune="lora"), "memplan", "--runtime hf or hf-loop alone"),
         (dict(finetune="lora", optimizer="sgd"), "hf", "the sgd optimizer"),
     ]:
@@ -172,3 +216,12 @@ def test_the_step_time_says_it_is_lora_s() -> None:
     assert result.memory.model == "op-level"
     (line,) = [w for w in result.warnings if w.startswith("lora_dora:")]
     assert "lower bound" in line and "\n" not in line
+
+
+def test_validate_refuses_dora() -> None:
+    """The bundled trainer (``memplan validate``) builds plain LoRA adapters: a DoRA plan is refused, in one line."""
+    from memplan.specs.plan import Plan
+    from memplan.validate.support import TrainerUnsupported, check_plan
+
+    with pytest.raises(TrainerUnsupported, match="^lora_dora: PEFT's DoRA; the bundled trainer builds plain LoRA"):
+        check_plan(Plan(finetune="lora", lora_dora=True))

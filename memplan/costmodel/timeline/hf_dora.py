@@ -41,6 +41,7 @@ from __future__ import annotations
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor, _StopRecompute
 from memplan.costmodel.timeline.events import Category
+from memplan.costmodel.timeline.hf_bnb import BLOCK
 
 MAGNITUDE = "lora_magnitude_vector"  # PEFT's ModuleDict of DoraLinearLayer, its ``weight`` the magnitude
 
@@ -85,31 +86,43 @@ class DeadSaves:
 
 
 def adapt(lora, model, x: Tensor, out: Tensor, name: str) -> Tensor:
-    """``lora.Linear.forward`` with the DoRA variant after ``self.base_layer(x)`` returned ``out``.
-    ``lora``: the ``hf_lora.HfLora`` whose adapters these are; ``model``: the ``HfLlama`` that runs them."""
+    """``lora.Linear.forward`` (over a 4-bit base ``lora.bnb.Linear4bit.forward``) with the DoRA variant after
+    ``self.base_layer(x)`` returned ``out``. ``lora``: the ``hf_lora.HfLora`` whose adapters these are;
+    ``model``: the ``HfLlama`` that runs them. Over a 4-bit base the result is cloned first, and the input's
+    cast to fp32 and the result's back run unless ``torch.is_autocast_enabled()`` (CUDA's: on CPU always)."""
     t = lora.tape
+    quant = model.quant if model.quant is not None and model.quant.quantized(name) else None
     with t.scoped(f"{name}.dora"):
-        a = ops.to(t, x, lora.read_bytes, "input_fp32")
+        result, cast = out, quant is None or model.cache is None or model.cpu
+        if quant is not None:  # result.clone(): CloneBackward passes the gradient on
+            result = ops.unary(t, out, "clone", temps=-1)
+            t.done(out)
+        a = ops.to(t, x, lora.read_bytes, "input_fp32") if cast else t.alias(x)
         if lora.cfg.dropout:  # the variant's x: dropped out, and the base runs again on it
             dropped, base = lora._dropout(a), None
         else:
-            dropped, base = t.alias(a), out
-        dora = _dora_layer(lora, model, dropped, base, name, out.numel // lora.tokens)
-        total = ops.add(t, out, dora, "sum")  # result + result_dora: fp32 over a 16-bit base
-        t.done(dora, dropped, out)  # the temporary, the variant's x at return, then the rebound `result`
-        y = ops.to(t, total, out.itemsize, "out_cast")
+            dropped, base = t.alias(a), result
+        dora = _dora_layer(lora, model, dropped, base, name, result.numel // lora.tokens, quant)
+        total = ops.add(t, result, dora, "sum")  # result + result_dora: fp32 over a 16-bit base
+        t.done(dora, dropped, result)  # the temporary, the variant's x at return, then the rebound `result`
+        y = ops.to(t, total, result.itemsize, "out_cast") if cast else t.alias(total)
         t.done(total, a)
     return y
 
 
-def _dora_layer(lora, model, x: Tensor, base: Tensor | None, name: str, rows: int) -> Tensor:
+def _dora_layer(lora, model, x: Tensor, base: Tensor | None, name: str, rows: int, quant=None) -> Tensor:  # noqa: ANN001
     """``DoraLinearLayer.forward`` over ``x`` (fp32: the adapters' dtype), ``base`` the base's output or
-    None (dropout > 0); ``rows``: the linear's out features."""
+    None (dropout > 0); ``rows``: the linear's out features; ``quant``: a 4-bit base (``hf_bnb.Bnb4bit``)."""
     t, r, cols = lora.tape, lora.cfg.rank, x.numel // lora.tokens
     dead = DeadSaves(t)
     weight = _lora_weight(lora, model, dead, name, rows, cols, x.itemsize)
-    w = model.weights[f"{name}.weight"]
-    w = ops.to(t, w, x.itemsize, "weight_cast") if w.itemsize != x.itemsize else t.alias(w)  # frozen: no node
+    w = model.weights[f"{name}.weight"] if quant is None else _dequantize(t, quant, rows * cols)
+    if w.itemsize != x.itemsize:  # .to(x.dtype): frozen, no node
+        w, old = ops.to(t, w, x.itemsize, "weight_cast"), w
+        if quant is not None:
+            t.done(old)  # the rebound dequantized weight
+    elif quant is None:
+        w = t.alias(w)
     with t.no_grad():  # get_weight_norm over the detached lora_weight and the frozen W
         scaled = t.new(rows * cols, x.itemsize, "scaled_lora_weight")
         summed = t.new(rows * cols, x.itemsize, "weight_sum")
@@ -163,6 +176,17 @@ def _lora_weight(lora, model, dead: DeadSaves, name: str, rows: int, cols: int, 
         weight = ops.to(t, yb, itemsize, "lora_weight_cast")  # .to(x.dtype): under autocast bf16 -> fp32
         t.done(yb)
     return weight
+
+
+def _dequantize(t: Tape, quant, numel: int) -> Tensor:  # noqa: ANN001
+    """``dequantize_module_weight`` over ``Linear4bit`` (``peft/utils/integrations.py`` ->
+    ``bnb.functional.dequantize_4bit``): with double quantization the absmax dequantized first (fp32, the offset
+    added in place), then the weight in the dtype it was loaded in (``quant_state.dtype``), as ``MatMul4Bit``'s
+    backward dequantizes it (``hf_bnb.Bnb4bit._matmul``)."""
+    absmax = t.new(-(-numel // BLOCK), 4, "absmax_dequant") if quant.double_quant else None
+    w = t.new(numel, quant.stored, "weight_dequant")
+    t.done(absmax)
+    return w
 
 
 def _frozen_linear(model, x: Tensor, w: Tensor, numel: int, tag: str) -> Tensor:

@@ -150,7 +150,7 @@ class HfLora:
         when ``name`` is not targeted. ``model``: the ``HfLlama`` whose ``linear`` runs the adapters."""
         if not self.targeted(name):
             return out
-        if self.cfg.dora:  # DoRA's variant (hf_support refuses it over a quantized base)
+        if self.cfg.dora:  # DoRA's variant (over a 4-bit base too; hf_support refuses it over an 8-bit one)
             return hf_dora.adapt(self, model, x, out, name)
         if model.quant is not None and model.quant.quantized(name):
             return self._adapt_bnb(model, x, out, name)

@@ -108,7 +108,7 @@ from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, MLA_ATTENTION
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, checkpoint_reentrant, trainer_autocast
+from memplan.specs.plan import Plan, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
@@ -363,27 +363,25 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 
 
 # PEFT's DoRA (hf_dora.py) as tests/unit/test_timeline_hf_dora.py checks it against the real Trainer and loop
-DORA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DORA_FAMILIES = DENSE_FAMILIES
 
 
 def _dora_reason(model: ModelSpec, plan: Plan, runtime: str) -> str | None:
     """What of a DoRA plan (``lora_dora``) the run does not follow, or None: it follows PEFT's DoRA adapters over
-    an unquantized base of the dense ``DORA_FAMILIES``, on one rank, under the default AdamW, with or without
-    transformers' non-reentrant checkpoint (``hf_dora.py``). The phase model has no DoRA: what is named here is
-    refused, never answered as plain LoRA (``costmodel.reserve.run_only``)."""
+    an unquantized base of the dense families, on one rank, under the default AdamW, with or without either of
+    torch's checkpoints (``hf_dora.py``; tests/unit/test_timeline_hf_dora.py). The phase model has no DoRA: what is
+    named here is refused, never answered as plain LoRA (``costmodel.reserve.run_only``)."""
     why = None
     if model.architecture not in DORA_FAMILIES:
         why = f"the {model.architecture} family (followed over {', '.join(DORA_FAMILIES)})"
-    elif plan.quant != "none":
-        why = f"a {plan.quant} base (QDoRA: PEFT dequantizes the base weight in each forward for the norm)"
+    elif plan.quant == "int8":
+        why = "an LLM.int8 base (followed over a 4-bit one)"
     elif plan.dp > 1:
         why = "more than one rank"
     elif plan.optimizer != "adamw":
         why = f"the {plan.optimizer} optimizer (followed under the default AdamW)"
     elif plan.offload_activations != "none":
         why = "activation offload"
-    elif checkpoint_reentrant(plan, runtime):
-        why = "torch's reentrant checkpoint (followed under the non-reentrant one)"
     return None if why is None else f"PEFT's DoRA over {why}"
 
 
