@@ -98,7 +98,8 @@ CHOICE_FLAGS = {
     "--timeline": ["t.jpg", "adir", "adir/", "nope/t.html", "", "afile/t.html"],
 }
 SWITCHES = ["--sequence-parallel", "--no-sequence-parallel", "--inference", "--double-quant", "--no-double-quant",
-            "--no-calibration", "--calibration", "--fp8-all-gather", "--no-fp8-all-gather", "--help"]  # fmt: skip
+            "--no-calibration", "--calibration", "--fp8-all-gather", "--no-fp8-all-gather", "--lora-dora",
+            "--help"]  # fmt: skip
 
 
 def _choice(flag: str) -> st.SearchStrategy[str]:

@@ -25,11 +25,16 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-import hf_peft_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
+import hf_ddp_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftest.py)
+import hf_peft_steps  # noqa: E402
 from hf_predict import hf_predict  # noqa: E402
 from peft_steps import TINY, PeftCase, plan_of  # noqa: E402
 from test_timeline_hf_loop_peft_families import measure_peft  # noqa: E402
 from test_timeline_hf_loop_peft_families import predict as predict_loop  # noqa: E402
+from test_timeline_hf_optimizers import LORA as OPTIMIZER_SHAPE  # noqa: E402
+from test_timeline_hf_optimizers import _measure_lora as measure_optimizer  # noqa: E402
+from test_timeline_hf_optimizers import _predict_lora as predict_optimizer  # noqa: E402
+from test_timeline_hf_peft import predict as predict_ranks  # noqa: E402
 from test_timeline_hf_peft_families import _case as _family_case  # noqa: E402
 from test_timeline_reentrant import Loop, _peft_plan  # noqa: E402
 from test_timeline_reentrant import measure_peft as measure_reentrant  # noqa: E402
@@ -143,6 +148,35 @@ def test_peak_under_the_reentrant_checkpoint(run: Loop) -> None:
     assert predicted == measured, f"{run.case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 
+DDP_CASES = [
+    (_case("ddp-qv"), 1),
+    (_case("ddp-autocast-all-linear-ckpt-ga2", autocast=True, targets=("all-linear",), checkpointing=True), 2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "ga"), DDP_CASES, ids=lambda c: getattr(c, "name", str(c)))
+def test_peak_under_ddp(case: PeftCase, ga: int) -> None:
+    """The Trainer's DDP over two gloo ranks (test_timeline_hf_ddp.py's harness): rank 0's peak; the magnitudes
+    in DDP's buckets beside the adapters."""
+    measured = hf_ddp_steps.measure(case, ga)
+    predicted = predict_ranks(case, ga=ga, dp=hf_ddp_steps.WORLD)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
+OPTIMIZERS = ("sgd", "adafactor", "adamw-8bit", "paged-lion-32bit")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_peak_under_the_trainers_other_optimizers(optimizer: str) -> None:
+    """``TrainingArguments(optim=...)`` (test_timeline_hf_optimizers.py's harness): the magnitude a vector among the
+    parameters each optimizer steps (Adafactor's unfactored state, bitsandbytes' 8-bit and 32-bit states)."""
+    case = PeftCase(f"hfdora-opt-{optimizer}", **{**OPTIMIZER_SHAPE, "dora": True})
+    measured, predicted = measure_optimizer(case, optimizer), predict_optimizer(case, optimizer)
+    assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
+
+
 def test_the_magnitude_is_trained_beside_the_adapters() -> None:
     """The run's optimizer states are two per trainable parameter PEFT's DoRA model has: A, B and the magnitude
     (``lora_magnitude_vector``, fp32, one per output feature)."""
@@ -166,7 +200,8 @@ def test_dora_is_never_answered_as_lora() -> None:
     for plan, runtime, reason in [
         (dict(finetune="lora", quant="int8"), "hf", "LLM.int8"),
         (dict(finetune="lora"), "memplan", "--runtime hf or hf-loop alone"),
-        (dict(finetune="lora", optimizer="sgd"), "hf", "the sgd optimizer"),
+        (dict(finetune="lora", offload_activations="cpu"), "hf", "activation offload"),
+        (dict(finetune="lora", dp=2, zero=3), "hf", "the Trainer's FSDP2"),
     ]:
         with pytest.raises(MemplanError) as err:
             estimate("llama3-8b", {**plan, "lora_dora": True}, {"seq_len": 512}, runtime=runtime, device="cpu")
@@ -190,17 +225,28 @@ def test_the_callback_reads_use_dora() -> None:
 
 
 def test_the_callback_warns_in_one_line_on_dora_it_does_not_follow(caplog) -> None:
-    """DoRA under SGD (followed under AdamW alone): one warning naming the field, no estimate, no raise."""
+    """DoRA over an MoE model (followed over the dense families): one warning naming the field, no estimate, no
+    raise inside the user's training."""
+    import peft
+
     from memplan.integrations.transformers import MemplanCallback
 
+    cfg = transformers.MixtralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(transformers.MixtralForCausalLM(cfg), config)
     callback = MemplanCallback(seq_len=64)
-    model = hf_peft_steps.build(CASES[0])
     with tempfile.TemporaryDirectory() as out, caplog.at_level(logging.INFO, logger="memplan"):
         state, control = transformers.TrainerState(), transformers.TrainerControl()
-        callback.on_train_begin(_args(out, optim="sgd"), state, control, model=model)
+        callback.on_train_begin(_args(out), state, control, model=model)
     assert callback.result is None
     (line,) = [r.getMessage() for r in caplog.records if r.name == "memplan"]
-    assert line.startswith("memplan: no estimate for this run (plan.lora_dora: ") and "\n" not in line
+    assert line.startswith("memplan: no estimate for this run (plan.") and "\n" not in line
+    assert "PEFT's DoRA over the mixtral family" in line
 
 
 def test_the_step_time_says_it_is_lora_s() -> None:

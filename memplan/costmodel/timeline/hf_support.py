@@ -260,7 +260,7 @@ def hf_supported(
             or (model.architecture in MLA_FAMILIES and _mla_lora_ok(model, plan)),
             f"PEFT over the {model.architecture} family" + (_MOE_LORA if model.architecture in MOE_FAMILIES else ""),
         ),
-        (not plan.lora_dora or _dora_reason(model, plan, runtime) is None, lambda: _dora_reason(model, plan, runtime)),
+        (not plan.lora_dora or _dora_reason(model, plan) is None, lambda: _dora_reason(model, plan)),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         # TRL's activation offload around the Trainer's training_step (hf_offload.py) is followed on CPU over
@@ -366,20 +366,18 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
 DORA_FAMILIES = DENSE_FAMILIES
 
 
-def _dora_reason(model: ModelSpec, plan: Plan, runtime: str) -> str | None:
+def _dora_reason(model: ModelSpec, plan: Plan) -> str | None:
     """What of a DoRA plan (``lora_dora``) the run does not follow, or None: it follows PEFT's DoRA adapters over
-    an unquantized base of the dense families, on one rank, under the default AdamW, with or without either of
-    torch's checkpoints (``hf_dora.py``; tests/unit/test_timeline_hf_dora.py). The phase model has no DoRA: what is
-    named here is refused, never answered as plain LoRA (``costmodel.reserve.run_only``)."""
+    a 16-bit or 4-bit base of the dense families, on one rank or under DDP, under the Trainer's optimizers, with or
+    without either of torch's checkpoints (``hf_dora.py``; tests/unit/test_timeline_hf_dora.py). The phase model has
+    no DoRA: what is named here is refused, never answered as plain LoRA (``costmodel.reserve.run_only``)."""
     why = None
     if model.architecture not in DORA_FAMILIES:
         why = f"the {model.architecture} family (followed over {', '.join(DORA_FAMILIES)})"
     elif plan.quant == "int8":
         why = "an LLM.int8 base (followed over a 4-bit one)"
-    elif plan.dp > 1:
-        why = "more than one rank"
-    elif plan.optimizer != "adamw":
-        why = f"the {plan.optimizer} optimizer (followed under the default AdamW)"
+    elif plan.dp > 1 and plan.zero >= 2:
+        why = "the Trainer's FSDP2 (followed on one rank and under DDP)"
     elif plan.offload_activations != "none":
         why = "activation offload"
     return None if why is None else f"PEFT's DoRA over {why}"
