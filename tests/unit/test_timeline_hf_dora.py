@@ -271,3 +271,32 @@ def test_validate_refuses_dora() -> None:
 
     with pytest.raises(TrainerUnsupported, match="^lora_dora: PEFT's DoRA; the bundled trainer builds plain LoRA"):
         check_plan(Plan(finetune="lora", lora_dora=True))
+
+
+@pytest.mark.slow
+def test_the_callback_predicts_a_dora_run() -> None:
+    """``MemplanCallback`` over a DoRA model in a real ``Trainer.train()``: the plan read with ``lora_dora``, the
+    op-level run's prediction against the live bytes of steps 2-3 (what the callback's meter leaves out is the
+    batches fetched before each step begins: tests/integrations/test_transformers_callback.py)."""
+    import peft
+
+    from memplan.integrations.transformers import MemplanCallback
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, intermediate_size=344,
+        vocab_size=4000, max_position_embeddings=256,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], use_dora=True, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), config)
+    callback = MemplanCallback(seq_len=128)
+    ids = torch.randint(0, 4000, (2, 128))
+    rows = [{"input_ids": r, "labels": r} for r in ids] * 4
+    with tempfile.TemporaryDirectory() as out:
+        args = _args(out, dataloader_num_workers=0)
+        transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback]).train()
+    result, comparison = callback.result, callback.comparison
+    assert result is not None and comparison is not None
+    assert result.plan["lora_dora"] is True and result.memory.model == "op-level"
+    assert 0 <= comparison.allocated_error <= 0.001, comparison
