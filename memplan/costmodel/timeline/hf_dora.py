@@ -1,4 +1,5 @@
-"""PEFT DoRA (``LoraConfig(use_dora=True)``, peft 0.21) over transformers' model in the Trainer's op-level run.
+"""PEFT DoRA (``LoraConfig(use_dora=True)``, peft 0.21) over transformers' model in the op-level runs of the Trainer
+(one rank or DDP, any of its optimizers) and of the hand-written loop (``hf_lora.HfLora.adapt`` calls :func:`adapt`).
 
 DoRA is LoRA with a trained magnitude per output feature (``lora_magnitude_vector``: ``out`` fp32 elements,
 made after ``lora_B``; the norm of ``W + scaling * B @ A`` per row at ``get_peft_model``), and a forward that
@@ -33,7 +34,10 @@ operand). ``lora_weight`` is only read detached: its graph (``lora_A``'s product
 its bf16 cast under autocast; ``lora_B``'s saving ``lora_A``'s output and ``B.t()``) never reaches the loss
 and goes with ``lora_weight`` when the forward returns (:class:`DeadSaves`). The magnitude's gradient comes
 through the division (``grad / weight_norm``), summed down from the two products (``validate_outputs``).
-Checked on CPU against the real Trainer, to the byte: tests/unit/test_timeline_hf_dora.py.
+Over a 4-bit base (QDoRA) ``lora.bnb.Linear4bit.forward`` clones the base's result first and ``W`` is
+dequantized in each forward (:func:`_dequantize`). Not followed (``hf_support._dora_reason``): an LLM.int8
+base, FSDP2, saved-tensor hooks (activation offload). Checked on CPU against the real Trainer and loop, to the
+byte: tests/unit/test_timeline_hf_dora.py.
 """
 
 from __future__ import annotations
