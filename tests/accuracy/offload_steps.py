@@ -72,11 +72,7 @@ ALLOCATOR_DEPENDENT = frozenset(
 # in runs with and without): always measured with TRL, strict xfails (tests/unit/test_timeline_hf_offload_moe.py)
 TRL_MISSES = frozenset(
     {
-        "hfoffmoe-deepseek_v2-autocast-ckpt",
         "hfoffmoe-mixtral-lora-all-linear-fp32",
-        "hfoffmoe-deepseek_v3-lora-mla-fp32-ckpt",
-        "qmoe-qwen3_moe-int8-off-ckpt",  # tests/unit/test_timeline_hf_quant_moe_ranks.py, the same in two runs
-        "qmoe-deepseek_v3-nf4-dq-off-bf16-ckpt",
         # tests/unit/test_timeline_hf_reentrant_offload.py and test_timeline_hf_offload_ranks.py (TRL_OWN there)
         "reentoff-gemma3-lora",
         "reentoff-qwen3-lora",
@@ -87,9 +83,6 @@ TRL_MISSES = frozenset(
         "loop-reentoff-qwen2-moe",
         "reentoff-llama-bf16",
         "loop-reentoff-deepseek-v3",
-        "hfoff-int8-ckpt-autocast",
-        "hfoff-recipe",
-        "hfoff-fp4-ckpt",
     }
 )
 MIN_OFFLOAD_BYTES = 1024  # TRL's min_offload_size default
@@ -261,12 +254,15 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
             if torch._C._current_graph_task_id() == self._graph and node is not self._node:
                 self._node = node
                 previous = list(self._back)
-            if node is not None:
-                node.register_hook(self._release(previous))
             if ident in self._stash:
+                if node is not None:
+                    node.register_hook(self._release(previous))
                 return self._stash.pop(ident)
             out = _device_copy(host)
             self._back[ident] = out
+            if node is not None:  # the copy's storage references now, to compare after the node (TRL's)
+                count = torch._C._storage_Use_Count(out.untyped_storage()._cdata)
+                node.register_hook(self._release(previous, ident, count))
             return out
         return _device_copy(host)
 
@@ -281,8 +277,13 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
         if not self._tracker:
             self._first_forward = True
 
-    def _release(self, previous: list[int]):
+    def _release(self, previous: list[int], ident: int = 0, count: int = 0):
         def hook(grads_in, grads_out):  # noqa: ANN001
+            # a copy with more storage references than at its unpack (a checkpoint's re-run saved it: its
+            # ``x.detach()``) leaves the backward stash now (TRL's ``record_stream`` branch), not after the next node
+            held = self._back.get(ident)
+            if held is not None and torch._C._storage_Use_Count(held.untyped_storage()._cdata) > count:
+                del self._back[ident]
             for k in previous:
                 self._back.pop(k, None)
             for k in self._stash:
@@ -297,7 +298,8 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
         self._stash.clear()
         self._seen.clear()
         self._key_of.clear()
-        self._node = None
+        # ``_node`` stays, as TRL's ``curr_autograd_node``: the last node that unpacked an offloaded save, and the
+        # graph it reaches (an int8 linear's ctx.A, the leaf input and its .grad), alive until the next backward
         self._first_backward = True  # with an orphaned save in its tracker TRL would not reset: as ``_seen``
 
 
