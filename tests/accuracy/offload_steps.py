@@ -26,9 +26,11 @@ offloaded follows the mechanism:
   ones stay alive until a later save or the backward, and in the backward the tensors brought
   back for one autograd node stay until the next node of the graph task that unpacked first has run
   (a reentrant checkpoint's nested backward is another: its copies stay until the next outer node that
-  unpacks has run); TRL's tracker (every pack until its unpack) emptied, the next pack starts a
-  forward (the dedup map reset) and the next unpack takes its graph task, queuing the
-  end-of-backward callback on it;
+  unpacks has run), but a copy whose storage is held more once its node has run than at its unpack (a
+  checkpoint's re-run saved it again) goes then, and the last such node is kept (``_node``, TRL's
+  ``curr_autograd_node``) with the graph it reaches until the next backward; TRL's tracker (every pack
+  until its unpack) emptied, the next pack starts a forward (the dedup map reset) and the next unpack
+  takes its graph task, queuing the end-of-backward callback on it;
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the forward and
   backward of the hand-written loop: every saved tensor, parameters included, copied to the host
   and back (contiguous), nothing kept; a host copy goes at its unpack, or when its saved variable dies
@@ -73,7 +75,7 @@ ALLOCATOR_DEPENDENT = frozenset(
 TRL_MISSES = frozenset(
     {
         "hfoffmoe-mixtral-lora-all-linear-fp32",
-        # tests/unit/test_timeline_hf_reentrant_offload.py and test_timeline_hf_offload_ranks.py (TRL_OWN there)
+        # tests/unit/test_timeline_hf_reentrant_offload.py
         "reentoff-gemma3-lora",
         "reentoff-qwen3-lora",
         "reentoff-qwen3-autocast",

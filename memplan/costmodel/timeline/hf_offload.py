@@ -21,7 +21,13 @@ What differs from ``save_on_cpu`` (``act_offload.py``):
   ``max_fwd_stash_size`` (5) saves; an unpack of a stashed one hands back the original, no copy;
 - an unpacked copy is held (``bwd_tensor_stash``) until the next node that unpacks an offloaded save
   has run (a hook registered on that node: ``Node.post``), which also empties the forward stash; the
-  host copy goes at the unpack;
+  host copy goes at the unpack; a copy something besides the stash holds once its own node has run (a
+  checkpoint's re-run saved it again: TRL's storage use count grew, its ``record_stream`` branch) leaves the
+  stash then (:meth:`TrlOffload._shared`);
+- the last node that unpacked an offloaded save stays alive after the backward (TRL's ``curr_autograd_node``,
+  never reset), with every node it reaches, until the next backward's first such node: what they hold beyond
+  their saves (an int8 linear's ``ctx.A``, the leaf input and its ``.grad``) stays with them
+  (:meth:`TrlOffload.reached`, :meth:`TrlOffload.hold_graph`);
 - at the end of the backward everything goes (TRL's end-of-backward callback:
   :meth:`TrlOffload.end_of_step`);
 - under torch's reentrant checkpoint (``reentrant.py``) the hooks are on through the backward, so each re-run's
