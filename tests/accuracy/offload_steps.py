@@ -26,9 +26,11 @@ offloaded follows the mechanism:
   ones stay alive until a later save or the backward, and in the backward the tensors brought
   back for one autograd node stay until the next node of the graph task that unpacked first has run
   (a reentrant checkpoint's nested backward is another: its copies stay until the next outer node that
-  unpacks has run); TRL's tracker (every pack until its unpack) emptied, the next pack starts a
-  forward (the dedup map reset) and the next unpack takes its graph task, queuing the
-  end-of-backward callback on it;
+  unpacks has run), but a copy whose storage is held more once its node has run than at its unpack (a
+  checkpoint's re-run saved it again) goes then, and the last such node is kept (``_node``, TRL's
+  ``curr_autograd_node``) with the graph it reaches until the next backward; TRL's tracker (every pack
+  until its unpack) emptied, the next pack starts a forward (the dedup map reset) and the next unpack
+  takes its graph task, queuing the end-of-backward callback on it;
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the forward and
   backward of the hand-written loop: every saved tensor, parameters included, copied to the host
   and back (contiguous), nothing kept; a host copy goes at its unpack, or when its saved variable dies
@@ -72,12 +74,8 @@ ALLOCATOR_DEPENDENT = frozenset(
 # in runs with and without): always measured with TRL, strict xfails (tests/unit/test_timeline_hf_offload_moe.py)
 TRL_MISSES = frozenset(
     {
-        "hfoffmoe-deepseek_v2-autocast-ckpt",
         "hfoffmoe-mixtral-lora-all-linear-fp32",
-        "hfoffmoe-deepseek_v3-lora-mla-fp32-ckpt",
-        "qmoe-qwen3_moe-int8-off-ckpt",  # tests/unit/test_timeline_hf_quant_moe_ranks.py, the same in two runs
-        "qmoe-deepseek_v3-nf4-dq-off-bf16-ckpt",
-        # tests/unit/test_timeline_hf_reentrant_offload.py and test_timeline_hf_offload_ranks.py (TRL_OWN there)
+        # tests/unit/test_timeline_hf_reentrant_offload.py
         "reentoff-gemma3-lora",
         "reentoff-qwen3-lora",
         "reentoff-qwen3-autocast",
@@ -87,9 +85,6 @@ TRL_MISSES = frozenset(
         "loop-reentoff-qwen2-moe",
         "reentoff-llama-bf16",
         "loop-reentoff-deepseek-v3",
-        "hfoff-int8-ckpt-autocast",
-        "hfoff-recipe",
-        "hfoff-fp4-ckpt",
     }
 )
 MIN_OFFLOAD_BYTES = 1024  # TRL's min_offload_size default
@@ -261,12 +256,15 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
             if torch._C._current_graph_task_id() == self._graph and node is not self._node:
                 self._node = node
                 previous = list(self._back)
-            if node is not None:
-                node.register_hook(self._release(previous))
             if ident in self._stash:
+                if node is not None:
+                    node.register_hook(self._release(previous))
                 return self._stash.pop(ident)
             out = _device_copy(host)
             self._back[ident] = out
+            if node is not None:  # the copy's storage references now, to compare after the node (TRL's)
+                count = torch._C._storage_Use_Count(out.untyped_storage()._cdata)
+                node.register_hook(self._release(previous, ident, count))
             return out
         return _device_copy(host)
 
@@ -281,8 +279,13 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
         if not self._tracker:
             self._first_forward = True
 
-    def _release(self, previous: list[int]):
+    def _release(self, previous: list[int], ident: int = 0, count: int = 0):
         def hook(grads_in, grads_out):  # noqa: ANN001
+            # a copy with more storage references than at its unpack (a checkpoint's re-run saved it: its
+            # ``x.detach()``) leaves the backward stash now (TRL's ``record_stream`` branch), not after the next node
+            held = self._back.get(ident)
+            if held is not None and torch._C._storage_Use_Count(held.untyped_storage()._cdata) > count:
+                del self._back[ident]
             for k in previous:
                 self._back.pop(k, None)
             for k in self._stash:
@@ -297,7 +300,8 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
         self._stash.clear()
         self._seen.clear()
         self._key_of.clear()
-        self._node = None
+        # ``_node`` stays, as TRL's ``curr_autograd_node``: the last node that unpacked an offloaded save, and the
+        # graph it reaches (an int8 linear's ctx.A, the leaf input and its .grad), alive until the next backward
         self._first_backward = True  # with an orphaned save in its tracker TRL would not reset: as ``_seen``
 
 

@@ -93,9 +93,7 @@ def _plan(case) -> Plan:
 # Against TRL's own hooks (2026-11-29; offload_steps.TRL_MISSES: the same in runs with and without a reused address),
 # the emulation and the run equal to each other: not traced
 TRL_MISSES = {
-    "hfoffmoe-deepseek_v2-autocast-ckpt": "+16,384 B predicted (3,228,056 against 3,211,672 under TRL)",
     "hfoffmoe-mixtral-lora-all-linear-fp32": "-266,132 B predicted (3,680,668 against 3,946,800 under TRL)",
-    "hfoffmoe-deepseek_v3-lora-mla-fp32-ckpt": "+14,080 B predicted (1,664,116 against 1,650,036 under TRL)",
 }
 
 

@@ -84,25 +84,6 @@ QUANT = [
 ]
 
 
-# Measured with TRL's own OffloadActivations since 2026-11-29 (these were held against the emulation, which the run
-# equals): not traced (docs/accuracy.md, "Known misses"; offload_steps.TRL_MISSES keeps them on TRL's code)
-TRL_OWN = {
-    "int8-ckpt-autocast": "-82,692 B (1,073,852 predicted, 1,156,544 measured, -7.15%)",
-    "nf4-recipe": "+3,584 B (981,484, 977,900, +0.37%)",
-    "fp4-ckpt": "+3,584 B (1,020,476, 1,016,892, +0.35%)",
-}
-QUANT = [
-    pytest.param(
-        *p.values,
-        id=p.id,
-        marks=[*p.marks, pytest.mark.xfail(strict=True, reason=f"under TRL's own hooks: {TRL_OWN[p.id]}")]
-        if p.id in TRL_OWN
-        else p.marks,
-    )
-    for p in QUANT
-]
-
-
 @pytest.mark.parametrize("case", QUANT)
 def test_a_quantized_base_on_one_rank_equals_the_trainers(case: PeftCase) -> None:
     """The peak equal to the byte, and the host copies at most (``Timeline.host_peak``, ``offload.cpu``)."""
@@ -115,16 +96,7 @@ FULL = hf_steps.Case("hfoff-full", loop="trainer", **hf_steps.BASE_SMALL)
 DDP = [
     _slow(_peft("ddp-lora"), id="lora"),
     _slow(FULL, id="full"),
-    pytest.param(
-        _peft("ddp-nf4-ckpt", quant="nf4", checkpointing=True),
-        id="nf4-ckpt",
-        marks=[
-            pytest.mark.slow,
-            # TRL's own hooks (2026-11-29), no save kept by a freed address, the same in three runs: 1,024,124 B
-            # measured, 1,027,708 predicted (+3,584 B); the emulation (and the run) keep what TRL does not: not traced
-            pytest.mark.xfail(strict=True, reason="TRL's own hooks over DDP nf4 checkpointed: +3,584 B predicted"),
-        ],
-    ),
+    _slow(_peft("ddp-nf4-ckpt", quant="nf4", checkpointing=True), id="nf4-ckpt"),
     _slow(_peft("ddp-int8", quant="int8"), id="int8"),
 ]
 

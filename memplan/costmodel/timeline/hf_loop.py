@@ -247,7 +247,7 @@ class _HfLoopRun(_HfRun):
         int8 = quant.int8 if isinstance(quant, Bnb8bit) else None
         inputs, held, grad = [], [], None
         if int8 is not None:
-            inputs, int8.held = int8.held, []
+            inputs, int8.held, int8.owners = int8.held, [], []
         if lora is not None:
             held, lora.held = lora.held, []
             grad = lora.input_grads.pop("inputs_embeds", None)

@@ -214,6 +214,16 @@ class HfLora:
         emb.fn = ops.leaf(self.input_grads, "inputs_embeds")
         self.held.append(self.tape.hold(emb))
 
+    def keep_reachable(self, reached: set) -> list[Tensor]:
+        """The leaf input and its ``.grad`` where its ``AccumulateGrad`` is in ``reached`` (a node Python still
+        holds, and those it reaches: TRL's ``curr_autograd_node``), taken out of the graph's; they go when that
+        node does."""
+        if not any(x.fn in reached for x in self.held):
+            return []
+        kept, self.held = self.held, []
+        grad = self.input_grads.pop("inputs_embeds", None)
+        return kept if grad is None else [*kept, grad]
+
     def free_graph(self) -> None:
         """``training_step`` returns: the graph goes, with the leaf input and its gradient."""
         for x in self.held:

@@ -21,7 +21,13 @@ What differs from ``save_on_cpu`` (``act_offload.py``):
   ``max_fwd_stash_size`` (5) saves; an unpack of a stashed one hands back the original, no copy;
 - an unpacked copy is held (``bwd_tensor_stash``) until the next node that unpacks an offloaded save
   has run (a hook registered on that node: ``Node.post``), which also empties the forward stash; the
-  host copy goes at the unpack;
+  host copy goes at the unpack; a copy something besides the stash holds once its own node has run (a
+  checkpoint's re-run saved it again: TRL's storage use count grew, its ``record_stream`` branch) leaves the
+  stash then (:meth:`TrlOffload._shared`);
+- the last node that unpacked an offloaded save stays alive after the backward (TRL's ``curr_autograd_node``,
+  never reset), with every node it reaches, until the next backward's first such node: what they hold beyond
+  their saves (an int8 linear's ``ctx.A``, the leaf input and its ``.grad``) stays with them
+  (:meth:`TrlOffload.reached`, :meth:`TrlOffload.hold_graph`);
 - at the end of the backward everything goes (TRL's end-of-backward callback:
   :meth:`TrlOffload.end_of_step`);
 - under torch's reentrant checkpoint (``reentrant.py``) the hooks are on through the backward, so each re-run's
@@ -77,7 +83,9 @@ class TrlOffload:
         self.key_of: dict[int, tuple] = {}
         self.stash: dict[int, Tensor] = {}  # id -> the original, held
         self.back: dict[int, Tensor] = {}  # id -> the copy brought back, held
-        self.node: Node | None = None
+        self.brought: dict[Node, list[int]] = {}  # node -> the ids it brought back (its hook checks their holders)
+        self.node: Node | None = None  # ``curr_autograd_node``: held from one backward to the next
+        self.graph_kept: list[Tensor] = []  # what the graph holds beyond saves, reached from ``node`` (hold_graph)
         # TRL's tracker (saves packed, kept or offloaded, not yet unpacked) and phase flags: a pack after the
         # tracker emptied starts a forward (``is_first_forward_call``: the dedup map reset), and the next unpack
         # records its graph task (``is_first_backward_call``: ``curr_graph_id``), whose nodes alone release
@@ -129,15 +137,20 @@ class TrlOffload:
         self.unpacked(tape, 1)
         if node is not None:
             if tape.graph == self.graph and node is not self.node:
-                self.node = node
-                node.post = self._release(tape, list(self.back))
+                self.node = node  # the previous one goes, and what only it held: the last step's graph_kept
+                for t in reversed(self.graph_kept):
+                    tape.drop(t)
+                self.graph_kept = []
+                node.post = self._release(tape, node, list(self.back))
             elif node.post is None:
-                node.post = self._release(tape, [])
+                node.post = self._release(tape, node, [])
         original = self.stash.pop(packed.ident, None)
         if original is not None:
             return original  # the stash's reference, now the caller's
         out = unpack(tape, packed, tag)
         self.back[packed.ident] = tape.hold(out)
+        if node is not None:
+            self.brought.setdefault(node, []).append(packed.ident)
         return out
 
     def unpacked(self, tape: Tape, n: int) -> None:
@@ -157,6 +170,7 @@ class TrlOffload:
         for t in self.back.values():
             tape.drop(t)
         self.back = {}
+        self.brought = {}
 
     def release(self, packed: Packed) -> None:
         """The host copy goes at its unpack (or with the step)."""
@@ -164,13 +178,24 @@ class TrlOffload:
             packed.released = True
             self.host_bytes -= packed.numel * packed.itemsize
 
-    def _release(self, tape: Tape, previous: list[int]):
+    def _release(self, tape: Tape, node: Node, previous: list[int]):
         def hook() -> None:
+            for k in self.brought.pop(node, ()):
+                self._shared(tape, k)
             for k in previous:
                 tape.drop(self.back.pop(k, None))
             self._clear_stash(tape)
 
         return hook
+
+    def _shared(self, tape: Tape, ident: int) -> None:
+        """The node's hook on a copy it brought back (TRL's ``storage_count > storage_refcount``): a copy with
+        holders besides the backward stash (a checkpoint's re-run saved it: ``_recomputation_hook``'s
+        ``x.detach()``, a storage reference the unpack did not count) leaves the stash now (``record_stream``;
+        on a GPU the block is freed when its last holder goes), not after the next node."""
+        t = self.back.get(ident)
+        if t is not None and t.st.refs > 1:
+            tape.drop(self.back.pop(ident))
 
     def _clear_stash(self, tape: Tape) -> None:
         for ident, t in self.stash.items():
@@ -180,12 +205,34 @@ class TrlOffload:
 
     def end_of_step(self, tape: Tape) -> None:
         """The end-of-backward callback: the last node's copies and the stash go; a new forward starts (the dedup
-        map and the backward's flag reset each step, where TRL, an orphaned save in its tracker, would not)."""
+        map and the backward's flag reset each step, where TRL, an orphaned save in its tracker, would not).
+        ``curr_autograd_node`` stays: TRL never resets it (:meth:`reached`)."""
         self._drop_back(tape)
         self._clear_stash(tape)
         self.seen, self.key_of = {}, {}
-        self.node = None
         self.first_backward = True
+
+    def reached(self) -> set[Node]:
+        """The nodes TRL keeps alive after the backward: ``curr_autograd_node`` (the last node that unpacked an
+        offloaded save, a Python reference TRL's ``unpack_tensor_with_streams`` rebinds only at the next
+        backward's first such node) and every node it reaches through its edges (``next_functions``). Their
+        saved tensors went as they ran; what they hold beyond those stays: a custom Function's ctx attributes
+        (bitsandbytes' ``MatMul8bitLt`` / ``MatMul8bitFp``: ``ctx.A``, ``ctx.tensors``) and an
+        ``AccumulateGrad``'s variable (``enable_input_require_grads``' leaf input, and its ``.grad``)."""
+        seen: set[Node] = set()
+        stack = [self.node] if self.node is not None else []
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(m for m in n.nexts if m is not None and m not in seen)
+        return seen
+
+    def hold_graph(self, kept: list[Tensor]) -> None:
+        """What :meth:`reached` keeps of this step's graph (the run's references, moved here): it goes when
+        ``curr_autograd_node`` is rebound, in the next backward (:meth:`unpack`)."""
+        self.graph_kept += kept
 
 
 def orphaned(tape: Tape, t: Tensor) -> None:

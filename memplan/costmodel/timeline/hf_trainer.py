@@ -448,6 +448,12 @@ class _HfRun:
         if self.ddp is not None:
             self.ddp.backward_done(self.grads)
         t.done(seed, scaled)
+        if isinstance(self.saves, TrlOffload):  # TRL's curr_autograd_node keeps what it reaches of the graph
+            reached = self.saves.reached()
+            if isinstance(self.model.quant, Bnb8bit) and self.model.quant.int8 is not None:
+                self.saves.hold_graph(self.model.quant.int8.keep_reachable(reached))
+            if self.lora is not None:
+                self.saves.hold_graph(self.lora.keep_reachable(reached))
         if isinstance(self.model.quant, Bnb8bit):  # the int8 linears' ctx.A go with the graph
             self.model.quant.free_graph()
         if self.reentrant is not None:  # the checkpoints' ctx.run_function too
@@ -548,10 +554,12 @@ class _HfRun:
         int8 = quant.int8 if isinstance(quant, Bnb8bit) else None
         if int8 is None:
             return lambda: None
-        outer, int8.held = int8.held, []
+        outer, int8.held = (int8.held, int8.owners), []
+        int8.owners = []
 
         def free() -> None:
-            inner, int8.held = int8.held, outer
+            inner = int8.held
+            int8.held, int8.owners = outer
             for x in reversed(inner):
                 self.tape.drop(x)
 

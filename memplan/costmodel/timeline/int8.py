@@ -93,6 +93,7 @@ class Int8:
     state: list[Tensor] = field(default_factory=list)  # the SCBs
     idx: dict[str, Tensor] = field(default_factory=dict)  # each linear's state.idx when k > 0
     held: list[Tensor] = field(default_factory=list)  # ctx.A / ctx.tensors, until the graph goes
+    owners: list[Node] = field(default_factory=list)  # the node whose ctx holds each of ``held``
 
     def build(
         self, weights: dict[str, Tensor], shapes: dict[str, tuple[int, int]], before: dict[str, Tensor] | None = None
@@ -160,15 +161,24 @@ class Int8:
         else:
             out = self._cpu(x, node, tokens, rows, cols, tag, autocast, input_cast)
         if node is not None:  # ctx.A = A: an attribute, held while the graph lives
-            self._hold(x)
+            self._hold(x, node)
         return out
 
-    def _hold(self, x: Tensor) -> None:
-        """A ctx attribute's reference to ``x``, until the graph goes; a re-run's graph goes with
-        the re-run (the tape drops its Python references then)."""
+    def _hold(self, x: Tensor, node: Node) -> None:
+        """A ctx attribute's reference to ``x`` (``node``'s ctx), until the graph goes; a re-run's graph goes
+        with the re-run (the tape drops its Python references then)."""
         a = self.tape.alias(x)
         if not self.tape.recomputing:
             self.held.append(a)
+            self.owners.append(node)
+
+    def keep_reachable(self, reached: set[Node]) -> list[Tensor]:
+        """The ctx attributes of the linears whose node is in ``reached`` (a node Python still holds, and those
+        it reaches: TRL's ``curr_autograd_node``), taken out of the graph's; they go when that node does."""
+        kept = [a for a, n in zip(self.held, self.owners, strict=True) if n in reached]
+        rest = [(a, n) for a, n in zip(self.held, self.owners, strict=True) if n not in reached]
+        self.held, self.owners = [a for a, _ in rest], [n for _, n in rest]
+        return kept
 
     def _cpu(
         self,
@@ -248,7 +258,7 @@ class Int8:
             t.done(out)
             out = out2
             if node is not None:  # ctx.tensors' subA
-                self._hold(sub[0])
+                self._hold(sub[0], node)
             t.done(*reversed(sub))
         t.done(ca, sca)  # the forward's locals
         return out
@@ -259,13 +269,13 @@ class Int8:
         self.tape.drop(self.idx.get(tag))
         self.idx[tag] = idx
         if node is not None:
-            self._hold(idx)
+            self._hold(idx, node)
 
     def free_graph(self) -> None:
         """``del loss``: the graph's nodes go from the loss down, each int8 linear's ctx with them."""
         for x in reversed(self.held):
             self.tape.drop(x)
-        self.held = []
+        self.held, self.owners = [], []
 
 
 def _linear(t: Tape, numel: int, itemsize: int, tag: str, node: Node | None) -> Tensor:
