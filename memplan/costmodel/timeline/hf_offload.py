@@ -82,6 +82,7 @@ class TrlOffload:
         # tracker emptied starts a forward (``is_first_forward_call``: the dedup map reset), and the next unpack
         # records its graph task (``is_first_backward_call``: ``curr_graph_id``), whose nodes alone release
         self.pending = 0
+        self.kept_id = 0  # the id of the save :meth:`pack` last kept on the device (0: the head's, none taken)
         self.first_forward = self.first_backward = True
         self.graph = 0
 
@@ -101,10 +102,11 @@ class TrlOffload:
             self.first_forward, self.first_backward = False, True
             self.seen, self.key_of = {}, {}
         self.pending += 1
+        self.kept_id = 0
         if self.paused:  # the head's no-op hooks stand in for TRL's: no id, no key
             return t if t.st.managed else tape.hold(t)
         self.next_id += 1
-        ident = self.next_id
+        ident = self.kept_id = self.next_id
         key = (t.st, t.offset, t.itemsize)
         if key in self.seen:  # checked first: the key moves to this kept save, until its unpack (the backward)
             self._track(key, ident)
@@ -125,8 +127,7 @@ class TrlOffload:
         unpacked first has run (in a reentrant checkpoint's nested one, until the outer node after it has run);
         each such node empties the forward stash as it ends."""
         self.release(packed)
-        self._untrack(packed.ident)
-        self.unpacked(tape, 1)
+        self.unpacked(tape, (packed.ident,))
         if node is not None:
             if tape.graph == self.graph and node is not self.node:
                 self.node = node
@@ -140,16 +141,19 @@ class TrlOffload:
         self.back[packed.ident] = tape.hold(out)
         return out
 
-    def unpacked(self, tape: Tape, n: int) -> None:
-        """``n`` saves unpacked (TRL's phase flags): the first after a forward records the graph task and queues
-        the end-of-backward callback on it (the outer one's is :meth:`end_of_step`); the tracker emptied, the next
-        pack starts a forward."""
+    def unpacked(self, tape: Tape, idents: tuple[int, ...]) -> None:
+        """The saves ``idents`` unpacked (TRL's phase flags): the first after a forward records the graph task and
+        queues the end-of-backward callback on it (the outer one's is :meth:`end_of_step`); each releases the key
+        it tracks (``release_storage_key``: a kept save's too, so the next layer's re-run offloads the rotary
+        tables again); the tracker emptied, the next pack starts a forward."""
         if self.first_backward:
             self.first_backward = False
             self.graph = tape.graph
             if tape.depth > 1:
                 tape.callbacks.append(lambda: self._drop_back(tape))
-        self.pending -= n
+        for ident in idents:
+            self._untrack(ident)
+        self.pending -= len(idents)
         if not self.pending:
             self.first_forward = True
 
