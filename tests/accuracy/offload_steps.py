@@ -66,6 +66,10 @@ ALLOCATOR_DEPENDENT = frozenset(
         "hfoffmoe-deepseek_v3-fp32",
         "hfoffmoe-qwen3_moe-lora-experts-fp32",
         "qmoe-mixtral-int8-off",  # tests/unit/test_timeline_hf_quant_moe_ranks.py: TRL's figure moved between runs
+        # tests/unit/test_timeline_hf_reentrant_offload.py: TRL measured 12,334,336 B in seven runs (0 or 2 addresses
+        # reused where counted), 12,330,240, 12,301,568 (3 reused) and 12,297,472 in three others; the emulation and
+        # the run 12,334,336
+        "reentoff-qwen3-autocast",
     }
 )
 # Cases where TRL's figures differ from the run's and the emulation's whether or not it reused an address (the same
@@ -80,9 +84,7 @@ TRL_MISSES = frozenset(
         # tests/unit/test_timeline_hf_reentrant_offload.py and test_timeline_hf_offload_ranks.py (TRL_OWN there); the
         # reentrant ones mended 2026-11-29 stay on TRL's code (reentoff-llama-fp32: 6 saves kept by a freed address,
         # the figure the same in three runs)
-        "reentoff-gemma3-lora",
         "reentoff-qwen3-lora",
-        "reentoff-qwen3-autocast",
         "reentoff-gemma3-fp32",
         "loop-reentoff-mixtral",
         "reentoff-llama-fp32",
@@ -225,7 +227,11 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
                 return ident, t, None
         if self._keep(t):
             return ident, t, None
-        packed = _host_copy(t)
+        if self.mode == "trl-like" and 0 in t.stride():  # TRL's has_broadcast: the storage alone, restrided back
+            whole = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+            packed = (*_host_copy(whole), (t.shape, t.stride(), t.storage_offset()))
+        else:
+            packed = _host_copy(t)
         self.host_bytes += packed[0].nbytes
         self.host_peak = max(self.host_peak, self.host_bytes)
         if self.mode == "trl-like":
@@ -267,7 +273,9 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
                 node.register_hook(self._release(previous))
             if ident in self._stash:
                 return self._stash.pop(ident)
-            out = _device_copy(host)
+            out = _device_copy(host[:2])
+            if len(host) > 2:
+                out = torch.as_strided(out, *host[2])
             self._back[ident] = out
             return out
         return _device_copy(host)

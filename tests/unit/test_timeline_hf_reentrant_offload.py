@@ -114,13 +114,13 @@ ONE_RANK = [
 
 
 # Measured with TRL's own OffloadActivations since the merge of 2026-11-29 (this file was written against the
-# emulation): the peaks (or host copies) these cases still differ by under TRL's code, each within 2% (docs/accuracy.md,
-# "Known misses"; offload_steps.TRL_MISSES keeps them on TRL's code). Seven more differed until the run released a
-# kept save's dedup key at its unpack as TRL does (``TrlOffload.unpacked``): the rotary tables each re-run saves
+# emulation): what these cases still differ by under TRL's code (docs/accuracy.md, "Known misses";
+# offload_steps.TRL_MISSES keeps them on TRL's code). Nine more differed: seven until the run released a kept save's
+# dedup key at its unpack as TRL does (``TrlOffload.unpacked``: each re-run's rotary tables offloaded again),
+# gemma3-lora until a broadcast save's host copy was its storage alone (``hf_offload._stored``), and
+# qwen3-full-autocast's figure moves between runs with the addresses TRL reuses (offload_steps.ALLOCATOR_DEPENDENT)
 TRL_OWN = {
-    "gemma3-lora": "+32,768 B (1,816,512 predicted, 1,783,744 measured, +1.84%)",
-    "qwen3-lora": "-31,744 B (2,795,836, 2,827,580, -1.12%; once equal, measured then with the emulation)",
-    "qwen3-full-autocast": "+36,864 B (12,334,336, 12,297,472, +0.30%)",
+    "qwen3-lora": "-31,744 B (2,795,836, 2,827,580, -1.12%): TRL's contiguous clones of q, out and lse (traced)",
     "deepseek-v3-full-fp32": "host +32,768 B (932,864 predicted, 900,096 measured, +3.64%); the peak equal",
 }
 

@@ -55,13 +55,18 @@ FWD_STASH = 5  # max_fwd_stash_size
 
 
 class TrlPacked(Packed):
-    """An offloaded save and the order of its pack (TRL's ``tensor_id``). Written out as its base is."""
+    """An offloaded save and the order of its pack (TRL's ``tensor_id``); ``numel``: the elements its host copy
+    holds, and ``shown`` the save's own (more for a broadcast save, whose storage alone is copied). Written out as
+    its base is."""
 
-    __slots__ = ("ident",)
+    __slots__ = ("ident", "shown")
 
-    def __init__(self, numel: int, itemsize: int, hooks: TrlOffload, fn: Node | None = None, ident: int = 0) -> None:
+    def __init__(
+        self, numel: int, itemsize: int, hooks: TrlOffload, fn: Node | None = None, ident: int = 0, shown: int = 0
+    ) -> None:
         Packed.__init__(self, numel, itemsize, hooks, fn)  # type: ignore[arg-type]
         self.ident = ident
+        self.shown = shown or numel
 
 
 class TrlOffload:
@@ -113,14 +118,15 @@ class TrlOffload:
             return t if t.st.managed else tape.hold(t)
         if (t.st.managed and not t.st.gathered) or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
             return t if t.st.managed else tape.hold(t)
-        self.host_bytes += t.numel * t.itemsize
+        stored = _stored(tape, t)
+        self.host_bytes += stored * t.itemsize
         self.host_peak = max(self.host_peak, self.host_bytes)
         for old in [k for k in self.stash if k <= ident - FWD_STASH]:
             tape.drop(self.stash.pop(old))
             self._untrack(old)
         self.stash[ident] = tape.hold(t)
         self._track(key, ident)
-        return TrlPacked(t.numel, t.itemsize, self, t.fn, ident=ident)
+        return TrlPacked(stored, t.itemsize, self, t.fn, ident=ident, shown=t.numel)
 
     def unpack(self, tape: Tape, packed: TrlPacked, tag: str = "unpacked", node: Node | None = None) -> Tensor:
         """The original from the stash, or a new device copy held until the next such node of the graph task that
@@ -139,6 +145,11 @@ class TrlOffload:
             return original  # the stash's reference, now the caller's
         out = unpack(tape, packed, tag)
         self.back[packed.ident] = tape.hold(out)
+        if packed.shown != packed.numel:  # ``as_strided`` back to the broadcast shape: a view of the copy
+            view = tape.view(out, packed.shown)
+            view.fn = out.fn
+            tape.drop(out)
+            return view
         return out
 
     def unpacked(self, tape: Tape, idents: tuple[int, ...]) -> None:
@@ -190,6 +201,14 @@ class TrlOffload:
         self.seen, self.key_of = {}, {}
         self.node = None
         self.first_backward = True
+
+
+def _stored(tape: Tape, t: Tensor) -> int:
+    """The elements TRL's host copy of ``t`` holds: a broadcast save's (more elements than its storage: an
+    ``expand``, as ``repeat_kv``'s of one KV head) storage alone (``has_broadcast``: ``torch.empty(storage
+    size)``, brought back as that and ``as_strided`` to the save's shape), else the save's."""
+    live = tape.b.live.get(t.st.tid)
+    return live[2] // t.itemsize if live is not None and live[2] < t.numel * t.itemsize else t.numel
 
 
 def orphaned(tape: Tape, t: Tensor) -> None:
