@@ -115,13 +115,13 @@ ONE_RANK = [
 
 # Measured with TRL's own OffloadActivations since the merge of 2026-11-29 (this file was written against the
 # emulation): what these cases still differ by under TRL's code (docs/accuracy.md, "Known misses";
-# offload_steps.TRL_MISSES keeps them on TRL's code). Nine more differed: seven until the run released a kept save's
+# offload_steps.TRL_MISSES keeps them on TRL's code). Ten more differed: seven until the run released a kept save's
 # dedup key at its unpack as TRL does (``TrlOffload.unpacked``: each re-run's rotary tables offloaded again),
-# gemma3-lora until a broadcast save's host copy was its storage alone (``hf_offload._stored``), and
-# qwen3-full-autocast's figure moves between runs with the addresses TRL reuses (offload_steps.ALLOCATOR_DEPENDENT)
+# gemma3-lora until a broadcast save's host copy was its storage alone (``hf_offload._stored``), deepseek-v3's host
+# copies until those never unpacked went with the step (``TrlOffload.end_of_step``), and qwen3-full-autocast's figure
+# moves between runs with the addresses TRL reuses (offload_steps.ALLOCATOR_DEPENDENT)
 TRL_OWN = {
     "qwen3-lora": "-31,744 B (2,795,836, 2,827,580, -1.12%): TRL's contiguous clones of q, out and lse (traced)",
-    "deepseek-v3-full-fp32": "host +32,768 B (932,864 predicted, 900,096 measured, +3.64%); the peak equal",
 }
 
 

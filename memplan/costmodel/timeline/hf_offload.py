@@ -195,9 +195,12 @@ class TrlOffload:
 
     def end_of_step(self, tape: Tape) -> None:
         """The end-of-backward callback: the last node's copies and the stash go; a new forward starts (the dedup
-        map and the backward's flag reset each step, where TRL, an orphaned save in its tracker, would not)."""
+        map and the backward's flag reset each step, as the next step's ``__enter__`` resets TRL's)."""
         self._drop_back(tape)
         self._clear_stash(tape)
+        # what was never unpacked (a save of a node that died in the forward, :func:`orphaned`) TRL's tracker holds
+        # until the next step's ``__enter__`` (``self.tracker.clear()``), before any pack: its host copies go
+        self.host_bytes = 0
         self.seen, self.key_of = {}, {}
         self.node = None
         self.first_backward = True
@@ -215,7 +218,7 @@ def orphaned(tape: Tape, t: Tensor) -> None:
     """A save of a node that dies in the forward, never unpacked (DeepSeek-V3's router: the group top-2's, the
     groups' top-k's and the final top-k's indices, ``masked_fill``'s mask; ``hf_mla.HfDeepseekV3.router``). Under
     TRL's hooks outside a checkpoint it is packed as any save: an offloaded one's host copy stays in TRL's
-    ``tracker`` (emptied only by unpacks; the emulation's ``host_bytes``, dropped only at an unpack, likewise) and
+    ``tracker`` (emptied by unpacks, and by the next step's ``__enter__``: :meth:`TrlOffload.end_of_step`) and
     its original enters the forward stash, and a later save of the same storage stays on the device (the
     ``gather`` of the top-k's indices). A kept one goes with its node (the emulation's; TRL's tracker would hold
     it: under 1024 bytes). Under ``save_on_cpu`` the host copy goes with the node, inside the router: left out."""
