@@ -15,8 +15,11 @@ What differs from ``save_on_cpu`` (``act_offload.py``):
   two halves of a ``chunk(2)`` are two keys, ``autograd.Tensor.offset``): an offloaded save's key only while its
   original is in the forward stash (``release_storage_key``), a kept save's that matched it until its unpack, so
   the rotary tables every layer saves are offloaded again once the first copy's original left the stash;
+- a broadcast save (an ``expand``: ``repeat_kv`` of one KV head) is copied as its storage alone, and brought back
+  as that under an ``as_strided`` view (``has_broadcast``: :func:`_stored`);
 - a save of a node that dies in the forward (DeepSeek-V3's router) is packed and never unpacked: its host
-  copy stays (:func:`orphaned`);
+  copy stays until the next step's ``__enter__`` clears TRL's tracker (:func:`orphaned`,
+  :meth:`TrlOffload.end_of_step`);
 - an offloaded save's original stays alive in the forward stash while it is among the last
   ``max_fwd_stash_size`` (5) saves; an unpack of a stashed one hands back the original, no copy;
 - an unpacked copy is held (``bwd_tensor_stash``) until the next node that unpacks an offloaded save
