@@ -125,7 +125,9 @@ class Node:
         self.post = post
         self.meta = meta
         self.dtensor = dtensor
-        self.kept = 0  # saves TRL's hooks kept on the device, in its tracker until this node runs (hf_offload.py)
+        # TRL's ids of the saves its hooks kept on the device: in its tracker, and a deduplicated one's key in its
+        # dedup map, until this node runs (hf_offload.py)
+        self.kept: tuple[int, ...] = ()
 
 
 class Region:
@@ -331,7 +333,7 @@ class Tape:
             node.saved.append(packed)
             self.packed = True
             if packed is t:  # kept on the device by TRL's hooks: in their tracker until the node runs
-                node.kept += 1
+                node.kept += (self.hooks.kept_id,)
         else:
             node.saved.append(t if t.st.managed else self.hold(t))
 

@@ -15,8 +15,11 @@ What differs from ``save_on_cpu`` (``act_offload.py``):
   two halves of a ``chunk(2)`` are two keys, ``autograd.Tensor.offset``): an offloaded save's key only while its
   original is in the forward stash (``release_storage_key``), a kept save's that matched it until its unpack, so
   the rotary tables every layer saves are offloaded again once the first copy's original left the stash;
+- a broadcast save (an ``expand``: ``repeat_kv`` of one KV head) is copied as its storage alone, and brought back
+  as that under an ``as_strided`` view (``has_broadcast``: :func:`_stored`);
 - a save of a node that dies in the forward (DeepSeek-V3's router) is packed and never unpacked: its host
-  copy stays (:func:`orphaned`);
+  copy stays until the next step's ``__enter__`` clears TRL's tracker (:func:`orphaned`,
+  :meth:`TrlOffload.end_of_step`);
 - an offloaded save's original stays alive in the forward stash while it is among the last
   ``max_fwd_stash_size`` (5) saves; an unpack of a stashed one hands back the original, no copy;
 - an unpacked copy is held (``bwd_tensor_stash``) until the next node that unpacks an offloaded save
@@ -61,13 +64,18 @@ FWD_STASH = 5  # max_fwd_stash_size
 
 
 class TrlPacked(Packed):
-    """An offloaded save and the order of its pack (TRL's ``tensor_id``). Written out as its base is."""
+    """An offloaded save and the order of its pack (TRL's ``tensor_id``); ``numel``: the elements its host copy
+    holds, and ``shown`` the save's own (more for a broadcast save, whose storage alone is copied). Written out as
+    its base is."""
 
-    __slots__ = ("ident",)
+    __slots__ = ("ident", "shown")
 
-    def __init__(self, numel: int, itemsize: int, hooks: TrlOffload, fn: Node | None = None, ident: int = 0) -> None:
+    def __init__(
+        self, numel: int, itemsize: int, hooks: TrlOffload, fn: Node | None = None, ident: int = 0, shown: int = 0
+    ) -> None:
         Packed.__init__(self, numel, itemsize, hooks, fn)  # type: ignore[arg-type]
         self.ident = ident
+        self.shown = shown or numel
 
 
 class TrlOffload:
@@ -90,6 +98,7 @@ class TrlOffload:
         # tracker emptied starts a forward (``is_first_forward_call``: the dedup map reset), and the next unpack
         # records its graph task (``is_first_backward_call``: ``curr_graph_id``), whose nodes alone release
         self.pending = 0
+        self.kept_id = 0  # the id of the save :meth:`pack` last kept on the device (0: the head's, none taken)
         self.first_forward = self.first_backward = True
         self.graph = 0
 
@@ -109,32 +118,33 @@ class TrlOffload:
             self.first_forward, self.first_backward = False, True
             self.seen, self.key_of = {}, {}
         self.pending += 1
+        self.kept_id = 0
         if self.paused:  # the head's no-op hooks stand in for TRL's: no id, no key
             return t if t.st.managed else tape.hold(t)
         self.next_id += 1
-        ident = self.next_id
+        ident = self.kept_id = self.next_id
         key = (t.st, t.offset, t.itemsize)
         if key in self.seen:  # checked first: the key moves to this kept save, until its unpack (the backward)
             self._track(key, ident)
             return t if t.st.managed else tape.hold(t)
         if (t.st.managed and not t.st.gathered) or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
             return t if t.st.managed else tape.hold(t)
-        self.host_bytes += t.numel * t.itemsize
+        stored = _stored(tape, t)
+        self.host_bytes += stored * t.itemsize
         self.host_peak = max(self.host_peak, self.host_bytes)
         for old in [k for k in self.stash if k <= ident - FWD_STASH]:
             tape.drop(self.stash.pop(old))
             self._untrack(old)
         self.stash[ident] = tape.hold(t)
         self._track(key, ident)
-        return TrlPacked(t.numel, t.itemsize, self, t.fn, ident=ident)
+        return TrlPacked(stored, t.itemsize, self, t.fn, ident=ident, shown=t.numel)
 
     def unpack(self, tape: Tape, packed: TrlPacked, tag: str = "unpacked", node: Node | None = None) -> Tensor:
         """The original from the stash, or a new device copy held until the next such node of the graph task that
         unpacked first has run (in a reentrant checkpoint's nested one, until the outer node after it has run);
         each such node empties the forward stash as it ends."""
         self.release(packed)
-        self._untrack(packed.ident)
-        self.unpacked(tape, 1)
+        self.unpacked(tape, (packed.ident,))
         if node is not None:
             if tape.graph == self.graph and node is not self.node:
                 self.node = node  # the previous one goes, and what only it held: the last step's graph_kept
@@ -151,18 +161,26 @@ class TrlOffload:
         self.back[packed.ident] = tape.hold(out)
         if node is not None:
             self.brought.setdefault(node, []).append(packed.ident)
+        if packed.shown != packed.numel:  # ``as_strided`` back to the broadcast shape: a view of the copy
+            view = tape.view(out, packed.shown)
+            view.fn = out.fn
+            tape.drop(out)
+            return view
         return out
 
-    def unpacked(self, tape: Tape, n: int) -> None:
-        """``n`` saves unpacked (TRL's phase flags): the first after a forward records the graph task and queues
-        the end-of-backward callback on it (the outer one's is :meth:`end_of_step`); the tracker emptied, the next
-        pack starts a forward."""
+    def unpacked(self, tape: Tape, idents: tuple[int, ...]) -> None:
+        """The saves ``idents`` unpacked (TRL's phase flags): the first after a forward records the graph task and
+        queues the end-of-backward callback on it (the outer one's is :meth:`end_of_step`); each releases the key
+        it tracks (``release_storage_key``: a kept save's too, so the next layer's re-run offloads the rotary
+        tables again); the tracker emptied, the next pack starts a forward."""
         if self.first_backward:
             self.first_backward = False
             self.graph = tape.graph
             if tape.depth > 1:
                 tape.callbacks.append(lambda: self._drop_back(tape))
-        self.pending -= n
+        for ident in idents:
+            self._untrack(ident)
+        self.pending -= len(idents)
         if not self.pending:
             self.first_forward = True
 
@@ -205,10 +223,13 @@ class TrlOffload:
 
     def end_of_step(self, tape: Tape) -> None:
         """The end-of-backward callback: the last node's copies and the stash go; a new forward starts (the dedup
-        map and the backward's flag reset each step, where TRL, an orphaned save in its tracker, would not).
+        map and the backward's flag reset each step, as the next step's ``__enter__`` resets TRL's).
         ``curr_autograd_node`` stays: TRL never resets it (:meth:`reached`)."""
         self._drop_back(tape)
         self._clear_stash(tape)
+        # what was never unpacked (a save of a node that died in the forward, :func:`orphaned`) TRL's tracker holds
+        # until the next step's ``__enter__`` (``self.tracker.clear()``), before any pack: its host copies go
+        self.host_bytes = 0
         self.seen, self.key_of = {}, {}
         self.first_backward = True
 
@@ -235,11 +256,19 @@ class TrlOffload:
         self.graph_kept += kept
 
 
+def _stored(tape: Tape, t: Tensor) -> int:
+    """The elements TRL's host copy of ``t`` holds: a broadcast save's (more elements than its storage: an
+    ``expand``, as ``repeat_kv``'s of one KV head) storage alone (``has_broadcast``: ``torch.empty(storage
+    size)``, brought back as that and ``as_strided`` to the save's shape), else the save's."""
+    live = tape.b.live.get(t.st.tid)
+    return live[2] // t.itemsize if live is not None and live[2] < t.numel * t.itemsize else t.numel
+
+
 def orphaned(tape: Tape, t: Tensor) -> None:
     """A save of a node that dies in the forward, never unpacked (DeepSeek-V3's router: the group top-2's, the
     groups' top-k's and the final top-k's indices, ``masked_fill``'s mask; ``hf_mla.HfDeepseekV3.router``). Under
     TRL's hooks outside a checkpoint it is packed as any save: an offloaded one's host copy stays in TRL's
-    ``tracker`` (emptied only by unpacks; the emulation's ``host_bytes``, dropped only at an unpack, likewise) and
+    ``tracker`` (emptied by unpacks, and by the next step's ``__enter__``: :meth:`TrlOffload.end_of_step`) and
     its original enters the forward stash, and a later save of the same storage stays on the device (the
     ``gather`` of the top-k's indices). A kept one goes with its node (the emulation's; TRL's tracker would hold
     it: under 1024 bytes). Under ``save_on_cpu`` the host copy goes with the node, inside the router: left out."""
