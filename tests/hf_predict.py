@@ -78,7 +78,7 @@ def hf_predict(
         qkv_bias=model.qkv_bias,
         ga=ga,
         arch=model.architecture,
-        extra=family_config(model),
+        extra=family_config(model, attention=plan.attention),  # eager attention: hf_eager.py
         lora=HfLoraConfig.of(plan, model.architecture, experts),
         quant=case_quant(case, plan),
         dp=plan.dp,

@@ -205,7 +205,8 @@ def test_a_cpu_estimate_of_the_trainer_over_peft_is_its_run(tmp_path, fields):
     ("plan", "reason"),
     [
         (dict(runtime="megatron", precision="bf16"), "the megatron runtime"),
-        (dict(runtime="hf", precision="bf16", attention="eager"), "eager attention"),
+        # (eager attention is the run's since 2026-11-29: tests/unit/test_timeline_hf_eager.py)
+        (dict(runtime="hf", precision="bf16", attention="triton"), "triton attention"),
     ],
 )
 def test_a_cpu_plan_the_run_declines_stays_on_the_phase_model(tmp_path, plan, reason):

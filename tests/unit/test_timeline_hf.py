@@ -178,7 +178,8 @@ def test_estimate_answers_an_hf_cuda_plan_op_level(capsys, args: list[str]) -> N
             ],
             "1536 tokens",  # a ROCm profile: no compute capability or SMs for bitsandbytes' CUDA rule
         ),
-        ([LLAMA1B, "--runtime", "hf", "--attention", "eager"], "eager attention"),
+        # eager attention over MLA (the dense and MoE families' is the run's: test_timeline_hf_eager.py)
+        (["deepseek-v2-lite", "--runtime", "hf", "--attention", "eager"], "eager attention"),
         # accumulation under hf-loop is followed now (test_timeline_hf_loop_families.py); its ranks are not
         ([LLAMA1B, "--runtime", "hf-loop", "--dp", "2", "--zero", "3"], "more than one rank under the hf-loop"),
     ],

@@ -198,7 +198,8 @@ def test_estimate_answers_an_hf_loop_cuda_plan_op_level(capsys, args: list[str])
 @pytest.mark.parametrize(
     ("args", "reason"),
     [
-        ([LLAMA1B, "--runtime", "hf-loop", "--attention", "eager"], "eager attention"),
+        # eager attention over MLA (the dense and MoE families' is the run's: test_timeline_hf_eager.py)
+        (["deepseek-v2-lite", "--runtime", "hf-loop", "--attention", "eager"], "eager attention"),
         ([LLAMA1B, "--runtime", "hf-loop", "--dp", "2"], "more than one rank"),
         # the loop's own reason, not the Trainer's FSDP or ZeRO-1 ones its multi-rank checks would give
         (["llama3-8b", "--gpus", "8", "--zero", "3", "--runtime", "hf-loop"], "more than one rank under the hf-loop"),

@@ -26,6 +26,7 @@ from __future__ import annotations
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.hf_eager import EagerAttention
 from memplan.costmodel.timeline.hf_gemma import GEMMA2_PARAMS, GEMMA_PARAMS, HfGemma2, HfGemma3
 from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
 from memplan.costmodel.timeline.hf_sliding import SlidingWindow
@@ -136,7 +137,8 @@ class HfPhi3(HfLlama):
         name = f"{prefix}.self_attn"
         with t.scoped(name):
             qkv = self.linear(x, f"{name}.qkv_proj", d.q + 2 * d.kv, "qkv_proj")
-            parts = (("q", d.q, True), ("k", d.kv, True), ("v", d.kv, False))
+            copies = {p: self.grad_copy(p) if self.eager else p != "v" for p in "qkv"}  # SDPA: v's in its layout
+            parts = tuple((p, width, copies[p]) for p, width in (("q", d.q), ("k", d.kv), ("v", d.kv)))
             slices = [slice_view(t, qkv, d.tokens * width, f"{p}_slice") for p, width, _ in parts]
             q, k, v = (ops.heads_view(t, x, f"{p}_heads", grad) for x, (p, _, grad) in zip(slices, parts, strict=True))
             t.done(*slices)
@@ -150,7 +152,8 @@ class HfPhi3(HfLlama):
             # RoPE's cat left q heads-major, and so SDPA's output (the flash kernels' follows q):
             # transpose(1, 2).contiguous() copies; the memory-efficient kernel writes its own token-major
             # ``res`` (B, M, heads, Kv), so there it is a view (mem_efficient.py)
-            flat = t.alias(out) if self.kernel == "efficient" else prec.merge_heads(t, out)
+            # eager attention's output is token-major already (its transpose(1, 2).contiguous(): hf_eager.py)
+            flat = t.alias(out) if self.kernel == "efficient" or self.eager else prec.merge_heads(t, out)
             t.done(out)  # sdpa_attention_forward rebinds attn_output to the copy
             y = self.linear(flat, f"{name}.o_proj", d.h, "o_proj")
             t.done(flat, qkv, qr, kr, v, *rot)
@@ -223,8 +226,8 @@ class HfOlmo2(HfLlama):
                 normed.append(self.rms_norm(y, f"{name}.{part}_norm"))
                 t.done(y)
             v = self.linear(x, f"{name}.v_proj", d.kv, "v_proj")
-            q, k = (ops.heads_view(t, n, f"{p}_heads", True) for n, p in zip(normed, "qk", strict=True))
-            vh = ops.heads_view(t, v, "v_heads", self.kernel == "math")
+            q, k = (ops.heads_view(t, n, f"{p}_heads", self.grad_copy(p)) for n, p in zip(normed, "qk", strict=True))
+            vh = ops.heads_view(t, v, "v_heads", self.grad_copy("v"))
             t.done(*normed, v)
             qe, ke = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             qr, kr = ops.to(t, qe, q.itemsize, "q_rope_cast"), ops.to(t, ke, k.itemsize, "k_rope_cast")
@@ -257,9 +260,37 @@ class HfOlmo2(HfLlama):
 MOE = ("mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v2", "deepseek-v3")
 
 
-def family_config(model, gpu_arch=None) -> dict | None:
+def family_config(model, gpu_arch=None, attention: str = "flash") -> dict | None:
     """What a family's run reads from the spec beyond the dims: Gemma's layer kinds and soft-caps, a
-    MoE family's experts (``hf_moe.moe_config``, with the GPU's ``gpu_arch``)."""
+    MoE family's experts (``hf_moe.moe_config``, with the GPU's ``gpu_arch``); under the plan's ``attention``
+    ``eager`` (and Gemma 2's always) the masks the model builds and each layer's kind (``hf_eager.py``)."""
+    config = _family_config(model, gpu_arch)
+    if attention != "eager" and model.architecture != "gemma2":
+        return config
+    kinds = model.layer_attention_kinds
+    return {
+        **(config or {}),
+        "kinds": kinds,
+        "eager_masks": eager_masks(model.architecture, model.sliding_window, kinds),
+    }
+
+
+def eager_masks(arch: str, window: int | None, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """The 4-D float masks the family's model forward builds for eager attention, in order (``hf_eager.py``):
+    Gemma 2 and 3 (``modeling_gemma3.py:541``) and Qwen2-MoE (``modeling_qwen2_moe.py:485``) both whatever the
+    layers; Mistral, Phi-3, Mixtral and Qwen3-MoE one, the sliding one where the config sets a window
+    (``modeling_mistral.py:353``); Qwen2 and Qwen3 the causal one, and the sliding one where a layer is sliding
+    (``has_sliding_layers``, ``modeling_qwen2.py:373``); Llama and OLMo 2 the causal one."""
+    if arch in ("gemma2", "gemma3", "qwen2-moe"):
+        return ("full", "sliding")
+    if arch in ("mistral", "phi3", "mixtral", "qwen3-moe"):
+        return ("sliding",) if window is not None else ("full",)
+    if arch in ("qwen2", "qwen3") and "sliding" in kinds:
+        return ("full", "sliding")
+    return ("full",)
+
+
+def _family_config(model, gpu_arch=None) -> dict | None:
     if model.architecture in ("deepseek-v2", "deepseek-v3"):
         from memplan.costmodel.timeline.hf_mla import mla_config
 
@@ -306,8 +337,43 @@ FAMILIES: dict[str, tuple[type[HfLlama], tuple]] = {
 }
 
 
-def family(name: str) -> tuple[type[HfLlama], tuple]:
-    """The model class and the layer's parameters (name, rows, cols) of a family the run models."""
+class EagerLlama(EagerAttention, HfLlama):
+    """``LlamaForCausalLM`` (and Mistral's, Qwen2's) under ``attn_implementation="eager"``."""
+
+
+class EagerQwen3(EagerAttention, HfQwen3):
+    """``Qwen3ForCausalLM`` under eager attention."""
+
+
+class EagerPhi3(EagerAttention, HfPhi3):
+    """``Phi3ForCausalLM`` under eager attention (the window in its mask)."""
+
+
+class EagerOlmo2(EagerAttention, HfOlmo2):
+    """``Olmo2ForCausalLM`` under eager attention."""
+
+
+class EagerGemma3(EagerAttention, HfGemma3):
+    """``Gemma3ForCausalLM`` under eager attention (both masks)."""
+
+
+EAGER_FAMILIES: dict[str, type[HfLlama]] = {
+    "llama": EagerLlama,
+    "mistral": EagerLlama,
+    "qwen2": EagerLlama,
+    "qwen3": EagerQwen3,
+    "phi3": EagerPhi3,
+    "olmo2": EagerOlmo2,
+    "gemma3": EagerGemma3,
+    "gemma2": HfGemma2,
+}
+
+
+def family(name: str, eager: bool = False) -> tuple[type[HfLlama], tuple]:
+    """The model class and the layer's parameters (name, rows, cols) of a family the run models; ``eager``: under
+    ``attn_implementation="eager"`` (``EAGER_FAMILIES``, ``hf_eager.py``)."""
+    if eager and name in EAGER_FAMILIES:
+        return EAGER_FAMILIES[name], FAMILIES[name][1]
     if name == "deepseek-v3":
         from memplan.costmodel.timeline.hf_mla import HfDeepseekV3
 
@@ -316,6 +382,10 @@ def family(name: str) -> tuple[type[HfLlama], tuple]:
         from memplan.costmodel.timeline.hf_mla_v2 import HfDeepseekV2
 
         return HfDeepseekV2, ()
+    if name in MOE and eager:
+        from memplan.costmodel.timeline.hf_eager_moe import EAGER_MOE_FAMILIES
+
+        return EAGER_MOE_FAMILIES[name]
     if name in MOE:
         from memplan.costmodel.timeline.hf_moe import MOE_FAMILIES
 

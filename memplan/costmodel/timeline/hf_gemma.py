@@ -11,7 +11,8 @@ against the real Trainer (tests/unit/test_timeline_hf_families.py):
   window: ``masking_utils._ignore_causal_mask_sdpa``); final logit soft-capping;
 - Gemma 2: Gemma 3's layer without q/k norms, one pair of rotary tables, and the eager attention
   transformers gives it (``_supports_sdpa = False``): both float masks, ``repeat_kv``, ``matmul``'s
-  clones, soft-capped scores, the fp32 softmax; under autocast each matmul's bf16 casts.
+  clones, soft-capped scores, the fp32 softmax; under autocast each matmul's bf16 casts (``hf_eager.py``'s
+  ``EagerAttention``, which the other families run under ``attn_implementation="eager"``).
 
 Under the Trainer's FSDP2 with ``bf16=True`` (``hf_fsdp.py``: bf16 all-gathers, no autocast) the fp32
 ``embed_scale`` buffer is copied to the bf16 weight's dtype, so the embedding, the residual stream and
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline import precision as prec
-from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
-from memplan.costmodel.timeline.hf_masks import sdpa_mask
+from memplan.costmodel.timeline.autograd import Tensor
+from memplan.costmodel.timeline.hf_eager import EagerAttention
+from memplan.costmodel.timeline.hf_eager import scaled as _scaled
+from memplan.costmodel.timeline.hf_eager import tanh as _tanh
 from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
 
 GEMMA_PARAMS = (
@@ -36,16 +39,6 @@ GEMMA_PARAMS = (
     ("pre_feedforward_layernorm", "h", "1"),
     ("post_feedforward_layernorm", "h", "1"),
 )
-
-
-def _scaled(tape: Tape, x: Tensor, tag: str) -> Tensor:
-    """``x / c`` or ``x * c`` for a Python scalar: saves nothing; backward a new gradient."""
-    return prec._scaled(tape, x, x.numel, tag)
-
-
-def _tanh(tape: Tape, x: Tensor, tag: str) -> Tensor:
-    """``torch.tanh``: saves its result; backward (``tanh_backward``) allocates the gradient."""
-    return ops.output_saved(tape, x, tag)
 
 
 class HfGemma3(HfLlama):
@@ -136,9 +129,9 @@ class HfGemma3(HfLlama):
         t, d = self.tape, self.d
         name = f"{prefix}.self_attn"
         with t.scoped(name):
-            q = self.projection(x, f"{name}.q_proj", d.q, "q_proj", True)
-            k = self.projection(x, f"{name}.k_proj", d.kv, "k_proj", True)
-            v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", self.kernel == "math")
+            q = self.projection(x, f"{name}.q_proj", d.q, "q_proj", self.grad_copy("q"))
+            k = self.projection(x, f"{name}.k_proj", d.kv, "k_proj", self.grad_copy("k"))
+            v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", self.grad_copy("v"))
             qn = self.rms_norm(q, f"{name}.q_norm", rows=d.tokens * d.q // d.head_dim)
             t.done(q)  # query_states rebound to its norm
             kn = self.rms_norm(k, f"{name}.k_norm", rows=d.tokens * d.kv // d.head_dim)
@@ -195,35 +188,13 @@ class HfGemma3(HfLlama):
 GEMMA2_PARAMS = (*LAYER_PARAMS[:7], *GEMMA_PARAMS[9:])
 
 
-class HfGemma2(HfGemma3):
+class HfGemma2(EagerAttention, HfGemma3):
     """``Gemma2ForCausalLM``: Gemma 3's layer without q/k norms, one pair of rotary tables, and
-    eager attention (transformers refuses SDPA with soft-capped scores) over two float masks."""
+    eager attention (transformers refuses SDPA with soft-capped scores) over two float masks
+    (``hf_eager.EagerAttention``: ``family_config`` gives it both, ``eager_masks``)."""
 
     def buffers(self) -> list[tuple[str, int]]:
         return [("model.embed_tokens.embed_scale", 1), *HfLlama.buffers(self)]
-
-    def positions(self) -> Tensor:
-        """``position_ids``, then ``create_causal_mask`` and ``create_sliding_window_causal_mask``
-        for eager attention: each a packed-sequence check and a (b, 1, s, s) float mask."""
-        pos = HfLlama.positions(self)
-        self.masks = {"full": self.eager_mask(False)}
-        self.packed_check()
-        self.masks["sliding"] = self.eager_mask(True)
-        return pos
-
-    def eager_mask(self, sliding: bool) -> Tensor:
-        """``sdpa_mask`` (bool, (s, s) broadcast over the batch: ``hf_masks.sdpa_mask``), then
-        ``eager_mask``'s ``where(mask, 0, min)`` in ``inputs_embeds.dtype`` (two scalar tensors;
-        masking_utils.py:632, the dtype from 975 / 1208): the model's, but bf16 under FSDP2's bf16
-        policy over an fp32 model (the embedding computed from the bf16 all-gather)."""
-        t, d = self.tape, self.d
-        with t.scoped("model.masks"):
-            allowed = sdpa_mask(t, d, sliding)
-            dtype = self.embeds_itemsize
-            zero, low = t.new(1, dtype, "zeros"), t.new(1, dtype, "scalar_tensor")
-            mask = t.new(d.b * d.s * d.s, dtype, "sliding" if sliding else "full")
-            t.done(low, zero, allowed)
-        return mask
 
     def rope_tables(self, x: Tensor) -> tuple[Tensor, Tensor]:
         self.pairs = {}
@@ -232,104 +203,20 @@ class HfGemma2(HfGemma3):
     def tables_for(self, i: int, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         return cos, sin
 
-    def layer_inputs(self, i: int) -> list[Tensor]:
-        return [self.masks[self.kinds()[i]]]
-
-    def head(self, x: Tensor) -> Tensor:
-        """The masks go with the model's forward, then Gemma 3's head."""
-        self.tape.done(*self.masks.values())  # the handles stay: a checkpoint's re-run reads them
-        return super().head(x)
-
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, prefix: str) -> Tensor:
         """``Gemma2Attention.forward`` with ``eager_attention_forward``."""
         t, d = self.tape, self.d
         name = f"{prefix}.self_attn"
         i = int(prefix.rsplit(".", 1)[1])
         with t.scoped(name):
-            q = self.projection(x, f"{name}.q_proj", d.q, "q_proj", True)
-            # k's and v's gradients arrive heads-major: a copy back, unless one KV head makes both layouts one
-            k = self.projection(x, f"{name}.k_proj", d.kv, "k_proj", d.kv > d.head_dim)
-            v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", d.kv > d.head_dim)
+            q = self.projection(x, f"{name}.q_proj", d.q, "q_proj", self.grad_copy("q"))
+            k = self.projection(x, f"{name}.k_proj", d.kv, "k_proj", self.grad_copy("k"))
+            v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", self.grad_copy("v"))
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             t.done(q, k)
             kr, v = self.cached(kr, v)
-            out, weights = self.eager(qr, kr, v, self.masks[self.kinds()[i]])
+            out, weights = self.eager_attention(qr, kr, v, self.layer_mask(i))
             y = self.linear(out, f"{name}.o_proj", d.h, "o_proj")
             t.done(out, qr, kr, v)  # attn_output rebound, then the frame's locals
         self.attn_weights = weights  # returned: the layer's `_` holds it until the layer returns
         return y
-
-    def autocast(self, x: Tensor, tag: str) -> Tensor:
-        """A matmul's operand under ``bf16=True`` (autocast): cast to bf16 (x itself when it is)."""
-        return ops.to(self.tape, x, 2, tag) if self.cache is not None else self.tape.alias(x)
-
-    def layer(self, x: Tensor, cos: Tensor, sin: Tensor, i: int) -> Tensor:
-        """Gemma 3's layer; ``hidden_states, _ = self.self_attn(...)`` keeps the probabilities to its return."""
-        out = super().layer(x, cos, sin, i)
-        self.tape.done(self.attn_weights)
-        return out
-
-    def eager(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """``eager_attention_forward``: ``repeat_kv`` copies of k and v, ``matmul(q, k^T)`` (q cloned
-        contiguous), ``* scaling``, soft-capping (``/ cap``, ``tanh``, ``* cap``), ``+ mask``, the
-        fp32 softmax (cast back to q's dtype), ``matmul(probs, v)``, ``transpose(1, 2).contiguous()``;
-        returns the output and the probabilities (``attn_weights``, kept by the caller's frame)."""
-        t, d = self.tape, self.d
-        n, scores = q.numel, d.b * d.heads * d.s * d.s
-        kv_heads = d.heads * k.numel // n
-        k_exp, v_exp = (_repeat_kv(t, x, n, kv_heads, f"{p}_exp") for x, p in ((k, "k"), (v, "v")))
-        grouped = 1 < kv_heads < d.heads  # repeat_kv's copy, contiguous; else k and v as they are
-        # matmul's reshapes to 3-D: q (heads-major RoPE layout) is cloned; k^T too unless repeat_kv copied it
-        qa, ka = self.autocast(q, "q_cast"), self.autocast(k_exp, "k_cast")  # bf16=True: matmul's casts
-        qc = prec._contiguous(t, qa, "query_contiguous", copy_grad=False)
-        kc = t.alias(ka) if grouped else prec._contiguous(t, ka, "key_contiguous", copy_grad=False)
-        raw = prec._bmm(t, qc, kc, scores, "scores")
-        t.done(qc, kc, qa, ka)
-        w = _scaled(t, raw, "scaled")
-        t.done(raw)
-        cap = (self.extra or {}).get("attn_softcap")
-        if cap is not None:
-            a = _scaled(t, w, "softcap_div")
-            t.done(w)
-            b = _tanh(t, a, "softcap_tanh")
-            t.done(a)
-            w = _scaled(t, b, "softcap_mul")
-            t.done(b)
-        masked = ops.add(t, w, mask, "mask")
-        t.done(w)
-        probs = _softmax(t, masked, "softmax")
-        pd = ops.to(t, probs, q.itemsize, "probs_cast")
-        t.done(probs, masked)  # the temporary, then the rebound attn_weights
-        pa, va = self.autocast(pd, "probs_autocast"), self.autocast(v_exp, "v_cast")
-        vc = t.alias(va) if grouped else prec._contiguous(t, va, "value_contiguous", copy_grad=False)
-        raw_out = prec._bmm(t, pa, vc, n, "out")
-        t.done(vc, pa, va)
-        view = prec._unsafe_view(t, raw_out, "out_view")
-        out = prec._contiguous(t, view, "transpose_contiguous", copy_grad=False)
-        t.done(view, k_exp, v_exp)
-        return out, pd
-
-
-def _repeat_kv(tape: Tape, x: Tensor, numel: int, kv_heads: int, tag: str) -> Tensor:
-    """``repeat_kv``: x itself without groups; one KV head expanded is a view (stride 0: its
-    reshape needs no copy); else a copy. Backward of the expand: the sum over the groups."""
-    if x.numel == numel:
-        return tape.alias(x)
-    if kv_heads > 1:
-        return prec._repeat_heads(tape, x, numel, tag)
-    small = x.numel
-
-    def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
-        return [tape.new(small, x.itemsize, "grad_sum_groups")]
-
-    v = tape.view(x, numel)
-    v.fn = tape.node(tag, apply, [x])
-    return v
-
-
-def _softmax(tape: Tape, x: Tensor, tag: str) -> Tensor:
-    """``softmax(x, -1, dtype=float32)``: saves its fp32 result; backward allocates the gradient."""
-    x32 = ops.to(tape, x, 4, f"{tag}_input")
-    out = ops.output_saved(tape, x32, tag)
-    tape.done(x32)
-    return out

@@ -85,7 +85,7 @@ def hf_loop_plan_run(model, workload, plan, gpu_arch=None, device: str = "cuda")
         qkv_bias=model.qkv_bias,
         window_layers=sliding,
         arch=model.architecture,
-        extra=family_config(model, gpu_arch),
+        extra=family_config(model, gpu_arch, plan.attention),
         lora=lora,
         quant=quant,
         build=build,

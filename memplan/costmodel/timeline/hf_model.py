@@ -203,6 +203,7 @@ class HfLlama:
     act = "silu"  # the MLP's activation (saves its input; its backward allocates the gradient alone)
     extra: dict | None = None  # a family's further config (hf_families.family_config)
     kv_cache: Callable | None = None  # (k, v) -> (k, v): ``past_key_values.update`` (hf_loop.py)
+    eager = False  # eager_attention_forward in place of SDPA (a class attribute: hf_eager.EagerAttention)
 
     def buffers(self) -> list[tuple[str, int]]:
         """The model's floating buffers after its parameters (name, elements), in the model's dtype."""
@@ -219,6 +220,15 @@ class HfLlama:
     def layer_inputs(self, i: int) -> list[Tensor]:
         """Further tensors layer ``i`` is called with (an attention mask; none without one)."""
         return []
+
+    def grad_copy(self, part: str) -> bool:
+        """Whether the gradient reaching ``part``'s (``q``, ``k``, ``v``) head view arrives in the other layout, so
+        that the view's backward copies it: SDPA's q and k always, v on the math path (the flash kernels write dv
+        in v's layout); eager attention's q (its ``bmm`` gradients are heads-major), and k and v where more than
+        one KV head makes the layouts differ (``hf_eager.py``)."""
+        if self.eager:
+            return part == "q" or self.d.kv > self.d.head_dim
+        return part != "v" or self.kernel == "math"
 
     @property
     def cpu(self) -> bool:
@@ -346,9 +356,9 @@ class HfLlama:
         t, d = self.tape, self.d
         name = f"{prefix}.self_attn"
         with t.scoped(name):
-            q = self.projection(x, f"{name}.q_proj", d.q, "q_proj", True)
-            k = self.projection(x, f"{name}.k_proj", d.kv, "k_proj", True)
-            v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", self.kernel == "math")
+            q = self.projection(x, f"{name}.q_proj", d.q, "q_proj", self.grad_copy("q"))
+            k = self.projection(x, f"{name}.k_proj", d.kv, "k_proj", self.grad_copy("k"))
+            v = self.projection(x, f"{name}.v_proj", d.kv, "v_proj", self.grad_copy("v"))
             qr, kr = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             t.done(q, k)  # `query_states, key_states = ...` stores query first
             kr, v = self.cached(kr, v)

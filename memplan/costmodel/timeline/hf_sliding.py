@@ -18,7 +18,7 @@ forward to its return (after ``position_ids``). Which model builds it:
 
 A sliding layer calls ``sdpa_attention_forward`` (integrations/sdpa_attention.py) with the mask: no
 ``enable_gqa`` (``use_gqa_in_sdpa`` needs no mask), so grouped k and v go through ``repeat_kv`` (each a copy
-of q's size, or over one KV head a stride-0 view; backward the sum over the groups: ``hf_gemma._repeat_kv``),
+of q's size, or over one KV head a stride-0 view; backward the sum over the groups: ``hf_eager.repeat_kv``),
 and ``is_causal=False``. Inside
 ``scaled_dot_product_attention`` (aten/src/ATen/native/transformers/attention.cpp) the bool mask becomes a
 float one of the query's dtype, ``where(mask, 0, -inf)`` over two scalar tensors, materialized at (b, 1, s, s)
@@ -52,7 +52,7 @@ from __future__ import annotations
 from memplan.costmodel.attention import sdpa_backend
 from memplan.costmodel.timeline import mem_efficient, ops
 from memplan.costmodel.timeline.autograd import Tape, Tensor
-from memplan.costmodel.timeline.hf_gemma import _repeat_kv
+from memplan.costmodel.timeline.hf_eager import repeat_kv as _repeat_kv
 from memplan.costmodel.timeline.hf_masks import sdpa_mask
 from memplan.costmodel.timeline.hf_model import HfLlama, cpu_flash_sdpa
 

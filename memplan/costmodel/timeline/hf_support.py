@@ -96,6 +96,11 @@ there ``bf16`` is the bf16 model without autocast unless the plan's ``autocast``
 ``torch.autocast`` (tests/unit/test_plan_autocast.py), so over a 4-bit base SDPA takes the fp32 stream: without
 GQA the memory-efficient kernel on CUDA (:func:`_four_bit_kernel_ok`).
 
+Eager attention (``attn_implementation="eager"``, the plan's ``attention: eager``; ``hf_eager.py``,
+``hf_eager_moe.py``) over every dense and MoE family above (``EAGER_FAMILIES``; not MLA's), under both runtimes,
+every precision, checkpointing, PEFT, 4-bit and ranks as under SDPA, the windows in its masks at any length
+(``EAGER_WINDOWS``); on CUDA the same ops (no kernel choice), not run on a GPU (tests/unit/test_timeline_hf_eager.py).
+
 fp32 SDPA without GQA (as many KV heads as query heads: transformers passes no ``enable_gqa``) runs CUDA's
 memory-efficient kernel, followed from source on compute capability 8.0 / 9.0 (``mem_efficient.py``,
 :func:`_efficient_cuda_ok`; tests/unit/test_timeline_hf_mem_efficient.py), as the masked sliding layers' and MLA's.
@@ -136,6 +141,11 @@ ACTIVATION = {"gemma2": "gelu_tanh", "gemma3": "gelu_tanh"}  # GeGLU (gelu_pytor
 # transformers runs Gemma 2 eagerly whatever is asked (_supports_sdpa = False: SDPA takes no soft-cap),
 # over both masks it builds, so its sliding layers are followed at any window
 EAGER = ("gemma2",)
+# attn_implementation="eager" (hf_eager.py, hf_eager_moe.py: eager_attention_forward over the masks masking_utils
+# builds for it) followed on these families, on CPU and on CUDA (the same ops: no kernel choice); MLA's is its own
+EAGER_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+# under eager attention a window is in the mask at any length: the families whose sliding masks are followed
+EAGER_WINDOWS = ("mistral", "qwen2", "phi3", "gemma3")
 # families whose sliding layers, with a window the sequence does not reach, run as full causal ones:
 # masking_utils._ignore_causal_mask_sdpa skips the mask (kv_length < window), SDPA runs is_causal; past
 # the window, on CPU (and on CUDA where sliding_cuda_ok), SDPA with the mask (hf_sliding.py), under either runtime
@@ -148,13 +158,15 @@ def _layout(model: ModelSpec) -> tuple:
     return model.layer_norms, scope, (model.fused_qkv, model.fused_gate_up)
 
 
-def _attention_ok(model: ModelSpec, seq_len: int | None, masked: bool) -> bool:
+def _attention_ok(model: ModelSpec, seq_len: int | None, masked: bool, eager: bool = False) -> bool:
     """Full causal attention in every layer, or sliding layers whose window the sequence does not reach, or
     reaches where ``masked`` (on CPU, under the Trainer or the hand-written loop: SDPA with the window's mask,
     ``hf_sliding.py``; the loop's ``DynamicSlidingWindowLayer`` keeps a slice of the whole sequence's copy,
-    ``hf_loop.py``; on CUDA under either where :func:`sliding_cuda_ok`)."""
+    ``hf_loop.py``; on CUDA under either where :func:`sliding_cuda_ok`); under eager attention (``eager``: the
+    plan's, ``hf_eager.py``) any window of the families whose sliding masks are followed."""
     kinds = set(model.attention_pattern)
-    if kinds <= {"full"} or (model.architecture in EAGER and kinds <= {"full", "sliding"}):
+    eager = model.architecture in EAGER or (eager and model.architecture in EAGER_WINDOWS)
+    if kinds <= {"full"} or (eager and kinds <= {"full", "sliding"}):
         return True
     window = model.sliding_window
     reached = seq_len is None or window is None or seq_len >= window
@@ -244,10 +256,17 @@ def hf_supported(
         (model.partial_rotary_factor == 1.0, "partial rotary embeddings"),
         (not model.qkv_bias or model.architecture in QKV_BIAS_FAMILIES, "Q/K/V biases outside Qwen2 and Qwen2-MoE"),
         (
-            _attention_ok(model, seq_len, cpu or _masked_cuda(model, plan, gpu_arch, runtime)),
+            _attention_ok(
+                model, seq_len, cpu or _masked_cuda(model, plan, gpu_arch, runtime), plan.attention == "eager"
+            ),
             lambda: _window_reason(model, plan, gpu_arch, runtime),
         ),
-        (plan.attention == "flash" or model.architecture in EAGER, f"{plan.attention} attention"),
+        (
+            plan.attention == "flash"
+            or model.architecture in EAGER
+            or (plan.attention == "eager" and model.architecture in EAGER_FAMILIES),
+            f"{plan.attention} attention",
+        ),
         (
             plan.quant in ("none", "int8") or tokens is None or _kernel_known(model, plan, tokens, gpu_arch),
             f"a 4-bit base over {tokens} tokens a micro-batch on a GPU of unknown SMs or compute capability, where "
@@ -292,6 +311,7 @@ def hf_supported(
             or plan.precision != "fp32"
             or sdpa_kernel(model, plan) == "math"
             or model.architecture in EAGER
+            or plan.attention == "eager"  # no SDPA (hf_eager.py)
             or model.mla is not None  # MLA's own check: mla_cuda_ok
             or _efficient_cuda_ok(gpu_arch),
             _EFFICIENT_CUDA,

@@ -85,11 +85,12 @@ def hf_kernel(model, plan, device: str, runtime: str = "hf") -> str:
     a 4-bit base's fp32 stream; the memory-efficient kernel, ``efficient``, fp32 without GQA:
     ``mem_efficient.py``, followed on compute capability 8.0 / 9.0, ``hf_support``) unless ``bf16=True``'s
     autocast hands SDPA bf16 inputs (flash). Gemma 2 runs no
-    SDPA (eager attention, ``hf_families.HfGemma2``): ``eager`` on CUDA; MLA (DeepSeek-V2 / V3) the
+    SDPA (eager attention, ``hf_families.HfGemma2``), nor does a plan under ``attention: eager`` (``hf_eager.py``):
+    ``eager`` on CUDA; MLA (DeepSeek-V2 / V3) the
     memory-efficient kernel, ``efficient`` (``hf_mla.HfDeepseekV3.mla_sdpa``)."""
     if device == "cpu":
         return "cpu_flash"
-    if model.architecture == "gemma2":
+    if model.architecture == "gemma2" or plan.attention == "eager":  # no SDPA (hf_eager.py)
         return "eager"
     if model.mla is not None:  # q/k and v heads of two widths: flash declines (hf_support.mla_cuda_ok)
         return "efficient"
@@ -116,7 +117,7 @@ def hf_plan_run(
     lora = HfLoraConfig.of(plan, model.architecture, experts)
     quant = Bnb4bit.of(plan, gpu_arch) or Bnb8bit.of(plan, model)
     mixed = trainer_autocast(plan, "hf")  # under FSDP2: accelerate's MixedPrecisionPolicy (hf_fsdp.py)
-    ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model, gpu_arch)
+    ga, arch, extra = accumulation(workload, plan), model.architecture, family_config(model, gpu_arch, plan.attention)
     return hf_run(
         d,
         model.tied_embeddings,
@@ -227,7 +228,7 @@ class _HfRun:
         for key, value in tape_flags.items():
             setattr(self.tape, key, value)
         self.d, self.batches = d, batches
-        model_class, layer_params = family(arch)
+        model_class, layer_params = family(arch, eager="eager_masks" in (extra or {}))  # hf_eager.py
         layers = moe_layer_params(arch, layer_params, extra)  # a MoE model's dense layers (hf_moe.py)
         self.shapes = param_shapes(d, tied, qkv_bias, layers, moe_sizes(extra, d.h))
         self.grads: dict[str, Tensor] = {}
