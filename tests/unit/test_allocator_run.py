@@ -48,7 +48,7 @@ def state(alloc: CachingAllocator) -> tuple:
             (k, b.size, b.addr, b.stream, b.segment, b.gc_count_base)
             for k, b in zip(pool.keys, pool.blocks, strict=True)
         ]
-        pools.append((small, cached, list(pool.unmapped), pool.free_bytes, pool.get_free_blocks_call_count))
+        pools.append((small, cached, list(pool.unmapped), pool.get_free_blocks_call_count))
         for block in (*pool.blocks, *pool.unmapped_blocks):
             while block.prev is not None:
                 block = block.prev
@@ -57,7 +57,7 @@ def state(alloc: CachingAllocator) -> tuple:
     for segment, block in segments.items():
         chain = []
         while block is not None:
-            chain.append((block.addr, block.size, block.allocated, block.mapped, block.requested, block.expandable))
+            chain.append((block.addr, block.size, block.allocated, block.mapped, block.expandable))
             block = block.next
         chains[segment] = chain
     counters = {k: v for k, v in vars(alloc).items() if isinstance(v, int | dict) and not k.startswith("_")}

@@ -109,7 +109,6 @@ class CachingAllocator(ExpandableSegments):
                 found, max_split = blocks[i], self._max_split
                 if found.size < max_split if rounded < max_split else found.size < rounded + self._non_split_rounding:
                     del keys[i], blocks[i]
-                    pool.free_bytes -= found.size
                     block = found
         if block is None:
             if self._gc:
@@ -144,7 +143,6 @@ class CachingAllocator(ExpandableSegments):
             remaining.size = left
             self._pools[remaining.small].insert(remaining)
         block.allocated = True
-        block.requested = size
         allocated = self.allocated = self.allocated + block.size
         if allocated > self.max_allocated:
             self.max_allocated = allocated
@@ -253,7 +251,6 @@ class CachingAllocator(ExpandableSegments):
         i = bisect_left(keys, k)
         keys.insert(i, k)
         pool.blocks.insert(i, block)
-        pool.free_bytes += block.size
 
     # --- giving memory back ------------------------------------------------------------------
 
