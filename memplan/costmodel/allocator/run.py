@@ -93,6 +93,7 @@ def run_events(
     # allocated and max_allocated kept here between the calls that read or set them on ``alloc``
     allocated, top = alloc.allocated, alloc.max_allocated
     high, peak_event, at_peak, pending = allocated, -1, stats(), False
+    bar = top if top < high else high  # an allocation above it raises max_allocated or the run's peak
     for i, (op, tensor, size, _, stream, _) in enumerate(events):
         if not op:  # ALLOC
             if stream is not current:
@@ -103,7 +104,6 @@ def run_events(
                     bits[sid] = ids[1]
                 sid, stream_bits, limit, hot = ids
                 current = stream
-            block = None
             # size -> (rounded, its lowest key on this stream, small, its pool's keys and blocks)
             cached = hot.get(size)
             if cached is not None:  # get_free_block, inlined: the first key at or above (stream, rounded)
@@ -142,22 +142,29 @@ def run_events(
                     else:
                         allocated += size_found
                     block.allocated = True
-                    if allocated > top:
-                        top = allocated
-            if block is None:  # the allocator's own malloc: a new segment, its retries, out of memory
-                alloc.allocated, alloc.max_allocated = allocated, top
-                try:
-                    block = malloc(size, sid)
-                except AllocatorOOM as error:
-                    return RunPeak(high, peak_event, stats() if pending else at_peak, i, error)
-                allocated, top = alloc.allocated, alloc.max_allocated
-                if cached is None:
-                    rounded, small, _ = sizes_of[size]
-                    keys, blocks = lists[small]
-                    hot[size] = (rounded, stream_bits | rounded << 64, small, keys, blocks)
+                    live[tensor] = block
+                    if allocated > bar:
+                        if allocated > top:
+                            top = allocated
+                        if allocated > high:
+                            high, peak_event, pending = allocated, i, True
+                        bar = top if top < high else high
+                    continue
+            # the allocator's own malloc: a new segment, its retries, out of memory
+            alloc.allocated, alloc.max_allocated = allocated, top
+            try:
+                block = malloc(size, sid)
+            except AllocatorOOM as error:
+                return RunPeak(high, peak_event, stats() if pending else at_peak, i, error)
+            allocated, top = alloc.allocated, alloc.max_allocated
+            if cached is None:
+                rounded, small, _ = sizes_of[size]
+                keys, blocks = lists[small]
+                hot[size] = (rounded, stream_bits | rounded << 64, small, keys, blocks)
             live[tensor] = block
             if allocated > high:
                 high, peak_event, pending = allocated, i, True
+            bar = top if top < high else high
         elif op == FREE:
             block = live.pop(tensor)
             if pending:
@@ -198,6 +205,7 @@ def run_events(
             alloc.allocated, alloc.max_allocated = allocated, top
             on_other(i, events[i])
             allocated, top = alloc.allocated, alloc.max_allocated
+            bar = top if top < high else high
     alloc.allocated, alloc.max_allocated = allocated, top
     return RunPeak(high, peak_event, stats() if pending else at_peak)
 
