@@ -115,7 +115,6 @@ def run_events(
                     found = limit
                 if found < limit:  # a block of this stream
                     block = blocks[j]
-                    del keys[j], blocks[j]
                     size_found = block.size
                     left = size_found - rounded
                     if left >= kMinBlockSize if small else left > kSmallSize:  # should_split
@@ -134,12 +133,20 @@ def run_events(
                         rest.prev = block
                         addr = rest.addr = addr + rounded
                         rest.size = left
-                        k = stream_bits | left << 64 | addr  # pool.insert, inlined
-                        j = bisect_left(keys, k)
-                        keys.insert(j, k)
-                        blocks.insert(j, rest)
+                        # pool.insert, inlined: the rest's key is below the found block's, still at j; most
+                        # often above every key before it, so the rest takes its place in the lists
+                        k = stream_bits | left << 64 | addr
+                        at = bisect_left(keys, k, 0, j)
+                        if at == j:
+                            keys[j] = k
+                            blocks[j] = rest
+                        else:
+                            del keys[j], blocks[j]
+                            keys.insert(at, k)
+                            blocks.insert(at, rest)
                         allocated += rounded
                     else:
+                        del keys[j], blocks[j]
                         allocated += size_found
                     block.allocated = True
                     live[tensor] = block
@@ -175,11 +182,12 @@ def run_events(
             allocated -= size
             keys, blocks = lists[block.small]
             high_bits = bits[block.stream]  # its neighbours' too: a segment is one stream's
-            # free_block, inlined: try_merge_blocks with each free neighbour (none has pending stream uses)
-            prev, nxt = block.prev, block.next
+            # free_block, inlined: try_merge_blocks with each free neighbour (none has pending stream uses).
+            # The key of the last neighbour merged stays in the lists (at ``hole``) until the block's own
+            # key is placed: that key is above it (the block is now larger), and most often it takes its place.
+            prev, nxt, hole = block.prev, block.next, -1
             if prev is not None and not prev.allocated:
-                j = bisect_left(keys, high_bits | prev.size << 64 | prev.addr)
-                del keys[j], blocks[j]
+                hole = bisect_left(keys, high_bits | prev.size << 64 | prev.addr)
                 size += prev.size
                 block.addr = prev.addr
                 spare.append(prev)
@@ -188,7 +196,11 @@ def run_events(
                     prev.next = block
             if nxt is not None and not nxt.allocated:
                 j = bisect_left(keys, high_bits | nxt.size << 64 | nxt.addr)
-                del keys[j], blocks[j]
+                if hole >= 0:  # both neighbours merged: the previous one's key goes now
+                    del keys[hole], blocks[hole]
+                    if j > hole:
+                        j -= 1
+                hole = j
                 size += nxt.size
                 spare.append(nxt)
                 nxt = block.next = nxt.next
@@ -196,9 +208,19 @@ def run_events(
                     nxt.prev = block
             block.size = size
             k = high_bits | size << 64 | block.addr
-            j = bisect_left(keys, k)
-            keys.insert(j, k)
-            blocks.insert(j, block)
+            if hole < 0:
+                j = bisect_left(keys, k)
+                keys.insert(j, k)
+                blocks.insert(j, block)
+                continue
+            j = bisect_left(keys, k, hole + 1)
+            if j == hole + 1:  # no key between the merged neighbour's and this one: its place
+                keys[hole] = k
+                blocks[hole] = block
+            else:
+                del keys[hole], blocks[hole]
+                keys.insert(j - 1, k)
+                blocks.insert(j - 1, block)
         elif on_other is not None:
             alloc.allocated, alloc.max_allocated = allocated, top
             on_other(i, events[i])
