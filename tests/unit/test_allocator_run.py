@@ -63,7 +63,10 @@ def state(alloc: CachingAllocator) -> tuple:
             block = block.next
         chains[segment] = chain
     counters = {k: v for k, v in vars(alloc).items() if isinstance(v, int | dict) and not k.startswith("_")}
-    return alloc.stats(), pools, sorted(chains.items()), counters
+    stats = alloc.stats()
+    # stats' cached bytes come from the counters (reserved less allocated and deferred): the pools' blocks
+    assert stats.cached_free == sum(pool.cached_bytes() for pool in alloc._pools.values())
+    return stats, pools, sorted(chains.items()), counters
 
 
 def both(

@@ -344,7 +344,12 @@ class CachingAllocator(ExpandableSegments):
         self.max_allocated, self.max_reserved = self.allocated, self.reserved
 
     def stats(self) -> AllocatorStats:
-        """The counters now, as a frozen :class:`AllocatorStats`."""
+        """The counters now, as a frozen :class:`AllocatorStats`. Cached but free is what is reserved
+        less what is allocated or waiting on another stream: every reserved byte (a cudaMalloc'd segment,
+        a mapped page) lies in exactly one block, allocated, deferred or cached (mapped pages hold no
+        unmapped block), so this equals the pools' blocks summed (``BlockPool.cached_bytes``,
+        ``tests/unit/test_allocator_run.py`` holds the two equal) without walking them: a replay asks at
+        each new peak."""
         pools = self._pools.values()
         return AllocatorStats(
             allocated=self.allocated,
@@ -352,7 +357,7 @@ class CachingAllocator(ExpandableSegments):
             max_allocated=self.max_allocated,
             max_reserved=self.max_reserved,
             pending_free=self.pending_bytes,
-            cached_free=sum(p.cached_bytes() for p in pools),
+            cached_free=self.reserved - self.allocated - self.pending_bytes,
             largest_free=max(p.largest() for p in pools),
             segments=self.segments,
             segment_allocs=self.segment_allocs,

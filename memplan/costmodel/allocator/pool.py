@@ -135,8 +135,8 @@ class BlockPool:
         return self.unmapped_blocks[i:j]
 
     def cached_bytes(self) -> int:
-        """The cached blocks' bytes, summed when asked (a replay asks at its peaks, ~100 times in
-        ~30,000 events, where keeping a running sum cost an update at every malloc and free)."""
+        """The cached blocks' bytes, summed when asked (no running sum: it cost an update at every malloc
+        and free of a replay; ``CachingAllocator.stats`` has the total from its counters)."""
         return sum([block.size for block in self.blocks])
 
     def largest(self) -> int:
