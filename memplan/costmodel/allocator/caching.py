@@ -109,7 +109,6 @@ class CachingAllocator(ExpandableSegments):
                 found, max_split = blocks[i], self._max_split
                 if found.size < max_split if rounded < max_split else found.size < rounded + self._non_split_rounding:
                     del keys[i], blocks[i]
-                    pool.free_bytes -= found.size
                     block = found
         if block is None:
             if self._gc:
@@ -144,7 +143,6 @@ class CachingAllocator(ExpandableSegments):
             remaining.size = left
             self._pools[remaining.small].insert(remaining)
         block.allocated = True
-        block.requested = size
         allocated = self.allocated = self.allocated + block.size
         if allocated > self.max_allocated:
             self.max_allocated = allocated
@@ -253,7 +251,6 @@ class CachingAllocator(ExpandableSegments):
         i = bisect_left(keys, k)
         keys.insert(i, k)
         pool.blocks.insert(i, block)
-        pool.free_bytes += block.size
 
     # --- giving memory back ------------------------------------------------------------------
 
@@ -347,7 +344,12 @@ class CachingAllocator(ExpandableSegments):
         self.max_allocated, self.max_reserved = self.allocated, self.reserved
 
     def stats(self) -> AllocatorStats:
-        """The counters now, as a frozen :class:`AllocatorStats`."""
+        """The counters now, as a frozen :class:`AllocatorStats`. Cached but free is what is reserved
+        less what is allocated or waiting on another stream: every reserved byte (a cudaMalloc'd segment,
+        a mapped page) lies in exactly one block, allocated, deferred or cached (mapped pages hold no
+        unmapped block), so this equals the pools' blocks summed (``BlockPool.cached_bytes``,
+        ``tests/unit/test_allocator_run.py`` holds the two equal) without walking them: a replay asks at
+        each new peak."""
         pools = self._pools.values()
         return AllocatorStats(
             allocated=self.allocated,
@@ -355,7 +357,7 @@ class CachingAllocator(ExpandableSegments):
             max_allocated=self.max_allocated,
             max_reserved=self.max_reserved,
             pending_free=self.pending_bytes,
-            cached_free=sum(p.cached_bytes() for p in pools),
+            cached_free=self.reserved - self.allocated - self.pending_bytes,
             largest_free=max(p.largest() for p in pools),
             segments=self.segments,
             segment_allocs=self.segment_allocs,

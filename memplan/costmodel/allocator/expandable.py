@@ -12,26 +12,25 @@ it (``find_expandable_block``, ``try_allocate_expandable_block``, ``map_block``,
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from memplan.costmodel.allocator.config import AllocatorConfig, kSmallBuffer
 from memplan.costmodel.allocator.pool import Block, BlockPool, merge_into
 
 
-@dataclass(slots=True)
 class ExpandableSegment:
-    """The page table of one expandable segment: which ``page_size`` pages of its range are mapped."""
+    """The page table of one expandable segment: which ``page_size`` pages of its range are mapped
+    (written out with ``__slots__``, as ``pool.Block`` is: no dataclass compiled at import)."""
 
-    segment: int
-    stream: int
-    small: bool
-    base: int
-    page_size: int
-    max_pages: int
-    mapped: bytearray = field(init=False)
+    __slots__ = ("segment", "stream", "small", "base", "page_size", "max_pages", "mapped")
 
-    def __post_init__(self) -> None:
-        self.mapped = bytearray(self.max_pages)
+    def __init__(self, segment: int, stream: int, small: bool, base: int, page_size: int, max_pages: int) -> None:
+        self.segment = segment
+        self.stream = stream
+        self.small = small
+        self.base = base
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.mapped = bytearray(max_pages)
 
     @property
     def size(self) -> int:

@@ -13,7 +13,6 @@ in one C call where a tuple compares element by element: a replay does ~50,000 s
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass, field
 
 _SIZE = 1 << 64  # a key's size unit; the address is what is left
 
@@ -31,23 +30,48 @@ def key_size(k: int) -> int:
     return (k >> 64) & (_SIZE - 1)
 
 
-@dataclass(slots=True, eq=False)
 class Block:
-    """``Block``: a piece of a segment, allocated or free (``eq=False``: blocks compare by identity)."""
+    """``Block``: a piece of a segment, allocated or free; blocks compare by identity.
 
-    size: int
-    stream: int
-    addr: int
-    small: bool  # which pool: small (<= 1 MiB requests) or large
-    segment: int  # id of the segment (cudaMalloc or expandable segment) it belongs to
-    requested: int = 0  # the size asked for, before rounding
-    allocated: bool = False
-    mapped: bool = True  # False: unmapped address space of an expandable segment
-    expandable: bool = False
-    event_count: int = 0  # streams (record_stream) whose work must finish before the free completes
-    gc_count_base: int = 0  # pool's get_free_block count when it was cached (garbage collection)
-    prev: Block | None = field(default=None, repr=False)
-    next: Block | None = field(default=None, repr=False)
+    Written out with ``__slots__`` rather than as a slotted dataclass: a dataclass's generated methods
+    are compiled from source when the module is imported, on every ``memplan estimate``."""
+
+    __slots__ = (
+        "size", "stream", "addr", "small", "segment", "allocated", "mapped", "expandable", "event_count",
+        "gc_count_base", "prev", "next",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        size: int,
+        stream: int,
+        addr: int,
+        small: bool,  # which pool: small (<= 1 MiB requests) or large
+        segment: int,  # id of the segment (cudaMalloc or expandable segment) it belongs to
+        allocated: bool = False,
+        mapped: bool = True,  # False: unmapped address space of an expandable segment
+        expandable: bool = False,
+        event_count: int = 0,  # streams (record_stream) whose work must finish before the free completes
+        gc_count_base: int = 0,  # pool's get_free_block count when it was cached (garbage collection)
+        prev: Block | None = None,
+        next: Block | None = None,  # noqa: A002 (the segment's next block, as the C++ struct names it)
+    ) -> None:
+        self.size = size
+        self.stream = stream
+        self.addr = addr
+        self.small = small
+        self.segment = segment
+        self.allocated = allocated
+        self.mapped = mapped
+        self.expandable = expandable
+        self.event_count = event_count
+        self.gc_count_base = gc_count_base
+        self.prev = prev
+        self.next = next
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in Block.__slots__[:-2])
+        return f"Block({fields})"
 
     def is_split(self) -> bool:
         """``Block::is_split``: part of a segment that holds other blocks too."""
@@ -58,18 +82,19 @@ class Block:
         return not self.allocated and self.event_count == 0
 
 
-@dataclass(slots=True)
 class BlockPool:
     """``BlockPool``: the free, mapped blocks of one pool (small or large) over all streams,
     and the unmapped ranges of its expandable segments (ordered by stream, address)."""
 
-    small: bool
-    keys: list[int] = field(default_factory=list)  # key(stream, size, addr), sorted
-    blocks: list[Block] = field(default_factory=list)  # the block of each key, same order
-    unmapped: list[tuple[int, int]] = field(default_factory=list)  # (stream, addr), sorted
-    unmapped_blocks: list[Block] = field(default_factory=list)
-    get_free_blocks_call_count: int = 0
-    free_bytes: int = 0  # sum of the cached blocks' sizes, kept as blocks come and go
+    __slots__ = ("small", "keys", "blocks", "unmapped", "unmapped_blocks", "get_free_blocks_call_count")
+
+    def __init__(self, small: bool) -> None:
+        self.small = small
+        self.keys: list[int] = []  # key(stream, size, addr), sorted
+        self.blocks: list[Block] = []  # the block of each key, same order
+        self.unmapped: list[tuple[int, int]] = []  # (stream, addr), sorted
+        self.unmapped_blocks: list[Block] = []
+        self.get_free_blocks_call_count = 0
 
     def insert(self, block: Block) -> None:
         """``insert_into_blocks``: cache a free block, noting the call count for garbage collection."""
@@ -78,7 +103,6 @@ class BlockPool:
         i = bisect_left(self.keys, k)
         self.keys.insert(i, k)
         self.blocks.insert(i, block)
-        self.free_bytes += block.size
 
     def remove(self, block: Block) -> None:
         i = bisect_left(self.keys, block.stream << 128 | block.size << 64 | block.addr)
@@ -86,7 +110,6 @@ class BlockPool:
             raise KeyError(f"block at {block.addr:#x} is not in the pool")
         del self.keys[i]
         del self.blocks[i]
-        self.free_bytes -= block.size
 
     def lower_bound(self, stream: int, size: int) -> int:
         """Index of the first free block of ``stream`` with at least ``size`` bytes (len if none)."""
@@ -112,7 +135,9 @@ class BlockPool:
         return self.unmapped_blocks[i:j]
 
     def cached_bytes(self) -> int:
-        return self.free_bytes
+        """The cached blocks' bytes, summed when asked (no running sum: it cost an update at every malloc
+        and free of a replay; ``CachingAllocator.stats`` has the total from its counters)."""
+        return sum([block.size for block in self.blocks])
 
     def largest(self) -> int:
         """The largest cached block: the last key of each stream's run (keys sort by stream, size)."""
@@ -139,7 +164,6 @@ def merge_into(dst: Block, src: Block | None, pool: BlockPool) -> int:
         if i == len(keys) or pool.blocks[i] is not src:
             raise KeyError(f"block at {src.addr:#x} is not in the pool")
         del keys[i], pool.blocks[i]
-        pool.free_bytes -= src.size
     else:
         pool.remove_unmapped(src)
     if dst.prev is src:

@@ -49,9 +49,11 @@ class RunPeak(NamedTuple):
 
 
 def _follows_fast_paths(alloc: CachingAllocator) -> bool:
-    """Whether the allocator's settings are those the loop's own paths follow: no expandable
+    """Whether the allocator's settings and state are those the loop's own paths follow: no expandable
     segments (and none left from earlier settings), no ``max_split_size`` (a cached block of any
-    size serves a smaller request, ``fits_oversize_rules``), no garbage collection count to keep."""
+    size serves a smaller request, ``fits_oversize_rules``), no garbage collection count to keep (nor
+    one kept under earlier settings: every block's ``gc_count_base`` is then 0, the count it would be
+    given), no free waiting on another stream (every block's ``event_count`` is 0)."""
     config = alloc.config
     return (
         config is alloc._settings_of
@@ -59,6 +61,8 @@ def _follows_fast_paths(alloc: CachingAllocator) -> bool:
         and not alloc._expandable
         and config.max_split_bytes == SIZE_MAX
         and not alloc._gc
+        and not alloc._pending
+        and not any(pool.get_free_blocks_call_count for pool in alloc._pools.values())
     )
 
 
@@ -72,36 +76,46 @@ def run_events(
     ``alloc``: ``ALLOC`` mallocs ``size`` bytes on ``stream_ids[stream]`` for ``tensor``, ``FREE``
     frees that tensor's block; any other event is passed to ``on_other(index, event)`` (a mark).
     Stops at the first request the allocator cannot serve. Returns the allocated peak."""
-    fast = _follows_fast_paths(alloc)
+    if not _follows_fast_paths(alloc):
+        return _run_calls(alloc, events, stream_ids, on_other)
     pools = alloc._pools
     sizes_of = alloc._sizes
-    malloc, free, stats = alloc.malloc, alloc.free, alloc.stats
-    # stream -> (its number, its pool keys' high bits), in a plain dict: the interpreter's fast path
-    streams: dict[object, tuple[int, int]] = {}
-    # size -> (rounded, small, its pool's keys, blocks, pool): what the inlined paths read of a size
-    hot: dict[int, tuple] = {}
+    malloc, stats = alloc.malloc, alloc.stats
+    # each pool's key and block lists, by ``Block.small``
+    lists = {small: (pool.keys, pool.blocks) for small, pool in pools.items()}
+    # stream -> (its number, its pool keys' high bits, the first key of the next stream, its sizes),
+    # in a plain dict: the interpreter's fast path
+    streams: dict[object, tuple[int, int, int, dict]] = {}
+    bits: dict[int, int] = {}  # a stream's number -> its keys' high bits (a freed block's stream is one of them)
+    current = object()  # the stream of the last allocation: consecutive ones mostly share it
     live: dict[int, Block] = {}
     spare: list[Block] = []  # blocks a merge absorbed, reused by the next splits
     # allocated and max_allocated kept here between the calls that read or set them on ``alloc``
     allocated, top = alloc.allocated, alloc.max_allocated
     high, peak_event, at_peak, pending = allocated, -1, stats(), False
+    bar = top if top < high else high  # an allocation above it raises max_allocated or the run's peak
     for i, (op, tensor, size, _, stream, _) in enumerate(events):
-        if op == ALLOC:
-            ids = streams.get(stream)
-            if ids is None:
-                sid = stream_ids[stream]
-                ids = streams[stream] = (sid, sid << 128)
-            sid, stream_bits = ids
-            block = None
+        if not op:  # ALLOC
+            if stream is not current:
+                ids = streams.get(stream)
+                if ids is None:
+                    sid = stream_ids[stream]
+                    ids = streams[stream] = (sid, sid << 128, sid + 1 << 128, {})
+                    bits[sid] = ids[1]
+                sid, stream_bits, limit, hot = ids
+                current = stream
+            # size -> (rounded, its lowest key on this stream, small, its pool's keys and blocks)
             cached = hot.get(size)
             if cached is not None:  # get_free_block, inlined: the first key at or above (stream, rounded)
-                rounded, size_bits, small, keys, blocks, pool = cached
-                j = bisect_left(keys, stream_bits | size_bits)
-                if j != len(keys) and keys[j] >> 128 == sid:
+                rounded, low, small, keys, blocks = cached
+                j = bisect_left(keys, low)
+                try:
+                    found = keys[j]
+                except IndexError:  # no key at or above it: no cached block serves it
+                    found = limit
+                if found < limit:  # a block of this stream
                     block = blocks[j]
-                    del keys[j], blocks[j]
                     size_found = block.size
-                    pool.free_bytes -= size_found
                     left = size_found - rounded
                     if left >= kMinBlockSize if small else left > kSmallSize:  # should_split
                         rest = block  # the front ``rounded`` bytes are handed out, the rest cached
@@ -119,81 +133,126 @@ def run_events(
                         rest.prev = block
                         addr = rest.addr = addr + rounded
                         rest.size = left
-                        rest.gc_count_base = pool.get_free_blocks_call_count  # pool.insert, inlined
+                        # pool.insert, inlined: the rest's key is below the found block's, still at j; most
+                        # often above every key before it, so the rest takes its place in the lists
                         k = stream_bits | left << 64 | addr
-                        j = bisect_left(keys, k)
-                        keys.insert(j, k)
-                        blocks.insert(j, rest)
-                        pool.free_bytes += left
+                        at = bisect_left(keys, k, 0, j)
+                        if at == j:
+                            keys[j] = k
+                            blocks[j] = rest
+                        else:
+                            del keys[j], blocks[j]
+                            keys.insert(at, k)
+                            blocks.insert(at, rest)
                         allocated += rounded
                     else:
+                        del keys[j], blocks[j]
                         allocated += size_found
                     block.allocated = True
-                    block.requested = size
-                    if allocated > top:
-                        top = allocated
-            if block is None:  # the allocator's own malloc: a new segment, its retries, out of memory
-                alloc.allocated, alloc.max_allocated = allocated, top
-                try:
-                    block = malloc(size, sid)
-                except AllocatorOOM as error:
-                    return RunPeak(high, peak_event, stats() if pending else at_peak, i, error)
-                allocated, top = alloc.allocated, alloc.max_allocated
-                if fast and size not in hot:
-                    rounded, small, _ = sizes_of[size]
-                    pool = pools[small]
-                    hot[size] = (rounded, rounded << 64, small, pool.keys, pool.blocks, pool)
+                    live[tensor] = block
+                    if allocated > bar:
+                        if allocated > top:
+                            top = allocated
+                        if allocated > high:
+                            high, peak_event, pending = allocated, i, True
+                        bar = top if top < high else high
+                    continue
+            # the allocator's own malloc: a new segment, its retries, out of memory
+            alloc.allocated, alloc.max_allocated = allocated, top
+            try:
+                block = malloc(size, sid)
+            except AllocatorOOM as error:
+                return RunPeak(high, peak_event, stats() if pending else at_peak, i, error)
+            allocated, top = alloc.allocated, alloc.max_allocated
+            if cached is None:
+                rounded, small, _ = sizes_of[size]
+                keys, blocks = lists[small]
+                hot[size] = (rounded, stream_bits | rounded << 64, small, keys, blocks)
             live[tensor] = block
             if allocated > high:
                 high, peak_event, pending = allocated, i, True
+            bar = top if top < high else high
         elif op == FREE:
-            block = live.pop(tensor)
+            block = live.pop(tensor)  # a tensor freed twice, or never allocated: KeyError
             if pending:
                 alloc.allocated, alloc.max_allocated = allocated, top
                 at_peak, pending = stats(), False
-            if not fast:
-                free(block)
-                allocated = alloc.allocated
-                continue
-            if not block.allocated:
-                raise ValueError(f"block at {block.addr:#x} is not allocated")
-            block.allocated = False
+            block.allocated = False  # live holds allocated blocks only: free's test is not needed
             size = block.size
             allocated -= size
-            pool = pools[block.small]
-            keys = pool.keys
-            blocks = pool.blocks
-            # free_block, inlined: try_merge_blocks with each free neighbour (no pending stream uses)
-            prev, nxt = block.prev, block.next
-            if prev is not None and not prev.allocated and not prev.event_count:
-                j = bisect_left(keys, prev.stream << 128 | prev.size << 64 | prev.addr)
-                del keys[j], blocks[j]
-                pool.free_bytes -= prev.size
+            keys, blocks = lists[block.small]
+            high_bits = bits[block.stream]  # its neighbours' too: a segment is one stream's
+            # free_block, inlined: try_merge_blocks with each free neighbour (none has pending stream uses).
+            # The key of the last neighbour merged stays in the lists (at ``hole``) until the block's own
+            # key is placed: that key is above it (the block is now larger), and most often it takes its place.
+            prev, nxt, hole = block.prev, block.next, -1
+            if prev is not None and not prev.allocated:
+                hole = bisect_left(keys, high_bits | prev.size << 64 | prev.addr)
                 size += prev.size
                 block.addr = prev.addr
                 spare.append(prev)
                 prev = block.prev = prev.prev
                 if prev is not None:
                     prev.next = block
-            if nxt is not None and not nxt.allocated and not nxt.event_count:
-                j = bisect_left(keys, nxt.stream << 128 | nxt.size << 64 | nxt.addr)
-                del keys[j], blocks[j]
-                pool.free_bytes -= nxt.size
+            if nxt is not None and not nxt.allocated:
+                j = bisect_left(keys, high_bits | nxt.size << 64 | nxt.addr)
+                if hole >= 0:  # both neighbours merged: the previous one's key goes now
+                    del keys[hole], blocks[hole]
+                    if j > hole:
+                        j -= 1
+                hole = j
                 size += nxt.size
                 spare.append(nxt)
                 nxt = block.next = nxt.next
                 if nxt is not None:
                     nxt.prev = block
             block.size = size
-            block.gc_count_base = pool.get_free_blocks_call_count
-            k = block.stream << 128 | size << 64 | block.addr
-            j = bisect_left(keys, k)
-            keys.insert(j, k)
-            blocks.insert(j, block)
-            pool.free_bytes += size
+            k = high_bits | size << 64 | block.addr
+            if hole < 0:
+                j = bisect_left(keys, k)
+                keys.insert(j, k)
+                blocks.insert(j, block)
+                continue
+            j = bisect_left(keys, k, hole + 1)
+            if j == hole + 1:  # no key between the merged neighbour's and this one: its place
+                keys[hole] = k
+                blocks[hole] = block
+            else:
+                del keys[hole], blocks[hole]
+                keys.insert(j - 1, k)
+                blocks.insert(j - 1, block)
         elif on_other is not None:
             alloc.allocated, alloc.max_allocated = allocated, top
             on_other(i, events[i])
             allocated, top = alloc.allocated, alloc.max_allocated
+            bar = top if top < high else high
     alloc.allocated, alloc.max_allocated = allocated, top
+    return RunPeak(high, peak_event, stats() if pending else at_peak)
+
+
+def _run_calls(
+    alloc: CachingAllocator,
+    events: Sequence[tuple],
+    stream_ids: Mapping[object, int],
+    on_other: Callable[[int, tuple], None] | None,
+) -> RunPeak:
+    """:func:`run_events` through :meth:`CachingAllocator.malloc` and :meth:`~CachingAllocator.free`
+    for every event: the allocators whose settings the inlined paths do not follow."""
+    malloc, free, stats = alloc.malloc, alloc.free, alloc.stats
+    live: dict[int, Block] = {}
+    high, peak_event, at_peak, pending = alloc.allocated, -1, stats(), False
+    for i, (op, tensor, size, _, stream, _) in enumerate(events):
+        if op == ALLOC:
+            try:
+                live[tensor] = malloc(size, stream_ids[stream])
+            except AllocatorOOM as error:
+                return RunPeak(high, peak_event, stats() if pending else at_peak, i, error)
+            if alloc.allocated > high:
+                high, peak_event, pending = alloc.allocated, i, True
+        elif op == FREE:
+            if pending:
+                at_peak, pending = stats(), False
+            free(live.pop(tensor))
+        elif on_other is not None:
+            on_other(i, events[i])
     return RunPeak(high, peak_event, stats() if pending else at_peak)
