@@ -242,21 +242,29 @@ def check_dora(model: ModelSpec, plan: Plan, runtime: str, workload: TrainingWor
     Megatron build no DoRA adapters: every other plan is refused here. Without ``workload`` only the runtime is
     checked; the questions that depend on the GPU are asked by the run (``reserve.plan_run``), which refuses the plan
     rather than fall back."""
+    first = (
+        "DoRA (lora_dora) is modelled under --runtime hf or hf-loop alone (PEFT's adapters under transformers' "
+        "Trainer or a hand-written loop, op by op)"
+    )
+    _hf_runs_only(model, plan, runtime, workload, first, "DoRA", "plan.lora_dora")
+
+
+def _hf_runs_only(
+    model: ModelSpec, plan: Plan, runtime: str, workload: TrainingWorkload | None, first: str, what: str, field: str
+) -> None:
+    """Refuse, in one line naming ``field``, a plan only the op-level runs of transformers' loops answer: under
+    another runtime (``first``, the runtime appended), or one ``hf_supported`` declines (``what`` over the model)."""
     from memplan.costmodel.timeline.hf_support import hf_supported
 
-    name = f"{model.name} ({model.architecture})"
     if runtime not in ("hf", "hf-loop"):
-        raise MemplanError(
-            f"DoRA (lora_dora) is modelled under --runtime hf or hf-loop alone (PEFT's adapters under transformers' "
-            f"Trainer or a hand-written loop, op by op); the runtime is {runtime}",
-            field="plan.lora_dora",
-        )
+        raise MemplanError(f"{first}; the runtime is {runtime}", field=field)
     why = None if workload is None else hf_supported(model, plan, workload, runtime, device="cpu")
     if why is not None:
         runs = "transformers' Trainer" if runtime == "hf" else "the hand-written transformers loop"
         raise MemplanError(
-            f"DoRA over {name} is modelled by the op-level run of {runs} alone, which does not follow {why}",
-            field="plan.lora_dora",
+            f"{what} over {model.name} ({model.architecture}) is modelled by the op-level run of {runs} alone, "
+            f"which does not follow {why}",
+            field=field,
         )
 
 
@@ -269,22 +277,11 @@ def check_run_lora(model: ModelSpec, plan: Plan, runtime: str, workload: Trainin
     the bundled trainer and Megatron build no such adapters: every other plan is refused here. Without ``workload``
     only the runtime is checked; the questions that depend on the GPU are asked by the run (``reserve.plan_run``),
     which refuses the plan rather than fall back."""
-    from memplan.costmodel.timeline.hf_support import hf_supported
-
-    name = f"{model.name} ({model.architecture})"
-    if runtime not in ("hf", "hf-loop"):
-        raise MemplanError(
-            f"{plan.finetune} over {name} is modelled under --runtime hf or hf-loop alone (transformers' Trainer or "
-            f"a hand-written loop, op by op); the runtime is {runtime}",
-            field="plan.finetune",
-        )
-    why = None if workload is None else hf_supported(model, plan, workload, runtime, device="cpu")
-    if why is not None:
-        runs = "transformers' Trainer" if runtime == "hf" else "the hand-written transformers loop"
-        raise MemplanError(
-            f"{plan.finetune} over {name} is modelled by the op-level run of {runs} alone, which does not follow {why}",
-            field="plan.finetune",
-        )
+    first = (
+        f"{plan.finetune} over {model.name} ({model.architecture}) is modelled under --runtime hf or hf-loop alone "
+        "(transformers' Trainer or a hand-written loop, op by op)"
+    )
+    _hf_runs_only(model, plan, runtime, workload, first, plan.finetune, "plan.finetune")
 
 
 def check_moe_lora(model: ModelSpec, plan: Plan, runtime: str, workload: TrainingWorkload | None) -> None:

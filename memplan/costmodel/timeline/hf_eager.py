@@ -52,6 +52,18 @@ def tanh(tape: Tape, x: Tensor, tag: str) -> Tensor:
     return ops.output_saved(tape, x, tag)
 
 
+def softcap(tape: Tape, x: Tensor) -> Tensor:
+    """Gemma 2's soft-cap, ``tanh(x / cap) * cap``: three ``x``-sized tensors in turn, each op's input released as
+    the next takes its result (the attention scores' and the final logits')."""
+    a = scaled(tape, x, "softcap_div")
+    tape.done(x)
+    b = tanh(tape, a, "softcap_tanh")
+    tape.done(a)
+    out = scaled(tape, b, "softcap_mul")
+    tape.done(b)
+    return out
+
+
 def repeat_kv(tape: Tape, x: Tensor, numel: int, kv_heads: int, tag: str) -> Tensor:
     """``repeat_kv``: x itself without groups; one KV head expanded is a view (stride 0: its
     reshape needs no copy); else a copy. Backward of the expand: the sum over the groups."""
@@ -175,12 +187,7 @@ class EagerAttention:
         t.done(raw)
         cap = (self.extra or {}).get("attn_softcap")
         if cap is not None:
-            a = scaled(t, w, "softcap_div")
-            t.done(w)
-            b = tanh(t, a, "softcap_tanh")
-            t.done(a)
-            w = scaled(t, b, "softcap_mul")
-            t.done(b)
+            w = softcap(t, w)
         masked = ops.add(t, w, mask, "mask")
         t.done(w)
         probs = softmax(t, masked, "softmax", cuda=not self.cpu)

@@ -24,9 +24,7 @@ from __future__ import annotations
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline.autograd import Tensor
-from memplan.costmodel.timeline.hf_eager import EagerAttention
-from memplan.costmodel.timeline.hf_eager import scaled as _scaled
-from memplan.costmodel.timeline.hf_eager import tanh as _tanh
+from memplan.costmodel.timeline.hf_eager import EagerAttention, softcap
 from memplan.costmodel.timeline.hf_model import LAYER_PARAMS, HfLlama
 
 GEMMA_PARAMS = (
@@ -176,13 +174,7 @@ class HfGemma3(HfLlama):
         if cap is None:
             return logits
         with t.scoped("lm_head"):
-            a = _scaled(t, logits, "softcap_div")
-            t.done(logits)
-            b = _tanh(t, a, "softcap_tanh")
-            t.done(a)
-            out = _scaled(t, b, "softcap_mul")
-            t.done(b)
-        return out
+            return softcap(t, logits)
 
 
 GEMMA2_PARAMS = (*LAYER_PARAMS[:7], *GEMMA_PARAMS[9:])
