@@ -119,7 +119,6 @@ ONE_RANK = [
 TRL_OWN = {
     "gemma3-lora": "+32,768 B (1,816,512 predicted, 1,783,744 measured, +1.84%)",
     "qwen3-lora": "-31,744 B (2,795,836, 2,827,580, -1.12%; once equal, measured then with the emulation)",
-    "qwen3-full-autocast": "-32,768 B (12,301,568, 12,334,336, -0.27%)",
     "gemma3-full-fp32": "-32,768 B (15,312,148, 15,344,916, -0.21%)",
     "mixtral-full-fp32": "-32,768 B (7,681,812, 7,714,580, -0.42%)",
     "llama-full-fp32": "-98,304 B (20,306,376, 20,404,680, -0.48%)",

@@ -15,13 +15,21 @@ What differs from ``save_on_cpu`` (``act_offload.py``):
   two halves of a ``chunk(2)`` are two keys, ``autograd.Tensor.offset``): an offloaded save's key only while its
   original is in the forward stash (``release_storage_key``), a kept save's that matched it until its unpack, so
   the rotary tables every layer saves are offloaded again once the first copy's original left the stash;
-- a save of a node that dies in the forward (DeepSeek-V3's router) is packed and never unpacked: its host
-  copy stays (:func:`orphaned`);
+- an offloaded save that is not contiguous, or a view at an offset (a transposed weight ``mm`` or ``grouped_mm``
+  saves that is no parameter: PEFT's parametrized expert or router weight; the halves of a ``chunk(2)``), is first
+  cloned contiguous (``pack_tensor``'s ``clone(memory_format=torch.contiguous_format)`` / ``contiguous()``, before
+  the stash is trimmed): the clone is copied out and stashed, the original not held, its key still the original's
+  (a later tensor at the original's freed address would take it: the allocator's, not followed; tests/accuracy/
+  offload_steps.py's ``ALLOCATOR_DEPENDENT``);
+- a save of a node that dies in the forward (DeepSeek-V3's router, ``register_parametrization``'s check of PEFT's
+  expert factors) is packed and never unpacked: its host copy stays (:func:`orphaned`);
 - an offloaded save's original stays alive in the forward stash while it is among the last
   ``max_fwd_stash_size`` (5) saves; an unpack of a stashed one hands back the original, no copy;
 - an unpacked copy is held (``bwd_tensor_stash``) until the next node that unpacks an offloaded save
   has run (a hook registered on that node: ``Node.post``), which also empties the forward stash; the
-  host copy goes at the unpack;
+  host copy goes at the unpack. A copy whose storage has more users when its own node's hook runs than at its
+  unpack (the aliases a non-reentrant checkpoint's re-run saves of the inputs it unpacked) leaves the stash
+  there (TRL's ``record_stream`` branch), alive as long as those users;
 - at the end of the backward everything goes (TRL's end-of-backward callback:
   :meth:`TrlOffload.end_of_step`);
 - under torch's reentrant checkpoint (``reentrant.py``) the hooks are on through the backward, so each re-run's
@@ -52,6 +60,7 @@ if TYPE_CHECKING:
 
 MIN_OFFLOAD_BYTES = 1024  # min_offload_size
 FWD_STASH = 5  # max_fwd_stash_size
+CLONE = "trl_contiguous_clone"  # pack_tensor's ``activation.clone(memory_format=torch.contiguous_format)``
 
 
 class TrlPacked(Packed):
@@ -77,6 +86,7 @@ class TrlOffload:
         self.key_of: dict[int, tuple] = {}
         self.stash: dict[int, Tensor] = {}  # id -> the original, held
         self.back: dict[int, Tensor] = {}  # id -> the copy brought back, held
+        self.brought: dict[Node, list[tuple[int, int]]] = {}  # node -> (id, users at its unpack) it brought back
         self.node: Node | None = None
         # TRL's tracker (saves packed, kept or offloaded, not yet unpacked) and phase flags: a pack after the
         # tracker emptied starts a forward (``is_first_forward_call``: the dedup map reset), and the next unpack
@@ -111,12 +121,16 @@ class TrlOffload:
             return t if t.st.managed else tape.hold(t)
         if (t.st.managed and not t.st.gathered) or t.numel * t.itemsize < MIN_OFFLOAD_BYTES:
             return t if t.st.managed else tape.hold(t)
+        # a non-contiguous save, or a view at an offset, is first cloned contiguous (before the stash is trimmed):
+        # the clone is copied out and stashed, the original not held (its key is still the original's)
+        stashed = tape.hold(t) if not (t.transposed or t.offset) else tape.new(t.numel, t.itemsize, CLONE)
+        stashed.fn = t.fn
         self.host_bytes += t.numel * t.itemsize
         self.host_peak = max(self.host_peak, self.host_bytes)
         for old in [k for k in self.stash if k <= ident - FWD_STASH]:
             tape.drop(self.stash.pop(old))
             self._untrack(old)
-        self.stash[ident] = tape.hold(t)
+        self.stash[ident] = stashed
         self._track(key, ident)
         return TrlPacked(t.numel, t.itemsize, self, t.fn, ident=ident)
 
@@ -130,14 +144,16 @@ class TrlOffload:
         if node is not None:
             if tape.graph == self.graph and node is not self.node:
                 self.node = node
-                node.post = self._release(tape, list(self.back))
+                node.post = self._release(tape, list(self.back), node)
             elif node.post is None:
-                node.post = self._release(tape, [])
+                node.post = self._release(tape, [], node)
         original = self.stash.pop(packed.ident, None)
         if original is not None:
             return original  # the stash's reference, now the caller's
         out = unpack(tape, packed, tag)
         self.back[packed.ident] = tape.hold(out)
+        if node is not None:  # the storage's users now (the copy and the stash's), for the node's hook
+            self.brought.setdefault(node, []).append((packed.ident, out.st.refs))
         return out
 
     def unpacked(self, tape: Tape, n: int) -> None:
@@ -164,8 +180,14 @@ class TrlOffload:
             packed.released = True
             self.host_bytes -= packed.numel * packed.itemsize
 
-    def _release(self, tape: Tape, previous: list[int]):
+    def _release(self, tape: Tape, previous: list[int], node: Node):
         def hook() -> None:
+            # a copy with more users than at its unpack (a view of it outlives the node: the aliases of a
+            # checkpoint's inputs its re-run saved) leaves the stash now (TRL's ``record_stream`` branch)
+            for k, refs in self.brought.pop(node, ()):
+                copy = self.back.get(k)
+                if copy is not None and copy.st.refs > refs:
+                    tape.drop(self.back.pop(k))
             for k in previous:
                 tape.drop(self.back.pop(k, None))
             self._clear_stash(tape)
@@ -183,7 +205,7 @@ class TrlOffload:
         map and the backward's flag reset each step, where TRL, an orphaned save in its tracker, would not)."""
         self._drop_back(tape)
         self._clear_stash(tape)
-        self.seen, self.key_of = {}, {}
+        self.seen, self.key_of, self.brought = {}, {}, {}
         self.node = None
         self.first_backward = True
 
