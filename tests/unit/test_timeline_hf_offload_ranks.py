@@ -111,16 +111,12 @@ FSDP = [
     pytest.param(_peft("fsdp-lora"), 3, id="lora-zero3"),
     _slow(_peft("fsdp-lora"), 2, id="lora-zero2"),
     _slow(FULL, 3, id="full-zero3"),
-    pytest.param(
+    # -1,024 B against the emulation's clone (11,598,998 predicted, 11,600,022) until the loss's shifted labels were
+    # marked an offset view (2026-11-29, docs/accuracy.md "the three TRL branches merged")
+    _slow(
         dataclasses.replace(FULL, name="hfoff-full-bf16-ckpt", dtype="bfloat16", checkpointing=True),
         3,
         id="full-bf16-ckpt",
-        marks=[
-            pytest.mark.slow,
-            # since the emulation clones every non-contiguous save as TRL does (2026-11-29): the run takes SDPA's query
-            # and log-sum-exp on CPU as contiguous (docs/accuracy.md, "Known misses"); equal before
-            pytest.mark.xfail(strict=True, reason="-1,024 B predicted (11,598,998 against 11,600,022 emulated)"),
-        ],
     ),
     _slow(_peft("fsdp-qlora", **QLORA_FSDP), 3, id="qlora-zero3"),
     _slow(_peft("fsdp-qlora-recipe", **{**RECIPE, "quant_storage": "bfloat16"}), 3, id="qlora-recipe-zero3"),
