@@ -7,14 +7,17 @@ runs; tests/accuracy/offload_steps.py's emulation under FSDP2 and where TRL's fi
 DeepSeek-V2 / V3, full fine-tuning and PEFT LoRA, fp32, bf16 and ``bf16=True``, with and without the Trainer's
 checkpointing: the peak of live storages over three steps and the host copies at most (``Timeline.host_peak``)
 against the op-level run with ``offload=True`` (tests/hf_predict.py; ``subclass_like``: the tracker is a dispatch
-mode, ``hf_moe_ops.zeros_then_put``). Two mechanisms beyond the dense models' decide the figures:
+mode, ``hf_moe_ops.zeros_then_put``). Three mechanisms beyond the dense models' decide the figures:
 
 - TRL keys a storage it has offloaded by its data pointer plus the view's offset (``_get_unique_tensor_key``), so
   the two halves of the experts' ``gate_up`` output (``chunk(2)``: ``silu`` saves the first, the product the
   second) are two copies, not one (``autograd.Tensor.offset``, set by ``hf_families.split``);
 - DeepSeek-V3's router saves indices and a mask in nodes that die in the forward (``hf_offload.orphaned``): TRL
   offloads them and never unpacks them (their host copies stay in its tracker), and the ``gather`` of the top-k's
-  indices, a second save of an offloaded storage, stays on the device.
+  indices, a second save of an offloaded storage, stays on the device;
+- TRL clones a non-contiguous or offset save before it copies it (PEFT's parametrized expert and router weights as
+  ``grouped_mm`` / ``F.linear`` save them transposed, both halves of the ``chunk(2)``), and frees a brought-back copy
+  whose views outlive its node at once (the checkpoint's re-run of a layer: DeepSeek-V2 / V3 under checkpointing).
 
 Shapes: tests/unit/test_timeline_hf_loop_families.py's (the hand loop's ``save_on_cpu`` suite over the same
 families), LoRA as test_timeline_hf_optimizers_peft_moe.py builds it. Default: two cases (one full, one LoRA; 2-5 s
@@ -90,19 +93,14 @@ def _plan(case) -> Plan:
     return Plan(precision=case.precision, autocast=case.plan_autocast, recompute=recompute, offload_activations="cpu")
 
 
-# Against TRL's own hooks (2026-11-29; offload_steps.TRL_MISSES: the same in runs with and without a reused address),
-# the emulation and the run equal to each other: not traced
-TRL_MISSES = {
-    "hfoffmoe-mixtral-lora-all-linear-fp32": "-266,132 B predicted (3,680,668 against 3,946,800 under TRL)",
-}
+# Against TRL's own hooks every case equals the run since 2026-11-29 (docs/accuracy.md, "TRL's offload over MoE and
+# MLA models traced against TRL's code"): the three that differed were TRL's ``record_stream`` branch (DeepSeek-V2 /
+# V3 under the checkpoint) and its contiguous clone (Mixtral's LoRA over all linears, whose figure also moves with
+# the allocator: offload_steps.ALLOCATOR_DEPENDENT)
 
 
 def _params(cases: list) -> list:
-    def marks(c) -> list:  # noqa: ANN001
-        miss = [pytest.mark.xfail(strict=True, reason=TRL_MISSES[c.name])] if c.name in TRL_MISSES else []
-        return ([pytest.mark.slow] if c.slow else []) + miss
-
-    return [pytest.param(c, id=c.name, marks=marks(c)) for c in cases]
+    return [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else []) for c in cases]
 
 
 @pytest.mark.parametrize("case", _params([*FULL, *LORA]))
@@ -130,10 +128,21 @@ def test_phi3s_fused_gate_up_halves_are_two_host_copies() -> None:
 
 
 def _ranks(case, kind: str, slow: bool = True):  # noqa: ANN001, ANN202
-    return pytest.param(case, kind, id=f"{case.name}-{kind}", marks=[pytest.mark.slow] if slow else [])
+    marks = [pytest.mark.slow] if slow else []
+    if case.name == "hfoffmoe-qwen3_moe-lora-experts-fp32" and kind in FSDP_CLONE_MISS:
+        marks.append(pytest.mark.xfail(strict=True, reason=FSDP_CLONE_MISS[kind]))
+    return pytest.param(case, kind, id=f"{case.name}-{kind}", marks=marks)
 
 
 BY_NAME = {c.name: c for c in [*FULL, *LORA]}
+# FSDP2's harness measures with the emulation (offload_steps.py), which since 2026-11-29 clones every non-contiguous or
+# offset save as TRL does; the run clones the saves it marks non-contiguous (``Tensor.transposed``, ``offset``), not
+# SDPA's query and log-sum-exp on CPU (contiguous in the run's account): 14,336 B less at rank 0's peak on both
+# (equal before, when neither cloned), not traced further (docs/accuracy.md, "Known misses")
+FSDP_CLONE_MISS = {
+    "zero3": "-14,336 B predicted (2,710,920 against 2,725,256 under the emulation's clone)",
+    "zero2": "-14,336 B predicted (2,776,456 against 2,790,792 under the emulation's clone)",
+}
 # FSDP2 under the fake process group (1-2 s a case), DDP over two gloo ranks (40-70 s): rank 0's peak
 RANKS = [
     _ranks(BY_NAME["hfoffmoe-mixtral-fp32"], "zero3", slow=False),

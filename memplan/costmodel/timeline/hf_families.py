@@ -114,7 +114,7 @@ def split(tape: Tape, x: Tensor, sizes: tuple[int, ...], tag: str, strided: bool
 
 def chunk2(tape: Tape, x: Tensor, tag: str) -> tuple[Tensor, Tensor]:
     """``x.chunk(2, dim=-1)``: two views of one ``SplitBackward0`` (:func:`split` in two halves)."""
-    first, second = split(tape, x, (1, 1), tag, strided=False)
+    first, second = split(tape, x, (1, 1), tag)  # each half strided over x's rows
     return first, second
 
 

@@ -22,7 +22,8 @@ backward formulas are those of ``ops.py``; what differs from the bundled trainer
   transformers passes no ``enable_gqa`` when ``num_key_value_groups`` is 1), not yet checked on a GPU
   against transformers;
 - the loss is ``logits.float()``, labels padded by one (int64), ``labels[..., 1:].contiguous()``
-  (a copy when b > 1, saved by ``nll_loss``), ``cross_entropy(reduction="sum") / num_items``.
+  (a copy when b > 1, else the view itself, s labels at offset 1: TRL's offload clones it, ``hf_offload``; saved by
+  ``nll_loss``), ``cross_entropy(reduction="sum") / num_items``.
 
 On CPU the embedding's backward allocates the weight's gradient alone
 (``embedding_dense_backward_cpu``); on CUDA it is ``ops.embedding`` (sort buffers, traces).
@@ -471,7 +472,11 @@ class HfLlama:
         with t.scoped("loss"):
             f = ops.to(t, logits, 4, "logits_fp32", Category.LOGITS)
             pad = t.new(d.b * (d.s + 1), 8, "labels_pad")
-            target = t.new(d.tokens, 8, "shift_labels") if d.b > 1 else t.view(pad)
+            if d.b > 1:
+                target = t.new(d.tokens, 8, "shift_labels")
+            else:  # ``contiguous()`` of one row's ``[1:]`` returns the view: its s labels one element into the storage
+                target = t.view(pad, d.tokens)
+                target.offset = 1
             ls = ops.log_softmax(t, f)
             nll, weight = nll_loss(t, ls, target)
             t.done(ls)

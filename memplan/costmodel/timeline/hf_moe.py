@@ -239,7 +239,7 @@ class MoeBlock:
         for param, _ in lora.cfg.experts if lora is not None else ():
             key = f"{name}.{param}"
             out[key] = factors(self.tape, self.weights, key)
-            check(self.tape, self.weights[f"{key}.weight"], key)
+            check(self.tape, self.weights[f"{key}.weight"], key, out[key])
         return out
 
     def expert_weight(self: HfLlama, key: str, wrapped: dict[str, tuple[Tensor, Tensor]]) -> Tensor:

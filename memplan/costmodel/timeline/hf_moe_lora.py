@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from memplan.costmodel.timeline import ops
 from memplan.costmodel.timeline.autograd import Node, Tape, Tensor
+from memplan.costmodel.timeline.hf_offload import orphaned
 
 MLP = ("gate_proj", "up_proj", "down_proj")
 # the MoE families whose targets PEFT converts: all-linear to the experts and the router's weight, and on
@@ -77,8 +78,12 @@ def _view(tape: Tape, w: Tensor, copy_back: bool, tag: str) -> Tensor:
     return v
 
 
-def check(tape: Tape, w: Tensor, tag: str) -> None:
-    """``register_parametrization``'s evaluation of the new parametrization: a weight-sized ``baddbmm``, freed."""
+def check(tape: Tape, w: Tensor, tag: str, saved: tuple[Tensor, ...] = ()) -> None:
+    """``register_parametrization``'s evaluation of the new parametrization: a weight-sized result, freed (the
+    experts' ``baddbmm``, whose node saves the factors, ``saved``, and dies with it: under TRL's hooks packs never
+    unpacked, ``hf_offload.orphaned``; the router's ``W + delta`` saves nothing)."""
+    for f in saved:
+        orphaned(tape, f)
     tape.drop(tape.new(w.numel, w.itemsize, f"{tag}.parametrization_check"))
 
 
@@ -122,7 +127,7 @@ def router_delta(
         grad_a = tape.new(a.numel, g[0].itemsize, "grad_A")
         return [tape.new(b.numel, g[0].itemsize, "grad_B"), grad_a]
 
-    node = tape.node(f"{name}.delta_mm", apply, [b, a], saved=[b, a])  # the operands: autocast's casts are kept
+    node = tape.node(f"{name}.delta_mm", apply, [b, a], saved=[a, b])  # mat2 packed first; autocast's casts kept
     prod = ops.result(tape, w.numel, b.itemsize, f"{name}.delta_mm", node)
     tape.done(a, b)
     scaled = ops.unary(tape, prod, f"{name}.delta_scaling")

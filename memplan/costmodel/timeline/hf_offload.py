@@ -17,9 +17,15 @@ What differs from ``save_on_cpu`` (``act_offload.py``):
   the rotary tables every layer saves are offloaded again once the first copy's original left the stash;
 - a broadcast save (an ``expand``: ``repeat_kv`` of one KV head) is copied as its storage alone, and brought back
   as that under an ``as_strided`` view (``has_broadcast``: :func:`_stored`);
-- a save of a node that dies in the forward (DeepSeek-V3's router) is packed and never unpacked: its host
-  copy stays until the next step's ``__enter__`` clears TRL's tracker (:func:`orphaned`,
-  :meth:`TrlOffload.end_of_step`);
+- an offloaded save that is not contiguous, or a view at an offset (a transposed weight ``mm`` or ``grouped_mm``
+  saves that is no parameter: PEFT's parametrized expert or router weight; the halves of a ``chunk(2)``), is first
+  cloned contiguous (``pack_tensor``'s ``clone(memory_format=torch.contiguous_format)`` / ``contiguous()``, before
+  the stash is trimmed): the clone is copied out and stashed, the original not held, its key still the original's
+  (a later tensor at the original's freed address would take it: the allocator's, not followed; tests/accuracy/
+  offload_steps.py's ``ALLOCATOR_DEPENDENT``);
+- a save of a node that dies in the forward (DeepSeek-V3's router, ``register_parametrization``'s check of PEFT's
+  expert factors) is packed and never unpacked: its host copy stays until the next step's ``__enter__`` clears
+  TRL's tracker (:func:`orphaned`, :meth:`TrlOffload.end_of_step`);
 - an offloaded save's original stays alive in the forward stash while it is among the last
   ``max_fwd_stash_size`` (5) saves; an unpack of a stashed one hands back the original, no copy;
 - an unpacked copy is held (``bwd_tensor_stash``) until the next node that unpacks an offloaded save
@@ -61,6 +67,7 @@ if TYPE_CHECKING:
 
 MIN_OFFLOAD_BYTES = 1024  # min_offload_size
 FWD_STASH = 5  # max_fwd_stash_size
+CLONE = "trl_contiguous_clone"  # pack_tensor's ``activation.clone(memory_format=torch.contiguous_format)``
 
 
 class TrlPacked(Packed):
@@ -131,11 +138,17 @@ class TrlOffload:
             return t if t.st.managed else tape.hold(t)
         stored = _stored(tape, t)
         self.host_bytes += stored * t.itemsize
+        # a non-contiguous save, or a view at an offset, that is no broadcast is first cloned contiguous (before
+        # the stash is trimmed): the clone is copied out and stashed, the original not held (its key is still the
+        # original's)
+        clone = stored == t.numel and (t.transposed or t.offset)
+        stashed = tape.new(t.numel, t.itemsize, CLONE) if clone else tape.hold(t)
+        stashed.fn = t.fn
         self.host_peak = max(self.host_peak, self.host_bytes)
         for old in [k for k in self.stash if k <= ident - FWD_STASH]:
             tape.drop(self.stash.pop(old))
             self._untrack(old)
-        self.stash[ident] = tape.hold(t)
+        self.stash[ident] = stashed
         self._track(key, ident)
         return TrlPacked(stored, t.itemsize, self, t.fn, ident=ident, shown=t.numel)
 
