@@ -137,9 +137,19 @@ def _mistral(cfg: Config) -> dict[str, Any]:
     fields = _llama_like(
         cfg, "mistral", qkv_bias=False, tied_default=False, kv_heads_default=8, positions_default=4096 * 32
     )
-    window = cfg.get("sliding_window", 4096)
+    window = _window(cfg, 4096)
     fields.update(attention_pattern=("sliding",) if window is not None else (), sliding_window=window)
     return fields
+
+
+def _window(cfg: Config, default: int | None) -> int | None:
+    """Mistral's and Mixtral's ``sliding_window``: an integer or null, as their configs type it (``int | None``:
+    transformers 5.23's strict dataclass validation refuses a string or a bool); a window of 0 or less the
+    ModelSpec refuses (no key is seen)."""
+    window = cfg.get("sliding_window", default)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise _bad("sliding_window", f"expected an integer number of keys or null, got {window!r}")
+    return window
 
 
 def _qwen_sliding(cfg: Config, num_layers: int) -> dict[str, Any]:
@@ -161,9 +171,15 @@ def _qwen2(cfg: Config) -> dict[str, Any]:
 
 
 def _mixtral(cfg: Config) -> dict[str, Any]:
+    """MixtralConfig (transformers 5.23 configuration_mixtral.py: ``sliding_window: int | None = None``): Mistral's
+    layer with the sparse block; the window the file sets (null in Mixtral-8x7B's), none where the key is absent,
+    on every layer as Mistral's (``MixtralModel.forward``, modeling_mixtral.py:443: one mask,
+    ``create_sliding_window_causal_mask`` when the window is set; ``MixtralAttention`` passes it to the kernel)."""
     fields = _llama_like(
         cfg, "mixtral", qkv_bias=False, tied_default=False, kv_heads_default=8, positions_default=4096 * 32
     )
+    window = _window(cfg, None)
+    fields.update(attention_pattern=("sliding",) if window is not None else (), sliding_window=window)
     fields["moe"] = MoESpec(
         num_experts=cfg.get("num_local_experts", 8),
         top_k=cfg.get("num_experts_per_tok", 2),

@@ -684,6 +684,24 @@ def test_trace_file_that_is_not_one(tmp_path):
         (["--lora-dora"], "--lora-dora", "only meaningful with finetune: lora or qlora"),
         (["--finetune", "lora", "--lora-dora", "--runtime", "memplan"], "--lora-dora", "--runtime hf or hf-loop alone"),
         (["--finetune", "lora", "--quant", "int8", "--lora-dora", "--runtime", "hf"], "--lora-dora", "LLM.int8"),
+        # under the Trainer's FSDP2 DoRA is followed (test_timeline_hf_dora_fsdp.py); activation offload is not
+        (
+            [
+                "--finetune",
+                "lora",
+                "--lora-dora",
+                "--runtime",
+                "hf",
+                "--gpus",
+                "2",
+                "--zero",
+                "3",
+                "--offload-activations",
+                "cpu",
+            ],
+            "--lora-dora",
+            "PEFT's DoRA over activation offload",
+        ),
         (["--finetune", "lora", "--lora-targets", "q_proj,,v_proj"], "--lora-targets", "empty name"),
         (["--finetune", "lora", "--lora-targets", "all-linear,q_proj"], "--lora-targets", "give it alone"),
         (["--finetune", "lora", "--lora-targets", "q_proj,q_proj"], "--lora-targets", "named twice"),
@@ -751,6 +769,8 @@ def test_validate_refuses_offload_the_trainer_does_not_run_in_one_line(tmp_path)
         # LoRA over an MoE model: the Trainer's op-level run alone answers it (one rank, DDP or FSDP)
         ("mixtral-8x7b", ["--runtime", "memplan"], "--finetune", "an MoE model"),
         ("mixtral-8x7b", ["--lora-targets", "up_proj"], "--lora-targets", "matches no module of Mixtral"),
+        # DoRA over an MoE model, on one rank or under the Trainer's FSDP2: followed over the dense families alone
+        ("mixtral-8x7b", ["--lora-dora", "--gpus", "2", "--zero", "3"], "--finetune", "DoRA over the mixtral family"),
     ],
 )
 def test_adapters_that_name_no_module_of_the_model(tmp_path, model, args, flag, reason):
@@ -774,6 +794,10 @@ def _hf(name: str) -> dict:
         ("qwen3-8b", {"hidden_act": "swiglu"}, "hidden_act", "Input should be"),
         ("deepseek-v3", {"moe_layer_freq": 2}, "moe_layer_freq", "only 1"),
         ("phi3-mini", {"attention_bias": True}, "attention_bias", "without biases"),
+        # Mixtral's window as Mistral's: an int or null (transformers' strict config), more than 0 keys
+        ("mixtral-8x7b", {"sliding_window": 0}, "sliding_window", "greater than 0"),
+        ("mixtral-8x7b", {"sliding_window": "4096"}, "sliding_window", "an integer number of keys or null"),
+        ("mixtral-8x7b", {"sliding_window": True}, "sliding_window", "an integer number of keys or null"),
     ],
 )
 def test_hf_family_value_not_modelled(tmp_path, name, changes, field, reason):

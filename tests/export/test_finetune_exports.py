@@ -56,6 +56,11 @@ GRID = [
     (dict(gpus=8, zero=2, finetune="lora", precision="fp16-master", optimizer="adamw-8bit", quant="int8"), {}),
     (dict(gpus=16, zero=3, finetune="qlora", precision="bf16-mixed", recompute="full"), {"sharding": "fsdp"}),
     (dict(gpus=8, zero=2, finetune="lora", precision="fp32", attention="eager"), {"sharding": "fsdp"}),
+    # DoRA and QDoRA under FSDP2 (tests/unit/test_timeline_hf_dora_fsdp.py): use_dora / peft_use_dora with fsdp
+    (dict(gpus=8, zero=3, finetune="lora", lora_dora=True, precision="bf16-mixed", recompute="full"),
+     {"sharding": "fsdp"}),
+    (dict(gpus=8, zero=2, finetune="qlora", lora_dora=True, precision="bf16-mixed", recompute="full"),
+     {"sharding": "fsdp"}),
     (dict(gpus=8, zero=3, finetune="lora", precision="bf16-mixed", offload_optimizer="cpu", offload_params="cpu"),
      {"sharding": "fsdp"}),
     (dict(gpus=2, finetune="lora", precision="bf16", optimizer="sgd", offload_activations="cpu"), {}),

@@ -201,7 +201,6 @@ def test_dora_is_never_answered_as_lora() -> None:
         (dict(finetune="lora", quant="int8"), "hf", "LLM.int8"),
         (dict(finetune="lora"), "memplan", "--runtime hf or hf-loop alone"),
         (dict(finetune="lora", offload_activations="cpu"), "hf", "activation offload"),
-        (dict(finetune="lora", dp=2, zero=3), "hf", "the Trainer's FSDP2"),
     ]:
         with pytest.raises(MemplanError) as err:
             estimate("llama3-8b", {**plan, "lora_dora": True}, {"seq_len": 512}, runtime=runtime, device="cpu")

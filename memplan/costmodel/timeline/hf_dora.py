@@ -35,9 +35,10 @@ its bf16 cast under autocast; ``lora_B``'s saving ``lora_A``'s output and ``B.t(
 and goes with ``lora_weight`` when the forward returns (:class:`DeadSaves`). The magnitude's gradient comes
 through the division (``grad / weight_norm``), summed down from the two products (``validate_outputs``).
 Over a 4-bit base (QDoRA) ``lora.bnb.Linear4bit.forward`` clones the base's result first and ``W`` is
-dequantized in each forward (:func:`_dequantize`). Not followed (``hf_support._dora_reason``): an LLM.int8
-base, FSDP2, saved-tensor hooks (activation offload). Checked on CPU against the real Trainer and loop, to the
-byte: tests/unit/test_timeline_hf_dora.py.
+dequantized in each forward (:func:`_dequantize`). Under the Trainer's FSDP2 the magnitude is one more parameter of
+its layer's group (``hf_fsdp.peft_shapes``) and ``W`` the group's unsharded weight. Not followed
+(``hf_support._dora_reason``): an LLM.int8 base, saved-tensor hooks (activation offload). Checked on CPU against the
+real Trainer and loop, to the byte: tests/unit/test_timeline_hf_dora.py, test_timeline_hf_dora_fsdp.py.
 """
 
 from __future__ import annotations

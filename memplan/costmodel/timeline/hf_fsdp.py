@@ -310,7 +310,8 @@ def _groups(shapes: dict[str, tuple[int, int]], layers: int, reshard: bool, tied
 
 def peft_shapes(shapes: dict[str, tuple[int, int]], lora) -> dict[str, tuple[int, int]]:  # noqa: ANN001 - an HfLora
     """The base's parameters with each targeted linear's ``lora_A`` (r x in) and ``lora_B`` (out x r)
-    after its weight, as ``LoraLayer`` registers them after ``base_layer``; over an MoE block's 3-D experts
+    after its weight, as ``LoraLayer`` registers them after ``base_layer``, and DoRA's ``lora_magnitude_vector``
+    (out, fp32: a vector sharded on its one dim) after ``lora_B``; over an MoE block's 3-D experts
     PEFT's ``ParamWrapper`` adapters (``hf_moe_lora.py``: over (E, n, k), ``lora_A`` (r E x k) and ``lora_B``
     (n x r E), 2-D parameters chunked on their own dim 0) after both experts' parameters, the innermost
     wrapper's first (``named_parameters()``: ``experts.base_layer.base_layer.down_proj``, then
@@ -329,4 +330,6 @@ def peft_shapes(shapes: dict[str, tuple[int, int]], lora) -> dict[str, tuple[int
         elif name.endswith(".weight") and (lora.targeted(module) or (lora.cfg.router and module.endswith(".mlp.gate"))):
             out[f"{module}.lora_A.weight"] = (r, cols)
             out[f"{module}.lora_B.weight"] = (rows, r)
+            if lora.cfg.dora:  # DoRA's magnitude (``lora_magnitude_vector``, registered after lora_B): a vector
+                out[f"{module}.lora_magnitude_vector.weight"] = (rows, 1)
     return out

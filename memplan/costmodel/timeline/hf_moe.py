@@ -75,6 +75,7 @@ from memplan.costmodel.timeline.hf_moe_ops import (
     sort,
     topk,
 )
+from memplan.costmodel.timeline.hf_sliding import SlidingWindow
 
 OFFSET = 4  # histc's fp32 (CPU) or int32 (CUDA) counts, cumsum's int32 offsets
 
@@ -251,8 +252,10 @@ class MoeBlock:
         return parametrized(self.tape, w, *wrapped[key], f"{key}.baddbmm")
 
 
-class HfMixtral(MoeBlock, HfLlama):
-    """``MixtralForCausalLM``: Mistral's layer with the sparse block."""
+class HfMixtral(SlidingWindow, MoeBlock, HfLlama):
+    """``MixtralForCausalLM``: Mistral's layer with the sparse block, under its window's mask where the config sets
+    one and the sequence reaches it (``hf_sliding.py``, as Mistral's: ``MixtralModel.forward`` builds one mask with
+    ``create_sliding_window_causal_mask``, modeling_mixtral.py:443)."""
 
 
 class HfQwen3Moe(MoeBlock, HfQwen3):
@@ -296,6 +299,8 @@ def moe_config(model, gpu_arch=None) -> dict:
         "sm90": gpu_arch is None or gpu_arch.major in (9, 10),
         "shared_ffn": moe.shared_ffn_size if moe.num_shared_experts else 0,
         "dense": tuple(i for i in range(model.num_layers) if not model.is_moe_layer(i)),
+        # Mixtral's window (hf_sliding.SlidingWindow reads it): every layer sliding, as Mistral's
+        **({"kinds": model.layer_attention_kinds, "window": model.sliding_window} if model.sliding_window else {}),
     }
 
 

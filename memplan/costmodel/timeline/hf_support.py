@@ -145,11 +145,11 @@ EAGER = ("gemma2",)
 # builds for it) followed on these families, on CPU and on CUDA (the same ops: no kernel choice); MLA's is its own
 EAGER_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 # under eager attention a window is in the mask at any length: the families whose sliding masks are followed
-EAGER_WINDOWS = ("mistral", "qwen2", "phi3", "gemma3")
+EAGER_WINDOWS = ("mistral", "qwen2", "phi3", "gemma3", "mixtral")
 # families whose sliding layers, with a window the sequence does not reach, run as full causal ones:
 # masking_utils._ignore_causal_mask_sdpa skips the mask (kv_length < window), SDPA runs is_causal; past
 # the window, on CPU (and on CUDA where sliding_cuda_ok), SDPA with the mask (hf_sliding.py), under either runtime
-WINDOW_SKIPPED = ("mistral", "qwen2", "phi3", "gemma3")
+WINDOW_SKIPPED = ("mistral", "qwen2", "phi3", "gemma3", "mixtral")
 
 
 def _layout(model: ModelSpec) -> tuple:
@@ -388,16 +388,16 @@ DORA_FAMILIES = DENSE_FAMILIES
 
 def _dora_reason(model: ModelSpec, plan: Plan) -> str | None:
     """What of a DoRA plan (``lora_dora``) the run does not follow, or None: it follows PEFT's DoRA adapters over
-    a 16-bit or 4-bit base of the dense families, on one rank or under DDP, under the Trainer's optimizers, with or
-    without either of torch's checkpoints (``hf_dora.py``; tests/unit/test_timeline_hf_dora.py). The phase model has
-    no DoRA: what is named here is refused, never answered as plain LoRA (``costmodel.reserve.run_only``)."""
+    a 16-bit or 4-bit base of the dense families, on one rank, under DDP or under the Trainer's FSDP2 (the
+    magnitudes sharded and gathered with their layer's adapters, ``hf_fsdp.peft_shapes``), under the Trainer's
+    optimizers, with or without either of torch's checkpoints (``hf_dora.py``; tests/unit/test_timeline_hf_dora.py,
+    test_timeline_hf_dora_fsdp.py). The phase model has no DoRA: what is named here is refused, never answered as
+    plain LoRA (``costmodel.reserve.run_only``)."""
     why = None
     if model.architecture not in DORA_FAMILIES:
         why = f"the {model.architecture} family (followed over {', '.join(DORA_FAMILIES)})"
     elif plan.quant == "int8":
         why = "an LLM.int8 base (followed over a 4-bit one)"
-    elif plan.dp > 1 and plan.zero >= 2:
-        why = "the Trainer's FSDP2 (followed on one rank and under DDP)"
     elif plan.offload_activations != "none":
         why = "activation offload"
     return None if why is None else f"PEFT's DoRA over {why}"
