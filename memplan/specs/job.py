@@ -366,8 +366,9 @@ def _moe_targets_refused(model: ModelSpec, plan: Plan, name: str) -> None:
 def _param_wrapper_refused(model: ModelSpec, plan: Plan, name: str) -> None:
     """What PEFT 0.21.2 itself raises on where it wraps parameters (Mixtral's and Qwen3-MoE's experts and
     routers): gate_proj without up_proj or the reverse (``_convert_peft_config_moe``: fused in
-    ``gate_up_proj``), and dropout (``ParamWrapper.update_layer``)."""
+    ``gate_up_proj``), dropout and DoRA (``ParamWrapper.__init__``)."""
     from memplan.costmodel.lora import ATTENTION
+    from memplan.costmodel.timeline.hf_support import DORA_PARAM_WRAPPER
 
     mlp = set(plan.lora_targets) - set(ATTENTION)
     if model.architecture not in ("mixtral", "qwen3-moe") or not mlp:
@@ -383,4 +384,10 @@ def _param_wrapper_refused(model: ModelSpec, plan: Plan, name: str) -> None:
             f"lora_dropout {plan.lora_dropout} with adapters on the experts of {name}: PEFT 0.21's ParamWrapper "
             "raises (dropout cannot be factored out of a weight's delta); use 0",
             field="plan.lora_dropout",
+        )
+    if plan.lora_dora:  # ParamWrapper.__init__, after its dropout check
+        raise MemplanError(
+            f"lora_dora with adapters on the experts of {name}: PEFT 0.21 raises ({DORA_PARAM_WRAPPER}); DoRA is "
+            "modelled on the attention linears (q/k/v/o_proj) of this family",
+            field="plan.lora_dora",
         )

@@ -769,8 +769,21 @@ def test_validate_refuses_offload_the_trainer_does_not_run_in_one_line(tmp_path)
         # LoRA over an MoE model: the Trainer's op-level run alone answers it (one rank, DDP or FSDP)
         ("mixtral-8x7b", ["--runtime", "memplan"], "--finetune", "an MoE model"),
         ("mixtral-8x7b", ["--lora-targets", "up_proj"], "--lora-targets", "matches no module of Mixtral"),
-        # DoRA over an MoE model, on one rank or under the Trainer's FSDP2: followed over the dense families alone
-        ("mixtral-8x7b", ["--lora-dora", "--gpus", "2", "--zero", "3"], "--finetune", "DoRA over the mixtral family"),
+        # DoRA where PEFT wraps the experts and the router (lora.ParamWrapper): PEFT raises, and so does memplan
+        (
+            "mixtral-8x7b",
+            ["--lora-dora", "--lora-targets", "all-linear"],
+            "--lora-dora",
+            "PEFT 0.21 raises (lora.ParamWrapper does not work with use_dora=True)",
+        ),
+        (
+            "qwen3-30b-a3b",
+            ["--lora-dora", "--lora-targets", "q_proj,gate_proj,up_proj", "--gpus", "2", "--zero", "3"],
+            "--lora-dora",
+            "lora.ParamWrapper does not work with use_dora=True",
+        ),
+        # DoRA over an LLM.int8 MoE base: PEFT's own run fails on CPU (hf_support.DORA_INT8)
+        ("mixtral-8x7b", ["--lora-dora", "--quant", "int8", "--device", "cpu"], "--finetune", "DoRA over an LLM.int8"),
     ],
 )
 def test_adapters_that_name_no_module_of_the_model(tmp_path, model, args, flag, reason):

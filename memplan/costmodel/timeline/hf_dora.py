@@ -36,9 +36,11 @@ and goes with ``lora_weight`` when the forward returns (:class:`DeadSaves`). The
 through the division (``grad / weight_norm``), summed down from the two products (``validate_outputs``).
 Over a 4-bit base (QDoRA) ``lora.bnb.Linear4bit.forward`` clones the base's result first and ``W`` is
 dequantized in each forward (:func:`_dequantize`). Under the Trainer's FSDP2 the magnitude is one more parameter of
-its layer's group (``hf_fsdp.peft_shapes``) and ``W`` the group's unsharded weight. Not followed
-(``hf_support._dora_reason``): an LLM.int8 base, saved-tensor hooks (activation offload). Checked on CPU against the
-real Trainer and loop, to the byte: tests/unit/test_timeline_hf_dora.py, test_timeline_hf_dora_fsdp.py.
+its layer's group (``hf_fsdp.peft_shapes``) and ``W`` the group's unsharded weight. Over the MoE and MLA families the
+same adapters wrap the ``nn.Linear`` the LoRA runs follow (PEFT gives its ``ParamWrapper`` no DoRA). Not followed
+(``hf_support._dora_reason``): an LLM.int8 base (PEFT's own run fails on CPU), saved-tensor hooks (activation
+offload). Checked on CPU against the real Trainer and loop, to the byte: tests/unit/test_timeline_hf_dora.py,
+test_timeline_hf_dora_fsdp.py, test_timeline_hf_dora_moe.py.
 """
 
 from __future__ import annotations

@@ -382,8 +382,16 @@ def _dense_lora_ok(model: ModelSpec, plan: Plan) -> bool:
     return bool(model_targets(model, plan.lora_targets)) and set(plan.lora_targets) <= names
 
 
-# PEFT's DoRA (hf_dora.py) as tests/unit/test_timeline_hf_dora.py checks it against the real Trainer and loop
-DORA_FAMILIES = DENSE_FAMILIES
+# PEFT's DoRA (hf_dora.py) as tests/unit/test_timeline_hf_dora.py checks it against the real Trainer and loop; over
+# the MoE and MLA families on their nn.Linear adapters (tests/unit/test_timeline_hf_dora_moe.py)
+DORA_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
+# PEFT 0.21.2 on a 3-D expert or router parameter (lora.ParamWrapper.__init__) and on an LLM.int8 base over CPU
+DORA_PARAM_WRAPPER = "lora.ParamWrapper does not work with use_dora=True"
+DORA_INT8 = (
+    "an LLM.int8 base (PEFT 0.21.2's own run fails on CPU: DoRA's dequantize_module_weight re-wraps the weight "
+    "with module.weight.to('cpu'), a new Int8Params without its SCB, and the layer's next forward reads None in "
+    "bitsandbytes' MatMul8bitFp; on CUDA not checked)"
+)
 
 
 def _dora_reason(model: ModelSpec, plan: Plan) -> str | None:
@@ -391,13 +399,19 @@ def _dora_reason(model: ModelSpec, plan: Plan) -> str | None:
     a 16-bit or 4-bit base of the dense families, on one rank, under DDP or under the Trainer's FSDP2 (the
     magnitudes sharded and gathered with their layer's adapters, ``hf_fsdp.peft_shapes``), under the Trainer's
     optimizers, with or without either of torch's checkpoints (``hf_dora.py``; tests/unit/test_timeline_hf_dora.py,
-    test_timeline_hf_dora_fsdp.py). The phase model has no DoRA: what is named here is refused, never answered as
-    plain LoRA (``costmodel.reserve.run_only``)."""
+    test_timeline_hf_dora_fsdp.py); over Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V2 or V3 wherever the LoRA run
+    follows the plan (a 4-bit base where :func:`_quant_moe_ok` takes it), on the ``nn.Linear`` adapters PEFT gives
+    DoRA (the frozen experts as under LoRA; tests/unit/test_timeline_hf_dora_moe.py). PEFT itself raises on DoRA
+    where it wraps parameters (Mixtral's and Qwen3-MoE's experts and routers; ``specs.job._param_wrapper_refused``
+    says so first). The phase model has no DoRA: what is named here is refused, never answered as plain LoRA
+    (``costmodel.reserve.run_only``)."""
     why = None
     if model.architecture not in DORA_FAMILIES:
         why = f"the {model.architecture} family (followed over {', '.join(DORA_FAMILIES)})"
     elif plan.quant == "int8":
-        why = "an LLM.int8 base (followed over a 4-bit one)"
+        why = DORA_INT8
+    elif model.architecture in ("mixtral", "qwen3-moe") and set(plan.lora_targets) - set(ATTENTION):
+        why = f"the experts and routers PEFT wraps in its ParamWrapper (PEFT 0.21.2 raises: {DORA_PARAM_WRAPPER})"
     elif plan.offload_activations != "none":
         why = "activation offload"
     return None if why is None else f"PEFT's DoRA over {why}"
