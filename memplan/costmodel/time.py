@@ -16,7 +16,7 @@ Every constant below is an assumption with its source; a calibration per GPU pro
 (measured / predicted step time from ``memplan tune --validate``) scales the result.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from functools import lru_cache
 from operator import attrgetter
 from typing import NamedTuple
@@ -33,6 +33,7 @@ from memplan.costmodel.optimizer import is_paged, paged_residency, state_bytes_p
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.rank import gradient_accumulation, sdpa_kind
 from memplan.costmodel.runtimes import RUNTIMES
+from memplan.records import record
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -583,7 +584,7 @@ OPTIMIZER_FIELDS = (
 _optimizer_fields = attrgetter(*OPTIMIZER_FIELDS)
 
 
-@dataclass(slots=True)
+@record(frozen=False, slots=True)
 class TimeMemo:
     """What the plans of one search share, for one model, GPU, cluster, efficiencies and
     runtime (``search.evaluate.Context`` owns one): one micro-batch's seconds on a stage, the
@@ -597,6 +598,22 @@ class TimeMemo:
     optimizer: dict[tuple, dict[str, float]] = field(default_factory=dict)  # _optimizer's step
     flops: dict[int, float] = field(default_factory=dict)  # training_flops_per_token by sequence length
     params: int | None = None  # total_params (its lru_cache hashes the model: ~1 us a plan)
+
+    def __init__(
+        self,
+        stages: dict[tuple, dict[str, float]] | None = None,
+        recompute_flops: dict[tuple, float] | None = None,
+        links: dict[tuple[int, int], Link] | None = None,
+        optimizer: dict[tuple, dict[str, float]] | None = None,
+        flops: dict[int, float] | None = None,
+        params: int | None = None,
+    ) -> None:  # written out: memplan.records
+        self.stages = {} if stages is None else stages
+        self.recompute_flops = {} if recompute_flops is None else recompute_flops
+        self.links = {} if links is None else links
+        self.optimizer = {} if optimizer is None else optimizer
+        self.flops = {} if flops is None else flops
+        self.params = params
 
     def total_params(self, model: ModelSpec) -> int:
         if self.params is None:
