@@ -146,6 +146,7 @@ LAZY = (
     "memplan.costmodel.timeline.autograd",
     "memplan.costmodel.timeline.fsdp",
     "memplan.viz",
+    "memplan.search.calibration",  # only when a calibration file exists
 )
 FITTING_SCRIPT = textwrap.dedent(
     """
@@ -158,12 +159,13 @@ FITTING_SCRIPT = textwrap.dedent(
         args = ["estimate", "llama3-8b", "--gpus", "8", "--pp", "2", "--zero", "1", "--format", "json"]
         code = memplan.cli.app.run(args)
     result = json.loads(out.getvalue())
+    loaded = sorted(m for m in LAZY if m in sys.modules)
     from memplan.search.calibration import Calibration, ProfileCalibration
     from memplan.specs.workload import InferenceWorkload
     print(json.dumps({
         "code": code, "err": err.getvalue(), "fits": result["fits"],
         "timeline": result["memory"]["peak"]["reserved_detail"]["timeline"],
-        "loaded": sorted(m for m in LAZY if m in sys.modules),
+        "loaded": loaded,
         "built": sorted(c.__name__ for c in (Calibration, ProfileCalibration, InferenceWorkload)
                         if c.__pydantic_complete__),
     }))
@@ -286,6 +288,34 @@ def test_the_process_leaves_with_its_output_and_its_exit_code():
                              env=env, timeout=60)  # fmt: skip
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "tp x pp x cp = 3" in bad.stderr, bad.stderr
         assert bad.stdout == ("clean-up ran \n" if mode == "register" else "")
+
+
+KEPT_SCRIPT = textwrap.dedent(
+    """
+    import atexit, contextlib, io, sys
+    import memplan.cli.app as app
+    if sys.argv[1] == "run":  # as the tests call it: nothing held
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = app.run(["estimate", "llama3-8b", "--gpus", "8", "--zero", "3"])
+        print(code, app._KEPT)
+    else:
+        atexit.register(lambda: print("kept:", *sorted(type(o).__name__ for o in app._KEPT)))
+        sys.argv = ["memplan", "estimate", "llama3-8b", "--gpus", "8", "--zero", "3", "--format", "json"]
+        app.main()
+    """
+)
+
+
+def test_the_estimate_process_keeps_its_run_to_the_exit():
+    """Under ``main`` the estimate's job, result and run are held to the process's exit
+    (``app.keep_to_exit``: freed with its memory, not one by one as the command returns); ``run``
+    alone, as the tests call it, holds nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
+    for mode, expected in (("run", "0 None"), ("main", "kept: EstimateResult Job Timeline")):
+        proc = subprocess.run([sys.executable, "-c", KEPT_SCRIPT, mode], capture_output=True, text=True, env=env,
+                              timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1] == expected, (mode, proc.stdout[-200:])
 
 
 PLUGINS_SCRIPT = textwrap.dedent(
