@@ -112,12 +112,12 @@ class Timeline:
 
     def __init__(
         self,
-        raw: tuple[tuple, ...],
-        snapshots: tuple[Snapshot, ...] = (),
+        raw: "tuple[tuple, ...]",
+        snapshots: "tuple[Snapshot, ...]" = (),
         host_peak: int = 0,
         stage: int = 0,
         managed: int = 0,
-    ) -> None:  # written out: memplan.records
+    ) -> None:  # written out: memplan.records (annotations quoted: not evaluated at import)
         _set = object.__setattr__
         _set(self, "raw", raw)
         _set(self, "snapshots", snapshots)
@@ -207,14 +207,14 @@ class Builder:
 
     def __init__(
         self,
-        events: list[tuple] | None = None,
-        live: dict[int, tuple] | None = None,
-        snapshots: list[Snapshot] | None = None,
+        events: "list[tuple] | None" = None,
+        live: "dict[int, tuple] | None" = None,
+        snapshots: "list[Snapshot] | None" = None,
         _next: int = 0,
         _since: int = 0,
         _steady: bool = False,
-        mark_ids: list[int] | None = None,
-    ) -> None:  # written out: memplan.records
+        mark_ids: "list[int] | None" = None,
+    ) -> None:  # written out: memplan.records (annotations quoted: not evaluated at import)
         self.events = [] if events is None else events
         self.live = {} if live is None else live
         self.snapshots = [] if snapshots is None else snapshots
