@@ -147,6 +147,7 @@ LAZY = (
     "memplan.costmodel.timeline.fsdp",
     "memplan.viz",
     "memplan.search.calibration",  # only when a calibration file exists
+    "memplan.specs.hf",  # the config.json readers: only for a Hugging Face config
 )
 FITTING_SCRIPT = textwrap.dedent(
     """
@@ -349,3 +350,13 @@ def test_the_estimate_process_does_not_search_for_pydantic_plugins():
                               env={**env, **extra}, timeout=60)  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines()[-1] == expected, (args, extra, proc.stdout[-200:])
+
+
+def test_the_loader_tells_a_config_json_as_the_hf_readers_do():
+    """``specs.loader.is_hf_config`` (which spares a bundled profile's estimate the readers' import)
+    is ``specs.hf.is_hf_config``."""
+    from memplan.specs import hf, loader
+
+    for data in ({}, {"architectures": ["LlamaForCausalLM"]}, {"model_type": "llama"}, {"name": "x", "layers": 2},
+                 {"architectures": [], "model_type": ""}, {"hidden_size": 8}):  # fmt: skip
+        assert loader.is_hf_config(data) is hf.is_hf_config(data), data
