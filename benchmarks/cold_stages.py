@@ -55,9 +55,10 @@ def main() -> None:
         reserve.plan_run = _leave_after(reserve.plan_run)
     elif stage == "replayed":
         reserve.replay = _leave_after(reserve.replay)
-    from memplan.cli.app import _leave, run
+    from memplan.cli import app
 
-    _leave(run())
+    app._KEPT = []  # as main does for estimate: what the command made is held to the exit (app.keep_to_exit)
+    app._leave(app.run())
 
 
 if __name__ == "__main__":

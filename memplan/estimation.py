@@ -362,10 +362,19 @@ def weights_dtype(precision: str) -> str:
 
 
 def calibrated_efficiency(gpu: GPUSpec) -> Efficiency | None:
-    """The GPU profile's efficiencies scaled by its stored calibration, if any."""
-    from memplan.search.calibration import calibration_path, load_calibration
+    """The GPU profile's efficiencies scaled by its stored calibration, if any. Without a
+    calibration file (most users have none) the calibration's models are not imported (~3 M
+    instructions of a cold estimate)."""
+    from memplan.search.calibration_file import calibration_path
 
-    profile = load_calibration(calibration_path()).profiles.get(gpu.name)
+    path = calibration_path()
+    try:
+        path.stat()
+    except FileNotFoundError:  # what load_calibration reads as no calibration
+        return None
+    from memplan.search.calibration import load_calibration
+
+    profile = load_calibration(path).profiles.get(gpu.name)
     ratio = profile.step_time_ratio if profile is not None else None
     return Efficiency.for_gpu(gpu, calibration=ratio) if ratio else None
 

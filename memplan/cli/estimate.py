@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from memplan.cli.app import keep_to_exit
 from memplan.cli.common import HOST_MEMORY_HELP, warn
 from memplan.cli.options import GpusOpt, NodesOpt, PlanFileOpt
 from memplan.cli.planflags import PlanFlags, takes_plan_flags
@@ -93,6 +94,7 @@ def estimate(
         render(result, _console())
         if target is not None:
             Console().print(f"timeline: {target[0]} (the predicted run of rank {result.memory.peak.rank})")
+    keep_to_exit(job, result, run)  # freed with the process, not as this frame returns (cli.app)
 
 
 def _write_timeline(job: Job, result: EstimateResult, run: Timeline, which: str, path: Path, kind: str) -> None:

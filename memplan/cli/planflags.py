@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from copy import copy
 from typing import Annotated, Any, get_args, get_origin
 
+from typer.models import ParameterInfo
+
 from memplan.cli import options as o
 from memplan.specs.values import name_list
 
@@ -111,12 +113,23 @@ def takes_plan_flags(
             return command(**kwargs, flags=flags) if wants else command(**kwargs)
 
         run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-        run.__annotations__ = {p.name: p.annotation for p in params}
+        # typer takes an option's type and settings from the signature's ``Annotated[..., Option()]``
+        # and resolves ``__annotations__`` (``typing.get_type_hints``) only for a parameter without
+        # them, on each of its two reads of the signature a run: given only those, it no longer
+        # resolves ~50 options' annotations that it does not use (``typer.utils.get_params_from_function``;
+        # ~4.5 M instructions of a cold ``memplan estimate``, benchmarks/bench_estimate.py)
+        # (the shared flags are typer options by construction: PLAN_FLAGS)
+        run.__annotations__ = {p.name: p.annotation for p in own if not _typer_annotated(p.annotation)}
         run.plan_flags_excluded = excluded  # type: ignore[attr-defined]
         run.plan_flags_helps = helps  # type: ignore[attr-defined]
         return run
 
     return wrap
+
+
+def _typer_annotated(annotation: Any) -> bool:
+    """``Annotated[T, typer.Option(...)]`` or ``Annotated[T, typer.Argument(...)]``."""
+    return any(isinstance(a, ParameterInfo) for a in getattr(annotation, "__metadata__", ()))  # Annotated's extras
 
 
 def _default(name: str) -> Any:

@@ -34,6 +34,33 @@ class Shape:
     # cudnn or math; ``eager`` attention does not call SDPA
     sdpa: str = "flash"
 
+    def __init__(
+        self,
+        model: ModelSpec,
+        b: int,
+        s: int,
+        span: int,
+        t: int,
+        sp: bool,
+        d: int,
+        eager: bool,
+        dropout: bool,
+        autocast: bool = False,
+        sdpa: str = "flash",
+    ) -> None:  # written out: memplan.records
+        _set = object.__setattr__
+        _set(self, "model", model)
+        _set(self, "b", b)
+        _set(self, "s", s)
+        _set(self, "span", span)
+        _set(self, "t", t)
+        _set(self, "sp", sp)
+        _set(self, "d", d)
+        _set(self, "eager", eager)
+        _set(self, "dropout", dropout)
+        _set(self, "autocast", autocast)
+        _set(self, "sdpa", sdpa)
+
     @property
     def tokens(self) -> int:
         return self.b * self.s

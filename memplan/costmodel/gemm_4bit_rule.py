@@ -13,17 +13,11 @@ source's order: a pure function of (M, N, K, dtype, compute capability, SMs).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
+
+from memplan.costmodel.quant import CudaArch  # (multi_processor_count, major, minor)
 
 Dtype = Literal["bf16", "fp16", "fp32"]
-
-
-class CudaArch(NamedTuple):
-    """What ``_gpu_dispatch_props`` returns: (``multi_processor_count``, ``major``, ``minor``)."""
-
-    sms: int
-    major: int
-    minor: int
 
 
 def use_custom_cuda(m: int, n: int, k: int, dtype: Dtype, arch: CudaArch) -> bool:

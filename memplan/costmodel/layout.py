@@ -30,6 +30,27 @@ class StageLayout:
     largest_layer_params: int
     layer_params: int = 0  # the transformer layers' own params (no embedding, head, final norm)
 
+    def __init__(
+        self,
+        stage: int,
+        is_first: bool,
+        is_last: bool,
+        layers: int,
+        dense_params: int,
+        expert_params: int,
+        largest_layer_params: int,
+        layer_params: int = 0,
+    ) -> None:  # written out: memplan.records
+        _set = object.__setattr__
+        _set(self, "stage", stage)
+        _set(self, "is_first", is_first)
+        _set(self, "is_last", is_last)
+        _set(self, "layers", layers)
+        _set(self, "dense_params", dense_params)
+        _set(self, "expert_params", expert_params)
+        _set(self, "largest_layer_params", largest_layer_params)
+        _set(self, "layer_params", layer_params)
+
     @property
     def params(self) -> int:
         return self.dense_params + self.expert_params

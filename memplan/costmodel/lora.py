@@ -112,6 +112,19 @@ class LoraLayer:
     grad_out: bool  # the layer's output requires grad
     attention_kept: bool  # q, k or v requires grad: SDPA keeps its inputs and output
 
+    def __init__(
+        self,
+        per_token: int,
+        weight_copies: int,
+        grad_out: bool,
+        attention_kept: bool,
+    ) -> None:  # written out: memplan.records
+        _set = object.__setattr__
+        _set(self, "per_token", per_token)
+        _set(self, "weight_copies", weight_copies)
+        _set(self, "grad_out", grad_out)
+        _set(self, "attention_kept", attention_kept)
+
 
 def hf_layer(
     model: ModelSpec,

@@ -25,6 +25,25 @@ class PrecisionPolicy:
     compute_bytes: int
     fp8_matmuls: bool = False
 
+    def __init__(
+        self,
+        name: str,
+        param_bytes: int,
+        grad_bytes: int,
+        master_bytes: int,
+        state_bytes: int,
+        compute_bytes: int,
+        fp8_matmuls: bool = False,
+    ) -> None:  # written out: memplan.records
+        _set = object.__setattr__
+        _set(self, "name", name)
+        _set(self, "param_bytes", param_bytes)
+        _set(self, "grad_bytes", grad_bytes)
+        _set(self, "master_bytes", master_bytes)
+        _set(self, "state_bytes", state_bytes)
+        _set(self, "compute_bytes", compute_bytes)
+        _set(self, "fp8_matmuls", fp8_matmuls)
+
 
 POLICIES: dict[str, PrecisionPolicy] = {
     "fp32": PrecisionPolicy("fp32", 4, 4, 0, 4, 4),

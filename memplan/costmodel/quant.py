@@ -9,9 +9,7 @@ every non-quantized parameter to fp32.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from memplan.costmodel.gemm_4bit_rule import CudaArch, use_custom_cuda
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from memplan.specs.hardware import GPUSpec
@@ -29,6 +27,16 @@ SMALL_WEIGHT = 4 * 1024 * 1024  # ``_gemm_4bit_use_custom_cuda``'s small-weight 
 FUSED_MAX_M = 512  # its cap for other weights: over it dequantize + F.linear on every architecture
 FP32_FUSED_BELOW_M = 8  # fp32 (no MMA kernel): the fused SIMT kernel only under 8 rows
 DEQUANTIZE, FUSED = "dequantize", "fused"
+
+
+class CudaArch(NamedTuple):
+    """What ``_gpu_dispatch_props`` returns: (``multi_processor_count``, ``major``, ``minor``): what
+    ``gemm_4bit_rule.use_custom_cuda`` decides by. Here, not there, so that a plan without a 4-bit
+    base does not import the rule (every estimate reads its GPU's, :func:`cuda_arch`)."""
+
+    sms: int
+    major: int
+    minor: int
 
 
 def cuda_arch(gpu: GPUSpec | None) -> CudaArch | None:
@@ -58,6 +66,8 @@ def gemm_4bit_kernel(
     if tokens <= GEMM_4BIT_CUSTOM_FLOOR_M:
         return FUSED
     if arch is not None:
+        from memplan.costmodel.gemm_4bit_rule import use_custom_cuda  # the rule on a known GPU
+
         dtype = "fp32" if compute_bytes == 4 else "bf16"
         return FUSED if use_custom_cuda(tokens, out_features, in_features, dtype, arch) else DEQUANTIZE
     if compute_bytes == 4:

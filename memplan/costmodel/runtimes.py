@@ -53,6 +53,47 @@ class RuntimeProfile:
     # AdamW(fused=True): the step updates in place, without foreach's state-sized temporary
     fused_adamw: bool = False
 
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        layer: Callable[[Shape], int],
+        head: Callable[[Shape], int],
+        loss_forward: Callable[[Shape], int],
+        loss_backward: Callable[[Shape], int],
+        embedding: Callable[[Shape], int],
+        retained: Callable[[Shape, int, bool], int],
+        grads_persistent: bool,
+        master_grads_fp32: bool,
+        dropout: bool,
+        ddp_grad_copy: bool,
+        mlp_tensors: int,
+        autocast: bool,
+        pytorch_parallel: bool = False,
+        per_chunk: Callable[[Shape], int] | None = None,
+        dynamic_cache: bool = False,
+        fused_adamw: bool = False,
+    ) -> None:  # written out: memplan.records
+        _set = object.__setattr__
+        _set(self, "name", name)
+        _set(self, "description", description)
+        _set(self, "layer", layer)
+        _set(self, "head", head)
+        _set(self, "loss_forward", loss_forward)
+        _set(self, "loss_backward", loss_backward)
+        _set(self, "embedding", embedding)
+        _set(self, "retained", retained)
+        _set(self, "grads_persistent", grads_persistent)
+        _set(self, "master_grads_fp32", master_grads_fp32)
+        _set(self, "dropout", dropout)
+        _set(self, "ddp_grad_copy", ddp_grad_copy)
+        _set(self, "mlp_tensors", mlp_tensors)
+        _set(self, "autocast", autocast)
+        _set(self, "pytorch_parallel", pytorch_parallel)
+        _set(self, "per_chunk", per_chunk)
+        _set(self, "dynamic_cache", dynamic_cache)
+        _set(self, "fused_adamw", fused_adamw)
+
 
 def _vocab(x: Shape) -> int:
     return x.model.vocab_size

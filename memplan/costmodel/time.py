@@ -16,7 +16,7 @@ Every constant below is an assumption with its source; a calibration per GPU pro
 (measured / predicted step time from ``memplan tune --validate``) scales the result.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from functools import lru_cache
 from operator import attrgetter
 from typing import NamedTuple
@@ -25,7 +25,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from memplan.costmodel import lora as L
 from memplan.costmodel import params as P
-from memplan.costmodel import time_lora as Q
 from memplan.costmodel.activations import layer_matmul_widths
 from memplan.costmodel.flops import attention_flops_per_token, training_flops_per_token
 from memplan.costmodel.layout import stage_layer_indices
@@ -33,6 +32,7 @@ from memplan.costmodel.optimizer import is_paged, paged_residency, state_bytes_p
 from memplan.costmodel.precision import POLICIES
 from memplan.costmodel.rank import gradient_accumulation, sdpa_kind
 from memplan.costmodel.runtimes import RUNTIMES
+from memplan.records import record
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.model import ModelSpec
 from memplan.specs.plan import Plan
@@ -583,7 +583,7 @@ OPTIMIZER_FIELDS = (
 _optimizer_fields = attrgetter(*OPTIMIZER_FIELDS)
 
 
-@dataclass(slots=True)
+@record(frozen=False, slots=True)
 class TimeMemo:
     """What the plans of one search share, for one model, GPU, cluster, efficiencies and
     runtime (``search.evaluate.Context`` owns one): one micro-batch's seconds on a stage, the
@@ -597,6 +597,22 @@ class TimeMemo:
     optimizer: dict[tuple, dict[str, float]] = field(default_factory=dict)  # _optimizer's step
     flops: dict[int, float] = field(default_factory=dict)  # training_flops_per_token by sequence length
     params: int | None = None  # total_params (its lru_cache hashes the model: ~1 us a plan)
+
+    def __init__(
+        self,
+        stages: "dict[tuple, dict[str, float]] | None" = None,
+        recompute_flops: "dict[tuple, float] | None" = None,
+        links: "dict[tuple[int, int], Link] | None" = None,
+        optimizer: "dict[tuple, dict[str, float]] | None" = None,
+        flops: "dict[int, float] | None" = None,
+        params: "int | None" = None,
+    ) -> None:  # written out: memplan.records (annotations quoted: not evaluated at import)
+        self.stages = {} if stages is None else stages
+        self.recompute_flops = {} if recompute_flops is None else recompute_flops
+        self.links = {} if links is None else links
+        self.optimizer = {} if optimizer is None else optimizer
+        self.flops = {} if flops is None else flops
+        self.params = params
 
     def total_params(self, model: ModelSpec) -> int:
         if self.params is None:
@@ -850,6 +866,8 @@ def frozen_gemm_seconds(
     it), or for LLM.int8 the forward in int8 (``int8``) and the input gradient in the
     activations' dtype (``activation``). The LM head runs in the activations' dtype (fp32 over a
     quantized base), with its weight gradient only when it is a trained ``modules_to_save`` copy."""
+    from memplan.costmodel import time_lora as Q  # fine-tuning's only: not on a full estimate's import
+
     forward = layer / 3
     redo = recompute * layer
     if plan.quant == "int8":
@@ -874,6 +892,8 @@ def frozen_base_traffic_s(
     ``time_lora.ADAPTER_BYTES``, at the activations' dtype under autocast), bitsandbytes' casts around
     its matmuls (``quant_casts``) and its dequantizations (``dequant``), each under the plan's
     recomputation (the element-wise share for the kernels, the matmul share for dequantization)."""
+    from memplan.costmodel import time_lora as Q  # fine-tuning's only: not on a full estimate's import
+
     redo = 3 * extra.elementwise
     compute = POLICIES[plan.precision].compute_bytes
     # 4-bit weights dequantize to the dtype they were quantized from (the param dtype); int8 to the input's

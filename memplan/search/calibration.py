@@ -15,13 +15,14 @@ scales the predicted allocated peak by the peak ratio.
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memplan.errors import MemplanError
+from memplan.search.calibration_file import calibration_path  # noqa: F401 - where it was
 
 KEEP = 20  # runs kept per profile and kind
 
@@ -55,13 +56,6 @@ class Calibration(BaseModel):
 
     version: Literal[1] = 1
     profiles: dict[str, ProfileCalibration] = Field(default_factory=dict)
-
-
-def calibration_path(env: Mapping[str, str] = os.environ) -> Path:
-    """``$MEMPLAN_HOME/calibration.json``, else ``~/.cache/memplan/calibration.json``."""
-    home = env.get("MEMPLAN_HOME")
-    base = Path(home) if home else Path.home() / ".cache" / "memplan"
-    return base / "calibration.json"
 
 
 def load_calibration(path: Path) -> Calibration:

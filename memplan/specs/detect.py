@@ -53,6 +53,15 @@ class Device:
     name: str
     memory_bytes: int
 
+    def __init__(
+        self,
+        name: str,
+        memory_bytes: int,
+    ) -> None:  # written out: memplan.records
+        _set = object.__setattr__
+        _set(self, "name", name)
+        _set(self, "memory_bytes", memory_bytes)
+
 
 @record()
 class Probe:
@@ -61,6 +70,17 @@ class Probe:
     devices: tuple[Device, ...] = ()
     why: str = ""
     seconds: float = 0.0
+
+    def __init__(
+        self,
+        devices: tuple[Device, ...] = (),
+        why: str = "",
+        seconds: float = 0.0,
+    ) -> None:  # written out: memplan.records
+        _set = object.__setattr__
+        _set(self, "devices", devices)
+        _set(self, "why", why)
+        _set(self, "seconds", seconds)
 
 
 @record()
@@ -73,6 +93,19 @@ class AutoGPU:
     count: int
     note: str
     ref: str = AUTO
+
+    def __init__(
+        self,
+        spec: GPUSpec,
+        count: int,
+        note: str,
+        ref: str = AUTO,
+    ) -> None:  # written out: memplan.records
+        _set = object.__setattr__
+        _set(self, "spec", spec)
+        _set(self, "count", count)
+        _set(self, "note", note)
+        _set(self, "ref", ref)
 
 
 def probe() -> Probe:

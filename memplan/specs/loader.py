@@ -16,7 +16,6 @@ from pydantic import BaseModel, ValidationError
 import memplan.profiles
 from memplan.errors import MemplanError
 from memplan.specs.hardware import GPUSpec
-from memplan.specs.hf import READERS, hf_architecture, hf_key, hf_model_fields, is_hf_config
 from memplan.specs.model import ModelSpec
 
 M = TypeVar("M", bound=BaseModel)
@@ -26,7 +25,14 @@ _TYPE_ERRORS = {
     "list_type", "tuple_type",
 }  # fmt: skip
 NAME_LIMIT = 120  # characters of a file name or value a message shows (the rest elided)
-_FIELD_PREFIX = re.compile(r"^(?P<field>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*): ")
+# compiled at the first error that names a field (re's cache), not at every import (~1 M instructions)
+_FIELD_PREFIX = r"^(?P<field>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*): "
+
+
+def is_hf_config(data: dict) -> bool:
+    """``specs.hf.is_hf_config``, without importing the readers: a dict looks like a config.json
+    when it names architectures or a model_type."""
+    return "architectures" in data or "model_type" in data
 
 
 def _profiles_dir(kind: str) -> Path:
@@ -48,7 +54,7 @@ def validation_error(exc: ValidationError, source: str, prefix: str = "") -> Mem
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "value_error":
         # a model validator names the field it blames as a prefix: "offload_params: needs zero: 3"
-        named = _FIELD_PREFIX.match(msg)
+        named = re.match(_FIELD_PREFIX, msg)
         if named:
             loc = ".".join(p for p in (loc, named["field"]) if p)
             msg = msg[named.end() :]
@@ -186,6 +192,8 @@ def read_data(path: Path, bundled: bool = False) -> Any:
 def model_from_data(data: Any, source: str, default_name: str) -> ModelSpec:
     """A ModelSpec from a memplan model mapping or a Hugging Face config.json mapping."""
     if isinstance(data, dict) and is_hf_config(data):
+        from memplan.specs.hf import READERS, hf_architecture, hf_key, hf_model_fields
+
         try:
             arch = hf_architecture(data)
         except KeyError as exc:

@@ -56,6 +56,29 @@ class Job:
     warnings: tuple[str, ...] = ()  # legal but suspicious inputs (job.suspicious): one stderr line each
     gpu_note: str = ""  # --gpu auto: which GPU and why ("gpu h100-sxm (default: no GPU detected, ...)")
 
+    def __init__(
+        self,
+        model: ModelSpec,
+        workload: TrainingWorkload | InferenceWorkload,
+        plan: Plan,
+        gpu: GPUSpec,
+        cluster: ClusterSpec,
+        runtime: RuntimeName,
+        allocator: AllocatorConfig | None = None,
+        warnings: tuple[str, ...] = (),
+        gpu_note: str = "",
+    ) -> None:  # written out: memplan.records
+        _set = object.__setattr__
+        _set(self, "model", model)
+        _set(self, "workload", workload)
+        _set(self, "plan", plan)
+        _set(self, "gpu", gpu)
+        _set(self, "cluster", cluster)
+        _set(self, "runtime", runtime)
+        _set(self, "allocator", AllocatorConfig() if allocator is None else allocator)
+        _set(self, "warnings", warnings)
+        _set(self, "gpu_note", gpu_note)
+
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 

@@ -146,6 +146,8 @@ LAZY = (
     "memplan.costmodel.timeline.autograd",
     "memplan.costmodel.timeline.fsdp",
     "memplan.viz",
+    "memplan.search.calibration",  # only when a calibration file exists
+    "memplan.specs.hf",  # the config.json readers: only for a Hugging Face config
 )
 FITTING_SCRIPT = textwrap.dedent(
     """
@@ -158,12 +160,13 @@ FITTING_SCRIPT = textwrap.dedent(
         args = ["estimate", "llama3-8b", "--gpus", "8", "--pp", "2", "--zero", "1", "--format", "json"]
         code = memplan.cli.app.run(args)
     result = json.loads(out.getvalue())
+    loaded = sorted(m for m in LAZY if m in sys.modules)
     from memplan.search.calibration import Calibration, ProfileCalibration
     from memplan.specs.workload import InferenceWorkload
     print(json.dumps({
         "code": code, "err": err.getvalue(), "fits": result["fits"],
         "timeline": result["memory"]["peak"]["reserved_detail"]["timeline"],
-        "loaded": sorted(m for m in LAZY if m in sys.modules),
+        "loaded": loaded,
         "built": sorted(c.__name__ for c in (Calibration, ProfileCalibration, InferenceWorkload)
                         if c.__pydantic_complete__),
     }))
@@ -288,6 +291,34 @@ def test_the_process_leaves_with_its_output_and_its_exit_code():
         assert bad.stdout == ("clean-up ran \n" if mode == "register" else "")
 
 
+KEPT_SCRIPT = textwrap.dedent(
+    """
+    import atexit, contextlib, io, sys
+    import memplan.cli.app as app
+    if sys.argv[1] == "run":  # as the tests call it: nothing held
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = app.run(["estimate", "llama3-8b", "--gpus", "8", "--zero", "3"])
+        print(code, app._KEPT)
+    else:
+        atexit.register(lambda: print("kept:", *sorted(type(o).__name__ for o in app._KEPT)))
+        sys.argv = ["memplan", "estimate", "llama3-8b", "--gpus", "8", "--zero", "3", "--format", "json"]
+        app.main()
+    """
+)
+
+
+def test_the_estimate_process_keeps_its_run_to_the_exit():
+    """Under ``main`` the estimate's job, result and run are held to the process's exit
+    (``app.keep_to_exit``: freed with its memory, not one by one as the command returns); ``run``
+    alone, as the tests call it, holds nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
+    for mode, expected in (("run", "0 None"), ("main", "kept: EstimateResult Job Timeline")):
+        proc = subprocess.run([sys.executable, "-c", KEPT_SCRIPT, mode], capture_output=True, text=True, env=env,
+                              timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1] == expected, (mode, proc.stdout[-200:])
+
+
 PLUGINS_SCRIPT = textwrap.dedent(
     """
     import atexit, os, sys
@@ -319,3 +350,13 @@ def test_the_estimate_process_does_not_search_for_pydantic_plugins():
                               env={**env, **extra}, timeout=60)  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines()[-1] == expected, (args, extra, proc.stdout[-200:])
+
+
+def test_the_loader_tells_a_config_json_as_the_hf_readers_do():
+    """``specs.loader.is_hf_config`` (which spares a bundled profile's estimate the readers' import)
+    is ``specs.hf.is_hf_config``."""
+    from memplan.specs import hf, loader
+
+    for data in ({}, {"architectures": ["LlamaForCausalLM"]}, {"model_type": "llama"}, {"name": "x", "layers": 2},
+                 {"architectures": [], "model_type": ""}, {"hidden_size": 8}):  # fmt: skip
+        assert loader.is_hf_config(data) is hf.is_hf_config(data), data

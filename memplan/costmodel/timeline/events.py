@@ -110,6 +110,21 @@ class Timeline:
     # optimizer states, ``hf_bnb_optim.py``): in no event
     managed: int = 0
 
+    def __init__(
+        self,
+        raw: "tuple[tuple, ...]",
+        snapshots: "tuple[Snapshot, ...]" = (),
+        host_peak: int = 0,
+        stage: int = 0,
+        managed: int = 0,
+    ) -> None:  # written out: memplan.records (annotations quoted: not evaluated at import)
+        _set = object.__setattr__
+        _set(self, "raw", raw)
+        _set(self, "snapshots", snapshots)
+        _set(self, "host_peak", host_peak)
+        _set(self, "stage", stage)
+        _set(self, "managed", managed)
+
     @cached_property
     def events(self) -> tuple[Event, ...]:
         """The events as named tuples (:attr:`raw`'s, in order)."""
@@ -189,6 +204,24 @@ class Builder:
     _since: int = 0  # ``_next`` at the last phase:forward mark
     _steady: bool = False  # past the warm-up step's end mark
     mark_ids: list[int] = field(default_factory=list)  # ``_next`` at each mark (``repeat.py``)
+
+    def __init__(
+        self,
+        events: "list[tuple] | None" = None,
+        live: "dict[int, tuple] | None" = None,
+        snapshots: "list[Snapshot] | None" = None,
+        _next: int = 0,
+        _since: int = 0,
+        _steady: bool = False,
+        mark_ids: "list[int] | None" = None,
+    ) -> None:  # written out: memplan.records (annotations quoted: not evaluated at import)
+        self.events = [] if events is None else events
+        self.live = {} if live is None else live
+        self.snapshots = [] if snapshots is None else snapshots
+        self._next = _next
+        self._since = _since
+        self._steady = _steady
+        self.mark_ids = [] if mark_ids is None else mark_ids
 
     def alloc(self, size: int, category: Category, tag: str, stream: Stream = Stream.COMPUTE) -> int:
         """A new tensor of ``size`` bytes (nothing is recorded for an empty one); its id."""

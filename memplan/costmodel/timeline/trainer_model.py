@@ -11,18 +11,18 @@ the residual stream holds ``s / tp`` tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from memplan.costmodel.timeline import ops, qkv_bias
 from memplan.costmodel.timeline import precision as prec
 from memplan.costmodel.timeline import tensor_parallel as tpar
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
+from memplan.records import record
 from memplan.specs.model import ModelSpec
 from memplan.specs.workload import TrainingWorkload
 
 
-@dataclass(frozen=True)
+@record()
 class Dims:
     """One rank's shapes (elements) and dtypes (bytes per element)."""
 
@@ -45,6 +45,49 @@ class Dims:
     recompute_layers: int | None = None  # full: the first n layers only
     attention: str = "flash"  # SDPA kernel: flash, math (fp32 GQA on CUDA: precision.py), efficient; eager; triton
     qkv_bias: bool = False  # wq, wk, wv with biases (Qwen2: qkv_bias.py)
+
+    def __init__(
+        self,
+        b: int,
+        s: int,
+        h: int,
+        f: int,
+        q: int,
+        kv: int,
+        heads: int,
+        head_dim: int,
+        vocab: int,
+        layers: int,
+        tp: int = 1,
+        sp: bool = True,
+        cd: int = 2,
+        pd: int = 4,
+        autocast: bool = False,
+        recompute: str = "none",
+        recompute_layers: int | None = None,
+        attention: str = "flash",
+        qkv_bias: bool = False,
+    ) -> None:  # written out: memplan.records
+        _set = object.__setattr__
+        _set(self, "b", b)
+        _set(self, "s", s)
+        _set(self, "h", h)
+        _set(self, "f", f)
+        _set(self, "q", q)
+        _set(self, "kv", kv)
+        _set(self, "heads", heads)
+        _set(self, "head_dim", head_dim)
+        _set(self, "vocab", vocab)
+        _set(self, "layers", layers)
+        _set(self, "tp", tp)
+        _set(self, "sp", sp)
+        _set(self, "cd", cd)
+        _set(self, "pd", pd)
+        _set(self, "autocast", autocast)
+        _set(self, "recompute", recompute)
+        _set(self, "recompute_layers", recompute_layers)
+        _set(self, "attention", attention)
+        _set(self, "qkv_bias", qkv_bias)
 
     @classmethod
     def of(cls, model: ModelSpec, workload: TrainingWorkload, **rest: object) -> Dims:
@@ -113,7 +156,7 @@ def param_shapes(d: Dims, tied: bool) -> dict[str, tuple[int, int]]:
     return out
 
 
-@dataclass
+@record(frozen=False)
 class Model:
     """The tape, the dims, and where each parameter is: ``weights[name]`` the tensor a matmul
     uses (a parameter, or FSDP2's unsharded copy), ``cache`` the autocast weight casts."""
@@ -124,6 +167,22 @@ class Model:
     cache: dict[str, Tensor] | None = None  # autocast's cache of weight casts (None: no autocast)
     adapter: Callable[[Tensor, Tensor, str], Tensor] | None = None  # LoRA (lora.py): (x, out, weight) -> out
     base: Callable[[Tensor, str, int, str], Tensor | None] | None = None  # a 4-bit linear (quant.py) or None
+
+    def __init__(
+        self,
+        tape: Tape,
+        d: Dims,
+        weights: dict[str, Tensor],
+        cache: dict[str, Tensor] | None = None,
+        adapter: Callable[[Tensor, Tensor, str], Tensor] | None = None,
+        base: Callable[[Tensor, str, int, str], Tensor | None] | None = None,
+    ) -> None:  # written out: memplan.records
+        self.tape = tape
+        self.d = d
+        self.weights = weights
+        self.cache = cache
+        self.adapter = adapter
+        self.base = base
 
     # --- helpers -------------------------------------------------------------------------------
     def weight(self, name: str, w: Tensor | None = None) -> Tensor:
