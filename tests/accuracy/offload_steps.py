@@ -84,12 +84,9 @@ ALLOCATOR_DEPENDENT = frozenset(
     }
 )
 # Cases where TRL's figures differ from the run's and the emulation's whether or not it reused an address (the same
-# in runs with and without): always measured with TRL, strict xfails there
-TRL_MISSES = frozenset(
-    {
-        "reentoff-qwen3-lora",  # tests/unit/test_timeline_hf_reentrant_offload.py (TRL_OWN there)
-    }
-)
+# in runs with and without): always measured with TRL, strict xfails there. None since 2026-11-29 (reentoff-qwen3-lora
+# was, until the run followed TRL's clone of CPU SDPA's strided saves: test_timeline_hf_reentrant_offload.py)
+TRL_MISSES: frozenset[str] = frozenset()
 MIN_OFFLOAD_BYTES = 1024  # TRL's min_offload_size default
 FWD_STASH = 5  # TRL's max_fwd_stash_size default
 

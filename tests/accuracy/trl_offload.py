@@ -126,6 +126,18 @@ def _key(t: torch.Tensor) -> tuple:
     return _get_unique_tensor_key(t)
 
 
+def _stale(held: weakref.ref | None, storage: torch.UntypedStorage) -> bool:
+    """Whether the storage TRL took an address from (``held``) is gone or another: the address was reused."""
+    return held is None or held() is None or held()._cdata != storage._cdata
+
+
+def _offloadable(ctx, t: torch.Tensor) -> bool:  # noqa: ANN001 - trl's OffloadActivations
+    """Whether TRL's ``pack_tensor`` would offload ``t`` were its address not matched: on the accelerator, at least
+    ``min_offload_size`` bytes, no parameter (its checks after the dedup map's, less the address ones)."""
+    big = t.numel() * t.element_size() >= ctx.min_tensor_size_bytes
+    return t.device.type == ctx.accelerator_type and big and not isinstance(t, torch.nn.Parameter)
+
+
 def trl_offload(model: torch.nn.Module):  # noqa: ANN201 - trl's OffloadActivations
     """TRL's context as ``SFTTrainer`` builds it (``get_act_offloading_ctx_manager(model)``), CPU its accelerator;
     ``.host``: its host copies (:class:`HostCopies`)."""
@@ -145,16 +157,16 @@ def trl_offload(model: torch.nn.Module):  # noqa: ANN201 - trl's OffloadActivati
         # a save TRL keeps by an address whose storage is gone (``reused_addresses``): a parameter's, freed when
         # FSDP2 sharded it, or a dedup key (data pointer plus offset, dtype) taken from a non-contiguous save whose
         # contiguous clone TRL stashed; which tensor takes a freed address is the allocator's (glibc's malloc here,
-        # the caching allocator on a GPU)
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in ctx.param_storages:  # kept as a parameter: by a parameter's storage, or one freed since
-            held = params.get(ptr)
-            host.reused_addresses += held is None or held() is None or held()._cdata != t.untyped_storage()._cdata
+        # the caching allocator on a GPU). Counted only where the address changes TRL's answer: a save it would
+        # offload otherwise (:func:`_offloadable`); one it keeps anyway (under ``min_offload_size``, a parameter)
+        # stays on the device whichever storage the address held
+        storage = t.untyped_storage()
+        stale = _stale(params.get(storage.data_ptr()), storage) if storage.data_ptr() in ctx.param_storages else False
         key = _key(t)
         prior = ctx.storage_to_tensor_id.get(key)
         if prior is not None:
-            keyed = host.keyed.get(prior)
-            host.reused_addresses += keyed is None or keyed() is None or keyed()._cdata != t.untyped_storage()._cdata
+            stale = _stale(host.keyed.get(prior), storage)  # checked first by TRL: the dedup map decides
+        host.reused_addresses += stale and _offloadable(ctx, t)
         with host:
             ident = pack(t)
         if ctx._storage_key_by_tensor_id.get(ident) == key:

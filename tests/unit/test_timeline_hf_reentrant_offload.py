@@ -114,26 +114,13 @@ ONE_RANK = [
 
 
 # Measured with TRL's own OffloadActivations since the merge of 2026-11-29 (this file was written against the
-# emulation): what these cases still differ by under TRL's code (docs/accuracy.md, "Known misses";
-# offload_steps.TRL_MISSES keeps them on TRL's code). Ten more differed: seven until the run released a kept save's
-# dedup key at its unpack as TRL does (``TrlOffload.unpacked``: each re-run's rotary tables offloaded again),
-# gemma3-lora until a broadcast save's host copy was its storage alone (``hf_offload._stored``), deepseek-v3's host
-# copies until those never unpacked went with the step (``TrlOffload.end_of_step``), and qwen3-full-autocast's figure
-# moves between runs with the addresses TRL reuses (offload_steps.ALLOCATOR_DEPENDENT)
-TRL_OWN = {
-    "qwen3-lora": "-31,744 B (2,795,836, 2,827,580, -1.12%): TRL's contiguous clones of q, out and lse (traced)",
-}
-
-
-def _trl_own(params: list) -> list:
-    def marks(p):  # noqa: ANN001, ANN202
-        miss = TRL_OWN.get(p.id)
-        return [*p.marks, pytest.mark.xfail(strict=True, reason=f"under TRL's own hooks: {miss}")] if miss else p.marks
-
-    return [pytest.param(*p.values, id=p.id, marks=marks(p)) for p in params]
-
-
-ONE_RANK = _trl_own(ONE_RANK)
+# emulation). Eleven cases differed under TRL's code: seven until the run released a kept save's dedup key at its
+# unpack as TRL does (``TrlOffload.unpacked``: each re-run's rotary tables offloaded again), gemma3-lora until a
+# broadcast save's host copy was its storage alone (``hf_offload._stored``), deepseek-v3's host copies until those never
+# unpacked went with the step (``TrlOffload.end_of_step``), qwen3-full-autocast's figure moves between runs with the
+# addresses TRL reuses (offload_steps.ALLOCATOR_DEPENDENT), and qwen3-lora (-31,744 B, -1.12%; a strict xfail until
+# 2026-11-29) until the run laid out CPU SDPA's query, output and log-sum-exp as torch does, so that TRL's contiguous
+# clone of each is followed (test_timeline_hf_offload_layouts.py)
 
 
 @pytest.mark.parametrize("case", ONE_RANK)
@@ -153,9 +140,6 @@ RANKS = [
     pytest.param(_lora("ddp-lora"), "ddp", id="lora-ddp", marks=SLOW),
     pytest.param(_full("ddp-full", LAYERS), "ddp", id="full-ddp", marks=SLOW),
 ]
-
-
-RANKS = _trl_own(RANKS)
 
 
 @pytest.mark.parametrize(("case", "kind"), RANKS)

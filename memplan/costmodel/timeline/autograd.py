@@ -337,6 +337,25 @@ class Tape:
         else:
             node.saved.append(t if t.st.managed else self.hold(t))
 
+    def dead_save(self) -> bool:
+        """A save inside a checkpoint that nothing unpacks (a graph that never reaches the loss: hf_dora.DeadSaves;
+        ``torch/utils/checkpoint.py``): in a non-reentrant checkpoint's forward ``_checkpoint_hook.pack_hook`` gives
+        it a holder, a slot of the frame that nothing unpacks (counted as unpacked at once); in the re-run
+        ``_recomputation_hook.pack_hook`` finds that holder dead and stores nothing, the slot still counted, so the
+        re-run stops after the region's last save (``_StopRecomputationError``). False outside a checkpoint (the
+        caller holds the tensor)."""
+        region = self._recompute
+        if region is not None:
+            self._slot += 1
+            if self._slot == region.slots:
+                raise _StopRecompute
+            return True
+        if self.region is not None:
+            self.region.slots += 1
+            self.region.unpacked += 1
+            return True
+        return False
+
     def checkpoint(
         self,
         forward: Callable[[], object],

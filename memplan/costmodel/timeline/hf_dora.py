@@ -46,7 +46,7 @@ test_timeline_hf_dora_fsdp.py, test_timeline_hf_dora_moe.py.
 from __future__ import annotations
 
 from memplan.costmodel.timeline import ops
-from memplan.costmodel.timeline.autograd import Tape, Tensor, _StopRecompute
+from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.hf_bnb import BLOCK
 
@@ -72,17 +72,9 @@ class DeadSaves:
         tape = self.tape
         if not self.graph:
             return
-        region = tape._recompute
-        if region is not None:  # the recompute's pack returns the tensor: its own graph holds it (a local)
-            if not t.st.managed:
-                self.held.append(tape.alias(t))
-            tape._slot += 1
-            if tape._slot == region.slots:
-                raise _StopRecompute
-        elif tape.region is not None:
-            tape.region.slots += 1
-            tape.region.unpacked += 1
-        elif not t.st.managed:  # a parameter's view holds nothing of its own
+        if tape.recomputing and not t.st.managed:  # the recompute's pack returns the tensor: its graph holds it
+            self.held.append(tape.alias(t))
+        if not tape.dead_save() and not t.st.managed:  # outside a checkpoint; a parameter's view holds nothing
             self.held.append(tape.hold(t))
 
     def release(self) -> None:

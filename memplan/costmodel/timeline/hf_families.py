@@ -48,11 +48,11 @@ class HfQwen3(HfLlama):
             return super().projection(x, name, out_features, tag, copy_grad)
         t = self.tape
         y = self.linear(x, name, out_features, tag)
-        v = ops.heads_view(t, y, f"{tag}_view", copy_grad)
+        v = ops.heads_view(t, y, f"{tag}_view", copy_grad, contiguous=True)  # the view alone: the norm saves it as is
         t.done(y)
         n = self.rms_norm(v, name.replace("_proj", "_norm"), rows=self.d.tokens * out_features // self.d.head_dim)
         t.done(v)
-        out = ops.heads_view(t, n, f"{tag}_heads", copy_grad=False)
+        out = ops.heads_view(t, n, f"{tag}_heads", copy_grad=False, contiguous=self.one_head(out_features))
         t.done(n)
         return out
 
@@ -226,8 +226,11 @@ class HfOlmo2(HfLlama):
                 normed.append(self.rms_norm(y, f"{name}.{part}_norm"))
                 t.done(y)
             v = self.linear(x, f"{name}.v_proj", d.kv, "v_proj")
-            q, k = (ops.heads_view(t, n, f"{p}_heads", self.grad_copy(p)) for n, p in zip(normed, "qk", strict=True))
-            vh = ops.heads_view(t, v, "v_heads", self.grad_copy("v"))
+            q, k = (
+                ops.heads_view(t, n, f"{p}_heads", self.grad_copy(p), self.one_head(w))
+                for n, p, w in zip(normed, "qk", (d.q, d.kv), strict=True)
+            )
+            vh = ops.heads_view(t, v, "v_heads", self.grad_copy("v"), self.one_head(d.kv))
             t.done(*normed, v)
             qe, ke = self.rope(q, cos, sin, "q_rope"), self.rope(k, cos, sin, "k_rope")
             qr, kr = ops.to(t, qe, q.itemsize, "q_rope_cast"), ops.to(t, ke, k.itemsize, "k_rope_cast")

@@ -112,11 +112,15 @@ class HfGemma3(HfLlama):
             r = ops.rsqrt(t, e, "rsqrt")
             t.done(e)
             y = ops.mul(t, x32, r, "normed")
+            # laid out as x (TensorIterator: the first operand not broadcast; hf_model.HfLlama.rope): over the q / k
+            # heads view (token-major memory) neither is contiguous, nor are the saves of the two products
+            y.transposed = x32.transposed
             t.done(r, x32)
             w32 = ops.to(t, self.weights[f"{name}.weight"], 4, "weight_fp32")
             wp = ops.unary(t, w32, "one_plus", temps=-1)
             t.done(w32)
             o = ops.mul(t, wp, y, "scaled", over_rows=True)  # output * (1 + w): same bytes either order
+            o.transposed = y.transposed
             t.done(wp, y)  # the temporary, then the rebound output
             out = ops.to(t, o, x.itemsize, "out")
             t.done(o)

@@ -93,12 +93,23 @@ def is_norm(name: str) -> bool:
 
 
 def cpu_flash_sdpa(
-    tape: Tape, q: Tensor, k: Tensor, v: Tensor, lse_numel: int, tag: str, mask: Tensor | None = None
+    tape: Tape,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse_numel: int,
+    tag: str,
+    mask: Tensor | None = None,
+    lse_strided: bool = True,
 ) -> Tensor:
     """``_scaled_dot_product_flash_attention_for_cpu`` (GQA native): the output, then the fp32
     log-sum-exp (b x heads x s). Saves k, q, v, lse and out (released in that order, CPU log), and
     ``attn_mask`` first where one is given (a sliding window: hf_sliding.py). Backward: dq, dk, dv (its
-    scratch is not a tensor)."""
+    scratch is not a tensor). Layouts (``_scaled_dot_product_flash_attention_cpu``, aten/src/ATen/native/
+    transformers/attention.cpp; its meta, ``meta__scaled_dot_product_flash_attention_for_cpu`` in
+    torch/_meta_registrations.py, torch 2.13): the output is ``empty_like(query)``, q's strides (token-major after
+    RoPE of a heads view: not contiguous); the log-sum-exp is ``empty({b, s, heads}).transpose(1, 2)``, not
+    contiguous unless one head or one position (``lse_strided``). TRL's offload clones both (hf_offload.py)."""
     qn, kn, vn = q.numel, k.numel, v.numel
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
@@ -109,7 +120,9 @@ def cpu_flash_sdpa(
         for t in (mask, k, q, v) if mask is not None else (k, q, v):
             tape.save(node, t)
     out = ops.result(tape, qn, q.itemsize, f"{tag}.out", node)
+    out.transposed = q.transposed  # empty_like(query)
     lse = tape.new(lse_numel, 4, f"{tag}.lse")
+    lse.transposed = lse_strided  # empty({b, s, heads}).transpose(1, 2)
     try:
         if node is not None:
             for t in (lse, out):
@@ -319,15 +332,24 @@ class HfLlama:
         b = ops.mul(t, rot, sin, f"{tag}.sin")
         t.done(rot)
         out = ops.add(t, a, b, tag)
+        # TensorIterator lays the output out as its first operand that is not broadcast over a dim
+        # (``reorder_dimensions``, aten/src/ATen/TensorIterator.cpp): ``x * cos`` as x, ``a + b`` as a; so RoPE of a
+        # heads view (token-major memory) is not contiguous, as SDPA's query then (TRL's offload clones it)
+        out.transposed = x.transposed
         t.done(a, b)
         return out
 
     def projection(self, x: Tensor, name: str, out_features: int, tag: str, copy_grad: bool) -> Tensor:
         """``self.q_proj(x).view(hidden_shape).transpose(1, 2)``."""
         y = self.linear(x, name, out_features, tag)
-        v = ops.heads_view(self.tape, y, f"{tag}_heads", copy_grad)
+        v = ops.heads_view(self.tape, y, f"{tag}_heads", copy_grad, self.one_head(out_features))
         self.tape.done(y)
         return v
+
+    def one_head(self, features: int) -> bool:
+        """Whether ``view(b, s, -1, head_dim).transpose(1, 2)`` of ``features`` columns is contiguous: one head
+        (a single KV head's key and value) or one position (``ops.heads_view``)."""
+        return features == self.d.head_dim or self.d.s == 1
 
     def cached(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``key_states, value_states = past_key_values.update(...)`` where the forward has a cache
@@ -347,8 +369,11 @@ class HfLlama:
         if self.kernel == "efficient":  # fp32 without GQA on CUDA: no enable_gqa, no repeat (mem_efficient.py)
             out = mem_efficient.sdpa(t, q2, k2, v2, d.b, d.heads, d.s, d.head_dim)
         else:
-            sdpa = ops.sdpa if self.kernel == "flash" else cpu_flash_sdpa
-            out = sdpa(t, q2, k2, v2, d.b * d.heads * d.s, "sdpa")
+            lse = d.b * d.heads * d.s
+            if self.kernel == "flash":
+                out = ops.sdpa(t, q2, k2, v2, lse, "sdpa")
+            else:
+                out = cpu_flash_sdpa(t, q2, k2, v2, lse, "sdpa", lse_strided=d.heads > 1 and d.s > 1)
         t.done(k2, q2, v2)
         return out
 

@@ -61,6 +61,10 @@ def factors(tape: Tape, weights: dict[str, Tensor], name: str) -> tuple[Tensor, 
     itemsize = weights[f"{name}.weight"].itemsize
     rhs = _view(tape, a, copy_back=False, tag=f"{name}.lora_A.reshape")
     lhs = _view(tape, b, copy_back=True, tag=f"{name}.lora_B.reshape_permute")
+    # (experts, out, rank) over (out, rank x experts) memory: strides (1, rank x experts, experts), not contiguous
+    # (TRL's offload clones it where it is offloaded: FSDP2's gathered factors, hf_offload.py); rhs, lora_A's
+    # reshape, is contiguous
+    lhs.transposed = True
     cast = ops.to(tape, lhs, itemsize, f"{name}.lhs_cast"), ops.to(tape, rhs, itemsize, f"{name}.rhs_cast")
     tape.done(rhs, lhs)
     return cast

@@ -79,7 +79,7 @@ def grouped_mm(tape: Tape, x: Tensor, w: Tensor, offs: Tensor, out_numel: int, t
     # and mat2 where self's is: a parameter is held anyway, a parametrized weight (hf_moe_lora.py) is not; under
     # saved-tensor hooks (save_on_cpu, act_offload.py) outside a checkpoint the parameter's save is packed too;
     # mat2 is ``w.transpose(-2, -1)``, a non-contiguous view (TRL's hooks clone it before the copy: hf_offload.py)
-    packed = tape.hooks is not None and tape.region is None and tape._recompute is None
+    packed = tape.hooks is not None and tape.region is None and not tape.recomputing
     keep_w = [ops._transpose(w)] if x.fn is not None and (not w.st.managed or packed) else []
     # packed in the generated kernel's order (TRL's tensor ids): mat2, offs, self
     node = tape.node(tag, apply, [x, w], saved=[*keep_w, offs, *([x] if w.fn is not None else [])])

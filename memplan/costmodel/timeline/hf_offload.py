@@ -287,7 +287,7 @@ def orphaned(tape: Tape, t: Tensor) -> None:
     it: under 1024 bytes). Under ``save_on_cpu`` the host copy goes with the node, inside the router: left out."""
     hooks = tape.hooks
     # under a reentrant checkpoint's no_grad forward there is no node: nothing saved (its re-run's are packed)
-    if isinstance(hooks, TrlOffload) and tape.region is None and tape._recompute is None and tape.grad_enabled:
+    if isinstance(hooks, TrlOffload) and tape.region is None and not tape.recomputing and tape.grad_enabled:
         packed = hooks.pack(tape, t)
         if packed is t and not t.st.managed:
             tape.drop(t)  # the hold pack took

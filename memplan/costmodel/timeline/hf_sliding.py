@@ -132,7 +132,7 @@ def masked_sdpa(model: HfLlama, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     t, d = model.tape, model.d
     kr, vr, q2, k2, v2 = _inputs(model, q, k, v)
     bias = _float_mask(t, d.b, d.s, q2.itemsize)
-    out = cpu_flash_sdpa(t, q2, k2, v2, d.b * d.heads * d.s, "sdpa", mask=bias)
+    out = cpu_flash_sdpa(t, q2, k2, v2, d.b * d.heads * d.s, "sdpa", mask=bias, lse_strided=d.heads > 1 and d.s > 1)
     t.done(bias, k2, q2, v2, kr, vr)
     return out
 

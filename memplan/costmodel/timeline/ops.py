@@ -67,21 +67,24 @@ def to(tape: Tape, x: Tensor, itemsize: int, tag: str, category: Category | None
     return t
 
 
-def heads_view(tape: Tape, x: Tensor, tag: str, copy_grad: bool) -> Tensor:
+def heads_view(tape: Tape, x: Tensor, tag: str, copy_grad: bool, contiguous: bool = False) -> Tensor:
     """``x.view(b, s, -1, hd).transpose(1, 2)``: no allocation. Backward reshapes the
     gradient back; it is a copy when the gradient comes heads-major (RoPE's slice gradients
-    for q and k), a view for SDPA's own dv."""
+    for q and k), a view for SDPA's own dv. ``contiguous``: one head or one position (a dim
+    of size one has no stride that counts: ``TensorImpl::compute_contiguous``), or the plain
+    ``view`` without the transpose: the view is contiguous (TRL's offload does not clone it,
+    hf_offload.py), and heads-major memory is token-major memory (no copy back)."""
 
     def apply(tape: Tape, node: Node, g: list[Tensor], saved: list) -> list:
         if copy_grad:
             return [tape.new(g[0].numel, g[0].itemsize, "grad_contiguous")]
-        if g[0].heads_major:  # flash's dv off an unpacked v (act_offload.py)
+        if g[0].heads_major and not contiguous:  # flash's dv off an unpacked v (act_offload.py)
             return [tape.new(g[0].numel, g[0].itemsize, HEADS_MAJOR_COPY)]
         return [tape.view(g[0])]
 
     v = tape.view(x)
     v.fn = tape.node(tag, apply, [x])
-    v.transposed = True
+    v.transposed = not contiguous
     return v
 
 
