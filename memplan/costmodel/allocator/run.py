@@ -134,16 +134,17 @@ def run_events(
                         addr = rest.addr = addr + rounded
                         rest.size = left
                         # pool.insert, inlined: the rest's key is below the found block's, still at j; most
-                        # often above every key before it, so the rest takes its place in the lists
+                        # often above the key before it (so above every key before it), and the rest takes
+                        # its place in the lists: one compare, not a bisection
                         k = stream_bits | left << 64 | addr
-                        at = bisect_left(keys, k, 0, j)
-                        if at == j:
+                        if j and keys[j - 1] > k:
+                            del keys[j], blocks[j]
+                            j = bisect_left(keys, k, 0, j)
+                            keys.insert(j, k)
+                            blocks.insert(j, rest)
+                        else:
                             keys[j] = k
                             blocks[j] = rest
-                        else:
-                            del keys[j], blocks[j]
-                            keys.insert(at, k)
-                            blocks.insert(at, rest)
                         allocated += rounded
                     else:
                         del keys[j], blocks[j]
@@ -213,14 +214,15 @@ def run_events(
                 keys.insert(j, k)
                 blocks.insert(j, block)
                 continue
-            j = bisect_left(keys, k, hole + 1)
-            if j == hole + 1:  # no key between the merged neighbour's and this one: its place
+            j = hole + 1
+            if j == len(keys) or keys[j] > k:  # no key between the merged neighbour's and this one: its place
                 keys[hole] = k
                 blocks[hole] = block
             else:
                 del keys[hole], blocks[hole]
-                keys.insert(j - 1, k)
-                blocks.insert(j - 1, block)
+                j = bisect_left(keys, k, hole)
+                keys.insert(j, k)
+                blocks.insert(j, block)
         elif on_other is not None:
             alloc.allocated, alloc.max_allocated = allocated, top
             on_other(i, events[i])
