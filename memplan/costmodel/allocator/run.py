@@ -25,7 +25,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from memplan.costmodel.allocator.caching import CachingAllocator
+from memplan.costmodel.allocator.caching import CachingAllocator, stats_of
 from memplan.costmodel.allocator.config import SIZE_MAX, kMinBlockSize, kSmallSize
 from memplan.costmodel.allocator.pool import Block
 from memplan.costmodel.allocator.stats import AllocatorOOM, AllocatorStats
@@ -80,7 +80,7 @@ def run_events(
         return _run_calls(alloc, events, stream_ids, on_other)
     pools = alloc._pools
     sizes_of = alloc._sizes
-    malloc, stats = alloc.malloc, alloc.stats
+    malloc, counters = alloc.malloc, alloc.counters  # the peak's state as counters, its stats made once
     # each pool's key and block lists, by ``Block.small``
     lists = {small: (pool.keys, pool.blocks) for small, pool in pools.items()}
     # stream -> (its number, its pool keys' high bits, the first key of the next stream, its sizes),
@@ -92,7 +92,7 @@ def run_events(
     spare: list[Block] = []  # blocks a merge absorbed, reused by the next splits
     # allocated and max_allocated kept here between the calls that read or set them on ``alloc``
     allocated, top = alloc.allocated, alloc.max_allocated
-    high, peak_event, at_peak, pending = allocated, -1, stats(), False
+    high, peak_event, at_peak, pending = allocated, -1, counters(), False
     bar = top if top < high else high  # an allocation above it raises max_allocated or the run's peak
     for i, (op, tensor, size, _, stream, _) in enumerate(events):
         if not op:  # ALLOC
@@ -163,7 +163,7 @@ def run_events(
             try:
                 block = malloc(size, sid)
             except AllocatorOOM as error:
-                return RunPeak(high, peak_event, stats() if pending else at_peak, i, error)
+                return RunPeak(high, peak_event, stats_of(counters() if pending else at_peak), i, error)
             allocated, top = alloc.allocated, alloc.max_allocated
             if cached is None:
                 rounded, small, _ = sizes_of[size]
@@ -177,7 +177,7 @@ def run_events(
             block = live.pop(tensor)  # a tensor freed twice, or never allocated: KeyError
             if pending:
                 alloc.allocated, alloc.max_allocated = allocated, top
-                at_peak, pending = stats(), False
+                at_peak, pending = counters(), False
             block.allocated = False  # live holds allocated blocks only: free's test is not needed
             size = block.size
             allocated -= size
@@ -229,7 +229,7 @@ def run_events(
             allocated, top = alloc.allocated, alloc.max_allocated
             bar = top if top < high else high
     alloc.allocated, alloc.max_allocated = allocated, top
-    return RunPeak(high, peak_event, stats() if pending else at_peak)
+    return RunPeak(high, peak_event, stats_of(counters() if pending else at_peak))
 
 
 def _run_calls(
