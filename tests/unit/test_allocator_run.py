@@ -51,6 +51,8 @@ def state(alloc: CachingAllocator) -> tuple:
             for k, b in zip(pool.keys, pool.blocks, strict=True)
         ]
         pools.append((small, cached, list(pool.unmapped), pool.get_free_blocks_call_count))
+        # the key each cached block carries (run_events finds a merged neighbour by it) is its pool key
+        assert [b.key for b in pool.blocks] == pool.keys
         for block in (*pool.blocks, *pool.unmapped_blocks):
             while block.prev is not None:
                 block = block.prev

@@ -247,7 +247,7 @@ class CachingAllocator(ExpandableSegments):
         # pool.insert, inlined (every free of a replay comes here)
         block.gc_count_base = pool.get_free_blocks_call_count
         keys = pool.keys
-        k = block.stream << 128 | block.size << 64 | block.addr
+        block.key = k = block.stream << 128 | block.size << 64 | block.addr
         i = bisect_left(keys, k)
         keys.insert(i, k)
         pool.blocks.insert(i, block)

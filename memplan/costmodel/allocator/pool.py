@@ -38,8 +38,11 @@ class Block:
 
     __slots__ = (
         "size", "stream", "addr", "small", "segment", "allocated", "mapped", "expandable", "event_count",
-        "gc_count_base", "prev", "next",
+        "gc_count_base", "prev", "next", "key",
     )  # fmt: skip
+    # ``key``: its pool key (``key()``), written whenever it goes into a pool's sorted lists and read only
+    # while it is there (``run.run_events`` finds a free neighbour it merges by it, with no key to build);
+    # unset on a block that was never cached
 
     def __init__(
         self,
@@ -70,7 +73,7 @@ class Block:
         self.next = next
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in Block.__slots__[:-2])
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in Block.__slots__[:-3])
         return f"Block({fields})"
 
     def is_split(self) -> bool:
@@ -99,7 +102,7 @@ class BlockPool:
     def insert(self, block: Block) -> None:
         """``insert_into_blocks``: cache a free block, noting the call count for garbage collection."""
         block.gc_count_base = self.get_free_blocks_call_count
-        k = block.stream << 128 | block.size << 64 | block.addr  # key(), inlined
+        block.key = k = block.stream << 128 | block.size << 64 | block.addr  # key(), inlined
         i = bisect_left(self.keys, k)
         self.keys.insert(i, k)
         self.blocks.insert(i, block)

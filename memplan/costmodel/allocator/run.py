@@ -136,7 +136,7 @@ def run_events(
                         # pool.insert, inlined: the rest's key is below the found block's, still at j; most
                         # often above the key before it (so above every key before it), and the rest takes
                         # its place in the lists: one compare, not a bisection
-                        k = stream_bits | left << 64 | addr
+                        rest.key = k = stream_bits | left << 64 | addr
                         if j and keys[j - 1] > k:
                             del keys[j], blocks[j]
                             j = bisect_left(keys, k, 0, j)
@@ -188,7 +188,7 @@ def run_events(
             # key is placed: that key is above it (the block is now larger), and most often it takes its place.
             prev, nxt, hole = block.prev, block.next, -1
             if prev is not None and not prev.allocated:
-                hole = bisect_left(keys, high_bits | prev.size << 64 | prev.addr)
+                hole = bisect_left(keys, prev.key)
                 size += prev.size
                 block.addr = prev.addr
                 spare.append(prev)
@@ -196,7 +196,7 @@ def run_events(
                 if prev is not None:
                     prev.next = block
             if nxt is not None and not nxt.allocated:
-                j = bisect_left(keys, high_bits | nxt.size << 64 | nxt.addr)
+                j = bisect_left(keys, nxt.key)
                 if hole >= 0:  # both neighbours merged: the previous one's key goes now
                     del keys[hole], blocks[hole]
                     if j > hole:
@@ -208,7 +208,7 @@ def run_events(
                 if nxt is not None:
                     nxt.prev = block
             block.size = size
-            k = high_bits | size << 64 | block.addr
+            block.key = k = high_bits | size << 64 | block.addr
             if hole < 0:
                 j = bisect_left(keys, k)
                 keys.insert(j, k)
