@@ -104,10 +104,13 @@ def run_events(
                     bits[sid] = ids[1]
                 sid, stream_bits, limit, hot = ids
                 current = stream
-            # size -> (rounded, its lowest key on this stream, small, its pool's keys and blocks)
-            cached = hot.get(size)
-            if cached is not None:  # get_free_block, inlined: the first key at or above (stream, rounded)
-                rounded, low, small, keys, blocks = cached
+            # size -> (rounded, its lowest key on this stream, small, its pool's keys and blocks); a size
+            # first seen on this stream goes to ``malloc`` (no lookup's result to test on the common path)
+            try:
+                rounded, low, small, keys, blocks = hot[size]
+            except KeyError:
+                pass
+            else:  # get_free_block, inlined: the first key at or above (stream, rounded)
                 j = bisect_left(keys, low)
                 try:
                     found = keys[j]
@@ -165,7 +168,7 @@ def run_events(
             except AllocatorOOM as error:
                 return RunPeak(high, peak_event, stats_of(counters() if pending else at_peak), i, error)
             allocated, top = alloc.allocated, alloc.max_allocated
-            if cached is None:
+            if size not in hot:
                 rounded, small, _ = sizes_of[size]
                 keys, blocks = lists[small]
                 hot[size] = (rounded, stream_bits | rounded << 64, small, keys, blocks)
