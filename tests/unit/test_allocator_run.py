@@ -62,6 +62,10 @@ def state(alloc: CachingAllocator) -> tuple:
         chain = []
         while block is not None:
             chain.append((block.addr, block.size, block.allocated, block.mapped, block.expandable))
+            # the home run_events' free reads: its pool's lists and its stream's key bits
+            pool = alloc._pools[block.small]
+            home = None if block.expandable else (pool.keys, pool.blocks, block.stream << 128)
+            assert block.home == home and (home is None or block.home[0] is pool.keys)
             block = block.next
         chains[segment] = chain
     counters = {k: v for k, v in vars(alloc).items() if isinstance(v, int | dict) and not k.startswith("_")}

@@ -57,6 +57,7 @@ class CachingAllocator(ExpandableSegments):
         # setMemoryFraction: a cap on reserved bytes, and what garbage collection measures against
         self._allowed = None if memory_fraction is None else int(memory_fraction * (capacity_bytes or 0))
         self._pools = {True: BlockPool(small=True), False: BlockPool(small=False)}
+        self._homes: dict[tuple[bool, int], tuple[list[int], list[Block], int]] = {}  # _home's tuples
         self._pending: dict[int, tuple[Block, set[int]]] = {}  # id(block) -> (block, streams still using it)
         self._expandable: dict[int, ExpandableSegment] = {}
         self._device_bytes = capacity_bytes or DEFAULT_DEVICE_BYTES
@@ -134,6 +135,8 @@ class CachingAllocator(ExpandableSegments):
             remaining = block
             block = Block(rounded, remaining.stream, remaining.addr, remaining.small, remaining.segment)
             block.expandable = remaining.expandable
+            if not block.expandable:
+                block.home = self._home(block.small, block.stream)
             prev = block.prev = remaining.prev  # the new block goes before the rest in its segment
             if prev is not None:
                 prev.next = block
@@ -188,11 +191,21 @@ class CachingAllocator(ExpandableSegments):
             self._va_down -= -(-alloc_size // kRoundLarge) * kRoundLarge
             addr = self._va_down
         block = Block(alloc_size, stream, addr, pool.small, self._new_segment())
+        block.home = self._home(pool.small, stream)
         self._add_reserved(alloc_size, stream)
         self.segments += 1
         self.segment_allocs += 1
         self._record("segment_alloc", block.segment, addr, alloc_size, stream)
         return block
+
+    def _home(self, small: bool, stream: int) -> tuple[list[int], list[Block], int]:
+        """A block's ``home`` (``Block``): its pool's sorted key and block lists and its stream's key bits,
+        one tuple per (pool, stream), which ``run.run_events``' free reads in one attribute."""
+        home = self._homes.get((small, stream))
+        if home is None:
+            pool = self._pools[small]
+            home = self._homes[small, stream] = (pool.keys, pool.blocks, stream << 128)
+        return home
 
     # --- free --------------------------------------------------------------------------------
 

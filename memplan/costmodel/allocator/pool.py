@@ -38,11 +38,13 @@ class Block:
 
     __slots__ = (
         "size", "stream", "addr", "small", "segment", "allocated", "mapped", "expandable", "event_count",
-        "gc_count_base", "prev", "next", "key",
+        "gc_count_base", "prev", "next", "key", "home",
     )  # fmt: skip
-    # ``key``: its pool key (``key()``), written whenever it goes into a pool's sorted lists and read only
-    # while it is there (``run.run_events`` finds a free neighbour it merges by it, with no key to build);
-    # unset on a block that was never cached
+    # What ``run.run_events`` reads instead of building or looking up (neither is the allocator's state):
+    # ``key``, its pool key (``key()``), written whenever it goes into a pool's sorted lists and read only
+    # while it is there (a free neighbour a free merges is found by it); unset on a block never cached.
+    # ``home``, its pool's key and block lists and its stream's key bits (``CachingAllocator._home``),
+    # set by ``CachingAllocator`` on the blocks it makes outside expandable segments (None on those).
 
     def __init__(
         self,
@@ -71,9 +73,10 @@ class Block:
         self.gc_count_base = gc_count_base
         self.prev = prev
         self.next = next
+        self.home = None
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in Block.__slots__[:-3])
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in Block.__slots__[:-4])
         return f"Block({fields})"
 
     def is_split(self) -> bool:

@@ -86,7 +86,6 @@ def run_events(
     # stream -> (its number, its pool keys' high bits, the first key of the next stream, its sizes),
     # in a plain dict: the interpreter's fast path
     streams: dict[object, tuple[int, int, int, dict]] = {}
-    bits: dict[int, int] = {}  # a stream's number -> its keys' high bits (a freed block's stream is one of them)
     current = object()  # the stream of the last allocation: consecutive ones mostly share it
     live: dict[int, Block] = {}
     spare: list[Block] = []  # blocks a merge absorbed, reused by the next splits
@@ -101,7 +100,6 @@ def run_events(
                 if ids is None:
                     sid = stream_ids[stream]
                     ids = streams[stream] = (sid, sid << 128, sid + 1 << 128, {})
-                    bits[sid] = ids[1]
                 sid, stream_bits, limit, hot = ids
                 current = stream
             # size -> (rounded, its lowest key on this stream, small, its pool's keys and blocks); a size
@@ -129,6 +127,7 @@ def run_events(
                             block.segment = rest.segment
                         else:
                             block = Block(rounded, sid, addr, small, rest.segment)
+                        block.home = rest.home
                         prev = block.prev = rest.prev
                         if prev is not None:
                             prev.next = block
@@ -184,8 +183,7 @@ def run_events(
             block.allocated = False  # live holds allocated blocks only: free's test is not needed
             size = block.size
             allocated -= size
-            keys, blocks = lists[block.small]
-            high_bits = bits[block.stream]  # its neighbours' too: a segment is one stream's
+            keys, blocks, high_bits = block.home  # its neighbours' too: a segment is one stream's, one pool's
             # free_block, inlined: try_merge_blocks with each free neighbour (none has pending stream uses).
             # The key of the last neighbour merged stays in the lists (at ``hole``) until the block's own
             # key is placed: that key is above it (the block is now larger), and most often it takes its place.
