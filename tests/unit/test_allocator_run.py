@@ -63,9 +63,11 @@ def state(alloc: CachingAllocator) -> tuple:
         while block is not None:
             chain.append((block.addr, block.size, block.allocated, block.mapped, block.expandable))
             # the home run_events' free reads: its pool's lists and its stream's key bits
-            pool = alloc._pools[block.small]
-            home = None if block.expandable else (pool.keys, pool.blocks, block.stream << 128)
-            assert block.home == home and (home is None or block.home[0] is pool.keys)
+            pool, home = alloc._pools[block.small], block.home
+            if block.expandable:
+                assert home is None
+            else:
+                assert home[0] is pool.keys and home[1] is pool.blocks and home[2] == block.stream << 128
             block = block.next
         chains[segment] = chain
     counters = {k: v for k, v in vars(alloc).items() if isinstance(v, int | dict) and not k.startswith("_")}

@@ -83,9 +83,10 @@ def run_events(
     malloc, counters = alloc.malloc, alloc.counters  # the peak's state as counters, its stats made once
     # each pool's key and block lists, by ``Block.small``
     lists = {small: (pool.keys, pool.blocks) for small, pool in pools.items()}
-    # stream -> (its number, its pool keys' high bits, the first key of the next stream, its sizes),
-    # in a plain dict: the interpreter's fast path
-    streams: dict[object, tuple[int, int, int, dict]] = {}
+    # stream -> (its number, its pool keys' high bits, its sizes), in a plain dict: the interpreter's fast path
+    streams: dict[object, tuple[int, int, dict]] = {}
+    # what a lookup past the end of the pool finds: a block of no stream (its stream's test fails)
+    beyond = Block(0, -1, 0, False, 0)
     current = object()  # the stream of the last allocation: consecutive ones mostly share it
     live: dict[int, Block] = {}
     spare: list[Block] = []  # blocks a merge absorbed, reused by the next splits
@@ -99,8 +100,8 @@ def run_events(
                 ids = streams.get(stream)
                 if ids is None:
                     sid = stream_ids[stream]
-                    ids = streams[stream] = (sid, sid << 128, sid + 1 << 128, {})
-                sid, stream_bits, limit, hot = ids
+                    ids = streams[stream] = (sid, sid << 128, {})
+                sid, stream_bits, hot = ids
                 current = stream
             # size -> (rounded, its lowest key on this stream, small, its pool's keys and blocks); a size
             # first seen on this stream goes to ``malloc`` (no lookup's result to test on the common path)
@@ -111,11 +112,12 @@ def run_events(
             else:  # get_free_block, inlined: the first key at or above (stream, rounded)
                 j = bisect_left(keys, low)
                 try:
-                    found = keys[j]
-                except IndexError:  # no key at or above it: no cached block serves it
-                    found = limit
-                if found < limit:  # a block of this stream
                     block = blocks[j]
+                except IndexError:  # no key at or above it: no cached block serves it
+                    block = beyond
+                # a block of this stream: its number compared (one-digit integers, the interpreter's
+                # specialised compare), not its key with the next stream's first (five digits)
+                if block.stream == sid:
                     size_found = block.size
                     left = size_found - rounded
                     if left >= kMinBlockSize if small else left > kSmallSize:  # should_split
