@@ -51,6 +51,8 @@ def state(alloc: CachingAllocator) -> tuple:
             for k, b in zip(pool.keys, pool.blocks, strict=True)
         ]
         pools.append((small, cached, list(pool.unmapped), pool.get_free_blocks_call_count))
+        # the key each cached block carries (run_events finds a merged neighbour by it) is its pool key
+        assert [b.key for b in pool.blocks] == pool.keys
         for block in (*pool.blocks, *pool.unmapped_blocks):
             while block.prev is not None:
                 block = block.prev
@@ -60,6 +62,12 @@ def state(alloc: CachingAllocator) -> tuple:
         chain = []
         while block is not None:
             chain.append((block.addr, block.size, block.allocated, block.mapped, block.expandable))
+            # the home run_events' free reads: its pool's lists and its stream's key bits
+            pool, home = alloc._pools[block.small], block.home
+            if block.expandable:
+                assert home is None
+            else:
+                assert home[0] is pool.keys and home[1] is pool.blocks and home[2] == block.stream << 128
             block = block.next
         chains[segment] = chain
     counters = {k: v for k, v in vars(alloc).items() if isinstance(v, int | dict) and not k.startswith("_")}

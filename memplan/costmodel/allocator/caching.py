@@ -57,6 +57,7 @@ class CachingAllocator(ExpandableSegments):
         # setMemoryFraction: a cap on reserved bytes, and what garbage collection measures against
         self._allowed = None if memory_fraction is None else int(memory_fraction * (capacity_bytes or 0))
         self._pools = {True: BlockPool(small=True), False: BlockPool(small=False)}
+        self._homes: dict[tuple[bool, int], tuple[list[int], list[Block], int]] = {}  # _home's tuples
         self._pending: dict[int, tuple[Block, set[int]]] = {}  # id(block) -> (block, streams still using it)
         self._expandable: dict[int, ExpandableSegment] = {}
         self._device_bytes = capacity_bytes or DEFAULT_DEVICE_BYTES
@@ -134,6 +135,8 @@ class CachingAllocator(ExpandableSegments):
             remaining = block
             block = Block(rounded, remaining.stream, remaining.addr, remaining.small, remaining.segment)
             block.expandable = remaining.expandable
+            if not block.expandable:
+                block.home = self._home(block.small, block.stream)
             prev = block.prev = remaining.prev  # the new block goes before the rest in its segment
             if prev is not None:
                 prev.next = block
@@ -188,11 +191,21 @@ class CachingAllocator(ExpandableSegments):
             self._va_down -= -(-alloc_size // kRoundLarge) * kRoundLarge
             addr = self._va_down
         block = Block(alloc_size, stream, addr, pool.small, self._new_segment())
+        block.home = self._home(pool.small, stream)
         self._add_reserved(alloc_size, stream)
         self.segments += 1
         self.segment_allocs += 1
         self._record("segment_alloc", block.segment, addr, alloc_size, stream)
         return block
+
+    def _home(self, small: bool, stream: int) -> tuple[list[int], list[Block], int]:
+        """A block's ``home`` (``Block``): its pool's sorted key and block lists and its stream's key bits,
+        one tuple per (pool, stream), which ``run.run_events``' free reads in one attribute."""
+        home = self._homes.get((small, stream))
+        if home is None:
+            pool = self._pools[small]
+            home = self._homes[small, stream] = (pool.keys, pool.blocks, stream << 128)
+        return home
 
     # --- free --------------------------------------------------------------------------------
 
@@ -247,7 +260,7 @@ class CachingAllocator(ExpandableSegments):
         # pool.insert, inlined (every free of a replay comes here)
         block.gc_count_base = pool.get_free_blocks_call_count
         keys = pool.keys
-        k = block.stream << 128 | block.size << 64 | block.addr
+        block.key = k = block.stream << 128 | block.size << 64 | block.addr
         i = bisect_left(keys, k)
         keys.insert(i, k)
         pool.blocks.insert(i, block)
@@ -350,20 +363,48 @@ class CachingAllocator(ExpandableSegments):
         unmapped block), so this equals the pools' blocks summed (``BlockPool.cached_bytes``,
         ``tests/unit/test_allocator_run.py`` holds the two equal) without walking them: a replay asks at
         each new peak."""
-        pools = self._pools.values()
-        return AllocatorStats(
-            allocated=self.allocated,
-            reserved=self.reserved,
-            max_allocated=self.max_allocated,
-            max_reserved=self.max_reserved,
-            pending_free=self.pending_bytes,
-            cached_free=self.reserved - self.allocated - self.pending_bytes,
-            largest_free=max(p.largest() for p in pools),
-            segments=self.segments,
-            segment_allocs=self.segment_allocs,
-            segment_maps=self.segment_maps,
-            device_frees=self.device_frees,
-            alloc_retries=self.alloc_retries,
-            ooms=self.ooms,
-            reserved_by_stream=tuple(sorted((s, b) for s, b in self.reserved_by_stream.items() if b)),
+        return stats_of(self.counters())
+
+    def counters(self) -> tuple:
+        """What :meth:`stats` reads, as a plain tuple (``stats_of`` makes it the :class:`AllocatorStats`):
+        a replay notes it at each of its new allocated peaks (94 in the 8B run) and makes the stats of
+        the last one only: a ``stats()`` counted ~64,000 instructions (callgrind, 100 calls on the 8B
+        replay's final state); noting this tuple instead took 4.3 M off that replay (~46,000 a peak)."""
+        small, large = self._pools[True].largest(), self._pools[False].largest()
+        return (
+            self.allocated,
+            self.reserved,
+            self.max_allocated,
+            self.max_reserved,
+            self.pending_bytes,
+            small if small > large else large,
+            self.segments,
+            self.segment_allocs,
+            self.segment_maps,
+            self.device_frees,
+            self.alloc_retries,
+            self.ooms,
+            self.reserved_by_stream.copy(),
         )
+
+
+def stats_of(counters: tuple) -> AllocatorStats:
+    """The :class:`AllocatorStats` of :meth:`CachingAllocator.counters`' tuple."""
+    (allocated, reserved, max_allocated, max_reserved, pending, largest, *counts, by_stream) = counters
+    segments, segment_allocs, segment_maps, device_frees, alloc_retries, ooms = counts
+    return AllocatorStats(
+        allocated=allocated,
+        reserved=reserved,
+        max_allocated=max_allocated,
+        max_reserved=max_reserved,
+        pending_free=pending,
+        cached_free=reserved - allocated - pending,
+        largest_free=largest,
+        segments=segments,
+        segment_allocs=segment_allocs,
+        segment_maps=segment_maps,
+        device_frees=device_frees,
+        alloc_retries=alloc_retries,
+        ooms=ooms,
+        reserved_by_stream=tuple(sorted((s, b) for s, b in by_stream.items() if b)),
+    )

@@ -38,8 +38,13 @@ class Block:
 
     __slots__ = (
         "size", "stream", "addr", "small", "segment", "allocated", "mapped", "expandable", "event_count",
-        "gc_count_base", "prev", "next",
+        "gc_count_base", "prev", "next", "key", "home",
     )  # fmt: skip
+    # What ``run.run_events`` reads instead of building or looking up (neither is the allocator's state):
+    # ``key``, its pool key (``key()``), written whenever it goes into a pool's sorted lists and read only
+    # while it is there (a free neighbour a free merges is found by it); unset on a block never cached.
+    # ``home``, its pool's key and block lists and its stream's key bits (``CachingAllocator._home``),
+    # set by ``CachingAllocator`` on the blocks it makes outside expandable segments (None on those).
 
     def __init__(
         self,
@@ -68,9 +73,10 @@ class Block:
         self.gc_count_base = gc_count_base
         self.prev = prev
         self.next = next
+        self.home = None
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in Block.__slots__[:-2])
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in Block.__slots__[:-4])
         return f"Block({fields})"
 
     def is_split(self) -> bool:
@@ -99,7 +105,7 @@ class BlockPool:
     def insert(self, block: Block) -> None:
         """``insert_into_blocks``: cache a free block, noting the call count for garbage collection."""
         block.gc_count_base = self.get_free_blocks_call_count
-        k = block.stream << 128 | block.size << 64 | block.addr  # key(), inlined
+        block.key = k = block.stream << 128 | block.size << 64 | block.addr  # key(), inlined
         i = bisect_left(self.keys, k)
         self.keys.insert(i, k)
         self.blocks.insert(i, block)

@@ -25,7 +25,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from memplan.costmodel.allocator.caching import CachingAllocator
+from memplan.costmodel.allocator.caching import CachingAllocator, stats_of
 from memplan.costmodel.allocator.config import SIZE_MAX, kMinBlockSize, kSmallSize
 from memplan.costmodel.allocator.pool import Block
 from memplan.costmodel.allocator.stats import AllocatorOOM, AllocatorStats
@@ -80,19 +80,19 @@ def run_events(
         return _run_calls(alloc, events, stream_ids, on_other)
     pools = alloc._pools
     sizes_of = alloc._sizes
-    malloc, stats = alloc.malloc, alloc.stats
+    malloc, counters = alloc.malloc, alloc.counters  # the peak's state as counters, its stats made once
     # each pool's key and block lists, by ``Block.small``
     lists = {small: (pool.keys, pool.blocks) for small, pool in pools.items()}
-    # stream -> (its number, its pool keys' high bits, the first key of the next stream, its sizes),
-    # in a plain dict: the interpreter's fast path
-    streams: dict[object, tuple[int, int, int, dict]] = {}
-    bits: dict[int, int] = {}  # a stream's number -> its keys' high bits (a freed block's stream is one of them)
+    # stream -> (its number, its pool keys' high bits, its sizes), in a plain dict: the interpreter's fast path
+    streams: dict[object, tuple[int, int, dict]] = {}
+    # what a lookup past the end of the pool finds: a block of no stream (its stream's test fails)
+    beyond = Block(0, -1, 0, False, 0)
     current = object()  # the stream of the last allocation: consecutive ones mostly share it
     live: dict[int, Block] = {}
     spare: list[Block] = []  # blocks a merge absorbed, reused by the next splits
     # allocated and max_allocated kept here between the calls that read or set them on ``alloc``
     allocated, top = alloc.allocated, alloc.max_allocated
-    high, peak_event, at_peak, pending = allocated, -1, stats(), False
+    high, peak_event, at_peak, pending = allocated, -1, counters(), False
     bar = top if top < high else high  # an allocation above it raises max_allocated or the run's peak
     for i, (op, tensor, size, _, stream, _) in enumerate(events):
         if not op:  # ALLOC
@@ -100,21 +100,24 @@ def run_events(
                 ids = streams.get(stream)
                 if ids is None:
                     sid = stream_ids[stream]
-                    ids = streams[stream] = (sid, sid << 128, sid + 1 << 128, {})
-                    bits[sid] = ids[1]
-                sid, stream_bits, limit, hot = ids
+                    ids = streams[stream] = (sid, sid << 128, {})
+                sid, stream_bits, hot = ids
                 current = stream
-            # size -> (rounded, its lowest key on this stream, small, its pool's keys and blocks)
-            cached = hot.get(size)
-            if cached is not None:  # get_free_block, inlined: the first key at or above (stream, rounded)
-                rounded, low, small, keys, blocks = cached
+            # size -> (rounded, its lowest key on this stream, small, its pool's keys and blocks); a size
+            # first seen on this stream goes to ``malloc`` (no lookup's result to test on the common path)
+            try:
+                rounded, low, small, keys, blocks = hot[size]
+            except KeyError:
+                pass
+            else:  # get_free_block, inlined: the first key at or above (stream, rounded)
                 j = bisect_left(keys, low)
                 try:
-                    found = keys[j]
-                except IndexError:  # no key at or above it: no cached block serves it
-                    found = limit
-                if found < limit:  # a block of this stream
                     block = blocks[j]
+                except IndexError:  # no key at or above it: no cached block serves it
+                    block = beyond
+                # a block of this stream: its number compared (one-digit integers, the interpreter's
+                # specialised compare), not its key with the next stream's first (five digits)
+                if block.stream == sid:
                     size_found = block.size
                     left = size_found - rounded
                     if left >= kMinBlockSize if small else left > kSmallSize:  # should_split
@@ -126,6 +129,7 @@ def run_events(
                             block.segment = rest.segment
                         else:
                             block = Block(rounded, sid, addr, small, rest.segment)
+                        block.home = rest.home
                         prev = block.prev = rest.prev
                         if prev is not None:
                             prev.next = block
@@ -134,16 +138,17 @@ def run_events(
                         addr = rest.addr = addr + rounded
                         rest.size = left
                         # pool.insert, inlined: the rest's key is below the found block's, still at j; most
-                        # often above every key before it, so the rest takes its place in the lists
-                        k = stream_bits | left << 64 | addr
-                        at = bisect_left(keys, k, 0, j)
-                        if at == j:
+                        # often above the key before it (so above every key before it), and the rest takes
+                        # its place in the lists: one compare, not a bisection
+                        rest.key = k = stream_bits | left << 64 | addr
+                        if j and keys[j - 1] > k:
+                            del keys[j], blocks[j]
+                            j = bisect_left(keys, k, 0, j)
+                            keys.insert(j, k)
+                            blocks.insert(j, rest)
+                        else:
                             keys[j] = k
                             blocks[j] = rest
-                        else:
-                            del keys[j], blocks[j]
-                            keys.insert(at, k)
-                            blocks.insert(at, rest)
                         allocated += rounded
                     else:
                         del keys[j], blocks[j]
@@ -162,9 +167,9 @@ def run_events(
             try:
                 block = malloc(size, sid)
             except AllocatorOOM as error:
-                return RunPeak(high, peak_event, stats() if pending else at_peak, i, error)
+                return RunPeak(high, peak_event, stats_of(counters() if pending else at_peak), i, error)
             allocated, top = alloc.allocated, alloc.max_allocated
-            if cached is None:
+            if size not in hot:
                 rounded, small, _ = sizes_of[size]
                 keys, blocks = lists[small]
                 hot[size] = (rounded, stream_bits | rounded << 64, small, keys, blocks)
@@ -176,18 +181,17 @@ def run_events(
             block = live.pop(tensor)  # a tensor freed twice, or never allocated: KeyError
             if pending:
                 alloc.allocated, alloc.max_allocated = allocated, top
-                at_peak, pending = stats(), False
+                at_peak, pending = counters(), False
             block.allocated = False  # live holds allocated blocks only: free's test is not needed
             size = block.size
             allocated -= size
-            keys, blocks = lists[block.small]
-            high_bits = bits[block.stream]  # its neighbours' too: a segment is one stream's
+            keys, blocks, high_bits = block.home  # its neighbours' too: a segment is one stream's, one pool's
             # free_block, inlined: try_merge_blocks with each free neighbour (none has pending stream uses).
             # The key of the last neighbour merged stays in the lists (at ``hole``) until the block's own
             # key is placed: that key is above it (the block is now larger), and most often it takes its place.
             prev, nxt, hole = block.prev, block.next, -1
             if prev is not None and not prev.allocated:
-                hole = bisect_left(keys, high_bits | prev.size << 64 | prev.addr)
+                hole = bisect_left(keys, prev.key)
                 size += prev.size
                 block.addr = prev.addr
                 spare.append(prev)
@@ -195,7 +199,7 @@ def run_events(
                 if prev is not None:
                     prev.next = block
             if nxt is not None and not nxt.allocated:
-                j = bisect_left(keys, high_bits | nxt.size << 64 | nxt.addr)
+                j = bisect_left(keys, nxt.key)
                 if hole >= 0:  # both neighbours merged: the previous one's key goes now
                     del keys[hole], blocks[hole]
                     if j > hole:
@@ -207,27 +211,28 @@ def run_events(
                 if nxt is not None:
                     nxt.prev = block
             block.size = size
-            k = high_bits | size << 64 | block.addr
+            block.key = k = high_bits | size << 64 | block.addr
             if hole < 0:
                 j = bisect_left(keys, k)
                 keys.insert(j, k)
                 blocks.insert(j, block)
                 continue
-            j = bisect_left(keys, k, hole + 1)
-            if j == hole + 1:  # no key between the merged neighbour's and this one: its place
+            j = hole + 1
+            if j == len(keys) or keys[j] > k:  # no key between the merged neighbour's and this one: its place
                 keys[hole] = k
                 blocks[hole] = block
             else:
                 del keys[hole], blocks[hole]
-                keys.insert(j - 1, k)
-                blocks.insert(j - 1, block)
+                j = bisect_left(keys, k, hole)
+                keys.insert(j, k)
+                blocks.insert(j, block)
         elif on_other is not None:
             alloc.allocated, alloc.max_allocated = allocated, top
             on_other(i, events[i])
             allocated, top = alloc.allocated, alloc.max_allocated
             bar = top if top < high else high
     alloc.allocated, alloc.max_allocated = allocated, top
-    return RunPeak(high, peak_event, stats() if pending else at_peak)
+    return RunPeak(high, peak_event, stats_of(counters() if pending else at_peak))
 
 
 def _run_calls(
