@@ -29,7 +29,7 @@ from memplan.errors import MemplanError
 from memplan.specs.hardware import ClusterSpec, GPUSpec
 from memplan.specs.job import check_compatible
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, changed_plan
+from memplan.specs.plan import TRANSFORMERS_RUNTIMES, Plan, changed_plan
 from memplan.specs.workload import InferenceWorkload, TrainingWorkload
 
 MAX_COMBINED = 3  # changes in one combination
@@ -50,10 +50,26 @@ class Suggestion:
 
 Change = tuple[str, dict, dict]  # description, plan update, workload update
 SERVER_CHUNK = 8192  # vLLM V1's max_num_batched_tokens for its API server on an H100 (inference.vllm_default_chunk)
+# What transformers' Trainer (``hf``) and the hand-written loop over a transformers model (``hf-loop``) cannot
+# change to: no tensor, pipeline or sequence parallelism, and checkpointing of whole decoder layers only
+# (``gradient_checkpointing``); the hf-trainer exporter refuses the same (``export.hf_trainer.check``)
+_NOT_IN_TRANSFORMERS_LOOPS = frozenset(
+    {"tp", "pp", "sequence_parallel", "recompute=selective", "recompute=selective-op"}
+)
 
 
-def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> list[Change]:
-    """(description, plan update, workload update) for each single change worth trying."""
+def _runnable(change: Change, runtime: str) -> bool:
+    """Whether the loop ``runtime`` names can run the change: under transformers' loops, none of
+    ``_NOT_IN_TRANSFORMERS_LOOPS``."""
+    if runtime not in TRANSFORMERS_RUNTIMES:
+        return True
+    keys = {f"recompute={v}" if k == "recompute" else k for k, v in change[1].items()}
+    return not keys & _NOT_IN_TRANSFORMERS_LOOPS
+
+
+def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload, runtime: str) -> list[Change]:
+    """(description, plan update, workload update) for each single change worth trying that the
+    loop ``runtime`` names can run (:func:`_runnable`)."""
     out: list[Change] = []
     training = isinstance(workload, TrainingWorkload)
     sharded = plan.dp * plan.cp > 1
@@ -110,7 +126,7 @@ def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload) -> l
         # with a paged cache (vLLM): chunks over transformers' DynamicCache copy the prefix (inference.py)
         paged = {"prefill_chunk": SERVER_CHUNK, "block_size": workload.block_size or 16}
         out.append((f"chunked prefill, {SERVER_CHUNK} tokens per forward (vLLM, paged KV cache)", {}, paged))
-    return out
+    return [change for change in out if _runnable(change, runtime)]
 
 
 @dataclass(frozen=True)
@@ -172,18 +188,20 @@ def suggest(
     device: str = "cuda",
     gpu: GPUSpec | None = None,
     cluster: ClusterSpec | None = None,
+    combine: bool = False,
 ) -> list[Suggestion]:
     """Changes that lower the reserved peak: those that fit first (cheapest step first when
-    ``gpu`` and ``cluster`` are given), then by bytes saved. When no single change fits, the
-    smallest combinations that do (module docstring) come first."""
+    ``gpu`` and ``cluster`` are given), then by bytes saved. When no single change fits (or
+    ``combine``: a single change the screen said fits did not, estimated in full), the smallest
+    combinations that do (module docstring) come first."""
     estimate = _Estimator(model, workload, plan, runtime, capacity_bytes, current_reserved, device, gpu, cluster)
     singles: list[tuple[Change, Suggestion]] = []
-    for change in _candidates(plan, workload):
+    for change in _candidates(plan, workload, runtime):
         found = estimate(*change)
         if found is not None:
             singles.append((change, found))
     results = [s for _, s in singles if s.saved > 0]
-    if singles and not any(s.fits for s in results):
+    if singles and (combine or not any(s.fits for s in results)):
         # a change that saves nothing alone (recomputation while the optimizer step peaks) may
         # matter once another has moved the peak: every valid change takes part
         results = [*_combined(singles, estimate), *results]
