@@ -102,6 +102,8 @@ def _candidates(plan: Plan, workload: TrainingWorkload | InferenceWorkload, runt
         out.append(("full recomputation", {"recompute": "full", "recompute_layers": None}, {}))
     if training and workload.micro_batch > 1:
         out.append((f"micro-batch {workload.micro_batch // 2}", {}, {"micro_batch": workload.micro_batch // 2}))
+        if workload.micro_batch > 2:  # one sequence a micro-batch, the global batch by accumulation
+            out.append(("micro-batch 1", {}, {"micro_batch": 1}))
     if plan.dp % 2 == 0:
         out.append((f"tp {plan.tp * 2} (dp {plan.dp // 2})", {"tp": plan.tp * 2, "dp": plan.dp // 2}, {}))
         out.append((f"pp {plan.pp * 2} (dp {plan.dp // 2})", {"pp": plan.pp * 2, "dp": plan.dp // 2}, {}))

@@ -135,3 +135,16 @@ def test_a_single_change_the_screen_wrongly_fits_leads_to_the_combinations():
     fitting = [s for s in data["suggestions"] if s["fits"]]
     assert fitting and all(s["verified"] and " + " in s["change"] for s in fitting)
     assert "full recomputation + micro-batch 1" in by
+
+
+def test_one_sequence_a_micro_batch_is_offered_beside_half_the_micro_batch():
+    """QLoRA over Qwen3-8B on a 24 GB card at 4 x 4,096 tokens: the logits of Qwen3's 151,936-token vocabulary
+    dominate, and full recomputation fits with one sequence a micro-batch (20.5 GiB) but not with two
+    (30.9 GiB): the advice offers micro-batch 1, not only the halved micro-batch."""
+    data = estimate_json(
+        "qwen3-8b", "--finetune", "qlora", "--quant", "nf4", "--gpu", "rtx-4090", "--seq-len", "4096",
+        "--micro-batch", "4",
+    )  # fmt: skip
+    by = {s["change"]: s for s in data["suggestions"]}
+    assert by["full recomputation + micro-batch 1"]["fits"] and by["full recomputation + micro-batch 1"]["verified"]
+    assert "micro-batch 1" in by and "micro-batch 2" in by
