@@ -194,10 +194,8 @@ def run_peak(
         return None
     if plan.pp > 1:
         return _pipeline_peak(model, workload, plan, device, gpu)
-    if _loads_quantized(plan, runtime):
-        return _whole_run_peak(model, workload, plan, runtime, device)
-    if _builds_quantized(plan, runtime):
-        return _whole_trainer_peak(model, workload, plan, device, gpu)
+    if _loads_quantized(plan, runtime) or _builds_quantized(plan, runtime):
+        return _whole_run_peak(model, workload, plan, runtime, device, gpu)
     if plan.finetune == "full" and runtime in TRANSFORMERS_RUNTIMES and _whole_hf(model, plan, runtime):
         return _whole_hf_peak(model, workload, plan, runtime, device, gpu)
     depths, shard = cut_depths(model.num_layers), _zero1_shard(model, workload, plan, runtime)
@@ -269,7 +267,7 @@ def _pipeline_peak(
     chunks, arch = plan.stages, cuda_arch(gpu)
     per, stage = model.num_layers // chunks, phase_stage(model, workload, plan)
     if per < SHALLOWEST + STEP:
-        return _whole_run_peak(model, workload, plan, "memplan", device, per)
+        return _whole_run_peak(model, workload, plan, "memplan", device, gpu)
 
     def spans(depth: int) -> list[tuple[str, int]] | None:
         cut = model.model_copy(update={"num_layers": depth * chunks})
@@ -307,33 +305,16 @@ def _builds_quantized(plan: Plan, runtime: str) -> bool:
 
 
 def _whole_run_peak(
-    model: ModelSpec,
-    workload: TrainingWorkload,
-    plan: Plan,
-    runtime: str,
-    device: str,
-    layers: int | None = None,
-    gpu: GPUSpec | None = None,
+    model: ModelSpec, workload: TrainingWorkload, plan: Plan, runtime: str, device: str, gpu: GPUSpec | None
 ) -> RunPeak:
-    """The whole run's allocated peak, in the phase of the highest span outside the middle layers
-    (of ``layers``, a pipeline chunk's; by default the model's), on ``gpu`` where given (its
-    kernels, ``quant.cuda_arch``)."""
+    """The whole run's allocated peak (a quantized base, ``_loads_quantized``, ``_builds_quantized``; a pipeline's
+    chunks too short to cut), on ``gpu`` (its kernels, ``quant.cuda_arch``): one pass of the allocator
+    (``reserve.replay``), the phase of the span its first peak allocation falls in (:func:`phase_at`), as
+    ``_whole_hf_peak`` takes it (the highest span's outside the middle layers before 2026-11-29, walked with a
+    second allocator: the same figures on the output guard's plans and a QLoRA tune, 48 s -> 39 s)."""
     from memplan.costmodel.reserve import plan_run, replay
 
     run, _ = plan_run(model, workload, plan, runtime, device, gpu)
-    label = max(span_peaks(run, layers or model.num_layers), key=lambda s: s[1])[0]
-    return RunPeak(replay(run, AllocatorConfig()).max_allocated, _phase(label))
-
-
-def _whole_trainer_peak(
-    model: ModelSpec, workload: TrainingWorkload, plan: Plan, device: str, gpu: GPUSpec | None
-) -> RunPeak:
-    """The bundled trainer's whole run (``_builds_quantized``'s plans), on ``gpu`` (its 4-bit kernel): one pass
-    of the allocator (``reserve.replay``), the phase of the span its first peak allocation falls in
-    (:func:`phase_at`), as ``_whole_hf_peak`` takes it."""
-    from memplan.costmodel.reserve import plan_run, replay
-
-    run, _ = plan_run(model, workload, plan, "memplan", device, gpu)
     r = replay(run, AllocatorConfig())
     return RunPeak(r.max_allocated, phase_at(run, r.peak_event))
 
