@@ -46,9 +46,11 @@ test_timeline_hf_dora_fsdp.py, test_timeline_hf_dora_moe.py.
 from __future__ import annotations
 
 from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline.act_offload import Packed
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.hf_bnb import BLOCK
+from memplan.costmodel.timeline.hf_offload import TrlPacked
 
 MAGNITUDE = "lora_magnitude_vector"  # PEFT's ModuleDict of DoraLinearLayer, its ``weight`` the magnitude
 
@@ -67,6 +69,7 @@ class DeadSaves:
         self.tape = tape
         self.graph = tape.grad_enabled  # made where the graph is (not under a reentrant checkpoint's no_grad)
         self.held: list[Tensor] = []
+        self.packed: list[Packed] = []  # host copies of the saves the hooks offloaded
 
     def save(self, t: Tensor) -> None:
         tape = self.tape
@@ -74,14 +77,29 @@ class DeadSaves:
             return
         if tape.recomputing and not t.st.managed:  # the recompute's pack returns the tensor: its graph holds it
             self.held.append(tape.alias(t))
-        if not tape.dead_save() and not t.st.managed:  # outside a checkpoint; a parameter's view holds nothing
-            self.held.append(tape.hold(t))
+        if tape.dead_save():
+            return
+        hooks = tape.hooks
+        if hooks is None:
+            if not t.st.managed:  # outside a checkpoint; a parameter's view holds nothing
+                self.held.append(tape.hold(t))
+            return
+        packed = hooks.pack(tape, t)  # outside a checkpoint the saved-tensor hooks pack it as any save
+        if packed is t:  # kept on the device by TRL's hooks (a parameter's view, under 1024 B, a key it holds)
+            if not t.st.managed:
+                self.held.append(t)  # the hold pack took
+        else:
+            self.packed.append(packed)
 
     def release(self) -> None:
         """The graph goes: each node its saves, then the node it points to (``lora_B``'s, then ``lora_A``'s)."""
         for t in reversed(self.held):
             self.tape.done(t)
         self.held = []
+        for packed in self.packed:
+            if not isinstance(packed, TrlPacked):
+                packed.hooks.release(packed)
+        self.packed = []
 
 
 def adapt(lora, model, x: Tensor, out: Tensor, name: str) -> Tensor:

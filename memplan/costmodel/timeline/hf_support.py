@@ -412,8 +412,6 @@ def _dora_reason(model: ModelSpec, plan: Plan) -> str | None:
         why = DORA_INT8
     elif model.architecture in ("mixtral", "qwen3-moe") and set(plan.lora_targets) - set(ATTENTION):
         why = f"the experts and routers PEFT wraps in its ParamWrapper (PEFT 0.21.2 raises: {DORA_PARAM_WRAPPER})"
-    elif plan.offload_activations != "none":
-        why = "activation offload"
     return None if why is None else f"PEFT's DoRA over {why}"
 
 
