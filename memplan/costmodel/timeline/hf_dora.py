@@ -38,9 +38,12 @@ Over a 4-bit base (QDoRA) ``lora.bnb.Linear4bit.forward`` clones the base's resu
 dequantized in each forward (:func:`_dequantize`). Under the Trainer's FSDP2 the magnitude is one more parameter of
 its layer's group (``hf_fsdp.peft_shapes``) and ``W`` the group's unsharded weight. Over the MoE and MLA families the
 same adapters wrap the ``nn.Linear`` the LoRA runs follow (PEFT gives its ``ParamWrapper`` no DoRA). Not followed
-(``hf_support._dora_reason``): an LLM.int8 base (PEFT's own run fails on CPU), saved-tensor hooks (activation
-offload). Checked on CPU against the real Trainer and loop, to the byte: tests/unit/test_timeline_hf_dora.py,
-test_timeline_hf_dora_fsdp.py, test_timeline_hf_dora_moe.py.
+(``hf_support._dora_reason``): an LLM.int8 base (PEFT's own run fails on CPU), activation offload beyond one rank
+of the dense families or with dropout under the Trainer's autocast. Under saved-tensor hooks (TRL's
+``OffloadActivations``, ``save_on_cpu``) every save above is packed as torch makes it, and ``lora_weight``'s dead
+graph's too (:class:`DeadSaves`). Checked on CPU against the real Trainer and loop, to the byte:
+tests/unit/test_timeline_hf_dora.py, test_timeline_hf_dora_fsdp.py, test_timeline_hf_dora_moe.py,
+test_timeline_hf_dora_offload.py.
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ MAGNITUDE = "lora_magnitude_vector"  # PEFT's ModuleDict of DoraLinearLayer, its
 
 class DeadSaves:
     """Saves of a graph that never reaches the loss (``lora_weight``'s, read detached). Outside a checkpoint
-    they are held until the graph goes (:meth:`release`). Inside a non-reentrant checkpoint each is packed
-    into a holder that nothing unpacks (``torch/utils/checkpoint.py`` ``_checkpoint_hook.pack_hook``): it
+    they are held until the graph goes (:meth:`release`); under saved-tensor hooks they are packed as any save and
+    never unpacked: ``save_on_cpu``'s host copies go with the graph, TRL's stay in its tracker (a kept save the
+    tensor itself, ``TrlOffload.orphans``) until the next step's ``__enter__``. Inside a non-reentrant checkpoint
+    each is packed into a holder that nothing unpacks (``torch/utils/checkpoint.py`` ``_checkpoint_hook.pack_hook``): it
     counts among the frame's saves, so the recompute's early stop comes after it, but the frame keeps no
     tensor for it and the backward unpacks none (it counts as unpacked at once). In the recompute its holder
     is dead (``_recomputation_hook.pack_hook``: ``holder is None``), so the frame stores nothing, but that
@@ -86,8 +91,8 @@ class DeadSaves:
             return
         packed = hooks.pack(tape, t)  # outside a checkpoint the saved-tensor hooks pack it as any save
         if packed is t:  # kept on the device by TRL's hooks (a parameter's view, under 1024 B, a key it holds)
-            if not t.st.managed:
-                self.held.append(t)  # the hold pack took
+            if not t.st.managed:  # the hold pack took: TRL's tracker's, never unpacked, to the next step
+                hooks.orphans.append(t)
         else:
             self.packed.append(packed)
 
@@ -186,7 +191,7 @@ def _lora_weight(lora, model, dead: DeadSaves, name: str, rows: int, cols: int, 
         dead.save(ein)  # mm saves the identity (its cast) for lora_A's weight gradient
         t.done(ein, wa)
         yb = ops.linear(t, ya, wb, cols * rows, "eye_lora_B")
-        dead.save(wb)  # B.t() for the gradient of lora_A's output, then that output for B's
+        dead.save(ops._transpose(wb))  # B.t() for the gradient of lora_A's output, then that output for B's
         dead.save(ya)
         t.done(ya, wb)
         t.done(eye)  # get_lora_weight returns
