@@ -39,10 +39,10 @@ dequantized in each forward (:func:`_dequantize`). Under the Trainer's FSDP2 the
 its layer's group (``hf_fsdp.peft_shapes``) and ``W`` the group's unsharded weight. Over the MoE and MLA families the
 same adapters wrap the ``nn.Linear`` the LoRA runs follow (PEFT gives its ``ParamWrapper`` no DoRA). Not followed
 (``hf_support._dora_reason``): an LLM.int8 base (PEFT's own run fails on CPU), activation offload beyond one rank
-of the dense families or with dropout under the Trainer's autocast. Under saved-tensor hooks (TRL's
-``OffloadActivations``, ``save_on_cpu``) every save above is packed as torch makes it, and ``lora_weight``'s dead
-graph's too (:class:`DeadSaves`). Checked on CPU against the real Trainer and loop, to the byte:
-tests/unit/test_timeline_hf_dora.py, test_timeline_hf_dora_fsdp.py, test_timeline_hf_dora_moe.py,
+of the dense families, and TRL's under the Trainer's autocast outside a non-reentrant checkpoint. Under
+saved-tensor hooks (TRL's ``OffloadActivations``, ``save_on_cpu``) every save above is packed as torch makes it,
+and ``lora_weight``'s dead graph's too (:class:`DeadSaves`). Checked on CPU against the real Trainer and loop, to
+the byte: tests/unit/test_timeline_hf_dora.py, test_timeline_hf_dora_fsdp.py, test_timeline_hf_dora_moe.py,
 test_timeline_hf_dora_offload.py.
 """
 

@@ -113,7 +113,7 @@ from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, MLA_ATTENTION
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, trainer_autocast
+from memplan.specs.plan import Plan, checkpoint_reentrant, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
@@ -409,6 +409,7 @@ def _dora_reason(model: ModelSpec, plan: Plan, runtime: str = "hf") -> str | Non
     DoRA: what is named here is refused, never answered as plain LoRA (``costmodel.reserve.run_only``).
     """
     why = None
+    inside = plan.recompute == "full" and not checkpoint_reentrant(plan, runtime)  # the checkpoint's hooks innermost
     if model.architecture not in DORA_FAMILIES:
         why = f"the {model.architecture} family (followed over {', '.join(DORA_FAMILIES)})"
     elif plan.quant == "int8":
@@ -420,12 +421,11 @@ def _dora_reason(model: ModelSpec, plan: Plan, runtime: str = "hf") -> str | Non
             "activation offload over more than one rank or an MoE / MLA family (followed on one rank of the dense "
             "families: TRL's OffloadActivations under the Trainer, save_on_cpu around the hand loop)"
         )
-    elif (
-        runtime == "hf" and plan.offload_activations != "none" and plan.lora_dropout and trainer_autocast(plan, runtime)
-    ):
+    elif runtime == "hf" and plan.offload_activations != "none" and trainer_autocast(plan, runtime) and not inside:
         why = (
-            "activation offload with lora_dropout under autocast (the base run again on the dropped-out input: the "
-            "run 1,792 B above the emulation of TRL's hooks on down_proj, 20,480 B on the MLP's linears; not found)"
+            "TRL's activation offload under the Trainer's autocast outside a non-reentrant checkpoint (lora_weight's "
+            "saves packed by TRL's hooks: the run 1,792 B above TRL's own figure with down_proj alone over a bf16 "
+            "base, 640 B with every linear; not found; with gradient checkpointing, use_reentrant false, followed)"
         )
     return None if why is None else f"PEFT's DoRA over {why}"
 
