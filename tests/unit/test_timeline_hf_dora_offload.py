@@ -15,9 +15,9 @@ unpacked (``hf_dora.DeadSaves``): under TRL the identity and ``lora_A``'s output
 host and their originals enter the forward stash, the host copies staying in TRL's tracker until the next step;
 ``B.t()``, a parameter's view, stays. Under ``save_on_cpu`` each is copied and its host copy goes with the graph.
 Peak and host copies equal to the byte. Refused (``hf_support._dora_reason``): more ranks, MoE / MLA models, and TRL's
-hooks under the Trainer's autocast outside a non-reentrant checkpoint (the run above TRL's own figure there: 1,792 B
-with ``down_proj`` alone over a bf16 base, 640 B with every linear). Default: one case of each loop (2-3 s each) and
-the refusals; the grid under ``-m slow``.
+hooks under the Trainer's autocast over a bf16 or 4-bit base outside a non-reentrant checkpoint (TRL's own figure 640
+B under the run with ``up_proj`` and ``down_proj`` over a bf16 base: a strict xfail). Default: one case of each loop
+(2-3 s each) and the refusals; the grid under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ TRAINER = [
     _param(_case("fp32-ckpt", checkpointing=True)),
     _param(_case("fp32-ckpt-reentrant", checkpointing=True), reentrant=True),
     _param(_case("autocast-ckpt", autocast=True, checkpointing=True)),
+    _param(_case("autocast-qv", autocast=True)),
+    _param(_case("autocast-all-linear-dropout", autocast=True, targets=("all-linear",), dropout=0.1)),
+    _param(_case("autocast-mlp-dropout", autocast=True, targets=("gate_proj", "up_proj", "down_proj"), dropout=0.1)),
     _param(_case("mistral-bf16-qv", arch="mistral", dtype="bfloat16")),
     _param(_case("qwen2-fp32-attn", arch="qwen2", targets=ATTN)),
     _param(_family("qwen3", "fp32-qv")),
@@ -140,19 +143,38 @@ def test_offload_is_refused_where_it_is_not_followed() -> None:
         # over an MoE model the LoRA run's own check names finetune (its op-level run alone answers LoRA over MoE)
         assert err.value.field in ("plan.lora_dora", "plan.finetune") and "\n" not in message, message
         assert "PEFT's DoRA over activation offload over more than one rank or an MoE / MLA family" in message
-    # TRL's hooks under the Trainer's autocast outside a non-reentrant checkpoint: the run 1,792 B above TRL's figure
-    # (down_proj over a bf16 base); inside one (the Trainer's gradient_checkpointing) and under save_on_cpu, followed
-    autocast = {"finetune": "lora", "lora_dora": True, "offload_activations": "cpu", "precision": "bf16-mixed"}
+    # TRL's hooks under the Trainer's autocast over a bf16 base outside a non-reentrant checkpoint: TRL 640 B under the
+    # run (test_a_bf16_base_under_autocast_is_trls_miss); inside one (gradient_checkpointing), over an fp32 base and
+    # under save_on_cpu, followed
+    autocast = {"finetune": "lora", "lora_dora": True, "offload_activations": "cpu", "precision": "bf16"}
     with pytest.raises(MemplanError) as err:
-        estimate("llama3-8b", autocast, {"seq_len": 512}, runtime="hf", device="cpu")
-    assert "PEFT's DoRA over TRL's activation offload under the Trainer's autocast" in str(err.value)
+        estimate("llama3-8b", {**autocast, "autocast": True}, {"seq_len": 512}, runtime="hf", device="cpu")
+    assert "PEFT's DoRA over TRL's activation offload under the Trainer's autocast over a bf16" in str(err.value)
     assert "\n" not in str(err.value)
     with pytest.raises(MemplanError):
         reentrant = {**autocast, "recompute": "full", "use_reentrant": True}
         estimate("llama3-8b", reentrant, {"seq_len": 512}, runtime="hf", device="cpu")
-    result = estimate("llama3-8b", {**autocast, "recompute": "full"}, {"seq_len": 512}, runtime="hf", device="cpu")
-    assert result.memory.model == "op-level"
+    for fields in ({"recompute": "full"}, {"precision": "bf16-mixed"}, {"autocast": False}):
+        result = estimate("llama3-8b", {**autocast, **fields}, {"seq_len": 512}, runtime="hf", device="cpu")
+        assert result.memory.model == "op-level", fields
     plan = {"finetune": "lora", "lora_dora": True, "offload_activations": "cpu", "precision": "fp32"}
     for runtime in ("hf", "hf-loop"):
         result = estimate("llama3-8b", plan, {"seq_len": 512}, runtime=runtime, device="cpu")
         assert result.memory.model == "op-level" and result.memory.offload.cpu > 0, runtime
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="TRL's own figure 640 B under the run (927,372 measured, 928,012 predicted; no address reused, the "
+    "emulation 928,012): refused by _dora_reason, docs/accuracy.md Known misses",
+)
+def test_a_bf16_base_under_autocast_is_trls_miss() -> None:
+    """The plan ``_dora_reason`` refuses, measured with TRL's own hooks (no emulation): up_proj and down_proj over a
+    bf16 base under ``bf16=True``, no checkpoint."""
+    import offload_steps
+
+    case = _case("autocast-bf16-up-down", autocast=True, dtype="bfloat16", targets=("up_proj", "down_proj"))
+    (measured, host), _ = offload_steps._measure(OffloadCase(case.name, case), 3, False, False)
+    timeline = hf_predict(case, plan_of(case).model_copy(update={"offload_activations": "cpu"}), offload=True)
+    assert timeline.peak()[0] == measured, f"{case.name}: {timeline.peak()[0]:,} B predicted, {measured:,} B measured"

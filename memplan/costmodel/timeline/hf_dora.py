@@ -38,12 +38,12 @@ Over a 4-bit base (QDoRA) ``lora.bnb.Linear4bit.forward`` clones the base's resu
 dequantized in each forward (:func:`_dequantize`). Under the Trainer's FSDP2 the magnitude is one more parameter of
 its layer's group (``hf_fsdp.peft_shapes``) and ``W`` the group's unsharded weight. Over the MoE and MLA families the
 same adapters wrap the ``nn.Linear`` the LoRA runs follow (PEFT gives its ``ParamWrapper`` no DoRA). Not followed
-(``hf_support._dora_reason``): an LLM.int8 base (PEFT's own run fails on CPU), activation offload beyond one rank
-of the dense families, and TRL's under the Trainer's autocast outside a non-reentrant checkpoint. Under
-saved-tensor hooks (TRL's ``OffloadActivations``, ``save_on_cpu``) every save above is packed as torch makes it,
-and ``lora_weight``'s dead graph's too (:class:`DeadSaves`). Checked on CPU against the real Trainer and loop, to
-the byte: tests/unit/test_timeline_hf_dora.py, test_timeline_hf_dora_fsdp.py, test_timeline_hf_dora_moe.py,
-test_timeline_hf_dora_offload.py.
+(``hf_support._dora_reason``): an LLM.int8 base (PEFT's own run fails on CPU), activation offload beyond one rank of
+the dense families, and TRL's under the Trainer's autocast over a bf16 or 4-bit base outside a non-reentrant
+checkpoint. Under saved-tensor hooks (TRL's ``OffloadActivations``, ``save_on_cpu``) every save above is packed as
+torch makes it, and ``lora_weight``'s dead graph's too (:class:`DeadSaves`). Checked on CPU against the real Trainer
+and loop, to the byte: tests/unit/test_timeline_hf_dora.py, test_timeline_hf_dora_fsdp.py,
+test_timeline_hf_dora_moe.py, test_timeline_hf_dora_offload.py.
 """
 
 from __future__ import annotations
@@ -183,16 +183,20 @@ def _lora_weight(lora, model, dead: DeadSaves, name: str, rows: int, cols: int, 
     Under autocast the weights' bf16 casts are autocast's cached ones (made here, the forward's first use)."""
     t, r = lora.tape, lora.cfg.rank
     eye = t.new(cols * cols, lora.read_bytes, "eye")
+    # each ``nn.Linear`` as ``HfLlama.linear`` runs it (under autocast the weight's cast, then the input's); the node's
+    # saves are packed before its output is made (``VariableType``: ``grad_fn->self_ = SavedVariable(...)`` before the
+    # kernel), so TRL's forward stash is trimmed first
     wa = model.weight(f"{name}.lora_A.weight")
-    wb = model.weight(f"{name}.lora_B.weight")
     with t.no_grad():  # the products' graph is followed by ``dead``: it never reaches the loss
         ein = model.input_cast(eye, "eye")
-        ya = ops.linear(t, ein, wa, cols * r, "eye_lora_A")
         dead.save(ein)  # mm saves the identity (its cast) for lora_A's weight gradient
+        ya = ops.linear(t, ein, wa, cols * r, "eye_lora_A")
         t.done(ein, wa)
-        yb = ops.linear(t, ya, wb, cols * rows, "eye_lora_B")
+    wb = model.weight(f"{name}.lora_B.weight")
+    with t.no_grad():
         dead.save(ops._transpose(wb))  # B.t() for the gradient of lora_A's output, then that output for B's
         dead.save(ya)
+        yb = ops.linear(t, ya, wb, cols * rows, "eye_lora_B")
         t.done(ya, wb)
         t.done(eye)  # get_lora_weight returns
         weight = ops.to(t, yb, itemsize, "lora_weight_cast")  # .to(x.dtype): under autocast bf16 -> fp32

@@ -422,11 +422,12 @@ def _dora_reason(model: ModelSpec, plan: Plan, runtime: str = "hf") -> str | Non
             "families: TRL's OffloadActivations under the Trainer, save_on_cpu around the hand loop)"
         )
     elif runtime == "hf" and plan.offload_activations != "none" and trainer_autocast(plan, runtime) and not inside:
-        why = (
-            "TRL's activation offload under the Trainer's autocast outside a non-reentrant checkpoint (lora_weight's "
-            "saves packed by TRL's hooks: the run 1,792 B above TRL's own figure with down_proj alone over a bf16 "
-            "base, 640 B with every linear; not found; with gradient checkpointing, use_reentrant false, followed)"
-        )
+        if plan.precision == "bf16" or plan.quant != "none":  # over an fp32 base (bf16-mixed) followed
+            why = (
+                "TRL's activation offload under the Trainer's autocast over a bf16 or quantized base outside a "
+                "non-reentrant checkpoint (TRL's own figure 640 B under the run with up_proj and down_proj over a bf16 "
+                "base, no address reused, the emulation equal; not found; with gradient checkpointing followed)"
+            )
     return None if why is None else f"PEFT's DoRA over {why}"
 
 
