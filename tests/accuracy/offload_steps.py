@@ -158,6 +158,10 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
         self._key_of: dict[int, tuple[int, torch.dtype]] = {}
         self._stash: dict[int, torch.Tensor] = {}  # forward stash (trl): id -> original
         self._back: dict[int, torch.Tensor] = {}  # backward stash (trl): id -> tensor brought back
+        # trl: the saves kept on the device, the tensors themselves in TRL's tracker until their unpack or the next
+        # step's __enter__ (``self.tracker.clear()``): a save nothing unpacks (DoRA's lora_weight graph, DeepSeek-V3's
+        # router) stays to the next step
+        self._kept: dict[int, torch.Tensor] = {}
         self._node = None
         self._next_id = 0
         self.paused = 0  # > 0 inside the LM head (trl's no-op hooks)
@@ -216,8 +220,11 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
             self._tracker.add(ident)
             key = self._dedup(t, ident)
             if key is None:
+                self._kept[ident] = t
                 return ident, t, None
         if self._keep(t):
+            if self.mode == "trl-like":
+                self._kept[ident] = t
             return ident, t, None
         if self.mode == "trl-like" and 0 in t.stride():  # TRL's has_broadcast: the storage alone, restrided back
             whole = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
@@ -247,6 +254,7 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(self, packed):
         ident, kept, host = packed
         if self.mode == "trl-like" and ident:
+            self._kept.pop(ident, None)
             self._untrack(ident)
             self._track_unpack(ident)
         if kept is not None:
@@ -305,6 +313,10 @@ class EmulatedOffload(torch.autograd.graph.saved_tensors_hooks):
             self._stash.clear()
 
         return hook
+
+    def __enter__(self) -> None:
+        self._kept.clear()  # TRL's __enter__ clears its tracker: the kept saves nothing unpacked go
+        super().__enter__()
 
     def end_of_step(self) -> None:
         """What TRL's end-of-backward callback does: the last node's tensors go; a new forward starts."""

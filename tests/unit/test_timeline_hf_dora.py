@@ -200,10 +200,13 @@ def test_dora_is_never_answered_as_lora() -> None:
     for plan, runtime, reason in [
         (dict(finetune="lora", quant="int8"), "hf", "LLM.int8"),
         (dict(finetune="lora"), "memplan", "--runtime hf or hf-loop alone"),
-        (dict(finetune="lora", offload_activations="cpu"), "hf", "activation offload"),
+        (dict(finetune="lora", offload_activations="cpu", dp=2), "hf", "activation offload over more than one rank"),
     ]:
         with pytest.raises(MemplanError) as err:
-            estimate("llama3-8b", {**plan, "lora_dora": True}, {"seq_len": 512}, runtime=runtime, device="cpu")
+            gpus = plan.get("dp", 1)
+            estimate(
+                "llama3-8b", {**plan, "lora_dora": True}, {"seq_len": 512}, runtime=runtime, device="cpu", gpus=gpus
+            )
         assert err.value.field == "plan.lora_dora" and reason in str(err.value) and "\n" not in str(err.value)
 
 

@@ -38,25 +38,32 @@ Over a 4-bit base (QDoRA) ``lora.bnb.Linear4bit.forward`` clones the base's resu
 dequantized in each forward (:func:`_dequantize`). Under the Trainer's FSDP2 the magnitude is one more parameter of
 its layer's group (``hf_fsdp.peft_shapes``) and ``W`` the group's unsharded weight. Over the MoE and MLA families the
 same adapters wrap the ``nn.Linear`` the LoRA runs follow (PEFT gives its ``ParamWrapper`` no DoRA). Not followed
-(``hf_support._dora_reason``): an LLM.int8 base (PEFT's own run fails on CPU), saved-tensor hooks (activation
-offload). Checked on CPU against the real Trainer and loop, to the byte: tests/unit/test_timeline_hf_dora.py,
-test_timeline_hf_dora_fsdp.py, test_timeline_hf_dora_moe.py.
+(``hf_support._dora_reason``): an LLM.int8 base (PEFT's own run fails on CPU), activation offload beyond one rank of
+the dense families, and TRL's under the Trainer's autocast over a bf16 or 4-bit base outside a non-reentrant
+checkpoint. Under saved-tensor hooks (TRL's ``OffloadActivations``, ``save_on_cpu``) every save above is packed as
+torch makes it, and ``lora_weight``'s dead graph's too (:class:`DeadSaves`). Checked on CPU against the real Trainer
+and loop, to the byte: tests/unit/test_timeline_hf_dora.py, test_timeline_hf_dora_fsdp.py,
+test_timeline_hf_dora_moe.py, test_timeline_hf_dora_offload.py.
 """
 
 from __future__ import annotations
 
 from memplan.costmodel.timeline import ops
+from memplan.costmodel.timeline.act_offload import Packed
 from memplan.costmodel.timeline.autograd import Tape, Tensor
 from memplan.costmodel.timeline.events import Category
 from memplan.costmodel.timeline.hf_bnb import BLOCK
+from memplan.costmodel.timeline.hf_offload import TrlPacked
 
 MAGNITUDE = "lora_magnitude_vector"  # PEFT's ModuleDict of DoraLinearLayer, its ``weight`` the magnitude
 
 
 class DeadSaves:
     """Saves of a graph that never reaches the loss (``lora_weight``'s, read detached). Outside a checkpoint
-    they are held until the graph goes (:meth:`release`). Inside a non-reentrant checkpoint each is packed
-    into a holder that nothing unpacks (``torch/utils/checkpoint.py`` ``_checkpoint_hook.pack_hook``): it
+    they are held until the graph goes (:meth:`release`); under saved-tensor hooks they are packed as any save and
+    never unpacked: ``save_on_cpu``'s host copies go with the graph, TRL's stay in its tracker (a kept save the
+    tensor itself, ``TrlOffload.orphans``) until the next step's ``__enter__``. Inside a non-reentrant checkpoint
+    each is packed into a holder that nothing unpacks (``torch/utils/checkpoint.py`` ``_checkpoint_hook.pack_hook``): it
     counts among the frame's saves, so the recompute's early stop comes after it, but the frame keeps no
     tensor for it and the backward unpacks none (it counts as unpacked at once). In the recompute its holder
     is dead (``_recomputation_hook.pack_hook``: ``holder is None``), so the frame stores nothing, but that
@@ -67,6 +74,7 @@ class DeadSaves:
         self.tape = tape
         self.graph = tape.grad_enabled  # made where the graph is (not under a reentrant checkpoint's no_grad)
         self.held: list[Tensor] = []
+        self.packed: list[Packed] = []  # host copies of the saves the hooks offloaded
 
     def save(self, t: Tensor) -> None:
         tape = self.tape
@@ -74,14 +82,29 @@ class DeadSaves:
             return
         if tape.recomputing and not t.st.managed:  # the recompute's pack returns the tensor: its graph holds it
             self.held.append(tape.alias(t))
-        if not tape.dead_save() and not t.st.managed:  # outside a checkpoint; a parameter's view holds nothing
-            self.held.append(tape.hold(t))
+        if tape.dead_save():
+            return
+        hooks = tape.hooks
+        if hooks is None:
+            if not t.st.managed:  # outside a checkpoint; a parameter's view holds nothing
+                self.held.append(tape.hold(t))
+            return
+        packed = hooks.pack(tape, t)  # outside a checkpoint the saved-tensor hooks pack it as any save
+        if packed is t:  # kept on the device by TRL's hooks (a parameter's view, under 1024 B, a key it holds)
+            if not t.st.managed:  # the hold pack took: TRL's tracker's, never unpacked, to the next step
+                hooks.orphans.append(t)
+        else:
+            self.packed.append(packed)
 
     def release(self) -> None:
         """The graph goes: each node its saves, then the node it points to (``lora_B``'s, then ``lora_A``'s)."""
         for t in reversed(self.held):
             self.tape.done(t)
         self.held = []
+        for packed in self.packed:
+            if not isinstance(packed, TrlPacked):
+                packed.hooks.release(packed)
+        self.packed = []
 
 
 def adapt(lora, model, x: Tensor, out: Tensor, name: str) -> Tensor:
@@ -160,16 +183,20 @@ def _lora_weight(lora, model, dead: DeadSaves, name: str, rows: int, cols: int, 
     Under autocast the weights' bf16 casts are autocast's cached ones (made here, the forward's first use)."""
     t, r = lora.tape, lora.cfg.rank
     eye = t.new(cols * cols, lora.read_bytes, "eye")
+    # each ``nn.Linear`` as ``HfLlama.linear`` runs it (under autocast the weight's cast, then the input's); the node's
+    # saves are packed before its output is made (``VariableType``: ``grad_fn->self_ = SavedVariable(...)`` before the
+    # kernel), so TRL's forward stash is trimmed first
     wa = model.weight(f"{name}.lora_A.weight")
-    wb = model.weight(f"{name}.lora_B.weight")
     with t.no_grad():  # the products' graph is followed by ``dead``: it never reaches the loss
         ein = model.input_cast(eye, "eye")
-        ya = ops.linear(t, ein, wa, cols * r, "eye_lora_A")
         dead.save(ein)  # mm saves the identity (its cast) for lora_A's weight gradient
+        ya = ops.linear(t, ein, wa, cols * r, "eye_lora_A")
         t.done(ein, wa)
-        yb = ops.linear(t, ya, wb, cols * rows, "eye_lora_B")
-        dead.save(wb)  # B.t() for the gradient of lora_A's output, then that output for B's
+    wb = model.weight(f"{name}.lora_B.weight")
+    with t.no_grad():
+        dead.save(ops._transpose(wb))  # B.t() for the gradient of lora_A's output, then that output for B's
         dead.save(ya)
+        yb = ops.linear(t, ya, wb, cols * rows, "eye_lora_B")
         t.done(ya, wb)
         t.done(eye)  # get_lora_weight returns
         weight = ops.to(t, yb, itemsize, "lora_weight_cast")  # .to(x.dtype): under autocast bf16 -> fp32

@@ -108,6 +108,9 @@ class TrlOffload:
         self.kept_id = 0  # the id of the save :meth:`pack` last kept on the device (0: the head's, none taken)
         self.first_forward = self.first_backward = True
         self.graph = 0
+        # kept saves never unpacked (a graph that dies in the forward: hf_dora.DeadSaves), the tensors themselves in
+        # TRL's tracker until the next step's ``__enter__`` clears it (:meth:`begin_step`)
+        self.orphans: list[Tensor] = []
 
     def _track(self, key: tuple, ident: int) -> None:
         self.seen[key] = ident
@@ -246,6 +249,13 @@ class TrlOffload:
         self.seen, self.key_of = {}, {}
         self.first_backward = True
 
+    def begin_step(self, tape: Tape) -> None:
+        """The next ``training_step``'s ``__enter__``: ``self.tracker.clear()`` lets go of the kept saves nothing
+        unpacked (:attr:`orphans`)."""
+        for t in self.orphans:
+            tape.drop(t)
+        self.orphans = []
+
     def reached(self) -> set[Node]:
         """The nodes TRL keeps alive after the backward: ``curr_autograd_node`` (the last node that unpacked an
         offloaded save, a Python reference TRL's ``unpack_tensor_with_streams`` rebinds only at the next
@@ -283,14 +293,15 @@ def orphaned(tape: Tape, t: Tensor) -> None:
     TRL's hooks outside a checkpoint it is packed as any save: an offloaded one's host copy stays in TRL's
     ``tracker`` (emptied by unpacks, and by the next step's ``__enter__``: :meth:`TrlOffload.end_of_step`) and
     its original enters the forward stash, and a later save of the same storage stays on the device (the
-    ``gather`` of the top-k's indices). A kept one goes with its node (the emulation's; TRL's tracker would hold
-    it: under 1024 bytes). Under ``save_on_cpu`` the host copy goes with the node, inside the router: left out."""
+    ``gather`` of the top-k's indices). A kept one (under 1024 bytes) is held by TRL's tracker, the tensor itself,
+    until the next step's ``__enter__`` (:meth:`TrlOffload.begin_step`; before 2026-11-29 it went with its node, as
+    the emulation had it). Under ``save_on_cpu`` the host copy goes with the node, inside the router: left out."""
     hooks = tape.hooks
     # under a reentrant checkpoint's no_grad forward there is no node: nothing saved (its re-run's are packed)
     if isinstance(hooks, TrlOffload) and tape.region is None and not tape.recomputing and tape.grad_enabled:
         packed = hooks.pack(tape, t)
         if packed is t and not t.st.managed:
-            tape.drop(t)  # the hold pack took
+            hooks.orphans.append(t)  # the hold pack took: TRL's tracker's until the next step (begin_step)
 
 
 @contextmanager

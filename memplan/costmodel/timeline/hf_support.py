@@ -113,7 +113,7 @@ from memplan.costmodel.lora import ALL_LINEAR, ATTENTION, LINEARS, MLA_ATTENTION
 from memplan.costmodel.quant import CudaArch, gemm_4bit_kernel
 from memplan.costmodel.timeline.support import sdpa_kernel
 from memplan.specs.model import ModelSpec
-from memplan.specs.plan import Plan, trainer_autocast
+from memplan.specs.plan import Plan, checkpoint_reentrant, trainer_autocast
 from memplan.specs.workload import TrainingWorkload
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
@@ -279,7 +279,7 @@ def hf_supported(
             or (model.architecture in MLA_FAMILIES and _mla_lora_ok(model, plan)),
             f"PEFT over the {model.architecture} family" + (_MOE_LORA if model.architecture in MOE_FAMILIES else ""),
         ),
-        (not plan.lora_dora or _dora_reason(model, plan) is None, lambda: _dora_reason(model, plan)),
+        (not plan.lora_dora or _dora_reason(model, plan, runtime) is None, lambda: _dora_reason(model, plan, runtime)),
         (set(plan.modules_to_save) <= set(SAVABLE), f"modules_to_save {list(plan.modules_to_save)}"),
         (not (model.tied_embeddings and "embed_tokens" in plan.modules_to_save), "a trained copy of tied embeddings"),
         # TRL's activation offload around the Trainer's training_step (hf_offload.py) is followed on CPU over
@@ -394,26 +394,40 @@ DORA_INT8 = (
 )
 
 
-def _dora_reason(model: ModelSpec, plan: Plan) -> str | None:
-    """What of a DoRA plan (``lora_dora``) the run does not follow, or None: it follows PEFT's DoRA adapters over
-    a 16-bit or 4-bit base of the dense families, on one rank, under DDP or under the Trainer's FSDP2 (the
-    magnitudes sharded and gathered with their layer's adapters, ``hf_fsdp.peft_shapes``), under the Trainer's
-    optimizers, with or without either of torch's checkpoints (``hf_dora.py``; tests/unit/test_timeline_hf_dora.py,
-    test_timeline_hf_dora_fsdp.py); over Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V2 or V3 wherever the LoRA run
-    follows the plan (a 4-bit base where :func:`_quant_moe_ok` takes it), on the ``nn.Linear`` adapters PEFT gives
-    DoRA (the frozen experts as under LoRA; tests/unit/test_timeline_hf_dora_moe.py). PEFT itself raises on DoRA
-    where it wraps parameters (Mixtral's and Qwen3-MoE's experts and routers; ``specs.job._param_wrapper_refused``
-    says so first). The phase model has no DoRA: what is named here is refused, never answered as plain LoRA
-    (``costmodel.reserve.run_only``)."""
+def _dora_reason(model: ModelSpec, plan: Plan, runtime: str = "hf") -> str | None:
+    """What of a DoRA plan (``lora_dora``) the run does not follow, or None: it follows PEFT's DoRA adapters over a
+    16-bit or 4-bit base of the dense families, on one rank, under DDP or under the Trainer's FSDP2 (the magnitudes
+    sharded and gathered with their layer's adapters, ``hf_fsdp.peft_shapes``), under the Trainer's optimizers, with
+    or without either of torch's checkpoints (``hf_dora.py``; tests/unit/test_timeline_hf_dora.py,
+    test_timeline_hf_dora_fsdp.py), and on one rank of the dense families with activation offload (TRL's
+    ``OffloadActivations`` under the Trainer, ``save_on_cpu`` around the hand loop: ``lora_weight``'s dead graph's
+    saves packed as any save, ``hf_dora.DeadSaves``; tests/unit/test_timeline_hf_dora_offload.py); over Mixtral,
+    Qwen3-MoE, Qwen2-MoE, DeepSeek-V2 or V3 wherever the LoRA run follows the plan (a 4-bit base where
+    :func:`_quant_moe_ok` takes it), on the ``nn.Linear`` adapters PEFT gives DoRA (the frozen experts as under
+    LoRA; tests/unit/test_timeline_hf_dora_moe.py). PEFT itself raises on DoRA where it wraps parameters (Mixtral's
+    and Qwen3-MoE's experts and routers; ``specs.job._param_wrapper_refused`` says so first). The phase model has no
+    DoRA: what is named here is refused, never answered as plain LoRA (``costmodel.reserve.run_only``).
+    """
     why = None
+    inside = plan.recompute == "full" and not checkpoint_reentrant(plan, runtime)  # the checkpoint's hooks innermost
     if model.architecture not in DORA_FAMILIES:
         why = f"the {model.architecture} family (followed over {', '.join(DORA_FAMILIES)})"
     elif plan.quant == "int8":
         why = DORA_INT8
     elif model.architecture in ("mixtral", "qwen3-moe") and set(plan.lora_targets) - set(ATTENTION):
         why = f"the experts and routers PEFT wraps in its ParamWrapper (PEFT 0.21.2 raises: {DORA_PARAM_WRAPPER})"
-    elif plan.offload_activations != "none":
-        why = "activation offload"
+    elif plan.offload_activations != "none" and (plan.dp > 1 or model.architecture not in DENSE_FAMILIES):
+        why = (
+            "activation offload over more than one rank or an MoE / MLA family (followed on one rank of the dense "
+            "families: TRL's OffloadActivations under the Trainer, save_on_cpu around the hand loop)"
+        )
+    elif runtime == "hf" and plan.offload_activations != "none" and trainer_autocast(plan, runtime) and not inside:
+        if plan.precision == "bf16" or plan.quant != "none":  # over an fp32 base (bf16-mixed) followed
+            why = (
+                "TRL's activation offload under the Trainer's autocast over a bf16 or quantized base outside a "
+                "non-reentrant checkpoint (TRL's own figure 640 B under the run with up_proj and down_proj over a bf16 "
+                "base, no address reused, the emulation equal; not found; with gradient checkpointing followed)"
+            )
     return None if why is None else f"PEFT's DoRA over {why}"
 
 

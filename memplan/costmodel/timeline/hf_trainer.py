@@ -407,6 +407,8 @@ class _HfRun:
         """``compute_loss`` (keeping the loss alone), ``accelerator.backward``, the loss checks;
         from the second micro-batch on ``AccumulateGrad`` adds each gradient into ``.grad``."""
         t = self.tape
+        if isinstance(self.saves, TrlOffload):  # TRL's __enter__: its tracker cleared
+            self.saves.begin_step(t)
         self.b.mark("phase:forward")
         cuda = self.model.kernel != "cpu_flash"
         if cuda and first:
