@@ -149,17 +149,10 @@ LOOP = [
 def test_peak_equals_the_hand_loops(case: PeftCase) -> None:
     """``--runtime hf-loop``: peft_steps' loop (AdamW over the adapters and magnitudes; ``peft_steps.build`` turns
     the checkpoint on), the model, its quantization state and the batch under ``StorageTracker``."""
-    import peft_steps
-    from storage_tracker import StorageTracker
+    from test_timeline_hf_loop import measure_peft
     from test_timeline_hf_quant_moe import predict
 
-    model, opt, ids = peft_steps._setup(case)
-    tracker = StorageTracker()
-    tracker.track_module(model)
-    tracker.track(*peft_steps.quant_state_tensors(model), ids)
-    with tracker:
-        peft_steps._steps(case, model, opt, ids, STEPS)
-    measured, predicted = tracker.peak, predict(case, "hf-loop")
+    measured, predicted = measure_peft(case), predict(case, "hf-loop")
     assert predicted == measured, f"{case.name}: {predicted:,} B predicted, {measured:,} B measured"
 
 
