@@ -28,11 +28,8 @@ import family_steps  # noqa: E402  (tests/accuracy, on sys.path by tests/conftes
 import hf_steps  # noqa: E402
 from peft_steps import PeftCase, plan_of  # noqa: E402
 
-from memplan.costmodel.timeline.hf_families import family_config  # noqa: E402
-from memplan.costmodel.timeline.hf_loop import hf_loop_run  # noqa: E402
 from memplan.costmodel.timeline.hf_lora import HfLoraConfig  # noqa: E402
 from memplan.costmodel.timeline.hf_support import hf_supported  # noqa: E402
-from memplan.costmodel.timeline.hf_trainer import hf_dims  # noqa: E402
 from memplan.specs.loader import load_model, model_from_data  # noqa: E402
 from memplan.specs.plan import Plan, checkpoint_reentrant  # noqa: E402
 from memplan.specs.workload import TrainingWorkload  # noqa: E402
@@ -131,23 +128,10 @@ def _plan(case) -> Plan:  # noqa: ANN001
 
 def _loop_peak(model, plan: Plan, workload: TrainingWorkload, lora: HfLoraConfig | None = None, quant=None) -> int:  # noqa: ANN001
     """The hand-written loop's run as ``hf_loop_plan_run`` composes it, on CPU (``quant``: the case's 4-bit base,
-    ``hf_predict.case_quant``)."""
-    timeline = hf_loop_run(
-        hf_dims(model, workload, plan, "hf-loop"),
-        model.tied_embeddings,
-        "cpu_flash",
-        steps=STEPS,
-        qkv_bias=model.qkv_bias,
-        window_layers=tuple(i for i, kind in enumerate(model.layer_attention_kinds) if kind == "sliding"),
-        arch=model.architecture,
-        extra=family_config(model, attention=plan.attention),
-        lora=lora,
-        quant=quant,
-        reentrant=checkpoint_reentrant(plan, "hf-loop"),  # PEFT's kbit preparation: the reentrant checkpoint
-        inplace_accumulate=False,
-        subclass_like=model.moe is not None,  # the tracker's dispatch mode (hf_moe_ops.zeros_then_put)
-    )
-    return timeline.peak()[0]
+    ``hf_predict.case_quant``; PEFT's kbit preparation: the reentrant checkpoint)."""
+    from test_timeline_hf_loop_families import _run
+
+    return _run(model, plan, workload, lora, quant=quant, reentrant=checkpoint_reentrant(plan, "hf-loop"))
 
 
 def predict(case) -> int:  # noqa: ANN001

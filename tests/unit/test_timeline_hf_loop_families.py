@@ -108,8 +108,8 @@ def _run(
     quant=None,
     reentrant: bool = False,
 ) -> int:
-    """The loop's run as ``hf_loop_plan_run`` composes it (the spec's sliding layers, the family; ``quant``: the
-    base's ``Bnb4bit``), on CPU."""
+    """The loop's run as ``hf_loop_plan_run`` composes it (the spec's sliding layers, the family and the plan's
+    attention; ``quant``: the base's ``Bnb4bit``), on CPU."""
     assert hf_supported(model, plan, workload, runtime="hf-loop", device="cpu") is None
     timeline = hf_loop_run(
         hf_dims(model, workload, plan, "hf-loop"),
@@ -119,7 +119,7 @@ def _run(
         qkv_bias=model.qkv_bias,
         window_layers=tuple(i for i, kind in enumerate(model.layer_attention_kinds) if kind == "sliding"),
         arch=model.architecture,
-        extra=family_config(model),
+        extra=family_config(model, attention=plan.attention),
         lora=lora,
         quant=quant,
         inplace_accumulate=False,
