@@ -137,19 +137,18 @@ def _mistral(cfg: Config) -> dict[str, Any]:
     fields = _llama_like(
         cfg, "mistral", qkv_bias=False, tied_default=False, kv_heads_default=8, positions_default=4096 * 32
     )
-    window = _window(cfg, 4096)
-    fields.update(attention_pattern=("sliding",) if window is not None else (), sliding_window=window)
+    fields.update(_window(cfg, 4096))
     return fields
 
 
-def _window(cfg: Config, default: int | None) -> int | None:
-    """Mistral's and Mixtral's ``sliding_window``: an integer or null, as their configs type it (``int | None``:
-    transformers 5.23's strict dataclass validation refuses a string or a bool); a window of 0 or less the
-    ModelSpec refuses (no key is seen)."""
+def _window(cfg: Config, default: int | None) -> dict[str, Any]:
+    """Mistral's and Mixtral's ``sliding_window`` as the spec's fields (one window on every layer, or none):
+    an integer or null, as their configs type it (``int | None``: transformers 5.23's strict dataclass validation
+    refuses a string or a bool); a window of 0 or less the ModelSpec refuses (no key is seen)."""
     window = cfg.get("sliding_window", default)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
         raise _bad("sliding_window", f"expected an integer number of keys or null, got {window!r}")
-    return window
+    return {"attention_pattern": ("sliding",) if window is not None else (), "sliding_window": window}
 
 
 def _qwen_sliding(cfg: Config, num_layers: int) -> dict[str, Any]:
@@ -178,8 +177,7 @@ def _mixtral(cfg: Config) -> dict[str, Any]:
     fields = _llama_like(
         cfg, "mixtral", qkv_bias=False, tied_default=False, kv_heads_default=8, positions_default=4096 * 32
     )
-    window = _window(cfg, None)
-    fields.update(attention_pattern=("sliding",) if window is not None else (), sliding_window=window)
+    fields.update(_window(cfg, None))
     fields["moe"] = MoESpec(
         num_experts=cfg.get("num_local_experts", 8),
         top_k=cfg.get("num_experts_per_tok", 2),
